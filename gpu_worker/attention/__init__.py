@@ -1,0 +1,1 @@
+"""Attention backends behind one interface (`AttentionBackend`); see base.py for the KV layout."""

@@ -1,0 +1,44 @@
+"""ForwardBatch: what the engine's scheduler hands the model runner for one step.
+
+There is no prefill or decode phase: each scheduled sequence contributes `query_len` new
+tokens (a prefill chunk or one decode token) that attend to everything before them.
+
+    sequence i, this step:
+    |<------------- context_len = computed_len + query_len ------------->|
+    |<---- computed_len (already in KV cache) ---->|<---- query_len ---->|
+                                                    ^ positions start here
+
+All tokens of all sequences are flattened into one ragged batch of T = sum(query_lens) rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor      # (T,) int64, new tokens of every sequence, concatenated
+    positions: torch.Tensor      # (T,) int64, absolute position of each new token
+    query_lens: torch.Tensor     # (B,) int32, new tokens per sequence this step
+    context_lens: torch.Tensor   # (B,) int32, KV length per sequence after this step
+    query_start_loc: torch.Tensor  # (B+1,) int32, prefix sums of query_lens
+    block_tables: torch.Tensor   # (B, max_blocks) int32, physical block ids, padded with 0
+    slot_mapping: torch.Tensor   # (T,) int64, cache slot (block * block_size + offset) per new token
+    logits_indices: torch.Tensor  # (S,) int64, rows of T whose logits are wanted (last token of
+                                  # each sequence that samples this step)
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.query_lens.shape[0])
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,47 @@
+"""What the engine returns from each step: one delta per sequence (sample) that made progress.
+
+The worker service forwards these deltas, one message per step, to the detokenizer; the
+offline `LLM` accumulates them into vLLM-shaped `RequestOutput`s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A single request is invalid (the message names the field); the engine keeps serving others."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) of the top-k alternatives, best first
+
+
+@dataclass
+class SequenceDelta:
+    request_id: str
+    index: int                      # sample index in [0, n)
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0      # prompt tokens served from the prefix cache (first delta onwards)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_cached_blocks: int          # unreferenced but reusable (evictable) blocks
+    num_total_blocks: int
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    extra: dict = field(default_factory=dict)

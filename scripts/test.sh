@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Runs the whole test suite on a fresh machine: venv, dependencies, Redis and helm come with it.
+# Extra arguments go to pytest, e.g. scripts/test.sh tests/gpu_worker -k parity
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$ROOT/scripts/bootstrap.sh"
+[ -f "$ROOT/scripts/install_helm.sh" ] && bash "$ROOT/scripts/install_helm.sh"
+export PATH="$ROOT/.venv/bin:$ROOT/.cache/bin:$PATH"
+export TRITON_INTERPRET=1   # Triton kernels run on the CPU through the interpreter
+cd "$ROOT"
+exec python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,1 @@
+"""What every kvmesh service shares: config, typed messages, transport, registry, metrics, CLI."""

@@ -1,0 +1,80 @@
+"""SamplingParams: one definition used by the offline API, the wire protocol and the engine.
+
+Field names follow vLLM's `SamplingParams` so users can switch without relearning.
+"""
+from __future__ import annotations
+
+import msgspec
+
+# Hard caps: every request field is bounded (security and KV-capacity reasons).
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEED = 2**63 - 1
+
+
+class SamplingParamsError(ValueError):
+    """A request's sampling parameters are invalid; the message names the field."""
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise SamplingParamsError naming the first invalid field."""
+        def bad(field: str, why: str) -> SamplingParamsError:
+            return SamplingParamsError(f"invalid {field}: {why}")
+
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be between 1 and {MAX_N}, got {self.n}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or (vocab_size is not None and self.top_k > vocab_size):
+            raise bad("top_k", f"must be -1, 0 (disabled) or in [1, vocab size], got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {value}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise bad("seed", f"must be in [0, 2**63-1], got {self.seed}")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s or len(s) > MAX_STOP_STRING_LEN for s in self.stop):
+            raise bad("stop", f"each stop string must have 1 to {MAX_STOP_STRING_LEN} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"ids must be in [0, {vocab_size})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
