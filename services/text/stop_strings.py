@@ -1,0 +1,73 @@
+"""Stop strings over streamed text, without ever leaking the stop text.
+
+Text arrives in pieces (detokenizer deltas). A stop string may span pieces, so the tail of
+the text that could still be the start of a stop string is held back until the next piece
+shows whether it is:
+
+    pending = held + piece:   "Hello wor" + "ld<|e"      stop = ["<|end|>"]
+                                                 ^^^ held: "<|e" is a prefix of "<|end|>"
+    emitted: "Hello world"
+
+On a match, the text before the earliest stop string is emitted and the matcher is finished.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+
+class StopResult(NamedTuple):
+    emit: str
+    """Text that is now safe to send."""
+    stopped: bool
+    """A stop string matched: `emit` ends right before it and the request should finish."""
+
+
+class StopStringMatcher:
+    """`push(text) -> StopResult`; `flush()` returns the held-back tail at a natural end."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = tuple(dict.fromkeys(s for s in stop if s))  # ignore empties, keep order
+        self._max_hold = max((len(s) for s in self.stop), default=1) - 1
+        self._held = ""
+        self.matched: str | None = None
+        """The stop string that matched (for finish_reason / stop_reason), or None."""
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
+
+    def push(self, text: str) -> StopResult:
+        if self.matched is not None:
+            return StopResult("", True)
+        if not self.stop:
+            return StopResult(text, False)
+        pending = self._held + text
+        hit = self._earliest_match(pending)
+        if hit is not None:
+            index, stop = hit
+            self.matched, self._held = stop, ""
+            return StopResult(pending[:index], True)
+        keep = self._partial_suffix_len(pending)
+        self._held = pending[len(pending) - keep:] if keep else ""
+        return StopResult(pending[:len(pending) - keep], False)
+
+    def flush(self) -> str:
+        """The held-back text, at a natural end (eos, length): it turned out not to be a stop."""
+        held, self._held = self._held, ""
+        return "" if self.matched is not None else held
+
+    def _earliest_match(self, text: str) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            i = text.find(stop)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        return best
+
+    def _partial_suffix_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        for k in range(min(self._max_hold, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(stop.startswith(tail) for stop in self.stop):
+                return k
+        return 0

@@ -1,0 +1,78 @@
+"""Stop strings: never leak stop text, match across chunks, keep text that only looked like a stop."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.text.stop_strings import StopResult, StopStringMatcher
+
+
+def run(stop, chunks):
+    m = StopStringMatcher(stop)
+    out = []
+    for c in chunks:
+        emit, stopped = m.push(c)
+        out.append(emit)
+        if stopped:
+            return "".join(out), True, m.matched
+    return "".join(out) + m.flush(), False, None
+
+
+def reference(stop, text):
+    hits = [(text.find(s), s) for s in stop if s and s in text]
+    if not hits:
+        return text, False
+    i, _ = min(hits)
+    return text[:i], True
+
+
+def test_basic_and_across_chunks():
+    assert run(["<|end|>"], ["Hello wor", "ld<|e", "nd|> tail"]) == ("Hello world", True, "<|end|>")
+    assert run(["STOP"], ["S", "T", "O", "P"]) == ("", True, "STOP")
+    assert run(["STOP"], ["aST", "OX", "b"]) == ("aSTOXb", False, None)
+
+
+def test_nothing_leaks_while_held():
+    m = StopStringMatcher(["</answer>"])
+    assert m.push("result</ans") == StopResult("result", False)
+    assert m.push("wer") == StopResult("", False)
+    assert m.push(">more") == StopResult("", True)
+    assert m.push("after") == StopResult("", True)  # finished: nothing more comes out
+    assert m.flush() == ""
+
+
+def test_stop_at_very_start():
+    assert run(["###"], ["###", "x"]) == ("", True, "###")
+    assert run(["\n"], ["\nabc"]) == ("", True, "\n")
+
+
+def test_multiple_and_overlapping_stops():
+    assert run(["abcd", "bc"], ["a", "bcd"]) == ("", True, "abcd")  # earliest position wins
+    assert run(["bcd", "ab"], ["xa", "bcd"]) == ("x", True, "ab")
+    assert run(["aab", "ab"], ["a", "a", "a", "b"]) == ("a", True, "aab")
+    assert run(["aaab"], ["aa", "aa", "b"]) == ("a", True, "aaab")  # prefix re-aligns after a near miss
+    assert run(["xyz", "yq"], ["xy", "q"]) == ("x", True, "yq")
+
+
+def test_flush_returns_false_alarm():
+    assert run(["<|im_end|>"], ["text <|im", "_"]) == ("text <|im_", False, None)
+
+
+def test_no_stop_strings_passes_through():
+    m = StopStringMatcher([])
+    assert m.push("abc") == StopResult("abc", False)
+    assert StopStringMatcher(["", "x"]).stop == ("x",)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_against_reference(seed):
+    rng = random.Random(seed)
+    alphabet = "ab<|>é😀"
+    for _ in range(400):
+        stop = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+        chunks = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+        emitted, stopped, _ = run(stop, chunks)
+        assert (emitted, stopped) == reference(stop, text), (stop, chunks)
