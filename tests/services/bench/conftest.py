@@ -1,0 +1,82 @@
+"""Fixtures: scripted mock OpenAI servers in subprocesses (so their timing is not disturbed by the
+client's event loop), and a tiny BPE tokenizer directory."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MockServers:
+    """Starts one mock server per distinct argument list, on first use; stops them at the end."""
+
+    def __init__(self):
+        self.procs: dict[tuple, tuple[subprocess.Popen, str]] = {}
+
+    def get(self, *args: str) -> str:
+        if args not in self.procs:
+            port = _free_port()
+            proc = subprocess.Popen([sys.executable, "-m", "services.bench.mock_server", "--port", str(port), *args],
+                                    cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    env={**os.environ, "PYTHONPATH": str(REPO)})
+            url = f"http://127.0.0.1:{port}"
+            self.procs[args] = (proc, url)
+            _wait_ready(proc, url)
+        return self.procs[args][1]
+
+    def close(self):
+        for proc, _ in self.procs.values():
+            proc.terminate()
+        for proc, _ in self.procs.values():
+            proc.wait(timeout=10)
+
+
+def _wait_ready(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mock server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=1.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("mock server did not start within 30 s")
+
+
+@pytest.fixture(scope="session")
+def mock_servers():
+    servers = MockServers()
+    yield servers
+    servers.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory) -> str:
+    """A byte-level BPE tokenizer trained in milliseconds; written as <dir>/tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world this is a tokenizer test sentence"] * 50
+    tok.train_from_iterator(corpus, trainer)
+    path = tmp_path_factory.mktemp("tok")
+    tok.save(str(path / "tokenizer.json"))
+    return str(path)

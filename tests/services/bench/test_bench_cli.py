@@ -1,0 +1,81 @@
+"""`kvmesh bench serve` end to end: sweeps, JSON keys, plots, flag errors."""
+import json
+
+import pytest
+
+from services.bench.cli import main
+from services.cli import main as kvmesh_main
+
+VLLM_KEYS = {"duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput",
+             "output_throughput", "total_token_throughput", "request_goodput", "ttfts", "itls", "input_lens",
+             "output_lens", "errors", "generated_texts"} | {
+    f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_writes_one_result_per_rate_and_plots(mock_servers, tmp_path, capsys):
+    url = mock_servers.get("--ttft-ms", "20", "--itl-ms", "5")
+    rc = kvmesh_main(["bench", "serve", "--base-url", url, "--num-prompts", "6", "--random-input-len", "30",
+                      "--random-output-len", "4", "--request-rate", "20,inf", "--max-concurrency", "3",
+                      "--goodput", "ttft:500", "tpot:100", "--metric-percentiles", "50,90,99",
+                      "--save-result", "--result-dir", str(tmp_path), "--result-filename", "run.json",
+                      "--disable-tqdm", "--num-warmups", "2"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert printed.count("Serving Benchmark Result") == 2 and "P90 TTFT (ms):" in printed
+    assert "Sweep summary" in printed
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert "run-20qps.json" in files and "run-infqps.json" in files
+    for rate, name in (("20", "run-20qps.json"), ("inf", "run-infqps.json")):
+        result = json.loads((tmp_path / name).read_text())
+        assert VLLM_KEYS <= result.keys()
+        assert result["completed"] == 6 and len(result["ttfts"]) == 6 and result["errors"] == [""] * 6
+        assert result["total_output_tokens"] == 24 and result["model_id"] == "mock-model"
+        assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+        assert result["request_rate"] == (20.0 if rate == "20" else "inf")
+        assert "p50_ttft_ms" in result and "p90_itl_ms" in result
+    pngs = [p for p in tmp_path.iterdir() if p.suffix == ".png"]
+    assert {p.name for p in pngs} >= {"run-20qps-latency-cdf.png", "run-20qps-throughput.png",
+                                      "run-infqps-latency-cdf.png", "run-sweep.png"}
+    assert all(p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000 for p in pngs)
+
+
+def test_chat_backend_with_default_model_and_api_key(mock_servers, tmp_path, capsys):
+    url = mock_servers.get("--ttft-ms", "10", "--itl-ms", "2", "--api-key", "sekret")
+    args = ["bench", "serve", "--base-url", url + "/v1", "--backend", "openai-chat", "--dataset-name",
+            "sharegpt-synthetic", "--num-prompts", "4", "--disable-tqdm", "--no-plots", "--save-result",
+            "--result-dir", str(tmp_path), "--api-key", "sekret", "--extra-body", '{"max_tokens": 3}']
+    assert kvmesh_main(args) == 0
+    (path,) = tmp_path.glob("openai-chat-infqps-mock-model-*.json")
+    result = json.loads(path.read_text())
+    assert result["completed"] == 4 and result["total_output_tokens"] == 12
+    assert kvmesh_main(args[:-4] + ["--api-key", "wrong"]) == 0
+    assert "HTTP 401:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--request-rate", "fast"], "--request-rate"),
+    (["--random-range-ratio", "1.5"], "--random-range-ratio"),
+    (["--goodput", "foo:1"], "--goodput"),
+    (["--metric-percentiles", "120"], "--metric-percentiles"),
+    (["--percentile-metrics", "ttft,xyz"], "--percentile-metrics"),
+    (["--dataset-name", "nope"], "--dataset-name"),
+    (["--num-prompts", "many"], "--num-prompts"),
+    (["--dataset-name", "multi-turn", "--backend", "openai"], "multi-turn"),
+    (["--prompt-token-ids"], "--prompt-token-ids"),
+    (["--duration", "5"], "--duration"),
+    (["--max-concurrency", "0"], "--max-concurrency"),
+    (["--endpoint", "/v1/chat/completions", "--backend", "openai"], "--endpoint"),
+    (["--bogus-flag"], "--bogus-flag"),
+])
+def test_bad_flags_are_argparse_errors_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model", "m", *argv])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_missing_dataset_file_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "m", "--dataset-name", "sharegpt"])
+    assert "--dataset-path" in capsys.readouterr().err
