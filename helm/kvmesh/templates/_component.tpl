@@ -1,0 +1,373 @@
+{{/*
+One kvmesh service = Deployment + Service (+ PodDisruptionBudget, + HorizontalPodAutoscaler).
+Every component template calls these with a context dict:
+
+  root       the chart root context ($)
+  component  name suffix and app.kubernetes.io/component label: gateway, tokenizer, decode, ...
+  service    the `kvmesh <service>` subcommand: gateway | tokenizer | scheduler | prefix-cache | worker
+  values     the component's values (for worker pools: `worker` merged with the pool)
+  http       true for the HTTP gateway (HTTP probes on /health and /ready), false for gRPC services
+  model      true to mount the model volume (tokenizer and workers)
+  role       worker role (prefill | decode | mixed), empty for other services
+*/}}
+
+{{- define "kvmesh.deployment" -}}
+{{- $root := .root }}
+{{- $v := .values }}
+{{- $portName := ternary "http" "grpc" .http }}
+{{- $autoscaled := and $v.autoscaling (dig "enabled" false $v.autoscaling) }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "kvmesh.componentName" . }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "kvmesh.componentLabels" . | nindent 4 }}
+    {{- if .role }}
+    kvmesh.io/worker-role: {{ .role }}
+    {{- end }}
+spec:
+  {{- if not $autoscaled }}
+  replicas: {{ $v.replicas }}
+  {{- end }}
+  revisionHistoryLimit: 5
+  {{- with $v.strategy }}
+  strategy:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "kvmesh.componentSelectorLabels" . | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "kvmesh.componentLabels" . | nindent 8 }}
+        {{- if .role }}
+        kvmesh.io/worker-role: {{ .role }}
+        {{- end }}
+        {{- with (merge (dict) $v.podLabels $root.Values.podLabels) }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      annotations:
+        checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+        {{- with (merge (dict) $v.podAnnotations $root.Values.podAnnotations) }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      serviceAccountName: {{ include "kvmesh.serviceAccountName" $root }}
+      automountServiceAccountToken: {{ $root.Values.serviceAccount.automountServiceAccountToken }}
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      {{- with $v.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
+      {{- with $v.runtimeClassName }}
+      runtimeClassName: {{ . }}
+      {{- end }}
+      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      {{- if and .model $root.Values.model.init.enabled }}
+      initContainers:
+        {{- include "kvmesh.modelInitContainer" $root | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ .service }}
+          image: {{ include "kvmesh.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: ["kvmesh", {{ .service | quote }}]
+          {{- with $v.extraArgs }}
+          args:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          ports:
+            - name: {{ $portName }}
+              containerPort: {{ $v.port }}
+              protocol: TCP
+            {{- if not .http }}
+            - name: metrics
+              containerPort: {{ $root.Values.metrics.port }}
+              protocol: TCP
+            {{- end }}
+            {{- if not (kindIs "invalid" $v.zmqPort) }}
+            - name: zmq
+              containerPort: {{ $v.zmqPort }}
+              protocol: TCP
+            {{- end }}
+            {{- range $v.extraPorts }}
+            - name: {{ .name }}
+              containerPort: {{ .port }}
+              protocol: {{ default "TCP" .protocol }}
+            {{- end }}
+          envFrom:
+            - configMapRef:
+                name: {{ include "kvmesh.fullname" $root }}-config
+          env:
+            - name: POD_NAME
+              valueFrom:
+                fieldRef:
+                  fieldPath: metadata.name
+            - name: POD_NAMESPACE
+              valueFrom:
+                fieldRef:
+                  fieldPath: metadata.namespace
+            - name: POD_IP
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            - name: KVMESH_HOST
+              value: {{ default "$(POD_IP)" $v.host | quote }}
+            - name: KVMESH_ADVERTISE_HOST
+              value: "$(POD_IP)"
+            - name: KVMESH_PORT
+              value: {{ $v.port | quote }}
+            {{- include "kvmesh.redisEnv" $root | nindent 12 }}
+            {{- if .http }}
+            {{- include "kvmesh.apiKeyEnv" $root | nindent 12 }}
+            {{- end }}
+            {{- if not (kindIs "invalid" $v.zmqPort) }}
+            - name: KVMESH_ZMQ_PORT
+              value: {{ $v.zmqPort | quote }}
+            {{- end }}
+            {{- if .role }}
+            - name: KVMESH_ROLE
+              value: {{ .role | quote }}
+            - name: KVMESH_WORKER_ID
+              value: "$(POD_NAME)"
+            - name: KVMESH_DEVICE
+              value: {{ $v.device | quote }}
+            {{- end }}
+            {{- include "kvmesh.configEnv" $v.config | nindent 12 }}
+            {{- with $v.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          {{- include "kvmesh.probes" (dict "v" $v "http" .http) | nindent 10 }}
+          {{- with $v.lifecycle }}
+          lifecycle:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          {{- $res := deepCopy (default (dict) $v.resources) }}
+          {{- if and .role (gt (int $v.gpus) 0) }}
+          {{- $gpu := dict $v.gpuResourceName (int $v.gpus) }}
+          {{- $_ := set $res "limits" (merge (deepCopy $gpu) (default (dict) $res.limits)) }}
+          {{- $_ := set $res "requests" (merge (deepCopy $gpu) (default (dict) $res.requests)) }}
+          {{- end }}
+          {{- with $res }}
+          resources:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+            {{- if .model }}
+            - name: model
+              mountPath: {{ $root.Values.model.volume.mountPath }}
+              readOnly: true
+            {{- end }}
+            {{- if .role }}
+            - name: dshm
+              mountPath: /dev/shm
+            {{- end }}
+            {{- with $v.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+      volumes:
+        - name: tmp
+          emptyDir:
+            sizeLimit: {{ $root.Values.tmpSizeLimit }}
+        {{- if .model }}
+        {{- include "kvmesh.modelVolume" $root | nindent 8 }}
+        {{- end }}
+        {{- if .role }}
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $v.shmSizeLimit }}
+        {{- end }}
+        {{- with $v.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $v.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end }}
+
+{{/*
+Probes. The gateway answers HTTP /health (alive) and /ready (can take traffic); every other
+service serves the standard grpc.health.v1 service on its gRPC port, probed natively by the
+kubelet (`grpc:` probes) against the server's overall status (service name ""), which a service
+reports NOT_SERVING until it has loaded and while it drains.
+*/}}
+{{- define "kvmesh.probes" -}}
+{{- $v := .v }}
+{{- if .http }}
+startupProbe:
+  httpGet:
+    path: /health
+    port: http
+  {{- toYaml $v.startupProbe | nindent 2 }}
+livenessProbe:
+  httpGet:
+    path: /health
+    port: http
+  {{- toYaml $v.livenessProbe | nindent 2 }}
+readinessProbe:
+  httpGet:
+    path: /ready
+    port: http
+  {{- toYaml $v.readinessProbe | nindent 2 }}
+{{- else }}
+startupProbe:
+  grpc:
+    port: {{ $v.port }}
+  {{- toYaml $v.startupProbe | nindent 2 }}
+livenessProbe:
+  grpc:
+    port: {{ $v.port }}
+  {{- toYaml $v.livenessProbe | nindent 2 }}
+readinessProbe:
+  grpc:
+    port: {{ $v.port }}
+  {{- toYaml $v.readinessProbe | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "kvmesh.service" -}}
+{{- $root := .root }}
+{{- $v := .values }}
+{{- $portName := ternary "http" "grpc" .http }}
+{{- $svc := default (dict) $v.service }}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "kvmesh.componentName" . }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "kvmesh.componentLabels" . | nindent 4 }}
+  {{- with $svc.annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  {{- if .role }}
+  # Workers are addressed one by one (the scheduler routes to a chosen pod), so no virtual IP.
+  clusterIP: None
+  {{- else }}
+  type: {{ default "ClusterIP" $svc.type }}
+  {{- if and (eq (default "ClusterIP" $svc.type) "LoadBalancer") $svc.loadBalancerSourceRanges }}
+  loadBalancerSourceRanges:
+    {{- toYaml $svc.loadBalancerSourceRanges | nindent 4 }}
+  {{- end }}
+  {{- end }}
+  ports:
+    - name: {{ $portName }}
+      port: {{ default $v.port $svc.port }}
+      targetPort: {{ $portName }}
+      protocol: TCP
+      {{- if .http }}
+      appProtocol: http
+      {{- else }}
+      appProtocol: kubernetes.io/h2c
+      {{- end }}
+      {{- if and $svc.nodePort (has $svc.type (list "NodePort" "LoadBalancer")) }}
+      nodePort: {{ $svc.nodePort }}
+      {{- end }}
+    {{- if not .http }}
+    - name: metrics
+      port: {{ $root.Values.metrics.port }}
+      targetPort: metrics
+      protocol: TCP
+    {{- end }}
+    {{- if not (kindIs "invalid" $v.zmqPort) }}
+    - name: zmq
+      port: {{ $v.zmqPort }}
+      targetPort: zmq
+      protocol: TCP
+    {{- end }}
+    {{- range $v.extraPorts }}
+    - name: {{ .name }}
+      port: {{ .port }}
+      targetPort: {{ .name }}
+      protocol: {{ default "TCP" .protocol }}
+    {{- end }}
+  selector:
+    {{- include "kvmesh.componentSelectorLabels" . | nindent 4 }}
+{{- end }}
+
+{{- define "kvmesh.pdb" -}}
+{{- $pdb := default (dict) .values.podDisruptionBudget }}
+{{- if $pdb.enabled }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "kvmesh.componentName" . }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "kvmesh.componentLabels" . | nindent 4 }}
+spec:
+  maxUnavailable: {{ $pdb.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "kvmesh.componentSelectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{- define "kvmesh.hpa" -}}
+{{- $hpa := default (dict) .values.autoscaling }}
+{{- if $hpa.enabled }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "kvmesh.componentName" . }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "kvmesh.componentLabels" . | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "kvmesh.componentName" . }}
+  minReplicas: {{ $hpa.minReplicas }}
+  maxReplicas: {{ $hpa.maxReplicas }}
+  metrics:
+    {{- toYaml $hpa.metrics | nindent 4 }}
+  {{- with $hpa.behavior }}
+  behavior:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Everything for one component, separated by `---`.
+*/}}
+{{- define "kvmesh.component" -}}
+{{ include "kvmesh.deployment" . }}
+---
+{{ include "kvmesh.service" . }}
+{{- with (include "kvmesh.pdb" .) }}
+---
+{{ . }}
+{{- end }}
+{{- with (include "kvmesh.hpa" .) }}
+---
+{{ . }}
+{{- end }}
+{{- end }}

