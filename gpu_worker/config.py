@@ -1,0 +1,88 @@
+"""EngineConfig: every knob of one engine, named as in vLLM so users need not relearn them.
+
+Each field's comment is its `--help` text. `EngineConfig.from_kwargs` rejects unknown names;
+`Engine` resolves the "auto"/None fields against the model and the device (see `resolved`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
+_DEVICES = ("auto", "cpu", "cuda")
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """Path of a Hugging Face model directory (config.json, *.safetensors, tokenizer files)."""
+    max_num_seqs: int = 256
+    """Most sequences (samples) in one step's batch."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens (decode tokens + prefill chunks) in one step's batch."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) in tokens; default: the model's
+    max_position_embeddings, capped by the KV-cache capacity (and by max_num_batched_tokens when
+    chunked prefill is off)."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes (same model, same cache_salt)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts into chunks that share steps with running decodes."""
+    num_gpu_blocks: int | None = None
+    """KV-cache blocks to allocate; default: profiled from free GPU memory, or a CPU budget."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights + activations + KV cache)."""
+    dtype: str = "auto"
+    """Weights/activations dtype: auto (the model's dtype on GPU, fp32 on CPU; fp32 models run
+    in bf16 on GPU), float32, float16, bfloat16."""
+    device: str = "auto"
+    """cuda, cpu or auto (cuda when available)."""
+    seed: int = 0
+    """Engine seed: weights init of random layers and the seed of requests that give none."""
+    attention_backend: str = "auto"
+    """torch (reference, any device), triton (GPU), or auto (triton on GPU when available)."""
+    max_n: int = 16
+    """Largest n (samples per request) accepted."""
+    model_id: str | None = None
+    """Identity mixed into prefix-cache block hashes (default: the model directory's name)."""
+    cpu_kv_cache_bytes: int = 1 << 30
+    """CPU only, when num_gpu_blocks is not given: most bytes the KV cache may take."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"invalid engine argument {name}: {why}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_n"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise bad("num_gpu_blocks", f"must be at least 1, got {self.num_gpu_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in _DTYPES:
+            raise bad("dtype", f"must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in _DEVICES and not self.device.startswith("cuda:"):
+            raise bad("device", f"must be one of {', '.join(_DEVICES)} or cuda:N, got {self.device!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise bad("attention_backend", f"must be one of {', '.join(_BACKENDS)}, got {self.attention_backend!r}")
+        if self.cpu_kv_cache_bytes < 1:
+            raise bad("cpu_kv_cache_bytes", "must be positive")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Like the constructor, but an unknown argument raises a TypeError that lists the valid ones."""
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s): {', '.join(unknown)}; "
+                f"valid ones are: {', '.join(cls.field_names())}")
+        return cls(**kwargs)

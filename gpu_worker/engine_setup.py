@@ -1,0 +1,118 @@
+"""Resolves an EngineConfig's "auto"/None fields against the model and the machine, and loads
+the model runner and its KV cache.
+
+    device      auto -> cuda when available, else cpu
+    dtype       auto -> fp32 on CPU; on GPU the checkpoint's dtype, fp32 checkpoints in bf16
+    backend     auto -> triton on GPU when its backend module exists, else torch
+    num_blocks  num_gpu_blocks, else profiled from GPU memory, else (CPU) enough for
+                max_num_seqs full-length sequences within cpu_kv_cache_bytes
+    max_model_len  the model's max_position_embeddings, capped by KV capacity (and by
+                max_num_batched_tokens without chunked prefill); a larger explicit value errors
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_worker.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    model_config: Any
+    runner: Any
+    device: torch.device
+    dtype: torch.dtype
+    attention_backend: str
+    model_id: str
+    num_blocks: int
+    max_model_len: int
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"invalid engine argument device: {config.device!r} but no CUDA GPU is visible; use device='cpu'")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    dtype = _DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.bfloat16)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+def resolve_backend(config: EngineConfig, device: torch.device) -> str:
+    if config.attention_backend != "auto":
+        if config.attention_backend == "triton" and device.type != "cuda":
+            raise ValueError("invalid engine argument attention_backend: 'triton' needs a CUDA device; use 'torch'")
+        return config.attention_backend
+    if device.type == "cuda" and importlib.util.find_spec("gpu_worker.attention.triton_backend"):
+        return "triton"
+    return "torch"
+
+
+def resolve_setup(config: EngineConfig, *, runner: Any = None, model_config: Any = None) -> EngineSetup:
+    device = resolve_device(config)
+    if runner is None:
+        from gpu_worker.model_config import ModelConfig
+        from gpu_worker.model_runner import ModelRunner
+        model_config = ModelConfig.from_dir(config.model)
+        dtype = resolve_dtype(config, device, model_config.torch_dtype)
+        backend = resolve_backend(config, device)
+        runner = ModelRunner(model_config, config.model, device=str(device), dtype=dtype,
+                             attention_backend=backend, seed=config.seed)
+    else:
+        assert model_config is not None, "a given runner needs its model_config"
+        dtype = resolve_dtype(config, device, getattr(model_config, "torch_dtype", "float32"))
+        backend = resolve_backend(config, device)
+    model_id = config.model_id or Path(config.model).resolve().name or str(config.model)
+
+    model_max = int(model_config.max_position_embeddings)
+    wanted_len = config.max_model_len or model_max
+    if wanted_len > model_max:
+        raise ValueError(f"invalid engine argument max_model_len: {wanted_len} exceeds the model's "
+                         f"max_position_embeddings ({model_max})")
+    if not config.enable_chunked_prefill:
+        wanted_len = _cap(config, wanted_len, config.max_num_batched_tokens,
+                          "max_num_batched_tokens (chunked prefill is off, so a prompt must fit in one step)")
+    num_blocks = _num_blocks(config, runner, device, wanted_len)
+    max_model_len = _cap(config, wanted_len, num_blocks * config.block_size,
+                         f"the KV cache capacity ({num_blocks} blocks x {config.block_size} tokens)")
+    runner.allocate_kv_cache(num_blocks, config.block_size)
+    return EngineSetup(model_config, runner, device, dtype, backend, model_id, num_blocks, max_model_len)
+
+
+def _cap(config: EngineConfig, length: int, limit: int, what: str) -> int:
+    if length <= limit:
+        return length
+    if config.max_model_len is not None:
+        raise ValueError(f"invalid engine argument max_model_len: {length} does not fit {what}; "
+                         f"lower max_model_len or raise the limit")
+    log.info("max_model_len capped to %d by %s", limit, what)
+    return limit
+
+
+def _num_blocks(config: EngineConfig, runner: Any, device: torch.device, max_len: int) -> int:
+    if config.num_gpu_blocks is not None:
+        return config.num_gpu_blocks
+    if device.type == "cuda":
+        return int(runner.profile_num_blocks(config.block_size, config.gpu_memory_utilization))
+    per_seq = -(-max_len // config.block_size)
+    budget = max(1, config.cpu_kv_cache_bytes // max(1, int(runner.block_size_bytes(config.block_size))))
+    return max(1, min(config.max_num_seqs * per_seq, budget))

@@ -1,0 +1,174 @@
+"""The iteration-level scheduler: which sequences compute how many tokens this step.
+
+The one invariant: there is no prefill or decode phase. Every sequence has num_computed_tokens
+catching up to num_tokens (= prompt + generated); each step gives it up to that many new
+tokens (a whole prompt, a prefill chunk, or the one token sampled last step) within the step's
+token and sequence budgets. A sequence samples when it has caught up.
+
+Order is (priority, arrival, sample index), smallest first. Running sequences go first, in
+that order; when the block pool runs dry the LAST running sequence (lowest priority, latest
+arrival) is preempted: its blocks are freed and it goes back to the waiting queue with its
+generated tokens, to be recomputed later (prefix-cache hits make that cheap). Waiting
+sequences are admitted in order, head of line first, only in steps where no running sequence
+ran out of blocks; a waiting sequence that ranks before the last running one may preempt it
+to get blocks (priority scheduling).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from gpu_worker.block_manager import BlockCopy, BlockManager
+from gpu_worker.sequence import Request, Sequence, SequenceStatus
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its last logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[BlockCopy] = field(default_factory=list)     # copy-on-write, before the forward
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def _seq_slots(seq: Sequence) -> int:
+    """Batch slots a running sequence holds: an unforked request reserves room for all n samples."""
+    return seq.request.n if seq.request.needs_fork else 1
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Sequence] = []   # sorted by sort_key, hold no blocks
+        self.running: list[Sequence] = []   # sorted by sort_key, hold blocks
+        self.num_preemptions = 0
+
+    # ---- the loop ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        token_budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, token_budget)
+        return out
+
+    def _chunk(self, seq: Sequence, num_tokens: int, token_budget: int) -> int:
+        """Tokens seq computes this step: all of num_tokens, a chunk of it, or 0 (does not fit)."""
+        if self.enable_chunked_prefill:
+            return min(num_tokens, token_budget)
+        return num_tokens if num_tokens <= token_budget else 0
+
+    def _schedule_running(self, out: SchedulerOutput, token_budget: int) -> int:
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            seq = self.running[i]
+            num_new = self._chunk(seq, seq.num_new_tokens, token_budget)
+            if num_new == 0:
+                i += 1
+                continue
+            copies = self.block_manager.allocate_slots(seq, num_new)
+            while copies is None and self.running[-1] is not seq:
+                self._preempt(self.running[-1], out)
+                copies = self.block_manager.allocate_slots(seq, num_new)
+            if copies is None:           # seq itself is the lowest-priority sequence left
+                self._preempt(seq, out)
+                break
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.copies.extend(copies)
+            token_budget -= num_new
+            i += 1
+        return token_budget
+
+    def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
+        bm = self.block_manager
+        slots = sum(_seq_slots(s) for s in self.running)
+        while self.waiting and token_budget > 0:
+            seq = self.waiting[0]
+            if slots + _seq_slots(seq) > self.max_num_seqs or seq in out.preempted:
+                break
+            hits = bm.lookup_prefix(seq)
+            num_new = self._chunk(seq, seq.num_tokens - len(hits) * bm.block_size, token_budget)
+            if num_new == 0:
+                break
+            while not bm.allocate_prefill(seq, hits, num_new):
+                if not self.running or self.running[-1].sort_key <= seq.sort_key:
+                    return
+                victim = self.running[-1]          # lower priority than seq: make room for it
+                token_budget += self._unschedule(victim, out)
+                slots -= _seq_slots(victim)
+                self._preempt(victim, out)
+            if seq.index == 0 and seq.num_preemptions == 0:
+                seq.request.num_cached_tokens = seq.num_computed_tokens
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            slots += _seq_slots(seq)
+            token_budget -= num_new
+
+    @staticmethod
+    def _unschedule(seq: Sequence, out: SchedulerOutput) -> int:
+        """Take seq out of this step's batch (before it is preempted); returns its tokens."""
+        for k, item in enumerate(out.scheduled):
+            if item.seq is seq:
+                del out.scheduled[k]
+                own = set(seq.block_table)
+                out.copies = [c for c in out.copies if c.dst not in own]
+                return item.num_new_tokens
+        return 0
+
+    # ---- membership ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def fork(self, parent: Sequence, index: int) -> Sequence:
+        """A new running sample sharing parent's blocks (copy-on-write)."""
+        child = parent.fork(index)
+        self.block_manager.fork(parent, child)
+        parent.request.seqs.append(child)
+        bisect.insort(self.running, child, key=lambda s: s.sort_key)
+        return child
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self._remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def abort(self, request: Request) -> None:
+        for seq in request.seqs:
+            self.abort_sequence(seq)
+
+    def abort_sequence(self, seq: Sequence) -> None:
+        if seq.status is not SequenceStatus.FINISHED:
+            self.finish(seq, "abort")
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+        out.preempted.append(seq)
+
+    def _remove(self, seq: Sequence) -> None:
+        queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
+        queue.remove(seq)
+        self.block_manager.free(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)

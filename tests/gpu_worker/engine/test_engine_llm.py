@@ -1,0 +1,100 @@
+"""The vLLM-shaped offline API and `kvmesh generate` on a tiny llama."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpu_worker import LLM, SamplingParams
+from gpu_worker.cli_generate import main as generate_main
+from gpu_worker.outputs import RequestError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(model=tiny_models["llama"], device="cpu", num_gpu_blocks=64)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_generate_shapes_and_text(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The sky is")
+    outs = llm.generate(["Hello world", ids, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello world", None, None]
+    assert outs[0].prompt_token_ids == tok.encode("Hello world")
+    assert outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    for o in outs:
+        c = o.outputs[0]
+        assert o.finished and c.index == 0 and len(c.token_ids) == 12 and c.finish_reason == "length"
+        assert c.text == tok.decode(c.token_ids)
+        assert c.logprobs is None and c.cumulative_logprob is None
+    assert outs[2].num_cached_tokens == 0     # 4-token prompt: no full block to reuse
+    llm.llm_engine.block_manager.check_integrity()
+
+
+def test_single_prompt_params_list_and_logprobs(llm):
+    outs = llm.generate("abc", [SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)],
+                        use_tqdm=False)
+    c = outs[0].outputs[0]
+    assert len(c.logprobs) == 4 and all(len(d) >= 2 and t in d for d, t in zip(c.logprobs, c.token_ids))
+    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+
+
+def test_stop_string_excluded_and_n_samples(llm):
+    full = llm.generate("Hello world", GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = full[6:9]
+    assert stop and stop not in full[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop], n=3)
+    out = llm.generate("Hello world", params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for c in out.outputs:
+        assert c.finish_reason == "stop" and c.stop_reason == stop and c.text == full[:full.index(stop)]
+    llm.llm_engine.block_manager.check_integrity()
+    assert llm.llm_engine.block_manager.num_used_blocks == 0
+
+
+def test_prefix_cache_reported(llm):
+    prompt = "word " * 40
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+
+
+def test_bad_prompt_leaves_llm_usable(llm):
+    with pytest.raises(RequestError, match="prompt_token_ids"):
+        llm.generate([[1, 2], [99999]], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate("ok", GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_chat(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
+    assert "hi" in out.prompt and len(out.outputs[0].token_ids) == 12
+
+
+def test_unknown_engine_argument(tiny_models):
+    with pytest.raises(TypeError, match="max_num_seq\\b"):
+        LLM(model=tiny_models["llama"], max_num_seq=4)
+
+
+def test_cli_generate(tiny_models, capsys):
+    rc = generate_main(["--model", tiny_models["qwen2"], "--prompt", "Hi", "--max-tokens", "5", "--temperature", "0",
+                        "--device", "cpu", "--num-gpu-blocks", "32", "--json", "--n", "2"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["prompt"] == "Hi" and [len(o["token_ids"]) for o in data["outputs"]] == [5, 5]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--top-p", "2"], "--top-p"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--max-model-len", "99999"], "--max-model-len"),
+    (["--n", "40"], "--n"),
+])
+def test_cli_errors_name_the_flag(tiny_models, capsys, argv, flag):
+    rc = generate_main(["--model", tiny_models["qwen2"], "--prompt", "Hi", "--device", "cpu", *argv])
+    assert rc == 2
+    assert f"error: {flag}:" in capsys.readouterr().err

@@ -1,0 +1,76 @@
+"""Sampler semantics on hand-made logits."""
+import math
+
+import pytest
+import torch
+
+from gpu_worker.sampler import Sampler, SampleRequest
+from services.protocol.sampling import SamplingParams
+
+V = 8
+
+
+def req(row=0, out=(), prompt=(0,), stop_ids=(), seed=0, index=0, **params):
+    return SampleRequest(row, SamplingParams(**params), seed, index, list(prompt), list(out), tuple(stop_ids))
+
+
+def one(logits, **kw):
+    return Sampler()(torch.tensor([logits], dtype=torch.float32), [req(**kw)])[0]
+
+
+BASE = [0.0, 5.0, 4.0, 1.0, -2.0, 0.5, 0.2, 3.0]   # argmax 1, then 2, then 7
+
+
+def test_greedy_and_raw_logprobs():
+    r = one(BASE, temperature=0.0, logprobs=3, repetition_penalty=2.0, prompt=[1])
+    assert r.token_id == 2                                  # 5/2 = 2.5 < 4: penalty changed the pick
+    raw = torch.log_softmax(torch.tensor(BASE), -1)
+    assert r.logprob.logprob == pytest.approx(float(raw[2]))   # raw logprob, not the penalized one
+    assert [t for t, _ in r.logprob.top] == [1, 2, 7]
+
+
+def test_repetition_penalty_multiplies_negative_logits():
+    logits = [-1.0, -2.0, -3.0, -9.0, -9.0, -9.0, -9.0, -9.0]
+    assert one(logits, temperature=0.0, repetition_penalty=3.0, out=[0]).token_id == 1   # -3 vs -2
+
+
+def test_presence_and_frequency_use_output_only():
+    assert one(BASE, temperature=0.0, presence_penalty=2.0, prompt=[1]).token_id == 1   # prompt ignored
+    assert one(BASE, temperature=0.0, presence_penalty=2.0, out=[1]).token_id == 2
+    assert one(BASE, temperature=0.0, frequency_penalty=0.4, out=[1, 1]).token_id == 1   # 5 - 0.8 > 4
+    assert one(BASE, temperature=0.0, frequency_penalty=0.6, out=[1, 1]).token_id == 2   # 5 - 1.2 < 4
+
+
+def test_min_tokens_masks_stop_ids():
+    assert one(BASE, temperature=0.0, min_tokens=2, out=[3], stop_ids=[1]).token_id == 2
+    assert one(BASE, temperature=0.0, min_tokens=1, out=[3], stop_ids=[1]).token_id == 1
+
+
+@pytest.mark.parametrize("extra,allowed", [
+    (dict(top_k=2), {1, 2}),
+    (dict(top_p=0.5), {1}),
+    (dict(min_p=0.3), {1, 2}),      # p(2)/p(1) = e^-1 = 0.37 > 0.3 ; p(7)/p(1) = 0.14
+])
+def test_filters_restrict_the_support(extra, allowed):
+    seen = {one(BASE, temperature=1.0, seed=s, **extra).token_id for s in range(60)}
+    assert seen <= allowed and len(seen) == len(allowed)
+
+
+def test_seeded_draw_independent_of_batch_and_reproducible():
+    logits = torch.randn(5, 64)
+    alone = Sampler()(logits[2:3], [req(row=0, seed=11, index=1, out=[3, 4], temperature=0.9)])[0]
+    batch = [req(row=i, seed=i, temperature=1.0) for i in range(5)]
+    batch[2] = req(row=2, seed=11, index=1, out=[3, 4], temperature=0.9)
+    assert Sampler()(logits, batch)[2].token_id == alone.token_id
+    draws = {Sampler()(logits[2:3], [req(seed=11, index=1, out=[3] * k, temperature=5.0)])[0].token_id
+             for k in range(30)}
+    assert len(draws) > 3     # a new position gives a new draw
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.softmax(torch.tensor(BASE), -1)
+    counts = torch.zeros(V)
+    for s in range(400):
+        counts[one(BASE, temperature=1.0, seed=s).token_id] += 1
+    assert abs(counts[1] / 400 - probs[1]) < 0.08 and abs(counts[2] / 400 - probs[2]) < 0.08
+    assert not math.isnan(float(counts.sum()))
