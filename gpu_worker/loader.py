@@ -1,0 +1,150 @@
+"""Load Hugging Face safetensors checkpoints (single file or sharded) into the decoder.
+
+Only `*.safetensors` are ever read: `.bin`/`.pt` checkpoints are pickles and are refused.
+Before any tensor is read, `check_checkpoint` validates the index and every shard's header,
+so a missing or truncated download fails at once with the file's name:
+
+    model.safetensors.index.json  {"weight_map": {tensor name: shard file}}
+    shard file: [u64 little-endian header length n][n bytes JSON header][tensor bytes]
+                 header: {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__"}
+"""
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import torch
+
+from gpu_worker.model_config import ModelLoadError
+from gpu_worker.models.decoder import CausalLM
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_MAX_HEADER = 100 * 1024 * 1024
+# Tensors a checkpoint may hold that the decoder recomputes or ignores.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[str, list[str]]:
+    """Shard file name -> tensor names it must hold, from the index or the single file."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index} is corrupt ({e}); re-download the model") from e
+        shards: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            if "/" in file or "\\" in file or file.startswith("."):
+                raise ModelLoadError(f"{index} names shard {file!r} outside the model directory")
+            shards.setdefault(file, []).append(name)
+        return shards
+    if (model_dir / SINGLE_NAME).exists():
+        return {SINGLE_NAME: []}
+    found = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if found:
+        return {name: [] for name in found}
+    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+        raise ModelLoadError(f"{model_dir} holds only .bin/.pt (pickle) weights; kvmesh loads "
+                             "safetensors only. Convert the checkpoint to safetensors first.")
+    raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """The tensor entries of one shard's header; raises ModelLoadError if the file is damaged."""
+    if not path.is_file():
+        raise ModelLoadError(f"weight shard {path.name} is missing from {path.parent}; re-download the model")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelLoadError(f"weight shard {path} is corrupt (truncated header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_MAX_HEADER, size - 8):
+            raise ModelLoadError(f"weight shard {path} is corrupt (bad header length)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"weight shard {path} is corrupt (header is not JSON)") from e
+    header.pop("__metadata__", None)
+    end = 0
+    for name, info in header.items():
+        try:
+            begin, stop = info["data_offsets"]
+            numel = 1
+            for dim in info["shape"]:
+                numel *= int(dim)
+            expected = numel * _DTYPE_BYTES.get(info["dtype"], 0)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"weight shard {path} is corrupt (bad entry for {name})") from e
+        if stop - begin != expected and info["dtype"] in _DTYPE_BYTES:
+            raise ModelLoadError(f"weight shard {path} is corrupt ({name}: size does not match shape)")
+        end = max(end, stop)
+    if 8 + n + end != size:
+        raise ModelLoadError(f"weight shard {path} is corrupt: header describes {8 + n + end} bytes, "
+                             f"file has {size}; re-download the model")
+    return header
+
+
+def check_checkpoint(model_dir: str | Path, required: set[str]) -> dict[str, list[str]]:
+    """Validate index + headers and that every required tensor exists. -> shard -> names."""
+    model_dir = Path(model_dir)
+    shards = {}
+    for file, listed in checkpoint_files(model_dir).items():
+        names = list(read_header(model_dir / file))
+        missing_here = set(listed) - set(names)
+        if missing_here:
+            raise ModelLoadError(f"weight shard {file} lacks {sorted(missing_here)[:3]} that the index "
+                                 "lists; the download is incomplete")
+        shards[file] = names
+    present = {n for names in shards.values() for n in names}
+    missing = sorted(required - present)
+    if missing:
+        raise ModelLoadError(f"{model_dir} lacks {len(missing)} tensor(s) the model needs, e.g. "
+                             f"{missing[:3]}; the checkpoint does not match config.json")
+    return shards
+
+
+def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = True) -> None:
+    """Copy every checkpoint tensor into `model` (converting dtype and device), with a progress
+    bar over tensors on stderr."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    model_dir = Path(model_dir)
+    targets = model.hf_weight_targets()
+    shards = check_checkpoint(model_dir, set(targets))
+    total = sum(len(names) for names in shards.values())
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr,
+               disable=not progress, leave=False)
+    unknown = []
+    with torch.no_grad():
+        for file, names in shards.items():
+            bar.set_postfix_str(file)
+            with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
+                for name in names:
+                    bar.update(1)
+                    target = targets.get(name)
+                    if target is None:
+                        if not name.endswith(_IGNORED_SUFFIXES) and name != "lm_head.weight":
+                            unknown.append(name)   # lm_head.weight in a tied model: unused
+                        continue
+                    _copy(target, f.get_tensor(name), name)
+    bar.close()
+    if unknown:
+        raise ModelLoadError(f"{model_dir} holds {len(unknown)} tensor(s) this architecture does not "
+                             f"use, e.g. {unknown[:3]}; is config.json the right one?")
+
+
+def _copy(target, tensor: torch.Tensor, name: str) -> None:
+    dst = target.param if target.start is None else target.param[target.start:target.stop]
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, config.json implies "
+                             f"{tuple(dst.shape)}")
+    dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))

@@ -1,0 +1,335 @@
+"""`kvmesh make-model`: write a random-weight Hugging Face model directory plus a real tokenizer.
+
+    kvmesh make-model --arch llama --size 8b OUT_DIR      # exactly Llama-3.1-8B's shapes
+
+No weights can be downloaded where kvmesh is tested and benchmarked, so every test, demo and
+GPU benchmark runs on these. The directory loads in both kvmesh and `transformers`:
+config.json, generation_config.json, model.safetensors (or shards + index json, written one
+shard at a time so an 8B model never needs two copies in RAM), tokenizer.json and
+tokenizer_config.json with a chat template (Llama-3 headers for llama/mistral, ChatML for qwen).
+
+Weights (see the constants below): N(0, 1/fan_in) projections, q/k a little larger so
+attention is far from uniform and positions matter; attention/MLP outputs that outweigh the
+token's own embedding (so greedy output depends on context and does not loop on one token);
+an lm_head giving logits of std ~4 (clear top-1 margins: greedy tokens agree across
+numerically different but correct kernels in fp32); norm weights 1 + noise (a norm that fails
+to load shows up in parity tests). Same seed, same size: byte-identical files on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from gpu_worker.models.tokenizer_asset import SPECIAL_TOKENS, truncated_tokenizer_json
+
+ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SIZES = ("tiny", "small", "1b", "8b")
+SHARD_BYTES = 4 * 1024**3   # written one shard at a time: peak RAM is about one shard
+SINGLE_NAME = "model.safetensors"
+LOGIT_STD = 4.0     # std of the logits (lm_head rows against a unit-RMS hidden state)
+EMBED_STD = 0.5     # untied embeddings
+QK_GAIN = 1.5       # sharper-than-uniform attention, so position and context matter
+BRANCH_GAIN = 2.0   # attention / MLP outputs outweigh the token's own embedding
+TIED_BRANCH_BOOST = 3.0  # tied: the embedding must be a small part of the final hidden state
+NORM_NOISE = 0.1
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    head_dim: int | None = None       # None: hidden // heads
+    tied: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_pos: int = 4096
+    sliding_window: int | None = None  # mistral only
+
+
+def _llama3_scaling(factor: float, original: int) -> dict:
+    return {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": original, "rope_type": "llama3"}
+
+
+# Real models' shapes where one exists (Llama-3.1-8B, Llama-3.2-1B, Qwen2.5-1.5B/7B,
+# Qwen3-1.7B/8B, Mistral-7B-v0.3); tiny/small are for tests and CPU demos.
+SHAPES: dict[tuple[str, str], Shape] = {
+    ("llama", "tiny"): Shape(2, 64, 4, 2, 128, 1024, rope_theta=500000.0,
+                             rope_scaling=_llama3_scaling(8.0, 256), max_pos=2048),
+    ("mistral", "tiny"): Shape(2, 64, 4, 2, 128, 1024, rope_theta=1e6, max_pos=2048),
+    ("qwen2", "tiny"): Shape(2, 64, 4, 2, 128, 1024, tied=True, rope_theta=1e6, max_pos=2048),
+    ("qwen3", "tiny"): Shape(2, 64, 4, 2, 128, 1024, head_dim=32, tied=True, rope_theta=1e6, max_pos=2048),
+    ("llama", "small"): Shape(4, 256, 8, 4, 768, 32768, rope_theta=500000.0,
+                              rope_scaling=_llama3_scaling(8.0, 2048), max_pos=16384),
+    ("mistral", "small"): Shape(4, 256, 8, 4, 768, 32768, rope_theta=1e6, max_pos=16384),
+    ("qwen2", "small"): Shape(4, 256, 8, 4, 768, 32768, tied=True, rope_theta=1e6, max_pos=16384),
+    ("qwen3", "small"): Shape(4, 256, 8, 4, 768, 32768, head_dim=64, tied=True, rope_theta=1e6, max_pos=16384),
+    ("llama", "1b"): Shape(16, 2048, 32, 8, 8192, 128256, tied=True, rope_theta=500000.0,
+                           rope_scaling=_llama3_scaling(32.0, 8192), max_pos=131072),
+    ("mistral", "1b"): Shape(16, 2048, 32, 8, 8192, 32768, rope_theta=1e6, max_pos=32768),
+    ("qwen2", "1b"): Shape(28, 1536, 12, 2, 8960, 151936, tied=True, rope_theta=1e6, max_pos=32768),
+    ("qwen3", "1b"): Shape(28, 2048, 16, 8, 6144, 151936, head_dim=128, tied=True, rope_theta=1e6,
+                           max_pos=40960),
+    ("llama", "8b"): Shape(32, 4096, 32, 8, 14336, 128256, rope_theta=500000.0,
+                           rope_scaling=_llama3_scaling(8.0, 8192), max_pos=131072),
+    ("mistral", "8b"): Shape(32, 4096, 32, 8, 14336, 32768, rope_theta=1e6, max_pos=32768),
+    ("qwen2", "8b"): Shape(28, 3584, 28, 4, 18944, 152064, rope_theta=1e6, max_pos=32768),
+    ("qwen3", "8b"): Shape(36, 4096, 32, 8, 12288, 151936, head_dim=128, rope_theta=1e6, max_pos=40960),
+}
+
+# Chat templates: what transformers' apply_chat_template renders (and services/text sandboxes).
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+# Pre-tokenizer split patterns of the real families (Llama 3 groups digits by 3; Qwen splits
+# every digit). transformers 5 rebuilds Qwen tokenizers with Qwen's own pattern, so ours must match.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class ChatStyle:
+    template: str
+    split: str               # pre-tokenizer regex
+    bos: str | None          # added in front of every encoding (and by the template)
+    eos: str                 # the chat turn terminator: generation stops here
+    extra_eos: str           # the end-of-document token, also a stop
+    pad: str
+
+
+LLAMA3_STYLE = ChatStyle(LLAMA3_TEMPLATE, LLAMA3_SPLIT, "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", "<|pad|>")
+CHATML_STYLE = ChatStyle(CHATML_TEMPLATE, QWEN_SPLIT, None, "<|im_end|>", "<|endoftext|>", "<|endoftext|>")
+
+
+def _style(arch: str) -> ChatStyle:
+    return CHATML_STYLE if arch.startswith("qwen") else LLAMA3_STYLE
+
+
+def _token_id(name: str) -> int:
+    return SPECIAL_TOKENS.index(name)  # specials occupy ids 0..8 of the shared vocabulary
+
+
+# ---- config files --------------------------------------------------------------------------
+def config_json(arch: str, shape: Shape, dtype: str) -> dict:
+    style = _style(arch)
+    cfg = {
+        "architectures": [ARCHS[arch]], "model_type": arch,
+        "hidden_size": shape.hidden, "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6 if arch.startswith("qwen") else 1e-5,
+        "rope_theta": shape.rope_theta, "rope_scaling": shape.rope_scaling,
+        "max_position_embeddings": shape.max_pos, "tie_word_embeddings": shape.tied,
+        "initializer_range": 0.02, "attention_dropout": 0.0, "use_cache": True,
+        "bos_token_id": _token_id(style.bos or style.extra_eos),
+        "eos_token_id": _token_id(style.extra_eos),
+        "torch_dtype": dtype,
+    }
+    if shape.head_dim is not None:
+        cfg["head_dim"] = shape.head_dim
+    if arch in ("llama", "qwen3"):
+        cfg["attention_bias"] = False
+    if arch == "llama":
+        cfg["mlp_bias"] = False
+    if arch == "mistral":
+        cfg["sliding_window"] = shape.sliding_window
+    if arch.startswith("qwen"):
+        cfg["use_sliding_window"] = False
+    return cfg
+
+
+def generation_config_json(arch: str) -> dict:
+    style = _style(arch)
+    return {"bos_token_id": _token_id(style.bos or style.extra_eos),
+            "eos_token_id": [_token_id(style.eos), _token_id(style.extra_eos)],
+            "pad_token_id": _token_id(style.pad), "do_sample": False}
+
+
+def tokenizer_files(arch: str, vocab: int, max_len: int = 131072) -> tuple[dict, dict]:
+    """(tokenizer.json, tokenizer_config.json) for a model of `vocab` rows."""
+    style = _style(arch)
+    tok = truncated_tokenizer_json(vocab)
+    tok["normalizer"] = {"type": "NFC"} if style is CHATML_STYLE else None
+    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": style.split}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ]}
+    if style.bos is not None:
+        bos_id = _token_id(style.bos)
+        tok["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": style.bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": style.bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": style.bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {style.bos: {"id": style.bos, "ids": [bos_id], "tokens": [style.bos]}},
+        }
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": style.bos, "eos_token": style.eos, "pad_token": style.pad,
+        "model_max_length": max_len, "clean_up_tokenization_spaces": False,
+        "chat_template": style.template,
+    }
+    return tok, tok_cfg
+
+
+# ---- weights -------------------------------------------------------------------------------
+def _tensor_specs(arch: str, s: Shape) -> Iterator[tuple[str, tuple[int, ...], float, float]]:
+    """(HF name, shape, mean, std) in file order. Norm weights are 1 + noise, not exactly 1, so
+    a norm that fails to load cannot go unnoticed in parity tests."""
+    hd = s.head_dim or s.hidden // s.heads
+    q, kv = s.heads * hd, s.kv_heads * hd
+    fan = 1 / math.sqrt(s.hidden)
+    branch = BRANCH_GAIN * (TIED_BRANCH_BOOST if s.tied else 1.0)
+    # Tied: the embedding is the lm_head, sized for the logit spread; it is then small beside the
+    # residual branches, so a token does not mostly predict itself (degenerate greedy loops).
+    yield "model.embed_tokens.weight", (s.vocab, s.hidden), 0.0, LOGIT_STD * fan if s.tied else EMBED_STD
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (s.hidden,), 1.0, NORM_NOISE
+        for name, rows, std in (("q_proj", q, QK_GAIN * fan), ("k_proj", kv, QK_GAIN * fan), ("v_proj", kv, fan)):
+            yield p + f"self_attn.{name}.weight", (rows, s.hidden), 0.0, std
+            if arch == "qwen2":
+                yield p + f"self_attn.{name}.bias", (rows,), 0.0, 0.1
+        if arch == "qwen3":
+            yield p + "self_attn.q_norm.weight", (hd,), QK_GAIN, NORM_NOISE
+            yield p + "self_attn.k_norm.weight", (hd,), 1.0, NORM_NOISE
+        yield p + "self_attn.o_proj.weight", (s.hidden, q), 0.0, branch / math.sqrt(q)
+        yield p + "post_attention_layernorm.weight", (s.hidden,), 1.0, NORM_NOISE
+        yield p + "mlp.gate_proj.weight", (s.intermediate, s.hidden), 0.0, fan
+        yield p + "mlp.up_proj.weight", (s.intermediate, s.hidden), 0.0, fan
+        yield p + "mlp.down_proj.weight", (s.hidden, s.intermediate), 0.0, branch / math.sqrt(s.intermediate)
+    yield "model.norm.weight", (s.hidden,), 1.0, NORM_NOISE
+    if not s.tied:
+        yield "lm_head.weight", (s.vocab, s.hidden), 0.0, LOGIT_STD * fan
+
+
+def _shard_plan(specs: list, itemsize: int) -> list[list]:
+    shards, current, size = [], [], 0
+    for spec in specs:
+        nbytes = math.prod(spec[1]) * itemsize  # spec: (name, shape, mean, std)
+        if current and size + nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = [], 0
+        current.append(spec)
+        size += nbytes
+    return shards + [current]
+
+
+def write_weights(out: Path, arch: str, shape: Shape, dtype: torch.dtype, seed: int,
+                  device: str = "cpu", progress: bool = True) -> None:
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    specs = list(_tensor_specs(arch, shape))
+    shards = _shard_plan(specs, dtype.itemsize)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    names = ([SINGLE_NAME] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map, total_bytes = {}, 0
+    bar = tqdm(total=len(specs), desc="writing weights", unit="tensor", file=sys.stderr, disable=not progress)
+    for file, shard in zip(names, shards):
+        tensors = {}
+        for name, dims, mean, std in shard:
+            t = torch.randn(dims, generator=gen, device=device, dtype=torch.float32)
+            t = (t * std + mean).to(dtype).cpu()
+            tensors[name] = t
+            weight_map[name] = file
+            total_bytes += t.numel() * t.element_size()
+            bar.update(1)
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        del tensors  # one shard in RAM at a time
+    bar.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+# ---- entry points --------------------------------------------------------------------------
+def make_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
+               dtype: str | None = None, vocab_size: int | None = None, progress: bool = True,
+               device: str | None = None, **overrides) -> Path:
+    """Write the model directory; `overrides` replace Shape fields (tests use rope_scaling etc.)."""
+    if arch not in ARCHS or size not in SIZES:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)} and size one of {SIZES}")
+    shape = SHAPES[(arch, size)]
+    if vocab_size is not None:
+        overrides["vocab"] = vocab_size
+    shape = replace(shape, **overrides)
+    if shape.vocab < len(SPECIAL_TOKENS) + 256:
+        raise ValueError(f"vocab size must be at least {len(SPECIAL_TOKENS) + 256}")
+    dtype = dtype or ("float32" if size in ("tiny", "small") else "bfloat16")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    # tiny/small draw on the CPU so the same seed gives the same model everywhere (tests);
+    # 1b/8b draw on the GPU when there is one (minutes faster).
+    big = size in ("1b", "8b")
+    device = device or ("cuda" if big and torch.cuda.is_available() else "cpu")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("*.safetensors")) + list(out.glob("*.safetensors.index.json")):
+        stale.unlink()
+
+    def dump(name: str, data: dict) -> None:
+        (out / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+    dump("config.json", config_json(arch, shape, dtype))
+    dump("generation_config.json", generation_config_json(arch))
+    tok, tok_cfg = tokenizer_files(arch, shape.vocab, shape.max_pos)
+    dump("tokenizer.json", tok)
+    dump("tokenizer_config.json", tok_cfg)
+    write_weights(out, arch, shape, torch_dtype, seed, device=device, progress=progress)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh make-model",
+        description="Write a random-weight Hugging Face model directory (config, safetensors, "
+                    "tokenizer with chat template) for tests, demos and benchmarks.")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="model family")
+    ap.add_argument("--size", choices=SIZES, default="tiny",
+                    help="tiny/small: tests and CPU demos; 1b: Llama-3.2-1B-like; 8b: Llama-3.1-8B shapes")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
+                    help="weight dtype (default float32 for tiny/small, bfloat16 for 1b/8b)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="model vocabulary rows (the tokenizer fills at most the first 32768; "
+                         "the rest are padding rows, as in many real models)")
+    ap.add_argument("--device", default=None,
+                    help="where random weights are drawn (default: cuda for 1b/8b if present, else cpu)")
+    ap.add_argument("out_dir", help="directory to write (created if missing)")
+    args = ap.parse_args(argv)
+    out = make_model(args.out_dir, args.arch, args.size, seed=args.seed, dtype=args.dtype,
+                     vocab_size=args.vocab_size, device=args.device)
+    print(f"wrote {args.arch} {args.size} model to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""One decoder-only transformer for every supported family (Llama, Mistral, Qwen2, Qwen3).
+
+The families differ only in flags of ModelConfig: q/k/v bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), rope scaling (Llama 3.1), tied embeddings. The model runs over a ragged ForwardBatch:
+T new tokens of all sequences flattened into rows, no padding; attention reads and writes the
+paged KV cache through an AttentionBackend.
+
+    input_ids (T,) -> embed -> [RMSNorm -> attention -> +res -> RMSNorm -> SwiGLU -> +res] x L
+                   -> RMSNorm -> hidden (T, H);  compute_logits(hidden rows) -> (S, V) fp32
+
+Parameters are stored fused (qkv_proj, gate_up_proj); `hf_weight_targets` maps every Hugging
+Face tensor name onto the row range of the fused parameter it fills.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from gpu_worker.attention.base import AttentionBackend
+from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, block_size, n_kv, head_dim) x 2
+
+
+class WeightTarget(NamedTuple):
+    """Where one checkpoint tensor goes: rows [start, stop) of `param` (the whole param if None)."""
+    param: nn.Parameter
+    start: int | None = None
+    stop: int | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rope = rope          # the same RotaryEmbedding object in every layer: one cos/sin table
+        self.backend = backend    # not an nn.Module: the runner owns it
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, batch: ForwardBatch):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)        # (T, nh, D)
+        k = k.view(t, self.num_kv_heads, self.head_dim)     # (T, nkv, D)
+        v = v.view(t, self.num_kv_heads, self.head_dim)     # (T, nkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        out = self.backend.forward(q, k, v, kv[0], kv[1], batch, self.scale)  # (T, nh, D)
+        return self.o_proj(out.reshape(t, self.q_size))     # (T, H)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, rope, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def forward(self, x, positions, kv: KVCache, batch: ForwardBatch):  # x (T, H)
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """HF's `model.*` part: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg = cfg
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.model = DecoderModel(cfg, self.rope, backend, dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], batch: ForwardBatch) -> torch.Tensor:
+        """input_ids, positions (T,) -> final hidden states (T, H) after the last norm."""
+        x = self.model.embed_tokens(input_ids)                  # (T, H)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, kv, batch)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(S, H) -> (S, V) float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    def hf_weight_targets(self) -> dict[str, WeightTarget]:
+        """Hugging Face tensor name -> the (slice of the) parameter it loads into."""
+        cfg, targets = self.cfg, {}
+        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        targets["model.embed_tokens.weight"] = WeightTarget(self.model.embed_tokens.weight)
+        targets["model.norm.weight"] = WeightTarget(self.model.norm.weight)
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = WeightTarget(self.lm_head.weight)
+        for i, layer in enumerate(self.model.layers):
+            p, attn = f"model.layers.{i}.", layer.self_attn
+            targets[p + "input_layernorm.weight"] = WeightTarget(layer.input_layernorm.weight)
+            targets[p + "post_attention_layernorm.weight"] = WeightTarget(layer.post_attention_layernorm.weight)
+            rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+            for name, (a, b) in rows.items():
+                targets[p + f"self_attn.{name}.weight"] = WeightTarget(attn.qkv_proj.weight, a, b)
+                if cfg.qkv_bias:
+                    targets[p + f"self_attn.{name}.bias"] = WeightTarget(attn.qkv_proj.bias, a, b)
+            targets[p + "self_attn.o_proj.weight"] = WeightTarget(attn.o_proj.weight)
+            if cfg.o_proj_bias:
+                targets[p + "self_attn.o_proj.bias"] = WeightTarget(attn.o_proj.bias)
+            if cfg.qk_norm:
+                targets[p + "self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
+                targets[p + "self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
+            targets[p + "mlp.gate_proj.weight"] = WeightTarget(layer.mlp.gate_up_proj.weight, 0, inter)
+            targets[p + "mlp.up_proj.weight"] = WeightTarget(layer.mlp.gate_up_proj.weight, inter, 2 * inter)
+            targets[p + "mlp.down_proj.weight"] = WeightTarget(layer.mlp.down_proj.weight)
+        return targets

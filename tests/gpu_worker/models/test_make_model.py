@@ -1,0 +1,103 @@
+"""make-model: file layout, sharding, exact 8B shapes, tokenizer and chat template via transformers."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_model_parity import assert_close, three_step_run
+
+import gpu_worker.make_model as mm
+from gpu_worker.model_config import ModelConfig
+
+MESSAGES = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "What is 2 + 2? Answer in one word, déjà vu 😀."},
+    {"role": "assistant", "content": "Four."},
+    {"role": "user", "content": "And 3 + 3?"},
+]
+
+
+def test_directory_layout(tiny_models):
+    for arch, model_dir in tiny_models.items():
+        names = {p.name for p in Path(model_dir).iterdir()}
+        assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json"} <= names, arch
+
+
+def test_llama_8b_parameter_count_and_shapes():
+    shape = mm.SHAPES[("llama", "8b")]
+    specs = list(mm._tensor_specs("llama", shape))
+    params = sum(math.prod(dims) for _, dims, _, _ in specs)
+    assert params == 8_030_261_248  # Llama-3.1-8B
+    shards = mm._shard_plan(specs, 2)
+    assert len(shards) == 4 and sum(len(s) for s in shards) == len(specs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_sharded_checkpoint_loads_like_hf(tmp_path, monkeypatch, arch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(mm, "SHARD_BYTES", 200_000)
+    model_dir = str(mm.make_model(tmp_path / arch, arch, "tiny", seed=3, progress=False))
+    index = json.loads((Path(model_dir) / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert not (Path(model_dir) / "model.safetensors").exists()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seqs, _ = three_step_run(model_dir, 1024)
+    with torch.no_grad():
+        refs = [hf(torch.tensor([s.tokens])).logits[0] for s in seqs]
+    assert_close(seqs, refs)
+
+
+def test_same_seed_same_weights(tmp_path):
+    a = mm.make_model(tmp_path / "a", "qwen3", "tiny", seed=7, progress=False)
+    b = mm.make_model(tmp_path / "b", "qwen3", "tiny", seed=7, progress=False)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+
+def test_cli_main(tmp_path, capsys):
+    assert mm.main(["--arch", "mistral", "--size", "tiny", "--seed", "5", "--dtype", "bfloat16",
+                    "--vocab-size", "2048", str(tmp_path / "m")]) == 0
+    cfg = ModelConfig.from_dir(tmp_path / "m")
+    assert cfg.vocab_size == 2048 and cfg.torch_dtype == "bfloat16" and cfg.family == "mistral"
+    tok = json.loads((tmp_path / "m" / "tokenizer.json").read_text())
+    assert len(tok["model"]["vocab"]) == 2048
+    assert "wrote mistral tiny" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch, start, turn_end", [
+    ("llama", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n", "<|eot_id|>"),
+    ("mistral", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n", "<|eot_id|>"),
+    ("qwen2", "<|im_start|>system\n", "<|im_end|>"),
+    ("qwen3", "<|im_start|>system\n", "<|im_end|>"),
+])
+def test_tokenizer_and_chat_template_with_transformers(tiny_models, arch, start, turn_end):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_models[arch]
+    cfg = ModelConfig.from_dir(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert len(tok) <= cfg.vocab_size
+    text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert text.startswith(start) and text.count(turn_end) == 4
+    assert text.endswith("assistant<|end_header_id|>\n\n" if turn_end == "<|eot_id|>" else "<|im_start|>assistant\n")
+    # Rendering then encoding == encoding in apply_chat_template (no doubled BOS), and ids round-trip.
+    ids = tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    # The raw tokenizers library (what services/text may use) agrees with transformers.
+    raw = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    assert raw.encode(text, add_special_tokens=False).ids == ids
+    # The turn terminator is one special token and a stop id of the model.
+    end_id = tok.convert_tokens_to_ids(turn_end)
+    assert ids.count(end_id) == 4 and end_id in cfg.eos_token_ids and tok.eos_token == turn_end
+    tricky = "12345 abc\n\n  def   x'll CAPS de\u0301ja\u0300 vu 😀\ttail"
+    assert raw.encode(tricky, add_special_tokens=False).ids == tok(tricky, add_special_tokens=False)["input_ids"]
+    plain = tok("Hello world")["input_ids"]
+    assert tok.decode(plain, skip_special_tokens=True) == "Hello world"
+    assert (plain[0] == cfg.bos_token_id) == (arch in ("llama", "mistral"))

@@ -1,0 +1,91 @@
+"""The same parity checks on a CUDA GPU, for the torch and triton attention backends, plus
+bf16 and KV-cache profiling. Run on the device machine; skipped without CUDA."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from test_model_parity import assert_close, build_batch, hf_logits, three_step_run, Seq
+
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.model_runner import ModelRunner
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
+# Triton's tl.dot takes fp32 inputs at TF32 precision (10-bit mantissa): ~1e-3 of the logit scale.
+FP32_TOL = {"torch": 1e-4, "triton": 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_matmul():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_fp32_cuda_matches_hf(tiny_models, arch, backend):
+    model_dir = tiny_models[arch]
+    seqs, _ = three_step_run(model_dir, 1024, device="cuda", backend=backend)
+    assert_close(seqs, hf_logits(model_dir, [s.tokens for s in seqs], device="cuda"), FP32_TOL[backend])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_cuda_close_to_hf_bf16(tiny_models, backend):
+    model_dir = tiny_models["llama"]
+    seqs, _ = three_step_run(model_dir, 1024, device="cuda", dtype=torch.bfloat16, backend=backend)
+    assert_close(seqs, hf_logits(model_dir, [s.tokens for s in seqs], device="cuda", dtype=torch.bfloat16),
+                 rel_tol=0.1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mistral_sliding_window_cuda(make_tiny, backend):
+    model_dir = make_tiny("mistral", sliding_window=5)
+    seqs, _ = three_step_run(model_dir, 1024, device="cuda", backend=backend)
+    assert_close(seqs, hf_logits(model_dir, [s.tokens for s in seqs], device="cuda"), FP32_TOL[backend])
+
+
+def test_profile_num_blocks_cuda(tiny_models):
+    runner = ModelRunner(ModelConfig.from_dir(tiny_models["qwen3"]), tiny_models["qwen3"], device="cuda",
+                         dtype=torch.bfloat16, attention_backend="auto")
+    n = runner.profile_num_blocks(16, 0.05)
+    free, total = torch.cuda.mem_get_info()
+    assert 1 <= n and n * runner.block_size_bytes(16) <= 0.05 * total
+    runner.allocate_kv_cache(64, 16)
+    seq = Seq(list(range(20, 60)), [7, 3, 50])
+    assert runner.forward(build_batch_16([(seq, 40)])).shape == (40, 1024)
+
+
+def build_batch_16(steps):
+    import test_model_parity as p
+
+    old, p.BLOCK = p.BLOCK, 16
+    try:
+        return build_batch(steps)
+    finally:
+        p.BLOCK = old
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs triton")
+def test_cuda_graph_decode_matches_eager(tiny_models):
+    model_dir = tiny_models["qwen3"]
+    seqs, runner = three_step_run(model_dir, 1024, device="cuda", backend="triton")
+    for s in seqs:
+        s.tokens.append(77)
+    decode = build_batch([(s, 1) for s in seqs])
+    eager = runner.forward(decode)
+    runner.capture_cuda_graphs(max_batch_size=8, max_context_len=128)
+    assert runner.decode_graphs.can_run(decode)
+    assert torch.allclose(runner.forward(decode), eager, atol=1e-4)
+
+
+def test_cuda_graphs_refuse_torch_backend(tiny_models):
+    _, runner = three_step_run(tiny_models["llama"], 1024, device="cuda", backend="torch")
+    with pytest.raises(ValueError, match="triton"):
+        runner.capture_cuda_graphs(max_batch_size=4, max_context_len=64)
