@@ -18,7 +18,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from gpu_worker.prefix_hash import chain_hashes
+from services.prefix_hash import chain_hashes
 from gpu_worker.sequence import Sequence
 
 

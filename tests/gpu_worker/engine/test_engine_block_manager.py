@@ -1,6 +1,6 @@
 """Block pool unit tests; each ends with an integrity check."""
 from gpu_worker.block_manager import BlockManager
-from gpu_worker.prefix_hash import chain_hashes
+from services.prefix_hash import chain_hashes
 from gpu_worker.sequence import Request, Sequence
 from services.protocol.sampling import SamplingParams
 

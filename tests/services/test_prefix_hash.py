@@ -1,7 +1,7 @@
 """The block hash is part of the wire contract (KV events, Redis): pin its bytes."""
 import pytest
 
-from gpu_worker.prefix_hash import block_hash, chain_hashes
+from services.prefix_hash import block_hash, chain_hashes
 
 
 def test_digest_is_pinned_across_processes():

@@ -1,0 +1,146 @@
+"""KV event publishing: the block manager's cache changes -> one KVEventBatch per engine step.
+
+    pub = KVEventPublisher(engine.block_manager, worker_id, epoch=lease.epoch, host=cfg.host)
+    # advertise pub.events_addr and pub.snapshot_addr in the worker's registry record, then:
+    while serving:
+        engine.step()
+        pub.flush()          # after every step, and every ~50 ms while idle (heartbeats, snapshots)
+
+Wire (docs/kv_events.md): a PUB socket sends one msgpack KVEventBatch per frame, seq 0, 1, 2, ...
+within the epoch; an idle publisher repeats its last seq with no events every `heartbeat_s`, so a
+subscriber notices a lost last batch. A ROUTER socket answers SnapshotRequest with the block
+manager's `cached_block_hashes()`, taken between steps (inside flush), so the Snapshot is exactly
+the state after batch `seq`.
+
+Threading: the listener callbacks and flush() must run on the thread that runs engine.step()
+(ZMQ sockets and the block manager are single-threaded).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import msgspec
+import zmq
+
+from services.protocol.kv_events import (
+    ENCODER, KV_EVENTS_VERSION, SNAPSHOT_REQUEST_DECODER, AllCleared, BlockRemoved, BlockStored,
+    KVEvent, KVEventBatch, Snapshot, SnapshotBlock,
+)
+
+log = logging.getLogger("kvmesh.worker.kv_events")
+
+_SNDHWM = 10_000          # batches queued per subscriber before PUB drops (the index then resyncs)
+_MAX_SNAPSHOTS_PER_FLUSH = 4
+
+
+class KVEventPublisher:
+    """A block-manager listener that batches events per step and serves snapshots."""
+
+    def __init__(self, block_manager, worker_id: str, epoch: int | None = None, *,
+                 host: str = "127.0.0.1", advertise_host: str = "", events_port: int = 0,
+                 snapshot_port: int = 0, heartbeat_s: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.block_manager = block_manager
+        self.worker_id = worker_id
+        self.epoch = time.time_ns() // 1000 if epoch is None else epoch  # pass the registry lease's epoch
+        self.seq = -1                       # last published batch
+        self.heartbeat_s = heartbeat_s
+        self._clock = clock
+        self._pending: list[KVEvent] = []
+        self._last_send = float("-inf")  # monotonic time of the last batch or heartbeat
+        self._ctx = zmq.Context.instance()
+        self._pub = self._bind(zmq.PUB, host, events_port)
+        self._pub.setsockopt(zmq.SNDHWM, _SNDHWM)
+        self._router = self._bind(zmq.ROUTER, host, snapshot_port)
+        reach = advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
+        self.events_addr = f"tcp://{reach}:{self._port(self._pub)}"
+        self.snapshot_addr = f"tcp://{reach}:{self._port(self._router)}"
+        self.published = 0
+        self.snapshots_served = 0
+        block_manager.add_listener(self)
+
+    def _bind(self, kind: int, host: str, port: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            sock.bind_to_random_port(f"tcp://{host}")
+        return sock
+
+    @staticmethod
+    def _port(sock: zmq.Socket) -> int:
+        return int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Adopt the registry lease's epoch (known only after registering this publisher's
+        addresses); the stream restarts at seq 0. Call before the first step."""
+        self.epoch, self.seq = epoch, -1
+
+    # ---- block-manager listener ----------------------------------------------------------
+    def on_stored(self, block_hash: bytes, parent: bytes | None, token_ids: list[int], tier: str = "gpu") -> None:
+        self._pending.append(BlockStored(block_hash, parent, list(token_ids), tier))
+
+    def on_removed(self, block_hash: bytes, tier: str = "gpu") -> None:
+        self._pending.append(BlockRemoved(block_hash, tier))
+
+    def on_cleared(self, tier: str | None = None) -> None:
+        self._pending.append(AllCleared(tier))
+
+    # ---- per step ------------------------------------------------------------------------
+    def flush(self) -> int:
+        """Publish this step's events as one batch (or a heartbeat when due), then answer snapshot
+        requests. Returns the number of events published."""
+        now = time.monotonic()
+        sent = len(self._pending)
+        if self._pending:
+            self.seq += 1
+            self._send(KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq,
+                                    ts=self._clock(), events=self._pending), now)
+            self._pending = []
+        elif now - self._last_send >= self.heartbeat_s:
+            self._send(KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq,
+                                    ts=self._clock()), now)
+        self._serve_snapshots()
+        return sent
+
+    def _send(self, batch: KVEventBatch, now: float) -> None:
+        try:
+            self._pub.send(ENCODER.encode(batch), flags=zmq.NOBLOCK)
+            self.published += 1
+        except zmq.Again:  # a slow subscriber: it will see the gap and ask for a snapshot
+            log.debug("KV event batch %d dropped (subscriber queue full)", batch.seq)
+        self._last_send = now
+
+    def _serve_snapshots(self) -> None:
+        for _ in range(_MAX_SNAPSHOTS_PER_FLUSH):
+            try:
+                identity, payload = self._router.recv_multipart(flags=zmq.NOBLOCK)[-2:]
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # a frame without an identity: not ours
+            self._router.send_multipart([identity, ENCODER.encode(self._answer(payload))])
+            self.snapshots_served += 1
+
+    def _answer(self, payload: bytes) -> Snapshot:
+        bm = self.block_manager
+        base = dict(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, block_size=bm.block_size)
+        try:
+            req = SNAPSHOT_REQUEST_DECODER.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return Snapshot(request_id="", error="malformed SnapshotRequest", **base)
+        if req.version != KV_EVENTS_VERSION:
+            return Snapshot(request_id=req.request_id, error=f"unsupported version {req.version}", **base)
+        blocks = [SnapshotBlock(h, parent, list(tokens)) for h, parent, tokens in bm.cached_block_hashes()]
+        return Snapshot(request_id=req.request_id, blocks=blocks, **base)
+
+    def close(self) -> None:
+        try:
+            self.block_manager.remove_listener(self)
+        except (AttributeError, ValueError):
+            pass
+        self._pub.close(linger=0)
+        self._router.close(linger=0)

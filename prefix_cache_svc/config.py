@@ -1,0 +1,32 @@
+"""`kvmesh prefix-cache` configuration (flags, KVMESH_* variables and Helm values share the names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.config import ConfigError, ServiceConfig, opt, register_section
+
+
+@register_section
+@dataclass(frozen=True)
+class PrefixCacheConfig(ServiceConfig):
+    """The cluster prefix-cache index: KV events in, longest-prefix Match answers out."""
+
+    port: int = opt(50054, "gRPC port (Match + grpc.health.v1).")
+    metrics_port: int = opt(9104, "Prometheus /metrics port (0: any free port, -1: off).")
+    block_size: int = opt(16, "Tokens per KV block; must equal the workers' block size.")
+    max_blocks: int = opt(0, "Most blocks kept in memory (0: no limit); beyond it the oldest leaves "
+                             "are dropped from the index, not from Redis.")
+    snapshot_timeout_s: float = opt(2.0, "Seconds to wait for a worker's snapshot before asking again.")
+    consistency_check_s: float = opt(60.0, "Seconds between consistency checks of a worker against its "
+                                           "snapshot (0: off).")
+    store_check_s: float = opt(5.0, "Seconds between checks that Redis still holds the ownership records "
+                                     "(rewritten from memory when Redis restarted empty).")
+    discovery_interval_s: float = opt(1.0, "Seconds between reads of the worker registry (joins, "
+                                           "expired leases).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.max_blocks < 0:
+            raise ConfigError(f"max_blocks must be 0 (no limit) or positive, got {self.max_blocks}")

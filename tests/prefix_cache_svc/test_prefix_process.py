@@ -1,0 +1,63 @@
+"""`kvmesh prefix-cache` as a real process: flags, registry record, Match over gRPC, /metrics, SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from prefix_fakes import FakeBlockManager
+
+from gpu_worker.kv_events import KVEventPublisher
+from prefix_cache_svc.client import PrefixClient
+from services.embedded_redis import EmbeddedRedis
+from services.registry import Registry
+
+BS = 4
+PROMPT = list(range(1, 21))
+
+
+@pytest.mark.slow
+async def test_prefix_cache_process():
+    with EmbeddedRedis() as redis_server:
+        reg = Registry(redis_server.url)
+        bm = FakeBlockManager(BS)
+        pub = KVEventPublisher(bm, "w1", heartbeat_s=0.05)
+        lease = await reg.register("worker", "w1", lease_ms=3000, info={"block_size": BS},
+                                   addrs={"kv_events": pub.events_addr, "kv_snapshot": pub.snapshot_addr})
+        pub.set_epoch(lease.epoch)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "prefix-cache", "--redis-url", redis_server.url,
+             "--port", "0", "--metrics-port", "0", "--block-size", str(BS), "--discovery-interval-s", "0.1"],
+            stderr=subprocess.PIPE, text=True)
+        try:
+            bm.store_prompt(PROMPT)
+            deadline = time.monotonic() + 20
+            record, best = None, 0
+            while best < 5:
+                assert time.monotonic() < deadline and proc.poll() is None, "the service did not answer"
+                pub.flush()
+                await lease.renew()
+                records = await reg.list("prefix-cache")
+                if records and record is None:
+                    record = records[0]
+                    client = PrefixClient(record.addrs["grpc"], timeout_s=1.0)
+                if record is not None:
+                    best = (await client.match("m", PROMPT)).best_blocks
+                await asyncio.sleep(0.02)
+            text = urllib.request.urlopen(record.addrs["metrics"], timeout=5).read().decode()
+            assert 'kvmesh_prefix_worker_blocks{worker="w1"} 5.0' in text
+            await client.close()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+            assert await reg.list("prefix-cache") == []   # lease released on a clean stop
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+            pub.close()
+            await reg.close()

@@ -1,0 +1,146 @@
+"""The whole service in-process: a worker's publisher registered in Redis, PrefixCacheService
+following it, PrefixClient asking over gRPC; restart reloads from Redis; an expired lease purges;
+a stopped index fails open."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prefix_fakes import FakeBlockManager
+
+from gpu_worker.kv_events import KVEventPublisher
+from prefix_cache_svc.client import PrefixClient
+from prefix_cache_svc.config import PrefixCacheConfig
+from prefix_cache_svc.main import PrefixCacheService
+from services.embedded_redis import EmbeddedRedis
+from services.protocol.kv_events import cache_salt_for
+from services.registry import Registry
+
+BS = 4
+PROMPT = list(range(1, 21))  # 5 blocks
+SALT = cache_salt_for("tenant-a", "")
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with EmbeddedRedis() as server:
+        yield server
+
+
+def config(url: str) -> PrefixCacheConfig:
+    return PrefixCacheConfig(redis_url=url, port=0, metrics_port=-1, block_size=BS, lease_ms=1500,
+                             heartbeat_ms=200, discovery_interval_s=0.1, snapshot_timeout_s=0.5,
+                             consistency_check_s=0.5, store_check_s=0.1)
+
+
+async def eventually(check, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def worker(redis_url: str, worker_id: str):
+    """A worker as the prefix index sees it: a registry lease naming its KV event addresses."""
+    bm = FakeBlockManager(BS)
+    pub = KVEventPublisher(bm, worker_id, heartbeat_s=0.05)
+    reg = Registry(redis_url)
+    lease = await reg.register("worker", worker_id, lease_ms=600, info={"block_size": BS},
+                               addrs={"kv_events": pub.events_addr, "kv_snapshot": pub.snapshot_addr})
+    pub.set_epoch(lease.epoch)
+    alive = {"renew": True}
+
+    async def loop():
+        while True:
+            pub.flush()
+            if alive["renew"]:
+                await lease.renew()
+            await asyncio.sleep(0.01)
+    task = asyncio.create_task(loop())
+    try:
+        yield bm, alive
+    finally:
+        task.cancel()
+        await reg.close()
+        pub.close()
+
+
+async def test_service_end_to_end(redis_server):
+    cfg = config(redis_server.url)
+    svc = PrefixCacheService(cfg)
+    await svc.start()
+    client = PrefixClient(svc.grpc_addr, timeout_s=2.0)
+    try:
+        async with worker(redis_server.url, "w1") as (bm, alive):
+            bm.store_prompt(PROMPT, salt=SALT)
+
+            async def w1_blocks():
+                m = await client.match("m", PROMPT + [0, 0], tenant_salt="tenant-a")
+                return m.blocks_for("w1") and m.blocks_for("w1").matched_blocks == 5 and m
+
+            m = await eventually(w1_blocks)
+            assert m.available and m.query_blocks == 5 and m.block_size == BS
+            assert (await client.match("m", PROMPT)).workers == []       # another tenant: no hit
+            await eventually(lambda: _owners(svc, bm))                    # written to Redis
+            keys = [k async for k in svc.redis.scan_iter("kvmesh:pc:*")]    # Redis lost our records
+            await svc.redis.delete(*keys)
+            await eventually(lambda: _owners(svc, bm))                    # rewritten from memory
+            async with grpc.aio.insecure_channel(svc.grpc_addr) as ch:
+                reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            await svc.stop()                                               # restart: reload from Redis
+            svc = PrefixCacheService(cfg)
+            await svc.start()
+            assert svc.core.index.num_blocks_of("w1") == 5
+            client2 = PrefixClient(svc.grpc_addr, timeout_s=2.0)
+            assert (await client2.match("m", PROMPT, tenant_salt="tenant-a")).best_blocks == 5
+            await eventually(lambda: _checked(svc))                        # periodic consistency check
+            assert svc.core.stats.inconsistent == 0
+
+            alive["renew"] = False                                         # the lease expires: purge
+            await eventually(lambda: _purged(svc, client2))
+            assert await svc.store.known_workers() == set()
+            await client2.close()
+        svc.core.index.check_integrity()
+    finally:
+        await svc.stop()
+        await client.close()
+    t0 = time.monotonic()                                                  # index down: fail open
+    down = PrefixClient(svc.grpc_addr, timeout_s=0.2, cooldown_s=5.0)
+    assert not (await down.match("m", PROMPT)).available
+    assert not (await down.match("m", PROMPT)).available                  # breaker open: instant
+    assert time.monotonic() - t0 < 1.5 and down.failures == 1
+    await down.close()
+
+
+async def _owners(svc, bm):
+    first = bm.cached_block_hashes()[0][0]
+    return await svc.store.owners(first) == {("w1", "gpu")}
+
+
+async def _checked(svc):
+    return svc.core.stats.checks >= 1
+
+
+async def _purged(svc, client):
+    return not svc.core.index.workers() and (await client.match("m", PROMPT, tenant_salt="tenant-a")).workers == []
+
+
+async def test_client_breaker_retries_after_cooldown():
+    from services.transport import free_port
+
+    client = PrefixClient(f"127.0.0.1:{free_port()}", timeout_s=0.1, cooldown_s=0.05)
+    assert not (await client.match("m", PROMPT)).available
+    assert not (await client.match("m", PROMPT)).available and client.failures == 1   # breaker open
+    await asyncio.sleep(0.06)
+    assert not (await client.match("m", PROMPT)).available and client.failures == 2   # tried again
+    await client.close()
