@@ -1,0 +1,770 @@
+"""GPU benchmark: ceilings, kernel checks + timings, the engine, and a Hugging Face peer.
+
+One device call builds, checks and times everything (see bench/README.md for the command):
+
+    python bench/gpu_bench.py                         # all sections
+    python bench/gpu_bench.py --sections ceilings,kernels
+
+Sections (each guarded: one failure is recorded and the next section runs):
+  ceilings  device-to-device copy bandwidth (bytes read + written) and bf16 8192^3 matmul TFLOP/s
+  kernels   every Triton kernel vs its torch reference in bf16 (rel err ||out-ref||/||ref|| < 1e-2),
+            then timed (median of CUDA-event timings) with GB/s or TFLOP/s against the ceilings
+  engine    a random-weight Llama-3.1-8B (kvmesh make-model) through gpu_worker.Engine: batch-1
+            decode ms/token, batched decode tok/s, prefill tok/s, offline throughput on 1,000
+            ShareGPT-like requests
+  peers     Hugging Face transformers on the same weights (no compile), time-boxed
+
+Progress goes to stdout as it happens; the summary table is printed last; everything is also
+written to $OUT/gpu_bench.json (rewritten after every section, so a timeout keeps what ran).
+Imports only torch + triton for ceilings/kernels; the engine needs gpu_worker's own imports.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere in the repo
+
+import torch  # noqa: E402
+
+T0 = time.time()
+DEV = "cuda"           # "cpu" only with --smoke (TRITON_INTERPRET=1, tiny sizes: checks this script's code)
+SMOKE = False
+ROWS: list[tuple[str, str, str, str]] = []      # (section, metric, value, note) for the final table
+RESULTS: dict = {"sections": {}, "errors": {}}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def row(section: str, metric: str, value: float | str, unit: str = "", note: str = "") -> None:
+    text = value if isinstance(value, str) else (f"{value:.4g} {unit}".strip())
+    ROWS.append((section, metric, text, note))
+    RESULTS["sections"].setdefault(section, {})[metric] = {"value": value, "unit": unit, "note": note}
+    log(f"{section:8s} {metric:48s} {text}  {note}")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def time_cuda(fn, warmup: int = 3, reps: int = 20) -> float:
+    """Median milliseconds of fn() by CUDA events (after warm-up); wall clock in --smoke on CPU.
+    Includes the host's launch cost when fn is shorter than it (see time_graph)."""
+    if DEV == "cpu":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def time_graph(fn, inner: int = 20, reps: int = 10) -> float:
+    """Median milliseconds of one fn() replayed from a CUDA graph of `inner` back-to-back calls:
+    the device time without Python/launch overhead (what a CUDA-graph decode step sees)."""
+    if DEV == "cpu":
+        return time_cuda(fn)
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    return time_cuda(graph.replay, warmup=2, reps=reps) / inner
+
+
+def attn_dtype() -> torch.dtype:
+    """bf16 on the GPU; fp32 in --smoke (the interpreter's bf16 dot is not trustworthy)."""
+    return torch.float32 if SMOKE else torch.bfloat16
+
+
+def empty_cache() -> None:
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Deadline:
+    def __init__(self, seconds: float):
+        self.end = T0 + seconds
+
+    def left(self) -> float:
+        return self.end - time.time()
+
+
+# ============================================================================ ceilings
+def section_ceilings(args, deadline) -> None:
+    n = 2 * 1024**3 // 2 if not SMOKE else 1 << 16              # 2 GiB of bf16
+    src = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = time_cuda(lambda: dst.copy_(src), reps=10)
+    bw = 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
+    RESULTS["copy_gbps"] = bw
+    row("ceiling", "D2D copy bandwidth (read+write)", bw, "GB/s")
+    del src, dst
+    N = 8192 if not SMOKE else 128
+    a = torch.randn(N, N, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(N, N, device=DEV, dtype=torch.bfloat16)
+    ms = time_cuda(lambda: a @ b, warmup=3, reps=10)
+    tf = 2 * N**3 / (ms * 1e-3) / 1e12
+    RESULTS["matmul_tflops"] = tf
+    row("ceiling", "bf16 8192^3 matmul", tf, "TFLOP/s")
+    del a, b
+    empty_cache()
+
+
+def _ceil_bw() -> float:
+    return RESULTS.get("copy_gbps") or 4300.0
+
+
+def _ceil_tf() -> float:
+    return RESULTS.get("matmul_tflops") or 790.0
+
+
+# ============================================================================ kernels
+def _paged_cache(ctx_lens, n_kv, head_dim, page, dtype, seed=0):
+    """A cache holding exactly the blocks the sequences need, in a random (fragmented) order."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    need = [(c + page - 1) // page for c in ctx_lens]
+    total = sum(need)
+    perm = torch.randperm(total, device=DEV, generator=g).int()
+    tables = torch.zeros((len(ctx_lens), max(need)), dtype=torch.int32, device=DEV)
+    used = 0
+    for i, nb in enumerate(need):
+        tables[i, :nb] = perm[used: used + nb]
+        used += nb
+    k = torch.randn((total, page, n_kv, head_dim), device=DEV, dtype=dtype, generator=g)
+    v = torch.randn((total, page, n_kv, head_dim), device=DEV, dtype=dtype, generator=g)
+    return k, v, tables
+
+
+def kernel_decode_attention(args, deadline) -> None:
+    from gpu_worker.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+    H, KVH, D, page = 32, 8, 128, 16
+    for B in ((1, 3) if SMOKE else (1, 64)):
+        for ctx in ((17, 300) if SMOKE else (128, 8192, 32768)):
+            if deadline.left() < 30:
+                row("kernel", f"decode attn B={B} ctx={ctx}", "skipped (time)")
+                continue
+            lens = [ctx] * B
+            k, v, tables = _paged_cache(lens, KVH, D, page, attn_dtype(), seed=B + ctx)
+            q = torch.randn(B, H, D, device=DEV, dtype=attn_dtype())
+            cl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+            out = torch.full_like(q, float("nan"))
+            call = dict(max_context_len=ctx, out=out)
+            paged_decode_attention(q, k, v, tables, cl, D ** -0.5, **call)
+            nchk = min(B, 4)
+            ref = paged_decode_attention_ref(q[:nchk], k, v, tables[:nchk], cl[:nchk], D ** -0.5)
+            err = rel_err(out[:nchk], ref)
+            ok = err < 1e-2 and not torch.isnan(out).any().item()
+            ms_eager = time_cuda(lambda: paged_decode_attention(q, k, v, tables, cl, D ** -0.5, **call))
+            ms = time_graph(lambda: paged_decode_attention(q, k, v, tables, cl, D ** -0.5, **call))
+            nbytes = 2 * B * ctx * KVH * D * 2 + 2 * q.numel() * 2
+            gbps = nbytes / (ms * 1e-3) / 1e9
+            row("kernel", f"decode attn B={B} ctx={ctx} (err {err:.1e} {'ok' if ok else 'FAIL'})",
+                ms * 1e3, "us", f"{gbps:.0f} GB/s = {100 * gbps / _ceil_bw():.0f}% of copy (graph); "
+                f"eager {ms_eager * 1e3:.0f} us")
+            if args.sweep and ctx >= 8192:
+                best = None
+                for bn in (32, 64, 128):
+                    for nw in (4, 8):
+                        for ns in (2, 3):
+                            if deadline.left() < 40:
+                                break
+                            cfg = dict(block_n=bn, num_warps=nw, num_stages=ns, max_context_len=ctx)
+                            try:
+                                o2 = paged_decode_attention(q, k, v, tables, cl, D ** -0.5, **cfg)
+                                if rel_err(o2, out) > 1e-2:
+                                    log(f"  sweep {bn, nw, ns}: WRONG")
+                                    continue
+                                t = time_graph(lambda: paged_decode_attention(q, k, v, tables, cl, D ** -0.5, **cfg),
+                                               inner=5, reps=5)
+                            except Exception as exc:   # e.g. out of shared memory
+                                log(f"  sweep bn={bn} nw={nw} ns={ns}: {type(exc).__name__}")
+                                continue
+                            if best is None or t < best[0]:
+                                best = (t, bn, nw, ns)
+                if best:
+                    row("sweep", f"decode B={B} ctx={ctx} best (block_n, warps, stages)",
+                        f"{best[0] * 1e3:.1f} us @ {best[1:]}", "", f"{nbytes / (best[0] * 1e-3) / 1e9:.0f} GB/s")
+            del k, v
+            empty_cache()
+
+
+def kernel_prefill_attention(args, deadline) -> None:
+    from gpu_worker.kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+    H, KVH, D, page = 32, 8, 128, 16
+    # (query_lens, context_lens): fresh prompts, and chunks behind cached prefixes + decode rows
+    cases = {"4 x 2k fresh": ([2048] * 4, [2048] * 4),
+             "1 x 8k fresh": ([8192], [8192]),
+             "2k chunk behind 6k + 64 decodes": ([2048] + [1] * 64, [8192] + [1000] * 64)}
+    if SMOKE:
+        cases = {"smoke": ([70, 1, 1], [100, 30, 5])}
+    for name, (qlens, clens) in cases.items():
+        if deadline.left() < 30:
+            row("kernel", f"prefill attn {name}", "skipped (time)")
+            continue
+        k, v, tables = _paged_cache(clens, KVH, D, page, attn_dtype(), seed=len(qlens))
+        T = sum(qlens)
+        q = torch.randn(T, H, D, device=DEV, dtype=attn_dtype())
+        qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32, device=DEV)
+        cl = torch.tensor(clens, dtype=torch.int32, device=DEV)
+        out = torch.full_like(q, float("nan"))
+        kw = dict(max_query_len=max(qlens), out=out)
+        paged_prefill_attention(q, k, v, tables, cl, qsl, D ** -0.5, **kw)
+        ref = paged_prefill_attention_ref(q, k, v, tables, cl, qsl, D ** -0.5)
+        err = rel_err(out, ref)
+        ok = err < 1e-2 and not torch.isnan(out).any().item()
+        ms = time_cuda(lambda: paged_prefill_attention(q, k, v, tables, cl, qsl, D ** -0.5, **kw), reps=10)
+        # causal FLOPs: 4 * H * D * (sum over query rows of the keys they see)
+        seen = sum(q_ * (c - q_) + q_ * (q_ + 1) / 2 for q_, c in zip(qlens, clens))
+        tf = 4 * H * D * seen / (ms * 1e-3) / 1e12
+        row("kernel", f"prefill attn {name} (err {err:.1e} {'ok' if ok else 'FAIL'})", ms * 1e3, "us",
+            f"{tf:.0f} TFLOP/s = {100 * tf / _ceil_tf():.0f}% of matmul")
+        if args.sweep and name == "1 x 8k fresh":
+            best = None
+            for bm, bn, nw, ns in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                                   (128, 32, 4, 2), (64, 128, 8, 2), (128, 128, 8, 2)]:
+                if deadline.left() < 40:
+                    break
+                cfg = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, max_query_len=max(qlens))
+                try:
+                    o2 = paged_prefill_attention(q, k, v, tables, cl, qsl, D ** -0.5, **cfg)
+                    if rel_err(o2, out) > 1e-2:
+                        log(f"  sweep {bm, bn, nw, ns}: WRONG")
+                        continue
+                    t = time_cuda(lambda: paged_prefill_attention(q, k, v, tables, cl, qsl, D ** -0.5, **cfg), reps=5)
+                except Exception as exc:
+                    log(f"  sweep {bm, bn, nw, ns}: {type(exc).__name__}")
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, bm, bn, nw, ns)
+            if best:
+                row("sweep", "prefill 8k best (block_m, block_n, warps, stages)", f"{best[0] * 1e3:.0f} us @ {best[1:]}",
+                    "", f"{4 * H * D * seen / (best[0] * 1e-3) / 1e12:.0f} TFLOP/s")
+        del k, v
+        empty_cache()
+
+
+def kernel_small_ops(args, deadline) -> None:
+    from gpu_worker.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref
+    from gpu_worker.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+    from gpu_worker.kernels.rope import build_cos_sin_cache, rope_, rope_inv_freq, rope_ref
+    from gpu_worker.kernels.swiglu import swiglu, swiglu_ref
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    T, Hd, I, H, KVH, D = (8192, 4096, 14336, 32, 8, 128) if not SMOKE else (5, 256, 300, 4, 2, 64)
+
+    def report(name, err, fn, nbytes, tol=1e-2):
+        ms = time_graph(fn)
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        row("kernel", f"{name} (err {err:.1e} {'ok' if err < tol else 'FAIL'})", ms * 1e3, "us",
+            f"{gbps:.0f} GB/s = {100 * gbps / _ceil_bw():.0f}% of copy (graph); eager {time_cuda(fn) * 1e3:.0f} us")
+
+    x, r, w = torch.randn(T, Hd, **bf), torch.randn(T, Hd, **bf), torch.randn(Hd, **bf)
+    out, res = rmsnorm(x, w, 1e-5, r)
+    ref_out, ref_res = rmsnorm_ref(x, w, 1e-5, r)
+    err = max(rel_err(out, ref_out), rel_err(res, ref_res))
+    report(f"rmsnorm+residual T={T} H={Hd}", err, lambda: rmsnorm(x, w, 1e-5, r), 5 * T * Hd * 2)
+
+    gu = torch.randn(T, 2 * I, **bf)
+    report(f"swiglu T={T} I={I}", rel_err(swiglu(gu), swiglu_ref(gu)), lambda: swiglu(gu), 3 * T * I * 2)
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cache = build_cos_sin_cache(rope_inv_freq(D, 500000.0, scaling), 131072).to(DEV)
+    pos = torch.randint(0, 131072, (T,), device=DEV)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, **bf)
+    q, k = qkv[:, : H * D].view(T, H, D), qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
+    q_ref, k_ref = rope_ref(pos, q, k, cache)
+    rope_(pos, q, k, cache)
+    err = max(rel_err(q, q_ref), rel_err(k, k_ref))
+    report(f"rope q+k T={T}", err, lambda: rope_(pos, q, k, cache), 2 * T * (H + KVH) * D * 2)
+
+    from gpu_worker.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref
+    page, nblk = 16, T // 16 + 64
+    qkv = torch.randn(T, (H + 2 * KVH) * D, **bf)
+    kcf, vcf = torch.zeros(nblk, page, KVH, D, **bf), torch.zeros(nblk, page, KVH, D, **bf)
+    qkv2, kcf2, vcf2 = qkv.clone(), kcf.clone(), vcf.clone()
+    fslots = torch.randperm(nblk * page, device=DEV)[:T]
+
+    def qkv_views(x):
+        return (x[:, : H * D].view(T, H, D), x[:, H * D:(H + KVH) * D].view(T, KVH, D),
+                x[:, (H + KVH) * D:].view(T, KVH, D))
+
+    rope_kv_write(pos, *qkv_views(qkv), cache, kcf, vcf, fslots)
+    rope_kv_write_ref(pos, *qkv_views(qkv2), cache, kcf2, vcf2, fslots)
+    err = max(rel_err(qkv, qkv2), rel_err(kcf, kcf2), rel_err(vcf, vcf2))
+    report(f"rope+kv write fused T={T}", err, lambda: rope_kv_write(pos, *qkv_views(qkv), cache, kcf, vcf, fslots),
+           (2 * T * (H + KVH) * D + 4 * T * KVH * D) * 2)
+
+    kk, vv = torch.randn(T, KVH, D, **bf), torch.randn(T, KVH, D, **bf)
+    kc, vc = torch.zeros(nblk, page, KVH, D, **bf), torch.zeros(nblk, page, KVH, D, **bf)
+    kc2, vc2 = kc.clone(), vc.clone()
+    slots = torch.randperm(nblk * page, device=DEV)[:T]
+    kv_cache_write(kk, vv, kc, vc, slots)
+    kv_cache_write_ref(kk, vv, kc2, vc2, slots)
+    err = 0.0 if (torch.equal(kc, kc2) and torch.equal(vc, vc2)) else 1.0
+    report(f"kv write T={T}", err, lambda: kv_cache_write(kk, vv, kc, vc, slots), 4 * T * KVH * D * 2)
+
+
+def kernel_sampling(args, deadline) -> None:
+    from gpu_worker.kernels.sampling import SamplingTensors, allowed_tokens_ref, apply_filters, sample
+    dev = torch.device(DEV)
+    # correctness on a small vocabulary (the reference is row-by-row Python)
+    S, V = 8, 1000
+    x = torch.randn(S, V, device=dev) * 3
+    tk, tp, mp = [-1, 5, 50, -1, 20, 1, -1, 100], [1.0, 1.0, 0.9, 0.7, 0.95, 1.0, 1.0, 0.5], [0.0] * 6 + [0.05, 0.02]
+    st = SamplingTensors.from_lists([1.0] * S, tk, tp, mp, list(range(S)), dev)
+    f = apply_filters(x.clone(), st)
+    bad = sum(set(torch.nonzero(f[i] > float("-inf")).flatten().tolist()) != allowed_tokens_ref(x[i].cpu(), tk[i], tp[i], mp[i])
+              for i in range(S))
+    greedy_ok = torch.equal(sample(x, SamplingTensors.from_lists([0.0] * S, [-1] * S, [1.0] * S, [0.0] * S, [0] * S, dev)),
+                            x.argmax(-1))
+    row("kernel", "sampling filters/greedy vs reference", "ok" if bad == 0 and greedy_ok else f"FAIL ({bad} rows)")
+    # timings at Llama-3's vocabulary
+    V = 128256 if not SMOKE else 3000
+    for S in ((1, 64, 256) if not SMOKE else (2,)):
+        logits = torch.randn(S, V, device=dev) * 3
+        plain = SamplingTensors.from_lists([0.8] * S, [-1] * S, [1.0] * S, [0.0] * S, list(range(S)), dev)
+        full = SamplingTensors.from_lists([0.8] * S, [50] * S, [0.9] * S, [0.05] * S, list(range(S)), dev)
+        greedy = SamplingTensors.from_lists([0.0] * S, [-1] * S, [1.0] * S, [0.0] * S, [0] * S, dev)
+        t_g = time_graph(lambda: sample(logits, greedy))
+        t_p = time_graph(lambda: sample(logits, plain))
+        t_f = time_graph(lambda: sample(logits, full), inner=5)
+        row("kernel", f"sampling S={S} V={V}: greedy / temp / temp+topk+topp+minp",
+            f"{t_g * 1e3:.0f} / {t_p * 1e3:.0f} / {t_f * 1e3:.0f} us", "", "graph")
+
+
+def kernel_cuda_graphs(args, deadline) -> None:
+    """DecodeGraphs + TritonAttentionBackend on a one-layer stand-in model: replay == eager."""
+    from gpu_worker.attention.triton_backend import TritonAttentionBackend
+    from gpu_worker.cuda_graphs import DecodeGraphs
+    from gpu_worker.forward_batch import ForwardBatch
+    H, KVH, D, page, n_blocks = 32, 8, 128, 16, 16384
+    dt = attn_dtype()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    kc = torch.randn(n_blocks, page, KVH, D, device=DEV, dtype=dt, generator=g)
+    vc = torch.randn(n_blocks, page, KVH, D, device=DEV, dtype=dt, generator=g)
+    wq = torch.randn(64, H * D, device=DEV, dtype=dt, generator=g)
+    wkv = torch.randn(64, 2 * KVH * D, device=DEV, dtype=dt, generator=g)
+    backend = TritonAttentionBackend()
+
+    def run_model(batch):
+        x = torch.nn.functional.one_hot(batch.input_ids % 64, 64).to(dt)
+        q = (x @ wq).view(-1, H, D)
+        k, v = (x @ wkv).view(-1, 2, KVH, D).unbind(1)
+        return backend.forward(q, k, v, kc, vc, batch, D ** -0.5).reshape(x.shape[0], -1)
+
+    sizes = [1, 2, 4, 8] if SMOKE else [1, 8, 64]
+    graphs = DecodeGraphs(run_model, device=torch.device(DEV), max_batch_size=sizes[-1], max_blocks_per_seq=256,
+                          max_context_len=4096, sizes=sizes)
+    graphs.capture()
+    B = 3 if SMOKE else 37
+    ctx = torch.randint(1, 4000 if not SMOKE else 200, (B,))
+    perm = torch.randperm(n_blocks - 1)[: B * 250] + 1
+    tables = perm.view(B, 250).int()
+    pos = ctx.long() - 1
+    slots = tables[torch.arange(B), (pos // page)].long() * page + pos % page
+    i32 = dict(dtype=torch.int32, device=DEV)
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, 1000, (B,), device=DEV), positions=pos.to(DEV),
+        query_lens=torch.ones(B, **i32), context_lens=ctx.to(**i32),
+        query_start_loc=torch.arange(B + 1, **i32), block_tables=tables.to(DEV), slot_mapping=slots.to(DEV),
+        logits_indices=torch.arange(B, device=DEV), max_query_len=1, max_context_len=int(ctx.max()))
+    kc0, vc0 = kc.clone(), vc.clone()
+    out = graphs.run(batch).clone()
+    kg, vg = kc.clone(), vc.clone()
+    kc.copy_(kc0), vc.copy_(vc0)
+    ref = run_model(batch)
+    err = rel_err(out, ref)
+    same_cache = torch.equal(kg, kc) and torch.equal(vg, vc)
+    ok = err < 1e-2 and same_cache
+    ms = time_cuda(lambda: graphs.run(batch)) if not SMOKE else 0.0     # incl. the input copies
+    ms_eager = time_cuda(lambda: run_model(batch)) if not SMOKE else 0.0
+    row("kernel", f"cuda graph replay B={B} (bucket {graphs.bucket(B)}) vs eager: err {err:.1e} "
+        f"{'ok' if ok else 'FAIL'}", f"{ms * 1e3:.0f} / {ms_eager * 1e3:.0f} us", "", "graph / eager, 1 layer")
+
+
+def kernel_fp8(args, deadline) -> None:
+    """FP8 KV cache (write + decode attention) and FP8 linear (per-token quant + _scaled_mm)."""
+    from gpu_worker.kernels.fp8_linear import (fp8_linear, fp8_linear_ref, quantize_per_token,
+                                               quantize_per_token_ref, quantize_weight_fp8)
+    from gpu_worker.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref
+    from gpu_worker.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+    f8 = torch.float8_e4m3fn
+    H, KVH, D, page = (32, 8, 128, 16) if not SMOKE else (4, 2, 64, 16)
+    B, ctx = (64, 8192) if not SMOKE else (2, 40)
+    k, v, tables = _paged_cache([ctx] * B, KVH, D, page, attn_dtype(), seed=7)
+    kc, vc = (k * 16).to(f8), (v * 16).to(f8)           # stored = value / (1/16)
+    del k, v
+    ks = vs = 1.0 / 16
+    T = 4096 if not SMOKE else 5
+    kk = torch.randn(T, KVH, D, device=DEV, dtype=attn_dtype())
+    vv = torch.randn(T, KVH, D, device=DEV, dtype=attn_dtype())
+    kc_w, vc_w = torch.zeros(T // page + 8, page, KVH, D, device=DEV, dtype=f8), torch.zeros(T // page + 8, page, KVH, D, device=DEV, dtype=f8)
+    kc_r, vc_r = kc_w.clone(), vc_w.clone()
+    slots = torch.randperm(kc_w.shape[0] * page, device=DEV)[:T]
+    kv_cache_write(kk, vv, kc_w, vc_w, slots, 0.05, 0.05)
+    kv_cache_write_ref(kk, vv, kc_r, vc_r, slots, 0.05, 0.05)
+    same = torch.equal(kc_w.float(), kc_r.float()) and torch.equal(vc_w.float(), vc_r.float())
+    row("kernel", "fp8 kv write vs reference", "ok" if same or SMOKE else "FAIL (rounding differs)")
+    from gpu_worker.kernels.rope import build_cos_sin_cache, rope_inv_freq
+    from gpu_worker.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref
+    cs = build_cos_sin_cache(rope_inv_freq(D, 500000.0), 8192).to(DEV)
+    pos = torch.randint(0, 8192, (T,), device=DEV)
+    qq = torch.randn(T, H, D, device=DEV, dtype=attn_dtype())
+    k1, q2, k2 = kk.clone(), qq.clone(), kk.clone()
+    kc_w.zero_(), vc_w.zero_(), kc_r.zero_(), vc_r.zero_()
+    rope_kv_write(pos, qq, k1, vv, cs, kc_w, vc_w, slots, 0.05, 0.05)
+    rope_kv_write_ref(pos, q2, k2, vv, cs, kc_r, vc_r, slots, 0.05, 0.05)
+    same = torch.equal(kc_w.float(), kc_r.float()) and torch.equal(vc_w.float(), vc_r.float())
+    row("kernel", "fp8 rope+kv write vs reference", "ok" if same or SMOKE else
+        f"FAIL ({float((kc_w.float() != kc_r.float()).float().mean()):.1e} of K differ)")
+    q = torch.randn(B, H, D, device=DEV, dtype=attn_dtype())
+    cl = torch.tensor([ctx] * B, dtype=torch.int32, device=DEV)
+    call = dict(max_context_len=ctx, k_scale=ks, v_scale=vs)
+    out = paged_decode_attention(q, kc, vc, tables, cl, D ** -0.5, **call)
+    ref = paged_decode_attention_ref(q[:4], kc, vc, tables[:4], cl[:4], D ** -0.5, k_scale=ks, v_scale=vs)
+    err = rel_err(out[:4], ref)
+    ms = time_graph(lambda: paged_decode_attention(q, kc, vc, tables, cl, D ** -0.5, **call))
+    nbytes = 2 * B * ctx * KVH * D * 1
+    row("kernel", f"fp8 decode attn B={B} ctx={ctx} (err {err:.1e} {'ok' if err < 1e-2 else 'FAIL'})", ms * 1e3, "us",
+        f"{nbytes / (ms * 1e-3) / 1e9:.0f} GB/s (fp8 bytes)")
+    del kc, vc
+    # fp8 linear at Llama-8B's gate_up shape
+    K, N = (4096, 28672) if not SMOKE else (64, 32)
+    w = torch.randn(N, K, device=DEV, dtype=attn_dtype()) / K ** 0.5
+    wq = quantize_weight_fp8(w)
+    for M in ((1, 64, 4096) if not SMOKE else (3,)):
+        x = torch.randn(M, K, device=DEV, dtype=attn_dtype())
+        x8, xs = quantize_per_token(x)
+        r8, rs = quantize_per_token_ref(x)
+        mism = float((x8.float() != r8.float()).float().mean())
+        y = fp8_linear(x, wq)
+        err_q = rel_err(y, fp8_linear_ref(x, wq))
+        err_bf = rel_err(y, x.float() @ w.float().t())
+        t8 = time_graph(lambda: fp8_linear(x, wq), inner=10)
+        tb = time_graph(lambda: x @ w.t(), inner=10)
+        ok = err_q < 1e-2 and err_bf < 6e-2 and mism < 1e-3
+        row("kernel", f"fp8 linear M={M} K={K} N={N} ({'ok' if ok else 'FAIL'})", f"{t8 * 1e3:.0f} / {tb * 1e3:.0f} us",
+            "", f"fp8 / bf16 time; fp8 {2 * M * N * K / (t8 * 1e-3) / 1e12:.0f} TFLOP/s; err {err_q:.1e} vs ref, "
+            f"{err_bf:.1e} vs bf16; quant mismatch {mism:.0e}")
+
+
+def section_kernels(args, deadline) -> None:
+    for fn in (kernel_decode_attention, kernel_prefill_attention, kernel_small_ops, kernel_sampling,
+               kernel_cuda_graphs, kernel_fp8):
+        if deadline.left() < 20:
+            row("kernel", fn.__name__, "skipped (time)")
+            continue
+        try:
+            fn(args, deadline)
+        except Exception as exc:
+            RESULTS["errors"][fn.__name__] = traceback.format_exc()
+            row("kernel", fn.__name__, f"ERROR {type(exc).__name__}: {str(exc)[:120]}")
+        empty_cache()
+
+
+# ============================================================================ engine
+@dataclass(frozen=True)
+class EngineScale:
+    """Sizes of the engine section: `full` is the benchmark; `quick` (a 1B model, short lengths)
+    checks the engine's GPU path in about a minute; `smoke` is the CPU check of this script."""
+    model_size: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    decode_ctx: tuple[int, ...]          # batch-1 decode at these prompt lengths
+    decode_out: int
+    batch_sizes: tuple[int, ...]         # batched decode
+    batch_out: int
+    prefill_lens: tuple[int, ...]        # prefill throughput, ~prefill_tokens prompt tokens each
+    prefill_tokens: int
+    num_requests: int                    # offline throughput
+    max_in: int
+    max_out: int
+
+
+SCALES = {
+    "full": EngineScale("8b", 32768 + 256, 256, 8192, (128, 8192), 128, (64, 256), 160,
+                        (512, 2048, 8192, 32768), 32768, 1000, 2048, 1024),
+    "quick": EngineScale("1b", 4096 + 256, 256, 8192, (128, 2048), 64, (64, 256), 48,
+                         (512, 2048), 16384, 300, 1024, 256),
+    "smoke": EngineScale("tiny", 1024, 8, 512, (128, 300), 8, (4, 8), 20, (64, 256), 512, 12, 200, 40),
+}
+
+
+def ensure_model(args) -> Path:
+    model_dir = Path(args.model_dir or f"/tmp/kvmesh-llama-{args.scale.model_size}")
+    if (model_dir / "config.json").exists() and list(model_dir.glob("*.safetensors")):
+        return model_dir
+    size = args.scale.model_size
+    log(f"making a random-weight llama {size} in {model_dir} ...")
+    cmd = [sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", size, str(model_dir)]
+    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    return model_dir
+
+
+def _prompt(rng, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(300, vocab) for _ in range(n)]   # random ids: no prefix-cache hits
+
+
+def _drain(eng, deadline=None) -> int:
+    """Step until idle; returns new tokens produced."""
+    n = 0
+    while eng.has_unfinished_requests():
+        n += sum(len(d.new_token_ids) for d in eng.step())
+        if deadline is not None and deadline.left() < 0:
+            break
+    return n
+
+
+def section_engine(args, deadline) -> None:
+    import random
+
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import Engine
+    from services.protocol.sampling import SamplingParams
+
+    sc: EngineScale = args.scale
+    model_dir = ensure_model(args)
+    log("loading the engine ...")
+    t = time.time()
+    sizes = dict(model=str(model_dir), max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
+                 max_num_batched_tokens=sc.max_num_batched_tokens)
+    if SMOKE:
+        cfg = EngineConfig(**sizes, device="cpu", dtype="float32", attention_backend="torch", num_gpu_blocks=1024)
+    else:
+        cfg = EngineConfig(**sizes, gpu_memory_utilization=args.gpu_mem, dtype="bfloat16",
+                           attention_backend=args.attention_backend)
+    eng = Engine(cfg)
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+    graphs = getattr(getattr(eng, "runner", None), "decode_graphs", None)
+    row("engine", "load (weights + KV + graphs)", time.time() - t, "s",
+        f"{eng.model_config.__class__.__name__}; attention {getattr(eng.setup, 'attention_backend', '?')}; "
+        f"decode graphs {len(graphs.sizes) if graphs else 'none'}")
+    vocab, rng = eng.vocab_size, random.Random(0)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    ids = iter(range(10**9))
+
+    def add(n_prompt, n_out, **kw):
+        eng.add_request(f"r{next(ids)}", _prompt(rng, n_prompt, vocab), SamplingParams(max_tokens=n_out, **{**greedy, **kw}))
+
+    # warm-up: compile every kernel variant (prefill, mixed, decode) before timing anything
+    add(1000, 8)
+    add(20, 8)
+    _drain(eng)
+
+    # batch-1 decode
+    for ctx in sc.decode_ctx:
+        if deadline.left() < 60:
+            row("engine", f"batch-1 decode ctx={ctx}", "skipped (time)")
+            continue
+        add(ctx, sc.decode_out)
+        eng.step()                                    # the prefill (one step: ctx <= max_num_batched_tokens)
+        sync()
+        t = time.time()
+        n = _drain(eng)
+        dt = time.time() - t
+        row("engine", f"batch-1 decode ctx={ctx}", 1e3 * dt / max(n, 1), "ms/token",
+            f"{n / dt:.0f} tok/s (target >= 240 at 128)")
+
+    # batched decode: B requests, prompt 128, measure steady state after the prefills
+    for B in sc.batch_sizes:
+        if deadline.left() < 60:
+            row("engine", f"batched decode B={B}", "skipped (time)")
+            continue
+        for _ in range(B):
+            add(128, sc.batch_out)
+        steps = 0
+        while steps < 8:                               # prefill them all (B * 128 / budget steps), then decode
+            eng.step()
+            steps += 1
+        sync()
+        t, n, steps = time.time(), 0, 0
+        while eng.has_unfinished_requests() and steps < 100:
+            n += sum(len(d.new_token_ids) for d in eng.step())
+            steps += 1
+        dt = time.time() - t
+        _drain(eng)
+        row("engine", f"batched decode B={B}", n / dt, "out tok/s",
+            f"{1e3 * dt / steps:.1f} ms/step" + (" (target >= 18k at 256)" if B == 256 else ""))
+
+    # prefill throughput: ~32k prompt tokens per length, one output token each
+    for L in sc.prefill_lens:
+        if deadline.left() < 60:
+            row("engine", f"prefill L={L}", "skipped (time)")
+            continue
+        n_req = max(1, sc.prefill_tokens // L)
+        times = []
+        for _ in range(2):                             # twice: the first may still compile a kernel variant
+            for _ in range(n_req):
+                add(L, 1)
+            sync()
+            t = time.time()
+            _drain(eng)
+            times.append(time.time() - t)
+        row("engine", f"prefill L={L} x{n_req}", n_req * L / min(times), "tok/s",
+            f"best of 2 ({n_req * L / max(times):.0f} the other)" + (", target >= 47k at 2k" if L == 2048 else ""))
+
+    # offline throughput: ShareGPT-like lognormal lengths, ignore_eos, token-id prompts
+    if deadline.left() > 60:
+        n_req = args.num_requests or sc.num_requests
+        lens_rng = random.Random(1)
+
+        def lognormal(mean, sigma, lo, hi):
+            return int(min(hi, max(lo, lens_rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma))))
+
+        reqs = [(lognormal(200, 1.0, 4, sc.max_in), lognormal(180, 1.0, 4, sc.max_out)) for _ in range(n_req)]
+        for p, o in reqs:
+            add(p, o, temperature=args.temperature)
+        box = Deadline(time.time() - T0 + min(args.throughput_seconds, deadline.left() - 30))
+        t = time.time()
+        n_out = _drain(eng, box)
+        dt = time.time() - t
+        done = not eng.has_unfinished_requests()
+        in_tokens = sum(p for p, _ in reqs)
+        row("engine", f"offline throughput {n_req} reqs{'' if done else ' (time-boxed, partial)'}",
+            n_out / dt, "out tok/s", f"{(n_out + (in_tokens if done else 0)) / dt:.0f} total tok/s, {dt:.1f} s"
+            f", temperature {args.temperature}")
+        for r in list(getattr(eng, "requests", {})):
+            eng.abort_request(r)
+    else:
+        row("engine", "offline throughput", "skipped (time)")
+    del eng, add
+    import gc
+    gc.collect()                                       # CUDA graphs and KV cache: free them for the peer
+    empty_cache()
+
+
+# ============================================================================ peers
+def section_peers(args, deadline) -> None:
+    import transformers
+    model_dir = ensure_model(args)
+    log(f"loading transformers {transformers.__version__} (sdpa attention, no compile) ...")
+    t = time.time()
+    auto = transformers.AutoModelForCausalLM
+    try:                                  # straight onto the GPU (needs accelerate; transformers 5 names)
+        model = auto.from_pretrained(model_dir, dtype=torch.bfloat16, device_map=DEV)
+    except (TypeError, ValueError, ImportError):
+        model = auto.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEV)
+    model.eval()
+    row("peer", "HF load", time.time() - t, "s")
+    vocab = model.config.vocab_size
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+    n_prefill = min(8192, args.scale.max_model_len // 2)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    with torch.inference_mode():
+        if deadline.left() > 40:
+            ids = torch.randint(300, vocab, (1, 128), device=DEV, generator=g)
+            model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)    # warm-up
+            sync()
+            n = 64
+            t = time.time()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            sync()
+            dt = time.time() - t
+            row("peer", "HF batch-1 decode ctx=128", n / dt, "tok/s", f"{1e3 * dt / n:.1f} ms/token (incl. prefill)")
+        if deadline.left() > 40:
+            ids = torch.randint(300, vocab, (1, n_prefill), device=DEV, generator=g)
+            model(ids[:, :1024])
+            sync()
+            t = time.time()
+            model(ids, logits_to_keep=1) if "logits_to_keep" in model.forward.__code__.co_varnames else model(ids)
+            sync()
+            dt = time.time() - t
+            row("peer", f"HF prefill {n_prefill}", n_prefill / dt, "tok/s")
+    del model
+    empty_cache()
+
+
+# ============================================================================ main
+SECTIONS = {"ceilings": section_ceilings, "kernels": section_kernels, "engine": section_engine,
+            "peers": section_peers}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sections", default="ceilings,kernels,engine,peers",
+                    help=f"comma-separated, from {','.join(SECTIONS)}")
+    ap.add_argument("--model-dir", default=None, help="default /tmp/kvmesh-llama-<size>; made with make-model if missing")
+    ap.add_argument("--engine-scale", default="full", choices=sorted(SCALES),
+                    help="full: Llama-8B benchmark; quick: a 1B model at short lengths (checks the GPU path)")
+    ap.add_argument("--time-budget", type=float, default=520.0, help="seconds for the whole run (sections skip when short)")
+    ap.add_argument("--attention-backend", default="triton", choices=("triton", "torch", "auto"))
+    ap.add_argument("--gpu-mem", type=float, default=0.6, help="engine gpu_memory_utilization (leaves room for the peer)")
+    ap.add_argument("--num-requests", type=int, default=None, help="offline throughput requests (default: the scale's)")
+    ap.add_argument("--throughput-seconds", type=float, default=90.0, help="time box of the offline run")
+    ap.add_argument("--temperature", type=float, default=1.0, help="offline throughput sampling temperature")
+    ap.add_argument("--sweep", action="store_true", help="also sweep attention tile configs")
+    ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny sizes: test this script")
+    args = ap.parse_args(argv)
+    global DEV, SMOKE
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        DEV, SMOKE = "cpu", True
+        args.engine_scale = "smoke"
+    args.scale = SCALES[args.engine_scale]
+    out_dir = Path(os.environ.get("OUT", "/tmp/gpu_bench_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deadline = Deadline(args.time_budget)
+    import triton
+    gpu, sms = ("cpu (smoke)", 0)
+    if DEV == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        gpu, sms = props.name, props.multi_processor_count
+    RESULTS["env"] = {"gpu": gpu, "sms": sms, "torch": torch.__version__,
+                      "triton": triton.__version__, "python": sys.version.split()[0], "argv": sys.argv}
+    log(f"{gpu}, {sms} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    for name in [s.strip() for s in args.sections.split(",") if s.strip()]:
+        if name not in SECTIONS:
+            row("error", name, f"unknown section (choose from {','.join(SECTIONS)})")
+            continue
+        if deadline.left() < 20:
+            row(name, "section", "skipped (time)")
+            continue
+        log(f"=== {name} (time left {deadline.left():.0f} s)")
+        try:
+            SECTIONS[name](args, deadline)
+        except Exception as exc:
+            RESULTS["errors"][name] = traceback.format_exc()
+            log(RESULTS["errors"][name])
+            row(name, "section", f"ERROR {type(exc).__name__}: {str(exc)[:150]}")
+        empty_cache()
+        (out_dir / "gpu_bench.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+    print("\n" + "=" * 100)
+    print(f"{'section':8s} | {'metric':62s} | {'value':>16s} | note")
+    print("-" * 100)
+    for sec, metric, value, note in ROWS:
+        print(f"{sec:8s} | {metric[:62]:62s} | {value:>16s} | {note}")
+    print(f"total {time.time() - T0:.0f} s; JSON: {out_dir / 'gpu_bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

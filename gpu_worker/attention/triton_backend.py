@@ -1,0 +1,83 @@
+"""Triton paged attention: KV write, then the decode kernel and/or the prefill kernel.
+
+    pure decode batch (max_query_len == 1):  paged_decode_attention over all rows (split-K when the
+                                             batch is too small to fill the GPU)
+    anything else (prefill, chunked, mixed): paged_decode_attention on the rows with query_len 1
+                                             (other rows exit at once), paged_prefill_attention on
+                                             the query tiles of the others (numbered on the device
+                                             once per step), so no host sync decides who is who
+
+No step does a host sync or depends on tensor values on the host: the grids come from
+ForwardBatch's host-side ints (num_seqs, max_query_len, max_context_len), so a pure-decode step
+can be captured in a CUDA graph (gpu_worker/cuda_graphs.py) with max_context_len fixed at the
+model's maximum.
+
+`forward_rope` is the same with the rotary embedding fused into the KV write (one kernel
+fewer per layer); a model calls it instead of rope_ + forward when the backend has it.
+
+A sliding window (Mistral-style: the query at position p sees keys p - W + 1 .. p) is supported
+by both kernels. An fp8 KV cache (the caches' dtype float8_e4m3fn) is written and read with the per-tensor
+k_scale / v_scale given here (1.0 unless calibrated).
+"""
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.attention.base import AttentionBackend
+from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.kernels.kv_cache_write import kv_cache_write
+from gpu_worker.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention
+from gpu_worker.kernels.paged_prefill_attention import (default_block_m, paged_prefill_attention,
+                                                        prefill_tile_starts)
+from gpu_worker.kernels.rope_kv_write import rope_kv_write
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, sliding_window: int | None = None, decode_num_splits: int | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0):
+        self.sliding_window = sliding_window
+        # fp8 KV caches (float8_e4m3fn): stored = value / scale, per tensor; ignored otherwise.
+        self.k_scale, self.v_scale = k_scale, v_scale
+        # (query_start_loc, tile starts) of the current step: computed by the first layer, reused by the rest
+        self._tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+        # A fixed split count (CUDA graphs pin it per captured batch size); None: chosen per step.
+        self.decode_num_splits = decode_num_splits
+
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        # q (T, nh, D); k, v (T, nkv, D), k already rotated; caches (num_blocks, block_size, nkv, D)
+        kv_cache_write(k, v, k_cache, v_cache, batch.slot_mapping, self.k_scale, self.v_scale)
+        return self.attend(q, k_cache, v_cache, batch, scale)
+
+    def forward_rope(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, batch: ForwardBatch,
+                     scale: float) -> torch.Tensor:
+        """forward() with the rotary embedding fused into the KV write: q and k arrive unrotated
+        (and are rotated in place); one kernel instead of rope_ + kv_cache_write."""
+        rope_kv_write(positions, q, k, v, cos_sin_cache, k_cache, v_cache, batch.slot_mapping,
+                      self.k_scale, self.v_scale)
+        return self.attend(q, k_cache, v_cache, batch, scale)
+
+    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Attention over caches that already hold this step's K/V -> (T, nh, D)."""
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        out = torch.empty_like(q)                                         # (T, nh, D)
+        if batch.num_tokens == 0:
+            return out
+        splits = self.decode_num_splits or choose_num_splits(
+            batch.num_seqs, k_cache.shape[2], batch.max_context_len, q.device)
+        # Rows with query_len 1 (every row of a pure-decode step).
+        paged_decode_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
+            max_context_len=batch.max_context_len, query_start_loc=batch.query_start_loc,
+            out=out, num_splits=splits, sliding_window=self.sliding_window, **scales)
+        if not batch.is_pure_decode:                                      # rows with query_len > 1
+            block_m = default_block_m(batch.max_query_len)
+            if self._tiles is None or self._tiles[0] is not batch.query_start_loc:
+                self._tiles = (batch.query_start_loc,
+                               prefill_tile_starts(batch.query_start_loc, block_m, skip_decode_rows=True))
+            paged_prefill_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start_loc, scale,
+                max_query_len=batch.max_query_len, out=out, skip_decode_rows=True,
+                sliding_window=self.sliding_window, tile_starts=self._tiles[1], block_m=block_m, **scales)
+        return out

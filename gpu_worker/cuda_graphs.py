@@ -1,0 +1,145 @@
+"""CUDA graphs for decode steps: one graph per batch size of a ladder, replayed on static buffers.
+
+A decode step is hundreds of small kernels (a few per layer); launching them from Python costs
+more than running them at small batch sizes. Each captured graph replays ModelRunner.run_model
+(the pure-device middle piece of a forward: ids -> final hidden states) for a fixed number of
+rows, reading its inputs from persistent buffers that every replay refills in place:
+
+    static buffers (max_batch_size rows)          a step of B = 5 sequences, bucket 8
+    input_ids    [t0 t1 t2 t3 t4 | 0  0  0 ]       real rows first, then padding rows:
+    positions    [p0 p1 p2 p3 p4 | 0  0  0 ]       slot -1  -> the KV write skips them
+    slot_mapping [s0 s1 s2 s3 s4 | -1 -1 -1]       context 0 -> attention writes zeros
+    context_lens [c0 c1 c2 c3 c4 | 0  0  0 ]       block row 0 -> never read (context 0)
+    block_tables [rows of the 5  | 0 ...   ]
+
+The attention grids depend only on host ints fixed at capture (rows, and max_context_len set to
+the model's maximum, which pins the decode kernel's split count), so one graph serves every
+context length. Replays copy the batch's tensors into the buffers (host->device or
+device->device, non-blocking), reset the padding rows, replay, and return the first B rows of
+the graph's output; that output is only valid until the next replay.
+
+On the CPU there is nothing to capture: the same buffer logic runs eagerly (`EagerReplay`), so
+the padding rules are tested without a GPU.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from gpu_worker.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+RunModel = Callable[[ForwardBatch], torch.Tensor]   # ForwardBatch on the device -> (T, H) hidden
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, then every 8 up to 256, then every 16: a padded step wastes at most 15 rows."""
+    ladder = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, max(272, max_batch_size + 16), 16))
+    sizes = [s for s in ladder if s < max_batch_size] + [max_batch_size]
+    return sorted(set(sizes))
+
+
+class EagerReplay:
+    """Stands in for a torch.cuda.CUDAGraph where graphs do not exist (CPU): reruns the function."""
+
+    def __init__(self, fn: RunModel, batch: ForwardBatch):
+        self.fn, self.batch = fn, batch
+        self.output = fn(batch)
+
+    def replay(self) -> None:
+        self.output.copy_(self.fn(self.batch))
+
+
+class DecodeGraphs:
+    def __init__(self, run_model: RunModel, *, device: torch.device, max_batch_size: int,
+                 max_blocks_per_seq: int, max_context_len: int, sizes: list[int] | None = None):
+        self.run_model = run_model
+        self.device = torch.device(device)
+        self.sizes = sorted(sizes or capture_sizes(max_batch_size))
+        self.max_batch_size = self.sizes[-1]
+        self.max_context_len = max_context_len
+        n, dev = self.max_batch_size, self.device
+        i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
+        # Persistent inputs, sized for the largest graph; each graph reads a prefix of rows.
+        self.input_ids = torch.zeros(n, **i64)                          # (N,)
+        self.positions = torch.zeros(n, **i64)                          # (N,)
+        self.slot_mapping = torch.full((n,), -1, **i64)                 # (N,)
+        self.context_lens = torch.zeros(n, **i32)                       # (N,)
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), **i32)  # (N, max_blocks)
+        self.query_start_loc = torch.arange(n + 1, **i32)               # (N+1,) one row per sequence
+        self.query_lens = torch.ones(n, **i32)                          # (N,)
+        self.logits_indices = torch.arange(n, **i64)                    # (N,)
+        self.graphs: dict[int, object] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    # ---- capture -----------------------------------------------------------------------------
+    def static_batch(self, size: int) -> ForwardBatch:
+        """The ForwardBatch a graph of `size` rows is captured with: views of the buffers."""
+        return ForwardBatch(
+            input_ids=self.input_ids[:size], positions=self.positions[:size],
+            query_lens=self.query_lens[:size], context_lens=self.context_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1], block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size], logits_indices=self.logits_indices[:size],
+            max_query_len=1, max_context_len=self.max_context_len)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, all in one memory pool (smaller graphs reuse it)."""
+        self._reset_padding(0)
+        if self.device.type != "cuda":
+            for size in reversed(self.sizes):
+                self.graphs[size] = EagerReplay(self.run_model, self.static_batch(size))
+                self.outputs[size] = self.graphs[size].output
+            return
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for size in reversed(self.sizes):
+            batch = self.static_batch(size)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):        # warm up off the capture (compiles kernels)
+                for _ in range(2):
+                    self.run_model(batch)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self.run_model(batch)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.sizes), self.sizes)
+
+    # ---- replay ------------------------------------------------------------------------------
+    def bucket(self, num_seqs: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_seqs), None)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """A pure-decode batch (one row per sequence) that fits a captured size."""
+        return (bool(self.graphs) and batch.is_pure_decode and batch.num_tokens == batch.num_seqs
+                and batch.max_context_len <= self.max_context_len
+                and batch.block_tables.shape[1] <= self.block_tables.shape[1]
+                and self.bucket(batch.num_seqs) is not None)
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """(B, H) final hidden states of the batch's rows (valid until the next run)."""
+        B = batch.num_seqs
+        size = self.bucket(B)
+        nb = batch.block_tables.shape[1]
+        self.input_ids[:B].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:B].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:B].copy_(batch.slot_mapping, non_blocking=True)
+        self.context_lens[:B].copy_(batch.context_lens, non_blocking=True)
+        self.block_tables[:B, :nb].copy_(batch.block_tables, non_blocking=True)
+        self._reset_padding(B, size)
+        self.graphs[size].replay()
+        return self.outputs[size][:B]
+
+    def _reset_padding(self, start: int, stop: int | None = None) -> None:
+        """Rows [start, stop) become harmless padding (see the module docstring)."""
+        stop = self.max_batch_size if stop is None else stop
+        if stop > start:
+            self.slot_mapping[start:stop].fill_(-1)
+            self.context_lens[start:stop].zero_()

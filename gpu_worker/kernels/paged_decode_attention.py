@@ -1,0 +1,272 @@
+"""Paged decode attention (one new query token per sequence), GQA-aware, split-K.
+
+For sequence b, query head h (KV head g = h // G, G = num_heads / num_kv_heads) and its context
+of n = context_lens[b] tokens stored in the paged cache through block_tables[b]:
+
+    s_j    = scale * <q[b, h], K[b, j, g]>                    j = 0 .. n-1
+    out[b, h] = sum_j softmax(s)_j * V[b, j, g]
+
+Stage 1 (grid: sequences x KV heads x splits): one program reads a KV head's tiles once for all
+G query heads that share it (a (G_pad, D) x (D, BLOCK_N) dot), over its slice of the context:
+the context is cut into `num_splits` equal, BLOCK_N-aligned partitions per sequence (computed in
+the kernel from context_lens, so the grid depends only on num_splits: CUDA-graph safe). Each
+program keeps an online softmax (running max m, sum l, accumulator acc) in fp32 (log2 domain).
+
+    context |---- split 0 ----|---- split 1 ----|-- split 2 --|   (n tokens)
+             tile tile tile ... each tile = BLOCK_N tokens gathered through the block table
+
+Stage 2 (grid: sequences x query heads) merges the splits' partial (m, l, acc):
+    M = max_s m_s,  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+With num_splits == 1 stage 1 writes the normalized output directly and stage 2 is skipped.
+
+With a sliding window W only the last W keys are attended (the partitions cover those).
+An fp8 cache (e4m3/e5m2) is read with per-tensor scales: K = k_scale * stored, V = v_scale * stored
+(k_scale folds into the logit scale, v_scale into the output); tiles are upcast to q's dtype.
+
+Rows: with `query_start_loc`, sequence b's query is row query_start_loc[b] of q/out and sequences
+whose query_len != 1 are skipped (the prefill kernel handles them in a mixed batch). Without it,
+q has one row per sequence. A context length of 0 (a padded CUDA-graph row) writes zeros.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_worker.kernels._utils import check_device, next_pow2, num_sms
+
+LOG2E = 1.4426950408889634
+
+
+# Step-dependent scalars and pointers into the engine's per-step staging buffers: specializing on
+# their values or 16-byte alignment would compile a new variant mid-serving (a ~1 s stall).
+_STEP_PTRS = ["block_tables_ptr", "context_lens_ptr", "qsl_ptr"]
+
+
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=_STEP_PTRS)
+def _decode_stage1_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, qsl_ptr,
+    out_ptr, part_acc_ptr, part_ml_ptr, qk_scale, v_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h, stride_pm_s,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_QSL: tl.constexpr, DIRECT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    if HAS_QSL:
+        row = tl.load(qsl_ptr + b).to(tl.int64)
+        if tl.load(qsl_ptr + b + 1) - row != 1:
+            return                                              # a prefill row: not ours
+    else:
+        row = b.to(tl.int64)
+    n_ctx = tl.load(context_lens_ptr + b)
+    lo = tl.where(window > 0, tl.maximum(n_ctx - window, 0), 0)   # sliding window: the last `window` keys
+    part = tl.cdiv(tl.cdiv(n_ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * part
+    end = tl.minimum(start + part, n_ctx)
+
+    heads = g * GROUP + tl.arange(0, GROUP_PAD)             # (GROUP_PAD,) query heads of KV head g
+    hmask = tl.arange(0, GROUP_PAD) < GROUP
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)          # (GROUP_PAD, BLOCK_D)
+
+    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)                    # (BLOCK_N,) token positions
+        tmask = tok < end
+        blk = tl.load(bt_row + tok // PAGE, mask=tmask, other=0).to(tl.int64)
+        off = tok % PAGE
+        kv_mask = tmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + g * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0)                # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + g * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale   # (GROUP_PAD, BLOCK_N), log2 domain
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m = m_new
+
+    acc = acc * v_scale                                     # fp8 cache: the V scale (else 1)
+    if DIRECT:
+        l_safe = tl.where(l > 0, l, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    else:
+        pa = part_acc_ptr + b.to(tl.int64) * stride_pa_b + heads[:, None] * stride_pa_h + split * stride_pa_s + d[None, :]
+        tl.store(pa, acc, mask=hmask[:, None] & dmask[None, :])
+        pm = part_ml_ptr + b.to(tl.int64) * stride_pm_b + heads * stride_pm_h + split * stride_pm_s
+        tl.store(pm, m, mask=hmask)
+        tl.store(pm + 1, l, mask=hmask)
+
+
+@triton.jit(do_not_specialize_on_alignment=["qsl_ptr"])
+def _decode_stage2_kernel(
+    qsl_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    stride_ot, stride_oh, stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h, stride_pm_s,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HAS_QSL: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if HAS_QSL:
+        row = tl.load(qsl_ptr + b).to(tl.int64)
+        if tl.load(qsl_ptr + b + 1) - row != 1:
+            return
+    else:
+        row = b.to(tl.int64)
+    sp = tl.arange(0, SPLITS_PAD)
+    smask = sp < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    pm = part_ml_ptr + b.to(tl.int64) * stride_pm_b + h * stride_pm_h + sp * stride_pm_s
+    m = tl.load(pm, mask=smask, other=float("-inf"))         # (SPLITS_PAD,)
+    l = tl.load(pm + 1, mask=smask, other=0.0)
+    m_all = tl.max(m, axis=0)
+    m_all = tl.where(m_all > float("-inf"), m_all, 0.0)      # every split empty: a context of 0
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)  # empty splits weigh nothing
+    acc = tl.load(part_acc_ptr + b.to(tl.int64) * stride_pa_b + h * stride_pa_h + sp[:, None] * stride_pa_s + d[None, :],
+                  mask=smask[:, None] & dmask[None, :], other=0.0)   # (SPLITS_PAD, BLOCK_D)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l * w, axis=0)
+    o = num / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
+                      min_tokens_per_split: int = 512, max_splits: int = 32) -> int:
+    """Enough programs to fill the GPU twice over, with at least `min_tokens_per_split` tokens each.
+
+    Depends only on host-side sizes, so a CUDA graph captured for (num_seqs, max_model_len)
+    stays valid for every shorter context."""
+    programs = num_seqs * num_kv_heads
+    by_occupancy = triton.cdiv(2 * num_sms(device), max(1, programs))
+    by_length = triton.cdiv(max(1, max_context_len), min_tokens_per_split)
+    return int(max(1, min(by_occupancy, by_length, max_splits)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,             # (T, num_heads, head_dim)
+    k_cache: torch.Tensor,       # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,       # (num_blocks, block_size, num_kv_heads, head_dim)
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    context_lens: torch.Tensor,  # (B,) int32, tokens in the cache per sequence (this step's included)
+    scale: float,
+    *,
+    max_context_len: int,        # host-side bound on context_lens (picks num_splits)
+    query_start_loc: torch.Tensor | None = None,  # (B+1,) int32; None: T == B, one row each
+    out: torch.Tensor | None = None,              # (T, num_heads, head_dim)
+    num_splits: int | None = None,
+    sliding_window: int | None = None,            # attend to the last `sliding_window` keys only
+    k_scale: float = 1.0,                         # fp8 caches: the stored values times these
+    v_scale: float = 1.0,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's single new query over its paged context (module docstring)."""
+    T, n_heads, head_dim = q.shape
+    n_blocks, page, n_kv, head_dim_c = k_cache.shape
+    B = block_tables.shape[0]
+    assert v_cache.shape == k_cache.shape, "k_cache and v_cache must have one shape"
+    assert head_dim_c == head_dim, f"cache head_dim {head_dim_c} != q's {head_dim}"
+    assert n_heads % n_kv == 0, f"num_heads {n_heads} must be a multiple of num_kv_heads {n_kv}"
+    assert context_lens.shape == (B,), f"context_lens must be ({B},), got {tuple(context_lens.shape)}"
+    assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+    if query_start_loc is None:
+        assert T == B, f"without query_start_loc q needs one row per sequence: {T} rows for {B} sequences"
+    else:
+        assert query_start_loc.shape == (B + 1,), "query_start_loc must be (B+1,)"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    check_device(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if B == 0:
+        return out
+    group = n_heads // n_kv
+    if num_splits is None:
+        num_splits = choose_num_splits(B, n_kv, max_context_len, q.device)
+    # Tiles measured on an H200 (bench/gpu_bench.py --sweep, Llama-8B heads): 64 x 2 stages when
+    # each program walks a whole context, 128 x 3 stages for the shorter split partitions.
+    split = num_splits > 1
+    if block_n is None:
+        block_n = (128 if split else 64) if head_dim <= 128 else 32
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 3 if split and head_dim <= 128 else 2
+    direct = num_splits == 1
+    if direct:
+        part_acc = part_ml = out     # unused
+        pa_strides, pm_strides = (0, 0, 0), (0, 0, 0)
+    else:
+        part_acc = torch.empty((B, n_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((B, n_heads, num_splits, 2), dtype=torch.float32, device=q.device)
+        pa_strides = part_acc.stride()[:3]
+        pm_strides = part_ml.stride()[:3]
+    qsl = query_start_loc if query_start_loc is not None else context_lens
+    BLOCK_D = next_pow2(head_dim)
+    _decode_stage1_kernel[(B, n_kv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, qsl, out, part_acc, part_ml, scale * k_scale * LOG2E,
+        v_scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        *pa_strides, *pm_strides,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
+        BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
+        HAS_QSL=query_start_loc is not None, DIRECT=direct,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not direct:
+        _decode_stage2_kernel[(B, n_heads)](
+            qsl, out, part_acc, part_ml, out.stride(0), out.stride(1), *pa_strides, *pm_strides,
+            HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+            HAS_QSL=query_start_loc is not None, num_warps=4,
+        )
+    return out
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """(n, num_kv_heads, head_dim): a sequence's first n cached tokens, in order (for references)."""
+    page = cache.shape[1]
+    blocks = block_table[: (n + page - 1) // page].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:n]
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
+                               query_start_loc=None, sliding_window=None, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
+    """Plain-torch reference in fp32 (rows of prefill sequences are left as zeros)."""
+    B = block_tables.shape[0]
+    n_heads, n_kv = q.shape[1], k_cache.shape[2]
+    out = torch.zeros_like(q, dtype=torch.float32)
+    for b in range(B):
+        if query_start_loc is None:
+            row = b
+        else:
+            row = int(query_start_loc[b])
+            if int(query_start_loc[b + 1]) - row != 1:
+                continue
+        n = int(context_lens[b])
+        if n == 0:
+            continue
+        k = gather_context(k_cache, block_tables[b], n).float().repeat_interleave(n_heads // n_kv, dim=1) * k_scale
+        v = gather_context(v_cache, block_tables[b], n).float().repeat_interleave(n_heads // n_kv, dim=1) * v_scale
+        s = torch.einsum("hd,nhd->hn", q[row].float(), k) * scale          # (H, n)
+        if sliding_window:
+            s[:, : max(0, n - sliding_window)] = float("-inf")
+        out[row] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+    return out.to(q.dtype)

@@ -1,0 +1,53 @@
+"""DecodeGraphs' buffer and padding logic, run eagerly on the CPU with the Triton backend."""
+import torch
+
+from gpu_worker.attention.triton_backend import TritonAttentionBackend
+from gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
+from test_kernel_triton_backend import make_batch
+
+
+def test_capture_sizes_ladder():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = capture_sizes(512)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512 and 256 in sizes and 272 in sizes
+    assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]))
+
+
+def test_padded_replay_matches_direct_call(randn, rel_err):
+    """A 3-sequence decode step through a 4-row 'graph' equals the plain backend call, and the
+    padding row touches no cache slot."""
+    n_heads, n_kv, head_dim, page, n_blocks = 4, 2, 64, 16, 30
+    kc, vc = randn(n_blocks, page, n_kv, head_dim), randn(n_blocks, page, n_kv, head_dim)
+    w_q = randn(8, n_heads * head_dim)
+    w_kv = randn(8, 2 * n_kv * head_dim)
+    backend = TritonAttentionBackend()
+
+    def run_model(batch):                      # a one-layer "model": ids -> q, k, v -> attention
+        x = torch.nn.functional.one_hot(batch.input_ids % 8, 8).float()
+        q = (x @ w_q).view(-1, n_heads, head_dim)
+        k, v = (x @ w_kv).view(-1, 2, n_kv, head_dim).unbind(1)
+        return backend.forward(q, k, v, kc, vc, batch, head_dim ** -0.5).reshape(x.shape[0], -1)
+
+    graphs = DecodeGraphs(run_model, device=torch.device("cpu"), max_batch_size=4, max_blocks_per_seq=8,
+                          max_context_len=128, sizes=[2, 4])
+    graphs.capture()
+    batch = make_batch([15, 40, 70], [1, 1, 1], page, 6, torch.randperm(n_blocks).int())
+    batch.input_ids = torch.tensor([3, 5, 7])
+    assert graphs.can_run(batch) and graphs.bucket(3) == 4
+    kc0, vc0 = kc.clone(), vc.clone()
+    out = graphs.run(batch).clone()
+    kc_graph, vc_graph = kc.clone(), vc.clone()
+    kc.copy_(kc0), vc.copy_(vc0)
+    ref = run_model(batch)
+    assert rel_err(out, ref) < 1e-6
+    assert torch.equal(kc_graph, kc) and torch.equal(vc_graph, vc)   # the padding row wrote nothing
+
+
+def test_can_run_rejects_prefill_and_oversized():
+    graphs = DecodeGraphs(lambda b: torch.zeros(b.num_tokens, 1), device=torch.device("cpu"), max_batch_size=2,
+                          max_blocks_per_seq=4, max_context_len=64, sizes=[1, 2])
+    graphs.capture()
+    assert not graphs.can_run(make_batch([0], [5], 16, 4, torch.arange(8).int()))          # prefill
+    assert not graphs.can_run(make_batch([3, 3, 3], [1, 1, 1], 16, 4, torch.arange(8).int()))  # 3 > 2 rows
+    assert graphs.can_run(make_batch([3, 3], [1, 1], 16, 4, torch.arange(8).int()))
