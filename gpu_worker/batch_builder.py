@@ -7,52 +7,146 @@ For scheduled sequence i with c = num_computed_tokens and q = num_new_tokens:
     slot of position p    block_table[p // block_size] * block_size + p % block_size
     context_len           c + q
     logits row            start_i + q - 1, only when c + q == num_tokens (the sequence samples)
+
+The host side is numpy: one Python pass over the sequences collects their token slices, lengths
+and block tables; positions, slots and offsets are computed vectorized. On CUDA everything goes
+through two pinned staging buffers (one int64, one int32) and two host->device copies per step;
+the staging ring has two slots so that a step's copy never races the next step's build.
+
+    int64 staging:  [ input_ids (T) | positions (T) | slot_mapping (T) | logits_indices (S) ]
+    int32 staging:  [ query_lens (B) | context_lens (B) | query_start_loc (B+1) | block_tables (B*M) ]
+    (each segment starts on a 64-byte boundary: kernels get aligned pointers)
+
+block_tables is padded with block 0 to M = a multiple of 16 columns (never read: context_lens
+bounds every read).
 """
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.scheduler import ScheduledSeq
 
 
+class BatchBuilder:
+    def __init__(self, block_size: int, device: torch.device | str, num_staging: int = 2):
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self._staging: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in range(num_staging)]
+        # CUDA: the event after each slot's last copies. Steps that sample nothing never sync
+        # with the GPU, so a slot is rewritten only once its earlier copies have run.
+        self._copied: list[torch.cuda.Event | None] = [None] * num_staging
+        self._turn = 0
+
+    def build(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
+        bs = self.block_size
+        B = len(scheduled)
+        q_lens = np.empty(B, dtype=np.int64)
+        c_lens = np.empty(B, dtype=np.int64)
+        samples = np.empty(B, dtype=bool)
+        tokens: list[int] = []
+        tables: list[list[int]] = []
+        for i, (seq, q) in enumerate(scheduled):
+            c = seq.num_computed_tokens
+            q_lens[i], c_lens[i] = q, c
+            if q == 1:
+                tokens.append(seq.token_ids[c])
+            else:
+                tokens.extend(seq.token_ids[c:c + q])
+            samples[i] = c + q == len(seq.token_ids)
+            tables.append(seq.block_table)
+        T = len(tokens)
+        ends = np.cumsum(q_lens)                                        # (B,)
+        starts = ends - q_lens
+        # Table width rounded up to a multiple of 16: its row stride is a Triton kernel argument,
+        # and Triton compiles a variant per divisibility class of an int argument.
+        max_blocks = -(-max(len(t) for t in tables) // 16) * 16
+        table_arr = np.zeros((B, max_blocks), dtype=np.int64)           # (B, M), padded with 0
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=B)   # (B,) blocks per row
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
+        rows = np.repeat(np.arange(B), lens)
+        table_arr[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
+        if T == B:                                                      # pure decode: one row each
+            positions = c_lens
+            seq_of_tok = np.arange(B)
+        else:
+            seq_of_tok = np.repeat(np.arange(B), q_lens)                # (T,)
+            positions = np.arange(T) - starts[seq_of_tok] + c_lens[seq_of_tok]
+        slots = table_arr[seq_of_tok, positions // bs] * bs + positions % bs   # (T,)
+        logits_idx = (ends - 1)[samples]                                # (S,)
+        S = len(logits_idx)
+        ctx = c_lens + q_lens
+
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()
+        o64 = _offsets([T, T, T, S], 8)           # segment starts, 64-byte aligned: Triton
+        o32 = _offsets([B, B, B + 1, B * max_blocks], 16)   # specializes pointers on alignment
+        i64 = self._stage(torch.int64, o64[-1])
+        i64[o64[0]:o64[0] + T] = tokens
+        i64[o64[1]:o64[1] + T] = positions
+        i64[o64[2]:o64[2] + T] = slots
+        i64[o64[3]:o64[3] + S] = logits_idx
+        i32 = self._stage(torch.int32, o32[-1])
+        i32[o32[0]:o32[0] + B] = q_lens
+        i32[o32[1]:o32[1] + B] = ctx
+        i32[o32[2]] = 0
+        i32[o32[2] + 1:o32[2] + B + 1] = ends
+        i32[o32[3]:o32[3] + B * max_blocks] = table_arr.reshape(-1)
+        d64, d32 = self._upload(torch.int64, o64[-1]), self._upload(torch.int32, o32[-1])
+        if self.pinned:
+            event = self._copied[self._turn] or torch.cuda.Event()
+            event.record()
+            self._copied[self._turn] = event
+        self._turn = (self._turn + 1) % len(self._staging)
+        return ForwardBatch(
+            input_ids=d64[o64[0]:o64[0] + T],                       # (T,) int64
+            positions=d64[o64[1]:o64[1] + T],                       # (T,) int64
+            slot_mapping=d64[o64[2]:o64[2] + T],                    # (T,) int64
+            logits_indices=d64[o64[3]:o64[3] + S],                  # (S,) int64
+            query_lens=d32[o32[0]:o32[0] + B],                      # (B,) int32
+            context_lens=d32[o32[1]:o32[1] + B],                    # (B,) int32
+            query_start_loc=d32[o32[2]:o32[2] + B + 1],             # (B+1,) int32
+            block_tables=d32[o32[3]:o32[3] + B * max_blocks].view(B, max_blocks),  # (B, M) int32
+            max_query_len=int(q_lens.max()),
+            max_context_len=int(ctx.max()),
+        )
+
+    def _stage(self, dtype: torch.dtype, n: int) -> np.ndarray:
+        """A host buffer of n elements: a slice of this turn's pinned staging tensor on CUDA, a
+        fresh array on the CPU (the batch's tensors then share its memory, so it is not reused)."""
+        if not self.pinned:
+            arr = np.empty(n, dtype=np.int64 if dtype == torch.int64 else np.int32)
+            self._staging[self._turn][dtype] = torch.from_numpy(arr)
+            return arr
+        slot = self._staging[self._turn]
+        buf = slot.get(dtype)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 2 * (0 if buf is None else buf.numel()), 4096), dtype=dtype,
+                              pin_memory=True)
+            slot[dtype] = buf
+        return buf[:n].numpy()
+
+    def _upload(self, dtype: torch.dtype, n: int) -> torch.Tensor:
+        host = self._staging[self._turn][dtype][:n]
+        if not self.pinned:
+            return host if self.device.type == "cpu" else host.to(self.device)
+        return host.to(self.device, non_blocking=True)
+
+
+def _offsets(sizes: list[int], align: int) -> list[int]:
+    """Start of each segment, each rounded up to a multiple of `align` elements, then the total."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += -(-n // align) * align
+    return out + [at]
+
+
 def build_forward_batch(scheduled: list[ScheduledSeq], block_size: int,
                         device: torch.device | str) -> ForwardBatch:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    context_lens: list[int] = []
-    starts = [0]
-    logits_indices: list[int] = []
-    for item in scheduled:
-        seq, q = item.seq, item.num_new_tokens
-        c = seq.num_computed_tokens
-        table = seq.block_table
-        input_ids.extend(seq.token_ids[c:c + q])
-        positions.extend(range(c, c + q))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + q))
-        query_lens.append(q)
-        context_lens.append(c + q)
-        starts.append(starts[-1] + q)
-        if item.samples:
-            logits_indices.append(starts[-1] - 1)
-
-    max_blocks = max(len(item.seq.block_table) for item in scheduled)
-    tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in scheduled]
-
-    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    return ForwardBatch(
-        input_ids=t(input_ids, torch.int64),          # (T,)
-        positions=t(positions, torch.int64),          # (T,)
-        query_lens=t(query_lens, torch.int32),        # (B,)
-        context_lens=t(context_lens, torch.int32),    # (B,)
-        query_start_loc=t(starts, torch.int32),       # (B+1,)
-        block_tables=t(tables, torch.int32),          # (B, max_blocks)
-        slot_mapping=t(slots, torch.int64),           # (T,)
-        logits_indices=t(logits_indices, torch.int64),  # (S,)
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
-    )
+    """One-off build (tests, tools); the engine keeps a BatchBuilder with its staging buffers."""
+    return BatchBuilder(block_size, device, num_staging=1).build(scheduled)

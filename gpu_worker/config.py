@@ -50,12 +50,23 @@ class EngineConfig:
     """Identity mixed into prefix-cache block hashes (default: the model directory's name)."""
     cpu_kv_cache_bytes: int = 1 << 30
     """CPU only, when num_gpu_blocks is not given: most bytes the KV cache may take."""
+    enforce_eager: bool = False
+    """Never use CUDA graphs (by default decode steps replay graphs captured at startup on CUDA
+    with the triton attention backend)."""
+    async_scheduling: bool = False
+    """Schedule and launch step N+1 while step N runs on the GPU: its decode inputs are step N's
+    sampled tokens, read on the device; step() then returns step N's deltas (one step late).
+    Hides the host's per-step work behind the GPU's. Steps where a request uses penalties (they
+    need the tokens on the host) run one at a time."""
+    cuda_graph_max_bs: int = 256
+    """Largest decode batch captured in a CUDA graph (capped by max_num_seqs); larger decode
+    batches run eagerly."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"invalid engine argument {name}: {why}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_n"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_n", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:

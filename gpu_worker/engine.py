@@ -15,22 +15,37 @@ from __future__ import annotations
 import logging
 import numbers
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
-from gpu_worker.batch_builder import build_forward_batch
+import torch
+
+from gpu_worker.batch_builder import BatchBuilder
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.engine_setup import EngineSetup, resolve_setup
 from gpu_worker.config import EngineConfig
 from gpu_worker.outputs import EngineStats, RequestError, SequenceDelta
-from gpu_worker.sampler import Sampler, SampleRequest, SampleResult
+from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResult, to_device
 from gpu_worker.scheduler import ScheduledSeq, Scheduler
-from gpu_worker.sequence import Request, Sequence
+from gpu_worker.sequence import Request, Sequence, SequenceStatus
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 256
+PENDING = -1     # async_scheduling: a token sampled on the device, not yet read back
+
+
+class _InFlight(NamedTuple):
+    """A launched step (async_scheduling): who draws, where each placeholder sits, the draw."""
+    targets: list[tuple[int, Sequence]]   # (logits row, sequence)
+    slots: list[int]                      # index of each target's PENDING token in token_ids
+    pending: PendingSample
+
+
+def _needs_output(params: SamplingParams) -> bool:
+    """Penalties read the generated tokens on the host."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 class Engine:
@@ -50,9 +65,13 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.sampler = Sampler()
+        self.batch_builder = BatchBuilder(config.block_size, self.device)
+        self._prepare_gpu()
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self._seed_rng = random.Random(config.seed)  # seeds of requests that give none
+        self._inflight: _InFlight | None = None       # async_scheduling: the launched step
+        self.async_scheduling = config.async_scheduling  # may be switched between steps
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -63,8 +82,9 @@ class Engine:
         room = self.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals,
-                          seed, max_tokens)
+                          seed, max_tokens, stop_ids=stop_ids)
         self._arrivals += 1
         seq = Sequence(request, 0, list(prompt), len(prompt))
         request.seqs.append(seq)
@@ -120,6 +140,11 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
+        if self.async_scheduling:
+            return self._step_async()
+        if self._inflight is not None:        # async_scheduling was switched off: finish its step
+            prev, self._inflight = self._inflight, None
+            return self._settle(prev)
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -127,15 +152,116 @@ class Engine:
             return []
         if out.copies:
             self.runner.copy_blocks([c.src for c in out.copies], [c.dst for c in out.copies])
-        batch = build_forward_batch(out.scheduled, self.config.block_size, self.device)
+        batch = self.batch_builder.build(out.scheduled)
         sampling = [item for item in out.scheduled if item.samples]
         logits = self.runner.forward(batch)                          # (S, vocab) float32
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_computed_blocks(item.seq)
+        bm, bs = self.block_manager, self.config.block_size
+        for seq, num_new in out.scheduled:
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens // bs > seq.num_registered_blocks:   # a block filled up
+                bm.register_computed_blocks(seq)
         targets = self._fork_targets(sampling)                       # (row, seq) per draw
         results = self.sampler(logits, [self._sample_request(row, seq) for row, seq in targets])
         return [d for (_, seq), res in zip(targets, results) if (d := self._append(seq, res))]
+
+    # ---- one step ahead (async_scheduling) ------------------------------------------------
+    #
+    #   call k:  schedule N+1 | build | inputs <- tokens of N (device) | launch N+1 | read N | deltas N
+    #   GPU:     ...... step N ...... | step N+1 ...........................................
+    #
+    # At launch each sampling sequence gets a placeholder token (PENDING) that the next call
+    # replaces with the token read back; the scheduler counts it like any token, the batch
+    # builder's row for it is overwritten on the device from the previous step's token tensor.
+    def _step_async(self) -> list[SequenceDelta]:
+        prev, self._inflight = self._inflight, None
+        deltas: list[SequenceDelta] = []
+        if prev is not None and any(_needs_output(s.params) for s in self.scheduler.running):
+            deltas, prev = self._settle(prev), None      # penalties read the tokens on the host
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if prev is None and not deltas and self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("engine stuck: a waiting request cannot be scheduled on an idle engine")
+            return deltas + (self._settle(prev) if prev is not None else [])
+        launched = self._launch(out, prev)
+        if prev is not None:
+            deltas = self._settle(prev)
+        bm, bs = self.block_manager, self.config.block_size
+        for seq, _ in out.scheduled:          # the tokens these blocks hold are all known now
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens // bs > seq.num_registered_blocks:
+                bm.register_computed_blocks(seq)
+        self._inflight = launched
+        return deltas
+
+    def _launch(self, out, prev: "_InFlight | None") -> "_InFlight":
+        if out.copies:
+            self.runner.copy_blocks([c.src for c in out.copies], [c.dst for c in out.copies])
+        batch = self.batch_builder.build(out.scheduled)
+        if prev is not None:
+            self._take_pending_inputs(batch, out.scheduled, prev)
+        sampling = [item for item in out.scheduled if item.samples]
+        logits = self.runner.forward(batch)                          # (S, vocab) float32
+        for seq, num_new in out.scheduled:
+            seq.num_computed_tokens += num_new
+        targets = self._fork_targets(sampling)
+        pending = self.sampler.launch(logits, [self._sample_request(row, seq) for row, seq in targets])
+        slots = []
+        for _, seq in targets:
+            seq.token_ids.append(PENDING)
+            slots.append(len(seq.token_ids) - 1)
+        return _InFlight(targets, slots, pending)
+
+    def _take_pending_inputs(self, batch, scheduled: list[ScheduledSeq], prev: "_InFlight") -> None:
+        """input_ids rows whose token is still PENDING <- the previous step's sampled tokens."""
+        src_of = {id(seq): k for k, (_, seq) in enumerate(prev.targets)}
+        dst, src, row = [], [], 0
+        for seq, num_new in scheduled:
+            c = seq.num_computed_tokens
+            if seq.token_ids[c + num_new - 1] == PENDING:   # only ever the last token
+                dst.append(row + num_new - 1)
+                src.append(src_of[id(seq)])
+            row += num_new
+        if dst:
+            dev = batch.input_ids.device
+            batch.input_ids.index_copy_(0, to_device(dst, dev),
+                                        prev.pending.tokens.index_select(0, to_device(src, dev)))
+
+    def _settle(self, launched: "_InFlight") -> list[SequenceDelta]:
+        """Read a launched step's tokens back and apply them (the host sync)."""
+        deltas = []
+        for (_, seq), slot, result in zip(launched.targets, launched.slots, launched.pending.results()):
+            if seq.status is SequenceStatus.FINISHED or seq.token_ids[slot] != PENDING:
+                continue                       # aborted, or ended by the previous token
+            if seq.index in seq.request.dropped:
+                del seq.token_ids[slot:]
+                self.scheduler.abort_sequence(seq)
+                self._forget_if_done(seq.request)
+                continue
+            seq.token_ids[slot] = result.token_id
+            if result.logprob is not None:
+                seq.cumulative_logprob += result.logprob.logprob
+            reason = self._finish_reason_at(seq, result.token_id, slot + 1)
+            if reason is not None:
+                del seq.token_ids[slot + 1:]   # a later placeholder: its step is wasted
+                self.scheduler.finish(seq, reason)
+                self._forget_if_done(seq.request)
+            deltas.append(self._delta(seq, result, reason))
+        return deltas
+
+    def _finish_reason_at(self, seq: Sequence, token_id: int, num_tokens: int) -> str | None:
+        """_finish_reason for the token at index num_tokens - 1 of seq.token_ids."""
+        if token_id in seq.request.stop_ids:
+            return "stop"
+        if num_tokens - seq.num_prompt_tokens >= seq.request.max_tokens or num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _delta(self, seq: Sequence, result: SampleResult, reason: str | None) -> SequenceDelta:
+        request = seq.request
+        return SequenceDelta(
+            request_id=request.request_id, index=seq.index, new_token_ids=[result.token_id],
+            new_logprobs=None if result.logprob is None else [result.logprob],
+            finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens)
 
     def _fork_targets(self, sampling: list[ScheduledSeq]) -> list[tuple[int, Sequence]]:
         """The sequences that draw a token, with their logits row. A request whose prompt just
@@ -149,10 +275,13 @@ class Engine:
         return targets
 
     def _sample_request(self, row: int, seq: Sequence) -> SampleRequest:
-        params = seq.params
-        stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
-        return SampleRequest(row, params, seq.request.seed, seq.index, seq.request.prompt_token_ids,
-                             seq.output_token_ids, stop_ids)
+        request, params = seq.request, seq.request.params
+        position = seq.num_output_tokens
+        # The output list is copied only for the rows that read it (penalties, min_tokens).
+        needs_output = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                        or params.frequency_penalty != 0.0 or position < params.min_tokens)
+        return SampleRequest(row, params, request.seed, seq.index, request.prompt_token_ids,
+                             seq.output_token_ids if needs_output else (), request.stop_ids, position)
 
     def _append(self, seq: Sequence, result: SampleResult) -> SequenceDelta | None:
         request = seq.request
@@ -167,23 +296,35 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._forget_if_done(request)
-        return SequenceDelta(
-            request_id=request.request_id, index=seq.index, new_token_ids=[result.token_id],
-            new_logprobs=None if result.logprob is None else [result.logprob],
-            finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens)
+        return self._delta(seq, result, reason)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        params = seq.params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            return "stop"
-        if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return self._finish_reason_at(seq, token_id, len(seq.token_ids))
 
     def _forget_if_done(self, request: Request) -> None:
         if request.finished:
             self.requests.pop(request.request_id, None)
+
+    def _prepare_gpu(self) -> None:
+        """CUDA + triton attention: compile the eager-step kernel variants, then (unless
+        enforce_eager) capture decode CUDA graphs: a padded batch ladder up to cuda_graph_max_bs,
+        for contexts up to max_model_len; the runner replays them for pure-decode steps that fit."""
+        cfg = self.config
+        if self.device.type != "cuda" or self.setup.attention_backend != "triton":
+            return
+        if hasattr(self.runner, "warmup"):            # compile Triton's eager-step variants now,
+            self.runner.warmup(cfg.max_num_seqs)      # not in the middle of serving
+        self._warm_sampler()
+        if cfg.enforce_eager or not hasattr(self.runner, "capture_cuda_graphs"):
+            return
+        self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_bs, cfg.max_num_seqs), self.max_model_len)
+
+    def _warm_sampler(self) -> None:
+        """One greedy, one plain and one filtered draw: compiles the sampling kernel."""
+        logits = torch.zeros((3, self.vocab_size), dtype=torch.float32, device=self.device)
+        kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0),
+                 SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, seed=0)]
+        self.sampler(logits, [SampleRequest(i, p, 0, 0, [0], (), (), 0) for i, p in enumerate(kinds)])
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:

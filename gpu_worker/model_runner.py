@@ -19,11 +19,16 @@ from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.loader import check_checkpoint, load_weights
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.decoder import CausalLM, KVCache
+from gpu_worker.models.layers.fused import load_fused_kernels
 
 # CPU has no device memory to profile: without num_gpu_blocks the KV cache gets this much.
 CPU_KV_BUDGET_BYTES = 2 * 1024**3
 # Tokens of the dummy forward that measures peak activation memory in profile_num_blocks.
 PROFILE_TOKENS = 4096
+# A second set of decode graphs serves batches of at most SHORT_GRAPH_MAX_BS sequences whose
+# contexts fit SHORT_CONTEXT tokens: their decode attention kernel runs unsplit.
+SHORT_CONTEXT = 512
+SHORT_GRAPH_MAX_BS = 32
 
 
 def make_attention_backend(name: str, device: torch.device, cfg: ModelConfig) -> AttentionBackend:
@@ -43,6 +48,8 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, attention_backend: str = "torch", seed: int = 0):
         self.config = config
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:   # cuda -> cuda:N, so that
+            self.device = torch.device("cuda", torch.cuda.current_device())  # tensor.device == it
         self.dtype = dtype
         torch.manual_seed(seed)
         self.attention = make_attention_backend(attention_backend, self.device, config)
@@ -53,9 +60,11 @@ class ModelRunner:
         self.model = model.to_empty(device=self.device).eval()
         self.model.rope.build_cache(self.device)
         load_weights(self.model, model_dir)
+        self.model.use_fused_kernels(load_fused_kernels(self.device))   # None on CPU: torch ops
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.decode_graphs = None   # gpu_worker.cuda_graphs.DecodeGraphs once captured
+        self.short_decode_graphs = None   # the same for contexts <= SHORT_CONTEXT (CUDA only)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -82,7 +91,7 @@ class ModelRunner:
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = []  # free the old cache first
-        self.decode_graphs = None  # captured graphs point at the old cache
+        self.decode_graphs = self.short_decode_graphs = None  # captured graphs use the old cache
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -96,8 +105,10 @@ class ModelRunner:
             return
         if len(src) != len(dst):
             raise ValueError("copy_blocks: src and dst must have the same length")
-        s = torch.tensor(src, dtype=torch.long, device=self.device)
-        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+        if self.device.type == "cuda":        # pinned + non-blocking: no wait for the stream
+            s, d = s.pin_memory(), d.pin_memory()
+        s, d = s.to(self.device, non_blocking=True), d.to(self.device, non_blocking=True)
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, d, k_cache.index_select(0, s))
             v_cache.index_copy_(0, d, v_cache.index_select(0, s))
@@ -153,11 +164,16 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("allocate_kv_cache must be called before forward")
         batch = self.prepare_inputs(batch)
-        graphs = self.decode_graphs
+        graphs = self.short_decode_graphs
+        if graphs is None or batch.max_context_len > graphs.max_context_len or not graphs.can_run(batch):
+            graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(batch):
             hidden = graphs.run(batch)                        # (B, H), replayed graph
         else:
+            self._pin_decode_splits(batch)
             hidden = self.run_model(batch)                    # (T, H)
+        if batch.logits_indices.shape[0] == hidden.shape[0]:  # every row samples (decode): the
+            return self.model.compute_logits(hidden)         # indices are 0..T-1, skip the gather
         return self.compute_logits(hidden, batch.logits_indices)
 
     def capture_cuda_graphs(self, max_batch_size: int, max_context_len: int) -> None:
@@ -170,15 +186,78 @@ class ModelRunner:
         if self.device.type == "cuda" and self.attention.name == "torch":
             raise ValueError("CUDA graphs need attention_backend='triton': the torch reference "
                              "backend reads lengths on the host, which graph capture forbids")
-        self.decode_graphs = None
-        graphs = DecodeGraphs(self.run_model, device=self.device, max_batch_size=max_batch_size,
-                              max_blocks_per_seq=-(-max_context_len // self.block_size),
-                              max_context_len=max_context_len)
-        graphs.capture()
-        self.decode_graphs = graphs
+        self.decode_graphs = self.short_decode_graphs = None
+        if hasattr(self.attention, "decode_num_splits"):
+            self.attention.decode_num_splits = None   # graphs pick theirs per captured size
+
+        def capture(context_len: int, sizes: list[int] | None = None):
+            # Block-table width: a multiple of 16, like the engine's batch builder pads it to.
+            max_blocks = -(-context_len // (16 * self.block_size)) * 16
+            graphs = DecodeGraphs(self.run_model, device=self.device, max_batch_size=max_batch_size,
+                                  max_blocks_per_seq=max_blocks, max_context_len=context_len, sizes=sizes)
+            graphs.capture()
+            return graphs
+
+        self.decode_graphs = capture(max_context_len)
+        if self.device.type == "cuda" and max_context_len > 2 * SHORT_CONTEXT:
+            # Small batches of short contexts: the long graphs' decode kernel is split for
+            # max_context_len (up to 32 partitions + a merge kernel per layer); these run it unsplit.
+            sizes = [n for n in self.decode_graphs.sizes if n <= SHORT_GRAPH_MAX_BS]
+            self.short_decode_graphs = capture(SHORT_CONTEXT, sizes)
+
+    def _pin_decode_splits(self, batch: ForwardBatch) -> None:
+        """Eager steps on the triton backend: round the decode kernel's split count down to a
+        power of two. Split count is a compile-time constant of the kernel, so this bounds the
+        variants Triton ever compiles to six (warmup compiles them all ahead of time)."""
+        if not hasattr(self.attention, "decode_num_splits") or self.device.type != "cuda":
+            return
+        from gpu_worker.kernels.paged_decode_attention import choose_num_splits
+        n_kv = self.kv_caches[0][0].shape[2]
+        splits = choose_num_splits(batch.num_seqs, n_kv, batch.max_context_len, self.device)
+        self.attention.decode_num_splits = 1 << (splits.bit_length() - 1)
+
+    @torch.inference_mode()
+    def warmup(self, max_num_seqs: int) -> None:
+        """Compile, before serving, every Triton kernel variant an eager step can need (CUDA +
+        triton only): the prefill kernel per sequence-count class (its BLOCK_B is next_pow2(B),
+        and Triton specializes B on == 1 and % 16) and tile height (query length <= 16 or not),
+        and the decode kernel per split count. Tiny batches, no KV writes (slots -1)."""
+        if self.device.type != "cuda" or not hasattr(self.attention, "decode_num_splits"):
+            return
+        counts = sorted({n for n in (1, 2, 3, 5, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512)
+                         if n <= max_num_seqs} | {max_num_seqs})
+        for splits in (1, 2, 4, 8, 16, 32):          # decode rows next to a prefill row
+            self.attention.decode_num_splits = splits
+            self.run_model(self._warmup_batch([17, 1]))
+        self.attention.decode_num_splits = 1
+        for n in counts:
+            for first in (17, 2):                    # tile heights 64 and 16
+                self.run_model(self._warmup_batch([first] + [1] * (n - 1)))
+        self.attention.decode_num_splits = None
+        torch.cuda.synchronize(self.device)
+
+    def _warmup_batch(self, query_lens: list[int]) -> ForwardBatch:
+        """Sequences with these query lengths and no cached prefix; writes nothing to the cache."""
+        dev = self.device
+        T, B = sum(query_lens), len(query_lens)
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        positions = [p for q in query_lens for p in range(q)]
+        i32 = dict(dtype=torch.int32, device=dev)
+        return ForwardBatch(
+            input_ids=torch.zeros(T, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            query_lens=torch.tensor(query_lens, **i32), context_lens=torch.tensor(query_lens, **i32),
+            query_start_loc=torch.tensor(starts, **i32), block_tables=torch.zeros((B, 16), **i32),
+            slot_mapping=torch.full((T,), -1, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor([T - 1], device=dev),
+            max_query_len=max(query_lens), max_context_len=max(query_lens))
 
     def prepare_inputs(self, batch: ForwardBatch) -> ForwardBatch:
         """Move every tensor of the batch to the model's device (non-blocking from pinned memory)."""
+        if batch.input_ids.device == self.device and batch.block_tables.device == self.device:
+            return batch                                      # the engine's builder already did
         moved = {}
         for f in dataclasses.fields(batch):
             value = getattr(batch, f.name)

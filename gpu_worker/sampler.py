@@ -1,30 +1,37 @@
-"""Sampling: logits (one row per sampling sequence) -> next token and its logprobs, in torch,
-on the logits' device.
+"""Sampling: logits (one row per sampling sequence) -> next token and its logprobs, batched on
+the logits' device, with one host sync per step (the `.tolist()` of the chosen ids).
 
 vLLM's order and semantics:
-  1. logprobs are taken from the RAW model logits (log_softmax before any processing);
+  1. logprobs are taken from the RAW model logits (log_softmax before any processing), and only
+     for the rows that asked for them;
   2. min_tokens: EOS and stop_token_ids are masked until min_tokens outputs exist;
   3. penalties: repetition over prompt + output (positive logits divided, negative multiplied),
      presence and frequency over the output only (subtracted);
   4. greedy (temperature < 1e-5) -> argmax; otherwise temperature, then min_p, top_k, top_p,
-     then a draw.
+     then a Gumbel-max draw: argmax_v(x_v + G_v), G = -log(-log(u)), which samples softmax(x).
 
-Reproducibility: each draw uses its own torch.Generator seeded from (request seed, sample
-index, output position). The same request gives the same tokens alone, in any batch, and after
-preemption + recompute (the position of a token never changes).
+Each stage runs once for the whole batch, only when some row needs it (decided on the host from
+the requests' parameters): an all-greedy batch without penalties costs one argmax.
+
+Reproducibility: the noise of a draw is a pure function of (request seed, sample index, output
+position, vocab id). The host mixes the first three into a 63-bit row key (splitmix64, numpy);
+the device turns (row key, vocab id) into u: Philox in gpu_worker.kernels.sampling on CUDA, a
+splitmix64 hash in int64 torch ops elsewhere. No torch.Generator, no per-row loop; the same
+request gives the same tokens alone, in any batch, and after preemption + recompute (the
+position of a token never changes).
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from gpu_worker.outputs import TokenLogprob
 from services.protocol.sampling import SamplingParams
 
 _SAMPLING_EPS = 1e-5
+_MASK63 = (1 << 63) - 1
 
 
 class SampleRequest(NamedTuple):
@@ -34,8 +41,10 @@ class SampleRequest(NamedTuple):
     seed: int
     sample_index: int
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far (the position of this draw is their count)
+    output_token_ids: list[int]  # generated so far; may be () when neither penalties nor
+                                 # min_tokens need them and `position` is given
     stop_ids: tuple[int, ...]    # EOS (unless ignore_eos) + stop_token_ids, masked under min_tokens
+    position: int = -1           # output position of this draw; -1: len(output_token_ids)
 
 
 class SampleResult(NamedTuple):
@@ -43,94 +52,233 @@ class SampleResult(NamedTuple):
     logprob: TokenLogprob | None  # only when params.logprobs is not None
 
 
-def draw_seed(seed: int, sample_index: int, position: int) -> int:
-    """Generator seed of one draw: a stable mix of the three integers (63 bits)."""
-    digest = hashlib.blake2b(struct.pack("<QQQ", seed, sample_index, position), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+def _position(r: SampleRequest) -> int:
+    return r.position if r.position >= 0 else len(r.output_token_ids)
+
+
+def _needs_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+# ---- counter-based noise ---------------------------------------------------------------------
+def _splitmix64_np(z: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer on uint64 arrays (numpy wraps on overflow)."""
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def draw_keys(seeds: list[int], indices: list[int], positions: list[int]) -> np.ndarray:
+    """(R,) int64 row keys in [0, 2**63): a stable mix of (seed, sample index, position)."""
+    with np.errstate(over="ignore"):
+        z = _splitmix64_np(np.array(seeds, dtype=np.uint64))
+        z = _splitmix64_np(z ^ np.array(indices, dtype=np.uint64))
+        z = _splitmix64_np(z ^ np.array(positions, dtype=np.uint64))
+    return (z & np.uint64(_MASK63)).astype(np.int64)
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _C1, _C2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def hash_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(R,) int64 keys -> (R, V) float64 uniforms in (0, 1): splitmix64(key + (v+1) * golden),
+    in wrapping int64 torch ops (any device)."""
+    cols = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)     # (V,)
+    z = keys[:, None] + cols[None, :] * _GOLDEN                                   # (R, V)
+    z = (z ^ _srl(z, 30)) * _C1
+    z = (z ^ _srl(z, 27)) * _C2
+    z = z ^ _srl(z, 31)
+    return (_srl(z, 11).double() + 0.5) * (2.0 ** -53)
+
+
+def gumbel_draw(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(R,) int64 draws from softmax(x) per row; x (R, V) with -inf for excluded tokens."""
+    if x.is_cuda:
+        try:
+            from gpu_worker.kernels.sampling import gumbel_argmax   # Philox, one pass per row
+        except ImportError:
+            pass
+        else:
+            return gumbel_argmax(x.float().contiguous(), keys)
+    g = -torch.log(-torch.log(hash_uniform(keys, x.shape[1])))                  # (R, V) float64
+    return (x.double() + g).argmax(dim=-1)
+
+
+# ---- the sampler -----------------------------------------------------------------------------
+class PendingSample:
+    """Tokens chosen on the device and not yet read back: `results()` is the step's host sync.
+    `tokens` (R,) int64 on the device can feed the next step's inputs before that."""
+
+    def __init__(self, tokens: torch.Tensor, raw: torch.Tensor, requests: list[SampleRequest]):
+        self.tokens, self.raw, self.requests = tokens, raw, requests
+
+    def results(self) -> list[SampleResult]:
+        tokens: list[int] = self.tokens.tolist()                                # the host sync
+        params = [r.params for r in self.requests]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs = _logprobs(self.raw, tokens, want, [params[i].logprobs for i in want]) if want else {}
+        return [SampleResult(tok, logprobs.get(i)) for i, tok in enumerate(tokens)]
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
+        return self.launch(logits, requests).results() if requests else []
+
+    def launch(self, logits: torch.Tensor, requests: list[SampleRequest]) -> PendingSample:
+        """Queue the whole draw on the logits' device; nothing waits for the GPU here."""
+        dev = logits.device
+        rows = [r.row for r in requests]
+        raw = logits if rows == list(range(logits.shape[0])) else \
+            logits.index_select(0, to_device(rows, dev))
+        raw = raw.float()                                                       # (R, V)
+        params = [r.params for r in requests]
         if not requests:
-            return []
-        rows = torch.tensor([r.row for r in requests], device=logits.device)
-        raw = logits.index_select(0, rows).float()                        # (R, V)
-        want_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None  # (R, V)
+            return PendingSample(torch.empty(0, dtype=torch.int64, device=dev), raw, requests)
 
-        x = raw.clone()
-        self._mask_min_tokens(x, requests)
-        self._apply_penalties(x, requests)
-        greedy_ids = x.argmax(dim=-1)                                      # (R,)
-        picks = [greedy_ids[i] if r.params.temperature < _SAMPLING_EPS else self._draw(x[i], r)
-                 for i, r in enumerate(requests)]
-        tokens: list[int] = torch.stack(picks).tolist()                    # one device sync
+        x = raw
+        masked = [i for i, r in enumerate(requests)
+                  if r.params.min_tokens and r.stop_ids and _position(r) < r.params.min_tokens]
+        penalized = [i for i, p in enumerate(params) if _needs_penalty(p)]
+        if masked or penalized:
+            x = raw.clone()
+            if masked:
+                _mask_stop_ids(x, [requests[i] for i in masked], masked)
+            if penalized:
+                _apply_penalties(x, [requests[i] for i in penalized], penalized)
 
-        results = []
-        for i, (req, tok) in enumerate(zip(requests, tokens)):
-            lp = None
-            if raw_logprobs is not None and req.params.logprobs is not None:
-                lp = self._logprob(raw_logprobs[i], tok, req.params.logprobs)
-            results.append(SampleResult(tok, lp))
-        return results
-
-    # ---- processing ----------------------------------------------------------------------
-    @staticmethod
-    def _mask_min_tokens(x: torch.Tensor, requests: list[SampleRequest]) -> None:
-        for i, r in enumerate(requests):
-            if len(r.output_token_ids) < r.params.min_tokens and r.stop_ids:
-                x[i, list(r.stop_ids)] = float("-inf")
+        random_rows = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
+        if not random_rows:
+            tokens_t = x.argmax(dim=-1)                                         # (R,)
+        elif len(random_rows) == len(requests):
+            tokens_t = self._draw(x, requests)
+        else:
+            tokens_t = x.argmax(dim=-1)
+            idx = to_device(random_rows, dev)
+            drawn = self._draw(x.index_select(0, idx), [requests[i] for i in random_rows])
+            tokens_t = tokens_t.index_copy(0, idx, drawn)
+        return PendingSample(tokens_t, raw, requests)
 
     @staticmethod
-    def _apply_penalties(x: torch.Tensor, requests: list[SampleRequest]) -> None:
-        vocab = x.shape[1]
-        for i, r in enumerate(requests):
-            p = r.params
-            if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
-                continue
-            out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=x.device)
-            counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(x.dtype)   # (V,)
-            if p.repetition_penalty != 1.0:
-                seen = counts > 0
-                seen[torch.tensor(r.prompt_token_ids, dtype=torch.long, device=x.device)] = True
-                row = x[i]
-                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                x[i] = torch.where(seen, penalized, row)
-            x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
-
-    @staticmethod
-    def _draw(row: torch.Tensor, r: SampleRequest) -> torch.Tensor:
-        """A random token (0-dim tensor) from one row of processed logits (V,)."""
-        p = r.params
-        row = row / p.temperature
-        if p.min_p > 0.0:
-            probs = torch.softmax(row, dim=-1)
-            row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-        if 0 < p.top_k < row.shape[0]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            row = _top_p(row, p.top_p)
-        probs = torch.softmax(row, dim=-1)
-        gen = torch.Generator(device=row.device)
-        gen.manual_seed(draw_seed(r.seed, r.sample_index, len(r.output_token_ids)))
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        return (probs / noise).argmax()  # exponential race == a draw from probs
-
-    @staticmethod
-    def _logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
-        top: tuple[tuple[int, float], ...] = ()
-        if k > 0:
-            values, ids = torch.topk(logprobs, k)
-            top = tuple(zip(ids.tolist(), values.tolist()))
-        return TokenLogprob(token_id, float(logprobs[token_id]), top)
+    def _draw(x: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        """(R,) draws for rows that all sample randomly; x (R, V) processed logits."""
+        dev = x.device
+        temps = [r.params.temperature for r in requests]
+        if all(t == temps[0] for t in temps):
+            x = x if temps[0] == 1.0 else x / temps[0]     # (R, V); no copy at temperature 1
+        else:
+            x = x / to_device(temps, dev, torch.float32)[:, None]
+        x = _apply_filters(x, [r.params for r in requests])
+        keys = draw_keys([r.seed for r in requests], [r.sample_index for r in requests],
+                         [_position(r) for r in requests])
+        return gumbel_draw(x, _to_device(keys, dev))
 
 
-def _top_p(row: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches top_p (at least one)."""
-    sorted_logits, order = torch.sort(row, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs          # mass of strictly better tokens
-    drop_sorted = mass_before >= top_p
-    drop = torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted)
-    return row.masked_fill(drop, float("-inf"))
+def to_device(values: list, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list on `dev` without a host sync: pinned + non-blocking on CUDA (torch.tensor(...,
+    device=cuda) would wait for the whole stream, i.e. for the step's forward)."""
+    t = torch.tensor(values, dtype=dtype)
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
+
+
+def _to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
+
+
+def _mask_stop_ids(x: torch.Tensor, reqs: list[SampleRequest], rows: list[int]) -> None:
+    """-inf on the stop ids of rows still under min_tokens (one indexed write)."""
+    ri = [row for row, r in zip(rows, reqs) for _ in r.stop_ids]
+    ci = [t for r in reqs for t in r.stop_ids]
+    x[to_device(ri, x.device), to_device(ci, x.device)] = float("-inf")
+
+
+def _padded(lists: list, pad: int) -> np.ndarray:
+    """Ragged int lists -> (N, max_len) int64, padded with `pad`."""
+    width = max(1, max(len(v) for v in lists))
+    out = np.full((len(lists), width), pad, dtype=np.int64)
+    for i, v in enumerate(lists):
+        out[i, :len(v)] = v
+    return out
+
+
+def _apply_penalties(x: torch.Tensor, reqs: list[SampleRequest], rows: list[int]) -> None:
+    """vLLM penalties on `rows` of x, all rows in one pass (counts by scatter_add)."""
+    dev, vocab = x.device, x.shape[1]
+    n = len(rows)
+    idx = to_device(rows, dev)
+    out_ids = _to_device(_padded([r.output_token_ids for r in reqs], vocab), dev)     # (n, Lo)
+    counts = torch.zeros((n, vocab + 1), dtype=x.dtype, device=dev)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=x.dtype))
+    counts = counts[:, :vocab]                                                        # (n, V)
+    ps = [r.params for r in reqs]
+    sub = x.index_select(0, idx)                                                       # (n, V)
+    rep_rows = [k for k, p in enumerate(ps) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        with_rep = set(rep_rows)
+        prompt_ids = _to_device(_padded([reqs[k].prompt_token_ids if k in with_rep else []
+                                         for k in range(n)], vocab), dev)              # (n, Lp)
+        seen = torch.zeros((n, vocab + 1), dtype=torch.bool, device=dev)
+        seen.scatter_(1, prompt_ids, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        rep = to_device([p.repetition_penalty for p in ps], dev, x.dtype)[:, None]
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = to_device([p.frequency_penalty for p in ps], dev, x.dtype)[:, None]
+    pres = to_device([p.presence_penalty for p in ps], dev, x.dtype)[:, None]
+    sub = sub - freq * counts - pres * (counts > 0).to(x.dtype)
+    x.index_copy_(0, idx, sub)
+
+
+def _apply_filters(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+    """min_p, then top_k, then top_p (vLLM's order), batched; x (R, V) temperature-scaled."""
+    R, V = x.shape
+    dev = x.device
+    if any(p.min_p > 0.0 for p in ps):
+        min_p = to_device([p.min_p for p in ps], dev, x.dtype)[:, None]
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    any_k = any(0 < p.top_k < V for p in ps)
+    any_p = any(p.top_p < 1.0 for p in ps)
+    if not (any_k or any_p):
+        return x
+    srt, order = x.sort(dim=-1, descending=True)                                   # (R, V)
+    if any_k:
+        k = to_device([p.top_k if 0 < p.top_k < V else V for p in ps], dev)
+        kth = srt.gather(1, (k - 1)[:, None])                                       # (R, 1)
+        srt = srt.masked_fill(srt < kth, float("-inf"))
+    if any_p:
+        top_p = to_device([p.top_p for p in ps], dev, x.dtype)[:, None]
+        probs = torch.softmax(srt, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs       # mass of strictly better tokens
+        srt = srt.masked_fill(mass_before >= top_p, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, srt)
+
+
+def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[int], ks: list[int]
+              ) -> dict[int, TokenLogprob]:
+    """Raw-logit logprobs of the chosen tokens (+ top-k) for `rows` only; one more host copy."""
+    dev = raw.device
+    idx = torch.tensor(rows, device=dev)
+    lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)                        # (n, V)
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=dev)[:, None])[:, 0]
+    kmax = max(ks)
+    if kmax > 0:
+        values, ids = torch.topk(lp, kmax, dim=-1)                                  # (n, kmax)
+        chosen_l, values_l, ids_l = chosen.tolist(), values.tolist(), ids.tolist()
+    else:
+        chosen_l, values_l, ids_l = chosen.tolist(), [[]] * len(rows), [[]] * len(rows)
+    return {i: TokenLogprob(tokens[i], chosen_l[j], tuple(zip(ids_l[j][:k], values_l[j][:k])))
+            for j, (i, k) in enumerate(zip(rows, ks))}

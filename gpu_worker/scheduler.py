@@ -12,6 +12,12 @@ generated tokens, to be recomputed later (prefix-cache hits make that cheap). Wa
 sequences are admitted in order, head of line first, only in steps where no running sequence
 ran out of blocks; a waiting sequence that ranks before the last running one may preempt it
 to get blocks (priority scheduling).
+
+Saturated admission: while sequences run and the waiting requests do not all fit in the free
+batch slots, waiting sequences are admitted only once `admit_group` slots are free (default
+max_num_seqs / 8), not one by one as slots free up. A step that admits a prompt mixes prefill
+with decodes and runs eagerly, while pure-decode steps replay CUDA graphs; admitting in groups
+keeps most steps of a saturated engine pure decode. An engine with room admits at once.
 """
 from __future__ import annotations
 
@@ -51,9 +57,11 @@ def _seq_slots(seq: Sequence) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool) -> None:
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool,
+                 admit_group: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
+        self.admit_group = max(1, max_num_seqs // 8) if admit_group is None else max(1, admit_group)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: list[Sequence] = []   # sorted by sort_key, hold no blocks
@@ -90,7 +98,8 @@ class Scheduler:
                 self._preempt(seq, out)
                 break
             out.scheduled.append(ScheduledSeq(seq, num_new))
-            out.copies.extend(copies)
+            if copies:
+                out.copies.extend(copies)
             token_budget -= num_new
             i += 1
         return token_budget
@@ -98,6 +107,11 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
         bm = self.block_manager
         slots = sum(_seq_slots(s) for s in self.running)
+        free = self.max_num_seqs - slots
+        if (self.running and free < min(self.admit_group, len(self.waiting))
+                and self.running[-1].sort_key < self.waiting[0].sort_key):
+            return      # saturated: admit a group once enough slots are free (a waiting sequence
+                        # that outranks a running one, e.g. a preempted one, is not held back)
         while self.waiting and token_budget > 0:
             seq = self.waiting[0]
             if slots + _seq_slots(seq) > self.max_num_seqs or seq in out.preempted:

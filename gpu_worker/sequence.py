@@ -37,6 +37,8 @@ class Request:
     seqs: list["Sequence"] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first scheduling
     dropped: set[int] = field(default_factory=set)  # sample indices aborted on their own
+    stop_ids: tuple[int, ...] = ()  # stop_token_ids + EOS (unless ignore_eos): masked under
+                                    # min_tokens, end the sequence when sampled
 
     @property
     def n(self) -> int:

@@ -34,6 +34,8 @@ class WeightTarget(NamedTuple):
 
 
 class Attention(nn.Module):
+    kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
+
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -54,8 +56,16 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)     # (T, nkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
-        out = self.backend.forward(q, k, v, kv[0], kv[1], batch, self.scale)  # (T, nh, D)
+        if self.kernels is not None and hasattr(self.backend, "forward_rope"):
+            # one kernel rotates q, k in place (views of the qkv output) and writes the KV cache
+            out = self.backend.forward_rope(q, k, v, positions, self.rope.cos_sin, kv[0], kv[1], batch,
+                                            self.scale)                        # (T, nh, D)
+        else:
+            if self.kernels is not None:                      # in place on the qkv views
+                self.kernels.rope_(positions, q, k, self.rope.cos_sin)
+            else:
+                q, k = self.rope(positions, q, k)
+            out = self.backend.forward(q, k, v, kv[0], kv[1], batch, self.scale)  # (T, nh, D)
         return self.o_proj(out.reshape(t, self.q_size))     # (T, H)
 
 
@@ -67,9 +77,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
-    def forward(self, x, positions, kv: KVCache, batch: ForwardBatch):  # x (T, H)
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv: KVCache, batch: ForwardBatch):
+        """x (T, H): the previous layer's MLP output (or the embeddings); residual (T, H): the
+        residual stream before x is added (None in the first layer). -> (mlp out, residual);
+        the adds happen inside the norms (one fused kernel each on CUDA)."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, kv, batch)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -94,10 +109,17 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], batch: ForwardBatch) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, H) after the last norm."""
-        x = self.model.embed_tokens(input_ids)                  # (T, H)
+        x, residual = self.model.embed_tokens(input_ids), None  # (T, H)
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv, batch)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, kv, batch)
+        return self.model.norm.add_forward(x, residual)[0]
+
+    def use_fused_kernels(self, kernels) -> None:
+        """Route RMSNorm(+residual), RoPE and SwiGLU through Triton kernels (a namespace from
+        gpu_worker.models.layers.fused.load_fused_kernels), or back to torch (None)."""
+        for module in self.modules():
+            if hasattr(type(module), "kernels"):
+                module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, H) -> (S, V) float32."""

@@ -8,6 +8,7 @@ from torch import nn
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)). gate_up_proj.weight = cat([gate_proj.weight, up_proj.weight])."""
+    kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype | None = None):
         super().__init__()
@@ -16,5 +17,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # (T, hidden)
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # 2 x (T, inter)
+        gate_up = self.gate_up_proj(x)                      # (T, 2 * inter)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.swiglu(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # 2 x (T, inter)
         return self.down_proj(F.silu(gate) * up)            # (T, hidden)

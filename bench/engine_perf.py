@@ -1,0 +1,435 @@
+"""Engine speed on one GPU: a random-weight Llama-3.1-8B through gpu_worker.Engine.
+
+    python bench/engine_perf.py [--model-dir /tmp/m8b] [--budget 420] [--skip sharegpt] [--async-scheduling]
+    python bench/engine_perf.py --smoke --model-dir /tmp/tiny     # CPU, tiny model: checks the script
+
+Order (each part guarded and time-boxed; the table is printed last, also to $OUT/engine_perf.json):
+  parity     greedy tokens and per-step logits, CUDA-graph replay vs eager, on 4 prompts
+  decode1    batch-1 decode at 128 and 8k context: wall tok/s, and the GPU time of one graph
+             replay (CUDA events), so wall - GPU = host overhead per step
+  ablation   batch-1 at 128 eager (no graphs), and eager without the fused Triton kernels
+  profile    per-kernel CUDA time of one eager batch-1 decode step (torch.profiler)
+  decodeB    decode at batch 64 and 256 (prompt 128): out tok/s, host time split per step
+  async      batch-1 at 128 and batch 256 again with async_scheduling (step N+1 launched before
+             step N's tokens are read back)
+  prefill    prefill at 512 / 2k / 8k prompts (max_tokens 1): prompt tok/s
+  sharegpt   1,000 requests, ~200 in / ~180 out (lognormal), ignore_eos, temperature 1: total tok/s
+
+Weight roofline for batch-1: ~15.0 GB of weights read per step at ~4.2 TB/s -> ~3.6 ms/step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+T0 = time.time()
+ROWS: list[tuple[str, str, str]] = []
+RESULTS: dict = {}
+OUT = Path(os.environ.get("OUT", "/tmp/engine_perf_out"))
+ASYNC_DEFAULT = False    # --async-scheduling
+SMOKE = False    # --smoke: a tiny model on the CPU with every size / 32, to check this script
+
+
+def S(n: int) -> int:
+    return max(4, n // 32) if SMOKE else n
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def row(metric: str, value: str, note: str = "") -> None:
+    ROWS.append((metric, value, note))
+    RESULTS[metric] = {"value": value, "note": note}
+    log(f"{metric:44s} {value}  {note}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "engine_perf.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+def ensure_model(model_dir: Path) -> Path:
+    if (model_dir / "config.json").exists() and list(model_dir.glob("*.safetensors")):
+        return model_dir
+    log(f"making a random-weight llama 8b in {model_dir} ...")
+    subprocess.run([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", "8b",
+                    str(model_dir)], check=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    return model_dir
+
+
+class Bench:
+    def __init__(self, eng):
+        from services.protocol.sampling import SamplingParams
+        self.eng, self.SP = eng, SamplingParams
+        self.rng = random.Random(0)
+        self.ids = iter(range(10**9))
+
+    def prompt(self, n: int) -> list[int]:
+        return [self.rng.randrange(300, self.eng.vocab_size) for _ in range(n)]   # no prefix hits
+
+    def add(self, prompt, n_out: int, **kw) -> str:
+        rid = f"r{next(self.ids)}"
+        params = dict(temperature=0.0, ignore_eos=True, max_tokens=n_out)
+        params.update(kw)
+        self.eng.add_request(rid, prompt, self.SP(**params))
+        return rid
+
+    def drain(self, deadline: float | None = None) -> int:
+        n = 0
+        while self.eng.has_unfinished_requests():
+            n += sum(len(d.new_token_ids) for d in self.eng.step())
+            if deadline is not None and time.time() > deadline:
+                for r in list(self.eng.requests):
+                    self.eng.abort_request(r)
+                break
+        return n
+
+    def generate(self, prompts, n_out: int, record=None) -> list[list[int]]:
+        """Greedy tokens of each prompt (all in one batch)."""
+        rids = [self.add(p, n_out) for p in prompts]
+        toks = {r: [] for r in rids}
+        while self.eng.has_unfinished_requests():
+            for d in self.eng.step():
+                toks[d.request_id] += d.new_token_ids
+        return [toks[r] for r in rids]
+
+
+def sync() -> None:
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------- parts
+def part_parity(b: Bench) -> None:
+    runner = b.eng.runner
+    if runner.decode_graphs is None:
+        row("parity graphs vs eager", "SKIPPED", "no graphs were captured")
+        return
+    parity_case(b, "long", [S(n) if n > 128 else n for n in (17, 128, 300, 1000)], runner.decode_graphs)
+    if runner.short_decode_graphs is not None:
+        parity_case(b, "short", [17, 100, 300], runner.short_decode_graphs)
+
+
+def parity_case(b: Bench, label: str, lengths: list[int], graphs) -> None:
+    """Greedy tokens and decode logits with graphs, then eagerly with the graph's decode split
+    count: the same kernels in the same order, so they must agree to the bit (other split counts
+    differ by bf16 rounding, which random weights amplify: ~3e-2 was seen on an 8B)."""
+    eng, runner = b.eng, b.eng.runner
+    prompts = [b.prompt(n) for n in lengths]
+    recorded: list[torch.Tensor] = []
+    forward, pin = runner.forward, runner._pin_decode_splits
+    saved = runner.decode_graphs, runner.short_decode_graphs
+
+    def rec(batch):
+        out = forward(batch)
+        if batch.is_pure_decode:
+            recorded.append(out.detach().clone())
+        return out
+
+    runner.forward = rec
+    try:
+        eng.reset_prefix_cache()
+        with_graphs = b.generate(prompts, 24)
+        logits_g = list(recorded)
+        recorded.clear()
+        runner.decode_graphs = runner.short_decode_graphs = None
+        eng.reset_prefix_cache()
+        if hasattr(runner.attention, "decode_num_splits") and not SMOKE:
+            from gpu_worker.kernels.paged_decode_attention import choose_num_splits
+            splits = choose_num_splits(graphs.bucket(len(prompts)), runner.kv_caches[0][0].shape[2],
+                                       graphs.max_context_len, runner.device)
+            runner._pin_decode_splits = lambda batch: setattr(runner.attention, "decode_num_splits", splits)
+        eager = b.generate(prompts, 24)
+        logits_e = list(recorded)
+    finally:
+        runner.decode_graphs, runner.short_decode_graphs = saved
+        runner.forward, runner._pin_decode_splits = forward, pin
+        eng.reset_prefix_cache()
+    same = [next((i for i, (x, y) in enumerate(zip(a, e)) if x != y), len(a)) for a, e in zip(with_graphs, eager)]
+    errs = []
+    for lg, le in zip(logits_g, logits_e):
+        if lg.shape != le.shape:
+            break
+        errs.append(float((lg - le).double().norm() / le.double().norm()))
+        if len(errs) >= 4:
+            break
+    ok = all(s == 24 for s in same) and errs and max(errs) == 0.0
+    row(f"parity graphs vs eager ({label})", "ok" if ok else "MISMATCH",
+        f"identical greedy prefix {same} of 24; logits rel err first steps {['%.1e' % e for e in errs]}")
+
+
+def graph_gpu_ms(runner, size: int, reps: int = 30, short: bool = False) -> float:
+    g = runner.short_decode_graphs if short else runner.decode_graphs
+    if SMOKE or g is None or size not in g.graphs:
+        return float("nan")
+    graph = g.graphs[size]
+    graph.replay()
+    sync()
+    times = []
+    for _ in range(reps):
+        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(a.elapsed_time(e))
+    return statistics.median(times)
+
+
+def decode1(b: Bench, ctx: int, n_out: int = 160, label: str = "") -> float:
+    b.add(b.prompt(ctx), n_out)
+    while b.eng.scheduler.waiting or any(s.num_new_tokens > 1 for s in b.eng.scheduler.running):
+        b.eng.step()                                   # the prefill
+    for _ in range(min(5, n_out // 4)):
+        b.eng.step()
+    sync()
+    t = time.perf_counter()
+    n = b.drain()
+    dt = time.perf_counter() - t
+    gpu = graph_gpu_ms(b.eng.runner, 1, short=ctx + n_out <= 512 and b.eng.runner.short_decode_graphs is not None)
+    note = f"{1e3 * dt / n:.3f} ms/step wall"
+    if not math.isnan(gpu) and b.eng.runner.decode_graphs is not None:
+        note += f", graph replay {gpu:.3f} ms GPU (lm_head etc. outside)"
+    row(f"batch-1 decode ctx={ctx}{label}", f"{n / dt:.1f} tok/s", note)
+    return n / dt
+
+
+def part_decode1(b: Bench) -> None:
+    decode1(b, 128, S(256))
+    decode1(b, S(8192), S(160))
+
+
+def part_ablation(b: Bench) -> None:
+    runner = b.eng.runner
+    graphs, short = runner.decode_graphs, runner.short_decode_graphs
+    runner.decode_graphs = runner.short_decode_graphs = None
+    try:
+        decode1(b, 128, S(64), " eager")
+        kernels = runner.model.model.norm.kernels
+        runner.model.use_fused_kernels(None)
+        try:
+            decode1(b, 128, S(64), " eager, torch ops")
+        finally:
+            runner.model.use_fused_kernels(kernels)
+    finally:
+        runner.decode_graphs, runner.short_decode_graphs = graphs, short
+
+
+def part_profile(b: Bench) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    runner = b.eng.runner
+    graphs, short = runner.decode_graphs, runner.short_decode_graphs
+    runner.decode_graphs = runner.short_decode_graphs = None
+    try:
+        b.add(b.prompt(128), 12)
+        for _ in range(6):
+            b.eng.step()
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            b.eng.step()
+            sync()
+        b.drain()
+    finally:
+        runner.decode_graphs, runner.short_decode_graphs = graphs, short
+    stats: dict[str, list[float]] = {}
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if dev_us and ev.device_type.name == "CUDA":
+            stats[ev.key[:60]] = [dev_us, ev.count]
+    total = sum(v[0] for v in stats.values())
+    top = sorted(stats.items(), key=lambda kv: -kv[1][0])[:12]
+    lines = [f"{us / 1e3:7.3f} ms {n:4d}x  {name}" for name, (us, n) in top]
+    log("eager batch-1 step, CUDA time by kernel (total %.3f ms):\n    " % (total / 1e3) + "\n    ".join(lines))
+    row("profile eager B=1 step GPU total", f"{total / 1e3:.3f} ms",
+        "; ".join(f"{name[:28]} {us / 1e3:.2f}ms" for name, (us, n) in top[:5]))
+    (OUT / "profile_b1.txt").write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+
+
+class StepSplit:
+    """Host time of each engine.step piece: schedule, build, forward (launch), sample (launch),
+    wait (reading the tokens back: the GPU time not hidden), and the rest."""
+
+    def __init__(self, eng):
+        from gpu_worker.sampler import PendingSample
+        self.eng, self.t = eng, {k: 0.0 for k in ("schedule", "build", "forward", "sample", "wait")}
+        self.targets = [(eng.scheduler, "schedule", "schedule"), (eng.batch_builder, "build", "build"),
+                        (eng.runner, "forward", "forward"), (eng.sampler, "launch", "sample")]
+        for obj, attr, name in self.targets:
+            setattr(obj, attr, self._wrap(name, getattr(obj, attr)))
+        self.pending_cls, self.results = PendingSample, PendingSample.results
+        PendingSample.results = self._wrap("wait", PendingSample.results)
+
+    def _wrap(self, name, fn):
+        def inner(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[name] += time.perf_counter() - t
+        return inner
+
+    def restore(self) -> None:
+        for obj, attr, _ in self.targets:
+            delattr(obj, attr)                 # back to the class's method
+        self.pending_cls.results = self.results
+
+
+def part_decodeB(b: Bench, sizes: tuple[int, ...] | None = None, label: str = "") -> None:
+    for B in sizes or (S(64), S(256)):
+        for _ in range(B):
+            b.add(b.prompt(128), S(200))
+        while b.eng.scheduler.waiting or any(s.num_new_tokens > 1 for s in b.eng.scheduler.running):
+            b.eng.step()
+        for _ in range(3):
+            b.eng.step()
+        sync()
+        split = StepSplit(b.eng)
+        t, n, steps = time.perf_counter(), 0, 0
+        try:
+            while steps < S(64):
+                n += sum(len(d.new_token_ids) for d in b.eng.step())
+                steps += 1
+        finally:
+            split.restore()
+        dt = time.perf_counter() - t
+        b.drain()
+        gpu = graph_gpu_ms(b.eng.runner, B)
+        parts = ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in split.t.items())
+        rest = 1e3 * (dt - sum(split.t.values())) / steps
+        row(f"decode B={B}{label}", f"{n / dt:.0f} out tok/s",
+            f"{1e3 * dt / steps:.2f} ms/step; graph GPU {gpu:.2f} ms; host ms/step: {parts}, rest {rest:.2f}")
+
+
+def part_async(b: Bench) -> None:
+    """The same decode runs with async_scheduling (host work of step N+1 under step N's GPU time)."""
+    b.eng.async_scheduling = True
+    try:
+        decode1(b, 128, S(256), " async")
+        part_decodeB(b, sizes=(S(256),), label=" async")
+    finally:
+        b.eng.async_scheduling = ASYNC_DEFAULT
+        b.eng.step()                      # settles a step still in flight
+
+
+def part_prefill(b: Bench) -> None:
+    for L in (S(512), S(2048), S(8192)):
+        n_req = max(1, S(32768) // L)
+        for _ in range(n_req):
+            b.add(b.prompt(L), 1)
+        sync()
+        t = time.perf_counter()
+        b.drain()
+        sync()
+        dt = time.perf_counter() - t
+        row(f"prefill L={L} x{n_req}", f"{n_req * L / dt:.0f} tok/s", f"{dt:.2f} s")
+
+
+def part_sharegpt(b: Bench, seconds: float) -> None:
+    rng = random.Random(1)
+
+    def lognormal(mean, sigma, lo, hi):
+        return int(min(hi, max(lo, rng.lognormvariate(math.log(mean) - sigma ** 2 / 2, sigma))))
+
+    reqs = [(lognormal(200, 1.0, 4, 2048), lognormal(180, 1.0, 4, 1024)) for _ in range(S(1000))]
+    for p, o in reqs:
+        b.add(b.prompt(p), o, temperature=1.0)
+    t, deadline = time.perf_counter(), time.time() + seconds
+    n_out = b.drain(deadline=deadline)
+    dt = time.perf_counter() - t
+    in_tok = sum(p for p, _ in reqs)
+    done = time.time() <= deadline           # drain aborts what is left at the deadline
+    total = (n_out + in_tok) / dt if done else float("nan")
+    row("sharegpt 1000 reqs" + ("" if done else " (time-boxed)"),
+        f"{total:.0f} total tok/s" if done else f"{n_out / dt:.0f} out tok/s",
+        f"{n_out / dt:.0f} out tok/s, {dt:.1f} s, in {in_tok} / out {n_out} tokens, temperature 1.0")
+
+
+# ---------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", default="/tmp/m8b")
+    ap.add_argument("--budget", type=float, default=420, help="seconds for the whole run")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks this script only")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="run every part with async_scheduling on (part 'async' compares it anyway)")
+    args = ap.parse_args()
+    end = T0 + args.budget
+    global SMOKE, ASYNC_DEFAULT
+    SMOKE, ASYNC_DEFAULT = args.smoke, args.async_scheduling
+    extra = {}
+    if SMOKE:
+        from gpu_worker.make_model import make_model
+        model_dir = Path(args.model_dir)
+        if not (model_dir / "config.json").exists():
+            make_model(model_dir, arch="llama", size="tiny", progress=False)
+        extra = dict(device="cpu", dtype="float32", attention_backend="torch", num_gpu_blocks=4096)
+        torch.set_num_threads(1)
+    else:
+        log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        model_dir = ensure_model(Path(args.model_dir))
+        extra = dict(dtype="bfloat16", gpu_memory_utilization=0.88)
+
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import Engine
+    t = time.time()
+    eng = Engine(EngineConfig(model=str(model_dir), max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_model_len=S(16384), **extra))
+    if SMOKE:   # the CPU stand-in of graphs (EagerReplay): exercises the parity part
+        eng.runner.capture_cuda_graphs(8, eng.max_model_len)
+    g = eng.runner.decode_graphs
+    row("engine load", f"{time.time() - t:.1f} s",
+        f"{eng.block_manager.num_blocks} KV blocks; graphs {'none' if g is None else len(g.sizes)}; "
+        f"fused kernels {eng.runner.model.model.norm.kernels is not None}")
+    eng.async_scheduling = args.async_scheduling
+    b = Bench(eng)
+    # warm-up: compile prefill, mixed and decode kernel variants outside the timings
+    b.add(b.prompt(S(1000)), 8)
+    b.add(b.prompt(20), 8)
+    b.drain()
+    log("warm-up done")
+
+    parts = [("parity", part_parity, 30), ("decode1", part_decode1, 20), ("decodeB", part_decodeB, 30),
+             ("async", part_async, 25), ("prefill", part_prefill, 20), ("ablation", part_ablation, 20),
+             ("profile", part_profile, 15)]
+    skip = set(filter(None, args.skip.split(",")))
+    for name, fn, need in parts:
+        if name in skip:
+            continue
+        if end - time.time() < need:
+            row(name, "SKIPPED", "time budget")
+            continue
+        try:
+            fn(b)
+        except Exception as e:   # one broken part must not lose the others
+            row(name, f"ERROR {type(e).__name__}: {e}"[:160])
+            traceback.print_exc()
+            for r in list(eng.requests):
+                eng.abort_request(r)
+    if "sharegpt" not in skip and end - time.time() > 30:
+        try:
+            part_sharegpt(b, end - time.time() - 15)
+        except Exception as e:
+            row("sharegpt", f"ERROR {type(e).__name__}: {e}"[:160])
+            traceback.print_exc()
+
+    print("\n" + "=" * 110)
+    for metric, value, note in ROWS:
+        print(f"{metric:40s} | {value:>20s} | {note}")
+    print(f"total {time.time() - T0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
