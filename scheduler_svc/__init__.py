@@ -1,0 +1,1 @@
+"""The global scheduler service (`kvmesh scheduler`): admission, queues, routing, failover."""

@@ -1,0 +1,1 @@
+"""Tokenizer service (`kvmesh tokenizer`): gRPC Tokenize and the streaming detokenizer."""

@@ -1,0 +1,238 @@
+"""Control-plane benchmark on CPU: how much the service stack adds on top of the engine.
+
+    python bench/control_plane.py [--model DIR] [--concurrency 128] [--duration 8]
+
+Starts embedded Redis, tokenizer, scheduler, one null-model worker (fake tokens, no model math)
+and the gateway as real processes, then measures through
+gateway -> tokenizer -> scheduler -> worker -> detokenizer -> gateway -> client:
+
+  * TTFT at idle (sequential streaming requests, max_tokens=1) vs the same engine in-process
+  * inter-token latency of a lone stream vs an in-process engine step
+  * requests/s with short requests, and streamed tokens/s with many long streams
+
+The client is a minimal HTTP/1.1 reader (no JSON parsing) so that it measures the server, not
+itself. Targets: < 1 ms added TTFT at idle, >= 20k streamed tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.embedded_redis import EmbeddedRedis  # noqa: E402
+
+
+class RawClient:
+    """One keep-alive HTTP/1.1 connection that streams SSE and counts `data:` events."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def stream(self, body: bytes) -> tuple[float, list[float], int]:
+        """POST a streaming completion; returns (ttft_s, chunk arrival times, content chunks)."""
+        if self.writer is None:
+            await self.connect()
+        assert self.reader and self.writer
+        t0 = time.perf_counter()
+        self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if b" 200 " not in head.split(b"\r\n", 1)[0]:
+            raise RuntimeError(head.decode(errors="replace"))
+        chunked = b"chunked" in head.lower()
+        assert chunked, "expected a chunked SSE response"
+        times: list[float] = []
+        events, ttft = 0, 0.0
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
+            data = await self.reader.readexactly(size + 2)
+            if size == 0:
+                break
+            now = time.perf_counter()
+            n = data.count(b"data: {")
+            if n:
+                if not ttft:
+                    ttft = now - t0
+                times.append(now)
+                events += n
+        return ttft, times, events
+
+    async def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+def body(max_tokens: int, prompt: str = "hello world") -> bytes:
+    return json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                       "temperature": 0}).encode()
+
+
+def in_process_baseline(vocab: int) -> tuple[float, float]:
+    """(TTFT s, per-token s) of the null engine called in-process: add_request + first step; one step."""
+    from gpu_worker.service.null_engine import NullEngine
+    from services.protocol.sampling import SamplingParams
+    eng = NullEngine(vocab_size=vocab)
+    firsts, steps = [], []
+    for i in range(2000):
+        t0 = time.perf_counter()
+        eng.add_request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+        eng.step()
+        t1 = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t1)
+        firsts.append(t1 - t0)
+    return statistics.median(firsts), statistics.median(steps)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def idle_ttft(port: int, n: int) -> tuple[float, float]:
+    client = RawClient("127.0.0.1", port)
+    for _ in range(20):                                  # warm-up
+        await client.stream(body(1))
+    ttfts = [(await client.stream(body(1)))[0] for _ in range(n)]
+    await client.close()
+    return statistics.median(ttfts), pct(ttfts, 0.99)
+
+
+def wait_http(port: int, timeout_s: float = 120) -> None:
+    import urllib.request
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"gateway on port {port} did not become ready")
+
+
+async def measure(port: int, args: argparse.Namespace) -> dict[str, float]:
+    out: dict[str, float] = {}
+    out["ttft_p50"], out["ttft_p99"] = await idle_ttft(port, args.idle_requests)
+    client = RawClient("127.0.0.1", port)
+    # the gateway writes every token already arrived in one chunk, so chunk gaps are not token
+    # gaps: the per-token cost is measured as the lone stream's rate
+    _, times, events = await client.stream(body(2000))
+    out["lone_stream_tok_s"] = events / (times[-1] - times[0]) if len(times) > 1 else 0.0
+    await client.close()
+
+    async def worker(max_tokens: int, stop_at: float, counts: list[int]) -> None:
+        c = RawClient("127.0.0.1", port)
+        try:
+            while time.perf_counter() < stop_at:
+                _, _, events = await c.stream(body(max_tokens))
+                counts[0] += 1
+                counts[1] += events
+        finally:
+            await c.close()
+
+    for name, conc, max_tokens in (("short", args.concurrency // 2, 4), ("long", args.concurrency, 256)):
+        counts = [0, 0]
+        t0 = time.perf_counter()
+        stop_at = t0 + args.duration
+        await asyncio.gather(*(worker(max_tokens, stop_at, counts) for _ in range(conc)))
+        elapsed = time.perf_counter() - t0
+        out[f"{name}_req_s"] = counts[0] / elapsed
+        out[f"{name}_tok_s"] = counts[1] / elapsed
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="model dir for the tokenizer (default: make a tiny one)")
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--duration", type=float, default=8.0, help="seconds per throughput phase")
+    ap.add_argument("--idle-requests", type=int, default=200)
+    args = ap.parse_args()
+    tmp = tempfile.TemporaryDirectory(prefix="kvmesh-bench-")
+    model = args.model
+    if not model:
+        model = str(Path(tmp.name) / "tiny")
+        subprocess.run([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", "tiny", model],
+                       cwd=ROOT, check=True, capture_output=True)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    redis = EmbeddedRedis().start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    common = ["--redis-url", redis.url, "--log-level", "warning", "--host", "127.0.0.1"]
+    internal = ["--port", "0", "--zmq-port", "0", "--metrics-port", "-1"]
+    with socket_port() as port, socket_port() as grpc_port:
+        pass
+    cmds = [["tokenizer", *common, *internal, "--model", model],
+            ["scheduler", *common, *internal],
+            ["worker", *common, *internal, "--model", model, "--null-model", "--served-model-name", "bench",
+             "--max-num-seqs", "512"],
+            ["gateway", *common, "--port", str(port), "--zmq-port", "0", "--local-tokenizer", model],
+            ["gateway", *common, "--port", str(grpc_port), "--zmq-port", "0"]]
+    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", *c], cwd=ROOT, env=env) for c in cmds]
+    try:
+        wait_http(port)
+        wait_http(grpc_port)
+        base_ttft, base_step = in_process_baseline(vocab)
+        res = asyncio.run(measure(port, args))
+        res["grpc_ttft_p50"], res["grpc_ttft_p99"] = asyncio.run(idle_ttft(grpc_port, args.idle_requests))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+        redis.stop()
+        tmp.cleanup()
+    ms = 1000.0
+    rows = [
+        ("TTFT at idle p50 (stack)", f"{res['ttft_p50'] * ms:.3f} ms"),
+        ("TTFT at idle p99 (stack)", f"{res['ttft_p99'] * ms:.3f} ms"),
+        ("TTFT at idle p50/p99, Tokenize over gRPC", f"{res['grpc_ttft_p50'] * ms:.3f} / {res['grpc_ttft_p99'] * ms:.3f} ms"),
+        ("TTFT in-process engine", f"{base_ttft * ms:.3f} ms"),
+        ("added TTFT at idle (p50)", f"{(res['ttft_p50'] - base_ttft) * ms:.3f} ms   (target < 1 ms)"),
+        ("lone stream tokens/s", f"{res['lone_stream_tok_s']:.0f}"),
+        ("lone stream time per token (1/rate)", f"{1 / max(res['lone_stream_tok_s'], 1e-9) * ms:.4f} ms"),
+        ("in-process engine step", f"{base_step * ms:.4f} ms"),
+        ("added per token", f"{(1 / max(res['lone_stream_tok_s'], 1e-9) - base_step) * ms:.4f} ms"),
+        (f"short requests/s (c={args.concurrency // 2}, 4 tok)", f"{res['short_req_s']:.0f}"),
+        (f"streamed tokens/s (c={args.concurrency}, 256 tok)", f"{res['long_tok_s']:.0f}   (target >= 20000)"),
+        (f"long requests/s (c={args.concurrency})", f"{res['long_req_s']:.1f}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"\nkvmesh control plane (null-model worker, {os.cpu_count()} CPUs)")
+    print("-" * (width + 30))
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+class socket_port:
+    def __enter__(self) -> int:
+        import socket
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        return self.port
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

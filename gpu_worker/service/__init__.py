@@ -1,0 +1,1 @@
+"""The worker service: the process shell around one Engine (`kvmesh worker`)."""

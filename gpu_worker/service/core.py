@@ -1,0 +1,160 @@
+"""The worker's pure core: dispatches and aborts in, one engine step, messages out. No sockets.
+
+    core.run([Dispatch, Abort, ...]) -> [Envelope(dest, msg), ...]
+
+Per step it emits one StepOutput per detokenizer holding every sequence's new tokens (usually a
+single message), a StreamOpen before a request's first tokens (same destination, so ordered),
+and a WorkerStatus to the scheduler when requests ended. All engine calls happen in run(), which
+the shell executes in one worker thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from gpu_worker.outputs import RequestError, SequenceDelta
+from services.protocol.messages import (
+    Abort, Dispatch, RequestFailed, SeqTokens, StepOutput, StreamOpen, WorkerStatus)
+
+log = logging.getLogger("kvmesh.worker")
+
+SCHEDULER = "scheduler"  # Envelope.dest of messages for the scheduler(s)
+
+
+class Envelope(NamedTuple):
+    dest: str   # a ZMQ address (detokenizer, gateway) or SCHEDULER
+    msg: Any
+
+
+@dataclass
+class _Req:
+    detok_addr: str
+    reply_addr: str
+    n: int
+    done: set[int] = field(default_factory=set)
+
+
+class WorkerCore:
+    def __init__(self, engine: Any, worker_id: str, epoch: int) -> None:
+        self.engine = engine
+        self.worker_id, self.epoch = worker_id, epoch
+        self.requests: dict[str, _Req] = {}
+        self.num_steps = 0
+        self.num_requests = 0       # accepted since start
+        self.tokens_out = 0
+        self.last_step_s = 0.0
+        self._finished: list[str] = []
+
+    # ---- one iteration -------------------------------------------------------------------
+    def run(self, inbox: list[Any]) -> list[Envelope]:
+        out: list[Envelope] = []
+        for msg in inbox:
+            if isinstance(msg, Dispatch):
+                self._dispatch(msg, out)
+            elif isinstance(msg, Abort):
+                self._abort(msg, out)
+        if self.engine.has_unfinished_requests():
+            self._step(out)
+        if self._finished:
+            out.append(Envelope(SCHEDULER, self.status(self._take_finished())))
+        return out
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def _dispatch(self, msg: Dispatch, out: list[Envelope]) -> None:
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                    priority=msg.priority, cache_salt=msg.cache_salt)
+        except RequestError as exc:
+            out.append(Envelope(msg.reply_addr, RequestFailed(
+                request_id=msg.request_id, status=400, code="invalid_request", message=str(exc))))
+            self._finished.append(msg.request_id)
+            return
+        self.requests[msg.request_id] = _Req(msg.detok_addr, msg.reply_addr, msg.params.n)
+        self.num_requests += 1
+        out.append(Envelope(msg.detok_addr, StreamOpen(
+            request_id=msg.request_id, params=msg.params, reply_addr=msg.reply_addr,
+            num_prompt_tokens=len(msg.prompt_token_ids), prompt_tail=msg.prompt_token_ids[-8:])))
+
+    def _abort(self, msg: Abort, out: list[Envelope]) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None:
+            return
+        self.engine.abort_request(msg.request_id, msg.index)
+        if msg.index is not None:
+            req.done.add(msg.index)
+            if len(req.done) < req.n:
+                return
+        del self.requests[msg.request_id]
+        self._finished.append(msg.request_id)
+        out.append(Envelope(req.detok_addr, Abort(request_id=msg.request_id, reason=msg.reason)))
+
+    def _step(self, out: list[Envelope]) -> None:
+        t0 = time.perf_counter()
+        try:
+            deltas: list[SequenceDelta] = self.engine.step()
+        except Exception:  # an engine bug must not hang clients: fail everything in flight
+            log.exception("engine step failed; failing %d in-flight requests", len(self.requests))
+            self.fail_all("the engine failed while running this request", out)
+            return
+        self.last_step_s = time.perf_counter() - t0
+        self.num_steps += 1
+        if not deltas:
+            return
+        per_dest: dict[str, list[SeqTokens]] = {}
+        for d in deltas:
+            req = self.requests.get(d.request_id)
+            if req is None:
+                continue
+            self.tokens_out += len(d.new_token_ids)
+            per_dest.setdefault(req.detok_addr, []).append(_seq_tokens(d))
+            if d.finish_reason is not None:
+                req.done.add(d.index)
+                if len(req.done) >= req.n:
+                    del self.requests[d.request_id]
+                    self._finished.append(d.request_id)
+        for dest, seqs in per_dest.items():
+            out.append(Envelope(dest, StepOutput(worker_id=self.worker_id, epoch=self.epoch,
+                                                 step=self.num_steps, seqs=seqs)))
+
+    def fail_all(self, message: str, out: list[Envelope]) -> None:
+        for rid, req in list(self.requests.items()):
+            self.engine.abort_request(rid)
+            out.append(Envelope(req.reply_addr, RequestFailed(
+                request_id=rid, status=500, code="worker_error", message=message)))
+            out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="worker_failed")))
+            self._finished.append(rid)
+        self.requests.clear()
+
+    # ---- load ----------------------------------------------------------------------------
+    def _take_finished(self) -> list[str]:
+        done, self._finished = self._finished, []
+        return done
+
+    def load(self) -> dict[str, int]:
+        s = self.engine.stats()
+        return {"running": s.num_running, "waiting": s.num_waiting, "free_blocks": s.num_free_blocks,
+                "cached_blocks": s.num_cached_blocks, "total_blocks": s.num_total_blocks,
+                "requests": len(self.requests), "requests_total": self.num_requests,
+                "tokens_out": self.tokens_out, "prefix_query_tokens": s.prefix_query_tokens,
+                "prefix_hit_tokens": s.prefix_hit_tokens}
+
+    def status(self, finished: list[str] | None = None, with_active: bool = False) -> WorkerStatus:
+        """Load numbers; `finished` after steps; `with_active` (heartbeats) lists every request held."""
+        s = self.engine.stats()
+        return WorkerStatus(worker_id=self.worker_id, epoch=self.epoch, running=s.num_running,
+                            waiting=s.num_waiting, free_blocks=s.num_free_blocks,
+                            cached_blocks=s.num_cached_blocks, total_blocks=s.num_total_blocks,
+                            finished=finished or [], active=list(self.requests) if with_active else None)
+
+
+def _seq_tokens(d: SequenceDelta) -> SeqTokens:
+    logprobs = top = None
+    if d.new_logprobs:
+        logprobs = [lp.logprob for lp in d.new_logprobs]
+        top = [[(int(t), float(v)) for t, v in lp.top] for lp in d.new_logprobs]
+    return SeqTokens(d.request_id, d.index, list(d.new_token_ids), logprobs, top, d.finish_reason,
+                     d.num_prompt_tokens, d.num_cached_tokens)

@@ -1,0 +1,251 @@
+"""`kvmesh worker`: the process shell around WorkerCore (sockets, engine thread, heartbeat, signals).
+
+    engine thread:  recv_all(dispatches, aborts) -> core.run(inbox) -> send envelopes -> repeat
+                    (blocks in the socket poll only when the engine has nothing to do)
+    event loop:     heartbeat (Redis lease + load, WorkerStatus to the scheduler), gRPC health,
+                    signals
+
+The engine thread owns its sockets (plain zmq, no event loop between two steps), so a step never
+waits for the loop and the loop keeps heartbeating while a step computes. SIGTERM drains: the
+record says `draining` (no new work is routed here), running requests finish (up to 30 s), then
+the lease is released.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from gpu_worker.service.core import SCHEDULER, Envelope, WorkerCore
+from services import metrics
+from services.config import WorkerConfig, load_or_exit
+from services.logging import setup as setup_logging
+from services.protocol.messages import WorkerInbox
+from services.registry import Registry
+from services.transport import SenderPool, SyncReceiver, add_health, grpc_server, run_async, set_serving, tcp_addr
+
+DRAIN_TIMEOUT_S = 30.0
+log = logging.getLogger("kvmesh.worker")
+
+
+def build_engine(cfg: WorkerConfig) -> Any:
+    if cfg.null_model:
+        from gpu_worker.service.null_engine import NullEngine
+        vocab = cfg.null_vocab_size
+        if cfg.model and (Path(cfg.model) / "config.json").is_file():
+            vocab = int(json.loads((Path(cfg.model) / "config.json").read_text()).get("vocab_size", vocab))
+        return NullEngine(vocab_size=vocab, max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size,
+                          num_blocks=cfg.num_gpu_blocks or 65536, max_model_len=cfg.max_model_len or 4096,
+                          step_ms=cfg.null_step_ms)
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import Engine
+    return Engine(EngineConfig(
+        model=cfg.model, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len or None, block_size=cfg.block_size,
+        enable_prefix_caching=cfg.enable_prefix_caching, num_gpu_blocks=cfg.num_gpu_blocks or None,
+        dtype=cfg.dtype, device=cfg.device, seed=cfg.seed))
+
+
+def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
+    stats = engine.stats()
+    name = cfg.served_model_name or (Path(cfg.model).name if cfg.model else "null-model")
+    return {"model": name, "role": cfg.role, "max_model_len": int(stats.extra.get("max_model_len", 0)),
+            "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
+            "vocab_size": int(engine.vocab_size), "null_model": cfg.null_model, "draining": False,
+            "model_id": getattr(getattr(engine, "setup", None), "model_id", name),
+            "pid": os.getpid()}
+
+
+class EngineThread(threading.Thread):
+    """Runs WorkerCore: receive, step, send; nothing else touches the engine or these sockets."""
+
+    IDLE_POLL_MS = 50   # also the idle period of KV-event heartbeats and snapshot answers
+
+    def __init__(self, core: WorkerCore, receiver: SyncReceiver, scheduler_addrs: list[str],
+                 kv_publisher: Any = None) -> None:
+        super().__init__(name="engine", daemon=True)
+        self.core, self.receiver, self.kv_publisher = core, receiver, kv_publisher
+        self.scheduler_addrs = scheduler_addrs      # replaced (not mutated) by the heartbeat
+        self.senders: SenderPool = SenderPool()
+        self.stop = threading.Event()
+        self.fail_message: str | None = None        # set by the loop thread: fail all, then idle
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                inbox = self.receiver.recv_all(0 if self.core.has_work() else self.IDLE_POLL_MS)
+                out = self.core.run(inbox)
+                if self.fail_message is not None:
+                    self.core.fail_all(self.fail_message, out)
+                    self.fail_message = None
+                self._send(out)
+                if self.kv_publisher is not None:
+                    self.kv_publisher.flush()   # this step's cache changes; snapshots; heartbeats
+                if self.core.last_step_s:
+                    metrics.STEP_SECONDS.observe(self.core.last_step_s)
+                    self.core.last_step_s = 0.0
+        except BaseException as exc:  # surfaced by the loop thread, which exits nonzero
+            self.error = exc
+            log.exception("engine thread died")
+        finally:
+            self.senders.close()
+            if self.kv_publisher is not None:
+                self.kv_publisher.close()
+
+    def _send(self, out: list[Envelope]) -> None:
+        for env in out:
+            if env.dest == SCHEDULER:
+                for addr in self.scheduler_addrs:
+                    self.senders.send(addr, env.msg)
+            else:
+                self.senders.send(env.dest, env.msg)
+
+
+class WorkerService:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.stopping = asyncio.Event()
+        self.senders: SenderPool = SenderPool()     # loop thread only (heartbeat status)
+        self.scheduler_addrs: list[str] = []
+
+    async def run(self) -> int:
+        cfg, loop = self.cfg, asyncio.get_running_loop()
+        server, grpc_port = grpc_server(cfg.host, cfg.port)
+        health = await add_health(server)
+        await server.start()
+        metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port)
+        engine = await asyncio.to_thread(build_engine, cfg)
+        receiver: SyncReceiver = SyncReceiver(WorkerInbox, cfg.host, cfg.zmq_port, name="worker")
+        host = cfg.reachable_host()
+        self.registry = Registry(cfg.redis_url)
+        self.info = engine_info(cfg, engine)
+        addrs = {"zmq": tcp_addr(host, receiver.port), "grpc": f"{host}:{grpc_port}"}
+        if metrics_port > 0:
+            addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
+        publisher = self._kv_publisher(engine)
+        if publisher is not None:
+            addrs["kv_events"], addrs["kv_snapshot"] = publisher.events_addr, publisher.snapshot_addr
+        self.lease = await self.registry.register("worker", self.worker_id, addrs=addrs, info=self.info,
+                                                  lease_ms=cfg.lease_ms)
+        if publisher is not None:
+            publisher.set_epoch(self.lease.epoch)
+        self.core = WorkerCore(engine, self.worker_id, self.lease.epoch)
+        await self._refresh_schedulers()
+        self.engine = EngineThread(self.core, receiver, self.scheduler_addrs, publisher)
+        self.engine.start()
+        await set_serving(health, True)
+        log.info("worker %s epoch %d ready: %s (%s), zmq %s", self.worker_id, self.lease.epoch,
+                 self.info["model"], cfg.role, addrs["zmq"])
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        beat = asyncio.create_task(self._heartbeat_loop())
+        stop = asyncio.create_task(self.stopping.wait())
+        await asyncio.wait([stop, beat], return_when=asyncio.FIRST_COMPLETED)
+        code = 1 if self.engine.error is not None or self.lease.fenced else 0
+        if beat.done() and not beat.cancelled() and beat.exception() is not None:
+            log.error("heartbeat loop died: %r", beat.exception())
+            code = 1
+        if code == 0:
+            await self._drain()
+        beat.cancel()
+        self.engine.stop.set()
+        await asyncio.to_thread(self.engine.join, 5)
+        await set_serving(health, False)
+        await self.lease.release()
+        await self.registry.close()
+        await server.stop(0.5)
+        receiver.close()
+        self.senders.close()
+        return code
+
+    def _kv_publisher(self, engine: Any) -> Any:
+        """The KV-event publisher of a real engine (the prefix-cache index subscribes to it)."""
+        if not self.cfg.kv_events or not hasattr(engine, "block_manager"):
+            return None
+        try:
+            from gpu_worker.kv_events import KVEventPublisher
+        except ImportError:
+            return None
+        return KVEventPublisher(engine.block_manager, self.worker_id, host=self.cfg.host,
+                                advertise_host=self.cfg.reachable_host())
+
+    async def _drain(self) -> None:
+        self.info["draining"] = True
+        self.lease.record.info = self.info
+        try:
+            await self.lease.renew(self.core.load())
+        except Exception:
+            pass
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self.core.requests and time.monotonic() < deadline and self.engine.is_alive():
+            await asyncio.sleep(0.05)
+        if self.core.requests and self.engine.is_alive():
+            log.warning("drain timed out; failing %d requests", len(self.core.requests))
+            self.engine.fail_message = "the worker shut down"
+            while self.engine.fail_message is not None and self.engine.is_alive():
+                await asyncio.sleep(0.01)
+
+    async def _refresh_schedulers(self) -> None:
+        records = await self.registry.list("scheduler")
+        addrs = [r.addrs["zmq"] for r in records if "zmq" in r.addrs]
+        if addrs != self.scheduler_addrs:
+            self.scheduler_addrs = addrs
+            if hasattr(self, "engine"):
+                self.engine.scheduler_addrs = addrs
+
+    async def _heartbeat_loop(self) -> None:
+        period = self.cfg.heartbeat_ms / 1000
+        tokens_seen = 0
+        while True:
+            await asyncio.sleep(period)
+            if not self.engine.is_alive():
+                self.stopping.set()
+                return
+            try:
+                load = self.core.load()   # read while the engine thread runs: counters only
+            except RuntimeError:          # a container changed size under us: next beat
+                continue
+            metrics.TOKENS_OUT.inc(load["tokens_out"] - tokens_seen)
+            tokens_seen = load["tokens_out"]
+            self._publish_metrics(load)
+            try:
+                if not await self.lease.renew(load):
+                    self.stopping.set()  # fenced: a newer incarnation owns this id
+                    return
+                await self._refresh_schedulers()
+            except Exception as exc:  # Redis hiccup: keep serving, retry next beat
+                log.warning("heartbeat failed: %s", exc)
+            try:
+                status = self.core.status(with_active=True)
+            except RuntimeError:          # the request table changed size while copied: next beat
+                continue
+            for addr in self.scheduler_addrs:
+                self.senders.send(addr, status)
+
+    def _publish_metrics(self, load: dict[str, int]) -> None:
+        metrics.ENGINE_RUNNING.set(load["running"])
+        metrics.ENGINE_WAITING.set(load["waiting"])
+        metrics.KV_FREE_BLOCKS.set(load["free_blocks"])
+        total = max(load["total_blocks"], 1)
+        metrics.KV_USAGE.set(1 - (load["free_blocks"] + load["cached_blocks"]) / total)
+        metrics.PREFIX_QUERY_TOKENS.set(load["prefix_query_tokens"])
+        metrics.PREFIX_HIT_TOKENS.set(load["prefix_hit_tokens"])
+
+
+def main(argv: list[str]) -> int:
+    cfg = load_or_exit(WorkerConfig, argv, "kvmesh worker")
+    setup_logging("worker", cfg.log_level)
+    if not cfg.model and not cfg.null_model:
+        log.error("--model (or KVMESH_MODEL) is required")
+        return 2
+    return run_async(WorkerService(cfg).run())

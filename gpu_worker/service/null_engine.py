@@ -1,0 +1,85 @@
+"""A stand-in engine without a model, for measuring the control plane only (never for correctness).
+
+Same surface as `gpu_worker.engine.Engine` (add_request / abort_request / step / stats). Every
+running sample gets one deterministic token per step; a step sleeps `step_ms` to set the rate.
+KV blocks are accounted like a paged cache (ceil(tokens / block_size) per sample).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from gpu_worker.outputs import EngineStats, RequestError, SequenceDelta, TokenLogprob
+from services.protocol.sampling import SamplingParams, SamplingParamsError
+
+_FIRST_ID = 100  # fake tokens avoid the low ids, where tokenizers keep their special tokens
+
+
+@dataclass
+class _Sample:
+    request_id: str
+    index: int
+    prompt_len: int
+    max_tokens: int
+    want_logprobs: bool
+    generated: int = 0
+    blocks: int = 0
+
+
+class NullEngine:
+    def __init__(self, *, vocab_size: int = 32000, max_num_seqs: int = 256, num_blocks: int = 65536,
+                 block_size: int = 16, max_model_len: int = 4096, step_ms: float = 0.0) -> None:
+        self.vocab_size, self.max_num_seqs = vocab_size, max_num_seqs
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_model_len, self.step_ms = max_model_len, step_ms
+        self.eos_token_ids: tuple[int, ...] = ()
+        self._samples: dict[tuple[str, int], _Sample] = {}
+        self._used_blocks = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, priority: int = 0, cache_salt: str = "") -> None:
+        try:
+            params.validate(self.vocab_size)
+        except SamplingParamsError as exc:
+            raise RequestError(str(exc)) from None
+        if not prompt_token_ids or len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(f"invalid prompt_token_ids: need 1 to {self.max_model_len - 1} tokens")
+        if any(key[0] == request_id for key in self._samples):
+            raise RequestError(f"invalid request_id: {request_id!r} is already in use")
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        for i in range(params.n):
+            self._samples[(request_id, i)] = _Sample(request_id, i, len(prompt_token_ids), max_tokens,
+                                                     params.logprobs is not None)
+
+    def abort_request(self, request_id: str, index: int | None = None) -> None:
+        for key in [k for k in self._samples if k[0] == request_id and index in (None, k[1])]:
+            self._used_blocks -= self._samples.pop(key).blocks
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._samples)
+
+    def step(self) -> list[SequenceDelta]:
+        if self.step_ms:
+            time.sleep(self.step_ms / 1000)
+        out: list[SequenceDelta] = []
+        for key, s in list(self._samples.items())[: self.max_num_seqs]:
+            token = _FIRST_ID + (s.prompt_len * 7 + s.generated * 13 + s.index) % (self.vocab_size - _FIRST_ID)
+            s.generated += 1
+            need = -(-(s.prompt_len + s.generated) // self.block_size)
+            self._used_blocks += need - s.blocks
+            s.blocks = need
+            reason = "length" if s.generated >= s.max_tokens else None
+            lp = [TokenLogprob(token, -0.5, ((token, -0.5),))] if s.want_logprobs else None
+            out.append(SequenceDelta(s.request_id, s.index, [token], lp, reason, s.prompt_len, 0))
+            if reason:
+                self._used_blocks -= s.blocks
+                del self._samples[key]
+        return out
+
+    def stats(self) -> EngineStats:
+        running = min(len(self._samples), self.max_num_seqs)
+        return EngineStats(num_running=running, num_waiting=len(self._samples) - running,
+                           num_free_blocks=self.num_blocks - self._used_blocks, num_cached_blocks=0,
+                           num_total_blocks=self.num_blocks,
+                           extra={"max_model_len": self.max_model_len, "block_size": self.block_size})

@@ -1,0 +1,307 @@
+"""One typed configuration tree for every kvmesh service.
+
+Each service has one frozen dataclass; all of them live under `KvmeshConfig`. A field `foo_bar`
+is set, in order of precedence, by the flag `--foo-bar`, the environment variable
+`KVMESH_FOO_BAR`, or its default. The field's `help` metadata is its `--help` text.
+
+    kvmesh worker --model /m --max-num-seqs 64      # flag
+    KVMESH_MAX_NUM_SEQS=64 kvmesh worker --model /m  # same thing through the environment
+
+Unknown flags, unknown `KVMESH_*` variables (typos) and unparsable values fail loudly with a
+message naming the variable. Helm values map onto the same names (docs/services.md).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, TypeVar, Union
+
+ENV_PREFIX = "KVMESH_"
+# KVMESH_* variables read by something other than this tree (left alone by the unknown-name check).
+EXTERNAL_ENV = frozenset({"KVMESH_CACHE_DIR", "KVMESH_TEST_MODEL", "KVMESH_HOME"})
+
+
+class ConfigError(ValueError):
+    """A flag or KVMESH_* variable is unknown or has a bad value; the message names it."""
+
+
+def opt(default: Any, help: str, **meta: Any) -> Any:
+    """A config field: its default and its --help text (plus e.g. choices=...)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+# ----------------------------------------------------------------------------- service configs
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Fields every service shares."""
+
+    redis_url: str = opt("", "Redis URL (redis://host:port/db) holding leases and the registry; required.")
+    host: str = opt("127.0.0.1", "Address every socket of this process binds to (0.0.0.0 only on purpose).")
+    advertise_host: str = opt("", "Address other processes use to reach this one (pod IP); default: --host, "
+                                  "or 127.0.0.1 when --host is 0.0.0.0.")
+    log_level: str = opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    lease_ms: int = opt(3000, "Registry lease in ms: a process whose heartbeat stops is forgotten after this.")
+    heartbeat_ms: int = opt(500, "Heartbeat period in ms (renews the lease, publishes load).")
+
+    def reachable_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    def __post_init__(self) -> None:
+        if self.lease_ms < 3 * self.heartbeat_ms:
+            raise ConfigError(f"lease_ms ({self.lease_ms}) must be at least 3 x heartbeat_ms ({self.heartbeat_ms})")
+
+
+@dataclass(frozen=True)
+class GatewayConfig(ServiceConfig):
+    port: int = opt(8000, "HTTP port of the OpenAI-compatible API.")
+    zmq_port: int = opt(5560, "ZMQ port receiving text deltas and scheduler replies (0: any free port).")
+    api_key: list = opt([], "Comma-separated API keys; when set, every route except /health, /ready and "
+                            "/metrics needs `Authorization: Bearer <key>`.")
+    max_body_bytes: int = opt(8 << 20, "Largest accepted request body in bytes.")
+    max_prompts: int = opt(64, "Most prompts in one /v1/completions request.")
+    max_messages: int = opt(1024, "Most messages in one chat request.")
+    admission_timeout_s: float = opt(15.0, "Seconds to wait for the scheduler to accept a request before a 503.")
+    request_timeout_s: float = opt(600.0, "Seconds a request may go without any progress before it fails.")
+    tokenizer_addr: str = opt("", "host:port of tokenizer gRPC servers, comma-separated (default: from Redis).")
+    local_tokenizer: str = opt("", "Model directory: when set, prompts are tokenized in this process (one "
+                                   "network hop less per request) instead of by the tokenizer service over gRPC; "
+                                   "detokenization stays in the tokenizer service.")
+    scheduler_addr: str = opt("", "tcp://host:port of the scheduler (default: from Redis).")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig(ServiceConfig):
+    model: str = opt("", "Model directory holding tokenizer.json (and its chat template).")
+    port: int = opt(50051, "gRPC port (Tokenize + grpc.health.v1).")
+    zmq_port: int = opt(5558, "ZMQ port receiving workers' token batches for detokenization (0: any).")
+    metrics_port: int = opt(9101, "Prometheus /metrics port (0: any free port, -1: off).")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(ServiceConfig):
+    port: int = opt(50052, "gRPC port (grpc.health.v1).")
+    zmq_port: int = opt(5557, "ZMQ port receiving submissions, aborts and worker status (0: any).")
+    metrics_port: int = opt(9102, "Prometheus /metrics port (0: any free port, -1: off).")
+    max_queue: int = opt(4096, "Most requests waiting in the global queue; beyond it: 429.")
+    max_tenant_inflight: int = opt(1024, "Most queued + running requests of one tenant (API key); beyond: 429.")
+    worker_capacity_factor: float = opt(2.0, "A worker gets at most factor x its max_num_seqs requests at once.")
+    retry_after_s: int = opt(1, "Retry-After seconds sent with 429/503 answers.")
+
+
+@dataclass(frozen=True)
+class WorkerConfig(ServiceConfig):
+    model: str = opt("", "Model directory (config.json, *.safetensors, tokenizer.json).")
+    served_model_name: str = opt("", "Name clients use in `model` (default: the model directory's name).")
+    role: str = opt("mixed", "Pool of this worker.", choices=("mixed", "prefill", "decode"))
+    device: str = opt("auto", "auto, cpu, cuda or cuda:N.")
+    worker_id: str = opt("", "Stable id (e.g. the pod name); default: host-pid-random.")
+    port: int = opt(50053, "gRPC port (grpc.health.v1).")
+    zmq_port: int = opt(5559, "ZMQ port receiving dispatches and aborts (0: any free port).")
+    metrics_port: int = opt(9103, "Prometheus /metrics port (0: any free port, -1: off).")
+    max_num_seqs: int = opt(128, "Engine: most sequences in one step.")
+    max_num_batched_tokens: int = opt(2048, "Engine: most tokens in one step.")
+    max_model_len: int = opt(0, "Engine: longest prompt + output (0: the model's limit).")
+    num_gpu_blocks: int = opt(0, "Engine: KV blocks (0: profiled / CPU budget).")
+    block_size: int = opt(16, "Engine: tokens per KV block.")
+    dtype: str = opt("auto", "Engine: auto, float32, float16, bfloat16.")
+    seed: int = opt(0, "Engine seed.")
+    enable_prefix_caching: bool = opt(True, "Engine: reuse KV blocks of shared prompt prefixes.")
+    kv_events: bool = opt(True, "Publish KV-cache events (PUB) and serve snapshots for the prefix-cache index.")
+    null_model: bool = opt(False, "Skip the model: emit deterministic fake tokens (control-plane benchmarks only).")
+    null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms (sets the token rate).")
+    null_vocab_size: int = opt(32000, "Null model: vocabulary size of the fake tokens.")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`kvmesh serve`: the whole stack on one machine (each service its own process)."""
+
+    model: str = opt("", "Model directory; default: a small built-in random model made on first use.")
+    workers: int = opt(1, "Number of GPU worker processes (mixed role).")
+    redis_url: str = opt("", "Use this Redis instead of starting an embedded one.")
+    host: str = opt("127.0.0.1", "Bind address of the gateway (internal services always use loopback).")
+    port: int = opt(8000, "HTTP port of the gateway.")
+    device: str = opt("auto", "auto, cpu, cuda (workers take cuda:0, cuda:1, ... when several GPUs exist).")
+    api_key: list = opt([], "Comma-separated API keys required by the gateway.")
+    served_model_name: str = opt("", "Name clients use in `model` (default: the model directory's name).")
+    max_num_seqs: int = opt(128, "Engine: most sequences in one step.")
+    max_model_len: int = opt(0, "Engine: longest prompt + output (0: the model's limit).")
+    num_gpu_blocks: int = opt(0, "Engine: KV blocks (0: profiled / CPU budget).")
+    dtype: str = opt("auto", "Engine: weights dtype.")
+    null_model: bool = opt(False, "Workers skip the model and emit fake tokens (control-plane benchmarks).")
+    null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms.")
+    prefix_cache: bool = opt(True, "Start the prefix-cache index service when it is installed.")
+    tokenize_in_gateway: bool = opt(True, "The gateway tokenizes prompts itself (saves the gRPC hop); "
+                                          "--no-tokenize-in-gateway routes Tokenize through the tokenizer service.")
+    log_level: str = opt("info", "Log level of every service.", choices=("debug", "info", "warning", "error"))
+    lease_ms: int = opt(3000, "Registry lease in ms (how fast a dead worker is noticed).")
+    heartbeat_ms: int = opt(500, "Heartbeat period in ms.")
+    ready_timeout_s: float = opt(300.0, "Seconds to wait for the stack to become ready.")
+
+
+@dataclass(frozen=True)
+class KvmeshConfig:
+    """The root: one section per service (the Helm chart's values mirror it)."""
+
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+SECTIONS: tuple[type, ...] = tuple(f.default_factory for f in dataclasses.fields(KvmeshConfig))  # type: ignore[misc]
+_extra_sections: list[type] = []
+
+
+def register_section(cls: type) -> type:
+    """Let another package (e.g. prefix_cache_svc) add its config class to the env-name check."""
+    _extra_sections.append(cls)
+    return cls
+
+
+def known_env_names() -> set[str]:
+    names = set(EXTERNAL_ENV)
+    for cls in (*SECTIONS, *_extra_sections):
+        names |= {env_name(f.name) for f in dataclasses.fields(cls)}
+    return names
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+# ----------------------------------------------------------------------------- parsing
+
+C = TypeVar("C")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) of an annotation such as `int`, `int | None`, `list`."""
+    if isinstance(tp, str):
+        tp = eval(tp, {**vars(typing), "list": list})  # annotations are strings (from __future__)
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])[0], True
+    if origin is list or tp is list:
+        return list, False
+    if origin is Literal:
+        return str, False
+    return tp, False
+
+
+def _convert(f: dataclasses.Field, raw: str, source: str) -> Any:
+    tp, optional = _base_type(f.type)
+    try:
+        if optional and raw.strip().lower() in ("", "none"):
+            return None
+        if tp is bool:
+            low = raw.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError("expected true/false")
+        if tp is list:
+            return [part.strip() for part in raw.split(",") if part.strip()]
+        value = tp(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{source}={raw!r} is not a valid {tp.__name__}: {exc}") from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{source}={raw!r} must be one of: {', '.join(choices)}")
+    return value
+
+
+def check_env(env: Mapping[str, str]) -> None:
+    """Fail on KVMESH_* variables that no service knows (typos must not be silently ignored)."""
+    known = known_env_names()
+    for name in env:
+        if name.startswith(ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"unknown environment variable {name}{hint}")
+
+
+def build_parser(cls: type, prog: str, description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip(),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(cls):
+        tp, _ = _base_type(f.type)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_ = f"{f.metadata.get('help', '')} [env {env_name(f.name)}]"
+        if tp is bool:
+            parser.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=None, help=help_ + f" (default: {default})")
+        else:
+            parser.add_argument(flag_name(f.name), dest=f.name, metavar=f.name.upper(), default=None,
+                                help=help_ + f" (default: {default!r})")
+    return parser
+
+
+def parse_config(cls: type[C], argv: list[str], prog: str, env: Mapping[str, str] | None = None) -> C:
+    """Flags > KVMESH_* env > defaults. Raises ConfigError (or exits 2 for bad flags / --help)."""
+    env = os.environ if env is None else env
+    check_env(env)
+    args = build_parser(cls, prog).parse_args(argv)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        given = getattr(args, f.name)
+        if given is not None:
+            values[f.name] = given if isinstance(given, bool) else _convert(f, given, flag_name(f.name))
+        elif env_name(f.name) in env:
+            values[f.name] = _convert(f, env[env_name(f.name)], env_name(f.name))
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def to_argv(cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that reproduce `cfg` (non-default fields only), e.g. for a child process."""
+    argv: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if f.name in skip or value == default:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, list):
+            argv += [flag_name(f.name), ",".join(value)]
+        else:
+            argv += [flag_name(f.name), str(value)]
+    return argv
+
+
+def load_or_exit(cls: type[C], argv: list[str], prog: str) -> C:
+    """parse_config for a service's main(): a ConfigError prints one line and exits 2.
+    Services (ServiceConfig) also need a Redis URL: it is where they find each other."""
+    try:
+        cfg = parse_config(cls, argv, prog)
+        if isinstance(cfg, ServiceConfig) and not cfg.redis_url:
+            raise ConfigError("--redis-url (or KVMESH_REDIS_URL) is required; `kvmesh serve` starts "
+                              "a whole stack with its own Redis")
+        return cfg
+    except ConfigError as exc:
+        print(f"{prog}: configuration error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,232 @@
+"""HTTP routes of the OpenAI-compatible API (FastAPI on uvicorn).
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models      (API key when configured)
+    GET  /health (liveness)     GET  /ready (a tokenizer, the scheduler and a worker are live)
+    GET  /metrics (Prometheus)
+
+Streaming answers are SSE: `data: {chunk}` ... `data: [DONE]`; an error after the stream began
+is sent as an error chunk, then [DONE]. A client that disconnects has its request aborted in
+every process (gateway -> scheduler -> worker -> detokenizer).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from typing import Any, AsyncIterator
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services import metrics
+from services.config import GatewayConfig
+from services.gateway.backend import Backend, Job
+from services.gateway.render import Accumulator, ChunkWriter
+from services.protocol.kv_events import cache_salt_for
+from services.gateway.schemas import (
+    ApiError, ChatRequest, CompletionRequest, chat_prompt, completion_prompts, decode)
+
+_json = msgspec.json.Encoder()
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
+    app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None, openapi_url=None)
+    keys = [k.encode() for k in cfg.api_key]
+
+    def tenant_of(request: Request) -> str:
+        """The server-side tenant name of the caller ("key<N>"), or ApiError 401."""
+        if not keys:
+            return "anonymous"
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        found = -1
+        for i, key in enumerate(keys):   # compare against every key: timing does not reveal which
+            if hmac.compare_digest(token, key):
+                found = i
+        if found < 0:
+            raise ApiError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                           type_="authentication_error", code="invalid_api_key")
+        return f"key{found}"
+
+    async def read_body(request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > cfg.max_body_bytes):
+            raise ApiError(413, f"the request body is larger than {cfg.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                raise ApiError(413, f"the request body is larger than {cfg.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_model(model: str | None) -> str:
+        served = backend.models
+        if model is None:
+            raise ApiError(400, "model is required", param="model")
+        if served and model not in served:
+            raise ApiError(404, f"the model `{model[:200]}` does not exist; see GET /v1/models",
+                           param="model", code="model_not_found")
+        return model
+
+    def salt(tenant: str, cache_salt: str | None) -> str:
+        # Tenants never share prefix-cache blocks unless they share a key (DESIGN §4); the
+        # packing is the one the prefix-cache index uses to verify matches.
+        return cache_salt_for("" if tenant == "anonymous" else tenant, cache_salt or "")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError) -> JSONResponse:
+        return error_response(err)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if backend.ready:
+            return Response(b'{"status":"ready"}', media_type="application/json")
+        return Response(b'{"status":"not ready"}', status_code=503, media_type="application/json")
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        tenant_of(request)
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvmesh"} for m in backend.models]
+        return Response(_json.encode({"object": "list", "data": data}), media_type="application/json")
+
+    async def serve(request: Request, kind: str) -> Response:
+        arrival = time.monotonic()
+        route = "chat" if kind == "chat" else "completions"
+        try:
+            tenant = tenant_of(request)
+            body = await read_body(request)
+            if kind == "chat":
+                req: Any = decode(ChatRequest, body)
+                prompt, params = chat_prompt(req, cfg.max_messages)
+                prompts = [prompt]
+            else:
+                req = decode(CompletionRequest, body)
+                prompts, params = completion_prompts(req, cfg.max_prompts)
+            model = check_model(req.model)
+            job, prompt_lens = await backend.start(prompts, params, tenant=tenant, priority=req.priority,
+                                                   cache_salt=salt(tenant, req.cache_salt))
+        except ApiError as err:
+            metrics.REQUESTS.labels(route, str(err.status)).inc()
+            return error_response(err)
+        metrics.REQUESTS.labels(route, "200").inc()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        acc = Accumulator(kind, model, params.n, len(prompts), prompt_lens, params.logprobs is not None)
+        if req.stream:
+            writer = ChunkWriter(acc, include_usage)
+            return StreamingResponse(_stream(job, writer, arrival), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _complete(request, job, acc, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await serve(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, "completions")
+
+    return app
+
+
+class _Timing:
+    def __init__(self, arrival: float) -> None:
+        self.arrival, self.first, self.last, self.tokens = arrival, 0.0, 0.0, 0
+
+    def on_delta(self, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        now = time.monotonic()
+        if not self.first:
+            self.first = now
+            metrics.TTFT.observe(now - self.arrival)
+        elif self.last:
+            metrics.ITL.observe(now - self.last)
+        self.last = now
+        self.tokens += num_tokens
+
+    def done(self, acc: Accumulator) -> None:
+        now = time.monotonic()
+        metrics.E2E.observe(now - self.arrival)
+        if self.tokens > 1 and self.first:
+            metrics.TPOT.observe((now - self.first) / (self.tokens - 1))
+        usage = acc.usage()
+        metrics.PROMPT_TOKENS.inc(usage["prompt_tokens"])
+        metrics.GENERATION_TOKENS.inc(usage["completion_tokens"])
+        metrics.CACHED_PROMPT_TOKENS.inc(usage["prompt_tokens_details"]["cached_tokens"])
+
+
+async def _stream(job: Job, writer: ChunkWriter, arrival: float) -> AsyncIterator[bytes]:
+    timing = _Timing(arrival)
+    metrics.INFLIGHT.inc()
+    try:
+        yield writer.start()
+        async for batch in job.batches():
+            chunks = []
+            for prompt_index, delta in batch:
+                timing.on_delta(delta.num_new_tokens)
+                chunks.append(writer.delta(prompt_index, delta))
+            data = b"".join(chunks)
+            if data:
+                yield data
+        yield writer.finish()
+        timing.done(writer.acc)
+    except ApiError as err:
+        yield b"data: " + _json.encode(err.body()) + b"\n\n"
+    finally:
+        metrics.INFLIGHT.dec()
+        job.close()   # a disconnect lands here too (generator closed): aborts what is unfinished
+    yield b"data: [DONE]\n\n"
+
+
+async def _complete(request: Request, job: Job, acc: Accumulator, arrival: float) -> Response:
+    timing = _Timing(arrival)
+
+    async def collect() -> None:
+        async for batch in job.batches():
+            for prompt_index, delta in batch:
+                timing.on_delta(delta.num_new_tokens)
+                acc.add(prompt_index, delta)
+
+    metrics.INFLIGHT.inc()
+    work = asyncio.create_task(collect())
+    gone = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():   # the client left: abort everywhere
+            work.cancel()
+            return Response(status_code=499)
+        err = work.exception()
+        if isinstance(err, ApiError):
+            return error_response(err)
+        if err is not None:
+            raise err
+        timing.done(acc)
+        return Response(_json.encode(acc.response()), media_type="application/json")
+    finally:
+        gone.cancel()
+        metrics.INFLIGHT.dec()
+        job.close()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+

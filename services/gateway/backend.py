@@ -1,0 +1,295 @@
+"""The gateway's side of the stack: tokenize (gRPC), submit (ZMQ), and route replies to requests.
+
+    job = await backend.start(prompts, params, tenant=..., priority=..., cache_salt=...)
+    async for batch in job.batches():                # [(prompt_index, TextDelta), ...]
+        ...
+    job.close()                                      # aborts whatever did not finish (disconnects)
+
+Every internal request id is made here; a client never picks one. Replies arrive on this
+gateway's ZMQ inbox: Admitted / Rejected (scheduler), TextBatch (detokenizer), RequestFailed.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from typing import AsyncIterator
+
+import grpc
+
+from services.config import GatewayConfig
+from services.gateway.schemas import ApiError
+from services.protocol.messages import (
+    Abort, Admitted, GatewayInbox, Rejected, RequestFailed, Submit, TextBatch, TextDelta, TokenizeReply,
+    TokenizeRequest)
+from services.protocol.sampling import SamplingParams
+from services.registry import Membership, Registry
+from services.tokenize import INLINE_CHARS, TokenizeError, prompt_chars, tokenize
+from services.transport import Receiver, Sender, grpc_channel, tcp_addr, unary_stub
+
+log = logging.getLogger("kvmesh.gateway")
+TOKENIZER_SERVICE = "kvmesh.Tokenizer"
+
+
+class Job:
+    """One HTTP request: one internal request per prompt, each with n samples."""
+
+    def __init__(self, backend: "Backend", rids: list[str], n: int, timeout_s: float) -> None:
+        self.backend, self.rids, self.n, self.timeout_s = backend, rids, n, timeout_s
+        self.index = {rid: i for i, rid in enumerate(rids)}
+        self.detok_of: dict[str, str] = {}   # request id -> the detokenizer streaming its text
+        self.scheduler_addr = ""             # the scheduler that holds (queued) these requests
+        self.progressed = False              # a token arrived: the request reached a worker
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = {(rid, j) for rid in rids for j in range(n)}
+        self.closed = False
+        for rid in rids:
+            backend.jobs[rid] = self
+
+    async def admitted(self, timeout_s: float) -> None:
+        """Wait until the scheduler accepted every prompt; raise its ApiError otherwise."""
+        waiting = set(self.rids)
+        early: list = []
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            left = deadline - time.monotonic()
+            try:
+                msg = self.queue.get_nowait() if not self.queue.empty() else await _get(self.queue, left)
+            except TimeoutError:
+                raise ApiError(503, "the scheduler did not answer in time; retry later", type_="server_error",
+                               code="scheduler_unavailable", retry_after=1) from None
+            if isinstance(msg, Rejected):
+                raise ApiError(msg.status, msg.message, type_=_error_type(msg.status), code=msg.code,
+                               retry_after=msg.retry_after_s)
+            if isinstance(msg, RequestFailed):   # failed before the answer began: a plain error
+                raise ApiError(msg.status, msg.message, type_=_error_type(msg.status), code=msg.code,
+                               retry_after=1 if msg.status == 503 else 0)
+            waiting.discard(msg.request_id)
+            if not isinstance(msg, Admitted):
+                early.append(msg)   # a delta (or failure) that overtook the admission
+        for msg in early:
+            self.queue.put_nowait(msg)
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, TextDelta]]]:
+        """Every delta already arrived (at least one) per iteration: one write per batch, not per token."""
+        while self.unfinished:
+            try:
+                msg = self.queue.get_nowait() if not self.queue.empty() else await _get(self.queue, self.timeout_s)
+            except TimeoutError:
+                raise ApiError(504, "the request made no progress in time", type_="server_error",
+                               code="timeout") from None
+            batch: list[tuple[int, TextDelta]] = []
+            while True:
+                if isinstance(msg, TextDelta):
+                    self.progressed = True
+                    if msg.finish_reason is not None:
+                        self.unfinished.discard((msg.request_id, msg.index))
+                    batch.append((self.index[msg.request_id], msg))
+                elif isinstance(msg, RequestFailed):
+                    if batch:
+                        yield batch
+                    raise ApiError(msg.status, msg.message, type_=_error_type(msg.status), code=msg.code)
+                if self.queue.empty():
+                    break
+                msg = self.queue.get_nowait()
+            if batch:
+                yield batch
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        pending = {rid for rid, _ in self.unfinished}
+        for rid in self.rids:
+            self.backend.jobs.pop(rid, None)
+            if rid in pending:
+                self.backend.abort(rid)
+
+
+async def _get(queue: asyncio.Queue, timeout_s: float) -> object:
+    """queue.get() with a timeout (raises TimeoutError); cheaper than wait_for (no extra task)."""
+    async with asyncio.timeout(max(timeout_s, 0.001)):
+        return await queue.get()
+
+
+def _error_type(status: int) -> str:
+    return {400: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+
+
+class Backend:
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.jobs: dict[str, Job] = {}
+        self._ids = itertools.count()
+        self._tag = f"{uuid.uuid4().hex[:8]}-"
+        self.registry = Registry(cfg.redis_url)
+        self.scheduler: Sender | None = None
+        self.tokenizers: dict[str, object] = {}    # grpc target -> stub
+        self._rr = itertools.count()
+        self.models: list[str] = []
+        self.workers_ready = 0
+        self.id = f"gw-{os.getpid()}-{self._tag[:-1]}"
+        self.detok_addrs: list[str] = []
+        grace = 2 * cfg.heartbeat_ms / 1000   # vanished records kept this long (Redis restart)
+        self.members = {kind: Membership(grace) for kind in ("scheduler", "tokenizer", "worker")}
+        self.local_tok = None
+        if cfg.local_tokenizer:
+            from services.text.tokenizer import load_tokenizer
+            self.local_tok = load_tokenizer(cfg.local_tokenizer)
+
+    async def start_background(self) -> None:
+        cfg = self.cfg
+        self.receiver: Receiver = Receiver(GatewayInbox, cfg.host, cfg.zmq_port, name="gateway")
+        self.reply_addr = tcp_addr(cfg.reachable_host(), self.receiver.port)
+        self.lease = await self.registry.register("gateway", self.id, addrs={"zmq": self.reply_addr},
+                                                  info={}, lease_ms=cfg.lease_ms)
+        await self.discover()
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._discovery_loop())]
+
+    async def stop(self) -> None:
+        for t in getattr(self, "_tasks", []):
+            t.cancel()
+        await self.lease.release()
+        await self.registry.close()
+        self.receiver.close()
+        if self.scheduler:
+            self.scheduler.close()
+
+    # ---- discovery -----------------------------------------------------------------------
+    async def discover(self) -> None:
+        cfg, now = self.cfg, time.monotonic()
+        live = {kind: self.members[kind].update(await self.registry.list(kind), now)
+                for kind in ("scheduler", "tokenizer", "worker")}
+        sched = [cfg.scheduler_addr] if cfg.scheduler_addr else [
+            r.addrs["zmq"] for r in live["scheduler"] if "zmq" in r.addrs]
+        if sched and (self.scheduler is None or self.scheduler.addr != sched[0]):
+            if self.scheduler:
+                self.scheduler.close()
+            self.scheduler = Sender(sched[0])
+        elif not sched and self.scheduler is not None:
+            self.scheduler.close()
+            self.scheduler = None
+        if cfg.tokenizer_addr:
+            targets = [t.strip() for t in cfg.tokenizer_addr.split(",") if t.strip()]
+        else:
+            targets = [r.addrs["grpc"] for r in live["tokenizer"] if "grpc" in r.addrs]
+        for t in targets:
+            if t not in self.tokenizers:
+                self.tokenizers[t] = unary_stub(grpc_channel(t), TOKENIZER_SERVICE, "Tokenize", TokenizeReply)
+        for t in [t for t in self.tokenizers if t not in targets]:
+            del self.tokenizers[t]
+        self.detok_addrs = [r.addrs["zmq"] for r in live["tokenizer"] if "zmq" in r.addrs]
+        workers = [w for w in live["worker"] if not w.info.get("draining")]
+        self.workers_ready = len(workers)
+        self.models = sorted({str(w.info.get("model", "")) for w in workers} - {""})
+        self._fail_orphans()
+
+    def _fail_orphans(self) -> None:
+        """Fail requests that can no longer finish instead of letting them wait request_timeout_s:
+        their detokenizer is gone, or the scheduler holding them (queued, no token yet) is."""
+        live = set(self.detok_addrs)
+        sched = self.scheduler.addr if self.scheduler is not None else ""
+        for job in {id(j): j for j in self.jobs.values()}.values():
+            if not job.progressed and job.scheduler_addr != sched:
+                job.queue.put_nowait(RequestFailed(
+                    request_id=job.rids[0], status=503, code="scheduler_failed",
+                    message="the scheduler holding this request stopped; please retry"))
+                continue
+            for rid, _ in list(job.unfinished):
+                if job.detok_of.get(rid, "") not in live:
+                    job.queue.put_nowait(RequestFailed(
+                        request_id=rid, status=503, code="tokenizer_failed",
+                        message="the service streaming this request's text stopped; please retry"))
+                    break
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
+            try:
+                await self.discover()
+                await self.lease.renew({"inflight": len(self.jobs)})
+            except Exception as exc:
+                log.warning("discovery failed: %s", exc)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.scheduler and self.tokenizers and self.detok_addrs and self.workers_ready)
+
+    # ---- requests ------------------------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
+        if self.local_tok is not None:
+            return await self._tokenize_locally(req)
+        if not self.tokenizers:
+            raise ApiError(503, "no tokenizer service is available; retry later", type_="server_error",
+                           code="tokenizer_unavailable", retry_after=1)
+        targets = list(self.tokenizers)
+        stub = self.tokenizers[targets[next(self._rr) % len(targets)]]
+        try:
+            return await stub(req, timeout=30)  # type: ignore[operator]
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ApiError(400, exc.details() or "invalid prompt", param="messages") from None
+            log.warning("tokenize failed: %s %s", exc.code(), exc.details())
+            raise ApiError(503, "the tokenizer service is unavailable; retry later", type_="server_error",
+                           code="tokenizer_unavailable", retry_after=1) from None
+
+    async def _tokenize_locally(self, req: TokenizeRequest) -> TokenizeReply:
+        if not self.detok_addrs:
+            raise ApiError(503, "no tokenizer service is available to stream text; retry later",
+                           type_="server_error", code="tokenizer_unavailable", retry_after=1)
+        try:
+            if prompt_chars(req) <= INLINE_CHARS:
+                ids = tokenize(self.local_tok, req)
+            else:
+                ids = await asyncio.to_thread(tokenize, self.local_tok, req)
+        except TokenizeError as exc:
+            raise ApiError(400, str(exc), param="messages" if req.messages is not None else "prompt") from None
+        detok = self.detok_addrs[next(self._rr) % len(self.detok_addrs)]
+        return TokenizeReply(prompt_token_ids=ids, detok_addr=detok, vocab_size=self.local_tok.vocab_size)
+
+    async def start(self, prompts: list[TokenizeRequest], params: SamplingParams, *, tenant: str,
+                    priority: int, cache_salt: str) -> tuple[Job, list[int]]:
+        """Tokenize, submit and wait for admission. Returns the job and each prompt's token count."""
+        if len(prompts) == 1:   # the common case: no task per prompt
+            replies = [await self.tokenize(prompts[0])]
+        else:
+            replies = await asyncio.gather(*(self.tokenize(p) for p in prompts))
+        if self.scheduler is None:
+            raise ApiError(503, "the scheduler is unavailable; retry later", type_="server_error",
+                           code="scheduler_unavailable", retry_after=1)
+        rids = [f"{self._tag}{next(self._ids):x}" for _ in prompts]
+        job = Job(self, rids, params.n, self.cfg.request_timeout_s)
+        job.detok_of = {rid: rep.detok_addr for rid, rep in zip(rids, replies)}
+        job.scheduler_addr = self.scheduler.addr
+        now = time.time()
+        try:
+            for rid, rep in zip(rids, replies):
+                self.scheduler.send(Submit(
+                    request_id=rid, tenant=tenant, prompt_token_ids=rep.prompt_token_ids, params=params,
+                    priority=priority, cache_salt=cache_salt, reply_addr=self.reply_addr,
+                    detok_addr=rep.detok_addr, arrival=now))
+            await job.admitted(self.cfg.admission_timeout_s)
+        except BaseException:
+            job.close()
+            raise
+        return job, [len(r.prompt_token_ids) for r in replies]
+
+    def abort(self, rid: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.send(Abort(request_id=rid, reason="client"))
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.receiver.recv()
+            if isinstance(msg, TextBatch):
+                for d in msg.deltas:
+                    job = self.jobs.get(d.request_id)
+                    if job is not None:
+                        job.queue.put_nowait(d)
+            else:
+                job = self.jobs.get(msg.request_id)
+                if job is not None:
+                    job.queue.put_nowait(msg)

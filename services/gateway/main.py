@@ -1,0 +1,40 @@
+"""`kvmesh gateway`: the OpenAI-compatible HTTP API (uvicorn) over the stack's backend."""
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from services.config import GatewayConfig, load_or_exit
+from services.gateway.app import create_app
+from services.gateway.backend import Backend
+from services.logging import setup as setup_logging
+from services.transport import run_async
+
+log = logging.getLogger("kvmesh.gateway")
+
+
+async def serve(cfg: GatewayConfig) -> int:
+    backend = Backend(cfg)
+    await backend.start_background()
+    app = create_app(cfg, backend)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5, loop="none", lifespan="off")
+    server = uvicorn.Server(config)
+    log.info("gateway on http://%s:%d (inbox %s)", cfg.host, cfg.port, backend.reply_addr)
+    try:
+        await server.serve()
+    finally:
+        await backend.stop()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    cfg = load_or_exit(GatewayConfig, argv, "kvmesh gateway")
+    setup_logging("gateway", cfg.log_level)
+    return run_async(serve(cfg))
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,207 @@
+"""OpenAI request bodies, decoded and bounded; each problem becomes an ApiError (400) naming the field.
+
+Unknown fields are ignored (clients send `user`, `store`, `metadata`...); wrong types and values
+out of range are refused. Decoding is msgspec (typed, fast, with a recursion limit).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from services.protocol.messages import ChatMessage, TokenizeRequest
+from services.protocol.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+
+MAX_CACHE_SALT = 256
+MAX_PRIORITY = 1 << 31
+MAX_CHOICES = 128
+
+
+class ApiError(Exception):
+    """An error answered to the client: HTTP status + OpenAI error object."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, retry_after: int = 0) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str = "text"
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # extensions (vLLM names)
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[Any]          # str, [str], [int] or [[int]]: checked in completion_prompts
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+_decoders = {cls: msgspec.json.Decoder(cls) for cls in (ChatRequest, CompletionRequest)}
+
+
+def decode(cls: type, body: bytes) -> Any:
+    try:
+        return _decoders[cls].decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if "at `$." in text:
+            param = text.rsplit("at `$.", 1)[1].rstrip("`")
+        elif (m := re.search(r"missing required field `(\w+)`", text)):
+            param = m.group(1)
+        else:
+            param = None
+        raise bad(f"invalid request body: {text}", param) from None
+    except msgspec.DecodeError as exc:
+        raise bad(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad("the JSON body is nested too deeply") from None
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if req.logit_bias:
+        raise bad("logit_bias is not supported", "logit_bias")
+    if req.cache_salt is not None and len(req.cache_salt) > MAX_CACHE_SALT:
+        raise bad(f"cache_salt must have at most {MAX_CACHE_SALT} characters", "cache_salt")
+    if not -MAX_PRIORITY <= req.priority < MAX_PRIORITY:
+        raise bad("priority must fit in a 32-bit signed integer", "priority")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+    try:
+        params = SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, stop=_stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+        params.validate()
+    except SamplingParamsError as exc:
+        field = str(exc).split(":", 1)[0].removeprefix("invalid ").strip()
+        raise bad(str(exc), field) from None
+    return params
+
+
+def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, SamplingParams]:
+    if not req.messages:
+        raise bad("messages must not be empty", "messages")
+    if len(req.messages) > max_messages:
+        raise bad(f"at most {max_messages} messages per request", "messages")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad("only response_format type 'text' is supported", "response_format")
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" or p.text is None for p in content):
+                raise bad("only text content parts are supported", f"messages[{i}].content")
+            content = "".join(p.text or "" for p in content)
+        messages.append(ChatMessage(role=m.role, content=content, name=m.name, tool_calls=m.tool_calls,
+                                    tool_call_id=m.tool_call_id))
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, max_tokens, logprobs)
+    return TokenizeRequest(messages=messages, add_generation_prompt=req.add_generation_prompt,
+                           tools=req.tools), params
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def completion_prompts(req: CompletionRequest, max_prompts: int) -> tuple[list[TokenizeRequest], SamplingParams]:
+    if req.echo:
+        raise bad("echo is not supported", "echo")
+    if req.suffix:
+        raise bad("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad("best_of must equal n", "best_of")
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [TokenizeRequest(prompt=p)]
+    elif p and all(_is_int(x) for x in p):
+        prompts = [TokenizeRequest(prompt_token_ids=list(p))]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts = [TokenizeRequest(prompt=x) for x in p]
+    elif p and all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
+        prompts = [TokenizeRequest(prompt_token_ids=list(x)) for x in p]
+    else:
+        raise bad("prompt must be a non-empty string, list of strings, or list of token ids", "prompt")
+    if len(prompts) > max_prompts:
+        raise bad(f"at most {max_prompts} prompts per request", "prompt")
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise bad(f"prompts x n must be at most {MAX_CHOICES}", "n")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    return prompts, sampling_params(req, max_tokens, req.logprobs)

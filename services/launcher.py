@@ -1,0 +1,197 @@
+"""`kvmesh serve`: the whole stack on this machine, each service its own process.
+
+    embedded Redis (unless --redis-url) -> tokenizer, scheduler, [prefix-cache], N workers -> gateway
+
+Waits until the gateway's /ready answers, prints the URL, then watches: Ctrl-C / SIGTERM stops
+everything (gateway first, Redis last); a service that exits on its own is reported and the
+stack stops with a nonzero code (never hangs). The optional prefix-cache index may fail alone.
+Children get SIGTERM if this process dies (PR_SET_PDEATHSIG on Linux).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.config import ServeConfig, load_or_exit
+from services.embedded_redis import EmbeddedRedis
+from services.logging import setup as setup_logging
+
+log = logging.getLogger("kvmesh.serve")
+DEFAULT_MODEL_SIZE = "tiny"
+STOP_TIMEOUT_S = 10.0
+
+
+def default_model_dir() -> Path:
+    base = Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
+    return base / "models" / f"llama-{DEFAULT_MODEL_SIZE}"
+
+
+def ensure_model(model: str) -> str:
+    """The model directory to serve; makes the built-in random model on first use."""
+    if model:
+        if not (Path(model) / "config.json").is_file():
+            raise SystemExit(f"kvmesh serve: {model} is not a model directory (no config.json)")
+        return model
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        log.info("no --model given: making a small random-weight model in %s (first run only)", path)
+        from gpu_worker.make_model import main as make_model
+        if make_model(["--arch", "llama", "--size", DEFAULT_MODEL_SIZE, str(path)]):
+            raise SystemExit("kvmesh serve: could not make the built-in model")
+    return str(path)
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    optional: bool = False
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+class Stack:
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.children: list[Child] = []
+        self.redis: EmbeddedRedis | None = None
+
+    def spawn(self, name: str, service: str, args: list[str], optional: bool = False) -> None:
+        cmd = [sys.executable, "-m", "services.cli", service, *args]
+        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        self.children.append(Child(name, proc, optional))
+        log.info("started %s (pid %d)", name, proc.pid)
+
+    def start(self, model: str) -> None:
+        cfg = self.cfg
+        if cfg.redis_url:
+            redis_url = cfg.redis_url
+        else:
+            self.redis = EmbeddedRedis().start()
+            redis_url = self.redis.url
+        common = ["--redis-url", redis_url, "--log-level", cfg.log_level, "--lease-ms", str(cfg.lease_ms),
+                  "--heartbeat-ms", str(cfg.heartbeat_ms)]
+        internal = ["--host", "127.0.0.1", "--port", "0", "--zmq-port", "0"]
+        self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])
+        self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0"])
+        if cfg.prefix_cache and importlib.util.find_spec("prefix_cache_svc.main") is not None:
+            self.spawn("prefix-cache", "prefix-cache", [*common, "--host", "127.0.0.1", "--port", "0",
+                                                        "--metrics-port", "0"], optional=True)
+        elif cfg.prefix_cache:
+            log.info("prefix-cache service not installed; running without the cluster prefix index")
+        gpus = _gpu_count() if cfg.device in ("auto", "cuda") and not cfg.null_model else 0
+        for i in range(cfg.workers):
+            device = f"cuda:{i % gpus}" if gpus > 1 else cfg.device
+            args = [*common, *internal, "--metrics-port", "0", "--model", model, "--device", device,
+                    "--worker-id", f"worker-{i}", "--max-num-seqs", str(cfg.max_num_seqs), "--dtype", cfg.dtype]
+            for flag, value in (("--served-model-name", cfg.served_model_name),
+                                ("--max-model-len", cfg.max_model_len), ("--num-gpu-blocks", cfg.num_gpu_blocks)):
+                if value:
+                    args += [flag, str(value)]
+            if cfg.null_model:
+                args += ["--null-model", "--null-step-ms", str(cfg.null_step_ms)]
+            self.spawn(f"worker-{i}", "worker", args)
+        gw = [*common, "--host", cfg.host, "--port", str(cfg.port), "--zmq-port", "0"]
+        if cfg.tokenize_in_gateway:
+            gw += ["--local-tokenizer", model]
+        if cfg.api_key:
+            gw += ["--api-key", ",".join(cfg.api_key)]
+        self.spawn("gateway", "gateway", gw)
+
+    def crashed(self) -> Child | None:
+        for child in list(self.children):
+            if child.proc.poll() is not None:
+                if child.optional:
+                    log.warning("%s exited with code %s; continuing without it", child.name, child.proc.returncode)
+                    self.children.remove(child)
+                    continue
+                return child
+        return None
+
+    def wait_ready(self, url: str, timeout_s: float, stop: list[bool]) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not stop:
+            if (child := self.crashed()) is not None:
+                log.error("%s exited with code %s during start-up", child.name, child.proc.returncode)
+                return False
+            try:
+                with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.2)
+        if not stop:
+            log.error("the stack was not ready within %.0f s", timeout_s)
+        return False
+
+    def stop(self) -> None:
+        order = sorted(self.children, key=lambda c: 0 if c.name == "gateway" else 1 if c.name.startswith("worker") else 2)
+        for child in order:
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in order:
+            try:
+                child.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", child.name)
+                child.proc.kill()
+                child.proc.wait()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def main(argv: list[str]) -> int:
+    cfg = load_or_exit(ServeConfig, argv, "kvmesh serve")
+    setup_logging("serve", cfg.log_level)
+    model = ensure_model(cfg.model) if not (cfg.null_model and not cfg.model) else ensure_model("")
+    stop: list[bool] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.append(True)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stack = Stack(cfg)
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    url = f"http://{host}:{cfg.port}"
+    code = 1
+    try:
+        stack.start(model)
+        if stack.wait_ready(url, cfg.ready_timeout_s, stop):
+            print(f"kvmesh is serving {Path(model).name} at {url}/v1  (Ctrl-C to stop)", flush=True)
+            code = 0
+            while not stop:
+                if (child := stack.crashed()) is not None:
+                    log.error("%s exited with code %s; stopping the stack", child.name, child.proc.returncode)
+                    code = 1
+                    break
+                time.sleep(0.2)
+        elif stop:
+            code = 0
+    finally:
+        stack.stop()
+    return code

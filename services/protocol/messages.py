@@ -1,0 +1,195 @@
+"""Every message of the serving stack (KV events excepted: see kv_events.py).
+
+Frozen msgspec Structs, msgpack on the wire, one tag each and a `version`. Who sends what:
+
+    gateway   --Submit, Abort------------------------------> scheduler      (ZMQ PUSH/PULL)
+    scheduler --Admitted, Rejected, RequestFailed----------> gateway        (reply_addr)
+    scheduler --Dispatch, Abort----------------------------> worker
+    scheduler --Abort--------------------------------------> detokenizer    (worker died)
+    worker    --StreamOpen, StepOutput, Abort--------------> detokenizer    (one connection: ordered)
+    worker    --WorkerStatus-------------------------------> scheduler
+    detok     --TextBatch, RequestFailed-------------------> gateway
+    detok     --Abort--------------------------------------> scheduler      (stop string hit)
+    gateway   --TokenizeRequest / TokenizeReply------------> tokenizer      (gRPC, same structs)
+
+A request's id is assigned by the gateway and never comes from a client.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from services.protocol.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
+    version: int = PROTOCOL_VERSION
+
+
+# ----------------------------------------------------------------------------- gateway -> scheduler
+
+
+class Submit(Msg, tag="submit", kw_only=True):
+    request_id: str
+    tenant: str                      # server-assigned (API key index), never client text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0                # lower runs first (vLLM convention)
+    cache_salt: str = ""
+    reply_addr: str                  # gateway's ZMQ inbox
+    detok_addr: str                  # detokenizer that streams this request's text
+    arrival: float = 0.0             # gateway wall-clock time
+
+
+class Abort(Msg, tag="abort", kw_only=True):
+    request_id: str
+    index: int | None = None         # one sample (n > 1, e.g. its stop string matched); None: all
+    reason: str = "client"           # client | stop | worker_failed | timeout | shutdown
+
+
+# ----------------------------------------------------------------------------- scheduler -> gateway
+
+
+class Admitted(Msg, tag="admitted", kw_only=True):
+    request_id: str
+    worker_id: str = ""              # empty while queued
+
+
+class Rejected(Msg, tag="rejected", kw_only=True):
+    request_id: str
+    status: int                      # HTTP status: 400, 429, 503
+    code: str                        # OpenAI-style error code
+    message: str
+    retry_after_s: int = 0
+
+
+class RequestFailed(Msg, tag="failed", kw_only=True):
+    request_id: str
+    status: int
+    code: str
+    message: str
+
+
+# ----------------------------------------------------------------------------- scheduler -> worker
+
+
+class Dispatch(Msg, tag="dispatch", kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str = ""
+    reply_addr: str
+    detok_addr: str
+
+
+# ----------------------------------------------------------------------------- worker -> detokenizer
+
+
+class StreamOpen(Msg, tag="open", kw_only=True):
+    """Sent before the first StepOutput carrying the request, on the same connection."""
+
+    request_id: str
+    params: SamplingParams
+    reply_addr: str
+    num_prompt_tokens: int
+    prompt_tail: list[int] = []      # last prompt ids: left context for the first generated token
+
+
+class SeqTokens(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One sample's progress in one engine step."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None          # of each new token
+    top: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) best first
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class StepOutput(Msg, tag="step", kw_only=True):
+    """Every new token of one engine step (for one detokenizer)."""
+
+    worker_id: str
+    epoch: int
+    step: int
+    seqs: list[SeqTokens]
+
+
+# ----------------------------------------------------------------------------- worker -> scheduler
+
+
+class WorkerStatus(Msg, tag="wstatus", kw_only=True):
+    worker_id: str
+    epoch: int
+    running: int
+    waiting: int
+    free_blocks: int
+    cached_blocks: int
+    total_blocks: int
+    finished: list[str] = []         # requests that ended (any reason) since the last status
+    active: list[str] | None = None  # heartbeat statuses: every request the worker holds (reconciliation)
+
+
+# ----------------------------------------------------------------------------- detokenizer -> gateway
+
+
+class TokenLogprobText(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    token: str
+    logprob: float
+    token_bytes: list[int]
+    top: list[tuple[str, float, list[int]]] = []
+
+
+class TextDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    request_id: str
+    index: int
+    text: str
+    num_new_tokens: int
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobText] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class TextBatch(Msg, tag="text", kw_only=True):
+    deltas: list[TextDelta]
+
+
+# ----------------------------------------------------------------------------- gRPC: gateway -> tokenizer
+
+
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: str
+    content: str | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+
+class TokenizeRequest(Msg, tag="tokenize", kw_only=True):
+    prompt: str | None = None                 # completions: plain text
+    prompt_token_ids: list[int] | None = None  # completions: ids given by the client (checked)
+    messages: list[ChatMessage] | None = None  # chat: rendered with the model's template
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None           # chat: tool schemas the template may render
+    add_special_tokens: bool = True
+
+
+class TokenizeReply(Msg, tag="tokenized", kw_only=True):
+    prompt_token_ids: list[int]
+    detok_addr: str                           # where this tokenizer process detokenizes streams
+    vocab_size: int
+
+
+# ----------------------------------------------------------------------------- inbox unions
+
+SchedulerInbox = Union[Submit, Abort, WorkerStatus]
+WorkerInbox = Union[Dispatch, Abort]
+DetokInbox = Union[StreamOpen, StepOutput, Abort]
+GatewayInbox = Union[Admitted, Rejected, RequestFailed, TextBatch]

@@ -1,0 +1,147 @@
+"""Service registry in Redis: leases with heartbeat renewal and epoch fencing (keys: redis_schema).
+
+    reg = Registry(redis_url)
+    lease = await reg.register("worker", worker_id, addrs={"zmq": ...}, info={...})  # takes an epoch
+    await lease.renew(load={...})      # every heartbeat; False: a newer incarnation fenced us out
+    await reg.list("worker")           # live records (expired ones pruned)
+    await lease.release()              # clean shutdown: the record disappears at once
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from services import redis_schema as keys
+
+log = logging.getLogger("kvmesh.registry")
+
+
+class ServiceRecord(msgspec.Struct, kw_only=True):
+    kind: str
+    id: str
+    epoch: int
+    addrs: dict[str, str] = {}       # e.g. zmq: tcp://10.0.0.5:5559, grpc: 10.0.0.5:50053, metrics: ...
+    info: dict[str, Any] = {}        # static: model name, max_model_len, role, max_num_seqs, ...
+    load: dict[str, Any] = {}        # dynamic: running, waiting, free_blocks, total_blocks, ...
+    ts: float = 0.0                  # wall clock of the last renewal
+
+
+_enc = msgspec.json.Encoder()
+_dec = msgspec.json.Decoder(ServiceRecord)
+
+
+class Lease:
+    def __init__(self, reg: "Registry", record: ServiceRecord, lease_ms: int) -> None:
+        self._reg, self.record, self.lease_ms = reg, record, lease_ms
+        self.fenced = False
+
+    @property
+    def epoch(self) -> int:
+        return self.record.epoch
+
+    async def renew(self, load: dict[str, Any] | None = None) -> bool:
+        if load is not None:
+            self.record.load = load
+        self.record.ts = time.time()
+        r = self.record
+        ok = await self._reg.renew_script(
+            keys=[keys.record_key(r.kind, r.id), keys.epoch_key(r.kind, r.id), keys.index_key(r.kind)],
+            args=[str(r.epoch), _enc.encode(r), self.lease_ms, r.id])
+        if not ok and not self.fenced:
+            self.fenced = True
+            log.error("%s %s epoch %d was replaced by a newer incarnation; stop serving", r.kind, r.id, r.epoch)
+        return bool(ok)
+
+    async def release(self) -> None:
+        r = self.record
+        try:
+            await self._reg.release_script(keys=[keys.record_key(r.kind, r.id), keys.epoch_key(r.kind, r.id)],
+                                           args=[str(r.epoch)])
+        except Exception as exc:  # shutting down: Redis may already be gone
+            log.debug("lease release failed: %s", exc)
+
+
+class Registry:
+    def __init__(self, url: str) -> None:
+        if not url:
+            raise ValueError("a Redis URL is required (--redis-url / KVMESH_REDIS_URL)")
+        self.redis = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self.renew_script = self.redis.register_script(keys.RENEW_LUA)
+        self.release_script = self.redis.register_script(keys.RELEASE_LUA)
+
+    async def register(self, kind: str, id_: str, *, addrs: dict[str, str], info: dict[str, Any],
+                       lease_ms: int, load: dict[str, Any] | None = None, wait_s: float = 120.0) -> Lease:
+        """Take a new epoch and the lease. Waits up to wait_s for Redis (pods start in any order)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                epoch = int(await self.redis.incr(keys.epoch_key(kind, id_)))
+                break
+            except (ConnectionError, OSError, aioredis.ConnectionError, aioredis.TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("Redis not reachable yet (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+        lease = Lease(self, ServiceRecord(kind=kind, id=id_, epoch=epoch, addrs=addrs, info=info,
+                                          load=load or {}), lease_ms)
+        if not await lease.renew():
+            raise RuntimeError(f"{kind} {id_}: lost the epoch race at registration")
+        return lease
+
+    async def list(self, kind: str) -> list[ServiceRecord]:
+        ids = sorted(m.decode() for m in await self.redis.smembers(keys.index_key(kind)))
+        if not ids:
+            return []
+        values = await self.redis.mget([keys.record_key(kind, i) for i in ids])
+        out, gone = [], []
+        for id_, raw in zip(ids, values):
+            if raw is None:
+                gone.append(id_)
+                continue
+            try:
+                out.append(_dec.decode(raw))
+            except msgspec.DecodeError:
+                log.warning("ignoring a malformed %s record %s", kind, id_)
+        if gone:
+            await self.redis.srem(keys.index_key(kind), *gone)
+        return out
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.redis.ping())
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+class Membership:
+    """The live set of one kind, with a grace period against a Redis restart.
+
+    A record missing from successful reads for less than `grace_s` is kept: after a restart
+    (empty, no persistence) every process re-registers on its next heartbeat. Failed reads
+    change nothing. A record that comes back with a new epoch replaces the old one at once.
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.records: dict[str, ServiceRecord] = {}
+        self._missing_since: dict[str, float] = {}
+
+    def update(self, fresh: list[ServiceRecord], now: float) -> list[ServiceRecord]:
+        seen = {r.id for r in fresh}
+        for r in fresh:
+            self.records[r.id] = r
+            self._missing_since.pop(r.id, None)
+        for id_ in [i for i in self.records if i not in seen]:
+            since = self._missing_since.setdefault(id_, now)
+            if now - since >= self.grace_s:
+                del self.records[id_]
+                del self._missing_since[id_]
+        return list(self.records.values())

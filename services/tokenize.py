@@ -1,0 +1,45 @@
+"""Tokenize: a TokenizeRequest (plain prompt, client token ids, or chat messages) -> prompt ids.
+
+Shared by tokenizer_svc (the gRPC Tokenize method) and the gateway's optional in-process
+tokenization. Raises TokenizeError with a client-facing message (the gateway answers 400).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from services.protocol.messages import TokenizeRequest
+from services.text.chat_template import ChatTemplateError
+
+INLINE_CHARS = 4096  # shorter prompts tokenize on the event loop; longer ones in a thread
+
+
+class TokenizeError(ValueError):
+    """The prompt cannot be tokenized; the message says what to change."""
+
+
+def tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
+    given = [req.prompt is not None, req.prompt_token_ids is not None, req.messages is not None]
+    if sum(given) != 1:
+        raise TokenizeError("give exactly one of prompt, prompt token ids or messages")
+    if req.messages is not None:
+        messages = [{k: v for k, v in (("role", m.role), ("content", m.content), ("name", m.name),
+                                       ("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id))
+                     if v is not None} for m in req.messages]
+        try:
+            ids = tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools)
+        except ChatTemplateError as exc:
+            raise TokenizeError(str(exc)) from None
+    elif req.prompt is not None:
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        ids = list(req.prompt_token_ids or [])
+        vocab = tok.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise TokenizeError(f"prompt token ids must be in [0, {vocab})")
+    if not ids:
+        raise TokenizeError("the prompt is empty")
+    return ids
+
+
+def prompt_chars(req: TokenizeRequest) -> int:
+    return len(req.prompt or "") + sum(len(m.content or "") for m in (req.messages or ()))

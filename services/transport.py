@@ -1,0 +1,247 @@
+"""Typed ZMQ and gRPC carriers for the messages of services/protocol (no service touches zmq or
+msgpack directly).
+
+    Receiver[T]   PULL socket, bound; yields decoded T; drops malformed frames with a log line
+    Sender[T]     PUSH socket, connected to one address; never blocks (drops + counts when full)
+    SenderPool[T] one Sender per destination address, connected lazily (reply-to addresses)
+
+gRPC methods carry the same msgspec Structs through custom (de)serializers: `unary_handler` on the
+server side, `unary_stub` on the client side; `add_health` adds the standard grpc.health.v1 service.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import Any, Awaitable, Callable, Generic, TypeVar
+
+import grpc
+import msgspec
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.protocol.messages import PROTOCOL_VERSION
+
+T = TypeVar("T")
+log = logging.getLogger("kvmesh.transport")
+
+_HWM = 100_000
+_ctx: zmq.asyncio.Context | None = None
+
+
+def context() -> zmq.asyncio.Context:
+    global _ctx
+    if _ctx is None:
+        _ctx = zmq.asyncio.Context()
+    return _ctx
+
+
+def tcp_addr(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Receiver(Generic[T]):
+    """Bound PULL socket decoding `msg_type` (a Struct or a tagged Union of Structs)."""
+
+    def __init__(self, msg_type: Any, host: str, port: int = 0, name: str = "") -> None:
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self._sock = context().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, _HWM)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            self._sock.bind(tcp_addr(host, port))
+            self.port = port
+        else:
+            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.name = name or str(msg_type)
+        self.dropped = 0
+
+    def decode(self, frame: bytes) -> T | None:
+        """The message in `frame`, or None (logged) when malformed or of another protocol version."""
+        try:
+            msg = self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            self.dropped += 1
+            log.warning("%s: dropped a malformed frame (%d bytes): %s", self.name, len(frame), exc)
+            return None
+        if getattr(msg, "version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+            self.dropped += 1
+            log.warning("%s: dropped a message of protocol version %s", self.name, msg.version)
+            return None
+        return msg
+
+    async def recv(self) -> T:
+        while True:
+            frames = await self._sock.recv_multipart(copy=True)
+            if len(frames) != 1:
+                self.dropped += 1
+                log.warning("%s: dropped a %d-part message", self.name, len(frames))
+                continue
+            msg = self.decode(frames[0])
+            if msg is not None:
+                return msg
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class SyncReceiver(Generic[T]):
+    """Bound PULL socket for a thread that blocks (the worker's engine thread): plain zmq, no loop."""
+
+    def __init__(self, msg_type: Any, host: str, port: int = 0, name: str = "") -> None:
+        self._checker = Receiver.__new__(Receiver)   # reuse Receiver.decode (validation + logging)
+        self._checker._decoder = msgspec.msgpack.Decoder(msg_type)
+        self._checker.name = name or str(msg_type)
+        self._checker.dropped = 0
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, _HWM)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            self._sock.bind(tcp_addr(host, port))
+            self.port = port
+        else:
+            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+
+    @property
+    def dropped(self) -> int:
+        return self._checker.dropped
+
+    def recv_all(self, timeout_ms: int) -> list[T]:
+        """Every queued message; waits up to timeout_ms for the first one when none is queued."""
+        out: list[T] = []
+        if timeout_ms and not self._sock.poll(timeout_ms, zmq.POLLIN):
+            return out
+        while True:
+            try:
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return out
+            if len(frames) == 1 and (msg := self._checker.decode(frames[0])) is not None:
+                out.append(msg)
+            elif len(frames) != 1:
+                self._checker.dropped += 1
+                log.warning("%s: dropped a %d-part message", self._checker.name, len(frames))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class Sender(Generic[T]):
+    """Connected PUSH socket. `send` never blocks: a full or peerless queue drops (and logs).
+
+    A plain (synchronous) zmq socket: a non-blocking send needs no event loop or future, which
+    keeps the per-message cost low; use it from one thread only.
+    """
+
+    _encoder = msgspec.msgpack.Encoder()
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self._sock = zmq.Context.instance().socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, _HWM)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(addr)
+        self.dropped = 0
+        self._last_warn = 0.0
+
+    def send(self, msg: T) -> bool:
+        try:
+            self._sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK, copy=True)
+            return True
+        except zmq.Again:
+            self.dropped += 1
+            now = time.monotonic()
+            if now - self._last_warn > 5.0:
+                self._last_warn = now
+                log.warning("send to %s dropped (peer gone or queue full; %d so far)", self.addr, self.dropped)
+            return False
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class SenderPool(Generic[T]):
+    """One Sender per address, created on first use (reply-to addresses of gateways, detokenizers)."""
+
+    def __init__(self) -> None:
+        self._senders: dict[str, Sender[T]] = {}
+
+    def send(self, addr: str, msg: T) -> bool:
+        sender = self._senders.get(addr)
+        if sender is None:
+            sender = self._senders[addr] = Sender(addr)
+        return sender.send(msg)
+
+    def drop(self, addr: str) -> None:
+        sender = self._senders.pop(addr, None)
+        if sender is not None:
+            sender.close()
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()
+
+
+# ----------------------------------------------------------------------------- gRPC
+
+_GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+def unary_handler(service: str, methods: dict[str, tuple[Callable[..., Awaitable[Any]], Any]]) -> grpc.GenericRpcHandler:
+    """A generic gRPC handler: method name -> (async fn(request, context), request type)."""
+    encoder = msgspec.msgpack.Encoder()
+    handlers = {}
+    for name, (fn, req_type) in methods.items():
+        decoder = msgspec.msgpack.Decoder(req_type)
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=decoder.decode, response_serializer=encoder.encode)
+    return grpc.method_handlers_generic_handler(service, handlers)
+
+
+def unary_stub(channel: grpc.aio.Channel, service: str, method: str, reply_type: Any) -> Callable:
+    encoder = msgspec.msgpack.Encoder()
+    return channel.unary_unary(f"/{service}/{method}", request_serializer=encoder.encode,
+                               response_deserializer=msgspec.msgpack.Decoder(reply_type).decode)
+
+
+def grpc_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=_GRPC_OPTIONS)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    return server, bound
+
+
+def grpc_channel(target: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=_GRPC_OPTIONS)
+
+
+async def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
+    """Standard grpc.health.v1 (what Kubernetes gRPC probes call); starts NOT_SERVING."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    await set_serving(servicer, False)
+    return servicer
+
+
+async def set_serving(servicer: Any, serving: bool, service: str = "") -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    await servicer.set(service, status)
+
+
+def run_async(coro: Any) -> Any:
+    """Run a service's main coroutine on uvloop when installed (faster sockets), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)

@@ -1,0 +1,63 @@
+"""WorkerCore without sockets, over the null engine: dispatch, one message per step, aborts."""
+from __future__ import annotations
+
+from gpu_worker.service.core import SCHEDULER, WorkerCore
+from gpu_worker.service.null_engine import NullEngine
+from services.protocol.messages import Abort, Dispatch, RequestFailed, StepOutput, StreamOpen, WorkerStatus
+from services.protocol.sampling import SamplingParams
+
+
+def dispatch(rid, n=1, max_tokens=3, detok="d1", prompt=(1, 2, 3)):
+    return Dispatch(request_id=rid, prompt_token_ids=list(prompt), params=SamplingParams(n=n, max_tokens=max_tokens),
+                    reply_addr="gw", detok_addr=detok)
+
+
+def test_one_step_message_per_detokenizer_and_finish_status():
+    core = WorkerCore(NullEngine(vocab_size=1000, num_blocks=64), "w", 1)
+    out = core.run([dispatch("a", n=2), dispatch("b", detok="d2")])
+    opens = [e for e in out if isinstance(e.msg, StreamOpen)]
+    steps = [e for e in out if isinstance(e.msg, StepOutput)]
+    assert [e.dest for e in opens] == ["d1", "d2"]
+    assert sorted(e.dest for e in steps) == ["d1", "d2"]
+    assert len(next(e for e in steps if e.dest == "d1").msg.seqs) == 2   # both samples of "a" in one message
+    assert out.index(opens[0]) < out.index(steps[0])
+    core.run([])
+    out = core.run([])
+    status = [e for e in out if e.dest == SCHEDULER]
+    assert len(status) == 1 and sorted(status[0].msg.finished) == ["a", "b"]
+    assert not core.requests and core.engine.stats().num_free_blocks == 64
+
+
+def test_abort_frees_and_tells_the_detokenizer():
+    core = WorkerCore(NullEngine(vocab_size=1000, num_blocks=64), "w", 1)
+    core.run([dispatch("a", max_tokens=100)])
+    assert core.engine.stats().num_free_blocks < 64
+    out = core.run([Abort(request_id="a")])
+    assert [(e.dest, type(e.msg).__name__) for e in out] == [("d1", "Abort"), (SCHEDULER, "WorkerStatus")]
+    assert core.engine.stats().num_free_blocks == 64 and not core.has_work()
+
+
+def test_abort_one_sample_keeps_the_other():
+    core = WorkerCore(NullEngine(vocab_size=1000), "w", 1)
+    core.run([dispatch("a", n=2, max_tokens=5)])
+    out = core.run([Abort(request_id="a", index=0, reason="stop")])
+    [step] = [e.msg for e in out if isinstance(e.msg, StepOutput)]
+    assert [s.index for s in step.seqs] == [1]
+    assert "a" in core.requests
+
+
+def test_invalid_request_answers_the_gateway():
+    core = WorkerCore(NullEngine(vocab_size=1000), "w", 1)
+    out = core.run([dispatch("a", prompt=[])])
+    assert isinstance(out[0].msg, RequestFailed) and out[0].dest == "gw" and out[0].msg.status == 400
+    assert isinstance(out[-1].msg, WorkerStatus) and out[-1].msg.finished == ["a"]
+
+
+def test_engine_failure_fails_requests_instead_of_hanging():
+    class Broken(NullEngine):
+        def step(self):
+            raise RuntimeError("boom")
+    core = WorkerCore(Broken(vocab_size=1000), "w", 1)
+    out = core.run([dispatch("a")])
+    assert any(isinstance(e.msg, RequestFailed) and e.msg.status == 500 for e in out)
+    assert not core.requests

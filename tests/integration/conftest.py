@@ -1,0 +1,68 @@
+"""One stack for the whole integration session: embedded Redis, tokenizer, scheduler, one tiny CPU
+worker and a gateway, each a real process. Tests that need more (API keys, more workers) add
+processes to it."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.embedded_redis import EmbeddedRedis
+from tests.integration.stack import FAST, INTERNAL, Procs, ROOT, records, wait_ready
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    procs: Procs
+    redis_url: str
+    model: str
+    model_name: str
+    base_url: str
+
+    def openai(self, api_key: str = "none", base_url: str | None = None):
+        import openai
+        return openai.OpenAI(base_url=(base_url or self.base_url) + "/v1", api_key=api_key, timeout=60, max_retries=0)
+
+    def worker(self, worker_id: str):
+        return next((r for r in records(self.redis_url, "worker") if r.id == worker_id), None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("model") / "tiny-llama"
+    subprocess.run([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", "tiny",
+                    str(out)], cwd=ROOT, check=True, capture_output=True)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    redis = EmbeddedRedis().start()
+    procs = Procs(redis.url, logs)
+    port = free_port()
+    try:
+        procs.start("tokenizer", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", tiny_model)
+        procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "-1")
+        procs.start("prefix-cache", "prefix-cache", *FAST, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1")
+        procs.start_worker("worker-0", tiny_model)
+        procs.start("gateway", "gateway", *FAST, "--port", str(port), "--zmq-port", "0")
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base, 180)
+        yield Stack(procs, redis.url, tiny_model, Path(tiny_model).name, base)
+    except BaseException:
+        print(procs.logs())
+        raise
+    finally:
+        procs.stop_all()
+        redis.stop()

@@ -1,0 +1,207 @@
+"""The OpenAI API through the whole stack, driven by the official `openai` client."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+
+def chat(stack, **kw):
+    kw.setdefault("messages", [{"role": "user", "content": "Tell me a story."}])
+    kw.setdefault("max_tokens", 8)
+    return stack.openai().chat.completions.create(model=stack.model_name, **kw)
+
+
+def test_models_health_ready_metrics(stack):
+    ids = [m.id for m in stack.openai().models.list().data]
+    assert ids == [stack.model_name]
+    assert httpx.get(stack.base_url + "/health").json() == {"status": "ok"}
+    assert httpx.get(stack.base_url + "/ready").status_code == 200
+    chat(stack)
+    text = httpx.get(stack.base_url + "/metrics").text
+    assert "kvmesh_time_to_first_token_seconds_count" in text and "kvmesh_requests_total" in text
+
+
+def test_chat_non_streaming(stack):
+    r = chat(stack, temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_streaming_with_usage(stack):
+    stream = chat(stack, temperature=0, max_tokens=7, stream=True, stream_options={"include_usage": True},
+                  extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+    finishes = [c.choices[0].finish_reason for c in chunks[:-1] if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    full = chat(stack, temperature=0, max_tokens=7, extra_body={"ignore_eos": True})
+    assert text == full.choices[0].message.content
+
+
+def test_completions_stream_and_not(stack):
+    client = stack.openai()
+    r = client.completions.create(model=stack.model_name, prompt="Once upon a time", max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=stack.model_name, prompt="Once upon a time", max_tokens=5,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert r.usage.completion_tokens == 5
+
+
+def test_completions_token_prompts_and_lists(stack):
+    client = stack.openai()
+    r = client.completions.create(model=stack.model_name, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0,
+                                  n=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 12
+
+
+def test_n2_and_seed(stack):
+    a = chat(stack, n=2, temperature=1.0, seed=1234, max_tokens=12, extra_body={"ignore_eos": True})
+    b = chat(stack, n=2, temperature=1.0, seed=1234, max_tokens=12, extra_body={"ignore_eos": True})
+    assert len(a.choices) == 2 and [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    stream = chat(stack, n=2, temperature=1.0, seed=1234, max_tokens=12, stream=True, extra_body={"ignore_eos": True})
+    texts = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in a.choices]
+
+
+def test_stop_strings(stack):
+    base = chat(stack, temperature=0, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].message.content
+    cut = next((i for i in range(3, len(base)) if base[i - 2:i].strip()), None)
+    assert cut is not None, base
+    stop = base[cut - 2:cut]
+    r = chat(stack, temperature=0, max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == base[:base.index(stop)]
+    chunks = list(chat(stack, temperature=0, max_tokens=24, stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == base[:base.index(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_logprobs(stack):
+    r = chat(stack, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)  # greedy: the chosen one is the best
+    c = stack.openai().completions.create(model=stack.model_name, prompt="abc", max_tokens=3, temperature=0,
+                                          logprobs=2, extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0
+
+
+def test_greedy_matches_offline_engine(stack):
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import Engine
+    from services.protocol.sampling import SamplingParams
+    from services.text.tokenizer import load_tokenizer
+
+    prompts = [[11, 12, 13, 14, 15], list(range(40, 75)), [900, 3, 77]]
+    eng = Engine(EngineConfig(model=stack.model, device="cpu", num_gpu_blocks=256))
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for d in eng.step():
+            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+    tok = load_tokenizer(stack.model)
+    client = stack.openai()
+    for i, p in enumerate(prompts):
+        r = client.completions.create(model=stack.model_name, prompt=p, max_tokens=12, temperature=0,
+                                      logprobs=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == tok.decode(tokens[f"r{i}"])
+        assert r.usage.completion_tokens == len(tokens[f"r{i}"]) == 12
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 100}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000_000}, 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 17}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 1000]}, 400, "stop"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ({"prompt": "x"}, 400, "messages"),
+    ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+])
+def test_malformed_chat_requests(stack, body, status, param):
+    body = {"model": stack.model_name, **body}
+    r = httpx.post(stack.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[" * 100_000 + b"]" * 100_000, b'{"model": 1}', b""])
+def test_malformed_bodies(stack, raw):
+    r = httpx.post(stack.base_url + "/v1/completions", content=raw, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "error" in r.json()
+
+
+def test_limits_on_prompts_and_body(stack):
+    r = httpx.post(stack.base_url + "/v1/completions", timeout=30,
+                   json={"model": stack.model_name, "prompt": ["a"] * 65})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(stack.base_url + "/v1/completions", timeout=30,
+                   json={"model": stack.model_name, "prompt": [5, 99999999]})
+    assert r.status_code == 400
+    r = httpx.post(stack.base_url + "/v1/completions", timeout=30, content=b"x" * (9 << 20))
+    assert r.status_code == 413
+
+
+def test_openai_client_raises_on_4xx_and_stack_keeps_serving(stack):
+    with pytest.raises(openai.BadRequestError):
+        chat(stack, n=99)
+    assert chat(stack).choices[0].message.content is not None
+
+
+def test_grpc_health_of_every_internal_service(stack):
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.integration.stack import records
+
+    targets = [r.addrs["grpc"] for kind in ("tokenizer", "scheduler", "worker") for r in records(stack.redis_url, kind)]
+    assert len(targets) >= 3
+
+    async def check(target: str) -> int:
+        async with grpc.aio.insecure_channel(target) as ch:
+            resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            return resp.status
+
+    async def check_all() -> list[int]:
+        return await asyncio.wait_for(asyncio.gather(*(check(t) for t in targets)), 20)
+
+    statuses = asyncio.run(check_all())
+    assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}
+
+
+def test_prefix_cache_hits_reported_in_usage(stack):
+    prompt = list(range(100, 164))  # 64 tokens: 4 full blocks
+    client = stack.openai()
+    client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=2)
+    r = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 48

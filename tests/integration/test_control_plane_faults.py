@@ -1,0 +1,144 @@
+"""Control-plane faults on a stack of its own with a null-model worker (fake tokens, no model math:
+these tests check admission, failover and recovery, never generated text)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from services.embedded_redis import EmbeddedRedis
+from tests.integration.conftest import free_port
+from tests.integration.stack import FAST, INTERNAL, Procs, records, wait_for, wait_ready
+
+
+@pytest.fixture(scope="module")
+def cp(tiny_model, tmp_path_factory):
+    redis = EmbeddedRedis().start()
+    procs = Procs(redis.url, tmp_path_factory.mktemp("cp-logs"))
+    port = free_port()
+    try:
+        procs.start("tokenizer", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", tiny_model)
+        procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "-1", "--max-queue", "2",
+                    "--worker-capacity-factor", "1", "--retry-after-s", "2")
+        procs.start("worker", "worker", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", tiny_model,
+                    "--null-model", "--null-step-ms", "20", "--max-num-seqs", "2", "--worker-id", "null-0")
+        procs.start("gateway", "gateway", *FAST, "--port", str(port), "--zmq-port", "0")
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base, 120)
+        yield {"base": base, "procs": procs, "redis": redis, "model": os.path.basename(tiny_model),
+               "model_dir": tiny_model}
+    except BaseException:
+        print(procs.logs())
+        raise
+    finally:
+        procs.stop_all()
+        redis.stop()
+
+
+def body(cp, max_tokens: int, stream: bool = False) -> dict:
+    return {"model": cp["model"], "prompt": "x", "max_tokens": max_tokens, "stream": stream}
+
+
+def test_queue_full_is_429_with_retry_after(cp):
+    results: list[int] = []
+
+    def long_request() -> None:
+        results.append(httpx.post(cp["base"] + "/v1/completions", json=body(cp, 60), timeout=60).status_code)
+
+    threads = [threading.Thread(target=long_request) for _ in range(4)]   # 2 running + 2 queued
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    r = httpx.post(cp["base"] + "/v1/completions", json=body(cp, 1), timeout=30)
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "2" and r.json()["error"]["type"] == "rate_limit_error"
+    for t in threads:
+        t.join(60)
+    assert results == [200] * 4
+
+
+def test_redis_restart_keeps_serving(cp):
+    redis: EmbeddedRedis = cp["redis"]
+    worker_pid = cp["procs"].procs["worker"].pid
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", cp["base"] + "/v1/completions", json=body(cp, 100, stream=True)) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            redis.stop()                       # the data path does not need Redis
+            time.sleep(0.5)
+            redis.start()                      # same port, empty (no persistence)
+            events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "error" not in events[-2]
+    wait_for(lambda: any(w.id == "null-0" for w in records(redis.url, "worker")), 10, "the worker to re-register")
+    assert cp["procs"].procs["worker"].poll() is None and cp["procs"].procs["worker"].pid == worker_pid
+    wait_ready(cp["base"], 10)
+    r = httpx.post(cp["base"] + "/v1/completions", json=body(cp, 3), timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_tokenizer_death_ends_streams_with_an_error(cp):
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", cp["base"] + "/v1/completions", json=body(cp, 2000, stream=True)) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            t0 = time.monotonic()
+            cp["procs"].kill("tokenizer")
+            events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["code"] == "tokenizer_failed"
+    assert time.monotonic() - t0 < 10
+    # a new tokenizer process is discovered and the stack serves again
+    cp["procs"].start("tokenizer", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", cp["model_dir"])
+    wait_ready(cp["base"], 60)
+    r = httpx.post(cp["base"] + "/v1/completions", json=body(cp, 2), timeout=30)
+    assert r.status_code == 200
+    # a second tokenizer process shares the work (Tokenize round-robin, each detokenizes its own)
+    cp["procs"].start("tokenizer-2", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", cp["model_dir"])
+    wait_for(lambda: len(records(cp["redis"].url, "tokenizer")) == 2, 30, "two tokenizers")
+    time.sleep(0.6)                                   # the gateway's next discovery
+    for _ in range(6):
+        r = httpx.post(cp["base"] + "/v1/completions", json=body(cp, 3, stream=True), timeout=30)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
+
+
+def test_no_worker_is_503(cp):
+    cp["procs"].kill("worker", signal.SIGTERM)   # drains and deregisters at once
+    wait_for(lambda: not records(cp["redis"].url, "worker"), 10, "the worker to deregister")
+    time.sleep(0.6)                              # the scheduler's grace for vanished records
+    r = httpx.post(cp["base"] + "/v1/completions", json=body(cp, 1), timeout=30)
+    assert r.status_code == 503 and "retry-after" in r.headers, r.text
+    assert r.json()["error"]["code"] == "no_workers"
+    assert httpx.get(cp["base"] + "/ready").status_code == 503
+
+
+def test_scheduler_death_fails_queued_requests_and_a_new_one_takes_over(cp):
+    # runs last: the worker was stopped by test_no_worker_is_503; bring one back
+    procs = cp["procs"]
+    procs.start("worker", "worker", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", cp["model_dir"],
+                "--null-model", "--null-step-ms", "20", "--max-num-seqs", "2", "--worker-id", "null-1")
+    wait_ready(cp["base"], 60)
+    results: list[tuple[int, str]] = []
+
+    def request() -> None:
+        r = httpx.post(cp["base"] + "/v1/completions", json=body(cp, 100), timeout=60)
+        results.append((r.status_code, r.json().get("error", {}).get("code", "")))
+
+    threads = [threading.Thread(target=request) for _ in range(4)]     # 2 running + 2 queued
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    procs.kill("scheduler")
+    for t in threads:
+        t.join(30)
+    assert sorted(results) == [(200, ""), (200, ""), (503, "scheduler_failed"), (503, "scheduler_failed")]
+    assert time.monotonic() - t0 < 15
+    procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "-1")
+    wait_ready(cp["base"], 30)
+    wait_for(lambda: httpx.post(cp["base"] + "/v1/completions", json=body(cp, 2), timeout=30).status_code == 200,
+             10, "a request through the new scheduler")

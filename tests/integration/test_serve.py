@@ -1,0 +1,80 @@
+"""`kvmesh serve`: the launcher brings the whole stack up, serves, and stops cleanly on SIGTERM."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.integration.conftest import free_port
+from tests.integration.stack import ROOT, wait_for, wait_ready
+
+
+def test_serve_starts_serves_and_stops(tmp_path):
+    """No --model: the built-in tiny model is made on first use (in KVMESH_CACHE_DIR)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env["KVMESH_LEASE_MS"] = "1500"          # env vars and flags meet in one config
+    env["KVMESH_CACHE_DIR"] = str(tmp_path / "cache")
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", str(port),
+                             "--device", "cpu", "--heartbeat-ms", "250", "--num-gpu-blocks", "512"],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    tiny_model = str(tmp_path / "cache" / "models" / "llama-tiny")
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", 180)
+        import openai
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=os.path.basename(tiny_model), max_tokens=3,
+                                           messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].message.content is not None
+        wait_for(lambda: "kvmesh is serving" in (tmp_path / "serve.log").read_text(), 10, "the launcher's banner")
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert proc.wait(30) == 0
+        assert time.monotonic() - t0 < 20
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_rejects_unknown_env(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env["KVMESH_WORKRES"] = "2"
+    r = subprocess.run([sys.executable, "-m", "services.cli", "serve"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "KVMESH_WORKRES" in r.stderr and "KVMESH_WORKERS" in r.stderr
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def test_serve_exits_nonzero_when_a_service_crashes(tiny_model, tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", tiny_model, "--port", str(port),
+                             "--null-model", "--heartbeat-ms", "250", "--lease-ms", "1500"],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", 120)
+        children = _children(proc.pid)
+        scheduler = next(p for p in children if " scheduler " in _cmdline(p))
+        os.kill(scheduler, signal.SIGKILL)
+        assert proc.wait(30) == 1
+        assert "scheduler exited" in (tmp_path / "serve.log").read_text()
+        for pid in children:                      # every other service was stopped too
+            assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

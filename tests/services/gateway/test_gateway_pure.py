@@ -1,0 +1,102 @@
+"""The gateway's pure parts: request bounds and OpenAI response shapes (no sockets)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.render import Accumulator, ChunkWriter
+from services.gateway.schemas import (
+    ApiError, ChatRequest, CompletionRequest, chat_prompt, completion_prompts, decode)
+from services.protocol.messages import TextDelta, TokenLogprobText
+
+
+def chat_body(**kw) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}).encode()
+
+
+def test_chat_fields_map_to_sampling_params():
+    req = decode(ChatRequest, chat_body(max_completion_tokens=7, max_tokens=99, temperature=0, top_p=0.5, n=3,
+                                        stop="x", seed=5, logprobs=True, top_logprobs=4, presence_penalty=0.5,
+                                        frequency_penalty=-0.5, top_k=10, min_p=0.1, repetition_penalty=1.1,
+                                        ignore_eos=True, min_tokens=2, user="u", store=False))
+    prompt, p = chat_prompt(req, 10)
+    assert prompt.messages[0].content == "hi" and prompt.add_generation_prompt
+    assert (p.max_tokens, p.temperature, p.top_p, p.n, p.stop, p.seed, p.logprobs) == (7, 0, 0.5, 3, ["x"], 5, 4)
+    assert (p.presence_penalty, p.frequency_penalty, p.top_k, p.min_p, p.ignore_eos, p.min_tokens) == (
+        0.5, -0.5, 10, 0.1, True, 2)
+
+
+def test_content_parts_are_joined_and_non_text_refused():
+    req = decode(ChatRequest, chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                               {"type": "text", "text": "b"}]}]))
+    assert chat_prompt(req, 10)[0].messages[0].content == "ab"
+    req = decode(ChatRequest, chat_body(messages=[{"role": "user", "content": [{"type": "image_url"}]}]))
+    with pytest.raises(ApiError) as e:
+        chat_prompt(req, 10)
+    assert e.value.param == "messages[0].content"
+
+
+@pytest.mark.parametrize("prompt, count", [("a", 1), (["a", "b"], 2), ([1, 2], 1), ([[1], [2, 3]], 2)])
+def test_completion_prompt_forms(prompt, count):
+    req = decode(CompletionRequest, json.dumps({"model": "m", "prompt": prompt}).encode())
+    prompts, params = completion_prompts(req, 8)
+    assert len(prompts) == count and params.max_tokens == 16
+
+
+@pytest.mark.parametrize("prompt", [[], [1, "a"], [[1], "a"], [True], [[]], {"a": 1}])
+def test_bad_completion_prompts(prompt):
+    with pytest.raises(ApiError) as e:
+        completion_prompts(decode(CompletionRequest, json.dumps({"model": "m", "prompt": prompt}).encode()), 8)
+    assert e.value.status == 400
+
+
+def test_too_deep_json_is_400():
+    with pytest.raises(ApiError, match="nested too deeply"):
+        decode(ChatRequest, b'{"messages": [], "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}")
+
+
+def delta(i, text, finish=None, n=1, lp=None):
+    return TextDelta("r", i, text, n, finish, lp, 5, 2)
+
+
+def test_accumulated_chat_response_and_usage():
+    acc = Accumulator("chat", "m", 2, 1, [5], want_logprobs=True)
+    lp = [TokenLogprobText("he", -0.1, [104, 101], [("he", -0.1, [104, 101])])]
+    acc.add(0, delta(0, "he", lp=lp))
+    acc.add(0, delta(1, "yo", "length", lp=lp))
+    acc.add(0, delta(0, "llo", "stop", lp=lp))
+    r = acc.response()
+    assert [c["message"]["content"] for c in r["choices"]] == ["hello", "yo"]
+    assert [c["finish_reason"] for c in r["choices"]] == ["stop", "length"]
+    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                          "prompt_tokens_details": {"cached_tokens": 2}}
+    assert r["choices"][0]["logprobs"]["content"][0]["top_logprobs"][0] == {"token": "he", "logprob": -0.1,
+                                                                           "bytes": [104, 101]}
+
+
+def sse(data: bytes) -> list:
+    return [json.loads(line[6:]) for line in data.decode().split("\n\n") if line.startswith("data: ")]
+
+
+def test_chunks_with_usage_and_role_first():
+    acc = Accumulator("chat", "m", 1, 1, [3], want_logprobs=False)
+    w = ChunkWriter(acc, include_usage=True)
+    first = sse(w.start())
+    assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first[0]["usage"] is None
+    assert w.delta(0, delta(0, "")) == b""                       # nothing to say: no chunk
+    mid = sse(w.delta(0, delta(0, "hi", "stop")))
+    assert mid[0]["choices"][0] == {"index": 0, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": "stop"}
+    last = sse(w.finish())
+    assert last[0]["choices"] == [] and last[0]["usage"]["completion_tokens"] == 2
+
+
+def test_completion_logprob_offsets():
+    acc = Accumulator("completions", "m", 1, 2, [1, 1], want_logprobs=True)
+    w = ChunkWriter(acc, include_usage=False)
+    lp = [TokenLogprobText("ab", -1.0, [97, 98], [("ab", -1.0, [97, 98])]),
+          TokenLogprobText("c", -2.0, [99], [])]
+    [chunk] = sse(w.delta(1, delta(0, "abc", n=2, lp=lp)))
+    assert chunk["choices"][0]["index"] == 1                       # prompt 1, sample 0
+    assert chunk["choices"][0]["logprobs"]["text_offset"] == [0, 2]
+    assert chunk["choices"][0]["logprobs"]["top_logprobs"] == [{"ab": -1.0}, {}]

@@ -1,0 +1,64 @@
+"""Leases, heartbeats and epoch fencing against a real (embedded) Redis."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.embedded_redis import EmbeddedRedis
+from services.registry import Registry
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with EmbeddedRedis() as r:
+        yield r.url
+
+
+async def test_lease_expires_without_heartbeat(redis_url):
+    reg = Registry(redis_url)
+    try:
+        lease = await reg.register("worker", "w-exp", addrs={"zmq": "tcp://x:1"}, info={"role": "mixed"}, lease_ms=300)
+        assert [r.id for r in await reg.list("worker") if r.id == "w-exp"] == ["w-exp"]
+        assert await lease.renew({"running": 3})
+        rec = next(r for r in await reg.list("worker") if r.id == "w-exp")
+        assert rec.load == {"running": 3} and rec.epoch == lease.epoch
+        await asyncio.sleep(0.5)
+        assert not [r for r in await reg.list("worker") if r.id == "w-exp"]
+    finally:
+        await reg.close()
+
+
+async def test_newer_epoch_fences_the_old_incarnation(redis_url):
+    reg = Registry(redis_url)
+    try:
+        old = await reg.register("worker", "w-f", addrs={}, info={}, lease_ms=5000)
+        new = await reg.register("worker", "w-f", addrs={}, info={}, lease_ms=5000)
+        assert new.epoch == old.epoch + 1
+        assert not await old.renew() and old.fenced
+        assert await new.renew()
+        await old.release()                      # the old one cannot delete the new record
+        assert [r.epoch for r in await reg.list("worker") if r.id == "w-f"] == [new.epoch]
+        await new.release()
+        assert not [r for r in await reg.list("worker") if r.id == "w-f"]
+    finally:
+        await reg.close()
+
+
+def test_embedded_redis_starts_and_stops():
+    r = EmbeddedRedis().start()
+    assert r.ping() and r.alive()
+    r.stop()
+    assert not r.ping()
+
+
+def test_membership_grace_and_epochs():
+    from services.registry import Membership, ServiceRecord
+
+    m = Membership(grace_s=1.0)
+    a1, b1 = ServiceRecord(kind="worker", id="a", epoch=1), ServiceRecord(kind="worker", id="b", epoch=1)
+    assert {r.id for r in m.update([a1, b1], 0.0)} == {"a", "b"}
+    assert {r.id for r in m.update([a1], 0.5)} == {"a", "b"}      # b missing < grace: kept
+    assert {r.id for r in m.update([a1], 1.6)} == {"a"}           # gone for good
+    a2 = ServiceRecord(kind="worker", id="a", epoch=2)
+    assert [r.epoch for r in m.update([a2], 1.7)] == [2]          # a restart replaces at once

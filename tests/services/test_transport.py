@@ -1,0 +1,75 @@
+"""Typed ZMQ carriers drop malformed frames and keep going; gRPC carries msgspec structs."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import msgspec
+import zmq
+
+from services.protocol.messages import Abort, SchedulerInbox, Submit, TokenizeReply, TokenizeRequest
+from services.protocol.sampling import SamplingParams
+from services.transport import (
+    Receiver, Sender, add_health, context, grpc_channel, grpc_server, set_serving, tcp_addr, unary_handler,
+    unary_stub)
+
+
+async def test_malformed_frames_are_dropped_not_fatal():
+    rx: Receiver = Receiver(SchedulerInbox, "127.0.0.1", 0, name="test")
+    raw = context().socket(zmq.PUSH)
+    raw.connect(tcp_addr("127.0.0.1", rx.port))
+    tx: Sender = Sender(tcp_addr("127.0.0.1", rx.port))
+    try:
+        await raw.send(b"\xff\x00garbage")
+        await raw.send(msgspec.msgpack.encode({"t": "abort"}))                      # missing field
+        await raw.send(msgspec.msgpack.encode({"t": "abort", "request_id": "x", "version": 99}))  # other version
+        await raw.send_multipart([b"a", b"b"])
+        await raw.send(msgspec.msgpack.encode(Abort(request_id="ok")))   # same pipe: arrives after the junk
+        msg = await asyncio.wait_for(rx.recv(), 5)
+        assert msg == Abort(request_id="ok")
+        assert rx.dropped == 4
+        sub = Submit(request_id="s", tenant="t", prompt_token_ids=[1], params=SamplingParams(), reply_addr="a",
+                     detok_addr="b")
+        tx.send(sub)
+        assert await asyncio.wait_for(rx.recv(), 5) == sub
+    finally:
+        raw.close(0)
+        tx.close()
+        rx.close()
+
+
+def test_send_without_peer_never_blocks():
+    tx: Sender = Sender("tcp://127.0.0.1:9")  # nobody there
+    try:
+        for _ in range(10):
+            tx.send(Abort(request_id="x"))
+    finally:
+        tx.close()
+
+
+async def test_grpc_with_msgspec_and_health():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def tokenize(req: TokenizeRequest, ctx) -> TokenizeReply:
+        if not req.prompt:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty")
+        return TokenizeReply(prompt_token_ids=[len(req.prompt)], detok_addr="d", vocab_size=5)
+
+    server, port = grpc_server("127.0.0.1", 0)
+    server.add_generic_rpc_handlers([unary_handler("kvmesh.T", {"Tokenize": (tokenize, TokenizeRequest)})])
+    health = await add_health(server)
+    await server.start()
+    await set_serving(health, True)
+    try:
+        async with grpc_channel(f"127.0.0.1:{port}") as ch:
+            stub = unary_stub(ch, "kvmesh.T", "Tokenize", TokenizeReply)
+            assert (await stub(TokenizeRequest(prompt="abc"))).prompt_token_ids == [3]
+            try:
+                await stub(TokenizeRequest(prompt=""))
+                raise AssertionError("expected INVALID_ARGUMENT")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+            resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(0)

@@ -1,0 +1,86 @@
+"""DetokCore without sockets, over a toy tokenizer: streaming text, stop strings, aborts, logprobs."""
+from __future__ import annotations
+
+from services.protocol.messages import Abort, SeqTokens, StepOutput, StreamOpen, TextBatch
+from services.protocol.sampling import SamplingParams
+from tokenizer_svc.detok import SCHEDULER, DetokCore
+
+VOCAB = {i: ch for i, ch in enumerate("abcdefghijklmnopqrstuvwxyz .!")}
+
+
+class ToyTok:
+    vocab_size = len(VOCAB)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(VOCAB[i] for i in ids)
+
+
+def ids(text):
+    inv = {c: i for i, c in VOCAB.items()}
+    return [inv[c] for c in text]
+
+
+def open_(core, rid="r", **params):
+    core.open(StreamOpen(request_id=rid, params=SamplingParams(**params), reply_addr="gw", num_prompt_tokens=3))
+
+
+def step(core, *seqs):
+    return core.step(StepOutput(worker_id="w", epoch=1, step=0, seqs=list(seqs)))
+
+
+def texts(out):
+    return [(d.index, d.text, d.finish_reason) for e in out if isinstance(e.msg, TextBatch) for d in e.msg.deltas]
+
+
+def test_streams_text_and_finishes():
+    core = DetokCore(ToyTok())
+    open_(core)
+    assert texts(step(core, SeqTokens("r", 0, ids("hel")))) == [(0, "hel", None)]
+    assert texts(step(core, SeqTokens("r", 0, ids("lo"), finish_reason="length"))) == [(0, "lo", "length")]
+    assert not core.streams
+
+
+def test_stop_string_across_steps_aborts_the_sample_upstream():
+    core = DetokCore(ToyTok())
+    open_(core, n=2, stop=["lo w"])
+    out = step(core, SeqTokens("r", 0, ids("hello")), SeqTokens("r", 1, ids("abc")))
+    assert texts(out) == [(0, "hel", None), (1, "abc", None)]          # "lo" held back: maybe a stop
+    out = step(core, SeqTokens("r", 0, ids(" wor")), SeqTokens("r", 1, ids("d")))
+    assert texts(out) == [(0, "", "stop"), (1, "d", None)]
+    aborts = [e for e in out if e.dest == SCHEDULER]
+    assert len(aborts) == 1 and aborts[0].msg.index == 0 and aborts[0].msg.reason == "stop"
+    # late tokens of the stopped sample are ignored; the other sample continues to its end
+    out = step(core, SeqTokens("r", 0, ids("x")), SeqTokens("r", 1, ids("e"), finish_reason="stop"))
+    assert texts(out) == [(1, "e", "stop")]
+    assert not core.streams
+
+
+def test_held_text_flushed_at_natural_end():
+    core = DetokCore(ToyTok())
+    open_(core, stop=["xyz"])
+    assert texts(step(core, SeqTokens("r", 0, ids("abx")))) == [(0, "ab", None)]
+    assert texts(step(core, SeqTokens("r", 0, ids("y"), finish_reason="length"))) == [(0, "xy", "length")]
+
+
+def test_abort_and_unknown_requests():
+    core = DetokCore(ToyTok())
+    open_(core)
+    core.abort(Abort(request_id="r"))
+    assert step(core, SeqTokens("r", 0, ids("a"))) == []
+    assert step(core, SeqTokens("other", 0, ids("a"))) == []
+
+
+def test_logprobs_and_batching_per_gateway():
+    core = DetokCore(ToyTok())
+    open_(core, "a", logprobs=1)
+    core.open(StreamOpen(request_id="b", params=SamplingParams(), reply_addr="gw2", num_prompt_tokens=1))
+    out = step(core, SeqTokens("a", 0, ids("h"), [-0.5], [[(ids("h")[0], -0.5)]]), SeqTokens("b", 0, ids("x")))
+    assert sorted(e.dest for e in out) == ["gw", "gw2"]
+    [d] = next(e.msg.deltas for e in out if e.dest == "gw")
+    assert d.logprobs[0].token == "h" and d.logprobs[0].logprob == -0.5 and d.logprobs[0].top[0][0] == "h"
+
+
+def test_expire():
+    core = DetokCore(ToyTok())
+    open_(core)
+    assert core.expire(0.0) == 1 and not core.streams

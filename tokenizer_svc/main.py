@@ -1,0 +1,145 @@
+"""`kvmesh tokenizer`: gRPC Tokenize + the streaming detokenizer, in one process per replica.
+
+Handlers (everything this process accepts):
+
+    gRPC kvmesh.Tokenizer/Tokenize  TokenizeRequest -> TokenizeReply (carries this detok's address)
+    ZMQ  StreamOpen                 -> DetokCore.open    (from workers, before a request's tokens)
+    ZMQ  StepOutput                 -> DetokCore.step    (from workers, one per engine step)
+    ZMQ  Abort                      -> DetokCore.abort   (from workers / the scheduler)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services import metrics
+from services.config import TokenizerConfig, load_or_exit
+from services.logging import setup as setup_logging
+from services.protocol.messages import Abort, DetokInbox, StepOutput, StreamOpen, TokenizeReply, TokenizeRequest
+from services.registry import Registry
+from services.tokenize import INLINE_CHARS, TokenizeError, prompt_chars, tokenize
+from services.transport import (
+    Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr, unary_handler)
+from tokenizer_svc.detok import SCHEDULER, DetokCore, Envelope
+
+GRPC_SERVICE = "kvmesh.Tokenizer"
+STREAM_MAX_AGE_S = 3600.0  # a stream whose end was lost is forgotten after this
+log = logging.getLogger("kvmesh.tokenizer")
+
+
+class TokenizerService:
+    def __init__(self, cfg: TokenizerConfig) -> None:
+        from services.text.tokenizer import load_tokenizer
+        self.cfg = cfg
+        self.tok = load_tokenizer(cfg.model)
+        self.core = DetokCore(self.tok)
+        self.senders: SenderPool = SenderPool()
+        self.scheduler_addrs: list[str] = []
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.handlers = {StreamOpen: self.core.open, StepOutput: self.core.step, Abort: self.core.abort}
+
+    async def tokenize(self, req: TokenizeRequest, context: grpc.aio.ServicerContext) -> TokenizeReply:
+        t0 = time.perf_counter()
+        try:
+            if prompt_chars(req) <= INLINE_CHARS:
+                ids = tokenize(self.tok, req)
+            else:
+                ids = await asyncio.get_running_loop().run_in_executor(self.pool, tokenize, self.tok, req)
+        except TokenizeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        metrics.TOKENIZE_SECONDS.observe(time.perf_counter() - t0)
+        metrics.TOKENS_IN.inc(len(ids))
+        return TokenizeReply(prompt_token_ids=ids, detok_addr=self.detok_addr, vocab_size=self.tok.vocab_size)
+
+    async def run(self) -> int:
+        cfg = self.cfg
+        server, grpc_port = grpc_server(cfg.host, cfg.port)
+        server.add_generic_rpc_handlers([unary_handler(GRPC_SERVICE, {"Tokenize": (self.tokenize, TokenizeRequest)})])
+        health = await add_health(server)
+        self.receiver: Receiver = Receiver(DetokInbox, cfg.host, cfg.zmq_port, name="detokenizer")
+        host = cfg.reachable_host()
+        self.detok_addr = tcp_addr(host, self.receiver.port)
+        await server.start()
+        metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port)
+        addrs = {"zmq": self.detok_addr, "grpc": f"{host}:{grpc_port}"}
+        if metrics_port > 0:
+            addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
+        self.registry = Registry(cfg.redis_url)
+        self.lease = await self.registry.register("tokenizer", self.id, addrs=addrs,
+                                                  info={"vocab_size": self.tok.vocab_size}, lease_ms=cfg.lease_ms)
+        await self._refresh_schedulers()
+        await set_serving(health, True)
+        log.info("tokenizer ready: grpc %s, detok %s", addrs["grpc"], self.detok_addr)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        code = 0
+        for t in done:
+            if t is not waiter and t.exception() is not None:
+                log.error("tokenizer loop died: %r", t.exception())
+                code = 1
+        for t in tasks:
+            t.cancel()
+        await set_serving(health, False)
+        await self.lease.release()
+        await self.registry.close()
+        await server.stop(0.5)
+        self.receiver.close()
+        self.senders.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        return code
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.receiver.recv()
+            try:
+                out = self.handlers[type(msg)](msg)
+            except Exception:  # one bad stream must not stop the others
+                log.exception("detokenizer failed on a %s", type(msg).__name__)
+                continue
+            self._send(out)
+
+    def _send(self, out: list[Envelope]) -> None:
+        for env in out:
+            if env.dest == SCHEDULER:
+                metrics.STOP_HITS.inc()
+                for addr in self.scheduler_addrs:
+                    self.senders.send(addr, env.msg)
+            else:
+                self.senders.send(env.dest, env.msg)
+
+    async def _refresh_schedulers(self) -> None:
+        self.scheduler_addrs = [r.addrs["zmq"] for r in await self.registry.list("scheduler") if "zmq" in r.addrs]
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
+            metrics.DETOK_STREAMS.set(len(self.core.streams))
+            self.core.expire(STREAM_MAX_AGE_S)
+            try:
+                await self.lease.renew({"streams": len(self.core.streams)})
+                await self._refresh_schedulers()
+            except Exception as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+
+def main(argv: list[str]) -> int:
+    cfg = load_or_exit(TokenizerConfig, argv, "kvmesh tokenizer")
+    setup_logging("tokenizer", cfg.log_level)
+    if not cfg.model:
+        log.error("--model (or KVMESH_MODEL) is required: the directory holding tokenizer.json")
+        return 2
+    return run_async(TokenizerService(cfg).run())
