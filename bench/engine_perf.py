@@ -2,6 +2,7 @@
 
     python bench/engine_perf.py [--model-dir /tmp/m8b] [--budget 420] [--skip sharegpt] [--async-scheduling]
     python bench/engine_perf.py --smoke --model-dir /tmp/tiny     # CPU, tiny model: checks the script
+    python bench/engine_perf.py --skip ablation,profile,prefill --fp8 fp8ops,decode1,async,prefill  # + fp8
 
 Order (each part guarded and time-boxed; the table is printed last, also to $OUT/engine_perf.json):
   parity     greedy tokens and per-step logits, CUDA-graph replay vs eager, on 4 prompts
@@ -14,6 +15,9 @@ Order (each part guarded and time-boxed; the table is printed last, also to $OUT
              step N's tokens are read back)
   prefill    prefill at 512 / 2k / 8k prompts (max_tokens 1): prompt tok/s
   sharegpt   1,000 requests, ~200 in / ~180 out (lognormal), ignore_eos, temperature 1: total tok/s
+  sharegpt_async  the same with async_scheduling on
+  --fp8      fp8ops (one layer: bf16 vs fp8 _scaled_mm vs fp8 GEMV, first), then a second engine
+             with quantization="fp8" runs the listed parts (parity, decode1, async, prefill, decodeB)
 
 Weight roofline for batch-1: ~15.0 GB of weights read per step at ~4.2 TB/s -> ~3.6 ms/step.
 """
@@ -51,7 +55,13 @@ def log(msg: str) -> None:
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
+ROW_SUFFIX = ""   # " fp8" while the fp8 engine runs
+SHAREGPT_TEMPERATURE = 1.0   # --sharegpt-temperature
+
+
 def row(metric: str, value: str, note: str = "") -> None:
+    if ROW_SUFFIX and ROW_SUFFIX not in metric:
+        metric += ROW_SUFFIX
     ROWS.append((metric, value, note))
     RESULTS[metric] = {"value": value, "note": note}
     log(f"{metric:44s} {value}  {note}")
@@ -200,7 +210,7 @@ def decode1(b: Bench, ctx: int, n_out: int = 160, label: str = "") -> float:
     gpu = graph_gpu_ms(b.eng.runner, 1, short=ctx + n_out <= 512 and b.eng.runner.short_decode_graphs is not None)
     note = f"{1e3 * dt / n:.3f} ms/step wall"
     if not math.isnan(gpu) and b.eng.runner.decode_graphs is not None:
-        note += f", graph replay {gpu:.3f} ms GPU (lm_head etc. outside)"
+        note += f", graph replay {gpu:.3f} ms GPU (lm_head inside; argmax outside)"
     row(f"batch-1 decode ctx={ctx}{label}", f"{n / dt:.1f} tok/s", note)
     return n / dt
 
@@ -264,7 +274,7 @@ class StepSplit:
         from gpu_worker.sampler import PendingSample
         self.eng, self.t = eng, {k: 0.0 for k in ("schedule", "build", "forward", "sample", "wait")}
         self.targets = [(eng.scheduler, "schedule", "schedule"), (eng.batch_builder, "build", "build"),
-                        (eng.runner, "forward", "forward"), (eng.sampler, "launch", "sample")]
+                        (eng.runner, "forward", "forward"), (eng.sampler, "_choose", "sample")]
         for obj, attr, name in self.targets:
             setattr(obj, attr, self._wrap(name, getattr(obj, attr)))
         self.pending_cls, self.results = PendingSample, PendingSample.results
@@ -335,7 +345,7 @@ def part_prefill(b: Bench) -> None:
         row(f"prefill L={L} x{n_req}", f"{n_req * L / dt:.0f} tok/s", f"{dt:.2f} s")
 
 
-def part_sharegpt(b: Bench, seconds: float) -> None:
+def part_sharegpt(b: Bench, seconds: float, label: str = "") -> None:
     rng = random.Random(1)
 
     def lognormal(mean, sigma, lo, hi):
@@ -343,16 +353,145 @@ def part_sharegpt(b: Bench, seconds: float) -> None:
 
     reqs = [(lognormal(200, 1.0, 4, 2048), lognormal(180, 1.0, 4, 1024)) for _ in range(S(1000))]
     for p, o in reqs:
-        b.add(b.prompt(p), o, temperature=1.0)
+        b.add(b.prompt(p), o, temperature=SHAREGPT_TEMPERATURE)
     t, deadline = time.perf_counter(), time.time() + seconds
     n_out = b.drain(deadline=deadline)
     dt = time.perf_counter() - t
     in_tok = sum(p for p, _ in reqs)
     done = time.time() <= deadline           # drain aborts what is left at the deadline
     total = (n_out + in_tok) / dt if done else float("nan")
-    row("sharegpt 1000 reqs" + ("" if done else " (time-boxed)"),
+    row("sharegpt 1000 reqs" + label + ("" if done else " (time-boxed)"),
         f"{total:.0f} total tok/s" if done else f"{n_out / dt:.0f} out tok/s",
-        f"{n_out / dt:.0f} out tok/s, {dt:.1f} s, in {in_tok} / out {n_out} tokens, temperature 1.0")
+        f"{n_out / dt:.0f} out tok/s, {dt:.1f} s, in {in_tok} / out {n_out} tokens, temperature {SHAREGPT_TEMPERATURE}")
+
+
+def part_fp8ops(_b=None) -> None:
+    """One linear layer of the 8B at decode sizes: bf16 cuBLAS vs fp8 _scaled_mm (per-token
+    quantization + cuBLASLt) vs the weight-only fp8 GEMV. Each variant loops over enough weight
+    copies (> 4x the 50 MB L2) inside one CUDA graph, so neither the cache nor launches count."""
+    if SMOKE:
+        return
+    import torch.nn.functional as F
+    from gpu_worker.kernels.fp8_linear import fp8_linear, quantize_weight_fp8
+    from gpu_worker.kernels.fp8_gemv import w8_gemv, w8_gemv_ref
+    shapes = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    for name, (N, K) in shapes.items():
+        copies = max(2, math.ceil(240e6 / (N * K * 2)))
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        qs = [quantize_weight_fp8(w) for w in ws]
+        for M in (1, 4):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            ref = w8_gemv_ref(x, qs[0].weight, qs[0].scale).float()
+            err = float((w8_gemv(x, qs[0].weight, qs[0].scale).float() - ref).norm() / ref.norm())
+            variants = {"bf16": lambda w, q: F.linear(x, w), "fp8 scaled_mm": lambda w, q: fp8_linear(x, q),
+                        "fp8 gemv": lambda w, q: w8_gemv(x, q.weight, q.scale),
+                        "bf16 gemv": lambda w, q: w8_gemv(x, w, None)}
+            us = {}
+            for vname, fn in variants.items():
+                for w, q in zip(ws, qs):
+                    fn(w, q)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(3):
+                        for w, q in zip(ws, qs):
+                            fn(w, q)
+                g.replay()
+                times = []
+                for _ in range(10):
+                    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    g.replay()
+                    e.record()
+                    e.synchronize()
+                    times.append(a.elapsed_time(e) * 1e3 / (3 * copies))
+                us[vname] = statistics.median(times)
+                del g
+            tb = {k: (N * K * (2 if k.startswith("bf16") else 1)) / (v * 1e-6) / 1e12 for k, v in us.items()}
+            row(f"fp8ops {name} {N}x{K} M={M}", " / ".join(f"{v:.1f}" for v in us.values()) + " us",
+                "bf16 / fp8 scaled_mm / fp8 gemv / bf16 gemv; weight TB/s " + " / ".join(f"{v:.2f}" for v in tb.values())
+                + f"; gemv rel err {err:.1e}")
+        del ws, qs
+        torch.cuda.empty_cache()
+
+
+def make_engine(model_dir: Path, args, extra: dict, label: str = "", **kw):
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import Engine
+    t = time.time()
+    eng = Engine(EngineConfig(model=str(model_dir), max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_model_len=S(16384), **extra, **kw))
+    if SMOKE:   # the CPU stand-in of graphs (EagerReplay): exercises the parity part
+        eng.runner.capture_cuda_graphs(8, eng.max_model_len)
+    g = eng.runner.decode_graphs
+    row("engine load" + label, f"{time.time() - t:.1f} s",
+        f"{eng.block_manager.num_blocks} KV blocks; graphs {'none' if g is None else len(g.sizes)}; "
+        f"fused kernels {eng.runner.model.model.norm.kernels is not None}")
+    eng.async_scheduling = args.async_scheduling
+    b = Bench(eng)
+    # warm-up: compile prefill, mixed and decode kernel variants outside the timings
+    b.add(b.prompt(S(1000)), 8)
+    b.add(b.prompt(20), 8)
+    b.drain()
+    log("warm-up done")
+    return eng, b
+
+
+def run_parts(b, parts, names: set[str], end: float, label: str = "") -> None:
+    for name, fn, need in parts:
+        if name not in names:
+            continue
+        if end - time.time() < need:
+            row(name + label, "SKIPPED", "time budget")
+            continue
+        try:
+            fn(b)
+        except Exception as e:   # one broken part must not lose the others
+            row(name + label, f"ERROR {type(e).__name__}: {e}"[:160])
+            traceback.print_exc()
+            if b is not None:
+                for r in list(b.eng.requests):
+                    b.eng.abort_request(r)
+
+
+def part_fp8_decode1(b: Bench) -> None:
+    decode1(b, 128, S(256), " fp8")
+    decode1(b, S(8192), S(160), " fp8")
+
+
+def part_fp8_async(b: Bench) -> None:
+    b.eng.async_scheduling = True
+    try:
+        decode1(b, 128, S(256), " fp8 async")
+    finally:
+        b.eng.async_scheduling = ASYNC_DEFAULT
+        b.eng.step()
+
+
+def part_fp8_decodeB(b: Bench) -> None:
+    part_decodeB(b, sizes=(S(256),), label=" fp8")
+
+
+def part_fp8_prefill(b: Bench) -> None:
+    for L in (S(512), S(2048), S(8192)):
+        n_req = max(1, S(32768) // L)
+        for _ in range(n_req):
+            b.add(b.prompt(L), 1)
+        sync()
+        t = time.perf_counter()
+        b.drain()
+        sync()
+        dt = time.perf_counter() - t
+        row(f"prefill L={L} x{n_req} fp8", f"{n_req * L / dt:.0f} tok/s", f"{dt:.2f} s")
+
+
+def part_sharegpt_async(b: Bench, seconds: float) -> None:
+    b.eng.async_scheduling = True
+    try:
+        part_sharegpt(b, seconds, " async")
+    finally:
+        b.eng.async_scheduling = ASYNC_DEFAULT
+        b.eng.step()
 
 
 # ---------------------------------------------------------------------------------- main
@@ -363,12 +502,17 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of parts to skip")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks this script only")
+    ap.add_argument("--sharegpt-temperature", type=float, default=1.0)
+    ap.add_argument("--fp8-reserve", type=float, default=50, help="seconds kept for the fp8 engine")
+    ap.add_argument("--fp8", default="", help="comma list: fp8ops (layer microbench, first), and parts run "
+                    "afterwards on a second engine with quantization='fp8': parity,decode1,async,prefill,decodeB")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="run every part with async_scheduling on (part 'async' compares it anyway)")
     args = ap.parse_args()
     end = T0 + args.budget
-    global SMOKE, ASYNC_DEFAULT
+    global SMOKE, ASYNC_DEFAULT, ROW_SUFFIX, SHAREGPT_TEMPERATURE
     SMOKE, ASYNC_DEFAULT = args.smoke, args.async_scheduling
+    SHAREGPT_TEMPERATURE = args.sharegpt_temperature
     extra = {}
     if SMOKE:
         from gpu_worker.make_model import make_model
@@ -382,48 +526,37 @@ def main() -> None:
         model_dir = ensure_model(Path(args.model_dir))
         extra = dict(dtype="bfloat16", gpu_memory_utilization=0.88)
 
-    from gpu_worker.config import EngineConfig
-    from gpu_worker.engine import Engine
-    t = time.time()
-    eng = Engine(EngineConfig(model=str(model_dir), max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
-                              max_model_len=S(16384), **extra))
-    if SMOKE:   # the CPU stand-in of graphs (EagerReplay): exercises the parity part
-        eng.runner.capture_cuda_graphs(8, eng.max_model_len)
-    g = eng.runner.decode_graphs
-    row("engine load", f"{time.time() - t:.1f} s",
-        f"{eng.block_manager.num_blocks} KV blocks; graphs {'none' if g is None else len(g.sizes)}; "
-        f"fused kernels {eng.runner.model.model.norm.kernels is not None}")
-    eng.async_scheduling = args.async_scheduling
-    b = Bench(eng)
-    # warm-up: compile prefill, mixed and decode kernel variants outside the timings
-    b.add(b.prompt(S(1000)), 8)
-    b.add(b.prompt(20), 8)
-    b.drain()
-    log("warm-up done")
+    if "fp8ops" in set(filter(None, args.fp8.split(","))):
+        run_parts(None, [("fp8ops", part_fp8ops, 10)], {"fp8ops"}, end)
+    eng, b = make_engine(model_dir, args, extra)
 
     parts = [("parity", part_parity, 30), ("decode1", part_decode1, 20), ("decodeB", part_decodeB, 30),
              ("async", part_async, 25), ("prefill", part_prefill, 20), ("ablation", part_ablation, 20),
              ("profile", part_profile, 15)]
     skip = set(filter(None, args.skip.split(",")))
-    for name, fn, need in parts:
-        if name in skip:
-            continue
-        if end - time.time() < need:
-            row(name, "SKIPPED", "time budget")
-            continue
-        try:
-            fn(b)
-        except Exception as e:   # one broken part must not lose the others
-            row(name, f"ERROR {type(e).__name__}: {e}"[:160])
-            traceback.print_exc()
-            for r in list(eng.requests):
-                eng.abort_request(r)
-    if "sharegpt" not in skip and end - time.time() > 30:
-        try:
-            part_sharegpt(b, end - time.time() - 15)
-        except Exception as e:
-            row("sharegpt", f"ERROR {type(e).__name__}: {e}"[:160])
-            traceback.print_exc()
+    run_parts(b, parts, {name for name, _, _ in parts} - skip, end)
+    fp8_parts = set(filter(None, args.fp8.split(","))) - {"fp8ops"}
+    fp8_reserve = args.fp8_reserve if fp8_parts else 0      # the fp8 engine's load + parts
+    for name, fn in (("sharegpt", part_sharegpt), ("sharegpt_async", part_sharegpt_async)):
+        if name not in skip and end - time.time() - fp8_reserve > 30:
+            try:
+                fn(b, end - time.time() - fp8_reserve - 15)
+            except Exception as e:
+                row(name, f"ERROR {type(e).__name__}: {e}"[:160])
+                traceback.print_exc()
+                for r in list(eng.requests):
+                    eng.abort_request(r)
+    if fp8_parts and end - time.time() > 25:
+        del b, eng
+        import gc
+        gc.collect()
+        if not SMOKE:
+            torch.cuda.empty_cache()
+        ROW_SUFFIX = " fp8"
+        eng, b = make_engine(model_dir, args, extra, quantization="fp8")
+        run_parts(b, [("decode1", part_fp8_decode1, 8), ("async", part_fp8_async, 5),
+                      ("prefill", part_fp8_prefill, 8), ("parity", part_parity, 12),
+                      ("decodeB", part_fp8_decodeB, 10)], fp8_parts, end, " fp8")
 
     print("\n" + "=" * 110)
     for metric, value, note in ROWS:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
 _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("auto", "torch", "triton")
+_QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,24 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     """Largest decode batch captured in a CUDA graph (capped by max_num_seqs); larger decode
     batches run eagerly."""
+    tensor_parallel_size: int = 1
+    """GPUs one worker shards the model over (attention heads, MLP, vocabulary; one all-reduce
+    per sub-layer); ranks 1.. run as child processes of the worker. 1 = no parallelism."""
+    enable_expert_parallel: bool = False
+    """MoE models with tensor_parallel_size > 1: place whole experts on ranks (all-to-all token
+    dispatch) instead of splitting every expert across all ranks."""
+    quantization: str | None = None
+    """Weight quantization: None (weights in `dtype`) or "fp8" (vLLM's dynamic FP8: the decoder
+    layers' linear weights in e4m3 with one scale per output channel, activations quantized per
+    token at run time; embeddings and lm_head stay in `dtype`). Best on Hopper GPUs; elsewhere
+    the same maths runs dequantized."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"invalid engine argument {name}: {why}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_n", "cuda_graph_max_bs"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_n", "cuda_graph_max_bs",
+                     "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -81,6 +94,8 @@ class EngineConfig:
             raise bad("device", f"must be one of {', '.join(_DEVICES)} or cuda:N, got {self.device!r}")
         if self.attention_backend not in _BACKENDS:
             raise bad("attention_backend", f"must be one of {', '.join(_BACKENDS)}, got {self.attention_backend!r}")
+        if self.quantization not in _QUANTIZATIONS:
+            raise bad("quantization", f"must be one of {', '.join(map(str, _QUANTIZATIONS))}, got {self.quantization!r}")
         if self.cpu_kv_cache_bytes < 1:
             raise bad("cpu_kv_cache_bytes", "must be positive")
 

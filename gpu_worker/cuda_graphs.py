@@ -33,6 +33,7 @@ from gpu_worker.forward_batch import ForwardBatch
 log = logging.getLogger(__name__)
 
 RunModel = Callable[[ForwardBatch], torch.Tensor]   # ForwardBatch on the device -> (T, H) hidden
+Logits = Callable[[torch.Tensor], torch.Tensor]       # (B, H) hidden -> (B, V) float32 logits
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -55,8 +56,15 @@ class EagerReplay:
 
 class DecodeGraphs:
     def __init__(self, run_model: RunModel, *, device: torch.device, max_batch_size: int,
-                 max_blocks_per_seq: int, max_context_len: int, sizes: list[int] | None = None):
+                 max_blocks_per_seq: int, max_context_len: int, sizes: list[int] | None = None,
+                 logits_fn: Logits | None = None, logits_max_bs: int = 0):
+        """`logits_fn`: graphs of at most `logits_max_bs` rows also capture the lm_head (their
+        output is (B, V) float32 logits, see `returns_logits`); larger ones stop at the hidden
+        states, whose logits the caller computes (a (256, V) float32 output per graph would
+        hold ~0.5 MB per row in the pool)."""
         self.run_model = run_model
+        self.logits_fn = logits_fn
+        self.logits_max_bs = logits_max_bs if logits_fn is not None else 0
         self.device = torch.device(device)
         self.sizes = sorted(sizes or capture_sizes(max_batch_size))
         self.max_batch_size = self.sizes[-1]
@@ -76,6 +84,15 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
 
     # ---- capture -----------------------------------------------------------------------------
+    def returns_logits(self, size: int) -> bool:
+        """Whether the graph of `size` rows (a captured size) ends with the lm_head."""
+        return size <= self.logits_max_bs
+
+    def _captured_fn(self, size: int) -> RunModel:
+        if not self.returns_logits(size):
+            return self.run_model
+        return lambda batch: self.logits_fn(self.run_model(batch))
+
     def static_batch(self, size: int) -> ForwardBatch:
         """The ForwardBatch a graph of `size` rows is captured with: views of the buffers."""
         return ForwardBatch(
@@ -91,22 +108,22 @@ class DecodeGraphs:
         self._reset_padding(0)
         if self.device.type != "cuda":
             for size in reversed(self.sizes):
-                self.graphs[size] = EagerReplay(self.run_model, self.static_batch(size))
+                self.graphs[size] = EagerReplay(self._captured_fn(size), self.static_batch(size))
                 self.outputs[size] = self.graphs[size].output
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for size in reversed(self.sizes):
-            batch = self.static_batch(size)
+            batch, fn = self.static_batch(size), self._captured_fn(size)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):        # warm up off the capture (compiles kernels)
                 for _ in range(2):
-                    self.run_model(batch)
+                    fn(batch)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.run_model(batch)
+                self.outputs[size] = fn(batch)
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.sizes), self.sizes)
@@ -124,7 +141,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """(B, H) final hidden states of the batch's rows (valid until the next run)."""
+        """(B, H) final hidden states of the batch's rows, or (B, V) float32 logits where
+        `returns_logits(bucket(B))`; valid until the next run."""
         B = batch.num_seqs
         size = self.bucket(B)
         nb = batch.block_tables.shape[1]

@@ -135,6 +135,12 @@ class Engine:
             self.scheduler.abort_sequence(seq)                          # prompt until the fork
         self._forget_if_done(request)
 
+    def close(self) -> None:
+        """Releases what outlives the engine object: tensor-parallel rank processes."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -71,12 +71,15 @@ def resolve_setup(config: EngineConfig, *, runner: Any = None, model_config: Any
     device = resolve_device(config)
     if runner is None:
         from gpu_worker.model_config import ModelConfig
-        from gpu_worker.model_runner import ModelRunner
+        from gpu_worker.parallel import create_model_runner
         model_config = ModelConfig.from_dir(config.model)
         dtype = resolve_dtype(config, device, model_config.torch_dtype)
         backend = resolve_backend(config, device)
-        runner = ModelRunner(model_config, config.model, device=str(device), dtype=dtype,
-                             attention_backend=backend, seed=config.seed)
+        runner = create_model_runner(model_config, config.model, device=str(device), dtype=dtype,
+                                     attention_backend=backend, seed=config.seed,
+                                     quantization=config.quantization,
+                                     tensor_parallel_size=config.tensor_parallel_size,
+                                     enable_expert_parallel=config.enable_expert_parallel)
     else:
         assert model_config is not None, "a given runner needs its model_config"
         dtype = resolve_dtype(config, device, getattr(model_config, "torch_dtype", "float32"))

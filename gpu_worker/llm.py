@@ -81,6 +81,10 @@ class LLM:
             self.tokenizer = load_tokenizer(tokenizer or model)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stops what the engine started (tensor-parallel ranks); the LLM is unusable after."""
+        self.llm_engine.close()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

@@ -1,6 +1,7 @@
 """`kvmesh make-model`: write a random-weight Hugging Face model directory plus a real tokenizer.
 
     kvmesh make-model --arch llama --size 8b OUT_DIR      # exactly Llama-3.1-8B's shapes
+    kvmesh make-model --arch qwen3_moe --size tiny OUT_DIR   # MoE: mixtral | qwen3_moe
 
 No weights can be downloaded where kvmesh is tested and benchmarked, so every test, demo and
 GPU benchmark runs on these. The directory loads in both kvmesh and `transformers`:
@@ -27,10 +28,13 @@ from typing import Iterator
 
 import torch
 
+from gpu_worker.models.moe import EXPERT_NAMES
 from gpu_worker.models.tokenizer_asset import SPECIAL_TOKENS, truncated_tokenizer_json
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_ARCHS = ("mixtral", "qwen3_moe")
 SIZES = ("tiny", "small", "1b", "8b")
 SHARD_BYTES = 4 * 1024**3   # written one shard at a time: peak RAM is about one shard
 SINGLE_NAME = "model.safetensors"
@@ -40,6 +44,7 @@ QK_GAIN = 1.5       # sharper-than-uniform attention, so position and context ma
 BRANCH_GAIN = 2.0   # attention / MLP outputs outweigh the token's own embedding
 TIED_BRANCH_BOOST = 3.0  # tied: the embedding must be a small part of the final hidden state
 NORM_NOISE = 0.1
+ROUTER_GAIN = 2.0   # router logits of std ~2: clear top-k choices that still vary by token
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,11 @@ class Shape:
     rope_scaling: dict | None = None
     max_pos: int = 4096
     sliding_window: int | None = None  # mistral only
+    experts: int = 0                   # MoE (mixtral, qwen3_moe): experts per MoE layer
+    top_k: int = 0                     # experts per token
+    moe_inter: int = 0                 # each expert's intermediate size
+    norm_topk: bool = True             # qwen3_moe: renormalize top-k weights (Mixtral always does)
+    mlp_only_layers: tuple[int, ...] = ()  # qwen3_moe: layers with a dense MLP instead
 
 
 def _llama3_scaling(factor: float, original: int) -> dict:
@@ -87,6 +97,24 @@ SHAPES: dict[tuple[str, str], Shape] = {
     ("mistral", "8b"): Shape(32, 4096, 32, 8, 14336, 32768, rope_theta=1e6, max_pos=32768),
     ("qwen2", "8b"): Shape(28, 3584, 28, 4, 18944, 152064, rope_theta=1e6, max_pos=32768),
     ("qwen3", "8b"): Shape(36, 4096, 32, 8, 12288, 151936, head_dim=128, rope_theta=1e6, max_pos=40960),
+    # MoE. tiny/small for tests; 1b/8b: real models' layer shapes with fewer layers (about that
+    # many parameters): Mixtral-8x7B layers (6 of 32) and Qwen3-30B-A3B layers (2 / 12 of 48).
+    ("mixtral", "tiny"): Shape(2, 64, 4, 2, 128, 1024, rope_theta=1e6, max_pos=2048, experts=4, top_k=2,
+                               moe_inter=128),
+    ("mixtral", "small"): Shape(4, 256, 8, 4, 512, 32768, rope_theta=1e6, max_pos=16384, experts=8, top_k=2,
+                                moe_inter=512),
+    ("mixtral", "1b"): Shape(16, 1024, 16, 8, 3584, 32768, rope_theta=1e6, max_pos=32768, experts=8, top_k=2,
+                             moe_inter=3584),
+    ("mixtral", "8b"): Shape(6, 4096, 32, 8, 14336, 32000, rope_theta=1e6, max_pos=32768, experts=8, top_k=2,
+                             moe_inter=14336),
+    ("qwen3_moe", "tiny"): Shape(2, 64, 4, 2, 128, 1024, head_dim=32, rope_theta=1e6, max_pos=2048, experts=8,
+                                 top_k=2, moe_inter=64),
+    ("qwen3_moe", "small"): Shape(4, 256, 8, 4, 768, 32768, head_dim=64, rope_theta=1e6, max_pos=16384,
+                                  experts=16, top_k=4, moe_inter=128),
+    ("qwen3_moe", "1b"): Shape(2, 2048, 32, 4, 6144, 151936, head_dim=128, rope_theta=1e6, max_pos=40960,
+                               experts=128, top_k=8, moe_inter=768),
+    ("qwen3_moe", "8b"): Shape(12, 2048, 32, 4, 6144, 151936, head_dim=128, rope_theta=1e6, max_pos=40960,
+                               experts=128, top_k=8, moe_inter=768),
 }
 
 # Chat templates: what transformers' apply_chat_template renders (and services/text sandboxes).
@@ -154,12 +182,21 @@ def config_json(arch: str, shape: Shape, dtype: str) -> dict:
     }
     if shape.head_dim is not None:
         cfg["head_dim"] = shape.head_dim
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
     if arch == "llama":
         cfg["mlp_bias"] = False
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         cfg["sliding_window"] = shape.sliding_window
+    if arch == "mixtral":
+        cfg.update(num_local_experts=shape.experts, num_experts_per_tok=shape.top_k,
+                   router_jitter_noise=0.0, output_router_logits=False)
+        cfg["intermediate_size"] = shape.moe_inter    # Mixtral's experts are intermediate_size wide
+    if arch == "qwen3_moe":
+        cfg.update(num_experts=shape.experts, num_experts_per_tok=shape.top_k,
+                   moe_intermediate_size=shape.moe_inter, norm_topk_prob=shape.norm_topk,
+                   decoder_sparse_step=1, mlp_only_layers=list(shape.mlp_only_layers),
+                   output_router_logits=False)
     if arch.startswith("qwen"):
         cfg["use_sliding_window"] = False
     return cfg
@@ -217,17 +254,31 @@ def _tensor_specs(arch: str, s: Shape) -> Iterator[tuple[str, tuple[int, ...], f
             yield p + f"self_attn.{name}.weight", (rows, s.hidden), 0.0, std
             if arch == "qwen2":
                 yield p + f"self_attn.{name}.bias", (rows,), 0.0, 0.1
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             yield p + "self_attn.q_norm.weight", (hd,), QK_GAIN, NORM_NOISE
             yield p + "self_attn.k_norm.weight", (hd,), 1.0, NORM_NOISE
         yield p + "self_attn.o_proj.weight", (s.hidden, q), 0.0, branch / math.sqrt(q)
         yield p + "post_attention_layernorm.weight", (s.hidden,), 1.0, NORM_NOISE
+        if arch in MOE_ARCHS and i not in s.mlp_only_layers:
+            yield from _expert_specs(p, EXPERT_NAMES[arch], s, branch)
+            continue
         yield p + "mlp.gate_proj.weight", (s.intermediate, s.hidden), 0.0, fan
         yield p + "mlp.up_proj.weight", (s.intermediate, s.hidden), 0.0, fan
         yield p + "mlp.down_proj.weight", (s.hidden, s.intermediate), 0.0, branch / math.sqrt(s.intermediate)
     yield "model.norm.weight", (s.hidden,), 1.0, NORM_NOISE
     if not s.tied:
         yield "lm_head.weight", (s.vocab, s.hidden), 0.0, LOGIT_STD * fan
+
+
+def _expert_specs(p: str, names, s: Shape, branch: float) -> Iterator[tuple[str, tuple[int, ...], float, float]]:
+    """Router and experts of one MoE layer, in the hub layout transformers loads (it fuses the
+    experts into 3-D tensors itself, and writes this layout back on save)."""
+    fan, b = 1 / math.sqrt(s.hidden), f"{p}{names.block}."
+    yield b + "gate.weight", (s.experts, s.hidden), 0.0, ROUTER_GAIN * fan
+    for e in range(s.experts):
+        yield b + f"experts.{e}.{names.gate}.weight", (s.moe_inter, s.hidden), 0.0, fan
+        yield b + f"experts.{e}.{names.up}.weight", (s.moe_inter, s.hidden), 0.0, fan
+        yield b + f"experts.{e}.{names.down}.weight", (s.hidden, s.moe_inter), 0.0, branch / math.sqrt(s.moe_inter)
 
 
 def _shard_plan(specs: list, itemsize: int) -> list[list]:
@@ -312,9 +363,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="kvmesh make-model",
         description="Write a random-weight Hugging Face model directory (config, safetensors, "
                     "tokenizer with chat template) for tests, demos and benchmarks.")
-    ap.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="model family")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="llama",
+                    help="model family (mixtral and qwen3_moe are mixture-of-experts)")
     ap.add_argument("--size", choices=SIZES, default="tiny",
-                    help="tiny/small: tests and CPU demos; 1b: Llama-3.2-1B-like; 8b: Llama-3.1-8B shapes")
+                    help="tiny/small: tests and CPU demos; 1b: Llama-3.2-1B-like; 8b: Llama-3.1-8B shapes "
+                         "(mixtral/qwen3_moe 1b/8b: Mixtral-8x7B / Qwen3-30B-A3B layers, fewer of them)")
     ap.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
                     help="weight dtype (default float32 for tiny/small, bfloat16 for 1b/8b)")

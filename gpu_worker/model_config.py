@@ -6,6 +6,8 @@ Supported architectures (one parameterized decoder serves them all, see models/d
     MistralForCausalLM  Llama layout; optional sliding window
     Qwen2ForCausalLM    bias on q/k/v projections
     Qwen3ForCausalLM    RMSNorm on each q/k head before RoPE; head_dim from the config
+    MixtralForCausalLM  Mistral attention + a sparse MoE MLP in every layer (top-k of E experts)
+    Qwen3MoeForCausalLM Qwen3 attention + sparse MoE MLPs (dense MLP in `mlp_only_layers`)
 
 `trust_remote_code` models (an `auto_map` in config.json) are refused, never executed.
 """
@@ -27,6 +29,8 @@ ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "MistralForCausalLM": ("mistral", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    "MixtralForCausalLM": ("mixtral", False, False),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
 }
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -45,7 +49,7 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str            # e.g. "LlamaForCausalLM"
-    family: str                  # "llama" | "mistral" | "qwen2" | "qwen3"
+    family: str                  # "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral" | "qwen3_moe"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -67,6 +71,16 @@ class ModelConfig:
     torch_dtype: str             # checkpoint dtype, e.g. "bfloat16"
     sliding_window: int | None = None
     path: str = ""               # the directory it was read from
+    # Mixture of experts (Mixtral, Qwen3-MoE); num_experts 0 = a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0   # each expert's intermediate size
+    norm_topk_prob: bool = True      # renormalize the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse MoE block
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -117,11 +131,11 @@ class ModelConfig:
             raise ModelLoadError(f"{arch}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         if raw.get("mlp_bias"):
             raise ModelLoadError(f"{arch}: mlp_bias=true is not supported")
-        if family in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        if family in ("qwen2", "qwen3", "qwen3_moe") and raw.get("use_sliding_window"):
             raise ModelLoadError(f"{arch}: use_sliding_window=true is not supported")
         attention_bias = bool(raw.get("attention_bias", False))
         rope_theta, rope_scaling = _parse_rope(raw, arch)
-        sliding = raw.get("sliding_window") if family == "mistral" else None
+        sliding = raw.get("sliding_window") if family in ("mistral", "mixtral") else None
         return cls(
             architecture=arch, family=family, hidden_size=hidden, num_layers=get("num_hidden_layers", int),
             num_heads=heads, num_kv_heads=kv_heads, head_dim=int(head_dim),
@@ -139,7 +153,29 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             sliding_window=int(sliding) if sliding else None,
             path=path,
+            **_moe_fields(raw, family, get),
         )
+
+
+def _moe_fields(raw: dict[str, Any], family: str, get) -> dict[str, Any]:
+    """Mixtral: every layer sparse, experts as wide as intermediate_size, weights renormalized.
+    Qwen3-MoE: layer i sparse unless in mlp_only_layers or (i+1) % decoder_sparse_step != 0."""
+    if family not in ("mixtral", "qwen3_moe"):
+        return {}
+    layers = get("num_hidden_layers", int)
+    if family == "mixtral":
+        experts, inter, renorm = get("num_local_experts", int), get("intermediate_size", int), True
+        sparse = tuple(range(layers))
+    else:
+        experts, inter = get("num_experts", int), get("moe_intermediate_size", int)
+        renorm = bool(raw.get("norm_topk_prob", False))
+        step, dense = int(raw.get("decoder_sparse_step") or 1), set(raw.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    top_k = get("num_experts_per_tok", int)
+    if top_k > experts:
+        raise ModelLoadError(f"num_experts_per_tok ({top_k}) exceeds the number of experts ({experts})")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
+                norm_topk_prob=renorm, moe_layers=sparse)
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:

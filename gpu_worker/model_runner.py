@@ -29,6 +29,10 @@ PROFILE_TOKENS = 4096
 # contexts fit SHORT_CONTEXT tokens: their decode attention kernel runs unsplit.
 SHORT_CONTEXT = 512
 SHORT_GRAPH_MAX_BS = 32
+# Decode graphs of at most this many rows also capture the lm_head (logits come out of the
+# replay: one launch fewer and no host work between model and head); larger graphs stop at the
+# hidden states, since their (B, V) float32 outputs would each hold B x 0.5 MB of the pool.
+LOGITS_GRAPH_MAX_BS = 32
 
 
 def make_attention_backend(name: str, device: torch.device, cfg: ModelConfig) -> AttentionBackend:
@@ -45,7 +49,10 @@ def make_attention_backend(name: str, device: torch.device, cfg: ModelConfig) ->
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, model_dir: str, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, attention_backend: str = "torch", seed: int = 0):
+                 dtype: torch.dtype = torch.float32, attention_backend: str = "torch", seed: int = 0,
+                 quantization: str | None = None):
+        """`quantization="fp8"`: the decoder layers' linear weights become e4m3 with per-channel
+        scales once loaded (gpu_worker/models/layers/fp8.py); None keeps them in `dtype`."""
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:   # cuda -> cuda:N, so that
@@ -55,16 +62,34 @@ class ModelRunner:
         self.attention = make_attention_backend(attention_backend, self.device, config)
         # Build on the meta device (no memory, no random init), then allocate for real and load.
         with torch.device("meta"):
-            model = CausalLM(config, self.attention, dtype)
+            model = self._new_model(config, dtype)
         check_checkpoint(model_dir, set(model.hf_weight_targets()))  # fail before allocating
         self.model = model.to_empty(device=self.device).eval()
         self.model.rope.build_cache(self.device)
-        load_weights(self.model, model_dir)
+        self._load_weights(model_dir)
+        self.quantization = quantization
+        if quantization is not None:
+            self._quantize(quantization)
         self.model.use_fused_kernels(load_fused_kernels(self.device))   # None on CPU: torch ops
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.decode_graphs = None   # gpu_worker.cuda_graphs.DecodeGraphs once captured
         self.short_decode_graphs = None   # the same for contexts <= SHORT_CONTEXT (CUDA only)
+
+    # Overridden by the tensor-parallel rank runner (gpu_worker/parallel/tp_runner.py).
+    def _new_model(self, config: ModelConfig, dtype: torch.dtype) -> CausalLM:
+        return CausalLM(config, self.attention, dtype)
+
+    def _load_weights(self, model_dir: str) -> None:
+        load_weights(self.model, model_dir)
+
+    def _quantize(self, quantization: str) -> None:
+        from gpu_worker.models.layers.fp8 import QUANTIZATIONS, quantize_linears_fp8
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)} or None")
+        quantize_linears_fp8(self.model)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()          # the bf16 weights' memory goes to the KV cache
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -168,7 +193,12 @@ class ModelRunner:
         if graphs is None or batch.max_context_len > graphs.max_context_len or not graphs.can_run(batch):
             graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(batch):
-            hidden = graphs.run(batch)                        # (B, H), replayed graph
+            out = graphs.run(batch)                           # replayed graph
+            if graphs.returns_logits(graphs.bucket(batch.num_seqs)):
+                if batch.logits_indices.shape[0] == out.shape[0]:
+                    return out                                # (B, V) float32 logits
+                return out[batch.logits_indices]              # (S, V)
+            hidden = out                                      # (B, H)
         else:
             self._pin_decode_splits(batch)
             hidden = self.run_model(batch)                    # (T, H)
@@ -190,11 +220,17 @@ class ModelRunner:
         if hasattr(self.attention, "decode_num_splits"):
             self.attention.decode_num_splits = None   # graphs pick theirs per captured size
 
+        # The lm_head joins the graphs only for the plain head: a sharded one (tensor parallel)
+        # gathers across ranks, which its runner sequences itself.
+        plain_head = type(self.model).compute_logits is CausalLM.compute_logits
+        logits_max_bs = LOGITS_GRAPH_MAX_BS if plain_head else 0
+
         def capture(context_len: int, sizes: list[int] | None = None):
             # Block-table width: a multiple of 16, like the engine's batch builder pads it to.
             max_blocks = -(-context_len // (16 * self.block_size)) * 16
             graphs = DecodeGraphs(self.run_model, device=self.device, max_batch_size=max_batch_size,
-                                  max_blocks_per_seq=max_blocks, max_context_len=context_len, sizes=sizes)
+                                  max_blocks_per_seq=max_blocks, max_context_len=context_len, sizes=sizes,
+                                  logits_fn=self.model.compute_logits, logits_max_bs=logits_max_bs)
             graphs.capture()
             return graphs
 

@@ -117,13 +117,34 @@ def gumbel_draw(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 # ---- the sampler -----------------------------------------------------------------------------
 class PendingSample:
     """Tokens chosen on the device and not yet read back: `results()` is the step's host sync.
-    `tokens` (R,) int64 on the device can feed the next step's inputs before that."""
+    `tokens` (R,) int64 on the device can feed the next step's inputs before that.
 
-    def __init__(self, tokens: torch.Tensor, raw: torch.Tensor, requests: list[SampleRequest]):
+    `raw` (R, V) holds the unprocessed logits only when some request wants logprobs (None
+    otherwise: a step's (256, 128k) fp32 logits need not outlive the draw)."""
+
+    def __init__(self, tokens: torch.Tensor, raw: torch.Tensor | None, requests: list[SampleRequest]):
         self.tokens, self.raw, self.requests = tokens, raw, requests
+        self._host: torch.Tensor | None = None
+        self._ready = None
+
+    def stage(self) -> "PendingSample":
+        """CUDA: copy the tokens to pinned host memory now, behind the draw, and mark the copy's
+        end with an event that `results()` waits for. A plain `.tolist()` later would be queued
+        behind everything launched since (async_scheduling launches step N+1 before reading
+        step N), so it would wait for step N+1 too and nothing would overlap."""
+        if self.tokens.is_cuda and self.tokens.numel():
+            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self._host.copy_(self.tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        return self
 
     def results(self) -> list[SampleResult]:
-        tokens: list[int] = self.tokens.tolist()                                # the host sync
+        if self._ready is not None:
+            self._ready.synchronize()                                           # the host sync
+            tokens: list[int] = self._host.tolist()
+        else:
+            tokens = self.tokens.tolist()
         params = [r.params for r in self.requests]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs = _logprobs(self.raw, tokens, want, [params[i].logprobs for i in want]) if want else {}
@@ -132,10 +153,15 @@ class PendingSample:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
-        return self.launch(logits, requests).results() if requests else []
+        """Draw and read back at once (nothing else is queued behind the draw: no staging)."""
+        return self._choose(logits, requests).results() if requests else []
 
     def launch(self, logits: torch.Tensor, requests: list[SampleRequest]) -> PendingSample:
-        """Queue the whole draw on the logits' device; nothing waits for the GPU here."""
+        """Queue the whole draw on the logits' device, and the tokens' copy to the host behind
+        it; nothing waits for the GPU here."""
+        return self._choose(logits, requests).stage()
+
+    def _choose(self, logits: torch.Tensor, requests: list[SampleRequest]) -> PendingSample:
         dev = logits.device
         rows = [r.row for r in requests]
         raw = logits if rows == list(range(logits.shape[0])) else \
@@ -166,6 +192,10 @@ class Sampler:
             idx = to_device(random_rows, dev)
             drawn = self._draw(x.index_select(0, idx), [requests[i] for i in random_rows])
             tokens_t = tokens_t.index_copy(0, idx, drawn)
+        if not any(p.logprobs is not None for p in params):
+            raw = None
+        elif raw.data_ptr() == logits.data_ptr():
+            raw = raw.clone()      # logits may be a graph's output, overwritten by the next step
         return PendingSample(tokens_t, raw, requests)
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for every supported family (Llama, Mistral, Qwen2, Qwen3).
+"""One decoder-only transformer for every supported family (Llama, Mistral, Qwen2, Qwen3, and the
+MoE families Mixtral and Qwen3-MoE, whose layers in `cfg.moe_layers` use models/moe.py's SparseMoE).
 
 The families differ only in flags of ModelConfig: q/k/v bias (Qwen2), per-head q/k RMSNorm
 (Qwen3), rope scaling (Llama 3.1), tied embeddings. The model runs over a ragged ForwardBatch:
@@ -22,6 +23,7 @@ from gpu_worker.attention.base import AttentionBackend
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from gpu_worker.models.moe import EXPERT_NAMES, SparseMoE
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, block_size, n_kv, head_dim) x 2
 
@@ -70,12 +72,17 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype,
+                 layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, rope, backend, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        if layer_idx in cfg.moe_layers:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                 cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, x, residual, positions, kv: KVCache, batch: ForwardBatch):
         """x (T, H): the previous layer's MLP output (or the embeddings); residual (T, H): the
@@ -93,7 +100,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -149,6 +156,9 @@ class CausalLM(nn.Module):
             if cfg.qk_norm:
                 targets[p + "self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
                 targets[p + "self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
+            if isinstance(layer.mlp, SparseMoE):
+                targets.update(layer.mlp.hf_weight_targets(p, EXPERT_NAMES[cfg.family]))
+                continue
             targets[p + "mlp.gate_proj.weight"] = WeightTarget(layer.mlp.gate_up_proj.weight, 0, inter)
             targets[p + "mlp.up_proj.weight"] = WeightTarget(layer.mlp.gate_up_proj.weight, inter, 2 * inter)
             targets[p + "mlp.down_proj.weight"] = WeightTarget(layer.mlp.down_proj.weight)

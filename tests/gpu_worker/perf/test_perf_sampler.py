@@ -65,3 +65,18 @@ def test_batched_penalties_match_one_row_at_a_time():
     batched = [r.token_id for r in Sampler()(logits, reqs)]
     single = [Sampler()(logits[i:i + 1], [r._replace(row=0)])[0].token_id for i, r in enumerate(reqs)]
     assert batched == single
+
+
+def test_launch_keeps_logits_only_for_logprobs_and_never_aliases_them():
+    """A pending draw must not depend on the logits tensor it was given: under async_scheduling
+    that may be a CUDA graph's output, rewritten by the next replay before `results()`."""
+    logits = torch.randn(2, 30)
+    plain = Sampler().launch(logits, [req(0, temperature=0.0), req(1, temperature=0.0)])
+    assert plain.raw is None                                  # nothing to keep alive
+    asked = Sampler().launch(logits, [req(0, temperature=0.0, logprobs=2), req(1, temperature=0.0)])
+    assert asked.raw is not None and asked.raw.data_ptr() != logits.data_ptr()
+    expected = torch.log_softmax(logits[0], dim=-1)
+    logits.fill_(0.0)                                         # "the next replay"
+    res = asked.stage().results()
+    assert res[0].token_id == int(expected.argmax()) and res[1].logprob is None
+    assert abs(res[0].logprob.logprob - float(expected.max())) < 1e-5
