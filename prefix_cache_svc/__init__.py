@@ -4,6 +4,7 @@
     core         pure rules: event batches, gaps, epochs, snapshots, consistency checks, Match
     store        Redis as the store of record (ownership keys, reload, purge)
     main         the process shell: registry discovery, ZMQ SUB, snapshots, gRPC Match, metrics
-    client       PrefixClient for the scheduler (short deadline, fails open)
-    routing      pure scoring of workers by expected prefix hit against load
+
+Its callers use services/prefix_client.py (PrefixClient: Match with a short deadline, fails open);
+the scheduler weighs the answer against load in scheduler_svc/routing.py.
 """

@@ -121,6 +121,7 @@ class SchedulerCore:
             req.worker_id = worker.id
             req.dispatched_at = self.clock()
             worker.inflight.add(rid)
+            worker.dispatched += 1
             s = req.submit
             out.append(Envelope(worker.addr, Dispatch(
                 request_id=rid, prompt_token_ids=s.prompt_token_ids, params=s.params, priority=s.priority,
@@ -188,6 +189,7 @@ class SchedulerCore:
             else:  # keep our in-flight set; refresh what the record says
                 cur.draining, cur.addr, cur.role = view.draining, view.addr, view.role
                 cur.max_num_seqs, cur.max_model_len = view.max_num_seqs, view.max_model_len
+                cur.prefix_query_tokens, cur.prefix_hit_tokens = view.prefix_query_tokens, view.prefix_hit_tokens
         return out + self.dispatch()
 
     def _fail_worker(self, w: WorkerView, why: str) -> list[Envelope]:

@@ -2,9 +2,10 @@
 
 Handlers (everything this process accepts):
 
-    Submit        -> core.submit          (from gateways; with several workers, first a prefix
-                                           Match at the prefix-cache index, 50 ms deadline, as the
-                                           routing hint; no index or no answer: least-loaded)
+    Submit        -> core.submit          (from gateways; with --routing cache_aware and several
+                                           workers, first a prefix Match at the prefix-cache index
+                                           (PrefixClient, 50 ms deadline) as the routing hint; no
+                                           index or no answer: routed by load alone)
     Abort         -> core.abort           (from gateways: disconnect; detokenizers: stop string)
     WorkerStatus  -> core.worker_status   (from workers, per finished step and per heartbeat)
     (Redis poll)  -> core.set_workers     (every heartbeat/2: joins, deaths, restarts, draining)
@@ -20,19 +21,20 @@ import time
 import uuid
 
 from scheduler_svc.core import Envelope, Limits, SchedulerCore
-from scheduler_svc.routing import WorkerView, cache_aware
+from scheduler_svc.recent import RecentDispatches
+from scheduler_svc.routing import RoutingWeights, WorkerView, make_scorer
 from services import metrics
 from services.config import SchedulerConfig, load_or_exit
 from services.logging import setup as setup_logging
-from services.protocol.messages import Abort, SchedulerInbox, Submit, WorkerStatus
+from services.protocol.messages import Abort, Dispatch, SchedulerInbox, Submit, WorkerStatus
 from services.registry import Membership, Registry, ServiceRecord
-from services.protocol.kv_events import PREFIX_GRPC_SERVICE, MatchRequest, MatchResponse, pack_token_ids
-from services.transport import (
-    Receiver, SenderPool, add_health, grpc_channel, grpc_server, run_async, set_serving, tcp_addr, unary_stub)
-
-MATCH_TIMEOUT_S = 0.05
+from services.prefix_client import PrefixClient
+from services.prefix_hash import chain_hashes
+from services.protocol.kv_events import MatchResponse
+from services.transport import Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr
 
 log = logging.getLogger("kvmesh.scheduler")
+RECENT_MAX_BLOCKS = 256   # leading blocks of a prompt remembered as dispatched (at most ~0.5 ms of hashing)
 
 
 def view_of(r: ServiceRecord) -> WorkerView:
@@ -42,22 +44,33 @@ def view_of(r: ServiceRecord) -> WorkerView:
                       max_model_len=int(info.get("max_model_len", 0)), draining=bool(info.get("draining")),
                       running=int(load.get("running", 0)), waiting=int(load.get("waiting", 0)),
                       free_blocks=int(load.get("free_blocks", 0)), cached_blocks=int(load.get("cached_blocks", 0)),
-                      total_blocks=int(load.get("total_blocks", 0)), model_id=str(info.get("model_id", "")))
+                      total_blocks=int(load.get("total_blocks", 0)), model_id=str(info.get("model_id", "")),
+                      block_size=int(info.get("block_size", 16)),
+                      prefix_query_tokens=int(load.get("prefix_query_tokens", 0)),
+                      prefix_hit_tokens=int(load.get("prefix_hit_tokens", 0)))
+
+
+def routing_weights(cfg: SchedulerConfig) -> RoutingWeights:
+    return RoutingWeights(hit_weight=cfg.route_hit_weight, queue_weight=cfg.route_queue_weight,
+                          running_weight=cfg.route_running_weight, kv_weight=cfg.route_kv_weight,
+                          overflow_penalty=cfg.route_overflow_penalty, cpu_credit=cfg.route_cpu_credit,
+                          disk_credit=cfg.route_disk_credit)
 
 
 class SchedulerService:
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.cfg = cfg
         self.core = SchedulerCore(Limits(cfg.max_queue, cfg.max_tenant_inflight, cfg.worker_capacity_factor,
-                                         cfg.retry_after_s), scorer=cache_aware)
-        self.prefix_target = ""                 # gRPC address of the prefix-cache index, if any
-        self.prefix_stub = None
+                                         cfg.retry_after_s), scorer=make_scorer(cfg.routing, routing_weights(cfg)))
+        self.prefix: PrefixClient | None = None  # the prefix-cache index (cache_aware routing only)
+        self.recent = RecentDispatches()         # what the index cannot know yet (recent.py)
+        self.block_hashes: dict[str, list[bytes]] = {}  # request id -> its blocks, until dispatched
         self.matching: dict[str, bool] = {}     # submissions waiting for their Match (id -> aborted?)
         self.senders: SenderPool = SenderPool()
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # a vanished record is kept for two heartbeats (Redis restart), then its worker is dead
         self.membership = Membership(2 * cfg.heartbeat_ms / 1000)
-        self.labeled: set[str] = set()      # worker ids with metric labels
+        self.labeled: dict[str, int] = {}   # worker ids with metric labels -> dispatches counted
         self.handlers = {Submit: self.core.submit, Abort: self.core.abort, WorkerStatus: self.core.worker_status}
 
     async def run(self) -> int:
@@ -93,6 +106,8 @@ class SchedulerService:
         await set_serving(health, False)
         await self.lease.release()
         await self.registry.close()
+        if self.prefix is not None:
+            await self.prefix.close()
         await server.stop(0.5)
         self.receiver.close()
         self.senders.close()
@@ -101,11 +116,15 @@ class SchedulerService:
     def _send(self, out: list[Envelope]) -> None:
         for env in out:
             self.senders.send(env.dest, env.msg)
+            if isinstance(env.msg, Dispatch) and (hashes := self.block_hashes.pop(env.msg.request_id, None)):
+                wid = next((w.id for w in self.core.workers.values() if w.addr == env.dest), None)
+                if wid is not None:
+                    self.recent.record(wid, hashes, time.monotonic())
 
     async def _recv_loop(self) -> None:
         while True:
             msg = await self.receiver.recv()
-            if isinstance(msg, Submit) and self.prefix_stub is not None and len(self.core.workers) > 1:
+            if isinstance(msg, Submit) and self.cfg.routing == "cache_aware" and len(self.core.workers) > 1:
                 self.matching[msg.request_id] = False
                 asyncio.create_task(self._submit_with_match(msg))
                 continue
@@ -120,28 +139,37 @@ class SchedulerService:
         match = await self._match(msg)
         if self.matching.pop(msg.request_id, False):
             return  # aborted while we asked
+        worker = next(iter(self.core.workers.values()), None)
+        if worker is not None:
+            head = msg.prompt_token_ids[:RECENT_MAX_BLOCKS * worker.block_size]   # bounds the hashing cost
+            hashes = chain_hashes(None, worker.model_id, msg.cache_salt, head, worker.block_size)
+            match = self.recent.overlay(match, hashes, worker.block_size, time.monotonic())
+            self.block_hashes[msg.request_id] = hashes
         self._send(self.core.submit(msg, hint=match))
         metrics.QUEUE_DEPTH.set(self.core.queue_depth)
 
     async def _match(self, msg: Submit) -> MatchResponse | None:
-        """The index's longest-prefix match, or None (no index, slow, or failing: fail open)."""
+        """The index's longest-prefix match; `available=False` when it is slow or failing (fail open)."""
+        prefix = self.prefix
+        if prefix is None:
+            return None
         model_id = next((str(w.model_id) for w in self.core.workers.values() if w.model_id), "")
         tenant_salt, cache_salt = split_salt(msg.cache_salt)
-        try:
-            return await self.prefix_stub(MatchRequest(  # type: ignore[misc]
-                model_id=model_id, tokens=pack_token_ids(msg.prompt_token_ids), tenant_salt=tenant_salt,
-                cache_salt=cache_salt), timeout=MATCH_TIMEOUT_S)
-        except Exception as exc:
-            log.debug("prefix match failed: %s", exc)
-            return None
+        match = await prefix.match(model_id, msg.prompt_token_ids, tenant_salt=tenant_salt, cache_salt=cache_salt)
+        metrics.PREFIX_MATCHES.labels("unavailable" if not match.available else
+                                      "hit" if match.workers else "miss").inc()
+        return match
 
     async def _poll_prefix_index(self) -> None:
+        if self.cfg.routing != "cache_aware":
+            return
         records = await self.registry.list("prefix-cache")
         target = next((r.addrs["grpc"] for r in records if "grpc" in r.addrs), "")
-        if target != self.prefix_target:
-            self.prefix_target = target
-            self.prefix_stub = unary_stub(grpc_channel(target), PREFIX_GRPC_SERVICE, "Match",
-                                          MatchResponse) if target else None
+        if target != (self.prefix.target if self.prefix else ""):
+            old, self.prefix = self.prefix, (
+                PrefixClient(target, timeout_s=self.cfg.prefix_match_timeout_ms / 1000) if target else None)
+            if old is not None:
+                await old.close()
             log.info("prefix-cache index %s", target or "gone: routing by load only")
 
     async def _poll_workers(self) -> None:
@@ -151,14 +179,25 @@ class SchedulerService:
         self._send(self.core.set_workers(views))
         metrics.WORKER_FAILURES.inc(self.core.worker_failures - before)
         metrics.WORKERS.set(len(self.core.workers))
-        for gone in self.labeled - set(self.core.workers):
-            for gauge in (metrics.WORKER_RUNNING, metrics.WORKER_WAITING, metrics.WORKER_KV_USAGE):
+        for rid in [r for r in self.block_hashes if r not in self.core.requests]:
+            del self.block_hashes[rid]   # rejected or aborted before dispatch
+        for gone in set(self.labeled) - set(self.core.workers):
+            self.recent.forget_worker(gone)
+            for gauge in (metrics.WORKER_RUNNING, metrics.WORKER_WAITING, metrics.WORKER_KV_USAGE,
+                          metrics.WORKER_PREFIX_HIT, metrics.WORKER_DISPATCHED):
                 gauge.remove(gone)
-        self.labeled = set(self.core.workers)
+            del self.labeled[gone]
+        query = hit = 0
         for w in self.core.workers.values():
             metrics.WORKER_RUNNING.labels(w.id).set(w.running)
             metrics.WORKER_WAITING.labels(w.id).set(w.waiting)
             metrics.WORKER_KV_USAGE.labels(w.id).set(w.kv_usage)
+            metrics.WORKER_PREFIX_HIT.labels(w.id).set(w.prefix_hit_tokens / max(w.prefix_query_tokens, 1))
+            seen = self.labeled.get(w.id, 0)   # a restarted worker (new view) counts from 0 again
+            metrics.WORKER_DISPATCHED.labels(w.id).inc(w.dispatched - seen if w.dispatched >= seen else w.dispatched)
+            self.labeled[w.id] = w.dispatched
+            query, hit = query + w.prefix_query_tokens, hit + w.prefix_hit_tokens
+        metrics.CLUSTER_PREFIX_HIT.set(hit / max(query, 1))
 
     async def _membership_loop(self) -> None:
         period = max(self.cfg.heartbeat_ms / 2000, 0.05)

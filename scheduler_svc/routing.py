@@ -1,16 +1,35 @@
-"""Choosing a worker for a request: a score per (worker, request), lowest wins.
+"""Choosing a worker for a request: a score per (worker, request, hint), lowest wins.
 
-The default scorer is least-loaded. Cache-aware routing plugs in here without touching the
-scheduler loop: pass another `Scorer` to `SchedulerCore(scorer=...)`. `hint` is whatever the
-shell attached at submission (`core.submit(msg, hint=...)`), e.g. the prefix-cache index's
-longest-prefix match for this prompt, so a scorer can subtract the prefix-hit fraction that the
-index reports for this worker.
+    least_loaded   requests in flight / max_num_seqs (+ 0.1 x KV usage)
+    round_robin    fewest dispatches so far (ties: worker id); ignores load and cache (a baseline)
+    CacheAware     load and KV pressure against the prefix the worker already holds:
+
+        score = - hit_weight       * hit              hit: fraction of the prompt's blocks the worker
+                                                           need not prefill: GPU blocks count fully,
+                                                           CPU/disk ones at cpu_credit/disk_credit
+                                                           (a reload is cheaper than a recompute, not
+                                                           free); the block of the last prompt token
+                                                           never counts (the engine recomputes it)
+                + queue_weight     * waiting / max_num_seqs
+                + running_weight   * running / max_num_seqs
+                + kv_weight        * kv_used_after    KV in use after the prompt's new blocks
+                + overflow_penalty                    when those blocks do not fit in free + evictable KV
+
+Every term is a fraction, so the weights read as exchange rates: with the defaults a whole-prompt
+hit is worth a queue of one max_num_seqs batch. An overloaded worker holding the prefix loses to
+an idle one; between equal loads the longer (or faster-tier) prefix wins.
+
+`hint` is what the shell attached at submission (`core.submit(msg, hint=...)`): the prefix-cache
+index's MatchResponse for this prompt, or None (no index, or it did not answer: no prefix credit).
+Load counts what this scheduler dispatched and what the worker last reported, whichever is larger,
+so a burst does not all land on one worker before its next status report.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
+from services.protocol.kv_events import MatchResponse
 from services.protocol.messages import Submit
 
 
@@ -26,11 +45,15 @@ class WorkerView:
     max_model_len: int = 0
     draining: bool = False
     model_id: str = ""                # what the engine mixes into block hashes (prefix matches)
+    block_size: int = 16              # tokens per KV block (the engine's, from the registry record)
     running: int = 0                  # as last reported by the worker
     waiting: int = 0
     free_blocks: int = 0
-    cached_blocks: int = 0
+    cached_blocks: int = 0            # unreferenced cached blocks (evictable)
     total_blocks: int = 0
+    prefix_query_tokens: int = 0      # engine counters, cumulative (registry load record)
+    prefix_hit_tokens: int = 0
+    dispatched: int = 0               # requests this scheduler sent it
     inflight: set[str] = field(default_factory=set)  # requests we dispatched and that did not end
 
     def capacity(self, factor: float) -> int:
@@ -52,21 +75,84 @@ def least_loaded(worker: WorkerView, request: Submit, hint: Any = None) -> float
     return len(worker.inflight) / max(worker.max_num_seqs, 1) + 0.1 * worker.kv_usage
 
 
-PREFIX_HIT_WEIGHT = 1.0  # a whole-prompt hit is worth one full batch (max_num_seqs) of load
+def round_robin(worker: WorkerView, request: Submit, hint: Any = None) -> float:
+    """The worker this scheduler sent the fewest requests: strict rotation among workers with room."""
+    return float(worker.dispatched)
 
 
-def cache_aware(worker: WorkerView, request: Submit, hint: Any = None) -> float:
-    """least_loaded minus the fraction of the prompt this worker already holds (from the
-    prefix-cache index's MatchResponse given as `hint`; no hint: plain least-loaded)."""
-    score = least_loaded(worker, request)
-    if hint is None or not getattr(hint, "block_size", 0):
+@dataclass(frozen=True)
+class RoutingWeights:
+    """Exchange rates of CacheAware's terms (SchedulerConfig's route_* fields set them)."""
+
+    hit_weight: float = 1.0
+    queue_weight: float = 1.0
+    running_weight: float = 0.3
+    kv_weight: float = 0.3
+    overflow_penalty: float = 10.0
+    cpu_credit: float = 0.8       # a CPU-tier block saves this fraction of its prefill
+    disk_credit: float = 0.5
+
+
+class PrefixHit(NamedTuple):
+    hit: float        # tier-weighted fraction of the prompt's blocks already cached there
+    gpu_blocks: int   # of those, blocks already on the GPU (need no new KV block)
+
+
+def prefix_hit(worker_id: str, prompt_tokens: int, match: MatchResponse | None,
+               weights: RoutingWeights = RoutingWeights()) -> PrefixHit:
+    """What the index says `worker_id` holds of this prompt (nothing without an answer)."""
+    if match is None or not match.available or not match.block_size:
+        return PrefixHit(0.0, 0)
+    wm = match.blocks_for(worker_id)
+    if wm is None:
+        return PrefixHit(0.0, 0)
+    bs = match.block_size
+    prompt_blocks = max(1, -(-prompt_tokens // bs))
+    cap = max(0, (prompt_tokens - 1) // bs)      # the block of the last prompt token is recomputed
+    gpu, gpu_cpu, total = (min(cap, n) for n in (wm.gpu_blocks, wm.gpu_cpu_blocks, wm.matched_blocks))
+    saved = gpu + weights.cpu_credit * (gpu_cpu - gpu) + weights.disk_credit * (total - gpu_cpu)
+    return PrefixHit(min(1.0, saved / prompt_blocks), gpu)
+
+
+class CacheAware:
+    """Prefix hit against load (module docstring); a Scorer."""
+
+    def __init__(self, weights: RoutingWeights = RoutingWeights()) -> None:
+        self.weights = weights
+
+    def __call__(self, worker: WorkerView, request: Submit, hint: Any = None) -> float:
+        w = self.weights
+        prompt_tokens = len(request.prompt_token_ids)
+        hit = prefix_hit(worker.id, prompt_tokens, hint, w)
+        seqs = max(1, worker.max_num_seqs)
+        inflight = len(worker.inflight)
+        running = max(worker.running, min(inflight, seqs))
+        waiting = max(worker.waiting, inflight - seqs)
+        score = (-w.hit_weight * hit.hit + w.queue_weight * waiting / seqs
+                 + w.running_weight * running / seqs)
+        if worker.total_blocks:       # unknown KV (no report yet, null model): no KV terms
+            bs = hint.block_size if isinstance(hint, MatchResponse) and hint.block_size else 16
+            new_blocks = max(1, -(-prompt_tokens // bs)) - hit.gpu_blocks
+            room = worker.free_blocks + worker.cached_blocks
+            score += w.kv_weight * min(1.0, (worker.total_blocks - room + new_blocks) / worker.total_blocks)
+            if new_blocks > room:
+                score += w.overflow_penalty
         return score
-    match = hint.blocks_for(worker.id)
-    if match is None:
-        return score
-    blocks = max(1, -(-len(request.prompt_token_ids) // hint.block_size))
-    cap = max(0, (len(request.prompt_token_ids) - 1) // hint.block_size)  # last block is recomputed
-    return score - PREFIX_HIT_WEIGHT * min(match.matched_blocks, cap) / blocks
+
+
+cache_aware = CacheAware()
+ROUTING_POLICIES = ("cache_aware", "least_loaded", "round_robin")
+
+
+def make_scorer(policy: str, weights: RoutingWeights = RoutingWeights()) -> Scorer:
+    """The scorer of a --routing policy name."""
+    if policy == "cache_aware":
+        return CacheAware(weights)
+    if policy == "least_loaded":
+        return least_loaded
+    if policy == "round_robin":
+        return round_robin
+    raise ValueError(f"unknown routing policy {policy!r}; one of: {', '.join(ROUTING_POLICIES)}")
 
 
 def pick(workers: list[WorkerView], request: Submit, scorer: Scorer, hint: Any = None) -> WorkerView:

@@ -98,6 +98,19 @@ class SchedulerConfig(ServiceConfig):
     max_tenant_inflight: int = opt(1024, "Most queued + running requests of one tenant (API key); beyond: 429.")
     worker_capacity_factor: float = opt(2.0, "A worker gets at most factor x its max_num_seqs requests at once.")
     retry_after_s: int = opt(1, "Retry-After seconds sent with 429/503 answers.")
+    routing: str = opt("cache_aware", "How a worker is chosen: cache_aware (prefix hits from the prefix-cache "
+                                      "index against load), least_loaded, or round_robin.",
+                       choices=("cache_aware", "least_loaded", "round_robin"))
+    prefix_match_timeout_ms: float = opt(50.0, "cache_aware: deadline of the prefix-cache index's Match; "
+                                               "no answer in time routes by load alone.")
+    route_hit_weight: float = opt(1.0, "cache_aware: weight of the prompt fraction already cached on a worker.")
+    route_queue_weight: float = opt(1.0, "cache_aware: weight of waiting requests / max_num_seqs.")
+    route_running_weight: float = opt(0.3, "cache_aware: weight of running requests / max_num_seqs.")
+    route_kv_weight: float = opt(0.3, "cache_aware: weight of the KV fraction in use after the prompt's new blocks.")
+    route_overflow_penalty: float = opt(10.0, "cache_aware: added when the prompt's new blocks do not fit "
+                                              "in the worker's free and evictable KV.")
+    route_cpu_credit: float = opt(0.8, "cache_aware: a CPU-tier block counts as this fraction of a GPU hit.")
+    route_disk_credit: float = opt(0.5, "cache_aware: a disk-tier block counts as this fraction of a GPU hit.")
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,15 @@ class WorkerConfig(ServiceConfig):
     dtype: str = opt("auto", "Engine: auto, float32, float16, bfloat16.")
     seed: int = opt(0, "Engine seed.")
     enable_prefix_caching: bool = opt(True, "Engine: reuse KV blocks of shared prompt prefixes.")
+    gpu_memory_utilization: float = opt(0.9, "Engine: fraction of GPU memory for weights, activations and KV.")
+    attention_backend: str = opt("auto", "Engine: attention kernels (auto: triton on CUDA, torch on CPU).",
+                                 choices=("auto", "torch", "triton"))
+    quantization: str = opt("", "Engine: weight quantization ('' none, fp8: e4m3 weights, per-channel scales).",
+                            choices=("", "fp8"))
+    async_scheduling: bool = opt(False, "Engine: prepare step N+1 on the CPU while the GPU runs step N.")
+    tensor_parallel_size: int = opt(1, "Engine: GPUs one worker shards the model over (one rank per GPU).")
+    enable_expert_parallel: bool = opt(False, "Engine: MoE experts placed whole on ranks (all-to-all) "
+                                              "instead of split across ranks.")
     kv_events: bool = opt(True, "Publish KV-cache events (PUB) and serve snapshots for the prefix-cache index.")
     null_model: bool = opt(False, "Skip the model: emit deterministic fake tokens (control-plane benchmarks only).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms (sets the token rate).")

@@ -34,6 +34,14 @@ WORKER_FAILURES = Counter("kvmesh_scheduler_worker_failures", "Workers lost (lea
 WORKER_RUNNING = Gauge("kvmesh_worker_running_requests", "Running sequences per worker", ["worker"])
 WORKER_WAITING = Gauge("kvmesh_worker_waiting_requests", "Waiting sequences per worker", ["worker"])
 WORKER_KV_USAGE = Gauge("kvmesh_worker_kv_usage_ratio", "Fraction of KV blocks in use per worker", ["worker"])
+WORKER_DISPATCHED = Counter("kvmesh_scheduler_dispatched", "Requests dispatched per worker", ["worker"])
+WORKER_PREFIX_HIT = Gauge("kvmesh_worker_prefix_hit_ratio",
+                          "Per worker: prompt tokens found in its prefix cache / prompt tokens looked up "
+                          "(engine counters since the worker started)", ["worker"])
+CLUSTER_PREFIX_HIT = Gauge("kvmesh_cluster_prefix_hit_ratio",
+                           "All live workers: prompt tokens found in a prefix cache / prompt tokens looked up")
+PREFIX_MATCHES = Counter("kvmesh_scheduler_prefix_matches",
+                         "Prefix-index Match calls by outcome (hit, miss, unavailable: routed by load)", ["outcome"])
 
 # ---- worker
 ENGINE_RUNNING = Gauge("kvmesh_engine_running", "Sequences running in the engine")

@@ -1,11 +1,13 @@
-"""PrefixClient: the scheduler's view of the prefix-cache index (gRPC Match with a short deadline).
+"""PrefixClient: a caller's view of the prefix-cache index (gRPC Match with a short deadline).
+
+In services/ because the scheduler uses it and a service imports only services/ and itself.
 
     client = PrefixClient("127.0.0.1:50054", timeout_s=0.05)
     match = await client.match(model_id, prompt_token_ids, tenant_salt=..., cache_salt=...)
     match.available   # False: the index was down or slow; the answer is "no match" (fail open)
 
 A failed call opens a breaker for `cooldown_s`: meanwhile calls answer "no match" at once, so an
-index outage costs each request nothing instead of a timeout. Depends only on services/.
+index outage costs each request nothing instead of a timeout.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import grpc
 from services.protocol.kv_events import PREFIX_GRPC_SERVICE, MatchRequest, MatchResponse, pack_token_ids
 from services.transport import grpc_channel, unary_stub
 
-log = logging.getLogger("kvmesh.prefix_cache.client")
+log = logging.getLogger("kvmesh.prefix_client")
 
 UNAVAILABLE = MatchResponse(block_size=0, query_blocks=0, available=False)
 

@@ -51,7 +51,10 @@ def build_engine(cfg: WorkerConfig) -> Any:
         model=cfg.model, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len or None, block_size=cfg.block_size,
         enable_prefix_caching=cfg.enable_prefix_caching, num_gpu_blocks=cfg.num_gpu_blocks or None,
-        dtype=cfg.dtype, device=cfg.device, seed=cfg.seed))
+        dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, attention_backend=cfg.attention_backend,
+        quantization=cfg.quantization or None, async_scheduling=cfg.async_scheduling,
+        tensor_parallel_size=cfg.tensor_parallel_size, enable_expert_parallel=cfg.enable_expert_parallel))
 
 
 def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
@@ -100,6 +103,9 @@ class EngineThread(threading.Thread):
             self.senders.close()
             if self.kv_publisher is not None:
                 self.kv_publisher.close()
+            close = getattr(self.core.engine, "close", None)   # the null engine has none
+            if close is not None:
+                close()
 
     def _send(self, out: list[Envelope]) -> None:
         for env in out:

@@ -12,7 +12,7 @@ import pytest
 from prefix_fakes import FakeBlockManager
 
 from gpu_worker.kv_events import KVEventPublisher
-from prefix_cache_svc.client import PrefixClient
+from services.prefix_client import PrefixClient
 from services.embedded_redis import EmbeddedRedis
 from services.registry import Registry
 

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prefix_fakes import FakeBlockManager
 
 from gpu_worker.kv_events import KVEventPublisher
-from prefix_cache_svc.client import PrefixClient
+from services.prefix_client import PrefixClient
 from prefix_cache_svc.config import PrefixCacheConfig
 from prefix_cache_svc.main import PrefixCacheService
 from services.embedded_redis import EmbeddedRedis
