@@ -200,6 +200,15 @@ def test_workers_have_gpu_shm_model_and_drain(helm, tmp_path_factory):
         assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
 
 
+def test_multi_gpu_pool_shards_the_model_over_its_gpus(helm, tmp_path_factory):
+    deps = by_kind(render(helm, "pools", tmp_path_factory), "Deployment")
+    (decode,) = containers(deps[f"{FULLNAME}-decode"])
+    (prefill,) = containers(deps[f"{FULLNAME}-prefill"])
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert env_of(decode)["KVMESH_TENSOR_PARALLEL_SIZE"]["value"] == "2"
+    assert "KVMESH_TENSOR_PARALLEL_SIZE" not in env_of(prefill)
+
+
 def test_every_container_has_probes(helm, tmp_path_factory):
     for case in VALUE_SETS:
         docs = render(helm, case, tmp_path_factory)

@@ -138,6 +138,11 @@ spec:
               value: "$(POD_NAME)"
             - name: KVMESH_DEVICE
               value: {{ $v.device | quote }}
+            {{- if gt (int $v.gpus) 1 }}
+            # One tensor-parallel rank per GPU of the pod.
+            - name: KVMESH_TENSOR_PARALLEL_SIZE
+              value: {{ $v.gpus | quote }}
+            {{- end }}
             {{- end }}
             {{- include "kvmesh.configEnv" $v.config | nindent 12 }}
             {{- with $v.extraEnv }}
