@@ -21,13 +21,11 @@ import logging
 import time
 from typing import Callable
 
-import msgspec
-import zmq
-
 from services.protocol.kv_events import (
-    ENCODER, KV_EVENTS_VERSION, SNAPSHOT_REQUEST_DECODER, AllCleared, BlockRemoved, BlockStored,
-    KVEvent, KVEventBatch, Snapshot, SnapshotBlock,
+    KV_EVENTS_VERSION, AllCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, Snapshot,
+    SnapshotBlock, SnapshotRequest,
 )
+from services.transport import Publisher, Replier
 
 log = logging.getLogger("kvmesh.worker.kv_events")
 
@@ -50,29 +48,15 @@ class KVEventPublisher:
         self._clock = clock
         self._pending: list[KVEvent] = []
         self._last_send = float("-inf")  # monotonic time of the last batch or heartbeat
-        self._ctx = zmq.Context.instance()
-        self._pub = self._bind(zmq.PUB, host, events_port)
-        self._pub.setsockopt(zmq.SNDHWM, _SNDHWM)
-        self._router = self._bind(zmq.ROUTER, host, snapshot_port)
+        self._pub: Publisher[KVEventBatch] = Publisher(host, events_port, hwm=_SNDHWM)
+        self._replier: Replier[SnapshotRequest, Snapshot] = Replier(SnapshotRequest, host, snapshot_port,
+                                                                    name="snapshot requests")
         reach = advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
-        self.events_addr = f"tcp://{reach}:{self._port(self._pub)}"
-        self.snapshot_addr = f"tcp://{reach}:{self._port(self._router)}"
+        self.events_addr = f"tcp://{reach}:{self._pub.port}"
+        self.snapshot_addr = f"tcp://{reach}:{self._replier.port}"
         self.published = 0
         self.snapshots_served = 0
         block_manager.add_listener(self)
-
-    def _bind(self, kind: int, host: str, port: int) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            sock.bind(f"tcp://{host}:{port}")
-        else:
-            sock.bind_to_random_port(f"tcp://{host}")
-        return sock
-
-    @staticmethod
-    def _port(sock: zmq.Socket) -> int:
-        return int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
 
     def set_epoch(self, epoch: int) -> None:
         """Adopt the registry lease's epoch (known only after registering this publisher's
@@ -103,35 +87,26 @@ class KVEventPublisher:
         elif now - self._last_send >= self.heartbeat_s:
             self._send(KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq,
                                     ts=self._clock()), now)
-        self._serve_snapshots()
+        self.snapshots_served += self._replier.serve(self._answer, self._malformed, _MAX_SNAPSHOTS_PER_FLUSH)
         return sent
 
     def _send(self, batch: KVEventBatch, now: float) -> None:
-        try:
-            self._pub.send(ENCODER.encode(batch), flags=zmq.NOBLOCK)
+        if self._pub.send(batch):
             self.published += 1
-        except zmq.Again:  # a slow subscriber: it will see the gap and ask for a snapshot
+        else:  # a slow subscriber: it will see the gap and ask for a snapshot
             log.debug("KV event batch %d dropped (subscriber queue full)", batch.seq)
         self._last_send = now
 
-    def _serve_snapshots(self) -> None:
-        for _ in range(_MAX_SNAPSHOTS_PER_FLUSH):
-            try:
-                identity, payload = self._router.recv_multipart(flags=zmq.NOBLOCK)[-2:]
-            except zmq.Again:
-                return
-            except ValueError:
-                continue  # a frame without an identity: not ours
-            self._router.send_multipart([identity, ENCODER.encode(self._answer(payload))])
-            self.snapshots_served += 1
+    def _base(self) -> dict:
+        return dict(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq,
+                    block_size=self.block_manager.block_size)
 
-    def _answer(self, payload: bytes) -> Snapshot:
+    def _malformed(self) -> Snapshot:
+        return Snapshot(request_id="", error="malformed SnapshotRequest", **self._base())
+
+    def _answer(self, req: SnapshotRequest) -> Snapshot:
         bm = self.block_manager
-        base = dict(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, block_size=bm.block_size)
-        try:
-            req = SNAPSHOT_REQUEST_DECODER.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return Snapshot(request_id="", error="malformed SnapshotRequest", **base)
+        base = self._base()
         if req.version != KV_EVENTS_VERSION:
             return Snapshot(request_id=req.request_id, error=f"unsupported version {req.version}", **base)
         blocks = [SnapshotBlock(h, parent, list(tokens)) for h, parent, tokens in bm.cached_block_hashes()]
@@ -142,5 +117,5 @@ class KVEventPublisher:
             self.block_manager.remove_listener(self)
         except (AttributeError, ValueError):
             pass
-        self._pub.close(linger=0)
-        self._router.close(linger=0)
+        self._pub.close()
+        self._replier.close()

@@ -14,7 +14,6 @@ import asyncio
 import gc
 import logging
 import os
-import signal
 import socket
 import time
 import uuid
@@ -36,6 +35,7 @@ from services.protocol.kv_events import (
     PREFIX_GRPC_SERVICE, KVEventBatch, MatchRequest, MatchResponse, Snapshot,
 )
 from services.registry import Registry
+from services.shell import run_until_signal
 from services.transport import add_health, grpc_server, run_async, set_serving, unary_handler
 
 log = logging.getLogger("kvmesh.prefix-cache")
@@ -119,18 +119,7 @@ class PrefixCacheService:
 
     async def run(self) -> int:
         await self.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        waiter = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
-        code = 0
-        for task in done:
-            if task is not waiter and not task.cancelled() and task.exception() is not None:
-                log.error("prefix-cache loop died: %r", task.exception())
-                code = 1
-        waiter.cancel()
+        code = await run_until_signal(self._tasks, "prefix-cache", log)
         await self.stop()
         return code
 

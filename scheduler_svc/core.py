@@ -97,6 +97,10 @@ class SchedulerCore:
         return Envelope(msg.reply_addr, Rejected(request_id=msg.request_id, status=status, code=code,
                                                  message=message, retry_after_s=retry))
 
+    @property
+    def has_eligible_worker(self) -> bool:
+        return bool(self._eligible())
+
     def _eligible(self) -> list[WorkerView]:
         live = [w for w in self.workers.values() if not w.draining]
         # Until prefill/decode hand-off exists, only mixed workers run whole requests; other

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 import time
 import uuid
@@ -28,6 +27,7 @@ from services.config import SchedulerConfig, load_or_exit
 from services.logging import setup as setup_logging
 from services.protocol.messages import Abort, Dispatch, SchedulerInbox, Submit, WorkerStatus
 from services.registry import Membership, Registry, ServiceRecord
+from services.shell import run_until_signal
 from services.prefix_client import PrefixClient
 from services.prefix_hash import chain_hashes
 from services.protocol.kv_events import MatchResponse
@@ -89,20 +89,8 @@ class SchedulerService:
         await self._poll_workers()
         await set_serving(health, True)
         log.info("scheduler ready: zmq %s", addrs["zmq"])
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._membership_loop())]
-        waiter = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        code = 0
-        for t in done:
-            if t is not waiter and t.exception() is not None:
-                log.error("scheduler loop died: %r", t.exception())
-                code = 1
-        for t in tasks:
-            t.cancel()
+        code = await run_until_signal(tasks, "scheduler", log)
         await set_serving(health, False)
         await self.lease.release()
         await self.registry.close()
@@ -124,6 +112,10 @@ class SchedulerService:
     async def _recv_loop(self) -> None:
         while True:
             msg = await self.receiver.recv()
+            if isinstance(msg, Submit) and not self.core.has_eligible_worker:
+                # A worker may have registered since the last poll (the gateway can see it
+                # first): look once more before answering 503.
+                await self._poll_workers()
             if isinstance(msg, Submit) and self.cfg.routing == "cache_aware" and len(self.core.workers) > 1:
                 self.matching[msg.request_id] = False
                 asyncio.create_task(self._submit_with_match(msg))

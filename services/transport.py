@@ -4,6 +4,10 @@ msgpack directly).
     Receiver[T]   PULL socket, bound; yields decoded T; drops malformed frames with a log line
     Sender[T]     PUSH socket, connected to one address; never blocks (drops + counts when full)
     SenderPool[T] one Sender per destination address, connected lazily (reply-to addresses)
+    Publisher[T]  PUB socket, bound; never blocks (a slow subscriber's queue drops)
+    Subscriber[T] SUB socket connected to many publishers; yields decoded T; drops malformed frames
+    Replier[Q, R] ROUTER socket, bound, answered between steps by a thread that never blocks
+    request()     one request over a fresh DEALER, its decoded reply (or None on timeout/garbage)
 
 gRPC methods carry the same msgspec Structs through custom (de)serializers: `unary_handler` on the
 server side, `unary_stub` on the client side; `add_health` adds the standard grpc.health.v1 service.
@@ -25,6 +29,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.protocol.messages import PROTOCOL_VERSION
 
 T = TypeVar("T")
+Q = TypeVar("Q")
+R = TypeVar("R")
 log = logging.getLogger("kvmesh.transport")
 
 _HWM = 100_000
@@ -48,6 +54,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _bind(sock: Any, host: str, port: int) -> int:
+    """Bind `sock` to host:port (a random free port when 0); the bound port."""
+    sock.setsockopt(zmq.LINGER, 0)
+    if port:
+        sock.bind(tcp_addr(host, port))
+        return port
+    return sock.bind_to_random_port(f"tcp://{host}")
+
+
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError)
+
+
 class Receiver(Generic[T]):
     """Bound PULL socket decoding `msg_type` (a Struct or a tagged Union of Structs)."""
 
@@ -55,12 +73,7 @@ class Receiver(Generic[T]):
         self._decoder = msgspec.msgpack.Decoder(msg_type)
         self._sock = context().socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._sock.bind(tcp_addr(host, port))
-            self.port = port
-        else:
-            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.port = _bind(self._sock, host, port)
         self.name = name or str(msg_type)
         self.dropped = 0
 
@@ -68,7 +81,7 @@ class Receiver(Generic[T]):
         """The message in `frame`, or None (logged) when malformed or of another protocol version."""
         try:
             msg = self._decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+        except _DECODE_ERRORS as exc:
             self.dropped += 1
             log.warning("%s: dropped a malformed frame (%d bytes): %s", self.name, len(frame), exc)
             return None
@@ -103,12 +116,7 @@ class SyncReceiver(Generic[T]):
         self._checker.dropped = 0
         self._sock = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._sock.bind(tcp_addr(host, port))
-            self.port = port
-        else:
-            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.port = _bind(self._sock, host, port)
 
     @property
     def dropped(self) -> int:
@@ -189,6 +197,138 @@ class SenderPool(Generic[T]):
         for sender in self._senders.values():
             sender.close()
         self._senders.clear()
+
+
+class Publisher(Generic[T]):
+    """Bound PUB socket (plain zmq, one thread). `send` never blocks: past `hwm` queued messages a
+    slow subscriber's copy is dropped (subscribers must notice gaps themselves)."""
+
+    _encoder = msgspec.msgpack.Encoder()
+
+    def __init__(self, host: str, port: int = 0, hwm: int = _HWM) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.PUB)
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self.port = _bind(self._sock, host, port)
+
+    def send(self, msg: T) -> bool:
+        try:
+            self._sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class Subscriber(Generic[T]):
+    """SUB socket (every topic) connected to any number of publishers; yields decoded `msg_type`.
+
+    Malformed frames are dropped, counted and logged. No protocol-version filter here: streams
+    with their own version (KV events) are checked by the consumer, which counts them apart.
+    """
+
+    def __init__(self, msg_type: Any, name: str = "") -> None:
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self._sock = context().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, _HWM)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.name = name or str(msg_type)
+        self.connected: set[str] = set()
+        self.dropped = 0
+
+    def connect(self, addr: str) -> None:
+        if addr not in self.connected:
+            self._sock.connect(addr)
+            self.connected.add(addr)
+
+    def disconnect(self, addr: str) -> None:
+        if addr in self.connected:
+            self.connected.discard(addr)
+            try:
+                self._sock.disconnect(addr)
+            except zmq.ZMQError:
+                pass
+
+    def decode(self, frame: bytes) -> T | None:
+        """The message in `frame`, or None (counted, logged) when malformed."""
+        try:
+            return self._decoder.decode(frame)
+        except _DECODE_ERRORS as exc:
+            self.dropped += 1
+            log.warning("%s: dropped a malformed frame (%d bytes): %s", self.name, len(frame), exc)
+            return None
+
+    async def recv(self) -> T:
+        while True:
+            frames = await self._sock.recv_multipart()
+            msg = self.decode(frames[-1])   # the last frame is the body (a topic frame may precede it)
+            if msg is not None:
+                return msg
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class Replier(Generic[Q, R]):
+    """Bound ROUTER socket answering `request()` callers, polled by a thread that never blocks
+    (plain zmq): `serve` answers what is queued, up to `limit` requests."""
+
+    _encoder = msgspec.msgpack.Encoder()
+
+    def __init__(self, request_type: Any, host: str, port: int = 0, name: str = "") -> None:
+        self._decoder = msgspec.msgpack.Decoder(request_type)
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.port = _bind(self._sock, host, port)
+        self.name = name or str(request_type)
+
+    def serve(self, answer: Callable[[Q], R], malformed: Callable[[], R], limit: int) -> int:
+        """Reply to up to `limit` queued requests with answer(request), or malformed() for a
+        request that does not decode. Returns how many were answered."""
+        served = 0
+        for _ in range(limit):
+            try:
+                identity, payload = self._sock.recv_multipart(flags=zmq.NOBLOCK)[-2:]
+            except zmq.Again:
+                break
+            except ValueError:
+                continue  # a frame without an identity: not a request() caller
+            try:
+                req = self._decoder.decode(payload)
+            except _DECODE_ERRORS as exc:
+                log.warning("%s: malformed request (%d bytes): %s", self.name, len(payload), exc)
+                reply = malformed()
+            else:
+                reply = answer(req)
+            self._sock.send_multipart([identity, self._encoder.encode(reply)])
+            served += 1
+        return served
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+async def request(addr: str, msg: Any, reply_type: Any, timeout_s: float) -> Any | None:
+    """Send `msg` to the Replier at `addr`; its reply decoded as `reply_type`, or None on timeout or
+    a malformed reply (logged).
+
+    A fresh DEALER per request: requests are rare, and a late reply to an earlier request can
+    never be mistaken for this one.
+    """
+    sock = context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(addr)
+        await sock.send(Replier._encoder.encode(msg))
+        if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        return msgspec.msgpack.Decoder(reply_type).decode(await sock.recv())
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("dropped a malformed reply from %s: %s", addr, exc)
+        return None
+    finally:
+        sock.close(linger=0)
 
 
 # ----------------------------------------------------------------------------- gRPC

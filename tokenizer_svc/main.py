@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 import time
 import uuid
@@ -25,6 +24,7 @@ from services.config import TokenizerConfig, load_or_exit
 from services.logging import setup as setup_logging
 from services.protocol.messages import Abort, DetokInbox, StepOutput, StreamOpen, TokenizeReply, TokenizeRequest
 from services.registry import Registry
+from services.shell import run_until_signal
 from services.tokenize import INLINE_CHARS, TokenizeError, prompt_chars, tokenize
 from services.transport import (
     Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr, unary_handler)
@@ -79,20 +79,8 @@ class TokenizerService:
         await self._refresh_schedulers()
         await set_serving(health, True)
         log.info("tokenizer ready: grpc %s, detok %s", addrs["grpc"], self.detok_addr)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
-        waiter = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        code = 0
-        for t in done:
-            if t is not waiter and t.exception() is not None:
-                log.error("tokenizer loop died: %r", t.exception())
-                code = 1
-        for t in tasks:
-            t.cancel()
+        code = await run_until_signal(tasks, "tokenizer", log)
         await set_serving(health, False)
         await self.lease.release()
         await self.registry.close()

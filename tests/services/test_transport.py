@@ -10,8 +10,8 @@ import zmq
 from services.protocol.messages import Abort, SchedulerInbox, Submit, TokenizeReply, TokenizeRequest
 from services.protocol.sampling import SamplingParams
 from services.transport import (
-    Receiver, Sender, add_health, context, grpc_channel, grpc_server, set_serving, tcp_addr, unary_handler,
-    unary_stub)
+    Publisher, Receiver, Sender, Subscriber, add_health, context, grpc_channel, grpc_server, set_serving, tcp_addr,
+    unary_handler, unary_stub)
 
 
 async def test_malformed_frames_are_dropped_not_fatal():
@@ -36,6 +36,42 @@ async def test_malformed_frames_are_dropped_not_fatal():
         raw.close(0)
         tx.close()
         rx.close()
+
+
+async def test_subscriber_drops_a_malformed_frame_and_keeps_going():
+    pub: Publisher = Publisher("127.0.0.1")
+    raw = zmq.Context.instance().socket(zmq.PUB)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
+    sub: Subscriber = Subscriber(SchedulerInbox, name="test")
+    sub.connect(tcp_addr("127.0.0.1", pub.port))
+    sub.connect(tcp_addr("127.0.0.1", raw_port))
+    try:
+        for _ in range(100):                       # PUB/SUB slow joiner: send until both links are up
+            raw.send(msgspec.msgpack.encode(Abort(request_id="raw")))
+            pub.send(Abort(request_id="typed"))
+            got = set()
+            try:
+                while len(got) < 2:
+                    got.add((await asyncio.wait_for(sub.recv(), 0.05)).request_id)
+            except asyncio.TimeoutError:
+                continue
+            break
+        assert got == {"raw", "typed"}
+        while True:                                # drain the repeats of the warm-up
+            try:
+                await asyncio.wait_for(sub.recv(), 0.05)
+            except asyncio.TimeoutError:
+                break
+        assert sub.dropped == 0
+        raw.send(b"\xff\x00garbage")
+        raw.send(msgspec.msgpack.encode(Abort(request_id="ok")))   # same pipe: arrives after the junk
+        assert await asyncio.wait_for(sub.recv(), 5) == Abort(request_id="ok")
+        assert sub.dropped == 1
+    finally:
+        raw.close(0)
+        sub.close()
+        pub.close()
 
 
 def test_send_without_peer_never_blocks():
