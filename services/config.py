@@ -65,6 +65,8 @@ class ServiceConfig:
 
 @dataclass(frozen=True)
 class GatewayConfig(ServiceConfig):
+    """`kvmesh gateway`: the OpenAI-compatible HTTP API (authentication, bounds, SSE streaming)."""
+
     port: int = opt(8000, "HTTP port of the OpenAI-compatible API.")
     zmq_port: int = opt(5560, "ZMQ port receiving text deltas and scheduler replies (0: any free port).")
     api_key: list = opt([], "Comma-separated API keys; when set, every route except /health, /ready and "
@@ -83,6 +85,8 @@ class GatewayConfig(ServiceConfig):
 
 @dataclass(frozen=True)
 class TokenizerConfig(ServiceConfig):
+    """`kvmesh tokenizer`: gRPC Tokenize (chat template + encode) and the streaming detokenizer."""
+
     model: str = opt("", "Model directory holding tokenizer.json (and its chat template).")
     port: int = opt(50051, "gRPC port (Tokenize + grpc.health.v1).")
     zmq_port: int = opt(5558, "ZMQ port receiving workers' token batches for detokenization (0: any).")
@@ -91,6 +95,8 @@ class TokenizerConfig(ServiceConfig):
 
 @dataclass(frozen=True)
 class SchedulerConfig(ServiceConfig):
+    """`kvmesh scheduler`: admission, priority queue, worker choice, cancellation and failover."""
+
     port: int = opt(50052, "gRPC port (grpc.health.v1).")
     zmq_port: int = opt(5557, "ZMQ port receiving submissions, aborts and worker status (0: any).")
     metrics_port: int = opt(9102, "Prometheus /metrics port (0: any free port, -1: off).")
@@ -115,6 +121,8 @@ class SchedulerConfig(ServiceConfig):
 
 @dataclass(frozen=True)
 class WorkerConfig(ServiceConfig):
+    """`kvmesh worker`: one engine (one GPU or tensor-parallel group) serving dispatched requests."""
+
     model: str = opt("", "Model directory (config.json, *.safetensors, tokenizer.json).")
     served_model_name: str = opt("", "Name clients use in `model` (default: the model directory's name).")
     role: str = opt("mixed", "Pool of this worker.", choices=("mixed", "prefill", "decode"))
