@@ -12,6 +12,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "ha
 _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("auto", "torch", "triton")
 _QUANTIZATIONS = (None, "fp8")
+_KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,10 @@ class EngineConfig:
     layers' linear weights in e4m3 with one scale per output channel, activations quantized per
     token at run time; embeddings and lm_head stay in `dtype`). Best on Hopper GPUs; elsewhere
     the same maths runs dequantized."""
+    kv_cache_dtype: str = "auto"
+    """KV-cache storage: auto (the model's dtype) or fp8 (float8_e4m3fn, one byte per element:
+    twice the blocks of a 16-bit cache for the same memory). K and V are stored divided by a
+    per-tensor scale of 1.0 (vLLM's default without calibration) and dequantized when read."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -96,6 +101,10 @@ class EngineConfig:
             raise bad("attention_backend", f"must be one of {', '.join(_BACKENDS)}, got {self.attention_backend!r}")
         if self.quantization not in _QUANTIZATIONS:
             raise bad("quantization", f"must be one of {', '.join(map(str, _QUANTIZATIONS))}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {', '.join(_KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.tensor_parallel_size > 1:
+            raise bad("kv_cache_dtype", "'fp8' is not supported with tensor_parallel_size > 1 yet; use 'auto'")
         if self.cpu_kv_cache_bytes < 1:
             raise bad("cpu_kv_cache_bytes", "must be positive")
 

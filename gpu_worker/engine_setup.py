@@ -4,6 +4,7 @@ the model runner and its KV cache.
     device      auto -> cuda when available, else cpu
     dtype       auto -> fp32 on CPU; on GPU the checkpoint's dtype, fp32 checkpoints in bf16
     backend     auto -> triton on GPU when its backend module exists, else torch
+    kv_cache_dtype  auto -> the dtype above; fp8 -> float8_e4m3fn (half the bytes per block)
     num_blocks  num_gpu_blocks, else profiled from GPU memory, else (CPU) enough for
                 max_num_seqs full-length sequences within cpu_kv_cache_bytes
     max_model_len  the model's max_position_embeddings, capped by KV capacity (and by
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}   # None: the model's dtype
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ def resolve_setup(config: EngineConfig, *, runner: Any = None, model_config: Any
         runner = create_model_runner(model_config, config.model, device=str(device), dtype=dtype,
                                      attention_backend=backend, seed=config.seed,
                                      quantization=config.quantization,
+                                     kv_cache_dtype=_KV_CACHE_DTYPES[config.kv_cache_dtype],
                                      tensor_parallel_size=config.tensor_parallel_size,
                                      enable_expert_parallel=config.enable_expert_parallel)
     else:

@@ -33,31 +33,41 @@ SHORT_GRAPH_MAX_BS = 32
 # replay: one launch fewer and no host work between model and head); larger graphs stop at the
 # hidden states, since their (B, V) float32 outputs would each hold B x 0.5 MB of the pool.
 LOGITS_GRAPH_MAX_BS = 32
+# fp8 KV caches store K / KV_SCALE and V / KV_SCALE (one scale per tensor). 1.0 is what vLLM
+# uses when the checkpoint carries no calibrated k_scale/v_scale: e4m3 covers +-448, far beyond
+# the K/V values of normalized models, so nothing saturates; only the mantissa is rounded.
+KV_SCALE = 1.0
 
 
 def make_attention_backend(name: str, device: torch.device, cfg: ModelConfig) -> AttentionBackend:
+    """The backend `name` on `device`; an fp8 KV cache is read and written with scales KV_SCALE
+    (the scales are ignored by caches in the model's dtype)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
+    scales = dict(k_scale=KV_SCALE, v_scale=KV_SCALE)
     if name == "torch":
         from gpu_worker.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend(sliding_window=cfg.sliding_window)
+        return TorchAttentionBackend(sliding_window=cfg.sliding_window, **scales)
     if name == "triton":
         from gpu_worker.attention.triton_backend import TritonAttentionBackend  # lazy: needs triton
-        return TritonAttentionBackend(sliding_window=cfg.sliding_window)
+        return TritonAttentionBackend(sliding_window=cfg.sliding_window, **scales)
     raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch or triton")
 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, model_dir: str, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, attention_backend: str = "torch", seed: int = 0,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: torch.dtype | None = None):
         """`quantization="fp8"`: the decoder layers' linear weights become e4m3 with per-channel
-        scales once loaded (gpu_worker/models/layers/fp8.py); None keeps them in `dtype`."""
+        scales once loaded (gpu_worker/models/layers/fp8.py); None keeps them in `dtype`.
+        `kv_cache_dtype`: the KV cache's storage dtype (None: `dtype`; torch.float8_e4m3fn:
+        one byte per element, written as value / KV_SCALE)."""
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:   # cuda -> cuda:N, so that
             self.device = torch.device("cuda", torch.cuda.current_device())  # tensor.device == it
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         torch.manual_seed(seed)
         self.attention = make_attention_backend(attention_backend, self.device, config)
         # Build on the meta device (no memory, no random init), then allocate for real and load.
@@ -107,19 +117,19 @@ class ModelRunner:
     def block_size_bytes(self, block_size: int) -> int:
         """Bytes of K and V for one block across all layers."""
         cfg = self.config
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_cache_dtype.itemsize
         return block_size * per_token
 
     # ---- KV cache ----------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Per layer, K and V of shape (num_blocks, block_size, n_kv, head_dim), zeroed."""
+        """Per layer, K and V of shape (num_blocks, block_size, n_kv, head_dim) in kv_cache_dtype, zeroed."""
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = []  # free the old cache first
         self.decode_graphs = self.short_decode_graphs = None  # captured graphs use the old cache
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
         self.block_size = block_size
@@ -134,9 +144,10 @@ class ModelRunner:
         if self.device.type == "cuda":        # pinned + non-blocking: no wait for the stream
             s, d = s.pin_memory(), d.pin_memory()
         s, d = s.to(self.device, non_blocking=True), d.to(self.device, non_blocking=True)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.index_copy_(0, d, k_cache.index_select(0, s))
-            v_cache.index_copy_(0, d, v_cache.index_select(0, s))
+        for cache in (c for kv in self.kv_caches for c in kv):
+            if cache.dtype.itemsize == 1:     # fp8: copy the bytes (index_copy_ has no fp8 CPU kernel)
+                cache = cache.view(torch.uint8)
+            cache.index_copy_(0, d, cache.index_select(0, s))
 
     def profile_num_blocks(self, block_size: int, gpu_memory_utilization: float,
                            max_num_batched_tokens: int = PROFILE_TOKENS) -> int:

@@ -144,6 +144,9 @@ class WorkerConfig(ServiceConfig):
                                  choices=("auto", "torch", "triton"))
     quantization: str = opt("", "Engine: weight quantization ('' none, fp8: e4m3 weights, per-channel scales).",
                             choices=("", "fp8"))
+    kv_cache_dtype: str = opt("auto", "Engine: KV-cache storage (auto: the model's dtype; fp8: e4m3, "
+                                      "scale 1.0, twice the blocks for the same memory).",
+                              choices=("auto", "fp8"))
     async_scheduling: bool = opt(False, "Engine: prepare step N+1 on the CPU while the GPU runs step N.")
     tensor_parallel_size: int = opt(1, "Engine: GPUs one worker shards the model over (one rank per GPU).")
     enable_expert_parallel: bool = opt(False, "Engine: MoE experts placed whole on ranks (all-to-all) "

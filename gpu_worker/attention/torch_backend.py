@@ -8,6 +8,9 @@ gather its whole context from its block table and attend causally, in fp32.
                                                ^ query j sits at ctx - query_len + j and sees
                                                  keys 0 .. ctx - query_len + j
 
+An fp8 cache (float8_e4m3fn) holds value / scale (k_scale, v_scale: one per tensor), saturated
+to the format's range; reads multiply the scale back in, and the maths stays in fp32.
+
 Correctness over speed: a Python loop over sequences, works on CPU and GPU.
 """
 from __future__ import annotations
@@ -21,15 +24,18 @@ from gpu_worker.forward_batch import ForwardBatch
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, sliding_window: int | None = None):
+    def __init__(self, sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0):
         # Mistral-style window: query at position p sees keys p - window + 1 .. p.
         self.sliding_window = sliding_window
+        # fp8 KV caches: stored = value / scale, per tensor; ignored for other cache dtypes.
+        self.k_scale, self.v_scale = k_scale, v_scale
 
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
-        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping, self.k_scale, self.v_scale)
+        k_scale, v_scale = (self.k_scale, self.v_scale) if is_fp8(k_cache.dtype) else (1.0, 1.0)
 
         out = torch.zeros_like(q)                                        # (T, nh, D)
         starts = batch.query_start_loc.tolist()
@@ -42,8 +48,8 @@ class TorchAttentionBackend(AttentionBackend):
             blocks = batch.block_tables[i, :n_blocks].to(torch.long)
             keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]    # (ctx, nkv, D)
             vals = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]    # (ctx, nkv, D)
-            keys = keys.float().repeat_interleave(group, dim=1)                 # (ctx, nh, D)
-            vals = vals.float().repeat_interleave(group, dim=1)                 # (ctx, nh, D)
+            keys = (keys.float() * k_scale).repeat_interleave(group, dim=1)     # (ctx, nh, D)
+            vals = (vals.float() * v_scale).repeat_interleave(group, dim=1)     # (ctx, nh, D)
             scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), keys) * scale  # (nh, ql, ctx)
             scores.masked_fill_(~self._mask(qe - qs, ctx, q.device), float("-inf"))
             probs = torch.softmax(scores, dim=-1)
@@ -60,13 +66,22 @@ class TorchAttentionBackend(AttentionBackend):
         return allowed
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter (T, nkv, D) rows into the caches; slots < 0 (padding rows) are skipped."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter (T, nkv, D) rows into the caches; slots < 0 (padding rows) are skipped. An fp8
+    cache stores value / scale, saturated to its range (the scales are unused otherwise)."""
     slots = slot_mapping.to(torch.long)
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    for rows, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat = cache.view(-1, cache.shape[2], cache.shape[3])                    # (slots, nkv, D)
+        if is_fp8(cache.dtype):
+            fmax = torch.finfo(cache.dtype).max
+            rows = (rows.float() / scale).clamp(-fmax, fmax).to(cache.dtype)
+            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)         # no fp8 index_copy_ on CPU
+        flat.index_copy_(0, slots, rows.to(flat.dtype))

@@ -28,17 +28,20 @@ if TYPE_CHECKING:
 def create_model_runner(config: ModelConfig, model_dir: str, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, attention_backend: str = "torch", seed: int = 0,
                         tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                        quantization: str | None = None):
+                        quantization: str | None = None, kv_cache_dtype: torch.dtype | None = None):
     """A ModelRunner for tensor_parallel_size 1, else a TPModelRunner driving that many ranks
     (rank 0 in this process, one child process per further rank; call its close() at shutdown).
     enable_expert_parallel: MoE experts placed whole on ranks instead of each one split.
-    quantization ("fp8") is single-rank only for now."""
+    quantization ("fp8") and an fp8 kv_cache_dtype are single-rank only for now."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
     if tensor_parallel_size == 1:
         from gpu_worker.model_runner import ModelRunner
         return ModelRunner(config, model_dir, device=device, dtype=dtype,
-                           attention_backend=attention_backend, seed=seed, quantization=quantization)
+                           attention_backend=attention_backend, seed=seed, quantization=quantization,
+                           kv_cache_dtype=kv_cache_dtype)
+    if kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype} is not supported with tensor_parallel_size > 1 yet")
     if quantization is not None:
         raise ValueError(f"quantization={quantization!r} is not supported with tensor_parallel_size > 1 yet")
     from gpu_worker.parallel.tp_worker import TPModelRunner

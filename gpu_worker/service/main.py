@@ -53,7 +53,8 @@ def build_engine(cfg: WorkerConfig) -> Any:
         enable_prefix_caching=cfg.enable_prefix_caching, num_gpu_blocks=cfg.num_gpu_blocks or None,
         dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
         gpu_memory_utilization=cfg.gpu_memory_utilization, attention_backend=cfg.attention_backend,
-        quantization=cfg.quantization or None, async_scheduling=cfg.async_scheduling,
+        quantization=cfg.quantization or None, kv_cache_dtype=cfg.kv_cache_dtype,
+        async_scheduling=cfg.async_scheduling,
         tensor_parallel_size=cfg.tensor_parallel_size, enable_expert_parallel=cfg.enable_expert_parallel))
 
 
