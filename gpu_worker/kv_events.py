@@ -25,6 +25,7 @@ from services.protocol.kv_events import (
     KV_EVENTS_VERSION, AllCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, Snapshot,
     SnapshotBlock, SnapshotRequest,
 )
+from services.config import reachable_host
 from services.transport import Publisher, Replier
 
 log = logging.getLogger("kvmesh.worker.kv_events")
@@ -51,7 +52,7 @@ class KVEventPublisher:
         self._pub: Publisher[KVEventBatch] = Publisher(host, events_port, hwm=_SNDHWM)
         self._replier: Replier[SnapshotRequest, Snapshot] = Replier(SnapshotRequest, host, snapshot_port,
                                                                     name="snapshot requests")
-        reach = advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
+        reach = reachable_host(host, advertise_host)
         self.events_addr = f"tcp://{reach}:{self._pub.port}"
         self.snapshot_addr = f"tcp://{reach}:{self._replier.port}"
         self.published = 0

@@ -27,6 +27,17 @@ ENV_PREFIX = "KVMESH_"
 EXTERNAL_ENV = frozenset({"KVMESH_CACHE_DIR", "KVMESH_TEST_MODEL", "KVMESH_HOME"})
 
 
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def reachable_host(host: str, advertise_host: str = "") -> str:
+    """The address peers should dial: the advertised one, else the bound one, with a wildcard
+    bind (all interfaces) mapped to loopback."""
+    if advertise_host:
+        return advertise_host
+    return "127.0.0.1" if host in _WILDCARDS else host
+
+
 class ConfigError(ValueError):
     """A flag or KVMESH_* variable is unknown or has a bad value; the message names it."""
 
@@ -54,9 +65,7 @@ class ServiceConfig:
     heartbeat_ms: int = opt(500, "Heartbeat period in ms (renews the lease, publishes load).")
 
     def reachable_host(self) -> str:
-        if self.advertise_host:
-            return self.advertise_host
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return reachable_host(self.host, self.advertise_host)
 
     def __post_init__(self) -> None:
         if self.lease_ms < 3 * self.heartbeat_ms:

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.config import ServeConfig, load_or_exit
+from services.config import ServeConfig, load_or_exit, reachable_host
 from services.embedded_redis import EmbeddedRedis
 from services.logging import setup as setup_logging
 
@@ -176,7 +176,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stack = Stack(cfg)
-    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    host = reachable_host(cfg.host)
     url = f"http://{host}:{cfg.port}"
     code = 1
     try:
