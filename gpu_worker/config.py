@@ -36,7 +36,9 @@ class EngineConfig:
     num_gpu_blocks: int | None = None
     """KV-cache blocks to allocate; default: profiled from free GPU memory, or a CPU budget."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory the engine may use (weights + activations + KV cache)."""
+    """This engine's share of the GPU's total memory (weights + activations + KV cache), vLLM's
+    meaning: memory other processes or engines already hold is not charged, so two engines at
+    0.45 share one GPU; asking for more than is free is an error."""
     dtype: str = "auto"
     """Weights/activations dtype: auto (the model's dtype on GPU, fp32 on CPU; fp32 models run
     in bf16 on GPU), float32, float16, bfloat16."""

@@ -136,7 +136,8 @@ class Engine:
         self._forget_if_done(request)
 
     def close(self) -> None:
-        """Releases what outlives the engine object: tensor-parallel rank processes."""
+        """Releases what outlives the engine object: tensor-parallel rank processes and the
+        device memory of the weights and KV cache (so a later engine in this process gets it)."""
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

@@ -11,6 +11,7 @@ replay just the middle one on static buffers:
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import torch
 
@@ -25,6 +26,8 @@ from gpu_worker.models.layers.fused import load_fused_kernels
 CPU_KV_BUDGET_BYTES = 2 * 1024**3
 # Tokens of the dummy forward that measures peak activation memory in profile_num_blocks.
 PROFILE_TOKENS = 4096
+# Left free on the device when the KV cache is sized (allocator rounding, NCCL, graph pools).
+KV_FREE_MARGIN_BYTES = 256 * 1024**2
 # A second set of decode graphs serves batches of at most SHORT_GRAPH_MAX_BS sequences whose
 # contexts fit SHORT_CONTEXT tokens: their decode attention kernel runs unsplit.
 SHORT_CONTEXT = 512
@@ -37,6 +40,42 @@ LOGITS_GRAPH_MAX_BS = 32
 # uses when the checkpoint carries no calibrated k_scale/v_scale: e4m3 covers +-448, far beyond
 # the K/V values of normalized models, so nothing saturates; only the mantissa is rounded.
 KV_SCALE = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _DeviceMemory:
+    total: int = 0
+    used: int = 0         # by everything on the device: every process, torch or not
+    reserved: int = 0     # by this process's torch caching allocator
+    allocated: int = 0    # by this process's live tensors
+
+
+def _device_memory(device: torch.device) -> _DeviceMemory:
+    if device.type != "cuda":
+        return _DeviceMemory()
+    free, total = torch.cuda.mem_get_info(device)
+    return _DeviceMemory(total, total - free, torch.cuda.memory_reserved(device),
+                         torch.cuda.memory_allocated(device))
+
+
+def kv_cache_budget(base: _DeviceMemory, now: _DeviceMemory, peak_allocated: int,
+                    gpu_memory_utilization: float) -> int:
+    """Bytes for the KV cache: `gpu_memory_utilization` x total, less what this runner used since
+    `base` (torch: peak_allocated - base.allocated, weights and the profiling forward's transient
+    peak; non-torch growth: CUDA context, cuBLAS workspaces). Memory held before `base` (other
+    processes, other engines in this process) is not charged, but the budget may not exceed what
+    is free now (less KV_FREE_MARGIN_BYTES): a too large request raises, naming the setting."""
+    own_torch = peak_allocated - base.allocated
+    non_torch = max(0, (now.used - now.reserved) - (base.used - base.reserved))
+    budget = int(now.total * gpu_memory_utilization) - own_torch - non_torch
+    free = now.total - now.used - KV_FREE_MARGIN_BYTES
+    if budget > free:
+        gib = 2 ** 30
+        raise RuntimeError(
+            f"gpu_memory_utilization={gpu_memory_utilization} asks for a {budget / gib:.1f} GiB KV cache "
+            f"but only {max(free, 0) / gib:.1f} GiB of the device is free (other processes or engines hold "
+            "the rest); lower gpu_memory_utilization")
+    return budget
 
 
 def make_attention_backend(name: str, device: torch.device, cfg: ModelConfig) -> AttentionBackend:
@@ -68,6 +107,9 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())  # tensor.device == it
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype
+        # What the device held before this runner allocated anything (other engines in this
+        # process, other processes): profile_num_blocks budgets only this runner's own usage.
+        self._baseline = _device_memory(self.device)
         torch.manual_seed(seed)
         self.attention = make_attention_backend(attention_backend, self.device, config)
         # Build on the meta device (no memory, no random init), then allocate for real and load.
@@ -134,6 +176,16 @@ class ModelRunner:
         ]
         self.block_size = block_size
 
+    def close(self) -> None:
+        """Free the device memory this runner holds (KV cache, graphs, weights); it cannot run
+        again. Another engine made in the same process afterwards gets the memory back."""
+        self.kv_caches = []
+        self.decode_graphs = self.short_decode_graphs = None
+        self.model = None
+        gc.collect()                    # graphs and modules can sit in reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write for forked samples)."""
         if not src:
@@ -151,28 +203,29 @@ class ModelRunner:
 
     def profile_num_blocks(self, block_size: int, gpu_memory_utilization: float,
                            max_num_batched_tokens: int = PROFILE_TOKENS) -> int:
-        """How many KV blocks fit. CUDA: run a dummy forward of `max_num_batched_tokens` tokens,
-        then give the KV cache what is left of `gpu_memory_utilization` x total memory. CPU: there
-        is nothing to profile; returns the blocks of a CPU_KV_BUDGET_BYTES cache (callers on CPU
-        should pass num_gpu_blocks instead)."""
+        """How many KV blocks fit. `gpu_memory_utilization` is vLLM's: the fraction of the device's
+        total memory THIS runner may use for weights, activations and KV cache, so two workers at
+        0.45 share one GPU. CUDA: run a dummy forward of `max_num_batched_tokens` tokens, count
+        what this runner allocated since it was made (weights) plus the forward's transient peak
+        and the non-torch memory that appeared meanwhile (CUDA context, cuBLAS workspaces), and
+        give the KV cache the rest of the budget, no more than is free. CPU: there is nothing to
+        profile; returns the blocks of a CPU_KV_BUDGET_BYTES cache (callers on CPU should pass
+        num_gpu_blocks instead)."""
         per_block = self.block_size_bytes(block_size)
         if self.device.type != "cuda":
             return max(1, CPU_KV_BUDGET_BYTES // per_block)
+        torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._dummy_forward(max_num_batched_tokens, block_size)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        # Memory other processes (and non-torch allocations) hold counts against us too.
-        other = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * gpu_memory_utilization) - peak - max(other, 0)
         torch.cuda.empty_cache()
+        budget = kv_cache_budget(self._baseline, _device_memory(self.device), peak, gpu_memory_utilization)
         if budget < per_block:
-            raise RuntimeError(
-                f"no GPU memory left for the KV cache: weights and activations need {peak / 2**30:.1f} "
-                f"GiB of the {total * gpu_memory_utilization / 2**30:.1f} GiB allowed; raise "
-                "gpu_memory_utilization or lower max_num_batched_tokens")
+            raise RuntimeError("no GPU memory left for the KV cache: this worker's weights and activations "
+                               "need all the memory that gpu_memory_utilization allows; raise "
+                               "gpu_memory_utilization or lower max_num_batched_tokens")
         return budget // per_block
 
     def _dummy_forward(self, num_tokens: int, block_size: int) -> None:

@@ -148,7 +148,7 @@ class WorkerConfig(ServiceConfig):
     dtype: str = opt("auto", "Engine: auto, float32, float16, bfloat16.")
     seed: int = opt(0, "Engine seed.")
     enable_prefix_caching: bool = opt(True, "Engine: reuse KV blocks of shared prompt prefixes.")
-    gpu_memory_utilization: float = opt(0.9, "Engine: fraction of GPU memory for weights, activations and KV.")
+    gpu_memory_utilization: float = opt(0.9, "Engine: this worker's share of the GPU's total memory for weights, activations and KV (two workers at 0.45 share one GPU).")
     attention_backend: str = opt("auto", "Engine: attention kernels (auto: triton on CUDA, torch on CPU).",
                                  choices=("auto", "torch", "triton"))
     quantization: str = opt("", "Engine: weight quantization ('' none, fp8: e4m3 weights, per-channel scales).",

@@ -182,6 +182,8 @@ class TPModelRunner:
                 p.wait()
         shutdown_parallel()
         atexit.unregister(self.close)
+        if getattr(self, "rank0", None) is not None:   # None when rank 0 failed to build
+            self.rank0.close()
 
     # ---- internals ----------------------------------------------------------------------
     def _send(self, header: torch.Tensor, payload: torch.Tensor | None = None) -> None:

@@ -1,0 +1,42 @@
+"""KV cache sizing arithmetic (ModelRunner.profile_num_blocks): gpu_memory_utilization is this
+runner's share of the device, whatever else the device or the process holds."""
+import pytest
+
+from gpu_worker.model_runner import KV_FREE_MARGIN_BYTES, _DeviceMemory, kv_cache_budget
+
+GIB = 2**30
+TOTAL = 140 * GIB
+
+
+def test_budget_is_share_minus_own_weights_and_peak():
+    base = _DeviceMemory(TOTAL, used=1 * GIB, reserved=0, allocated=0)
+    # 16 GiB of weights + 2 GiB of activations at the peak; 0.5 GiB of cuBLAS workspace appeared
+    now = _DeviceMemory(TOTAL, used=1 * GIB + 16 * GIB + GIB // 2, reserved=16 * GIB, allocated=16 * GIB)
+    budget = kv_cache_budget(base, now, peak_allocated=18 * GIB, gpu_memory_utilization=0.9)
+    assert budget == int(TOTAL * 0.9) - 18 * GIB - GIB // 2
+
+
+def test_memory_held_before_the_runner_is_not_charged():
+    # Another engine in this process holds 70 GiB (the case that broke bench/fp8_kv_check.py):
+    # the new runner still gets its own 0.4 share.
+    held = 70 * GIB
+    base = _DeviceMemory(TOTAL, used=held + GIB, reserved=held, allocated=held)
+    now = _DeviceMemory(TOTAL, used=held + GIB + 3 * GIB, reserved=held + 3 * GIB, allocated=held + 3 * GIB)
+    budget = kv_cache_budget(base, now, peak_allocated=held + 4 * GIB, gpu_memory_utilization=0.4)
+    assert budget == int(TOTAL * 0.4) - 4 * GIB
+
+
+def test_two_workers_share_one_device():
+    # Worker A (another process) took 0.45 of the device; worker B at 0.45 fits beside it.
+    a = int(TOTAL * 0.45)
+    base = _DeviceMemory(TOTAL, used=a + GIB, reserved=0, allocated=0)
+    now = _DeviceMemory(TOTAL, used=a + GIB + 17 * GIB, reserved=17 * GIB, allocated=16 * GIB)
+    budget = kv_cache_budget(base, now, peak_allocated=17 * GIB, gpu_memory_utilization=0.45)
+    assert 0 < budget <= now.total - now.used - KV_FREE_MARGIN_BYTES
+
+
+def test_asking_for_more_than_is_free_names_the_setting():
+    base = _DeviceMemory(TOTAL, used=100 * GIB, reserved=0, allocated=0)
+    now = _DeviceMemory(TOTAL, used=116 * GIB, reserved=16 * GIB, allocated=16 * GIB)
+    with pytest.raises(RuntimeError, match="gpu_memory_utilization=0.9"):
+        kv_cache_budget(base, now, peak_allocated=16 * GIB, gpu_memory_utilization=0.9)
