@@ -481,6 +481,22 @@ def part_sharegpt_async(b: Bench, seconds: float) -> None:
         b.eng.step()
 
 
+def part_sharegpt_wide(b: Bench, seconds: float, max_num_seqs: int) -> None:
+    """ShareGPT async with more concurrent sequences than the engine was made with (vLLM's
+    offline LLM defaults to 1024 on 80+ GB GPUs): the scheduler's cap is a plain attribute; decode
+    batches past cuda_graph_max_bs run eagerly."""
+    sched = b.eng.scheduler
+    saved = sched.max_num_seqs, sched.admit_group
+    sched.max_num_seqs, sched.admit_group = max_num_seqs, max(1, max_num_seqs // 8)
+    try:
+        b.eng.async_scheduling = True
+        part_sharegpt(b, seconds, f" async max_num_seqs={max_num_seqs}")
+    finally:
+        b.eng.async_scheduling = ASYNC_DEFAULT
+        b.eng.step()
+        sched.max_num_seqs, sched.admit_group = saved
+
+
 # ---------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -490,6 +506,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks this script only")
     ap.add_argument("--sharegpt-temperature", type=float, default=1.0)
+    ap.add_argument("--sharegpt-seqs", default="", help="comma list of max_num_seqs values for extra "
+                    "ShareGPT async runs (e.g. 512,1024; the engine itself is made with 256)")
     ap.add_argument("--fp8-reserve", type=float, default=50, help="seconds kept for the fp8 engine")
     ap.add_argument("--fp8", default="", help="comma list: fp8ops (layer microbench, first), and parts run "
                     "afterwards on a second engine with quantization='fp8': parity,decode1,async,prefill,decodeB")
@@ -524,7 +542,9 @@ def main() -> None:
     run_parts(b, parts, {name for name, _, _ in parts} - skip, end)
     fp8_parts = set(filter(None, args.fp8.split(","))) - {"fp8ops"}
     fp8_reserve = args.fp8_reserve if fp8_parts else 0      # the fp8 engine's load + parts
-    for name, fn in (("sharegpt", part_sharegpt), ("sharegpt_async", part_sharegpt_async)):
+    wide = [(f"sharegpt_{n}", lambda b_, sec, n=n: part_sharegpt_wide(b_, sec, n))
+            for n in map(int, filter(None, args.sharegpt_seqs.split(",")))]
+    for name, fn in (("sharegpt", part_sharegpt), ("sharegpt_async", part_sharegpt_async), *wide):
         if name not in skip and end - time.time() - fp8_reserve > 30:
             try:
                 fn(b, end - time.time() - fp8_reserve - 15)

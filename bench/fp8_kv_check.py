@@ -1,7 +1,7 @@
 """GPU check of the FP8 KV cache option: engine with kv_cache_dtype="fp8" against "auto" on the
-same random model (greedy tokens, first-step logprob error, KV blocks, batch-1 decode speed).
+same random model (greedy tokens, KV blocks, batch-1 decode speed at short and long context).
 
-    python3 bench/fp8_kv_check.py [--size 1b]
+    python3 bench/fp8_kv_check.py [--size 8b] [--model-dir DIR] [--long-context 32768]
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import argparse
 import random
 import sys
 import time
+from pathlib import Path
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
@@ -16,9 +17,20 @@ from gpu_worker.make_model import make_model
 from services.protocol.sampling import SamplingParams
 
 
-def run(model: str, kv: str) -> dict:
+def decode_tok_s(eng: Engine, prompt: list[int], steps: int) -> float:
+    """Batch-1 decode tokens/s after `prompt` (its prefill and first step untimed)."""
+    eng.add_request("speed", prompt, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    eng.step()
+    t = time.time()
+    n = 0
+    while eng.has_unfinished_requests():
+        n += sum(len(d.new_token_ids) for d in eng.step())
+    return n / (time.time() - t)
+
+
+def run(model: str, kv: str, long_ctx: int) -> dict:
     eng = Engine(EngineConfig(model=model, dtype="bfloat16", kv_cache_dtype=kv, max_num_seqs=8,
-                              gpu_memory_utilization=0.5, max_model_len=2048))
+                              gpu_memory_utilization=0.45, max_model_len=max(long_ctx, 1024) + 512))
     rng = random.Random(0)
     prompts = [[rng.randrange(10, eng.vocab_size) for _ in range(n)] for n in (17, 200, 1000)]
     out: dict = {"blocks": eng.stats().num_free_blocks}
@@ -29,32 +41,33 @@ def run(model: str, kv: str) -> dict:
         for d in eng.step():
             toks.setdefault(d.request_id, []).extend(d.new_token_ids)
     out["tokens"] = toks
-    eng.add_request("speed", prompts[0], SamplingParams(temperature=0, max_tokens=257, ignore_eos=True))
-    eng.step()
-    t = time.time()
-    n = 0
-    while eng.has_unfinished_requests():
-        n += sum(len(d.new_token_ids) for d in eng.step())
-    out["tok_s"] = n / (time.time() - t)
+    out["tok_s"] = decode_tok_s(eng, prompts[1][:128], 256)
+    out["tok_s_long"] = decode_tok_s(eng, [rng.randrange(10, eng.vocab_size) for _ in range(long_ctx)], 128)
     eng.close()
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="1b")
+    ap.add_argument("--size", default="8b")
+    ap.add_argument("--model-dir", default="", help="default /tmp/kvmesh-llama-SIZE (made once)")
+    ap.add_argument("--long-context", type=int, default=32768)
     args = ap.parse_args()
-    model = str(make_model(f"/tmp/kvmesh-llama-{args.size}", "llama", args.size, seed=0))
+    model_dir = Path(args.model_dir or f"/tmp/kvmesh-llama-{args.size}")
+    model = str(model_dir if (model_dir / "config.json").exists()
+                else make_model(model_dir, "llama", args.size, seed=0))
     import torch
     if torch.cuda.is_available():
         torch.cuda.empty_cache()   # make_model's cached blocks would count as used by the KV profile
-    ref, fp8 = run(model, "auto"), run(model, "fp8")
+    ref, fp8 = run(model, "auto", args.long_context), run(model, "fp8", args.long_context)
     for rid in sorted(ref["tokens"]):
         a, b = ref["tokens"][rid], fp8["tokens"][rid]
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         print(f"prompt {rid}: greedy tokens identical for {same}/{len(a)} steps")
     print(f"KV blocks: auto {ref['blocks']}, fp8 {fp8['blocks']} ({fp8['blocks'] / ref['blocks']:.2f}x)")
-    print(f"batch-1 decode tok/s: auto {ref['tok_s']:.1f}, fp8 {fp8['tok_s']:.1f}")
+    for key, what in (("tok_s", "128"), ("tok_s_long", str(args.long_context))):
+        print(f"batch-1 decode tok/s at {what} context: auto {ref[key]:.1f}, fp8 {fp8[key]:.1f} "
+              f"({fp8[key] / ref[key] - 1:+.1%})")
     return 0
 
 
