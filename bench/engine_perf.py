@@ -354,8 +354,12 @@ def part_sharegpt(b: Bench, seconds: float, label: str = "") -> None:
     reqs = [(lognormal(200, 1.0, 4, 2048), lognormal(180, 1.0, 4, 1024)) for _ in range(S(1000))]
     for p, o in reqs:
         b.add(b.prompt(p), o, temperature=SHAREGPT_TEMPERATURE)
+    steps = StepKinds(b.eng)
     t, deadline = time.perf_counter(), time.time() + seconds
-    n_out = b.drain(deadline=deadline)
+    try:
+        n_out = b.drain(deadline=deadline)
+    finally:
+        steps.restore()
     dt = time.perf_counter() - t
     in_tok = sum(p for p, _ in reqs)
     done = time.time() <= deadline           # drain aborts what is left at the deadline
@@ -363,6 +367,44 @@ def part_sharegpt(b: Bench, seconds: float, label: str = "") -> None:
     row("sharegpt 1000 reqs" + label + ("" if done else " (time-boxed)"),
         f"{total:.0f} total tok/s" if done else f"{n_out / dt:.0f} out tok/s",
         f"{n_out / dt:.0f} out tok/s, {dt:.1f} s, in {in_tok} / out {n_out} tokens, temperature {SHAREGPT_TEMPERATURE}")
+    row("sharegpt steps" + label, steps.summary(dt), "step kinds: count, wall share, mean rows/tokens")
+
+
+class StepKinds:
+    """Where a run's wall time goes by step kind: each engine.step is charged to the kind of the
+    forward it launched (pure decode, or mixed/prefill), with its rows and tokens."""
+
+    def __init__(self, eng):
+        self.eng, self.kinds = eng, {}
+        self._kind = None
+        forward = eng.runner.forward
+
+        def tagging_forward(batch):
+            self._kind = ("decode" if batch.is_pure_decode else "mixed", batch.num_seqs, batch.num_tokens)
+            return forward(batch)
+
+        def timed_step():
+            self._kind = None
+            t0 = time.perf_counter()
+            out = step()
+            kind, seqs, toks = self._kind or ("idle", 0, 0)
+            k = self.kinds.setdefault(kind, [0, 0.0, 0, 0])
+            k[0] += 1
+            k[1] += time.perf_counter() - t0
+            k[2] += seqs
+            k[3] += toks
+            return out
+
+        step = eng.step
+        eng.runner.forward, eng.step = tagging_forward, timed_step
+
+    def restore(self) -> None:
+        del self.eng.runner.forward, self.eng.step      # back to the class's methods
+
+    def summary(self, wall: float) -> str:
+        return "; ".join(f"{kind} {n} steps {100 * t / wall:.0f}% {1e3 * t / max(n, 1):.1f} ms/step "
+                         f"{rows / max(n, 1):.0f} rows {toks / max(n, 1):.0f} tok"
+                         for kind, (n, t, rows, toks) in sorted(self.kinds.items()))
 
 
 def part_fp8ops(_b=None) -> None:
