@@ -9,6 +9,7 @@ Children get SIGTERM if this process dies (PR_SET_PDEATHSIG on Linux).
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from services.config import ServeConfig, load_or_exit, reachable_host
 from services.embedded_redis import EmbeddedRedis
+from services.registry import Registry
 from services.logging import setup as setup_logging
 
 log = logging.getLogger("kvmesh.serve")
@@ -77,6 +79,7 @@ class Stack:
         self.cfg = cfg
         self.children: list[Child] = []
         self.redis: EmbeddedRedis | None = None
+        self.redis_url = ""
 
     def spawn(self, name: str, service: str, args: list[str], optional: bool = False) -> None:
         cmd = [sys.executable, "-m", "services.cli", service, *args]
@@ -91,6 +94,7 @@ class Stack:
         else:
             self.redis = EmbeddedRedis().start()
             redis_url = self.redis.url
+        self.redis_url = redis_url
         common = ["--redis-url", redis_url, "--log-level", cfg.log_level, "--lease-ms", str(cfg.lease_ms),
                   "--heartbeat-ms", str(cfg.heartbeat_ms)]
         internal = ["--host", "127.0.0.1", "--port", "0", "--zmq-port", "0"]
@@ -138,7 +142,8 @@ class Stack:
                 return False
             try:
                 with urllib.request.urlopen(url + "/ready", timeout=2) as r:
-                    if r.status == 200:
+                    # /ready needs one worker; the stack is ready when all of them are registered
+                    if r.status == 200 and self.workers_registered() >= self.cfg.workers:
                         return True
             except OSError:
                 pass
@@ -146,6 +151,20 @@ class Stack:
         if not stop:
             log.error("the stack was not ready within %.0f s", timeout_s)
         return False
+
+    def workers_registered(self) -> int:
+        """Workers holding a live lease in Redis now."""
+        async def count() -> int:
+            registry = Registry(self.redis_url)
+            try:
+                return len(await registry.list("worker"))
+            finally:
+                await registry.close()
+        try:
+            return asyncio.run(count())
+        except Exception as exc:   # Redis busy or restarting: not ready yet
+            log.debug("could not count workers: %s", exc)
+            return 0
 
     def stop(self) -> None:
         order = sorted(self.children, key=lambda c: 0 if c.name == "gateway" else 1 if c.name.startswith("worker") else 2)

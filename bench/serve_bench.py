@@ -1,0 +1,731 @@
+"""Serving benchmark of the whole stack: `kvmesh serve` driven by `kvmesh bench serve` (issues #4, #6).
+
+One device call (H200, at most ~540 s) measures, on a random-weight Llama-3.1-8B
+(`kvmesh make-model --arch llama --size 8b`, bf16, made once into --model-dir and reused):
+
+  single   one worker on the GPU (`kvmesh serve --device cuda`), vLLM's serving configurations:
+             c1   concurrency 1, 512 in / 128 out (ignore_eos): median TTFT, median TPOT
+                  (targets <= 20 ms / <= 4.3 ms; vLLM 23.4 ms / 4.80 ms)
+             c64  concurrency 64, 1024 in / 128 out: total tok/s, mean TTFT, TPOT, p99 ITL
+                  (targets >= 35k tok/s, p99 ITL <= 50 ms; vLLM 30.6k tok/s, p99 ITL 189 ms)
+           after an unmeasured warm-up run on other random prompts (64 x 1024 in / 16 out).
+  routing  two workers sharing the one GPU (`kvmesh serve --workers 2 --device cuda`, each with
+           KVMESH_GPU_MEMORY_UTILIZATION=--routing-gpu-mem) plus the prefix-cache index, the same
+           generated-shared-prefix workload (32 groups x 8 questions, 2048-token system prompt,
+           128-token question, 128 out, Poisson 8 req/s, at most 64 in flight) once per
+           --routing-modes (cache_aware, round_robin: KVMESH_ROUTING for the scheduler), each on a
+           fresh stack: TTFT mean/median/p99, req/s, total tok/s, prefix-cache hit rate (the
+           usage's cached_tokens / prompt tokens) and how the requests and hits split per worker
+           (the workers' engine counters in the Redis registry).
+
+Every stack gets its own embedded Redis (so this script can read the registry), waits until all
+workers (and the prefix-cache index) are registered, and is stopped between parts: SIGTERM to
+`kvmesh serve` (it stops its services), SIGKILL to whatever of its process group is left, also
+on errors and on SIGTERM/Ctrl-C to this script. Prompts are text built with the model's tokenizer
+(`--tokenizer`: exact lengths; the tokenizer adds BOS, so 512 in is 513 prompt tokens).
+
+Usage (repository root; services run as `python3 -m services.cli ...`, no `kvmesh` script needed):
+
+    python3 bench/serve_bench.py                          # both sections, --time-budget 520
+    python3 bench/serve_bench.py --sections single        # or routing; split across device calls
+    python3 bench/serve_bench.py --sections routing --routing-modes round_robin
+    KVMESH_ASYNC_SCHEDULING=1 python3 bench/serve_bench.py --sections single   # KVMESH_* pass through
+    python3 bench/serve_bench.py --env KVMESH_MAX_NUM_BATCHED_TOKENS=4096      # same, per flag
+    python3 bench/serve_bench.py --smoke                  # CPU, tiny model, tiny lengths: checks this script
+
+Outputs: progress lines with timestamps on stdout, a table last; $OUT/serve_bench.json (OUT
+defaults to ./out), rewritten after every part so a timeout keeps what ran; every stack's and
+client's output in one file, $OUT/serve_bench.log. Nothing else is written to $OUT.
+--time-budget (seconds from start) makes later parts skip rather than overrun the call.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # run from anywhere in the repo
+
+T0 = time.time()
+RESULTS: dict = {"sections": {}, "errors": {}, "skipped": {}, "env": {}}
+DEADLINE = float("inf")
+OUT = Path(".")
+LOG: "CombinedLog | None" = None
+STARTS: dict[int, float] = {}   # workers -> measured seconds to start a stack (for the budget checks)
+
+# (model config.json fields that identify a size) for the model-dir reuse check
+MODEL_SHAPES = {"8b": {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 128256},
+                "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "vocab_size": 128256},
+                "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 1024}}
+SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+                "request_throughput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
+                "max_concurrent_requests", "cached_token_ratio", "failure_reasons",
+                "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+                "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
+                "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
+                "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms")
+TARGETS = {  # (key, comparison, target, vLLM's number) per single-GPU run
+    "c1": [("median_ttft_ms", "<=", 20.0, 23.4), ("median_tpot_ms", "<=", 4.3, 4.80)],
+    "c64": [("total_token_throughput", ">=", 35000.0, 30600.0), ("p99_itl_ms", "<=", 50.0, 189.0)],
+}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Every size of the run; --smoke swaps in the CPU one."""
+
+    model_size: str = "8b"
+    device: str = "cuda"
+    num_gpu_blocks: int = 0             # 0: the engine profiles the GPU
+    c1_in: int = 512
+    c1_out: int = 128
+    c1_prompts: int = 48                # ~0.6 s each at the target TPOT: ~30 s
+    c64_in: int = 1024
+    c64_out: int = 128
+    c64_prompts: int = 640              # 10 waves of 64: ~21 s at 35k tok/s, ~37 s at 20k
+    c64_conc: int = 64
+    warm_in: int = 1024
+    warm_out: int = 16
+    warm_prompts: int = 64
+    gsp_groups: int = 32
+    gsp_per_group: int = 8
+    gsp_system: int = 2048
+    gsp_question: int = 128
+    gsp_out: int = 128
+    gsp_rate: str = "8"                 # requests/s (Poisson); 256 requests: ~32 s of arrivals
+    gsp_conc: int = 64
+    routing_warm_prompts: int = 32      # random 256-in / 16-out prompts spread over both workers
+    # seconds, for the time-budget checks (replaced by measured start times once known)
+    est_make_model: float = 150.0
+    est_start_1: float = 150.0
+    est_start_2: float = 200.0
+    est_warmup: float = 20.0
+    est_c1: float = 45.0
+    est_c64: float = 50.0
+    est_routing_run: float = 50.0
+    est_stop: float = 25.0
+    request_timeout: float = 300.0
+
+
+SMOKE_SCALE = Scale(model_size="tiny", device="cpu", num_gpu_blocks=1024,
+                    c1_in=32, c1_out=8, c1_prompts=4, c64_in=64, c64_out=8, c64_prompts=12, c64_conc=4,
+                    warm_in=16, warm_out=4, warm_prompts=2,
+                    gsp_groups=3, gsp_per_group=4, gsp_system=64, gsp_question=8, gsp_out=8, gsp_rate="inf",
+                    gsp_conc=4, routing_warm_prompts=2,
+                    est_make_model=20, est_start_1=12, est_start_2=15, est_warmup=3, est_c1=4, est_c64=5,
+                    est_routing_run=5, est_stop=5, request_timeout=60.0)
+
+
+# ----------------------------------------------------------------------------- small helpers
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def remaining() -> float:
+    return DEADLINE - time.time()
+
+
+def save() -> None:
+    RESULTS["elapsed_s"] = round(time.time() - T0, 1)
+    (OUT / "serve_bench.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def est_start(sc: Scale, workers: int) -> float:
+    """Seconds a stack of `workers` workers will take to start: measured ones once known."""
+    if workers in STARTS:
+        return STARTS[workers] * 1.15 + 5.0
+    if workers == 2 and 1 in STARTS:
+        return STARTS[1] * 1.6 + 10.0
+    return sc.est_start_1 if workers == 1 else sc.est_start_2
+
+
+def record_error(part: str, exc: BaseException) -> None:
+    RESULTS["errors"][part] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]
+    say(f"ERROR in {part}: {type(exc).__name__}: {exc}")
+    save()
+
+
+def skip(part: str, why: str) -> None:
+    RESULTS["skipped"][part] = why
+    say(f"skip {part}: {why}")
+    save()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """Linux: this child gets SIGTERM if the benchmark process dies (no stack left running)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, read from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()   # state ppid pgrp ...
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            pids.append(int(entry))
+    return pids
+
+
+def kill_group(pgid: int, timeout_s: float = 15.0) -> None:
+    """SIGKILL what is left of a process group this script created, then wait until it is gone."""
+    if group_members(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left := group_members(pgid):
+        say(f"warning: processes {left} of group {pgid} still alive after SIGKILL")
+
+
+class CombinedLog:
+    """$OUT/serve_bench.log: every child's output plus headers saying what runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fh = open(path, "ab", buffering=0)
+
+    def header(self, text: str) -> None:
+        self.fh.write(f"\n===== [+{time.time() - T0:.1f}s] {text}\n".encode())
+
+    def write(self, text: str) -> None:
+        self.fh.write(text.encode(errors="replace"))
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(extra)
+    return env
+
+
+# ----------------------------------------------------------------------------- the model
+def _safetensors_complete(path: Path) -> bool:
+    """The file is as long as its header says (a write cut short is not reused)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return size == 8 + n + end
+    except (OSError, ValueError, KeyError, struct.error):
+        return False
+
+
+def model_ready(model_dir: Path, size: str) -> bool:
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if any(cfg.get(k) != v for k, v in MODEL_SHAPES[size].items()):
+        return False
+    if not (model_dir / "tokenizer.json").is_file():
+        return False
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError):
+            return False
+        return all(_safetensors_complete(model_dir / f) for f in files)
+    return _safetensors_complete(model_dir / "model.safetensors")
+
+
+def ensure_model(model_dir: Path, size: str, est_s: float) -> None:
+    if model_ready(model_dir, size):
+        say(f"model: reusing llama-{size} in {model_dir}")
+        RESULTS["env"]["model_made_s"] = 0.0
+        return
+    if remaining() < est_s:
+        raise TimeoutError(f"no time left to make the {size} model ({remaining():.0f} s left, ~{est_s:.0f} s needed)")
+    say(f"model: making a random-weight llama-{size} in {model_dir} (kvmesh make-model)")
+    LOG.header(f"make-model --arch llama --size {size} {model_dir}")
+    t = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", size,
+                             str(model_dir)], cwd=ROOT, env=child_env({}), stdout=LOG.fh, stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=die_with_parent)
+    try:
+        rc = proc.wait(timeout=max(remaining(), 1.0))
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        proc.wait()
+        raise TimeoutError("make-model ran past the time budget")
+    finally:
+        kill_group(proc.pid)
+    if rc != 0 or not model_ready(model_dir, size):
+        raise RuntimeError(f"make-model failed (exit {rc}); see serve_bench.log")
+    RESULTS["env"]["model_made_s"] = round(time.time() - t, 1)
+    say(f"model: made in {time.time() - t:.0f} s")
+
+
+# ----------------------------------------------------------------------------- the stack
+class StackError(RuntimeError):
+    pass
+
+
+class ServeStack:
+    """`python3 -m services.cli serve` in its own process group, with its own embedded Redis."""
+
+    def __init__(self, name: str, model: Path, workers: int, sc: Scale, env: dict[str, str],
+                 log_level: str, extra_flags: list[str], expect_prefix: bool = True) -> None:
+        self.name, self.model, self.workers, self.sc = name, model, workers, sc
+        self.env, self.log_level, self.extra_flags, self.expect_prefix = env, log_level, extra_flags, expect_prefix
+        self.proc: subprocess.Popen | None = None
+        self.redis = None
+        self.url = ""
+
+    def command(self, port: int, ready_timeout: float) -> list[str]:
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(self.model), "--port", str(port),
+               "--workers", str(self.workers), "--device", self.sc.device, "--redis-url", self.redis.url,
+               "--ready-timeout-s", f"{ready_timeout:.0f}", "--log-level", self.log_level]
+        if self.sc.num_gpu_blocks:
+            cmd += ["--num-gpu-blocks", str(self.sc.num_gpu_blocks)]
+        return cmd + self.extra_flags
+
+    def start(self, timeout_s: float) -> float:
+        from services.embedded_redis import EmbeddedRedis
+
+        t = time.time()
+        self.redis = EmbeddedRedis().start()
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = self.command(port, timeout_s)
+        shown = " ".join(cmd[1:]) + "".join(f"  [{k}={v}]" for k, v in sorted(self.env.items()))
+        LOG.header(f"stack {self.name}: {shown}")
+        say(f"stack {self.name}: starting {self.workers} worker(s) on {self.sc.device} ({shown})")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(self.env), stdout=LOG.fh, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=die_with_parent)
+        deadline = time.time() + timeout_s
+        ready = False
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise StackError(f"kvmesh serve exited with code {self.proc.returncode} during start-up "
+                                 f"(see serve_bench.log)")
+            if not ready:
+                ready = self._http_ok("/ready")
+            if ready:
+                workers = self.records("worker")
+                prefix = self.records("prefix-cache") if self.expect_prefix else [None]
+                if len(workers) >= self.workers and prefix:
+                    time.sleep(1.5)     # the scheduler and the prefix index poll the registry
+                    took = time.time() - t
+                    say(f"stack {self.name}: ready in {took:.1f} s ({len(workers)} worker(s)"
+                        f"{', prefix-cache index' if self.expect_prefix else ''})")
+                    return took
+            time.sleep(0.5)
+        raise StackError(f"stack not ready within {timeout_s:.0f} s (gateway ready: {ready})")
+
+    def _http_ok(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def records(self, kind: str) -> list:
+        from services.registry import Registry
+
+        async def go():
+            reg = Registry(self.redis.url)
+            try:
+                return await reg.list(kind)
+            finally:
+                await reg.close()
+        try:
+            return asyncio.run(go())
+        except Exception:
+            return []
+
+    def worker_loads(self) -> dict[str, dict]:
+        return {r.id: dict(r.load) for r in self.records("worker")}
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            t = time.time()
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    say(f"stack {self.name}: kvmesh serve did not stop in 60 s; killing its process group")
+            kill_group(self.proc.pid)
+            if self.proc.poll() is None:
+                self.proc.wait()
+            LOG.header(f"stack {self.name}: stopped (exit {self.proc.returncode})")
+            say(f"stack {self.name}: stopped in {time.time() - t:.1f} s (exit {self.proc.returncode})")
+            self.proc = None
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+# ----------------------------------------------------------------------------- the client
+def bench_client(stack: ServeStack, label: str, args: list[str], sc: Scale, client_args: list[str],
+                 timeout_s: float) -> dict:
+    """One `kvmesh bench serve` run against the stack; its summary numbers (vLLM's key names).
+    The client's own vLLM-style table goes to the combined log only (stdout stays short)."""
+    if stack.proc is None or stack.proc.poll() is not None:
+        raise StackError(f"stack {stack.name} is not running (exit {stack.proc and stack.proc.returncode}); "
+                         "see serve_bench.log")
+    tmp = Path(tempfile.mkdtemp(prefix="kvmesh-serve-bench-"))
+    cmd = [sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", stack.url,
+           "--tokenizer", str(stack.model), "--save-result", "--result-dir", str(tmp),
+           "--result-filename", "result.json", "--no-plots", "--disable-tqdm",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--request-timeout", f"{sc.request_timeout:.0f}", "--label", label, *args, *client_args]
+    LOG.header(f"client {label}: {' '.join(cmd[1:])}")
+    say(f"client {label}: {' '.join(args)}")
+    t = time.time()
+    try:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env({}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=die_with_parent, text=True, errors="replace")
+        try:
+            out, _ = proc.communicate(timeout=max(timeout_s, 5.0))
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            out, _ = proc.communicate()
+            LOG.write(out or "")
+            raise TimeoutError(f"client {label} ran past {timeout_s:.0f} s (time budget)") from None
+        finally:
+            kill_group(proc.pid, 5.0)
+        LOG.write(out)
+        if proc.returncode != 0:
+            raise RuntimeError(f"client {label} exited with {proc.returncode}: {out.strip()[-1500:]}")
+        data = json.loads((tmp / "result.json").read_text())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    summary = {k: data[k] for k in SUMMARY_KEYS if k in data}
+    summary["wall_s"] = round(time.time() - t, 1)
+    summary["client_args"] = args
+    say(f"client {label}: {summary.get('completed')} ok, {summary.get('failed')} failed in "
+        f"{summary.get('duration', 0):.1f} s; {summary.get('total_token_throughput', 0):.0f} tok/s, "
+        f"TTFT mean/median/p99 {summary.get('mean_ttft_ms', 0):.1f}/{summary.get('median_ttft_ms', 0):.1f}/"
+        f"{summary.get('p99_ttft_ms', 0):.1f} ms, TPOT median {summary.get('median_tpot_ms', 0):.2f} ms, "
+        f"ITL p99 {summary.get('p99_itl_ms', 0):.1f} ms, cached {100 * (summary.get('cached_token_ratio') or 0):.1f}%")
+    if summary.get("failed"):
+        say(f"client {label}: failures {summary.get('failure_reasons')}")
+    return summary
+
+
+def random_args(n_in: int, n_out: int, prompts: int, conc: int, seed: int) -> list[str]:
+    return ["--dataset-name", "random", "--random-input-len", str(n_in), "--random-output-len", str(n_out),
+            "--num-prompts", str(prompts), "--max-concurrency", str(conc), "--request-rate", "inf",
+            "--ignore-eos", "--seed", str(seed)]
+
+
+def worker_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per worker: what its engine counters (registry load record) gained during a run."""
+    out = {}
+    for wid, load in sorted(after.items()):
+        prev = before.get(wid, {})
+        d = {k: int(load.get(k, 0)) - int(prev.get(k, 0))
+             for k in ("requests_total", "tokens_out", "prefix_query_tokens", "prefix_hit_tokens")}
+        d["prefix_hit_ratio"] = round(d["prefix_hit_tokens"] / d["prefix_query_tokens"], 4) \
+            if d["prefix_query_tokens"] > 0 else None
+        d["total_blocks"] = int(load.get("total_blocks", 0))
+        out[wid] = d
+    return out
+
+
+# ----------------------------------------------------------------------------- sections
+def section_single(args, sc: Scale) -> None:
+    res = RESULTS["sections"].setdefault("single", {})
+    est = est_start(sc, 1) + sc.est_warmup + sc.est_c1 + sc.est_stop
+    if remaining() < est:
+        return skip("single", f"{remaining():.0f} s left, ~{est:.0f} s needed")
+    env = dict(args.env)
+    if args.single_gpu_mem:
+        env["KVMESH_GPU_MEMORY_UTILIZATION"] = str(args.single_gpu_mem)
+    stack = ServeStack("single", args.model_dir, 1, sc, env, args.log_level, args.serve_flag)
+    res["stack"] = {"workers": 1, "device": sc.device, "env": env, "serve_flags": args.serve_flag}
+    try:
+        res["stack_start_s"] = STARTS[1] = round(stack.start(min(remaining() - sc.est_stop, args.ready_timeout)), 1)
+        save()
+        budget = lambda: remaining() - sc.est_stop  # noqa: E731
+        try:
+            res["warmup"] = bench_client(stack, "single-warmup",
+                                         random_args(sc.warm_in, sc.warm_out, sc.warm_prompts, sc.warm_prompts, 1000),
+                                         sc, args.client_arg, budget())
+        except Exception as exc:
+            record_error("single/warmup", exc)
+        save()
+        # distinct seeds: same-seed random prompts of two lengths would share a prefix (cache hits)
+        runs = (("c1", sc.est_c1, random_args(sc.c1_in, sc.c1_out, args.c1_prompts or sc.c1_prompts, 1, 1)),
+                ("c64", sc.est_c64, random_args(sc.c64_in, sc.c64_out, args.c64_prompts or sc.c64_prompts,
+                                                sc.c64_conc, 2)))
+        for key, est_s, cargs in runs:
+            if key not in args.single_runs:
+                continue
+            if budget() < est_s:
+                skip(f"single/{key}", f"{remaining():.0f} s left, ~{est_s + sc.est_stop:.0f} s needed")
+                continue
+            try:
+                res[key] = bench_client(stack, f"single-{key}", cargs, sc, args.client_arg, budget())
+                if not args.smoke:
+                    res[key]["targets"] = [{"metric": m, "op": op, "target": tgt, "vllm": v,
+                                            "value": res[key].get(m),
+                                            "met": _met(res[key].get(m), op, tgt)} for m, op, tgt, v in TARGETS[key]]
+            except Exception as exc:
+                record_error(f"single/{key}", exc)
+            save()
+    finally:
+        stack.stop()
+        save()
+
+
+def _met(value, op: str, target: float) -> bool | None:
+    if value is None:
+        return None
+    return value <= target if op == "<=" else value >= target
+
+
+def section_routing(args, sc: Scale) -> None:
+    res = RESULTS["sections"].setdefault("routing", {})
+    gsp = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(args.gsp_groups or sc.gsp_groups),
+           "--gsp-prompts-per-group", str(args.gsp_per_group or sc.gsp_per_group),
+           "--gsp-system-prompt-len", str(sc.gsp_system), "--gsp-question-len", str(sc.gsp_question),
+           "--gsp-output-len", str(sc.gsp_out), "--request-rate", args.gsp_rate or sc.gsp_rate,
+           "--max-concurrency", str(sc.gsp_conc), "--ignore-eos", "--seed", "0"]
+    res["workload"] = gsp
+    for mode in args.routing_modes:
+        part = f"routing/{mode}"
+        est = est_start(sc, 2) + sc.est_routing_run + sc.est_stop
+        if remaining() < est:
+            skip(part, f"{remaining():.0f} s left, ~{est:.0f} s needed")
+            continue
+        env = {**args.env, "KVMESH_ROUTING": mode}
+        if args.routing_gpu_mem:
+            env["KVMESH_GPU_MEMORY_UTILIZATION"] = str(args.routing_gpu_mem)
+        stack = ServeStack(f"routing-{mode}", args.model_dir, 2, sc, env, args.log_level, args.serve_flag)
+        r = res.setdefault(mode, {"stack": {"workers": 2, "device": sc.device, "env": env,
+                                            "serve_flags": args.serve_flag}})
+        try:
+            r["stack_start_s"] = STARTS[2] = round(stack.start(min(remaining() - sc.est_stop, args.ready_timeout)), 1)
+            save()
+            budget = lambda: remaining() - sc.est_stop  # noqa: E731
+            if sc.routing_warm_prompts:
+                try:
+                    conc = sc.routing_warm_prompts
+                    r["warmup"] = bench_client(stack, f"{mode}-warmup",
+                                               random_args(256 if not args.smoke else 16, 16 if not args.smoke else 4,
+                                                           conc, conc, 1000), sc, args.client_arg, budget())
+                except Exception as exc:
+                    record_error(f"{part}/warmup", exc)
+            time.sleep(1.2)     # let the workers' load records catch up (heartbeat)
+            before = stack.worker_loads()
+            try:
+                r["run"] = bench_client(stack, f"{mode}", gsp, sc, args.client_arg, budget())
+            except Exception as exc:
+                record_error(part, exc)
+            time.sleep(1.2)
+            r["workers"] = worker_delta(before, stack.worker_loads())
+            say(f"{part}: per worker {json.dumps(r['workers'])}")
+        except Exception as exc:
+            record_error(part, exc)
+        finally:
+            stack.stop()
+            save()
+
+
+# ----------------------------------------------------------------------------- report
+def _f(value, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def table() -> str:
+    lines = ["", "kvmesh serve benchmark (%s)" % RESULTS["env"].get("gpu", "?"),
+             f"{'run':<22} {'metric':<26} {'value':>12}  note"]
+    lines.append("-" * len(lines[-1]) + "-" * 30)
+    single = RESULTS["sections"].get("single", {})
+    sc = RESULTS.get("config", {}).get("scale", {})
+    for key, title in (("c1", f"single c=1 {sc.get('c1_in')}/{sc.get('c1_out')}"),
+                       ("c64", f"single c={sc.get('c64_conc')} {sc.get('c64_in')}/{sc.get('c64_out')}")):
+        run = single.get(key)
+        if not run:
+            continue
+        if key == "c1":
+            metrics = [("median TTFT ms", "median_ttft_ms"), ("median TPOT ms", "median_tpot_ms"),
+                       ("p99 ITL ms", "p99_itl_ms"), ("out tok/s", "output_throughput")]
+        else:
+            metrics = [("total tok/s", "total_token_throughput"), ("out tok/s", "output_throughput"),
+                       ("mean TTFT ms", "mean_ttft_ms"), ("median TTFT ms", "median_ttft_ms"),
+                       ("mean TPOT ms", "mean_tpot_ms"), ("median TPOT ms", "median_tpot_ms"),
+                       ("p99 ITL ms", "p99_itl_ms")]
+        targets = {t["metric"]: t for t in run.get("targets", [])}
+        for name, k in metrics:
+            note = ""
+            if k in targets:
+                t = targets[k]
+                note = f"target {t['op']} {t['target']:g} ({'met' if t['met'] else 'MISSED'}); vLLM {t['vllm']:g}"
+            lines.append(f"{title:<22} {name:<26} {_f(run.get(k), '{:.2f}'):>12}  {note}")
+        if run.get("failed"):
+            lines.append(f"{title:<22} {'failed requests':<26} {run['failed']:>12}  {run.get('failure_reasons')}")
+    routing = RESULTS["sections"].get("routing", {})
+    for mode in ("cache_aware", "round_robin", "least_loaded"):
+        run = (routing.get(mode) or {}).get("run")
+        if not run:
+            continue
+        title = f"2 workers {mode}"
+        for name, k, fmt in (("TTFT mean ms", "mean_ttft_ms", "{:.1f}"), ("TTFT median ms", "median_ttft_ms", "{:.1f}"),
+                             ("TTFT p99 ms", "p99_ttft_ms", "{:.1f}"), ("req/s", "request_throughput", "{:.2f}"),
+                             ("total tok/s", "total_token_throughput", "{:.0f}"),
+                             ("median TPOT ms", "median_tpot_ms", "{:.2f}")):
+            lines.append(f"{title:<22} {name:<26} {_f(run.get(k), fmt):>12}")
+        ratio = run.get("cached_token_ratio")
+        split = " / ".join(f"{w['requests_total']} req, hit {_f(w['prefix_hit_ratio'] and 100 * w['prefix_hit_ratio'])}%"
+                           for w in (routing[mode].get("workers") or {}).values())
+        lines.append(f"{title:<22} {'prefix-cache hit %':<26} {_f(ratio and 100 * ratio):>12}  per worker: {split}")
+        if run.get("failed"):
+            lines.append(f"{title:<22} {'failed requests':<26} {run['failed']:>12}  {run.get('failure_reasons')}")
+    for part, why in RESULTS["skipped"].items():
+        lines.append(f"{part:<22} {'skipped':<26} {'':>12}  {why}")
+    for part, err in RESULTS["errors"].items():
+        last = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["?"]
+        lines.append(f"{part:<22} {'ERROR':<26} {'':>12}  {last[0][:150]}")
+    lines.append(f"elapsed {time.time() - T0:.0f} s; details in {OUT / 'serve_bench.json'}, logs in {OUT / 'serve_bench.log'}")
+    return "\n".join(lines)
+
+
+def environment(args, sc: Scale) -> None:
+    env = RESULTS["env"]
+    env.update({"smoke": args.smoke, "model_dir": str(args.model_dir), "model_size": sc.model_size,
+                "python": sys.version.split()[0], "cpus": os.cpu_count(),
+                "kvmesh_env": {k: v for k, v in os.environ.items() if k.startswith("KVMESH_")},
+                "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        env["gpu"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else "none"
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        env["gpu"] = "none"
+    try:
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        env["commit"] = git.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        env["commit"] = None
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("KVMESH_"):
+            raise SystemExit(f"--env expects KVMESH_NAME=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    global DEADLINE, OUT, LOG
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default="single,routing", help="comma-separated: single, routing")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny lengths: checks this script")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="model made once here and reused (default /tmp/kvmesh-llama-8b; smoke: /tmp/kvmesh-serve-bench-tiny)")
+    ap.add_argument("--time-budget", type=float, default=520.0, help="seconds from start; later parts skip")
+    ap.add_argument("--single-runs", default="c1,c64", help="which single-worker runs: c1, c64")
+    ap.add_argument("--c1-prompts", type=int, default=0, help="requests of the concurrency-1 run (default 48)")
+    ap.add_argument("--c64-prompts", type=int, default=0, help="requests of the concurrency-64 run (default 640)")
+    ap.add_argument("--routing-modes", default="cache_aware,round_robin",
+                    help="scheduler --routing values, one fresh 2-worker stack each")
+    ap.add_argument("--routing-gpu-mem", type=float, default=0.42,
+                    help="KVMESH_GPU_MEMORY_UTILIZATION of each of the two workers (0: leave unset)")
+    ap.add_argument("--single-gpu-mem", type=float, default=0.0,
+                    help="KVMESH_GPU_MEMORY_UTILIZATION of the single worker (0: the stack's default)")
+    ap.add_argument("--gsp-groups", type=int, default=0, help="shared-prefix groups (default 32)")
+    ap.add_argument("--gsp-per-group", type=int, default=0, help="questions per group (default 8)")
+    ap.add_argument("--gsp-rate", default="", help="request rate of the routing runs (default 8 req/s)")
+    ap.add_argument("--env", action="append", default=[], metavar="KVMESH_X=V",
+                    help="extra KVMESH_* variable for every stack (repeatable); KVMESH_* already set pass through")
+    ap.add_argument("--serve-flag", action="append", default=[], metavar="FLAG",
+                    help="extra `kvmesh serve` argument (repeatable, e.g. --serve-flag=--max-num-seqs=256)")
+    ap.add_argument("--client-arg", action="append", default=[], metavar="ARG",
+                    help="extra `kvmesh bench serve` argument for every run (repeatable)")
+    ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a stack may take to start")
+    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    args = ap.parse_args(argv)
+    sc = SMOKE_SCALE if args.smoke else Scale()
+    args.model_dir = args.model_dir or Path("/tmp/kvmesh-serve-bench-tiny" if args.smoke else "/tmp/kvmesh-llama-8b")
+    args.env = parse_env(args.env)
+    args.routing_modes = [m.strip() for m in args.routing_modes.split(",") if m.strip()]
+    args.single_runs = [m.strip() for m in args.single_runs.split(",") if m.strip()]
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in sections if s not in ("single", "routing")]
+    if bad:
+        ap.error(f"unknown section(s) {bad}; choose from single, routing")
+    DEADLINE = T0 + args.time_budget
+    OUT = Path(os.environ.get("OUT", "./out"))
+    OUT.mkdir(parents=True, exist_ok=True)
+    LOG = CombinedLog(OUT / "serve_bench.log")
+
+    def on_term(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
+
+    environment(args, sc)
+    RESULTS["config"] = {"scale": sc.__dict__, "sections": sections, "routing_modes": args.routing_modes,
+                         "time_budget": args.time_budget}
+    save()
+    say(f"serve_bench: sections {sections}, {'SMOKE (cpu, tiny)' if args.smoke else 'llama-8b'}, "
+        f"gpu {RESULTS['env']['gpu']}, budget {args.time_budget:.0f} s, out {OUT}")
+    code = 0
+    try:
+        try:
+            ensure_model(args.model_dir, sc.model_size, sc.est_make_model)
+        except Exception as exc:
+            record_error("model", exc)
+            sections = []
+            code = 1
+        for name, fn in (("single", section_single), ("routing", section_routing)):
+            if name in sections:
+                try:
+                    fn(args, sc)
+                except Exception as exc:
+                    record_error(name, exc)
+    except KeyboardInterrupt as exc:
+        record_error("interrupted", exc)
+        code = 130
+    finally:
+        save()
+        print(table(), flush=True)
+    if RESULTS["errors"]:
+        code = code or 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
