@@ -21,7 +21,25 @@ With num_splits == 1 stage 1 writes the normalized output directly and stage 2 i
 
 With a sliding window W only the last W keys are attended (the partitions cover those).
 An fp8 cache (e4m3/e5m2) is read with per-tensor scales: K = k_scale * stored, V = v_scale * stored
-(k_scale folds into the logit scale, v_scale into the output); tiles are upcast to q's dtype.
+(k_scale folds into the logit scale, v_scale into the output). How a tile is upcast for the two dots
+is `fp8_upcast` (default: the module's FP8_UPCAST):
+
+    "bf16"      tiles .to(q's dtype): bf16 dots. On sm_90 Triton has no e4m3->bf16 instruction; it
+                emits e4m3x2->f16x2 then two f16->bf16 conversions per pair (conversion-throughput
+                bound: slower than a bf16 cache, whose tiles need no conversion)
+    "f16"       fp16 dots: q converted once to fp16, tiles .to(fp16) (one cvt.rn.f16x2.e4m3x2 per
+                pair; e4m3 and e5m2 are subsets of fp16, so exact), p cast to fp16 for the PV dot
+    "f16_bits"  fp16 dots, e4m3 byte -> fp16 bits by shift/mask (integer ops, no conversion unit):
+                (b & 0x80) << 8 | (b & 0x7F) << 7 is the fp16 of value * 2^-8 exactly, subnormals
+                included; the 2^8 is folded into the logit scale and the V scale
+    "f16_asm"   as "f16_bits", four bytes at a time in inline PTX (prmt/shr/lop3); the interpreter
+                cannot run inline asm, so under TRITON_INTERPRET=1 it runs as "f16_bits" (same bits)
+
+The fp16 variants assume |q| < 65504 (bf16 q converts to fp16 exactly in fp16's normal range; a
+|q| below 2^-14 keeps fewer bits, negligible in a dot); p <= 1 in fp16 has 11 significant bits
+(bf16: 8), and p below 2^-24 (a weight < 6e-8 against the row's max) drops out of the PV dot only.
+The bit variants decode e4m3 (an e5m2 cache uses "f16"); e4m3fn's NaN codes (never written: the
+cache write saturates at +-448) would read as +-480.
 
 Rows: with `query_start_loc`, sequence b's query is row query_start_loc[b] of q/out and sequences
 whose query_len != 1 are skipped (the prefill kernel handles them in a mixed batch). Without it,
@@ -33,9 +51,49 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels._utils import check_device, next_pow2, num_sms
+from gpu_worker.kernels._utils import check_device, interpreting, next_pow2, num_sms
 
 LOG2E = 1.4426950408889634
+
+# How an fp8 cache's tiles are upcast (module docstring). The engine passes no fp8_upcast: this
+# default applies, looked up at each call. Set from bench/sweep_fp8_decode.py on the H200.
+FP8_UPCAST = "bf16"
+FP8_UPCASTS = {"bf16": 0, "f16": 1, "f16_bits": 2, "f16_asm": 3}
+_FP8_BITS_SCALE = 256.0          # the bit variants read value * 2^-8
+
+
+@triton.jit
+def _upcast_tile(x, UPCAST: tl.constexpr, DT: tl.constexpr):
+    """A loaded KV tile in the dots' dtype: DT (q's dtype) for UPCAST 0, else fp16 (x 2^-8 for 2, 3)."""
+    if UPCAST == 0:
+        y = x.to(DT)
+    elif UPCAST == 1:
+        y = x.to(tl.float16)
+    elif UPCAST == 2:
+        # e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000: the same exponent field under fp16's bias 15
+        # (e4m3's is 7) and the same mantissa bits, i.e. value * 2^-8; e4m3 subnormals (exponent
+        # field 0) land on fp16 subnormals with the same scaling. int16 maths (0x80 << 8 wraps to
+        # the sign bit); zero-extended from the byte.
+        b = x.to(tl.uint8, bitcast=True).to(tl.int16)
+        y = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    else:
+        # The same bits, 4 bytes per 32-bit register: prmt spreads bytes b0..b3 into the high
+        # bytes of two f16x2 registers (h = b << 8), then (h & 0x7fff) >> 1 | (h & 0x8000).
+        y = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a<2>, c<2>;
+            prmt.b32 a0, 0, $2, 0x5140;
+            prmt.b32 a1, 0, $2, 0x7362;
+            and.b32 c0, a0, 0x7fff7fff;
+            and.b32 c1, a1, 0x7fff7fff;
+            shr.b32 c0, c0, 1;
+            shr.b32 c1, c1, 1;
+            lop3.b32 $0, c0, 0x80008000, a0, 0xf8;
+            lop3.b32 $1, c1, 0x80008000, a1, 0xf8;
+            }""",
+            constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+            is_pure=True, pack=4)
+    return y
 
 
 # Step-dependent scalars and pointers into the engine's per-step staging buffers: specializing on
@@ -52,7 +110,7 @@ def _decode_stage1_kernel(
     stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h, stride_pm_s,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_QSL: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_QSL: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -75,6 +133,8 @@ def _decode_stage1_kernel(
     dmask = d < HEAD_DIM
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0)          # (GROUP_PAD, BLOCK_D)
+    if UPCAST != 0:
+        q = q.to(tl.float16)       # fp8 cache, fp16 dots: exact for bf16 q with |q| < 65504
 
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l = tl.zeros((GROUP_PAD,), tl.float32)
@@ -90,16 +150,16 @@ def _decode_stage1_kernel(
                     mask=kv_mask, other=0.0)                # (BLOCK_N, BLOCK_D)
         v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + g * stride_vh + d[None, :],
                     mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale   # (GROUP_PAD, BLOCK_N), log2 domain
+        s = tl.dot(q, tl.trans(_upcast_tile(k, UPCAST, q.dtype))) * qk_scale   # (GROUP_PAD, BLOCK_N), log2
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _upcast_tile(v, UPCAST, q.dtype))
         m = m_new
 
-    acc = acc * v_scale                                     # fp8 cache: the V scale (else 1)
+    acc = acc * v_scale                                     # fp8 cache: the V scale (else 1; x 2^8 for bits)
     if DIRECT:
         l_safe = tl.where(l > 0, l, 1.0)
         o = acc / l_safe[:, None]
@@ -158,6 +218,55 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     return int(max(1, min(by_occupancy, by_length, max_splits)))
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fp8_upcast_code(cache_dtype: torch.dtype, fp8_upcast: str | None) -> tuple[int, float]:
+    """(UPCAST constexpr, factor folded into both scales) for a cache dtype and an fp8_upcast name."""
+    name = FP8_UPCAST if fp8_upcast is None else fp8_upcast
+    if name not in FP8_UPCASTS:
+        raise ValueError(f"fp8_upcast must be one of {sorted(FP8_UPCASTS)}, got {name!r}")
+    if cache_dtype not in _FP8_DTYPES:
+        return 0, 1.0                       # a bf16/fp16/fp32 cache: tiles already in q's dtype
+    code = FP8_UPCASTS[name]
+    if code >= 2 and cache_dtype != torch.float8_e4m3fn:
+        code = 1                            # the bit tricks decode e4m3; e5m2 -> fp16 is exact
+    if code == 3 and interpreting():
+        code = 2                            # inline PTX can't be interpreted: its bit-identical twin
+    return code, (_FP8_BITS_SCALE if code >= 2 else 1.0)
+
+
+@triton.jit
+def _fp8_upcast_probe_kernel(x_ptr, y_ptr, n, UPCAST: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    tl.store(y_ptr + i, _upcast_tile(x, UPCAST, tl.float32).to(tl.float32), mask=i < n)
+
+
+def fp8_upcast_probe(x: torch.Tensor, fp8_upcast: str) -> torch.Tensor:
+    """fp32 of what the decode kernel's dots see for fp8 values x (1-D, <= 4096): the values, times
+    2^-8 for the bit variants. For checking each upcast exactly (all 256 bytes) on the device."""
+    assert x.dim() == 1 and x.dtype in _FP8_DTYPES and x.numel() <= 4096
+    code, _ = _fp8_upcast_code(x.dtype, fp8_upcast)
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    _fp8_upcast_probe_kernel[(1,)](x, y, x.numel(), UPCAST=code, BLOCK=max(128, next_pow2(x.numel())),
+                                   num_warps=1)
+    return y
+
+
+def fp8_upcast_probe_ref(x: torch.Tensor, fp8_upcast: str) -> torch.Tensor:
+    """Plain-torch fp8_upcast_probe: the fp8 values in fp32, times 2^-8 for the bit variants on e4m3."""
+    code, mul = _fp8_upcast_code(x.dtype, fp8_upcast)
+    return x.float() / mul
+
+
+def e4m3_to_f16_bits_ref(x: torch.Tensor) -> torch.Tensor:
+    """The bit variants' shift/mask in torch: e4m3 bytes -> the fp16 whose value is x * 2^-8."""
+    b = x.view(torch.uint8).to(torch.int32)
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)                  # an fp16 bit pattern, < 2^16
+    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.float16)   # as int16, no overflow
+
+
 def paged_decode_attention(
     q: torch.Tensor,             # (T, num_heads, head_dim)
     k_cache: torch.Tensor,       # (num_blocks, block_size, num_kv_heads, head_dim)
@@ -176,6 +285,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fp8_upcast: str | None = None,                # fp8 caches: "bf16" | "f16" | "f16_bits" | "f16_asm"
 ) -> torch.Tensor:
     """Attention of each sequence's single new query over its paged context (module docstring)."""
     T, n_heads, head_dim = q.shape
@@ -209,6 +319,7 @@ def paged_decode_attention(
         num_warps = 4
     if num_stages is None:
         num_stages = 3 if split and head_dim <= 128 else 2
+    upcast, kv_mul = _fp8_upcast_code(k_cache.dtype, fp8_upcast)
     direct = num_splits == 1
     if direct:
         part_acc = part_ml = out     # unused
@@ -221,14 +332,15 @@ def paged_decode_attention(
     qsl = query_start_loc if query_start_loc is not None else context_lens
     BLOCK_D = next_pow2(head_dim)
     _decode_stage1_kernel[(B, n_kv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, qsl, out, part_acc, part_ml, scale * k_scale * LOG2E,
-        v_scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, block_tables, context_lens, qsl, out, part_acc, part_ml,
+        scale * k_scale * kv_mul * LOG2E, v_scale * kv_mul, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         *pa_strides, *pm_strides,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
         BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
-        HAS_QSL=query_start_loc is not None, DIRECT=direct,
+        HAS_QSL=query_start_loc is not None, DIRECT=direct, UPCAST=upcast,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
