@@ -5,7 +5,9 @@
     anything else (prefill, chunked, mixed): paged_decode_attention on the rows with query_len 1
                                              (other rows exit at once), paged_prefill_attention on
                                              the query tiles of the others (numbered on the device
-                                             once per step), so no host sync decides who is who
+                                             once per step), so no host sync decides who is who;
+                                             it reads this step's own keys from the contiguous
+                                             k / v rows and only the cached prefix from the cache
 
 No step does a host sync or depends on tensor values on the host: the grids come from
 ForwardBatch's host-side ints (num_seqs, max_query_len, max_context_len), so a pure-decode step
@@ -28,7 +30,7 @@ from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels.kv_cache_write import kv_cache_write
 from gpu_worker.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention
 from gpu_worker.kernels.paged_prefill_attention import (default_block_m, paged_prefill_attention,
-                                                        prefill_tile_starts)
+                                                        prefill_config, prefill_tile_starts)
 from gpu_worker.kernels.rope_kv_write import rope_kv_write
 
 
@@ -40,15 +42,16 @@ class TritonAttentionBackend(AttentionBackend):
         self.sliding_window = sliding_window
         # fp8 KV caches (float8_e4m3fn): stored = value / scale, per tensor; ignored otherwise.
         self.k_scale, self.v_scale = k_scale, v_scale
-        # (query_start_loc, tile starts) of the current step: computed by the first layer, reused by the rest
-        self._tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (query_start_loc, tokens per tile, tile starts) of the current step: computed by the first
+        # layer, reused by the rest
+        self._tiles: tuple[torch.Tensor, int, torch.Tensor] | None = None
         # A fixed split count (CUDA graphs pin it per captured batch size); None: chosen per step.
         self.decode_num_splits = decode_num_splits
 
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
         # q (T, nh, D); k, v (T, nkv, D), k already rotated; caches (num_blocks, block_size, nkv, D)
         kv_cache_write(k, v, k_cache, v_cache, batch.slot_mapping, self.k_scale, self.v_scale)
-        return self.attend(q, k_cache, v_cache, batch, scale)
+        return self.attend(q, k_cache, v_cache, batch, scale, k, v)
 
     def forward_rope(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, batch: ForwardBatch,
                      scale: float) -> torch.Tensor:
@@ -56,10 +59,14 @@ class TritonAttentionBackend(AttentionBackend):
         (and are rotated in place); one kernel instead of rope_ + kv_cache_write."""
         rope_kv_write(positions, q, k, v, cos_sin_cache, k_cache, v_cache, batch.slot_mapping,
                       self.k_scale, self.v_scale)
-        return self.attend(q, k_cache, v_cache, batch, scale)
+        return self.attend(q, k_cache, v_cache, batch, scale, k, v)      # k now rotated
 
-    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """Attention over caches that already hold this step's K/V -> (T, nh, D)."""
+    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over caches that already hold this step's K/V -> (T, nh, D). k, v: this step's
+        K (rotated) / V rows (T, nkv, D), aligned with q's; given, the prefill kernel reads this
+        step's keys from them (raw values: with an fp8 cache, unquantized) and only the cached
+        prefix from the cache."""
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         out = torch.empty_like(q)                                         # (T, nh, D)
         if batch.num_tokens == 0:
@@ -72,12 +79,20 @@ class TritonAttentionBackend(AttentionBackend):
             max_context_len=batch.max_context_len, query_start_loc=batch.query_start_loc,
             out=out, num_splits=splits, sliding_window=self.sliding_window, **scales)
         if not batch.is_pure_decode:                                      # rows with query_len > 1
-            block_m = default_block_m(batch.max_query_len)
-            if self._tiles is None or self._tiles[0] is not batch.query_start_loc:
-                self._tiles = (batch.query_start_loc,
-                               prefill_tile_starts(batch.query_start_loc, block_m, skip_decode_rows=True))
+            group = q.shape[1] // k_cache.shape[2]
+            if k is not None:
+                cfg = prefill_config(batch.max_query_len, q.shape[2], group)
+                tile_tokens = cfg.tile_tokens(group)
+                kernel_args = dict(k_new=k, v_new=v, config=cfg)
+            else:
+                tile_tokens = default_block_m(batch.max_query_len)
+                kernel_args = dict(block_m=tile_tokens)
+            if (self._tiles is None or self._tiles[0] is not batch.query_start_loc
+                    or self._tiles[1] != tile_tokens):
+                self._tiles = (batch.query_start_loc, tile_tokens,
+                               prefill_tile_starts(batch.query_start_loc, tile_tokens, skip_decode_rows=True))
             paged_prefill_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start_loc, scale,
                 max_query_len=batch.max_query_len, out=out, skip_decode_rows=True,
-                sliding_window=self.sliding_window, tile_starts=self._tiles[1], block_m=block_m, **scales)
+                sliding_window=self.sliding_window, tile_starts=self._tiles[2], **kernel_args, **scales)
         return out

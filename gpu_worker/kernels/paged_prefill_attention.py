@@ -11,17 +11,40 @@ absolute position  pos_i = context_len - query_len + i  and attends to keys j <=
 
     out[r, h] = sum_{j <= pos_r} softmax_j(scale * <q[r, h], K[j, g]>) V[j, g],  g = h // G
 
-Grid: (query heads, query tiles of BLOCK_M rows of all sequences). The tiles are numbered by a
-device-side prefix sum (prefill_tile_starts, no host sync), so a mixed step with hundreds of
-decode rows launches programs only for the prefill tiles. Each program walks the keys in
-BLOCK_N tiles gathered through the block table, FlashAttention-style (running max / sum /
-accumulator in fp32, exp2 domain): first the tiles wholly below the diagonal without masks,
-then the diagonal tiles with the causal mask. Decode rows (query_len 1) are handled like any
+Two kernels compute this:
+
+"v2" (used when this step's K/V are passed as k_new/v_new, the backend's path): the keys of
+this step's own tokens (positions prefix .. context_len-1) are read from the contiguous k_new /
+v_new rows (aligned with q's rows: row query_start_loc[b] + j holds position prefix + j), and only
+the cached prefix (positions < prefix) is gathered through the block table. Per program: the
+prefix's full tiles without masks, its last partial tile with a bound mask, then this step's
+keys: the tiles wholly below the query tile's diagonal without masks, the diagonal ones with the
+causal mask. With pack_gqa one program takes a KV head and stacks its G query heads' rows into
+the M dimension (BLOCK_M rows = BLOCK_M / G tokens x G heads), so each K/V tile is loaded once
+for the group. Launch configurations come from prefill_config() (defaults set by
+bench/sweep_prefill_attention.py). With impl="v2" and no k_new, this step's keys are read from
+the cache too (same loops).
+
+"v1" (k_new not given): every key tile, this step's included, is gathered from the cache;
+one program per (query head, query tile).
+
+Both: grid (heads, query tiles of all sequences). The tiles are numbered by a device-side prefix
+sum (prefill_tile_starts, no host sync), so a mixed step with hundreds of decode rows launches
+programs only for the prefill tiles; the grid is a host-side bound (CUDA-graph safe). Running
+max / sum / accumulator in fp32, exp2 domain. Decode rows (query_len 1) are handled like any
 other (or skipped with skip_decode_rows=True when the decode kernel takes them). With a sliding
-window W, row i also ignores keys j <= pos_i - W (and tiles wholly before the window are skipped).
-An fp8 cache is read with per-tensor scales as in paged_decode_attention.
+window W, row i also ignores keys j <= pos_i - W (tiles wholly before the window are skipped,
+every other tile is masked).
+
+An fp8 cache is read with per-tensor scales as in paged_decode_attention: K = k_scale * stored,
+V = v_scale * stored. k_new / v_new are this step's raw (unquantized, e.g. bf16) K/V and are used
+as they are: k_scale enters only the logits of cached keys, v_scale only the weights of cached
+values. (So with an fp8 cache a chunk attends to its own tokens at full precision, as SGLang's
+extend attention does; later chunks and decode steps see them quantized.)
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -32,8 +55,55 @@ from gpu_worker.kernels.paged_decode_attention import gather_context
 
 LOG2E = 1.4426950408889634
 MAX_BLOCK_B = 1024      # sequences scanned per step of the kernel's tile -> sequence search
+MIN_BLOCK_B = 128       # ... and at least this many (one compiled kernel for every batch size up to it)
 
 
+class PrefillConfig(NamedTuple):
+    """Launch configuration of the v2 kernel."""
+    block_m: int = 128        # query rows per program (tokens x heads with pack_gqa)
+    block_n: int = 64         # keys per tile
+    num_warps: int = 8
+    num_stages: int = 2
+    pack_gqa: bool = False    # one program per KV head, its G query heads' rows stacked in M
+
+    def packs(self, group: int) -> bool:
+        """Whether the GQA group is packed (needs a group > 1 that fits in block_m)."""
+        return self.pack_gqa and 1 < group <= self.block_m
+
+    def tile_tokens(self, group: int) -> int:
+        """Query tokens per tile: the block size to give prefill_tile_starts."""
+        return self.block_m // group if self.packs(group) else self.block_m
+
+
+# ------------------------------------------------------------------------------------------------
+# Default launch configurations of the v2 kernel, by max_query_len (head_dim <= 128): the first
+# entry whose bound is >= max_query_len. Set from bench/sweep_prefill_attention.py on the H200
+# (it prints the lines to paste here).
+PREFILL_CONFIGS: list[tuple[int, PrefillConfig]] = [
+    (16, PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, pack_gqa=False)),
+    (4096, PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, pack_gqa=False)),
+    (1 << 62, PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, pack_gqa=False)),
+]
+# head_dim > 128 (e.g. 256): smaller tiles (registers / shared memory)
+PREFILL_CONFIG_WIDE = PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, pack_gqa=False)
+
+
+def prefill_config(max_query_len: int, head_dim: int = 128, group: int = 1) -> PrefillConfig:
+    """The default v2 launch configuration for a step (host ints only). `group` (query heads per
+    KV head) is accepted for future per-group defaults; tile_tokens(group) needs it too."""
+    if head_dim > 128:
+        return PREFILL_CONFIG_WIDE
+    for bound, cfg in PREFILL_CONFIGS:
+        if max_query_len <= bound:
+            return cfg
+    return PREFILL_CONFIGS[-1][1]
+
+
+def _block_b(num_seqs: int) -> int:
+    return min(MAX_BLOCK_B, max(MIN_BLOCK_B, next_pow2(num_seqs)))
+
+
+# ================================================================================ v1 kernel
 @triton.jit
 def _attend_tiles(
     q, m, l, acc, lo, hi, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale,
@@ -132,13 +202,216 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
+# ================================================================================ v2 kernel
+@triton.jit
+def _load_tile(ptrs, rmask, dmask, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """(rows, BLOCK_D) tile; masked loads only where needed (unmasked tiles stay plain loads)."""
+    if ROW_MASK:
+        x = tl.load(ptrs, mask=rmask[:, None] & dmask[None, :], other=0.0)
+    elif EVEN_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=dmask[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD: tl.constexpr, SCALE_V: tl.constexpr):
+    """Fold one tile of raw logits s (BLOCK_M, BLOCK_N; masked keys -inf) and its values into
+    (m, l, acc), log2 domain. GUARD: a row may have seen no visible key yet (m_new = -inf)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp2(s * qk_scale - m_use[:, None])
+    alpha = tl.exp2(m - m_use)
+    l = l * alpha + tl.sum(p, axis=1)
+    if SCALE_V:
+        p = p * v_scale
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    return m_new, l, acc
+
+
+@triton.jit
+def _cache_tiles(
+    q, m, l, acc, lo, hi, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale, v_scale,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, GUARD: tl.constexpr, SCALE_V: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
+    """Cached keys at positions lo .. hi-1, gathered through the block table. MASK: keys >= hi
+    (and, with a window, keys too old for a row) are masked; else every key is visible to every row."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    for n0 in range(lo, hi, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)                    # (BLOCK_N,) key positions
+        tmask = tok < hi
+        if MASK:
+            blk = tl.load(bt_row + tok // PAGE, mask=tmask, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + tok // PAGE).to(tl.int64)
+        off = tok % PAGE
+        k = _load_tile(k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + g * stride_kh + d[None, :],
+                       tmask, dmask, MASK, EVEN_D)          # (BLOCK_N, BLOCK_D)
+        v = _load_tile(v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + g * stride_vh + d[None, :],
+                       tmask, dmask, MASK, EVEN_D)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))              # (BLOCK_M, BLOCK_N) raw logits
+        if MASK:
+            visible = tmask[None, :]
+            if HAS_WINDOW:
+                visible = visible & (tok[None, :] > qpos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        m, l, acc = _online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD, SCALE_V)
+    return m, l, acc
+
+
+@triton.jit
+def _new_tiles(
+    q, m, l, acc, lo, hi, qi, q_len, window, kn_base, vn_base, stride_knt, stride_vnt,
+    prefix, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale, v_scale,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, GUARD: tl.constexpr, NEW_PAGED: tl.constexpr,
+    SCALE_V: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """This step's keys j = lo .. hi-1 of the sequence (position prefix + j), from the contiguous
+    k_new / v_new rows (NEW_PAGED: from the cache). CAUSAL: row qi sees j <= qi (with a window
+    also j > qi - window), loads stop at q_len; else every key is visible to every row."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    for n0 in range(lo, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)                      # (BLOCK_N,) index among this step's keys
+        jmask = j < q_len
+        if NEW_PAGED:
+            tok = prefix + j
+            if CAUSAL:
+                blk = tl.load(bt_row + tok // PAGE, mask=jmask, other=0).to(tl.int64)
+            else:
+                blk = tl.load(bt_row + tok // PAGE).to(tl.int64)
+            off = tok % PAGE
+            kp = k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + g * stride_kh + d[None, :]
+            vp = v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + g * stride_vh + d[None, :]
+        else:
+            kp = kn_base + j[:, None] * stride_knt + d[None, :]
+            vp = vn_base + j[:, None] * stride_vnt + d[None, :]
+        k = _load_tile(kp, jmask, dmask, CAUSAL, EVEN_D)
+        v = _load_tile(vp, jmask, dmask, CAUSAL, EVEN_D)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if CAUSAL:
+            visible = j[None, :] <= qi[:, None]
+            if HAS_WINDOW:
+                visible = visible & (j[None, :] > qi[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        m, l, acc = _online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD, SCALE_V)
+    return m, l, acc
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"], do_not_specialize_on_alignment=_STEP_PTRS)
+def _prefill_kernel_v2(
+    q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, qsl_ptr,
+    tile_start_ptr, num_seqs, out_ptr, qk_scale_cache, qk_scale_new, v_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_B: tl.constexpr,
+    PACK_GQA: tl.constexpr, ROW_PAD: tl.constexpr, NEW_PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SCALE_V_CACHE: tl.constexpr, SCALE_V_NEW: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    pid = tl.program_id(0)                                   # query head (KV head with PACK_GQA)
+    item = tl.program_id(1)                                  # a query tile of some sequence
+    if item >= tl.load(tile_start_ptr + num_seqs):
+        return                                               # the grid is an upper bound
+    # Our sequence b: tile_start[b] <= item < tile_start[b+1], i.e. b = #{j >= 1: tile_start[j] <= item}.
+    count = tl.zeros((BLOCK_B,), tl.int32)
+    for j0 in range(0, num_seqs, BLOCK_B):
+        jj = j0 + 1 + tl.arange(0, BLOCK_B)
+        ts = tl.load(tile_start_ptr + jj, mask=jj <= num_seqs, other=2147483647)
+        count += (ts <= item).to(tl.int32)
+    b = tl.sum(count, axis=0)
+    mb = tl.load(tile_start_ptr + b + 1) - 1 - item          # the sequence's last (longest) tiles first
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    n_ctx = tl.load(context_lens_ptr + b)
+    prefix = n_ctx - q_len
+
+    t0 = mb * TILE_M                                         # first query token of the tile
+    r = tl.arange(0, BLOCK_M)
+    if PACK_GQA:                                             # row r: token t0 + r // G, head g*G + r % G
+        g = pid
+        qi = t0 + r // GROUP
+        head = g * GROUP + r % GROUP
+    else:
+        g = pid // GROUP
+        qi = t0 + r
+        head = pid
+    rmask = qi < q_len
+    if ROW_PAD:                                              # BLOCK_M not a multiple of G: spare rows
+        rmask = rmask & (r < TILE_M * GROUP)
+    rows = (q_start + qi).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    io_mask = rmask[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + (rows * stride_qt + head * stride_qh)[:, None] + d[None, :], mask=io_mask, other=0.0)
+
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    qpos = prefix + qi                                       # absolute positions
+
+    # 1. the cached prefix, positions 0 .. prefix-1: visible to every row (but for a window)
+    if HAS_WINDOW:                   # keys before prefix + t0 - window + 1 are visible to no row;
+        lo_p = (tl.maximum(prefix + t0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_p = lo_p                # and every tile needs the mask
+    else:
+        lo_p = 0
+        full_p = (prefix // BLOCK_N) * BLOCK_N
+    m, l, acc = _cache_tiles(q, m, l, acc, lo_p, full_p, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g,
+                             qk_scale_cache, v_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                             stride_vh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
+                             False, HAS_WINDOW, False, SCALE_V_CACHE, EVEN_D)            # full tiles
+    m, l, acc = _cache_tiles(q, m, l, acc, full_p, prefix, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g,
+                             qk_scale_cache, v_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                             stride_vh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
+                             True, HAS_WINDOW, HAS_WINDOW, SCALE_V_CACHE, EVEN_D)        # the partial tail
+
+    # 2. this step's keys j = 0 .. q_len-1 (position prefix + j): j < t0 are visible to every row
+    #    of the tile, j in t0 .. t0+TILE_M-1 need the causal mask, later ones are visible to none
+    kn_base = k_new_ptr + q_start.to(tl.int64) * stride_knt + g * stride_knh
+    vn_base = v_new_ptr + q_start.to(tl.int64) * stride_vnt + g * stride_vnh
+    if HAS_WINDOW:
+        lo_n = (tl.maximum(t0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_n = lo_n
+    else:
+        lo_n = 0
+        full_n = (t0 // BLOCK_N) * BLOCK_N
+    end_n = tl.minimum(q_len, t0 + TILE_M)
+    m, l, acc = _new_tiles(q, m, l, acc, lo_n, full_n, qi, q_len, window, kn_base, vn_base, stride_knt,
+                           stride_vnt, prefix, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale_new, v_scale,
+                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
+                           False, HAS_WINDOW, False, NEW_PAGED, SCALE_V_NEW, EVEN_D)      # below the diagonal
+    m, l, acc = _new_tiles(q, m, l, acc, full_n, end_n, qi, q_len, window, kn_base, vn_base, stride_knt,
+                           stride_vnt, prefix, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale_new, v_scale,
+                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
+                           True, HAS_WINDOW, HAS_WINDOW, NEW_PAGED, SCALE_V_NEW, EVEN_D)  # the diagonal
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + (rows * stride_ot + head * stride_oh)[:, None] + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+# ================================================================================ launcher
 def default_block_m(max_query_len: int) -> int:
+    """v1's query tile (rows per program)."""
     return 64 if max_query_len > 16 else 16
 
 
 def prefill_tile_starts(query_start_loc: torch.Tensor, block_m: int, skip_decode_rows: bool = False) -> torch.Tensor:
     """(B+1,) int32 prefix sums of each sequence's query tiles (ceil(q_len / block_m); 0 for a
-    decode row when skipped), on the device, without a host sync. Compute once per step."""
+    decode row when skipped), on the device, without a host sync. Compute once per step.
+    block_m: query tokens per tile (v1: its block_m; v2: PrefillConfig.tile_tokens(group))."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]                        # (B,)
     tiles = (q_lens + block_m - 1) // block_m
     if skip_decode_rows:
@@ -168,8 +441,16 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_new: torch.Tensor | None = None,   # (T, num_kv_heads, head_dim): this step's K/V, rows aligned
+    v_new: torch.Tensor | None = None,   # with q's (raw values: no k_scale/v_scale), K rotated
+    pack_gqa: bool | None = None,        # v2: stack a KV head's G query heads in one program
+    config: PrefillConfig | None = None,  # v2: launch config (default prefill_config(...)); the
+                                          # block_m/... arguments above override its fields
+    impl: str | None = None,             # "v1" / "v2"; default: "v2" when k_new is given, else "v1"
 ) -> torch.Tensor:
-    """Causal attention of every query row over its sequence's paged context (module docstring)."""
+    """Causal attention of every query row over its sequence's paged context (module docstring).
+    A given tile_starts must be prefill_tile_starts(query_start_loc, tokens per tile, skip_decode_rows)
+    with v1's block_m, or v2's config.tile_tokens(num_heads // num_kv_heads)."""
     T, n_heads, head_dim = q.shape
     n_blocks, page, n_kv, head_dim_c = k_cache.shape
     B = block_tables.shape[0]
@@ -179,36 +460,76 @@ def paged_prefill_attention(
     assert context_lens.shape == (B,) and query_start_loc.shape == (B + 1,), "context_lens (B,), query_start_loc (B+1,)"
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    check_device(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    assert scale > 0 and k_scale > 0 and v_scale > 0
+    impl = impl or ("v2" if k_new is not None else "v1")
+    assert impl in ("v1", "v2"), f"impl {impl!r}: v1 or v2"
+    assert (k_new is None) == (v_new is None), "k_new and v_new go together"
+    check_device(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_new, v_new)
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
     if B == 0 or T == 0:
         return out
-    block_m, block_n = block_m or default_block_m(max_query_len), block_n or 64
+    group = n_heads // n_kv
+    if impl == "v1":
+        block_m, block_n = block_m or default_block_m(max_query_len), block_n or 64
+        if tile_starts is None:
+            tile_starts = prefill_tile_starts(query_start_loc, block_m, skip_decode_rows)
+        assert tile_starts.shape == (B + 1,) and tile_starts.dtype == torch.int32
+        # Tiles of all sequences <= sum(ceil(q_len / block_m)) <= T / block_m + B: a host-side bound.
+        grid = (n_heads, triton.cdiv(T, block_m) + B)
+        _prefill_kernel[grid](
+            q, k_cache, v_cache, block_tables, context_lens, query_start_loc, tile_starts, B, out,
+            scale * k_scale * LOG2E,
+            v_scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+            BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, BLOCK_B=_block_b(B),
+            HAS_WINDOW=bool(sliding_window),
+            num_warps=num_warps or 4, num_stages=num_stages or 2,
+        )
+        return out
+
+    cfg = config or prefill_config(max_query_len, head_dim, group)
+    overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pack_gqa=pack_gqa)
+    cfg = cfg._replace(**{key: val for key, val in overrides.items() if val is not None})
+    pack, tile_m = cfg.packs(group), cfg.tile_tokens(group)
     if tile_starts is None:
-        tile_starts = prefill_tile_starts(query_start_loc, block_m, skip_decode_rows)
+        tile_starts = prefill_tile_starts(query_start_loc, tile_m, skip_decode_rows)
     assert tile_starts.shape == (B + 1,) and tile_starts.dtype == torch.int32
-    # Tiles of all sequences <= sum(ceil(q_len / block_m)) <= T / block_m + B: a host-side bound.
-    grid = (n_heads, triton.cdiv(T, block_m) + B)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, tile_starts, B, out,
-        scale * k_scale * LOG2E,
-        v_scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+    new_paged = k_new is None
+    if new_paged:                               # this step's keys from the cache (dummy pointers)
+        k_new, v_new = k_cache, v_cache
+        kn_strides = vn_strides = (0, 0)
+    else:
+        assert k_new.shape == (T, n_kv, head_dim) and v_new.shape == (T, n_kv, head_dim), \
+            f"k_new / v_new must be (T, num_kv_heads, head_dim) = {(T, n_kv, head_dim)}"
+        assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
+        kn_strides, vn_strides = (k_new.stride(0), k_new.stride(1)), (v_new.stride(0), v_new.stride(1))
+    qk_cache = scale * k_scale * LOG2E
+    grid = (n_kv if pack else n_heads, triton.cdiv(T, tile_m) + B)
+    _prefill_kernel_v2[grid](
+        q, k_new, v_new, k_cache, v_cache, block_tables, context_lens, query_start_loc, tile_starts, B, out,
+        qk_cache, qk_cache if new_paged else scale * LOG2E, v_scale, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kn_strides, *vn_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=n_heads // n_kv, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, BLOCK_B=min(MAX_BLOCK_B, next_pow2(B)),
-        HAS_WINDOW=bool(sliding_window),
-        num_warps=num_warps or 4, num_stages=num_stages or 2,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, TILE_M=tile_m, PAGE=page, BLOCK_B=_block_b(B),
+        PACK_GQA=pack, ROW_PAD=pack and tile_m * group != cfg.block_m, NEW_PAGED=new_paged,
+        HAS_WINDOW=bool(sliding_window), SCALE_V_CACHE=v_scale != 1.0, SCALE_V_NEW=new_paged and v_scale != 1.0,
+        EVEN_D=next_pow2(head_dim) == head_dim,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
 
 def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                                 skip_decode_rows: bool = False, sliding_window=None, k_scale=1.0,
-                                v_scale=1.0) -> torch.Tensor:
-    """Plain-torch reference in fp32 (skipped rows are left as zeros)."""
+                                v_scale=1.0, k_new=None, v_new=None) -> torch.Tensor:
+    """Plain-torch reference in fp32 (skipped rows are left as zeros). With k_new / v_new, the
+    keys of this step's tokens (positions context_len - query_len ..) are their rows, unscaled."""
     n_heads, n_kv = q.shape[1], k_cache.shape[2]
     out = torch.zeros_like(q, dtype=torch.float32)
     for b in range(block_tables.shape[0]):
@@ -216,8 +537,11 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens,
         q_len, n = s1 - s0, int(context_lens[b])
         if q_len == 0 or (skip_decode_rows and q_len == 1):
             continue
-        k = gather_context(k_cache, block_tables[b], n).float().repeat_interleave(n_heads // n_kv, dim=1) * k_scale
-        v = gather_context(v_cache, block_tables[b], n).float().repeat_interleave(n_heads // n_kv, dim=1) * v_scale
+        k = gather_context(k_cache, block_tables[b], n).float() * k_scale        # new tensors
+        v = gather_context(v_cache, block_tables[b], n).float() * v_scale
+        if k_new is not None:
+            k[n - q_len:], v[n - q_len:] = k_new[s0:s1].float(), v_new[s0:s1].float()
+        k, v = k.repeat_interleave(n_heads // n_kv, dim=1), v.repeat_interleave(n_heads // n_kv, dim=1)
         s = torch.einsum("qhd,nhd->hqn", q[s0:s1].float(), k) * scale     # (H, q_len, n)
         qpos = torch.arange(n - q_len, n, device=q.device)[:, None]
         kpos = torch.arange(n, device=q.device)[None, :]
