@@ -52,7 +52,15 @@ def main() -> int:
     ap.add_argument("--size", default="8b")
     ap.add_argument("--model-dir", default="", help="default /tmp/kvmesh-llama-SIZE (made once)")
     ap.add_argument("--long-context", type=int, default=32768)
+    ap.add_argument("--fp8-upcast", default="", help="decode attention's fp8 read (paged_decode_attention."
+                    "FP8_UPCASTS); default: the module's FP8_UPCAST")
     args = ap.parse_args()
+    if args.fp8_upcast:
+        import gpu_worker.kernels.paged_decode_attention as pda
+        if args.fp8_upcast not in pda.FP8_UPCASTS:
+            ap.error(f"--fp8-upcast must be one of {', '.join(pda.FP8_UPCASTS)}")
+        pda.FP8_UPCAST = args.fp8_upcast
+        print(f"fp8 decode attention reads with fp8_upcast={args.fp8_upcast}")
     model_dir = Path(args.model_dir or f"/tmp/kvmesh-llama-{args.size}")
     model = str(model_dir if (model_dir / "config.json").exists()
                 else make_model(model_dir, "llama", args.size, seed=0))
