@@ -18,9 +18,11 @@ from services.protocol.sampling import SamplingParams
 
 
 def decode_tok_s(eng: Engine, prompt: list[int], steps: int) -> float:
-    """Batch-1 decode tokens/s after `prompt` (its prefill and first step untimed)."""
+    """Batch-1 decode tokens/s after `prompt` (its prefill, chunked or not, untimed: the clock
+    starts once the first token is out)."""
     eng.add_request("speed", prompt, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-    eng.step()
+    while not any(d.new_token_ids for d in eng.step()):
+        pass
     t = time.time()
     n = 0
     while eng.has_unfinished_requests():

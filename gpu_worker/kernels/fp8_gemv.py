@@ -1,74 +1,467 @@
-"""Weight-only FP8 GEMV for decode-sized batches (M <= 4 rows): y = x @ (W8 * s).T.
+"""Weight-only FP8 GEMV for decode-sized batches (M <= MAX_M rows): y = x @ (W8 * s).T.
 
     x (M, K) bf16/fp16/fp32     W8 (N, K) e4m3     s (N,) fp32     y (M, N) in x's dtype
-    y[m, n] = s[n] * sum_k x[m, k] * float(W8[n, k])          (fp32 accumulation)
+    y[m, n] = s[n] * sum_k x[m, k] * float(W8[n, k])  (+ bias[n])     (fp32 accumulation)
 
-At batch 1 a linear layer is a pass over its weights; cuBLASLt's fp8 GEMM (torch._scaled_mm)
-is built for large M and also needs the activations quantized first (another launch). This
-kernel reads each weight byte once, keeps x unquantized (so it is also more accurate), and
-scales in the epilogue. Grid: one program per BLOCK_N output channels; each walks K in
-BLOCK_K steps, (BLOCK_M, BLOCK_N, BLOCK_K) products reduced over K in registers.
+With scale None the same kernel is a plain GEMV of a bf16/fp16/fp32 weight.
 
-(Lives with the layers for now: the kernels helper owns gpu_worker/kernels/.)
+At batch 1 a linear layer is one pass over its weights, so the kernel is built to stream them at
+the copy rate: every program reads a (BLOCK_N, BLOCK_K) weight tile per step with 16-byte loads
+and walks its share of K; x (a few KB) stays in L1/L2. The M rows are handled one of two ways
+(config `dot`):
+
+    dot=True   tensor cores, "swap AB": acc (BLOCK_N, 16) += W_tile (BLOCK_N, BLOCK_K) @ x_tile.T,
+               x padded to 16 rows (zeros); W upcast to x's dtype (e4m3 -> bf16/fp16 is exact),
+               products exact, fp32 accumulation. Cost independent of M.
+    dot=False  CUDA cores: one (BLOCK_N, BLOCK_K) product reduced over K per row (a static loop
+               over the M rows, no 3-D broadcast); W upcast to fp32.
+
+Upcasting e4m3 is the hidden cost: on sm_90 conversion instructions run at 16/clk/SM while
+the copy rate needs ~18 weights/clk/SM. Triton's e4m3 -> bf16 (for the dots) is one cvt per two
+weights to f16x2 plus one per weight to bf16: conversion-bound. e4m3 -> fp32 (FMA path) is the
+f16x2 cvt plus HADD2.F32 (full rate): fine. Config `upcast` (fp8 weights only):
+    0  w.to(dtype) (Triton's conversions)
+    1  integer bit ops, exact: the byte's exponent+mantissa bits are moved into the target
+       format's fields (value * 2^-120 for bf16/fp32, * 2^-8 for fp16; e4m3 subnormals land on
+       subnormals with the same factor), then one multiply by the power of two
+    2  as 1 in inline PTX, two bytes at a time (prmt/shl/and + one packed multiply: ~2
+       instructions per weight, no conversion unit); dots with bf16/fp16 x only (elsewhere,
+       and under TRITON_INTERPRET=1, it runs as 1)
+e4m3fn's NaN code (never produced by quantize_weight_fp8, which saturates at +-448) reads as
++-480 with 1 and 2.
+
+K is split over `split_k` programs (grid (cdiv(N, BLOCK_N), split_k)) so that small-N layers still
+fill the 132 SMs. Partial sums (split_k, M, N) fp32 are reduced deterministically (fixed order,
+no float atomics), config `reduce`:
+    "last"      one launch: each program stores its partial, then bumps a per-N-tile counter
+                (acq_rel atomic); the program that arrives last sums the partials in split
+                order, applies scale/bias/cast and resets the counter to 0. The counters are a
+                zeroed per-device buffer allocated on first use; calls must not run concurrently
+                on two streams of one device.
+    "two_pass"  partials, then a small reduce+epilogue kernel (one more launch, ~2 us).
+split_k 1 is a single pass with the epilogue fused.
+
+Configs: gemv_config(M, N, K, weight dtype) -> TUNED (exact shapes, from bench/sweep_gemv.py on
+the H200) or DEFAULTS per (weight kind, M bucket) with split_k picked to fill the SMs.
+No host syncs; CUDA-graph capturable (allocations are torch.empty; the counter buffer is
+allocated outside capture, else "last" falls back to "two_pass").
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-MAX_M = 4
+from gpu_worker.kernels._utils import check_device, interpreting, next_pow2
+
+MAX_M = 8                   # rows per call; the dot path pads to DOT_ROWS
+DOT_ROWS = 16
+F8 = torch.float8_e4m3fn
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int = 1            # programs along K (0: pick to fill the SMs, see auto_split_k)
+    reduce: str = "last"        # split_k > 1: "last" (one launch) or "two_pass"
+    dot: bool = True            # tensor cores (M padded to 16) or one FMA reduction per row
+    upcast: int = 2             # fp8 weights: 0 .to(), 1 bit ops, 2 bit ops in PTX (module doc)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# TUNED: (weight kind "fp8" | "16bit", M bucket, N, K) -> config for the Llama-8B shapes;
+# DEFAULTS: (kind, M bucket 1/2/4/8) -> config for any other shape, split_k 0 = auto
+# (resolve_split). Both measured on the H200 by bench/sweep_gemv.py (2026-11-29) and pasted as it
+# printed them (per layer at M=1: fp8 GEMV 68.9 us vs bf16 cuBLAS 115.5 us, fp8 _scaled_mm 131.8).
+TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
+    ("fp8", 1, 6144, 4096): GemvConfig(16, 512, 2, "last", False, 0, 4, 1),  # qkv 10.58 us 2.38 TB/s
+    ("16bit", 1, 6144, 4096): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # qkv 15.88 us 3.17 TB/s
+    ("fp8", 2, 6144, 4096): GemvConfig(64, 128, 4, "last", True, 2, 4, 4),  # qkv 12.04 us 2.09 TB/s
+    ("16bit", 2, 6144, 4096): GemvConfig(32, 256, 1, "last", True, 0, 4, 3),  # qkv 16.01 us 3.14 TB/s
+    ("fp8", 4, 6144, 4096): GemvConfig(64, 128, 4, "last", True, 2, 4, 4),  # qkv 12.04 us 2.09 TB/s
+    ("16bit", 4, 6144, 4096): GemvConfig(32, 256, 1, "last", True, 0, 4, 3),  # qkv 16.16 us 3.11 TB/s
+    ("fp8", 1, 4096, 4096): GemvConfig(16, 1024, 2, "last", False, 0, 4, 1),  # o_proj 8.19 us 2.05 TB/s
+    ("16bit", 1, 4096, 4096): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # o_proj 11.50 us 2.92 TB/s
+    ("fp8", 2, 4096, 4096): GemvConfig(64, 128, 4, "last", True, 2, 4, 4),  # o_proj 9.30 us 1.80 TB/s
+    ("16bit", 2, 4096, 4096): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # o_proj 11.60 us 2.89 TB/s
+    ("fp8", 4, 4096, 4096): GemvConfig(64, 128, 4, "last", True, 2, 4, 4),  # o_proj 9.40 us 1.78 TB/s
+    ("16bit", 4, 4096, 4096): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # o_proj 11.63 us 2.89 TB/s
+    ("fp8", 1, 28672, 4096): GemvConfig(16, 1024, 1, "last", False, 0, 4, 1),  # gate_up 31.60 us 3.72 TB/s
+    ("16bit", 1, 28672, 4096): GemvConfig(16, 512, 1, "last", False, 0, 4, 1),  # gate_up 54.96 us 4.27 TB/s
+    ("fp8", 2, 28672, 4096): GemvConfig(16, 512, 1, "last", False, 0, 4, 1),  # gate_up 37.84 us 3.10 TB/s
+    ("16bit", 2, 28672, 4096): GemvConfig(64, 128, 1, "last", True, 0, 4, 4),  # gate_up 55.90 us 4.20 TB/s
+    ("fp8", 4, 28672, 4096): GemvConfig(64, 128, 2, "last", True, 2, 4, 4),  # gate_up 39.69 us 2.96 TB/s
+    ("16bit", 4, 28672, 4096): GemvConfig(64, 128, 1, "last", True, 0, 4, 4),  # gate_up 55.78 us 4.21 TB/s
+    ("fp8", 1, 4096, 14336): GemvConfig(16, 512, 3, "last", False, 0, 4, 1),  # down 18.56 us 3.16 TB/s
+    ("16bit", 1, 4096, 14336): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # down 31.05 us 3.78 TB/s
+    ("fp8", 2, 4096, 14336): GemvConfig(16, 512, 3, "last", False, 0, 4, 1),  # down 23.22 us 2.53 TB/s
+    ("16bit", 2, 4096, 14336): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # down 31.36 us 3.75 TB/s
+    ("fp8", 4, 4096, 14336): GemvConfig(64, 256, 7, "last", True, 2, 4, 3),  # down 25.86 us 2.27 TB/s
+    ("16bit", 4, 4096, 14336): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # down 31.45 us 3.73 TB/s
+}
+DEFAULTS: dict[tuple[str, int], GemvConfig] = {
+    ("fp8", 1): GemvConfig(16, 512, 0, "last", False, 0, 4, 1),  # fma16x512, geo-mean 1.08x of best (M=1)
+    ("fp8", 2): GemvConfig(16, 512, 0, "last", False, 0, 4, 1),  # fma16x512, geo-mean 1.05x of best (M=2)
+    ("fp8", 4): GemvConfig(64, 128, 0, "last", True, 2, 4, 4),  # dot64x128, geo-mean 1.03x of best (M=4)
+    ("fp8", 8): GemvConfig(64, 128, 0, "last", True, 2, 4, 4),  # dot64x128, geo-mean 1.03x of best (M=4)
+    ("16bit", 1): GemvConfig(32, 256, 0, "last", True, 0, 4, 3),  # dot32x256, geo-mean 1.03x of best (M=1)
+    ("16bit", 2): GemvConfig(32, 256, 0, "last", True, 0, 4, 3),  # dot32x256, geo-mean 1.02x of best (M=2)
+    ("16bit", 4): GemvConfig(32, 256, 0, "last", True, 0, 4, 3),  # dot32x256, geo-mean 1.03x of best (M=4)
+    ("16bit", 8): GemvConfig(32, 256, 0, "last", True, 0, 4, 3),  # dot32x256, geo-mean 1.03x of best (M=4)
+}
+
+
+SM_COUNT = 132              # H100/H200
+PROGRAMS_PER_SM = {True: 2, False: 8}   # auto split-K target per SM: dot programs (~160 registers
+                                        # per thread, ~70 KB smem: 2-3 fit an SM) / FMA programs
+
+
+def m_bucket(M: int) -> int:
+    return 1 if M <= 1 else next_pow2(M)
+
+
+def weight_kind(dtype: torch.dtype) -> str:
+    return "fp8" if dtype == F8 else "16bit"
+
+
+def auto_split_k(N: int, K: int, block_n: int, block_k: int, programs: int) -> int:
+    """Programs along K so that cdiv(N, block_n) * split >= programs, at least one K tile each;
+    rounded up to a divisor of the K tile count when one is near (equal shares, no tail)."""
+    nk, tiles = triton.cdiv(K, block_k), triton.cdiv(N, block_n)
+    want = max(1, min(nk, triton.cdiv(programs, tiles)))
+    for split in range(want, min(nk, 2 * want) + 1):
+        if nk % split == 0:
+            return split
+    return want
+
+
+def resolve_split(cfg: GemvConfig, N: int, K: int) -> GemvConfig:
+    """split_k 0 (auto) -> PROGRAMS_PER_SM[cfg.dot] programs per SM."""
+    if cfg.split_k > 0:
+        return cfg
+    return cfg._replace(split_k=auto_split_k(N, K, cfg.block_n, cfg.block_k, SM_COUNT * PROGRAMS_PER_SM[cfg.dot]))
+
+
+def gemv_config(M: int, N: int, K: int, weight_dtype: torch.dtype) -> GemvConfig:
+    """The config of an (M, K) x (N, K).T GEMV: TUNED for the exact shape, else DEFAULTS."""
+    kind, mb = weight_kind(weight_dtype), min(m_bucket(M), 8)
+    return resolve_split(TUNED.get((kind, mb, N, K)) or DEFAULTS[(kind, mb)], N, K)
+
+
+# --------------------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _upcast(w, DT: tl.constexpr, UPCAST: tl.constexpr):
+    """A loaded weight tile in dtype DT. UPCAST 0: .to(DT); 1, 2: e4m3 bits -> DT bits (exact)."""
+    if UPCAST == 0:
+        y = w.to(DT)
+    elif UPCAST == 1:
+        if DT == tl.float32:
+            # sign-extended byte s...s|eeeemmm << 20 -> s at bit 31 (bits 30..27 cleared),
+            # eeee at 26..23 (exponent field 0000eeee), mmm at 22..20: value * 2^-120
+            b = w.to(tl.int8, bitcast=True).to(tl.int32)
+            y = ((b << 20) & -0x78100000).to(tl.float32, bitcast=True) * 1.329227995784916e+36
+        else:
+            # int16 maths (0x80 << 8 wraps to the sign bit); zero-extended byte
+            b = w.to(tl.uint8, bitcast=True).to(tl.int16)
+            if DT == tl.bfloat16:
+                h = ((b & 0x80) << 8) | ((b & 0x7F) << 4)                      # value * 2^-120
+                y = h.to(tl.bfloat16, bitcast=True) * tl.full([1], 1.329227995784916e+36, tl.bfloat16)
+            else:
+                h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)                      # value * 2^-8
+                y = h.to(tl.float16, bitcast=True) * tl.full([1], 256.0, tl.float16)
+    else:
+        # two bytes per asm call (the layout of a dot operand keeps pairs of K in a register): prmt
+        # sign-extends each byte into a 16-bit lane (s*9|eeeemmm), one shift puts eeeemmm under
+        # the target's exponent/mantissa fields and s at bit 15, a mask clears the rest; one
+        # packed multiply by 2^120 (bf16) / 2^8 (fp16) restores the value exactly
+        if DT == tl.bfloat16:
+            y = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 r, a, k;
+                cvt.u32.u16 r, $1;
+                prmt.b32 a, r, 0, 0x9180;
+                shl.b32 a, a, 4;
+                and.b32 a, a, 0x87f087f0;
+                mov.b32 k, 0x7b807b80;
+                mul.rn.bf16x2 $0, a, k;
+                }""",
+                constraints="=r,h", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                is_pure=True, pack=2)
+        else:
+            y = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 r, a, k;
+                cvt.u32.u16 r, $1;
+                prmt.b32 a, r, 0, 0x9180;
+                shl.b32 a, a, 7;
+                and.b32 a, a, 0xbf80bf80;
+                mov.b32 k, 0x5c005c00;
+                mul.rn.f16x2 $0, a, k;
+                }""",
+                constraints="=r,h", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+                is_pure=True, pack=2)
+    return y
 
 
 @triton.jit
-def _w8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)                        # (BN,)
-    rm = tl.arange(0, BLOCK_M)                                        # (BM,)
-    n_ok = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)                               # (BK,)
-        k_ok = rk < K
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)      # (BN, BK)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                    mask=(rm[:, None] < M) & k_ok[None, :], other=0.0).to(tl.float32)  # (BM, BK)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)          # (BM, BN)
-    y = acc
+def _row_dot(wf, x_row_ptr, rk, k_ok, EVEN_K: tl.constexpr):
+    """sum_k wf[n, k] * x[k] for one row of x: (BLOCK_N,) fp32."""
+    if EVEN_K:
+        xv = tl.load(x_row_ptr + rk)
+    else:
+        xv = tl.load(x_row_ptr + rk, mask=k_ok, other=0.0)
+    return tl.sum(wf * xv.to(tl.float32)[None, :], axis=1)
+
+
+@triton.jit
+def _finish_row(v, m, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """v (BLOCK_N,) fp32 sums of row m over all of K -> y[m, rn]."""
     if HAS_SCALE:
-        y = y * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        v = v * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & n_ok[None, :])
+        v = v + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * N + rn, v.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _finish(v, rows, rn, m_ok, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """v (BLOCK_N, R) fp32 sums over all of K -> y[rows, rn] = (scale * v + bias) in y's dtype."""
+    if HAS_SCALE:
+        v = v * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        v = v + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + rows[None, :] * N + rn[:, None], v.to(y_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
+                 M, N, K, K_SPLIT, stride_xm, stride_wn,
+                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr,
+                 ROWS: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """Program (pid_n, pid_k): output columns pid_n*BLOCK_N.., K range [pid_k*K_SPLIT, +K_SPLIT).
+    MODE 0: y directly; 1: partial (pid_k, :, cols) into p; 2: partial, then the last program
+    of the column tile reduces them (cnt_ptr: per-tile arrival counters, left at 0)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rn_w = tl.minimum(rn, N - 1)                       # rows past N re-read row N-1, never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    w_ptrs = w_ptr + rn_w[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    rows = tl.arange(0, R)
+    m_ok = rows < M
+
+    acc = tl.zeros((BLOCK_N, R), dtype=tl.float32)     # dot path (R = 16 rows)
+    acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)      # FMA path, one per row
+    acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk = k0 + offs_k
+        k_ok = rk < k_hi
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0)
+        else:
+            w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
+        if DOT:
+            x_ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :]
+            if EVEN_K:
+                xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            else:
+                xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wc = _upcast(w, x_ptr.dtype.element_ty, UPCAST)
+            if IEEE:
+                acc = tl.dot(wc, tl.trans(xt), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(wc, tl.trans(xt), acc)
+        else:
+            wf = _upcast(w, tl.float32, UPCAST)
+            xr = x_ptr
+            acc0 += _row_dot(wf, xr, rk, k_ok, EVEN_K)
+            if ROWS > 1:
+                acc1 += _row_dot(wf, xr + stride_xm, rk, k_ok, EVEN_K)
+            if ROWS > 2:
+                acc2 += _row_dot(wf, xr + 2 * stride_xm, rk, k_ok, EVEN_K)
+            if ROWS > 3:
+                acc3 += _row_dot(wf, xr + 3 * stride_xm, rk, k_ok, EVEN_K)
+            if ROWS > 4:
+                acc4 += _row_dot(wf, xr + 4 * stride_xm, rk, k_ok, EVEN_K)
+            if ROWS > 5:
+                acc5 += _row_dot(wf, xr + 5 * stride_xm, rk, k_ok, EVEN_K)
+            if ROWS > 6:
+                acc6 += _row_dot(wf, xr + 6 * stride_xm, rk, k_ok, EVEN_K)
+            if ROWS > 7:
+                acc7 += _row_dot(wf, xr + 7 * stride_xm, rk, k_ok, EVEN_K)
+    # FMA path: rows go out one by one (the accumulators keep the reduction's layout in the loop)
+    p_ptrs = p_ptr + rows[None, :] * N + rn[:, None]              # split s at + s * M * N
+    pmask = n_ok[:, None] & m_ok[None, :]
+    if DOT:
+        if MODE == 0:
+            _finish(acc, rows, rn, m_ok, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+        else:
+            tl.store(p_ptrs + pid_k * M * N, acc, mask=pmask)
+    else:
+        if MODE == 0:
+            _finish_row(acc0, 0, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+            if ROWS > 1:
+                _finish_row(acc1, 1, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+            if ROWS > 2:
+                _finish_row(acc2, 2, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+            if ROWS > 3:
+                _finish_row(acc3, 3, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+            if ROWS > 4:
+                _finish_row(acc4, 4, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+            if ROWS > 5:
+                _finish_row(acc5, 5, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+            if ROWS > 6:
+                _finish_row(acc6, 6, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+            if ROWS > 7:
+                _finish_row(acc7, 7, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+        else:
+            pr = p_ptr + pid_k * M * N + rn
+            tl.store(pr, acc0, mask=n_ok)
+            if ROWS > 1:
+                tl.store(pr + N, acc1, mask=n_ok)
+            if ROWS > 2:
+                tl.store(pr + 2 * N, acc2, mask=n_ok)
+            if ROWS > 3:
+                tl.store(pr + 3 * N, acc3, mask=n_ok)
+            if ROWS > 4:
+                tl.store(pr + 4 * N, acc4, mask=n_ok)
+            if ROWS > 5:
+                tl.store(pr + 5 * N, acc5, mask=n_ok)
+            if ROWS > 6:
+                tl.store(pr + 6 * N, acc6, mask=n_ok)
+            if ROWS > 7:
+                tl.store(pr + 7 * N, acc7, mask=n_ok)
+    if MODE == 2:
+        tl.debug_barrier()                                         # the whole tile is stored ...
+        count = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")   # ... then released
+        splits = tl.num_programs(1)
+        if count == splits - 1:                                    # last to arrive: sum in split order
+            tot = tl.zeros((BLOCK_N, R), dtype=tl.float32)
+            for s in range(0, splits):
+                tot += tl.load(p_ptrs + s * M * N, mask=pmask, other=0.0, cache_modifier=".cg")
+            _finish(tot, rows, rn, m_ok, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+            tl.store(cnt_ptr + pid_n, 0)
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT"])
+def _splitk_reduce_kernel(p_ptr, s_ptr, b_ptr, y_ptr, M, N, SPLIT,
+                          HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, R)
+    n_ok = rn < N
+    m_ok = rows < M
+    p_ptrs = p_ptr + rows[None, :] * N + rn[:, None]
+    pmask = n_ok[:, None] & m_ok[None, :]
+    tot = tl.zeros((BLOCK_N, R), dtype=tl.float32)
+    for s in range(0, SPLIT):
+        tot += tl.load(p_ptrs + s * M * N, mask=pmask, other=0.0)
+    _finish(tot, rows, rn, m_ok, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+
+
+# -------------------------------------------------------------------------------------- launcher
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTER_SLOTS = 1 << 16
+
+
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """Zeroed per-device arrival counters of the "last" reduction (left zeroed by every call)."""
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None             # never allocated during capture: this call uses two passes
+        buf = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
+
+class _Launch(NamedTuple):
+    grid: tuple[int, int]
+    k_split: int
+    split: int
+    mode: int                       # 0 fused, 1 two-pass, 2 last program reduces
+    kw: dict
+
+
+def _plan(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig) -> _Launch:
+    M, K = x.shape
+    N = weight.shape[0]
+    fp8 = weight.dtype == F8
+    dot = cfg.dot and (fp8 or weight.dtype == x.dtype or x.dtype == torch.float32)
+    if not dot:
+        assert M <= MAX_M
+    block_n = max(16, cfg.block_n) if dot else cfg.block_n
+    block_k = min(cfg.block_k, max(16, next_pow2(K)))
+    cfg = resolve_split(cfg, N, K)
+    nk = triton.cdiv(K, block_k)
+    per = triton.cdiv(nk, max(1, min(cfg.split_k, nk)))    # K tiles per program
+    split = triton.cdiv(nk, per)
+    k_split = per * block_k
+    mode = 0
+    if split > 1:
+        mode = 2 if cfg.reduce == "last" and triton.cdiv(N, block_n) <= _COUNTER_SLOTS else 1
+    upcast = cfg.upcast if fp8 else 0
+    if upcast == 2 and (interpreting() or not dot or x.dtype == torch.float32):
+        upcast = 1
+    kw = dict(MODE=mode, ROWS=DOT_ROWS if dot else M, R=DOT_ROWS if dot else max(2, next_pow2(M)),
+              BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, UPCAST=upcast, EVEN_K=K % k_split == 0,
+              IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _Launch((triton.cdiv(N, block_n), split), k_split, split, mode, kw)
 
 
 def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(M, K) x, M <= MAX_M, unit last stride; (N, K) e4m3 weight; (N,) fp32 scale -> (M, N).
-    With scale None the weight may be any float dtype (a plain GEMV, for comparisons)."""
+            bias: torch.Tensor | None = None, *, config: GemvConfig | None = None) -> torch.Tensor:
+    """(M, K) x, M <= MAX_M, unit last stride; (N, K) e4m3 weight; (N,) fp32 scale -> (M, N) in
+    x's dtype. With scale None the weight may be any float dtype (a plain GEMV). `config`
+    overrides gemv_config's choice (sweeps, tests)."""
     M, K = x.shape
     N = weight.shape[0]
     assert 1 <= M <= MAX_M and x.stride(1) == 1, f"x must be (M <= {MAX_M}, K) row-major, got {tuple(x.shape)}"
     assert weight.shape == (N, K) and weight.stride(1) == 1 and (scale is None or scale.shape == (N,))
+    assert scale is not None or weight.dtype != F8, "e4m3 weights need their scale"
+    check_device(x, weight)
+    cfg = config or gemv_config(M, N, K, weight.dtype)
+    plan = _plan(x, weight, cfg)
+    mode = plan.mode
+    cnt = None
+    if mode == 2:
+        cnt = _counters(x.device)
+        if cnt is None:
+            plan = _plan(x, weight, cfg._replace(reduce="two_pass"))
+            mode = plan.mode
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    BLOCK_M = 1 if M == 1 else (2 if M == 2 else 4)
-    BLOCK_N = 16 if N >= 2048 else 8
-    BLOCK_K = 512 // BLOCK_M if K >= 512 else triton.next_power_of_2(K)
-    grid = (triton.cdiv(N, BLOCK_N),)
-    dummy = weight                                    # never read (HAS_SCALE/HAS_BIAS False)
-    _w8_gemv_kernel[grid](x, weight, dummy if scale is None else scale, dummy if bias is None else bias,
-                          y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-                          HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    p = torch.empty((plan.split, M, N), dtype=torch.float32, device=x.device) if mode else y
+    s_arg = weight if scale is None else scale           # never read when HAS_SCALE / HAS_BIAS False
+    b_arg = weight if bias is None else bias
+    _gemv_kernel[plan.grid](x, weight, s_arg, b_arg, y, p, y if cnt is None else cnt,
+                            M, N, K, plan.k_split, x.stride(0), weight.stride(0),
+                            HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, **plan.kw)
+    if mode == 1:
+        R = max(2, next_pow2(M))
+        _splitk_reduce_kernel[(triton.cdiv(N, 256),)](p, s_arg, b_arg, y, M, N, plan.split,
+                                                      HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+                                                      R=R, BLOCK_N=256, num_warps=4)
     return y
 
 
-def w8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+def w8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     w = weight.float() if scale is None else weight.float() * scale[:, None]
     y = x.float() @ w.t()
     return (y if bias is None else y + bias.float()).to(x.dtype)
+

@@ -56,8 +56,11 @@ from gpu_worker.kernels._utils import check_device, interpreting, next_pow2, num
 LOG2E = 1.4426950408889634
 
 # How an fp8 cache's tiles are upcast (module docstring). The engine passes no fp8_upcast: this
-# default applies, looked up at each call. Set from bench/sweep_fp8_decode.py on the H200.
-FP8_UPCAST = "bf16"
+# default applies, looked up at each call. bench/sweep_fp8_decode.py on the H200 (2026-11-29):
+# fp16 compute is the fastest everywhere (geomean fp8/bf16-cache time 1.12 vs 1.31 for the bf16
+# upcast, 1.19 PTX bits, 1.47 plain bits), and with 128-key tiles x 3 stages it beats the bf16
+# cache at batch 1 (0.83-0.89x) and at B=64 x 32k (0.95x), equal at B=64 x 8k.
+FP8_UPCAST = "f16"
 FP8_UPCASTS = {"bf16": 0, "f16": 1, "f16_bits": 2, "f16_asm": 3}
 _FP8_BITS_SCALE = 256.0          # the bit variants read value * 2^-8
 
@@ -312,13 +315,16 @@ def paged_decode_attention(
         num_splits = choose_num_splits(B, n_kv, max_context_len, q.device)
     # Tiles measured on an H200 (bench/gpu_bench.py --sweep, Llama-8B heads): 64 x 2 stages when
     # each program walks a whole context, 128 x 3 stages for the shorter split partitions.
+    # An fp8 cache moves half the bytes per key: 128-key tiles x 3 stages won in both modes
+    # (bench/sweep_fp8_decode.py).
     split = num_splits > 1
+    wide_tiles = (split or k_cache.dtype.itemsize == 1) and head_dim <= 128
     if block_n is None:
-        block_n = (128 if split else 64) if head_dim <= 128 else 32
+        block_n = 128 if wide_tiles else (64 if head_dim <= 128 else 32)
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
-        num_stages = 3 if split and head_dim <= 128 else 2
+        num_stages = 3 if wide_tiles else 2
     upcast, kv_mul = _fp8_upcast_code(k_cache.dtype, fp8_upcast)
     direct = num_splits == 1
     if direct:

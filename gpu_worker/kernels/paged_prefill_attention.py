@@ -80,9 +80,12 @@ class PrefillConfig(NamedTuple):
 # entry whose bound is >= max_query_len. Set from bench/sweep_prefill_attention.py on the H200
 # (it prints the lines to paste here).
 PREFILL_CONFIGS: list[tuple[int, PrefillConfig]] = [
+    # measured on the H200 (bench/sweep_prefill_attention.py, Llama-8B heads, 2026-11-29): the
+    # 2k-class cases peak at 64 x 64 tiles with 3 stages (362-375 TFLOP/s, v1 304-325), the 8k/32k
+    # prompts at 128 x 128 with 3 stages (488-503 TFLOP/s, v1 337-345); GQA packing never won.
     (16, PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, pack_gqa=False)),
-    (4096, PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, pack_gqa=False)),
-    (1 << 62, PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, pack_gqa=False)),
+    (4096, PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=False)),
+    (1 << 62, PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, pack_gqa=False)),
 ]
 # head_dim > 128 (e.g. 256): smaller tiles (registers / shared memory)
 PREFILL_CONFIG_WIDE = PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, pack_gqa=False)

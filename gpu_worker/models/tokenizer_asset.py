@@ -8,6 +8,11 @@ and the merges that produce them are exactly a tokenizer with vocabulary N.
     ids: [ special tokens | 256 byte symbols | merge 1, merge 2, ... merge M ]
          |<----------------- keep ids < N ------------------>|
 
+A model vocabulary larger than the asset's (Llama-3's 128,256) gets filler tokens for the ids
+beyond it: " t32768", " t32769", ... No merge produces them, so encoding is unchanged, but every
+id a random model samples decodes to visible text, as in a real tokenizer of that size (a
+serving benchmark times the first chunk that carries text).
+
 The training corpus is text already on every machine: the Python standard library's own
 sources (docstrings and comments make it mostly English) read in a fixed order.
 """
@@ -61,10 +66,13 @@ def train(vocab_size: int = ASSET_VOCAB_SIZE, out: Path = ASSET_PATH) -> None:
 
 
 def truncated_tokenizer_json(vocab_size: int) -> dict:
-    """The committed tokenizer cut down to its first `vocab_size` ids (see module docstring)."""
+    """The committed tokenizer cut down to its first `vocab_size` ids, or padded with filler
+    tokens up to it (see module docstring)."""
     data = json.loads(ASSET_PATH.read_text(encoding="utf-8"))
     vocab: dict[str, int] = data["model"]["vocab"]
     if vocab_size >= len(vocab):
+        # "Ġ" is the byte-level symbol of a space: filler id i decodes to " t{i}"
+        vocab.update({f"\u0120t{i}": i for i in range(len(vocab), vocab_size)})
         return data
     if vocab_size < len(SPECIAL_TOKENS) + 256:
         raise ValueError(f"tokenizer vocab must be at least {len(SPECIAL_TOKENS) + 256}, got {vocab_size}")

@@ -15,9 +15,12 @@ module's reference), so tests can check accuracy without a GPU.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
+from gpu_worker.kernels.fp8_gemv import MAX_M as GEMV_MAX_ROWS, w8_gemv
 from gpu_worker.kernels.fp8_linear import Fp8Weight, fp8_linear, fp8_linear_ref, quantize_weight_fp8
 
 QUANTIZATIONS = ("fp8",)
@@ -26,11 +29,13 @@ QUANTIZATIONS = ("fp8",)
 class Fp8Linear(nn.Module):
     """Drop-in for a bias-optional nn.Linear: e4m3 `weight` (N, K) + fp32 `weight_scale` (N,).
     On CUDA the activations are quantized per token and cuBLASLt's fp8 GEMM runs (fp8_linear);
-    inputs of at most `gemv_max_m` rows can take the weight-only GEMV of fp8_gemv.py instead.
-    Off (0) by default: on the
-    H200 it reached only 1.1-2.0 TB/s at M=1 and 0.2 TB/s at M=4, slower than _scaled_mm
-    (bench/engine_perf_notes.md, run 2); it waits for a split-K design."""
-    gemv_max_m = 0
+    inputs of 1..`gemv_max_m` rows (at most fp8_gemv.MAX_M) take the weight-only split-K GEMV
+    of fp8_gemv.py instead (x unquantized, weights read once): on the H200 it reads the four
+    Llama-8B layers in 68.9 us at M=1 and 87 us at M=4, against 132-135 us for cuBLASLt's fp8
+    GEMM and 115 us for bf16 cuBLAS (bench/sweep_gemv.py), hence 4 by default. Change it
+    process-wide with `Fp8Linear.gemv_max_m = N` (a class attribute, read at each forward:
+    before CUDA-graph capture) or the environment variable KVMESH_FP8_GEMV_MAX_M (read at import)."""
+    gemv_max_m = int(os.environ.get("KVMESH_FP8_GEMV_MAX_M", "4"))
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -48,10 +53,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # (T, K) -> (T, N) in x's dtype
         w = Fp8Weight(self.weight, self.weight_scale)
         if x.is_cuda:
-            if x.dim() == 2 and 0 < x.shape[0] <= self.gemv_max_m and x.stride(1) == 1:
-                from gpu_worker.kernels.fp8_gemv import MAX_M, w8_gemv
-                if x.shape[0] <= MAX_M:
-                    return w8_gemv(x, self.weight, self.weight_scale, self.bias)
+            if x.dim() == 2 and 0 < x.shape[0] <= min(self.gemv_max_m, GEMV_MAX_ROWS) and x.stride(1) == 1:
+                return w8_gemv(x, self.weight, self.weight_scale, self.bias)
             return fp8_linear(x, w, self.bias)
         return fp8_linear_ref(x, w, self.bias).to(x.dtype)
 

@@ -101,3 +101,19 @@ def test_tokenizer_and_chat_template_with_transformers(tiny_models, arch, start,
     plain = tok("Hello world")["input_ids"]
     assert tok.decode(plain, skip_special_tokens=True) == "Hello world"
     assert (plain[0] == cfg.bos_token_id) == (arch in ("llama", "mistral"))
+
+
+def test_large_vocab_tokenizer_decodes_every_id_to_text():
+    """Llama-3's 128,256 ids exceed the committed BPE asset: the ids past it get fillers that no
+    merge produces (encoding is unchanged) but that decode to visible text."""
+    from tokenizers import Tokenizer
+    from gpu_worker.models.tokenizer_asset import ASSET_VOCAB_SIZE
+
+    big, _ = mm.tokenizer_files("llama", 128256)
+    small, _ = mm.tokenizer_files("llama", ASSET_VOCAB_SIZE)
+    big_tok, small_tok = Tokenizer.from_str(json.dumps(big)), Tokenizer.from_str(json.dumps(small))
+    assert big_tok.get_vocab_size() == 128256
+    text = "def encode(self, text):  # the same ids either way, ünïcode too"
+    assert big_tok.encode(text).ids == small_tok.encode(text).ids
+    for i in (ASSET_VOCAB_SIZE, 100_000, 128255):
+        assert big_tok.decode([i]) == f" t{i}"
