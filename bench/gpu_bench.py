@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere in the repo
 
 import torch  # noqa: E402
+
+from cuda_timing import event_median_ms  # noqa: E402  (bench/, the script's folder)
 
 T0 = time.time()
 DEV = "cuda"           # "cpu" only with --smoke (TRITON_INTERPRET=1, tiny sizes: checks this script's code)
@@ -66,18 +67,7 @@ def time_cuda(fn, warmup: int = 3, reps: int = 20) -> float:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return event_median_ms(fn, reps, warmup)
 
 
 def time_graph(fn, inner: int = 20, reps: int = 10) -> float:

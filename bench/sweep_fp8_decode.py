@@ -25,13 +25,14 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere in the repo
+
+from cuda_timing import event_median_ms  # noqa: E402  (bench/, the script's folder)
 
 T0 = time.time()
 UPCASTS = ("bf16", "f16", "f16_bits", "f16_asm")
@@ -82,23 +83,11 @@ class Sweep:
 
     def time_events(self, fn, warmup: int = 2, reps: int = 9) -> float:
         """Median ms of fn() by CUDA events (wall clock once in --smoke)."""
-        torch = self.torch
         if self.smoke:
             t = time.perf_counter()
             fn()
             return (time.perf_counter() - t) * 1e3
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
+        return event_median_ms(fn, reps, warmup)
 
     def time_graph(self, fn) -> float:
         """Median ms of one fn() replayed from a CUDA graph of `inner` back-to-back calls (inner

@@ -34,7 +34,6 @@ import inspect
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -46,6 +45,8 @@ if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"                       # before triton is imported
 
 import torch  # noqa: E402
+
+from cuda_timing import event_median_ms  # noqa: E402  (bench/, the script's folder)
 
 from gpu_worker.kernels import paged_prefill_attention as ppa  # noqa: E402
 
@@ -127,15 +128,7 @@ class Sweep:
             torch.cuda.synchronize()
 
     def time_events(self, fn, reps: int) -> float:
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
+        return event_median_ms(fn, reps)
 
     def time_ms(self, fn, graph: bool = True) -> float:
         """Median ms per fn() call: CUDA-graph replays of `inner` back-to-back calls (events, without

@@ -1,0 +1,25 @@
+"""Timing shared by the device scripts in bench/: the median of CUDA-event-timed calls."""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def event_median_ms(fn: Callable[[], object], reps: int, warmup: int = 0) -> float:
+    """Median milliseconds of fn() measured with CUDA events around each call (after `warmup`
+    untimed calls). Includes the host's launch cost when fn is shorter than it: replay a CUDA
+    graph inside fn to see device time alone."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
