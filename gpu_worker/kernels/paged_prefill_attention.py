@@ -142,6 +142,21 @@ def _attend_tiles(
     return m, l, acc
 
 
+@triton.jit
+def _tile_owner(tile_start_ptr, num_seqs, item, BLOCK_B: tl.constexpr):
+    """(b, mb): query tile `item` is tile mb of sequence b, where tile_start[b] <= item <
+    tile_start[b+1], i.e. b = #{j >= 1: tile_start[j] <= item}; tiles are handed out from the
+    sequence's last (longest) ones first."""
+    count = tl.zeros((BLOCK_B,), tl.int32)
+    for j0 in range(0, num_seqs, BLOCK_B):
+        j = j0 + 1 + tl.arange(0, BLOCK_B)
+        ts = tl.load(tile_start_ptr + j, mask=j <= num_seqs, other=2147483647)
+        count += (ts <= item).to(tl.int32)
+    b = tl.sum(count, axis=0)
+    mb = tl.load(tile_start_ptr + b + 1) - 1 - item
+    return b, mb
+
+
 # Step-dependent scalars and pointers (see paged_decode_attention._STEP_PTRS): no specialization.
 _STEP_PTRS = ["block_tables_ptr", "context_lens_ptr", "qsl_ptr", "tile_start_ptr"]
 
@@ -160,14 +175,7 @@ def _prefill_kernel(
     item = tl.program_id(1)                                  # a query tile of some sequence
     if item >= tl.load(tile_start_ptr + num_seqs):
         return                                               # the grid is an upper bound
-    # Our sequence b: tile_start[b] <= item < tile_start[b+1], i.e. b = #{j >= 1: tile_start[j] <= item}.
-    count = tl.zeros((BLOCK_B,), tl.int32)
-    for j0 in range(0, num_seqs, BLOCK_B):
-        j = j0 + 1 + tl.arange(0, BLOCK_B)
-        ts = tl.load(tile_start_ptr + j, mask=j <= num_seqs, other=2147483647)
-        count += (ts <= item).to(tl.int32)
-    b = tl.sum(count, axis=0)
-    mb = tl.load(tile_start_ptr + b + 1) - 1 - item          # the sequence's last (longest) tiles first
+    b, mb = _tile_owner(tile_start_ptr, num_seqs, item, BLOCK_B)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     g = h // GROUP
@@ -326,14 +334,7 @@ def _prefill_kernel_v2(
     item = tl.program_id(1)                                  # a query tile of some sequence
     if item >= tl.load(tile_start_ptr + num_seqs):
         return                                               # the grid is an upper bound
-    # Our sequence b: tile_start[b] <= item < tile_start[b+1], i.e. b = #{j >= 1: tile_start[j] <= item}.
-    count = tl.zeros((BLOCK_B,), tl.int32)
-    for j0 in range(0, num_seqs, BLOCK_B):
-        jj = j0 + 1 + tl.arange(0, BLOCK_B)
-        ts = tl.load(tile_start_ptr + jj, mask=jj <= num_seqs, other=2147483647)
-        count += (ts <= item).to(tl.int32)
-    b = tl.sum(count, axis=0)
-    mb = tl.load(tile_start_ptr + b + 1) - 1 - item          # the sequence's last (longest) tiles first
+    b, mb = _tile_owner(tile_start_ptr, num_seqs, item, BLOCK_B)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     n_ctx = tl.load(context_lens_ptr + b)
