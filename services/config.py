@@ -157,8 +157,7 @@ class WorkerConfig(ServiceConfig):
                                       "scale 1.0, twice the blocks for the same memory).",
                               choices=("auto", "fp8"))
     async_scheduling: bool = opt(True, "Engine: prepare step N+1 on the CPU while the GPU runs step N "
-                                       "(on by default for serving: on the H200 it cut TPOT 11% at "
-                                       "concurrency 1 and raised concurrency-64 throughput 13%).")
+                                       "(on by default: faster on the H200 at every load, BENCHMARKS.md).")
     tensor_parallel_size: int = opt(1, "Engine: GPUs one worker shards the model over (one rank per GPU).")
     enable_expert_parallel: bool = opt(False, "Engine: MoE experts placed whole on ranks (all-to-all) "
                                               "instead of split across ranks.")
@@ -181,9 +180,17 @@ class ServeConfig:
     api_key: list = opt([], "Comma-separated API keys required by the gateway.")
     served_model_name: str = opt("", "Name clients use in `model` (default: the model directory's name).")
     max_num_seqs: int = opt(128, "Engine: most sequences in one step.")
+    max_num_batched_tokens: int = opt(2048, "Engine: most tokens in one step.")
     max_model_len: int = opt(0, "Engine: longest prompt + output (0: the model's limit).")
     num_gpu_blocks: int = opt(0, "Engine: KV blocks (0: profiled / CPU budget).")
     dtype: str = opt("auto", "Engine: weights dtype.")
+    gpu_memory_utilization: float = opt(0.9, "Engine: each worker's share of its GPU's total memory "
+                                             "(workers sharing one GPU need shares that add up to <= 1).")
+    quantization: str = opt("", "Engine: weight quantization ('' none, fp8).", choices=("", "fp8"))
+    kv_cache_dtype: str = opt("auto", "Engine: KV-cache storage (auto or fp8).", choices=("auto", "fp8"))
+    async_scheduling: bool = opt(True, "Engine: prepare step N+1 on the CPU while the GPU runs step N.")
+    routing: str = opt("cache_aware", "Scheduler: how a worker is chosen (kvmesh scheduler --routing).",
+                       choices=("cache_aware", "least_loaded", "round_robin"))
     null_model: bool = opt(False, "Workers skip the model and emit fake tokens (control-plane benchmarks).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms.")
     prefix_cache: bool = opt(True, "Start the prefix-cache index service when it is installed.")
@@ -349,3 +356,21 @@ def load_or_exit(cls: type[C], argv: list[str], prog: str) -> C:
     except ConfigError as exc:
         print(f"{prog}: configuration error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def flags_markdown(cls: type, without: type | None = None) -> str:
+    """The Markdown table of `cls`'s flags (docs/services.md holds these; a test keeps them true):
+    flag, environment variable, default, help. `without`: leave out the fields of this base."""
+    skip = {f.name for f in dataclasses.fields(without)} if without is not None else set()
+    rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        if isinstance(default, list):
+            default = ",".join(map(str, default))
+        text = f.metadata.get("help", "")
+        if f.metadata.get("choices"):
+            text += " One of: " + ", ".join(c or "''" for c in f.metadata["choices"]) + "."
+        rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{default}` | {text} |")
+    return "\n".join(rows)

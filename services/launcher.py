@@ -74,6 +74,17 @@ def _gpu_count() -> int:
         return 0
 
 
+def _engine_flags(cfg: ServeConfig) -> list[str]:
+    """The engine settings every worker of `kvmesh serve` gets (the worker's flags of those names)."""
+    flags = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+             "--dtype", cfg.dtype, "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+             "--kv-cache-dtype", cfg.kv_cache_dtype,
+             "--async-scheduling" if cfg.async_scheduling else "--no-async-scheduling"]
+    if cfg.quantization:
+        flags += ["--quantization", cfg.quantization]
+    return flags
+
+
 class Stack:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
@@ -99,7 +110,7 @@ class Stack:
                   "--heartbeat-ms", str(cfg.heartbeat_ms)]
         internal = ["--host", "127.0.0.1", "--port", "0", "--zmq-port", "0"]
         self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])
-        self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0"])
+        self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0", "--routing", cfg.routing])
         if cfg.prefix_cache and importlib.util.find_spec("prefix_cache_svc.main") is not None:
             self.spawn("prefix-cache", "prefix-cache", [*common, "--host", "127.0.0.1", "--port", "0",
                                                         "--metrics-port", "0"], optional=True)
@@ -109,7 +120,7 @@ class Stack:
         for i in range(cfg.workers):
             device = f"cuda:{i % gpus}" if gpus > 1 else cfg.device
             args = [*common, *internal, "--metrics-port", "0", "--model", model, "--device", device,
-                    "--worker-id", f"worker-{i}", "--max-num-seqs", str(cfg.max_num_seqs), "--dtype", cfg.dtype]
+                    "--worker-id", f"worker-{i}", *_engine_flags(cfg)]
             for flag, value in (("--served-model-name", cfg.served_model_name),
                                 ("--max-model-len", cfg.max_model_len), ("--num-gpu-blocks", cfg.num_gpu_blocks)):
                 if value:

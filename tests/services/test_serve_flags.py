@@ -1,0 +1,29 @@
+"""`kvmesh serve` hands its engine settings to every worker it starts, under the worker's own
+flag names, and its routing to the scheduler."""
+from services.config import SchedulerConfig, ServeConfig, WorkerConfig, parse_config
+from services.launcher import _engine_flags
+
+ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "dtype", "gpu_memory_utilization",
+                 "quantization", "kv_cache_dtype", "async_scheduling")
+
+
+def test_engine_settings_reach_the_worker_unchanged():
+    serve = parse_config(ServeConfig, ["--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.45",
+                                       "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+                                       "--no-async-scheduling", "--max-num-seqs", "64"], "serve", env={})
+    worker = parse_config(WorkerConfig, _engine_flags(serve), "worker", env={})
+    for name in ENGINE_FIELDS:
+        assert getattr(worker, name) == getattr(serve, name), name
+
+
+def test_defaults_match_the_worker_defaults():
+    serve, worker = ServeConfig(), WorkerConfig()
+    for name in ENGINE_FIELDS:
+        assert getattr(serve, name) == getattr(worker, name), name
+    assert parse_config(WorkerConfig, _engine_flags(serve), "worker", env={}) == worker
+
+
+def test_serve_routing_matches_the_scheduler_choices():
+    serve = parse_config(ServeConfig, ["--routing", "round_robin"], "serve", env={})
+    assert parse_config(SchedulerConfig, ["--routing", serve.routing], "scheduler", env={}).routing == "round_robin"
+    assert ServeConfig().routing == SchedulerConfig().routing
