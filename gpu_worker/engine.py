@@ -320,7 +320,7 @@ class Engine:
         if self.device.type != "cuda" or self.setup.attention_backend != "triton":
             return
         if hasattr(self.runner, "warmup"):            # compile Triton's eager-step variants now,
-            self.runner.warmup(cfg.max_num_seqs)      # not in the middle of serving
+            self.runner.warmup(cfg.max_num_seqs, min(cfg.max_num_batched_tokens, self.max_model_len))  # not mid-serving
         self._warm_sampler()
         if cfg.enforce_eager or not hasattr(self.runner, "capture_cuda_graphs"):
             return

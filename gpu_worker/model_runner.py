@@ -78,6 +78,16 @@ def kv_cache_budget(base: _DeviceMemory, now: _DeviceMemory, peak_allocated: int
     return budget
 
 
+def _warmup_query_lens(max_query_len: int) -> list[int]:
+    """A query length in each prefill launch-configuration bucket a step can reach: 17 and 2
+    (the buckets up to 16 and above), then the first length past each larger bound."""
+    from gpu_worker.kernels.paged_prefill_attention import PREFILL_CONFIGS
+    lens = [17, 2]
+    bounds = [bound for bound, _ in PREFILL_CONFIGS]
+    lens += [b + 1 for b in bounds[1:-1] if b + 1 <= max_query_len]
+    return lens
+
+
 def make_attention_backend(name: str, device: torch.device, cfg: ModelConfig) -> AttentionBackend:
     """The backend `name` on `device`; an fp8 KV cache is read and written with scales KV_SCALE
     (the scales are ignored by caches in the model's dtype)."""
@@ -317,11 +327,12 @@ class ModelRunner:
         self.attention.decode_num_splits = 1 << (splits.bit_length() - 1)
 
     @torch.inference_mode()
-    def warmup(self, max_num_seqs: int) -> None:
+    def warmup(self, max_num_seqs: int, max_query_len: int = 0) -> None:
         """Compile, before serving, every Triton kernel variant an eager step can need (CUDA +
         triton only): the prefill kernel per sequence-count class (its BLOCK_B is next_pow2(B),
-        and Triton specializes B on == 1 and % 16) and tile height (query length <= 16 or not),
-        and the decode kernel per split count. Tiny batches, no KV writes (slots -1)."""
+        and Triton specializes B on == 1 and % 16) and per launch configuration (one per
+        PREFILL_CONFIGS bucket that a query of up to `max_query_len` tokens reaches: the first
+        two always), and the decode kernel per split count. No KV writes (slots -1)."""
         if self.device.type != "cuda" or not hasattr(self.attention, "decode_num_splits"):
             return
         counts = sorted({n for n in (1, 2, 3, 5, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512)
@@ -331,7 +342,7 @@ class ModelRunner:
             self.run_model(self._warmup_batch([17, 1]))
         self.attention.decode_num_splits = 1
         for n in counts:
-            for first in (17, 2):                    # tile heights 64 and 16
+            for first in _warmup_query_lens(max_query_len):
                 self.run_model(self._warmup_batch([first] + [1] * (n - 1)))
         self.attention.decode_num_splits = None
         torch.cuda.synchronize(self.device)

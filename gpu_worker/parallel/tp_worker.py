@@ -139,10 +139,10 @@ class TPModelRunner:
         return all_min(self.rank0.profile_num_blocks(block_size, gpu_memory_utilization, max_num_batched_tokens),
                         self.control)
 
-    def warmup(self, max_num_seqs: int) -> None:
+    def warmup(self, max_num_seqs: int, max_query_len: int = 0) -> None:
         """ModelRunner.warmup on every rank (its warm-up forwards hold collectives)."""
-        self._send(make_header(OP_WARMUP, max_num_seqs))
-        self.rank0.warmup(max_num_seqs)
+        self._send(make_header(OP_WARMUP, max_num_seqs, max_query_len))
+        self.rank0.warmup(max_num_seqs, max_query_len)
 
     def capture_cuda_graphs(self, max_batch_size: int, max_context_len: int) -> None:
         """Every rank captures the same decode graphs (NCCL collectives inside them), so replays
@@ -236,7 +236,7 @@ def follow(runner: TPRankRunner, control) -> None:
             src, dst = pairs.tolist()[: int(header[1])], pairs.tolist()[int(header[1]):]
             runner.copy_blocks(src, dst)
         elif op == OP_WARMUP:
-            runner.warmup(int(header[1]))
+            runner.warmup(int(header[1]), int(header[2]))
         elif op == OP_CAPTURE:
             runner.capture_cuda_graphs(int(header[1]), int(header[2]))
         elif op == OP_PROFILE:

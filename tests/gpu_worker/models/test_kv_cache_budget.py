@@ -40,3 +40,4 @@ def test_asking_for_more_than_is_free_names_the_setting():
     now = _DeviceMemory(TOTAL, used=116 * GIB, reserved=16 * GIB, allocated=16 * GIB)
     with pytest.raises(RuntimeError, match="gpu_memory_utilization=0.9"):
         kv_cache_budget(base, now, peak_allocated=16 * GIB, gpu_memory_utilization=0.9)
+
