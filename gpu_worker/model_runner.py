@@ -356,11 +356,12 @@ class ModelRunner:
             starts.append(starts[-1] + q)
         positions = [p for q in query_lens for p in range(q)]
         i32 = dict(dtype=torch.int32, device=dev)
+        width = max(16, -(-max(query_lens) // max(self.block_size, 1)))   # every row's blocks: all block 0
         return ForwardBatch(
             input_ids=torch.zeros(T, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             query_lens=torch.tensor(query_lens, **i32), context_lens=torch.tensor(query_lens, **i32),
-            query_start_loc=torch.tensor(starts, **i32), block_tables=torch.zeros((B, 16), **i32),
+            query_start_loc=torch.tensor(starts, **i32), block_tables=torch.zeros((B, width), **i32),
             slot_mapping=torch.full((T,), -1, dtype=torch.long, device=dev),
             logits_indices=torch.tensor([T - 1], device=dev),
             max_query_len=max(query_lens), max_context_len=max(query_lens))
