@@ -43,6 +43,14 @@ class ConfigError(ValueError):
     """A flag or KVMESH_* variable is unknown or has a bad value; the message names it."""
 
 
+def check_bind_host(host: str) -> None:
+    """Every socket binds `host`: an empty value would silently mean all interfaces, so it is an
+    error; all interfaces must be asked for by name (0.0.0.0)."""
+    if not host.strip():
+        raise ConfigError("--host / KVMESH_HOST is empty: give the address to bind (127.0.0.1 by "
+                          "default; the pod IP on Kubernetes; 0.0.0.0 only to listen on every interface)")
+
+
 def opt(default: Any, help: str, **meta: Any) -> Any:
     """A config field: its default and its --help text (plus e.g. choices=...)."""
     if isinstance(default, (list, dict)):
@@ -69,6 +77,7 @@ class ServiceConfig:
         return reachable_host(self.host, self.advertise_host)
 
     def __post_init__(self) -> None:
+        check_bind_host(self.host)
         if self.lease_ms < 3 * self.heartbeat_ms:
             raise ConfigError(f"lease_ms ({self.lease_ms}) must be at least 3 x heartbeat_ms ({self.heartbeat_ms})")
 
@@ -201,6 +210,9 @@ class ServeConfig:
     lease_ms: int = opt(3000, "Registry lease in ms (how fast a dead worker is noticed).")
     heartbeat_ms: int = opt(500, "Heartbeat period in ms.")
     ready_timeout_s: float = opt(300.0, "Seconds to wait for the stack to become ready.")
+
+    def __post_init__(self) -> None:
+        check_bind_host(self.host)
 
 
 @dataclass(frozen=True)

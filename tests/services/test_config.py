@@ -55,3 +55,13 @@ def test_to_argv_round_trip():
 def test_advertise_host():
     assert WorkerConfig(host="0.0.0.0").reachable_host() == "127.0.0.1"
     assert WorkerConfig(host="0.0.0.0", advertise_host="10.0.0.5").reachable_host() == "10.0.0.5"
+
+
+@pytest.mark.parametrize("cls", [WorkerConfig, GatewayConfig, ServeConfig])
+def test_empty_bind_host_is_refused(cls):
+    """An empty host would bind every interface; only an explicit 0.0.0.0 may."""
+    with pytest.raises(ConfigError, match="KVMESH_HOST is empty"):
+        parse_config(cls, ["--host", ""], "x", env={})
+    with pytest.raises(ConfigError, match="KVMESH_HOST is empty"):
+        parse_config(cls, [], "x", env={"KVMESH_HOST": " "})
+    assert parse_config(cls, [], "x", env={}).host == "127.0.0.1"
