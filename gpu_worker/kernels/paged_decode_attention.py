@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels._paged_kv import gather_kv_tile
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2, num_sms
 
 LOG2E = 1.4426950408889634
@@ -146,13 +147,8 @@ def _decode_stage1_kernel(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)                    # (BLOCK_N,) token positions
         tmask = tok < end
-        blk = tl.load(bt_row + tok // PAGE, mask=tmask, other=0).to(tl.int64)
-        off = tok % PAGE
-        kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + g * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)                # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + g * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k, v = gather_kv_tile(bt_row, k_cache_ptr, v_cache_ptr, tok, tmask, d, dmask, g, stride_kb, stride_ks,
+                              stride_kh, stride_vb, stride_vs, stride_vh, PAGE, True, False)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(_upcast_tile(k, UPCAST, q.dtype))) * qk_scale   # (GROUP_PAD, BLOCK_N), log2
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))

@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels._paged_kv import gather_kv_tile, load_tile
 from gpu_worker.kernels._utils import check_device, next_pow2
 from gpu_worker.kernels.paged_decode_attention import gather_context
 
@@ -119,13 +120,8 @@ def _attend_tiles(
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)                    # (BLOCK_N,) key positions
         tmask = tok < hi
-        blk = tl.load(bt_row + tok // PAGE, mask=tmask, other=0).to(tl.int64)
-        off = tok % PAGE
-        kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + g * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)                # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + g * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k, v = gather_kv_tile(bt_row, k_cache_ptr, v_cache_ptr, tok, tmask, d, dmask, g, stride_kb, stride_ks,
+                              stride_kh, stride_vb, stride_vs, stride_vh, PAGE, True, False)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale   # (BLOCK_M, BLOCK_N), log2 domain
         if CAUSAL_MASK:
             visible = (tok[None, :] <= qpos[:, None]) & tmask[None, :]
@@ -215,18 +211,6 @@ def _prefill_kernel(
 
 # ================================================================================ v2 kernel
 @triton.jit
-def _load_tile(ptrs, rmask, dmask, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
-    """(rows, BLOCK_D) tile; masked loads only where needed (unmasked tiles stay plain loads)."""
-    if ROW_MASK:
-        x = tl.load(ptrs, mask=rmask[:, None] & dmask[None, :], other=0.0)
-    elif EVEN_D:
-        x = tl.load(ptrs)
-    else:
-        x = tl.load(ptrs, mask=dmask[None, :], other=0.0)
-    return x
-
-
-@triton.jit
 def _online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD: tl.constexpr, SCALE_V: tl.constexpr):
     """Fold one tile of raw logits s (BLOCK_M, BLOCK_N; masked keys -inf) and its values into
     (m, l, acc), log2 domain. GUARD: a row may have seen no visible key yet (m_new = -inf)."""
@@ -259,15 +243,8 @@ def _cache_tiles(
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)                    # (BLOCK_N,) key positions
         tmask = tok < hi
-        if MASK:
-            blk = tl.load(bt_row + tok // PAGE, mask=tmask, other=0).to(tl.int64)
-        else:
-            blk = tl.load(bt_row + tok // PAGE).to(tl.int64)
-        off = tok % PAGE
-        k = _load_tile(k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + g * stride_kh + d[None, :],
-                       tmask, dmask, MASK, EVEN_D)          # (BLOCK_N, BLOCK_D)
-        v = _load_tile(v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + g * stride_vh + d[None, :],
-                       tmask, dmask, MASK, EVEN_D)
+        k, v = gather_kv_tile(bt_row, k_cache_ptr, v_cache_ptr, tok, tmask, d, dmask, g, stride_kb, stride_ks,
+                              stride_kh, stride_vb, stride_vs, stride_vh, PAGE, MASK, EVEN_D)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k.to(q.dtype)))              # (BLOCK_M, BLOCK_N) raw logits
         if MASK:
             visible = tmask[None, :]
@@ -307,8 +284,8 @@ def _new_tiles(
         else:
             kp = kn_base + j[:, None] * stride_knt + d[None, :]
             vp = vn_base + j[:, None] * stride_vnt + d[None, :]
-        k = _load_tile(kp, jmask, dmask, CAUSAL, EVEN_D)
-        v = _load_tile(vp, jmask, dmask, CAUSAL, EVEN_D)
+        k = load_tile(kp, jmask, dmask, CAUSAL, EVEN_D)
+        v = load_tile(vp, jmask, dmask, CAUSAL, EVEN_D)
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if CAUSAL:
             visible = j[None, :] <= qi[:, None]
