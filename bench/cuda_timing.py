@@ -23,3 +23,21 @@ def event_median_ms(fn: Callable[[], object], reps: int, warmup: int = 0) -> flo
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graph_median_ms(fn: Callable[[], object], inner: int, reps: int, warmup: int = 2) -> float:
+    """Median milliseconds of one fn() replayed from a CUDA graph of `inner` back-to-back calls:
+    device time without the host's launch cost (what a CUDA-graph decode step sees). fn runs
+    once on a side stream first (allocations and lazy initialisation stay out of the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    ms = event_median_ms(graph.replay, reps, warmup) / inner
+    del graph
+    return ms

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhe
 
 import torch  # noqa: E402
 
-from cuda_timing import event_median_ms  # noqa: E402  (bench/, the script's folder)
+from cuda_timing import event_median_ms, graph_median_ms  # noqa: E402  (bench/, the script's folder)
 
 T0 = time.time()
 DEV = "cuda"           # "cpu" only with --smoke (TRITON_INTERPRET=1, tiny sizes: checks this script's code)
@@ -77,16 +77,7 @@ def time_graph(fn, inner: int = 20, reps: int = 10) -> float:
         return time_cuda(fn)
     fn()
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    return time_cuda(graph.replay, warmup=2, reps=reps) / inner
+    return graph_median_ms(fn, inner, reps)
 
 
 def attn_dtype() -> torch.dtype:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere in the repo
 
-from cuda_timing import event_median_ms  # noqa: E402  (bench/, the script's folder)
+from cuda_timing import event_median_ms, graph_median_ms  # noqa: E402  (bench/, the script's folder)
 
 T0 = time.time()
 UPCASTS = ("bf16", "f16", "f16_bits", "f16_asm")
@@ -92,23 +92,11 @@ class Sweep:
     def time_graph(self, fn) -> float:
         """Median ms of one fn() replayed from a CUDA graph of `inner` back-to-back calls (inner
         sized from an eager estimate so that a replay is a few ms): no launch overhead."""
-        torch = self.torch
         if self.smoke:
             return self.time_events(fn)
         est = self.time_events(fn, warmup=1, reps=3)
         inner = int(min(50, max(3, round(3.0 / max(est, 1e-3)))))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                fn()
-        ms = self.time_events(graph.replay, warmup=2, reps=9) / inner
-        del graph
-        return ms
+        return graph_median_ms(fn, inner, reps=9)
 
     @staticmethod
     def rel_err(out, ref) -> float:

@@ -46,7 +46,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
-from cuda_timing import event_median_ms  # noqa: E402  (bench/, the script's folder)
+from cuda_timing import event_median_ms, graph_median_ms  # noqa: E402  (bench/, the script's folder)
 
 from gpu_worker.kernels import paged_prefill_attention as ppa  # noqa: E402
 
@@ -143,18 +143,7 @@ class Sweep:
         inner = max(1, min(20, int(5.0 / max(one, 1e-3))))       # ~5 ms per replay
         if graph:
             try:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    fn()
-                torch.cuda.current_stream().wait_stream(stream)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(inner):
-                        fn()
-                g.replay()
-                self.sync()
-                return self.time_events(g.replay, 5) / inner
+                return graph_median_ms(fn, inner, reps=5, warmup=1)
             except Exception as exc:                                  # noqa: BLE001
                 log(f"    (graph capture failed: {type(exc).__name__}: {str(exc)[:120]}; timing with events)")
                 self.sync()
