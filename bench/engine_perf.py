@@ -28,7 +28,6 @@ import json
 import math
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from cuda_timing import event_median_ms  # noqa: E402  (bench/, the script's folder)
 
 T0 = time.time()
 ROWS: list[tuple[str, str, str]] = []
@@ -183,18 +184,7 @@ def graph_gpu_ms(runner, size: int, reps: int = 30, short: bool = False) -> floa
     g = runner.short_decode_graphs if short else runner.decode_graphs
     if SMOKE or g is None or size not in g.graphs:
         return float("nan")
-    graph = g.graphs[size]
-    graph.replay()
-    sync()
-    times = []
-    for _ in range(reps):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(a.elapsed_time(e))
-    return statistics.median(times)
+    return event_median_ms(g.graphs[size].replay, reps, warmup=1)
 
 
 def decode1(b: Bench, ctx: int, n_out: int = 160, label: str = "") -> float:
@@ -438,16 +428,7 @@ def part_fp8ops(_b=None) -> None:
                     for _ in range(3):
                         for w, q in zip(ws, qs):
                             fn(w, q)
-                g.replay()
-                times = []
-                for _ in range(10):
-                    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    g.replay()
-                    e.record()
-                    e.synchronize()
-                    times.append(a.elapsed_time(e) * 1e3 / (3 * copies))
-                us[vname] = statistics.median(times)
+                us[vname] = event_median_ms(g.replay, 10, warmup=1) * 1e3 / (3 * copies)
                 del g
             tb = {k: (N * K * (2 if k.startswith("bf16") else 1)) / (v * 1e-6) / 1e12 for k, v in us.items()}
             row(f"fp8ops {name} {N}x{K} M={M}", " / ".join(f"{v:.1f}" for v in us.values()) + " us",

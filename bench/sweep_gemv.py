@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -182,25 +181,17 @@ class Timer:
             t = time.perf_counter()
             outs = [fn(i) for i in range(copies)]
             return (time.perf_counter() - t) * 1e6 / copies, outs
+        from cuda_timing import event_median_ms      # bench/, the script's folder (imports torch)
         for i in range(copies):
             fn(i)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             outs = [fn(i) for _ in range(REPS) for i in range(copies)]
-        g.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(REPLAYS):
-            a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            times.append(a.elapsed_time(e) * 1e3 / (REPS * copies))
+        us = event_median_ms(g.replay, REPLAYS, warmup=1) * 1e3 / (REPS * copies)
         last = [o.clone() for o in outs[-copies:]]
         del g, outs
-        return statistics.median(times), last
+        return us, last
 
 
 def rel_err(y, ref) -> float:
