@@ -139,7 +139,27 @@ class SchedulerConfig(ServiceConfig):
 
 
 @dataclass(frozen=True)
-class WorkerConfig(ServiceConfig):
+class EngineSettings:
+    """Engine fields that `kvmesh worker` takes and `kvmesh serve` hands to every worker it starts."""
+
+    max_num_seqs: int = opt(128, "Engine: most sequences in one step.")
+    max_num_batched_tokens: int = opt(2048, "Engine: most tokens in one step.")
+    max_model_len: int = opt(0, "Engine: longest prompt + output (0: the model's limit).")
+    num_gpu_blocks: int = opt(0, "Engine: KV blocks (0: profiled / CPU budget).")
+    dtype: str = opt("auto", "Engine: auto, float32, float16, bfloat16.")
+    gpu_memory_utilization: float = opt(0.9, "Engine: this worker's share of its GPU's total memory for "
+                                             "weights, activations and KV (two workers at 0.45 share one GPU).")
+    quantization: str = opt("", "Engine: weight quantization ('' none, fp8: e4m3 weights, per-channel scales).",
+                            choices=("", "fp8"))
+    kv_cache_dtype: str = opt("auto", "Engine: KV-cache storage (auto: the model's dtype; fp8: e4m3, "
+                                      "scale 1.0, twice the blocks for the same memory).",
+                              choices=("auto", "fp8"))
+    async_scheduling: bool = opt(True, "Engine: prepare step N+1 on the CPU while the GPU runs step N "
+                                       "(on by default: faster on the H200 at every load, BENCHMARKS.md).")
+
+
+@dataclass(frozen=True)
+class WorkerConfig(EngineSettings, ServiceConfig):
     """`kvmesh worker`: one engine (one GPU or tensor-parallel group) serving dispatched requests."""
 
     model: str = opt("", "Model directory (config.json, *.safetensors, tokenizer.json).")
@@ -150,24 +170,11 @@ class WorkerConfig(ServiceConfig):
     port: int = opt(50053, "gRPC port (grpc.health.v1).")
     zmq_port: int = opt(5559, "ZMQ port receiving dispatches and aborts (0: any free port).")
     metrics_port: int = opt(9103, "Prometheus /metrics port (0: any free port, -1: off).")
-    max_num_seqs: int = opt(128, "Engine: most sequences in one step.")
-    max_num_batched_tokens: int = opt(2048, "Engine: most tokens in one step.")
-    max_model_len: int = opt(0, "Engine: longest prompt + output (0: the model's limit).")
-    num_gpu_blocks: int = opt(0, "Engine: KV blocks (0: profiled / CPU budget).")
     block_size: int = opt(16, "Engine: tokens per KV block.")
-    dtype: str = opt("auto", "Engine: auto, float32, float16, bfloat16.")
     seed: int = opt(0, "Engine seed.")
     enable_prefix_caching: bool = opt(True, "Engine: reuse KV blocks of shared prompt prefixes.")
-    gpu_memory_utilization: float = opt(0.9, "Engine: this worker's share of the GPU's total memory for weights, activations and KV (two workers at 0.45 share one GPU).")
     attention_backend: str = opt("auto", "Engine: attention kernels (auto: triton on CUDA, torch on CPU).",
                                  choices=("auto", "torch", "triton"))
-    quantization: str = opt("", "Engine: weight quantization ('' none, fp8: e4m3 weights, per-channel scales).",
-                            choices=("", "fp8"))
-    kv_cache_dtype: str = opt("auto", "Engine: KV-cache storage (auto: the model's dtype; fp8: e4m3, "
-                                      "scale 1.0, twice the blocks for the same memory).",
-                              choices=("auto", "fp8"))
-    async_scheduling: bool = opt(True, "Engine: prepare step N+1 on the CPU while the GPU runs step N "
-                                       "(on by default: faster on the H200 at every load, BENCHMARKS.md).")
     tensor_parallel_size: int = opt(1, "Engine: GPUs one worker shards the model over (one rank per GPU).")
     enable_expert_parallel: bool = opt(False, "Engine: MoE experts placed whole on ranks (all-to-all) "
                                               "instead of split across ranks.")
@@ -178,7 +185,7 @@ class WorkerConfig(ServiceConfig):
 
 
 @dataclass(frozen=True)
-class ServeConfig:
+class ServeConfig(EngineSettings):
     """`kvmesh serve`: the whole stack on one machine (each service its own process)."""
 
     model: str = opt("", "Model directory; default: a small built-in random model made on first use.")
@@ -189,16 +196,6 @@ class ServeConfig:
     device: str = opt("auto", "auto, cpu, cuda (workers take cuda:0, cuda:1, ... when several GPUs exist).")
     api_key: list = opt([], "Comma-separated API keys required by the gateway.")
     served_model_name: str = opt("", "Name clients use in `model` (default: the model directory's name).")
-    max_num_seqs: int = opt(128, "Engine: most sequences in one step.")
-    max_num_batched_tokens: int = opt(2048, "Engine: most tokens in one step.")
-    max_model_len: int = opt(0, "Engine: longest prompt + output (0: the model's limit).")
-    num_gpu_blocks: int = opt(0, "Engine: KV blocks (0: profiled / CPU budget).")
-    dtype: str = opt("auto", "Engine: weights dtype.")
-    gpu_memory_utilization: float = opt(0.9, "Engine: each worker's share of its GPU's total memory "
-                                             "(workers sharing one GPU need shares that add up to <= 1).")
-    quantization: str = opt("", "Engine: weight quantization ('' none, fp8).", choices=("", "fp8"))
-    kv_cache_dtype: str = opt("auto", "Engine: KV-cache storage (auto or fp8).", choices=("auto", "fp8"))
-    async_scheduling: bool = opt(True, "Engine: prepare step N+1 on the CPU while the GPU runs step N.")
     routing: str = opt("cache_aware", "Scheduler: how a worker is chosen (kvmesh scheduler --routing).",
                        choices=("cache_aware", "least_loaded", "round_robin"))
     null_model: bool = opt(False, "Workers skip the model and emit fake tokens (control-plane benchmarks).")

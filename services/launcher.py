@@ -10,6 +10,7 @@ Children get SIGTERM if this process dies (PR_SET_PDEATHSIG on Linux).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -21,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.config import ServeConfig, load_or_exit, reachable_host
+from services.config import EngineSettings, ServeConfig, load_or_exit, reachable_host, to_argv
 from services.embedded_redis import EmbeddedRedis
 from services.registry import Registry
 from services.logging import setup as setup_logging
@@ -75,14 +76,9 @@ def _gpu_count() -> int:
 
 
 def _engine_flags(cfg: ServeConfig) -> list[str]:
-    """The engine settings every worker of `kvmesh serve` gets (the worker's flags of those names)."""
-    flags = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-             "--dtype", cfg.dtype, "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
-             "--kv-cache-dtype", cfg.kv_cache_dtype,
-             "--async-scheduling" if cfg.async_scheduling else "--no-async-scheduling"]
-    if cfg.quantization:
-        flags += ["--quantization", cfg.quantization]
-    return flags
+    """The worker flags that reproduce serve's engine settings (EngineSettings, the fields both
+    configs share; defaults are left out, as the workers have the same ones)."""
+    return to_argv(EngineSettings(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineSettings)}))
 
 
 class Stack:
@@ -121,10 +117,8 @@ class Stack:
             device = f"cuda:{i % gpus}" if gpus > 1 else cfg.device
             args = [*common, *internal, "--metrics-port", "0", "--model", model, "--device", device,
                     "--worker-id", f"worker-{i}", *_engine_flags(cfg)]
-            for flag, value in (("--served-model-name", cfg.served_model_name),
-                                ("--max-model-len", cfg.max_model_len), ("--num-gpu-blocks", cfg.num_gpu_blocks)):
-                if value:
-                    args += [flag, str(value)]
+            if cfg.served_model_name:
+                args += ["--served-model-name", cfg.served_model_name]
             if cfg.null_model:
                 args += ["--null-model", "--null-step-ms", str(cfg.null_step_ms)]
             self.spawn(f"worker-{i}", "worker", args)
