@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.embedded_redis import EmbeddedRedis
-from tests.integration.stack import FAST, INTERNAL, Procs, ROOT, records, wait_ready
+from tests.integration.stack import FAST, INTERNAL, Procs, ROOT, records, redis_and_procs, wait_ready
 
 
 def free_port() -> int:
@@ -47,11 +46,8 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def stack(tiny_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    redis = EmbeddedRedis().start()
-    procs = Procs(redis.url, logs)
     port = free_port()
-    try:
+    with redis_and_procs(tmp_path_factory.mktemp("logs")) as (redis, procs):
         procs.start("tokenizer", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", tiny_model)
         procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "-1")
         procs.start("prefix-cache", "prefix-cache", *FAST, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1")
@@ -60,9 +56,3 @@ def stack(tiny_model, tmp_path_factory):
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, 180)
         yield Stack(procs, redis.url, tiny_model, Path(tiny_model).name, base)
-    except BaseException:
-        print(procs.logs())
-        raise
-    finally:
-        procs.stop_all()
-        redis.stop()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from services.embedded_redis import EmbeddedRedis
 
 from services.registry import Registry, ServiceRecord
 
@@ -84,3 +87,19 @@ def wait_ready(base_url: str, timeout_s: float = 120) -> None:
         except httpx.HTTPError:
             return False
     wait_for(ok, timeout_s, f"{base_url}/ready")
+
+
+@contextlib.contextmanager
+def redis_and_procs(logs: Path):
+    """An embedded Redis and a Procs for a test stack; the caller starts the services. On a
+    failure the services' logs are printed; the processes and Redis always stop."""
+    redis = EmbeddedRedis().start()
+    procs = Procs(redis.url, logs)
+    try:
+        yield redis, procs
+    except BaseException:
+        print(procs.logs())
+        raise
+    finally:
+        procs.stop_all()
+        redis.stop()

@@ -13,15 +13,13 @@ import pytest
 
 from services.embedded_redis import EmbeddedRedis
 from tests.integration.conftest import free_port
-from tests.integration.stack import FAST, INTERNAL, Procs, records, wait_for, wait_ready
+from tests.integration.stack import FAST, INTERNAL, records, redis_and_procs, wait_for, wait_ready
 
 
 @pytest.fixture(scope="module")
 def cp(tiny_model, tmp_path_factory):
-    redis = EmbeddedRedis().start()
-    procs = Procs(redis.url, tmp_path_factory.mktemp("cp-logs"))
     port = free_port()
-    try:
+    with redis_and_procs(tmp_path_factory.mktemp("cp-logs")) as (redis, procs):
         procs.start("tokenizer", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", tiny_model)
         procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "-1", "--max-queue", "2",
                     "--worker-capacity-factor", "1", "--retry-after-s", "2")
@@ -32,12 +30,6 @@ def cp(tiny_model, tmp_path_factory):
         wait_ready(base, 120)
         yield {"base": base, "procs": procs, "redis": redis, "model": os.path.basename(tiny_model),
                "model_dir": tiny_model}
-    except BaseException:
-        print(procs.logs())
-        raise
-    finally:
-        procs.stop_all()
-        redis.stop()
 
 
 def body(cp, max_tokens: int, stream: bool = False) -> dict:

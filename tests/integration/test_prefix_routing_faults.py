@@ -13,10 +13,9 @@ import httpx
 import pytest
 import redis as redis_lib
 
-from services.embedded_redis import EmbeddedRedis
 from services.prefix_client import PrefixClient
 from tests.integration.conftest import free_port
-from tests.integration.stack import FAST, INTERNAL, Procs, records, wait_for, wait_ready
+from tests.integration.stack import FAST, INTERNAL, Procs, records, redis_and_procs, wait_for, wait_ready
 
 LEASE_S = 1.5          # FAST's --lease-ms
 GROUPS = 4
@@ -33,10 +32,8 @@ def prompt(group: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pc(tiny_model, tmp_path_factory):
-    redis = EmbeddedRedis().start()
-    procs = Procs(redis.url, tmp_path_factory.mktemp("prefix-logs"))
     port = free_port()
-    try:
+    with redis_and_procs(tmp_path_factory.mktemp("prefix-logs")) as (redis, procs):
         procs.start("tokenizer", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", tiny_model)
         procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "0")
         start_index(procs)
@@ -47,12 +44,6 @@ def pc(tiny_model, tmp_path_factory):
         wait_ready(base, 60)
         wait_for(lambda: len(records(redis.url, "worker")) == 2, 30, "two workers")
         yield {"base": base, "procs": procs, "redis_url": redis.url, "model": tiny_model.rsplit("/", 1)[-1]}
-    except BaseException:
-        print(procs.logs())
-        raise
-    finally:
-        procs.stop_all()
-        redis.stop()
 
 
 def start_index(procs: Procs):
