@@ -18,6 +18,12 @@ One device call (H200, at most ~540 s) measures, on a random-weight Llama-3.1-8B
            usage's cached_tokens / prompt tokens) and how the requests and hits split per worker
            (the workers' engine counters in the Redis registry).
 
+Around every measured run (c1, c64, each routing run) it scrapes the gateway's /metrics (its HTTP
+port) and every worker's (the `metrics` address in its registry record) and reports, next to the
+client's mean TTFT, the mean of each histogram over the run (difference of _sum / difference of
+_count): the gateway's TTFT, the workers' TTFT and its split into queue (Dispatch received -> first
+scheduled) + prefill (-> first token), decode (first -> last token) and the engine step.
+
 Every stack gets its own embedded Redis (so this script can read the registry), waits until all
 workers (and the prefix-cache index) are registered, and is stopped between parts: SIGTERM to
 `kvmesh serve` (it stops its services), SIGKILL to whatever of its process group is left, also
@@ -78,6 +84,14 @@ SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_
                 "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
                 "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
                 "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms")
+STAGE_HISTOGRAMS = (  # (results key, where scraped, histogram): means over a run, in ms
+    ("gateway_ttft", "gateway", "kvmesh_time_to_first_token_seconds"),
+    ("worker_ttft", "worker", "kvmesh_worker_time_to_first_token_seconds"),
+    ("worker_queue", "worker", "kvmesh_worker_request_queue_seconds"),
+    ("worker_prefill", "worker", "kvmesh_worker_request_prefill_seconds"),
+    ("worker_decode", "worker", "kvmesh_worker_request_decode_seconds"),
+    ("engine_step", "worker", "kvmesh_engine_step_seconds"),
+)
 TARGETS = {  # (key, comparison, target, vLLM's number) per single-GPU run
     "c1": [("median_ttft_ms", "<=", 20.0, 23.4), ("median_tpot_ms", "<=", 4.3, 4.80)],
     "c64": [("total_token_throughput", ">=", 35000.0, 30600.0), ("p99_itl_ms", "<=", 50.0, 189.0)],
@@ -373,6 +387,21 @@ class ServeStack:
     def worker_loads(self) -> dict[str, dict]:
         return {r.id: dict(r.load) for r in self.records("worker")}
 
+    def scrape(self) -> dict[str, dict[str, tuple[float, float]]]:
+        """{"gateway" | "worker": {histogram: (count, sum)}}, the workers' summed. Raises when an
+        endpoint does not answer or a worker registered no metrics address."""
+        workers = self.records("worker")
+        if not workers:
+            raise StackError("no worker in the registry")
+        if missing := [r.id for r in workers if "metrics" not in r.addrs]:
+            raise StackError(f"workers {missing} registered no metrics address (--metrics-port -1?)")
+        out = {"gateway": _histograms(self.url + "/metrics"), "worker": {}}
+        for r in workers:
+            for name, (count, total) in _histograms(r.addrs["metrics"]).items():
+                c, t = out["worker"].get(name, (0.0, 0.0))
+                out["worker"][name] = (c + count, t + total)
+        return out
+
     def stop(self) -> None:
         if self.proc is not None:
             t = time.time()
@@ -393,7 +422,60 @@ class ServeStack:
             self.redis = None
 
 
+def _histograms(url: str) -> dict[str, tuple[float, float]]:
+    """Every unlabelled histogram of one /metrics endpoint: name -> (count, sum)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode(errors="replace")
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.type != "histogram":
+            continue
+        values = {s.name: s.value for s in family.samples if not s.labels or set(s.labels) == {"le"}}
+        if f"{family.name}_count" in values:
+            out[family.name] = (values[f"{family.name}_count"], values.get(f"{family.name}_sum", 0.0))
+    return out
+
+
+def stage_means(before: dict, after: dict, summary: dict) -> dict:
+    """Mean of each STAGE_HISTOGRAMS histogram over a run (ms; None when it counted nothing),
+    how many observations it made, and the client's mean TTFT beside them."""
+    client = summary.get("mean_ttft_ms")
+    out: dict = {"client_ttft_ms": None if client is None else round(client, 3), "counts": {}}
+    for key, where, name in STAGE_HISTOGRAMS:
+        c0, s0 = before[where].get(name, (0.0, 0.0))
+        c1, s1 = after[where].get(name, (0.0, 0.0))
+        out[f"{key}_ms"] = round(1000 * (s1 - s0) / (c1 - c0), 3) if c1 > c0 else None
+        out["counts"][key] = int(c1 - c0)
+    return out
+
+
 # ----------------------------------------------------------------------------- the client
+def measured_run(stack: ServeStack, label: str, args: list[str], sc: Scale, client_args: list[str],
+                 timeout_s: float) -> dict:
+    """bench_client plus the servers' stage histograms over the run (summary["stages"]); a failed
+    scrape is recorded there as stages_error and does not fail the run."""
+    try:
+        before = stack.scrape()
+    except Exception as exc:
+        before, why = None, f"{type(exc).__name__}: {exc}"
+    summary = bench_client(stack, label, args, sc, client_args, timeout_s)
+    if before is not None:
+        try:
+            summary["stages"] = st = stage_means(before, stack.scrape(), summary)
+            say(f"client {label}: mean ms TTFT client {_f(st['client_ttft_ms'])}, gateway "
+                f"{_f(st['gateway_ttft_ms'])}, worker {_f(st['worker_ttft_ms'])} (queue "
+                f"{_f(st['worker_queue_ms'])} + prefill {_f(st['worker_prefill_ms'])}); decode "
+                f"{_f(st['worker_decode_ms'])}, step {_f(st['engine_step_ms'], '{:.2f}')}")
+            return summary
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+    summary["stages_error"] = why
+    say(f"client {label}: no stage metrics ({why})")
+    return summary
+
+
 def bench_client(stack: ServeStack, label: str, args: list[str], sc: Scale, client_args: list[str],
                  timeout_s: float) -> dict:
     """One `kvmesh bench serve` run against the stack; its summary numbers (vLLM's key names).
@@ -494,7 +576,7 @@ def section_single(args, sc: Scale) -> None:
                 skip(f"single/{key}", f"{remaining():.0f} s left, ~{est_s + sc.est_stop:.0f} s needed")
                 continue
             try:
-                res[key] = bench_client(stack, f"single-{key}", cargs, sc, args.client_arg, budget())
+                res[key] = measured_run(stack, f"single-{key}", cargs, sc, args.client_arg, budget())
                 if not args.smoke:
                     res[key]["targets"] = [{"metric": m, "op": op, "target": tgt, "vllm": v,
                                             "value": res[key].get(m),
@@ -548,7 +630,7 @@ def section_routing(args, sc: Scale) -> None:
             time.sleep(1.2)     # let the workers' load records catch up (heartbeat)
             before = stack.worker_loads()
             try:
-                r["run"] = bench_client(stack, f"{mode}", gsp, sc, args.client_arg, budget())
+                r["run"] = measured_run(stack, f"{mode}", gsp, sc, args.client_arg, budget())
             except Exception as exc:
                 record_error(part, exc)
             time.sleep(1.2)
@@ -592,6 +674,7 @@ def table() -> str:
                 t = targets[k]
                 note = f"target {t['op']} {t['target']:g} ({'met' if t['met'] else 'MISSED'}); vLLM {t['vllm']:g}"
             lines.append(f"{title:<22} {name:<26} {_f(run.get(k), '{:.2f}'):>12}  {note}")
+        lines += _stage_lines(title, run)
         if run.get("failed"):
             lines.append(f"{title:<22} {'failed requests':<26} {run['failed']:>12}  {run.get('failure_reasons')}")
     routing = RESULTS["sections"].get("routing", {})
@@ -609,6 +692,7 @@ def table() -> str:
         split = " / ".join(f"{w['requests_total']} req, hit {_f(w['prefix_hit_ratio'] and 100 * w['prefix_hit_ratio'])}%"
                            for w in (routing[mode].get("workers") or {}).values())
         lines.append(f"{title:<22} {'prefix-cache hit %':<26} {_f(ratio and 100 * ratio):>12}  per worker: {split}")
+        lines += _stage_lines(title, run)
         if run.get("failed"):
             lines.append(f"{title:<22} {'failed requests':<26} {run['failed']:>12}  {run.get('failure_reasons')}")
     for part, why in RESULTS["skipped"].items():
@@ -618,6 +702,19 @@ def table() -> str:
         lines.append(f"{part:<22} {'ERROR':<26} {'':>12}  {last[0][:150]}")
     lines.append(f"elapsed {time.time() - T0:.0f} s; details in {OUT / 'serve_bench.json'}, logs in {OUT / 'serve_bench.log'}")
     return "\n".join(lines)
+
+
+def _stage_lines(title: str, run: dict) -> list[str]:
+    """Where the mean TTFT went: client, gateway, worker (queue + prefill); decode; step."""
+    st = run.get("stages")
+    if not st:
+        return [f"{title:<22} {'stage means':<26} {'-':>12}  {run.get('stages_error', '')[:120]}"] \
+            if run.get("stages_error") else []
+    f = lambda k: _f(st.get(k), "{:.2f}")  # noqa: E731
+    return [f"{title:<22} {'TTFT mean ms (client)':<26} {f('client_ttft_ms'):>12}  gateway {f('gateway_ttft_ms')}, "
+            f"worker {f('worker_ttft_ms')} = queue {f('worker_queue_ms')} + prefill {f('worker_prefill_ms')}",
+            f"{title:<22} {'worker decode mean ms':<26} {f('worker_decode_ms'):>12}  "
+            f"engine step mean {f('engine_step_ms')} ms"]
 
 
 def environment(args, sc: Scale) -> None:

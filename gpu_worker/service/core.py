@@ -6,6 +6,20 @@ Per step it emits one StepOutput per detokenizer holding every sequence's new to
 single message), a StreamOpen before a request's first tokens (same destination, so ordered),
 and a WorkerStatus to the scheduler when requests ended. All engine calls happen in run(), which
 the shell executes in one worker thread.
+
+Per request it times where the worker's share of time-to-first-token goes (vLLM's request-level
+histograms), observed into `services.metrics` as each stage ends:
+
+    received ──queue──► scheduled ──prefill──► first token ──decode──► last token
+       │                                            │
+       └──────────── worker TTFT ───────────────────┘
+
+`received` is when run() got the Dispatch; `scheduled` the start of the step that first computed
+any of its prompt tokens (seen after that step: the engine's sequence has num_computed_tokens > 0,
+or the engine already forgot the request); `first token` / `last token` the end of the step whose
+StepOutput carried the request's first / last tokens. Decode is observed only for requests that
+finished (engine finish or stop string), not for aborted ones. An engine without a `requests`
+table gets TTFT and decode only.
 """
 from __future__ import annotations
 
@@ -15,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from gpu_worker.outputs import RequestError, SequenceDelta
+from services import metrics
 from services.protocol.messages import (
     Abort, Dispatch, RequestFailed, SeqTokens, StepOutput, StreamOpen, WorkerStatus)
 
@@ -33,7 +48,11 @@ class _Req:
     detok_addr: str
     reply_addr: str
     n: int
+    received: float                      # perf_counter() when run() got the Dispatch
     done: set[int] = field(default_factory=set)
+    scheduled: float | None = None       # start of the step that first computed prompt tokens
+    first_token: float | None = None     # end of the step that produced the first token
+    last_token: float = 0.0              # end of the latest step that produced tokens
 
 
 class WorkerCore:
@@ -46,13 +65,19 @@ class WorkerCore:
         self.tokens_out = 0
         self.last_step_s = 0.0
         self._finished: list[str] = []
+        # requests whose prompt the engine has not started: checked after every step, so the
+        # cost per step is O(requests not yet scheduled). Only for engines that expose a
+        # `requests` table (the real engine and the null engine do).
+        self._unscheduled: dict[str, _Req] = {}
+        self._sees_scheduling = isinstance(getattr(engine, "requests", None), dict)
 
     # ---- one iteration -------------------------------------------------------------------
     def run(self, inbox: list[Any]) -> list[Envelope]:
         out: list[Envelope] = []
+        received = time.perf_counter()
         for msg in inbox:
             if isinstance(msg, Dispatch):
-                self._dispatch(msg, out)
+                self._dispatch(msg, out, received)
             elif isinstance(msg, Abort):
                 self._abort(msg, out)
         if self.engine.has_unfinished_requests():
@@ -64,7 +89,7 @@ class WorkerCore:
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def _dispatch(self, msg: Dispatch, out: list[Envelope]) -> None:
+    def _dispatch(self, msg: Dispatch, out: list[Envelope], received: float) -> None:
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                     priority=msg.priority, cache_salt=msg.cache_salt)
@@ -73,7 +98,10 @@ class WorkerCore:
                 request_id=msg.request_id, status=400, code="invalid_request", message=str(exc))))
             self._finished.append(msg.request_id)
             return
-        self.requests[msg.request_id] = _Req(msg.detok_addr, msg.reply_addr, msg.params.n)
+        req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received)
+        self.requests[msg.request_id] = req
+        if self._sees_scheduling:
+            self._unscheduled[msg.request_id] = req
         self.num_requests += 1
         out.append(Envelope(msg.detok_addr, StreamOpen(
             request_id=msg.request_id, params=msg.params, reply_addr=msg.reply_addr,
@@ -88,7 +116,10 @@ class WorkerCore:
             req.done.add(msg.index)
             if len(req.done) < req.n:
                 return
+        if msg.reason == "stop":         # its last sample ended by a stop string: a finish
+            _observe_decode(req)
         del self.requests[msg.request_id]
+        self._unscheduled.pop(msg.request_id, None)
         self._finished.append(msg.request_id)
         out.append(Envelope(req.detok_addr, Abort(request_id=msg.request_id, reason=msg.reason)))
 
@@ -100,8 +131,11 @@ class WorkerCore:
             log.exception("engine step failed; failing %d in-flight requests", len(self.requests))
             self.fail_all("the engine failed while running this request", out)
             return
-        self.last_step_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.last_step_s = t1 - t0
         self.num_steps += 1
+        if self._unscheduled:
+            self._note_scheduled(t0)
         if not deltas:
             return
         per_dest: dict[str, list[SeqTokens]] = {}
@@ -111,9 +145,12 @@ class WorkerCore:
                 continue
             self.tokens_out += len(d.new_token_ids)
             per_dest.setdefault(req.detok_addr, []).append(_seq_tokens(d))
+            if d.new_token_ids:
+                _note_token(req, t1)
             if d.finish_reason is not None:
                 req.done.add(d.index)
                 if len(req.done) >= req.n:
+                    _observe_decode(req)
                     del self.requests[d.request_id]
                     self._finished.append(d.request_id)
         for dest, seqs in per_dest.items():
@@ -128,6 +165,19 @@ class WorkerCore:
             out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="worker_failed")))
             self._finished.append(rid)
         self.requests.clear()
+        self._unscheduled.clear()
+
+    # ---- request stage times --------------------------------------------------------------
+    def _note_scheduled(self, step_start: float) -> None:
+        """Requests whose prompt the step that began at step_start started computing."""
+        engine_requests = self.engine.requests
+        for rid, req in list(self._unscheduled.items()):
+            ereq = engine_requests.get(rid)
+            # gone: finished (or failed) within the step, so it was scheduled in it
+            if ereq is None or (ereq.seqs and ereq.seqs[0].num_computed_tokens > 0):
+                del self._unscheduled[rid]
+                req.scheduled = step_start
+                metrics.WORKER_QUEUE.observe(step_start - req.received)
 
     # ---- load ----------------------------------------------------------------------------
     def _take_finished(self) -> list[str]:
@@ -149,6 +199,20 @@ class WorkerCore:
                             waiting=s.num_waiting, free_blocks=s.num_free_blocks,
                             cached_blocks=s.num_cached_blocks, total_blocks=s.num_total_blocks,
                             finished=finished or [], active=list(self.requests) if with_active else None)
+
+
+def _note_token(req: _Req, now: float) -> None:
+    if req.first_token is None:
+        req.first_token = now
+        metrics.WORKER_TTFT.observe(now - req.received)
+        if req.scheduled is not None:
+            metrics.WORKER_PREFILL.observe(now - req.scheduled)
+    req.last_token = now
+
+
+def _observe_decode(req: _Req) -> None:
+    if req.first_token is not None:
+        metrics.WORKER_DECODE.observe(req.last_token - req.first_token)
 
 
 def _seq_tokens(d: SequenceDelta) -> SeqTokens:

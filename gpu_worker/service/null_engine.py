@@ -1,8 +1,10 @@
 """A stand-in engine without a model, for measuring the control plane only (never for correctness).
 
-Same surface as `gpu_worker.engine.Engine` (add_request / abort_request / step / stats). Every
-running sample gets one deterministic token per step; a step sleeps `step_ms` to set the rate.
-KV blocks are accounted like a paged cache (ceil(tokens / block_size) per sample).
+Same surface as `gpu_worker.engine.Engine` (add_request / abort_request / step / stats, and a
+`requests` table whose `seqs[i].num_computed_tokens` says what ran, which WorkerCore's stage
+timings read). Every running sample gets one deterministic token per step (its whole prompt is
+"computed" in its first step); a step sleeps `step_ms` to set the rate. KV blocks are accounted
+like a paged cache (ceil(tokens / block_size) per sample).
 """
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ class _Sample:
     want_logprobs: bool
     generated: int = 0
     blocks: int = 0
+    num_computed_tokens: int = 0     # prompt + generated tokens but the last (Engine's meaning)
+
+
+@dataclass
+class _NullRequest:
+    seqs: list[_Sample]              # the samples not finished or aborted yet
 
 
 class NullEngine:
@@ -33,7 +41,8 @@ class NullEngine:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_model_len, self.step_ms = max_model_len, step_ms
         self.eos_token_ids: tuple[int, ...] = ()
-        self._samples: dict[tuple[str, int], _Sample] = {}
+        self._samples: dict[tuple[str, int], _Sample] = {}   # insertion order: who runs first
+        self.requests: dict[str, _NullRequest] = {}
         self._used_blocks = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -44,17 +53,29 @@ class NullEngine:
             raise RequestError(str(exc)) from None
         if not prompt_token_ids or len(prompt_token_ids) >= self.max_model_len:
             raise RequestError(f"invalid prompt_token_ids: need 1 to {self.max_model_len - 1} tokens")
-        if any(key[0] == request_id for key in self._samples):
+        if request_id in self.requests:
             raise RequestError(f"invalid request_id: {request_id!r} is already in use")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        for i in range(params.n):
-            self._samples[(request_id, i)] = _Sample(request_id, i, len(prompt_token_ids), max_tokens,
-                                                     params.logprobs is not None)
+        samples = [_Sample(request_id, i, len(prompt_token_ids), max_tokens, params.logprobs is not None)
+                   for i in range(params.n)]
+        self.requests[request_id] = _NullRequest(samples)
+        for s in samples:
+            self._samples[(request_id, s.index)] = s
 
     def abort_request(self, request_id: str, index: int | None = None) -> None:
-        for key in [k for k in self._samples if k[0] == request_id and index in (None, k[1])]:
-            self._used_blocks -= self._samples.pop(key).blocks
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for s in [s for s in req.seqs if index in (None, s.index)]:
+            self._drop(s)
+
+    def _drop(self, s: _Sample) -> None:
+        self._used_blocks -= self._samples.pop((s.request_id, s.index)).blocks
+        req = self.requests[s.request_id]
+        req.seqs.remove(s)
+        if not req.seqs:
+            del self.requests[s.request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._samples)
@@ -63,9 +84,10 @@ class NullEngine:
         if self.step_ms:
             time.sleep(self.step_ms / 1000)
         out: list[SequenceDelta] = []
-        for key, s in list(self._samples.items())[: self.max_num_seqs]:
+        for s in list(self._samples.values())[: self.max_num_seqs]:
             token = _FIRST_ID + (s.prompt_len * 7 + s.generated * 13 + s.index) % (self.vocab_size - _FIRST_ID)
             s.generated += 1
+            s.num_computed_tokens = s.prompt_len + s.generated - 1
             need = -(-(s.prompt_len + s.generated) // self.block_size)
             self._used_blocks += need - s.blocks
             s.blocks = need
@@ -73,8 +95,7 @@ class NullEngine:
             lp = [TokenLogprob(token, -0.5, ((token, -0.5),))] if s.want_logprobs else None
             out.append(SequenceDelta(s.request_id, s.index, [token], lp, reason, s.prompt_len, 0))
             if reason:
-                self._used_blocks -= s.blocks
-                del self._samples[key]
+                self._drop(s)
         return out
 
     def stats(self) -> EngineStats:
