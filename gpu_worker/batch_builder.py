@@ -113,6 +113,7 @@ class BatchBuilder:
             block_tables=d32[o32[3]:o32[3] + B * max_blocks].view(B, max_blocks),  # (B, M) int32
             max_query_len=int(q_lens.max()),
             max_context_len=int(ctx.max()),
+            num_decode_seqs=int((q_lens == 1).sum()),
         )
 
     def _stage(self, dtype: torch.dtype, n: int) -> np.ndarray:

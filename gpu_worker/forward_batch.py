@@ -30,6 +30,9 @@ class ForwardBatch:
                                   # each sequence that samples this step)
     max_query_len: int
     max_context_len: int
+    # Sequences with query_len 1, when the builder counted them (None: unknown). A prefill-only
+    # step (0) skips the decode attention launch: eager steps are host-bound at small sizes.
+    num_decode_seqs: int | None = None
 
     @property
     def num_tokens(self) -> int:

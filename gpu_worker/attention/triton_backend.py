@@ -3,7 +3,8 @@
     pure decode batch (max_query_len == 1):  paged_decode_attention over all rows (split-K when the
                                              batch is too small to fill the GPU)
     anything else (prefill, chunked, mixed): paged_decode_attention on the rows with query_len 1
-                                             (other rows exit at once), paged_prefill_attention on
+                                             (other rows exit at once; not launched when the
+                                             builder counted none), paged_prefill_attention on
                                              the query tiles of the others (numbered on the device
                                              once per step), so no host sync decides who is who;
                                              it reads this step's own keys from the contiguous
@@ -71,13 +72,13 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)                                         # (T, nh, D)
         if batch.num_tokens == 0:
             return out
-        splits = self.decode_num_splits or choose_num_splits(
-            batch.num_seqs, k_cache.shape[2], batch.max_context_len, q.device)
-        # Rows with query_len 1 (every row of a pure-decode step).
-        paged_decode_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
-            max_context_len=batch.max_context_len, query_start_loc=batch.query_start_loc,
-            out=out, num_splits=splits, sliding_window=self.sliding_window, **scales)
+        if batch.num_decode_seqs != 0:                                    # rows with query_len 1
+            splits = self.decode_num_splits or choose_num_splits(
+                batch.num_seqs, k_cache.shape[2], batch.max_context_len, q.device)
+            paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
+                max_context_len=batch.max_context_len, query_start_loc=batch.query_start_loc,
+                out=out, num_splits=splits, sliding_window=self.sliding_window, **scales)
         if not batch.is_pure_decode:                                      # rows with query_len > 1
             group = q.shape[1] // k_cache.shape[2]
             if k is not None:
