@@ -62,9 +62,14 @@ class EngineConfig:
     sampled tokens, read on the device; step() then returns step N's deltas (one step late).
     Hides the host's per-step work behind the GPU's. Steps where a request uses penalties (they
     need the tokens on the host) run one at a time."""
-    cuda_graph_max_bs: int = 256
-    """Largest decode batch captured in a CUDA graph (capped by max_num_seqs); larger decode
-    batches run eagerly."""
+    cuda_graph_max_bs: int = 512
+    """Largest decode batch captured in a CUDA graph (capped by max_num_seqs; vLLM's default
+    too); larger decode batches run eagerly."""
+    prefill_graph_max_tokens: int = 1024
+    """A step whose only sequence prefills at most this many tokens of its prompt (all of it, or
+    the part after a cached prefix) replays a CUDA graph captured at startup (sizes every 32
+    tokens; 0: none). Eager prefills that short are host-bound: this is the time to first token
+    of a lone request, and of a chat's next turn."""
     tensor_parallel_size: int = 1
     """GPUs one worker shards the model over (attention heads, MLP, vocabulary; one all-reduce
     per sub-layer); ranks 1.. run as child processes of the worker. 1 = no parallelism."""
@@ -89,6 +94,8 @@ class EngineConfig:
                      "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.prefill_graph_max_tokens < 0:
+            raise bad("prefill_graph_max_tokens", f"must be at least 0, got {self.prefill_graph_max_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:

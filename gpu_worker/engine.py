@@ -315,7 +315,9 @@ class Engine:
     def _prepare_gpu(self) -> None:
         """CUDA + triton attention: compile the eager-step kernel variants, then (unless
         enforce_eager) capture decode CUDA graphs: a padded batch ladder up to cuda_graph_max_bs,
-        for contexts up to max_model_len; the runner replays them for pure-decode steps that fit."""
+        for contexts up to max_model_len; the runner replays them for pure-decode steps that fit;
+        and prefill graphs for steps that prefill one prompt's up to prefill_graph_max_tokens
+        remaining tokens."""
         cfg = self.config
         if self.device.type != "cuda" or self.setup.attention_backend != "triton":
             return
@@ -325,6 +327,9 @@ class Engine:
         if cfg.enforce_eager or not hasattr(self.runner, "capture_cuda_graphs"):
             return
         self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_bs, cfg.max_num_seqs), self.max_model_len)
+        prefill_tokens = min(cfg.prefill_graph_max_tokens, cfg.max_num_batched_tokens, self.max_model_len - 1)
+        if prefill_tokens > 0 and hasattr(self.runner, "capture_prefill_graphs"):
+            self.runner.capture_prefill_graphs(prefill_tokens, self.max_model_len)
 
     def _warm_sampler(self) -> None:
         """One greedy, one plain and one filtered draw: compiles the sampling kernel."""

@@ -137,6 +137,7 @@ class ModelRunner:
         self.block_size = 0
         self.decode_graphs = None   # gpu_worker.cuda_graphs.DecodeGraphs once captured
         self.short_decode_graphs = None   # the same for contexts <= SHORT_CONTEXT (CUDA only)
+        self.prefill_graphs = None   # gpu_worker.prefill_graphs.PrefillGraphs once captured
 
     # Overridden by the tensor-parallel rank runner (gpu_worker/parallel/tp_runner.py).
     def _new_model(self, config: ModelConfig, dtype: torch.dtype) -> CausalLM:
@@ -178,7 +179,7 @@ class ModelRunner:
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = []  # free the old cache first
-        self.decode_graphs = self.short_decode_graphs = None  # captured graphs use the old cache
+        self.decode_graphs = self.short_decode_graphs = self.prefill_graphs = None  # graphs use the old cache
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
@@ -190,7 +191,7 @@ class ModelRunner:
         """Free the device memory this runner holds (KV cache, graphs, weights); it cannot run
         again. Another engine made in the same process afterwards gets the memory back."""
         self.kv_caches = []
-        self.decode_graphs = self.short_decode_graphs = None
+        self.decode_graphs = self.short_decode_graphs = self.prefill_graphs = None
         self.model = None
         gc.collect()                    # graphs and modules can sit in reference cycles
         if self.device.type == "cuda":
@@ -263,6 +264,8 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("allocate_kv_cache must be called before forward")
         batch = self.prepare_inputs(batch)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            return self.prefill_graphs.run(batch)             # (1, V) float32 logits
         graphs = self.short_decode_graphs
         if graphs is None or batch.max_context_len > graphs.max_context_len or not graphs.can_run(batch):
             graphs = self.decode_graphs
@@ -314,6 +317,34 @@ class ModelRunner:
             # max_context_len (up to 32 partitions + a merge kernel per layer); these run it unsplit.
             sizes = [n for n in self.decode_graphs.sizes if n <= SHORT_GRAPH_MAX_BS]
             self.short_decode_graphs = capture(SHORT_CONTEXT, sizes)
+
+    def capture_prefill_graphs(self, max_tokens: int, max_context_len: int) -> None:
+        """Capture single-prompt prefill steps of up to `max_tokens` new tokens behind up to
+        `max_context_len` - those cached (after allocate_kv_cache; gpu_worker/prefill_graphs.py);
+        forward then replays them for a step that prefills (the rest of) one prompt. Not for a
+        sharded lm_head (tensor parallel). On CPU the same path runs eagerly."""
+        from gpu_worker.prefill_graphs import LADDER_STEP, PrefillGraphs
+
+        if not self.kv_caches:
+            raise RuntimeError("allocate_kv_cache must be called before capture_prefill_graphs")
+        if self.device.type == "cuda" and self.attention.name == "torch":
+            raise ValueError("CUDA graphs need attention_backend='triton': the torch reference "
+                             "backend reads lengths on the host, which graph capture forbids")
+        self.prefill_graphs = None
+        if type(self.model).compute_logits is not CausalLM.compute_logits or max_tokens < LADDER_STEP:
+            return
+
+        def reset_step_state() -> None:
+            if hasattr(self.attention, "_tiles"):
+                self.attention._tiles = None
+            if hasattr(self.attention, "decode_num_splits"):
+                self.attention.decode_num_splits = None
+
+        graphs = PrefillGraphs(self.run_model, self.model.compute_logits, device=self.device,
+                               max_tokens=max_tokens, max_context_len=max_context_len, block_size=self.block_size,
+                               reset_step_state=reset_step_state)
+        graphs.capture()
+        self.prefill_graphs = graphs
 
     def _pin_decode_splits(self, batch: ForwardBatch) -> None:
         """Eager steps on the triton backend: round the decode kernel's split count down to a
