@@ -14,7 +14,8 @@ Order (each part guarded and time-boxed; the table is printed last, also to $OUT
   async      batch-1 at 128 and batch 256 again with async_scheduling (step N+1 launched before
              step N's tokens are read back)
   prefill    prefill at 512 / 2k / 8k prompts (max_tokens 1): prompt tok/s
-  sharegpt   1,000 requests, ~200 in / ~180 out (lognormal), ignore_eos, temperature 1: total tok/s
+  sharegpt   1,000 requests of ShareGPT-like lengths (default: vLLM's peer run's own, 211 in / 182
+             out on average), ignore_eos, temperature 1 (--sharegpt-temperature): total tok/s
   sharegpt_async  the same with async_scheduling on
   --fp8      fp8ops (one layer: bf16 vs fp8 _scaled_mm vs fp8 GEMV, first), then a second engine
              with quantization="fp8" runs the listed parts (parity, decode1, async, prefill, decodeB)
@@ -58,6 +59,7 @@ def log(msg: str) -> None:
 
 ROW_SUFFIX = ""   # " fp8" while the fp8 engine runs
 SHAREGPT_TEMPERATURE = 1.0   # --sharegpt-temperature
+SHAREGPT_WORKLOAD = "vllm"   # --sharegpt-workload
 
 
 def row(metric: str, value: str, note: str = "") -> None:
@@ -227,33 +229,171 @@ def part_ablation(b: Bench) -> None:
 
 
 def part_profile(b: Bench) -> None:
-    from torch.profiler import ProfilerActivity, profile
+    """GPU time by kernel family (bench/kernel_profile.py) of the steps the targets are about: a
+    batch-1 and a batch-128 decode graph replay as they serve (real contexts in the buffers), and
+    an eager prefill step of 8 x 2k prompts; GEMM time against the weight bytes / the FLOPs."""
+    from kernel_profile import format_profile, profile_kernels, top_kernels
+    if SMOKE:
+        return
     runner = b.eng.runner
-    graphs, short = runner.decode_graphs, runner.short_decode_graphs
-    runner.decode_graphs = runner.short_decode_graphs = None
-    try:
-        b.add(b.prompt(128), 12)
-        for _ in range(6):
+    layers = [m for m in runner.model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    layer_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    layer_params = sum(m.weight.numel() for m in layers)
+    head = runner.model.lm_head if runner.model.lm_head is not None else runner.model.model.embed_tokens
+    head_bytes = head.weight.numel() * head.weight.element_size()
+
+    def decode_case(B: int, ctx: int, short: bool) -> None:
+        graphs = runner.short_decode_graphs if short else runner.decode_graphs
+        if graphs is None or B not in graphs.graphs:
+            row(f"profile decode B={B}", "SKIPPED", "no graph of that size")
+            return
+        for _ in range(B):
+            b.add(b.prompt(ctx), 40)
+        while b.eng.scheduler.waiting or any(s.num_new_tokens > 1 for s in b.eng.scheduler.running):
+            b.eng.step()
+        for _ in range(4):
             b.eng.step()
         sync()
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            b.eng.step()
-            sync()
+        replay = graphs.graphs[B].replay          # the buffers hold this batch's last step
+        cats = profile_kernels(replay, reps=5)
+        b.drain()
+        gemm = cats.get("gemm (cublas)", (0.0, 0))[0] + cats.get("gemv (triton)", (0.0, 0))[0]
+        wbytes = layer_bytes + (head_bytes if graphs.returns_logits(B) else 0)
+        note = format_profile(cats)
+        if gemm:
+            note += f" | GEMMs read weights at {wbytes / (gemm * 1e-3) / 1e12:.2f} TB/s"
+        row(f"profile decode B={B} ctx={ctx} ({'short' if short else 'long'} graph)",
+            f"{cats['total'][0]:.3f} ms GPU", note)
+        log("    top kernels: " + "; ".join(f"{n[:50]} {ms:.3f}ms x{k:.0f}" for n, ms, k in top_kernels(replay)))
+
+    decode_case(1, 128, runner.short_decode_graphs is not None)
+    decode_case(1, S(8192), False)
+    decode_case(128, 256, False)
+
+    n_req, L = max(1, b.eng.config.max_num_batched_tokens // 2048), 2048
+
+    def prefill_step() -> None:
+        for _ in range(n_req):
+            b.add(b.prompt(L), 1)
+        b.drain()
+
+    cats = profile_kernels(prefill_step, reps=2)
+    gemm = cats.get("gemm (cublas)", (0.0, 0))[0]
+    tokens = n_req * L
+    note = format_profile(cats)
+    if gemm:
+        note += f" | GEMMs {2 * tokens * layer_params / (gemm * 1e-3) / 1e12:.0f} TFLOP/s"
+    row(f"profile prefill {n_req}x{L}", f"{cats['total'][0]:.1f} ms GPU ({tokens / cats['total'][0] * 1e3:.0f} tok/s)", note)
+    log("    top kernels: " + "; ".join(f"{n[:50]} {ms:.2f}ms x{k:.0f}" for n, ms, k in top_kernels(prefill_step, reps=1)))
+
+
+def part_ttft(b: Bench) -> None:
+    """The engine's share of the c=1 serving TTFT: one request of 513 prompt tokens at a time
+    (what `bench serve --random-input-len 512` sends), add -> first delta, sync and async, and a
+    chat's second turn (128 new tokens behind 2,048 cached), each with the prefill graphs and
+    eagerly; the prefill forward's host launch time, its wall time on the GPU (CUDA events from
+    the launch's start) and, eagerly, the sum of its kernels' durations (the GPU's busy time)."""
+    from kernel_profile import profile_kernels
+    eng, runner = b.eng, b.eng.runner
+    L = S(513)
+
+    def one(max_tokens: int, prompt: list[int] | None = None) -> tuple[float, float, float]:
+        forward, rec = runner.forward, {}
+
+        def timed(batch):
+            if batch.is_pure_decode or SMOKE:
+                return forward(batch)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            start.record()
+            out = forward(batch)
+            end.record()
+            rec["launch"], rec["events"] = time.perf_counter() - t, (start, end)
+            return out
+
+        runner.forward = timed
+        try:
+            t, first = time.perf_counter(), None
+            b.add(prompt or b.prompt(L), max_tokens)
+            while eng.has_unfinished_requests():
+                if eng.step() and first is None:
+                    first = time.perf_counter() - t
+        finally:
+            del runner.forward                         # back to the class's method
+        sync()
+        gpu = rec["events"][0].elapsed_time(rec["events"][1]) if "events" in rec else float("nan")
+        return 1e3 * (first or float("nan")), 1e3 * rec.get("launch", float("nan")), gpu
+
+    def second_turn() -> tuple[float, float, float]:
+        """A chat's next turn: 128 new tokens behind a 2,048-token prompt already cached."""
+        history = b.prompt(S(2048))
+        one(1, history)
+        return one(4, history + b.prompt(S(128)))
+
+    def median(fn) -> tuple[float, float, float]:
+        fn()                                           # warm
+        runs = sorted(fn() for _ in range(S(10)))
+        return runs[len(runs) // 2]
+
+    saved, graphs = eng.async_scheduling, runner.prefill_graphs
+    try:
+        for use_graphs in ((True, False) if graphs is not None else (False,)):
+            runner.prefill_graphs = graphs if use_graphs else None
+            tag = " (prefill graph)" if use_graphs else " (eager)"
+            for mode in (False, True):
+                eng.async_scheduling = mode
+                med = median(lambda: one(4))
+                row(f"ttft 1 x {L} tokens{' async' if mode else ''}{tag}", f"{med[0]:.1f} ms",
+                    f"prefill forward: host launch {med[1]:.1f} ms, GPU wall from launch {med[2]:.1f} ms "
+                    f"(median of {S(10)})")
+            eng.async_scheduling = True
+            med = median(second_turn)
+            row(f"ttft 2nd turn {S(2048)} cached + {S(128)} new, async{tag}", f"{med[0]:.1f} ms",
+                f"prefill forward: host launch {med[1]:.1f} ms, GPU wall from launch {med[2]:.1f} ms")
+        runner.prefill_graphs = None
+        eng.async_scheduling = False
+        if not SMOKE:
+            busy = profile_kernels(lambda: one(1), reps=3)["total"][0]
+            row(f"ttft prefill {L} kernel busy", f"{busy:.1f} ms", "sum of kernel durations of the step")
+    finally:
+        eng.async_scheduling, runner.prefill_graphs = saved, graphs
+
+
+def part_hostprof(b: Bench) -> None:
+    """Where the host's time goes while it launches one eager prefill forward of 513 tokens (the
+    c=1 TTFT step, host-bound when the launch takes longer than the kernels): torch.profiler's
+    CPU ops by self time, written to $OUT/hostprof_prefill.txt, the top ones logged."""
+    from torch.profiler import ProfilerActivity, profile
+    if SMOKE:
+        return
+    eng, runner = b.eng, b.eng.runner
+    forward, batches = runner.forward, []
+
+    def grab(batch):
+        if not batch.is_pure_decode:
+            batches.append(batch)
+        return forward(batch)
+
+    runner.forward = grab
+    try:
+        b.add(b.prompt(513), 1)
         b.drain()
     finally:
-        runner.decode_graphs, runner.short_decode_graphs = graphs, short
-    stats: dict[str, list[float]] = {}
-    for ev in prof.key_averages():
-        dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if dev_us and ev.device_type.name == "CUDA":
-            stats[ev.key[:60]] = [dev_us, ev.count]
-    total = sum(v[0] for v in stats.values())
-    top = sorted(stats.items(), key=lambda kv: -kv[1][0])[:12]
-    lines = [f"{us / 1e3:7.3f} ms {n:4d}x  {name}" for name, (us, n) in top]
-    log("eager batch-1 step, CUDA time by kernel (total %.3f ms):\n    " % (total / 1e3) + "\n    ".join(lines))
-    row("profile eager B=1 step GPU total", f"{total / 1e3:.3f} ms",
-        "; ".join(f"{name[:28]} {us / 1e3:.2f}ms" for name, (us, n) in top[:5]))
-    (OUT / "profile_b1.txt").write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+        del runner.forward
+    batch = batches[-1]
+    runner.run_model(batch)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        runner.run_model(batch)
+        launch = time.perf_counter() - t
+    sync()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    (OUT / "hostprof_prefill.txt").write_text(table)
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+    row("hostprof prefill 513 launch", f"{1e3 * launch:.1f} ms",
+        "; ".join(f"{e.key[:40]} {e.self_cpu_time_total / 1e3:.1f}ms x{e.count}" for e in top))
+    log(table)
 
 
 class StepSplit:
@@ -341,7 +481,11 @@ def part_sharegpt(b: Bench, seconds: float, label: str = "") -> None:
     def lognormal(mean, sigma, lo, hi):
         return int(min(hi, max(lo, rng.lognormvariate(math.log(mean) - sigma ** 2 / 2, sigma))))
 
-    reqs = [(lognormal(200, 1.0, 4, 2048), lognormal(180, 1.0, 4, 1024)) for _ in range(S(1000))]
+    if SHAREGPT_WORKLOAD == "vllm":       # the very requests of vLLM's peer run (bench/peer_workload.py)
+        from peer_workload import vllm_peer_sharegpt_lengths
+        reqs = [(S(i) if SMOKE else i, o) for i, o in vllm_peer_sharegpt_lengths(S(1000))]
+    else:
+        reqs = [(lognormal(200, 1.0, 4, 2048), lognormal(180, 1.0, 4, 1024)) for _ in range(S(1000))]
     for p, o in reqs:
         b.add(b.prompt(p), o, temperature=SHAREGPT_TEMPERATURE)
     steps = StepKinds(b.eng)
@@ -442,10 +586,15 @@ def make_engine(model_dir: Path, args, extra: dict, label: str = "", **kw):
     from gpu_worker.config import EngineConfig
     from gpu_worker.engine import Engine
     t = time.time()
-    eng = Engine(EngineConfig(model=str(model_dir), max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
-                              max_model_len=S(16384), **extra, **kw))
+    # Graphs are captured up to min(cuda_graph_max_bs, max_num_seqs): the engine is made wide
+    # enough for the widest run asked for, and the scheduler capped at 256 for the standard parts.
+    wide = max([256, args.graph_max_bs] + [int(n) for n in filter(None, args.sharegpt_seqs.split(","))])
+    eng = Engine(EngineConfig(model=str(model_dir), max_num_seqs=wide, max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_model_len=S(16384), cuda_graph_max_bs=args.graph_max_bs, **extra, **kw))
+    eng.scheduler.max_num_seqs, eng.scheduler.admit_group = 256, 256 // 8
     if SMOKE:   # the CPU stand-in of graphs (EagerReplay): exercises the parity part
         eng.runner.capture_cuda_graphs(8, eng.max_model_len)
+        eng.runner.capture_prefill_graphs(64, eng.max_model_len)
     g = eng.runner.decode_graphs
     row("engine load" + label, f"{time.time() - t:.1f} s",
         f"{eng.block_manager.num_blocks} KV blocks; graphs {'none' if g is None else len(g.sizes)}; "
@@ -505,9 +654,9 @@ def part_sharegpt_async(b: Bench, seconds: float) -> None:
 
 
 def part_sharegpt_wide(b: Bench, seconds: float, max_num_seqs: int) -> None:
-    """ShareGPT async with more concurrent sequences than the engine was made with (vLLM's
-    offline LLM defaults to 1024 on 80+ GB GPUs): the scheduler's cap is a plain attribute; decode
-    batches past cuda_graph_max_bs run eagerly."""
+    """ShareGPT async with more concurrent sequences than the standard parts' 256 (vLLM's offline
+    LLM defaults to 1024 on 80+ GB GPUs): the scheduler's cap is a plain attribute; decode batches
+    past --graph-max-bs run eagerly."""
     sched = b.eng.scheduler
     saved = sched.max_num_seqs, sched.admit_group
     sched.max_num_seqs, sched.admit_group = max_num_seqs, max(1, max_num_seqs // 8)
@@ -529,8 +678,13 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks this script only")
     ap.add_argument("--sharegpt-temperature", type=float, default=1.0)
+    ap.add_argument("--sharegpt-workload", choices=("vllm", "lognormal"), default="vllm",
+                    help="vllm: the 1,000 lengths of ../shared/peer-vllm/run_peer.py (mean 211 in / 182 "
+                         "out); lognormal: this script's older draw (mean ~193 in / ~165 out)")
     ap.add_argument("--sharegpt-seqs", default="", help="comma list of max_num_seqs values for extra "
-                    "ShareGPT async runs (e.g. 512,1024; the engine itself is made with 256)")
+                    "ShareGPT async runs (e.g. 512,1024; the other parts run with 256)")
+    ap.add_argument("--graph-max-bs", type=int, default=512, help="cuda_graph_max_bs of the engine: decode "
+                    "batches up to this size replay CUDA graphs (the ShareGPT runs past 256 need it)")
     ap.add_argument("--fp8-reserve", type=float, default=50, help="seconds kept for the fp8 engine")
     ap.add_argument("--fp8", default="", help="comma list: fp8ops (layer microbench, first), and parts run "
                     "afterwards on a second engine with quantization='fp8': parity,decode1,async,prefill,decodeB")
@@ -538,9 +692,9 @@ def main() -> None:
                     help="run every part with async_scheduling on (part 'async' compares it anyway)")
     args = ap.parse_args()
     end = T0 + args.budget
-    global SMOKE, ASYNC_DEFAULT, ROW_SUFFIX, SHAREGPT_TEMPERATURE
+    global SMOKE, ASYNC_DEFAULT, ROW_SUFFIX, SHAREGPT_TEMPERATURE, SHAREGPT_WORKLOAD
     SMOKE, ASYNC_DEFAULT = args.smoke, args.async_scheduling
-    SHAREGPT_TEMPERATURE = args.sharegpt_temperature
+    SHAREGPT_TEMPERATURE, SHAREGPT_WORKLOAD = args.sharegpt_temperature, args.sharegpt_workload
     extra = {}
     if SMOKE:
         from gpu_worker.make_model import make_model
@@ -560,7 +714,8 @@ def main() -> None:
 
     parts = [("parity", part_parity, 30), ("decode1", part_decode1, 20), ("decodeB", part_decodeB, 30),
              ("async", part_async, 25), ("prefill", part_prefill, 20), ("ablation", part_ablation, 20),
-             ("profile", part_profile, 15)]
+             ("profile", part_profile, 15), ("ttft", part_ttft, 10),
+             ("hostprof", part_hostprof, 10)]
     skip = set(filter(None, args.skip.split(",")))
     run_parts(b, parts, {name for name, _, _ in parts} - skip, end)
     fp8_parts = set(filter(None, args.fp8.split(","))) - {"fp8ops"}
