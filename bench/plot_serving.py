@@ -41,18 +41,21 @@ def routing(name: str) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
-    runs = {"kvmesh bf16": single("results_serve_single_bf16_default_2026-11-29.json"),
+    runs = {"kvmesh bf16 before (eager prefill, chunk 2048)":
+                single("results_serve_single_bf16_before_prefill_graphs_2026-11-29.json"),
+            "kvmesh bf16": single("results_serve_single_bf16_chunk1536_2026-11-29.json"),
             "kvmesh FP8 weights": single("results_serve_single_fp8_async_2026-11-29.json"),
             "vLLM 0.26.0 bf16": VLLM}
     route = routing("results_serve_routing_async_2026-11-29.json")
-    fig, axes = plt.subplots(1, 5, figsize=(19, 3.8))
-    colors = {"kvmesh bf16": "tab:blue", "kvmesh FP8 weights": "tab:cyan", "vLLM 0.26.0 bf16": "tab:orange"}
+    fig, axes = plt.subplots(1, 5, figsize=(21, 4.2))
+    colors = {"kvmesh bf16 before (eager prefill, chunk 2048)": "lightsteelblue", "kvmesh bf16": "tab:blue",
+              "kvmesh FP8 weights": "tab:cyan", "vLLM 0.26.0 bf16": "tab:orange"}
     for ax, metric in zip(axes[:4], VLLM):
         names = list(runs)
         vals = [runs[n][metric] for n in names]
         ax.bar(range(len(names)), vals, color=[colors[n] for n in names])
         ax.axhline(TARGET[metric], color="k", ls="--", lw=1, label="target")
-        ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
+        ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1).replace(" (", "\n(") for n in names], fontsize=7)
         ax.set_title(metric + ("  (higher is better)" if "tok/s" in metric else "  (lower is better)"), fontsize=9)
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)

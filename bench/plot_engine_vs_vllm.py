@@ -1,0 +1,72 @@
+"""Plots the engine against vLLM 0.26.0 measured in the same device session on the same H200
+(BENCHMARKS.md, third session): each workload's kvmesh rate as a multiple of vLLM's, with the
+issue's target as a tick where it has one.
+
+    python bench/plot_engine_vs_vllm.py   ->  bench/plots/h200_engine_vs_vllm.png
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).parent
+ENGINE = "results_engine_perf_2026-11-29_s3.json"
+SHAREGPT = "results_engine_perf_sharegpt_vllm_workload_2026-11-29.json"
+VLLM = "results_vllm_peer_2026-11-29.json"
+
+# (label, kvmesh file, kvmesh row, vLLM key, target or None)
+LINES = [
+    ("batch-1 decode\n128 ctx (async)", ENGINE, "batch-1 decode ctx=128 async", "bs1_decode_tok_s_ctx128", 240),
+    ("batch-1 decode\n8k ctx (sync)", ENGINE, "batch-1 decode ctx=8192", "bs1_decode_tok_s_ctx8192", None),
+    ("decode B=64", ENGINE, "decode B=64", "decode_bs64_out_tok_s", None),
+    ("decode B=256\n(async)", ENGINE, "decode B=256 async", "decode_bs256_out_tok_s", 18000),
+    ("prefill 512", ENGINE, "prefill L=512 x64", "prefill_tok_s_512", None),
+    ("prefill 2k", ENGINE, "prefill L=2048 x16", "prefill_tok_s_2048", 47000),
+    ("prefill 8k", ENGINE, "prefill L=8192 x4", "prefill_tok_s_8192", 40000),
+    ("ShareGPT-like\n256 seqs", SHAREGPT, "sharegpt 1000 reqs async", "sharegpt_like_total_tok_s", 25000),
+    ("ShareGPT-like\n1024 seqs", SHAREGPT, "sharegpt 1000 reqs async max_num_seqs=1024", "sharegpt_like_total_tok_s", 25000),
+]
+
+
+def rate(file: str, row: str) -> float:
+    return float(json.loads((HERE / file).read_text())[row]["value"].split()[0])
+
+
+def main() -> None:
+    vllm = json.loads((HERE / VLLM).read_text())
+    labels, ratios, targets, texts = [], [], [], []
+    for label, file, row, key, target in LINES:
+        ours, theirs = rate(file, row), float(vllm[key])
+        labels.append(label)
+        ratios.append(ours / theirs)
+        targets.append(None if target is None else target / theirs)
+        texts.append(f"{ours:,.0f}\nvs {theirs:,.0f}")
+    fig, ax = plt.subplots(figsize=(13, 4.6))
+    colors = ["tab:blue" if r >= 1 else "tab:red" for r in ratios]
+    ax.bar(range(len(labels)), ratios, color=colors)
+    for i, (r, t) in enumerate(zip(ratios, texts)):
+        ax.text(i, r + 0.02, f"{r:.2f}x\n{t}", ha="center", va="bottom", fontsize=7)
+    for i, t in enumerate(targets):
+        if t is not None:
+            ax.hlines(t, i - 0.4, i + 0.4, colors="k", linestyles="--", lw=1.2,
+                      label="target" if i == next(j for j, x in enumerate(targets) if x is not None) else None)
+    ax.axhline(1.0, color="tab:orange", lw=1.2, label="vLLM 0.26.0 (same session)")
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("kvmesh / vLLM (higher is better)")
+    ax.set_ylim(0, max(ratios + [t or 0 for t in targets]) * 1.3)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title("kvmesh engine vs vLLM 0.26.0 on one H200, same session, random Llama-3.1-8B bf16 "
+                 "(tok/s; ShareGPT-like: vLLM's own 1,000 requests)", fontsize=10)
+    fig.tight_layout()
+    out = HERE / "plots" / "h200_engine_vs_vllm.png"
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
