@@ -366,7 +366,7 @@ def part_hostprof(b: Bench) -> None:
     from torch.profiler import ProfilerActivity, profile
     if SMOKE:
         return
-    eng, runner = b.eng, b.eng.runner
+    runner = b.eng.runner
     forward, batches = runner.forward, []
 
     def grab(batch):

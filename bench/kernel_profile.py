@@ -33,31 +33,9 @@ def family(name: str) -> str:
     return next((fam for fam, pat in FAMILIES if pat.search(name)), "other")
 
 
-def profile_kernels(fn: Callable[[], object], reps: int = 5) -> dict[str, tuple[float, float]]:
-    """{family: (GPU ms per call of fn, kernels per call)} over `reps` calls of fn (after one
-    untimed call), plus "total"."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    sums: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type.name != "CUDA":
-            continue
-        us = ev.time_range.elapsed_us()   # a kernel record: its own duration
-        s = sums.setdefault(family(ev.name), [0.0, 0])
-        s[0] += us
-        s[1] += 1
-    out = {fam: (us / reps / 1e3, n / reps) for fam, (us, n) in sums.items()}
-    out["total"] = (sum(v[0] for v in out.values()), sum(v[1] for v in out.values()))
-    return out
-
-
-def top_kernels(fn: Callable[[], object], n: int = 8, reps: int = 3) -> list[tuple[str, float, float]]:
-    """The n kernels with the most GPU time per call: (name, ms per call, launches per call)."""
+def _per_call(fn: Callable[[], object], reps: int, key: Callable[[str], str]) -> dict[str, tuple[float, float]]:
+    """{key(kernel name): (GPU ms per call of fn, launches per call)} over `reps` calls of fn,
+    after one untimed call."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -68,12 +46,25 @@ def top_kernels(fn: Callable[[], object], n: int = 8, reps: int = 3) -> list[tup
     sums: dict[str, list[float]] = {}
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
-            us = ev.time_range.elapsed_us()   # a kernel record: its own duration
-            s = sums.setdefault(ev.name[:80], [0.0, 0])
-            s[0] += us
+            s = sums.setdefault(key(ev.name), [0.0, 0])
+            s[0] += ev.time_range.elapsed_us()     # a kernel record: its own duration
             s[1] += 1
-    top = sorted(sums.items(), key=lambda kv: -kv[1][0])[:n]
-    return [(name, us / reps / 1e3, k / reps) for name, (us, k) in top]
+    return {k: (us / reps / 1e3, n / reps) for k, (us, n) in sums.items()}
+
+
+def profile_kernels(fn: Callable[[], object], reps: int = 5) -> dict[str, tuple[float, float]]:
+    """{family: (GPU ms per call of fn, kernels per call)} over `reps` calls of fn (after one
+    untimed call), plus "total"."""
+    out = _per_call(fn, reps, family)
+    out["total"] = (sum(v[0] for v in out.values()), sum(v[1] for v in out.values()))
+    return out
+
+
+def top_kernels(fn: Callable[[], object], n: int = 8, reps: int = 3) -> list[tuple[str, float, float]]:
+    """The n kernels with the most GPU time per call: (name, ms per call, launches per call)."""
+    per_kernel = _per_call(fn, reps, lambda name: name[:80])
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(name, ms, k) for name, (ms, k) in top]
 
 
 def format_profile(cats: dict[str, tuple[float, float]]) -> str:

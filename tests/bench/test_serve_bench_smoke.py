@@ -48,6 +48,12 @@ def test_serve_bench_smoke(tmp_path):
     for key, n in (("c1", 4), ("c64", 12)):
         assert single[key]["completed"] == n and single[key]["failed"] == 0, single[key]
         assert single[key]["median_ttft_ms"] > 0 and single[key]["total_token_throughput"] > 0
+        stages = single[key]["stages"]                # the servers' TTFT split over the run
+        assert {k: stages["counts"][k] for k in ("gateway_ttft", "worker_ttft", "worker_queue",
+                                                 "worker_prefill", "worker_decode")} == dict.fromkeys(
+            ("gateway_ttft", "worker_ttft", "worker_queue", "worker_prefill", "worker_decode"), n), stages
+        assert 0 < stages["worker_ttft_ms"] <= stages["gateway_ttft_ms"] <= stages["client_ttft_ms"] + 1
+        assert abs(stages["worker_queue_ms"] + stages["worker_prefill_ms"] - stages["worker_ttft_ms"]) < 0.01
 
     routing = res["sections"]["routing"]
     for mode in ("cache_aware", "round_robin"):

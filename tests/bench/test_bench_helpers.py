@@ -1,0 +1,63 @@
+"""The pure helpers of the device scripts in bench/: vLLM's peer workload reproduced exactly,
+kernel names sorted into families, and engine_perf.py's whole flow on the CPU (--smoke)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from kernel_profile import family, format_profile  # noqa: E402
+from peer_workload import vllm_peer_sharegpt_lengths  # noqa: E402
+
+
+def test_peer_workload_is_vllms():
+    """run_peer.py measured these means (../shared/peer-vllm/, results_vllm_peer_2026-11-29.json)."""
+    reqs = vllm_peer_sharegpt_lengths()
+    assert len(reqs) == 1000
+    assert sum(i for i, _ in reqs) / 1000 == pytest.approx(211.396, abs=1e-9)
+    assert sum(o for _, o in reqs) / 1000 == pytest.approx(182.132, abs=1e-9)
+    assert all(4 <= i <= 1024 and 4 <= o <= 1024 for i, o in reqs)
+
+
+@pytest.mark.parametrize("name, fam", [
+    ("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", "gemm (cublas)"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm (cublas)"),
+    ("_gemv_kernel", "gemv (triton)"), ("_splitk_reduce_kernel", "gemv (triton)"),
+    ("_decode_stage1_kernel", "decode attention"), ("_prefill_kernel_v2", "prefill attention"),
+    ("_rmsnorm_kernel", "rmsnorm"), ("_rope_kv_write_kernel", "rope + kv write"),
+    ("_swiglu_kernel", "swiglu"), ("_gumbel_argmax_kernel", "sampling"),
+    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16>", "embedding"),
+    ("Memset (Device)", "copy / fill"), ("void at::native::vectorized_elementwise_kernel<4>", "other"),
+])
+def test_kernel_families(name, fam):
+    assert family(name) == fam
+
+
+def test_format_profile_orders_by_time():
+    text = format_profile({"rmsnorm": (0.5, 65), "gemm (cublas)": (3.0, 129), "total": (3.5, 194)})
+    assert text == "gemm (cublas) 3.000 ms 86% x129; rmsnorm 0.500 ms 14% x65; total 3.500 ms"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_engine_perf_smoke(tmp_path):
+    """Every part that runs on the CPU, the prefill graphs (eager stand-in) and vLLM's workload."""
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    r = subprocess.run([sys.executable, "bench/engine_perf.py", "--smoke", "--model-dir", str(tmp_path / "tiny"),
+                        "--budget", "200", "--skip", "ablation,sharegpt", "--sharegpt-temperature", "0"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "engine_perf.json").read_text())
+    errors = {k: v for k, v in res.items() if "ERROR" in v["value"] or "SKIPPED" in v["value"]}
+    assert not errors, errors
+    assert res["parity graphs vs eager (long)"]["value"] == "ok"
+    assert "ttft 1 x 16 tokens (prefill graph)" in res and "ttft 1 x 16 tokens (eager)" in res
+    scaled = sum(max(4, i // 32) for i, _ in vllm_peer_sharegpt_lengths(1000 // 32))   # --smoke's S()
+    assert f"in {scaled} / out" in res["sharegpt 1000 reqs async"]["note"]            # vLLM's lengths
