@@ -334,15 +334,9 @@ class ModelRunner:
         if type(self.model).compute_logits is not CausalLM.compute_logits or max_tokens < LADDER_STEP:
             return
 
-        def reset_step_state() -> None:
-            if hasattr(self.attention, "_tiles"):
-                self.attention._tiles = None
-            if hasattr(self.attention, "decode_num_splits"):
-                self.attention.decode_num_splits = None
-
         graphs = PrefillGraphs(self.run_model, self.model.compute_logits, device=self.device,
                                max_tokens=max_tokens, max_context_len=max_context_len, block_size=self.block_size,
-                               reset_step_state=reset_step_state)
+                               reset_step_state=self.attention.forget_step_state)
         graphs.capture()
         self.prefill_graphs = graphs
 

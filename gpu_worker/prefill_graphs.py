@@ -66,6 +66,7 @@ class PrefillGraphs:
         self.logits_indices = torch.zeros(1, **i64)                 # (1,)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self._pool = None      # CUDA: the memory pool every size's graph shares
 
     def static_batch(self, size: int) -> ForwardBatch:
         return ForwardBatch(
@@ -87,10 +88,10 @@ class PrefillGraphs:
             batch = self.static_batch(size)
             if self.device.type != "cuda":
                 self.reset_step_state()
-                self.graphs[size] = EagerReplay(self._replay_fn(batch), batch)
+                self.graphs[size] = EagerReplay(self._eager_fn, batch)
                 self.outputs[size] = self.graphs[size].output
                 continue
-            if not self.graphs:
+            if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -110,11 +111,10 @@ class PrefillGraphs:
             torch.cuda.synchronize(self.device)
             log.info("captured %d prefill CUDA graphs (prompts of up to %d tokens)", len(self.sizes), self.sizes[-1])
 
-    def _replay_fn(self, batch: ForwardBatch) -> Callable[[ForwardBatch], torch.Tensor]:
-        def fn(b: ForwardBatch) -> torch.Tensor:      # CPU: eager, the step state reset like a capture
-            self.reset_step_state()
-            return self._fn(b)
-        return fn
+    def _eager_fn(self, batch: ForwardBatch) -> torch.Tensor:
+        """CPU stand-in of a replay: the step state reset as before a capture."""
+        self.reset_step_state()
+        return self._fn(batch)
 
     def _fill_dummy(self, size: int) -> None:
         self.input_ids[:size].zero_()

@@ -35,3 +35,8 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:          # (T, num_heads, head_dim)
         ...
+
+    def forget_step_state(self) -> None:
+        """Drop whatever the layers of one step share (computed by the first layer, reused by the
+        rest), so that the next call computes it afresh: a CUDA-graph capture must record that
+        work itself. Stateless backends have nothing to drop."""

@@ -49,6 +49,9 @@ class TritonAttentionBackend(AttentionBackend):
         # A fixed split count (CUDA graphs pin it per captured batch size); None: chosen per step.
         self.decode_num_splits = decode_num_splits
 
+    def forget_step_state(self) -> None:
+        self._tiles = None
+
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
         # q (T, nh, D); k, v (T, nkv, D), k already rotated; caches (num_blocks, block_size, nkv, D)
         kv_cache_write(k, v, k_cache, v_cache, batch.slot_mapping, self.k_scale, self.v_scale)
