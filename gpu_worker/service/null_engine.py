@@ -41,8 +41,7 @@ class NullEngine:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_model_len, self.step_ms = max_model_len, step_ms
         self.eos_token_ids: tuple[int, ...] = ()
-        self._samples: dict[tuple[str, int], _Sample] = {}   # insertion order: who runs first
-        self.requests: dict[str, _NullRequest] = {}
+        self.requests: dict[str, _NullRequest] = {}   # insertion order: who runs first
         self._used_blocks = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -60,8 +59,6 @@ class NullEngine:
         samples = [_Sample(request_id, i, len(prompt_token_ids), max_tokens, params.logprobs is not None)
                    for i in range(params.n)]
         self.requests[request_id] = _NullRequest(samples)
-        for s in samples:
-            self._samples[(request_id, s.index)] = s
 
     def abort_request(self, request_id: str, index: int | None = None) -> None:
         req = self.requests.get(request_id)
@@ -71,20 +68,24 @@ class NullEngine:
             self._drop(s)
 
     def _drop(self, s: _Sample) -> None:
-        self._used_blocks -= self._samples.pop((s.request_id, s.index)).blocks
+        self._used_blocks -= s.blocks
         req = self.requests[s.request_id]
         req.seqs.remove(s)
         if not req.seqs:
             del self.requests[s.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._samples)
+        return bool(self.requests)
+
+    def _samples(self) -> list[_Sample]:
+        """Every unfinished sample, oldest request first."""
+        return [s for req in self.requests.values() for s in req.seqs]
 
     def step(self) -> list[SequenceDelta]:
         if self.step_ms:
             time.sleep(self.step_ms / 1000)
         out: list[SequenceDelta] = []
-        for s in list(self._samples.values())[: self.max_num_seqs]:
+        for s in self._samples()[: self.max_num_seqs]:
             token = _FIRST_ID + (s.prompt_len * 7 + s.generated * 13 + s.index) % (self.vocab_size - _FIRST_ID)
             s.generated += 1
             s.num_computed_tokens = s.prompt_len + s.generated - 1
@@ -99,8 +100,9 @@ class NullEngine:
         return out
 
     def stats(self) -> EngineStats:
-        running = min(len(self._samples), self.max_num_seqs)
-        return EngineStats(num_running=running, num_waiting=len(self._samples) - running,
+        total = sum(len(req.seqs) for req in self.requests.values())
+        running = min(total, self.max_num_seqs)
+        return EngineStats(num_running=running, num_waiting=total - running,
                            num_free_blocks=self.num_blocks - self._used_blocks, num_cached_blocks=0,
                            num_total_blocks=self.num_blocks,
                            extra={"max_model_len": self.max_model_len, "block_size": self.block_size})
