@@ -30,8 +30,8 @@ from gpu_worker.attention.base import AttentionBackend
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels.kv_cache_write import kv_cache_write
 from gpu_worker.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention
-from gpu_worker.kernels.paged_prefill_attention import (default_block_m, paged_prefill_attention,
-                                                        prefill_config, prefill_tile_starts)
+from gpu_worker.kernels.paged_prefill_attention import (paged_prefill_attention, prefill_config,
+                                                        prefill_tile_starts)
 from gpu_worker.kernels.rope_kv_write import rope_kv_write
 
 
@@ -65,12 +65,12 @@ class TritonAttentionBackend(AttentionBackend):
                       self.k_scale, self.v_scale)
         return self.attend(q, k_cache, v_cache, batch, scale, k, v)      # k now rotated
 
-    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k: torch.Tensor | None = None,
-               v: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
         """Attention over caches that already hold this step's K/V -> (T, nh, D). k, v: this step's
-        K (rotated) / V rows (T, nkv, D), aligned with q's; given, the prefill kernel reads this
-        step's keys from them (raw values: with an fp8 cache, unquantized) and only the cached
-        prefix from the cache."""
+        K (rotated) / V rows (T, nkv, D), aligned with q's: the prefill kernel reads this step's
+        keys from them (raw values: with an fp8 cache, unquantized) and only the cached prefix
+        from the cache."""
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         out = torch.empty_like(q)                                         # (T, nh, D)
         if batch.num_tokens == 0:
@@ -84,13 +84,8 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out, num_splits=splits, sliding_window=self.sliding_window, **scales)
         if not batch.is_pure_decode:                                      # rows with query_len > 1
             group = q.shape[1] // k_cache.shape[2]
-            if k is not None:
-                cfg = prefill_config(batch.max_query_len, q.shape[2], group)
-                tile_tokens = cfg.tile_tokens(group)
-                kernel_args = dict(k_new=k, v_new=v, config=cfg)
-            else:
-                tile_tokens = default_block_m(batch.max_query_len)
-                kernel_args = dict(block_m=tile_tokens)
+            cfg = prefill_config(batch.max_query_len, q.shape[2], group)
+            tile_tokens = cfg.tile_tokens(group)
             if (self._tiles is None or self._tiles[0] is not batch.query_start_loc
                     or self._tiles[1] != tile_tokens):
                 self._tiles = (batch.query_start_loc, tile_tokens,
@@ -98,5 +93,6 @@ class TritonAttentionBackend(AttentionBackend):
             paged_prefill_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start_loc, scale,
                 max_query_len=batch.max_query_len, out=out, skip_decode_rows=True,
-                sliding_window=self.sliding_window, tile_starts=self._tiles[2], **kernel_args, **scales)
+                sliding_window=self.sliding_window, tile_starts=self._tiles[2], k_new=k, v_new=v, config=cfg,
+                **scales)
         return out
