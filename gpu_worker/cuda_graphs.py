@@ -43,6 +43,26 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def capture_graph(fn: Callable[[ForwardBatch], torch.Tensor], batch: ForwardBatch, pool, device: torch.device,
+                  before_call: Callable[[], None] = lambda: None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """fn(batch) twice on a side stream (Triton compiles, lazy allocations stay out of the
+    capture), then once captured into a CUDA graph in `pool` -> (graph, its output tensor).
+    `before_call` runs before each of the three calls."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            before_call()
+            fn(batch)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    before_call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn(batch)
+    return graph, output
+
+
 class EagerReplay:
     """Stands in for a torch.cuda.CUDAGraph where graphs do not exist (CPU): reruns the function."""
 
@@ -112,19 +132,9 @@ class DecodeGraphs:
                 self.outputs[size] = self.graphs[size].output
             return
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
         for size in reversed(self.sizes):
-            batch, fn = self.static_batch(size), self._captured_fn(size)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):        # warm up off the capture (compiles kernels)
-                for _ in range(2):
-                    fn(batch)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = fn(batch)
-            self.graphs[size] = graph
+            self.graphs[size], self.outputs[size] = capture_graph(
+                self._captured_fn(size), self.static_batch(size), pool, self.device)
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.sizes), self.sizes)
 

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from gpu_worker.cuda_graphs import EagerReplay, Logits, RunModel
+from gpu_worker.cuda_graphs import EagerReplay, Logits, RunModel, capture_graph
 from gpu_worker.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
@@ -93,19 +93,9 @@ class PrefillGraphs:
                 continue
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):               # warm up off the capture
-                for _ in range(2):
-                    self.reset_step_state()
-                    self._fn(batch)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            torch.cuda.synchronize(self.device)
-            self.reset_step_state()                       # the capture records the tile numbering
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.outputs[size] = self._fn(batch)
-            self.graphs[size] = graph
+            # the step state reset before each call: the capture records the tile numbering
+            self.graphs[size], self.outputs[size] = capture_graph(
+                self._fn, batch, self._pool, self.device, before_call=self.reset_step_state)
         self.reset_step_state()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
