@@ -20,7 +20,6 @@ import uuid
 from typing import NamedTuple
 
 import grpc
-import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 from prefix_cache_svc.channels import EventSubscriber, fetch_snapshot
@@ -28,7 +27,7 @@ from prefix_cache_svc.config import PrefixCacheConfig
 from prefix_cache_svc.core import Outcome, PrefixCore
 from prefix_cache_svc.metrics import MATCH_SECONDS, CoreCollector
 from prefix_cache_svc.store import OwnershipStore
-from services import metrics
+from services import metrics, redis_client
 from services.config import load_or_exit
 from services.logging import setup as setup_logging
 from services.protocol.kv_events import (
@@ -76,7 +75,7 @@ class PrefixCacheService:
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
-        self.redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.redis = redis_client.connect(cfg.redis_url)
         self.store = OwnershipStore(self.redis, cfg.block_size)
         loaded = await self.store.load(self.core)
         gc.freeze()  # the reloaded index is long-lived: keep it out of every full collection

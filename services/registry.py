@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
+from services import redis_client
 from services import redis_schema as keys
 
 log = logging.getLogger("kvmesh.registry")
@@ -70,7 +71,7 @@ class Registry:
     def __init__(self, url: str) -> None:
         if not url:
             raise ValueError("a Redis URL is required (--redis-url / KVMESH_REDIS_URL)")
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self.redis = redis_client.connect(url)
         self.renew_script = self.redis.register_script(keys.RENEW_LUA)
         self.release_script = self.redis.register_script(keys.RELEASE_LUA)
 

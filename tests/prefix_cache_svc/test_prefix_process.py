@@ -5,6 +5,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -29,16 +30,23 @@ async def test_prefix_cache_process():
         lease = await reg.register("worker", "w1", lease_ms=3000, info={"block_size": BS},
                                    addrs={"kv_events": pub.events_addr, "kv_snapshot": pub.snapshot_addr})
         pub.set_epoch(lease.epoch)
+        # stderr to a file, not a pipe nobody reads: a full pipe would block the service's logging
+        err = tempfile.TemporaryFile(mode="w+")
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "prefix-cache", "--redis-url", redis_server.url,
              "--port", "0", "--metrics-port", "0", "--block-size", str(BS), "--discovery-interval-s", "0.1"],
-            stderr=subprocess.PIPE, text=True)
+            stderr=err, text=True)
+
+        def log_tail() -> str:
+            err.seek(0)
+            return err.read()[-6000:]
+
         try:
             bm.store_prompt(PROMPT)
             deadline = time.monotonic() + 20
             record, best = None, 0
             while best < 5:
-                assert time.monotonic() < deadline and proc.poll() is None, "the service did not answer"
+                assert time.monotonic() < deadline and proc.poll() is None, f"the service did not answer:\n{log_tail()}"
                 pub.flush()
                 await lease.renew()
                 records = await reg.list("prefix-cache")
@@ -52,12 +60,18 @@ async def test_prefix_cache_process():
             assert 'kvmesh_prefix_worker_blocks{worker="w1"} 5.0' in text
             await client.close()
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=10) == 0
+            try:   # past its 8 s stop deadline the service prints its stacks and exits 1
+                code = proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGUSR1)   # faulthandler: every thread's stack
+                time.sleep(1)
+                code = None
+            assert code == 0, f"exit {code} after SIGTERM:\n{log_tail()}"
             assert await reg.list("prefix-cache") == []   # lease released on a clean stop
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            proc.stderr.close()
+            err.close()
             pub.close()
             await reg.close()
