@@ -38,9 +38,15 @@ async def run_until_signal(tasks: list[asyncio.Task], name: str, log: logging.Lo
             log.error("%s loop died: %r", name, task.exception())
             code = 1
     log.info("%s stopping (%s)", name, received[0] if received else "a loop ended")
-    if stop_deadline_s > 0:
-        faulthandler.dump_traceback_later(stop_deadline_s, exit=True, file=sys.stderr)
+    arm_stop_deadline(stop_deadline_s)
     waiter.cancel()
     for task in tasks:
         task.cancel()
     return code
+
+
+def arm_stop_deadline(seconds: float = STOP_DEADLINE_S) -> None:
+    """From now on the process has `seconds` to exit; past that faulthandler (a C thread, so it
+    fires even with the GIL or the event loop stuck) prints every thread's stack and exits 1."""
+    if seconds > 0:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)

@@ -30,9 +30,11 @@ from services.config import WorkerConfig, load_or_exit
 from services.logging import setup as setup_logging
 from services.protocol.messages import WorkerInbox
 from services.registry import Registry
+from services.shell import arm_stop_deadline
 from services.transport import SenderPool, SyncReceiver, add_health, grpc_server, run_async, set_serving, tcp_addr
 
 DRAIN_TIMEOUT_S = 30.0
+STOP_DEADLINE_S = 20.0   # after the drain: engine join, lease release, freeing the device
 log = logging.getLogger("kvmesh.worker")
 
 
@@ -164,6 +166,8 @@ class WorkerService:
             code = 1
         if code == 0:
             await self._drain()
+        # the drain has its own timeout; the rest (engine join up to 5 s, freeing the device) must not hang
+        arm_stop_deadline(STOP_DEADLINE_S)
         beat.cancel()
         self.engine.stop.set()
         await asyncio.to_thread(self.engine.join, 5)
