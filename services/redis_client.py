@@ -6,10 +6,10 @@ a cancellation lands.
 Why: with redis-py 8.1 on Python 3.11, cancelling a task in the middle of a command can leave it
 waiting forever inside the client's send path (with the plain client, the loop in
 tests/services/test_redis_client.py hangs within a few cancellations). Services cancel their loops
-on SIGTERM, so a loop cancelled in the middle of a heartbeat hung the whole shutdown (a prefix-cache
-polling Redis every millisecond hung in 12 of 20 SIGTERMs). Here each command (or pipeline) runs as its own
-task; cancelling the caller waits for that command to end (bounded by the socket timeouts, in
-practice a millisecond) and then raises CancelledError as usual.
+on SIGTERM, so a loop cancelled in the middle of a heartbeat hung the whole shutdown (a
+prefix-cache polling Redis every millisecond hung in 12 of 20 SIGTERMs). Here each command (or
+pipeline) runs as its own task; cancelling the caller waits for that command to end (bounded by
+the socket timeouts, in practice a millisecond) and then raises CancelledError as usual.
 """
 from __future__ import annotations
 
