@@ -595,9 +595,10 @@ def make_engine(model_dir: Path, args, extra: dict, label: str = "", **kw):
     if SMOKE:   # the CPU stand-in of graphs (EagerReplay): exercises the parity part
         eng.runner.capture_cuda_graphs(8, eng.max_model_len)
         eng.runner.capture_prefill_graphs(64, eng.max_model_len)
-    g = eng.runner.decode_graphs
+    graphs = [getattr(eng.runner, name, None) for name in ("decode_graphs", "short_decode_graphs", "prefill_graphs")]
+    graphs = [g for g in graphs if g is not None]
     row("engine load" + label, f"{time.time() - t:.1f} s",
-        f"{eng.block_manager.num_blocks} KV blocks; graphs {'none' if g is None else len(g.sizes)}; "
+        f"{eng.block_manager.num_blocks} KV blocks; {'; '.join(g.capture_times.summary() for g in graphs) or 'no graphs'}; "
         f"fused kernels {eng.runner.model.model.norm.kernels is not None}")
     eng.async_scheduling = args.async_scheduling
     b = Bench(eng)

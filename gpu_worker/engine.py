@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import numbers
 import random
+import time
 from typing import Any, NamedTuple
 
 import torch
@@ -321,9 +322,11 @@ class Engine:
         cfg = self.config
         if self.device.type != "cuda" or self.setup.attention_backend != "triton":
             return
+        t = time.perf_counter()
         if hasattr(self.runner, "warmup"):            # compile Triton's eager-step variants now,
             self.runner.warmup(cfg.max_num_seqs, min(cfg.max_num_batched_tokens, self.max_model_len))  # not mid-serving
         self._warm_sampler()
+        log.info("compiled the eager-step kernels in %.1f s", time.perf_counter() - t)
         if cfg.enforce_eager or not hasattr(self.runner, "capture_cuda_graphs"):
             return
         self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_bs, cfg.max_num_seqs), self.max_model_len)

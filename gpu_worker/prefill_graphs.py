@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from gpu_worker.cuda_graphs import EagerReplay, Logits, RunModel, capture_graph
+from gpu_worker.cuda_graphs import CaptureTimes, EagerReplay, Logits, RunModel, capture_graph
 from gpu_worker.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class PrefillGraphs:
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._pool = None      # CUDA: the memory pool every size's graph shares
+        self.capture_times = CaptureTimes("prefill", list(reversed(self.sizes)), progress=self.device.type == "cuda")
 
     def static_batch(self, size: int) -> ForwardBatch:
         return ForwardBatch(
@@ -83,7 +84,7 @@ class PrefillGraphs:
     def capture(self) -> None:
         """Capture every size, largest first, in one memory pool; the buffers describe a prompt
         filling each size while capturing (slots -1: nothing is written to the KV cache)."""
-        for size in reversed(self.sizes):
+        for size in self.capture_times:
             self._fill_dummy(size)
             batch = self.static_batch(size)
             if self.device.type != "cuda":
@@ -99,7 +100,7 @@ class PrefillGraphs:
         self.reset_step_state()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            log.info("captured %d prefill CUDA graphs (prompts of up to %d tokens)", len(self.sizes), self.sizes[-1])
+            log.info("captured %s; prompts of up to %d tokens", self.capture_times.summary(), self.sizes[-1])
 
     def _eager_fn(self, batch: ForwardBatch) -> torch.Tensor:
         """CPU stand-in of a replay: the step state reset as before a capture."""

@@ -1,4 +1,7 @@
 """DecodeGraphs' buffer and padding logic, run eagerly on the CPU with the Triton backend."""
+import re
+import time
+
 import torch
 
 from gpu_worker.attention.triton_backend import TritonAttentionBackend
@@ -51,3 +54,22 @@ def test_can_run_rejects_prefill_and_oversized():
     assert not graphs.can_run(make_batch([0], [5], 16, 4, torch.arange(8).int()))          # prefill
     assert not graphs.can_run(make_batch([3, 3, 3], [1, 1, 1], 16, 4, torch.arange(8).int()))  # 3 > 2 rows
     assert graphs.can_run(make_batch([3, 3], [1, 1], 16, 4, torch.arange(8).int()))
+
+
+def test_capture_times_every_size_largest_first():
+    """Each captured size gets its seconds, largest first (the capture order); the summary names
+    the count, the total and the slowest sizes."""
+    seen = []
+
+    def run_model(batch):
+        seen.append(batch.num_seqs)
+        if batch.num_seqs == 2:
+            time.sleep(0.05)        # stands in for a size whose kernels compile
+        return torch.zeros(batch.num_tokens, 1)
+
+    graphs = DecodeGraphs(run_model, device=torch.device("cpu"), max_batch_size=4, max_blocks_per_seq=4,
+                          max_context_len=64, sizes=[1, 2, 4])
+    graphs.capture()
+    assert seen == [4, 2, 1] and list(graphs.capture_times.seconds) == [4, 2, 1]
+    summary = graphs.capture_times.summary(slowest=1)
+    assert re.fullmatch(r"3 decode \(context 64\) CUDA graphs in \d+\.\d s \(slowest: 2 \d+\.\d s\)", summary), summary
