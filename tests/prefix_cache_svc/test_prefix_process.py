@@ -89,7 +89,11 @@ def test_sigterm_while_loops_are_inside_redis_commands():
                      "--port", "0", "--metrics-port", "0", "--block-size", str(BS),
                      "--discovery-interval-s", "0.001"], stderr=err, text=True)
                 try:
-                    time.sleep(1.5)
+                    deadline = time.monotonic() + 30
+                    while not asyncio.run(_registered(redis_server.url)):   # started, however slow CI is
+                        assert time.monotonic() < deadline and proc.poll() is None, "the service did not start"
+                        time.sleep(0.1)
+                    time.sleep(0.5)   # its loops now poll Redis
                     proc.send_signal(signal.SIGTERM)
                     code = proc.wait(timeout=15)
                     err.seek(0)
@@ -98,3 +102,11 @@ def test_sigterm_while_loops_are_inside_redis_commands():
                     if proc.poll() is None:
                         proc.kill()
                         proc.wait()
+
+
+async def _registered(url: str) -> bool:
+    reg = Registry(url)
+    try:
+        return bool(await reg.list("prefix-cache"))
+    finally:
+        await reg.close()
