@@ -70,8 +70,12 @@ class CaptureTimes:
     start (each size: Triton compiles the variants it needs, then three forwards), so the final
     log line names the slowest sizes: compile-bound sizes stand out there."""
 
-    def __init__(self, kind: str, sizes: list[int], progress: bool = True):
-        self.kind, self.sizes, self.progress = kind, sizes, progress
+    def __init__(self, kind: str, sizes: list[int], device: torch.device):
+        self.kind, self.sizes = kind, sizes
+        # a bar on the GPU only, and from one rank only when tensor-parallel ranks all capture
+        dist = torch.distributed
+        self.progress = device.type == "cuda" and (not dist.is_available() or not dist.is_initialized()
+                                                    or dist.get_rank() == 0)
         self.seconds: dict[int, float] = {}
 
     def __iter__(self) -> Iterator[int]:
@@ -130,7 +134,7 @@ class DecodeGraphs:
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_times = CaptureTimes(f"decode (context {max_context_len})", list(reversed(self.sizes)),
-                                          progress=self.device.type == "cuda")
+                                          self.device)
 
     # ---- capture -----------------------------------------------------------------------------
     def returns_logits(self, size: int) -> bool:

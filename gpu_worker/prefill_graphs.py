@@ -67,7 +67,7 @@ class PrefillGraphs:
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._pool = None      # CUDA: the memory pool every size's graph shares
-        self.capture_times = CaptureTimes("prefill", list(reversed(self.sizes)), progress=self.device.type == "cuda")
+        self.capture_times = CaptureTimes("prefill", list(reversed(self.sizes)), self.device)
 
     def static_batch(self, size: int) -> ForwardBatch:
         return ForwardBatch(
