@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,12 +31,14 @@ class MockServers:
     def get(self, *args: str) -> str:
         if args not in self.procs:
             port = _free_port()
+            # stderr to a file: a pipe nobody reads would block the server once it filled
+            err = tempfile.TemporaryFile()
             proc = subprocess.Popen([sys.executable, "-m", "services.bench.mock_server", "--port", str(port), *args],
-                                    cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
                                     env={**os.environ, "PYTHONPATH": str(REPO)})
             url = f"http://127.0.0.1:{port}"
             self.procs[args] = (proc, url)
-            _wait_ready(proc, url)
+            _wait_ready(proc, url, err)
         return self.procs[args][1]
 
     def close(self):
@@ -45,11 +48,12 @@ class MockServers:
             proc.wait(timeout=10)
 
 
-def _wait_ready(proc: subprocess.Popen, url: str) -> None:
+def _wait_ready(proc: subprocess.Popen, url: str, err) -> None:
     deadline = time.time() + 30
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"mock server exited: {proc.stderr.read().decode()[-2000:]}")
+            err.seek(0)
+            raise RuntimeError(f"mock server exited: {err.read().decode(errors='replace')[-2000:]}")
         try:
             if httpx.get(url + "/v1/models", timeout=1.0, trust_env=False).status_code == 200:
                 return
