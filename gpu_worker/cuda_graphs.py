@@ -66,9 +66,9 @@ def capture_graph(fn: Callable[[ForwardBatch], torch.Tensor], batch: ForwardBatc
 
 
 class CaptureTimes:
-    """Per-size capture seconds behind a progress bar on stderr. Capture is most of a GPU worker's
-    start (each size: Triton compiles the variants it needs, then three forwards), so the final
-    log line names the slowest sizes: compile-bound sizes stand out there."""
+    """Per-size capture seconds behind a progress bar on stderr. Capture takes tens of seconds of
+    a GPU worker's start (each size: Triton compiles any variant it needs first, then three
+    forwards), so the final log line names the slowest sizes: compile-bound sizes stand out."""
 
     def __init__(self, kind: str, sizes: list[int], device: torch.device):
         self.kind, self.sizes = kind, sizes
@@ -88,7 +88,7 @@ class CaptureTimes:
                 self.seconds[size] = time.perf_counter() - t
 
     def summary(self, slowest: int = 3) -> str:
-        """'51 decode CUDA graphs in 48.2 s (slowest: 1 3.1 s, 2 2.9 s, 4 2.5 s)'"""
+        """e.g. '51 decode (context 131072) CUDA graphs in 48.2 s (slowest: 1 3.1 s, 2 2.9 s, 4 2.5 s)'"""
         top = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:slowest]
         return (f"{len(self.seconds)} {self.kind} CUDA graphs in {sum(self.seconds.values()):.1f} s "
                 f"(slowest: {', '.join(f'{size} {sec:.1f} s' for size, sec in top)})")
