@@ -62,9 +62,11 @@ class EngineConfig:
     sampled tokens, read on the device; step() then returns step N's deltas (one step late).
     Hides the host's per-step work behind the GPU's. Steps where a request uses penalties (they
     need the tokens on the host) run one at a time."""
-    cuda_graph_max_bs: int = 512
-    """Largest decode batch captured in a CUDA graph (capped by max_num_seqs; vLLM's default
-    too); larger decode batches run eagerly."""
+    cuda_graph_max_bs: int = 1024
+    """Largest decode batch captured in a CUDA graph (capped by max_num_seqs, so only engines
+    allowed more than 512 sequences capture past vLLM's 512); larger decode batches run eagerly.
+    At 1,024 sequences, graphs up to 1,024 rows made vLLM's ShareGPT-like run 2.2% faster than
+    graphs up to 512 (BENCHMARKS.md, fourth session), for ~3 s more capture."""
     prefill_graph_max_tokens: int = 1024
     """A step whose only sequence prefills at most this many tokens of its prompt (all of it, or
     the part after a cached prefix) replays a CUDA graph captured at startup (sizes every 32

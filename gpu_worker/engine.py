@@ -12,6 +12,7 @@ the field and leave the engine serving the others.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import numbers
 import random
@@ -73,6 +74,7 @@ class Engine:
         self._seed_rng = random.Random(config.seed)  # seeds of requests that give none
         self._inflight: _InFlight | None = None       # async_scheduling: the launched step
         self.async_scheduling = config.async_scheduling  # may be switched between steps
+        self._froze_gc = False
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -142,6 +144,22 @@ class Engine:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self._froze_gc:                 # the engine holds reference cycles: let them go
+            self._froze_gc = False
+            gc.unfreeze()
+
+    def freeze_gc(self) -> None:
+        """For a process that serves with this engine from now on: move every object alive now
+        (modules, weights' wrappers, imported libraries: ~350k tracked objects) out of the
+        cyclic garbage collector's reach (gc.freeze, as vLLM's and SGLang's engine processes do).
+        Every full collection otherwise walks them all: 140-190 ms on a 2-core Xeon, about once
+        per 100 steps at 800 sequences, where the GPU waits for it (on the H200, vLLM's 1,000
+        ShareGPT-like requests: 24.3k -> 25.2k total tok/s). close() undoes it (gc.unfreeze:
+        the whole permanent generation); an engine dropped without close() stays in memory while
+        frozen (it holds reference cycles)."""
+        gc.collect()
+        gc.freeze()
+        self._froze_gc = True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

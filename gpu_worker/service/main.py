@@ -134,6 +134,9 @@ class WorkerService:
         await server.start()
         metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port)
         engine = await asyncio.to_thread(build_engine, cfg)
+        freeze = getattr(engine, "freeze_gc", None)      # the null engine has none
+        if freeze is not None:
+            freeze()        # this process serves with it until it exits: no full-heap GC pauses
         receiver: SyncReceiver = SyncReceiver(WorkerInbox, cfg.host, cfg.zmq_port, name="worker")
         host = cfg.reachable_host()
         self.registry = Registry(cfg.redis_url)
