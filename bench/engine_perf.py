@@ -16,7 +16,10 @@ Order (each part guarded and time-boxed; the table is printed last, also to $OUT
   prefill    prefill at 512 / 2k / 8k prompts (max_tokens 1): prompt tok/s
   sharegpt   1,000 requests of ShareGPT-like lengths (default: vLLM's peer run's own, 211 in / 182
              out on average), ignore_eos, temperature 1 (--sharegpt-temperature): total tok/s
-  sharegpt_async  the same with async_scheduling on
+  sharegpt_async  the same with async_scheduling on (and `sharegpt_N` for each --sharegpt-seqs N);
+             each also reports its steps by kind and rows: wall, device and device-idle ms
+  closedloop the serving benchmark's concurrency-64 run (640 x 1,024 in / 128 out) on the engine,
+             once per --closedloop-budgets step token budget: total tok/s, p99 ITL, TTFT
   --fp8      fp8ops (one layer: bf16 vs fp8 _scaled_mm vs fp8 GEMV, first), then a second engine
              with quantization="fp8" runs the listed parts (parity, decode1, async, prefill, decodeB)
 
@@ -60,6 +63,13 @@ def log(msg: str) -> None:
 ROW_SUFFIX = ""   # " fp8" while the fp8 engine runs
 SHAREGPT_TEMPERATURE = 1.0   # --sharegpt-temperature
 SHAREGPT_WORKLOAD = "vllm"   # --sharegpt-workload
+CLOSEDLOOP_BUDGETS = [1536]  # --closedloop-budgets
+SHAREGPT_GRAPH_CAPS: list[int] = []   # --sharegpt-graph-cap
+LIVE_PROFILE: tuple[int, int] | None = None   # --live-profile LO:HI
+FREEZE_GC = True             # --no-freeze-gc
+SHAREGPT_GC_AB = False       # --sharegpt-gc-ab
+PROFILE_CASES = ["1:128:short", "1:8192", "128:256"]   # --profile-cases
+PROFILE_CASES_ONLY = False            # --profile-cases given: no prefill profile
 
 
 def row(metric: str, value: str, note: str = "") -> None:
@@ -247,16 +257,22 @@ def part_profile(b: Bench) -> None:
         if graphs is None or B not in graphs.graphs:
             row(f"profile decode B={B}", "SKIPPED", "no graph of that size")
             return
-        for _ in range(B):
-            b.add(b.prompt(ctx), 40)
-        while b.eng.scheduler.waiting or any(s.num_new_tokens > 1 for s in b.eng.scheduler.running):
-            b.eng.step()
-        for _ in range(4):
-            b.eng.step()
-        sync()
-        replay = graphs.graphs[B].replay          # the buffers hold this batch's last step
-        cats = profile_kernels(replay, reps=5)
-        b.drain()
+        sched = b.eng.scheduler
+        saved = sched.max_num_seqs
+        sched.max_num_seqs = max(saved, B)
+        try:
+            for _ in range(B):
+                b.add(b.prompt(ctx), 40)
+            while sched.waiting or any(s.num_new_tokens > 1 for s in sched.running):
+                b.eng.step()
+            for _ in range(4):
+                b.eng.step()
+            sync()
+            replay = graphs.graphs[B].replay          # the buffers hold this batch's last step
+            cats = profile_kernels(replay, reps=5)
+            b.drain()
+        finally:
+            sched.max_num_seqs = saved
         gemm = cats.get("gemm (cublas)", (0.0, 0))[0] + cats.get("gemv (triton)", (0.0, 0))[0]
         wbytes = layer_bytes + (head_bytes if graphs.returns_logits(B) else 0)
         note = format_profile(cats)
@@ -266,9 +282,11 @@ def part_profile(b: Bench) -> None:
             f"{cats['total'][0]:.3f} ms GPU", note)
         log("    top kernels: " + "; ".join(f"{n[:50]} {ms:.3f}ms x{k:.0f}" for n, ms, k in top_kernels(replay)))
 
-    decode_case(1, 128, runner.short_decode_graphs is not None)
-    decode_case(1, S(8192), False)
-    decode_case(128, 256, False)
+    for case in PROFILE_CASES:          # --profile-cases: B:ctx[:short]
+        B, ctx, *short = case.split(":")
+        decode_case(int(B), S(int(ctx)), bool(short) and runner.short_decode_graphs is not None)
+    if PROFILE_CASES_ONLY:
+        return
 
     n_req, L = max(1, b.eng.config.max_num_batched_tokens // 2048), 2048
 
@@ -489,6 +507,7 @@ def part_sharegpt(b: Bench, seconds: float, label: str = "") -> None:
     for p, o in reqs:
         b.add(b.prompt(p), o, temperature=SHAREGPT_TEMPERATURE)
     steps = StepKinds(b.eng)
+    alloc0 = alloc_counters()
     t, deadline = time.perf_counter(), time.time() + seconds
     try:
         n_out = b.drain(deadline=deadline)
@@ -502,43 +521,206 @@ def part_sharegpt(b: Bench, seconds: float, label: str = "") -> None:
         f"{total:.0f} total tok/s" if done else f"{n_out / dt:.0f} out tok/s",
         f"{n_out / dt:.0f} out tok/s, {dt:.1f} s, in {in_tok} / out {n_out} tokens, temperature {SHAREGPT_TEMPERATURE}")
     row("sharegpt steps" + label, steps.summary(dt), "step kinds: count, wall share, mean rows/tokens")
+    alloc1 = alloc_counters()
+    if alloc1:
+        row("sharegpt allocator" + label, ", ".join(f"{k} +{alloc1[k] - alloc0.get(k, 0)}" for k in alloc1),
+            "torch CUDA caching allocator counters over the run (device mallocs/frees synchronize)")
+    row("sharegpt rows" + label, steps.by_rows(), "per kind and rows bucket, ms per step: wall; device "
+        "(forward) and device idle (CUDA events); host schedule/build/forward/sample/settle")
+
+
+def alloc_counters() -> dict[str, int]:
+    if SMOKE or not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
+    return {k: int(stats[k]) for k in keys if k in stats}
 
 
 class StepKinds:
     """Where a run's wall time goes by step kind: each engine.step is charged to the kind of the
-    forward it launched (pure decode, or mixed/prefill), with its rows and tokens."""
+    forward it launched (pure decode, or mixed/prefill), with its rows and tokens.
+
+    On a GPU each step also gets three CUDA events, recorded as the host enqueues: before its
+    forward (a), after it (b), after the sampler's draw (c). An event fires when the GPU reaches
+    it, so c - a is the step's device time and b - a its forward's, as long as the host enqueues
+    ahead of the GPU (graph replays; an eager step whose launches trail the GPU counts that
+    stall too); a of step k+1 - c of step k is device idle: host work between the launches that
+    one-step-ahead scheduling did not hide. The host's own time per phase (schedule, build,
+    forward launch, sampler launch, settle = reading the previous step back and applying it)
+    comes from perf_counter. `by_rows` reports them per row bucket."""
+
+    BUCKETS = (16, 64, 128, 256, 512, 1024, 1 << 30)
+    PHASES = ("schedule", "build", "forward", "sample", "settle")
 
     def __init__(self, eng):
         self.eng, self.kinds = eng, {}
-        self._kind = None
-        forward = eng.runner.forward
-
-        def tagging_forward(batch):
-            self._kind = ("decode" if batch.is_pure_decode else "mixed", batch.num_seqs, batch.num_tokens)
-            return forward(batch)
+        self._cur = None
+        self.steps: list[dict] = []
+        cuda = not SMOKE and torch.cuda.is_available()
+        self._event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else (lambda: None)
+        self._saved = []
+        self._wrap(eng.scheduler, "schedule", "schedule")
+        self._wrap(eng.batch_builder, "build", "build")
+        self._wrap(eng.runner, "forward", "forward", before="a", after="b", tag=True)
+        self._wrap(eng.sampler, "_choose", "sample", after="c")
+        self._wrap(eng, "_settle", "settle")
+        step = eng.step
 
         def timed_step():
-            self._kind = None
+            self._maybe_profile()
+            self._cur = cur = {"kind": "idle", "rows": 0, "tokens": 0}
             t0 = time.perf_counter()
             out = step()
-            kind, seqs, toks = self._kind or ("idle", 0, 0)
-            k = self.kinds.setdefault(kind, [0, 0.0, 0, 0])
+            cur["wall"] = time.perf_counter() - t0
+            self.steps.append(cur)
+            k = self.kinds.setdefault(cur["kind"], [0, 0.0, 0, 0])
             k[0] += 1
-            k[1] += time.perf_counter() - t0
-            k[2] += seqs
-            k[3] += toks
+            k[1] += cur["wall"]
+            k[2] += cur["rows"]
+            k[3] += cur["tokens"]
             return out
 
-        step = eng.step
-        eng.runner.forward, eng.step = tagging_forward, timed_step
+        self._saved.append((eng, "step"))
+        eng.step = timed_step
+
+    # --live-profile LO:HI: torch.profiler over 6 live steps once a decode step of LO..HI rows ran
+    _prof, _prof_steps, _prof_done = None, 0, False
+
+    def _maybe_profile(self) -> None:
+        if LIVE_PROFILE is None or self._prof_done or not self.steps:
+            return
+        if self._prof is None:
+            last = self.steps[-1]
+            if last["kind"] == "decode" and LIVE_PROFILE[0] <= last["rows"] <= LIVE_PROFILE[1]:
+                from torch.profiler import ProfilerActivity, profile
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+                self._prof = profile(activities=acts)
+                self._prof.__enter__()
+            return
+        self._prof_steps += 1
+        if self._prof_steps == 6:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._prof.__exit__(None, None, None)
+            self._prof_done = True
+            ka = self._prof.key_averages()
+            log(f"live profile, 6 steps of ~{self.steps[-1]['rows']} rows, by host self time:\n"
+                + ka.table(sort_by="self_cpu_time_total", row_limit=22))
+            log("by device time:\n" + ka.table(sort_by="self_device_time_total", row_limit=12))
+
+    def _wrap(self, obj, name: str, phase: str, before: str = "", after: str = "", tag: bool = False) -> None:
+        fn = getattr(obj, name)
+
+        def inner(*args, **kw):
+            cur = self._cur if self._cur is not None else {}
+            if tag:
+                batch = args[0]
+                cur.update(kind="decode" if batch.is_pure_decode else "mixed", rows=batch.num_seqs,
+                           tokens=batch.num_tokens)
+            if before and (ev := self._event()) is not None:
+                ev.record()
+                cur[before] = ev
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            cur[phase] = cur.get(phase, 0.0) + time.perf_counter() - t0
+            if after and (ev := self._event()) is not None:
+                ev.record()
+                cur[after] = ev
+            return out
+
+        self._saved.append((obj, name))
+        setattr(obj, name, inner)
 
     def restore(self) -> None:
-        del self.eng.runner.forward, self.eng.step      # back to the class's methods
+        for obj, name in self._saved:
+            delattr(obj, name)                      # back to the class's methods
+        self._saved = []
 
     def summary(self, wall: float) -> str:
         return "; ".join(f"{kind} {n} steps {100 * t / wall:.0f}% {1e3 * t / max(n, 1):.1f} ms/step "
                          f"{rows / max(n, 1):.0f} rows {toks / max(n, 1):.0f} tok"
                          for kind, (n, t, rows, toks) in sorted(self.kinds.items()))
+
+    def by_rows(self) -> str:
+        """Per (kind, rows bucket), ms per step: wall; device (forward) and device idle (CUDA);
+        host per phase."""
+        timed = any("c" in st for st in self.steps)
+        if timed:
+            torch.cuda.synchronize()
+        acc: dict[tuple[str, int], dict[str, float]] = {}
+        prev_c = None
+        for st in self.steps:
+            top = next(b for b in self.BUCKETS if st["rows"] <= b)
+            a = acc.setdefault((st["kind"], top), {"n": 0})
+            a["n"] += 1
+            for key in ("wall",) + self.PHASES:
+                a[key] = a.get(key, 0.0) + st.get(key, 0.0)
+            if "a" in st and "c" in st:
+                a["dev"] = a.get("dev", 0.0) + st["a"].elapsed_time(st["c"]) / 1e3
+                a["fwd"] = a.get("fwd", 0.0) + st["a"].elapsed_time(st["b"]) / 1e3
+                if prev_c is not None:
+                    a["idle"] = a.get("idle", 0.0) + max(0.0, prev_c.elapsed_time(st["a"]) / 1e3)
+            prev_c = st.get("c", prev_c)
+        parts = []
+        for (kind, top), a in sorted(acc.items()):
+            n = a["n"]
+            label = f"{kind} <={top}" if top < self.BUCKETS[-1] else f"{kind} >{self.BUCKETS[-2]}"
+            ms = lambda key: 1e3 * a.get(key, 0.0) / n     # noqa: E731
+            dev = f", dev {ms('dev'):.1f} (fwd {ms('fwd'):.1f}) idle {ms('idle'):.2f}" if timed else ""
+            host = "/".join(f"{ms(p):.1f}" for p in self.PHASES)
+            parts.append(f"{label}: {n} x {ms('wall'):.1f} wall{dev}, host {host}")
+        return "; ".join(parts)
+
+
+def part_closedloop(b: Bench, seconds: float) -> None:
+    """The serving benchmark's concurrency-64 run (`bench/serve_bench.py`: 640 requests of 1,024 in
+    / 128 out, 64 in flight) on the engine alone, once per step token budget in
+    --closedloop-budgets: how the budget trades prefill batching against mixing decode rows into
+    prefill steps, without a stack restart per setting. Total tok/s, p99 inter-token gap, TTFT."""
+    sched = b.eng.scheduler
+    saved = sched.max_num_seqs, sched.admit_group, sched.max_num_batched_tokens, b.eng.async_scheduling
+    n_req, conc, n_in, n_out = S(640), min(64, S(640)), S(1024), S(128)
+    end = time.time() + seconds
+    try:
+        sched.max_num_seqs, sched.admit_group = conc, conc
+        b.eng.async_scheduling = True
+        for budget in CLOSEDLOOP_BUDGETS:
+            if time.time() > end - 5:
+                row(f"closed-loop c{conc} budget={budget}", "SKIPPED", "time budget")
+                continue
+            sched.max_num_batched_tokens = budget
+            sent, arrive, first, last, gaps, done = 0, {}, {}, {}, [], 0
+            t0 = time.perf_counter()
+            while done < n_req and time.time() < end:
+                while sent < n_req and sent - done < conc:
+                    arrive[b.add(b.prompt(n_in), n_out)] = time.perf_counter()
+                    sent += 1
+                deltas = b.eng.step()
+                now = time.perf_counter()
+                for d in deltas:
+                    rid = d.request_id
+                    if rid in last:
+                        gaps.append(now - last[rid])
+                    else:
+                        first[rid] = now - arrive[rid]
+                    last[rid] = now
+                    done += d.finish_reason is not None
+            dt = time.perf_counter() - t0
+            for r in list(b.eng.requests):
+                b.eng.abort_request(r)
+            b.drain()
+            gaps.sort()
+            ttft = sorted(first.values())
+            p99 = gaps[int(0.99 * (len(gaps) - 1))] if gaps else float("nan")
+            row(f"closed-loop c{conc} budget={budget}" + ("" if done == n_req else " (time-boxed)"),
+                f"{done * (n_in + n_out) / dt:.0f} total tok/s",
+                f"{done} requests {n_in}/{n_out} in {dt:.1f} s; p99 ITL {1e3 * p99:.1f} ms, median ITL "
+                f"{1e3 * gaps[len(gaps) // 2] if gaps else float('nan'):.1f} ms; median TTFT "
+                f"{1e3 * ttft[len(ttft) // 2] if ttft else float('nan'):.0f} ms")
+    finally:
+        sched.max_num_seqs, sched.admit_group, sched.max_num_batched_tokens, b.eng.async_scheduling = saved
+        b.eng.step()
 
 
 def part_fp8ops(_b=None) -> None:
@@ -606,6 +788,8 @@ def make_engine(model_dir: Path, args, extra: dict, label: str = "", **kw):
     b.add(b.prompt(S(1000)), 8)
     b.add(b.prompt(20), 8)
     b.drain()
+    if FREEZE_GC:
+        eng.freeze_gc()          # as the worker does once its engine is up
     log("warm-up done")
     return eng, b
 
@@ -657,13 +841,35 @@ def part_sharegpt_async(b: Bench, seconds: float) -> None:
 def part_sharegpt_wide(b: Bench, seconds: float, max_num_seqs: int) -> None:
     """ShareGPT async with more concurrent sequences than the standard parts' 256 (vLLM's offline
     LLM defaults to 1024 on 80+ GB GPUs): the scheduler's cap is a plain attribute; decode batches
-    past --graph-max-bs run eagerly."""
+    past --graph-max-bs run eagerly. A/B variants of the same engine, before the plain run:
+    --sharegpt-graph-cap C hides the graphs above C rows (those steps eager); --sharegpt-gc-ab
+    runs once with the GC heap unfrozen (Engine.freeze_gc undone)."""
+    import gc
     sched = b.eng.scheduler
     saved = sched.max_num_seqs, sched.admit_group
     sched.max_num_seqs, sched.admit_group = max_num_seqs, max(1, max_num_seqs // 8)
+    graphs = b.eng.runner.decode_graphs
+    variants = [(f" graphs<={c}", c, False) for c in SHAREGPT_GRAPH_CAPS
+                if graphs is not None and c < graphs.sizes[-1]]
+    if SHAREGPT_GC_AB and FREEZE_GC:
+        variants.append((" gc unfrozen", 0, True))
+    variants.append(("", 0, False))
     try:
         b.eng.async_scheduling = True
-        part_sharegpt(b, seconds, f" async max_num_seqs={max_num_seqs}")
+        for suffix, cap, unfreeze in variants:
+            all_sizes = graphs.sizes if graphs is not None else None
+            if cap:
+                graphs.sizes = [n for n in all_sizes if n <= cap]
+            if unfreeze:
+                gc.unfreeze()
+            try:
+                part_sharegpt(b, seconds / len(variants), f" async max_num_seqs={max_num_seqs}{suffix}")
+            finally:
+                if graphs is not None:
+                    graphs.sizes = all_sizes
+                if unfreeze:
+                    gc.collect()
+                    gc.freeze()
     finally:
         b.eng.async_scheduling = ASYNC_DEFAULT
         b.eng.step()
@@ -686,6 +892,18 @@ def main() -> None:
                     "ShareGPT async runs (e.g. 512,1024; the other parts run with 256)")
     ap.add_argument("--graph-max-bs", type=int, default=512, help="cuda_graph_max_bs of the engine: decode "
                     "batches up to this size replay CUDA graphs (the ShareGPT runs past 256 need it)")
+    ap.add_argument("--sharegpt-graph-cap", default="", help="comma list: the --sharegpt-seqs runs also "
+                    "run with decode graphs above this many rows hidden (an A/B of graph width)")
+    ap.add_argument("--profile-cases", default="", help="the profile part's decode cases, B:ctx[:short] "
+                    "comma-separated (default 1:128:short,1:8192,128:256 and an 8 x 2k prefill; given: only these)")
+    ap.add_argument("--live-profile", default="", help="LO:HI: the ShareGPT runs profile (torch.profiler, "
+                    "host and device) 6 live steps after the first pure-decode step of LO..HI rows")
+    ap.add_argument("--no-freeze-gc", action="store_true", help="leave the GC heap unfrozen after "
+                    "warm-up (the worker freezes it: Engine.freeze_gc)")
+    ap.add_argument("--sharegpt-gc-ab", action="store_true", help="the --sharegpt-seqs runs also run "
+                    "once with the GC heap unfrozen (an A/B of Engine.freeze_gc)")
+    ap.add_argument("--closedloop-budgets", default="1536", help="comma list of step token budgets "
+                    "(max_num_batched_tokens) for the closed-loop part")
     ap.add_argument("--fp8-reserve", type=float, default=50, help="seconds kept for the fp8 engine")
     ap.add_argument("--fp8", default="", help="comma list: fp8ops (layer microbench, first), and parts run "
                     "afterwards on a second engine with quantization='fp8': parity,decode1,async,prefill,decodeB")
@@ -693,7 +911,15 @@ def main() -> None:
                     help="run every part with async_scheduling on (part 'async' compares it anyway)")
     args = ap.parse_args()
     end = T0 + args.budget
-    global SMOKE, ASYNC_DEFAULT, ROW_SUFFIX, SHAREGPT_TEMPERATURE, SHAREGPT_WORKLOAD
+    global SMOKE, ASYNC_DEFAULT, ROW_SUFFIX, SHAREGPT_TEMPERATURE, SHAREGPT_WORKLOAD, CLOSEDLOOP_BUDGETS
+    global PROFILE_CASES_ONLY, LIVE_PROFILE, FREEZE_GC, SHAREGPT_GC_AB
+    CLOSEDLOOP_BUDGETS = [int(x) for x in args.closedloop_budgets.split(",") if x]
+    SHAREGPT_GRAPH_CAPS[:] = [int(x) for x in args.sharegpt_graph_cap.split(",") if x]
+    FREEZE_GC, SHAREGPT_GC_AB = not args.no_freeze_gc, args.sharegpt_gc_ab
+    if args.live_profile:
+        LIVE_PROFILE = tuple(int(x) for x in args.live_profile.split(":"))
+    if args.profile_cases:
+        PROFILE_CASES[:], PROFILE_CASES_ONLY = args.profile_cases.split(","), True
     SMOKE, ASYNC_DEFAULT = args.smoke, args.async_scheduling
     SHAREGPT_TEMPERATURE, SHAREGPT_WORKLOAD = args.sharegpt_temperature, args.sharegpt_workload
     extra = {}
@@ -723,7 +949,8 @@ def main() -> None:
     fp8_reserve = args.fp8_reserve if fp8_parts else 0      # the fp8 engine's load + parts
     wide = [(f"sharegpt_{n}", lambda b_, sec, n=n: part_sharegpt_wide(b_, sec, n))
             for n in map(int, filter(None, args.sharegpt_seqs.split(",")))]
-    for name, fn in (("sharegpt", part_sharegpt), ("sharegpt_async", part_sharegpt_async), *wide):
+    for name, fn in (("sharegpt", part_sharegpt), ("sharegpt_async", part_sharegpt_async), *wide,
+                     ("closedloop", part_closedloop)):
         if name not in skip and end - time.time() - fp8_reserve > 30:
             try:
                 fn(b, end - time.time() - fp8_reserve - 15)
@@ -733,6 +960,7 @@ def main() -> None:
                 for r in list(eng.requests):
                     eng.abort_request(r)
     if fp8_parts and end - time.time() > 25:
+        eng.close()              # unfreezes the GC heap, so the engine's cycles can go
         del b, eng
         import gc
         gc.collect()

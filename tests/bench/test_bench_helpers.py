@@ -51,7 +51,9 @@ def test_engine_perf_smoke(tmp_path):
     """Every part that runs on the CPU, the prefill graphs (eager stand-in) and vLLM's workload."""
     env = {**os.environ, "OUT": str(tmp_path / "out")}
     r = subprocess.run([sys.executable, "bench/engine_perf.py", "--smoke", "--model-dir", str(tmp_path / "tiny"),
-                        "--budget", "200", "--skip", "ablation,sharegpt", "--sharegpt-temperature", "0"],
+                        "--budget", "200", "--skip", "ablation,sharegpt", "--sharegpt-temperature", "0",
+                        "--sharegpt-seqs", "16", "--sharegpt-gc-ab", "--graph-max-bs", "8",
+                        "--sharegpt-graph-cap", "4", "--closedloop-budgets", "64,256", "--live-profile", "1:64"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "out" / "engine_perf.json").read_text())
@@ -61,3 +63,26 @@ def test_engine_perf_smoke(tmp_path):
     assert "ttft 1 x 16 tokens (prefill graph)" in res and "ttft 1 x 16 tokens (eager)" in res
     scaled = sum(max(4, i // 32) for i, _ in vllm_peer_sharegpt_lengths(1000 // 32))   # --smoke's S()
     assert f"in {scaled} / out" in res["sharegpt 1000 reqs async"]["note"]            # vLLM's lengths
+    # the A/B variants of the wide run, each with its step profile by rows
+    for suffix in (" graphs<=4", " gc unfrozen", ""):
+        assert "total tok/s" in res["sharegpt 1000 reqs async max_num_seqs=16" + suffix]["value"]
+        assert "host " in res["sharegpt rows async max_num_seqs=16" + suffix]["value"]
+    for budget in (64, 256):                                   # conc = min(64, S(640)) = 20
+        assert "total tok/s" in res[f"closed-loop c20 budget={budget}"]["value"]
+    assert "live profile" in r.stdout
+
+
+@pytest.mark.parametrize("script", ["sweep_gemm_rows.py", "sweep_decode_batch.py"])
+def test_row_sweeps_smoke(tmp_path, script):
+    """The two sweeps behind the ShareGPT profile run their whole flow on the CPU and write JSON."""
+    env = {**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    args = ["--smoke"] + (["--rows", "2,8"] if script == "sweep_gemm_rows.py" else [])
+    r = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / script.replace(".py", ".json")).read_text())
+    if script == "sweep_gemm_rows.py":
+        assert [t["rows"] for t in res["table"]] == [2, 8]
+        assert set(res["table"][0]["per_gemm"]) == {"qkv", "o_proj", "gate_up", "down", "lm_head"}
+    else:
+        assert res[0]["B"] == 3 and res[0]["err"] < 1e-3       # the kernel matches its reference

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Paged decode attention (gpu_worker/kernels/paged_decode_attention.py) at the batch sizes and
+short contexts of a large offline run (ShareGPT-like: hundreds of rows, a few hundred tokens
+each), where the defaults were never swept (gpu_bench.py --sweep tuned B = 1 / 64 at 8k+ contexts).
+
+For each (B, mean context): context lengths drawn around the mean (uniform 0.5x..1.5x), a
+fragmented block table of 16-token pages, Llama-8B heads (32 q / 8 kv, 128 dims); every
+(block_n, num_warps, num_stages) is checked against the default's output, then timed in a CUDA
+graph; GB/s = the KV bytes the step must read. Prints the default and the best per case.
+
+    PYTHONPATH=. python3 bench/sweep_decode_batch.py            # the H200, ~60 s
+    PYTHONPATH=. TRITON_INTERPRET=1 python3 bench/sweep_decode_batch.py --smoke   # CPU check
+Writes $OUT/sweep_decode_batch.json (OUT defaults to ./out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from gpu_worker.kernels.paged_decode_attention import (paged_decode_attention,  # noqa: E402
+                                                       paged_decode_attention_ref)
+
+H, KVH, D, PAGE = 32, 8, 128, 16
+
+
+def make_case(B: int, mean_ctx: int, dev, dtype, seed: int = 0):
+    rng = random.Random(seed)
+    lens = [max(1, int(mean_ctx * rng.uniform(0.5, 1.5))) for _ in range(B)]
+    need = [-(-n // PAGE) for n in lens]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    perm = torch.randperm(sum(need), device=dev, generator=g).int()
+    tables = torch.zeros((B, max(need)), dtype=torch.int32, device=dev)
+    used = 0
+    for i, nb in enumerate(need):
+        tables[i, :nb] = perm[used: used + nb]
+        used += nb
+    k = torch.randn((sum(need), PAGE, KVH, D), device=dev, dtype=dtype, generator=g)
+    v = torch.randn((sum(need), PAGE, KVH, D), device=dev, dtype=dtype, generator=g)
+    q = torch.randn((B, H, D), device=dev, dtype=dtype, generator=g)
+    cl = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return q, k, v, tables, cl, sum(lens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="768:270,384:300,192:350,64:500,16:1000",
+                    help="B:mean_context, comma-separated")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    cases = ["3:20"] if args.smoke else args.cases.split(",")
+    configs = [(bn, nw, ns) for bn in (16, 32, 64, 128) for nw in (2, 4, 8) for ns in (1, 2, 3)]
+    if args.smoke:
+        configs = [(16, 4, 1)]
+    results = []
+    for case in cases:
+        B, ctx = map(int, case.split(":"))
+        q, k, v, tables, cl, tokens = make_case(B, ctx, dev, dtype)
+        scale = D ** -0.5
+        # as the engine's long decode graphs call it: max_context_len of the model, splits chosen
+        call = dict(max_context_len=16384)
+        out = paged_decode_attention(q, k, v, tables, cl, scale, **call)
+        ref = paged_decode_attention_ref(q[:4].float(), k.float(), v.float(), tables[:4], cl[:4], scale)
+        err = ((out[:4].float() - ref).abs().max() / ref.abs().max()).item()
+        nbytes = 2 * tokens * KVH * D * k.element_size()
+
+        def timed(**cfg) -> float:
+            if args.smoke:
+                paged_decode_attention(q, k, v, tables, cl, scale, **call, **cfg)
+                return 1.0
+            from cuda_timing import graph_median_ms
+            return graph_median_ms(lambda: paged_decode_attention(q, k, v, tables, cl, scale, **call, **cfg),
+                                   inner=5, reps=5)
+
+        base = timed()
+        best = (base, "default")
+        for bn, nw, ns in configs:
+            cfg = dict(block_n=bn, num_warps=nw, num_stages=ns)
+            try:
+                o2 = paged_decode_attention(q, k, v, tables, cl, scale, **call, **cfg)
+                if ((o2.float() - out.float()).abs().max() / out.float().abs().max()).item() > 2e-2:
+                    print(f"  B={B} ctx={ctx} {cfg}: WRONG", flush=True)
+                    continue
+                t = timed(**cfg)
+            except Exception as exc:          # e.g. out of shared memory
+                print(f"  B={B} ctx={ctx} {cfg}: {type(exc).__name__}", flush=True)
+                continue
+            if t < best[0]:
+                best = (t, f"bn={bn} warps={nw} stages={ns}")
+        gb = lambda ms: nbytes / (ms * 1e-3) / 1e9      # noqa: E731
+        results.append({"B": B, "mean_ctx": ctx, "err": err, "default_us": base * 1e3, "default_gbs": gb(base),
+                        "best_us": best[0] * 1e3, "best_gbs": gb(best[0]), "best": best[1]})
+        print(f"B={B:4d} ctx~{ctx:5d} err {err:.1e}: default {base * 1e3:7.1f} us ({gb(base):5.0f} GB/s), "
+              f"best {best[0] * 1e3:7.1f} us ({gb(best[0]):5.0f} GB/s) {best[1]}", flush=True)
+        del q, k, v
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "sweep_decode_batch.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
