@@ -20,6 +20,8 @@ Order (each part guarded and time-boxed; the table is printed last, also to $OUT
              each also reports its steps by kind and rows: wall, device and device-idle ms
   closedloop the serving benchmark's concurrency-64 run (640 x 1,024 in / 128 out) on the engine,
              once per --closedloop-budgets step token budget: total tok/s, p99 ITL, TTFT
+             (--closedloop-piecewise-ab: each also with the piecewise graphs hidden, which
+             --piecewise-max-tokens 2048 captures)
   --fp8      fp8ops (one layer: bf16 vs fp8 _scaled_mm vs fp8 GEMV, first), then a second engine
              with quantization="fp8" runs the listed parts (parity, decode1, async, prefill, decodeB)
 
@@ -28,6 +30,7 @@ Weight roofline for batch-1: ~15.0 GB of weights read per step at ~4.2 TB/s -> ~
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -68,6 +71,7 @@ SHAREGPT_GRAPH_CAPS: list[int] = []   # --sharegpt-graph-cap
 LIVE_PROFILE: tuple[int, int] | None = None   # --live-profile LO:HI
 FREEZE_GC = True             # --no-freeze-gc
 SHAREGPT_GC_AB = False       # --sharegpt-gc-ab
+CLOSEDLOOP_PIECEWISE_AB = False   # --closedloop-piecewise-ab
 PROFILE_CASES = ["1:128:short", "1:8192", "128:256"]   # --profile-cases
 PROFILE_CASES_ONLY = False            # --profile-cases given: no prefill profile
 
@@ -128,6 +132,22 @@ class Bench:
         return [toks[r] for r in rids]
 
 
+GRAPH_KINDS = ("decode_graphs", "short_decode_graphs", "prefill_graphs", "piecewise_graphs")
+
+
+@contextlib.contextmanager
+def graphs_off(runner, *kinds: str):
+    """The runner's graphs of these kinds hidden (those steps run eagerly), then restored."""
+    saved = {k: getattr(runner, k, None) for k in kinds}
+    try:
+        for k in kinds:
+            setattr(runner, k, None)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(runner, k, v)
+
+
 def sync() -> None:
     if not SMOKE:
         torch.cuda.synchronize()
@@ -152,7 +172,6 @@ def parity_case(b: Bench, label: str, lengths: list[int], graphs) -> None:
     prompts = [b.prompt(n) for n in lengths]
     recorded: list[torch.Tensor] = []
     forward, pin = runner.forward, runner._pin_decode_splits
-    saved = runner.decode_graphs, runner.short_decode_graphs
 
     def rec(batch):
         out = forward(batch)
@@ -166,17 +185,16 @@ def parity_case(b: Bench, label: str, lengths: list[int], graphs) -> None:
         with_graphs = b.generate(prompts, 24)
         logits_g = list(recorded)
         recorded.clear()
-        runner.decode_graphs = runner.short_decode_graphs = None
         eng.reset_prefix_cache()
         if hasattr(runner.attention, "decode_num_splits") and not SMOKE:
             from gpu_worker.kernels.paged_decode_attention import choose_num_splits
             splits = choose_num_splits(graphs.bucket(len(prompts)), runner.kv_caches[0][0].shape[2],
                                        graphs.max_context_len, runner.device)
             runner._pin_decode_splits = lambda batch: setattr(runner.attention, "decode_num_splits", splits)
-        eager = b.generate(prompts, 24)
+        with graphs_off(runner, "decode_graphs", "short_decode_graphs", "piecewise_graphs"):
+            eager = b.generate(prompts, 24)
         logits_e = list(recorded)
     finally:
-        runner.decode_graphs, runner.short_decode_graphs = saved
         runner.forward, runner._pin_decode_splits = forward, pin
         eng.reset_prefix_cache()
     same = [next((i for i, (x, y) in enumerate(zip(a, e)) if x != y), len(a)) for a, e in zip(with_graphs, eager)]
@@ -224,9 +242,7 @@ def part_decode1(b: Bench) -> None:
 
 def part_ablation(b: Bench) -> None:
     runner = b.eng.runner
-    graphs, short = runner.decode_graphs, runner.short_decode_graphs
-    runner.decode_graphs = runner.short_decode_graphs = None
-    try:
+    with graphs_off(runner, *GRAPH_KINDS):
         decode1(b, 128, S(64), " eager")
         kernels = runner.model.model.norm.kernels
         runner.model.use_fused_kernels(None)
@@ -234,8 +250,6 @@ def part_ablation(b: Bench) -> None:
             decode1(b, 128, S(64), " eager, torch ops")
         finally:
             runner.model.use_fused_kernels(kernels)
-    finally:
-        runner.decode_graphs, runner.short_decode_graphs = graphs, short
 
 
 def part_profile(b: Bench) -> None:
@@ -353,10 +367,11 @@ def part_ttft(b: Bench) -> None:
         runs = sorted(fn() for _ in range(S(10)))
         return runs[len(runs) // 2]
 
-    saved, graphs = eng.async_scheduling, runner.prefill_graphs
+    saved, graphs, piecewise = eng.async_scheduling, runner.prefill_graphs, runner.piecewise_graphs
     try:
         for use_graphs in ((True, False) if graphs is not None else (False,)):
             runner.prefill_graphs = graphs if use_graphs else None
+            runner.piecewise_graphs = piecewise if use_graphs else None
             tag = " (prefill graph)" if use_graphs else " (eager)"
             for mode in (False, True):
                 eng.async_scheduling = mode
@@ -368,13 +383,13 @@ def part_ttft(b: Bench) -> None:
             med = median(second_turn)
             row(f"ttft 2nd turn {S(2048)} cached + {S(128)} new, async{tag}", f"{med[0]:.1f} ms",
                 f"prefill forward: host launch {med[1]:.1f} ms, GPU wall from launch {med[2]:.1f} ms")
-        runner.prefill_graphs = None
+        runner.prefill_graphs = runner.piecewise_graphs = None
         eng.async_scheduling = False
         if not SMOKE:
             busy = profile_kernels(lambda: one(1), reps=3)["total"][0]
             row(f"ttft prefill {L} kernel busy", f"{busy:.1f} ms", "sum of kernel durations of the step")
     finally:
-        eng.async_scheduling, runner.prefill_graphs = saved, graphs
+        eng.async_scheduling, runner.prefill_graphs, runner.piecewise_graphs = saved, graphs, piecewise
 
 
 def part_hostprof(b: Bench) -> None:
@@ -685,42 +700,51 @@ def part_closedloop(b: Bench, seconds: float) -> None:
     try:
         sched.max_num_seqs, sched.admit_group = conc, conc
         b.eng.async_scheduling = True
-        for budget in CLOSEDLOOP_BUDGETS:
+        variants = [(" eager mixed", ("piecewise_graphs",)), ("", ())] if CLOSEDLOOP_PIECEWISE_AB else [("", ())]
+        for budget, (suffix, hidden) in ((bu, v) for bu in CLOSEDLOOP_BUDGETS for v in variants):
+            label = f"closed-loop c{conc} budget={budget}{suffix}"
             if time.time() > end - 5:
-                row(f"closed-loop c{conc} budget={budget}", "SKIPPED", "time budget")
+                row(label, "SKIPPED", "time budget")
                 continue
-            sched.max_num_batched_tokens = budget
-            sent, arrive, first, last, gaps, done = 0, {}, {}, {}, [], 0
-            t0 = time.perf_counter()
-            while done < n_req and time.time() < end:
-                while sent < n_req and sent - done < conc:
-                    arrive[b.add(b.prompt(n_in), n_out)] = time.perf_counter()
-                    sent += 1
-                deltas = b.eng.step()
-                now = time.perf_counter()
-                for d in deltas:
-                    rid = d.request_id
-                    if rid in last:
-                        gaps.append(now - last[rid])
-                    else:
-                        first[rid] = now - arrive[rid]
-                    last[rid] = now
-                    done += d.finish_reason is not None
-            dt = time.perf_counter() - t0
-            for r in list(b.eng.requests):
-                b.eng.abort_request(r)
-            b.drain()
-            gaps.sort()
-            ttft = sorted(first.values())
-            p99 = gaps[int(0.99 * (len(gaps) - 1))] if gaps else float("nan")
-            row(f"closed-loop c{conc} budget={budget}" + ("" if done == n_req else " (time-boxed)"),
-                f"{done * (n_in + n_out) / dt:.0f} total tok/s",
-                f"{done} requests {n_in}/{n_out} in {dt:.1f} s; p99 ITL {1e3 * p99:.1f} ms, median ITL "
-                f"{1e3 * gaps[len(gaps) // 2] if gaps else float('nan'):.1f} ms; median TTFT "
-                f"{1e3 * ttft[len(ttft) // 2] if ttft else float('nan'):.0f} ms")
+            with graphs_off(b.eng.runner, *hidden):
+                closed_loop_run(b, label, budget, n_req, conc, n_in, n_out, end)
     finally:
         sched.max_num_seqs, sched.admit_group, sched.max_num_batched_tokens, b.eng.async_scheduling = saved
         b.eng.step()
+
+
+def closed_loop_run(b: Bench, label: str, budget: int, n_req: int, conc: int, n_in: int, n_out: int,
+                    end: float) -> None:
+    """One closed-loop run at this step token budget: conc requests in flight until n_req have
+    finished (or `end`); the row reports total tok/s, inter-token gaps and TTFT."""
+    b.eng.scheduler.max_num_batched_tokens = budget
+    sent, arrive, first, last, gaps, done = 0, {}, {}, {}, [], 0
+    t0 = time.perf_counter()
+    while done < n_req and time.time() < end:
+        while sent < n_req and sent - done < conc:
+            arrive[b.add(b.prompt(n_in), n_out)] = time.perf_counter()
+            sent += 1
+        deltas = b.eng.step()
+        now = time.perf_counter()
+        for d in deltas:
+            rid = d.request_id
+            if rid in last:
+                gaps.append(now - last[rid])
+            else:
+                first[rid] = now - arrive[rid]
+            last[rid] = now
+            done += d.finish_reason is not None
+    dt = time.perf_counter() - t0
+    for r in list(b.eng.requests):
+        b.eng.abort_request(r)
+    b.drain()
+    gaps.sort()
+    ttft = sorted(first.values())
+    p99 = gaps[int(0.99 * (len(gaps) - 1))] if gaps else float("nan")
+    row(label + ("" if done == n_req else " (time-boxed)"), f"{done * (n_in + n_out) / dt:.0f} total tok/s",
+        f"{done} requests {n_in}/{n_out} in {dt:.1f} s; p99 ITL {1e3 * p99:.1f} ms, median ITL "
+        f"{1e3 * gaps[len(gaps) // 2] if gaps else float('nan'):.1f} ms; median TTFT "
+        f"{1e3 * ttft[len(ttft) // 2] if ttft else float('nan'):.0f} ms")
 
 
 def part_fp8ops(_b=None) -> None:
@@ -772,12 +796,15 @@ def make_engine(model_dir: Path, args, extra: dict, label: str = "", **kw):
     # enough for the widest run asked for, and the scheduler capped at 256 for the standard parts.
     wide = max([256, args.graph_max_bs] + [int(n) for n in filter(None, args.sharegpt_seqs.split(","))])
     eng = Engine(EngineConfig(model=str(model_dir), max_num_seqs=wide, max_num_batched_tokens=args.max_num_batched_tokens,
-                              max_model_len=S(16384), cuda_graph_max_bs=args.graph_max_bs, **extra, **kw))
+                              max_model_len=S(16384), cuda_graph_max_bs=args.graph_max_bs,
+                              piecewise_graph_max_tokens=args.piecewise_max_tokens, **extra, **kw))
     eng.scheduler.max_num_seqs, eng.scheduler.admit_group = 256, 256 // 8
     if SMOKE:   # the CPU stand-in of graphs (EagerReplay): exercises the parity part
         eng.runner.capture_cuda_graphs(8, eng.max_model_len)
         eng.runner.capture_prefill_graphs(64, eng.max_model_len)
-    graphs = [getattr(eng.runner, name, None) for name in ("decode_graphs", "short_decode_graphs", "prefill_graphs")]
+        eng.runner.capture_piecewise_graphs(128)
+    graphs = [getattr(eng.runner, name, None)
+              for name in ("decode_graphs", "short_decode_graphs", "prefill_graphs", "piecewise_graphs")]
     graphs = [g for g in graphs if g is not None]
     row("engine load" + label, f"{time.time() - t:.1f} s",
         f"{eng.block_manager.num_blocks} KV blocks; {'; '.join(g.capture_times.summary() for g in graphs) or 'no graphs'}; "
@@ -902,6 +929,11 @@ def main() -> None:
                     "warm-up (the worker freezes it: Engine.freeze_gc)")
     ap.add_argument("--sharegpt-gc-ab", action="store_true", help="the --sharegpt-seqs runs also run "
                     "once with the GC heap unfrozen (an A/B of Engine.freeze_gc)")
+    ap.add_argument("--piecewise-max-tokens", type=int, default=0, help="the engine's "
+                    "piecewise_graph_max_tokens (0, the engine's default: mixed steps run eagerly; 2048: "
+                    "graphs around eager attention for steps of up to 2,048 tokens)")
+    ap.add_argument("--closedloop-piecewise-ab", action="store_true", help="each closed-loop budget also "
+                    "runs with the piecewise graphs hidden (mixed steps eager) first")
     ap.add_argument("--closedloop-budgets", default="1536", help="comma list of step token budgets "
                     "(max_num_batched_tokens) for the closed-loop part")
     ap.add_argument("--fp8-reserve", type=float, default=50, help="seconds kept for the fp8 engine")
@@ -912,10 +944,11 @@ def main() -> None:
     args = ap.parse_args()
     end = T0 + args.budget
     global SMOKE, ASYNC_DEFAULT, ROW_SUFFIX, SHAREGPT_TEMPERATURE, SHAREGPT_WORKLOAD, CLOSEDLOOP_BUDGETS
-    global PROFILE_CASES_ONLY, LIVE_PROFILE, FREEZE_GC, SHAREGPT_GC_AB
+    global PROFILE_CASES_ONLY, LIVE_PROFILE, FREEZE_GC, SHAREGPT_GC_AB, CLOSEDLOOP_PIECEWISE_AB
     CLOSEDLOOP_BUDGETS = [int(x) for x in args.closedloop_budgets.split(",") if x]
     SHAREGPT_GRAPH_CAPS[:] = [int(x) for x in args.sharegpt_graph_cap.split(",") if x]
     FREEZE_GC, SHAREGPT_GC_AB = not args.no_freeze_gc, args.sharegpt_gc_ab
+    CLOSEDLOOP_PIECEWISE_AB = args.closedloop_piecewise_ab
     if args.live_profile:
         LIVE_PROFILE = tuple(int(x) for x in args.live_profile.split(":"))
     if args.profile_cases:

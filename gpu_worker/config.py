@@ -72,6 +72,13 @@ class EngineConfig:
     the part after a cached prefix) replays a CUDA graph captured at startup (sizes every 32
     tokens; 0: none). Eager prefills that short are host-bound: this is the time to first token
     of a lone request, and of a chat's next turn."""
+    piecewise_graph_max_tokens: int = 0
+    """Steps of 5 to this many tokens (capped by max_num_batched_tokens) that no whole-step graph
+    serves (prefill beside decodes, several prompts) replay the model between attentions from
+    CUDA graphs captured at startup, attention itself running eagerly (sizes every 64 tokens;
+    not with tensor parallelism or MoE layers). Launched eagerly, such a step costs ~18 ms of
+    Python on the H200's host, more than its GPU time up to ~1,000 tokens. 0 (the default): none
+    yet: its speed on the H200 is not measured (try 2048; BENCHMARKS.md, fourth session)."""
     tensor_parallel_size: int = 1
     """GPUs one worker shards the model over (attention heads, MLP, vocabulary; one all-reduce
     per sub-layer); ranks 1.. run as child processes of the worker. 1 = no parallelism."""
@@ -96,8 +103,9 @@ class EngineConfig:
                      "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be at least 1, got {getattr(self, name)}")
-        if self.prefill_graph_max_tokens < 0:
-            raise bad("prefill_graph_max_tokens", f"must be at least 0, got {self.prefill_graph_max_tokens}")
+        for name in ("prefill_graph_max_tokens", "piecewise_graph_max_tokens"):
+            if getattr(self, name) < 0:
+                raise bad(name, f"must be at least 0, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:

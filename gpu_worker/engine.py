@@ -336,7 +336,8 @@ class Engine:
         enforce_eager) capture decode CUDA graphs: a padded batch ladder up to cuda_graph_max_bs,
         for contexts up to max_model_len; the runner replays them for pure-decode steps that fit;
         and prefill graphs for steps that prefill one prompt's up to prefill_graph_max_tokens
-        remaining tokens."""
+        remaining tokens; and piecewise graphs (everything but attention) for the other steps of up
+        to piecewise_graph_max_tokens tokens."""
         cfg = self.config
         if self.device.type != "cuda" or self.setup.attention_backend != "triton":
             return
@@ -351,6 +352,9 @@ class Engine:
         prefill_tokens = min(cfg.prefill_graph_max_tokens, cfg.max_num_batched_tokens, self.max_model_len - 1)
         if prefill_tokens > 0 and hasattr(self.runner, "capture_prefill_graphs"):
             self.runner.capture_prefill_graphs(prefill_tokens, self.max_model_len)
+        piecewise_tokens = min(cfg.piecewise_graph_max_tokens, cfg.max_num_batched_tokens)
+        if piecewise_tokens > 0 and hasattr(self.runner, "capture_piecewise_graphs"):
+            self.runner.capture_piecewise_graphs(piecewise_tokens)
 
     def _warm_sampler(self) -> None:
         """One greedy, one plain and one filtered draw: compiles the sampling kernel."""

@@ -138,6 +138,7 @@ class ModelRunner:
         self.decode_graphs = None   # gpu_worker.cuda_graphs.DecodeGraphs once captured
         self.short_decode_graphs = None   # the same for contexts <= SHORT_CONTEXT (CUDA only)
         self.prefill_graphs = None   # gpu_worker.prefill_graphs.PrefillGraphs once captured
+        self.piecewise_graphs = None   # gpu_worker.piecewise_graphs.PiecewiseGraphs once captured
 
     # Overridden by the tensor-parallel rank runner (gpu_worker/parallel/tp_runner.py).
     def _new_model(self, config: ModelConfig, dtype: torch.dtype) -> CausalLM:
@@ -180,6 +181,7 @@ class ModelRunner:
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = []  # free the old cache first
         self.decode_graphs = self.short_decode_graphs = self.prefill_graphs = None  # graphs use the old cache
+        self.piecewise_graphs = None
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
@@ -191,7 +193,7 @@ class ModelRunner:
         """Free the device memory this runner holds (KV cache, graphs, weights); it cannot run
         again. Another engine made in the same process afterwards gets the memory back."""
         self.kv_caches = []
-        self.decode_graphs = self.short_decode_graphs = self.prefill_graphs = None
+        self.decode_graphs = self.short_decode_graphs = self.prefill_graphs = self.piecewise_graphs = None
         self.model = None
         gc.collect()                    # graphs and modules can sit in reference cycles
         if self.device.type == "cuda":
@@ -276,6 +278,9 @@ class ModelRunner:
                     return out                                # (B, V) float32 logits
                 return out[batch.logits_indices]              # (S, V)
             hidden = out                                      # (B, H)
+        elif self.piecewise_graphs is not None and self.piecewise_graphs.can_run(batch):
+            self._pin_decode_splits(batch)
+            hidden = self.piecewise_graphs.run(batch)         # (T, H): graphs around eager attention
         else:
             self._pin_decode_splits(batch)
             hidden = self.run_model(batch)                    # (T, H)
@@ -339,6 +344,24 @@ class ModelRunner:
                                reset_step_state=self.attention.forget_step_state)
         graphs.capture()
         self.prefill_graphs = graphs
+
+    def capture_piecewise_graphs(self, max_tokens: int) -> None:
+        """Capture every layer's work but attention, for steps of up to `max_tokens` tokens that no
+        whole-step graph serves (mixed prefill + decode, several prompts; after allocate_kv_cache;
+        gpu_worker/piecewise_graphs.py). Not for a sharded model (tensor parallel: the ranks
+        follow rank 0's eager steps) nor MoE layers. On CPU the same pieces run eagerly."""
+        from gpu_worker.piecewise_graphs import LADDER_STEP, PiecewiseGraphs
+
+        if not self.kv_caches:
+            raise RuntimeError("allocate_kv_cache must be called before capture_piecewise_graphs")
+        if self.device.type == "cuda" and self.attention.name == "torch":
+            raise ValueError("CUDA graphs need attention_backend='triton'")
+        self.piecewise_graphs = None
+        if (type(self.model) is not CausalLM or self.config.moe_layers or max_tokens < LADDER_STEP):
+            return
+        graphs = PiecewiseGraphs(self.model, self.kv_caches, device=self.device, max_tokens=max_tokens)
+        graphs.capture()
+        self.piecewise_graphs = graphs
 
     def _pin_decode_splits(self, batch: ForwardBatch) -> None:
         """Eager steps on the triton backend: round the decode kernel's split count down to a

@@ -15,8 +15,8 @@ ForwardBatch's host-side ints (num_seqs, max_query_len, max_context_len), so a p
 can be captured in a CUDA graph (gpu_worker/cuda_graphs.py) with max_context_len fixed at the
 model's maximum.
 
-`forward_rope` is the same with the rotary embedding fused into the KV write (one kernel
-fewer per layer); a model calls it instead of rope_ + forward when the backend has it.
+`rope_kv_write` + `attend` is the same with the rotary embedding fused into the KV write (one
+kernel fewer per layer); a model calls them instead of rope_ + forward when the backend has them.
 
 A sliding window (Mistral-style: the query at position p sees keys p - W + 1 .. p) is supported
 by both kernels. An fp8 KV cache (the caches' dtype float8_e4m3fn) is written and read with the per-tensor
@@ -57,13 +57,12 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache_write(k, v, k_cache, v_cache, batch.slot_mapping, self.k_scale, self.v_scale)
         return self.attend(q, k_cache, v_cache, batch, scale, k, v)
 
-    def forward_rope(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, batch: ForwardBatch,
-                     scale: float) -> torch.Tensor:
-        """forward() with the rotary embedding fused into the KV write: q and k arrive unrotated
-        (and are rotated in place); one kernel instead of rope_ + kv_cache_write."""
-        rope_kv_write(positions, q, k, v, cos_sin_cache, k_cache, v_cache, batch.slot_mapping,
+    def rope_kv_write(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                      slot_mapping: torch.Tensor) -> None:
+        """The rotary embedding fused into the KV write: q and k arrive unrotated and are rotated
+        in place; one kernel instead of rope_ + kv_cache_write. `attend` follows."""
+        rope_kv_write(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                       self.k_scale, self.v_scale)
-        return self.attend(q, k_cache, v_cache, batch, scale, k, v)      # k now rotated
 
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ v_cache, slot_mapping, k_scale, v_scale)`, one program per token:
         k_cache[slot] = k[t] / k_scale;  v_cache[slot] = v[t] / v_scale   (scales: fp8 caches only)
 
 A decode step is a few hundred small kernels; fusing these two saves a launch per layer and a
-re-read of k. The attention backend's `forward_rope` uses it.
+re-read of k. The attention backend's `rope_kv_write` uses it.
 """
 from __future__ import annotations
 

@@ -51,6 +51,14 @@ class Attention(nn.Module):
         self.backend = backend    # not an nn.Module: the runner owns it
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, batch: ForwardBatch):
+        q, k, v, cached = self.project(x, positions, kv, batch.slot_mapping)
+        out = self.attend(q, k, v, cached, kv, batch)                       # (T, nh, D)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))            # (T, H)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, slot_mapping: torch.Tensor):
+        """The part before attention proper -> (q, k, v, cached): q (T, nh, D) and k (T, nkv, D)
+        rotated, v (T, nkv, D); `cached` when this step's K/V are already in the cache (the fused
+        RoPE + KV-write kernel). Reads no lengths on the host: piecewise CUDA graphs capture it."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)        # (T, nh, D)
@@ -58,17 +66,22 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)     # (T, nkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.kernels is not None and hasattr(self.backend, "forward_rope"):
+        if self.kernels is not None and hasattr(self.backend, "rope_kv_write"):
             # one kernel rotates q, k in place (views of the qkv output) and writes the KV cache
-            out = self.backend.forward_rope(q, k, v, positions, self.rope.cos_sin, kv[0], kv[1], batch,
-                                            self.scale)                        # (T, nh, D)
+            self.backend.rope_kv_write(q, k, v, positions, self.rope.cos_sin, kv[0], kv[1], slot_mapping)
+            return q, k, v, True
+        if self.kernels is not None:                          # in place on the qkv views
+            self.kernels.rope_(positions, q, k, self.rope.cos_sin)
         else:
-            if self.kernels is not None:                      # in place on the qkv views
-                self.kernels.rope_(positions, q, k, self.rope.cos_sin)
-            else:
-                q, k = self.rope(positions, q, k)
-            out = self.backend.forward(q, k, v, kv[0], kv[1], batch, self.scale)  # (T, nh, D)
-        return self.o_proj(out.reshape(t, self.q_size))     # (T, H)
+            q, k = self.rope(positions, q, k)
+        return q, k, v, False
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: bool, kv: KVCache,
+               batch: ForwardBatch) -> torch.Tensor:
+        """Attention proper over the paged cache -> (T, nh, D); writes K/V first unless `cached`."""
+        if cached:
+            return self.backend.attend(q, kv[0], kv[1], batch, self.scale, k, v)
+        return self.backend.forward(q, k, v, kv[0], kv[1], batch, self.scale)
 
 
 class DecoderLayer(nn.Module):

@@ -53,7 +53,8 @@ def test_engine_perf_smoke(tmp_path):
     r = subprocess.run([sys.executable, "bench/engine_perf.py", "--smoke", "--model-dir", str(tmp_path / "tiny"),
                         "--budget", "200", "--skip", "ablation,sharegpt", "--sharegpt-temperature", "0",
                         "--sharegpt-seqs", "16", "--sharegpt-gc-ab", "--graph-max-bs", "8",
-                        "--sharegpt-graph-cap", "4", "--closedloop-budgets", "64,256", "--live-profile", "1:64"],
+                        "--sharegpt-graph-cap", "4", "--closedloop-budgets", "64,256", "--closedloop-piecewise-ab",
+                        "--live-profile", "1:64"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "out" / "engine_perf.json").read_text())
@@ -68,7 +69,8 @@ def test_engine_perf_smoke(tmp_path):
         assert "total tok/s" in res["sharegpt 1000 reqs async max_num_seqs=16" + suffix]["value"]
         assert "host " in res["sharegpt rows async max_num_seqs=16" + suffix]["value"]
     for budget in (64, 256):                                   # conc = min(64, S(640)) = 20
-        assert "total tok/s" in res[f"closed-loop c20 budget={budget}"]["value"]
+        for suffix in (" eager mixed", ""):                    # piecewise graphs hidden, then used
+            assert "total tok/s" in res[f"closed-loop c20 budget={budget}{suffix}"]["value"]
     assert "live profile" in r.stdout
 
 

@@ -53,7 +53,7 @@ def test_triton_backend_matches_torch_backend(randn, rel_err, computed, query_le
     assert torch.equal(backend.forward(q, k, v, kc, vc, batch, head_dim ** -0.5), out)   # a second layer
 
 
-def test_forward_rope_equals_rope_then_forward(randn, rel_err):
+def test_rope_kv_write_then_attend_equals_rope_then_forward(randn, rel_err):
     from gpu_worker.kernels.rope import build_cos_sin_cache, rope_, rope_inv_freq
     n_heads, n_kv, head_dim, page, n_blocks = 4, 2, 64, 16, 20
     batch = make_batch([30, 0], [1, 9], page, 8, torch.randperm(n_blocks).int())
@@ -63,7 +63,8 @@ def test_forward_rope_equals_rope_then_forward(randn, rel_err):
     kc, vc = randn(n_blocks, page, n_kv, head_dim), randn(n_blocks, page, n_kv, head_dim)
     q2, k2, kc2, vc2 = q.clone(), k.clone(), kc.clone(), vc.clone()
     backend = TritonAttentionBackend()
-    out = backend.forward_rope(q, k, v, batch.positions, cs, kc, vc, batch, 0.125)
+    backend.rope_kv_write(q, k, v, batch.positions, cs, kc, vc, batch.slot_mapping)
+    out = backend.attend(q, kc, vc, batch, 0.125, k, v)
     rope_(batch.positions, q2, k2, cs)
     ref = backend.forward(q2, k2, v, kc2, vc2, batch, 0.125)
     assert rel_err(out, ref) < 1e-6 and torch.allclose(kc, kc2, atol=1e-6)

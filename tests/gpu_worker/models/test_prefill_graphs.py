@@ -106,19 +106,27 @@ def test_prefill_graphs_off_below_one_ladder_step(tiny_models):
     assert runner.prefill_graphs is None
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("variant", ["fp32", "bf16 fp8-weights", "bf16 fp8-kv"])
-def test_prefill_graph_replay_matches_eager_cuda(tiny_models, variant):
-    """Real graphs: fp32 (TF32 off), and the FP8 paths (per-token activation quantization and
-    scaled_mm inside the graph; the fp8 KV write): the same kernels as eager on the same rows,
-    so bf16-level tolerances."""
+# The GPU variants of graph-vs-eager checks: fp32 with TF32 off (tolerance 1e-4), and the FP8
+# paths (per-token activation quantization and scaled_mm captured; the fp8 KV write; 3e-2).
+CUDA_VARIANTS = {"fp32": {}, "bf16 fp8-weights": dict(dtype=torch.bfloat16, quantization="fp8"),
+                 "bf16 fp8-kv": dict(dtype=torch.bfloat16, kv_cache_dtype=torch.float8_e4m3fn)}
+
+
+def run_cuda_variant(check, model_dir: str, variant: str) -> None:
+    """check(model_dir, "cuda", "triton", tol=..., **variant kwargs) with TF32 off."""
     pytest.importorskip("triton")
-    kw = {"fp32": {}, "bf16 fp8-weights": dict(dtype=torch.bfloat16, quantization="fp8"),
-          "bf16 fp8-kv": dict(dtype=torch.bfloat16, kv_cache_dtype=torch.float8_e4m3fn)}[variant]
+    kw = CUDA_VARIANTS[variant]
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        check_replays_match_eager(tiny_models["llama"], "cuda", "triton", tol=1e-4 if not kw else 3e-2, **kw)
+        check(model_dir, "cuda", "triton", tol=1e-4 if not kw else 3e-2, **kw)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", list(CUDA_VARIANTS))
+def test_prefill_graph_replay_matches_eager_cuda(tiny_models, variant):
+    """Real graphs: the same kernels as eager on the same rows."""
+    run_cuda_variant(check_replays_match_eager, tiny_models["llama"], variant)
