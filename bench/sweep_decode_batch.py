@@ -102,7 +102,6 @@ def main() -> None:
                         "best_us": best[0] * 1e3, "best_gbs": gb(best[0]), "best": best[1]})
         print(f"B={B:4d} ctx~{ctx:5d} err {err:.1e}: default {base * 1e3:7.1f} us ({gb(base):5.0f} GB/s), "
               f"best {best[0] * 1e3:7.1f} us ({gb(best[0]):5.0f} GB/s) {best[1]}", flush=True)
-        del q, k, v
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep_decode_batch.json").write_text(json.dumps(results, indent=1))

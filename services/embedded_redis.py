@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.ports import free_port
+
 log = logging.getLogger("kvmesh.redis")
 
 
@@ -40,15 +42,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class EmbeddedRedis:
     def __init__(self, port: int = 0) -> None:
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
@@ -26,6 +25,7 @@ import zmq
 import zmq.asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.ports import free_port  # noqa: F401  (re-exported: callers import it from here)
 from services.protocol.messages import PROTOCOL_VERSION
 
 T = TypeVar("T")
@@ -46,12 +46,6 @@ def context() -> zmq.asyncio.Context:
 
 def tcp_addr(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _bind(sock: Any, host: str, port: int) -> int:

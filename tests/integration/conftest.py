@@ -3,7 +3,6 @@ worker and a gateway, each a real process. Tests that need more (API keys, more 
 processes to it."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -11,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from services.ports import free_port as services_free_port
 from tests.integration.stack import FAST, INTERNAL, Procs, ROOT, records, redis_and_procs, wait_ready
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return services_free_port()
 
 
 @dataclass

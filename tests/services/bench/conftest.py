@@ -3,7 +3,6 @@ client's event loop), and a tiny BPE tokenizer directory."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,13 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.ports import free_port
+
 REPO = Path(__file__).resolve().parents[3]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 class MockServers:
