@@ -52,7 +52,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -65,6 +64,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # run from anywhere in the repo
+
+from services.ports import free_port  # noqa: E402  (the gateway's port, bound later by the stack)
 
 T0 = time.time()
 RESULTS: dict = {"sections": {}, "errors": {}, "skipped": {}, "env": {}}
@@ -177,12 +178,6 @@ def skip(part: str, why: str) -> None:
     RESULTS["skipped"][part] = why
     say(f"skip {part}: {why}")
     save()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def die_with_parent() -> None:

@@ -25,7 +25,6 @@ import zmq
 import zmq.asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.ports import free_port  # noqa: F401  (re-exported: callers import it from here)
 from services.protocol.messages import PROTOCOL_VERSION
 
 T = TypeVar("T")

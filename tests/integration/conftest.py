@@ -10,12 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.ports import free_port as services_free_port
+from services.ports import free_port  # noqa: F401  (the integration tests import it from here)
 from tests.integration.stack import FAST, INTERNAL, Procs, ROOT, records, redis_and_procs, wait_ready
-
-
-def free_port() -> int:
-    return services_free_port()
 
 
 @dataclass

@@ -136,7 +136,7 @@ async def _purged(svc, client):
 
 
 async def test_client_breaker_retries_after_cooldown():
-    from services.transport import free_port
+    from services.ports import free_port
 
     client = PrefixClient(f"127.0.0.1:{free_port()}", timeout_s=0.1, cooldown_s=0.05)
     assert not (await client.match("m", PROMPT)).available

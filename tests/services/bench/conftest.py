@@ -17,10 +17,6 @@ from services.ports import free_port
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _free_port() -> int:
-    return free_port()
-
-
 class MockServers:
     """Starts one mock server per distinct argument list, on first use; stops them at the end."""
 
@@ -29,7 +25,7 @@ class MockServers:
 
     def get(self, *args: str) -> str:
         if args not in self.procs:
-            port = _free_port()
+            port = free_port()
             # stderr to a file: a pipe nobody reads would block the server once it filled
             err = tempfile.TemporaryFile()
             proc = subprocess.Popen([sys.executable, "-m", "services.bench.mock_server", "--port", str(port), *args],
