@@ -569,7 +569,7 @@ class StepKinds:
     PHASES = ("schedule", "build", "forward", "sample", "settle")
 
     def __init__(self, eng):
-        self.eng, self.kinds = eng, {}
+        self.eng = eng
         self._cur = None
         self.steps: list[dict] = []
         cuda = not SMOKE and torch.cuda.is_available()
@@ -589,11 +589,6 @@ class StepKinds:
             out = step()
             cur["wall"] = time.perf_counter() - t0
             self.steps.append(cur)
-            k = self.kinds.setdefault(cur["kind"], [0, 0.0, 0, 0])
-            k[0] += 1
-            k[1] += cur["wall"]
-            k[2] += cur["rows"]
-            k[3] += cur["tokens"]
             return out
 
         self._saved.append((eng, "step"))
@@ -653,9 +648,13 @@ class StepKinds:
         self._saved = []
 
     def summary(self, wall: float) -> str:
-        return "; ".join(f"{kind} {n} steps {100 * t / wall:.0f}% {1e3 * t / max(n, 1):.1f} ms/step "
-                         f"{rows / max(n, 1):.0f} rows {toks / max(n, 1):.0f} tok"
-                         for kind, (n, t, rows, toks) in sorted(self.kinds.items()))
+        kinds: dict[str, list] = {}                        # kind -> [steps, seconds, rows, tokens]
+        for st in self.steps:
+            k = kinds.setdefault(st["kind"], [0, 0.0, 0, 0])
+            k[0], k[1], k[2], k[3] = k[0] + 1, k[1] + st["wall"], k[2] + st["rows"], k[3] + st["tokens"]
+        return "; ".join(f"{kind} {n} steps {100 * t / wall:.0f}% {1e3 * t / n:.1f} ms/step "
+                         f"{rows / n:.0f} rows {toks / n:.0f} tok"
+                         for kind, (n, t, rows, toks) in sorted(kinds.items()))
 
     def by_rows(self) -> str:
         """Per (kind, rows bucket), ms per step: wall; device (forward) and device idle (CUDA);
