@@ -68,7 +68,7 @@ SHAREGPT_TEMPERATURE = 1.0   # --sharegpt-temperature
 SHAREGPT_WORKLOAD = "vllm"   # --sharegpt-workload
 CLOSEDLOOP_BUDGETS = [1536]  # --closedloop-budgets
 SHAREGPT_GRAPH_CAPS: list[int] = []   # --sharegpt-graph-cap
-LIVE_PROFILE: tuple[int, int] | None = None   # --live-profile LO:HI
+LIVE_PROFILE: tuple[str, int, int, int] | None = None   # --live-profile [KIND:]LO:HI[:MINROWS]
 FREEZE_GC = True             # --no-freeze-gc
 SHAREGPT_GC_AB = False       # --sharegpt-gc-ab
 CLOSEDLOOP_PIECEWISE_AB = False   # --closedloop-piecewise-ab
@@ -594,7 +594,8 @@ class StepKinds:
         self._saved.append((eng, "step"))
         eng.step = timed_step
 
-    # --live-profile LO:HI: torch.profiler over 6 live steps once a decode step of LO..HI rows ran
+    # --live-profile [KIND:]LO:HI[:MINROWS]: torch.profiler over 6 live steps once a step of KIND
+    # (decode, the default: LO..HI rows; mixed: LO..HI tokens and at least MINROWS rows) ran
     _prof, _prof_steps, _prof_done = None, 0, False
 
     def _maybe_profile(self) -> None:
@@ -602,7 +603,9 @@ class StepKinds:
             return
         if self._prof is None:
             last = self.steps[-1]
-            if last["kind"] == "decode" and LIVE_PROFILE[0] <= last["rows"] <= LIVE_PROFILE[1]:
+            kind, lo, hi, min_rows = LIVE_PROFILE
+            size = last["tokens" if kind == "mixed" else "rows"]
+            if last["kind"] == kind and lo <= size <= hi and last["rows"] >= min_rows:
                 from torch.profiler import ProfilerActivity, profile
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
                 self._prof = profile(activities=acts)
@@ -610,14 +613,22 @@ class StepKinds:
             return
         self._prof_steps += 1
         if self._prof_steps == 6:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self._prof.__exit__(None, None, None)
-            self._prof_done = True
-            ka = self._prof.key_averages()
-            log(f"live profile, 6 steps of ~{self.steps[-1]['rows']} rows, by host self time:\n"
-                + ka.table(sort_by="self_cpu_time_total", row_limit=22))
-            log("by device time:\n" + ka.table(sort_by="self_device_time_total", row_limit=12))
+            self._finish_profile()
+
+    def _finish_profile(self) -> None:
+        """Stop the live profiler and log its tables (also when the run ended before 6 steps)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        self._prof_done = True
+        ka = self._prof.key_averages()
+        last = self.steps[-1]
+        text = (f"live profile, {self._prof_steps} {last['kind']} steps of ~{last['rows']} rows / {last['tokens']} "
+                f"tokens, by host self time:\n" + ka.table(sort_by="self_cpu_time_total", row_limit=22)
+                + "\nby device time:\n" + ka.table(sort_by="self_device_time_total", row_limit=30))
+        log(text)
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / f"live_profile_{last['kind']}_{last['tokens']}tok.txt").write_text(text)
 
     def _wrap(self, obj, name: str, phase: str, before: str = "", after: str = "", tag: bool = False) -> None:
         fn = getattr(obj, name)
@@ -643,6 +654,8 @@ class StepKinds:
         setattr(obj, name, inner)
 
     def restore(self) -> None:
+        if self._prof is not None and not self._prof_done:    # a profiler still running: stop it
+            self._finish_profile()
         for obj, name in self._saved:
             delattr(obj, name)                      # back to the class's methods
         self._saved = []
@@ -656,6 +669,14 @@ class StepKinds:
                          f"{rows / n:.0f} rows {toks / n:.0f} tok"
                          for kind, (n, t, rows, toks) in sorted(kinds.items()))
 
+    def trace(self) -> list[list]:
+        """One [kind, rows, tokens, wall ms, device ms] per step (device: CUDA events, else -1)."""
+        if any("c" in st for st in self.steps):
+            torch.cuda.synchronize()
+        return [[st["kind"], st["rows"], st["tokens"], round(1e3 * st["wall"], 3),
+                 round(st["a"].elapsed_time(st["c"]), 3) if "a" in st and "c" in st else -1]
+                for st in self.steps]
+
     def by_rows(self) -> str:
         """Per (kind, rows bucket), ms per step: wall; device (forward) and device idle (CUDA);
         host per phase."""
@@ -665,7 +686,8 @@ class StepKinds:
         acc: dict[tuple[str, int], dict[str, float]] = {}
         prev_c = None
         for st in self.steps:
-            top = next(b for b in self.BUCKETS if st["rows"] <= b)
+            size = st["tokens"] if st["kind"] == "mixed" else st["rows"]   # a mixed step's cost follows its tokens
+            top = next(b for b in self.BUCKETS if size <= b)
             a = acc.setdefault((st["kind"], top), {"n": 0})
             a["n"] += 1
             for key in ("wall",) + self.PHASES:
@@ -679,7 +701,8 @@ class StepKinds:
         parts = []
         for (kind, top), a in sorted(acc.items()):
             n = a["n"]
-            label = f"{kind} <={top}" if top < self.BUCKETS[-1] else f"{kind} >{self.BUCKETS[-2]}"
+            unit = " tok" if kind == "mixed" else ""
+            label = f"{kind}{unit} <={top}" if top < self.BUCKETS[-1] else f"{kind}{unit} >{self.BUCKETS[-2]}"
             ms = lambda key: 1e3 * a.get(key, 0.0) / n     # noqa: E731
             dev = f", dev {ms('dev'):.1f} (fwd {ms('fwd'):.1f}) idle {ms('idle'):.2f}" if timed else ""
             host = "/".join(f"{ms(p):.1f}" for p in self.PHASES)
@@ -718,22 +741,32 @@ def closed_loop_run(b: Bench, label: str, budget: int, n_req: int, conc: int, n_
     finished (or `end`); the row reports total tok/s, inter-token gaps and TTFT."""
     b.eng.scheduler.max_num_batched_tokens = budget
     sent, arrive, first, last, gaps, done = 0, {}, {}, {}, [], 0
+    steps = StepKinds(b.eng)
     t0 = time.perf_counter()
-    while done < n_req and time.time() < end:
-        while sent < n_req and sent - done < conc:
-            arrive[b.add(b.prompt(n_in), n_out)] = time.perf_counter()
-            sent += 1
-        deltas = b.eng.step()
-        now = time.perf_counter()
-        for d in deltas:
-            rid = d.request_id
-            if rid in last:
-                gaps.append(now - last[rid])
-            else:
-                first[rid] = now - arrive[rid]
-            last[rid] = now
-            done += d.finish_reason is not None
+    try:
+        while done < n_req and time.time() < end:
+            while sent < n_req and sent - done < conc:
+                arrive[b.add(b.prompt(n_in), n_out)] = time.perf_counter()
+                sent += 1
+            deltas = b.eng.step()
+            now = time.perf_counter()
+            for d in deltas:
+                rid = d.request_id
+                if rid in last:
+                    gaps.append(now - last[rid])
+                else:
+                    first[rid] = now - arrive[rid]
+                last[rid] = now
+                done += d.finish_reason is not None
+    finally:
+        steps.restore()
     dt = time.perf_counter() - t0
+    row(label + " steps", steps.summary(dt), "step kinds: count, wall share, mean rows/tokens")
+    row(label + " rows", steps.by_rows(), "per kind and rows (decode) or tokens (mixed) bucket, ms per "
+        "step: wall; device (forward) and device idle (CUDA events); host schedule/build/forward/sample/settle")
+    OUT.mkdir(parents=True, exist_ok=True)
+    slug = label.replace("closed-loop ", "").replace(" ", "_").replace("=", "")
+    (OUT / f"closedloop_trace_{slug}.json").write_text(json.dumps(steps.trace()))
     for r in list(b.eng.requests):
         b.eng.abort_request(r)
     b.drain()
@@ -922,8 +955,9 @@ def main() -> None:
                     "run with decode graphs above this many rows hidden (an A/B of graph width)")
     ap.add_argument("--profile-cases", default="", help="the profile part's decode cases, B:ctx[:short] "
                     "comma-separated (default 1:128:short,1:8192,128:256 and an 8 x 2k prefill; given: only these)")
-    ap.add_argument("--live-profile", default="", help="LO:HI: the ShareGPT runs profile (torch.profiler, "
-                    "host and device) 6 live steps after the first pure-decode step of LO..HI rows")
+    ap.add_argument("--live-profile", default="", help="[KIND:]LO:HI[:MINROWS]: the ShareGPT and closed-loop "
+                    "runs profile (torch.profiler, host and device) 6 live steps after the first step of KIND "
+                    "(decode, the default: LO..HI rows; mixed: LO..HI tokens; at least MINROWS rows), also to $OUT/live_profile_*.txt")
     ap.add_argument("--no-freeze-gc", action="store_true", help="leave the GC heap unfrozen after "
                     "warm-up (the worker freezes it: Engine.freeze_gc)")
     ap.add_argument("--sharegpt-gc-ab", action="store_true", help="the --sharegpt-seqs runs also run "
@@ -949,7 +983,9 @@ def main() -> None:
     FREEZE_GC, SHAREGPT_GC_AB = not args.no_freeze_gc, args.sharegpt_gc_ab
     CLOSEDLOOP_PIECEWISE_AB = args.closedloop_piecewise_ab
     if args.live_profile:
-        LIVE_PROFILE = tuple(int(x) for x in args.live_profile.split(":"))
+        spec = args.live_profile.split(":")
+        kind = spec.pop(0) if not spec[0].isdigit() else "decode"
+        LIVE_PROFILE = (kind, int(spec[0]), int(spec[1]), int(spec[2]) if len(spec) > 2 else 0)
     if args.profile_cases:
         PROFILE_CASES[:], PROFILE_CASES_ONLY = args.profile_cases.split(","), True
     SMOKE, ASYNC_DEFAULT = args.smoke, args.async_scheduling

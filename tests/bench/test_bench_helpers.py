@@ -54,7 +54,7 @@ def test_engine_perf_smoke(tmp_path):
                         "--budget", "200", "--skip", "ablation,sharegpt", "--sharegpt-temperature", "0",
                         "--sharegpt-seqs", "16", "--sharegpt-gc-ab", "--graph-max-bs", "8",
                         "--sharegpt-graph-cap", "4", "--closedloop-budgets", "64,256", "--closedloop-piecewise-ab",
-                        "--live-profile", "1:64"],
+                        "--live-profile", "mixed:1:1000:2"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "out" / "engine_perf.json").read_text())
@@ -70,8 +70,12 @@ def test_engine_perf_smoke(tmp_path):
         assert "host " in res["sharegpt rows async max_num_seqs=16" + suffix]["value"]
     for budget in (64, 256):                                   # conc = min(64, S(640)) = 20
         for suffix in (" eager mixed", ""):                    # piecewise graphs hidden, then used
-            assert "total tok/s" in res[f"closed-loop c20 budget={budget}{suffix}"]["value"]
-    assert "live profile" in r.stdout
+            label = f"closed-loop c20 budget={budget}{suffix}"
+            assert "total tok/s" in res[label]["value"]
+            assert "mixed tok <=" in res[label + " rows"]["value"]       # steps by kind and size
+            trace = json.loads((tmp_path / "out" / f"closedloop_trace_c20_budget{budget}{suffix.replace(' ', '_')}.json").read_text())
+            assert {k for k, *_ in trace} == {"decode", "mixed"} and all(t[3] > 0 for t in trace)
+    assert "live profile" in r.stdout and list((tmp_path / "out").glob("live_profile_mixed_*tok.txt"))
 
 
 @pytest.mark.parametrize("script", ["sweep_gemm_rows.py", "sweep_decode_batch.py"])
@@ -88,3 +92,16 @@ def test_row_sweeps_smoke(tmp_path, script):
         assert set(res["table"][0]["per_gemm"]) == {"qkv", "o_proj", "gate_up", "down", "lm_head"}
     else:
         assert res[0]["B"] == 3 and res[0]["err"] < 1e-3       # the kernel matches its reference
+
+
+def test_gemv_fusion_sweep_smoke(tmp_path):
+    """bench/sweep_gemv_fusions.py's whole flow on the CPU: every fused variant checked against
+    the reference (err recorded), the unfused and fused layer sums, the JSON."""
+    env = {**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "bench/sweep_gemv_fusions.py", "--smoke", "--ms", "1"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "sweep_gemv_fusions.json").read_text())
+    assert {row["layer"] for row in res["rows"]} == {"qkv", "o_proj", "gate_up", "down"}
+    assert all(row["err"] < 1e-2 for row in res["rows"])
+    assert set(res["sums"]) == {"bf16 M=1", "fp8 M=1"} and "FUSED_TUNED entries" in r.stdout
