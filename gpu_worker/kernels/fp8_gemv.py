@@ -5,6 +5,14 @@
 
 With scale None the same kernel is a plain GEMV of a bf16/fp16/fp32 weight.
 
+Fusions for a decode layer at batch 1-4 (where every extra kernel is ~2-5 us against ~10-55 us of
+weight streaming), each rounding where Hugging Face's unfused layer rounds to x's dtype:
+
+    norm_weight=g   x <- g * rms_normalize(x)        (RMSNorm prologue; each program computes the
+                                                       row's 1/rms over all of K, x is a few KB)
+    swiglu=True     x (M, 2K) = [gate | up] <- silu(gate) * up   (SwiGLU prologue)
+    residual=r      y <- y + r                        (residual-add epilogue, r (M, N))
+
 At batch 1 a linear layer is one pass over its weights, so the kernel is built to stream them at
 the copy rate: every program reads a (BLOCK_N, BLOCK_K) weight tile per step with 16-byte loads
 and walks its share of K; x (a few KB) stays in L1/L2. The M rows are handled one of two ways
@@ -145,10 +153,29 @@ def resolve_split(cfg: GemvConfig, N: int, K: int) -> GemvConfig:
     return cfg._replace(split_k=auto_split_k(N, K, cfg.block_n, cfg.block_k, SM_COUNT * PROGRAMS_PER_SM[cfg.dot]))
 
 
-def gemv_config(M: int, N: int, K: int, weight_dtype: torch.dtype) -> GemvConfig:
-    """The config of an (M, K) x (N, K).T GEMV: TUNED for the exact shape, else DEFAULTS."""
+# FUSED_TUNED: (kind, M bucket, N, K, fusion) -> config of a fused GEMV ("norm", "res",
+# "swiglu+res": what the decoder's fused-GEMV layers use), from bench/sweep_gemv_fusions.py on
+# the H200 (2026-11-29, fifth session), pasted as printed; a fused call not listed takes its plain
+# shape's config. Per layer at M=1: bf16 fused 122.8 us vs 119.6 unfused (GEMV + norm/SwiGLU
+# kernels), fp8 74.8 vs 74.8.
+FUSED_TUNED: dict[tuple[str, int, int, int, str], GemvConfig] = {
+    ("16bit", 1, 6144, 4096, "norm"): GemvConfig(16, 256, 4, "last", False, 0, 4, 1),  # 19.83 us
+    ("16bit", 1, 4096, 4096, "res"): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # 11.72 us
+    ("16bit", 1, 28672, 4096, "norm"): GemvConfig(16, 512, 1, "last", False, 0, 4, 1),  # 58.06 us
+    ("16bit", 1, 4096, 14336, "swiglu+res"): GemvConfig(16, 512, 7, "last", False, 0, 4, 1),  # 33.23 us
+    ("fp8", 1, 6144, 4096, "norm"): GemvConfig(16, 512, 2, "last", False, 0, 4, 1),  # 11.63 us
+    ("fp8", 1, 4096, 4096, "res"): GemvConfig(16, 1024, 2, "last", False, 0, 4, 1),  # 8.14 us
+    ("fp8", 1, 28672, 4096, "norm"): GemvConfig(16, 512, 1, "last", False, 0, 4, 1),  # 35.49 us
+    ("fp8", 1, 4096, 14336, "swiglu+res"): GemvConfig(16, 512, 3, "last", False, 0, 4, 1),  # 19.54 us
+}
+
+
+def gemv_config(M: int, N: int, K: int, weight_dtype: torch.dtype, fusion: str = "") -> GemvConfig:
+    """The config of an (M, K) x (N, K).T GEMV: FUSED_TUNED (fused calls), TUNED for the exact
+    shape, else DEFAULTS."""
     kind, mb = weight_kind(weight_dtype), min(m_bucket(M), 8)
-    return resolve_split(TUNED.get((kind, mb, N, K)) or DEFAULTS[(kind, mb)], N, K)
+    cfg = (fusion and FUSED_TUNED.get((kind, mb, N, K, fusion))) or TUNED.get((kind, mb, N, K))
+    return resolve_split(cfg or DEFAULTS[(kind, mb)], N, K)
 
 
 # --------------------------------------------------------------------------------------- kernels
@@ -207,46 +234,91 @@ def _upcast(w, DT: tl.constexpr, UPCAST: tl.constexpr):
     return y
 
 
+PRO_NONE, PRO_NORM, PRO_SWIGLU = 0, 1, 2     # the prologue applied to x as it is loaded
+
+
 @triton.jit
-def _row_dot(wf, x_row_ptr, rk, k_ok, EVEN_K: tl.constexpr):
-    """sum_k wf[n, k] * x[k] for one row of x: (BLOCK_N,) fp32."""
-    if EVEN_K:
-        xv = tl.load(x_row_ptr + rk)
+def _load_x(ptrs, mask, gam, rstd, K, PRO: tl.constexpr, MASKED: tl.constexpr):
+    """A tile of x (any shape), the prologue applied, in x's dtype. PRO_NORM: gam and rstd
+    broadcast against the tile; PRO_SWIGLU: ptrs point at gate, up sits K columns later."""
+    XT = ptrs.dtype.element_ty
+    if MASKED:
+        x = tl.load(ptrs, mask=mask, other=0.0)
     else:
-        xv = tl.load(x_row_ptr + rk, mask=k_ok, other=0.0)
+        x = tl.load(ptrs)
+    if PRO == 1:      # HF RMSNorm: normalize in fp32, cast, then times the weight (cast again)
+        xn = (x.to(tl.float32) * rstd).to(XT).to(tl.float32)
+        x = (xn * gam.to(tl.float32)).to(XT)
+    elif PRO == 2:    # HF SwiGLU: silu(gate) in x's dtype, times up
+        if MASKED:
+            u = tl.load(ptrs + K, mask=mask, other=0.0)
+        else:
+            u = tl.load(ptrs + K)
+        g = x.to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(XT).to(tl.float32)
+        x = (act * u.to(tl.float32)).to(XT)
+    return x
+
+
+@triton.jit
+def _pick(v, rows, i):
+    """Element i of the (R,) vector v, as a scalar."""
+    return tl.sum(tl.where(rows == i, v, 0.0), axis=0)
+
+
+@triton.jit
+def _row_dot(wf, x_row_ptr, rk, k_ok, g_ptr, rstd, K, EVEN_K: tl.constexpr, PRO: tl.constexpr):
+    """sum_k wf[n, k] * x[k] for one row of x (prologue applied): (BLOCK_N,) fp32."""
+    gam = rk
+    if PRO == 1:
+        gam = tl.load(g_ptr + rk, mask=k_ok, other=0.0)
+    xv = _load_x(x_row_ptr + rk, k_ok, gam, rstd, K, PRO, not EVEN_K)
     return tl.sum(wf * xv.to(tl.float32)[None, :], axis=1)
 
 
 @triton.jit
-def _finish_row(v, m, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _finish_row(v, m, rn, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                HAS_RES: tl.constexpr):
     """v (BLOCK_N,) fp32 sums of row m over all of K -> y[m, rn]."""
     if HAS_SCALE:
         v = v * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
         v = v + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_RES:       # HF: the layer's output in y's dtype, plus the residual
+        r = tl.load(r_ptr + m * N + rn, mask=n_ok, other=0.0).to(tl.float32)
+        v = v.to(y_ptr.dtype.element_ty).to(tl.float32) + r
     tl.store(y_ptr + m * N + rn, v.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _finish(v, rows, rn, m_ok, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """v (BLOCK_N, R) fp32 sums over all of K -> y[rows, rn] = (scale * v + bias) in y's dtype."""
+def _finish(v, rows, rn, m_ok, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE: tl.constexpr,
+            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """v (BLOCK_N, R) fp32 sums over all of K -> y[rows, rn] = (scale * v + bias) in y's dtype
+    (+ residual, added to the rounded value)."""
     if HAS_SCALE:
         v = v * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
         v = v + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + rows[None, :] * N + rn[:, None], v.to(y_ptr.dtype.element_ty),
-             mask=n_ok[:, None] & m_ok[None, :])
+    mask = n_ok[:, None] & m_ok[None, :]
+    offs = rows[None, :] * N + rn[:, None]
+    if HAS_RES:
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = v.to(y_ptr.dtype.element_ty).to(tl.float32) + r
+    tl.store(y_ptr + offs, v.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, g_ptr, r_ptr, eps,
                  M, N, K, K_SPLIT, stride_xm, stride_wn,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr,
+                 PRO: tl.constexpr, HAS_RES: tl.constexpr,
                  ROWS: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
     """Program (pid_n, pid_k): output columns pid_n*BLOCK_N.., K range [pid_k*K_SPLIT, +K_SPLIT).
     MODE 0: y directly; 1: partial (pid_k, :, cols) into p; 2: partial, then the last program
-    of the column tile reduces them (cnt_ptr: per-tile arrival counters, left at 0)."""
+    of the column tile reduces them (cnt_ptr: per-tile arrival counters, left at 0).
+    PRO: the prologue on x (PRO_NORM: g_ptr the RMSNorm weight; PRO_SWIGLU: x is [gate | up]);
+    HAS_RES: r_ptr (M, N) is added to the result."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -258,6 +330,26 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
     w_ptrs = w_ptr + rn_w[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     rows = tl.arange(0, R)
     m_ok = rows < M
+    # PRO_NORM: 1/rms of each row over all of K (every program: x is a few KB, in L2); the FMA
+    # path takes them as scalars rs0..rs7
+    rstd = tl.zeros((R,), dtype=tl.float32)
+    if PRO == 1:
+        ss = tl.zeros((R, BLOCK_K), dtype=tl.float32)
+        k_all = tl.minimum(K, K_SPLIT * tl.num_programs(1))    # = K, as a computed value (older
+        for k0 in range(0, k_all, BLOCK_K):                    # interpreters index kernel args badly)
+            rk = k0 + offs_k
+            xt = tl.load(x_ptr + rows[:, None] * stride_xm + rk[None, :],
+                         mask=m_ok[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
+            ss += xt * xt
+        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+    rs0 = _pick(rstd, rows, 0)
+    rs1 = _pick(rstd, rows, 1)
+    rs2 = _pick(rstd, rows, 2)
+    rs3 = _pick(rstd, rows, 3)
+    rs4 = _pick(rstd, rows, 4)
+    rs5 = _pick(rstd, rows, 5)
+    rs6 = _pick(rstd, rows, 6)
+    rs7 = _pick(rstd, rows, 7)
 
     acc = tl.zeros((BLOCK_N, R), dtype=tl.float32)     # dot path (R = 16 rows)
     acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)      # FMA path, one per row
@@ -277,10 +369,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
         if DOT:
             x_ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :]
+            gam = rk[None, :]
+            if PRO == 1:
+                gam = tl.load(g_ptr + rk, mask=k_ok, other=0.0)[None, :]
             if EVEN_K:
-                xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+                xt = _load_x(x_ptrs, m_ok[:, None], gam, rstd[:, None], K, PRO, True)
             else:
-                xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                xt = _load_x(x_ptrs, m_ok[:, None] & k_ok[None, :], gam, rstd[:, None], K, PRO, True)
             wc = _upcast(w, x_ptr.dtype.element_ty, UPCAST)
             if IEEE:
                 acc = tl.dot(wc, tl.trans(xt), acc, input_precision="ieee")
@@ -289,46 +384,46 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         else:
             wf = _upcast(w, tl.float32, UPCAST)
             xr = x_ptr
-            acc0 += _row_dot(wf, xr, rk, k_ok, EVEN_K)
+            acc0 += _row_dot(wf, xr, rk, k_ok, g_ptr, rs0, K, EVEN_K, PRO)
             if ROWS > 1:
-                acc1 += _row_dot(wf, xr + stride_xm, rk, k_ok, EVEN_K)
+                acc1 += _row_dot(wf, xr + stride_xm, rk, k_ok, g_ptr, rs1, K, EVEN_K, PRO)
             if ROWS > 2:
-                acc2 += _row_dot(wf, xr + 2 * stride_xm, rk, k_ok, EVEN_K)
+                acc2 += _row_dot(wf, xr + 2 * stride_xm, rk, k_ok, g_ptr, rs2, K, EVEN_K, PRO)
             if ROWS > 3:
-                acc3 += _row_dot(wf, xr + 3 * stride_xm, rk, k_ok, EVEN_K)
+                acc3 += _row_dot(wf, xr + 3 * stride_xm, rk, k_ok, g_ptr, rs3, K, EVEN_K, PRO)
             if ROWS > 4:
-                acc4 += _row_dot(wf, xr + 4 * stride_xm, rk, k_ok, EVEN_K)
+                acc4 += _row_dot(wf, xr + 4 * stride_xm, rk, k_ok, g_ptr, rs4, K, EVEN_K, PRO)
             if ROWS > 5:
-                acc5 += _row_dot(wf, xr + 5 * stride_xm, rk, k_ok, EVEN_K)
+                acc5 += _row_dot(wf, xr + 5 * stride_xm, rk, k_ok, g_ptr, rs5, K, EVEN_K, PRO)
             if ROWS > 6:
-                acc6 += _row_dot(wf, xr + 6 * stride_xm, rk, k_ok, EVEN_K)
+                acc6 += _row_dot(wf, xr + 6 * stride_xm, rk, k_ok, g_ptr, rs6, K, EVEN_K, PRO)
             if ROWS > 7:
-                acc7 += _row_dot(wf, xr + 7 * stride_xm, rk, k_ok, EVEN_K)
+                acc7 += _row_dot(wf, xr + 7 * stride_xm, rk, k_ok, g_ptr, rs7, K, EVEN_K, PRO)
     # FMA path: rows go out one by one (the accumulators keep the reduction's layout in the loop)
     p_ptrs = p_ptr + rows[None, :] * N + rn[:, None]              # split s at + s * M * N
     pmask = n_ok[:, None] & m_ok[None, :]
     if DOT:
         if MODE == 0:
-            _finish(acc, rows, rn, m_ok, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+            _finish(acc, rows, rn, m_ok, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
         else:
             tl.store(p_ptrs + pid_k * M * N, acc, mask=pmask)
     else:
         if MODE == 0:
-            _finish_row(acc0, 0, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+            _finish_row(acc0, 0, rn, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
             if ROWS > 1:
-                _finish_row(acc1, 1, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+                _finish_row(acc1, 1, rn, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
             if ROWS > 2:
-                _finish_row(acc2, 2, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+                _finish_row(acc2, 2, rn, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
             if ROWS > 3:
-                _finish_row(acc3, 3, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+                _finish_row(acc3, 3, rn, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
             if ROWS > 4:
-                _finish_row(acc4, 4, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+                _finish_row(acc4, 4, rn, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
             if ROWS > 5:
-                _finish_row(acc5, 5, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+                _finish_row(acc5, 5, rn, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
             if ROWS > 6:
-                _finish_row(acc6, 6, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+                _finish_row(acc6, 6, rn, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
             if ROWS > 7:
-                _finish_row(acc7, 7, rn, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+                _finish_row(acc7, 7, rn, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
         else:
             pr = p_ptr + pid_k * M * N + rn
             tl.store(pr, acc0, mask=n_ok)
@@ -354,13 +449,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             tot = tl.zeros((BLOCK_N, R), dtype=tl.float32)
             for s in range(0, splits):
                 tot += tl.load(p_ptrs + s * M * N, mask=pmask, other=0.0, cache_modifier=".cg")
-            _finish(tot, rows, rn, m_ok, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+            _finish(tot, rows, rn, m_ok, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
             tl.store(cnt_ptr + pid_n, 0)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT"])
-def _splitk_reduce_kernel(p_ptr, s_ptr, b_ptr, y_ptr, M, N, SPLIT,
-                          HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
+def _splitk_reduce_kernel(p_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M, N, SPLIT,
+                          HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr,
                           BLOCK_N: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, R)
@@ -371,7 +466,7 @@ def _splitk_reduce_kernel(p_ptr, s_ptr, b_ptr, y_ptr, M, N, SPLIT,
     tot = tl.zeros((BLOCK_N, R), dtype=tl.float32)
     for s in range(0, SPLIT):
         tot += tl.load(p_ptrs + s * M * N, mask=pmask, other=0.0)
-    _finish(tot, rows, rn, m_ok, n_ok, s_ptr, b_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS)
+    _finish(tot, rows, rn, m_ok, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
 
 
 # -------------------------------------------------------------------------------------- launcher
@@ -399,8 +494,8 @@ class _Launch(NamedTuple):
 
 
 def _plan(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig) -> _Launch:
-    M, K = x.shape
-    N = weight.shape[0]
+    M = x.shape[0]
+    N, K = weight.shape
     fp8 = weight.dtype == F8
     dot = cfg.dot and (fp8 or weight.dtype == x.dtype or x.dtype == torch.float32)
     if not dot:
@@ -425,17 +520,27 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig) -> _Launch:
 
 
 def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-            bias: torch.Tensor | None = None, *, config: GemvConfig | None = None) -> torch.Tensor:
+            bias: torch.Tensor | None = None, *, config: GemvConfig | None = None,
+            norm_weight: torch.Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) x, M <= MAX_M, unit last stride; (N, K) e4m3 weight; (N,) fp32 scale -> (M, N) in
     x's dtype. With scale None the weight may be any float dtype (a plain GEMV). `config`
-    overrides gemv_config's choice (sweeps, tests)."""
-    M, K = x.shape
-    N = weight.shape[0]
+    overrides gemv_config's choice (sweeps, tests). Fusions (module doc): `norm_weight` (K,)
+    RMSNorm-s x first (epsilon `eps`); `swiglu`: x is (M, 2K) [gate | up]; `residual` (M, N)
+    row-major is added to the result."""
+    M = x.shape[0]
+    N, K = weight.shape
     assert 1 <= M <= MAX_M and x.stride(1) == 1, f"x must be (M <= {MAX_M}, K) row-major, got {tuple(x.shape)}"
-    assert weight.shape == (N, K) and weight.stride(1) == 1 and (scale is None or scale.shape == (N,))
+    assert x.shape[1] == (2 * K if swiglu else K), f"x has {x.shape[1]} columns for a weight of K={K}"
+    assert swiglu is False or norm_weight is None, "one prologue: RMSNorm or SwiGLU"
+    assert weight.stride(1) == 1 and (scale is None or scale.shape == (N,))
+    assert norm_weight is None or norm_weight.shape == (K,)
+    assert residual is None or (residual.shape == (M, N) and residual.is_contiguous())
     assert scale is not None or weight.dtype != F8, "e4m3 weights need their scale"
     check_device(x, weight)
-    cfg = config or gemv_config(M, N, K, weight.dtype)
+    fusion = "+".join(f for f, on in (("norm", norm_weight is not None), ("swiglu", swiglu),
+                                      ("res", residual is not None)) if on)
+    cfg = config or gemv_config(M, N, K, weight.dtype, fusion)
     plan = _plan(x, weight, cfg)
     mode = plan.mode
     cnt = None
@@ -448,20 +553,36 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     p = torch.empty((plan.split, M, N), dtype=torch.float32, device=x.device) if mode else y
     s_arg = weight if scale is None else scale           # never read when HAS_SCALE / HAS_BIAS False
     b_arg = weight if bias is None else bias
-    _gemv_kernel[plan.grid](x, weight, s_arg, b_arg, y, p, y if cnt is None else cnt,
+    g_arg = weight if norm_weight is None else norm_weight
+    r_arg = y if residual is None else residual
+    pro = PRO_NORM if norm_weight is not None else PRO_SWIGLU if swiglu else PRO_NONE
+    _gemv_kernel[plan.grid](x, weight, s_arg, b_arg, y, p, y if cnt is None else cnt, g_arg, r_arg, eps,
                             M, N, K, plan.k_split, x.stride(0), weight.stride(0),
-                            HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, **plan.kw)
+                            HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PRO=pro,
+                            HAS_RES=residual is not None, **plan.kw)
     if mode == 1:
         R = max(2, next_pow2(M))
-        _splitk_reduce_kernel[(triton.cdiv(N, 256),)](p, s_arg, b_arg, y, M, N, plan.split,
+        _splitk_reduce_kernel[(triton.cdiv(N, 256),)](p, s_arg, b_arg, r_arg, y, M, N, plan.split,
                                                       HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-                                                      R=R, BLOCK_N=256, num_warps=4)
+                                                      HAS_RES=residual is not None, R=R, BLOCK_N=256,
+                                                      num_warps=4)
     return y
 
 
 def w8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None,
+                eps: float = 1e-6, swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """w8_gemv in torch ops, rounding to x's dtype where Hugging Face's unfused layers do."""
+    dt = x.dtype
+    if swiglu:
+        gate, up = x.float().split(weight.shape[1], dim=-1)
+        x = (torch.nn.functional.silu(gate).to(dt).float() * up).to(dt)
+    if norm_weight is not None:
+        xf = x.float()
+        xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+        x = (xn.float() * norm_weight.float()).to(dt)
     w = weight.float() if scale is None else weight.float() * scale[:, None]
     y = x.float() @ w.t()
-    return (y if bias is None else y + bias.float()).to(x.dtype)
+    y = (y if bias is None else y + bias.float()).to(dt)
+    return y if residual is None else (y.float() + residual.float()).to(dt)
 

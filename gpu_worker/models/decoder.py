@@ -14,6 +14,7 @@ Face tensor name onto the row range of the fused parameter it fills.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -59,8 +60,12 @@ class Attention(nn.Module):
         """The part before attention proper -> (q, k, v, cached): q (T, nh, D) and k (T, nkv, D)
         rotated, v (T, nkv, D); `cached` when this step's K/V are already in the cache (the fused
         RoPE + KV-write kernel). Reads no lengths on the host: piecewise CUDA graphs capture it."""
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.rotate(self.qkv_proj(x), positions, kv, slot_mapping)
+
+    def rotate(self, qkv: torch.Tensor, positions: torch.Tensor, kv: KVCache, slot_mapping: torch.Tensor):
+        """project() after the qkv projection: qkv (T, q_size + 2 kv_size) -> (q, k, v, cached)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)        # (T, nh, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)     # (T, nkv, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)     # (T, nkv, D)
@@ -85,6 +90,20 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
+    gemv_max_m = int(os.environ.get("KVMESH_DECODE_GEMV_MAX_M", "1"))
+    gemv_weights = os.environ.get("KVMESH_DECODE_GEMV_WEIGHTS", "fp8")
+    """Steps of 1..gemv_max_m tokens (at most fp8_gemv.MAX_M) on CUDA, in layers whose weights are
+    fp8 (gemv_weights "fp8") or any (gemv_weights "all"), run the layer as four split-K GEMVs with
+    its other work fused in (kernels/fp8_gemv.py): the input RMSNorm in the qkv GEMV's prologue,
+    the residual add in o_proj's epilogue, the post-attention RMSNorm in gate_up's prologue,
+    SwiGLU in down's prologue and the second residual add in its epilogue: three kernels fewer
+    per layer. Measured on the H200 (BENCHMARKS.md, fifth session): with fp8 weights the batch-1
+    decode graph is 1.6-2.5% faster (two same-machine A/Bs); with bf16 the prologues cost what the kernels they replace did
+    (122.8 vs 119.6 us per layer), so bf16 stays unfused, and M > 1 is unmeasured. Class
+    attributes read at each forward (before CUDA-graph capture), or the environment variables
+    KVMESH_DECODE_GEMV_MAX_M (0: off) and KVMESH_DECODE_GEMV_WEIGHTS."""
+
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype,
                  layer_idx: int = 0):
         super().__init__()
@@ -100,11 +119,41 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, kv: KVCache, batch: ForwardBatch):
         """x (T, H): the previous layer's MLP output (or the embeddings); residual (T, H): the
         residual stream before x is added (None in the first layer). -> (mlp out, residual);
-        the adds happen inside the norms (one fused kernel each on CUDA)."""
+        the adds happen inside the norms (one fused kernel each on CUDA). The fused-GEMV path
+        returns (the residual stream with both adds done, None) instead."""
+        if self.kernels is not None and 0 < x.shape[0] <= min(self.gemv_max_m, self.kernels.gemv_max_rows):
+            ops = self._gemv_operands()
+            if ops is not None:
+                return self._forward_gemv(ops, x, residual, positions, kv, batch)
         h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, positions, kv, batch)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
+
+    def _gemv_operands(self) -> list | None:
+        """(weight, scale, bias) of qkv, o_proj, gate_up, down; None when a layer is not a plain or
+        fp8 linear (tensor-parallel shards), the MLP is not a GatedMLP (MoE), or the weights are
+        16-bit while gemv_weights is "fp8"."""
+        from gpu_worker.models.layers.fp8 import gemv_operands
+        if type(self.mlp) is not GatedMLP:
+            return None
+        attn, mlp = self.self_attn, self.mlp
+        ops = [gemv_operands(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(o is None for o in ops) or (self.gemv_weights == "fp8" and any(o[1] is None for o in ops)):
+            return None
+        return ops
+
+    def _forward_gemv(self, ops: list, x, residual, positions, kv: KVCache, batch: ForwardBatch):
+        qkv, o, gate_up, down = ops
+        gemv = self.kernels.gemv
+        attn, norm1, norm2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        h = x if residual is None else x + residual                     # the residual stream (T, H)
+        y = gemv(h, *qkv, norm_weight=norm1.weight, eps=norm1.eps)
+        q, k, v, cached = attn.rotate(y, positions, kv, batch.slot_mapping)
+        out = attn.attend(q, k, v, cached, kv, batch).reshape(h.shape[0], attn.q_size)
+        h = gemv(out, *o, residual=h)
+        y = gemv(h, *gate_up, norm_weight=norm2.weight, eps=norm2.eps)
+        return gemv(y, *down, swiglu=True, residual=h), None
 
 
 class DecoderModel(nn.Module):

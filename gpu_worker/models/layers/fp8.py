@@ -25,6 +25,8 @@ from gpu_worker.kernels.fp8_linear import Fp8Weight, fp8_linear, fp8_linear_ref,
 
 QUANTIZATIONS = ("fp8",)
 
+GemvOperands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]   # weight, scale, bias
+
 
 class Fp8Linear(nn.Module):
     """Drop-in for a bias-optional nn.Linear: e4m3 `weight` (N, K) + fp32 `weight_scale` (N,).
@@ -60,6 +62,16 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3"
+
+
+def gemv_operands(linear: nn.Module) -> GemvOperands | None:
+    """What w8_gemv needs of a linear layer: (weight, scale or None, bias or None); None for
+    anything but a plain nn.Linear or an Fp8Linear (e.g. a tensor-parallel shard)."""
+    if type(linear) is nn.Linear:
+        return linear.weight, None, linear.bias
+    if type(linear) is Fp8Linear:
+        return linear.weight, linear.weight_scale, linear.bias
+    return None
 
 
 def quantize_linears_fp8(model: nn.Module) -> int:

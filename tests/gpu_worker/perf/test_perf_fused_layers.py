@@ -1,7 +1,9 @@
-"""The decoder's fused-kernel path (residual-fused RMSNorm, in-place RoPE, SwiGLU) computes what
-its torch path computes. On the CPU the 'kernels' are the kernels' own torch references, so this
-checks the decoder's wiring (where the residual adds moved, which tensors RoPE rotates in place);
-bench/engine_perf.py and the kernels' tests cover the Triton launches on the GPU."""
+"""The decoder's fused-kernel path (residual-fused RMSNorm, in-place RoPE, SwiGLU, and for steps
+of <= 4 tokens the fused-GEMV layer: norms, SwiGLU and residual adds inside the four GEMVs)
+computes what its torch path computes. On the CPU the 'kernels' are the kernels' own torch
+references, so this checks the decoder's wiring (where the residual adds moved, which tensors
+RoPE rotates in place, the residual stream the GEMV layers hand on); bench/engine_perf.py and the
+kernels' tests cover the Triton launches on the GPU."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -15,7 +17,9 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.scheduler import ScheduledSeq
 
 
-def reference_kernels() -> SimpleNamespace:
+def reference_kernels(calls: list | None = None) -> SimpleNamespace:
+    """The fused launchers' torch references; `calls` collects one entry per GEMV launch."""
+    from gpu_worker.kernels.fp8_gemv import MAX_M, w8_gemv_ref
     from gpu_worker.kernels.rmsnorm import rmsnorm_ref
     from gpu_worker.kernels.rope import rope_ref
     from gpu_worker.kernels.swiglu import swiglu_ref
@@ -25,13 +29,19 @@ def reference_kernels() -> SimpleNamespace:
         q.copy_(q2)
         k.copy_(k2)
 
-    return SimpleNamespace(rmsnorm=rmsnorm_ref, rope_=rope_, swiglu=swiglu_ref)
+    def gemv(*args, **kw):
+        if calls is not None:
+            calls.append(sorted(kw))
+        return w8_gemv_ref(*args, **kw)
+
+    return SimpleNamespace(rmsnorm=rmsnorm_ref, rope_=rope_, swiglu=swiglu_ref, gemv=gemv, gemv_max_rows=MAX_M)
 
 
 @torch.inference_mode()       # as ModelRunner.forward runs (in-place RoPE on views of the qkv output)
-def two_steps(runner: ModelRunner) -> list[torch.Tensor]:
-    """A prefill of two sequences, then a mixed step (chunk + decode); every row's final hidden
-    state of both steps (the second reads the KV cache the first wrote)."""
+def prefill_mixed_decode(runner: ModelRunner) -> list[torch.Tensor]:
+    """A prefill of two sequences, a mixed step (chunk + decode), then a decode step of both
+    (two tokens: the fused-GEMV layers when kernels are set); every row's final hidden state of
+    each step (the later ones read the KV cache the earlier ones wrote)."""
     g = torch.Generator().manual_seed(0)
     seqs = [SimpleNamespace(token_ids=torch.randint(10, 200, (n,), generator=g).tolist(),
                             num_computed_tokens=0, block_table=list(range(i * 8, i * 8 + 8)))
@@ -40,17 +50,27 @@ def two_steps(runner: ModelRunner) -> list[torch.Tensor]:
     out = [runner.run_model(build_forward_batch([ScheduledSeq(seqs[0], 12), ScheduledSeq(seqs[1], 8)], 4, "cpu"))]
     seqs[0].num_computed_tokens, seqs[1].num_computed_tokens = 12, 8
     out.append(runner.run_model(build_forward_batch([ScheduledSeq(seqs[0], 9), ScheduledSeq(seqs[1], 1)], 4, "cpu")))
+    for seq in seqs:
+        seq.token_ids.append(7)
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+    out.append(runner.run_model(build_forward_batch([ScheduledSeq(seqs[0], 1), ScheduledSeq(seqs[1], 1)], 4, "cpu")))
     return out
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
-def test_fused_path_matches_torch_path(arch, request):
+def test_fused_path_matches_torch_path(arch, request, monkeypatch):
+    from gpu_worker.models.decoder import DecoderLayer
+    monkeypatch.setattr(DecoderLayer, "gemv_max_m", 2)        # the decode step has two rows
+    monkeypatch.setattr(DecoderLayer, "gemv_weights", "all")  # these weights are fp32
     model_dir = request.getfixturevalue(arch)
     runner = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device="cpu", dtype=torch.float32)
-    plain = two_steps(runner)
-    runner.model.use_fused_kernels(reference_kernels())
+    plain = prefill_mixed_decode(runner)
+    calls = []
+    runner.model.use_fused_kernels(reference_kernels(calls))
     assert runner.model.model.layers[0].mlp.kernels is not None
-    fused = two_steps(runner)
+    fused = prefill_mixed_decode(runner)
+    layers = len(runner.model.model.layers)            # the decode step only: 4 GEMVs a layer
+    assert calls == [["eps", "norm_weight"], ["residual"], ["eps", "norm_weight"], ["residual", "swiglu"]] * layers
     for a, b in zip(plain, fused):
         assert a.shape == b.shape
         assert float((a - b).norm() / a.norm()) < 1e-5
