@@ -65,3 +65,17 @@ def test_empty_bind_host_is_refused(cls):
     with pytest.raises(ConfigError, match="KVMESH_HOST is empty"):
         parse_config(cls, [], "x", env={"KVMESH_HOST": " "})
     assert parse_config(cls, [], "x", env={}).host == "127.0.0.1"
+
+
+def test_every_kvmesh_variable_read_in_code_is_known():
+    """A KVMESH_* variable the code reads outside the config tree must be in EXTERNAL_ENV, or a
+    process started with it set would refuse it as unknown."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    read = set()
+    for pkg in ("gpu_worker", "services", "tokenizer_svc", "scheduler_svc", "prefix_cache_svc"):
+        for path in (root / pkg).rglob("*.py"):
+            read |= set(re.findall(r"environ(?:\.get\(|\[)\s*\"(KVMESH_[A-Z0-9_]+)\"", path.read_text()))
+    assert {"KVMESH_DECODE_GEMV_MAX_M", "KVMESH_FP8_GEMV_MAX_M"} <= read     # the scan sees them
+    assert read <= known_env_names(), read - known_env_names()
