@@ -1,6 +1,10 @@
 """Kernel tests run on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton
 is imported). Inputs are fp32 tensors holding bf16-representable values: the kernels load them
-and compute in fp32, as they do with bf16 on the GPU."""
+and compute in fp32, as they do with bf16 on the GPU.
+
+The variable holds for the whole pytest process and every kernel module imported after it: on a
+GPU machine, run this folder in a pytest process of its own, or the model tests collected beside
+it run their kernels interpreted too (seen on the H200: test_model_gpu.py failed that way)."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
