@@ -89,20 +89,30 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, kv[0], kv[1], batch, self.scale)
 
 
+def _decode_gemv_env() -> tuple[int, str]:
+    """KVMESH_DECODE_GEMV_MAX_M (an integer >= 0) and KVMESH_DECODE_GEMV_WEIGHTS (fp8 | all)."""
+    m = os.environ.get("KVMESH_DECODE_GEMV_MAX_M", "1")
+    w = os.environ.get("KVMESH_DECODE_GEMV_WEIGHTS", "fp8")
+    if not m.isdigit():
+        raise ValueError(f"KVMESH_DECODE_GEMV_MAX_M={m!r}: expected an integer >= 0 (0 turns it off)")
+    if w not in ("fp8", "all"):
+        raise ValueError(f"KVMESH_DECODE_GEMV_WEIGHTS={w!r}: expected 'fp8' or 'all'")
+    return int(m), w
+
+
 class DecoderLayer(nn.Module):
     kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
-    gemv_max_m = int(os.environ.get("KVMESH_DECODE_GEMV_MAX_M", "1"))
-    gemv_weights = os.environ.get("KVMESH_DECODE_GEMV_WEIGHTS", "fp8")
+    gemv_max_m, gemv_weights = _decode_gemv_env()
     """Steps of 1..gemv_max_m tokens (at most fp8_gemv.MAX_M) on CUDA, in layers whose weights are
     fp8 (gemv_weights "fp8") or any (gemv_weights "all"), run the layer as four split-K GEMVs with
     its other work fused in (kernels/fp8_gemv.py): the input RMSNorm in the qkv GEMV's prologue,
     the residual add in o_proj's epilogue, the post-attention RMSNorm in gate_up's prologue,
     SwiGLU in down's prologue and the second residual add in its epilogue: three kernels fewer
     per layer. Measured on the H200 (BENCHMARKS.md, fifth session): with fp8 weights the batch-1
-    decode graph is 1.6-2.5% faster (two same-machine A/Bs); with bf16 the prologues cost what the kernels they replace did
-    (122.8 vs 119.6 us per layer), so bf16 stays unfused, and M > 1 is unmeasured. Class
-    attributes read at each forward (before CUDA-graph capture), or the environment variables
-    KVMESH_DECODE_GEMV_MAX_M (0: off) and KVMESH_DECODE_GEMV_WEIGHTS."""
+    decode graph is 1.6-2.5% faster (two same-machine A/Bs); with bf16 the prologues cost what
+    the kernels they replace did (122.8 vs 119.6 us per layer), so bf16 stays unfused; M > 1 is
+    unmeasured. Class attributes read at each forward (before CUDA-graph capture), set at import
+    from KVMESH_DECODE_GEMV_MAX_M (0: off) and KVMESH_DECODE_GEMV_WEIGHTS."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype,
                  layer_idx: int = 0):

@@ -82,3 +82,17 @@ def test_warmup_batch_writes_nothing(tiny_llama):
     hidden = runner.run_model(runner._warmup_batch([17, 1, 1]))
     assert hidden.shape[0] == 19 and torch.isfinite(hidden).all()
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
+
+
+def test_decode_gemv_env_is_checked(monkeypatch):
+    """A bad KVMESH_DECODE_GEMV_* value stops the import with the variable's name, not later."""
+    from gpu_worker.models.decoder import _decode_gemv_env
+    monkeypatch.setenv("KVMESH_DECODE_GEMV_MAX_M", "2")
+    monkeypatch.setenv("KVMESH_DECODE_GEMV_WEIGHTS", "all")
+    assert _decode_gemv_env() == (2, "all")
+    monkeypatch.setenv("KVMESH_DECODE_GEMV_WEIGHTS", "bf16")
+    with pytest.raises(ValueError, match="KVMESH_DECODE_GEMV_WEIGHTS"):
+        _decode_gemv_env()
+    monkeypatch.setenv("KVMESH_DECODE_GEMV_MAX_M", "-1")
+    with pytest.raises(ValueError, match="KVMESH_DECODE_GEMV_MAX_M"):
+        _decode_gemv_env()
