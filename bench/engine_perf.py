@@ -970,6 +970,8 @@ def main() -> None:
     ap.add_argument("--closedloop-budgets", default="1536", help="comma list of step token budgets "
                     "(max_num_batched_tokens) for the closed-loop part")
     ap.add_argument("--fp8-reserve", type=float, default=50, help="seconds kept for the fp8 engine")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the engines' KV cache "
+                    "(fp8: e4m3, half the bytes the decode attention reads; e.g. a closed-loop A/B across two runs)")
     ap.add_argument("--fp8", default="", help="comma list: fp8ops (layer microbench, first), and parts run "
                     "afterwards on a second engine with quantization='fp8': parity,decode1,async,prefill,decodeB")
     ap.add_argument("--async-scheduling", action="store_true",
@@ -1002,6 +1004,7 @@ def main() -> None:
         log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         model_dir = ensure_model(Path(args.model_dir))
         extra = dict(dtype="bfloat16", gpu_memory_utilization=0.88)
+    extra["kv_cache_dtype"] = args.kv_cache_dtype
 
     if "fp8ops" in set(filter(None, args.fp8.split(","))):
         run_parts(None, [("fp8ops", part_fp8ops, 10)], {"fp8ops"}, end)
