@@ -17,13 +17,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 
-CHECK = r"""
-import torch
-from gpu_worker.kernels.fp8_linear import quantize_weight_fp8
-from gpu_worker.kernels.fp8_gemv import (MAX_M, PROGRAMS_PER_SM, SM_COUNT, GemvConfig as C, auto_split_k,
-                                         gemv_config, w8_gemv, w8_gemv_ref)
-dev = "cuda" if torch.cuda.is_available() else "cpu"
-F8 = torch.float8_e4m3fn
+# One config per way of handling the rows and of reducing split-K (test_gemv_fusions.py uses them too);
+# source text, for the child processes.
+CFGS_SRC = r"""
 # (block_n, block_k, split_k, reduce, dot, upcast, num_warps, num_stages)
 CFGS = {
     "fma fused":      C(32, 64, 1, "last", False, 0, 4, 1),
@@ -33,6 +29,16 @@ CFGS = {
     "dot last":       C(64, 32, 4, "last", True, 1, 4, 2),
     "dot two_pass":   C(16, 64, 3, "two_pass", True, 0, 4, 2),
 }
+"""
+
+CHECK = r"""
+import torch
+from gpu_worker.kernels.fp8_linear import quantize_weight_fp8
+from gpu_worker.kernels.fp8_gemv import (MAX_M, PROGRAMS_PER_SM, SM_COUNT, GemvConfig as C, auto_split_k,
+                                         gemv_config, w8_gemv, w8_gemv_ref)
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+F8 = torch.float8_e4m3fn
+""" + CFGS_SRC + r"""
 # (M, N, K): N=1, 17 (< one tile), 257 (a tail); K=16 (< one tile), 100 (a tail), 4096 (long)
 SHAPES = [(1, 257, 100), (2, 17, 100), (3, 1, 4096), (4, 17, 16), (MAX_M, 40, 160)]
 

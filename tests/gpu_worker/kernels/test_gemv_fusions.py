@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+from test_fp8_gemv import CFGS_SRC
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -22,14 +23,7 @@ import torch
 from gpu_worker.kernels.fp8_linear import quantize_weight_fp8
 from gpu_worker.kernels.fp8_gemv import MAX_M, GemvConfig as C, w8_gemv, w8_gemv_ref
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-CFGS = {
-    "fma fused":    C(32, 64, 1, "last", False, 0, 4, 1),
-    "fma last":     C(32, 32, 3, "last", False, 1, 4, 1),
-    "fma two_pass": C(64, 64, 2, "two_pass", False, 1, 4, 1),
-    "dot fused":    C(64, 64, 1, "last", True, 2, 4, 2),
-    "dot last":     C(64, 32, 4, "last", True, 1, 4, 2),
-    "dot two_pass": C(16, 64, 3, "two_pass", True, 0, 4, 2),
-}
+""" + CFGS_SRC + r"""
 FUSIONS = ["norm", "swiglu", "residual", "norm+residual", "swiglu+residual"]
 
 def bf16_randn(*shape, g):
