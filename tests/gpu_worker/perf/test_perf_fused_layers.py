@@ -1,6 +1,6 @@
-"""The decoder's fused-kernel path (residual-fused RMSNorm, in-place RoPE, SwiGLU, and for steps
-of <= 4 tokens the fused-GEMV layer: norms, SwiGLU and residual adds inside the four GEMVs)
-computes what its torch path computes. On the CPU the 'kernels' are the kernels' own torch
+"""The decoder's fused-kernel path (residual-fused RMSNorm, in-place RoPE, SwiGLU, and for decode
+steps of a few tokens the fused-GEMV layer: norms, SwiGLU and residual adds inside the four GEMVs;
+by default only for one token and fp8 weights, widened here) computes what its torch path computes. On the CPU the 'kernels' are the kernels' own torch
 references, so this checks the decoder's wiring (where the residual adds moved, which tensors
 RoPE rotates in place, the residual stream the GEMV layers hand on); bench/engine_perf.py and the
 kernels' tests cover the Triton launches on the GPU."""
