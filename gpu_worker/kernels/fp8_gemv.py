@@ -52,7 +52,9 @@ split_k 1 is a single pass with the epilogue fused.
 Configs: gemv_config(M, N, K, weight dtype) -> TUNED (exact shapes, from bench/sweep_gemv.py on
 the H200) or DEFAULTS per (weight kind, M bucket) with split_k picked to fill the SMs.
 No host syncs; CUDA-graph capturable (allocations are torch.empty; the counter buffer is
-allocated outside capture, else "last" falls back to "two_pass").
+allocated outside capture, else "last" falls back to "two_pass"). Launched with programmatic
+dependent launch where on (kernels/_pdl.py): the programs start while the previous kernel
+finishes and wait for it before reading x (optionally prefetching weight tiles first).
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels._pdl import pdl_kwargs, pdl_trigger, pdl_wait, prefetch_l2
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2
 
 MAX_M = 8                   # rows per call; the dot path pads to DOT_ROWS
@@ -121,6 +124,11 @@ DEFAULTS: dict[tuple[str, int], GemvConfig] = {
     ("16bit", 8): GemvConfig(32, 256, 0, "last", True, 0, 4, 3),  # dot32x256, geo-mean 1.03x of best (M=4)
 }
 
+
+# With PDL on (kernels/_pdl.py), weight tiles per program prefetched into L2 while the previous
+# kernel finishes. bench/pdl_decode_ab.py on the H200 (batch-1 graph, unfused GEMV layers): 0 / 1
+# / 2 tiles gave bf16 4.540 / 4.531 / 4.657 ms, fp8 3.005 / 3.053 / 3.206 ms: none by default.
+PDL_PREFETCH_TILES = 0
 
 SM_COUNT = 132              # H100/H200
 PROGRAMS_PER_SM = {True: 2, False: 8}   # auto split-K target per SM: dot programs (~160 registers
@@ -313,12 +321,16 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, g_ptr, r_ptr
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr,
                  PRO: tl.constexpr, HAS_RES: tl.constexpr,
                  ROWS: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                 DOT: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                 PDL: tl.constexpr, PF_TILES: tl.constexpr, PF_LINES: tl.constexpr):
     """Program (pid_n, pid_k): output columns pid_n*BLOCK_N.., K range [pid_k*K_SPLIT, +K_SPLIT).
     MODE 0: y directly; 1: partial (pid_k, :, cols) into p; 2: partial, then the last program
     of the column tile reduces them (cnt_ptr: per-tile arrival counters, left at 0).
     PRO: the prologue on x (PRO_NORM: g_ptr the RMSNorm weight; PRO_SWIGLU: x is [gate | up]);
-    HAS_RES: r_ptr (M, N) is added to the result."""
+    HAS_RES: r_ptr (M, N) is added to the result. PDL (kernels/_pdl.py): the first PF_TILES
+    weight tiles of the program (PF_LINES 128-byte lines per tile row) are prefetched into L2
+    before waiting for the previous kernel: weights are never another kernel's output."""
+    pdl_trigger(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -328,6 +340,12 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, g_ptr, r_ptr
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     w_ptrs = w_ptr + rn_w[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    if PF_TILES > 0:
+        pf_k = tl.arange(0, PF_LINES) * (BLOCK_K // PF_LINES)
+        for t in tl.static_range(PF_TILES):
+            kk = tl.minimum(k_lo + t * BLOCK_K + pf_k, k_hi - 1)
+            prefetch_l2(w_ptr + rn_w[:, None].to(tl.int64) * stride_wn + kk[None, :])
+    pdl_wait(PDL)
     rows = tl.arange(0, R)
     m_ok = rows < M
     # PRO_NORM: 1/rms of each row over all of K (every program: x is a few KB, in L2); the FMA
@@ -456,7 +474,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, g_ptr, r_ptr
 @triton.jit(do_not_specialize=["M", "SPLIT"])
 def _splitk_reduce_kernel(p_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M, N, SPLIT,
                           HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, R)
     n_ok = rn < N
@@ -556,16 +576,19 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     g_arg = weight if norm_weight is None else norm_weight
     r_arg = y if residual is None else residual
     pro = PRO_NORM if norm_weight is not None else PRO_SWIGLU if swiglu else PRO_NONE
+    pdl = pdl_kwargs(x)
+    pf_tiles = min(PDL_PREFETCH_TILES, triton.cdiv(plan.k_split, plan.kw["BLOCK_K"])) if pdl["PDL"] else 0
+    pf_lines = max(1, plan.kw["BLOCK_K"] * weight.element_size() // 128)
     _gemv_kernel[plan.grid](x, weight, s_arg, b_arg, y, p, y if cnt is None else cnt, g_arg, r_arg, eps,
                             M, N, K, plan.k_split, x.stride(0), weight.stride(0),
                             HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PRO=pro,
-                            HAS_RES=residual is not None, **plan.kw)
+                            HAS_RES=residual is not None, PF_TILES=pf_tiles, PF_LINES=pf_lines, **pdl, **plan.kw)
     if mode == 1:
         R = max(2, next_pow2(M))
         _splitk_reduce_kernel[(triton.cdiv(N, 256),)](p, s_arg, b_arg, r_arg, y, M, N, plan.split,
                                                       HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
                                                       HAS_RES=residual is not None, R=R, BLOCK_N=256,
-                                                      num_warps=4)
+                                                      num_warps=4, **pdl)
     return y
 
 

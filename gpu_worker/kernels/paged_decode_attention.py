@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels._paged_kv import gather_kv_tile
+from gpu_worker.kernels._pdl import pdl_kwargs, pdl_trigger, pdl_wait
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2, num_sms
 
 LOG2E = 1.4426950408889634
@@ -114,8 +115,10 @@ def _decode_stage1_kernel(
     stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h, stride_pm_s,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_QSL: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_QSL: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)                  # kernels/_pdl.py: before the early return of prefill rows too
     b = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -177,8 +180,10 @@ def _decode_stage2_kernel(
     qsl_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     stride_ot, stride_oh, stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h, stride_pm_s,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HAS_QSL: tl.constexpr,
+    HAS_QSL: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     if HAS_QSL:
@@ -343,13 +348,13 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
         BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
         HAS_QSL=query_start_loc is not None, DIRECT=direct, UPCAST=upcast,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(q),
     )
     if not direct:
         _decode_stage2_kernel[(B, n_heads)](
             qsl, out, part_acc, part_ml, out.stride(0), out.stride(1), *pa_strides, *pm_strides,
             HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
-            HAS_QSL=query_start_loc is not None, num_warps=4,
+            HAS_QSL=query_start_loc is not None, num_warps=4, **pdl_kwargs(q),
         )
     return out
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels._pdl import pdl_kwargs, pdl_trigger, pdl_wait
 from gpu_worker.kernels._utils import check_device, next_pow2
 
 
@@ -28,8 +29,10 @@ class NormOutput(NamedTuple):
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)                  # kernels/_pdl.py: before every load and store
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -76,7 +79,7 @@ def rmsnorm(
         x, residual if residual is not None else x, weight, out, res_out,
         x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0), res_out.stride(0),
         N, eps, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
-        num_warps=min(16, max(1, BLOCK // 512)),
+        num_warps=min(16, max(1, BLOCK // 512)), **pdl_kwargs(x),
     )
     return NormOutput(out, res_out)
 

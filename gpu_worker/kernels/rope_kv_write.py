@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels._pdl import pdl_kwargs, pdl_trigger, pdl_wait
 from gpu_worker.kernels._utils import check_device, next_pow2
 from gpu_worker.kernels.kv_cache_write import is_fp8, kv_cache_write_ref
 from gpu_worker.kernels.rope import _rope_rows, rope_ref
@@ -29,7 +30,10 @@ def _rope_kv_write_kernel(
     stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_SCALE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)                  # kernels/_pdl.py
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]                   # (1, BLOCK_HALF)
@@ -103,7 +107,7 @@ def rope_kv_write(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=n_q, NUM_KV_HEADS=n_kv, HALF=half, PAGE=k_cache.shape[1],
         BLOCK_QH=next_pow2(n_q), BLOCK_KH=next_pow2(n_kv), BLOCK_HALF=next_pow2(half), USE_SCALE=fp8,
-        num_warps=4,
+        num_warps=4, **pdl_kwargs(q),
     )
 
 

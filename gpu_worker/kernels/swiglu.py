@@ -9,11 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels._pdl import pdl_kwargs, pdl_trigger, pdl_wait
 from gpu_worker.kernels._utils import check_device
 
 
 @triton.jit
-def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
+def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)                  # kernels/_pdl.py
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -33,7 +36,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     if T == 0:
         return out
     BLOCK = 1024
-    _swiglu_kernel[(T, triton.cdiv(I, BLOCK))](x, out, x.stride(0), out.stride(0), I, BLOCK=BLOCK, num_warps=4)
+    _swiglu_kernel[(T, triton.cdiv(I, BLOCK))](x, out, x.stride(0), out.stride(0), I, BLOCK=BLOCK, num_warps=4, **pdl_kwargs(x))
     return out
 
 

@@ -1,0 +1,95 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the kernels of a small decode step.
+
+A batch-1 decode step is ~250 kernels of 2-60 us each; between two of them the GPU drains the
+first grid, then launches and ramps up the next (a few us, also inside a CUDA graph). With PDL
+the next kernel is launched while the previous one still runs: its programs start, do what does
+not depend on the previous kernel's output (the GEMV prefetches its weight tiles into L2), then
+block in `griddepcontrol.wait` until the previous grid has finished and its writes are visible.
+
+Rules every PDL kernel here follows (each kernel may be followed by any other):
+  - `pdl_wait` runs in every program before its first load of another kernel's output, its first
+    store, and any early return: a kernel that could finish before its predecessor would let the
+    kernel after it read that predecessor's output too early;
+  - the next kernel may launch (griddepcontrol.launch_dependents) once every program of this one
+    has passed its wait (`pdl_wait` issues it: one kernel waits ahead at a time), or, with
+    EARLY_TRIGGER, already at the start (`pdl_trigger`: then a chain of kernels can launch ahead
+    and occupy the SMs while the kernel in front still runs; measured worse, BENCHMARKS.md).
+Kernels launched without PDL (cuBLAS, torch ops) wait for their predecessor to finish as usual.
+
+On: CUDA devices of compute capability >= 9 when Triton supports it and KVMESH_PDL is not "0"
+(read at import; `ENABLED` may be flipped at run time before a CUDA graph is captured).
+Under TRITON_INTERPRET=1 (the CPU tests) it is always off: the PDL constexpr is False there.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_worker.kernels._utils import interpreting
+
+
+def _env_enabled() -> bool:
+    value = os.environ.get("KVMESH_PDL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KVMESH_PDL={value!r}: expected 0 (off) or 1 (on, the default on sm_90+)")
+    return value == "1"
+
+
+def _triton_supports_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
+    except Exception:          # no CUDA backend in this Triton build
+        return False
+
+
+ENABLED = _env_enabled()
+EARLY_TRIGGER = False      # bench/pdl_decode_ab.py's A/B of where the next kernel may launch
+_SUPPORTED = _triton_supports_pdl()
+_CAPABLE: dict[int, bool] = {}
+
+
+def pdl_on(t: torch.Tensor) -> bool:
+    """Whether kernels on `t`'s device launch with PDL."""
+    if not (ENABLED and _SUPPORTED and t.is_cuda) or interpreting():
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _CAPABLE[index]
+
+
+def pdl_kwargs(t: torch.Tensor) -> dict:
+    """Launch keywords of a PDL-aware kernel: its PDL constexpr (0 off, 1 on, 2 on with the early
+    trigger), plus launch_pdl when on (never passed off the GPU, where older interpreters reject
+    unknown launch options)."""
+    return dict(PDL=2 if EARLY_TRIGGER else 1, launch_pdl=True) if pdl_on(t) else dict(PDL=0)
+
+
+@triton.jit
+def pdl_trigger(PDL: tl.constexpr):
+    """At a kernel's start: with the early trigger (PDL 2), let the next kernel launch once every
+    program of this one has issued this."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Block until the previous kernel has finished and its memory writes are visible; then
+    (PDL 1) let the next kernel launch."""
+    if PDL != 0:
+        tl.extra.cuda.gdc_wait()
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Start loading the 128-byte line of every pointer into L2 (no registers, no result): a
+    weight tile fetched while the previous kernel still runs. GPU only (inline PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)

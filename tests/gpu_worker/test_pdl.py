@@ -1,0 +1,87 @@
+"""Programmatic dependent launch (gpu_worker/kernels/_pdl.py): when it is on, and on the GPU that a
+chain of PDL kernels replayed from a CUDA graph computes bit for bit what the same kernels give
+launched one after another without it (a kernel reading its predecessor's output too early would
+show as a difference, or as replays that disagree)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpu_worker.kernels import _pdl
+
+
+def test_off_for_cpu_tensors_and_when_disabled(monkeypatch):
+    assert not _pdl.pdl_on(torch.zeros(1))
+    assert _pdl.pdl_kwargs(torch.zeros(1)) == {"PDL": 0}      # no launch_pdl off the GPU
+    monkeypatch.setattr(_pdl, "ENABLED", False)
+    if torch.cuda.is_available():
+        assert not _pdl.pdl_on(torch.zeros(1, device="cuda"))
+
+
+@pytest.mark.parametrize("value, ok", [("0", True), ("1", True), ("yes", False), ("", False)])
+def test_env_value_is_checked(value, ok):
+    code = "import gpu_worker.kernels._pdl as p; print(p.ENABLED)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "KVMESH_PDL": value}, timeout=120)
+    if ok:
+        assert proc.returncode == 0 and proc.stdout.strip() == str(value == "1"), proc.stderr
+    else:
+        assert proc.returncode != 0 and "KVMESH_PDL" in proc.stderr
+
+
+def _chain(x, layers):
+    """A decode layer's kernel sequence at batch 1, each kernel reading the one before's output:
+    GEMV with RMSNorm prologue, GEMV with residual epilogue, norm + residual, GEMV, SwiGLU,
+    GEMV with SwiGLU prologue and residual (both split-K reductions and the single pass)."""
+    from gpu_worker.kernels.fp8_gemv import w8_gemv
+    from gpu_worker.kernels.rmsnorm import rmsnorm
+    from gpu_worker.kernels.swiglu import swiglu
+    h = x
+    for g, a, b, up_w, down in layers:            # each weight: (weight, scale or None)
+        y = w8_gemv(h, *a, norm_weight=g)
+        h = w8_gemv(y, *b, residual=h)
+        n, h = rmsnorm(h, g, 1e-5, residual=x)
+        up = w8_gemv(n, *up_w)
+        h = w8_gemv(swiglu(up), *down, residual=h)
+        h = w8_gemv(up, *down, swiglu=True, residual=h)
+    return h
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs an sm_90+ GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("early", [False, True])
+def test_pdl_graph_replays_match_plain_launches(monkeypatch, dtype, early):
+    torch.manual_seed(0)
+    H, I, dev = 1024, 2816, "cuda"
+
+    def weight(n, k):
+        w = torch.randn(n, k, device=dev) / k ** 0.5
+        if dtype == torch.bfloat16:
+            return w.to(dtype), None
+        return (w * 64).to(dtype), torch.full((n,), 1 / 64, device=dev)
+
+    layers = [(torch.rand(H, device=dev, dtype=torch.bfloat16) + 0.5, weight(H, H), weight(H, H),
+               weight(2 * I, H), weight(H, I)) for _ in range(6)]
+    x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(_pdl, "ENABLED", False)
+    ref = _chain(x, layers)
+    torch.cuda.synchronize()
+
+    monkeypatch.setattr(_pdl, "ENABLED", True)
+    monkeypatch.setattr(_pdl, "EARLY_TRIGGER", early)
+    assert _pdl.pdl_on(x)
+    eager = _chain(x, layers)            # PDL launches outside a graph
+    _chain(x, layers)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _chain(x, layers)
+    assert torch.equal(eager, ref)
+    for _ in range(50):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
