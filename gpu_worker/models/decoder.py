@@ -89,30 +89,39 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, kv[0], kv[1], batch, self.scale)
 
 
-def _decode_gemv_env() -> tuple[int, str]:
-    """KVMESH_DECODE_GEMV_MAX_M (an integer >= 0) and KVMESH_DECODE_GEMV_WEIGHTS (fp8 | all)."""
+def _decode_gemv_env() -> tuple[int, str, bool]:
+    """KVMESH_DECODE_GEMV_MAX_M (an integer >= 0), KVMESH_DECODE_GEMV_WEIGHTS (fp8 | all) and
+    KVMESH_DECODE_GEMV_FUSE (0 | 1)."""
     m = os.environ.get("KVMESH_DECODE_GEMV_MAX_M", "1")
-    w = os.environ.get("KVMESH_DECODE_GEMV_WEIGHTS", "fp8")
+    w = os.environ.get("KVMESH_DECODE_GEMV_WEIGHTS", "all")
+    f = os.environ.get("KVMESH_DECODE_GEMV_FUSE", "0")
     if not m.isdigit():
         raise ValueError(f"KVMESH_DECODE_GEMV_MAX_M={m!r}: expected an integer >= 0 (0 turns it off)")
     if w not in ("fp8", "all"):
         raise ValueError(f"KVMESH_DECODE_GEMV_WEIGHTS={w!r}: expected 'fp8' or 'all'")
-    return int(m), w
+    if f not in ("0", "1"):
+        raise ValueError(f"KVMESH_DECODE_GEMV_FUSE={f!r}: expected 0 (separate norm / SwiGLU kernels) or 1")
+    return int(m), w, f == "1"
 
 
 class DecoderLayer(nn.Module):
     kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
-    gemv_max_m, gemv_weights = _decode_gemv_env()
+    gemv_max_m, gemv_weights, gemv_fuse = _decode_gemv_env()
     """Steps of 1..gemv_max_m tokens (at most fp8_gemv.MAX_M) on CUDA, in layers whose weights are
-    fp8 (gemv_weights "fp8") or any (gemv_weights "all"), run the layer as four split-K GEMVs with
-    its other work fused in (kernels/fp8_gemv.py): the input RMSNorm in the qkv GEMV's prologue,
-    the residual add in o_proj's epilogue, the post-attention RMSNorm in gate_up's prologue,
-    SwiGLU in down's prologue and the second residual add in its epilogue: three kernels fewer
-    per layer. Measured on the H200 (BENCHMARKS.md, fifth session): with fp8 weights the batch-1
-    decode graph is 1.6-2.5% faster (two same-machine A/Bs); with bf16 the prologues cost what
-    the kernels they replace did (122.8 vs 119.6 us per layer), so bf16 stays unfused; M > 1 is
-    unmeasured. Class attributes read at each forward (before CUDA-graph capture), set at import
-    from KVMESH_DECODE_GEMV_MAX_M (0: off) and KVMESH_DECODE_GEMV_WEIGHTS."""
+    fp8 (gemv_weights "fp8") or any (gemv_weights "all"), run every linear as the split-K GEMV of
+    kernels/fp8_gemv.py instead of cuBLAS / _scaled_mm, so a layer is Triton kernels only and each
+    launches early under programmatic dependent launch (kernels/_pdl.py). gemv_fuse False
+    (_forward_gemv_unfused): the norms and SwiGLU stay kernels of their own. gemv_fuse True
+    (_forward_gemv): the input RMSNorm goes into the qkv GEMV's prologue, the residual add into
+    o_proj's epilogue, the post-attention RMSNorm into gate_up's prologue, SwiGLU into down's
+    prologue and the second residual add into its epilogue: three kernels fewer, but every
+    program recomputes its prologue before its first weight load.
+    Measured on the H200 (bench/pdl_decode_ab.py, BENCHMARKS.md sixth session; batch-1 graph,
+    128 context): bf16 cuBLAS 4.82 ms, fused 4.72 (4.63 with PDL), unfused GEMVs 4.67 (4.53 with
+    PDL); fp8 fused 3.13-3.17, unfused 3.18 (3.01 with PDL). Hence one row, any weights, unfused
+    by default; M > 1 is unmeasured. Class attributes read at each forward (before CUDA-graph
+    capture), set at import from KVMESH_DECODE_GEMV_MAX_M (0: off), KVMESH_DECODE_GEMV_WEIGHTS
+    and KVMESH_DECODE_GEMV_FUSE."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype,
                  layer_idx: int = 0):
@@ -154,6 +163,8 @@ class DecoderLayer(nn.Module):
         return ops
 
     def _forward_gemv(self, ops: list, x, residual, positions, kv: KVCache, batch: ForwardBatch):
+        if not self.gemv_fuse:
+            return self._forward_gemv_unfused(ops, x, residual, positions, kv, batch)
         qkv, o, gate_up, down = ops
         gemv = self.kernels.gemv
         attn, norm1, norm2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
@@ -164,6 +175,17 @@ class DecoderLayer(nn.Module):
         h = gemv(out, *o, residual=h)
         y = gemv(h, *gate_up, norm_weight=norm2.weight, eps=norm2.eps)
         return gemv(y, *down, swiglu=True, residual=h), None
+
+    def _forward_gemv_unfused(self, ops: list, x, residual, positions, kv: KVCache, batch: ForwardBatch):
+        """forward() with every linear a plain GEMV (16-bit weights too, which nn.Linear would
+        send to cuBLAS); the norms and SwiGLU stay kernels of their own."""
+        qkv, o, gate_up, down = ops
+        gemv, attn = self.kernels.gemv, self.self_attn
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        q, k, v, cached = attn.rotate(gemv(h, *qkv), positions, kv, batch.slot_mapping)
+        out = attn.attend(q, k, v, cached, kv, batch).reshape(h.shape[0], attn.q_size)
+        h, residual = self.post_attention_layernorm.add_forward(gemv(out, *o), residual)
+        return gemv(self.kernels.swiglu(gemv(h, *gate_up)), *down), residual
 
 
 class DecoderModel(nn.Module):

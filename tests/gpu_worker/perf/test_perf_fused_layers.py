@@ -1,6 +1,7 @@
 """The decoder's fused-kernel path (residual-fused RMSNorm, in-place RoPE, SwiGLU, and for decode
-steps of a few tokens the fused-GEMV layer: norms, SwiGLU and residual adds inside the four GEMVs;
-by default only for one token and fp8 weights, widened here) computes what its torch path computes. On the CPU the 'kernels' are the kernels' own torch
+steps of a few tokens the GEMV layer: every linear a split-K GEMV, the norms, SwiGLU and residual
+adds either separate or fused into the GEMVs; by default one token, unfused, widened here) computes
+what its torch path computes. On the CPU the 'kernels' are the kernels' own torch
 references, so this checks the decoder's wiring (where the residual adds moved, which tensors
 RoPE rotates in place, the residual stream the GEMV layers hand on); bench/engine_perf.py and the
 kernels' tests cover the Triton launches on the GPU."""
@@ -57,11 +58,13 @@ def prefill_mixed_decode(runner: ModelRunner) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
-def test_fused_path_matches_torch_path(arch, request, monkeypatch):
+def test_fused_path_matches_torch_path(arch, fuse, request, monkeypatch):
     from gpu_worker.models.decoder import DecoderLayer
     monkeypatch.setattr(DecoderLayer, "gemv_max_m", 2)        # the decode step has two rows
     monkeypatch.setattr(DecoderLayer, "gemv_weights", "all")  # these weights are fp32
+    monkeypatch.setattr(DecoderLayer, "gemv_fuse", fuse)
     model_dir = request.getfixturevalue(arch)
     runner = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device="cpu", dtype=torch.float32)
     plain = prefill_mixed_decode(runner)
@@ -70,7 +73,10 @@ def test_fused_path_matches_torch_path(arch, request, monkeypatch):
     assert runner.model.model.layers[0].mlp.kernels is not None
     fused = prefill_mixed_decode(runner)
     layers = len(runner.model.model.layers)            # the decode step only: 4 GEMVs a layer
-    assert calls == [["eps", "norm_weight"], ["residual"], ["eps", "norm_weight"], ["residual", "swiglu"]] * layers
+    if fuse:
+        assert calls == [["eps", "norm_weight"], ["residual"], ["eps", "norm_weight"], ["residual", "swiglu"]] * layers
+    else:
+        assert calls == [[]] * 4 * layers
     for a, b in zip(plain, fused):
         assert a.shape == b.shape
         assert float((a - b).norm() / a.norm()) < 1e-5
@@ -89,7 +95,12 @@ def test_decode_gemv_env_is_checked(monkeypatch):
     from gpu_worker.models.decoder import _decode_gemv_env
     monkeypatch.setenv("KVMESH_DECODE_GEMV_MAX_M", "2")
     monkeypatch.setenv("KVMESH_DECODE_GEMV_WEIGHTS", "all")
-    assert _decode_gemv_env() == (2, "all")
+    monkeypatch.setenv("KVMESH_DECODE_GEMV_FUSE", "0")
+    assert _decode_gemv_env() == (2, "all", False)
+    monkeypatch.setenv("KVMESH_DECODE_GEMV_FUSE", "yes")
+    with pytest.raises(ValueError, match="KVMESH_DECODE_GEMV_FUSE"):
+        _decode_gemv_env()
+    monkeypatch.setenv("KVMESH_DECODE_GEMV_FUSE", "1")
     monkeypatch.setenv("KVMESH_DECODE_GEMV_WEIGHTS", "bf16")
     with pytest.raises(ValueError, match="KVMESH_DECODE_GEMV_WEIGHTS"):
         _decode_gemv_env()

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Batch-1 decode with and without programmatic dependent launch (gpu_worker/kernels/_pdl.py),
+per way of running a decode layer, on one engine (Llama-3.1-8B shapes, random bf16 weights, then
+the same weights quantized to fp8 in place):
+
+    cublas   bf16: norm / RoPE+KV-write / attention / SwiGLU Triton kernels around cuBLAS GEMMs
+             (DecoderLayer.gemv_max_m 0): only the Triton kernels can launch early
+    gemv     every linear a split-K GEMV (fp8_gemv.py), norms and SwiGLU separate kernels
+             (DecoderLayer._forward_gemv_unfused): all Triton
+    fused    four GEMVs with the norms, SwiGLU and residual adds fused in
+             (DecoderLayer._forward_gemv): all Triton, three kernels fewer per layer
+
+Each variant recaptures the decode graphs (sizes 1, 2, 4) and measures: the GPU time of one
+batch-1 graph replay at 128 and 8k context (CUDA events, median of 30, real contexts in the
+buffers), and wall tok/s of a 256-token greedy decode at 128 context, sync and with
+async_scheduling. PDL 0 is off, 1 lets the next kernel launch once the running one's programs
+have waited for theirs, 2 once they have started (_pdl.EARLY_TRIGGER); pf is the weight tiles
+per program the GEMVs prefetch before waiting. Variants run in two rounds (A B C .. A B C ..) to show the spread. The greedy
+tokens of every PDL variant must equal those of the same layer mode without PDL (a kernel
+reading its predecessor's output too early would change them). Also the copy-bandwidth ceiling.
+
+    python3 bench/pdl_decode_ab.py --model-dir /tmp/kvmesh-llama-8b      # the H200, ~3 min
+    python3 bench/pdl_decode_ab.py --smoke                               # CPU: checks the script
+
+Prints a table last and writes $OUT/pdl_decode_ab.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def copy_ceiling_gbs() -> float:
+    """Device-to-device copy of 2 GiB (read + write bytes) in a CUDA graph."""
+    from cuda_timing import graph_median_ms
+    a = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    b = torch.empty_like(a)
+    ms = graph_median_ms(lambda: b.copy_(a), inner=4, reps=10)
+    return 2 * a.numel() * 2 / ms / 1e6
+
+
+def set_variant(mode: str, pdl: int, prefetch: int) -> None:
+    """pdl 0: off; 1: on, the next kernel launches once this one's programs have waited; 2: on,
+    the next kernel launches once this one's programs have started (_pdl.EARLY_TRIGGER)."""
+    from gpu_worker.kernels import _pdl, fp8_gemv
+    from gpu_worker.models.decoder import DecoderLayer
+    _pdl.ENABLED, _pdl.EARLY_TRIGGER = pdl > 0, pdl == 2
+    fp8_gemv.PDL_PREFETCH_TILES = prefetch
+    DecoderLayer.gemv_max_m = 0 if mode == "cublas" else 1
+    DecoderLayer.gemv_weights, DecoderLayer.gemv_fuse = "all", mode == "fused"
+
+
+class Decode:
+    """Timed batch-1 decodes on one engine (engine_perf's Bench for requests)."""
+
+    def __init__(self, eng, smoke: bool):
+        from engine_perf import Bench
+        self.eng, self.b, self.smoke = eng, Bench(eng), smoke
+        self.p128 = self.b.prompt(128 if not smoke else 12)
+        self.p8k = self.b.prompt(8192 if not smoke else 40)
+
+    def tokens(self) -> list[int]:
+        return self.b.generate([self.p128], 64 if not self.smoke else 8)[0]
+
+    def run(self, prompt, n_out: int, async_: bool = False) -> float:
+        eng = self.eng
+        eng.async_scheduling = async_
+        try:
+            self.b.add(prompt, n_out)
+            while eng.scheduler.waiting or any(s.num_new_tokens > 1 for s in eng.scheduler.running):
+                eng.step()
+            for _ in range(4):
+                eng.step()
+            if not self.smoke:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            n = self.b.drain()
+            return n / (time.perf_counter() - t)
+        finally:
+            eng.async_scheduling = False
+
+    def graph_ms(self, short: bool) -> float:
+        from cuda_timing import event_median_ms
+        runner = self.eng.runner
+        g = runner.short_decode_graphs if short else runner.decode_graphs
+        if self.smoke or g is None or 1 not in g.graphs:
+            return float("nan")
+        return event_median_ms(g.graphs[1].replay, 30, warmup=2)
+
+
+def measure(d: Decode, weights: str, mode: str, pdl: int, prefetch: int) -> dict:
+    set_variant(mode, pdl, prefetch)
+    runner = d.eng.runner
+    runner.capture_cuda_graphs(4, d.eng.max_model_len)
+    toks = d.tokens()
+    sync = d.run(d.p128, 256 if not d.smoke else 8)
+    short_ms = d.graph_ms(short=True)
+    asyn = d.run(d.p128, 256 if not d.smoke else 8, async_=True)
+    d.eng.step()
+    at8k = d.run(d.p8k, 64 if not d.smoke else 10)
+    long_ms = d.graph_ms(short=False)
+    r = dict(weights=weights, mode=mode, pdl=pdl, prefetch=prefetch, graph_ms_128=short_ms,
+             graph_ms_8k=long_ms, sync_tok_s=sync, async_tok_s=asyn, tok_s_8k=at8k, tokens=toks)
+    log(f"{weights} {mode:6s} pdl={pdl} pf={prefetch}: graph {short_ms:.3f} / {long_ms:.3f} ms "
+        f"(128 / 8k ctx); {sync:.1f} sync, {asyn:.1f} async tok/s; 8k {at8k:.1f} tok/s")
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default="/tmp/kvmesh-llama-8b")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=400, help="seconds; later rounds are skipped")
+    args = ap.parse_args()
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import Engine
+    from gpu_worker.models.layers.fp8 import quantize_linears_fp8
+
+    model_dir = Path(args.model_dir)
+    if args.smoke:
+        from gpu_worker.make_model import make_model
+        if not (model_dir / "config.json").exists():
+            make_model(model_dir, arch="llama", size="tiny", progress=False)
+        extra = dict(device="cpu", dtype="float32", attention_backend="torch", num_gpu_blocks=512,
+                     max_model_len=256)
+        ceiling = float("nan")
+    else:
+        from engine_perf import ensure_model
+        ensure_model(model_dir)
+        log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        ceiling = copy_ceiling_gbs()
+        log(f"copy ceiling {ceiling:.0f} GB/s")
+        extra = dict(dtype="bfloat16", gpu_memory_utilization=0.6, max_model_len=16384)
+    eng = Engine(EngineConfig(model=str(model_dir), max_num_seqs=4, max_num_batched_tokens=16384,
+                              cuda_graph_max_bs=4, **extra))
+    d = Decode(eng, args.smoke)
+    d.run(d.p8k, 8)                                  # warm-up: prefill and decode kernels compiled
+    results = []
+    # (mode, pdl, prefetched weight tiles)
+    plans = {"bf16": [("cublas", 0, 0), ("fused", 0, 0), ("fused", 1, 0), ("gemv", 0, 0), ("gemv", 1, 0),
+                      ("gemv", 1, 1), ("gemv", 1, 2)],
+             "fp8": [("fused", 0, 0), ("gemv", 0, 0), ("gemv", 1, 0), ("gemv", 1, 1), ("gemv", 1, 2)]}
+    end = T0 + args.budget
+    for weights in ("bf16", "fp8"):
+        if weights == "fp8":
+            quantize_linears_fp8(eng.runner.model)
+            eng.runner.prefill_graphs = None       # captured over the bf16 weights: prefill runs eagerly
+            if not args.smoke:
+                torch.cuda.empty_cache()
+        share = (end - time.time()) / (2 if weights == "bf16" else 1)
+        stop = time.time() + share
+        for rnd in range(args.rounds):
+            for mode, pdl, pf in plans[weights]:
+                if time.time() > stop:
+                    log(f"{weights} round {rnd + 1}: time budget, skipping the rest")
+                    break
+                try:
+                    results.append(dict(measure(d, weights, mode, pdl, pf), round=rnd + 1))
+                except Exception as e:       # one broken variant must not lose the others
+                    log(f"{weights} {mode} pdl={pdl} pf={pf}: ERROR {type(e).__name__}: {e}"[:400])
+                    for rid in list(eng.requests):
+                        eng.abort_request(rid)
+    out = Path(os.environ.get("OUT", "./out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pdl_decode_ab.json").write_text(json.dumps(dict(copy_ceiling_gbs=ceiling, runs=results), indent=1))
+
+    base = {(r["weights"], r["mode"]): r["tokens"] for r in results if not r["pdl"]}
+    print(f"\ncopy ceiling {ceiling:.0f} GB/s; batch-1 decode, Llama-3.1-8B shapes (tokens: same greedy "
+          "tokens as the mode without PDL)")
+    print(f"{'weights':7s} {'mode':6s} {'pdl':>3s} {'pf':>2s} {'rnd':>3s} {'graph@128':>10s} {'graph@8k':>9s} "
+          f"{'sync':>7s} {'async':>7s} {'8k':>7s} tokens")
+    for r in results:
+        same = base.get((r["weights"], r["mode"]))
+        verdict = "-" if not r["pdl"] else ("same" if same == r["tokens"] else "DIFFER" if same else "?")
+        print(f"{r['weights']:7s} {r['mode']:6s} {r['pdl']:3d} {r['prefetch']:2d} {r['round']:3d} "
+              f"{r['graph_ms_128']:10.3f} {r['graph_ms_8k']:9.3f} {r['sync_tok_s']:7.1f} "
+              f"{r['async_tok_s']:7.1f} {r['tok_s_8k']:7.1f} {verdict}")
+    print(f"total {time.time() - T0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
