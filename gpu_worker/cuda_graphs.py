@@ -49,19 +49,22 @@ def capture_graph(fn: Callable[[ForwardBatch], torch.Tensor], batch: ForwardBatc
                   before_call: Callable[[], None] = lambda: None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """fn(batch) twice on a side stream (Triton compiles, lazy allocations stay out of the
     capture), then once captured into a CUDA graph in `pool` -> (graph, its output tensor).
-    `before_call` runs before each of the three calls."""
+    `before_call` runs before each of the three calls. All three launch the Triton kernels with
+    programmatic dependent launch where it is on (gpu_worker/kernels/_pdl.py)."""
+    from gpu_worker.kernels._pdl import for_cuda_graph
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            before_call()
-            fn(batch)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-    before_call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = fn(batch)
+    with for_cuda_graph():
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                before_call()
+                fn(batch)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        before_call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = fn(batch)
     return graph, output
 
 

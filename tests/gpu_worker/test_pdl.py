@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (gpu_worker/kernels/_pdl.py): when it is on, and on the GPU that a
-chain of PDL kernels replayed from a CUDA graph computes bit for bit what the same kernels give
-launched one after another without it (a kernel reading its predecessor's output too early would
+"""Programmatic dependent launch (gpu_worker/kernels/_pdl.py): when it is on (CUDA-graph capture
+only), and on the GPU that a chain of PDL kernels replayed from a CUDA graph computes bit for bit
+what the same kernels give launched one after another without it (a kernel reading its predecessor's output too early would
 show as a difference, or as replays that disagree)."""
 import os
 import subprocess
@@ -12,12 +12,17 @@ import torch
 from gpu_worker.kernels import _pdl
 
 
-def test_off_for_cpu_tensors_and_when_disabled(monkeypatch):
-    assert not _pdl.pdl_on(torch.zeros(1))
-    assert _pdl.pdl_kwargs(torch.zeros(1)) == {"PDL": 0}      # no launch_pdl off the GPU
-    monkeypatch.setattr(_pdl, "ENABLED", False)
+def test_off_for_cpu_tensors_eager_launches_and_when_disabled(monkeypatch):
+    with _pdl.for_cuda_graph():
+        assert not _pdl.pdl_on(torch.zeros(1))
+        assert _pdl.pdl_kwargs(torch.zeros(1)) == {"PDL": 0}      # no launch_pdl off the GPU
+    assert _pdl._GRAPH_DEPTH == 0
     if torch.cuda.is_available():
-        assert not _pdl.pdl_on(torch.zeros(1, device="cuda"))
+        x = torch.zeros(1, device="cuda")
+        assert not _pdl.pdl_on(x)                               # eager: never (its host cost)
+        monkeypatch.setattr(_pdl, "ENABLED", False)
+        with _pdl.for_cuda_graph():
+            assert not _pdl.pdl_on(x)
 
 
 @pytest.mark.parametrize("value, ok", [("0", True), ("1", True), ("yes", False), ("", False)])
@@ -73,13 +78,13 @@ def test_pdl_graph_replays_match_plain_launches(monkeypatch, dtype, early):
 
     monkeypatch.setattr(_pdl, "ENABLED", True)
     monkeypatch.setattr(_pdl, "EARLY_TRIGGER", early)
-    assert _pdl.pdl_on(x)
-    eager = _chain(x, layers)            # PDL launches outside a graph
-    _chain(x, layers)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _chain(x, layers)
+    with _pdl.for_cuda_graph():            # as cuda_graphs.capture_graph: warm-up, then capture
+        assert _pdl.pdl_on(x)
+        eager = _chain(x, layers)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _chain(x, layers)
     assert torch.equal(eager, ref)
     for _ in range(50):
         graph.replay()
