@@ -127,7 +127,7 @@ DEFAULTS: dict[tuple[str, int], GemvConfig] = {
 
 # With PDL on (kernels/_pdl.py), weight tiles per program prefetched into L2 while the previous
 # kernel finishes. bench/pdl_decode_ab.py on the H200 (batch-1 graph, unfused GEMV layers): 0 / 1
-# / 2 tiles gave bf16 4.540 / 4.531 / 4.657 ms, fp8 3.005 / 3.053 / 3.206 ms: none by default.
+# / 2 tiles gave bf16 4.546 / 4.533 / 4.651 ms, fp8 3.013 / 3.061 / 3.205 ms: none by default.
 PDL_PREFETCH_TILES = 0
 
 SM_COUNT = 132              # H100/H200

@@ -117,8 +117,8 @@ class DecoderLayer(nn.Module):
     prologue and the second residual add into its epilogue: three kernels fewer, but every
     program recomputes its prologue before its first weight load.
     Measured on the H200 (bench/pdl_decode_ab.py, BENCHMARKS.md sixth session; batch-1 graph,
-    128 context): bf16 cuBLAS 4.82 ms, fused 4.72 (4.63 with PDL), unfused GEMVs 4.67 (4.53 with
-    PDL); fp8 fused 3.13-3.17, unfused 3.18 (3.01 with PDL). Hence one row, any weights, unfused
+    128 context): bf16 cuBLAS 4.82 ms, fused 4.72 (4.63 with PDL), unfused GEMVs 4.67 (4.55 with
+    PDL); fp8 fused 3.15, unfused 3.19 (3.01 with PDL). Hence one row, any weights, unfused
     by default; M > 1 is unmeasured. Class attributes read at each forward (before CUDA-graph
     capture), set at import from KVMESH_DECODE_GEMV_MAX_M (0: off), KVMESH_DECODE_GEMV_WEIGHTS
     and KVMESH_DECODE_GEMV_FUSE."""
