@@ -3,8 +3,9 @@
 A batch-1 decode step is ~250 kernels of 2-60 us each; between two of them the GPU drains the
 first grid, then launches and ramps up the next (a few us, also inside a CUDA graph). With PDL
 the next kernel is launched while the previous one still runs: its programs start, do what does
-not depend on the previous kernel's output (the GEMV prefetches its weight tiles into L2), then
-block in `griddepcontrol.wait` until the previous grid has finished and its writes are visible.
+not depend on the previous kernel's output (the GEMV can prefetch weight tiles into L2:
+fp8_gemv.PDL_PREFETCH_TILES, 0 by default), then block in `griddepcontrol.wait` until the
+previous grid has finished and its writes are visible.
 
 Rules every PDL kernel here follows (each kernel may be followed by any other):
   - `pdl_wait` runs in every program before its first load of another kernel's output, its first
@@ -20,7 +21,7 @@ On: kernels launched inside `for_cuda_graph()` (a CUDA graph's warm-up calls and
 cuda_graphs.capture_graph), on CUDA devices of compute capability >= 9 when Triton supports it
 and KVMESH_PDL is not "0" (read at import; `ENABLED` may be flipped at run time before a CUDA
 graph is captured). Eager steps never use it (pdl_on says why).
-Under TRITON_INTERPRET=1 (the CPU tests) it is always off: the PDL constexpr is False there.
+Under TRITON_INTERPRET=1 (the CPU tests) it is always off: the PDL constexpr is 0 there.
 """
 from __future__ import annotations
 
