@@ -13,9 +13,9 @@ the same weights quantized to fp8 in place):
 Each variant recaptures the decode graphs (sizes 1, 2, 4) and measures: the GPU time of one
 batch-1 graph replay at 128 and 8k context (CUDA events, median of 30, real contexts in the
 buffers), and wall tok/s of a 256-token greedy decode at 128 context, sync and with
-async_scheduling. PDL 0 is off, 1 lets the next kernel launch once the running one's programs
-have waited for theirs, 2 once they have started (_pdl.EARLY_TRIGGER); pf is the weight tiles
-per program the GEMVs prefetch before waiting. Variants run in two rounds (A B C .. A B C ..) to show the spread. The greedy
+async_scheduling. PDL 0 is off, 1 on (results of this script's earlier version also hold 2:
+the next kernel launched at each kernel's start, since dropped); pf is the weight tiles per
+program the GEMVs prefetch before waiting. Variants run in two rounds (A B C .. A B C ..) to show the spread. The greedy
 tokens of every PDL variant must equal those of the same layer mode without PDL (a kernel
 reading its predecessor's output too early would change them). Also the copy-bandwidth ceiling.
 
@@ -57,11 +57,10 @@ def copy_ceiling_gbs() -> float:
 
 
 def set_variant(mode: str, pdl: int, prefetch: int) -> None:
-    """pdl 0: off; 1: on, the next kernel launches once this one's programs have waited; 2: on,
-    the next kernel launches once this one's programs have started (_pdl.EARLY_TRIGGER)."""
+    """pdl 0: off; 1: on."""
     from gpu_worker.kernels import _pdl, fp8_gemv
     from gpu_worker.models.decoder import DecoderLayer
-    _pdl.ENABLED, _pdl.EARLY_TRIGGER = pdl > 0, pdl == 2
+    _pdl.ENABLED = pdl > 0
     fp8_gemv.PDL_PREFETCH_TILES = prefetch
     DecoderLayer.gemv_max_m = 0 if mode == "cublas" else 1
     DecoderLayer.gemv_weights, DecoderLayer.gemv_fuse = "all", mode == "fused"

@@ -12,9 +12,9 @@ Rules every PDL kernel here follows (each kernel may be followed by any other):
     store, and any early return: a kernel that could finish before its predecessor would let the
     kernel after it read that predecessor's output too early;
   - the next kernel may launch (griddepcontrol.launch_dependents) once every program of this one
-    has passed its wait (`pdl_wait` issues it: one kernel waits ahead at a time), or, with
-    EARLY_TRIGGER, already at the start (`pdl_trigger`: then a chain of kernels can launch ahead
-    and occupy the SMs while the kernel in front still runs; measured worse, BENCHMARKS.md).
+    has passed its wait (`pdl_wait` issues it): one kernel waits ahead at a time. Letting it
+    launch at each kernel's start instead stacked a chain of waiting kernels on the SMs while
+    the kernel in front ran: 5% slower at 8k context (BENCHMARKS.md, sixth session).
 Kernels launched without PDL (cuBLAS, torch ops) wait for their predecessor to finish as usual.
 
 On: kernels launched inside `for_cuda_graph()` (a CUDA graph's warm-up calls and its capture:
@@ -51,7 +51,6 @@ def _triton_supports_pdl() -> bool:
 
 
 ENABLED = _env_enabled()
-EARLY_TRIGGER = False      # bench/pdl_decode_ab.py's A/B of where the next kernel may launch
 _SUPPORTED = _triton_supports_pdl()
 _CAPABLE: dict[int, bool] = {}
 _GRAPH_DEPTH = 0           # > 0 inside for_cuda_graph()
@@ -82,27 +81,17 @@ def pdl_on(t: torch.Tensor) -> bool:
 
 
 def pdl_kwargs(t: torch.Tensor) -> dict:
-    """Launch keywords of a PDL-aware kernel: its PDL constexpr (0 off, 1 on, 2 on with the early
-    trigger), plus launch_pdl when on (never passed off the GPU, where older interpreters reject
-    unknown launch options)."""
-    return dict(PDL=2 if EARLY_TRIGGER else 1, launch_pdl=True) if pdl_on(t) else dict(PDL=0)
-
-
-@triton.jit
-def pdl_trigger(PDL: tl.constexpr):
-    """At a kernel's start: with the early trigger (PDL 2), let the next kernel launch once every
-    program of this one has issued this."""
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
+    """Launch keywords of a PDL-aware kernel: its PDL constexpr (1 on, 0 off), plus launch_pdl
+    when on (never passed off the GPU, where older interpreters reject unknown launch options)."""
+    return dict(PDL=1, launch_pdl=True) if pdl_on(t) else dict(PDL=0)
 
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
-    """Block until the previous kernel has finished and its memory writes are visible; then
-    (PDL 1) let the next kernel launch."""
-    if PDL != 0:
+    """Block until the previous kernel has finished and its memory writes are visible; then let
+    the next kernel launch."""
+    if PDL:
         tl.extra.cuda.gdc_wait()
-    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
 
 

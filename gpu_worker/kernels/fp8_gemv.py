@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels._pdl import pdl_kwargs, pdl_trigger, pdl_wait, prefetch_l2
+from gpu_worker.kernels._pdl import pdl_kwargs, pdl_wait, prefetch_l2
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2
 
 MAX_M = 8                   # rows per call; the dot path pads to DOT_ROWS
@@ -330,7 +330,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, g_ptr, r_ptr
     HAS_RES: r_ptr (M, N) is added to the result. PDL (kernels/_pdl.py): the first PF_TILES
     weight tiles of the program (PF_LINES 128-byte lines per tile row) are prefetched into L2
     before waiting for the previous kernel: weights are never another kernel's output."""
-    pdl_trigger(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -475,7 +474,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, g_ptr, r_ptr
 def _splitk_reduce_kernel(p_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M, N, SPLIT,
                           HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr,
                           BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    pdl_trigger(PDL)
     pdl_wait(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, R)

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels._paged_kv import gather_kv_tile
-from gpu_worker.kernels._pdl import pdl_kwargs, pdl_trigger, pdl_wait
+from gpu_worker.kernels._pdl import pdl_kwargs, pdl_wait
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2, num_sms
 
 LOG2E = 1.4426950408889634
@@ -117,7 +117,6 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_QSL: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_trigger(PDL)
     pdl_wait(PDL)                  # kernels/_pdl.py: before the early return of prefill rows too
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -182,7 +181,6 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HAS_QSL: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_trigger(PDL)
     pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels._pdl import pdl_kwargs, pdl_trigger, pdl_wait
+from gpu_worker.kernels._pdl import pdl_kwargs, pdl_wait
 from gpu_worker.kernels._utils import check_device, next_pow2
 
 
@@ -31,7 +31,6 @@ def _rmsnorm_kernel(
     stride_x, stride_r, stride_o, stride_ro, N, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_trigger(PDL)
     pdl_wait(PDL)                  # kernels/_pdl.py: before every load and store
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)

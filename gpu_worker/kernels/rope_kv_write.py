@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels._pdl import pdl_kwargs, pdl_trigger, pdl_wait
+from gpu_worker.kernels._pdl import pdl_kwargs, pdl_wait
 from gpu_worker.kernels._utils import check_device, next_pow2
 from gpu_worker.kernels.kv_cache_write import is_fp8, kv_cache_write_ref
 from gpu_worker.kernels.rope import _rope_rows, rope_ref
@@ -32,7 +32,6 @@ def _rope_kv_write_kernel(
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_SCALE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_trigger(PDL)
     pdl_wait(PDL)                  # kernels/_pdl.py
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)

@@ -9,13 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels._pdl import pdl_kwargs, pdl_trigger, pdl_wait
+from gpu_worker.kernels._pdl import pdl_kwargs, pdl_wait
 from gpu_worker.kernels._utils import check_device
 
 
 @triton.jit
 def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_trigger(PDL)
     pdl_wait(PDL)                  # kernels/_pdl.py
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
