@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.embedded_redis import EmbeddedRedis  # noqa: E402
+from services.ports import free_port  # noqa: E402
 
 
 class RawClient:
@@ -194,8 +195,7 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     common = ["--redis-url", redis.url, "--log-level", "warning", "--host", "127.0.0.1"]
     internal = ["--port", "0", "--zmq-port", "0", "--metrics-port", "-1"]
-    with socket_port() as port, socket_port() as grpc_port:
-        pass
+    port, grpc_port = free_port(), free_port()
     cmds = [["tokenizer", *common, *internal, "--model", model],
             ["scheduler", *common, *internal],
             ["worker", *common, *internal, "--model", model, "--null-model", "--served-model-name", "bench",
@@ -239,19 +239,6 @@ def main() -> int:
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     return 0
-
-
-class socket_port:
-    def __enter__(self) -> int:
-        import socket
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        return self.port
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 if __name__ == "__main__":
