@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """Batch-1 decode with and without programmatic dependent launch (gpu_worker/kernels/_pdl.py),
 per way of running a decode layer, on one engine (Llama-3.1-8B shapes, random bf16 weights, then
-the same weights quantized to fp8 in place), and (`--plan l2`) with the o_proj weight prefetched
-into L2 by the decode attention kernel in each mode of kernels/l2_prefetch.py:
+the same weights quantized to fp8 in place):
 
     cublas   bf16: norm / RoPE+KV-write / attention / SwiGLU Triton kernels around cuBLAS GEMMs
              (DecoderLayer.gemv_max_m 0): only the Triton kernels can launch early
@@ -16,13 +15,11 @@ batch-1 graph replay at 128 and 8k context (CUDA events, median of 30, real cont
 buffers), and wall tok/s of a 256-token greedy decode at 128 context, sync and with
 async_scheduling. PDL 0 is off, 1 on (results of this script's earlier version also hold 2:
 the next kernel launched at each kernel's start, since dropped); pf is the weight tiles per
-program the GEMVs prefetch before waiting; l2 the L2-prefetch mode (off, line, evict_last, bulk).
-Variants run in two rounds (A B C .. A B C ..) to show the spread. The greedy tokens of every
-PDL or L2-prefetch variant must equal those of the same layer mode without either (a kernel
+program the GEMVs prefetch before waiting. Variants run in two rounds (A B C .. A B C ..) to show the spread. The greedy
+tokens of every PDL variant must equal those of the same layer mode without PDL (a kernel
 reading its predecessor's output too early would change them). Also the copy-bandwidth ceiling.
 
     python3 bench/pdl_decode_ab.py --model-dir /tmp/kvmesh-llama-8b      # the H200, ~3 min
-    python3 bench/pdl_decode_ab.py --model-dir /tmp/kvmesh-llama-8b --plan l2
     python3 bench/pdl_decode_ab.py --smoke                               # CPU: checks the script
 
 Prints a table last and writes $OUT/pdl_decode_ab.json.
@@ -59,59 +56,14 @@ def copy_ceiling_gbs() -> float:
     return 2 * a.numel() * 2 / ms / 1e6
 
 
-# (layer mode, pdl, GEMV prefetch tiles, L2 prefetch mode) per weight dtype
-PLANS = {
-    "pdl": {"bf16": [("cublas", 0, 0, "off"), ("fused", 0, 0, "off"), ("fused", 1, 0, "off"),
-                     ("gemv", 0, 0, "off"), ("gemv", 1, 0, "off"), ("gemv", 1, 1, "off"), ("gemv", 1, 2, "off")],
-            "fp8": [("fused", 0, 0, "off"), ("gemv", 0, 0, "off"), ("gemv", 1, 0, "off"), ("gemv", 1, 1, "off"),
-                    ("gemv", 1, 2, "off")]},
-    "l2": {w: [("gemv", 0, 0, "off"), ("gemv", 1, 0, "off"), ("gemv", 1, 0, "line"), ("gemv", 1, 0, "evict_last"),
-               ("gemv", 1, 0, "bulk")] for w in ("bf16", "fp8")},
-}
-
-
-def set_variant(mode: str, pdl: int, prefetch: int, l2: str) -> None:
-    """pdl 0: off; 1: on. l2: a kernels/l2_prefetch.py mode name."""
-    from gpu_worker.kernels import _pdl, fp8_gemv, l2_prefetch
+def set_variant(mode: str, pdl: int, prefetch: int) -> None:
+    """pdl 0: off; 1: on."""
+    from gpu_worker.kernels import _pdl, fp8_gemv
     from gpu_worker.models.decoder import DecoderLayer
     _pdl.ENABLED = pdl > 0
-    l2_prefetch.MODE = l2_prefetch.MODES[l2]
     fp8_gemv.PDL_PREFETCH_TILES = prefetch
     DecoderLayer.gemv_max_m = 0 if mode == "cublas" else 1
     DecoderLayer.gemv_weights, DecoderLayer.gemv_fuse = "all", mode == "fused"
-
-
-def l2_microbench() -> dict:
-    """Whether an L2 prefetch lands: the o_proj-shaped GEMV (4096 x 4096 bf16, 32 MiB) timed
-    right after L2 was flushed (a 256 MiB write), with and without l2_prefetch() of its weight
-    in between (its own kernel, synchronized before the GEMV starts), per mode. CUDA events
-    around the GEMV only, median of 20."""
-    from gpu_worker.kernels import l2_prefetch as l2
-    from gpu_worker.kernels.fp8_gemv import w8_gemv
-    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    w8_gemv(x, w, None, None)
-    out, saved = {}, l2.MODE
-    try:
-        for name in ("off", "line", "evict_last", "bulk"):
-            l2.MODE = l2.MODES[name]
-            times = []
-            for _ in range(20):
-                flush.fill_(1)
-                l2.l2_prefetch(w)
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                w8_gemv(x, w, None, None)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1000)
-            out[name] = sorted(times)[len(times) // 2]
-            log(f"o_proj GEMV after flush, L2 prefetch {name:10s}: {out[name]:.2f} us")
-    finally:
-        l2.MODE = saved
-    return out
 
 
 class Decode:
@@ -152,8 +104,28 @@ class Decode:
         return event_median_ms(g.graphs[1].replay, 30, warmup=2)
 
 
-def measure(d: Decode, weights: str, mode: str, pdl: int, prefetch: int, l2: str) -> dict:
-    set_variant(mode, pdl, prefetch, l2)
+def build_decode(model_dir: Path, smoke: bool) -> Decode:
+    """The engine these scripts time (batch <= 4, CUDA graphs up to 4; smoke: the tiny model
+    on the CPU, made if missing), warmed up, wrapped in a Decode."""
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import Engine
+    if smoke:
+        from gpu_worker.make_model import make_model
+        if not (model_dir / "config.json").exists():
+            make_model(model_dir, arch="llama", size="tiny", progress=False)
+        extra = dict(device="cpu", dtype="float32", attention_backend="torch", num_gpu_blocks=512,
+                     max_model_len=256)
+    else:
+        extra = dict(dtype="bfloat16", gpu_memory_utilization=0.6, max_model_len=16384)
+    eng = Engine(EngineConfig(model=str(model_dir), max_num_seqs=4, max_num_batched_tokens=16384,
+                              cuda_graph_max_bs=4, **extra))
+    d = Decode(eng, smoke)
+    d.run(d.p8k, 8)                                  # warm-up: prefill and decode kernels compiled
+    return d
+
+
+def measure(d: Decode, weights: str, mode: str, pdl: int, prefetch: int) -> dict:
+    set_variant(mode, pdl, prefetch)
     runner = d.eng.runner
     runner.capture_cuda_graphs(4, d.eng.max_model_len)
     toks = d.tokens()
@@ -163,9 +135,9 @@ def measure(d: Decode, weights: str, mode: str, pdl: int, prefetch: int, l2: str
     d.eng.step()
     at8k = d.run(d.p8k, 64 if not d.smoke else 10)
     long_ms = d.graph_ms(short=False)
-    r = dict(weights=weights, mode=mode, pdl=pdl, prefetch=prefetch, l2=l2, graph_ms_128=short_ms,
+    r = dict(weights=weights, mode=mode, pdl=pdl, prefetch=prefetch, graph_ms_128=short_ms,
              graph_ms_8k=long_ms, sync_tok_s=sync, async_tok_s=asyn, tok_s_8k=at8k, tokens=toks)
-    log(f"{weights} {mode:6s} pdl={pdl} pf={prefetch} l2={l2}: graph {short_ms:.3f} / {long_ms:.3f} ms "
+    log(f"{weights} {mode:6s} pdl={pdl} pf={prefetch}: graph {short_ms:.3f} / {long_ms:.3f} ms "
         f"(128 / 8k ctx); {sync:.1f} sync, {asyn:.1f} async tok/s; 8k {at8k:.1f} tok/s")
     return r
 
@@ -176,36 +148,23 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--budget", type=float, default=400, help="seconds; later rounds are skipped")
-    ap.add_argument("--plan", choices=sorted(PLANS), default="pdl", help="which variants: pdl (layer modes x "
-                    "PDL x GEMV prefetch, the sixth session's) or l2 (the L2 prefetch modes)")
     args = ap.parse_args()
-    from gpu_worker.config import EngineConfig
-    from gpu_worker.engine import Engine
     from gpu_worker.models.layers.fp8 import quantize_linears_fp8
 
-    model_dir = Path(args.model_dir)
-    if args.smoke:
-        from gpu_worker.make_model import make_model
-        if not (model_dir / "config.json").exists():
-            make_model(model_dir, arch="llama", size="tiny", progress=False)
-        extra = dict(device="cpu", dtype="float32", attention_backend="torch", num_gpu_blocks=512,
-                     max_model_len=256)
-        ceiling = float("nan")
-        micro = {}
-    else:
+    ceiling = float("nan")
+    if not args.smoke:
         from engine_perf import ensure_model
-        ensure_model(model_dir)
+        ensure_model(Path(args.model_dir))
         log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         ceiling = copy_ceiling_gbs()
         log(f"copy ceiling {ceiling:.0f} GB/s")
-        micro = l2_microbench() if args.plan == "l2" else {}
-        extra = dict(dtype="bfloat16", gpu_memory_utilization=0.6, max_model_len=16384)
-    eng = Engine(EngineConfig(model=str(model_dir), max_num_seqs=4, max_num_batched_tokens=16384,
-                              cuda_graph_max_bs=4, **extra))
-    d = Decode(eng, args.smoke)
-    d.run(d.p8k, 8)                                  # warm-up: prefill and decode kernels compiled
+    d = build_decode(Path(args.model_dir), args.smoke)
+    eng = d.eng
     results = []
-    plans = PLANS[args.plan]
+    # (mode, pdl, prefetched weight tiles)
+    plans = {"bf16": [("cublas", 0, 0), ("fused", 0, 0), ("fused", 1, 0), ("gemv", 0, 0), ("gemv", 1, 0),
+                      ("gemv", 1, 1), ("gemv", 1, 2)],
+             "fp8": [("fused", 0, 0), ("gemv", 0, 0), ("gemv", 1, 0), ("gemv", 1, 1), ("gemv", 1, 2)]}
     end = T0 + args.budget
     for weights in ("bf16", "fp8"):
         if weights == "fp8":
@@ -216,36 +175,31 @@ def main() -> None:
         share = (end - time.time()) / (2 if weights == "bf16" else 1)
         stop = time.time() + share
         for rnd in range(args.rounds):
-            for mode, pdl, pf, l2 in plans[weights]:
+            for mode, pdl, pf in plans[weights]:
                 if time.time() > stop:
                     log(f"{weights} round {rnd + 1}: time budget, skipping the rest")
                     break
                 try:
-                    results.append(dict(measure(d, weights, mode, pdl, pf, l2), round=rnd + 1))
+                    results.append(dict(measure(d, weights, mode, pdl, pf), round=rnd + 1))
                 except Exception as e:       # one broken variant must not lose the others
-                    log(f"{weights} {mode} pdl={pdl} pf={pf} l2={l2}: ERROR {type(e).__name__}: {e}"[:400])
+                    log(f"{weights} {mode} pdl={pdl} pf={pf}: ERROR {type(e).__name__}: {e}"[:400])
                     for rid in list(eng.requests):
                         eng.abort_request(rid)
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pdl_decode_ab.json").write_text(json.dumps(dict(copy_ceiling_gbs=ceiling, l2_gemv_us=micro, plan=args.plan,
-                                                           runs=results), indent=1))
+    (out / "pdl_decode_ab.json").write_text(json.dumps(dict(copy_ceiling_gbs=ceiling, runs=results), indent=1))
 
-    base = {(r["weights"], r["mode"]): r["tokens"] for r in results if not r["pdl"] and r["l2"] == "off"}
+    base = {(r["weights"], r["mode"]): r["tokens"] for r in results if not r["pdl"]}
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; batch-1 decode, Llama-3.1-8B shapes (tokens: same greedy "
-          "tokens as the mode without PDL and L2 prefetch)")
-    print(f"{'weights':7s} {'mode':6s} {'pdl':>3s} {'pf':>2s} {'l2':>10s} {'rnd':>3s} {'graph@128':>10s} "
-          f"{'graph@8k':>9s} {'sync':>7s} {'async':>7s} {'8k':>7s} tokens")
+          "tokens as the mode without PDL)")
+    print(f"{'weights':7s} {'mode':6s} {'pdl':>3s} {'pf':>2s} {'rnd':>3s} {'graph@128':>10s} {'graph@8k':>9s} "
+          f"{'sync':>7s} {'async':>7s} {'8k':>7s} tokens")
     for r in results:
         same = base.get((r["weights"], r["mode"]))
-        plain = not r["pdl"] and r["l2"] == "off"
-        verdict = "-" if plain else ("same" if same == r["tokens"] else "DIFFER" if same else "?")
-        print(f"{r['weights']:7s} {r['mode']:6s} {r['pdl']:3d} {r['prefetch']:2d} {r['l2']:>10s} {r['round']:3d} "
+        verdict = "-" if not r["pdl"] else ("same" if same == r["tokens"] else "DIFFER" if same else "?")
+        print(f"{r['weights']:7s} {r['mode']:6s} {r['pdl']:3d} {r['prefetch']:2d} {r['round']:3d} "
               f"{r['graph_ms_128']:10.3f} {r['graph_ms_8k']:9.3f} {r['sync_tok_s']:7.1f} "
               f"{r['async_tok_s']:7.1f} {r['tok_s_8k']:7.1f} {verdict}")
-    if micro:
-        print("o_proj GEMV (us) after an L2 flush, by L2 prefetch mode: "
-              + ", ".join(f"{k} {v:.2f}" for k, v in micro.items()))
     print(f"total {time.time() - T0:.0f} s")
 
 

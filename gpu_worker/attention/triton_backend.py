@@ -65,12 +65,11 @@ class TritonAttentionBackend(AttentionBackend):
                       self.k_scale, self.v_scale)
 
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k: torch.Tensor,
-               v: torch.Tensor, l2_prefetch: torch.Tensor | None = None) -> torch.Tensor:
+               v: torch.Tensor) -> torch.Tensor:
         """Attention over caches that already hold this step's K/V -> (T, nh, D). k, v: this step's
         K (rotated) / V rows (T, nkv, D), aligned with q's: the prefill kernel reads this step's
         keys from them (raw values: with an fp8 cache, unquantized) and only the cached prefix
-        from the cache. l2_prefetch: a tensor the decode kernel warms L2 with meanwhile (the
-        next GEMV's weight; kernels/l2_prefetch.py)."""
+        from the cache."""
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         out = torch.empty_like(q)                                         # (T, nh, D)
         if batch.num_tokens == 0:
@@ -81,8 +80,7 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
                 max_context_len=batch.max_context_len, query_start_loc=batch.query_start_loc,
-                out=out, num_splits=splits, sliding_window=self.sliding_window, l2_prefetch=l2_prefetch,
-                **scales)
+                out=out, num_splits=splits, sliding_window=self.sliding_window, **scales)
         if not batch.is_pure_decode:                                      # rows with query_len > 1
             group = q.shape[1] // k_cache.shape[2]
             cfg = prefill_config(batch.max_query_len, q.shape[2], group)

@@ -86,16 +86,19 @@ class GemvConfig(NamedTuple):
 # TUNED: (weight kind "fp8" | "16bit", M bucket, N, K) -> config for the Llama-8B shapes;
 # DEFAULTS: (kind, M bucket 1/2/4/8) -> config for any other shape, split_k 0 = auto
 # (resolve_split). Both measured on the H200 by bench/sweep_gemv.py (2026-11-29) and pasted as it
-# printed them (per layer at M=1: fp8 GEMV 68.9 us vs bf16 cuBLAS 115.5 us, fp8 _scaled_mm 131.8).
+# printed them (per layer at M=1: fp8 GEMV 68.9 us vs bf16 cuBLAS 115.5 us, fp8 _scaled_mm 131.8),
+# except the M=1 entries marked "in-graph sweep": bench/sweep_gemv_in_graph.py's winners inside
+# the batch-1 decode CUDA graph with PDL (seventh session: -110 us per bf16 step, -28 us fp8),
+# where each kernel's start and end overlap its neighbours' and more split-K programs pay.
 TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
-    ("fp8", 1, 6144, 4096): GemvConfig(16, 512, 2, "last", False, 0, 4, 1),  # qkv 10.58 us 2.38 TB/s
-    ("16bit", 1, 6144, 4096): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # qkv 15.88 us 3.17 TB/s
+    ("fp8", 1, 6144, 4096): GemvConfig(16, 512, 3, "last", False, 0, 4, 1),  # qkv (in-graph sweep)
+    ("16bit", 1, 6144, 4096): GemvConfig(64, 128, 2, "last", True, 0, 4, 4),  # qkv (in-graph sweep)
     ("fp8", 2, 6144, 4096): GemvConfig(64, 128, 4, "last", True, 2, 4, 4),  # qkv 12.04 us 2.09 TB/s
     ("16bit", 2, 6144, 4096): GemvConfig(32, 256, 1, "last", True, 0, 4, 3),  # qkv 16.01 us 3.14 TB/s
     ("fp8", 4, 6144, 4096): GemvConfig(64, 128, 4, "last", True, 2, 4, 4),  # qkv 12.04 us 2.09 TB/s
     ("16bit", 4, 6144, 4096): GemvConfig(32, 256, 1, "last", True, 0, 4, 3),  # qkv 16.16 us 3.11 TB/s
-    ("fp8", 1, 4096, 4096): GemvConfig(16, 1024, 2, "last", False, 0, 4, 1),  # o_proj 8.19 us 2.05 TB/s
-    ("16bit", 1, 4096, 4096): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # o_proj 11.50 us 2.92 TB/s
+    ("fp8", 1, 4096, 4096): GemvConfig(16, 512, 4, "last", False, 0, 4, 1),  # o_proj (in-graph sweep)
+    ("16bit", 1, 4096, 4096): GemvConfig(64, 128, 4, "last", True, 0, 4, 4),  # o_proj (in-graph sweep)
     ("fp8", 2, 4096, 4096): GemvConfig(64, 128, 4, "last", True, 2, 4, 4),  # o_proj 9.30 us 1.80 TB/s
     ("16bit", 2, 4096, 4096): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # o_proj 11.60 us 2.89 TB/s
     ("fp8", 4, 4096, 4096): GemvConfig(64, 128, 4, "last", True, 2, 4, 4),  # o_proj 9.40 us 1.78 TB/s
@@ -106,8 +109,8 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("16bit", 2, 28672, 4096): GemvConfig(64, 128, 1, "last", True, 0, 4, 4),  # gate_up 55.90 us 4.20 TB/s
     ("fp8", 4, 28672, 4096): GemvConfig(64, 128, 2, "last", True, 2, 4, 4),  # gate_up 39.69 us 2.96 TB/s
     ("16bit", 4, 28672, 4096): GemvConfig(64, 128, 1, "last", True, 0, 4, 4),  # gate_up 55.78 us 4.21 TB/s
-    ("fp8", 1, 4096, 14336): GemvConfig(16, 512, 3, "last", False, 0, 4, 1),  # down 18.56 us 3.16 TB/s
-    ("16bit", 1, 4096, 14336): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # down 31.05 us 3.78 TB/s
+    ("fp8", 1, 4096, 14336): GemvConfig(16, 512, 4, "last", False, 0, 4, 1),  # down (in-graph sweep)
+    ("16bit", 1, 4096, 14336): GemvConfig(64, 128, 4, "last", True, 0, 4, 4),  # down (in-graph sweep)
     ("fp8", 2, 4096, 14336): GemvConfig(16, 512, 3, "last", False, 0, 4, 1),  # down 23.22 us 2.53 TB/s
     ("16bit", 2, 4096, 14336): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # down 31.36 us 3.75 TB/s
     ("fp8", 4, 4096, 14336): GemvConfig(64, 256, 7, "last", True, 2, 4, 3),  # down 25.86 us 2.27 TB/s

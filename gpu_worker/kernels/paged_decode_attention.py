@@ -19,10 +19,6 @@ Stage 2 (grid: sequences x query heads) merges the splits' partial (m, l, acc):
     M = max_s m_s,  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
 With num_splits == 1 stage 1 writes the normalized output directly and stage 2 is skipped.
 
-`l2_prefetch` (a tensor, usually the o_proj weight the next GEMV reads): extra stage-1 programs
-issue L2 prefetches for it while the attention programs run (kernels/l2_prefetch.py; off unless
-KVMESH_L2_PREFETCH names a mode). The output does not change.
-
 With a sliding window W only the last W keys are attended (the partitions cover those).
 An fp8 cache (e4m3/e5m2) is read with per-tensor scales: K = k_scale * stored, V = v_scale * stored
 (k_scale folds into the logit scale, v_scale into the output). How a tile is upcast for the two dots
@@ -57,8 +53,6 @@ import triton.language as tl
 
 from gpu_worker.kernels._paged_kv import gather_kv_tile
 from gpu_worker.kernels._pdl import pdl_kwargs, pdl_wait
-from gpu_worker.kernels import l2_prefetch as l2
-from gpu_worker.kernels.l2_prefetch import prefetch_span
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2, num_sms
 
 LOG2E = 1.4426950408889634
@@ -115,26 +109,16 @@ _STEP_PTRS = ["block_tables_ptr", "context_lens_ptr", "qsl_ptr"]
 @triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=_STEP_PTRS)
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, qsl_ptr,
-    out_ptr, part_acc_ptr, part_ml_ptr, qk_scale, v_scale, window, pf_ptr, pf_bytes, pf_span,
+    out_ptr, part_acc_ptr, part_ml_ptr, qk_scale, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h, stride_pm_s,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_QSL: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-    PF_ROWS: tl.constexpr, PF_MODE: tl.constexpr, PF_LINES: tl.constexpr,
 ):
-    if PF_ROWS > 0:
-        if tl.program_id(0) < PF_ROWS:
-            # An L2-prefetch program (l2_prefetch.py): it reads nothing another kernel writes and
-            # stores nothing, so it skips the PDL wait; the attention programs beside it wait,
-            # so this kernel still cannot finish before its predecessor.
-            i = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * NUM_SPLITS + tl.program_id(2)
-            pf_start = i * pf_span
-            prefetch_span(pf_ptr, pf_start, tl.minimum(pf_start + pf_span, pf_bytes), PF_MODE, PF_LINES)
-            return
     pdl_wait(PDL)                  # kernels/_pdl.py: before the early return of prefill rows too
-    b = tl.program_id(0) - PF_ROWS
+    b = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
     if HAS_QSL:
@@ -304,7 +288,6 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     fp8_upcast: str | None = None,                # fp8 caches: "bf16" | "f16" | "f16_bits" | "f16_asm"
-    l2_prefetch: torch.Tensor | None = None,      # warm L2 with this (the next GEMV's weight) meanwhile
 ) -> torch.Tensor:
     """Attention of each sequence's single new query over its paged context (module docstring)."""
     T, n_heads, head_dim = q.shape
@@ -353,16 +336,9 @@ def paged_decode_attention(
         pm_strides = part_ml.stride()[:3]
     qsl = query_start_loc if query_start_loc is not None else context_lens
     BLOCK_D = next_pow2(head_dim)
-    # L2 prefetch programs (kernels/l2_prefetch.py): whole rows of n_kv x num_splits programs in
-    # front of the attention programs, at least one per SM
-    pf_mode = l2.mode_for(l2_prefetch)
-    pf_rows = triton.cdiv(num_sms(q.device), n_kv * num_splits) if pf_mode else 0
-    pf_span = l2.span_bytes(l2_prefetch, pf_rows * n_kv * num_splits) if pf_mode else 0
-    pf_bytes = l2_prefetch.numel() * l2_prefetch.element_size() if pf_mode else 0
-    _decode_stage1_kernel[(B + pf_rows, n_kv, num_splits)](
+    _decode_stage1_kernel[(B, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, qsl, out, part_acc, part_ml,
         scale * k_scale * kv_mul * LOG2E, v_scale * kv_mul, sliding_window or 0,
-        l2.byte_view(l2_prefetch if pf_mode else None, out), pf_bytes, pf_span,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -370,7 +346,6 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
         BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
         HAS_QSL=query_start_loc is not None, DIRECT=direct, UPCAST=upcast,
-        PF_ROWS=pf_rows, PF_MODE=pf_mode, PF_LINES=l2.LINES,
         num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(q),
     )
     if not direct:

@@ -82,13 +82,9 @@ class Attention(nn.Module):
         return q, k, v, False
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: bool, kv: KVCache,
-               batch: ForwardBatch, l2_prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention proper over the paged cache -> (T, nh, D); writes K/V first unless `cached`.
-        l2_prefetch: a tensor to warm L2 with meanwhile (only backends with rope_kv_write, which
-        make `cached` True, take it)."""
+               batch: ForwardBatch) -> torch.Tensor:
+        """Attention proper over the paged cache -> (T, nh, D); writes K/V first unless `cached`."""
         if cached:
-            if l2_prefetch is not None:
-                return self.backend.attend(q, kv[0], kv[1], batch, self.scale, k, v, l2_prefetch=l2_prefetch)
             return self.backend.attend(q, kv[0], kv[1], batch, self.scale, k, v)
         return self.backend.forward(q, k, v, kv[0], kv[1], batch, self.scale)
 
@@ -175,7 +171,7 @@ class DecoderLayer(nn.Module):
         h = x if residual is None else x + residual                     # the residual stream (T, H)
         y = gemv(h, *qkv, norm_weight=norm1.weight, eps=norm1.eps)
         q, k, v, cached = attn.rotate(y, positions, kv, batch.slot_mapping)
-        out = attn.attend(q, k, v, cached, kv, batch, l2_prefetch=o[0]).reshape(h.shape[0], attn.q_size)
+        out = attn.attend(q, k, v, cached, kv, batch).reshape(h.shape[0], attn.q_size)
         h = gemv(out, *o, residual=h)
         y = gemv(h, *gate_up, norm_weight=norm2.weight, eps=norm2.eps)
         return gemv(y, *down, swiglu=True, residual=h), None
@@ -187,8 +183,7 @@ class DecoderLayer(nn.Module):
         gemv, attn = self.kernels.gemv, self.self_attn
         h, residual = self.input_layernorm.add_forward(x, residual)
         q, k, v, cached = attn.rotate(gemv(h, *qkv), positions, kv, batch.slot_mapping)
-        # the attention warms L2 with o_proj's weight (kernels/l2_prefetch.py, KVMESH_L2_PREFETCH)
-        out = attn.attend(q, k, v, cached, kv, batch, l2_prefetch=o[0]).reshape(h.shape[0], attn.q_size)
+        out = attn.attend(q, k, v, cached, kv, batch).reshape(h.shape[0], attn.q_size)
         h, residual = self.post_attention_layernorm.add_forward(gemv(out, *o), residual)
         return gemv(self.kernels.swiglu(gemv(h, *gate_up)), *down), residual
 
