@@ -6,13 +6,14 @@ decode CUDA graph with programmatic dependent launch the kernels overlap their s
 their neighbours', so another config may win there. This sweep changes one layer shape's M=1
 config at a time, recaptures the decode graphs and times the batch-1 replay at 128 context
 (CUDA events, median of `--reps`): coordinate descent over qkv, o_proj, gate_up, down, for the
-bf16 weights, then for the same weights quantized to fp8. A candidate replaces the best so far
+bf16 weights, then for the same weights quantized to fp8 (`--kinds`). A candidate replaces the best so far
 when it is faster by more than `--min-gain-us`. At the end the starting and the final configs are
 timed against each other in alternation, and the greedy tokens of both are compared (a different
 split-K changes the order of fp32 sums, which may flip a near-tie, so a difference is reported,
 not fatal).
 
     python3 bench/sweep_gemv_in_graph.py --model-dir /tmp/kvmesh-llama-8b --budget 300   # the H200
+    python3 bench/sweep_gemv_in_graph.py --model-dir /tmp/kvmesh-llama-8b --tiles wide --kinds 16bit
     python3 bench/sweep_gemv_in_graph.py --smoke                                         # CPU: the flow
 
 Prints the winners as TUNED lines to paste and a table last; writes $OUT/sweep_gemv_in_graph.json.
@@ -36,19 +37,26 @@ from pdl_decode_ab import T0, Decode, build_decode, log  # noqa: E402
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def candidates(kind: str, N: int, K: int, current):
-    """Configs to try for one (N, K) at M=1: the current one first, then tile shapes x split-K
+# (block_n, block_k, dot, upcast, num_stages): "base" the first pass's tiles, "wide" more shapes
+# and pipeline depths around the first pass's winners
+TILES = {
+    "base": {"16bit": [(32, 256, True, 0, 3), (64, 128, True, 0, 4), (16, 512, False, 0, 1)],
+             "fp8": [(16, 512, False, 0, 1), (16, 1024, False, 0, 1), (64, 128, True, 2, 4)]},
+    "wide": {"16bit": [(64, 128, True, 0, 3), (64, 128, True, 0, 5), (128, 64, True, 0, 4), (32, 128, True, 0, 4),
+                       (64, 64, True, 0, 6)],
+             "fp8": [(16, 512, False, 0, 2), (32, 512, False, 0, 1), (16, 256, False, 0, 1), (64, 256, True, 2, 3)]},
+}
+
+
+def candidates(kind: str, N: int, K: int, current, tiles: str = "base"):
+    """Configs to try for one (N, K) at M=1: the current one first, then TILES[tiles] x split-K
     with between 128 and 1,600 programs."""
     import triton
 
     from gpu_worker.kernels.fp8_gemv import GemvConfig
-    if kind == "16bit":
-        tiles = [(32, 256, True, 0, 3), (64, 128, True, 0, 4), (16, 512, False, 0, 1)]
-    else:
-        tiles = [(16, 512, False, 0, 1), (16, 1024, False, 0, 1), (64, 128, True, 2, 4)]
     out = [current]
-    for bn, bk, dot, upcast, stages in tiles:
-        for split in (1, 2, 3, 4, 8):
+    for bn, bk, dot, upcast, stages in TILES[tiles][kind]:
+        for split in (1, 2, 3, 4, 6, 8):
             programs = triton.cdiv(N, bn) * split
             if split > triton.cdiv(K, bk) or not 128 <= programs <= 1600:
                 continue
@@ -75,7 +83,7 @@ class Sweep:
         return 1000 * event_median_ms(g.graphs[1].replay, self.reps, warmup=3)
 
 
-def sweep_kind(sw: Sweep, kind: str, min_gain_us: float, stop: float) -> tuple[dict, list]:
+def sweep_kind(sw: Sweep, kind: str, min_gain_us: float, stop: float, tiles: str) -> tuple[dict, list]:
     """Coordinate descent over the four shapes -> (best config per shape, rows tried)."""
     from gpu_worker.kernels import fp8_gemv
     rows, best = [], {}
@@ -85,7 +93,7 @@ def sweep_kind(sw: Sweep, kind: str, min_gain_us: float, stop: float) -> tuple[d
         key = (kind, 1, N, K)
         start_cfg = fp8_gemv.TUNED[key]
         best_cfg, best_us = start_cfg, base
-        for cfg in candidates(kind, N, K, start_cfg)[1:3 if sw.d.smoke else None]:
+        for cfg in candidates(kind, N, K, start_cfg, tiles)[1:3 if sw.d.smoke else None]:
             if time.time() > stop:
                 log(f"{kind} {name}: time budget, keeping the best so far")
                 break
@@ -127,6 +135,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=300, help="seconds for the sweeps (the A/B runs after)")
     ap.add_argument("--reps", type=int, default=40, help="graph replays timed per candidate")
     ap.add_argument("--min-gain-us", type=float, default=5.0, help="a candidate must beat the best by this")
+    ap.add_argument("--tiles", choices=sorted(TILES), default="base", help="the tile shapes tried (TILES)")
+    ap.add_argument("--kinds", default="16bit,fp8", help="comma list of weight kinds to sweep")
     args = ap.parse_args()
     from gpu_worker.kernels import fp8_gemv
     from gpu_worker.models.layers.fp8 import quantize_linears_fp8
@@ -139,13 +149,14 @@ def main() -> None:
     sw = Sweep(d, args.reps)
     t_start = time.time()
     results = {}
-    for kind in ("16bit", "fp8"):
+    kinds = [k for k in ("16bit", "fp8") if k in args.kinds.split(",")]
+    for kind in kinds:
         if kind == "fp8":
             quantize_linears_fp8(d.eng.runner.model)
             d.eng.runner.prefill_graphs = None     # captured over the bf16 weights
         start = {name: fp8_gemv.TUNED[(kind, 1, N, K)] for name, (N, K) in SHAPES.items()}
-        share = (t_start + args.budget - time.time()) / (2 if kind == "16bit" else 1)
-        best, rows = sweep_kind(sw, kind, args.min_gain_us, time.time() + share)
+        share = (t_start + args.budget - time.time()) / (len(kinds) - kinds.index(kind))
+        best, rows = sweep_kind(sw, kind, args.min_gain_us, time.time() + share, args.tiles)
         results[kind] = dict(start={k: list(v) for k, v in start.items()}, best={k: list(v) for k, v in best.items()},
                              rows=rows, ab=ab(sw, kind, start, best))
         log(f"{kind}: {results[kind]['ab']}")
