@@ -3,15 +3,24 @@
     python bench/control_plane.py [--model DIR] [--concurrency 128] [--duration 8]
 
 Starts embedded Redis, tokenizer, scheduler, one null-model worker (fake tokens, no model math)
-and the gateway as real processes, then measures through
-gateway -> tokenizer -> scheduler -> worker -> detokenizer -> gateway -> client:
+and two gateways as real processes (one tokenizing and, as `kvmesh serve` starts it,
+detokenizing in-process; one using the tokenizer service's gRPC Tokenize and detokenizer), then
+measures through gateway -> scheduler -> worker -> [detokenizer ->] gateway -> client:
 
-  * TTFT at idle (sequential streaming requests, max_tokens=1) vs the same engine in-process
+  * TTFT at idle (sequential streaming requests, max_tokens=1) vs the same engine in-process, for
+    "hello world", for prompts of --long-prompt-words random words and for prompts of
+    --prompt-tokens tokens built like `kvmesh bench serve --dataset-name random` builds them (random
+    vocabulary ids decoded to text: the H200 serving run's c=1 prompts), each with the services'
+    stage histograms (bench/stage_metrics.py) printed as where the mean first token went
   * inter-token latency of a lone stream vs an in-process engine step
   * requests/s with short requests, and streamed tokens/s with many long streams
 
 The client is a minimal HTTP/1.1 reader (no JSON parsing) so that it measures the server, not
 itself. Targets: < 1 ms added TTFT at idle, >= 20k streamed tokens/s.
+
+`--vocab-size 128256` makes the tiny model with Llama-3.1-8B's vocabulary size, whose tokenizer is
+the one `make-model --size 8b` writes (32768 BPE tokens; the default tiny model's has 1024), so
+prompts tokenize as on the H200 serving run.
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from services.embedded_redis import EmbeddedRedis  # noqa: E402
 from services.ports import free_port  # noqa: E402
+from stage_metrics import breakdown_lines, scrape, stage_means  # noqa: E402  (bench/, this script's directory)
 
 
 class RawClient:
@@ -114,18 +124,44 @@ def long_prompt(words: int, seed: int) -> str:
                     for _ in range(words))
 
 
-async def idle_ttft(port: int, n: int, prompt_words: int = 0) -> tuple[float, float]:
-    """p50, p99 TTFT of sequential one-token requests: "hello world", or distinct prompts of
-    `prompt_words` random words (no prefix-cache hits between them)."""
+def random_token_prompts(model: str, tokens: int, count: int, seed: int = 0) -> list[str]:
+    """`count` texts of `tokens` tokens each, as `kvmesh bench serve --dataset-name random
+    --tokenizer MODEL` builds them (random ordinary vocabulary ids, decoded, length-checked)."""
+    import numpy as np
+    from services.bench.tokens import TokenCounter
+    counter, rng = TokenCounter(model), np.random.default_rng(seed)
+    return [counter.random_text(tokens, rng) for _ in range(count)]
+
+
+async def idle_ttft(port: int, n: int, prompt_of=None, stages=None) -> dict:
+    """p50, p99 and mean TTFT of sequential one-token requests: "hello world", or prompt_of(i) for
+    i in -20..n-1 (the negative ones warm up). With `stages` (a function scraping every service's
+    histograms), also the mean first-token path over the measured requests ("stages")."""
     client = RawClient("127.0.0.1", port)
 
     def req(i: int) -> bytes:
-        return body(1) if not prompt_words else body(1, long_prompt(prompt_words, i))
+        return body(1) if prompt_of is None else body(1, prompt_of(i))
     for i in range(20):                                  # warm-up
         await client.stream(req(-1 - i))
+    before = stages() if stages else None
     ttfts = [(await client.stream(req(i)))[0] for i in range(n)]
     await client.close()
-    return statistics.median(ttfts), pct(ttfts, 0.99)
+    out = {"p50": statistics.median(ttfts), "p99": pct(ttfts, 0.99), "mean": statistics.fmean(ttfts)}
+    if stages:
+        out["stages"] = stage_means(before, stages(), 1000 * out["mean"])
+    return out
+
+
+def registry_records(redis_url: str, kind: str) -> list:
+    from services.registry import Registry
+
+    async def go() -> list:
+        reg = Registry(redis_url)
+        try:
+            return await reg.list(kind)
+        finally:
+            await reg.close()
+    return asyncio.run(go())
 
 
 def wait_http(port: int, timeout_s: float = 120) -> None:
@@ -142,11 +178,17 @@ def wait_http(port: int, timeout_s: float = 120) -> None:
     raise SystemExit(f"gateway on port {port} did not become ready")
 
 
-async def measure(port: int, args: argparse.Namespace) -> dict[str, float]:
-    out: dict[str, float] = {}
-    out["ttft_p50"], out["ttft_p99"] = await idle_ttft(port, args.idle_requests)
+async def measure(port: int, args: argparse.Namespace, stages=None, token_prompts: list[str] | None = None) -> dict:
+    out: dict = {}
+    out["idle"] = await idle_ttft(port, args.idle_requests, stages=stages)
     if args.long_prompt_words:
-        out["long_ttft_p50"], out["long_ttft_p99"] = await idle_ttft(port, args.idle_requests, args.long_prompt_words)
+        out["words"] = await idle_ttft(port, args.idle_requests,
+                                       lambda i: long_prompt(args.long_prompt_words, i), stages)
+    if token_prompts:
+        out["tokens"] = await idle_ttft(port, args.idle_requests, lambda i: token_prompts[i + 20], stages)
+    out["ttft_p50"], out["ttft_p99"] = out["idle"]["p50"], out["idle"]["p99"]
+    if args.skip_throughput:
+        return out
     client = RawClient("127.0.0.1", port)
     # the gateway writes every token already arrived in one chunk, so chunk gaps are not token
     # gaps: the per-token cost is measured as the lone stream's rate
@@ -182,33 +224,52 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=8.0, help="seconds per throughput phase")
     ap.add_argument("--idle-requests", type=int, default=200)
     ap.add_argument("--long-prompt-words", type=int, default=400, help="TTFT at idle again with prompts of "
-                    "this many random words (~512 tokens: the c=1 serving target's size); 0 skips it")
+                    "this many random words; 0 skips it")
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="TTFT at idle again with prompts of this "
+                    "many tokens built like `kvmesh bench serve --dataset-name random` (the c=1 serving "
+                    "target's 512); 0 skips it")
+    ap.add_argument("--vocab-size", type=int, default=None, help="vocabulary size of the tiny model made "
+                    "when --model is not given (128256: Llama-3.1-8B's, and the 8b model's tokenizer)")
+    ap.add_argument("--skip-throughput", action="store_true", help="TTFT at idle only (no lone-stream and "
+                    "throughput phases)")
+    ap.add_argument("--detokenize-in-gateway", action=argparse.BooleanOptionalAction, default=True,
+                    help="the tokenizing gateway also detokenizes (--local-detokenizer, as `kvmesh serve` "
+                         "starts it); --no-detokenize-in-gateway streams through the tokenizer service")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory(prefix="kvmesh-bench-")
     model = args.model
     if not model:
         model = str(Path(tmp.name) / "tiny")
-        subprocess.run([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", "tiny", model],
-                       cwd=ROOT, check=True, capture_output=True)
+        vocab_flag = ["--vocab-size", str(args.vocab_size)] if args.vocab_size else []
+        subprocess.run([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", "tiny",
+                        *vocab_flag, model], cwd=ROOT, check=True, capture_output=True)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     redis = EmbeddedRedis().start()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     common = ["--redis-url", redis.url, "--log-level", "warning", "--host", "127.0.0.1"]
-    internal = ["--port", "0", "--zmq-port", "0", "--metrics-port", "-1"]
+    internal = ["--port", "0", "--zmq-port", "0", "--metrics-port", "0"]   # metrics: the stage histograms
     port, grpc_port = free_port(), free_port()
     cmds = [["tokenizer", *common, *internal, "--model", model],
             ["scheduler", *common, *internal],
             ["worker", *common, *internal, "--model", model, "--null-model", "--served-model-name", "bench",
              "--max-num-seqs", "512"],
-            ["gateway", *common, "--port", str(port), "--zmq-port", "0", "--local-tokenizer", model],
+            ["gateway", *common, "--port", str(port), "--zmq-port", "0", "--local-tokenizer", model,
+             *(["--local-detokenizer"] if args.detokenize_in_gateway else [])],
             ["gateway", *common, "--port", str(grpc_port), "--zmq-port", "0"]]
     procs = [subprocess.Popen([sys.executable, "-m", "services.cli", *c], cwd=ROOT, env=env) for c in cmds]
     try:
         wait_http(port)
         wait_http(grpc_port)
         base_ttft, base_step = in_process_baseline(vocab)
-        res = asyncio.run(measure(port, args))
-        res["grpc_ttft_p50"], res["grpc_ttft_p99"] = asyncio.run(idle_ttft(grpc_port, args.idle_requests))
+        token_prompts = random_token_prompts(model, args.prompt_tokens, args.idle_requests + 20) \
+            if args.prompt_tokens else None
+        recs = {kind: registry_records(redis.url, kind) for kind in ("scheduler", "worker", "tokenizer")}
+
+        def stages() -> dict:
+            return scrape(f"http://127.0.0.1:{port}", lambda kind: recs[kind])
+        res = asyncio.run(measure(port, args, stages, token_prompts))
+        grpc = asyncio.run(idle_ttft(grpc_port, args.idle_requests))
+        res["grpc_ttft_p50"], res["grpc_ttft_p99"] = grpc["p50"], grpc["p99"]
     finally:
         for p in procs:
             p.terminate()
@@ -222,22 +283,33 @@ def main() -> int:
         ("TTFT at idle p99 (stack)", f"{res['ttft_p99'] * ms:.3f} ms"),
         ("TTFT at idle p50/p99, Tokenize over gRPC", f"{res['grpc_ttft_p50'] * ms:.3f} / {res['grpc_ttft_p99'] * ms:.3f} ms"),
         *([(f"TTFT at idle p50/p99, {args.long_prompt_words}-word prompts",
-            f"{res['long_ttft_p50'] * ms:.3f} / {res['long_ttft_p99'] * ms:.3f} ms")] if args.long_prompt_words else []),
+            f"{res['words']['p50'] * ms:.3f} / {res['words']['p99'] * ms:.3f} ms")] if args.long_prompt_words else []),
+        *([(f"TTFT at idle p50/p99, {args.prompt_tokens}-token prompts",
+            f"{res['tokens']['p50'] * ms:.3f} / {res['tokens']['p99'] * ms:.3f} ms")] if args.prompt_tokens else []),
         ("TTFT in-process engine", f"{base_ttft * ms:.3f} ms"),
         ("added TTFT at idle (p50)", f"{(res['ttft_p50'] - base_ttft) * ms:.3f} ms   (target < 1 ms)"),
-        ("lone stream tokens/s", f"{res['lone_stream_tok_s']:.0f}"),
-        ("lone stream time per token (1/rate)", f"{1 / max(res['lone_stream_tok_s'], 1e-9) * ms:.4f} ms"),
-        ("in-process engine step", f"{base_step * ms:.4f} ms"),
-        ("added per token", f"{(1 / max(res['lone_stream_tok_s'], 1e-9) - base_step) * ms:.4f} ms"),
-        (f"short requests/s (c={args.concurrency // 2}, 4 tok)", f"{res['short_req_s']:.0f}"),
-        (f"streamed tokens/s (c={args.concurrency}, 256 tok)", f"{res['long_tok_s']:.0f}   (target >= 20000)"),
-        (f"long requests/s (c={args.concurrency})", f"{res['long_req_s']:.1f}"),
     ]
+    if not args.skip_throughput:
+        rows += [
+            ("lone stream tokens/s", f"{res['lone_stream_tok_s']:.0f}"),
+            ("lone stream time per token (1/rate)", f"{1 / max(res['lone_stream_tok_s'], 1e-9) * ms:.4f} ms"),
+            ("in-process engine step", f"{base_step * ms:.4f} ms"),
+            ("added per token", f"{(1 / max(res['lone_stream_tok_s'], 1e-9) - base_step) * ms:.4f} ms"),
+            (f"short requests/s (c={args.concurrency // 2}, 4 tok)", f"{res['short_req_s']:.0f}"),
+            (f"streamed tokens/s (c={args.concurrency}, 256 tok)", f"{res['long_tok_s']:.0f}   (target >= 20000)"),
+            (f"long requests/s (c={args.concurrency})", f"{res['long_req_s']:.1f}"),
+        ]
     width = max(len(r[0]) for r in rows)
     print(f"\nkvmesh control plane (null-model worker, {os.cpu_count()} CPUs)")
     print("-" * (width + 30))
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    phases = (("idle", '"hello world"'), ("words", f"{args.long_prompt_words}-word prompts"),
+              ("tokens", f"{args.prompt_tokens}-token prompts"))
+    for key, what in phases:
+        if key in res:
+            print(f"\nwhere the mean first token went, {what} (ms; bench/stage_metrics.py):")
+            print("\n".join(breakdown_lines(res[key]["stages"], "  ")))
     return 0
 
 

@@ -19,10 +19,15 @@ One device call (H200, at most ~540 s) measures, on a random-weight Llama-3.1-8B
            (the workers' engine counters in the Redis registry).
 
 Around every measured run (c1, c64, each routing run) it scrapes the gateway's /metrics (its HTTP
-port) and every worker's (the `metrics` address in its registry record) and reports, next to the
-client's mean TTFT, the mean of each histogram over the run (difference of _sum / difference of
-_count): the gateway's TTFT, the workers' TTFT and its split into queue (Dispatch received -> first
-scheduled) + prefill (-> first token), decode (first -> last token) and the engine step.
+port) and every scheduler's, worker's and tokenizer's (the `metrics` address in its registry
+record) and reports, next to the client's mean TTFT, the mean of each histogram over the run
+(difference of _sum / difference of _count; bench/stage_metrics.py): the gateway's TTFT, the
+workers' TTFT and its split into queue (Dispatch received -> first scheduled) + prefill (-> first
+token), decode (first -> last token) and the engine step; and the first token's path stage by
+stage (services/metrics.py draws them): gateway submit (arrival -> Submit sent; tokenize inside
+it), upstream (Submit sent -> first text delta read) = scheduler dispatch + worker TTFT + worker
+send + detokenizer + the hops between (`hops_ms`, the remainder), the first chunk's write, the
+worker's admit (socket -> engine) and how long the first token's step waited for the GPU.
 
 Every stack gets its own embedded Redis (so this script can read the registry), waits until all
 workers (and the prefix-cache index) are registered, and is stopped between parts: SIGTERM to
@@ -66,6 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # run from anywhere in the repo
 
 from services.ports import free_port  # noqa: E402  (the gateway's port, bound later by the stack)
+from stage_metrics import breakdown_lines, scrape, stage_means  # noqa: E402  (bench/, this script's directory)
 
 T0 = time.time()
 RESULTS: dict = {"sections": {}, "errors": {}, "skipped": {}, "env": {}}
@@ -85,14 +91,6 @@ SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_
                 "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
                 "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
                 "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms")
-STAGE_HISTOGRAMS = (  # (results key, where scraped, histogram): means over a run, in ms
-    ("gateway_ttft", "gateway", "kvmesh_time_to_first_token_seconds"),
-    ("worker_ttft", "worker", "kvmesh_worker_time_to_first_token_seconds"),
-    ("worker_queue", "worker", "kvmesh_worker_request_queue_seconds"),
-    ("worker_prefill", "worker", "kvmesh_worker_request_prefill_seconds"),
-    ("worker_decode", "worker", "kvmesh_worker_request_decode_seconds"),
-    ("engine_step", "worker", "kvmesh_engine_step_seconds"),
-)
 TARGETS = {  # (key, comparison, target, vLLM's number) per single-GPU run
     "c1": [("median_ttft_ms", "<=", 20.0, 23.4), ("median_tpot_ms", "<=", 4.3, 4.80)],
     "c64": [("total_token_throughput", ">=", 35000.0, 30600.0), ("p99_itl_ms", "<=", 50.0, 189.0)],
@@ -383,19 +381,13 @@ class ServeStack:
         return {r.id: dict(r.load) for r in self.records("worker")}
 
     def scrape(self) -> dict[str, dict[str, tuple[float, float]]]:
-        """{"gateway" | "worker": {histogram: (count, sum)}}, the workers' summed. Raises when an
-        endpoint does not answer or a worker registered no metrics address."""
-        workers = self.records("worker")
-        if not workers:
-            raise StackError("no worker in the registry")
-        if missing := [r.id for r in workers if "metrics" not in r.addrs]:
-            raise StackError(f"workers {missing} registered no metrics address (--metrics-port -1?)")
-        out = {"gateway": _histograms(self.url + "/metrics"), "worker": {}}
-        for r in workers:
-            for name, (count, total) in _histograms(r.addrs["metrics"]).items():
-                c, t = out["worker"].get(name, (0.0, 0.0))
-                out["worker"][name] = (c + count, t + total)
-        return out
+        """{"gateway" | "scheduler" | "worker" | "tokenizer": {histogram: (count, sum)}}, each kind's
+        processes summed (stage_metrics.scrape). Raises when an endpoint does not answer or a worker
+        registered no metrics address."""
+        try:
+            return scrape(self.url, self.records)
+        except RuntimeError as exc:
+            raise StackError(str(exc)) from None
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -417,35 +409,6 @@ class ServeStack:
             self.redis = None
 
 
-def _histograms(url: str) -> dict[str, tuple[float, float]]:
-    """Every unlabelled histogram of one /metrics endpoint: name -> (count, sum)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode(errors="replace")
-    out = {}
-    for family in text_string_to_metric_families(text):
-        if family.type != "histogram":
-            continue
-        values = {s.name: s.value for s in family.samples if not s.labels or set(s.labels) == {"le"}}
-        if f"{family.name}_count" in values:
-            out[family.name] = (values[f"{family.name}_count"], values.get(f"{family.name}_sum", 0.0))
-    return out
-
-
-def stage_means(before: dict, after: dict, summary: dict) -> dict:
-    """Mean of each STAGE_HISTOGRAMS histogram over a run (ms; None when it counted nothing),
-    how many observations it made, and the client's mean TTFT beside them."""
-    client = summary.get("mean_ttft_ms")
-    out: dict = {"client_ttft_ms": None if client is None else round(client, 3), "counts": {}}
-    for key, where, name in STAGE_HISTOGRAMS:
-        c0, s0 = before[where].get(name, (0.0, 0.0))
-        c1, s1 = after[where].get(name, (0.0, 0.0))
-        out[f"{key}_ms"] = round(1000 * (s1 - s0) / (c1 - c0), 3) if c1 > c0 else None
-        out["counts"][key] = int(c1 - c0)
-    return out
-
-
 # ----------------------------------------------------------------------------- the client
 def measured_run(stack: ServeStack, label: str, args: list[str], sc: Scale, client_args: list[str],
                  timeout_s: float) -> dict:
@@ -458,11 +421,13 @@ def measured_run(stack: ServeStack, label: str, args: list[str], sc: Scale, clie
     summary = bench_client(stack, label, args, sc, client_args, timeout_s)
     if before is not None:
         try:
-            summary["stages"] = st = stage_means(before, stack.scrape(), summary)
+            summary["stages"] = st = stage_means(before, stack.scrape(), summary.get("mean_ttft_ms"))
             say(f"client {label}: mean ms TTFT client {_f(st['client_ttft_ms'])}, gateway "
                 f"{_f(st['gateway_ttft_ms'])}, worker {_f(st['worker_ttft_ms'])} (queue "
                 f"{_f(st['worker_queue_ms'])} + prefill {_f(st['worker_prefill_ms'])}); decode "
                 f"{_f(st['worker_decode_ms'])}, step {_f(st['engine_step_ms'], '{:.2f}')}")
+            for line in breakdown_lines(st):
+                say(f"client {label}: {line}")
             return summary
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
@@ -708,6 +673,12 @@ def _stage_lines(title: str, run: dict) -> list[str]:
     f = lambda k: _f(st.get(k), "{:.2f}")  # noqa: E731
     return [f"{title:<22} {'TTFT mean ms (client)':<26} {f('client_ttft_ms'):>12}  gateway {f('gateway_ttft_ms')}, "
             f"worker {f('worker_ttft_ms')} = queue {f('worker_queue_ms')} + prefill {f('worker_prefill_ms')}",
+            f"{title:<22} {'gateway submit mean ms':<26} {f('gateway_submit_ms'):>12}  tokenize "
+            f"{f('gateway_tokenize_ms')}; upstream {f('gateway_upstream_ms')} = scheduler {f('scheduler_dispatch_ms')} "
+            f"+ worker TTFT + send {f('worker_first_send_ms')} + detok {f('detok_first_token_ms')} + hops "
+            f"{f('hops_ms')}; first chunk write {f('gateway_first_write_ms')}",
+            f"{title:<22} {'worker admit mean ms':<26} {f('worker_admit_ms'):>12}  first-token step waited "
+            f"{f('worker_first_sync_ms')} for the device",
             f"{title:<22} {'worker decode mean ms':<26} {f('worker_decode_ms'):>12}  "
             f"engine step mean {f('engine_step_ms')} ms"]
 

@@ -45,6 +45,19 @@ class _InFlight(NamedTuple):
     pending: PendingSample
 
 
+def _all_plain_ints(ids: list | tuple) -> bool:
+    return set(map(type, ids)) == {int}    # C loops: ~15 us for 512 ids
+
+
+def _valid_token_ids(ids: list | tuple, vocab_size: int) -> bool:
+    """Every id an integer (not a bool) in [0, vocab_size). Plain ints, the common case, are checked
+    with C loops (min/max): the generic per-id isinstance(numbers.Integral) test cost ~1 us an id,
+    0.3-0.6 ms of a 512-token request's time to first token."""
+    if _all_plain_ints(ids):
+        return 0 <= min(ids) and max(ids) < vocab_size
+    return all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)
+
+
 def _needs_output(params: SamplingParams) -> bool:
     """Penalties read the generated tokens on the host."""
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
@@ -75,13 +88,17 @@ class Engine:
         self._inflight: _InFlight | None = None       # async_scheduling: the launched step
         self.async_scheduling = config.async_scheduling  # may be switched between steps
         self._froze_gc = False
+        # seconds the last step() spent reading sampled tokens back: the host sync (async scheduling:
+        # waiting for the launched step's draw; sync scheduling: the draw and its read-back)
+        self.last_sync_s = 0.0
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str = "") -> None:
         """Queue a request; raises RequestError naming the bad field (nothing is queued then)."""
         self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
-        prompt = [int(t) for t in prompt_token_ids]
+        # plain ints (what the wire decodes to) are copied as they are; others (numpy ints...) converted
+        prompt = list(prompt_token_ids) if _all_plain_ints(prompt_token_ids) else [int(t) for t in prompt_token_ids]
         room = self.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -114,8 +131,7 @@ class Engine:
             raise RequestError(f"invalid cache_salt: must be a string of at most {MAX_CACHE_SALT_LEN} characters")
         if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
             raise RequestError("invalid prompt_token_ids: the prompt is empty")
-        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < self.vocab_size
-               for t in prompt):
+        if not _valid_token_ids(prompt, self.vocab_size):
             raise RequestError(f"invalid prompt_token_ids: every id must be an integer in [0, {self.vocab_size})")
         if len(prompt) >= self.max_model_len:
             raise RequestError(
@@ -166,6 +182,7 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
+        self.last_sync_s = 0.0
         if self.async_scheduling:
             return self._step_async()
         if self._inflight is not None:        # async_scheduling was switched off: finish its step
@@ -187,7 +204,10 @@ class Engine:
             if seq.num_computed_tokens // bs > seq.num_registered_blocks:   # a block filled up
                 bm.register_computed_blocks(seq)
         targets = self._fork_targets(sampling)                       # (row, seq) per draw
-        results = self.sampler(logits, [self._sample_request(row, seq) for row, seq in targets])
+        requests = [self._sample_request(row, seq) for row, seq in targets]
+        t = time.perf_counter()
+        results = self.sampler(logits, requests)                     # the draw and its host sync
+        self.last_sync_s += time.perf_counter() - t
         return [d for (_, seq), res in zip(targets, results) if (d := self._append(seq, res))]
 
     # ---- one step ahead (async_scheduling) ------------------------------------------------
@@ -253,8 +273,11 @@ class Engine:
 
     def _settle(self, launched: "_InFlight") -> list[SequenceDelta]:
         """Read a launched step's tokens back and apply them (the host sync)."""
+        t = time.perf_counter()
+        results = launched.pending.results()
+        self.last_sync_s += time.perf_counter() - t
         deltas = []
-        for (_, seq), slot, result in zip(launched.targets, launched.slots, launched.pending.results()):
+        for (_, seq), slot, result in zip(launched.targets, launched.slots, results):
             if seq.status is SequenceStatus.FINISHED or seq.token_ids[slot] != PENDING:
                 continue                       # aborted, or ended by the previous token
             if seq.index in seq.request.dropped:

@@ -3,7 +3,11 @@
 The one invariant: there is no prefill or decode phase. Every sequence has num_computed_tokens
 catching up to num_tokens (= prompt + generated); each step gives it up to that many new
 tokens (a whole prompt, a prefill chunk, or the one token sampled last step) within the step's
-token and sequence budgets. A sequence samples when it has caught up.
+token and sequence budgets. A sequence samples when it has caught up. The one token that never
+catches up is a sequence's last by length: with async scheduling the engine appends each token
+as a placeholder before it is read back, and a placeholder that is the request's max_tokens-th
+token ends the sequence when it is read, so computing its KV (and drawing a token after it)
+would be a wasted step; such a sequence is skipped until the engine finishes it.
 
 Order is (priority, arrival, sample index), smallest first. Running sequences go first, in
 that order; when the block pool runs dry the LAST running sequence (lowest priority, latest
@@ -86,6 +90,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
+            if seq.num_output_tokens >= seq.request.max_tokens:   # its last token, being read back
+                i += 1
+                continue
             num_new = self._chunk(seq, seq.num_new_tokens, token_budget)
             if num_new == 0:
                 i += 1

@@ -43,6 +43,7 @@ class _Req:
     submit: Submit
     hint: Any = None               # routing hint given at submission (e.g. a prefix match)
     worker_id: str | None = None   # None while queued
+    received_at: float = 0.0       # clock(): the Submit read off the socket (the shell's time, if given)
     dispatched_at: float = 0.0
 
 
@@ -64,7 +65,9 @@ class SchedulerCore:
         self.worker_failures = 0
 
     # ---- admission -----------------------------------------------------------------------
-    def submit(self, msg: Submit, hint: Any = None) -> list[Envelope]:
+    def submit(self, msg: Submit, hint: Any = None, received_at: float | None = None) -> list[Envelope]:
+        """`received_at` (this core's clock) is when the shell read msg off its socket, before any
+        prefix match it awaited; default now."""
         rid = msg.request_id
         if rid in self.requests:
             return [self._reject(msg, 400, "duplicate_request", "request id already in use")]
@@ -84,7 +87,7 @@ class SchedulerCore:
                                  "too many concurrent requests for this API key; retry later")]
         if self._queued >= self.limits.max_queue:
             return [self._reject(msg, 429, "server_overloaded", "the server is overloaded; retry later")]
-        self.requests[rid] = _Req(msg, hint)
+        self.requests[rid] = _Req(msg, hint, received_at=self.clock() if received_at is None else received_at)
         self.tenant_inflight[msg.tenant] = self.tenant_inflight.get(msg.tenant, 0) + 1
         heapq.heappush(self._queue, (msg.priority, next(self._arrivals), rid))
         self._queued += 1

@@ -2,7 +2,8 @@
 
 Handlers (everything this process accepts):
 
-    Submit        -> core.submit          (from gateways; with --routing cache_aware and several
+    Submit        -> core.submit          (from gateways, with the time it was read: the dispatch
+                                           stage's start; with --routing cache_aware and several
                                            workers, first a prefix Match at the prefix-cache index
                                            (PrefixClient, 50 ms deadline) as the routing hint; no
                                            index or no answer: routed by load alone)
@@ -104,7 +105,11 @@ class SchedulerService:
     def _send(self, out: list[Envelope]) -> None:
         for env in out:
             self.senders.send(env.dest, env.msg)
-            if isinstance(env.msg, Dispatch) and (hashes := self.block_hashes.pop(env.msg.request_id, None)):
+            if not isinstance(env.msg, Dispatch):
+                continue
+            if (req := self.core.requests.get(env.msg.request_id)) is not None:
+                metrics.SCHED_DISPATCH.observe(self.core.clock() - req.received_at)
+            if hashes := self.block_hashes.pop(env.msg.request_id, None):
                 wid = next((w.id for w in self.core.workers.values() if w.addr == env.dest), None)
                 if wid is not None:
                     self.recent.record(wid, hashes, time.monotonic())
@@ -112,22 +117,27 @@ class SchedulerService:
     async def _recv_loop(self) -> None:
         while True:
             msg = await self.receiver.recv()
+            read_at = self.core.clock()   # the dispatch stage starts here (core.submit's received_at)
             if isinstance(msg, Submit) and not self.core.has_eligible_worker:
                 # A worker may have registered since the last poll (the gateway can see it
                 # first): look once more before answering 503.
                 await self._poll_workers()
             if isinstance(msg, Submit) and self.cfg.routing == "cache_aware" and len(self.core.workers) > 1:
                 self.matching[msg.request_id] = False
-                asyncio.create_task(self._submit_with_match(msg))
+                asyncio.create_task(self._submit_with_match(msg, read_at))
                 continue
             if isinstance(msg, Abort) and msg.request_id in self.matching:
                 self.matching[msg.request_id] = True
                 continue
-            self._send(self.handlers[type(msg)](msg))
+            if isinstance(msg, Submit):
+                self._send(self.core.submit(msg, received_at=read_at))
+            else:
+                self._send(self.handlers[type(msg)](msg))
             metrics.QUEUE_DEPTH.set(self.core.queue_depth)
             metrics.SCHED_RUNNING.set(self.core.num_inflight)
 
-    async def _submit_with_match(self, msg: Submit) -> None:
+    async def _submit_with_match(self, msg: Submit, read_at: float) -> None:
+        t0 = time.perf_counter()
         match = await self._match(msg)
         if self.matching.pop(msg.request_id, False):
             return  # aborted while we asked
@@ -137,7 +147,8 @@ class SchedulerService:
             hashes = chain_hashes(None, worker.model_id, msg.cache_salt, head, worker.block_size)
             match = self.recent.overlay(match, hashes, worker.block_size, time.monotonic())
             self.block_hashes[msg.request_id] = hashes
-        self._send(self.core.submit(msg, hint=match))
+        metrics.SCHED_PREFIX_MATCH.observe(time.perf_counter() - t0)
+        self._send(self.core.submit(msg, hint=match, received_at=read_at))
         metrics.QUEUE_DEPTH.set(self.core.queue_depth)
 
     async def _match(self, msg: Submit) -> MatchResponse | None:

@@ -101,7 +101,10 @@ class GatewayConfig(ServiceConfig):
     tokenizer_addr: str = opt("", "host:port of tokenizer gRPC servers, comma-separated (default: from Redis).")
     local_tokenizer: str = opt("", "Model directory: when set, prompts are tokenized in this process (one "
                                    "network hop less per request) instead of by the tokenizer service over gRPC; "
-                                   "detokenization stays in the tokenizer service.")
+                                   "detokenization stays in the tokenizer service unless --local-detokenizer.")
+    local_detokenizer: bool = opt(False, "With --local-tokenizer: workers send this gateway its requests' tokens and "
+                                         "it streams their text itself (one process hop less for every token, "
+                                         "the first included) instead of through the tokenizer service.")
     scheduler_addr: str = opt("", "tcp://host:port of the scheduler (default: from Redis).")
 
 
@@ -207,6 +210,9 @@ class ServeConfig(EngineSettings):
     prefix_cache: bool = opt(True, "Start the prefix-cache index service when it is installed.")
     tokenize_in_gateway: bool = opt(True, "The gateway tokenizes prompts itself (saves the gRPC hop); "
                                           "--no-tokenize-in-gateway routes Tokenize through the tokenizer service.")
+    detokenize_in_gateway: bool = opt(True, "With --tokenize-in-gateway, the gateway also turns tokens into text "
+                                            "itself (saves the detokenizer hop per token); "
+                                            "--no-detokenize-in-gateway streams through the tokenizer service.")
     log_level: str = opt("info", "Log level of every service.", choices=("debug", "info", "warning", "error"))
     lease_ms: int = opt(3000, "Registry lease in ms (how fast a dead worker is noticed).")
     heartbeat_ms: int = opt(500, "Heartbeat period in ms.")

@@ -125,6 +125,8 @@ class Stack:
         gw = [*common, "--host", cfg.host, "--port", str(cfg.port), "--zmq-port", "0"]
         if cfg.tokenize_in_gateway:
             gw += ["--local-tokenizer", model]
+            if cfg.detokenize_in_gateway:
+                gw += ["--local-detokenizer"]
         if cfg.api_key:
             gw += ["--api-key", ",".join(cfg.api_key)]
         self.spawn("gateway", "gateway", gw)

@@ -13,6 +13,22 @@ log = logging.getLogger("kvmesh.metrics")
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOK = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_HOP = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+
+# ---- where a streamed request's first token spends its time, stage by stage
+#
+#   gateway    arrival ─submit─► Submit sent ────────────── upstream ──────────────► first delta read ─write─► chunk written
+#   scheduler               Submit read ─dispatch─► Dispatch sent
+#   worker                                  Dispatch read ─admit─► in engine ─queue─► ─prefill─► first token ─send─► sent
+#   detok                                                                                StepOutput read ─detok─► TextBatch sent
+#
+# Every duration is measured inside one process with its own monotonic clock (no clocks of two
+# processes are ever subtracted), so what the stages do not cover is the hops between processes:
+#   upstream - (dispatch + worker TTFT + send + detok) = the ZMQ hops' wake-ups and transfers:
+#   gateway -> scheduler -> worker -> detokenizer -> gateway, or three when the gateway is the
+#   detokenizer (--local-detokenizer: its detok stage is observed in the gateway).
+# The gateway's TTFT (arrival -> first delta taken up by the response stream) = submit +
+# upstream + the start of write. bench/serve_bench.py and bench/control_plane.py print the means.
 
 # ---- gateway
 REQUESTS = Counter("kvmesh_requests", "HTTP API requests by route and status", ["route", "status"])
@@ -24,6 +40,18 @@ E2E = Histogram("kvmesh_e2e_request_latency_seconds", "Arrival to last token", b
 PROMPT_TOKENS = Counter("kvmesh_prompt_tokens", "Prompt tokens of finished requests")
 GENERATION_TOKENS = Counter("kvmesh_generation_tokens", "Generated tokens of finished requests")
 CACHED_PROMPT_TOKENS = Counter("kvmesh_cached_prompt_tokens", "Prompt tokens served from a prefix cache")
+GATEWAY_SUBMIT = Histogram("kvmesh_gateway_submit_seconds",
+                           "Request arrival to its last Submit handed to the scheduler's socket (body read, "
+                           "JSON decode, validation, tokenization, encoding)", buckets=_HOP)
+GATEWAY_TOKENIZE = Histogram("kvmesh_gateway_tokenize_seconds",
+                             "Tokenizing one request's prompts (in the gateway, or the tokenizer service's "
+                             "gRPC Tokenize)", buckets=_HOP)
+GATEWAY_UPSTREAM = Histogram("kvmesh_gateway_upstream_first_token_seconds",
+                             "Submit sent to the request's first text delta read off the gateway's inbox "
+                             "(scheduler, worker, detokenizer and the hops between them)", buckets=_HOP)
+GATEWAY_FIRST_WRITE = Histogram("kvmesh_gateway_first_chunk_write_seconds",
+                                "Streamed requests: first text delta read off the inbox to its SSE chunk "
+                                "handed to the HTTP server", buckets=_HOP)
 
 # ---- scheduler
 QUEUE_DEPTH = Gauge("kvmesh_scheduler_queue_depth", "Requests waiting in the global queue")
@@ -42,6 +70,12 @@ CLUSTER_PREFIX_HIT = Gauge("kvmesh_cluster_prefix_hit_ratio",
                            "All live workers: prompt tokens found in a prefix cache / prompt tokens looked up")
 PREFIX_MATCHES = Counter("kvmesh_scheduler_prefix_matches",
                          "Prefix-index Match calls by outcome (hit, miss, unavailable: routed by load)", ["outcome"])
+SCHED_DISPATCH = Histogram("kvmesh_scheduler_dispatch_seconds",
+                           "Submit read off the scheduler's socket to its Dispatch handed to the worker's socket "
+                           "(admission, prefix match, routing, and any wait for a worker with room)", buckets=_HOP)
+SCHED_PREFIX_MATCH = Histogram("kvmesh_scheduler_prefix_match_seconds",
+                               "cache_aware routing over several workers: one submission's Match at the "
+                               "prefix-cache index plus its block hashing", buckets=_HOP)
 
 # ---- worker
 ENGINE_RUNNING = Gauge("kvmesh_engine_running", "Sequences running in the engine")
@@ -63,12 +97,26 @@ WORKER_DECODE = Histogram("kvmesh_worker_request_decode_seconds",
                           "First token to last token of a finished (not aborted) request", buckets=_LAT)
 WORKER_TTFT = Histogram("kvmesh_worker_time_to_first_token_seconds",
                         "Dispatch received by the worker to its first token in a StepOutput", buckets=_LAT)
+WORKER_ADMIT = Histogram("kvmesh_worker_request_admit_seconds",
+                         "Dispatch read off the worker's socket to the engine holding the request (decode, "
+                         "validation; part of the queue stage)", buckets=_HOP)
+WORKER_FIRST_SEND = Histogram("kvmesh_worker_first_token_send_seconds",
+                              "End of the engine step that produced a request's first token to its StepOutput "
+                              "handed to the detokenizer's socket", buckets=_HOP)
+WORKER_FIRST_SYNC = Histogram("kvmesh_worker_first_token_sync_seconds",
+                              "The engine step that produced a request's first token: time it waited for the "
+                              "device's sampled tokens (near 0: the token was on the host before the engine "
+                              "looked, so the host, not the GPU, set the pace)", buckets=_HOP)
 
 # ---- tokenizer
 TOKENIZE_SECONDS = Histogram("kvmesh_tokenize_seconds", "Tokenize call duration", buckets=_TOK)
 TOKENS_IN = Counter("kvmesh_tokenized_tokens", "Prompt tokens produced by Tokenize")
 DETOK_STREAMS = Gauge("kvmesh_detok_streams", "Requests being detokenized")
 STOP_HITS = Counter("kvmesh_stop_string_hits", "Samples ended by a stop string")
+DETOK_FIRST_TOKEN = Histogram("kvmesh_detok_first_token_seconds",
+                              "A StepOutput carrying some request's first tokens, read off the detokenizer's "
+                              "socket, to its TextBatches handed to the gateways' sockets (a gateway with "
+                              "--local-detokenizer: to its requests)", buckets=_HOP)
 
 
 def serve_metrics(host: str, port: int) -> int:

@@ -28,10 +28,9 @@ from services.shell import run_until_signal
 from services.tokenize import INLINE_CHARS, TokenizeError, prompt_chars, tokenize
 from services.transport import (
     Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr, unary_handler)
-from tokenizer_svc.detok import SCHEDULER, DetokCore, Envelope
+from tokenizer_svc.detok import SCHEDULER, STREAM_MAX_AGE_S, DetokCore, Envelope
 
 GRPC_SERVICE = "kvmesh.Tokenizer"
-STREAM_MAX_AGE_S = 3600.0  # a stream whose end was lost is forgotten after this
 log = logging.getLogger("kvmesh.tokenizer")
 
 
@@ -93,12 +92,15 @@ class TokenizerService:
     async def _recv_loop(self) -> None:
         while True:
             msg = await self.receiver.recv()
+            read_at, started = time.perf_counter(), self.core.samples_started
             try:
                 out = self.handlers[type(msg)](msg)
             except Exception:  # one bad stream must not stop the others
                 log.exception("detokenizer failed on a %s", type(msg).__name__)
                 continue
             self._send(out)
+            if self.core.samples_started != started:   # it carried some request's first tokens
+                metrics.DETOK_FIRST_TOKEN.observe(time.perf_counter() - read_at)
 
     def _send(self, out: list[Envelope]) -> None:
         for env in out:

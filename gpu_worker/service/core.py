@@ -11,13 +11,17 @@ Per request it times where the worker's share of time-to-first-token goes (vLLM'
 histograms), observed into `services.metrics` as each stage ends:
 
     received ──queue──► scheduled ──prefill──► first token ──decode──► last token
-       │                                            │
+       │ └─admit─► in the engine                    │ └─send─► StepOutput on the detokenizer's socket
        └──────────── worker TTFT ───────────────────┘
 
-`received` is when run() got the Dispatch; `scheduled` the start of the step that first computed
-any of its prompt tokens (seen after that step: the engine's sequence has num_computed_tokens > 0,
-or the engine already forgot the request); `first token` / `last token` the end of the step whose
-StepOutput carried the request's first / last tokens. Decode is observed only for requests that
+`received` is when the engine thread read the Dispatch off its socket (run()'s `received`; run()'s
+start when not given); `admit` ends when the engine holds the request (decode and validation);
+`scheduled` the start of the step that first computed any of its prompt tokens (seen after that
+step: the engine's sequence has num_computed_tokens > 0, or the engine already forgot the
+request); `first token` / `last token` the end of the step whose StepOutput carried the request's
+first / last tokens; `send` ends when the shell handed that StepOutput to the socket
+(`note_sent`). The step that produced the first token also reports how long it waited for the
+device (`Engine.last_sync_s`, where the engine has it). Decode is observed only for requests that
 finished (engine finish or stop string), not for aborted ones. An engine without a `requests`
 table gets TTFT and decode only.
 """
@@ -48,7 +52,7 @@ class _Req:
     detok_addr: str
     reply_addr: str
     n: int
-    received: float                      # perf_counter() when run() got the Dispatch
+    received: float                      # perf_counter() when the Dispatch was read off the socket
     done: set[int] = field(default_factory=set)
     scheduled: float | None = None       # start of the step that first computed prompt tokens
     first_token: float | None = None     # end of the step that produced the first token
@@ -70,11 +74,15 @@ class WorkerCore:
         # `requests` table (the real engine and the null engine do).
         self._unscheduled: dict[str, _Req] = {}
         self._sees_scheduling = isinstance(getattr(engine, "requests", None), dict)
+        self._first_tokens: list[float] = []   # ends of steps that produced first tokens, not yet sent
 
     # ---- one iteration -------------------------------------------------------------------
-    def run(self, inbox: list[Any]) -> list[Envelope]:
+    def run(self, inbox: list[Any], received: float | None = None) -> list[Envelope]:
+        """`received`: perf_counter() when the inbox was read off the socket (default: now)."""
         out: list[Envelope] = []
-        received = time.perf_counter()
+        self._first_tokens.clear()             # note_sent() follows each run() in the shell
+        if received is None:
+            received = time.perf_counter()
         for msg in inbox:
             if isinstance(msg, Dispatch):
                 self._dispatch(msg, out, received)
@@ -89,6 +97,12 @@ class WorkerCore:
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 
+    def note_sent(self, now: float) -> None:
+        """The shell handed run()'s envelopes to their sockets at `now` (perf_counter())."""
+        for produced in self._first_tokens:
+            metrics.WORKER_FIRST_SEND.observe(now - produced)
+        self._first_tokens.clear()
+
     def _dispatch(self, msg: Dispatch, out: list[Envelope], received: float) -> None:
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
@@ -98,6 +112,7 @@ class WorkerCore:
                 request_id=msg.request_id, status=400, code="invalid_request", message=str(exc))))
             self._finished.append(msg.request_id)
             return
+        metrics.WORKER_ADMIT.observe(time.perf_counter() - received)
         req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received)
         self.requests[msg.request_id] = req
         if self._sees_scheduling:
@@ -145,6 +160,11 @@ class WorkerCore:
                 continue
             self.tokens_out += len(d.new_token_ids)
             per_dest.setdefault(req.detok_addr, []).append(_seq_tokens(d))
+            if d.new_token_ids and req.first_token is None:
+                self._first_tokens.append(t1)
+                sync_s = getattr(self.engine, "last_sync_s", None)
+                if sync_s is not None:
+                    metrics.WORKER_FIRST_SYNC.observe(sync_s)
             if d.new_token_ids:
                 _note_token(req, t1)
             if d.finish_reason is not None:

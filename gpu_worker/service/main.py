@@ -89,11 +89,12 @@ class EngineThread(threading.Thread):
         try:
             while not self.stop.is_set():
                 inbox = self.receiver.recv_all(0 if self.core.has_work() else self.IDLE_POLL_MS)
-                out = self.core.run(inbox)
+                out = self.core.run(inbox, self.receiver.read_at if inbox else None)
                 if self.fail_message is not None:
                     self.core.fail_all(self.fail_message, out)
                     self.fail_message = None
                 self._send(out)
+                self.core.note_sent(time.perf_counter())
                 if self.kv_publisher is not None:
                     self.kv_publisher.flush()   # this step's cache changes; snapshots; heartbeats
                 if self.core.last_step_s:

@@ -125,6 +125,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
             metrics.REQUESTS.labels(route, str(err.status)).inc()
             return error_response(err)
         metrics.REQUESTS.labels(route, "200").inc()
+        metrics.GATEWAY_SUBMIT.observe(job.submitted - arrival)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         acc = Accumulator(kind, model, params.n, len(prompts), prompt_lens, params.logprobs is not None)
         if req.stream:
@@ -174,6 +175,7 @@ class _Timing:
 async def _stream(job: Job, writer: ChunkWriter, arrival: float) -> AsyncIterator[bytes]:
     timing = _Timing(arrival)
     metrics.INFLIGHT.inc()
+    first_written = False
     try:
         yield writer.start()
         async for batch in job.batches():
@@ -183,7 +185,10 @@ async def _stream(job: Job, writer: ChunkWriter, arrival: float) -> AsyncIterato
                 chunks.append(writer.delta(prompt_index, delta))
             data = b"".join(chunks)
             if data:
-                yield data
+                yield data   # resumes once the server took the bytes (Starlette awaits its send)
+            if timing.first and not first_written:
+                first_written = True
+                metrics.GATEWAY_FIRST_WRITE.observe(time.monotonic() - job.first_read)
         yield writer.finish()
         timing.done(writer.acc)
     except ApiError as err:

@@ -7,6 +7,10 @@
 
 Every internal request id is made here; a client never picks one. Replies arrive on this
 gateway's ZMQ inbox: Admitted / Rejected (scheduler), TextBatch (detokenizer), RequestFailed.
+With --local-detokenizer (needs --local-tokenizer) the gateway is its requests' detokenizer: each
+Submit names this inbox as `detok_addr`, so workers send it StreamOpen / StepOutput / Abort, and
+the same DetokCore the tokenizer service runs turns them into text here (a stop string's Abort
+goes to the scheduler); one process hop less for every token.
 """
 from __future__ import annotations
 
@@ -20,13 +24,15 @@ from typing import AsyncIterator
 
 import grpc
 
+from services import metrics
 from services.config import GatewayConfig
 from services.gateway.schemas import ApiError
 from services.protocol.messages import (
-    Abort, Admitted, GatewayInbox, Rejected, RequestFailed, Submit, TextBatch, TextDelta, TokenizeReply,
-    TokenizeRequest)
+    Abort, Admitted, GatewayInbox, Rejected, RequestFailed, StepOutput, StreamOpen, Submit, TextBatch, TextDelta,
+    TokenizeReply, TokenizeRequest)
 from services.protocol.sampling import SamplingParams
 from services.registry import Membership, Registry
+from services.text.streams import SCHEDULER, STREAM_MAX_AGE_S, DetokCore
 from services.tokenize import INLINE_CHARS, TokenizeError, prompt_chars, tokenize
 from services.transport import Receiver, Sender, grpc_channel, tcp_addr, unary_stub
 
@@ -44,6 +50,8 @@ class Job:
         self.scheduler_addr = ""             # the scheduler that holds (queued) these requests
         self.progressed = False              # a token arrived: the request reached a worker
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.submitted = 0.0                 # monotonic: the last Submit handed to the scheduler's socket
+        self.first_read = 0.0                # monotonic: the first text delta read off the inbox
         self.unfinished = {(rid, j) for rid in rids for j in range(n)}
         self.closed = False
         for rid in rids:
@@ -139,6 +147,8 @@ class Backend:
         if cfg.local_tokenizer:
             from services.text.tokenizer import load_tokenizer
             self.local_tok = load_tokenizer(cfg.local_tokenizer)
+        # --local-detokenizer: this process streams its requests' text (module docstring)
+        self.detok: DetokCore | None = DetokCore(self.local_tok) if self.local_tok and cfg.local_detokenizer else None
 
     async def start_background(self) -> None:
         cfg = self.cfg
@@ -191,6 +201,8 @@ class Backend:
         """Fail requests that can no longer finish instead of letting them wait request_timeout_s:
         their detokenizer is gone, or the scheduler holding them (queued, no token yet) is."""
         live = set(self.detok_addrs)
+        if self.detok is not None:
+            live.add(self.reply_addr)
         sched = self.scheduler.addr if self.scheduler is not None else ""
         for job in {id(j): j for j in self.jobs.values()}.values():
             if not job.progressed and job.scheduler_addr != sched:
@@ -208,6 +220,8 @@ class Backend:
     async def _discovery_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
+            if self.detok is not None:
+                self.detok.expire(STREAM_MAX_AGE_S)
             try:
                 await self.discover()
                 await self.lease.renew({"inflight": len(self.jobs)})
@@ -237,7 +251,7 @@ class Backend:
                            code="tokenizer_unavailable", retry_after=1) from None
 
     async def _tokenize_locally(self, req: TokenizeRequest) -> TokenizeReply:
-        if not self.detok_addrs:
+        if self.detok is None and not self.detok_addrs:
             raise ApiError(503, "no tokenizer service is available to stream text; retry later",
                            type_="server_error", code="tokenizer_unavailable", retry_after=1)
         try:
@@ -247,16 +261,18 @@ class Backend:
                 ids = await asyncio.to_thread(tokenize, self.local_tok, req)
         except TokenizeError as exc:
             raise ApiError(400, str(exc), param="messages" if req.messages is not None else "prompt") from None
-        detok = self.detok_addrs[next(self._rr) % len(self.detok_addrs)]
+        detok = self.reply_addr if self.detok is not None else self.detok_addrs[next(self._rr) % len(self.detok_addrs)]
         return TokenizeReply(prompt_token_ids=ids, detok_addr=detok, vocab_size=self.local_tok.vocab_size)
 
     async def start(self, prompts: list[TokenizeRequest], params: SamplingParams, *, tenant: str,
                     priority: int, cache_salt: str) -> tuple[Job, list[int]]:
         """Tokenize, submit and wait for admission. Returns the job and each prompt's token count."""
+        t0 = time.monotonic()
         if len(prompts) == 1:   # the common case: no task per prompt
             replies = [await self.tokenize(prompts[0])]
         else:
             replies = await asyncio.gather(*(self.tokenize(p) for p in prompts))
+        metrics.GATEWAY_TOKENIZE.observe(time.monotonic() - t0)
         if self.scheduler is None:
             raise ApiError(503, "the scheduler is unavailable; retry later", type_="server_error",
                            code="scheduler_unavailable", retry_after=1)
@@ -271,6 +287,7 @@ class Backend:
                     request_id=rid, tenant=tenant, prompt_token_ids=rep.prompt_token_ids, params=params,
                     priority=priority, cache_salt=cache_salt, reply_addr=self.reply_addr,
                     detok_addr=rep.detok_addr, arrival=now))
+            job.submitted = time.monotonic()
             await job.admitted(self.cfg.admission_timeout_s)
         except BaseException:
             job.close()
@@ -285,11 +302,46 @@ class Backend:
         while True:
             msg = await self.receiver.recv()
             if isinstance(msg, TextBatch):
-                for d in msg.deltas:
-                    job = self.jobs.get(d.request_id)
-                    if job is not None:
-                        job.queue.put_nowait(d)
+                self._route(msg.deltas, time.monotonic())
+            elif isinstance(msg, (StreamOpen, StepOutput, Abort)):
+                self._detokenize(msg)
             else:
                 job = self.jobs.get(msg.request_id)
                 if job is not None:
                     job.queue.put_nowait(msg)
+
+    def _route(self, deltas: list[TextDelta], read_at: float) -> None:
+        """Text deltas to their jobs; `read_at` (monotonic) ends a job's upstream stage."""
+        for d in deltas:
+            job = self.jobs.get(d.request_id)
+            if job is not None:
+                if not job.first_read and d.num_new_tokens:
+                    job.first_read = read_at
+                    metrics.GATEWAY_UPSTREAM.observe(read_at - job.submitted)
+                job.queue.put_nowait(d)
+
+    def _detokenize(self, msg: StreamOpen | StepOutput | Abort) -> None:
+        """A worker's (or the scheduler's) message for this gateway's own detokenizer."""
+        if self.detok is None:
+            log.warning("dropped a %s: this gateway does not detokenize (--local-detokenizer)", type(msg).__name__)
+            return
+        read_at, started = time.monotonic(), self.detok.samples_started
+        try:
+            if isinstance(msg, StreamOpen):
+                out = self.detok.open(msg)
+            elif isinstance(msg, StepOutput):
+                out = self.detok.step(msg)
+            else:
+                out = self.detok.abort(msg)
+        except Exception:  # one bad stream must not stop the others
+            log.exception("detokenizer failed on a %s", type(msg).__name__)
+            return
+        done = time.monotonic()
+        for env in out:
+            if env.dest == SCHEDULER:          # a stop string ended a sample: free its KV
+                if self.scheduler is not None:
+                    self.scheduler.send(env.msg)
+            else:                              # TextBatch: its reply address is this inbox
+                self._route(env.msg.deltas, done)
+        if self.detok.samples_started != started:
+            metrics.DETOK_FIRST_TOKEN.observe(done - read_at)

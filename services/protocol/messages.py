@@ -6,7 +6,9 @@ Frozen msgspec Structs, msgpack on the wire, one tag each and a `version`. Who s
     scheduler --Admitted, Rejected, RequestFailed----------> gateway        (reply_addr)
     scheduler --Dispatch, Abort----------------------------> worker
     scheduler --Abort--------------------------------------> detokenizer    (worker died)
-    worker    --StreamOpen, StepOutput, Abort--------------> detokenizer    (one connection: ordered)
+    worker    --StreamOpen, StepOutput, Abort--------------> detokenizer    (one connection: ordered; the
+                                                                              gateway's inbox when it
+                                                                              detokenizes itself)
     worker    --WorkerStatus-------------------------------> scheduler
     detok     --TextBatch, RequestFailed-------------------> gateway
     detok     --Abort--------------------------------------> scheduler      (stop string hit)
@@ -192,4 +194,5 @@ class TokenizeReply(Msg, tag="tokenized", kw_only=True):
 SchedulerInbox = Union[Submit, Abort, WorkerStatus]
 WorkerInbox = Union[Dispatch, Abort]
 DetokInbox = Union[StreamOpen, StepOutput, Abort]
-GatewayInbox = Union[Admitted, Rejected, RequestFailed, TextBatch]
+# a gateway with --local-detokenizer is its requests' detokenizer too: it takes DetokInbox's messages
+GatewayInbox = Union[Admitted, Rejected, RequestFailed, TextBatch, StreamOpen, StepOutput, Abort]

@@ -54,6 +54,13 @@ def test_serve_bench_smoke(tmp_path):
             ("gateway_ttft", "worker_ttft", "worker_queue", "worker_prefill", "worker_decode"), n), stages
         assert 0 < stages["worker_ttft_ms"] <= stages["gateway_ttft_ms"] <= stages["client_ttft_ms"] + 1
         assert abs(stages["worker_queue_ms"] + stages["worker_prefill_ms"] - stages["worker_ttft_ms"]) < 0.01
+        # the first token's path, hop by hop (the gateway detokenizes: kvmesh serve's default)
+        path = ("gateway_submit", "gateway_tokenize", "gateway_upstream", "gateway_first_write", "scheduler_dispatch",
+                "worker_admit", "worker_first_sync", "worker_first_send")
+        assert {k: stages["counts"][k] for k in path} == dict.fromkeys(path, n), stages
+        assert 1 <= stages["counts"]["detok_first_token"] <= n and stages["counts"]["scheduler_prefix_match"] == 0
+        assert stages["gateway_tokenize_ms"] <= stages["gateway_submit_ms"] < stages["gateway_ttft_ms"]
+        assert stages["worker_ttft_ms"] < stages["gateway_upstream_ms"] and stages["hops_ms"] is not None
 
     routing = res["sections"]["routing"]
     for mode in ("cache_aware", "round_robin"):
@@ -61,6 +68,7 @@ def test_serve_bench_smoke(tmp_path):
         assert run["completed"] == 12 and run["failed"] == 0, run
         assert run["cached_token_ratio"] > 0          # the groups share a system prompt
         assert len(workers) == 2 and sum(w["requests_total"] for w in workers.values()) == 12
+        assert run["stages"]["counts"]["scheduler_prefix_match"] == (12 if mode == "cache_aware" else 0)
     assert sorted(w["requests_total"] for w in routing["round_robin"]["workers"].values()) == [6, 6]
 
     assert "2 workers round_robin" in r.stdout and "single c=1 32/8" in r.stdout   # the table, last

@@ -22,6 +22,39 @@ def test_models_health_ready_metrics(stack):
     assert "kvmesh_time_to_first_token_seconds_count" in text and "kvmesh_requests_total" in text
 
 
+GATEWAY_STAGES = ("kvmesh_gateway_submit_seconds", "kvmesh_gateway_tokenize_seconds",
+                  "kvmesh_gateway_upstream_first_token_seconds", "kvmesh_gateway_first_chunk_write_seconds",
+                  "kvmesh_time_to_first_token_seconds")
+
+
+def gateway_histograms(stack) -> dict[str, tuple[float, float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(stack.base_url + "/metrics").text):
+        values = {s.name: s.value for s in family.samples}
+        if family.name in GATEWAY_STAGES:
+            out[family.name] = (values[family.name + "_count"], values[family.name + "_sum"])
+    return out
+
+
+def test_gateway_first_token_stages(stack):
+    """One streamed request counts once in every gateway stage of its first token, and the stages
+    fit inside its TTFT (submit + upstream <= TTFT); a non-streamed one writes no first chunk."""
+    before = gateway_histograms(stack)
+    list(stack.openai().completions.create(model=stack.model_name, prompt="Once upon a time", max_tokens=3,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    after = gateway_histograms(stack)
+    d = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in GATEWAY_STAGES}
+    assert all(count == 1 for count, _ in d.values()), d
+    submit, tokenize, upstream, write, ttft = (d[k][1] for k in GATEWAY_STAGES)
+    assert 0 < tokenize <= submit and upstream > 0 and write >= 0
+    assert submit + upstream <= ttft + 1e-6 < 60
+    chat(stack, max_tokens=2)
+    again = gateway_histograms(stack)
+    assert again["kvmesh_gateway_first_chunk_write_seconds"][0] == after["kvmesh_gateway_first_chunk_write_seconds"][0]
+    assert again["kvmesh_gateway_upstream_first_token_seconds"][0] == after["kvmesh_gateway_upstream_first_token_seconds"][0] + 1
+
+
 def test_chat_non_streaming(stack):
     r = chat(stack, temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")

@@ -40,6 +40,23 @@ def test_admit_dispatch_and_finish():
     assert core.num_inflight == 0 and not core.requests and not core.tenant_inflight
 
 
+def test_received_at_is_the_shells_read_time_or_now():
+    """The dispatch stage starts when the shell read the Submit (before any prefix match it
+    awaited); without one, when submit() ran (the core's clock)."""
+    now = [100.0]
+    core = SchedulerCore(Limits(worker_capacity_factor=1.0), clock=lambda: now[0])
+    core.set_workers([worker("w1", seqs=1)])
+    core.submit(submit("a"), received_at=99.5)
+    now[0] = 101.0
+    core.submit(submit("b"))                         # queued: no room
+    assert core.requests["a"].received_at == 99.5 and core.requests["b"].received_at == 101.0
+    now[0] = 102.0
+    core.worker_status(WorkerStatus(worker_id="w1", epoch=1, running=0, waiting=0, free_blocks=1,
+                                    cached_blocks=0, total_blocks=1, finished=["a"]))
+    req = core.requests["b"]
+    assert (req.received_at, req.dispatched_at) == (101.0, 102.0)   # its wait for room is in the stage
+
+
 def test_context_length_is_400():
     core = SchedulerCore()
     core.set_workers([worker("w1", max_len=10)])

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import msgspec
+import pytest
 import zmq
 
 from services.protocol.messages import Abort, SchedulerInbox, Submit, TokenizeReply, TokenizeRequest
@@ -34,6 +36,34 @@ async def test_malformed_frames_are_dropped_not_fatal():
         assert await asyncio.wait_for(rx.recv(), 5) == sub
     finally:
         raw.close(0)
+        tx.close()
+        rx.close()
+
+
+async def test_receiver_wakes_per_message_and_never_spins():
+    """recv() (a reader on the socket's edge-triggered ZMQ_FD) returns a queued message at once,
+    wakes for one that arrives while it waits, drains a burst in order, survives a cancelled wait,
+    and a message arriving while nobody waits neither gets lost nor keeps the loop busy."""
+    rx: Receiver = Receiver(SchedulerInbox, "127.0.0.1", 0, name="test")
+    tx: Sender = Sender(tcp_addr("127.0.0.1", rx.port))
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(rx.recv(), 0.2)            # nothing yet: the wait is cancelled
+        tx.send(Abort(request_id="a"))
+        assert await asyncio.wait_for(rx.recv(), 5) == Abort(request_id="a")
+        waiting = asyncio.create_task(rx.recv())
+        await asyncio.sleep(0.05)
+        tx.send(Abort(request_id="b"))
+        assert await asyncio.wait_for(waiting, 5) == Abort(request_id="b")
+        for i in range(500):
+            tx.send(Abort(request_id=str(i)))
+        assert [(await asyncio.wait_for(rx.recv(), 5)).request_id for _ in range(500)] == [str(i) for i in range(500)]
+        tx.send(Abort(request_id="late"))                     # nobody is waiting for it
+        cpu = time.process_time()
+        await asyncio.sleep(0.3)
+        assert time.process_time() - cpu < 0.1, "the loop kept calling the reader"
+        assert await asyncio.wait_for(rx.recv(), 5) == Abort(request_id="late")
+    finally:
         tx.close()
         rx.close()
 

@@ -40,6 +40,18 @@ def test_streams_text_and_finishes():
     assert not core.streams
 
 
+def test_samples_started_counts_first_tokens():
+    """The shell times the steps that carry some sample's first tokens (kvmesh_detok_first_token_seconds)."""
+    core = DetokCore(ToyTok())
+    open_(core, n=2)
+    step(core, SeqTokens("r", 0, ids("a")))
+    assert core.samples_started == 1
+    step(core, SeqTokens("r", 0, ids("b")), SeqTokens("r", 1, ids("c")))
+    assert core.samples_started == 2
+    step(core, SeqTokens("r", 0, ids("d")), SeqTokens("r", 1, ids("e")), SeqTokens("gone", 0, ids("f")))
+    assert core.samples_started == 2
+
+
 def test_stop_string_across_steps_aborts_the_sample_upstream():
     core = DetokCore(ToyTok())
     open_(core, n=2, stop=["lo w"])

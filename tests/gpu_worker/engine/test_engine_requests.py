@@ -20,6 +20,9 @@ def engine():
     ([5] * 64, GOOD, "prompt_token_ids"),             # no room for one generated token
     ([5, 999], GOOD, "prompt_token_ids"),              # outside the vocabulary
     ([5, -1], GOOD, "prompt_token_ids"),
+    ([5, True], GOOD, "prompt_token_ids"),             # a bool is not a token id
+    ([5, 6.0], GOOD, "prompt_token_ids"),
+    ([5, "6"], GOOD, "prompt_token_ids"),
     ([5, 6], SamplingParams(max_tokens=0), "max_tokens"),
     ([5, 6], SamplingParams(max_tokens=-3), "max_tokens"),
     ([5, 6], SamplingParams(top_p=0.0), "top_p"),
@@ -34,6 +37,21 @@ def test_bad_request_then_good_one(engine, prompt, params, field):
     engine.add_request("good", [5, 6, 7], GOOD)
     out = run_all(engine)
     assert out[("good", 0)]["tokens"] == reference_greedy([5, 6, 7], 3)
+    assert_clean(engine)
+
+
+def test_token_ids_of_any_integer_type(engine):
+    """Plain ints take the fast check (min/max in C); numpy ints, tuples and int subclasses the
+    per-id one; the engine stores plain ints either way and generates the same tokens."""
+    import numpy as np
+
+    class Id(int):
+        pass
+    for i, prompt in enumerate(([5, 6, 7], (5, 6, 7), list(np.array([5, 6, 7])), [Id(5), Id(6), Id(7)])):
+        engine.add_request(f"r{i}", prompt, GOOD)
+        assert all(type(t) is int for t in engine.requests[f"r{i}"].prompt_token_ids)
+    out = run_all(engine)
+    assert all(out[(f"r{i}", 0)]["tokens"] == reference_greedy([5, 6, 7], 3) for i in range(4))
     assert_clean(engine)
 
 

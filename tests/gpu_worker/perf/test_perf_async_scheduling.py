@@ -67,3 +67,21 @@ def test_async_matches_sync(seed, penalties):
                 assert a["tokens"] == reference_greedy(ids, params.max_tokens)
             compared += 1
     assert compared > 20
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_no_step_for_the_token_that_ends_a_request(async_scheduling):
+    """A request that ends by length runs one forward per token it samples, also one step ahead:
+    the placeholder of its last token is never scheduled (a wasted decode that a lone request's
+    next prompt would queue behind on the GPU). Its tokens and finish are unchanged."""
+    eng = make_engine(block_size=4, num_gpu_blocks=32, async_scheduling=async_scheduling)
+    out = {}
+    for rid, max_tokens in (("a", 3), ("b", 1), ("c", 5)):
+        before = eng.runner.forward_calls
+        eng.add_request(rid, [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens))
+        while eng.has_unfinished_requests():
+            collect(eng.step(), out)
+        assert eng.runner.forward_calls - before == max_tokens, rid
+        assert out[(rid, 0)]["tokens"] == reference_greedy([5, 6, 7, 8, 9], max_tokens)
+        assert out[(rid, 0)]["finish"] == "length"
+    assert_clean(eng)

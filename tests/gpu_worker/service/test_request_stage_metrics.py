@@ -1,5 +1,6 @@
-"""WorkerCore's per-request stage histograms (queue, prefill, decode, worker TTFT), measured over the
-null engine with a step delay and over the real engine (fake runner, sync and async scheduling).
+"""WorkerCore's per-request stage histograms (queue, prefill, decode, worker TTFT; admit, the first
+token's send and its step's device wait), measured over the null engine with a step delay and over
+the real engine (fake runner, sync and async scheduling).
 
 The histograms are process-global, so every check reads what a run added: count and sum deltas.
 """
@@ -21,7 +22,9 @@ from services.protocol.messages import Abort, Dispatch  # noqa: E402
 from services.protocol.sampling import SamplingParams  # noqa: E402
 
 STAGES = {"queue": "kvmesh_worker_request_queue_seconds", "prefill": "kvmesh_worker_request_prefill_seconds",
-          "decode": "kvmesh_worker_request_decode_seconds", "ttft": "kvmesh_worker_time_to_first_token_seconds"}
+          "decode": "kvmesh_worker_request_decode_seconds", "ttft": "kvmesh_worker_time_to_first_token_seconds",
+          "admit": "kvmesh_worker_request_admit_seconds", "send": "kvmesh_worker_first_token_send_seconds",
+          "sync": "kvmesh_worker_first_token_sync_seconds"}
 EPS = 1e-6
 
 
@@ -101,7 +104,9 @@ def test_real_engine_chunked_prefill(async_scheduling):
     d = delta(before, snapshot())
     assert_consistent(d, 1)
     assert d["prefill"][1] >= 4 * 0.002
-    assert d["decode"][1] >= 3 * 0.002
+    # tokens 2-4 take three forwards; one step ahead, the first of them runs before token 1 is read
+    # and the last token is read without one (no step is launched for it)
+    assert d["decode"][1] >= (2 if async_scheduling else 3) * 0.002
     assert d["queue"][1] < d["prefill"][1]
 
     before = snapshot()
@@ -144,3 +149,45 @@ def test_engine_without_request_table_gets_ttft_and_decode():
     d = delta(before, snapshot())
     assert d["queue"][0] == 0 and d["prefill"][0] == 0 and d["ttft"][0] == 2 and d["decode"][0] == 2, d
     assert d["ttft"][1] >= 2 * 0.001
+
+
+def test_admit_starts_at_the_socket_read_and_send_ends_at_note_sent():
+    """admit: from run()'s `received` (when the shell read the Dispatch off its socket) to the engine
+    holding the request, and TTFT starts there too; send: from the end of the first token's step to
+    note_sent(), once per request; the null engine reports no device wait."""
+    core = WorkerCore(NullEngine(vocab_size=1000), "w", 1)
+    before = snapshot()
+    core.run([dispatch("a", max_tokens=2)], received=time.perf_counter() - 0.005)   # read 5 ms ago
+    time.sleep(0.003)
+    core.note_sent(time.perf_counter())
+    core.run([])                                   # the second (last) token: nothing more to time
+    core.note_sent(time.perf_counter())
+    d = delta(before, snapshot())
+    assert d["admit"][0] == 1 and 0.005 <= d["admit"][1] < 1.0, d
+    assert d["ttft"][1] >= 0.005 and d["queue"][1] >= d["admit"][1]
+    assert d["send"][0] == 1 and 0.003 <= d["send"][1] < 1.0, d
+    assert d["sync"][0] == 0
+    assert_consistent(d, 1)
+
+
+def test_first_tokens_unsent_by_a_run_are_not_carried_over():
+    core = WorkerCore(NullEngine(vocab_size=1000), "w", 1)
+    before = snapshot()
+    core.run([dispatch("a", max_tokens=3)])        # a shell that never called note_sent (tests)
+    core.run([])
+    core.note_sent(time.perf_counter())
+    assert delta(before, snapshot())["send"][0] == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_real_engine_reports_the_first_tokens_device_wait(async_scheduling):
+    """Engine.last_sync_s of the step that produced each request's first token, once per request."""
+    engine = make_engine(block_size=4, num_gpu_blocks=64, async_scheduling=async_scheduling)
+    core = WorkerCore(engine, "w", 1)
+    before = snapshot()
+    run_until_idle(core, [dispatch("a", prompt_len=8, max_tokens=3), dispatch("b", prompt_len=5, max_tokens=2, n=2)])
+    d = delta(before, snapshot())
+    assert_consistent(d, 2)
+    assert d["sync"][0] == 2 and 0 <= d["sync"][1] <= d["prefill"][1], d
+    assert engine.last_sync_s >= 0
+    assert_clean(engine)

@@ -20,6 +20,17 @@ def test_encode_decode_match_transformers(tok, tok_dir):
         assert tok.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False)
 
 
+def test_encode_is_the_tokenizers_encode(tok, tok_dir):
+    """encode() takes encode_batch_fast (no offsets): the same ids as Tokenizer.encode, with and
+    without special tokens, on every script of the corpus, special-token text and odd spacing."""
+    from tokenizers import Tokenizer
+    plain = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    texts = CORPUS + ["<|im_start|>user\nhi<|im_end|>", "", "  spaces  ", "\n\n\t x", " ".join(CORPUS) * 3]
+    for text in texts:
+        for special in (True, False):
+            assert tok.encode(text, add_special_tokens=special) == plain.encode(text, add_special_tokens=special).ids
+
+
 def test_special_tokens_and_eos(tok):
     assert tok.vocab_size == 420
     assert tok.bos_token_id == tok.token_to_id("<|begin_of_text|>")

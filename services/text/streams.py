@@ -1,0 +1,136 @@
+"""The streaming detokenizer's pure core: workers' token batches in, text deltas out. No sockets.
+
+Run by the tokenizer service (tokenizer_svc/main.py) and, with --local-detokenizer, by the gateway
+itself (services/gateway/backend.py: workers then send it their tokens directly, one process hop
+less); it lives in services/ because both import it.
+
+    open(StreamOpen)     a request starts: one IncrementalDetokenizer + StopStringMatcher per sample
+    step(StepOutput)     -> one TextBatch per gateway (all deltas of this step for it), and an
+                            Abort(request, index) to the scheduler for every sample a stop string ended
+    abort(Abort)         forget the request (worker aborted it, or its worker died)
+
+A sample ends when the engine says so (eos/stop token: "stop", "length", "abort") or when one of
+its stop strings appears in the text (then "stop", the text cut right before the stop string,
+and the abort frees the sample's KV on the worker). Tokens of an ended sample are ignored.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from services.protocol.messages import (
+    Abort, SeqTokens, StepOutput, StreamOpen, TextBatch, TextDelta, TokenLogprobText)
+from services.protocol.sampling import SamplingParams
+from services.text.detokenizer import IncrementalDetokenizer
+from services.text.stop_strings import StopStringMatcher
+
+SCHEDULER = "scheduler"
+STREAM_MAX_AGE_S = 3600.0  # a stream whose end was lost is forgotten after this (expire())
+
+
+class Envelope(NamedTuple):
+    dest: str   # gateway address or SCHEDULER
+    msg: Any
+
+
+@dataclass
+class _Sample:
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    done: bool = False
+
+
+@dataclass
+class _Stream:
+    reply_addr: str
+    params: SamplingParams
+    prompt_tail: list[int]
+    samples: dict[int, _Sample] = field(default_factory=dict)
+    opened: float = field(default_factory=time.monotonic)
+
+
+class DetokCore:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.streams: dict[str, _Stream] = {}
+        self.stop_hits = 0
+        self.samples_started = 0   # samples whose first tokens a step carried (the shell times those steps)
+        self._token_text: dict[int, tuple[str, list[int]]] = {}
+
+    def open(self, msg: StreamOpen) -> list[Envelope]:
+        self.streams[msg.request_id] = _Stream(msg.reply_addr, msg.params, msg.prompt_tail)
+        return []
+
+    def abort(self, msg: Abort) -> list[Envelope]:
+        self.streams.pop(msg.request_id, None)
+        return []
+
+    def step(self, msg: StepOutput) -> list[Envelope]:
+        per_gateway: dict[str, list[TextDelta]] = {}
+        out: list[Envelope] = []
+        for seq in msg.seqs:
+            stream = self.streams.get(seq.request_id)
+            if stream is None:
+                continue  # aborted or unknown: nobody waits for it
+            delta = self._advance(stream, seq, out)
+            if delta is not None:
+                per_gateway.setdefault(stream.reply_addr, []).append(delta)
+            if len(stream.samples) == stream.params.n and all(s.done for s in stream.samples.values()):
+                del self.streams[seq.request_id]
+        out += [Envelope(addr, TextBatch(deltas=d)) for addr, d in per_gateway.items()]
+        return out
+
+    def _advance(self, stream: _Stream, seq: SeqTokens, out: list[Envelope]) -> TextDelta | None:
+        p = stream.params
+        sample = stream.samples.get(seq.index)
+        if sample is None:
+            sample = stream.samples[seq.index] = _Sample(
+                IncrementalDetokenizer(self.tok, stream.prompt_tail, p.skip_special_tokens), StopStringMatcher(p.stop))
+            self.samples_started += 1
+        if sample.done:
+            return None
+        text = sample.detok.push(seq.token_ids)
+        engine_finish = seq.finish_reason
+        if engine_finish is not None:
+            text += sample.detok.flush()
+        hit = sample.stops.push(text)
+        text, finish = hit.emit, engine_finish
+        if hit.stopped:
+            finish = "stop"
+            self.stop_hits += 1
+            if engine_finish is None:  # the engine is still generating this sample: stop it
+                out.append(Envelope(SCHEDULER, Abort(request_id=seq.request_id, index=seq.index, reason="stop")))
+        elif engine_finish is not None:
+            text += sample.stops.flush()
+        if finish is not None:
+            sample.done = True
+        logprobs = self._logprobs(seq) if p.logprobs is not None and seq.logprobs is not None else None
+        return TextDelta(seq.request_id, seq.index, text, len(seq.token_ids), finish, logprobs,
+                         seq.num_prompt_tokens, seq.num_cached_tokens)
+
+    def _text_of(self, token_id: int) -> tuple[str, list[int]]:
+        cached = self._token_text.get(token_id)
+        if cached is None:
+            text = self.tok.decode([token_id], skip_special_tokens=False)
+            cached = (text, list(text.encode("utf-8", errors="replace")))
+            if len(self._token_text) < 1 << 18:
+                self._token_text[token_id] = cached
+        return cached
+
+    def _logprobs(self, seq: SeqTokens) -> list[TokenLogprobText]:
+        out = []
+        tops = seq.top or [[] for _ in seq.token_ids]
+        for tid, lp, top in zip(seq.token_ids, seq.logprobs or [], tops):
+            text, raw = self._text_of(tid)
+            alts = [(*self._text_of(t), v) for t, v in top]
+            out.append(TokenLogprobText(text, lp, raw, [(a[0], a[2], a[1]) for a in alts]))
+        return out
+
+    def expire(self, max_age_s: float) -> int:
+        """Forget streams older than max_age_s (their end was lost); returns how many."""
+        now = time.monotonic()
+        old = [rid for rid, s in self.streams.items() if now - s.opened > max_age_s]
+        for rid in old:
+            del self.streams[rid]
+        return len(old)
