@@ -152,18 +152,6 @@ async def idle_ttft(port: int, n: int, prompt_of=None, stages=None) -> dict:
     return out
 
 
-def registry_records(redis_url: str, kind: str) -> list:
-    from services.registry import Registry
-
-    async def go() -> list:
-        reg = Registry(redis_url)
-        try:
-            return await reg.list(kind)
-        finally:
-            await reg.close()
-    return asyncio.run(go())
-
-
 def wait_http(port: int, timeout_s: float = 120) -> None:
     import urllib.request
     deadline = time.monotonic() + timeout_s
@@ -263,7 +251,8 @@ def main() -> int:
         base_ttft, base_step = in_process_baseline(vocab)
         token_prompts = random_token_prompts(model, args.prompt_tokens, args.idle_requests + 20) \
             if args.prompt_tokens else None
-        recs = {kind: registry_records(redis.url, kind) for kind in ("scheduler", "worker", "tokenizer")}
+        from services.registry import list_records
+        recs = {kind: list_records(redis.url, kind) for kind in ("scheduler", "worker", "tokenizer")}
 
         def stages() -> dict:
             return scrape(f"http://127.0.0.1:{port}", lambda kind: recs[kind])

@@ -52,7 +52,6 @@ client's output in one file, $OUT/serve_bench.log. Nothing else is written to $O
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -364,16 +363,9 @@ class ServeStack:
             return False
 
     def records(self, kind: str) -> list:
-        from services.registry import Registry
-
-        async def go():
-            reg = Registry(self.redis.url)
-            try:
-                return await reg.list(kind)
-            finally:
-                await reg.close()
+        from services.registry import list_records
         try:
-            return asyncio.run(go())
+            return list_records(self.redis.url, kind)
         except Exception:
             return []
 

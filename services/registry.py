@@ -122,6 +122,18 @@ class Registry:
         await self.redis.aclose()
 
 
+def list_records(redis_url: str, kind: str) -> list[ServiceRecord]:
+    """Registry.list for synchronous callers (benchmarks, tests): runs its own event loop, so not
+    from inside a running one."""
+    async def go() -> list[ServiceRecord]:
+        reg = Registry(redis_url)
+        try:
+            return await reg.list(kind)
+        finally:
+            await reg.close()
+    return asyncio.run(go())
+
+
 class Membership:
     """The live set of one kind, with a grace period against a Redis restart.
 

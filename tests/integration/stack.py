@@ -1,7 +1,6 @@
 """Test helper: run kvmesh services as real processes (`python -m services.cli <svc>`) on loopback."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -14,7 +13,7 @@ import httpx
 
 from services.embedded_redis import EmbeddedRedis
 
-from services.registry import Registry, ServiceRecord
+from services.registry import list_records
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--lease-ms", "1500", "--heartbeat-ms", "250"]
@@ -60,14 +59,7 @@ class Procs:
         return "\n".join(f"==== {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.log_dir.glob("*.log"))
 
 
-def records(redis_url: str, kind: str) -> list[ServiceRecord]:
-    async def go() -> list[ServiceRecord]:
-        reg = Registry(redis_url)
-        try:
-            return await reg.list(kind)
-        finally:
-            await reg.close()
-    return asyncio.run(go())
+records = list_records   # the registry's records of one kind, from synchronous test code
 
 
 def wait_for(pred, timeout_s: float, what: str, interval: float = 0.1):
