@@ -6,16 +6,25 @@ the same weights quantized to fp8 in place):
     cublas   bf16: norm / RoPE+KV-write / attention / SwiGLU Triton kernels around cuBLAS GEMMs
              (DecoderLayer.gemv_max_m 0): only the Triton kernels can launch early
     gemv     every linear a split-K GEMV (fp8_gemv.py), norms and SwiGLU separate kernels
-             (DecoderLayer._forward_gemv_unfused): all Triton
-    fused    four GEMVs with the norms, SwiGLU and residual adds fused in
-             (DecoderLayer._forward_gemv): all Triton, three kernels fewer per layer
+             (DecoderLayer._forward_gemv, gemv_fuse off): all Triton
+    fused    four GEMVs with the residual adds, the norms and SwiGLU in their epilogues
+             (DecoderLayer._forward_gemv, gemv_fuse): all Triton, three kernels fewer per layer
+    fused-norm, fused-swiglu   only the norms / only SwiGLU in the epilogues
+    gemv-ropekernel            `gemv` with RoPE + KV write as a kernel of its own, not inside the
+                               decode attention kernel (TritonAttentionBackend.fuse_rope_decode)
+
+and, to find where a step's time goes, `gemv` with kernels left out (the tokens are then wrong;
+the time the graph loses is what those kernels cost inside it): gemv-noattn (no RoPE + KV write,
+no attention: o_proj reads q), gemv-nonorm (every RMSNorm an identity), gemv-noswiglu (down reads
+the gate half), gemv-only (all three: the GEMVs, embedding, lm_head and sampling alone).
 
 Each variant recaptures the decode graphs (sizes 1, 2, 4) and measures: the GPU time of one
 batch-1 graph replay at 128 and 8k context (CUDA events, median of 30, real contexts in the
 buffers), and wall tok/s of a 256-token greedy decode at 128 context, sync and with
-async_scheduling. PDL 0 is off, 1 on (results of this script's earlier version also hold 2:
-the next kernel launched at each kernel's start, since dropped); pf is the weight tiles per
-program the GEMVs prefetch before waiting. Variants run in two rounds (A B C .. A B C ..) to show the spread. The greedy
+async_scheduling. PDL 0 is off, 1 on, 3 on with the GEMVs letting the next kernel launch only
+after their K loops (results of this script's earlier version also hold 2: the next kernel
+launched at each kernel's start, since dropped); pf is the weight tiles per program the GEMVs
+prefetch before waiting. Variants run in rounds (A B C .. A B C ..) to show the spread. The greedy
 tokens of every PDL variant must equal those of the same layer mode without PDL (a kernel
 reading its predecessor's output too early would change them). Also the copy-bandwidth ceiling.
 
@@ -56,14 +65,56 @@ def copy_ceiling_gbs() -> float:
     return 2 * a.numel() * 2 / ms / 1e6
 
 
-def set_variant(mode: str, pdl: int, prefetch: int) -> None:
-    """pdl 0: off; 1: on."""
+MODES = ("cublas", "gemv", "fused", "fused-norm", "fused-swiglu", "gemv-ropekernel",
+         "gemv-noattn", "gemv-nonorm", "gemv-noswiglu", "gemv-only")
+_ORIG: dict = {}        # the model's kernel namespace and Attention's methods, as built
+
+
+def _skip_rotate_attend(self, qkv, positions, kv, batch):
+    """Attention.rotate_attend without RoPE, the KV write or attention: q as the output (ablation)."""
+    return qkv[:, : self.q_size].view(qkv.shape[0], self.num_heads, self.head_dim)
+
+
+def _variant_kernels(mode: str, k):
+    """The kernel namespace of a mode: the model's own, or with kernels left out / unfused."""
+    from types import SimpleNamespace
+
+    from gpu_worker.kernels.rmsnorm import NormOutput
+    ns = SimpleNamespace(**vars(k))
+    if mode in ("gemv-nonorm", "gemv-only"):
+        ns.rmsnorm = lambda x, w, eps, residual=None: NormOutput(x, x if residual is None else residual)
+    if mode in ("gemv-noswiglu", "gemv-only"):
+        ns.swiglu = lambda x: x[:, : x.shape[1] // 2]
+
+    def gemv(*a, swiglu_out=False, norm_out=None, **kw):
+        if swiglu_out and mode == "fused-norm":
+            return k.swiglu(k.gemv(*a, **kw))
+        if norm_out is not None and mode == "fused-swiglu":
+            return k.rmsnorm(k.gemv(*a, **kw), *norm_out)
+        return k.gemv(*a, swiglu_out=swiglu_out, norm_out=norm_out, **kw)
+    ns.gemv = gemv if mode in ("fused-norm", "fused-swiglu") else k.gemv
+    return ns
+
+
+def set_variant(mode: str, pdl: int, prefetch: int, model=None) -> None:
+    """pdl 0: off; 1: on; 3: on, the GEMVs let the next kernel launch only after their K loops
+    (fp8_gemv.PDL_LAUNCH_LATE). `model`: the engine's, whose kernels the ablation modes replace."""
+    from gpu_worker.attention.triton_backend import TritonAttentionBackend
     from gpu_worker.kernels import _pdl, fp8_gemv
-    from gpu_worker.models.decoder import DecoderLayer
+    from gpu_worker.models.decoder import Attention, DecoderLayer
     _pdl.ENABLED = pdl > 0
+    fp8_gemv.PDL_LAUNCH_LATE = pdl == 3
+    TritonAttentionBackend.fuse_rope_decode = mode != "gemv-ropekernel"
     fp8_gemv.PDL_PREFETCH_TILES = prefetch
     DecoderLayer.gemv_max_m = 0 if mode == "cublas" else 1
-    DecoderLayer.gemv_weights, DecoderLayer.gemv_fuse = "all", mode == "fused"
+    DecoderLayer.gemv_weights, DecoderLayer.gemv_fuse = "all", mode.startswith("fused")
+    if model is None or model.model.layers[0].kernels is None:
+        return
+    _ORIG.setdefault("kernels", model.model.layers[0].kernels)
+    _ORIG.setdefault("rotate_attend", Attention.rotate_attend)
+    model.use_fused_kernels(_variant_kernels(mode, _ORIG["kernels"]))
+    skip_attn = mode in ("gemv-noattn", "gemv-only")
+    Attention.rotate_attend = _skip_rotate_attend if skip_attn else _ORIG["rotate_attend"]
 
 
 class Decode:
@@ -125,7 +176,7 @@ def build_decode(model_dir: Path, smoke: bool) -> Decode:
 
 
 def measure(d: Decode, weights: str, mode: str, pdl: int, prefetch: int) -> dict:
-    set_variant(mode, pdl, prefetch)
+    set_variant(mode, pdl, prefetch, d.eng.runner.model)
     runner = d.eng.runner
     runner.capture_cuda_graphs(4, d.eng.max_model_len)
     toks = d.tokens()
@@ -137,7 +188,7 @@ def measure(d: Decode, weights: str, mode: str, pdl: int, prefetch: int) -> dict
     long_ms = d.graph_ms(short=False)
     r = dict(weights=weights, mode=mode, pdl=pdl, prefetch=prefetch, graph_ms_128=short_ms,
              graph_ms_8k=long_ms, sync_tok_s=sync, async_tok_s=asyn, tok_s_8k=at8k, tokens=toks)
-    log(f"{weights} {mode:6s} pdl={pdl} pf={prefetch}: graph {short_ms:.3f} / {long_ms:.3f} ms "
+    log(f"{weights} {mode:15s} pdl={pdl} pf={prefetch}: graph {short_ms:.3f} / {long_ms:.3f} ms "
         f"(128 / 8k ctx); {sync:.1f} sync, {asyn:.1f} async tok/s; 8k {at8k:.1f} tok/s")
     return r
 
@@ -148,6 +199,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--budget", type=float, default=400, help="seconds; later rounds are skipped")
+    ap.add_argument("--variants", default="",
+                    help="mode:pdl[:pf],... run for both weights instead of the full plan, e.g. gemv:1,fused:1")
     args = ap.parse_args()
     from gpu_worker.models.layers.fp8 import quantize_linears_fp8
 
@@ -165,6 +218,12 @@ def main() -> None:
     plans = {"bf16": [("cublas", 0, 0), ("fused", 0, 0), ("fused", 1, 0), ("gemv", 0, 0), ("gemv", 1, 0),
                       ("gemv", 1, 1), ("gemv", 1, 2)],
              "fp8": [("fused", 0, 0), ("gemv", 0, 0), ("gemv", 1, 0), ("gemv", 1, 1), ("gemv", 1, 2)]}
+    if args.variants:
+        picked = [(v.split(":") + ["0"])[:3] for v in args.variants.split(",")]
+        bad = [v for v in picked if v[0] not in MODES or not v[1].isdigit() or not v[2].isdigit()]
+        if bad:
+            ap.error(f"--variants: expected mode:pdl[:pf] with mode one of {'|'.join(MODES)}, got {bad}")
+        plans = {w: [(m, int(pdl), int(pf)) for m, pdl, pf in picked] for w in plans}
     end = T0 + args.budget
     for weights in ("bf16", "fp8"):
         if weights == "fp8":
@@ -190,14 +249,20 @@ def main() -> None:
     (out / "pdl_decode_ab.json").write_text(json.dumps(dict(copy_ceiling_gbs=ceiling, runs=results), indent=1))
 
     base = {(r["weights"], r["mode"]): r["tokens"] for r in results if not r["pdl"]}
+    first = {}                                   # without PDL runs: the weights' first variant
+    for r in results:
+        first.setdefault(r["weights"], r["tokens"])
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; batch-1 decode, Llama-3.1-8B shapes (tokens: same greedy "
           "tokens as the mode without PDL)")
-    print(f"{'weights':7s} {'mode':6s} {'pdl':>3s} {'pf':>2s} {'rnd':>3s} {'graph@128':>10s} {'graph@8k':>9s} "
+    print(f"{'weights':7s} {'mode':15s} {'pdl':>3s} {'pf':>2s} {'rnd':>3s} {'graph@128':>10s} {'graph@8k':>9s} "
           f"{'sync':>7s} {'async':>7s} {'8k':>7s} tokens")
     for r in results:
         same = base.get((r["weights"], r["mode"]))
-        verdict = "-" if not r["pdl"] else ("same" if same == r["tokens"] else "DIFFER" if same else "?")
-        print(f"{r['weights']:7s} {r['mode']:6s} {r['pdl']:3d} {r['prefetch']:2d} {r['round']:3d} "
+        if same is None and r["pdl"]:            # no run of this mode without PDL: vs the first run
+            verdict = "same as 1st" if first[r["weights"]] == r["tokens"] else "differ from 1st"
+        else:
+            verdict = "-" if not r["pdl"] else ("same" if same == r["tokens"] else "DIFFER")
+        print(f"{r['weights']:7s} {r['mode']:15s} {r['pdl']:3d} {r['prefetch']:2d} {r['round']:3d} "
               f"{r['graph_ms_128']:10.3f} {r['graph_ms_8k']:9.3f} {r['sync_tok_s']:7.1f} "
               f"{r['async_tok_s']:7.1f} {r['tok_s_8k']:7.1f} {verdict}")
     print(f"total {time.time() - T0:.0f} s")

@@ -380,14 +380,16 @@ class ModelRunner:
         triton only): the prefill kernel per sequence-count class (its BLOCK_B is next_pow2(B),
         and Triton specializes B on == 1 and % 16) and per launch configuration (one per
         PREFILL_CONFIGS bucket that a query of up to `max_query_len` tokens reaches: the first
-        two always), and the decode kernel per split count. No KV writes (slots -1)."""
+        two always), and the decode kernel per split count, in mixed and pure-decode steps (the
+        latter with RoPE fused in when split). No KV writes (slots -1)."""
         if self.device.type != "cuda" or not hasattr(self.attention, "decode_num_splits"):
             return
         counts = sorted({n for n in (1, 2, 3, 5, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512)
                          if n <= max_num_seqs} | {max_num_seqs})
-        for splits in (1, 2, 4, 8, 16, 32):          # decode rows next to a prefill row
-            self.attention.decode_num_splits = splits
+        for splits in (1, 2, 4, 8, 16, 32):          # decode rows next to a prefill row, and alone
+            self.attention.decode_num_splits = splits    # (split: RoPE + KV write fused in)
             self.run_model(self._warmup_batch([17, 1]))
+            self.run_model(self._warmup_batch([1]))
         self.attention.decode_num_splits = 1
         for n in counts:
             for first in _warmup_query_lens(max_query_len):

@@ -29,7 +29,7 @@ import torch
 from gpu_worker.attention.base import AttentionBackend
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels.kv_cache_write import kv_cache_write
-from gpu_worker.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention
+from gpu_worker.kernels.paged_decode_attention import FusedRopeKV, choose_num_splits, paged_decode_attention
 from gpu_worker.kernels.paged_prefill_attention import (paged_prefill_attention, prefill_config,
                                                         prefill_tile_starts)
 from gpu_worker.kernels.rope_kv_write import rope_kv_write
@@ -37,6 +37,13 @@ from gpu_worker.kernels.rope_kv_write import rope_kv_write
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    # Pure-decode steps whose decode kernel is split (long contexts): RoPE and the KV write inside
+    # it (decode_rope_attend), one launch instead of two per layer. On the H200 (bench/
+    # pdl_decode_ab.py, BENCHMARKS.md eighth session), batch-1 graph ms fused vs separate: 8k
+    # context (split) bf16 4.61 vs 4.67, fp8 3.18 vs 3.23; 128 context (unsplit, 8 programs)
+    # bf16 4.47 vs 4.45, fp8 3.15 vs 3.00, hence separate there. A class attribute (benchmarks
+    # A/B it: False never fuses), read at each forward.
+    fuse_rope_decode = True
 
     def __init__(self, sliding_window: int | None = None, decode_num_splits: int | None = None,
                  k_scale: float = 1.0, v_scale: float = 1.0):
@@ -63,6 +70,26 @@ class TritonAttentionBackend(AttentionBackend):
         in place; one kernel instead of rope_ + kv_cache_write. `attend` follows."""
         rope_kv_write(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                       self.k_scale, self.v_scale)
+
+    def decode_rope_attend(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, batch: ForwardBatch,
+                           scale: float) -> torch.Tensor:
+        """A pure-decode step's RoPE, KV write and attention -> (T, nh, D): q and k arrive
+        unrotated (views of the qkv output). One kernel when the decode kernel is split (q and k
+        then stay unrotated in memory), else rope_kv_write then attend (fuse_rope_decode says why)."""
+        out = torch.empty_like(q)
+        if batch.num_tokens == 0:
+            return out
+        splits = self.decode_num_splits or choose_num_splits(
+            batch.num_seqs, k_cache.shape[2], batch.max_context_len, q.device)
+        if splits == 1:
+            self.rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, batch.slot_mapping)
+            return self.attend(q, k_cache, v_cache, batch, scale, k, v)
+        paged_decode_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
+            max_context_len=batch.max_context_len, query_start_loc=batch.query_start_loc,
+            out=out, num_splits=splits, sliding_window=self.sliding_window, k_scale=self.k_scale,
+            v_scale=self.v_scale, rope=FusedRopeKV(positions, cos_sin_cache, k, v, batch.slot_mapping))
+        return out
 
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:

@@ -87,11 +87,21 @@ def pdl_kwargs(t: torch.Tensor) -> dict:
 
 
 @triton.jit
-def pdl_wait(PDL: tl.constexpr):
+def pdl_wait(PDL: tl.constexpr, LAUNCH: tl.constexpr = True):
     """Block until the previous kernel has finished and its memory writes are visible; then let
-    the next kernel launch."""
+    the next kernel launch (LAUNCH False: the kernel calls pdl_launch itself, later)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+        if LAUNCH:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_launch(PDL: tl.constexpr):
+    """Let the next kernel launch once every program of this one has got here (or exited): a
+    kernel of several waves of programs calls it near its end, so that the next kernel's programs
+    do not take SM slots its own last wave still needs."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 

@@ -13,6 +13,14 @@ weight streaming), each rounding where Hugging Face's unfused layer rounds to x'
     swiglu=True     x (M, 2K) = [gate | up] <- silu(gate) * up   (SwiGLU prologue)
     residual=r      y <- y + r                        (residual-add epilogue, r (M, N))
 
+and two that replace the kernel after the GEMV instead of the one before, with no work repeated
+(the prologues above redo their norm / SwiGLU in every program that reads x):
+
+    swiglu_out=True  returns silu(y[:, :N/2]) * y[:, N/2:]   (gate_up; the later of each (gate, up)
+                                                              tile pair to finish computes it)
+    norm_out=(g, e)  returns (RMSNorm(y), y)                  (o_proj, down; the grid's last
+                                                              finishing tile normalizes whole rows)
+
 At batch 1 a linear layer is one pass over its weights, so the kernel is built to stream them at
 the copy rate: every program reads a (BLOCK_N, BLOCK_K) weight tile per step with 16-byte loads
 and walks its share of K; x (a few KB) stays in L1/L2. The M rows are handled one of two ways
@@ -64,10 +72,13 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels._pdl import pdl_kwargs, pdl_wait, prefetch_l2
+from gpu_worker.kernels._pdl import pdl_kwargs, pdl_launch, pdl_wait, prefetch_l2
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2
+from gpu_worker.kernels.rmsnorm import NormOutput, rmsnorm, rmsnorm_ref
+from gpu_worker.kernels.swiglu import swiglu as swiglu_kernel, swiglu_ref
 
 MAX_M = 8                   # rows per call; the dot path pads to DOT_ROWS
+MAX_NORM_OUT = 16384        # widest row the RMSNorm epilogue holds in one program's registers
 DOT_ROWS = 16
 F8 = torch.float8_e4m3fn
 
@@ -132,6 +143,9 @@ DEFAULTS: dict[tuple[str, int], GemvConfig] = {
 # kernel finishes. bench/pdl_decode_ab.py on the H200 (batch-1 graph, unfused GEMV layers): 0 / 1
 # / 2 tiles gave bf16 4.546 / 4.533 / 4.651 ms, fp8 3.013 / 3.061 / 3.205 ms: none by default.
 PDL_PREFETCH_TILES = 0
+# With PDL on: the kernel after a GEMV may launch once every GEMV program has finished its K loop
+# (True), or once every program has passed its wait at the start (False, _pdl.py's rule).
+PDL_LAUNCH_LATE = False
 
 SM_COUNT = 132              # H100/H200
 PROGRAMS_PER_SM = {True: 2, False: 8}   # auto split-K target per SM: dot programs (~160 registers
@@ -246,6 +260,7 @@ def _upcast(w, DT: tl.constexpr, UPCAST: tl.constexpr):
 
 
 PRO_NONE, PRO_NORM, PRO_SWIGLU = 0, 1, 2     # the prologue applied to x as it is loaded
+EPI_NONE, EPI_SWIGLU, EPI_NORM = 0, 1, 2     # the epilogue run once an output tile is finished
 
 
 @triton.jit
@@ -318,21 +333,63 @@ def _finish(v, rows, rn, m_ok, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE: t
     tl.store(y_ptr + offs, v.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _epilogue(y_ptr, a_ptr, ew_ptr, ecnt_ptr, ep_eps, M, N, HALF, pid_n, n_tiles,
+              EPI: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Run by the program that has just stored output tile pid_n of y. EPI_SWIGLU (y = [gate | up],
+    HALF = N / 2 columns each, HALF % BLOCK_N == 0): the second of the tile pair (gate tile, up
+    tile) to arrive writes a[:, tile] = silu(gate) * up (fp32, one rounding: kernels/swiglu.py).
+    EPI_NORM: the last of the grid's n_tiles finishers writes a = RMSNorm(y) of whole rows (weight
+    ew, epsilon ep_eps; kernels/rmsnorm.py's roundings). ecnt_ptr: this epilogue's arrival
+    counters (zero, and left zero); y's other tiles are read from L2 (.cg): they were stored by
+    other programs, released by their atomic and acquired by this one's."""
+    tl.debug_barrier()                                          # every thread's store of the tile ...
+    if EPI == 1:
+        pair = pid_n % (HALF // BLOCK_N)
+        seen = tl.atomic_add(ecnt_ptr + pair, 1, sem="acq_rel", scope="gpu")      # ... then released
+        if seen == 1:
+            rows = tl.arange(0, R)
+            cols = pair * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs = rows[:, None] * N + cols[None, :]
+            mask = (rows < M)[:, None] & (cols < HALF)[None, :]
+            g = tl.load(y_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            u = tl.load(y_ptr + offs + HALF, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            act = g / (1.0 + tl.exp(-g)) * u
+            tl.store(a_ptr + rows[:, None] * HALF + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=mask)
+            tl.store(ecnt_ptr + pair, 0)
+    else:
+        seen = tl.atomic_add(ecnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if seen == n_tiles - 1:                  # whole rows in registers: one pass over L2
+            cols = tl.arange(0, BLOCK_H)          # (two passes of 1,024 measured slower on the H200)
+            cmask = cols < N
+            w = tl.load(ew_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            for m in range(0, M):
+                v = tl.load(y_ptr + m * N + cols, mask=cmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / N + ep_eps)
+                out = (v * rstd).to(y_ptr.dtype.element_ty).to(tl.float32) * w
+                tl.store(a_ptr + m * N + cols, out.to(a_ptr.dtype.element_ty), mask=cmask)
+            tl.store(ecnt_ptr, 0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, g_ptr, r_ptr, eps,
+                 a_ptr, ew_ptr, ecnt_ptr, ep_eps, HALF,
                  M, N, K, K_SPLIT, stride_xm, stride_wn,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr,
-                 PRO: tl.constexpr, HAS_RES: tl.constexpr,
+                 PRO: tl.constexpr, HAS_RES: tl.constexpr, EPI: tl.constexpr, BLOCK_H: tl.constexpr,
                  ROWS: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                 PDL: tl.constexpr, PF_TILES: tl.constexpr, PF_LINES: tl.constexpr):
+                 PDL: tl.constexpr, PF_TILES: tl.constexpr, PF_LINES: tl.constexpr,
+                 LAUNCH_LATE: tl.constexpr):
     """Program (pid_n, pid_k): output columns pid_n*BLOCK_N.., K range [pid_k*K_SPLIT, +K_SPLIT).
     MODE 0: y directly; 1: partial (pid_k, :, cols) into p; 2: partial, then the last program
     of the column tile reduces them (cnt_ptr: per-tile arrival counters, left at 0).
     PRO: the prologue on x (PRO_NORM: g_ptr the RMSNorm weight; PRO_SWIGLU: x is [gate | up]);
-    HAS_RES: r_ptr (M, N) is added to the result. PDL (kernels/_pdl.py): the first PF_TILES
-    weight tiles of the program (PF_LINES 128-byte lines per tile row) are prefetched into L2
-    before waiting for the previous kernel: weights are never another kernel's output."""
+    HAS_RES: r_ptr (M, N) is added to the result. EPI: `_epilogue` into a_ptr once a tile is
+    finished (ew_ptr, ep_eps: its RMSNorm; ecnt_ptr: its counters; HALF: SwiGLU's N / 2).
+    PDL (kernels/_pdl.py): the first PF_TILES weight tiles of the program (PF_LINES 128-byte
+    lines per tile row) are prefetched into L2 before waiting for the previous kernel: weights
+    are never another kernel's output."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -347,7 +404,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, g_ptr, r_ptr
         for t in tl.static_range(PF_TILES):
             kk = tl.minimum(k_lo + t * BLOCK_K + pf_k, k_hi - 1)
             prefetch_l2(w_ptr + rn_w[:, None].to(tl.int64) * stride_wn + kk[None, :])
-    pdl_wait(PDL)
+    pdl_wait(PDL, not LAUNCH_LATE)
     rows = tl.arange(0, R)
     m_ok = rows < M
     # PRO_NORM: 1/rms of each row over all of K (every program: x is a few KB, in L2); the FMA
@@ -419,6 +476,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, g_ptr, r_ptr
                 acc6 += _row_dot(wf, xr + 6 * stride_xm, rk, k_ok, g_ptr, rs6, K, EVEN_K, PRO)
             if ROWS > 7:
                 acc7 += _row_dot(wf, xr + 7 * stride_xm, rk, k_ok, g_ptr, rs7, K, EVEN_K, PRO)
+    pdl_launch(LAUNCH_LATE)                    # (only with PDL on)
     # FMA path: rows go out one by one (the accumulators keep the reduction's layout in the loop)
     p_ptrs = p_ptr + rows[None, :] * N + rn[:, None]              # split s at + s * M * N
     pmask = n_ok[:, None] & m_ok[None, :]
@@ -461,6 +519,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, g_ptr, r_ptr
                 tl.store(pr + 6 * N, acc6, mask=n_ok)
             if ROWS > 7:
                 tl.store(pr + 7 * N, acc7, mask=n_ok)
+    if MODE == 0 and EPI != 0:
+        _epilogue(y_ptr, a_ptr, ew_ptr, ecnt_ptr, ep_eps, M, N, HALF, pid_n, tl.num_programs(0),
+                  EPI, R, BLOCK_N, BLOCK_H)
     if MODE == 2:
         tl.debug_barrier()                                         # the whole tile is stored ...
         count = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")   # ... then released
@@ -471,6 +532,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, g_ptr, r_ptr
                 tot += tl.load(p_ptrs + s * M * N, mask=pmask, other=0.0, cache_modifier=".cg")
             _finish(tot, rows, rn, m_ok, n_ok, s_ptr, b_ptr, r_ptr, y_ptr, N, HAS_SCALE, HAS_BIAS, HAS_RES)
             tl.store(cnt_ptr + pid_n, 0)
+            if EPI != 0:
+                _epilogue(y_ptr, a_ptr, ew_ptr, ecnt_ptr, ep_eps, M, N, HALF, pid_n, tl.num_programs(0),
+                          EPI, R, BLOCK_N, BLOCK_H)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT"])
@@ -493,7 +557,8 @@ def _splitk_reduce_kernel(p_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M, N, SPLIT,
 # -------------------------------------------------------------------------------------- launcher
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-_COUNTER_SLOTS = 1 << 16
+_COUNTER_SLOTS = 1 << 16    # [0, PAIR_SLOTS): split-K column tiles; then SwiGLU tile pairs; the
+PAIR_SLOTS = 1 << 15        # last slot: the RMSNorm epilogue's grid-wide count
 
 
 def _counters(device: torch.device) -> torch.Tensor | None:
@@ -530,7 +595,7 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig) -> _Launch:
     k_split = per * block_k
     mode = 0
     if split > 1:
-        mode = 2 if cfg.reduce == "last" and triton.cdiv(N, block_n) <= _COUNTER_SLOTS else 1
+        mode = 2 if cfg.reduce == "last" and triton.cdiv(N, block_n) <= PAIR_SLOTS else 1
     upcast = cfg.upcast if fp8 else 0
     if upcast == 2 and (interpreting() or not dot or x.dtype == torch.float32):
         upcast = 1
@@ -543,12 +608,16 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig) -> _Launch:
 def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
             bias: torch.Tensor | None = None, *, config: GemvConfig | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None = None, swiglu_out: bool = False,
+            norm_out: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | NormOutput:
     """(M, K) x, M <= MAX_M, unit last stride; (N, K) e4m3 weight; (N,) fp32 scale -> (M, N) in
     x's dtype. With scale None the weight may be any float dtype (a plain GEMV). `config`
     overrides gemv_config's choice (sweeps, tests). Fusions (module doc): `norm_weight` (K,)
     RMSNorm-s x first (epsilon `eps`); `swiglu`: x is (M, 2K) [gate | up]; `residual` (M, N)
-    row-major is added to the result."""
+    row-major is added to the result. Epilogues: `swiglu_out` returns silu(gate) * up (M, N/2)
+    of y = [gate | up]; `norm_out` (weight (N,), epsilon) returns NormOutput(RMSNorm(y), y).
+    Where an epilogue cannot run in the GEMV (a two-pass reduction, a tile that does not divide
+    N/2), the SwiGLU / RMSNorm kernel runs after it: the same result."""
     M = x.shape[0]
     N, K = weight.shape
     assert 1 <= M <= MAX_M and x.stride(1) == 1, f"x must be (M <= {MAX_M}, K) row-major, got {tuple(x.shape)}"
@@ -558,18 +627,30 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     assert norm_weight is None or norm_weight.shape == (K,)
     assert residual is None or (residual.shape == (M, N) and residual.is_contiguous())
     assert scale is not None or weight.dtype != F8, "e4m3 weights need their scale"
+    assert not (swiglu_out and norm_out), "one epilogue: SwiGLU or RMSNorm"
+    assert not swiglu_out or (N % 2 == 0 and residual is None), "swiglu_out: y = [gate | up], no residual"
+    assert norm_out is None or norm_out[0].shape == (N,), "norm_out: an (N,) RMSNorm weight"
     check_device(x, weight)
+    # the FUSED_TUNED key (the epilogues, no work repeated per program, take the plain configs)
     fusion = "+".join(f for f, on in (("norm", norm_weight is not None), ("swiglu", swiglu),
                                       ("res", residual is not None)) if on)
     cfg = config or gemv_config(M, N, K, weight.dtype, fusion)
     plan = _plan(x, weight, cfg)
     mode = plan.mode
     cnt = None
-    if mode == 2:
+    if mode == 2 or swiglu_out or norm_out:
         cnt = _counters(x.device)
-        if cnt is None:
+        if cnt is None and mode == 2:
             plan = _plan(x, weight, cfg._replace(reduce="two_pass"))
             mode = plan.mode
+    epi, a, ew, ep_eps, ecnt, block_n = EPI_NONE, None, weight, 0.0, cnt, plan.kw["BLOCK_N"]
+    if cnt is not None and mode != 1:
+        if swiglu_out and (N // 2) % block_n == 0 and N // 2 // block_n < _COUNTER_SLOTS - 1 - PAIR_SLOTS:
+            epi, ecnt = EPI_SWIGLU, cnt[PAIR_SLOTS:]
+            a = torch.empty((M, N // 2), dtype=x.dtype, device=x.device)
+        elif norm_out is not None and N <= MAX_NORM_OUT:
+            epi, ecnt, (ew, ep_eps) = EPI_NORM, cnt[_COUNTER_SLOTS - 1:], norm_out
+            a = torch.empty((M, N), dtype=x.dtype, device=x.device)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     p = torch.empty((plan.split, M, N), dtype=torch.float32, device=x.device) if mode else y
     s_arg = weight if scale is None else scale           # never read when HAS_SCALE / HAS_BIAS False
@@ -580,23 +661,33 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     pdl = pdl_kwargs(x)
     pf_tiles = min(PDL_PREFETCH_TILES, triton.cdiv(plan.k_split, plan.kw["BLOCK_K"])) if pdl["PDL"] else 0
     pf_lines = max(1, plan.kw["BLOCK_K"] * weight.element_size() // 128)
+    late = bool(pdl["PDL"]) and PDL_LAUNCH_LATE
     _gemv_kernel[plan.grid](x, weight, s_arg, b_arg, y, p, y if cnt is None else cnt, g_arg, r_arg, eps,
+                            y if a is None else a, ew, y if ecnt is None else ecnt, ep_eps, N // 2,
                             M, N, K, plan.k_split, x.stride(0), weight.stride(0),
                             HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PRO=pro,
-                            HAS_RES=residual is not None, PF_TILES=pf_tiles, PF_LINES=pf_lines, **pdl, **plan.kw)
+                            HAS_RES=residual is not None, EPI=epi, BLOCK_H=next_pow2(N) if epi == EPI_NORM else 16,
+                            PF_TILES=pf_tiles, PF_LINES=pf_lines, LAUNCH_LATE=late, **pdl, **plan.kw)
     if mode == 1:
         R = max(2, next_pow2(M))
         _splitk_reduce_kernel[(triton.cdiv(N, 256),)](p, s_arg, b_arg, r_arg, y, M, N, plan.split,
                                                       HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
                                                       HAS_RES=residual is not None, R=R, BLOCK_N=256,
                                                       num_warps=4, **pdl)
+    if swiglu_out:
+        return a if epi == EPI_SWIGLU else swiglu_kernel(y)
+    if norm_out is not None:
+        return NormOutput(a, y) if epi == EPI_NORM else rmsnorm(y, norm_out[0], norm_out[1])
     return y
 
 
 def w8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                 bias: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None,
-                eps: float = 1e-6, swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """w8_gemv in torch ops, rounding to x's dtype where Hugging Face's unfused layers do."""
+                eps: float = 1e-6, swiglu: bool = False, residual: torch.Tensor | None = None,
+                swiglu_out: bool = False, norm_out: tuple[torch.Tensor, float] | None = None
+                ) -> torch.Tensor | NormOutput:
+    """w8_gemv in torch ops, rounding to x's dtype where Hugging Face's unfused layers do (the
+    epilogues where the SwiGLU / RMSNorm kernels do)."""
     dt = x.dtype
     if swiglu:
         gate, up = x.float().split(weight.shape[1], dim=-1)
@@ -608,5 +699,8 @@ def w8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     w = weight.float() if scale is None else weight.float() * scale[:, None]
     y = x.float() @ w.t()
     y = (y if bias is None else y + bias.float()).to(dt)
-    return y if residual is None else (y.float() + residual.float()).to(dt)
+    y = y if residual is None else (y.float() + residual.float()).to(dt)
+    if swiglu_out:
+        return swiglu_ref(y)
+    return y if norm_out is None else rmsnorm_ref(y, norm_out[0], norm_out[1])
 

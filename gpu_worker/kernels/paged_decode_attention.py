@@ -41,11 +41,20 @@ The fp16 variants assume |q| < 65504 (bf16 q converts to fp16 exactly in fp16's 
 The bit variants decode e4m3 (an e5m2 cache uses "f16"); e4m3fn's NaN codes (never written: the
 cache write saturates at +-448) would read as +-480.
 
+Fused RoPE + KV write (`rope=FusedRopeKV(...)`, rope_kv_write.py's work in this kernel: one launch
+fewer per layer of a decode step): q and this step's k arrive unrotated; each program rotates its
+query heads in registers (fp32 maths, rounded to q's dtype as rope_kv_write stores them), and the
+program whose partition holds the sequence's last key (the new token) rotates its KV head's k,
+writes k, v into the cache slot, and attends to them from registers after its cached tiles (no
+read-back of its own write). Pure-decode batches, head_dim a power of two.
+
 Rows: with `query_start_loc`, sequence b's query is row query_start_loc[b] of q/out and sequences
 whose query_len != 1 are skipped (the prefill kernel handles them in a mixed batch). Without it,
 q has one row per sequence. A context length of 0 (a padded CUDA-graph row) writes zeros.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -101,9 +110,27 @@ def _upcast_tile(x, UPCAST: tl.constexpr, DT: tl.constexpr):
     return y
 
 
+class FusedRopeKV(NamedTuple):
+    """This step's rotary embedding and KV write, for paged_decode_attention to do (module doc)."""
+    positions: torch.Tensor      # (T,) int
+    cos_sin: torch.Tensor        # (max_position, head_dim) [cos | sin] fp32 (rope.py's table)
+    k: torch.Tensor              # (T, num_kv_heads, head_dim) this step's keys, unrotated
+    v: torch.Tensor              # (T, num_kv_heads, head_dim)
+    slot_mapping: torch.Tensor   # (T,) cache slot of each row's new token, < 0: no write
+
+
+@triton.jit
+def _rotate(x_ptr, partner_offs, mask, x, cos, sin, d, HALF: tl.constexpr):
+    """x rotated by HF's rotate_half (fp32 maths, rounded to x's dtype): x's partner elements are
+    loaded from x_ptr + partner_offs (d +- HALF)."""
+    x2 = tl.load(x_ptr + partner_offs, mask=mask, other=0.0).to(tl.float32)
+    sgn = tl.where(d < HALF, -1.0, 1.0)
+    return (x.to(tl.float32) * cos + sgn * x2 * sin).to(x.dtype)
+
+
 # Step-dependent scalars and pointers into the engine's per-step staging buffers: specializing on
 # their values or 16-byte alignment would compile a new variant mid-serving (a ~1 s stall).
-_STEP_PTRS = ["block_tables_ptr", "context_lens_ptr", "qsl_ptr"]
+_STEP_PTRS = ["block_tables_ptr", "context_lens_ptr", "qsl_ptr", "pos_ptr", "slot_ptr"]
 
 
 @triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=_STEP_PTRS)
@@ -113,10 +140,16 @@ def _decode_stage1_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h, stride_pm_s,
+    pos_ptr, cs_ptr, kn_ptr, vn_ptr, slot_ptr, stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    inv_k_scale, inv_v_scale, fp8_max,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_QSL: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
+    """Program (b, g, split). ROPE (module doc): pos_ptr, cs_ptr (cos | sin table), kn_ptr, vn_ptr
+    (this step's unrotated k, v), slot_ptr (their cache slots); KV_FP8: written scaled and
+    saturated to +-fp8_max, as kv_cache_write does."""
     pdl_wait(PDL)                  # kernels/_pdl.py: before the early return of prefill rows too
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -137,8 +170,33 @@ def _decode_stage1_kernel(
     hmask = tl.arange(0, GROUP_PAD) < GROUP
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0)          # (GROUP_PAD, BLOCK_D)
+    q_offs = row * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_ptr + q_offs + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)  # (GROUP_PAD, BLOCK_D)
+    if ROPE:                       # BLOCK_D == HEAD_DIM: d +- HALF is the rotate_half partner
+        HALF = HEAD_DIM // 2
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        cos = tl.load(cs_ptr + pos * stride_cs + d % HALF).to(tl.float32)
+        sin = tl.load(cs_ptr + pos * stride_cs + HALF + d % HALF).to(tl.float32)
+        q = _rotate(q_ptr, q_offs + partner[None, :], hmask[:, None], q, cos[None, :], sin[None, :], d[None, :], HALF)
+        # this step's key and value of KV head g, as the cache stores them
+        kn_offs = row * stride_knt + g * stride_knh
+        kn = tl.load(kn_ptr + kn_offs + d)
+        kr = _rotate(kn_ptr, kn_offs + partner, d < HEAD_DIM, kn, cos, sin, d, HALF)
+        vn = tl.load(vn_ptr + row * stride_vnt + g * stride_vnh + d)
+        if KV_FP8:
+            kw = tl.clamp(kr.to(tl.float32) * inv_k_scale, -fp8_max, fp8_max).to(k_cache_ptr.dtype.element_ty)
+            vw = tl.clamp(vn.to(tl.float32) * inv_v_scale, -fp8_max, fp8_max).to(v_cache_ptr.dtype.element_ty)
+        else:
+            kw, vw = kr.to(k_cache_ptr.dtype.element_ty), vn.to(v_cache_ptr.dtype.element_ty)
+        # the partition that holds the new key (the context's last) writes it, and takes it from
+        # registers after its tiles instead of reading it back from the cache
+        has_new = (end == n_ctx) & (start < end)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        if has_new & (slot >= 0):
+            tl.store(k_cache_ptr + (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + g * stride_kh + d, kw)
+            tl.store(v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + g * stride_vh + d, vw)
+        end = end - has_new.to(tl.int32)
     if UPCAST != 0:
         q = q.to(tl.float16)       # fp8 cache, fp16 dots: exact for bf16 q with |q| < 65504
 
@@ -159,6 +217,17 @@ def _decode_stage1_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _upcast_tile(v, UPCAST, q.dtype))
         m = m_new
+    if ROPE:
+        if has_new:                # the new key: one more online-softmax step, the tiles' roundings
+            k1 = _upcast_tile(kw[None, :], UPCAST, q.dtype).to(tl.float32)          # (1, BLOCK_D)
+            v1 = _upcast_tile(vw[None, :], UPCAST, q.dtype).to(tl.float32)
+            s1 = tl.sum(q.to(tl.float32) * k1, axis=1) * qk_scale                   # (GROUP_PAD,)
+            m_new = tl.maximum(m, s1)
+            alpha = tl.exp2(m - m_new)
+            p1 = tl.exp2(s1 - m_new)
+            l = l * alpha + p1
+            acc = acc * alpha[:, None] + p1.to(q.dtype).to(tl.float32)[:, None] * v1
+            m = m_new
 
     acc = acc * v_scale                                     # fp8 cache: the V scale (else 1; x 2^8 for bits)
     if DIRECT:
@@ -288,6 +357,7 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     fp8_upcast: str | None = None,                # fp8 caches: "bf16" | "f16" | "f16_bits" | "f16_asm"
+    rope: FusedRopeKV | None = None,              # RoPE + this step's KV write fused in (module doc)
 ) -> torch.Tensor:
     """Attention of each sequence's single new query over its paged context (module docstring)."""
     T, n_heads, head_dim = q.shape
@@ -336,16 +406,18 @@ def paged_decode_attention(
         pm_strides = part_ml.stride()[:3]
     qsl = query_start_loc if query_start_loc is not None else context_lens
     BLOCK_D = next_pow2(head_dim)
+    rope_args = _rope_args(rope, q, k_cache, k_scale, v_scale)
     _decode_stage1_kernel[(B, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, qsl, out, part_acc, part_ml,
         scale * k_scale * kv_mul * LOG2E, v_scale * kv_mul, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        *pa_strides, *pm_strides,
+        *pa_strides, *pm_strides, *rope_args,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
         BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
         HAS_QSL=query_start_loc is not None, DIRECT=direct, UPCAST=upcast,
+        ROPE=rope is not None, KV_FP8=rope is not None and k_cache.dtype in _FP8_DTYPES,
         num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(q),
     )
     if not direct:
@@ -355,6 +427,23 @@ def paged_decode_attention(
             HAS_QSL=query_start_loc is not None, num_warps=4, **pdl_kwargs(q),
         )
     return out
+
+
+def _rope_args(rope: FusedRopeKV | None, q: torch.Tensor, k_cache: torch.Tensor, k_scale: float,
+               v_scale: float) -> tuple:
+    """The stage-1 kernel's RoPE + KV-write arguments (placeholders without `rope`)."""
+    if rope is None:
+        return (q, q, q, q, q, 0, 0, 0, 0, 0, 1.0, 1.0, 0.0)
+    T, n_kv, head_dim = q.shape[0], k_cache.shape[2], q.shape[2]
+    cs = rope.cos_sin.reshape(rope.cos_sin.shape[0], -1)
+    assert head_dim == next_pow2(head_dim) and cs.shape[1] == head_dim, "fused RoPE: head_dim a power of two"
+    assert rope.k.shape == (T, n_kv, head_dim) and rope.v.shape == rope.k.shape, "rope.k, rope.v: (T, nkv, D)"
+    assert rope.positions.shape == (T,) and rope.slot_mapping.shape == (T,)
+    assert cs.stride(-1) == 1 and rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1
+    check_device(q, rope.positions, cs, rope.k, rope.v, rope.slot_mapping)
+    fp8_max = torch.finfo(k_cache.dtype).max if k_cache.dtype in _FP8_DTYPES else 0.0
+    return (rope.positions, cs, rope.k, rope.v, rope.slot_mapping, cs.stride(0), rope.k.stride(0),
+            rope.k.stride(1), rope.v.stride(0), rope.v.stride(1), 1.0 / k_scale, 1.0 / v_scale, fp8_max)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:

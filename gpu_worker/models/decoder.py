@@ -52,9 +52,23 @@ class Attention(nn.Module):
         self.backend = backend    # not an nn.Module: the runner owns it
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, batch: ForwardBatch):
-        q, k, v, cached = self.project(x, positions, kv, batch.slot_mapping)
-        out = self.attend(q, k, v, cached, kv, batch)                       # (T, nh, D)
+        out = self.rotate_attend(self.qkv_proj(x), positions, kv, batch)    # (T, nh, D)
         return self.o_proj(out.reshape(x.shape[0], self.q_size))            # (T, H)
+
+    def rotate_attend(self, qkv: torch.Tensor, positions: torch.Tensor, kv: KVCache, batch: ForwardBatch):
+        """rotate() then attend() -> (T, nh, D). A pure-decode step goes to the backend's
+        decode_rope_attend where it has one (triton), which runs RoPE, the KV write and attention
+        as one kernel where that is faster (long contexts; q and k then stay unrotated in qkv)."""
+        if (self.kernels is not None and self.q_norm is None and batch.is_pure_decode
+                and getattr(self.backend, "fuse_rope_decode", False)):
+            t = qkv.shape[0]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.backend.decode_rope_attend(
+                q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim), positions, self.rope.cos_sin, kv[0], kv[1],
+                batch, self.scale)
+        q, k, v, cached = self.rotate(qkv, positions, kv, batch.slot_mapping)
+        return self.attend(q, k, v, cached, kv, batch)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, slot_mapping: torch.Tensor):
         """The part before attention proper -> (q, k, v, cached): q (T, nh, D) and k (T, nkv, D)
@@ -104,24 +118,31 @@ def _decode_gemv_env() -> tuple[int, str, bool]:
     return int(m), w, f == "1"
 
 
+class NormedStream(NamedTuple):
+    """What a fused-GEMV layer returns as its `residual`: the residual stream with both adds done,
+    while the x it returns is already RMSNorm(stream) with the weights of the norm that comes next
+    (the next layer's input_layernorm, or the model's final norm): that norm ran in the layer's
+    last GEMV (fp8_gemv's norm_out epilogue), not as a kernel of its own."""
+    stream: torch.Tensor
+
+
 class DecoderLayer(nn.Module):
     kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
     gemv_max_m, gemv_weights, gemv_fuse = _decode_gemv_env()
     """Steps of 1..gemv_max_m tokens (at most fp8_gemv.MAX_M) on CUDA, in layers whose weights are
     fp8 (gemv_weights "fp8") or any (gemv_weights "all"), run every linear as the split-K GEMV of
     kernels/fp8_gemv.py instead of cuBLAS / _scaled_mm, so a layer is Triton kernels only and each
-    launches early under programmatic dependent launch (kernels/_pdl.py). gemv_fuse False
-    (_forward_gemv_unfused): the norms and SwiGLU stay kernels of their own. gemv_fuse True
-    (_forward_gemv): the input RMSNorm goes into the qkv GEMV's prologue, the residual add into
-    o_proj's epilogue, the post-attention RMSNorm into gate_up's prologue, SwiGLU into down's
-    prologue and the second residual add into its epilogue: three kernels fewer, but every
-    program recomputes its prologue before its first weight load.
-    Measured on the H200 (bench/pdl_decode_ab.py, BENCHMARKS.md sixth session; batch-1 graph,
-    128 context): bf16 cuBLAS 4.82 ms, fused 4.72 (4.63 with PDL), unfused GEMVs 4.67 (4.55 with
-    PDL); fp8 fused 3.15, unfused 3.19 (3.01 with PDL). Hence one row, any weights, unfused
-    by default; M > 1 is unmeasured. Class attributes read at each forward (before CUDA-graph
-    capture), set at import from KVMESH_DECODE_GEMV_MAX_M (0: off), KVMESH_DECODE_GEMV_WEIGHTS
-    and KVMESH_DECODE_GEMV_FUSE."""
+    launches early under programmatic dependent launch (kernels/_pdl.py). gemv_fuse False: the
+    norms and SwiGLU stay kernels of their own. gemv_fuse True: they move into the epilogue of
+    the GEMV before them (fp8_gemv's norm_out and swiglu_out): o_proj adds the residual and
+    writes the post-attention norm, gate_up writes SwiGLU, down adds the residual and writes the
+    next layer's input norm (NormedStream): three kernels fewer a layer, no work repeated.
+    (The fifth session's fusion into the GEMVs' prologues instead, where every program redoes
+    the norm / SwiGLU of its x, was slower than separate kernels: BENCHMARKS.md sixth session.)
+    One row, any weights, unfused, by default (the fused layer measured slower with PDL:
+    docs/architecture.md says why); M > 1 is unmeasured. Class attributes read at each forward
+    (before CUDA-graph capture), set at import from KVMESH_DECODE_GEMV_MAX_M (0: off),
+    KVMESH_DECODE_GEMV_WEIGHTS and KVMESH_DECODE_GEMV_FUSE."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype,
                  layer_idx: int = 0):
@@ -135,16 +156,20 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
-    def forward(self, x, residual, positions, kv: KVCache, batch: ForwardBatch):
+    def forward(self, x, residual, positions, kv: KVCache, batch: ForwardBatch, next_norm: RMSNorm | None = None):
         """x (T, H): the previous layer's MLP output (or the embeddings); residual (T, H): the
-        residual stream before x is added (None in the first layer). -> (mlp out, residual);
-        the adds happen inside the norms (one fused kernel each on CUDA). The fused-GEMV path
-        returns (the residual stream with both adds done, None) instead."""
+        residual stream before x is added (None in the first layer), or a NormedStream (x is
+        then this layer's input norm, done). -> (mlp out, residual); the adds happen inside the
+        norms (one fused kernel each on CUDA). The fused-GEMV path returns (next_norm(stream),
+        NormedStream(stream)) instead, or (stream, None) without a next_norm."""
+        if isinstance(residual, NormedStream):
+            h, residual = x, residual.stream
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
         if self.kernels is not None and 0 < x.shape[0] <= min(self.gemv_max_m, self.kernels.gemv_max_rows):
             ops = self._gemv_operands()
             if ops is not None:
-                return self._forward_gemv(ops, x, residual, positions, kv, batch)
-        h, residual = self.input_layernorm.add_forward(x, residual)
+                return self._forward_gemv(ops, h, residual, positions, kv, batch, next_norm)
         h = self.self_attn(h, positions, kv, batch)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
@@ -162,30 +187,23 @@ class DecoderLayer(nn.Module):
             return None
         return ops
 
-    def _forward_gemv(self, ops: list, x, residual, positions, kv: KVCache, batch: ForwardBatch):
+    def _forward_gemv(self, ops: list, h, residual, positions, kv: KVCache, batch: ForwardBatch,
+                      next_norm: RMSNorm | None):
+        """forward() after the input norm (h normalized, residual the stream) with every linear a
+        plain GEMV (16-bit weights too, which nn.Linear would send to cuBLAS); gemv_fuse: with the
+        norms and SwiGLU in the GEMVs' epilogues."""
+        qkv, o, gate_up, down = ops
+        gemv, attn, norm2 = self.kernels.gemv, self.self_attn, self.post_attention_layernorm
+        out = attn.rotate_attend(gemv(h, *qkv), positions, kv, batch).reshape(h.shape[0], attn.q_size)
         if not self.gemv_fuse:
-            return self._forward_gemv_unfused(ops, x, residual, positions, kv, batch)
-        qkv, o, gate_up, down = ops
-        gemv = self.kernels.gemv
-        attn, norm1, norm2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        h = x if residual is None else x + residual                     # the residual stream (T, H)
-        y = gemv(h, *qkv, norm_weight=norm1.weight, eps=norm1.eps)
-        q, k, v, cached = attn.rotate(y, positions, kv, batch.slot_mapping)
-        out = attn.attend(q, k, v, cached, kv, batch).reshape(h.shape[0], attn.q_size)
-        h = gemv(out, *o, residual=h)
-        y = gemv(h, *gate_up, norm_weight=norm2.weight, eps=norm2.eps)
-        return gemv(y, *down, swiglu=True, residual=h), None
-
-    def _forward_gemv_unfused(self, ops: list, x, residual, positions, kv: KVCache, batch: ForwardBatch):
-        """forward() with every linear a plain GEMV (16-bit weights too, which nn.Linear would
-        send to cuBLAS); the norms and SwiGLU stay kernels of their own."""
-        qkv, o, gate_up, down = ops
-        gemv, attn = self.kernels.gemv, self.self_attn
-        h, residual = self.input_layernorm.add_forward(x, residual)
-        q, k, v, cached = attn.rotate(gemv(h, *qkv), positions, kv, batch.slot_mapping)
-        out = attn.attend(q, k, v, cached, kv, batch).reshape(h.shape[0], attn.q_size)
-        h, residual = self.post_attention_layernorm.add_forward(gemv(out, *o), residual)
-        return gemv(self.kernels.swiglu(gemv(h, *gate_up)), *down), residual
+            h, residual = norm2.add_forward(gemv(out, *o), residual)
+            return gemv(self.kernels.swiglu(gemv(h, *gate_up)), *down), residual
+        h, residual = gemv(out, *o, residual=residual, norm_out=(norm2.weight, norm2.eps))
+        act = gemv(h, *gate_up, swiglu_out=True)
+        if next_norm is None:
+            return gemv(act, *down, residual=residual), None
+        h, residual = gemv(act, *down, residual=residual, norm_out=(next_norm.weight, next_norm.eps))
+        return h, NormedStream(residual)
 
 
 class DecoderModel(nn.Module):
@@ -211,8 +229,12 @@ class CausalLM(nn.Module):
                 kv_caches: list[KVCache], batch: ForwardBatch) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, H) after the last norm."""
         x, residual = self.model.embed_tokens(input_ids), None  # (T, H)
-        for layer, kv in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, positions, kv, batch)
+        layers = self.model.layers
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, residual = layer(x, residual, positions, kv, batch, next_norm)
+        if isinstance(residual, NormedStream):      # the last layer wrote the final norm
+            return x
         return self.model.norm.add_forward(x, residual)[0]
 
     def use_fused_kernels(self, kernels) -> None:

@@ -126,6 +126,21 @@ def test_pdl_decode_ab_smoke(tmp_path):
     assert "DIFFER" not in r.stdout and sum(line.endswith(" same") for line in r.stdout.splitlines()) == 7
 
 
+def test_pdl_decode_ab_variants_flag(tmp_path):
+    """--variants runs just the listed mode:pdl pairs for both weights; a bad one names the flag."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "bench/pdl_decode_ab.py", "--smoke", "--rounds", "1", "--model-dir", str(tmp_path / "tiny")]
+    r = subprocess.run(cmd + ["--variants", "gemv-ropekernel:1,gemv-only:3"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    runs = json.loads((tmp_path / "pdl_decode_ab.json").read_text())["runs"]
+    assert [(x["weights"], x["mode"], x["pdl"]) for x in runs] == [
+        ("bf16", "gemv-ropekernel", 1), ("bf16", "gemv-only", 3), ("fp8", "gemv-ropekernel", 1), ("fp8", "gemv-only", 3)]
+    bad = subprocess.run(cmd + ["--variants", "gemv:1,turbo:1"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "--variants" in bad.stderr and "turbo" in bad.stderr
+
+
 def test_sweep_gemv_in_graph_smoke(tmp_path):
     """bench/sweep_gemv_in_graph.py's flow on the CPU (tiny model: the timings are NaN, so the
     starting configs stay): both weight kinds swept, A/B'd, TUNED lines printed."""

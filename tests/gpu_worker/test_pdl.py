@@ -39,7 +39,9 @@ def test_env_value_is_checked(value, ok):
 def _chain(x, layers):
     """A decode layer's kernel sequence at batch 1, each kernel reading the one before's output:
     GEMV with RMSNorm prologue, GEMV with residual epilogue, norm + residual, GEMV, SwiGLU,
-    GEMV with SwiGLU prologue and residual (both split-K reductions and the single pass)."""
+    GEMV with SwiGLU prologue and residual, the same writing its output's RMSNorm (norm_out
+    epilogue), GEMV writing its SwiGLU (swiglu_out), GEMV writing its RMSNorm, GEMV (both split-K
+    reductions and the single pass)."""
     from gpu_worker.kernels.fp8_gemv import w8_gemv
     from gpu_worker.kernels.rmsnorm import rmsnorm
     from gpu_worker.kernels.swiglu import swiglu
@@ -51,13 +53,20 @@ def _chain(x, layers):
         up = w8_gemv(n, *up_w)
         h = w8_gemv(swiglu(up), *down, residual=h)
         h = w8_gemv(up, *down, swiglu=True, residual=h)
+        n, h = w8_gemv(up, *down, swiglu=True, residual=h, norm_out=(g, 1e-5))
+        act = w8_gemv(n, *up_w, swiglu_out=True)
+        n, h = w8_gemv(act, *down, residual=h, norm_out=(g, 1e-5))
+        h = w8_gemv(n, *b, residual=h)
     return h
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="PDL needs an sm_90+ GPU")
+@pytest.mark.parametrize("launch_late", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_pdl_graph_replays_match_plain_launches(monkeypatch, dtype):
+def test_pdl_graph_replays_match_plain_launches(monkeypatch, dtype, launch_late):
+    from gpu_worker.kernels import fp8_gemv
+    monkeypatch.setattr(fp8_gemv, "PDL_LAUNCH_LATE", launch_late)   # GEMVs' next kernel launched late
     torch.manual_seed(0)
     H, I, dev = 1024, 2816, "cuda"
 

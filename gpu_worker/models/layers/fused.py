@@ -4,9 +4,10 @@ run (CPU, no triton): every layer keeps its plain-torch path for that case.
     rmsnorm(x, w, eps, residual) -> (out, x + residual)   RMSNorm with the residual add fused
     rope_(positions, q, k, cos_sin)                       rotary embedding in place on q/k views
     swiglu(gate_up) -> silu(gate) * up                    one pass over the fused MLP output
-    gemv(x, weight, scale, bias, norm_weight=, swiglu=, residual=)   the split-K GEMV of decode
-                                                          steps of <= gemv_max_rows tokens, with a
-                                                          layer's norms, SwiGLU and adds fused in
+    gemv(x, weight, scale, bias, residual=, norm_out=, swiglu_out=, ...)   the split-K GEMV of
+                                                          decode steps of <= gemv_max_rows tokens,
+                                                          with a layer's adds, norms and SwiGLU
+                                                          fused in (kernels/fp8_gemv.py)
 """
 from __future__ import annotations
 

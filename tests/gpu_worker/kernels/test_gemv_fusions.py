@@ -1,5 +1,6 @@
 """The split-K GEMV's decode-layer fusions against w8_gemv_ref: the RMSNorm prologue, the SwiGLU
-prologue and the residual-add epilogue, alone and together, through each way of handling the
+prologue, the residual-add epilogue and the SwiGLU / RMSNorm epilogues (swiglu_out, norm_out),
+alone and together, through each way of handling the
 rows (tensor-core dot / FMA rows) and each split-K reduction (fused, last program reduces, two
 passes), with 16-bit and e4m3 weights, rows 1..MAX_M, K with and without a tile tail. On the
 CPU under Triton's interpreter in a child process (TRITON_INTERPRET must be set before triton is
@@ -24,13 +25,16 @@ from gpu_worker.kernels.fp8_linear import quantize_weight_fp8
 from gpu_worker.kernels.fp8_gemv import MAX_M, GemvConfig as C, w8_gemv, w8_gemv_ref
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 """ + CFGS_SRC + r"""
-FUSIONS = ["norm", "swiglu", "residual", "norm+residual", "swiglu+residual"]
+FUSIONS = ["norm", "swiglu", "residual", "norm+residual", "swiglu+residual",
+           "swiglu_out", "norm_out", "residual+norm_out", "norm+residual+norm_out"]
 
 def bf16_randn(*shape, g):
     return torch.randn(*shape, generator=g).to(torch.bfloat16).float()
 
 def case(name, M, N, K, cfg, fusion, fp8, dt, tol, seed):
     g = torch.Generator().manual_seed(seed)
+    if "swiglu_out" in fusion:      # N/2 a multiple of 64: the epilogue itself (two-pass: the kernel after)
+        N = 128 * -(-N // 128)
     w = bf16_randn(N, K, g=g) / K ** 0.5
     s = None
     if fp8:
@@ -38,16 +42,25 @@ def case(name, M, N, K, cfg, fusion, fp8, dt, tol, seed):
         w, s = q.weight.to(dev), q.scale.to(dev)
     else:
         w = w.to(dev, dt)
-    x = bf16_randn(M, 2 * K if "swiglu" in fusion else K, g=g).to(dev, dt)
+    x = bf16_randn(M, 2 * K if "swiglu" in fusion.replace("swiglu_out", "") else K, g=g).to(dev, dt)
     kw = {}
-    if "norm" in fusion:
+    if "norm" in fusion.replace("norm_out", ""):
         kw.update(norm_weight=(1 + 0.1 * bf16_randn(K, g=g)).to(dev, dt), eps=1e-5)
-    if "swiglu" in fusion:
+    if "swiglu" in fusion.replace("swiglu_out", ""):
         kw.update(swiglu=True)
+    if "swiglu_out" in fusion:
+        kw.update(swiglu_out=True)
+    if "norm_out" in fusion:
+        kw.update(norm_out=((1 + 0.1 * bf16_randn(N, g=g)).to(dev, dt), 1e-5))
     if "residual" in fusion:
         kw.update(residual=bf16_randn(M, N, g=g).to(dev, dt))
     y = w8_gemv(x, w, s, None, config=cfg, **kw)
     ref = w8_gemv_ref(x, w, s, None, **kw)
+    if "norm_out" in fusion:        # (RMSNorm(y), y): both
+        assert y.out.shape == ref.out.shape and y.residual.shape == ref.residual.shape, name
+        err = float((y.residual.double() - ref.residual.double()).abs().max() / ref.residual.double().abs().max())
+        assert err < tol, (name, "y", err)
+        y, ref = y.out, ref.out
     assert y.shape == ref.shape and y.dtype == x.dtype and torch.isfinite(y).all(), name
     err = float((y.double() - ref.double()).abs().max() / ref.double().abs().max())
     assert err < tol, (name, err)
@@ -82,5 +95,5 @@ def test_gemv_fusions_match_reference():
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    want = 45 + (15 if torch.cuda.is_available() else 0)
+    want = 81 + (27 if torch.cuda.is_available() else 0)
     assert f"cases {want}" in proc.stdout, proc.stdout[-2000:]

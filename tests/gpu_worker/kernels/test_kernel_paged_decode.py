@@ -81,3 +81,41 @@ def test_decode_sliding_window(randn, rel_err, num_splits):
                                  num_splits=num_splits, sliding_window=33, block_n=16)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125, sliding_window=33)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("group,num_splits,cache_dtype", [(4, 1, torch.float32), (8, 3, torch.float32),
+                                                          (1, 2, torch.float8_e4m3fn)])
+def test_decode_with_fused_rope_kv_write(randn, rel_err, group, num_splits, cache_dtype):
+    """rope=FusedRopeKV: the output and the cache of rope_kv_write followed by decode attention;
+    q and k stay unrotated in memory; only the partition holding a sequence's new key writes it,
+    and a padding row (context 0, slot -1) writes nothing."""
+    from gpu_worker.kernels.paged_decode_attention import FusedRopeKV
+    from gpu_worker.kernels.rope import build_cos_sin_cache, rope_inv_freq
+    from gpu_worker.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref
+    n_kv, head_dim, page = 2, 64, 16
+    context_lens = [1, 17, 257, 0]
+    k_cache, v_cache, tables = make_paged(randn, [max(n, 1) for n in context_lens], n_kv, head_dim, page)
+    scales = dict(k_scale=0.5, v_scale=0.25) if cache_dtype != torch.float32 else {}
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    slots = torch.tensor([int(tables[b, (n - 1) // page]) * page + (n - 1) % page if n else -1
+                          for b, n in enumerate(context_lens)])
+    positions = torch.tensor([max(n - 1, 0) + 100 for n in context_lens])    # any positions: RoPE's
+    B = len(context_lens)
+    q, k, v = randn(B, n_kv * group, head_dim), randn(B, n_kv, head_dim), randn(B, n_kv, head_dim)
+    cos_sin = build_cos_sin_cache(rope_inv_freq(head_dim, 10000.0), 1024)
+
+    q2, k2, kc2, vc2 = q.clone(), k.clone(), k_cache.clone(), v_cache.clone()
+    # fp8: against the unfused kernel (the interpreter's fp32 -> e4m3 rounding is not torch's)
+    write = rope_kv_write_ref if cache_dtype == torch.float32 else rope_kv_write
+    write(positions, q2, k2, v, cos_sin, kc2, vc2, slots, **scales)
+    ref = paged_decode_attention_ref(q2, kc2, vc2, tables, lens, head_dim ** -0.5, **scales)
+    q0, k0 = q.clone(), k.clone()
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, max_context_len=257,
+                                 num_splits=num_splits, block_n=32,
+                                 rope=FusedRopeKV(positions, cos_sin, k, v, slots), **scales)
+    assert torch.equal(q, q0) and torch.equal(k, k0)             # rotated in registers only
+    assert rel_err(out, ref) < (1e-5 if cache_dtype == torch.float32 else 1e-3)   # fp8: fp16 dots
+    assert torch.allclose(k_cache.float(), kc2.float(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(v_cache.float(), vc2.float())
+    assert torch.all(out[3] == 0)                                 # the padding row

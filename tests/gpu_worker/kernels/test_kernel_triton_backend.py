@@ -70,6 +70,25 @@ def test_rope_kv_write_then_attend_equals_rope_then_forward(randn, rel_err):
     assert rel_err(out, ref) < 1e-6 and torch.allclose(kc, kc2, atol=1e-6)
 
 
+def test_decode_rope_attend_equals_rope_kv_write_then_attend(randn, rel_err):
+    """A pure-decode step's fused path (one kernel) against the two-kernel one, split and not."""
+    from gpu_worker.kernels.rope import build_cos_sin_cache, rope_inv_freq
+    n_heads, n_kv, head_dim, page, n_blocks = 8, 2, 64, 16, 40
+    batch = make_batch([16, 40, 256], [1, 1, 1], page, 24, torch.randperm(n_blocks).int())
+    T = batch.num_tokens
+    cs = build_cos_sin_cache(rope_inv_freq(head_dim, 10000.0), 512)
+    q, k, v = randn(T, n_heads, head_dim), randn(T, n_kv, head_dim), randn(T, n_kv, head_dim)
+    kc, vc = randn(n_blocks, page, n_kv, head_dim), randn(n_blocks, page, n_kv, head_dim)
+    for splits in (None, 3):
+        q2, k2, kc2, vc2 = q.clone(), k.clone(), kc.clone(), vc.clone()
+        backend = TritonAttentionBackend(decode_num_splits=splits)
+        out = backend.decode_rope_attend(q, k, v, batch.positions, cs, kc, vc, batch, 0.125)
+        backend.rope_kv_write(q2, k2, v, batch.positions, cs, kc2, vc2, batch.slot_mapping)
+        ref = backend.attend(q2, kc2, vc2, batch, 0.125, k2, v)
+        assert rel_err(out, ref) < 1e-6
+        assert torch.allclose(kc, kc2, atol=1e-6) and torch.equal(vc, vc2)
+
+
 def test_sliding_window_matches_torch_backend(randn, rel_err):
     n_heads, n_kv, head_dim, page, n_blocks = 4, 2, 64, 16, 40
     batch = make_batch([100, 0, 60], [1, 50, 7], page, 12, torch.randperm(n_blocks).int())
