@@ -74,14 +74,17 @@ class TritonAttentionBackend(AttentionBackend):
     def decode_rope_attend(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, batch: ForwardBatch,
                            scale: float) -> torch.Tensor:
         """A pure-decode step's RoPE, KV write and attention -> (T, nh, D): q and k arrive
-        unrotated (views of the qkv output). One kernel when the decode kernel is split (q and k
-        then stay unrotated in memory), else rope_kv_write then attend (fuse_rope_decode says why)."""
+        unrotated (views of the qkv output). One kernel when the decode kernel is split and
+        head_dim a power of two (q and k then stay unrotated in memory), else rope_kv_write then
+        attend (fuse_rope_decode says why)."""
         out = torch.empty_like(q)
         if batch.num_tokens == 0:
             return out
         splits = self.decode_num_splits or choose_num_splits(
             batch.num_seqs, k_cache.shape[2], batch.max_context_len, q.device)
-        if splits == 1:
+        head_dim = q.shape[-1]
+        fusable = (head_dim & (head_dim - 1)) == 0 and cos_sin_cache[0].numel() == head_dim
+        if splits == 1 or not fusable:      # (the fused kernel pairs d with d +- head_dim / 2)
             self.rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, batch.slot_mapping)
             return self.attend(q, k_cache, v_cache, batch, scale, k, v)
         paged_decode_attention(

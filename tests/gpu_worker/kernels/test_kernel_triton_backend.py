@@ -70,10 +70,12 @@ def test_rope_kv_write_then_attend_equals_rope_then_forward(randn, rel_err):
     assert rel_err(out, ref) < 1e-6 and torch.allclose(kc, kc2, atol=1e-6)
 
 
-def test_decode_rope_attend_equals_rope_kv_write_then_attend(randn, rel_err):
-    """A pure-decode step's fused path (one kernel) against the two-kernel one, split and not."""
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_decode_rope_attend_equals_rope_kv_write_then_attend(randn, rel_err, head_dim):
+    """A pure-decode step's fused path (one kernel) against the two-kernel one, split and not
+    (head_dim 48, not a power of two, always takes the two kernels)."""
     from gpu_worker.kernels.rope import build_cos_sin_cache, rope_inv_freq
-    n_heads, n_kv, head_dim, page, n_blocks = 8, 2, 64, 16, 40
+    n_heads, n_kv, page, n_blocks = 8, 2, 16, 40
     batch = make_batch([16, 40, 256], [1, 1, 1], page, 24, torch.randperm(n_blocks).int())
     T = batch.num_tokens
     cs = build_cos_sin_cache(rope_inv_freq(head_dim, 10000.0), 512)
