@@ -1,10 +1,10 @@
 """The split-K GEMV's decode-layer fusions against w8_gemv_ref: the RMSNorm prologue, the SwiGLU
 prologue, the residual-add epilogue and the SwiGLU / RMSNorm epilogues (swiglu_out, norm_out),
-alone and together, through each way of handling the
-rows (tensor-core dot / FMA rows) and each split-K reduction (fused, last program reduces, two
-passes), with 16-bit and e4m3 weights, rows 1..MAX_M, K with and without a tile tail. On the
-CPU under Triton's interpreter in a child process (TRITON_INTERPRET must be set before triton is
-imported); inputs are fp32 holding bf16 values (the interpreter's bf16 arithmetic is wrong). On
+alone and together, through each way of handling the rows (tensor-core dot / FMA rows) and each
+split-K reduction (fused, last program reduces, two passes: the epilogues then run as the
+SwiGLU / RMSNorm kernels after the GEMV), with 16-bit and e4m3 weights, rows 1..MAX_M, K with
+and without a tile tail. On the CPU under Triton's interpreter in a child process
+(TRITON_INTERPRET must be set before triton is imported); inputs are fp32 holding bf16 values (the interpreter's bf16 arithmetic is wrong). On
 a GPU the same cases run, plus bf16 activations, whose roundings must match the reference's
 (Hugging Face's order) to within one bf16 ulp of the output."""
 from __future__ import annotations
