@@ -74,8 +74,8 @@ import triton.language as tl
 
 from gpu_worker.kernels._pdl import pdl_kwargs, pdl_launch, pdl_wait, prefetch_l2
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2
-from gpu_worker.kernels.rmsnorm import NormOutput, rmsnorm, rmsnorm_ref
-from gpu_worker.kernels.swiglu import swiglu as swiglu_kernel, swiglu_ref
+from gpu_worker.kernels.rmsnorm import NormOutput, rms_normalize, rmsnorm, rmsnorm_ref
+from gpu_worker.kernels.swiglu import silu_mul, swiglu as swiglu_kernel, swiglu_ref
 
 MAX_M = 8                   # rows per call; the dot path pads to DOT_ROWS
 MAX_NORM_OUT = 16384        # widest row the RMSNorm epilogue holds in one program's registers
@@ -354,7 +354,7 @@ def _epilogue(y_ptr, a_ptr, ew_ptr, ecnt_ptr, ep_eps, M, N, HALF, pid_n, n_tiles
             mask = (rows < M)[:, None] & (cols < HALF)[None, :]
             g = tl.load(y_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
             u = tl.load(y_ptr + offs + HALF, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            act = g / (1.0 + tl.exp(-g)) * u
+            act = silu_mul(g, u)
             tl.store(a_ptr + rows[:, None] * HALF + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=mask)
             tl.store(ecnt_ptr + pair, 0)
     else:
@@ -365,8 +365,7 @@ def _epilogue(y_ptr, a_ptr, ew_ptr, ecnt_ptr, ep_eps, M, N, HALF, pid_n, n_tiles
             w = tl.load(ew_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
             for m in range(0, M):
                 v = tl.load(y_ptr + m * N + cols, mask=cmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / N + ep_eps)
-                out = (v * rstd).to(y_ptr.dtype.element_ty).to(tl.float32) * w
+                out = rms_normalize(v, w, N, ep_eps, y_ptr.dtype.element_ty)
                 tl.store(a_ptr + m * N + cols, out.to(a_ptr.dtype.element_ty), mask=cmask)
             tl.store(ecnt_ptr, 0)
 

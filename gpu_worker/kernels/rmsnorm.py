@@ -26,6 +26,15 @@ class NormOutput(NamedTuple):
 
 
 @triton.jit
+def rms_normalize(s, w, N, eps, DT: tl.constexpr):
+    """fp32 row s (its N valid elements; the rest 0) -> RMSNorm(s) * w in fp32, rounded where HF's
+    LlamaRMSNorm rounds (normalized row cast to DT before the weight). Shared with fp8_gemv's
+    norm_out epilogue, so both give the same bits."""
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / N + eps)
+    return (s * rstd).to(DT).to(tl.float32) * w
+
+
+@triton.jit
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, N, eps,
@@ -42,10 +51,8 @@ def _rmsnorm_kernel(
         tl.store(res_out_ptr + row * stride_ro + cols, s, mask=mask)
     else:
         s = x
-    s = s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (s * rstd).to(x.dtype).to(tl.float32) * w
+    y = rms_normalize(s.to(tl.float32), w, N, eps, x.dtype)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

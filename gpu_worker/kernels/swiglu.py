@@ -14,6 +14,12 @@ from gpu_worker.kernels._utils import check_device
 
 
 @triton.jit
+def silu_mul(g, u):
+    """silu(g) * u on fp32 tiles (one rounding, by the caller); shared with fp8_gemv's swiglu_out."""
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)                  # kernels/_pdl.py
     row = tl.program_id(0).to(tl.int64)
@@ -21,7 +27,7 @@ def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr, P
     mask = cols < I
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
+    y = silu_mul(g, u)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
