@@ -18,6 +18,15 @@ the time the graph loses is what those kernels cost inside it): gemv-noattn (no 
 no attention: o_proj reads q), gemv-nonorm (every RMSNorm an identity), gemv-noswiglu (down reads
 the gate half), gemv-only (all three: the GEMVs, embedding, lm_head and sampling alone).
 
+Each variant also runs under every decode-attention configuration of `--attention` (default
+just the current one): `u` runs the short graphs' decode kernel unsplit (RoPE + KV write its own
+kernel: the default), `sNxB` splits short contexts into up to N partitions of B-key tiles
+(paged_decode_attention.SHORT_MAX_SPLITS / SHORT_BLOCK_N; RoPE + KV write fused in), `sNxBhH`
+the same with H query heads per program (SHORT_HEADS_PER_PROGRAM; s1x64h1: unsplit, a program
+per query head), and a `+2p` suffix merges split partials in a second kernel (SPLIT_MERGE
+"two_pass", the default) instead of in the launch ("last"); the merge also applies to the 8k
+graph's 32 splits. The default configuration is `u+2p`.
+
 Each variant recaptures the decode graphs (sizes 1, 2, 4) and measures: the GPU time of one
 batch-1 graph replay at 128 and 8k context (CUDA events, median of 30, real contexts in the
 buffers), and wall tok/s of a 256-token greedy decode at 128 context, sync and with
@@ -94,6 +103,30 @@ def _variant_kernels(mode: str, k):
         return k.gemv(*a, swiglu_out=swiglu_out, norm_out=norm_out, **kw)
     ns.gemv = gemv if mode in ("fused-norm", "fused-swiglu") else k.gemv
     return ns
+
+
+ATTENTION_RE = r"^(u|s(\d+)x(\d+)(?:h(\d+))?)(\+2p)?$"
+
+
+def set_attention(cfg: str) -> None:
+    """A decode-attention configuration of --attention (module doc): u, sNxB[hH], either + '+2p'."""
+    import re
+
+    from gpu_worker.kernels import paged_decode_attention as pda
+    m = re.match(ATTENTION_RE, cfg)
+    assert m, cfg
+    pda.SHORT_MAX_SPLITS = 1 if m.group(1) == "u" else int(m.group(2))
+    pda.SHORT_BLOCK_N = pda.SHORT_BLOCK_N if m.group(1) == "u" else int(m.group(3))
+    pda.SHORT_HEADS_PER_PROGRAM = int(m.group(4)) if m.group(4) else None
+    pda.SPLIT_MERGE = "two_pass" if m.group(5) else "last"
+
+
+def current_attention() -> str:
+    from gpu_worker.kernels import paged_decode_attention as pda
+    hpp = pda.SHORT_HEADS_PER_PROGRAM
+    base = ("u" if pda.SHORT_MAX_SPLITS == 1 and hpp is None
+            else f"s{pda.SHORT_MAX_SPLITS}x{pda.SHORT_BLOCK_N}" + (f"h{hpp}" if hpp else ""))
+    return base + ("+2p" if pda.SPLIT_MERGE == "two_pass" else "")
 
 
 def set_variant(mode: str, pdl: int, prefetch: int, model=None) -> None:
@@ -175,8 +208,9 @@ def build_decode(model_dir: Path, smoke: bool) -> Decode:
     return d
 
 
-def measure(d: Decode, weights: str, mode: str, pdl: int, prefetch: int) -> dict:
+def measure(d: Decode, weights: str, mode: str, pdl: int, prefetch: int, attn: str) -> dict:
     set_variant(mode, pdl, prefetch, d.eng.runner.model)
+    set_attention(attn)
     runner = d.eng.runner
     runner.capture_cuda_graphs(4, d.eng.max_model_len)
     toks = d.tokens()
@@ -186,9 +220,9 @@ def measure(d: Decode, weights: str, mode: str, pdl: int, prefetch: int) -> dict
     d.eng.step()
     at8k = d.run(d.p8k, 64 if not d.smoke else 10)
     long_ms = d.graph_ms(short=False)
-    r = dict(weights=weights, mode=mode, pdl=pdl, prefetch=prefetch, graph_ms_128=short_ms,
+    r = dict(weights=weights, mode=mode, pdl=pdl, prefetch=prefetch, attn=attn, graph_ms_128=short_ms,
              graph_ms_8k=long_ms, sync_tok_s=sync, async_tok_s=asyn, tok_s_8k=at8k, tokens=toks)
-    log(f"{weights} {mode:15s} pdl={pdl} pf={prefetch}: graph {short_ms:.3f} / {long_ms:.3f} ms "
+    log(f"{weights} {mode:15s} pdl={pdl} pf={prefetch} attn={attn}: graph {short_ms:.3f} / {long_ms:.3f} ms "
         f"(128 / 8k ctx); {sync:.1f} sync, {asyn:.1f} async tok/s; 8k {at8k:.1f} tok/s")
     return r
 
@@ -201,7 +235,20 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=400, help="seconds; later rounds are skipped")
     ap.add_argument("--variants", default="",
                     help="mode:pdl[:pf],... run for both weights instead of the full plan, e.g. gemv:1,fused:1")
+    ap.add_argument("--attention", default="",
+                    help="decode-attention configurations to cross with every variant, e.g. u+2p,s8x16 "
+                         "(module doc; default: the current one)")
+    ap.add_argument("--fp8-variants", default=None,
+                    help="mode:pdl[:pf],... for the fp8 weights (default: --variants); 'none' skips fp8")
+    ap.add_argument("--fp8-attention", default=None, help="--attention for the fp8 weights (default: --attention)")
     args = ap.parse_args()
+    import re
+    attns = [a for a in args.attention.split(",") if a] or [current_attention()]
+    fp8_attns = attns if args.fp8_attention is None else [a for a in args.fp8_attention.split(",") if a]
+    bad_attn = [a for a in attns + fp8_attns if not re.match(ATTENTION_RE, a)]
+    if bad_attn:
+        ap.error(f"--attention: expected u, sNxB or sNxBhH, each optionally with +2p (e.g. u+2p,s8x16,s1x64h1), "
+                 f"got {bad_attn}")
     from gpu_worker.models.layers.fp8 import quantize_linears_fp8
 
     ceiling = float("nan")
@@ -218,51 +265,61 @@ def main() -> None:
     plans = {"bf16": [("cublas", 0, 0), ("fused", 0, 0), ("fused", 1, 0), ("gemv", 0, 0), ("gemv", 1, 0),
                       ("gemv", 1, 1), ("gemv", 1, 2)],
              "fp8": [("fused", 0, 0), ("gemv", 0, 0), ("gemv", 1, 0), ("gemv", 1, 1), ("gemv", 1, 2)]}
-    if args.variants:
-        picked = [(v.split(":") + ["0"])[:3] for v in args.variants.split(",")]
+    def parse_variants(flag: str, text: str) -> list[tuple[str, int, int]]:
+        picked = [(v.split(":") + ["0"])[:3] for v in text.split(",")]
         bad = [v for v in picked if v[0] not in MODES or not v[1].isdigit() or not v[2].isdigit()]
         if bad:
-            ap.error(f"--variants: expected mode:pdl[:pf] with mode one of {'|'.join(MODES)}, got {bad}")
-        plans = {w: [(m, int(pdl), int(pf)) for m, pdl, pf in picked] for w in plans}
+            ap.error(f"{flag}: expected mode:pdl[:pf] with mode one of {'|'.join(MODES)}, got {bad}")
+        return [(m, int(pdl), int(pf)) for m, pdl, pf in picked]
+
+    if args.variants:
+        plans = {w: parse_variants("--variants", args.variants) for w in plans}
+    if args.fp8_variants is not None:
+        plans["fp8"] = [] if args.fp8_variants == "none" else parse_variants("--fp8-variants", args.fp8_variants)
+    plans = {w: [(m, pdl, pf, a) for m, pdl, pf in plan for a in (attns if w == "bf16" else fp8_attns)]
+             for w, plan in plans.items()}
     end = T0 + args.budget
     for weights in ("bf16", "fp8"):
+        if not plans[weights]:
+            continue
         if weights == "fp8":
             quantize_linears_fp8(eng.runner.model)
             eng.runner.prefill_graphs = None       # captured over the bf16 weights: prefill runs eagerly
             if not args.smoke:
                 torch.cuda.empty_cache()
-        share = (end - time.time()) / (2 if weights == "bf16" else 1)
+        share = (end - time.time()) / (2 if weights == "bf16" and plans["fp8"] else 1)
         stop = time.time() + share
         for rnd in range(args.rounds):
-            for mode, pdl, pf in plans[weights]:
+            for mode, pdl, pf, attn in plans[weights]:
                 if time.time() > stop:
                     log(f"{weights} round {rnd + 1}: time budget, skipping the rest")
                     break
                 try:
-                    results.append(dict(measure(d, weights, mode, pdl, pf), round=rnd + 1))
+                    results.append(dict(measure(d, weights, mode, pdl, pf, attn), round=rnd + 1))
                 except Exception as e:       # one broken variant must not lose the others
-                    log(f"{weights} {mode} pdl={pdl} pf={pf}: ERROR {type(e).__name__}: {e}"[:400])
+                    log(f"{weights} {mode} pdl={pdl} pf={pf} attn={attn}: ERROR {type(e).__name__}: {e}"[:400])
                     for rid in list(eng.requests):
                         eng.abort_request(rid)
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "pdl_decode_ab.json").write_text(json.dumps(dict(copy_ceiling_gbs=ceiling, runs=results), indent=1))
 
-    base = {(r["weights"], r["mode"]): r["tokens"] for r in results if not r["pdl"]}
+    # attention configurations sum in other orders: tokens are compared within one configuration
+    base = {(r["weights"], r["mode"], r["attn"]): r["tokens"] for r in results if not r["pdl"]}
     first = {}                                   # without PDL runs: the weights' first variant
     for r in results:
         first.setdefault(r["weights"], r["tokens"])
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; batch-1 decode, Llama-3.1-8B shapes (tokens: same greedy "
           "tokens as the mode without PDL)")
-    print(f"{'weights':7s} {'mode':15s} {'pdl':>3s} {'pf':>2s} {'rnd':>3s} {'graph@128':>10s} {'graph@8k':>9s} "
-          f"{'sync':>7s} {'async':>7s} {'8k':>7s} tokens")
+    print(f"{'weights':7s} {'mode':15s} {'pdl':>3s} {'pf':>2s} {'attn':>8s} {'rnd':>3s} {'graph@128':>10s} "
+          f"{'graph@8k':>9s} {'sync':>7s} {'async':>7s} {'8k':>7s} tokens")
     for r in results:
-        same = base.get((r["weights"], r["mode"]))
+        same = base.get((r["weights"], r["mode"], r["attn"]))
         if same is None and r["pdl"]:            # no run of this mode without PDL: vs the first run
             verdict = "same as 1st" if first[r["weights"]] == r["tokens"] else "differ from 1st"
         else:
             verdict = "-" if not r["pdl"] else ("same" if same == r["tokens"] else "DIFFER")
-        print(f"{r['weights']:7s} {r['mode']:15s} {r['pdl']:3d} {r['prefetch']:2d} {r['round']:3d} "
+        print(f"{r['weights']:7s} {r['mode']:15s} {r['pdl']:3d} {r['prefetch']:2d} {r['attn']:>8s} {r['round']:3d} "
               f"{r['graph_ms_128']:10.3f} {r['graph_ms_8k']:9.3f} {r['sync_tok_s']:7.1f} "
               f"{r['async_tok_s']:7.1f} {r['tok_s_8k']:7.1f} {verdict}")
     print(f"total {time.time() - T0:.0f} s")

@@ -29,7 +29,8 @@ import torch
 from gpu_worker.attention.base import AttentionBackend
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels.kv_cache_write import kv_cache_write
-from gpu_worker.kernels.paged_decode_attention import FusedRopeKV, choose_num_splits, paged_decode_attention
+from gpu_worker.kernels.paged_decode_attention import (DecodeSplit, FusedRopeKV, choose_decode_split,
+                                                       paged_decode_attention)
 from gpu_worker.kernels.paged_prefill_attention import (paged_prefill_attention, prefill_config,
                                                         prefill_tile_starts)
 from gpu_worker.kernels.rope_kv_write import rope_kv_write
@@ -37,12 +38,13 @@ from gpu_worker.kernels.rope_kv_write import rope_kv_write
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    # Pure-decode steps whose decode kernel is split (long contexts): RoPE and the KV write inside
-    # it (decode_rope_attend), one launch instead of two per layer. On the H200 (bench/
+    # Pure-decode steps whose decode kernel is split: RoPE and the KV write inside it
+    # (decode_rope_attend), one launch instead of two per layer. On the H200 (bench/
     # pdl_decode_ab.py, BENCHMARKS.md eighth session), batch-1 graph ms fused vs separate: 8k
-    # context (split) bf16 4.61 vs 4.67, fp8 3.18 vs 3.23; 128 context (unsplit, 8 programs)
-    # bf16 4.47 vs 4.45, fp8 3.15 vs 3.00, hence separate there. A class attribute (benchmarks
-    # A/B it: False never fuses), read at each forward.
+    # context (split) bf16 4.61 vs 4.67, fp8 3.18 vs 3.23; 128 context unsplit (8 programs)
+    # bf16 4.47 vs 4.45, fp8 3.15 vs 3.00, hence separate there. Short contexts are split too
+    # now (paged_decode_attention.choose_short_split). A class attribute (benchmarks A/B it:
+    # False never fuses), read at each forward.
     fuse_rope_decode = True
 
     def __init__(self, sliding_window: int | None = None, decode_num_splits: int | None = None,
@@ -53,8 +55,17 @@ class TritonAttentionBackend(AttentionBackend):
         # (query_start_loc, tokens per tile, tile starts) of the current step: computed by the first
         # layer, reused by the rest
         self._tiles: tuple[torch.Tensor, int, torch.Tensor] | None = None
-        # A fixed split count (CUDA graphs pin it per captured batch size); None: chosen per step.
+        # A fixed split count with the kernel's default tiles (eager GPU steps pin it: a bounded
+        # set of compiled variants); None: choose_decode_split per step (CUDA-graph captures,
+        # whose max_context_len is the graph's bound, and the CPU).
         self.decode_num_splits = decode_num_splits
+
+    def decode_split(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor) -> DecodeSplit:
+        """How this step's decode kernel splits each context (decode_num_splits says which way)."""
+        if self.decode_num_splits:
+            return DecodeSplit(self.decode_num_splits)
+        n_kv = k_cache.shape[2]
+        return choose_decode_split(batch.num_seqs, n_kv, batch.max_context_len, q.device, q.shape[1] // n_kv)
 
     def forget_step_state(self) -> None:
         self._tiles = None
@@ -63,6 +74,14 @@ class TritonAttentionBackend(AttentionBackend):
         # q (T, nh, D); k, v (T, nkv, D), k already rotated; caches (num_blocks, block_size, nkv, D)
         kv_cache_write(k, v, k_cache, v_cache, batch.slot_mapping, self.k_scale, self.v_scale)
         return self.attend(q, k_cache, v_cache, batch, scale, k, v)
+
+    @staticmethod
+    def _decode_query_start_loc(batch: ForwardBatch) -> torch.Tensor | None:
+        """query_start_loc for the decode kernel, or None where row b of q is sequence b's query
+        (a pure-decode step: T == B, every query_len 1): one dependent load fewer per program."""
+        if batch.is_pure_decode and batch.num_tokens == batch.num_seqs:
+            return None
+        return batch.query_start_loc
 
     def rope_kv_write(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                       slot_mapping: torch.Tensor) -> None:
@@ -74,23 +93,24 @@ class TritonAttentionBackend(AttentionBackend):
     def decode_rope_attend(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, batch: ForwardBatch,
                            scale: float) -> torch.Tensor:
         """A pure-decode step's RoPE, KV write and attention -> (T, nh, D): q and k arrive
-        unrotated (views of the qkv output). One kernel when the decode kernel is split and
-        head_dim a power of two (q and k then stay unrotated in memory), else rope_kv_write then
-        attend (fuse_rope_decode says why)."""
+        unrotated (views of the qkv output). One kernel when the decode kernel runs several
+        programs per KV head (split, or blocks of fewer query heads: DecodeSplit.fine) and
+        head_dim is a power of two (q and k then stay unrotated in memory), else rope_kv_write
+        then attend (fuse_rope_decode says why)."""
         out = torch.empty_like(q)
         if batch.num_tokens == 0:
             return out
-        splits = self.decode_num_splits or choose_num_splits(
-            batch.num_seqs, k_cache.shape[2], batch.max_context_len, q.device)
+        split = self.decode_split(batch, q, k_cache)
         head_dim = q.shape[-1]
         fusable = (head_dim & (head_dim - 1)) == 0 and cos_sin_cache[0].numel() == head_dim
-        if splits == 1 or not fusable:      # (the fused kernel pairs d with d +- head_dim / 2)
+        if not split.fine or not fusable:          # (the fused kernel pairs d with d +- head_dim / 2)
             self.rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, batch.slot_mapping)
             return self.attend(q, k_cache, v_cache, batch, scale, k, v)
         paged_decode_attention(
             q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
-            max_context_len=batch.max_context_len, query_start_loc=batch.query_start_loc,
-            out=out, num_splits=splits, sliding_window=self.sliding_window, k_scale=self.k_scale,
+            max_context_len=batch.max_context_len, query_start_loc=self._decode_query_start_loc(batch),
+            out=out, num_splits=split.num_splits, block_n=split.block_n,
+            heads_per_program=split.heads_per_program, sliding_window=self.sliding_window, k_scale=self.k_scale,
             v_scale=self.v_scale, rope=FusedRopeKV(positions, cos_sin_cache, k, v, batch.slot_mapping))
         return out
 
@@ -105,12 +125,12 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.num_tokens == 0:
             return out
         if batch.num_decode_seqs != 0:                                    # rows with query_len 1
-            splits = self.decode_num_splits or choose_num_splits(
-                batch.num_seqs, k_cache.shape[2], batch.max_context_len, q.device)
+            split = self.decode_split(batch, q, k_cache)
             paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
-                max_context_len=batch.max_context_len, query_start_loc=batch.query_start_loc,
-                out=out, num_splits=splits, sliding_window=self.sliding_window, **scales)
+                max_context_len=batch.max_context_len, query_start_loc=self._decode_query_start_loc(batch),
+                out=out, num_splits=split.num_splits, block_n=split.block_n,
+                heads_per_program=split.heads_per_program, sliding_window=self.sliding_window, **scales)
         if not batch.is_pure_decode:                                      # rows with query_len > 1
             group = q.shape[1] // k_cache.shape[2]
             cfg = prefill_config(batch.max_query_len, q.shape[2], group)

@@ -72,6 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels._arrivals import arrival_counters
 from gpu_worker.kernels._pdl import pdl_kwargs, pdl_launch, pdl_wait, prefetch_l2
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2
 from gpu_worker.kernels.rmsnorm import NormOutput, rms_normalize, rmsnorm, rmsnorm_ref
@@ -555,19 +556,13 @@ def _splitk_reduce_kernel(p_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M, N, SPLIT,
 
 # -------------------------------------------------------------------------------------- launcher
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _COUNTER_SLOTS = 1 << 16    # [0, PAIR_SLOTS): split-K column tiles; then SwiGLU tile pairs; the
 PAIR_SLOTS = 1 << 15        # last slot: the RMSNorm epilogue's grid-wide count
 
 
 def _counters(device: torch.device) -> torch.Tensor | None:
-    """Zeroed per-device arrival counters of the "last" reduction (left zeroed by every call)."""
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None             # never allocated during capture: this call uses two passes
-        buf = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return buf
+    """Zeroed per-device arrival counters of the "last" reduction (kernels/_arrivals.py)."""
+    return arrival_counters(device, "gemv", _COUNTER_SLOTS)
 
 
 class _Launch(NamedTuple):

@@ -6,8 +6,9 @@ of n = context_lens[b] tokens stored in the paged cache through block_tables[b]:
     s_j    = scale * <q[b, h], K[b, j, g]>                    j = 0 .. n-1
     out[b, h] = sum_j softmax(s)_j * V[b, j, g]
 
-Stage 1 (grid: sequences x KV heads x splits): one program reads a KV head's tiles once for all
-G query heads that share it (a (G_pad, D) x (D, BLOCK_N) dot), over its slice of the context:
+Stage 1 (grid: sequences x head blocks x splits): one program reads a KV head's tiles once for
+a block of P query heads that share it (P = `heads_per_program`, a divisor of G, default G: a
+(P_pad, D) x (D, BLOCK_N) dot, P_pad >= 16), over its slice of the context:
 the context is cut into `num_splits` equal, BLOCK_N-aligned partitions per sequence (computed in
 the kernel from context_lens, so the grid depends only on num_splits: CUDA-graph safe). Each
 program keeps an online softmax (running max m, sum l, accumulator acc) in fp32 (log2 domain).
@@ -15,9 +16,21 @@ program keeps an online softmax (running max m, sum l, accumulator acc) in fp32 
     context |---- split 0 ----|---- split 1 ----|-- split 2 --|   (n tokens)
              tile tile tile ... each tile = BLOCK_N tokens gathered through the block table
 
-Stage 2 (grid: sequences x query heads) merges the splits' partial (m, l, acc):
+The splits' partial (m, l, acc) are merged as
     M = max_s m_s,  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
-With num_splits == 1 stage 1 writes the normalized output directly and stage 2 is skipped.
+in one of two ways (`merge`, default the module's SPLIT_MERGE):
+    "last"      in the same launch: each program stores its partial, then bumps its (sequence,
+                head block)'s arrival counter (kernels/_arrivals.py); the program that arrives
+                last merges the splits of its P query heads (read through L2) and writes them
+    "two_pass"  stage 2, a second kernel (grid: sequences x query heads)
+Both run the same `_merge_head` in fixed split order: bit-identical outputs, deterministic.
+With num_splits == 1 stage 1 writes the normalized output directly.
+
+Short contexts (the short decode graphs, contexts <= SHORT_SPLIT_CONTEXT) can be split too,
+finely (`choose_short_split`: partitions of small tiles, off unless SHORT_MAX_SPLITS > 1), so
+that a batch-1 step runs B x KV heads x splits programs instead of 8, with RoPE and the KV write
+fused in (see below), and/or give each program fewer query heads (SHORT_HEADS_PER_PROGRAM:
+with P = 1, 32 programs at batch 1 without a split or a merge).
 
 With a sliding window W only the last W keys are attended (the partitions cover those).
 An fp8 cache (e4m3/e5m2) is read with per-tensor scales: K = k_scale * stored, V = v_scale * stored
@@ -44,9 +57,10 @@ cache write saturates at +-448) would read as +-480.
 Fused RoPE + KV write (`rope=FusedRopeKV(...)`, rope_kv_write.py's work in this kernel: one launch
 fewer per layer of a decode step): q and this step's k arrive unrotated; each program rotates its
 query heads in registers (fp32 maths, rounded to q's dtype as rope_kv_write stores them), and the
-program whose partition holds the sequence's last key (the new token) rotates its KV head's k,
-writes k, v into the cache slot, and attends to them from registers after its cached tiles (no
-read-back of its own write). Pure-decode batches, head_dim a power of two.
+program whose partition holds the sequence's last key (the new token) rotates its KV head's k
+and attends to k, v from registers after its cached tiles (no read-back of a write); of those,
+the KV head's first head block writes them into the cache slot. Pure-decode batches, head_dim a
+power of two.
 
 Rows: with `query_start_loc`, sequence b's query is row query_start_loc[b] of q/out and sequences
 whose query_len != 1 are skipped (the prefill kernel handles them in a mixed batch). Without it,
@@ -60,6 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels._arrivals import arrival_counters
 from gpu_worker.kernels._paged_kv import gather_kv_tile
 from gpu_worker.kernels._pdl import pdl_kwargs, pdl_wait
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2, num_sms
@@ -74,6 +89,25 @@ LOG2E = 1.4426950408889634
 FP8_UPCAST = "f16"
 FP8_UPCASTS = {"bf16": 0, "f16": 1, "f16_bits": 2, "f16_asm": 3}
 _FP8_BITS_SCALE = 256.0          # the bit variants read value * 2^-8
+
+# How split partials are merged (module doc): "last" (in the launch) or "two_pass" (a second
+# kernel). Looked up at each call; bench/pdl_decode_ab.py --attention A/Bs it. "two_pass" is
+# what the H200 measurements so far ran; "last" (built in the ninth session, when no device was
+# lent) stays opt-in until that A/B has run.
+SPLIT_MERGE = "two_pass"
+SPLIT_MERGES = ("last", "two_pass")
+_COUNTER_SLOTS = 1 << 16          # (sequence, KV head) pairs a "last" merge can count at once
+
+# choose_short_split's policy for contexts of at most SHORT_SPLIT_CONTEXT tokens: up to
+# SHORT_MAX_SPLITS partitions of SHORT_BLOCK_N-key tiles, each program taking
+# SHORT_HEADS_PER_PROGRAM query heads. SHORT_MAX_SPLITS 1 with SHORT_HEADS_PER_PROGRAM None (the
+# measured default: unsplit, RoPE + KV write its own kernel) turns it off; e.g. 8 and 16 split a
+# batch-1 128-token context over 64 programs, heads per program 1 over 32 without a merge. Opt-in until bench/pdl_decode_ab.py --attention has
+# measured it (BENCHMARKS.md, "ninth session").
+SHORT_SPLIT_CONTEXT = 512
+SHORT_MAX_SPLITS = 1
+SHORT_BLOCK_N = 16
+SHORT_HEADS_PER_PROGRAM: int | None = None     # e.g. 1: a program per query head (no merge needed)
 
 
 @triton.jit
@@ -128,6 +162,30 @@ def _rotate(x_ptr, partner_offs, mask, x, cos, sin, d, HALF: tl.constexpr):
     return (x.to(tl.float32) * cos + sgn * x2 * sin).to(x.dtype)
 
 
+@triton.jit
+def _merge_head(part_acc_ptr, part_ml_ptr, b, h, stride_pa_b, stride_pa_h, stride_pa_s,
+                stride_pm_b, stride_pm_h, stride_pm_s, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """(BLOCK_D,) fp32 output of query head h of sequence b from its splits' partial (m, l, acc)
+    (module doc), read through L2 (.cg): other programs of this launch may have stored them."""
+    sp = tl.arange(0, SPLITS_PAD)
+    smask = sp < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    pm = part_ml_ptr + b.to(tl.int64) * stride_pm_b + h * stride_pm_h + sp * stride_pm_s
+    m = tl.load(pm, mask=smask, other=float("-inf"), cache_modifier=".cg")     # (SPLITS_PAD,)
+    l = tl.load(pm + 1, mask=smask, other=0.0, cache_modifier=".cg")
+    m_all = tl.max(m, axis=0)
+    m_all = tl.where(m_all > float("-inf"), m_all, 0.0)      # every split empty: a context of 0
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)  # empty splits weigh nothing
+    acc = tl.load(part_acc_ptr + b.to(tl.int64) * stride_pa_b + h * stride_pa_h + sp[:, None] * stride_pa_s
+                  + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0,
+                  cache_modifier=".cg")                     # (SPLITS_PAD, BLOCK_D)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l * w, axis=0)
+    return num / tl.where(den > 0, den, 1.0)
+
+
 # Step-dependent scalars and pointers into the engine's per-step staging buffers: specializing on
 # their values or 16-byte alignment would compile a new variant mid-serving (a ~1 s stall).
 _STEP_PTRS = ["block_tables_ptr", "context_lens_ptr", "qsl_ptr", "pos_ptr", "slot_ptr"]
@@ -141,18 +199,21 @@ def _decode_stage1_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h, stride_pm_s,
     pos_ptr, cs_ptr, kn_ptr, vn_ptr, slot_ptr, stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
-    inv_k_scale, inv_v_scale, fp8_max,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_QSL: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr, KV_FP8: tl.constexpr,
+    inv_k_scale, inv_v_scale, fp8_max, cnt_ptr,
+    GROUP: tl.constexpr, HPP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HAS_QSL: tl.constexpr, DIRECT: tl.constexpr, MERGE_LAST: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr, ROPE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    """Program (b, g, split). ROPE (module doc): pos_ptr, cs_ptr (cos | sin table), kn_ptr, vn_ptr
-    (this step's unrotated k, v), slot_ptr (their cache slots); KV_FP8: written scaled and
-    saturated to +-fp8_max, as kv_cache_write does."""
+    """Program (b, j, split): query heads j*HPP .. j*HPP+HPP-1 (of KV head g = j*HPP // GROUP)
+    over partition `split` of sequence b's context. ROPE (module doc): pos_ptr, cs_ptr (cos | sin
+    table), kn_ptr, vn_ptr (this step's unrotated k, v), slot_ptr (their cache slots); KV_FP8:
+    written scaled and saturated to +-fp8_max, as kv_cache_write does. MERGE_LAST: cnt_ptr holds
+    an arrival counter per (b, j); the last of its NUM_SPLITS programs merges and writes out."""
     pdl_wait(PDL)                  # kernels/_pdl.py: before the early return of prefill rows too
     b = tl.program_id(0)
-    g = tl.program_id(1)
+    h0 = tl.program_id(1) * HPP                             # the block's first query head
+    g = h0 // GROUP                                         # their KV head
     split = tl.program_id(2)
     if HAS_QSL:
         row = tl.load(qsl_ptr + b).to(tl.int64)
@@ -166,8 +227,8 @@ def _decode_stage1_kernel(
     start = lo + split * part
     end = tl.minimum(start + part, n_ctx)
 
-    heads = g * GROUP + tl.arange(0, GROUP_PAD)             # (GROUP_PAD,) query heads of KV head g
-    hmask = tl.arange(0, GROUP_PAD) < GROUP
+    heads = h0 + tl.arange(0, GROUP_PAD)                    # (GROUP_PAD,) this block's query heads
+    hmask = tl.arange(0, GROUP_PAD) < HPP
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     q_offs = row * stride_qt + heads[:, None] * stride_qh
@@ -189,11 +250,12 @@ def _decode_stage1_kernel(
             vw = tl.clamp(vn.to(tl.float32) * inv_v_scale, -fp8_max, fp8_max).to(v_cache_ptr.dtype.element_ty)
         else:
             kw, vw = kr.to(k_cache_ptr.dtype.element_ty), vn.to(v_cache_ptr.dtype.element_ty)
-        # the partition that holds the new key (the context's last) writes it, and takes it from
-        # registers after its tiles instead of reading it back from the cache
+        # the partition that holds the new key (the context's last) takes it from registers after
+        # its tiles instead of reading it back from the cache; of the KV head's head blocks the
+        # first one writes it
         has_new = (end == n_ctx) & (start < end)
         slot = tl.load(slot_ptr + row).to(tl.int64)
-        if has_new & (slot >= 0):
+        if has_new & (slot >= 0) & (h0 % GROUP == 0):
             tl.store(k_cache_ptr + (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + g * stride_kh + d, kw)
             tl.store(v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + g * stride_vh + d, vw)
         end = end - has_new.to(tl.int32)
@@ -241,6 +303,19 @@ def _decode_stage1_kernel(
         pm = part_ml_ptr + b.to(tl.int64) * stride_pm_b + heads * stride_pm_h + split * stride_pm_s
         tl.store(pm, m, mask=hmask)
         tl.store(pm + 1, l, mask=hmask)
+        if MERGE_LAST:
+            tl.debug_barrier()                              # every thread's partial stored ...
+            cnt = cnt_ptr + b * tl.num_programs(1) + tl.program_id(1)
+            seen = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")   # ... then released
+            if seen == NUM_SPLITS - 1:                      # the last: the others' are visible
+                for i in tl.static_range(HPP):
+                    h = h0 + i
+                    o = _merge_head(part_acc_ptr, part_ml_ptr, b, h, stride_pa_b, stride_pa_h, stride_pa_s,
+                                    stride_pm_b, stride_pm_h, stride_pm_s, HEAD_DIM, BLOCK_D, NUM_SPLITS,
+                                    SPLITS_PAD)
+                    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+                             mask=dmask)
+                tl.store(cnt, 0)
 
 
 @triton.jit(do_not_specialize_on_alignment=["qsl_ptr"])
@@ -250,6 +325,7 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HAS_QSL: tl.constexpr, PDL: tl.constexpr,
 ):
+    """The "two_pass" merge: program (b, h) writes query head h of sequence b."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -259,22 +335,10 @@ def _decode_stage2_kernel(
             return
     else:
         row = b.to(tl.int64)
-    sp = tl.arange(0, SPLITS_PAD)
-    smask = sp < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    pm = part_ml_ptr + b.to(tl.int64) * stride_pm_b + h * stride_pm_h + sp * stride_pm_s
-    m = tl.load(pm, mask=smask, other=float("-inf"))         # (SPLITS_PAD,)
-    l = tl.load(pm + 1, mask=smask, other=0.0)
-    m_all = tl.max(m, axis=0)
-    m_all = tl.where(m_all > float("-inf"), m_all, 0.0)      # every split empty: a context of 0
-    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)  # empty splits weigh nothing
-    acc = tl.load(part_acc_ptr + b.to(tl.int64) * stride_pa_b + h * stride_pa_h + sp[:, None] * stride_pa_s + d[None, :],
-                  mask=smask[:, None] & dmask[None, :], other=0.0)   # (SPLITS_PAD, BLOCK_D)
-    num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(l * w, axis=0)
-    o = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
+    o = _merge_head(part_acc_ptr, part_ml_ptr, b, h, stride_pa_b, stride_pa_h, stride_pa_s,
+                    stride_pm_b, stride_pm_h, stride_pm_s, HEAD_DIM, BLOCK_D, NUM_SPLITS, SPLITS_PAD)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
@@ -287,6 +351,46 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     by_occupancy = triton.cdiv(2 * num_sms(device), max(1, programs))
     by_length = triton.cdiv(max(1, max_context_len), min_tokens_per_split)
     return int(max(1, min(by_occupancy, by_length, max_splits)))
+
+
+class DecodeSplit(NamedTuple):
+    num_splits: int
+    block_n: int | None = None            # keys per tile; None: paged_decode_attention's default
+    heads_per_program: int | None = None  # None: all G query heads of a KV head
+
+    @property
+    def fine(self) -> bool:
+        """More than one program per (sequence, KV head): RoPE + KV write go into the kernel."""
+        return self.num_splits > 1 or self.heads_per_program is not None
+
+
+def choose_short_split(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
+                       group: int = 1) -> DecodeSplit:
+    """For contexts of at most SHORT_SPLIT_CONTEXT tokens (a short decode graph's bound): blocks of
+    SHORT_HEADS_PER_PROGRAM of the `group` query heads of a KV head (None: the whole group) and up
+    to SHORT_MAX_SPLITS partitions of SHORT_BLOCK_N-key tiles, as many as keep 2 programs per SM.
+
+    At batch 1 a whole 128-token context in one program per KV head is 8 programs running a
+    chain of dependent loads; 8 partitions of 16 keys each make it 64 programs of one tile."""
+    assert max_context_len <= SHORT_SPLIT_CONTEXT, "choose_short_split is for short contexts"
+    hpp = SHORT_HEADS_PER_PROGRAM
+    if hpp is not None and (hpp >= group or group % hpp):
+        hpp = None                                  # a block of the whole group
+    programs = max(1, num_seqs * num_kv_heads * (group // hpp if hpp else 1))
+    by_occupancy = triton.cdiv(2 * num_sms(device), programs)
+    by_length = triton.cdiv(max(1, max_context_len), SHORT_BLOCK_N)
+    splits = int(max(1, min(SHORT_MAX_SPLITS, by_occupancy, by_length)))
+    fine = splits > 1 or hpp is not None
+    return DecodeSplit(splits, SHORT_BLOCK_N if fine else None, hpp)
+
+
+def choose_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
+                        device: torch.device, group: int = 1) -> DecodeSplit:
+    """The split of a step whose contexts are at most max_context_len: choose_short_split for
+    short contexts, else choose_num_splits with the default tiles."""
+    if max_context_len <= SHORT_SPLIT_CONTEXT:
+        return choose_short_split(num_seqs, num_kv_heads, max_context_len, device, group)
+    return DecodeSplit(choose_num_splits(num_seqs, num_kv_heads, max_context_len, device))
 
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -358,6 +462,8 @@ def paged_decode_attention(
     num_stages: int | None = None,
     fp8_upcast: str | None = None,                # fp8 caches: "bf16" | "f16" | "f16_bits" | "f16_asm"
     rope: FusedRopeKV | None = None,              # RoPE + this step's KV write fused in (module doc)
+    merge: str | None = None,                     # split partials: "last" | "two_pass" (SPLIT_MERGE)
+    heads_per_program: int | None = None,         # query heads per program, a divisor of the group
 ) -> torch.Tensor:
     """Attention of each sequence's single new query over its paged context (module docstring)."""
     T, n_heads, head_dim = q.shape
@@ -381,7 +487,11 @@ def paged_decode_attention(
         return out
     group = n_heads // n_kv
     if num_splits is None:
-        num_splits = choose_num_splits(B, n_kv, max_context_len, q.device)
+        auto = choose_decode_split(B, n_kv, max_context_len, q.device, group)
+        num_splits, block_n = auto.num_splits, block_n or auto.block_n
+        heads_per_program = heads_per_program or auto.heads_per_program
+    hpp = heads_per_program or group
+    assert group % hpp == 0, f"heads_per_program {hpp} must divide the {group} query heads per KV head"
     # Tiles measured on an H200 (bench/gpu_bench.py --sweep, Llama-8B heads): 64 x 2 stages when
     # each program walks a whole context, 128 x 3 stages for the shorter split partitions.
     # An fp8 cache moves half the bytes per key: 128-key tiles x 3 stages won in both modes
@@ -395,7 +505,13 @@ def paged_decode_attention(
     if num_stages is None:
         num_stages = 3 if wide_tiles else 2
     upcast, kv_mul = _fp8_upcast_code(k_cache.dtype, fp8_upcast)
+    merge = SPLIT_MERGE if merge is None else merge
+    if merge not in SPLIT_MERGES:
+        raise ValueError(f"merge must be one of {SPLIT_MERGES}, got {merge!r}")
     direct = num_splits == 1
+    counters = None
+    if not direct and merge == "last" and B * (n_heads // hpp) <= _COUNTER_SLOTS:
+        counters = arrival_counters(q.device, "decode_attention", _COUNTER_SLOTS)   # None: two passes
     if direct:
         part_acc = part_ml = out     # unused
         pa_strides, pm_strides = (0, 0, 0), (0, 0, 0)
@@ -407,20 +523,20 @@ def paged_decode_attention(
     qsl = query_start_loc if query_start_loc is not None else context_lens
     BLOCK_D = next_pow2(head_dim)
     rope_args = _rope_args(rope, q, k_cache, k_scale, v_scale)
-    _decode_stage1_kernel[(B, n_kv, num_splits)](
+    _decode_stage1_kernel[(B, n_heads // hpp, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, qsl, out, part_acc, part_ml,
         scale * k_scale * kv_mul * LOG2E, v_scale * kv_mul, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        *pa_strides, *pm_strides, *rope_args,
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
-        BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
-        HAS_QSL=query_start_loc is not None, DIRECT=direct, UPCAST=upcast,
-        ROPE=rope is not None, KV_FP8=rope is not None and k_cache.dtype in _FP8_DTYPES,
+        *pa_strides, *pm_strides, *rope_args, out if counters is None else counters,
+        GROUP=group, HPP=hpp, GROUP_PAD=max(16, next_pow2(hpp)), HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
+        BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+        HAS_QSL=query_start_loc is not None, DIRECT=direct, MERGE_LAST=counters is not None,
+        UPCAST=upcast, ROPE=rope is not None, KV_FP8=rope is not None and k_cache.dtype in _FP8_DTYPES,
         num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(q),
     )
-    if not direct:
+    if not direct and counters is None:
         _decode_stage2_kernel[(B, n_heads)](
             qsl, out, part_acc, part_ml, out.stride(0), out.stride(1), *pa_strides, *pm_strides,
             HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),

@@ -141,6 +141,35 @@ def test_pdl_decode_ab_variants_flag(tmp_path):
     assert bad.returncode == 2 and "--variants" in bad.stderr and "turbo" in bad.stderr
 
 
+def test_pdl_decode_ab_attention_flag(tmp_path):
+    """--attention crosses every variant with each decode-attention configuration (fp8 skipped
+    with --fp8-variants none); a bad configuration names the flag."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "bench/pdl_decode_ab.py", "--smoke", "--rounds", "1", "--model-dir", str(tmp_path / "tiny"),
+           "--variants", "gemv:0"]
+    r = subprocess.run(cmd + ["--attention", "u+2p,s4x32,s1x64h1+2p", "--fp8-variants", "none"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    runs = json.loads((tmp_path / "pdl_decode_ab.json").read_text())["runs"]
+    assert [(x["weights"], x["attn"]) for x in runs] == [("bf16", "u+2p"), ("bf16", "s4x32"), ("bf16", "s1x64h1+2p")]
+    bad = subprocess.run(cmd + ["--attention", "s8x16,split"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "--attention" in bad.stderr and "split" in bad.stderr
+
+
+@pytest.mark.parametrize("cfg", ["u+2p", "u", "s8x16", "s2x32h1+2p", "s1x64h1"])
+def test_pdl_decode_ab_attention_round_trip(monkeypatch, cfg):
+    """set_attention sets the kernel module's knobs that current_attention reads back; u+2p is
+    the module's defaults."""
+    from gpu_worker.kernels import paged_decode_attention as pda
+    from pdl_decode_ab import current_attention, set_attention
+    assert current_attention() == "u+2p"
+    for name in ("SHORT_MAX_SPLITS", "SHORT_BLOCK_N", "SHORT_HEADS_PER_PROGRAM", "SPLIT_MERGE"):
+        monkeypatch.setattr(pda, name, getattr(pda, name))          # restored after the test
+    set_attention(cfg)
+    assert current_attention() == cfg
+
+
 def test_sweep_gemv_in_graph_smoke(tmp_path):
     """bench/sweep_gemv_in_graph.py's flow on the CPU (tiny model: the timings are NaN, so the
     starting configs stay): both weight kinds swept, A/B'd, TUNED lines printed."""

@@ -97,3 +97,54 @@ def test_pdl_graph_replays_match_plain_launches(monkeypatch, dtype, launch_late)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs an sm_90+ GPU")
+@pytest.mark.parametrize("num_splits,block_n,ctx,hpp", [(8, 16, 128, None), (8, 16, 512, None), (32, 128, 8192, None),
+                                                        (1, 64, 128, 1), (2, 32, 512, 2)])
+def test_decode_attention_merged_in_launch_under_pdl_graphs(monkeypatch, num_splits, block_n, ctx, hpp):
+    """Split decode attention with RoPE + KV write fused in, each layer's output the next one's
+    query: the in-launch merge (the last program of each head block merges) replayed from a PDL
+    graph equals the two-kernel merge launched plainly, bit for bit, replay after replay (a
+    program merging before the others' partials are visible would show as a difference); with
+    blocks of fewer query heads (hpp) too, where one program of each KV head writes its key."""
+    from gpu_worker.kernels.paged_decode_attention import FusedRopeKV, paged_decode_attention
+    from gpu_worker.kernels.rope import build_cos_sin_cache, rope_inv_freq
+    torch.manual_seed(0)
+    dev, n_kv, group, D, page, B = "cuda", 8, 4, 128, 16, 2
+    per_seq = ctx // page
+    nb = B * per_seq + 3
+    lens = torch.tensor([ctx, ctx - 37], dtype=torch.int32, device=dev)
+    tables = torch.randperm(nb, device=dev)[: B * per_seq].view(B, per_seq).int()
+    slots = torch.stack([tables[b, (n - 1) // page].long() * page + (n - 1) % page
+                         for b, n in enumerate(lens.tolist())])
+    cs = build_cos_sin_cache(rope_inv_freq(D, 500000.0), ctx + 1).to(dev)
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    layers = [(torch.randn(nb, page, n_kv, D, **bf), torch.randn(nb, page, n_kv, D, **bf),
+               torch.randn(B, n_kv, D, **bf), torch.randn(B, n_kv, D, **bf)) for _ in range(6)]
+    q0 = torch.randn(B, n_kv * group, D, **bf)
+
+    def chain(merge):
+        q = q0
+        for kc, vc, k, v in layers:
+            q = paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, max_context_len=ctx,
+                                       num_splits=num_splits, block_n=block_n, merge=merge, heads_per_program=hpp,
+                                       rope=FusedRopeKV(lens.long() - 1, cs, k, v, slots))
+        return q
+
+    monkeypatch.setattr(_pdl, "ENABLED", False)
+    ref = chain("two_pass")
+    torch.cuda.synchronize()
+    monkeypatch.setattr(_pdl, "ENABLED", True)
+    with _pdl.for_cuda_graph():
+        eager = chain("last")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain("last")
+    assert torch.equal(eager, ref)
+    for _ in range(50):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)

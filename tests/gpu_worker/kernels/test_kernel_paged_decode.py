@@ -83,9 +83,10 @@ def test_decode_sliding_window(randn, rel_err, num_splits):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("group,num_splits,cache_dtype", [(4, 1, torch.float32), (8, 3, torch.float32),
-                                                          (1, 2, torch.float8_e4m3fn)])
-def test_decode_with_fused_rope_kv_write(randn, rel_err, group, num_splits, cache_dtype):
+@pytest.mark.parametrize("group,num_splits,block_n,cache_dtype", [
+    (4, 1, 32, torch.float32), (8, 3, 32, torch.float32), (1, 2, 32, torch.float8_e4m3fn),
+    (4, 8, 16, torch.float32), (4, 8, 16, torch.float8_e4m3fn)])    # the short graphs' split
+def test_decode_with_fused_rope_kv_write(randn, rel_err, group, num_splits, block_n, cache_dtype):
     """rope=FusedRopeKV: the output and the cache of rope_kv_write followed by decode attention;
     q and k stay unrotated in memory; only the partition holding a sequence's new key writes it,
     and a padding row (context 0, slot -1) writes nothing."""
@@ -112,10 +113,107 @@ def test_decode_with_fused_rope_kv_write(randn, rel_err, group, num_splits, cach
     ref = paged_decode_attention_ref(q2, kc2, vc2, tables, lens, head_dim ** -0.5, **scales)
     q0, k0 = q.clone(), k.clone()
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, max_context_len=257,
-                                 num_splits=num_splits, block_n=32,
+                                 num_splits=num_splits, block_n=block_n,
                                  rope=FusedRopeKV(positions, cos_sin, k, v, slots), **scales)
     assert torch.equal(q, q0) and torch.equal(k, k0)             # rotated in registers only
     assert rel_err(out, ref) < (1e-5 if cache_dtype == torch.float32 else 1e-3)   # fp8: fp16 dots
     assert torch.allclose(k_cache.float(), kc2.float(), rtol=1e-6, atol=1e-6)
     assert torch.equal(v_cache.float(), vc2.float())
     assert torch.all(out[3] == 0)                                 # the padding row
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("num_splits,block_n", [(2, 64), (8, 16), (5, 32)])
+def test_split_merge_in_launch_equals_two_pass(randn, rel_err, group, num_splits, block_n):
+    """merge="last" (the last program of each (sequence, KV head) merges, one launch) gives the
+    two-pass kernels' output bit for bit, on contexts shorter than one partition, a padding row
+    and a prefill row in a mixed batch, and leaves its arrival counters at zero."""
+    from gpu_worker.kernels import _arrivals
+    n_kv, head_dim, page = 2, 64, 16
+    context_lens = [1, 17, 257, 0, 40]
+    query_lens = [1, 1, 1, 1, 6]
+    k_cache, v_cache, tables = make_paged(randn, [max(n, 1) for n in context_lens], n_kv, head_dim, page,
+                                          share_prefix=True)
+    qsl = torch.tensor([0, 1, 2, 3, 4, 10], dtype=torch.int32)
+    q = randn(sum(query_lens), n_kv * group, head_dim)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    outs = {}
+    for merge in ("two_pass", "last"):
+        out = torch.full_like(q, 7.0)
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, max_context_len=257,
+                               query_start_loc=qsl, out=out, num_splits=num_splits, block_n=block_n,
+                               merge=merge)
+        outs[merge] = out
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, query_start_loc=qsl)
+    assert torch.equal(outs["last"], outs["two_pass"])
+    assert rel_err(outs["last"][:3], ref[:3]) < 1e-5
+    assert torch.all(outs["last"][3] == 0.0)           # context 0: zeros
+    assert torch.all(outs["last"][4:] == 7.0)          # the prefill row's rows are left alone
+    counters = _arrivals._BUFFERS[("decode_attention", torch.device("cpu"))]
+    assert int(counters.abs().sum()) == 0
+
+
+def test_merge_name_is_checked(randn):
+    k_cache, v_cache, tables = make_paged(randn, [5], 1, 64, 16)
+    with pytest.raises(ValueError, match="merge must be one of"):
+        paged_decode_attention(randn(1, 1, 64), k_cache, v_cache, tables, torch.tensor([5], dtype=torch.int32),
+                               0.1, max_context_len=5, num_splits=2, merge="atomic")
+
+
+def test_short_split_policy(monkeypatch):
+    """Short contexts split into partitions of SHORT_BLOCK_N-key tiles while that keeps <= 2
+    programs per SM, optionally in blocks of SHORT_HEADS_PER_PROGRAM query heads; long ones keep
+    choose_num_splits' 128-key tiles; SHORT_MAX_SPLITS 1 without head blocks is off."""
+    from gpu_worker.kernels import paged_decode_attention as pda
+    from gpu_worker.kernels.paged_decode_attention import DecodeSplit
+    cpu = torch.device("cpu")                        # num_sms: 132 off the GPU
+    monkeypatch.setattr(pda, "SHORT_MAX_SPLITS", 1)
+    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(1) and not DecodeSplit(1).fine
+    monkeypatch.setattr(pda, "SHORT_MAX_SPLITS", 8)
+    monkeypatch.setattr(pda, "SHORT_BLOCK_N", 16)
+    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(8, 16)
+    assert pda.choose_decode_split(32, 8, 512, cpu, 4) == DecodeSplit(2, 16)       # 256 programs
+    assert pda.choose_decode_split(64, 8, 512, cpu, 4) == DecodeSplit(1)           # fills the GPU
+    assert pda.choose_decode_split(1, 8, 10, cpu, 4) == DecodeSplit(1)             # one tile
+    assert pda.choose_decode_split(1, 8, 16384, cpu, 4) == DecodeSplit(pda.choose_num_splits(1, 8, 16384, cpu))
+    monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", 1)                         # 32 programs at batch 1
+    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(8, 16, 1)
+    assert pda.choose_decode_split(16, 8, 512, cpu, 4) == DecodeSplit(1, 16, 1)    # 512 programs: no split
+    assert DecodeSplit(1, 16, 1).fine
+    assert pda.choose_decode_split(1, 8, 512, cpu, 1) == DecodeSplit(8, 16)        # MHA: the group is 1 head
+    monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", 3)                         # not a divisor of 4
+    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(8, 16)
+    with pytest.raises(AssertionError):
+        pda.choose_short_split(1, 8, pda.SHORT_SPLIT_CONTEXT + 1, cpu)
+
+
+@pytest.mark.parametrize("hpp,num_splits,merge", [(1, 1, "last"), (2, 3, "last"), (1, 4, "two_pass")])
+def test_blocks_of_query_heads(randn, rel_err, hpp, num_splits, merge):
+    """heads_per_program < G: G / hpp programs per KV head (each reads the KV head's tiles), with
+    RoPE + KV write fused in: the reference's output, and the cache as rope_kv_write leaves it."""
+    from gpu_worker.kernels.paged_decode_attention import FusedRopeKV
+    from gpu_worker.kernels.rope import build_cos_sin_cache, rope_inv_freq
+    from gpu_worker.kernels.rope_kv_write import rope_kv_write_ref
+    n_kv, group, head_dim, page = 2, 4, 64, 16
+    context_lens = [1, 17, 100, 0]
+    k_cache, v_cache, tables = make_paged(randn, [max(n, 1) for n in context_lens], n_kv, head_dim, page)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    slots = torch.tensor([int(tables[b, (n - 1) // page]) * page + (n - 1) % page if n else -1
+                          for b, n in enumerate(context_lens)])
+    positions = torch.tensor([max(n - 1, 0) for n in context_lens])
+    B = len(context_lens)
+    q, k, v = randn(B, n_kv * group, head_dim), randn(B, n_kv, head_dim), randn(B, n_kv, head_dim)
+    cos_sin = build_cos_sin_cache(rope_inv_freq(head_dim, 10000.0), 256)
+    q2, k2, kc2, vc2 = q.clone(), k.clone(), k_cache.clone(), v_cache.clone()
+    rope_kv_write_ref(positions, q2, k2, v, cos_sin, kc2, vc2, slots)
+    ref = paged_decode_attention_ref(q2, kc2, vc2, tables, lens, head_dim ** -0.5)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, max_context_len=100,
+                                 num_splits=num_splits, block_n=16, merge=merge, heads_per_program=hpp,
+                                 rope=FusedRopeKV(positions, cos_sin, k, v, slots))
+    assert rel_err(out, ref) < 1e-5 and torch.all(out[3] == 0)
+    assert torch.allclose(k_cache, kc2, atol=1e-6) and torch.equal(v_cache, vc2)
+    plain = paged_decode_attention(q2, kc2, vc2, tables, lens, head_dim ** -0.5, max_context_len=100,
+                                   num_splits=num_splits, block_n=16, merge=merge, heads_per_program=hpp)
+    assert rel_err(plain, ref) < 1e-5
+    with pytest.raises(AssertionError, match="heads_per_program"):
+        paged_decode_attention(q2, kc2, vc2, tables, lens, 0.1, max_context_len=100, heads_per_program=3)

@@ -71,10 +71,18 @@ def test_rope_kv_write_then_attend_equals_rope_then_forward(randn, rel_err):
 
 
 @pytest.mark.parametrize("head_dim", [64, 48])
-def test_decode_rope_attend_equals_rope_kv_write_then_attend(randn, rel_err, head_dim):
+@pytest.mark.parametrize("short_split,merge,hpp", [(1, "two_pass", None), (8, "last", None), (1, "last", 1)])
+def test_decode_rope_attend_equals_rope_kv_write_then_attend(randn, rel_err, monkeypatch, head_dim,
+                                                             short_split, merge, hpp):
     """A pure-decode step's fused path (one kernel) against the two-kernel one, split and not
-    (head_dim 48, not a power of two, always takes the two kernels)."""
+    (head_dim 48, not a power of two, always takes the two kernels); with the short-context split
+    on (these contexts are short), the auto split (None) is fine-grained (key partitions merged in
+    the launch, or a program per query head)."""
+    from gpu_worker.kernels import paged_decode_attention as pda
     from gpu_worker.kernels.rope import build_cos_sin_cache, rope_inv_freq
+    monkeypatch.setattr(pda, "SHORT_MAX_SPLITS", short_split)
+    monkeypatch.setattr(pda, "SPLIT_MERGE", merge)
+    monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", hpp)
     n_heads, n_kv, page, n_blocks = 8, 2, 16, 40
     batch = make_batch([16, 40, 256], [1, 1, 1], page, 24, torch.randperm(n_blocks).int())
     T = batch.num_tokens

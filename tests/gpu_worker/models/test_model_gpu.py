@@ -73,8 +73,16 @@ def build_batch_16(steps):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs triton")
-def test_cuda_graph_decode_matches_eager(tiny_models):
-    model_dir = tiny_models["qwen3"]
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])      # llama: RoPE + KV write fused into split attention
+@pytest.mark.parametrize("short_splits,merge,hpp", [(1, "two_pass", None), (8, "last", None), (1, "two_pass", 1)])
+def test_cuda_graph_decode_matches_eager(tiny_models, monkeypatch, arch, short_splits, merge, hpp):
+    """Decode graphs (PDL where on) against eager steps; with the short-context split on (these
+    contexts are short: choose_short_split), merged in the launch, or a program per query head."""
+    from gpu_worker.kernels import paged_decode_attention as pda
+    monkeypatch.setattr(pda, "SHORT_MAX_SPLITS", short_splits)
+    monkeypatch.setattr(pda, "SPLIT_MERGE", merge)
+    monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", hpp)
+    model_dir = tiny_models[arch]
     seqs, runner = three_step_run(model_dir, 1024, device="cuda", backend="triton")
     for s in seqs:
         s.tokens.append(77)
