@@ -25,7 +25,8 @@ kernel: the default), `sNxB` splits short contexts into up to N partitions of B-
 the same with H query heads per program (SHORT_HEADS_PER_PROGRAM; s1x64h1: unsplit, a program
 per query head), and a `+2p` suffix merges split partials in a second kernel (SPLIT_MERGE
 "two_pass", the default) instead of in the launch ("last"); the merge also applies to the 8k
-graph's 32 splits. The default configuration is `u+2p`.
+graph's 32 splits. The default configuration is `u+2p` (KVMESH_DECODE_ATTENTION sets another for
+a serving run: paged_decode_attention.set_attention_config).
 
 Each variant recaptures the decode graphs (sizes 1, 2, 4) and measures: the GPU time of one
 batch-1 graph replay at 128 and 8k context (CUDA events, median of 30, real contexts in the
@@ -103,30 +104,6 @@ def _variant_kernels(mode: str, k):
         return k.gemv(*a, swiglu_out=swiglu_out, norm_out=norm_out, **kw)
     ns.gemv = gemv if mode in ("fused-norm", "fused-swiglu") else k.gemv
     return ns
-
-
-ATTENTION_RE = r"^(u|s(\d+)x(\d+)(?:h(\d+))?)(\+2p)?$"
-
-
-def set_attention(cfg: str) -> None:
-    """A decode-attention configuration of --attention (module doc): u, sNxB[hH], either + '+2p'."""
-    import re
-
-    from gpu_worker.kernels import paged_decode_attention as pda
-    m = re.match(ATTENTION_RE, cfg)
-    assert m, cfg
-    pda.SHORT_MAX_SPLITS = 1 if m.group(1) == "u" else int(m.group(2))
-    pda.SHORT_BLOCK_N = pda.SHORT_BLOCK_N if m.group(1) == "u" else int(m.group(3))
-    pda.SHORT_HEADS_PER_PROGRAM = int(m.group(4)) if m.group(4) else None
-    pda.SPLIT_MERGE = "two_pass" if m.group(5) else "last"
-
-
-def current_attention() -> str:
-    from gpu_worker.kernels import paged_decode_attention as pda
-    hpp = pda.SHORT_HEADS_PER_PROGRAM
-    base = ("u" if pda.SHORT_MAX_SPLITS == 1 and hpp is None
-            else f"s{pda.SHORT_MAX_SPLITS}x{pda.SHORT_BLOCK_N}" + (f"h{hpp}" if hpp else ""))
-    return base + ("+2p" if pda.SPLIT_MERGE == "two_pass" else "")
 
 
 def set_variant(mode: str, pdl: int, prefetch: int, model=None) -> None:
@@ -209,8 +186,9 @@ def build_decode(model_dir: Path, smoke: bool) -> Decode:
 
 
 def measure(d: Decode, weights: str, mode: str, pdl: int, prefetch: int, attn: str) -> dict:
+    from gpu_worker.kernels.paged_decode_attention import set_attention_config
     set_variant(mode, pdl, prefetch, d.eng.runner.model)
-    set_attention(attn)
+    set_attention_config(attn)
     runner = d.eng.runner
     runner.capture_cuda_graphs(4, d.eng.max_model_len)
     toks = d.tokens()
@@ -242,10 +220,19 @@ def main() -> None:
                     help="mode:pdl[:pf],... for the fp8 weights (default: --variants); 'none' skips fp8")
     ap.add_argument("--fp8-attention", default=None, help="--attention for the fp8 weights (default: --attention)")
     args = ap.parse_args()
-    import re
-    attns = [a for a in args.attention.split(",") if a] or [current_attention()]
+    from gpu_worker.kernels.paged_decode_attention import attention_config, set_attention_config
+    attns = [a for a in args.attention.split(",") if a] or [attention_config()]
     fp8_attns = attns if args.fp8_attention is None else [a for a in args.fp8_attention.split(",") if a]
-    bad_attn = [a for a in attns + fp8_attns if not re.match(ATTENTION_RE, a)]
+
+    def refused(cfg: str) -> bool:
+        try:
+            set_attention_config(cfg)
+            return False
+        except ValueError:
+            return True
+    start_cfg = attention_config()
+    bad_attn = [a for a in attns + fp8_attns if refused(a)]
+    set_attention_config(start_cfg)
     if bad_attn:
         ap.error(f"--attention: expected u, sNxB or sNxBhH, each optionally with +2p (e.g. u+2p,s8x16,s1x64h1), "
                  f"got {bad_attn}")
@@ -300,9 +287,13 @@ def main() -> None:
                     log(f"{weights} {mode} pdl={pdl} pf={pf} attn={attn}: ERROR {type(e).__name__}: {e}"[:400])
                     for rid in list(eng.requests):
                         eng.abort_request(rid)
+    means = attention_means(results)
+    best = min((m for m in means if m["weights"] == "bf16" and m["mode"] == "gemv" and m["pdl"] == 1),
+               key=lambda m: m["graph_ms_128"] + m["graph_ms_8k"], default=None)
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pdl_decode_ab.json").write_text(json.dumps(dict(copy_ceiling_gbs=ceiling, runs=results), indent=1))
+    (out / "pdl_decode_ab.json").write_text(json.dumps(dict(
+        copy_ceiling_gbs=ceiling, runs=results, means=means, best_attention=best and best["attn"]), indent=1))
 
     # attention configurations sum in other orders: tokens are compared within one configuration
     base = {(r["weights"], r["mode"], r["attn"]): r["tokens"] for r in results if not r["pdl"]}
@@ -322,7 +313,24 @@ def main() -> None:
         print(f"{r['weights']:7s} {r['mode']:15s} {r['pdl']:3d} {r['prefetch']:2d} {r['attn']:>8s} {r['round']:3d} "
               f"{r['graph_ms_128']:10.3f} {r['graph_ms_8k']:9.3f} {r['sync_tok_s']:7.1f} "
               f"{r['async_tok_s']:7.1f} {r['tok_s_8k']:7.1f} {verdict}")
+    if len({m["attn"] for m in means}) > 1:
+        print("\nper attention configuration, mean of the rounds (graph ms, async tok/s):")
+        for m in means:
+            print(f"{m['weights']:7s} {m['mode']:15s} {m['pdl']:3d} {m['attn']:>10s}  {m['graph_ms_128']:.3f} @128  "
+                  f"{m['graph_ms_8k']:.3f} @8k  {m['async_tok_s']:7.1f} async  ({m['rounds']} rounds)")
+        if best:
+            print(f"fastest bf16 gemv:1 configuration (128 + 8k graph ms): {best['attn']}")
     print(f"total {time.time() - T0:.0f} s")
+
+
+def attention_means(results: list[dict]) -> list[dict]:
+    """Mean graph ms (128, 8k) and async tok/s of each (weights, mode, pdl, attention) over its rounds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["weights"], r["mode"], r["pdl"], r["attn"]), []).append(r)
+    return [dict(weights=w, mode=mode, pdl=pdl, attn=attn, rounds=len(rs),
+                 **{k: sum(r[k] for r in rs) / len(rs) for k in ("graph_ms_128", "graph_ms_8k", "async_tok_s")})
+            for (w, mode, pdl, attn), rs in groups.items()]
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ from typing import Any, Literal, Mapping, TypeVar, Union
 ENV_PREFIX = "KVMESH_"
 # KVMESH_* variables read outside this config tree (left alone by the unknown-name check):
 # KVMESH_FP8_GEMV_MAX_M is read by gpu_worker/models/layers/fp8.py at import, KVMESH_DECODE_GEMV_*
-# by gpu_worker/models/decoder.py, KVMESH_PDL by gpu_worker/kernels/_pdl.py.
+# by gpu_worker/models/decoder.py, KVMESH_PDL by gpu_worker/kernels/_pdl.py, KVMESH_DECODE_ATTENTION
+# by gpu_worker/kernels/paged_decode_attention.py.
 EXTERNAL_ENV = frozenset({"KVMESH_CACHE_DIR", "KVMESH_TEST_MODEL", "KVMESH_HOME", "KVMESH_FP8_GEMV_MAX_M",
                           "KVMESH_DECODE_GEMV_MAX_M", "KVMESH_DECODE_GEMV_WEIGHTS", "KVMESH_DECODE_GEMV_FUSE",
-                          "KVMESH_PDL"})
+                          "KVMESH_PDL", "KVMESH_DECODE_ATTENTION"})
 
 
 _WILDCARDS = ("0.0.0.0", "::", "")

@@ -68,6 +68,8 @@ q has one row per sequence. A context length of 0 (a padded CUDA-graph row) writ
 """
 from __future__ import annotations
 
+import os
+import re
 from typing import NamedTuple
 
 import torch
@@ -109,6 +111,47 @@ SHORT_MAX_SPLITS = 1
 SHORT_BLOCK_N = 16
 SHORT_HEADS_PER_PROGRAM: int | None = None     # e.g. 1: a program per query head (no merge needed)
 
+# The four knobs above as one string, for A/B runs (bench/pdl_decode_ab.py --attention, and the
+# serving stack through KVMESH_DECODE_ATTENTION, read at import): "u" (short contexts unsplit) or
+# "sNxB" (SHORT_MAX_SPLITS N, SHORT_BLOCK_N B) or "sNxBhH" (and SHORT_HEADS_PER_PROGRAM H), then
+# "+2p" for SPLIT_MERGE "two_pass" (else "last"). The defaults are "u+2p".
+ATTENTION_CONFIG_RE = re.compile(r"^(u|s(\d+)x(\d+)(?:h(\d+))?)(\+2p)?$")
+DEFAULT_ATTENTION_CONFIG = "u+2p"
+
+
+def set_attention_config(text: str) -> None:
+    """Set SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM and SPLIT_MERGE from a
+    configuration string (ATTENTION_CONFIG_RE); read at each call, so set it before CUDA-graph
+    capture."""
+    global SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SPLIT_MERGE
+    m = ATTENTION_CONFIG_RE.match(text)
+    if m is None or (m.group(1) != "u" and (int(m.group(2)) < 1 or int(m.group(3)) < 16
+                                             or int(m.group(3)) & (int(m.group(3)) - 1)
+                                             or (m.group(4) is not None and int(m.group(4)) < 1))):
+        raise ValueError(f"decode attention config {text!r}: expected u, sNxB or sNxBhH (N >= 1 splits, "
+                         f"B >= 16 keys a power of two, H >= 1 heads), optionally + '+2p', e.g. u+2p, s8x16")
+    unsplit = m.group(1) == "u"
+    SHORT_MAX_SPLITS = 1 if unsplit else int(m.group(2))
+    SHORT_BLOCK_N = 16 if unsplit else int(m.group(3))
+    SHORT_HEADS_PER_PROGRAM = int(m.group(4)) if m.group(4) else None
+    SPLIT_MERGE = "two_pass" if m.group(5) else "last"
+
+
+def attention_config() -> str:
+    """The current knobs as a configuration string (set_attention_config's inverse)."""
+    hpp = SHORT_HEADS_PER_PROGRAM
+    base = ("u" if SHORT_MAX_SPLITS == 1 and hpp is None
+            else f"s{SHORT_MAX_SPLITS}x{SHORT_BLOCK_N}" + (f"h{hpp}" if hpp else ""))
+    return base + ("+2p" if SPLIT_MERGE == "two_pass" else "")
+
+
+def _env_attention_config() -> None:
+    text = os.environ.get("KVMESH_DECODE_ATTENTION", DEFAULT_ATTENTION_CONFIG)
+    try:
+        set_attention_config(text)
+    except ValueError as e:
+        raise ValueError(f"KVMESH_DECODE_ATTENTION: {e}") from None
+
 
 @triton.jit
 def _upcast_tile(x, UPCAST: tl.constexpr, DT: tl.constexpr):
@@ -142,6 +185,9 @@ def _upcast_tile(x, UPCAST: tl.constexpr, DT: tl.constexpr):
             constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
             is_pure=True, pack=4)
     return y
+
+
+_env_attention_config()
 
 
 class FusedRopeKV(NamedTuple):

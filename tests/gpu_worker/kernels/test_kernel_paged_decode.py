@@ -217,3 +217,34 @@ def test_blocks_of_query_heads(randn, rel_err, hpp, num_splits, merge):
     assert rel_err(plain, ref) < 1e-5
     with pytest.raises(AssertionError, match="heads_per_program"):
         paged_decode_attention(q2, kc2, vc2, tables, lens, 0.1, max_context_len=100, heads_per_program=3)
+
+
+@pytest.mark.parametrize("bad", ["", "s8", "s0x16", "s8x12", "s8x8", "s4x32h0", "u+3p", "S8x16"])
+def test_attention_config_strings(monkeypatch, bad):
+    """set_attention_config / attention_config round-trip the A/B strings; a bad one is refused
+    with the expected forms named."""
+    from gpu_worker.kernels import paged_decode_attention as pda
+    for name in ("SHORT_MAX_SPLITS", "SHORT_BLOCK_N", "SHORT_HEADS_PER_PROGRAM", "SPLIT_MERGE"):
+        monkeypatch.setattr(pda, name, getattr(pda, name))          # restored after the test
+    for cfg in ("u+2p", "u", "s8x16", "s2x32h1+2p", "s1x64h1"):
+        pda.set_attention_config(cfg)
+        assert pda.attention_config() == cfg
+    pda.set_attention_config("s8x16h2")
+    assert (pda.SHORT_MAX_SPLITS, pda.SHORT_BLOCK_N, pda.SHORT_HEADS_PER_PROGRAM, pda.SPLIT_MERGE) == (8, 16, 2, "last")
+    with pytest.raises(ValueError, match="expected u, sNxB or sNxBhH"):
+        pda.set_attention_config(bad)
+
+
+def test_attention_config_from_the_environment():
+    """KVMESH_DECODE_ATTENTION is read at import; a bad value stops the import naming it."""
+    import os
+    import subprocess
+    import sys
+    code = "import gpu_worker.kernels.paged_decode_attention as p; print(p.attention_config())"
+    for value, ok in (("s8x16", True), ("u+2p", True), ("fast", False)):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "KVMESH_DECODE_ATTENTION": value})
+        if ok:
+            assert proc.returncode == 0 and proc.stdout.strip() == value, proc.stderr
+        else:
+            assert proc.returncode != 0 and "KVMESH_DECODE_ATTENTION" in proc.stderr
