@@ -30,9 +30,9 @@ PROFILE_TOKENS = 4096
 # Left free on the device when the KV cache is sized (allocator rounding, NCCL, graph pools).
 KV_FREE_MARGIN_BYTES = 256 * 1024**2
 # A second set of decode graphs serves batches of at most SHORT_GRAPH_MAX_BS sequences whose
-# contexts fit SHORT_CONTEXT tokens: their decode attention kernel splits those short contexts
-# finely (paged_decode_attention.choose_short_split) where the long graphs' split is sized for
-# the model's maximum.
+# contexts fit SHORT_CONTEXT tokens: their decode attention kernel is sized for those contexts
+# (unsplit by default, or split finely: paged_decode_attention.choose_short_split) where the long
+# graphs' split is sized for the model's maximum.
 SHORT_CONTEXT = SHORT_SPLIT_CONTEXT
 SHORT_GRAPH_MAX_BS = 32
 # Decode graphs of at most this many rows also capture the lm_head (logits come out of the
@@ -322,8 +322,8 @@ class ModelRunner:
         self.decode_graphs = capture(max_context_len)
         if self.device.type == "cuda" and max_context_len > 2 * SHORT_CONTEXT:
             # Small batches of short contexts: the long graphs' decode kernel is split for
-            # max_context_len (up to 32 partitions of 128-key tiles); these split a context of at
-            # most SHORT_CONTEXT tokens into partitions of a few small tiles.
+            # max_context_len (up to 32 partitions of 128-key tiles); these size it for at most
+            # SHORT_CONTEXT tokens (choose_short_split).
             sizes = [n for n in self.decode_graphs.sizes if n <= SHORT_GRAPH_MAX_BS]
             self.short_decode_graphs = capture(SHORT_CONTEXT, sizes)
 

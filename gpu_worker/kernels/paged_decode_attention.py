@@ -98,14 +98,14 @@ _FP8_BITS_SCALE = 256.0          # the bit variants read value * 2^-8
 # lent) stays opt-in until that A/B has run.
 SPLIT_MERGE = "two_pass"
 SPLIT_MERGES = ("last", "two_pass")
-_COUNTER_SLOTS = 1 << 16          # (sequence, KV head) pairs a "last" merge can count at once
+_COUNTER_SLOTS = 1 << 16          # (sequence, head block) pairs a "last" merge can count at once
 
 # choose_short_split's policy for contexts of at most SHORT_SPLIT_CONTEXT tokens: up to
 # SHORT_MAX_SPLITS partitions of SHORT_BLOCK_N-key tiles, each program taking
 # SHORT_HEADS_PER_PROGRAM query heads. SHORT_MAX_SPLITS 1 with SHORT_HEADS_PER_PROGRAM None (the
 # measured default: unsplit, RoPE + KV write its own kernel) turns it off; e.g. 8 and 16 split a
-# batch-1 128-token context over 64 programs, heads per program 1 over 32 without a merge. Opt-in until bench/pdl_decode_ab.py --attention has
-# measured it (BENCHMARKS.md, "ninth session").
+# batch-1 128-token context over 64 programs, heads per program 1 over 32 without a merge.
+# Opt-in until bench/pdl_decode_ab.py --attention has measured it (BENCHMARKS.md, ninth session).
 SHORT_SPLIT_CONTEXT = 512
 SHORT_MAX_SPLITS = 1
 SHORT_BLOCK_N = 16
@@ -153,6 +153,9 @@ def _env_attention_config() -> None:
         raise ValueError(f"KVMESH_DECODE_ATTENTION: {e}") from None
 
 
+_env_attention_config()
+
+
 @triton.jit
 def _upcast_tile(x, UPCAST: tl.constexpr, DT: tl.constexpr):
     """A loaded KV tile in the dots' dtype: DT (q's dtype) for UPCAST 0, else fp16 (x 2^-8 for 2, 3)."""
@@ -185,9 +188,6 @@ def _upcast_tile(x, UPCAST: tl.constexpr, DT: tl.constexpr):
             constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
             is_pure=True, pack=4)
     return y
-
-
-_env_attention_config()
 
 
 class FusedRopeKV(NamedTuple):

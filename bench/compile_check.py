@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Compile the Triton kernels of a batch-1 decode layer's attention for sm_90 on a machine
+without a GPU, and report what the compiler made of each: registers, stack (spills), and counts
+of global loads, atomics, barriers and tensor-core instructions.
+
+No device time: Triton's package carries ptxas and cuobjdump, and `triton.compile` takes a
+target. The launchers run on CPU tensors of Llama-3.1-8B's heads with their kernels swapped for
+recorders, so what is compiled is exactly what they launch (grid, arguments, constexprs), with
+the JIT's own specializations applied by hand (16-byte-aligned pointers and ints divisible by 16
+marked divisible, ints equal to 1 made constants, both unless the kernel opts out) and PDL on,
+as inside a CUDA graph. Each decode-attention configuration (paged_decode_attention
+.set_attention_config: u+2p, s8x16, s1x64h1, ...) is compiled for the short graphs (128-token
+context, graph bound 512) and the long ones (8k context, bound 16k).
+
+    python bench/compile_check.py                                  # the Triton installed here
+    PYTHONPATH=/path/to/triton-3.6 python bench/compile_check.py   # the device image's version
+
+Registers and spills depend on the Triton version: the device's (3.6) can be installed into its
+own folder (`pip install --no-deps --target DIR triton==3.6.0`) for numbers that match the H200
+runs. Prints a table; writes $OUT/compile_check.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+os.environ.pop("TRITON_INTERPRET", None)        # compile for the GPU, never interpret
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
+           torch.float8_e5m2: "fp8e5"}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+
+
+class Launch(NamedTuple):
+    kernel: object                  # the @triton.jit function
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+class Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kwargs)` records the launch."""
+
+    def __init__(self, kernel, launches: list[Launch]):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(Launch(self.kernel, tuple(grid), args, kwargs))
+
+
+def source(launch: Launch):
+    """(ASTSource, options) of a recorded launch, specialized as the JIT specializes (module doc)."""
+    from triton.compiler import ASTSource
+    kernel = launch.kernel
+    names = [p.name for p in kernel.params]
+    values = dict(zip(names, launch.args)) | {k: v for k, v in launch.kwargs.items() if k not in _LAUNCH_OPTIONS}
+    if "PDL" in values:
+        values["PDL"] = 1                                   # as inside a CUDA graph on sm_90
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        v = values[p.name]
+        if p.is_constexpr:
+            sig[p.name], consts[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _DTYPES[v.dtype]
+            if v.data_ptr() % 16 == 0 and not p.do_not_specialize_on_alignment:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            if v == 1 and not p.do_not_specialize:
+                sig[p.name], consts[p.name] = "constexpr", 1
+                continue
+            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0 and not p.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}.{p.name}: cannot type {type(v).__name__}")
+    options = dict(num_warps=launch.kwargs.get("num_warps", 4), num_stages=launch.kwargs.get("num_stages", 3))
+    return ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), options
+
+
+def report(launch: Launch) -> dict:
+    """Compile one launch for sm_90 and read its cubin's resource use and instruction counts."""
+    from triton.backends.compiler import GPUTarget
+    src, options = source(launch)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(tools / "cuobjdump"), "--dump-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    res = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
+    count = lambda pattern: len(re.findall(pattern, sass))          # noqa: E731
+    return dict(kernel=launch.kernel.__name__, grid=list(launch.grid), num_warps=options["num_warps"],
+                num_stages=options["num_stages"], regs=res.get("REG", -1), stack=res.get("STACK", -1),
+                local=res.get("LOCAL", -1), ldg=count(r"\bLDG\b"), atom=count(r"\b(?:ATOM|ATOMG|RED)\b"),
+                bar=count(r"\bBAR\.SYNC"), mma=count(r"\b(?:HMMA|HGMMA)\b"))
+
+
+def decode_step_launches(context: int, graph_bound: int) -> list[Launch]:
+    """The kernels TritonAttentionBackend.decode_rope_attend launches for one batch-1 pure-decode
+    step of Llama-3.1-8B heads (32 query / 8 KV heads of 128) at `context` tokens, inside a graph
+    captured for contexts up to `graph_bound`, under the current attention configuration."""
+    from gpu_worker.attention.triton_backend import TritonAttentionBackend
+    from gpu_worker.forward_batch import ForwardBatch
+    from gpu_worker.kernels import paged_decode_attention as pda
+    from gpu_worker.kernels import rope_kv_write as rkw
+    from gpu_worker.kernels.rope import build_cos_sin_cache, rope_inv_freq
+    launches: list[Launch] = []
+    saved = (pda._decode_stage1_kernel, pda._decode_stage2_kernel, rkw._rope_kv_write_kernel,
+             pda.check_device, rkw.check_device)
+    pda._decode_stage1_kernel = Recorder(saved[0], launches)
+    pda._decode_stage2_kernel = Recorder(saved[1], launches)
+    rkw._rope_kv_write_kernel = Recorder(saved[2], launches)
+    pda.check_device = rkw.check_device = lambda *tensors: None      # CPU tensors, compiled not run
+    try:
+        page, n_heads, n_kv, d = 16, 32, 8, 128
+        blocks = -(-context // page)
+        qkv = torch.zeros(1, (n_heads + 2 * n_kv) * d, dtype=torch.bfloat16)    # (1, 6144) the qkv GEMV's output
+        q, k, v = qkv.split([n_heads * d, n_kv * d, n_kv * d], dim=-1)
+        kc = torch.zeros(blocks + 1, page, n_kv, d, dtype=torch.bfloat16)
+        i32 = dict(dtype=torch.int32)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(1, dtype=torch.int64), positions=torch.tensor([context - 1]),
+            query_lens=torch.ones(1, **i32), context_lens=torch.tensor([context], **i32),
+            query_start_loc=torch.arange(2, **i32),
+            block_tables=torch.arange(-(-graph_bound // (16 * page)) * 16, **i32)[None],
+            slot_mapping=torch.tensor([context - 1]), logits_indices=torch.zeros(1, dtype=torch.int64),
+            max_query_len=1, max_context_len=graph_bound)
+        cs = build_cos_sin_cache(rope_inv_freq(d, 500000.0), graph_bound)
+        TritonAttentionBackend().decode_rope_attend(
+            q.view(1, n_heads, d), k.view(1, n_kv, d), v.view(1, n_kv, d), batch.positions, cs, kc, kc.clone(),
+            batch, d ** -0.5)
+    finally:
+        (pda._decode_stage1_kernel, pda._decode_stage2_kernel, rkw._rope_kv_write_kernel,
+         pda.check_device, rkw.check_device) = saved
+    return launches
+
+
+CASES = {"128 ctx (short graph)": (128, 512), "8k ctx (long graph)": (8192, 16384)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--attention", default="u+2p,u,s8x16,s4x32,s8x16+2p,s1x64h1,s2x32h1",
+                    help="decode-attention configurations (paged_decode_attention.set_attention_config)")
+    args = ap.parse_args()
+    from gpu_worker.kernels import paged_decode_attention as pda
+    configs = [c for c in args.attention.split(",") if c]
+    start = pda.attention_config()
+    bad = []
+    for c in configs:
+        try:
+            pda.set_attention_config(c)
+        except ValueError:
+            bad.append(c)
+    pda.set_attention_config(start)
+    if bad:
+        ap.error(f"--attention: not a configuration (u+2p, s8x16, s1x64h1, ...): {bad}")
+    t0 = time.time()
+    rows = []
+    try:
+        for cfg in configs:
+            pda.set_attention_config(cfg)
+            for case, (context, bound) in CASES.items():
+                for launch in decode_step_launches(context, bound):
+                    rows.append(dict(config=cfg, case=case, **report(launch)))
+                    r = rows[-1]
+                    print(f"[{time.time() - t0:5.1f}s] {cfg:>10s} {case:22s} {r['kernel']:24s} grid {r['grid']}",
+                          flush=True)
+    finally:
+        pda.set_attention_config(start)
+    out = Path(os.environ.get("OUT", "./out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compile_check.json").write_text(json.dumps(dict(triton=triton.__version__, rows=rows), indent=1))
+    print(f"\nsm_90 with Triton {triton.__version__}: the kernels of a batch-1 decode layer's attention "
+          "(Llama-3.1-8B heads, PDL on)")
+    print(f"{'config':>10s} {'case':22s} {'kernel':24s} {'grid':>12s} {'warps':>5s} {'stages':>6s} {'regs':>4s} "
+          f"{'stack':>5s} {'LDG':>4s} {'ATOM':>4s} {'BAR':>4s} {'MMA':>4s}")
+    for r in rows:
+        grid = "x".join(map(str, r["grid"]))
+        print(f"{r['config']:>10s} {r['case']:22s} {r['kernel']:24s} {grid:>12s} {r['num_warps']:5d} "
+              f"{r['num_stages']:6d} {r['regs']:4d} {r['stack']:5d} {r['ldg']:4d} {r['atom']:4d} {r['bar']:4d} "
+              f"{r['mma']:4d}")
+
+
+if __name__ == "__main__":
+    main()
