@@ -50,7 +50,7 @@ class Job:
         self.scheduler_addr = ""             # the scheduler that holds (queued) these requests
         self.progressed = False              # a token arrived: the request reached a worker
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.submitted = 0.0                 # monotonic: the last Submit handed to the scheduler's socket
+        self.submitted = 0.0                 # monotonic: just before the Submits go to the scheduler's socket
         self.first_read = 0.0                # monotonic: the first text delta read off the inbox
         self.unfinished = {(rid, j) for rid in rids for j in range(n)}
         self.closed = False
@@ -282,12 +282,14 @@ class Backend:
         job.scheduler_addr = self.scheduler.addr
         now = time.time()
         try:
+            # stamped before the sends: were this process descheduled between a send and the stamp,
+            # the upstream stage would miss time the scheduler and worker already spent
+            job.submitted = time.monotonic()
             for rid, rep in zip(rids, replies):
                 self.scheduler.send(Submit(
                     request_id=rid, tenant=tenant, prompt_token_ids=rep.prompt_token_ids, params=params,
                     priority=priority, cache_salt=cache_salt, reply_addr=self.reply_addr,
                     detok_addr=rep.detok_addr, arrival=now))
-            job.submitted = time.monotonic()
             await job.admitted(self.cfg.admission_timeout_s)
         except BaseException:
             job.close()
