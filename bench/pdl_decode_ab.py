@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Batch-1 decode with and without programmatic dependent launch (gpu_worker/kernels/_pdl.py),
 per way of running a decode layer, on one engine (Llama-3.1-8B shapes, random bf16 weights, then
-the same weights quantized to fp8 in place):
+the same weights quantized to fp8 in place, then with `--fp8-lm-head-variants` the lm_head too):
 
     cublas   bf16: norm / RoPE+KV-write / attention / SwiGLU Triton kernels around cuBLAS GEMMs
              (DecoderLayer.gemv_max_m 0): only the Triton kernels can launch early
@@ -219,6 +219,9 @@ def main() -> None:
     ap.add_argument("--fp8-variants", default=None,
                     help="mode:pdl[:pf],... for the fp8 weights (default: --variants); 'none' skips fp8")
     ap.add_argument("--fp8-attention", default=None, help="--attention for the fp8 weights (default: --attention)")
+    ap.add_argument("--fp8-lm-head-variants", default="none",
+                    help="mode:pdl[:pf],... run last with the lm_head quantized too (quantization='fp8_lm_head', "
+                         "--fp8-attention's configurations); default none")
     args = ap.parse_args()
     from gpu_worker.kernels.paged_decode_attention import attention_config, set_attention_config
     attns = [a for a in args.attention.split(",") if a] or [attention_config()]
@@ -236,7 +239,7 @@ def main() -> None:
     if bad_attn:
         ap.error(f"--attention: expected u, sNxB or sNxBhH, each optionally with +2p (e.g. u+2p,s8x16,s1x64h1), "
                  f"got {bad_attn}")
-    from gpu_worker.models.layers.fp8 import quantize_linears_fp8
+    from gpu_worker.models.layers.fp8 import quantize_lm_head_fp8, quantize_linears_fp8
 
     ceiling = float("nan")
     if not args.smoke:
@@ -263,18 +266,21 @@ def main() -> None:
         plans = {w: parse_variants("--variants", args.variants) for w in plans}
     if args.fp8_variants is not None:
         plans["fp8"] = [] if args.fp8_variants == "none" else parse_variants("--fp8-variants", args.fp8_variants)
+    plans["fp8_lm_head"] = ([] if args.fp8_lm_head_variants == "none"
+                            else parse_variants("--fp8-lm-head-variants", args.fp8_lm_head_variants))
     plans = {w: [(m, pdl, pf, a) for m, pdl, pf in plan for a in (attns if w == "bf16" else fp8_attns)]
              for w, plan in plans.items()}
     end = T0 + args.budget
-    for weights in ("bf16", "fp8"):
-        if not plans[weights]:
-            continue
-        if weights == "fp8":
-            quantize_linears_fp8(eng.runner.model)
+    kinds = [w for w in ("bf16", "fp8", "fp8_lm_head") if plans[w]]
+    for i, weights in enumerate(kinds):
+        if weights != "bf16" and quantize_linears_fp8(eng.runner.model):    # the first fp8 pass
             eng.runner.prefill_graphs = None       # captured over the bf16 weights: prefill runs eagerly
-            if not args.smoke:
-                torch.cuda.empty_cache()
-        share = (end - time.time()) / (2 if weights == "bf16" and plans["fp8"] else 1)
+        if weights == "fp8_lm_head":
+            quantize_lm_head_fp8(eng.runner.model)
+        if weights != "bf16" and not args.smoke:
+            torch.cuda.empty_cache()
+        # the time left, shared by the kinds still to run in proportion to their variants
+        share = (end - time.time()) * len(plans[weights]) / sum(len(plans[w]) for w in kinds[i:])
         stop = time.time() + share
         for rnd in range(args.rounds):
             for mode, pdl, pf, attn in plans[weights]:
@@ -302,7 +308,7 @@ def main() -> None:
         first.setdefault(r["weights"], r["tokens"])
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; batch-1 decode, Llama-3.1-8B shapes (tokens: same greedy "
           "tokens as the mode without PDL)")
-    print(f"{'weights':7s} {'mode':15s} {'pdl':>3s} {'pf':>2s} {'attn':>8s} {'rnd':>3s} {'graph@128':>10s} "
+    print(f"{'weights':11s} {'mode':15s} {'pdl':>3s} {'pf':>2s} {'attn':>8s} {'rnd':>3s} {'graph@128':>10s} "
           f"{'graph@8k':>9s} {'sync':>7s} {'async':>7s} {'8k':>7s} tokens")
     for r in results:
         same = base.get((r["weights"], r["mode"], r["attn"]))
@@ -310,13 +316,13 @@ def main() -> None:
             verdict = "same as 1st" if first[r["weights"]] == r["tokens"] else "differ from 1st"
         else:
             verdict = "-" if not r["pdl"] else ("same" if same == r["tokens"] else "DIFFER")
-        print(f"{r['weights']:7s} {r['mode']:15s} {r['pdl']:3d} {r['prefetch']:2d} {r['attn']:>8s} {r['round']:3d} "
+        print(f"{r['weights']:11s} {r['mode']:15s} {r['pdl']:3d} {r['prefetch']:2d} {r['attn']:>8s} {r['round']:3d} "
               f"{r['graph_ms_128']:10.3f} {r['graph_ms_8k']:9.3f} {r['sync_tok_s']:7.1f} "
               f"{r['async_tok_s']:7.1f} {r['tok_s_8k']:7.1f} {verdict}")
     if len({m["attn"] for m in means}) > 1:
         print("\nper attention configuration, mean of the rounds (graph ms, async tok/s):")
         for m in means:
-            print(f"{m['weights']:7s} {m['mode']:15s} {m['pdl']:3d} {m['attn']:>10s}  {m['graph_ms_128']:.3f} @128  "
+            print(f"{m['weights']:11s} {m['mode']:15s} {m['pdl']:3d} {m['attn']:>10s}  {m['graph_ms_128']:.3f} @128  "
                   f"{m['graph_ms_8k']:.3f} @8k  {m['async_tok_s']:7.1f} async  ({m['rounds']} rounds)")
         if best:
             print(f"fastest bf16 gemv:1 configuration (128 + 8k graph ms): {best['attn']}")

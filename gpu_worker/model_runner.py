@@ -111,7 +111,8 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, attention_backend: str = "torch", seed: int = 0,
                  quantization: str | None = None, kv_cache_dtype: torch.dtype | None = None):
         """`quantization="fp8"`: the decoder layers' linear weights become e4m3 with per-channel
-        scales once loaded (gpu_worker/models/layers/fp8.py); None keeps them in `dtype`.
+        scales once loaded (gpu_worker/models/layers/fp8.py), "fp8_lm_head" the lm_head too; None
+        keeps them in `dtype`.
         `kv_cache_dtype`: the KV cache's storage dtype (None: `dtype`; torch.float8_e4m3fn:
         one byte per element, written as value / KV_SCALE)."""
         self.config = config
@@ -151,10 +152,12 @@ class ModelRunner:
         load_weights(self.model, model_dir)
 
     def _quantize(self, quantization: str) -> None:
-        from gpu_worker.models.layers.fp8 import QUANTIZATIONS, quantize_linears_fp8
+        from gpu_worker.models.layers.fp8 import QUANTIZATIONS, quantize_lm_head_fp8, quantize_linears_fp8
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)} or None")
         quantize_linears_fp8(self.model)
+        if quantization == "fp8_lm_head":
+            quantize_lm_head_fp8(self.model)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()          # the bf16 weights' memory goes to the KV cache
 

@@ -157,8 +157,8 @@ class EngineSettings:
     dtype: str = opt("auto", "Engine: auto, float32, float16, bfloat16.")
     gpu_memory_utilization: float = opt(0.9, "Engine: this worker's share of its GPU's total memory for "
                                              "weights, activations and KV (two workers at 0.45 share one GPU).")
-    quantization: str = opt("", "Engine: weight quantization ('' none, fp8: e4m3 weights, per-channel scales).",
-                            choices=("", "fp8"))
+    quantization: str = opt("", "Engine: weight quantization ('' none, fp8: e4m3 weights, per-channel scales; "
+                                "fp8_lm_head: the lm_head in e4m3 too).", choices=("", "fp8", "fp8_lm_head"))
     kv_cache_dtype: str = opt("auto", "Engine: KV-cache storage (auto: the model's dtype; fp8: e4m3, "
                                       "scale 1.0, twice the blocks for the same memory).",
                               choices=("auto", "fp8"))

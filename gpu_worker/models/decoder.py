@@ -224,6 +224,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, self.rope, backend, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
+        self.head_fp8 = None     # quantization="fp8_lm_head": the head in e4m3 (layers/fp8.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], batch: ForwardBatch) -> torch.Tensor:
@@ -246,6 +247,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, H) -> (S, V) float32."""
+        if self.head_fp8 is not None:
+            return self.head_fp8(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return (hidden @ weight.t()).float()
 

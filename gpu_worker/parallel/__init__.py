@@ -32,7 +32,7 @@ def create_model_runner(config: ModelConfig, model_dir: str, *, device: str | to
     """A ModelRunner for tensor_parallel_size 1, else a TPModelRunner driving that many ranks
     (rank 0 in this process, one child process per further rank; call its close() at shutdown).
     enable_expert_parallel: MoE experts placed whole on ranks instead of each one split.
-    quantization ("fp8") and an fp8 kv_cache_dtype are single-rank only for now."""
+    quantization ("fp8", "fp8_lm_head") and an fp8 kv_cache_dtype are single-rank only for now."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
     if tensor_parallel_size == 1:

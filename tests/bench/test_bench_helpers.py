@@ -147,13 +147,15 @@ def test_pdl_decode_ab_attention_flag(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "bench/pdl_decode_ab.py", "--smoke", "--rounds", "1", "--model-dir", str(tmp_path / "tiny"),
            "--variants", "gemv:0"]
-    r = subprocess.run(cmd + ["--attention", "u+2p,s4x32,s1x64h1+2p", "--fp8-variants", "none"], cwd=ROOT,
+    r = subprocess.run(cmd + ["--attention", "u+2p,s4x32,s1x64h1+2p", "--fp8-variants", "none",
+                              "--fp8-lm-head-variants", "gemv:0", "--fp8-attention", "s8x16"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     runs = json.loads((tmp_path / "pdl_decode_ab.json").read_text())["runs"]
-    assert [(x["weights"], x["attn"]) for x in runs] == [("bf16", "u+2p"), ("bf16", "s4x32"), ("bf16", "s1x64h1+2p")]
+    assert [(x["weights"], x["attn"]) for x in runs] == [("bf16", "u+2p"), ("bf16", "s4x32"), ("bf16", "s1x64h1+2p"),
+                                                        ("fp8_lm_head", "s8x16")]
     res = json.loads((tmp_path / "pdl_decode_ab.json").read_text())
-    assert [m["attn"] for m in res["means"]] == ["u+2p", "s4x32", "s1x64h1+2p"]
+    assert [m["attn"] for m in res["means"]] == ["u+2p", "s4x32", "s1x64h1+2p", "s8x16"]
     assert "per attention configuration" in r.stdout and res["best_attention"] is None     # gemv:0 only
     bad = subprocess.run(cmd + ["--attention", "s8x16,split,s8x12"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)

@@ -10,7 +10,11 @@ the bf16 rate (measured on the H200: prefill +33-56%). Small-batch decode does N
 at M=1 cuBLASLt's fp8 GEMM reads its weights at only 1.0-2.4 TB/s (bf16 GEMV: 2.6-4.2), so
 batch-1 decode is ~10% slower than bf16 (bench/engine_perf_notes.md, run 2). The embeddings and
 the lm_head stay in the model dtype (as in vLLM): they hold the vocabulary's precision and
-the head is one GEMM per step. On the CPU the same maths runs in torch ops (the kernel
+the head is one GEMM per step. `quantization="fp8_lm_head"` quantizes the lm_head the same way
+(`quantize_lm_head_fp8`: a tied head gets a quantized copy of the embeddings, which stay as they
+are): at batch 1 the head is the biggest single read of a decode step (1.05 GB of Llama-8B's
+bf16 head, 0.25 ms at the H200's copy rate), halved, for logits off by the e4m3 rounding of
+its weights (~2% relative). On the CPU the same maths runs in torch ops (the kernel
 module's reference), so tests can check accuracy without a GPU.
 """
 from __future__ import annotations
@@ -23,7 +27,7 @@ from torch import nn
 from gpu_worker.kernels.fp8_gemv import MAX_M as GEMV_MAX_ROWS, w8_gemv
 from gpu_worker.kernels.fp8_linear import Fp8Weight, fp8_linear, fp8_linear_ref, quantize_weight_fp8
 
-QUANTIZATIONS = ("fp8",)
+QUANTIZATIONS = ("fp8", "fp8_lm_head")
 
 GemvOperands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]   # weight, scale, bias
 
@@ -86,3 +90,15 @@ def quantize_linears_fp8(model: nn.Module) -> int:
                     setattr(parent, name, Fp8Linear.from_linear(child))
                     replaced += 1
     return replaced
+
+
+def quantize_lm_head_fp8(model: nn.Module) -> None:
+    """Give the model's head an e4m3 copy of its weights (`model.head_fp8`, which compute_logits
+    then uses): the lm_head's, or the embeddings' for a tied head. The bf16 lm_head is freed."""
+    head = model.lm_head if model.lm_head is not None else None
+    weight = (head.weight if head is not None else model.model.embed_tokens.weight).detach()
+    q = quantize_weight_fp8(weight)
+    model.head_fp8 = Fp8Linear(q.weight, q.scale, None)
+    if head is not None:
+        head.weight = nn.Parameter(torch.empty(0, weight.shape[1], dtype=weight.dtype, device=weight.device),
+                                   requires_grad=False)                 # 1 GB of Llama-8B's back

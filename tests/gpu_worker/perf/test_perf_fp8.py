@@ -1,5 +1,6 @@
 """quantization="fp8": Fp8Linear against the layer it replaces, and a whole quantized decoder
-against its unquantized twin (CPU: the fp8 kernel module's torch reference maths)."""
+against its unquantized twin ("fp8_lm_head": the head too) (CPU: the fp8 kernel module's torch
+reference maths)."""
 from __future__ import annotations
 
 import pytest
@@ -75,19 +76,58 @@ def test_quantized_decoder_logits_close_to_fp32(model, request):
     assert float(cos) > 0.97
 
 
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])           # its own head / tied embeddings
+def test_fp8_lm_head(model, request):
+    """quantization="fp8_lm_head": the decoder as with "fp8", plus an e4m3 head; the logits stay
+    close to the bf16 head's (per-channel scales: the head's own rounding, a few percent), the
+    embeddings are untouched, an own bf16 head is freed."""
+    path = request.getfixturevalue(model)
+    cfg = ModelConfig.from_dir(path)
+    fp8 = ModelRunner(cfg, path, quantization="fp8")
+    both = ModelRunner(cfg, path, quantization="fp8_lm_head")
+    head = both.model.head_fp8
+    assert isinstance(head, Fp8Linear) and head.weight.shape == (cfg.vocab_size, cfg.hidden_size)
+    assert fp8.model.head_fp8 is None
+    assert torch.equal(both.model.model.embed_tokens.weight, fp8.model.model.embed_tokens.weight)
+    if both.model.lm_head is not None:
+        assert both.model.lm_head.weight.numel() == 0             # the bf16 head's memory is back
+    prompt = [(7 * i + 3) % cfg.vocab_size for i in range(40)]
+    a, b = _prefill_and_decode_logits(both, prompt), _prefill_and_decode_logits(fp8, prompt)
+    assert torch.isfinite(a).all() and a.shape == b.shape and not torch.equal(a, b)
+    assert rel_err(a, b) < LAYER_TOL
+
+
 def test_engine_config_quantization_values(tiny_llama):
     assert EngineConfig(model=tiny_llama, quantization="fp8").quantization == "fp8"
+    assert EngineConfig(model=tiny_llama, quantization="fp8_lm_head").quantization == "fp8_lm_head"
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(model=tiny_llama, quantization="int4")
 
 
-def test_engine_generates_with_fp8(tiny_llama):
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_lm_head"])
+def test_engine_generates_with_fp8(tiny_llama, quantization):
     from gpu_worker.engine import Engine
     from services.protocol.sampling import SamplingParams
-    eng = Engine(EngineConfig(model=tiny_llama, quantization="fp8", device="cpu"))
+    eng = Engine(EngineConfig(model=tiny_llama, quantization=quantization, device="cpu"))
     eng.add_request("a", [5, 9, 11, 30], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     tokens = []
     while eng.has_unfinished_requests():
         for d in eng.step():
             tokens += d.new_token_ids
     assert len(tokens) == 6 and all(0 <= t < eng.vocab_size for t in tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_lm_head_on_the_gpu(tiny_llama):
+    """On CUDA the e4m3 head runs the split-K GEMV for 1-4 rows and _scaled_mm above: both close
+    to the bf16 head's logits."""
+    cfg = ModelConfig.from_dir(tiny_llama)
+    bf16 = ModelRunner(cfg, tiny_llama, device="cuda", dtype=torch.bfloat16, attention_backend="triton")
+    both = ModelRunner(cfg, tiny_llama, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
+                       quantization="fp8_lm_head")
+    for rows in (1, 3, 8, 64):
+        hidden = torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        a, b = both.model.compute_logits(hidden), bf16.model.compute_logits(hidden)
+        assert a.dtype == torch.float32 and a.shape == (rows, cfg.vocab_size)
+        assert rel_err(a, b) < LAYER_TOL, rows
