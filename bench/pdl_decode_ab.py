@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--budget", type=float, default=400, help="seconds; later rounds are skipped")
     ap.add_argument("--variants", default="",
-                    help="mode:pdl[:pf],... run for both weights instead of the full plan, e.g. gemv:1,fused:1")
+                    help="mode:pdl[:pf],... run for the bf16 and fp8 weights instead of the full plan, e.g. gemv:1,fused:1")
     ap.add_argument("--attention", default="",
                     help="decode-attention configurations to cross with every variant, e.g. u+2p,s8x16 "
                          "(module doc; default: the current one)")
@@ -255,6 +255,7 @@ def main() -> None:
     plans = {"bf16": [("cublas", 0, 0), ("fused", 0, 0), ("fused", 1, 0), ("gemv", 0, 0), ("gemv", 1, 0),
                       ("gemv", 1, 1), ("gemv", 1, 2)],
              "fp8": [("fused", 0, 0), ("gemv", 0, 0), ("gemv", 1, 0), ("gemv", 1, 1), ("gemv", 1, 2)]}
+
     def parse_variants(flag: str, text: str) -> list[tuple[str, int, int]]:
         picked = [(v.split(":") + ["0"])[:3] for v in text.split(",")]
         bad = [v for v in picked if v[0] not in MODES or not v[1].isdigit() or not v[2].isdigit()]

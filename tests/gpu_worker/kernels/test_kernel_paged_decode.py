@@ -125,7 +125,7 @@ def test_decode_with_fused_rope_kv_write(randn, rel_err, group, num_splits, bloc
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("num_splits,block_n", [(2, 64), (8, 16), (5, 32)])
 def test_split_merge_in_launch_equals_two_pass(randn, rel_err, group, num_splits, block_n):
-    """merge="last" (the last program of each (sequence, KV head) merges, one launch) gives the
+    """merge="last" (the last program of each (sequence, head block) merges, one launch) gives the
     two-pass kernels' output bit for bit, on contexts shorter than one partition, a padding row
     and a prefill row in a mixed batch, and leaves its arrival counters at zero."""
     from gpu_worker.kernels import _arrivals
