@@ -6,9 +6,10 @@ forward quantizes its activations per token and runs an fp8 x fp8 GEMM (fp32 acc
     y = x @ W.T    ~=  s_x[m] * s_w[n] * (x8 @ W8.T)[m, n]  (gpu_worker/kernels/fp8_linear.py)
 
 Half the weight bytes of bf16 and Hopper's fp8 tensor cores: prefill GEMMs run up to twice
-the bf16 rate (measured on the H200: prefill +33-56%). Small-batch decode does NOT gain yet:
-at M=1 cuBLASLt's fp8 GEMM reads its weights at only 1.0-2.4 TB/s (bf16 GEMV: 2.6-4.2), so
-batch-1 decode is ~10% slower than bf16 (bench/engine_perf_notes.md, run 2). The embeddings and
+the bf16 rate (measured on the H200: prefill +33-56%). At M=1 cuBLASLt's fp8 GEMM reads its
+weights at only 1.0-2.4 TB/s, which made batch-1 decode slower than bf16, so batches of up to
+`gemv_max_m` rows take the weight-only split-K GEMV instead (below): batch-1 decode is then 1.49x
+bf16's speed on the H200 (BENCHMARKS.md, eighth session). The embeddings and
 the lm_head stay in the model dtype (as in vLLM): they hold the vocabulary's precision and
 the head is one GEMM per step. `quantization="fp8_lm_head"` quantizes the lm_head the same way
 (`quantize_lm_head_fp8`: a tied head gets a quantized copy of the embeddings, which stay as they
