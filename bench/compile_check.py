@@ -161,7 +161,7 @@ CASES = {"128 ctx (short graph)": (128, 512), "8k ctx (long graph)": (8192, 1638
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--attention", default="u+2p,u,s8x16,s4x32,s8x16+2p,s1x64h1,s2x32h1",
+    ap.add_argument("--attention", default="u+2p,u,s8x16,s8x16w2,s8x16w1,s4x32,s8x16+2p,s1x64h1,s2x32h1",
                     help="decode-attention configurations (paged_decode_attention.set_attention_config)")
     args = ap.parse_args()
     from gpu_worker.kernels import paged_decode_attention as pda

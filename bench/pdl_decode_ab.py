@@ -23,7 +23,7 @@ just the current one): `u` runs the short graphs' decode kernel unsplit (RoPE + 
 kernel: the default), `sNxB` splits short contexts into up to N partitions of B-key tiles
 (paged_decode_attention.SHORT_MAX_SPLITS / SHORT_BLOCK_N; RoPE + KV write fused in), `sNxBhH`
 the same with H query heads per program (SHORT_HEADS_PER_PROGRAM; s1x64h1: unsplit, a program
-per query head), and a `+2p` suffix merges split partials in a second kernel (SPLIT_MERGE
+per query head), a `wW` after either W warps per program (SHORT_NUM_WARPS), and a `+2p` suffix merges split partials in a second kernel (SPLIT_MERGE
 "two_pass", the default) instead of in the launch ("last"); the merge also applies to the 8k
 graph's 32 splits. The default configuration is `u+2p` (KVMESH_DECODE_ATTENTION sets another for
 a serving run: paged_decode_attention.set_attention_config).
@@ -237,8 +237,8 @@ def main() -> None:
     bad_attn = [a for a in attns + fp8_attns if refused(a)]
     set_attention_config(start_cfg)
     if bad_attn:
-        ap.error(f"--attention: expected u, sNxB or sNxBhH, each optionally with +2p (e.g. u+2p,s8x16,s1x64h1), "
-                 f"got {bad_attn}")
+        ap.error(f"--attention: expected u, sNxB, sNxBhH, sNxBwW or sNxBhHwW, each optionally with +2p "
+                 f"(e.g. u+2p,s8x16,s1x64h1w2), got {bad_attn}")
     from gpu_worker.models.layers.fp8 import quantize_lm_head_fp8, quantize_linears_fp8
 
     ceiling = float("nan")

@@ -110,7 +110,8 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
             max_context_len=batch.max_context_len, query_start_loc=self._decode_query_start_loc(batch),
             out=out, num_splits=split.num_splits, block_n=split.block_n,
-            heads_per_program=split.heads_per_program, sliding_window=self.sliding_window, k_scale=self.k_scale,
+            heads_per_program=split.heads_per_program, num_warps=split.num_warps,
+            sliding_window=self.sliding_window, k_scale=self.k_scale,
             v_scale=self.v_scale, rope=FusedRopeKV(positions, cos_sin_cache, k, v, batch.slot_mapping))
         return out
 
@@ -130,7 +131,8 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
                 max_context_len=batch.max_context_len, query_start_loc=self._decode_query_start_loc(batch),
                 out=out, num_splits=split.num_splits, block_n=split.block_n,
-                heads_per_program=split.heads_per_program, sliding_window=self.sliding_window, **scales)
+                heads_per_program=split.heads_per_program, num_warps=split.num_warps,
+                sliding_window=self.sliding_window, **scales)
         if not batch.is_pure_decode:                                      # rows with query_len > 1
             group = q.shape[1] // k_cache.shape[2]
             cfg = prefill_config(batch.max_query_len, q.shape[2], group)

@@ -110,38 +110,44 @@ SHORT_SPLIT_CONTEXT = 512
 SHORT_MAX_SPLITS = 1
 SHORT_BLOCK_N = 16
 SHORT_HEADS_PER_PROGRAM: int | None = None     # e.g. 1: a program per query head (no merge needed)
+SHORT_NUM_WARPS: int | None = None             # warps of a fine program (None: the kernel's 4)
 
 # The four knobs above as one string, for A/B runs (bench/pdl_decode_ab.py --attention, and the
 # serving stack through KVMESH_DECODE_ATTENTION, read at import): "u" (short contexts unsplit) or
-# "sNxB" (SHORT_MAX_SPLITS N, SHORT_BLOCK_N B) or "sNxBhH" (and SHORT_HEADS_PER_PROGRAM H), then
-# "+2p" for SPLIT_MERGE "two_pass" (else "last"). The defaults are "u+2p".
-ATTENTION_CONFIG_RE = re.compile(r"^(u|s(\d+)x(\d+)(?:h(\d+))?)(\+2p)?$")
+# "sNxB" (SHORT_MAX_SPLITS N, SHORT_BLOCK_N B), then optionally "hH" (SHORT_HEADS_PER_PROGRAM H)
+# and "wW" (SHORT_NUM_WARPS W), then "+2p" for SPLIT_MERGE "two_pass" (else "last"). The
+# defaults are "u+2p".
+ATTENTION_CONFIG_RE = re.compile(r"^(u|s(\d+)x(\d+)(?:h(\d+))?(?:w(\d+))?)(\+2p)?$")
 DEFAULT_ATTENTION_CONFIG = "u+2p"
 
 
 def set_attention_config(text: str) -> None:
-    """Set SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM and SPLIT_MERGE from a
-    configuration string (ATTENTION_CONFIG_RE); read at each call, so set it before CUDA-graph
-    capture."""
-    global SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SPLIT_MERGE
+    """Set SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS and
+    SPLIT_MERGE from a configuration string (ATTENTION_CONFIG_RE); read at each call, so set it
+    before CUDA-graph capture."""
+    global SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE
     m = ATTENTION_CONFIG_RE.match(text)
+    pow2 = lambda v: v >= 1 and v & (v - 1) == 0          # noqa: E731
     if m is None or (m.group(1) != "u" and (int(m.group(2)) < 1 or int(m.group(3)) < 16
-                                             or int(m.group(3)) & (int(m.group(3)) - 1)
-                                             or (m.group(4) is not None and int(m.group(4)) < 1))):
-        raise ValueError(f"decode attention config {text!r}: expected u, sNxB or sNxBhH (N >= 1 splits, "
-                         f"B >= 16 keys a power of two, H >= 1 heads), optionally + '+2p', e.g. u+2p, s8x16")
+                                             or not pow2(int(m.group(3)))
+                                             or (m.group(4) is not None and int(m.group(4)) < 1)
+                                             or (m.group(5) is not None and not pow2(int(m.group(5)))))):
+        raise ValueError(f"decode attention config {text!r}: expected u, sNxB, sNxBhH, sNxBwW or sNxBhHwW "
+                         f"(N >= 1 splits, B >= 16 keys a power of two, H >= 1 heads, W warps a power of "
+                         f"two), optionally + '+2p', e.g. u+2p, s8x16, s1x64h1w2")
     unsplit = m.group(1) == "u"
     SHORT_MAX_SPLITS = 1 if unsplit else int(m.group(2))
     SHORT_BLOCK_N = 16 if unsplit else int(m.group(3))
     SHORT_HEADS_PER_PROGRAM = int(m.group(4)) if m.group(4) else None
-    SPLIT_MERGE = "two_pass" if m.group(5) else "last"
+    SHORT_NUM_WARPS = int(m.group(5)) if m.group(5) else None
+    SPLIT_MERGE = "two_pass" if m.group(6) else "last"
 
 
 def attention_config() -> str:
     """The current knobs as a configuration string (set_attention_config's inverse)."""
-    hpp = SHORT_HEADS_PER_PROGRAM
-    base = ("u" if SHORT_MAX_SPLITS == 1 and hpp is None
-            else f"s{SHORT_MAX_SPLITS}x{SHORT_BLOCK_N}" + (f"h{hpp}" if hpp else ""))
+    hpp, warps = SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS
+    base = "u" if SHORT_MAX_SPLITS == 1 and hpp is None else (
+        f"s{SHORT_MAX_SPLITS}x{SHORT_BLOCK_N}" + (f"h{hpp}" if hpp else "") + (f"w{warps}" if warps else ""))
     return base + ("+2p" if SPLIT_MERGE == "two_pass" else "")
 
 
@@ -403,6 +409,7 @@ class DecodeSplit(NamedTuple):
     num_splits: int
     block_n: int | None = None            # keys per tile; None: paged_decode_attention's default
     heads_per_program: int | None = None  # None: all G query heads of a KV head
+    num_warps: int | None = None          # None: paged_decode_attention's default
 
     @property
     def fine(self) -> bool:
@@ -414,7 +421,8 @@ def choose_short_split(num_seqs: int, num_kv_heads: int, max_context_len: int, d
                        group: int = 1) -> DecodeSplit:
     """For contexts of at most SHORT_SPLIT_CONTEXT tokens (a short decode graph's bound): blocks of
     SHORT_HEADS_PER_PROGRAM of the `group` query heads of a KV head (None: the whole group) and up
-    to SHORT_MAX_SPLITS partitions of SHORT_BLOCK_N-key tiles, as many as keep 2 programs per SM.
+    to SHORT_MAX_SPLITS partitions of SHORT_BLOCK_N-key tiles, as many as keep 2 programs per SM,
+    each program of SHORT_NUM_WARPS warps.
 
     At batch 1 a whole 128-token context in one program per KV head is 8 programs running a
     chain of dependent loads; 8 partitions of 16 keys each make it 64 programs of one tile."""
@@ -427,7 +435,7 @@ def choose_short_split(num_seqs: int, num_kv_heads: int, max_context_len: int, d
     by_length = triton.cdiv(max(1, max_context_len), SHORT_BLOCK_N)
     splits = int(max(1, min(SHORT_MAX_SPLITS, by_occupancy, by_length)))
     fine = splits > 1 or hpp is not None
-    return DecodeSplit(splits, SHORT_BLOCK_N if fine else None, hpp)
+    return DecodeSplit(splits, SHORT_BLOCK_N, hpp, SHORT_NUM_WARPS) if fine else DecodeSplit(1)
 
 
 def choose_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
@@ -536,6 +544,7 @@ def paged_decode_attention(
         auto = choose_decode_split(B, n_kv, max_context_len, q.device, group)
         num_splits, block_n = auto.num_splits, block_n or auto.block_n
         heads_per_program = heads_per_program or auto.heads_per_program
+        num_warps = num_warps or auto.num_warps
     hpp = heads_per_program or group
     assert group % hpp == 0, f"heads_per_program {hpp} must divide the {group} query heads per KV head"
     # Tiles measured on an H200 (bench/gpu_bench.py --sweep, Llama-8B heads): 64 x 2 stages when

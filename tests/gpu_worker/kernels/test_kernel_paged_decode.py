@@ -183,6 +183,11 @@ def test_short_split_policy(monkeypatch):
     assert pda.choose_decode_split(1, 8, 512, cpu, 1) == DecodeSplit(8, 16)        # MHA: the group is 1 head
     monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", 3)                         # not a divisor of 4
     assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(8, 16)
+    monkeypatch.setattr(pda, "SHORT_NUM_WARPS", 2)                                 # fine programs only
+    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(8, 16, None, 2)
+    monkeypatch.setattr(pda, "SHORT_MAX_SPLITS", 1)
+    monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", None)
+    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(1)
     with pytest.raises(AssertionError):
         pda.choose_short_split(1, 8, pda.SHORT_SPLIT_CONTEXT + 1, cpu)
 
@@ -219,19 +224,21 @@ def test_blocks_of_query_heads(randn, rel_err, hpp, num_splits, merge):
         paged_decode_attention(q2, kc2, vc2, tables, lens, 0.1, max_context_len=100, heads_per_program=3)
 
 
-@pytest.mark.parametrize("bad", ["", "s8", "s0x16", "s8x12", "s8x8", "s4x32h0", "u+3p", "S8x16"])
+@pytest.mark.parametrize("bad", ["", "s8", "s0x16", "s8x12", "s8x8", "s4x32h0", "s8x16w3", "s8x16w0", "s8x16w2h1",
+                                 "u+3p", "S8x16"])
 def test_attention_config_strings(monkeypatch, bad):
     """set_attention_config / attention_config round-trip the A/B strings; a bad one is refused
     with the expected forms named."""
     from gpu_worker.kernels import paged_decode_attention as pda
-    for name in ("SHORT_MAX_SPLITS", "SHORT_BLOCK_N", "SHORT_HEADS_PER_PROGRAM", "SPLIT_MERGE"):
+    for name in ("SHORT_MAX_SPLITS", "SHORT_BLOCK_N", "SHORT_HEADS_PER_PROGRAM", "SHORT_NUM_WARPS", "SPLIT_MERGE"):
         monkeypatch.setattr(pda, name, getattr(pda, name))          # restored after the test
-    for cfg in ("u+2p", "u", "s8x16", "s2x32h1+2p", "s1x64h1"):
+    for cfg in ("u+2p", "u", "s8x16", "s2x32h1+2p", "s1x64h1", "s8x16w2", "s1x64h1w2+2p"):
         pda.set_attention_config(cfg)
         assert pda.attention_config() == cfg
-    pda.set_attention_config("s8x16h2")
-    assert (pda.SHORT_MAX_SPLITS, pda.SHORT_BLOCK_N, pda.SHORT_HEADS_PER_PROGRAM, pda.SPLIT_MERGE) == (8, 16, 2, "last")
-    with pytest.raises(ValueError, match="expected u, sNxB or sNxBhH"):
+    pda.set_attention_config("s8x16h2w8")
+    assert (pda.SHORT_MAX_SPLITS, pda.SHORT_BLOCK_N, pda.SHORT_HEADS_PER_PROGRAM, pda.SHORT_NUM_WARPS,
+            pda.SPLIT_MERGE) == (8, 16, 2, 8, "last")
+    with pytest.raises(ValueError, match="expected u, sNxB, sNxBhH"):
         pda.set_attention_config(bad)
 
 
