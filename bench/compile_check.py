@@ -10,7 +10,7 @@ the JIT's own specializations applied by hand (16-byte-aligned pointers and ints
 marked divisible, ints equal to 1 made constants, both unless the kernel opts out) and PDL on,
 as inside a CUDA graph. Each decode-attention configuration (paged_decode_attention
 .set_attention_config: u+2p, s8x16, s1x64h1, ...) is compiled for the short graphs (128-token
-context, graph bound 512) and the long ones (8k context, bound 16k).
+context, graph bound 1024) and the long ones (8k context, bound 16k).
 
     python bench/compile_check.py                                  # the Triton installed here
     PYTHONPATH=/path/to/triton-3.6 python bench/compile_check.py   # the device image's version
@@ -156,7 +156,7 @@ def decode_step_launches(context: int, graph_bound: int) -> list[Launch]:
     return launches
 
 
-CASES = {"128 ctx (short graph)": (128, 512), "8k ctx (long graph)": (8192, 16384)}
+CASES = {"128 ctx (short graph)": (128, 1024), "8k ctx (long graph)": (8192, 16384)}
 
 
 def main() -> None:

@@ -20,13 +20,14 @@ the gate half), gemv-only (all three: the GEMVs, embedding, lm_head and sampling
 
 Each variant also runs under every decode-attention configuration of `--attention` (default
 just the current one): `u` runs the short graphs' decode kernel unsplit (RoPE + KV write its own
-kernel: the default), `sNxB` splits short contexts into up to N partitions of B-key tiles
-(paged_decode_attention.SHORT_MAX_SPLITS / SHORT_BLOCK_N; RoPE + KV write fused in), `sNxBhH`
-the same with H query heads per program (SHORT_HEADS_PER_PROGRAM; s1x64h1: unsplit, a program
-per query head), a `wW` after either W warps per program (SHORT_NUM_WARPS), and a `+2p` suffix merges split partials in a second kernel (SPLIT_MERGE
-"two_pass", the default) instead of in the launch ("last"); the merge also applies to the 8k
-graph's 32 splits. The default configuration is `u+2p` (KVMESH_DECODE_ATTENTION sets another for
-a serving run: paged_decode_attention.set_attention_config).
+kernel: the default until the ninth session), `sNxB` splits short contexts into up to N
+partitions of B-key tiles (paged_decode_attention.SHORT_MAX_SPLITS / SHORT_BLOCK_N; RoPE + KV
+write fused in), `sNxBhH` the same with H query heads per program (SHORT_HEADS_PER_PROGRAM;
+s1x64h1: unsplit, a program per query head), a `wW` after either W warps per program
+(SHORT_NUM_WARPS), and a `+2p` suffix merges split partials in a second kernel (SPLIT_MERGE
+"two_pass"; `+2pW` with W warps) instead of in the launch ("last"); the merge also applies to the
+8k graph's 32 splits. The default configuration is `s16x16+2p1` (KVMESH_DECODE_ATTENTION sets
+another for a serving run: paged_decode_attention.set_attention_config).
 
 Each variant recaptures the decode graphs (sizes 1, 2, 4) and measures: the GPU time of one
 batch-1 graph replay at 128 and 8k context (CUDA events, median of 30, real contexts in the

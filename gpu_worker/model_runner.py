@@ -30,8 +30,8 @@ PROFILE_TOKENS = 4096
 # Left free on the device when the KV cache is sized (allocator rounding, NCCL, graph pools).
 KV_FREE_MARGIN_BYTES = 256 * 1024**2
 # A second set of decode graphs serves batches of at most SHORT_GRAPH_MAX_BS sequences whose
-# contexts fit SHORT_CONTEXT tokens: their decode attention kernel is sized for those contexts
-# (unsplit by default, or split finely: paged_decode_attention.choose_short_split) where the long
+# contexts fit SHORT_CONTEXT tokens: their decode attention kernel splits those contexts finely
+# (paged_decode_attention.choose_short_split: up to 16 partitions of 16-key tiles) where the long
 # graphs' split is sized for the model's maximum.
 SHORT_CONTEXT = SHORT_SPLIT_CONTEXT
 SHORT_GRAPH_MAX_BS = 32

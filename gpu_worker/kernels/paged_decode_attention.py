@@ -26,11 +26,11 @@ in one of two ways (`merge`, default the module's SPLIT_MERGE):
 Both run the same `_merge_head` in fixed split order: bit-identical outputs, deterministic.
 With num_splits == 1 stage 1 writes the normalized output directly.
 
-Short contexts (the short decode graphs, contexts <= SHORT_SPLIT_CONTEXT) can be split too,
-finely (`choose_short_split`: partitions of small tiles, off unless SHORT_MAX_SPLITS > 1), so
-that a batch-1 step runs B x KV heads x splits programs instead of 8, with RoPE and the KV write
-fused in (see below), and/or give each program fewer query heads (SHORT_HEADS_PER_PROGRAM:
-with P = 1, 32 programs at batch 1 without a split or a merge).
+Short contexts (the short decode graphs, contexts <= SHORT_SPLIT_CONTEXT) are split too,
+finely (`choose_short_split`: up to 16 partitions of 16-key tiles by default), so that a batch-1
+step runs B x KV heads x splits programs instead of 8, with RoPE and the KV write fused in (see
+below); each program can also take fewer query heads (SHORT_HEADS_PER_PROGRAM: with P = 1, 32
+programs at batch 1 without a split or a merge; measured slower).
 
 With a sliding window W only the last W keys are attended (the partitions cover those).
 An fp8 cache (e4m3/e5m2) is read with per-tensor scales: K = k_scale * stored, V = v_scale * stored
@@ -93,21 +93,26 @@ FP8_UPCASTS = {"bf16": 0, "f16": 1, "f16_bits": 2, "f16_asm": 3}
 _FP8_BITS_SCALE = 256.0          # the bit variants read value * 2^-8
 
 # How split partials are merged (module doc): "last" (in the launch) or "two_pass" (a second
-# kernel). Looked up at each call; bench/pdl_decode_ab.py --attention A/Bs it. "two_pass" is
-# what the H200 measurements so far ran; "last" (built in the ninth session, when no device was
-# lent) stays opt-in until that A/B has run.
+# kernel). Looked up at each call; bench/pdl_decode_ab.py --attention A/Bs it. On the H200
+# (BENCHMARKS.md, ninth session) the second kernel won: the in-launch merge of one program made
+# the bf16 batch-1 graph 0.13 ms slower at 8k context (32 splits) and 0.06 ms at 128 (8 splits).
 SPLIT_MERGE = "two_pass"
 SPLIT_MERGES = ("last", "two_pass")
+MERGE_NUM_WARPS = 1               # warps of a "two_pass" merge program (1 vs 4: bf16 batch-1 graph
+                                  # 4.164 -> 4.150 ms at 128 context, 4.598 -> 4.585 at 8k, H200)
 _COUNTER_SLOTS = 1 << 16          # (sequence, head block) pairs a "last" merge can count at once
 
 # choose_short_split's policy for contexts of at most SHORT_SPLIT_CONTEXT tokens: up to
 # SHORT_MAX_SPLITS partitions of SHORT_BLOCK_N-key tiles, each program taking
-# SHORT_HEADS_PER_PROGRAM query heads. SHORT_MAX_SPLITS 1 with SHORT_HEADS_PER_PROGRAM None (the
-# measured default: unsplit, RoPE + KV write its own kernel) turns it off; e.g. 8 and 16 split a
-# batch-1 128-token context over 64 programs, heads per program 1 over 32 without a merge.
-# Opt-in until bench/pdl_decode_ab.py --attention has measured it (BENCHMARKS.md, ninth session).
-SHORT_SPLIT_CONTEXT = 512
-SHORT_MAX_SPLITS = 1
+# SHORT_HEADS_PER_PROGRAM query heads. SHORT_MAX_SPLITS 1 with SHORT_HEADS_PER_PROGRAM None
+# turns it off (unsplit, RoPE + KV write its own kernel: the default until the ninth session).
+# On the H200 (bench/pdl_decode_ab.py --attention, BENCHMARKS.md ninth session), bf16 batch-1
+# graph at 128 context: unsplit 4.416 ms, 16 x 16 4.165, 8 x 16 4.188, 4 x 32 4.213, a program
+# per query head (1 x 64, h1) 4.406; fp8 2.990 -> 2.761 with 16 x 16. Up to 1,024 tokens (not
+# 512) so that chats of a 512-token prompt stay on the short graphs: serving at concurrency 1
+# (512 in / 128 out), median TPOT 4.28 -> 4.25 ms.
+SHORT_SPLIT_CONTEXT = 1024
+SHORT_MAX_SPLITS = 16
 SHORT_BLOCK_N = 16
 SHORT_HEADS_PER_PROGRAM: int | None = None     # e.g. 1: a program per query head (no merge needed)
 SHORT_NUM_WARPS: int | None = None             # warps of a fine program (None: the kernel's 4)
@@ -115,32 +120,35 @@ SHORT_NUM_WARPS: int | None = None             # warps of a fine program (None: 
 # The four knobs above as one string, for A/B runs (bench/pdl_decode_ab.py --attention, and the
 # serving stack through KVMESH_DECODE_ATTENTION, read at import): "u" (short contexts unsplit) or
 # "sNxB" (SHORT_MAX_SPLITS N, SHORT_BLOCK_N B), then optionally "hH" (SHORT_HEADS_PER_PROGRAM H)
-# and "wW" (SHORT_NUM_WARPS W), then "+2p" for SPLIT_MERGE "two_pass" (else "last"). The
-# defaults are "u+2p".
-ATTENTION_CONFIG_RE = re.compile(r"^(u|s(\d+)x(\d+)(?:h(\d+))?(?:w(\d+))?)(\+2p)?$")
-DEFAULT_ATTENTION_CONFIG = "u+2p"
+# and "wW" (SHORT_NUM_WARPS W), then "+2p" for SPLIT_MERGE "two_pass" (else "last"), optionally
+# followed by the merge kernel's warps (MERGE_NUM_WARPS, default 4: "+2p1" is one warp).
+ATTENTION_CONFIG_RE = re.compile(r"^(u|s(\d+)x(\d+)(?:h(\d+))?(?:w(\d+))?)(\+2p(\d+)?)?$")
+DEFAULT_ATTENTION_CONFIG = "s16x16+2p1"
 
 
 def set_attention_config(text: str) -> None:
     """Set SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS and
     SPLIT_MERGE from a configuration string (ATTENTION_CONFIG_RE); read at each call, so set it
     before CUDA-graph capture."""
-    global SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE
+    global SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE, MERGE_NUM_WARPS
     m = ATTENTION_CONFIG_RE.match(text)
     pow2 = lambda v: v >= 1 and v & (v - 1) == 0          # noqa: E731
     if m is None or (m.group(1) != "u" and (int(m.group(2)) < 1 or int(m.group(3)) < 16
                                              or not pow2(int(m.group(3)))
                                              or (m.group(4) is not None and int(m.group(4)) < 1)
-                                             or (m.group(5) is not None and not pow2(int(m.group(5)))))):
+                                             or (m.group(5) is not None and not pow2(int(m.group(5)))))
+                     or (m.group(7) is not None and not pow2(int(m.group(7))))):
         raise ValueError(f"decode attention config {text!r}: expected u, sNxB, sNxBhH, sNxBwW or sNxBhHwW "
                          f"(N >= 1 splits, B >= 16 keys a power of two, H >= 1 heads, W warps a power of "
-                         f"two), optionally + '+2p', e.g. u+2p, s8x16, s1x64h1w2")
+                         f"two), optionally + '+2p' (then the merge kernel's warps, e.g. +2p1), e.g. u+2p, "
+                         f"s16x16+2p, s1x64h1w2")
     unsplit = m.group(1) == "u"
     SHORT_MAX_SPLITS = 1 if unsplit else int(m.group(2))
     SHORT_BLOCK_N = 16 if unsplit else int(m.group(3))
     SHORT_HEADS_PER_PROGRAM = int(m.group(4)) if m.group(4) else None
     SHORT_NUM_WARPS = int(m.group(5)) if m.group(5) else None
     SPLIT_MERGE = "two_pass" if m.group(6) else "last"
+    MERGE_NUM_WARPS = int(m.group(7)) if m.group(7) else 4      # "+2p" alone: the kernel's old 4
 
 
 def attention_config() -> str:
@@ -148,7 +156,8 @@ def attention_config() -> str:
     hpp, warps = SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS
     base = "u" if SHORT_MAX_SPLITS == 1 and hpp is None else (
         f"s{SHORT_MAX_SPLITS}x{SHORT_BLOCK_N}" + (f"h{hpp}" if hpp else "") + (f"w{warps}" if warps else ""))
-    return base + ("+2p" if SPLIT_MERGE == "two_pass" else "")
+    merge = "" if SPLIT_MERGE == "last" else "+2p" + (str(MERGE_NUM_WARPS) if MERGE_NUM_WARPS != 4 else "")
+    return base + merge
 
 
 def _env_attention_config() -> None:
@@ -595,7 +604,7 @@ def paged_decode_attention(
         _decode_stage2_kernel[(B, n_heads)](
             qsl, out, part_acc, part_ml, out.stride(0), out.stride(1), *pa_strides, *pm_strides,
             HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
-            HAS_QSL=query_start_loc is not None, num_warps=4, **pdl_kwargs(q),
+            HAS_QSL=query_start_loc is not None, num_warps=MERGE_NUM_WARPS, **pdl_kwargs(q),
         )
     return out
 

@@ -225,14 +225,15 @@ def test_blocks_of_query_heads(randn, rel_err, hpp, num_splits, merge):
 
 
 @pytest.mark.parametrize("bad", ["", "s8", "s0x16", "s8x12", "s8x8", "s4x32h0", "s8x16w3", "s8x16w0", "s8x16w2h1",
-                                 "u+3p", "S8x16"])
+                                 "u+3p", "S8x16", "s16x16+2p3", "u+2p0"])
 def test_attention_config_strings(monkeypatch, bad):
     """set_attention_config / attention_config round-trip the A/B strings; a bad one is refused
     with the expected forms named."""
     from gpu_worker.kernels import paged_decode_attention as pda
-    for name in ("SHORT_MAX_SPLITS", "SHORT_BLOCK_N", "SHORT_HEADS_PER_PROGRAM", "SHORT_NUM_WARPS", "SPLIT_MERGE"):
+    for name in ("SHORT_MAX_SPLITS", "SHORT_BLOCK_N", "SHORT_HEADS_PER_PROGRAM", "SHORT_NUM_WARPS", "SPLIT_MERGE",
+                 "MERGE_NUM_WARPS"):
         monkeypatch.setattr(pda, name, getattr(pda, name))          # restored after the test
-    for cfg in ("u+2p", "u", "s8x16", "s2x32h1+2p", "s1x64h1", "s8x16w2", "s1x64h1w2+2p"):
+    for cfg in ("u+2p", "u", "s8x16", "s2x32h1+2p", "s1x64h1", "s8x16w2", "s1x64h1w2+2p", "s16x16+2p1", "u+2p2"):
         pda.set_attention_config(cfg)
         assert pda.attention_config() == cfg
     pda.set_attention_config("s8x16h2w8")
