@@ -117,11 +117,12 @@ SHORT_BLOCK_N = 16
 SHORT_HEADS_PER_PROGRAM: int | None = None     # e.g. 1: a program per query head (no merge needed)
 SHORT_NUM_WARPS: int | None = None             # warps of a fine program (None: the kernel's 4)
 
-# The four knobs above as one string, for A/B runs (bench/pdl_decode_ab.py --attention, and the
+# The knobs above as one string, for A/B runs (bench/pdl_decode_ab.py --attention, and the
 # serving stack through KVMESH_DECODE_ATTENTION, read at import): "u" (short contexts unsplit) or
 # "sNxB" (SHORT_MAX_SPLITS N, SHORT_BLOCK_N B), then optionally "hH" (SHORT_HEADS_PER_PROGRAM H)
 # and "wW" (SHORT_NUM_WARPS W), then "+2p" for SPLIT_MERGE "two_pass" (else "last"), optionally
-# followed by the merge kernel's warps (MERGE_NUM_WARPS, default 4: "+2p1" is one warp).
+# followed by the merge kernel's warps (MERGE_NUM_WARPS: "+2p1" one warp; "+2p" alone 4, the
+# kernel's warps before the ninth session). The default, DEFAULT_ATTENTION_CONFIG, is s16x16+2p1.
 ATTENTION_CONFIG_RE = re.compile(r"^(u|s(\d+)x(\d+)(?:h(\d+))?(?:w(\d+))?)(\+2p(\d+)?)?$")
 DEFAULT_ATTENTION_CONFIG = "s16x16+2p1"
 
