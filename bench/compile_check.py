@@ -166,16 +166,15 @@ def main() -> None:
     args = ap.parse_args()
     from gpu_worker.kernels import paged_decode_attention as pda
     configs = [c for c in args.attention.split(",") if c]
-    start = pda.attention_config()
     bad = []
     for c in configs:
         try:
-            pda.set_attention_config(c)
+            pda.parse_attention_config(c)
         except ValueError:
             bad.append(c)
-    pda.set_attention_config(start)
     if bad:
         ap.error(f"--attention: not a configuration (u+2p, s8x16, s1x64h1, ...): {bad}")
+    start = pda.attention_config()
     t0 = time.time()
     rows = []
     try:

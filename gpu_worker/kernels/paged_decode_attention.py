@@ -123,33 +123,48 @@ SHORT_NUM_WARPS: int | None = None             # warps of a fine program (None: 
 # and "wW" (SHORT_NUM_WARPS W), then "+2p" for SPLIT_MERGE "two_pass" (else "last"), optionally
 # followed by the merge kernel's warps (MERGE_NUM_WARPS: "+2p1" one warp; "+2p" alone 4, the
 # kernel's warps before the ninth session). The default, DEFAULT_ATTENTION_CONFIG, is s16x16+2p1.
-ATTENTION_CONFIG_RE = re.compile(r"^(u|s(\d+)x(\d+)(?:h(\d+))?(?:w(\d+))?)(\+2p(\d+)?)?$")
+ATTENTION_CONFIG_RE = re.compile(r"^(?:(?P<unsplit>u)|s(?P<splits>\d+)x(?P<block>\d+)(?:h(?P<hpp>\d+))?"
+                                 r"(?:w(?P<warps>\d+))?)(?P<two_pass>\+2p(?P<merge_warps>\d+)?)?$")
 DEFAULT_ATTENTION_CONFIG = "s16x16+2p1"
 
 
-def set_attention_config(text: str) -> None:
-    """Set SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS and
-    SPLIT_MERGE from a configuration string (ATTENTION_CONFIG_RE); read at each call, so set it
-    before CUDA-graph capture."""
-    global SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE, MERGE_NUM_WARPS
+class AttentionConfig(NamedTuple):
+    """A parsed configuration string: the values set_attention_config gives the module's knobs."""
+    max_splits: int                  # SHORT_MAX_SPLITS
+    block_n: int                     # SHORT_BLOCK_N
+    heads_per_program: int | None    # SHORT_HEADS_PER_PROGRAM
+    num_warps: int | None            # SHORT_NUM_WARPS
+    merge: str                       # SPLIT_MERGE
+    merge_warps: int                 # MERGE_NUM_WARPS
+
+
+def parse_attention_config(text: str) -> AttentionConfig:
+    """A configuration string (ATTENTION_CONFIG_RE) -> its values; ValueError naming the forms."""
     m = ATTENTION_CONFIG_RE.match(text)
-    pow2 = lambda v: v >= 1 and v & (v - 1) == 0          # noqa: E731
-    if m is None or (m.group(1) != "u" and (int(m.group(2)) < 1 or int(m.group(3)) < 16
-                                             or not pow2(int(m.group(3)))
-                                             or (m.group(4) is not None and int(m.group(4)) < 1)
-                                             or (m.group(5) is not None and not pow2(int(m.group(5)))))
-                     or (m.group(7) is not None and not pow2(int(m.group(7))))):
+    v = {k: int(x) for k, x in m.groupdict().items() if x is not None and x.isdigit()} if m else {}
+    pow2 = lambda n: n is None or (n >= 1 and n & (n - 1) == 0)          # noqa: E731
+    ok = m is not None and pow2(v.get("merge_warps"))
+    if ok and not m["unsplit"]:
+        ok = (v["splits"] >= 1 and v["block"] >= 16 and pow2(v["block"]) and v.get("hpp", 1) >= 1
+              and pow2(v.get("warps")))
+    if not ok:
         raise ValueError(f"decode attention config {text!r}: expected u, sNxB, sNxBhH, sNxBwW or sNxBhHwW "
                          f"(N >= 1 splits, B >= 16 keys a power of two, H >= 1 heads, W warps a power of "
                          f"two), optionally + '+2p' (then the merge kernel's warps, e.g. +2p1), e.g. u+2p, "
                          f"s16x16+2p, s1x64h1w2")
-    unsplit = m.group(1) == "u"
-    SHORT_MAX_SPLITS = 1 if unsplit else int(m.group(2))
-    SHORT_BLOCK_N = 16 if unsplit else int(m.group(3))
-    SHORT_HEADS_PER_PROGRAM = int(m.group(4)) if m.group(4) else None
-    SHORT_NUM_WARPS = int(m.group(5)) if m.group(5) else None
-    SPLIT_MERGE = "two_pass" if m.group(6) else "last"
-    MERGE_NUM_WARPS = int(m.group(7)) if m.group(7) else 4      # "+2p" alone: the kernel's old 4
+    return AttentionConfig(max_splits=v.get("splits", 1), block_n=v.get("block", 16),
+                           heads_per_program=v.get("hpp"), num_warps=v.get("warps"),
+                           merge="two_pass" if m["two_pass"] else "last",
+                           merge_warps=v.get("merge_warps", 4))       # "+2p" alone: the kernel's old 4
+
+
+def set_attention_config(text: str) -> None:
+    """Set SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE
+    and MERGE_NUM_WARPS from a configuration string; read at each call, so set it before
+    CUDA-graph capture."""
+    global SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE, MERGE_NUM_WARPS
+    (SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE,
+     MERGE_NUM_WARPS) = parse_attention_config(text)
 
 
 def attention_config() -> str:
