@@ -13,6 +13,10 @@ and block tables; positions, slots and offsets are computed vectorized. On CUDA 
 through two pinned staging buffers (one int64, one int32) and two host->device copies per step;
 the staging ring has two slots so that a step's copy never races the next step's build.
 
+The copies run on a side stream, which the compute stream then waits for: with async scheduling
+step N+1 is built while step N still runs, and its uploads overlap step N instead of queueing
+behind it (two fewer operations between the two steps' kernels, ~2 µs each on an H200).
+
     int64 staging:  [ input_ids (T) | positions (T) | slot_mapping (T) | logits_indices (S) ]
     int32 staging:  [ query_lens (B) | context_lens (B) | query_start_loc (B+1) | block_tables (B*M) ]
     (each segment starts on a 64-byte boundary: kernels get aligned pointers)
@@ -41,6 +45,7 @@ class BatchBuilder:
         # with the GPU, so a slot is rewritten only once its earlier copies have run.
         self._copied: list[torch.cuda.Event | None] = [None] * num_staging
         self._turn = 0
+        self._copy_stream = torch.cuda.Stream(self.device) if self.pinned else None
 
     def build(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         bs = self.block_size
@@ -99,7 +104,8 @@ class BatchBuilder:
         d64, d32 = self._upload(torch.int64, o64[-1]), self._upload(torch.int32, o32[-1])
         if self.pinned:
             event = self._copied[self._turn] or torch.cuda.Event()
-            event.record()
+            event.record(self._copy_stream)
+            torch.cuda.current_stream(self.device).wait_event(event)
             self._copied[self._turn] = event
         self._turn = (self._turn + 1) % len(self._staging)
         return ForwardBatch(
@@ -135,7 +141,11 @@ class BatchBuilder:
         host = self._staging[self._turn][dtype][:n]
         if not self.pinned:
             return host if self.device.type == "cpu" else host.to(self.device)
-        return host.to(self.device, non_blocking=True)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copy_stream):    # allocated for, and written on, the copy stream
+            out = host.to(self.device, non_blocking=True)
+        out.record_stream(compute)                    # freed only once the compute stream is done
+        return out
 
 
 def _offsets(sizes: list[int], align: int) -> list[int]:

@@ -126,9 +126,11 @@ class DecodeGraphs:
         n, dev = self.max_batch_size, self.device
         i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
         # Persistent inputs, sized for the largest graph; each graph reads a prefix of rows.
-        self.input_ids = torch.zeros(n, **i64)                          # (N,)
-        self.positions = torch.zeros(n, **i64)                          # (N,)
-        self.slot_mapping = torch.full((n,), -1, **i64)                 # (N,)
+        # ids, positions and slots are the rows of one (3, N) tensor: the batch builder stages a
+        # pure-decode step's three the same way (equal segments), so one copy refills them.
+        self.ids_positions_slots = torch.zeros((3, n), **i64)
+        self.input_ids, self.positions, self.slot_mapping = self.ids_positions_slots.unbind(0)  # (N,) each
+        self.slot_mapping.fill_(-1)
         self.context_lens = torch.zeros(n, **i32)                       # (N,)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), **i32)  # (N, max_blocks)
         self.query_start_loc = torch.arange(n + 1, **i32)               # (N+1,) one row per sequence
@@ -192,9 +194,13 @@ class DecodeGraphs:
         B = batch.num_seqs
         size = self.bucket(B)
         nb = batch.block_tables.shape[1]
-        self.input_ids[:B].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:B].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:B].copy_(batch.slot_mapping, non_blocking=True)
+        stacked = _stacked_rows(batch.input_ids, batch.positions, batch.slot_mapping)
+        if stacked is not None:                       # each copy is a GPU op between two replays
+            self.ids_positions_slots[:, :B].copy_(stacked, non_blocking=True)
+        else:
+            self.input_ids[:B].copy_(batch.input_ids, non_blocking=True)
+            self.positions[:B].copy_(batch.positions, non_blocking=True)
+            self.slot_mapping[:B].copy_(batch.slot_mapping, non_blocking=True)
         self.context_lens[:B].copy_(batch.context_lens, non_blocking=True)
         self.block_tables[:B, :nb].copy_(batch.block_tables, non_blocking=True)
         self._reset_padding(B, size)
@@ -207,3 +213,18 @@ class DecodeGraphs:
         if stop > start:
             self.slot_mapping[start:stop].fill_(-1)
             self.context_lens[start:stop].zero_()
+
+
+def _stacked_rows(*rows: torch.Tensor) -> torch.Tensor | None:
+    """(len(rows), n) view of equally long 1-D tensors that lie at equal distances in one storage
+    (the batch builder's staging layout), so that one copy moves them all; None otherwise."""
+    first = rows[0]
+    n, size = first.shape[0], first.element_size()
+    if any(r.dim() != 1 or r.shape[0] != n or r.dtype != first.dtype or r.stride(0) != 1 for r in rows):
+        return None
+    if len({r.untyped_storage().data_ptr() for r in rows}) != 1:
+        return None
+    gaps = {b.data_ptr() - a.data_ptr() for a, b in zip(rows, rows[1:])}
+    if len(gaps) != 1 or (gap := gaps.pop()) < n * size or gap % size:
+        return None
+    return first.as_strided((len(rows), n), (gap // size, 1))

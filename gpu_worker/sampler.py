@@ -131,12 +131,17 @@ class PendingSample:
         """CUDA: copy the tokens to pinned host memory now, behind the draw, and mark the copy's
         end with an event that `results()` waits for. A plain `.tolist()` later would be queued
         behind everything launched since (async_scheduling launches step N+1 before reading
-        step N), so it would wait for step N+1 too and nothing would overlap."""
+        step N), so it would wait for step N+1 too and nothing would overlap. The copy runs on a
+        side stream: on the compute stream it would sit between step N's draw and step N+1."""
         if self.tokens.is_cuda and self.tokens.numel():
             self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
-            self._host.copy_(self.tokens, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+            stream = _readback_stream(self.tokens.device)
+            stream.wait_stream(torch.cuda.current_stream(self.tokens.device))   # behind the draw
+            with torch.cuda.stream(stream):
+                self._host.copy_(self.tokens, non_blocking=True)
+                self._ready = torch.cuda.Event()
+                self._ready.record(stream)
+            self.tokens.record_stream(stream)        # not reused before the copy has read it
         return self
 
     def results(self) -> list[SampleResult]:
@@ -211,6 +216,17 @@ class Sampler:
         keys = draw_keys([r.seed for r in requests], [r.sample_index for r in requests],
                          [_position(r) for r in requests])
         return gumbel_draw(x, _to_device(keys, dev))
+
+
+_READBACK_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _readback_stream(dev: torch.device) -> torch.cuda.Stream:
+    """The side stream that copies a device's sampled tokens to the host, made once."""
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index not in _READBACK_STREAMS:
+        _READBACK_STREAMS[index] = torch.cuda.Stream(index)
+    return _READBACK_STREAMS[index]
 
 
 def to_device(values: list, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:

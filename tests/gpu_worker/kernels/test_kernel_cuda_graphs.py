@@ -1,4 +1,5 @@
 """DecodeGraphs' buffer and padding logic, run eagerly on the CPU with the Triton backend."""
+import dataclasses
 import re
 import time
 
@@ -73,3 +74,41 @@ def test_capture_times_every_size_largest_first():
     assert seen == [4, 2, 1] and list(graphs.capture_times.seconds) == [4, 2, 1]
     summary = graphs.capture_times.summary(slowest=1)
     assert re.fullmatch(r"3 decode \(context 64\) CUDA graphs in \d+\.\d s \(slowest: 2 \d+\.\d s\)", summary), summary
+
+
+def test_builder_decode_batch_refills_ids_positions_slots_in_one_copy():
+    """A pure-decode step from the batch builder stages ids, positions and slots as equal segments
+    of one tensor: `_stacked_rows` sees them as one (3, B) view (one copy per replay instead of
+    three) and the replay reads the same rows as from three separate tensors; tensors laid out
+    otherwise fall back to the three copies."""
+    from types import SimpleNamespace
+
+    from gpu_worker.batch_builder import BatchBuilder
+    from gpu_worker.cuda_graphs import _stacked_rows
+    from gpu_worker.scheduler import ScheduledSeq
+
+    seqs = [SimpleNamespace(token_ids=list(range(10, 10 + n)), num_computed_tokens=n - 1,
+                            block_table=list(range(3 * i, 3 * i + -(-n // 4)))) for i, n in enumerate((5, 9, 2))]
+    batch = BatchBuilder(4, "cpu").build([ScheduledSeq(s, 1) for s in seqs])
+    stacked = _stacked_rows(batch.input_ids, batch.positions, batch.slot_mapping)
+    assert stacked is not None and stacked.shape == (3, 3)
+    assert stacked.tolist() == [batch.input_ids.tolist(), batch.positions.tolist(), batch.slot_mapping.tolist()]
+    assert _stacked_rows(batch.input_ids.clone(), batch.positions, batch.slot_mapping) is None   # other storage
+    assert _stacked_rows(batch.input_ids, batch.slot_mapping, batch.positions) is None           # unequal gaps
+    whole = torch.arange(12)
+    assert _stacked_rows(whole[0:4], whole[2:6], whole[4:8]) is None                              # overlapping
+
+    seen = []
+    graphs = DecodeGraphs(lambda b: seen.append((b.input_ids.tolist(), b.positions.tolist(),
+                                                 b.slot_mapping.tolist(), b.context_lens.tolist()))
+                          or torch.zeros(b.num_tokens, 1),
+                          device=torch.device("cpu"), max_batch_size=4, max_blocks_per_seq=16,
+                          max_context_len=64, sizes=[4])
+    graphs.capture()
+    seen.clear()
+    graphs.run(batch)
+    separate = dataclasses.replace(batch, input_ids=batch.input_ids.clone(), positions=batch.positions.clone(),
+                                   slot_mapping=batch.slot_mapping.clone())
+    graphs.run(separate)
+    expect = ([14, 18, 11, 0], [4, 8, 1, 0], [4, 20, 25, -1], [5, 9, 2, 0])   # padding row: slot -1, context 0
+    assert seen[0] == seen[1] == expect
