@@ -12,6 +12,8 @@ the same weights quantized to fp8 in place, then with `--fp8-lm-head-variants` t
     fused-norm, fused-swiglu   only the norms / only SwiGLU in the epilogues
     gemv-ropekernel            `gemv` with RoPE + KV write as a kernel of its own, not inside the
                                decode attention kernel (TritonAttentionBackend.fuse_rope_decode)
+    gemv-cublashead            `gemv` with the 16-bit lm_head on cuBLAS (CausalLM.head_gemv off;
+                               every other mode runs it as a GEMV where the layers run GEMVs)
 
 and, to find where a step's time goes, `gemv` with kernels left out (the tokens are then wrong;
 the time the graph loses is what those kernels cost inside it): gemv-noattn (no RoPE + KV write,
@@ -77,7 +79,7 @@ def copy_ceiling_gbs() -> float:
 
 
 MODES = ("cublas", "gemv", "fused", "fused-norm", "fused-swiglu", "gemv-ropekernel",
-         "gemv-noattn", "gemv-nonorm", "gemv-noswiglu", "gemv-only")
+         "gemv-noattn", "gemv-nonorm", "gemv-noswiglu", "gemv-only", "gemv-cublashead")
 _ORIG: dict = {}        # the model's kernel namespace and Attention's methods, as built
 
 
@@ -112,8 +114,9 @@ def set_variant(mode: str, pdl: int, prefetch: int, model=None) -> None:
     (fp8_gemv.PDL_LAUNCH_LATE). `model`: the engine's, whose kernels the ablation modes replace."""
     from gpu_worker.attention.triton_backend import TritonAttentionBackend
     from gpu_worker.kernels import _pdl, fp8_gemv
-    from gpu_worker.models.decoder import Attention, DecoderLayer
+    from gpu_worker.models.decoder import Attention, CausalLM, DecoderLayer
     _pdl.ENABLED = pdl > 0
+    CausalLM.head_gemv = mode != "gemv-cublashead"
     fp8_gemv.PDL_LAUNCH_LATE = pdl == 3
     TritonAttentionBackend.fuse_rope_decode = mode != "gemv-ropekernel"
     fp8_gemv.PDL_PREFETCH_TILES = prefetch

@@ -5,8 +5,9 @@ bench/sweep_gemv.py tuned each GEMV alone, with CUDA events around one launch. I
 decode CUDA graph with programmatic dependent launch the kernels overlap their start and end with
 their neighbours', so another config may win there. This sweep changes one layer shape's M=1
 config at a time, recaptures the decode graphs and times the batch-1 replay at 128 context
-(CUDA events, median of `--reps`): coordinate descent over qkv, o_proj, gate_up, down, for the
-bf16 weights, then for the same weights quantized to fp8 (`--kinds`). A candidate replaces the best so far
+(CUDA events, median of `--reps`): coordinate descent over qkv, o_proj, gate_up, down (or the
+`--shapes` given: `lm_head` is the 16-bit head, a GEMV where the layers run GEMVs), for the bf16
+weights, then for the same weights quantized to fp8 (`--kinds`). A candidate replaces the best so far
 when it is faster by more than `--min-gain-us`. At the end the starting and the final configs are
 timed against each other in alternation, and the greedy tokens of both are compared (a different
 split-K changes the order of fp32 sums, which may flip a near-tie, so a difference is reported,
@@ -14,6 +15,7 @@ not fatal).
 
     python3 bench/sweep_gemv_in_graph.py --model-dir /tmp/kvmesh-llama-8b --budget 300   # the H200
     python3 bench/sweep_gemv_in_graph.py --model-dir /tmp/kvmesh-llama-8b --tiles wide --kinds 16bit
+    python3 bench/sweep_gemv_in_graph.py --model-dir /tmp/kvmesh-llama-8b --shapes lm_head --kinds 16bit
     python3 bench/sweep_gemv_in_graph.py --smoke                                         # CPU: the flow
 
 Prints the winners as TUNED lines to paste and a table last; writes $OUT/sweep_gemv_in_graph.json.
@@ -34,7 +36,25 @@ import torch  # noqa: E402
 
 from pdl_decode_ab import T0, Decode, build_decode, log  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+LAYER_SHAPES = "qkv,o_proj,gate_up,down"
+
+
+def tuned_key(kind: str, name: str) -> tuple[str, int, int, int]:
+    """The M=1 TUNED key of a shape; the lm_head stays 16-bit under fp8 weights (CausalLM.head_gemv)."""
+    N, K = SHAPES[name]
+    return ("16bit" if name == "lm_head" else kind, 1, N, K)
+
+
+def current_config(kind: str, name: str):
+    """TUNED's entry, else what gemv_config resolves for the shape (DEFAULTS, split resolved)."""
+    from gpu_worker.kernels import fp8_gemv
+    key = tuned_key(kind, name)
+    if key in fp8_gemv.TUNED:
+        return fp8_gemv.TUNED[key]
+    dtype = torch.float8_e4m3fn if key[0] == "fp8" else torch.bfloat16
+    return fp8_gemv.gemv_config(1, key[2], key[3], dtype)
 
 
 # (block_n, block_k, dot, upcast, num_stages): "base" the first pass's tiles, "wide" more shapes
@@ -50,7 +70,7 @@ TILES = {
 
 def candidates(kind: str, N: int, K: int, current, tiles: str = "base"):
     """Configs to try for one (N, K) at M=1: the current one first, then TILES[tiles] x split-K
-    with between 128 and 1,600 programs."""
+    with between 128 and 1,600 programs (split 1 at any count: the lm_head's 128k rows)."""
     import triton
 
     from gpu_worker.kernels.fp8_gemv import GemvConfig
@@ -58,7 +78,7 @@ def candidates(kind: str, N: int, K: int, current, tiles: str = "base"):
     for bn, bk, dot, upcast, stages in TILES[tiles][kind]:
         for split in (1, 2, 3, 4, 6, 8):
             programs = triton.cdiv(N, bn) * split
-            if split > triton.cdiv(K, bk) or not 128 <= programs <= 1600:
+            if split > triton.cdiv(K, bk) or programs < 128 or (programs > 1600 and split > 1):
                 continue
             cfg = GemvConfig(bn, bk, split, "last", dot, upcast, 4, stages)
             if cfg != current:
@@ -83,17 +103,19 @@ class Sweep:
         return 1000 * event_median_ms(g.graphs[1].replay, self.reps, warmup=3)
 
 
-def sweep_kind(sw: Sweep, kind: str, min_gain_us: float, stop: float, tiles: str) -> tuple[dict, list]:
-    """Coordinate descent over the four shapes -> (best config per shape, rows tried)."""
+def sweep_kind(sw: Sweep, kind: str, shapes: list[str], min_gain_us: float, stop: float,
+               tiles: str) -> tuple[dict, list]:
+    """Coordinate descent over the shapes -> (best config per shape, rows tried)."""
     from gpu_worker.kernels import fp8_gemv
     rows, best = [], {}
     base = sw.graph_us()
     log(f"{kind}: start {base:.1f} us per batch-1 step")
-    for name, (N, K) in SHAPES.items():
-        key = (kind, 1, N, K)
-        start_cfg = fp8_gemv.TUNED[key]
+    for name in shapes:
+        N, K = SHAPES[name]
+        key = tuned_key(kind, name)
+        start_cfg = current_config(kind, name)
         best_cfg, best_us = start_cfg, base
-        for cfg in candidates(kind, N, K, start_cfg, tiles)[1:3 if sw.d.smoke else None]:
+        for cfg in candidates(key[0], N, K, start_cfg, tiles)[1:3 if sw.d.smoke else None]:
             if time.time() > stop:
                 log(f"{kind} {name}: time budget, keeping the best so far")
                 break
@@ -120,8 +142,8 @@ def ab(sw: Sweep, kind: str, start: dict, final: dict, rounds: int = 3) -> dict:
     times, tokens = {"start": [], "final": []}, {}
     for _ in range(rounds):
         for label, cfgs in (("start", start), ("final", final)):
-            for name, (N, K) in SHAPES.items():
-                fp8_gemv.TUNED[(kind, 1, N, K)] = cfgs[name]
+            for name, cfg in cfgs.items():
+                fp8_gemv.TUNED[tuned_key(kind, name)] = cfg
             times[label].append(sw.graph_us())
             tokens[label] = sw.d.tokens()
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
@@ -137,7 +159,12 @@ def main() -> None:
     ap.add_argument("--min-gain-us", type=float, default=5.0, help="a candidate must beat the best by this")
     ap.add_argument("--tiles", choices=sorted(TILES), default="base", help="the tile shapes tried (TILES)")
     ap.add_argument("--kinds", default="16bit,fp8", help="comma list of weight kinds to sweep")
+    ap.add_argument("--shapes", default=LAYER_SHAPES,
+                    help=f"comma list from {','.join(SHAPES)} (lm_head: the 16-bit head, CausalLM.head_gemv)")
     args = ap.parse_args()
+    shapes = [n for n in args.shapes.split(",") if n]
+    if not shapes or any(n not in SHAPES for n in shapes):
+        ap.error(f"--shapes: expected a comma list from {','.join(SHAPES)}, got {args.shapes!r}")
     from gpu_worker.kernels import fp8_gemv
     from gpu_worker.models.layers.fp8 import quantize_linears_fp8
 
@@ -154,9 +181,9 @@ def main() -> None:
         if kind == "fp8":
             quantize_linears_fp8(d.eng.runner.model)
             d.eng.runner.prefill_graphs = None     # captured over the bf16 weights
-        start = {name: fp8_gemv.TUNED[(kind, 1, N, K)] for name, (N, K) in SHAPES.items()}
+        start = {name: current_config(kind, name) for name in shapes}
         share = (t_start + args.budget - time.time()) / (len(kinds) - kinds.index(kind))
-        best, rows = sweep_kind(sw, kind, args.min_gain_us, time.time() + share, args.tiles)
+        best, rows = sweep_kind(sw, kind, shapes, args.min_gain_us, time.time() + share, args.tiles)
         results[kind] = dict(start={k: list(v) for k, v in start.items()}, best={k: list(v) for k, v in best.items()},
                              rows=rows, ab=ab(sw, kind, start, best))
         log(f"{kind}: {results[kind]['ab']}")
@@ -167,8 +194,7 @@ def main() -> None:
     print("\nTUNED lines (M=1) of the in-graph winners:")
     for kind, r in results.items():
         for name, cfg in r["best"].items():
-            N, K = SHAPES[name]
-            print(f"    ({kind!r}, 1, {N}, {K}): GemvConfig{tuple(cfg)},  # {name}")
+            print(f"    {tuned_key(kind, name)!r}: GemvConfig{tuple(cfg)},  # {name}")
     print(f"\n{'weights':7s} {'start us':>9s} {'final us':>9s} {'gain':>7s} tokens")
     for kind, r in results.items():
         a = r["ab"]

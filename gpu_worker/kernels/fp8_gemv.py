@@ -127,6 +127,8 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("16bit", 2, 4096, 14336): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # down 31.36 us 3.75 TB/s
     ("fp8", 4, 4096, 14336): GemvConfig(64, 256, 7, "last", True, 2, 4, 3),  # down 25.86 us 2.27 TB/s
     ("16bit", 4, 4096, 14336): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # down 31.45 us 3.73 TB/s
+    # the 16-bit lm_head (CausalLM.head_gemv; fp8 models keep it bf16): in-graph sweep, tenth session
+    ("16bit", 1, 128256, 4096): GemvConfig(16, 512, 1, "last", False, 0, 4, 1),  # lm_head (in-graph sweep)
 }
 DEFAULTS: dict[tuple[str, int], GemvConfig] = {
     ("fp8", 1): GemvConfig(16, 512, 0, "last", False, 0, 4, 1),  # fma16x512, geo-mean 1.08x of best (M=1)

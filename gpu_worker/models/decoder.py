@@ -217,6 +217,14 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
+    kernels = None     # the fused launchers (CUDA), set by use_fused_kernels like the layers'
+    head_gemv = True
+    """Steps whose rows the decoder layers run as GEMVs (DecoderLayer.gemv_max_m; 16-bit heads
+    only where gemv_weights is "all") also run the 16-bit lm_head as fp8_gemv's split-K GEMV
+    instead of cuBLAS: under programmatic dependent launch its programs start while the final
+    norm finishes, and it is the step's largest read (1 GB of Llama-8B's 16 GB). A class
+    attribute read at each call (before CUDA-graph capture); False: cuBLAS (the A/B's baseline)."""
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = cfg
@@ -250,6 +258,10 @@ class CausalLM(nn.Module):
         if self.head_fp8 is not None:
             return self.head_fp8(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        k, layer = self.kernels, DecoderLayer
+        if (k is not None and self.head_gemv and layer.gemv_weights == "all" and hidden.dim() == 2
+                and 0 < hidden.shape[0] <= min(layer.gemv_max_m, k.gemv_max_rows) and hidden.stride(1) == 1):
+            return k.gemv(hidden, weight, None, None).float()   # bf16 logits, like cuBLAS's
         return (hidden @ weight.t()).float()
 
     def hf_weight_targets(self) -> dict[str, WeightTarget]:

@@ -108,3 +108,31 @@ def test_decode_gemv_env_is_checked(monkeypatch):
     monkeypatch.setenv("KVMESH_DECODE_GEMV_MAX_M", "-1")
     with pytest.raises(ValueError, match="KVMESH_DECODE_GEMV_MAX_M"):
         _decode_gemv_env()
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])   # qwen3's tiny model ties its head
+def test_head_runs_as_gemv_where_the_layers_do(arch, request, monkeypatch):
+    """compute_logits sends the 16-bit head through the GEMV for the rows the decoder layers run
+    as GEMVs (gemv_max_m), with the head's weight (the embeddings when tied), and gives what the
+    matmul gives; more rows, head_gemv off, or gemv_weights "fp8" keep the matmul."""
+    from gpu_worker.models.decoder import CausalLM, DecoderLayer
+    monkeypatch.setattr(DecoderLayer, "gemv_max_m", 1)
+    model_dir = request.getfixturevalue(arch)
+    model = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device="cpu", dtype=torch.float32).model
+    hidden = torch.randn(2, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    plain = model.compute_logits(hidden)
+    calls = []
+    model.use_fused_kernels(reference_kernels(calls))
+    assert model.kernels is not None
+    one = model.compute_logits(hidden[:1])
+    assert calls == [[]] and one.dtype == torch.float32
+    assert float((one - plain[:1]).norm() / plain[:1].norm()) < 1e-6
+    head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
+    assert (model.lm_head is None) == model.cfg.tie_word_embeddings and one.shape[1] == head.shape[0]
+    assert torch.equal(model.compute_logits(hidden), plain) and len(calls) == 1     # 2 rows > gemv_max_m
+    monkeypatch.setattr(CausalLM, "head_gemv", False)
+    model.compute_logits(hidden[:1])
+    monkeypatch.setattr(CausalLM, "head_gemv", True)
+    monkeypatch.setattr(DecoderLayer, "gemv_weights", "fp8")
+    model.compute_logits(hidden[:1])
+    assert len(calls) == 1
