@@ -174,3 +174,41 @@ def test_sweep_gemv_in_graph_smoke(tmp_path):
     for kind in res.values():
         assert kind["best"] == kind["start"] and len(kind["rows"]) == 8 and kind["ab"]["same_tokens"]
     assert r.stdout.count("GemvConfig(") == 8
+
+
+def test_sweep_gemv_in_graph_shapes_flag(tmp_path):
+    """--shapes picks the shapes swept; lm_head's key is 16-bit under any weights (the head stays
+    bf16 with fp8 layers); an unknown name is refused naming the flag."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "bench/sweep_gemv_in_graph.py", "--smoke", "--model-dir", str(tmp_path / "tiny")]
+    r = subprocess.run(cmd + ["--shapes", "lm_head,qkv"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "sweep_gemv_in_graph.json").read_text())
+    assert all(set(kind["best"]) == {"lm_head", "qkv"} for kind in res.values())
+    assert r.stdout.count("('16bit', 1, 128256, 4096): GemvConfig(") == 2 and "('fp8', 1, 6144, 4096)" in r.stdout
+    bad = subprocess.run(cmd + ["--shapes", "qkv,head"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "--shapes" in bad.stderr and "'qkv,head'" in bad.stderr
+
+
+def test_pdl_decode_ab_cublas_head_mode(tmp_path):
+    """gemv-cublashead switches the 16-bit head's GEMV off for its runs and back on for the others."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "bench/pdl_decode_ab.py", "--smoke", "--model-dir", str(tmp_path / "tiny"),
+                        "--variants", "gemv-cublashead:1,gemv:1", "--fp8-variants", "none", "--rounds", "1"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    runs = json.loads((tmp_path / "pdl_decode_ab.json").read_text())["runs"]
+    assert [x["mode"] for x in runs] == ["gemv-cublashead", "gemv"]
+
+
+def test_sweep_gemm_sustained_smoke(tmp_path):
+    """bench/sweep_gemm_sustained.py's flow on the CPU: a row per shape and backend, both rates."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "bench/sweep_gemm_sustained.py", "--smoke"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads((tmp_path / "sweep_gemm_sustained.json").read_text())
+    assert [x["shape"] for x in rows] == ["square 64", "qkv M=32"]
+    assert all(x["burst_tflops"] > 0 and x["sustained_tflops"] > 0 for x in rows)
