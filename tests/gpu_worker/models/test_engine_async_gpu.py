@@ -1,8 +1,9 @@
-"""The engine on a CUDA GPU with everything on (Triton kernels, decode / prefill / piecewise CUDA
-graphs, chunked prefill), one step ahead and not: the same tokens, and greedy tokens that
-Hugging Face's logits pick. One step ahead, the inputs travel on side streams (the batch upload,
-the tokens' read-back) and the sampled tokens feed the next step on the device; this holds those
-paths to the plain step loop. Skipped without CUDA."""
+"""The engine on a CUDA GPU as it serves (Triton kernels, decode and prefill CUDA graphs, chunked
+prefill), one step ahead and not: the same tokens, and greedy tokens that Hugging Face's logits
+pick. One step ahead, the inputs travel on side streams (the batch upload, the tokens' read-back)
+and the sampled tokens feed the next step on the device; this holds those paths to the plain step
+loop. The longest request ends alone, on the batch-1 graph whose layers and lm_head are GEMVs.
+Skipped without CUDA."""
 from __future__ import annotations
 
 import pytest
