@@ -4,10 +4,12 @@
 The matmul ceiling of bench/gpu_bench.py times ten 8192^3 products (~15 ms): the board runs at
 its boost clock. Prefill runs GEMMs for hundreds of milliseconds and more, long enough to reach
 the board's power cap, where the SM clock drops. This times each shape both ways: `burst`, the
-median of 10 products after a pause; `sustained`, products back to back for `--seconds`, the rate
-over the last third, with nvidia-smi sampling clock and power meanwhile. Shapes: the square
-ceiling and Llama-3.1-8B's four layer GEMMs at the prefill step sizes (M tokens); backends:
-torch's default (cuBLAS) and cuBLASLt (torch.backends.cuda.preferred_blas_library).
+median of 10 products after a pause, each timed between host syncs (so products of ~0.1 ms, the
+M = 2,048 shapes, read up to ~10% low); `sustained`, products back to back for `--seconds`
+(a host sync every ~20 ms of them), the rate over the last third, with nvidia-smi sampling clock
+and power meanwhile. Shapes: the square ceiling and Llama-3.1-8B's four layer GEMMs at the
+prefill step sizes (M tokens); backends: torch's default (cuBLAS) and cuBLASLt
+(torch.backends.cuda.preferred_blas_library).
 
     python3 bench/sweep_gemm_sustained.py                 # the H200, ~1 min
     python3 bench/sweep_gemm_sustained.py --smoke         # CPU: the flow, tiny shapes
