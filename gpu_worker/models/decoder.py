@@ -166,13 +166,18 @@ class DecoderLayer(nn.Module):
             h, residual = x, residual.stream
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        if self.kernels is not None and 0 < x.shape[0] <= min(self.gemv_max_m, self.kernels.gemv_max_rows):
+        if self.runs_gemv(self.kernels, x):
             ops = self._gemv_operands()
             if ops is not None:
                 return self._forward_gemv(ops, h, residual, positions, kv, batch, next_norm)
         h = self.self_attn(h, positions, kv, batch)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
+
+    @classmethod
+    def runs_gemv(cls, kernels, x: torch.Tensor) -> bool:
+        """Whether a step of these rows runs its linears as GEMVs (kernels loaded, 1..gemv_max_m rows)."""
+        return kernels is not None and 0 < x.shape[0] <= min(cls.gemv_max_m, kernels.gemv_max_rows)
 
     def _gemv_operands(self) -> list | None:
         """(weight, scale, bias) of qkv, o_proj, gate_up, down; None when a layer is not a plain or
@@ -258,10 +263,9 @@ class CausalLM(nn.Module):
         if self.head_fp8 is not None:
             return self.head_fp8(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        k, layer = self.kernels, DecoderLayer
-        if (k is not None and self.head_gemv and layer.gemv_weights == "all" and hidden.dim() == 2
-                and 0 < hidden.shape[0] <= min(layer.gemv_max_m, k.gemv_max_rows) and hidden.stride(1) == 1):
-            return k.gemv(hidden, weight, None, None).float()   # bf16 logits, like cuBLAS's
+        if (self.head_gemv and DecoderLayer.gemv_weights == "all" and hidden.dim() == 2 and hidden.stride(1) == 1
+                and DecoderLayer.runs_gemv(self.kernels, hidden)):
+            return self.kernels.gemv(hidden, weight, None, None).float()   # bf16 logits, like cuBLAS's
         return (hidden @ weight.t()).float()
 
     def hf_weight_targets(self) -> dict[str, WeightTarget]:
