@@ -29,6 +29,7 @@ from typing import Iterator
 import torch
 
 from gpu_worker.models.moe import EXPERT_NAMES
+from services.text.split_patterns import LLAMA3_SPLIT, QWEN2_SPLIT
 from gpu_worker.models.tokenizer_asset import SPECIAL_TOKENS, truncated_tokenizer_json
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -134,14 +135,6 @@ CHATML_TEMPLATE = (
 )
 
 
-# Pre-tokenizer split patterns of the real families (Llama 3 groups digits by 3; Qwen splits
-# every digit). transformers 5 rebuilds Qwen tokenizers with Qwen's own pattern, so ours must match.
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
 @dataclass(frozen=True)
 class ChatStyle:
     template: str
@@ -153,7 +146,7 @@ class ChatStyle:
 
 
 LLAMA3_STYLE = ChatStyle(LLAMA3_TEMPLATE, LLAMA3_SPLIT, "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", "<|pad|>")
-CHATML_STYLE = ChatStyle(CHATML_TEMPLATE, QWEN_SPLIT, None, "<|im_end|>", "<|endoftext|>", "<|endoftext|>")
+CHATML_STYLE = ChatStyle(CHATML_TEMPLATE, QWEN2_SPLIT, None, "<|im_end|>", "<|endoftext|>", "<|endoftext|>")
 
 
 def _style(arch: str) -> ChatStyle:

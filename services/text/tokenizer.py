@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from tokenizers import Tokenizer
 
 from services.text.chat_template import ChatLimits, DEFAULT_LIMITS, render_chat, select_template
+from services.text.parallel_encode import ParallelEncoder, cut_safe
 
 _MAX_CONFIG_BYTES = 16 * 1024 * 1024
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -50,6 +51,10 @@ class TextTokenizer:
         # encode_batch_fast (tokenizers >= 0.20) skips the character offsets that `encode` tracks
         # and nobody here reads: the same ids, ~12% less time on a fresh 512-token prompt.
         self._encode_fast = getattr(tokenizer, "encode_batch_fast", None)
+        # long prompts encode in pieces on several cores where that gives the same ids
+        # (parallel_encode.py); `parallel_encode_off` says why not for this tokenizer
+        self.parallel_encode_off = "no encode_batch_fast" if self._encode_fast is None else cut_safe(tokenizer)
+        self._parallel = ParallelEncoder(tokenizer) if self.parallel_encode_off is None else None
         added = tokenizer.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -75,6 +80,8 @@ class TextTokenizer:
         return ids
 
     def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._parallel is not None:
+            return self._parallel.encode(text, add_special_tokens)
         if self._encode_fast is not None:
             return self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
