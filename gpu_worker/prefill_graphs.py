@@ -5,9 +5,9 @@ from Python took 18.3 ms for 12.2 ms of kernel time at 513 tokens (bench/engine_
 `ttft` and `hostprof`). A step whose only sequence prefills the rest of its prompt (no decode
 rows, its last token sampled: a whole prompt, the new turn of a chat behind its cached prefix,
 the last chunk of a long prompt) in at most `max_tokens` tokens replays instead the graph
-captured for the next size of a 32-token ladder, with its rows padded:
+captured for the next size of a 16-token ladder, with its rows padded:
 
-    static buffers (graph of 544 rows, a prompt of 513 tokens)
+    static buffers (graph of 528 rows, a prompt of 513 tokens)
     input_ids       [t0 .. t512 | stale ids  ]   padded rows compute garbage, in their own rows
     positions       [0  .. 512  | stale      ]   only: every op but attention is row-wise
     slot_mapping    [s0 .. s512 | -1 ...     ]   -1: the KV write skips them
@@ -34,7 +34,10 @@ from gpu_worker.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
-LADDER_STEP = 32    # a prompt pads at most 31 rows (6% at 513 tokens)
+# A prompt pads at most 15 rows. cuBLAS's GEMMs slow in steps, not in proportion to the rows: on
+# the H200 a layer's four GEMMs x 32 take 11.13 ms at 513 rows, 11.50 at 528, 12.27 at 544
+# (bench/sweep_gemm_rows.py), so the 32-token ladder's 544 rows cost a 513-token prompt 0.8 ms.
+LADDER_STEP = 16
 
 
 def prefill_sizes(max_tokens: int) -> list[int]:

@@ -34,7 +34,7 @@ def fresh_runner(model_dir: str, device: str, backend: str, **kw) -> ModelRunner
 
 def check_replays_match_eager(model_dir: str, device: str, backend: str, tol: float = 1e-4, **kw) -> None:
     """Three steps, each through a graph on one runner and eagerly on the other: a 45-token
-    prompt (padded to 64), a 17-token one (padded to 32: the tiles are renumbered), then the
+    prompt (padded to 48), a 17-token one (padded to 32: the tiles are renumbered), then the
     second turn of the first: 23 new tokens behind its 45 cached ones (read through the block
     table). The logits agree, and so do the KV caches: the padding rows wrote nothing."""
     g = torch.Generator().manual_seed(1)
@@ -46,7 +46,7 @@ def check_replays_match_eager(model_dir: str, device: str, backend: str, tol: fl
     eager = fresh_runner(model_dir, device, backend, **kw)
     graphs = fresh_runner(model_dir, device, backend, **kw)
     graphs.capture_prefill_graphs(64, max_context_len=NUM_BLOCKS * BLOCK)
-    assert graphs.prefill_graphs.sizes == [32, 64]
+    assert graphs.prefill_graphs.sizes == [16, 32, 48, 64]
     for batch in steps:
         assert graphs.prefill_graphs.can_run(graphs.prepare_inputs(batch))
         want = eager.forward(batch)
@@ -65,9 +65,9 @@ def check_replays_match_eager(model_dir: str, device: str, backend: str, tol: fl
 
 
 def test_prefill_sizes_ladder():
-    assert prefill_sizes(100) == [32, 64, 96]
-    assert prefill_sizes(1024)[-1] == 1024 and len(prefill_sizes(1024)) == 32
-    assert prefill_sizes(31) == []
+    assert prefill_sizes(100) == [16, 32, 48, 64, 80, 96]
+    assert prefill_sizes(1024)[-1] == 1024 and len(prefill_sizes(1024)) == 64
+    assert prefill_sizes(15) == []
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -102,7 +102,7 @@ def test_only_single_whole_prompts_replay(tiny_models):
 
 def test_prefill_graphs_off_below_one_ladder_step(tiny_models):
     runner = fresh_runner(tiny_models["llama"], "cpu", "torch")
-    runner.capture_prefill_graphs(16, max_context_len=64)
+    runner.capture_prefill_graphs(15, max_context_len=64)
     assert runner.prefill_graphs is None
 
 
