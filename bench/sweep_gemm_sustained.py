@@ -92,15 +92,15 @@ def rate(fn, flop: float, seconds: float, cuda: bool) -> tuple[float, float]:
     end = time.perf_counter() + seconds
     late, n_late = end - seconds / 3, 0
     t_late = None
-    while time.perf_counter() < end:
-        for _ in range(batch):
+    while time.perf_counter() < end or not n_late:   # at least one timed batch (a slow host's
+        for _ in range(batch):                        # first batch can outlast the window)
             fn()
         sync()
         if t_late is not None:
             n_late += batch
         elif time.perf_counter() >= late:
             t_late = time.perf_counter()
-    sustained = flop * n_late / (time.perf_counter() - t_late) / 1e12 if n_late else float("nan")
+    sustained = flop * n_late / (time.perf_counter() - t_late) / 1e12
     return burst, sustained
 
 
