@@ -117,14 +117,26 @@ SHORT_BLOCK_N = 16
 SHORT_HEADS_PER_PROGRAM: int | None = None     # e.g. 1: a program per query head (no merge needed)
 SHORT_NUM_WARPS: int | None = None             # warps of a fine program (None: the kernel's 4)
 
+# choose_num_splits' policy for longer contexts: up to LONG_MAX_SPLITS partitions of at least
+# LONG_MIN_TOKENS keys (of the step's max_context_len: a long decode graph's bound), as many as
+# give LONG_PROGRAMS_PER_SM programs per SM. At batch 1 and 8 KV heads: 32 partitions, 256 keys
+# each at 8k context.
+LONG_MAX_SPLITS = 32
+LONG_MIN_TOKENS = 512
+LONG_PROGRAMS_PER_SM = 2
+
 # The knobs above as one string, for A/B runs (bench/pdl_decode_ab.py --attention, and the
 # serving stack through KVMESH_DECODE_ATTENTION, read at import): "u" (short contexts unsplit) or
 # "sNxB" (SHORT_MAX_SPLITS N, SHORT_BLOCK_N B), then optionally "hH" (SHORT_HEADS_PER_PROGRAM H)
-# and "wW" (SHORT_NUM_WARPS W), then "+2p" for SPLIT_MERGE "two_pass" (else "last"), optionally
-# followed by the merge kernel's warps (MERGE_NUM_WARPS: "+2p1" one warp; "+2p" alone 4, the
-# kernel's warps before the ninth session). The default, DEFAULT_ATTENTION_CONFIG, is s16x16+2p1.
+# and "wW" (SHORT_NUM_WARPS W), then optionally "lNxTpP" for longer contexts (LONG_MAX_SPLITS N,
+# LONG_MIN_TOKENS T, LONG_PROGRAMS_PER_SM P; absent: 32, 512, 2), then "+2p" for SPLIT_MERGE
+# "two_pass" (else "last"), optionally followed by the merge kernel's warps (MERGE_NUM_WARPS:
+# "+2p1" one warp; "+2p" alone 4, the kernel's warps before the ninth session). The default,
+# DEFAULT_ATTENTION_CONFIG, is s16x16+2p1.
 ATTENTION_CONFIG_RE = re.compile(r"^(?:(?P<unsplit>u)|s(?P<splits>\d+)x(?P<block>\d+)(?:h(?P<hpp>\d+))?"
-                                 r"(?:w(?P<warps>\d+))?)(?P<two_pass>\+2p(?P<merge_warps>\d+)?)?$")
+                                 r"(?:w(?P<warps>\d+))?)"
+                                 r"(?:l(?P<long_splits>\d+)x(?P<long_tokens>\d+)(?:p(?P<long_per_sm>\d+))?)?"
+                                 r"(?P<two_pass>\+2p(?P<merge_warps>\d+)?)?$")
 DEFAULT_ATTENTION_CONFIG = "s16x16+2p1"
 
 
@@ -136,6 +148,9 @@ class AttentionConfig(NamedTuple):
     num_warps: int | None            # SHORT_NUM_WARPS
     merge: str                       # SPLIT_MERGE
     merge_warps: int                 # MERGE_NUM_WARPS
+    long_splits: int = 32            # LONG_MAX_SPLITS
+    long_tokens: int = 512           # LONG_MIN_TOKENS
+    long_per_sm: int = 2             # LONG_PROGRAMS_PER_SM
 
 
 def parse_attention_config(text: str) -> AttentionConfig:
@@ -147,24 +162,30 @@ def parse_attention_config(text: str) -> AttentionConfig:
     if ok and not m["unsplit"]:
         ok = (v["splits"] >= 1 and v["block"] >= 16 and pow2(v["block"]) and v.get("hpp", 1) >= 1
               and pow2(v.get("warps")))
+    if ok:
+        ok = v.get("long_splits", 1) >= 1 and v.get("long_tokens", 1) >= 1 and v.get("long_per_sm", 1) >= 1
     if not ok:
         raise ValueError(f"decode attention config {text!r}: expected u, sNxB, sNxBhH, sNxBwW or sNxBhHwW "
                          f"(N >= 1 splits, B >= 16 keys a power of two, H >= 1 heads, W warps a power of "
-                         f"two), optionally + '+2p' (then the merge kernel's warps, e.g. +2p1), e.g. u+2p, "
-                         f"s16x16+2p, s1x64h1w2")
+                         f"two), optionally + 'lNxTpP' (long contexts: N >= 1 splits of T >= 1 keys, P >= 1 "
+                         f"programs per SM), optionally + '+2p' (then the merge kernel's warps, e.g. +2p1), "
+                         f"e.g. u+2p, s16x16+2p, s1x64h1w2, s16x16l64x128p4+2p1")
     return AttentionConfig(max_splits=v.get("splits", 1), block_n=v.get("block", 16),
                            heads_per_program=v.get("hpp"), num_warps=v.get("warps"),
                            merge="two_pass" if m["two_pass"] else "last",
-                           merge_warps=v.get("merge_warps", 4))       # "+2p" alone: the kernel's old 4
+                           merge_warps=v.get("merge_warps", 4),       # "+2p" alone: the kernel's old 4
+                           long_splits=v.get("long_splits", 32), long_tokens=v.get("long_tokens", 512),
+                           long_per_sm=v.get("long_per_sm", 2))
 
 
 def set_attention_config(text: str) -> None:
-    """Set SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE
-    and MERGE_NUM_WARPS from a configuration string; read at each call, so set it before
-    CUDA-graph capture."""
+    """Set SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE,
+    MERGE_NUM_WARPS and the LONG_ knobs from a configuration string; read at each call, so set it
+    before CUDA-graph capture."""
     global SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE, MERGE_NUM_WARPS
+    global LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM
     (SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE,
-     MERGE_NUM_WARPS) = parse_attention_config(text)
+     MERGE_NUM_WARPS, LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM) = parse_attention_config(text)
 
 
 def attention_config() -> str:
@@ -172,8 +193,10 @@ def attention_config() -> str:
     hpp, warps = SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS
     base = "u" if SHORT_MAX_SPLITS == 1 and hpp is None else (
         f"s{SHORT_MAX_SPLITS}x{SHORT_BLOCK_N}" + (f"h{hpp}" if hpp else "") + (f"w{warps}" if warps else ""))
+    long = ((LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM) != (32, 512, 2)) * (
+        f"l{LONG_MAX_SPLITS}x{LONG_MIN_TOKENS}p{LONG_PROGRAMS_PER_SM}")
     merge = "" if SPLIT_MERGE == "last" else "+2p" + (str(MERGE_NUM_WARPS) if MERGE_NUM_WARPS != 4 else "")
-    return base + merge
+    return base + long + merge
 
 
 def _env_attention_config() -> None:
@@ -419,13 +442,16 @@ def _decode_stage2_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
-                      min_tokens_per_split: int = 512, max_splits: int = 32) -> int:
-    """Enough programs to fill the GPU twice over, with at least `min_tokens_per_split` tokens each.
+                      min_tokens_per_split: int | None = None, max_splits: int | None = None) -> int:
+    """Enough programs to fill the GPU LONG_PROGRAMS_PER_SM times over, with at least
+    `min_tokens_per_split` (LONG_MIN_TOKENS) tokens each, at most `max_splits` (LONG_MAX_SPLITS).
 
     Depends only on host-side sizes, so a CUDA graph captured for (num_seqs, max_model_len)
     stays valid for every shorter context."""
+    min_tokens_per_split = LONG_MIN_TOKENS if min_tokens_per_split is None else min_tokens_per_split
+    max_splits = LONG_MAX_SPLITS if max_splits is None else max_splits
     programs = num_seqs * num_kv_heads
-    by_occupancy = triton.cdiv(2 * num_sms(device), max(1, programs))
+    by_occupancy = triton.cdiv(LONG_PROGRAMS_PER_SM * num_sms(device), max(1, programs))
     by_length = triton.cdiv(max(1, max_context_len), min_tokens_per_split)
     return int(max(1, min(by_occupancy, by_length, max_splits)))
 
