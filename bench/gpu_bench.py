@@ -9,9 +9,11 @@ Sections (each guarded: one failure is recorded and the next section runs):
   ceilings  device-to-device copy bandwidth (bytes read + written) and bf16 8192^3 matmul TFLOP/s
   kernels   every Triton kernel vs its torch reference in bf16 (rel err ||out-ref||/||ref|| < 1e-2),
             then timed (median of CUDA-event timings) with GB/s or TFLOP/s against the ceilings
-  engine    a random-weight Llama-3.1-8B (kvmesh make-model) through gpu_worker.Engine: batch-1
-            decode ms/token, batched decode tok/s, prefill tok/s, offline throughput on 1,000
-            ShareGPT-like requests
+  engine    a random-weight Llama-3.1-8B (kvmesh make-model) through gpu_worker.Engine, configured
+            as a GPU worker serves (async scheduling, CUDA graphs, the GC heap frozen after load):
+            batch-1 decode ms/token, batched decode tok/s, prefill tok/s, offline throughput on the
+            1,000 ShareGPT-like requests of vLLM's peer run (bench/peer_workload.py: the same
+            lengths, greedy by default, as ../shared/peer-vllm/run_peer.py)
   peers     Hugging Face transformers on the same weights (no compile), time-boxed
 
 Progress goes to stdout as it happens; the summary table is printed last; everything is also
@@ -492,7 +494,9 @@ class EngineScale:
 
 
 SCALES = {
-    "full": EngineScale("8b", 32768 + 256, 256, 8192, (128, 8192), 128, (64, 256), 160,
+    # full: 1,024 sequences and 16,384-token steps, what the ShareGPT-like record ran with (vLLM's
+    # offline LLM also allows 1,024 sequences on 80+ GB GPUs)
+    "full": EngineScale("8b", 32768 + 256, 1024, 16384, (128, 8192), 128, (64, 256), 160,
                         (512, 2048, 8192, 32768), 32768, 1000, 2048, 1024),
     "quick": EngineScale("1b", 4096 + 256, 256, 8192, (128, 2048), 64, (64, 256), 48,
                          (512, 2048), 16384, 300, 1024, 256),
@@ -539,16 +543,18 @@ def section_engine(args, deadline) -> None:
     sizes = dict(model=str(model_dir), max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
                  max_num_batched_tokens=sc.max_num_batched_tokens)
     if SMOKE:
-        cfg = EngineConfig(**sizes, device="cpu", dtype="float32", attention_backend="torch", num_gpu_blocks=1024)
+        cfg = EngineConfig(**sizes, device="cpu", dtype="float32", attention_backend="torch", num_gpu_blocks=1024,
+                           async_scheduling=args.async_scheduling)
     else:
         cfg = EngineConfig(**sizes, gpu_memory_utilization=args.gpu_mem, dtype="bfloat16",
-                           attention_backend=args.attention_backend)
+                           attention_backend=args.attention_backend, async_scheduling=args.async_scheduling)
     eng = Engine(cfg)
     sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
     graphs = getattr(getattr(eng, "runner", None), "decode_graphs", None)
     row("engine", "load (weights + KV + graphs)", time.time() - t, "s",
         f"{eng.model_config.__class__.__name__}; attention {getattr(eng.setup, 'attention_backend', '?')}; "
-        f"decode graphs {len(graphs.sizes) if graphs else 'none'}")
+        f"decode graphs {len(graphs.sizes) if graphs else 'none'}; max_num_seqs {sc.max_num_seqs}, "
+        f"max_num_batched_tokens {sc.max_num_batched_tokens}, async scheduling {cfg.async_scheduling}")
     vocab, rng = eng.vocab_size, random.Random(0)
     greedy = dict(temperature=0.0, ignore_eos=True)
     ids = iter(range(10**9))
@@ -560,6 +566,8 @@ def section_engine(args, deadline) -> None:
     add(1000, 8)
     add(20, 8)
     _drain(eng)
+    if not SMOKE:
+        eng.freeze_gc()          # what the GPU worker does once its engine is up (Engine.freeze_gc)
 
     # batch-1 decode
     for ctx in sc.decode_ctx:
@@ -567,7 +575,8 @@ def section_engine(args, deadline) -> None:
             row("engine", f"batch-1 decode ctx={ctx}", "skipped (time)")
             continue
         add(ctx, sc.decode_out)
-        eng.step()                                    # the prefill (one step: ctx <= max_num_batched_tokens)
+        while not eng.step():                         # the prefill (one step: ctx <= max_num_batched_tokens);
+            pass                                      # async scheduling reads its token a step later
         sync()
         t = time.time()
         n = _drain(eng)
@@ -613,15 +622,20 @@ def section_engine(args, deadline) -> None:
         row("engine", f"prefill L={L} x{n_req}", n_req * L / min(times), "tok/s",
             f"best of 2 ({n_req * L / max(times):.0f} the other)" + (", target >= 47k at 2k" if L == 2048 else ""))
 
-    # offline throughput: ShareGPT-like lognormal lengths, ignore_eos, token-id prompts
+    # offline throughput: vLLM's peer run's ShareGPT-like lengths (mean 211 in / 182 out), ignore_eos,
+    # token-id prompts; the smoke scale draws its own short lognormal lengths
     if deadline.left() > 60:
         n_req = args.num_requests or sc.num_requests
-        lens_rng = random.Random(1)
+        if SMOKE:
+            lens_rng = random.Random(1)
 
-        def lognormal(mean, sigma, lo, hi):
-            return int(min(hi, max(lo, lens_rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma))))
+            def lognormal(mean, sigma, lo, hi):
+                return int(min(hi, max(lo, lens_rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma))))
 
-        reqs = [(lognormal(200, 1.0, 4, sc.max_in), lognormal(180, 1.0, 4, sc.max_out)) for _ in range(n_req)]
+            reqs = [(lognormal(200, 1.0, 4, sc.max_in), lognormal(180, 1.0, 4, sc.max_out)) for _ in range(n_req)]
+        else:
+            from peer_workload import vllm_peer_sharegpt_lengths
+            reqs = vllm_peer_sharegpt_lengths(n_req)
         for p, o in reqs:
             add(p, o, temperature=args.temperature)
         box = Deadline(time.time() - T0 + min(args.throughput_seconds, deadline.left() - 30))
@@ -701,7 +715,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-mem", type=float, default=0.6, help="engine gpu_memory_utilization (leaves room for the peer)")
     ap.add_argument("--num-requests", type=int, default=None, help="offline throughput requests (default: the scale's)")
     ap.add_argument("--throughput-seconds", type=float, default=90.0, help="time box of the offline run")
-    ap.add_argument("--temperature", type=float, default=1.0, help="offline throughput sampling temperature")
+    ap.add_argument("--temperature", type=float, default=0.0, help="offline throughput sampling temperature "
+                    "(0, greedy: what vLLM's peer run does)")
+    ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
+                    help="run the engine without async scheduling (the GPU worker's default is async)")
     ap.add_argument("--sweep", action="store_true", help="also sweep attention tile configs")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny sizes: test this script")
     args = ap.parse_args(argv)

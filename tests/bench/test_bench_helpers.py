@@ -212,3 +212,18 @@ def test_sweep_gemm_sustained_smoke(tmp_path):
     rows = json.loads((tmp_path / "sweep_gemm_sustained.json").read_text())
     assert [x["shape"] for x in rows] == ["square 64", "qkv M=32"]
     assert all(x["burst_tflops"] > 0 and x["sustained_tflops"] > 0 for x in rows)
+
+
+def test_gpu_bench_engine_smoke(tmp_path):
+    """bench/gpu_bench.py's ceilings and engine sections on the CPU: the engine as a GPU worker
+    runs it (async scheduling), every engine line measured."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "bench/gpu_bench.py", "--smoke", "--sections", "ceilings,engine"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert not res["errors"], res["errors"]
+    text = json.dumps(res)
+    for line in ("batch-1 decode ctx=128", "batched decode B=8", "prefill L=256", "offline throughput 12 reqs",
+                 "async scheduling True"):
+        assert line in text, line
