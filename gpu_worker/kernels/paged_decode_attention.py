@@ -119,23 +119,31 @@ SHORT_NUM_WARPS: int | None = None             # warps of a fine program (None: 
 
 # choose_num_splits' policy for longer contexts: up to LONG_MAX_SPLITS partitions of at least
 # LONG_MIN_TOKENS keys (of the step's max_context_len: a long decode graph's bound), as many as
-# give LONG_PROGRAMS_PER_SM programs per SM. At batch 1 and 8 KV heads: 32 partitions, 256 keys
-# each at 8k context.
+# give LONG_PROGRAMS_PER_SM programs per SM (at batch 1 and 8 KV heads: 32 partitions, 256 keys
+# each at 8k context), each program of LONG_NUM_WARPS warps over LONG_BLOCK_N-key tiles. On the
+# H200 (bench/pdl_decode_ab.py --attention, BENCHMARKS.md eleventh session), batch-1 graph ms at
+# 8k context, bf16 / fp8: 32 splits of 4 warps (the default until then) 4.530 / 3.144; 8 warps
+# 4.451 / 3.046; 64 splits of 64-key tiles 4.510 / 3.047; 32 of 64-key tiles 4.530 / 3.100;
+# 16 splits 4.720 / 3.358 (another machine). 128 context (short graphs) is not affected.
 LONG_MAX_SPLITS = 32
 LONG_MIN_TOKENS = 512
 LONG_PROGRAMS_PER_SM = 2
+LONG_BLOCK_N: int | None = None        # keys per tile of a split program (None: the kernel's 128)
+LONG_NUM_WARPS: int | None = 8         # warps of a split program (None: the kernel's 4)
 
 # The knobs above as one string, for A/B runs (bench/pdl_decode_ab.py --attention, and the
 # serving stack through KVMESH_DECODE_ATTENTION, read at import): "u" (short contexts unsplit) or
 # "sNxB" (SHORT_MAX_SPLITS N, SHORT_BLOCK_N B), then optionally "hH" (SHORT_HEADS_PER_PROGRAM H)
 # and "wW" (SHORT_NUM_WARPS W), then optionally "lNxTpP" for longer contexts (LONG_MAX_SPLITS N,
-# LONG_MIN_TOKENS T, LONG_PROGRAMS_PER_SM P; absent: 32, 512, 2), then "+2p" for SPLIT_MERGE
+# LONG_MIN_TOKENS T, LONG_PROGRAMS_PER_SM P; absent: 32, 512, 2), itself optionally followed by
+# "bB" (LONG_BLOCK_N B) and "wW" (LONG_NUM_WARPS W; absent: 8), then "+2p" for SPLIT_MERGE
 # "two_pass" (else "last"), optionally followed by the merge kernel's warps (MERGE_NUM_WARPS:
 # "+2p1" one warp; "+2p" alone 4, the kernel's warps before the ninth session). The default,
 # DEFAULT_ATTENTION_CONFIG, is s16x16+2p1.
 ATTENTION_CONFIG_RE = re.compile(r"^(?:(?P<unsplit>u)|s(?P<splits>\d+)x(?P<block>\d+)(?:h(?P<hpp>\d+))?"
                                  r"(?:w(?P<warps>\d+))?)"
-                                 r"(?:l(?P<long_splits>\d+)x(?P<long_tokens>\d+)(?:p(?P<long_per_sm>\d+))?)?"
+                                 r"(?:l(?P<long_splits>\d+)x(?P<long_tokens>\d+)(?:p(?P<long_per_sm>\d+))?"
+                                 r"(?:b(?P<long_block>\d+))?(?:w(?P<long_warps>\d+))?)?"
                                  r"(?P<two_pass>\+2p(?P<merge_warps>\d+)?)?$")
 DEFAULT_ATTENTION_CONFIG = "s16x16+2p1"
 
@@ -151,6 +159,8 @@ class AttentionConfig(NamedTuple):
     long_splits: int = 32            # LONG_MAX_SPLITS
     long_tokens: int = 512           # LONG_MIN_TOKENS
     long_per_sm: int = 2             # LONG_PROGRAMS_PER_SM
+    long_block_n: int | None = None  # LONG_BLOCK_N
+    long_num_warps: int | None = 8   # LONG_NUM_WARPS
 
 
 def parse_attention_config(text: str) -> AttentionConfig:
@@ -163,7 +173,9 @@ def parse_attention_config(text: str) -> AttentionConfig:
         ok = (v["splits"] >= 1 and v["block"] >= 16 and pow2(v["block"]) and v.get("hpp", 1) >= 1
               and pow2(v.get("warps")))
     if ok:
-        ok = v.get("long_splits", 1) >= 1 and v.get("long_tokens", 1) >= 1 and v.get("long_per_sm", 1) >= 1
+        ok = (v.get("long_splits", 1) >= 1 and v.get("long_tokens", 1) >= 1 and v.get("long_per_sm", 1) >= 1
+              and (v.get("long_block") is None or (v["long_block"] >= 16 and pow2(v["long_block"])))
+              and pow2(v.get("long_warps")))
     if not ok:
         raise ValueError(f"decode attention config {text!r}: expected u, sNxB, sNxBhH, sNxBwW or sNxBhHwW "
                          f"(N >= 1 splits, B >= 16 keys a power of two, H >= 1 heads, W warps a power of "
@@ -175,7 +187,8 @@ def parse_attention_config(text: str) -> AttentionConfig:
                            merge="two_pass" if m["two_pass"] else "last",
                            merge_warps=v.get("merge_warps", 4),       # "+2p" alone: the kernel's old 4
                            long_splits=v.get("long_splits", 32), long_tokens=v.get("long_tokens", 512),
-                           long_per_sm=v.get("long_per_sm", 2))
+                           long_per_sm=v.get("long_per_sm", 2), long_block_n=v.get("long_block"),
+                           long_num_warps=v.get("long_warps", 8))
 
 
 def set_attention_config(text: str) -> None:
@@ -183,9 +196,9 @@ def set_attention_config(text: str) -> None:
     MERGE_NUM_WARPS and the LONG_ knobs from a configuration string; read at each call, so set it
     before CUDA-graph capture."""
     global SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE, MERGE_NUM_WARPS
-    global LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM
-    (SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE,
-     MERGE_NUM_WARPS, LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM) = parse_attention_config(text)
+    global LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM, LONG_BLOCK_N, LONG_NUM_WARPS
+    (SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE, MERGE_NUM_WARPS,
+     LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM, LONG_BLOCK_N, LONG_NUM_WARPS) = parse_attention_config(text)
 
 
 def attention_config() -> str:
@@ -193,8 +206,9 @@ def attention_config() -> str:
     hpp, warps = SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS
     base = "u" if SHORT_MAX_SPLITS == 1 and hpp is None else (
         f"s{SHORT_MAX_SPLITS}x{SHORT_BLOCK_N}" + (f"h{hpp}" if hpp else "") + (f"w{warps}" if warps else ""))
-    long = ((LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM) != (32, 512, 2)) * (
-        f"l{LONG_MAX_SPLITS}x{LONG_MIN_TOKENS}p{LONG_PROGRAMS_PER_SM}")
+    long_tiles = (f"b{LONG_BLOCK_N}" if LONG_BLOCK_N else "") + (f"w{LONG_NUM_WARPS}" if LONG_NUM_WARPS != 8 else "")
+    long = ((LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM) != (32, 512, 2) or bool(long_tiles)) * (
+        f"l{LONG_MAX_SPLITS}x{LONG_MIN_TOKENS}p{LONG_PROGRAMS_PER_SM}{long_tiles}")
     merge = "" if SPLIT_MERGE == "last" else "+2p" + (str(MERGE_NUM_WARPS) if MERGE_NUM_WARPS != 4 else "")
     return base + long + merge
 
@@ -495,7 +509,10 @@ def choose_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
     short contexts, else choose_num_splits with the default tiles."""
     if max_context_len <= SHORT_SPLIT_CONTEXT:
         return choose_short_split(num_seqs, num_kv_heads, max_context_len, device, group)
-    return DecodeSplit(choose_num_splits(num_seqs, num_kv_heads, max_context_len, device))
+    splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, device)
+    if splits == 1:
+        return DecodeSplit(1)
+    return DecodeSplit(splits, LONG_BLOCK_N, None, LONG_NUM_WARPS)
 
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

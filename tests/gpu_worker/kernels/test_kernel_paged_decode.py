@@ -175,7 +175,8 @@ def test_short_split_policy(monkeypatch):
     assert pda.choose_decode_split(32, 8, 512, cpu, 4) == DecodeSplit(2, 16)       # 256 programs
     assert pda.choose_decode_split(64, 8, 512, cpu, 4) == DecodeSplit(1)           # fills the GPU
     assert pda.choose_decode_split(1, 8, 10, cpu, 4) == DecodeSplit(1)             # one tile
-    assert pda.choose_decode_split(1, 8, 16384, cpu, 4) == DecodeSplit(pda.choose_num_splits(1, 8, 16384, cpu))
+    assert pda.choose_decode_split(1, 8, 16384, cpu, 4) == DecodeSplit(pda.choose_num_splits(1, 8, 16384, cpu),
+                                                                     None, None, pda.LONG_NUM_WARPS)
     monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", 1)                         # 32 programs at batch 1
     assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(8, 16, 1)
     assert pda.choose_decode_split(16, 8, 512, cpu, 4) == DecodeSplit(1, 16, 1)    # 512 programs: no split
@@ -226,16 +227,19 @@ def test_blocks_of_query_heads(randn, rel_err, hpp, num_splits, merge):
 
 @pytest.mark.parametrize("bad", ["", "s8", "s0x16", "s8x12", "s8x8", "s4x32h0", "s8x16w3", "s8x16w0", "s8x16w2h1",
                                  "u+3p", "S8x16", "s16x16+2p3", "u+2p0", "s16x16l0x128+2p1", "s16x16l64x0p4",
-                                 "s16x16l64x128p0", "s16x16l64+2p", "l64x128p4"])
+                                 "s16x16l64x128p0", "s16x16l64+2p", "l64x128p4", "s16x16l32x512p2b48",
+                                 "s16x16l32x512p2w3"])
 def test_attention_config_strings(monkeypatch, bad):
     """set_attention_config / attention_config round-trip the A/B strings; a bad one is refused
     with the expected forms named."""
     from gpu_worker.kernels import paged_decode_attention as pda
     for name in ("SHORT_MAX_SPLITS", "SHORT_BLOCK_N", "SHORT_HEADS_PER_PROGRAM", "SHORT_NUM_WARPS", "SPLIT_MERGE",
-                 "MERGE_NUM_WARPS", "LONG_MAX_SPLITS", "LONG_MIN_TOKENS", "LONG_PROGRAMS_PER_SM"):
+                 "MERGE_NUM_WARPS", "LONG_MAX_SPLITS", "LONG_MIN_TOKENS", "LONG_PROGRAMS_PER_SM", "LONG_BLOCK_N",
+                 "LONG_NUM_WARPS"):
         monkeypatch.setattr(pda, name, getattr(pda, name))          # restored after the test
     for cfg in ("u+2p", "u", "s8x16", "s2x32h1+2p", "s1x64h1", "s8x16w2", "s1x64h1w2+2p", "s16x16+2p1", "u+2p2",
-                "s16x16l64x128p4+2p1", "ul8x256p1"):
+                "s16x16l64x128p4+2p1", "ul8x256p1", "s16x16l32x512p2b64+2p1", "s16x16l64x128p4b64w4+2p1",
+                "s16x16l32x512p2w4+2p1"):
         pda.set_attention_config(cfg)
         assert pda.attention_config() == cfg
     pda.set_attention_config("s8x16h2w8")
@@ -245,8 +249,13 @@ def test_attention_config_strings(monkeypatch, bad):
     assert (pda.LONG_MAX_SPLITS, pda.LONG_MIN_TOKENS, pda.LONG_PROGRAMS_PER_SM) == (64, 128, 4)
     cpu = torch.device("cpu")
     assert pda.choose_num_splits(1, 8, 16384, cpu) == 64 and pda.choose_num_splits(1, 8, 4096, cpu) == 32
+    from gpu_worker.kernels.paged_decode_attention import DecodeSplit
+    pda.set_attention_config("s16x16l32x512p2b64w4+2p1")         # long split programs' tiles
+    assert pda.choose_decode_split(1, 8, 16384, cpu, 4) == DecodeSplit(32, 64, None, 4)
+    assert pda.choose_decode_split(64, 8, 16384, cpu, 4) == DecodeSplit(1)   # unsplit: the kernel's tiles
     pda.set_attention_config("s16x16+2p1")
     assert (pda.LONG_MAX_SPLITS, pda.LONG_MIN_TOKENS, pda.LONG_PROGRAMS_PER_SM) == (32, 512, 2)
+    assert pda.choose_decode_split(1, 8, 16384, cpu, 4) == DecodeSplit(32, None, None, 8)   # 8 warps
     with pytest.raises(ValueError, match="expected u, sNxB, sNxBhH"):
         pda.set_attention_config(bad)
 
