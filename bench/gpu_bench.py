@@ -425,9 +425,16 @@ def kernel_fp8(args, deadline) -> None:
     kc_w.zero_(), vc_w.zero_(), kc_r.zero_(), vc_r.zero_()
     rope_kv_write(pos, qq, k1, vv, cs, kc_w, vc_w, slots, 0.05, 0.05)
     rope_kv_write_ref(pos, q2, k2, vv, cs, kc_r, vc_r, slots, 0.05, 0.05)
-    same = torch.equal(kc_w.float(), kc_r.float()) and torch.equal(vc_w.float(), vc_r.float())
-    row("kernel", "fp8 rope+kv write vs reference", "ok" if same or SMOKE else
-        f"FAIL ({float((kc_w.float() != kc_r.float()).float().mean()):.1e} of K differ)")
+    # the fused kernel rotates k in fp32 registers with its own FMA order: a rotated value that lands
+    # on an fp8 rounding boundary may round to the neighbouring code. V is not rotated: bit for bit.
+    kw, kr = kc_w.view(torch.uint8).int(), kc_r.view(torch.uint8).int()
+    differ = kw != kr
+    steps = int((kw - kr).abs()[differ].max()) if bool(differ.any()) else 0
+    same_sign = bool(((kw ^ kr)[differ] & 0x80 == 0).all())
+    ok = torch.equal(vc_w.view(torch.uint8), vc_r.view(torch.uint8)) and steps <= 1 and same_sign \
+        and float(differ.float().mean()) < 1e-5
+    row("kernel", "fp8 rope+kv write vs reference", "ok" if ok or SMOKE else "FAIL",
+        note=f"V bit for bit; {int(differ.sum())} of {differ.numel()} K codes differ, by at most {steps} fp8 code(s)")
     q = torch.randn(B, H, D, device=DEV, dtype=attn_dtype())
     cl = torch.tensor([ctx] * B, dtype=torch.int32, device=DEV)
     call = dict(max_context_len=ctx, k_scale=ks, v_scale=vs)
