@@ -179,8 +179,8 @@ def parse_attention_config(text: str) -> AttentionConfig:
     if not ok:
         raise ValueError(f"decode attention config {text!r}: expected u, sNxB, sNxBhH, sNxBwW or sNxBhHwW "
                          f"(N >= 1 splits, B >= 16 keys a power of two, H >= 1 heads, W warps a power of "
-                         f"two), optionally + 'lNxTpP' (long contexts: N >= 1 splits of T >= 1 keys, P >= 1 "
-                         f"programs per SM), optionally + '+2p' (then the merge kernel's warps, e.g. +2p1), "
+                         f"two), optionally + 'lNxTpP[bB][wW]' (long contexts: N >= 1 splits of T >= 1 keys, P >= 1 "
+                         f"programs per SM, B-key tiles, W warps), optionally + '+2p' (then the merge kernel's warps, e.g. +2p1), "
                          f"e.g. u+2p, s16x16+2p, s1x64h1w2, s16x16l64x128p4+2p1")
     return AttentionConfig(max_splits=v.get("splits", 1), block_n=v.get("block", 16),
                            heads_per_program=v.get("hpp"), num_warps=v.get("warps"),

@@ -4,11 +4,12 @@ Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen 2) first split text into words w
 then merge each word on its own, so a prompt cut between two words encodes to the same ids as
 the whole: the `tokenizers` library encodes the pieces in parallel (`encode_batch_fast`, its
 Rust thread pool) and we join them. A fresh 512-token prompt of `kvmesh bench serve --dataset-name
-random` took 2.06 ms whole and 0.72 ms in 4 pieces on the H200 host's Xeon (0.39 ms of the time
-to first token, for one request alone, is ~10% of it).
+random` took 2.15 ms whole and 0.70 ms in 6 pieces on the H200 host's 16 cores
+(bench/parallel_encode_bench.py); the gateway's tokenize stage of the serving run went from 2.23
+to 1.06 ms of a 16-18 ms time to first token (BENCHMARKS.md, eleventh session).
 
     |... word| word word| word ...|      cut only before a space that sits between two letters
-             ^ cut                       (`a| b`): no split pattern here joins a letter to the
+             ^ cut                       (`a| b`): no split pattern here joins a non-space to the
                                          space after it, and none looks behind, so both sides
                                          split exactly as the whole text did
 
@@ -24,6 +25,8 @@ import json
 import os
 from typing import Any
 
+import re
+
 from tokenizers import Encoding, Tokenizer
 
 from services.text.split_patterns import LLAMA3_SPLIT, QWEN2_SPLIT
@@ -33,6 +36,9 @@ KNOWN_SPLITS = frozenset({LLAMA3_SPLIT, QWEN2_SPLIT})
 
 MIN_PIECE_CHARS = 512   # a piece shorter than this costs more to hand to a thread than it saves
 MAX_PIECES = 8
+# a space between two letters ([^\W\d_]: a word character that is no digit or underscore; it also
+# takes the few numerals that are not decimal digits, e.g. "½", which are as safe on either side)
+_CUT = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
 
 
 def cut_safe(tokenizer: Tokenizer) -> str | None:
@@ -76,17 +82,15 @@ def _pretokenizer_safe(pre: dict[str, Any] | None) -> bool:
 
 
 def cut_points(text: str, pieces: int) -> list[int]:
-    """Up to pieces - 1 increasing cut offsets, each at a space between two letters, near the
-    even split; fewer where the text has no such space."""
+    """Up to pieces - 1 increasing cut offsets, each at a space between two letters, at or after
+    the even split; fewer where the text has no such space (the scans cover the text once)."""
     n = len(text)
     points: list[int] = []
     for j in range(1, pieces):
-        i = max(j * n // pieces, points[-1] + 1 if points else 1)
-        while i < n - 1 and not (text[i] == " " and text[i - 1].isalpha() and text[i + 1].isalpha()):
-            i += 1
-        if i >= n - 1:
+        m = _CUT.search(text, max(j * n // pieces, points[-1] + 1 if points else 1))
+        if m is None:
             break
-        points.append(i)
+        points.append(m.start())
     return points
 
 
