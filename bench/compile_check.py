@@ -166,14 +166,9 @@ def main() -> None:
     args = ap.parse_args()
     from gpu_worker.kernels import paged_decode_attention as pda
     configs = [c for c in args.attention.split(",") if c]
-    bad = []
-    for c in configs:
-        try:
-            pda.parse_attention_config(c)
-        except ValueError:
-            bad.append(c)
+    bad = [c for c in configs if pda.attention_config_error(c)]
     if bad:
-        ap.error(f"--attention: not a configuration (u+2p, s8x16, s1x64h1, ...): {bad}")
+        ap.error(f"--attention: not configurations: {bad} ({pda.attention_config_error(bad[0])})")
     start = pda.attention_config()
     t0 = time.time()
     rows = []

@@ -548,13 +548,12 @@ def section_engine(args, deadline) -> None:
     log("loading the engine ...")
     t = time.time()
     sizes = dict(model=str(model_dir), max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
-                 max_num_batched_tokens=sc.max_num_batched_tokens)
+                 max_num_batched_tokens=sc.max_num_batched_tokens, async_scheduling=args.async_scheduling)
     if SMOKE:
-        cfg = EngineConfig(**sizes, device="cpu", dtype="float32", attention_backend="torch", num_gpu_blocks=1024,
-                           async_scheduling=args.async_scheduling)
+        cfg = EngineConfig(**sizes, device="cpu", dtype="float32", attention_backend="torch", num_gpu_blocks=1024)
     else:
         cfg = EngineConfig(**sizes, gpu_memory_utilization=args.gpu_mem, dtype="bfloat16",
-                           attention_backend=args.attention_backend, async_scheduling=args.async_scheduling)
+                           attention_backend=args.attention_backend)
     eng = Engine(cfg)
     sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
     graphs = getattr(getattr(eng, "runner", None), "decode_graphs", None)

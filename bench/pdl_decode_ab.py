@@ -227,13 +227,12 @@ def main() -> None:
                     help="mode:pdl[:pf],... run last with the lm_head quantized too (quantization='fp8_lm_head', "
                          "--fp8-attention's configurations); default none")
     args = ap.parse_args()
-    from gpu_worker.kernels.paged_decode_attention import attention_config
+    from gpu_worker.kernels.paged_decode_attention import attention_config, attention_config_error
     attns = [a for a in args.attention.split(",") if a] or [attention_config()]
     fp8_attns = attns if args.fp8_attention is None else [a for a in args.fp8_attention.split(",") if a]
-    bad_attn = [a for a in attns + fp8_attns if not _parses(a)]
+    bad_attn = [a for a in attns + fp8_attns if attention_config_error(a)]
     if bad_attn:
-        ap.error(f"--attention: expected u, sNxB, sNxBhH, sNxBwW or sNxBhHwW, each optionally with +2p "
-                 f"(e.g. u+2p,s8x16,s1x64h1w2), got {bad_attn}")
+        ap.error(f"--attention: not configurations: {bad_attn} ({attention_config_error(bad_attn[0])})")
     from gpu_worker.models.layers.fp8 import quantize_lm_head_fp8, quantize_linears_fp8
 
     ceiling = float("nan")
@@ -323,16 +322,6 @@ def main() -> None:
         if best:
             print(f"fastest bf16 gemv:1 configuration (128 + 8k graph ms): {best['attn']}")
     print(f"total {time.time() - T0:.0f} s")
-
-
-def _parses(text: str) -> bool:
-    """Whether `text` is a decode-attention configuration string."""
-    from gpu_worker.kernels.paged_decode_attention import parse_attention_config
-    try:
-        parse_attention_config(text)
-        return True
-    except ValueError:
-        return False
 
 
 def attention_means(results: list[dict]) -> list[dict]:

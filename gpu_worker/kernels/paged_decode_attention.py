@@ -143,7 +143,7 @@ LONG_NUM_WARPS: int | None = 8         # warps of a split program (None: the ker
 ATTENTION_CONFIG_RE = re.compile(r"^(?:(?P<unsplit>u)|s(?P<splits>\d+)x(?P<block>\d+)(?:h(?P<hpp>\d+))?"
                                  r"(?:w(?P<warps>\d+))?)"
                                  r"(?:l(?P<long_splits>\d+)x(?P<long_tokens>\d+)(?:p(?P<long_per_sm>\d+))?"
-                                 r"(?:b(?P<long_block>\d+))?(?:w(?P<long_warps>\d+))?)?"
+                                 r"(?:b(?P<long_block_n>\d+))?(?:w(?P<long_num_warps>\d+))?)?"
                                  r"(?P<two_pass>\+2p(?P<merge_warps>\d+)?)?$")
 DEFAULT_ATTENTION_CONFIG = "s16x16+2p1"
 
@@ -163,6 +163,10 @@ class AttentionConfig(NamedTuple):
     long_num_warps: int | None = 8   # LONG_NUM_WARPS
 
 
+# the long-context fields (ATTENTION_CONFIG_RE's groups of the same names) and their values when absent
+_LONG_DEFAULTS = AttentionConfig._field_defaults
+
+
 def parse_attention_config(text: str) -> AttentionConfig:
     """A configuration string (ATTENTION_CONFIG_RE) -> its values; ValueError naming the forms."""
     m = ATTENTION_CONFIG_RE.match(text)
@@ -174,8 +178,8 @@ def parse_attention_config(text: str) -> AttentionConfig:
               and pow2(v.get("warps")))
     if ok:
         ok = (v.get("long_splits", 1) >= 1 and v.get("long_tokens", 1) >= 1 and v.get("long_per_sm", 1) >= 1
-              and (v.get("long_block") is None or (v["long_block"] >= 16 and pow2(v["long_block"])))
-              and pow2(v.get("long_warps")))
+              and (v.get("long_block_n") is None or (v["long_block_n"] >= 16 and pow2(v["long_block_n"])))
+              and pow2(v.get("long_num_warps")))
     if not ok:
         raise ValueError(f"decode attention config {text!r}: expected u, sNxB, sNxBhH, sNxBwW or sNxBhHwW "
                          f"(N >= 1 splits, B >= 16 keys a power of two, H >= 1 heads, W warps a power of "
@@ -186,9 +190,16 @@ def parse_attention_config(text: str) -> AttentionConfig:
                            heads_per_program=v.get("hpp"), num_warps=v.get("warps"),
                            merge="two_pass" if m["two_pass"] else "last",
                            merge_warps=v.get("merge_warps", 4),       # "+2p" alone: the kernel's old 4
-                           long_splits=v.get("long_splits", 32), long_tokens=v.get("long_tokens", 512),
-                           long_per_sm=v.get("long_per_sm", 2), long_block_n=v.get("long_block"),
-                           long_num_warps=v.get("long_warps", 8))
+                           **{f: v.get(f, default) for f, default in _LONG_DEFAULTS.items()})
+
+
+def attention_config_error(text: str) -> str | None:
+    """parse_attention_config's message for a string it refuses, None for a configuration (CLI checks)."""
+    try:
+        parse_attention_config(text)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def set_attention_config(text: str) -> None:
@@ -206,8 +217,11 @@ def attention_config() -> str:
     hpp, warps = SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS
     base = "u" if SHORT_MAX_SPLITS == 1 and hpp is None else (
         f"s{SHORT_MAX_SPLITS}x{SHORT_BLOCK_N}" + (f"h{hpp}" if hpp else "") + (f"w{warps}" if warps else ""))
-    long_tiles = (f"b{LONG_BLOCK_N}" if LONG_BLOCK_N else "") + (f"w{LONG_NUM_WARPS}" if LONG_NUM_WARPS != 8 else "")
-    long = ((LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM) != (32, 512, 2) or bool(long_tiles)) * (
+    d = _LONG_DEFAULTS
+    long_tiles = ((f"b{LONG_BLOCK_N}" if LONG_BLOCK_N else "")
+                  + (f"w{LONG_NUM_WARPS}" if LONG_NUM_WARPS != d["long_num_warps"] else ""))
+    policy = (LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM)
+    long = (policy != (d["long_splits"], d["long_tokens"], d["long_per_sm"]) or bool(long_tiles)) * (
         f"l{LONG_MAX_SPLITS}x{LONG_MIN_TOKENS}p{LONG_PROGRAMS_PER_SM}{long_tiles}")
     merge = "" if SPLIT_MERGE == "last" else "+2p" + (str(MERGE_NUM_WARPS) if MERGE_NUM_WARPS != 4 else "")
     return base + long + merge
