@@ -541,7 +541,8 @@ def part_sharegpt(b: Bench, seconds: float, label: str = "") -> None:
         row("sharegpt allocator" + label, ", ".join(f"{k} +{alloc1[k] - alloc0.get(k, 0)}" for k in alloc1),
             "torch CUDA caching allocator counters over the run (device mallocs/frees synchronize)")
     row("sharegpt rows" + label, steps.by_rows(), "per kind and rows bucket, ms per step: wall; device "
-        "(forward) and device idle (CUDA events); host schedule/build/forward/sample/settle")
+        "(forward) and device idle (CUDA events); host schedule/build/forward/sample/settle; GC pauses")
+    row("sharegpt gc" + label, steps.gc.summary(), "Python cyclic-GC collections during the run")
 
 
 def alloc_counters() -> dict[str, int]:
@@ -550,6 +551,35 @@ def alloc_counters() -> dict[str, int]:
     stats = torch.cuda.memory_stats()
     keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
     return {k: int(stats[k]) for k in keys if k in stats}
+
+
+class GcPauses:
+    """Python's cyclic-GC collections while installed (gc.callbacks): count and seconds per
+    generation, and `total` (seconds so far) so that StepKinds can charge pauses to steps."""
+
+    def __init__(self):
+        import gc
+        self._gc, self.total, self._t0 = gc, 0.0, 0.0
+        self.by_gen: dict[int, list] = {}               # generation -> [collections, seconds, max]
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        dt = time.perf_counter() - self._t0
+        self.total += dt
+        g = self.by_gen.setdefault(info["generation"], [0, 0.0, 0.0])
+        g[0], g[1], g[2] = g[0] + 1, g[1] + dt, max(g[2], dt)
+
+    def remove(self) -> None:
+        self._gc.callbacks.remove(self._callback)
+
+    def summary(self) -> str:
+        frozen = self._gc.get_freeze_count()
+        gens = ", ".join(f"gen{g}: {n} x {1e3 * t / n:.2f} ms (max {1e3 * m:.1f})"
+                         for g, (n, t, m) in sorted(self.by_gen.items())) or "none"
+        return f"{gens}; total {1e3 * self.total:.0f} ms; {frozen} objects frozen"
 
 
 class StepKinds:
@@ -575,6 +605,7 @@ class StepKinds:
         cuda = not SMOKE and torch.cuda.is_available()
         self._event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else (lambda: None)
         self._saved = []
+        self.gc = GcPauses()
         self._wrap(eng.scheduler, "schedule", "schedule")
         self._wrap(eng.batch_builder, "build", "build")
         self._wrap(eng.runner, "forward", "forward", before="a", after="b", tag=True)
@@ -585,9 +616,10 @@ class StepKinds:
         def timed_step():
             self._maybe_profile()
             self._cur = cur = {"kind": "idle", "rows": 0, "tokens": 0}
-            t0 = time.perf_counter()
+            t0, gc0 = time.perf_counter(), self.gc.total
             out = step()
             cur["wall"] = time.perf_counter() - t0
+            cur["gc"] = self.gc.total - gc0
             self.steps.append(cur)
             return out
 
@@ -659,6 +691,7 @@ class StepKinds:
         for obj, name in self._saved:
             delattr(obj, name)                      # back to the class's methods
         self._saved = []
+        self.gc.remove()
 
     def summary(self, wall: float) -> str:
         kinds: dict[str, list] = {}                        # kind -> [steps, seconds, rows, tokens]
@@ -690,7 +723,7 @@ class StepKinds:
             top = next(b for b in self.BUCKETS if size <= b)
             a = acc.setdefault((st["kind"], top), {"n": 0})
             a["n"] += 1
-            for key in ("wall",) + self.PHASES:
+            for key in ("wall", "gc") + self.PHASES:
                 a[key] = a.get(key, 0.0) + st.get(key, 0.0)
             if "a" in st and "c" in st:
                 a["dev"] = a.get("dev", 0.0) + st["a"].elapsed_time(st["c"]) / 1e3
@@ -706,7 +739,7 @@ class StepKinds:
             ms = lambda key: 1e3 * a.get(key, 0.0) / n     # noqa: E731
             dev = f", dev {ms('dev'):.1f} (fwd {ms('fwd'):.1f}) idle {ms('idle'):.2f}" if timed else ""
             host = "/".join(f"{ms(p):.1f}" for p in self.PHASES)
-            parts.append(f"{label}: {n} x {ms('wall'):.1f} wall{dev}, host {host}")
+            parts.append(f"{label}: {n} x {ms('wall'):.1f} wall{dev}, host {host}, gc {ms('gc'):.2f}")
         return "; ".join(parts)
 
 
