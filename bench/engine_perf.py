@@ -627,11 +627,13 @@ class StepKinds:
         eng.step = timed_step
 
     # --live-profile [KIND:]LO:HI[:MINROWS]: torch.profiler over 6 live steps once a step of KIND
-    # (decode, the default: LO..HI rows; mixed: LO..HI tokens and at least MINROWS rows) ran
+    # (decode, the default: LO..HI rows; mixed: LO..HI tokens and at least MINROWS rows) ran, in
+    # the first run only (`profiled`, class-wide: the later runs of the process stay unperturbed)
     _prof, _prof_steps, _prof_done = None, 0, False
+    profiled = False
 
     def _maybe_profile(self) -> None:
-        if LIVE_PROFILE is None or self._prof_done or not self.steps:
+        if LIVE_PROFILE is None or self._prof_done or not self.steps or (StepKinds.profiled and self._prof is None):
             return
         if self._prof is None:
             last = self.steps[-1]
@@ -652,7 +654,7 @@ class StepKinds:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._prof.__exit__(None, None, None)
-        self._prof_done = True
+        self._prof_done = StepKinds.profiled = True
         ka = self._prof.key_averages()
         last = self.steps[-1]
         text = (f"live profile, {self._prof_steps} {last['kind']} steps of ~{last['rows']} rows / {last['tokens']} "

@@ -7,6 +7,9 @@ For each (B, mean context): context lengths drawn around the mean (uniform 0.5x.
 fragmented block table of 16-token pages, Llama-8B heads (32 q / 8 kv, 128 dims); every
 (block_n, num_warps, num_stages) is checked against the default's output, then timed in a CUDA
 graph; GB/s = the KV bytes the step must read. Prints the default and the best per case.
+With --splits the split count is swept too (each count with a few tile shapes, the two-pass
+merge included in the time): the long decode graphs fix it per captured batch size
+(choose_num_splits), so this shows what each batch size should get at a given context.
 
     PYTHONPATH=. python3 bench/sweep_decode_batch.py            # the H200, ~60 s
     PYTHONPATH=. TRITON_INTERPRET=1 python3 bench/sweep_decode_batch.py --smoke   # CPU check
@@ -26,10 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from gpu_worker.kernels.paged_decode_attention import (paged_decode_attention,  # noqa: E402
-                                                       paged_decode_attention_ref)
+from gpu_worker.kernels.paged_decode_attention import (choose_decode_split,  # noqa: E402
+                                                       paged_decode_attention, paged_decode_attention_ref)
 
 H, KVH, D, PAGE = 32, 8, 128, 16
+# tile shapes (block_n, num_warps, num_stages) tried with each --splits count
+SPLIT_TILES = [(64, 4, 2), (128, 4, 3), (128, 8, 3), (64, 8, 3), (32, 4, 3)]
 
 
 def make_case(B: int, mean_ctx: int, dev, dtype, seed: int = 0):
@@ -54,14 +59,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="768:270,384:300,192:350,64:500,16:1000",
                     help="B:mean_context, comma-separated")
+    ap.add_argument("--splits", default="", help="comma list of split counts: sweep those (each with "
+                    "SPLIT_TILES) instead of the unsplit tile grid")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     cases = ["3:20"] if args.smoke else args.cases.split(",")
-    configs = [(bn, nw, ns) for bn in (16, 32, 64, 128) for nw in (2, 4, 8) for ns in (1, 2, 3)]
+    configs = [(None, bn, nw, ns) for bn in (16, 32, 64, 128) for nw in (2, 4, 8) for ns in (1, 2, 3)]
+    if args.splits:
+        configs = [(sp, bn, nw, ns) for sp in map(int, args.splits.split(",")) for bn, nw, ns in SPLIT_TILES]
     if args.smoke:
-        configs = [(16, 4, 1)]
+        configs = [(None, 16, 4, 1)] + ([(2, 16, 4, 1)] if args.splits else [])
     results = []
     for case in cases:
         B, ctx = map(int, case.split(":"))
@@ -84,8 +93,11 @@ def main() -> None:
 
         base = timed()
         best = (base, "default")
-        for bn, nw, ns in configs:
+        by_split: dict[int, tuple[float, str]] = {}
+        for sp, bn, nw, ns in configs:
             cfg = dict(block_n=bn, num_warps=nw, num_stages=ns)
+            if sp is not None:
+                cfg["num_splits"] = sp
             try:
                 o2 = paged_decode_attention(q, k, v, tables, cl, scale, **call, **cfg)
                 if ((o2.float() - out.float()).abs().max() / out.float().abs().max()).item() > 2e-2:
@@ -95,13 +107,22 @@ def main() -> None:
             except Exception as exc:          # e.g. out of shared memory
                 print(f"  B={B} ctx={ctx} {cfg}: {type(exc).__name__}", flush=True)
                 continue
+            label = ("" if sp is None else f"splits={sp} ") + f"bn={bn} warps={nw} stages={ns}"
             if t < best[0]:
-                best = (t, f"bn={bn} warps={nw} stages={ns}")
+                best = (t, label)
+            if sp is not None and t < by_split.get(sp, (float("inf"), ""))[0]:
+                by_split[sp] = (t, label)
         gb = lambda ms: nbytes / (ms * 1e-3) / 1e9      # noqa: E731
+        default_split = choose_decode_split(B, KVH, 16384, dev, H // KVH) if not args.smoke else None
         results.append({"B": B, "mean_ctx": ctx, "err": err, "default_us": base * 1e3, "default_gbs": gb(base),
-                        "best_us": best[0] * 1e3, "best_gbs": gb(best[0]), "best": best[1]})
-        print(f"B={B:4d} ctx~{ctx:5d} err {err:.1e}: default {base * 1e3:7.1f} us ({gb(base):5.0f} GB/s), "
-              f"best {best[0] * 1e3:7.1f} us ({gb(best[0]):5.0f} GB/s) {best[1]}", flush=True)
+                        "default_split": None if default_split is None else default_split._asdict(),
+                        "best_us": best[0] * 1e3, "best_gbs": gb(best[0]), "best": best[1],
+                        "by_split": {sp: {"us": t * 1e3, "gbs": gb(t), "config": c} for sp, (t, c) in by_split.items()}})
+        print(f"B={B:4d} ctx~{ctx:5d} err {err:.1e}: default {base * 1e3:7.1f} us ({gb(base):5.0f} GB/s, "
+              f"{default_split}), best {best[0] * 1e3:7.1f} us ({gb(best[0]):5.0f} GB/s) {best[1]}", flush=True)
+        if by_split:
+            print("    by split: " + ", ".join(f"{sp}: {t * 1e3:.1f} us {gb(t):.0f} GB/s"
+                                             for sp, (t, _) in sorted(by_split.items())), flush=True)
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep_decode_batch.json").write_text(json.dumps(results, indent=1))

@@ -197,7 +197,7 @@ class Engine:
             self.runner.copy_blocks([c.src for c in out.copies], [c.dst for c in out.copies])
         batch = self.batch_builder.build(out.scheduled)
         sampling = [item for item in out.scheduled if item.samples]
-        logits = self.runner.forward(batch)                          # (S, vocab) float32
+        logits = self.runner.forward(batch)                          # (S, vocab)
         bm, bs = self.block_manager, self.config.block_size
         for seq, num_new in out.scheduled:
             seq.num_computed_tokens += num_new
@@ -245,7 +245,7 @@ class Engine:
         if prev is not None:
             self._take_pending_inputs(batch, out.scheduled, prev)
         sampling = [item for item in out.scheduled if item.samples]
-        logits = self.runner.forward(batch)                          # (S, vocab) float32
+        logits = self.runner.forward(batch)                          # (S, vocab)
         for seq, num_new in out.scheduled:
             seq.num_computed_tokens += num_new
         targets = self._fork_targets(sampling)

@@ -266,9 +266,16 @@ class ModelRunner:
         self.kv_caches, self.block_size = saved, saved_bs
 
     # ---- forward -----------------------------------------------------------------------------
+    @property
+    def _plain_head(self) -> bool:
+        """The model's head is CausalLM's (not a tensor-parallel one that gathers across ranks)."""
+        return type(self.model).compute_logits is CausalLM.compute_logits
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> (S, vocab) float32 logits for the rows `batch.logits_indices`."""
+        """-> (S, vocab) logits for the rows `batch.logits_indices`: float32 from a graph that
+        holds the head, else in the model's dtype (CausalLM.compute_logits_raw) where the head is
+        the plain one; the sampler casts what it needs."""
         if not self.kv_caches:
             raise RuntimeError("allocate_kv_cache must be called before forward")
         batch = self.prepare_inputs(batch)
@@ -290,9 +297,11 @@ class ModelRunner:
         else:
             self._pin_decode_splits(batch)
             hidden = self.run_model(batch)                    # (T, H)
+        # the model's own dtype where the head is the plain one (the sampler casts what it must)
+        head = self.model.compute_logits_raw if self._plain_head else self.model.compute_logits
         if batch.logits_indices.shape[0] == hidden.shape[0]:  # every row samples (decode): the
-            return self.model.compute_logits(hidden)         # indices are 0..T-1, skip the gather
-        return self.compute_logits(hidden, batch.logits_indices)
+            return head(hidden)                               # indices are 0..T-1, skip the gather
+        return head(hidden[batch.logits_indices])
 
     def capture_cuda_graphs(self, max_batch_size: int, max_context_len: int) -> None:
         """Capture decode steps of up to `max_batch_size` sequences (after allocate_kv_cache);
@@ -310,8 +319,7 @@ class ModelRunner:
 
         # The lm_head joins the graphs only for the plain head: a sharded one (tensor parallel)
         # gathers across ranks, which its runner sequences itself.
-        plain_head = type(self.model).compute_logits is CausalLM.compute_logits
-        logits_max_bs = LOGITS_GRAPH_MAX_BS if plain_head else 0
+        logits_max_bs = LOGITS_GRAPH_MAX_BS if self._plain_head else 0
 
         def capture(context_len: int, sizes: list[int] | None = None):
             # Block-table width: a multiple of 16, like the engine's batch builder pads it to.
@@ -343,7 +351,7 @@ class ModelRunner:
             raise ValueError("CUDA graphs need attention_backend='triton': the torch reference "
                              "backend reads lengths on the host, which graph capture forbids")
         self.prefill_graphs = None
-        if type(self.model).compute_logits is not CausalLM.compute_logits or max_tokens < LADDER_STEP:
+        if not self._plain_head or max_tokens < LADDER_STEP:
             return
 
         graphs = PrefillGraphs(self.run_model, self.model.compute_logits, device=self.device,

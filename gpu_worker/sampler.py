@@ -11,7 +11,9 @@ vLLM's order and semantics:
      then a Gumbel-max draw: argmax_v(x_v + G_v), G = -log(-log(u)), which samples softmax(x).
 
 Each stage runs once for the whole batch, only when some row needs it (decided on the host from
-the requests' parameters): an all-greedy batch without penalties costs one argmax.
+the requests' parameters): an all-greedy batch without penalties costs one argmax. Logits may
+arrive in the model's dtype (an eager step's bf16 head, ModelRunner.forward): the stages that
+compute on them cast their rows to float32; the greedy argmax reads them as they are.
 
 Reproducibility: the noise of a draw is a pure function of (request seed, sample index, output
 position, vocab id). The host mixes the first three into a 63-bit row key (splitmix64, numpy);
@@ -169,19 +171,21 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, requests: list[SampleRequest]) -> PendingSample:
         dev = logits.device
         rows = [r.row for r in requests]
+        # (R, V) in the logits' dtype: a bf16 head's logits (ModelRunner.forward) are cast to
+        # float32 only where maths runs on them; a greedy row's argmax over the bf16 values is
+        # that of their (exact) float32 copies, ties included
         raw = logits if rows == list(range(logits.shape[0])) else \
             logits.index_select(0, to_device(rows, dev))
-        raw = raw.float()                                                       # (R, V)
         params = [r.params for r in requests]
         if not requests:
-            return PendingSample(torch.empty(0, dtype=torch.int64, device=dev), raw, requests)
+            return PendingSample(torch.empty(0, dtype=torch.int64, device=dev), None, requests)
 
         x = raw
         masked = [i for i, r in enumerate(requests)
                   if r.params.min_tokens and r.stop_ids and _position(r) < r.params.min_tokens]
         penalized = [i for i, p in enumerate(params) if _needs_penalty(p)]
         if masked or penalized:
-            x = raw.clone()
+            x = raw.to(torch.float32, copy=True)
             if masked:
                 _mask_stop_ids(x, [requests[i] for i in masked], masked)
             if penalized:
@@ -200,13 +204,17 @@ class Sampler:
         if not any(p.logprobs is not None for p in params):
             raw = None
         elif raw.data_ptr() == logits.data_ptr():
-            raw = raw.clone()      # logits may be a graph's output, overwritten by the next step
+            # logits may be a graph's output, overwritten by the next step
+            raw = raw.to(torch.float32, copy=True)
+        else:
+            raw = raw.float()
         return PendingSample(tokens_t, raw, requests)
 
     @staticmethod
     def _draw(x: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
         """(R,) draws for rows that all sample randomly; x (R, V) processed logits."""
         dev = x.device
+        x = x.float()
         temps = [r.params.temperature for r in requests]
         if all(t == temps[0] for t in temps):
             x = x if temps[0] == 1.0 else x / temps[0]     # (R, V); no copy at temperature 1

@@ -260,13 +260,19 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, H) -> (S, V) float32."""
+        return self.compute_logits_raw(hidden).float()
+
+    def compute_logits_raw(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(S, H) -> (S, V) in the model's dtype: Hugging Face's logits before its .float(). The
+        sampler casts only the rows whose maths needs float32 (a greedy argmax needs none), which
+        spares a big decode step the (S, V) float32 copy: 0.4 ms at 1,000 rows on the H200."""
         if self.head_fp8 is not None:
-            return self.head_fp8(hidden).float()
+            return self.head_fp8(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if (self.head_gemv and DecoderLayer.gemv_weights == "all" and hidden.dim() == 2 and hidden.stride(1) == 1
                 and DecoderLayer.runs_gemv(self.kernels, hidden)):
-            return self.kernels.gemv(hidden, weight, None, None).float()   # bf16 logits, like cuBLAS's
-        return (hidden @ weight.t()).float()
+            return self.kernels.gemv(hidden, weight, None, None)   # rounded like cuBLAS's
+        return hidden @ weight.t()
 
     def hf_weight_targets(self) -> dict[str, WeightTarget]:
         """Hugging Face tensor name -> the (slice of the) parameter it loads into."""

@@ -74,3 +74,40 @@ def test_sampling_follows_the_distribution():
         counts[one(BASE, temperature=1.0, seed=s).token_id] += 1
     assert abs(counts[1] / 400 - probs[1]) < 0.08 and abs(counts[2] / 400 - probs[2]) < 0.08
     assert not math.isnan(float(counts.sum()))
+
+
+def test_bf16_logits_give_what_their_float32_copy_gives():
+    """An eager step hands the sampler its head's bf16 logits (ModelRunner.forward): every path
+    (greedy, ties included; penalties; min_tokens; seeded draws with filters; raw logprobs) must
+    choose what it chooses on the exact float32 copy of the same values."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 300, generator=g) * 4).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1          # a tie: the first index wins
+    reqs = [req(0, temperature=0.0, logprobs=2),
+            req(1, temperature=0.0, repetition_penalty=1.5, prompt=[3, 4], out=[5]),
+            req(2, temperature=0.0, min_tokens=3, stop_ids=[int(logits[2].argmax())], out=[1]),
+            req(3, temperature=0.8, top_k=20, seed=11),
+            req(4, temperature=1.0, top_p=0.9, min_p=0.05, seed=12, logprobs=1),
+            req(5, temperature=0.0, frequency_penalty=0.5, out=[int(logits[5].argmax())] * 3)]
+    got, want = Sampler()(logits, reqs), Sampler()(logits.float(), reqs)
+    assert got[0].token_id == 7
+    assert [r.token_id for r in got] == [r.token_id for r in want]
+    for a, b in zip(got, want):
+        assert (a.logprob is None) == (b.logprob is None)
+        if a.logprob is not None:
+            assert a.logprob.logprob == b.logprob.logprob and a.logprob.top == b.logprob.top
+    assert logits.dtype == torch.bfloat16                    # the caller's tensor is left alone
+
+
+def test_greedy_rows_of_bf16_logits_are_not_copied_to_float32(monkeypatch):
+    """The point of taking bf16 logits: an all-greedy batch without logprobs costs one argmax,
+    no (R, V) float32 copy."""
+    logits = torch.randn(4, 50).to(torch.bfloat16)
+    want = logits.float().argmax(-1).tolist()
+    casts = []
+    real_float, real_to = torch.Tensor.float, torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: casts.append("float") or real_float(t))
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: casts.append(("to", a)) or real_to(t, *a, **k))
+    out = Sampler()(logits, [req(i, temperature=0.0) for i in range(4)])
+    assert [r.token_id for r in out] == want
+    assert casts == []
