@@ -56,8 +56,11 @@ def build_batch(steps: list[tuple[Seq, int]]) -> ForwardBatch:
 
 
 def run_step(runner: ModelRunner, steps: list[tuple[Seq, int]]) -> None:
-    logits = runner.forward(build_batch(steps)).cpu()
-    assert logits.dtype == torch.float32 and logits.shape == (sum(n for _, n in steps), runner.vocab_size)
+    logits = runner.forward(build_batch(steps))
+    # float32 from a graph holding the head, else the model's dtype (the sampler casts what it must)
+    assert logits.dtype in (torch.float32, runner.dtype)
+    logits = logits.float().cpu()
+    assert logits.shape == (sum(n for _, n in steps), runner.vocab_size)
     row = 0
     for seq, n in steps:
         seq.logits += list(logits[row: row + n])

@@ -49,9 +49,9 @@ def check_replays_match_eager(model_dir: str, device: str, backend: str, tol: fl
     assert graphs.prefill_graphs.sizes == [16, 32, 48, 64]
     for batch in steps:
         assert graphs.prefill_graphs.can_run(graphs.prepare_inputs(batch))
-        want = eager.forward(batch)
+        want = eager.forward(batch).float()       # eager: the model's dtype; the graph holds the head
         got = graphs.forward(batch)
-        assert got.shape == (1, eager.vocab_size)
+        assert got.shape == (1, eager.vocab_size) and got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     for eager_cache, graph_cache in zip(eager.kv_caches, graphs.kv_caches):
         for e, g in zip(eager_cache, graph_cache):
