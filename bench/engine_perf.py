@@ -172,6 +172,7 @@ def parity_case(b: Bench, label: str, lengths: list[int], graphs) -> None:
     prompts = [b.prompt(n) for n in lengths]
     recorded: list[torch.Tensor] = []
     forward, pin = runner.forward, runner._pin_decode_splits
+    attention = runner.attention
 
     def rec(batch):
         out = forward(batch)
@@ -186,16 +187,21 @@ def parity_case(b: Bench, label: str, lengths: list[int], graphs) -> None:
         logits_g = list(recorded)
         recorded.clear()
         eng.reset_prefix_cache()
-        if hasattr(runner.attention, "decode_num_splits") and not SMOKE:
-            from gpu_worker.kernels.paged_decode_attention import choose_num_splits
-            splits = choose_num_splits(graphs.bucket(len(prompts)), runner.kv_caches[0][0].shape[2],
-                                       graphs.max_context_len, runner.device)
-            runner._pin_decode_splits = lambda batch: setattr(runner.attention, "decode_num_splits", splits)
+        if hasattr(attention, "decode_num_splits") and not SMOKE:
+            # the eager steps split as the graph of their bucket does (its captured size and
+            # context bound: split count and tiles), not as an eager step would
+            from gpu_worker.kernels.paged_decode_attention import choose_decode_split
+            cache = runner.kv_caches[0][0]
+            split = choose_decode_split(graphs.bucket(len(prompts)), cache.shape[2], graphs.max_context_len,
+                                        runner.device, runner.config.num_heads // cache.shape[2], cache.element_size())
+            runner._pin_decode_splits = lambda batch: setattr(attention, "decode_num_splits", None)
+            attention.decode_split = lambda batch, q, k_cache: split
         with graphs_off(runner, "decode_graphs", "short_decode_graphs", "piecewise_graphs"):
             eager = b.generate(prompts, 24)
         logits_e = list(recorded)
     finally:
         runner.forward, runner._pin_decode_splits = forward, pin
+        attention.__dict__.pop("decode_split", None)        # back to the class's method
         eng.reset_prefix_cache()
     same = [next((i for i, (x, y) in enumerate(zip(a, e)) if x != y), len(a)) for a, e in zip(with_graphs, eager)]
     errs = []
