@@ -66,8 +66,7 @@ class TritonAttentionBackend(AttentionBackend):
         if self.decode_num_splits:
             return DecodeSplit(self.decode_num_splits)
         n_kv = k_cache.shape[2]
-        return choose_decode_split(batch.num_seqs, n_kv, batch.max_context_len, q.device, q.shape[1] // n_kv,
-                                   k_cache.element_size())
+        return choose_decode_split(batch.num_seqs, n_kv, batch.max_context_len, q.device, q.shape[1] // n_kv)
 
     def forget_step_state(self) -> None:
         self._tiles = None
@@ -112,7 +111,7 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
             max_context_len=batch.max_context_len, query_start_loc=self._decode_query_start_loc(batch),
             out=out, num_splits=split.num_splits, block_n=split.block_n,
-            heads_per_program=split.heads_per_program, num_warps=split.num_warps, num_stages=split.num_stages,
+            heads_per_program=split.heads_per_program, num_warps=split.num_warps,
             sliding_window=self.sliding_window, k_scale=self.k_scale,
             v_scale=self.v_scale, rope=FusedRopeKV(positions, cos_sin_cache, k, v, batch.slot_mapping))
         return out
@@ -133,7 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
                 max_context_len=batch.max_context_len, query_start_loc=self._decode_query_start_loc(batch),
                 out=out, num_splits=split.num_splits, block_n=split.block_n,
-                heads_per_program=split.heads_per_program, num_warps=split.num_warps, num_stages=split.num_stages,
+                heads_per_program=split.heads_per_program, num_warps=split.num_warps,
                 sliding_window=self.sliding_window, **scales)
         if not batch.is_pure_decode:                                      # rows with query_len > 1
             group = q.shape[1] // k_cache.shape[2]

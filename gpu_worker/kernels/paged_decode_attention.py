@@ -131,18 +131,6 @@ LONG_PROGRAMS_PER_SM = 2
 LONG_BLOCK_N: int | None = None        # keys per tile of a split program (None: the kernel's 128)
 LONG_NUM_WARPS: int | None = 8         # warps of a split program (None: the kernel's 4)
 
-# Batches of MID_MIN_SEQS+ sequences over a 16-bit cache (the long graphs of 4-32 rows: the tail
-# of a large offline run, contexts of 1-2k tokens) get their own split policy: a power of two of
-# partitions giving MID_PROGRAMS_PER_SM programs per SM, of at least MID_MIN_TOKENS keys each,
-# programs of 4 warps over 64-key tiles, 2 stages. bench/sweep_decode_batch.py --splits on the
-# H200 (BENCHMARKS.md, twelfth session), us per layer, long policy -> this one: B=4 x 2k 16.5 ->
-# 14.8, B=8 x 1.5k 24.9 -> 20.5, B=16 x 1k 30.1 -> 27.2, B=32 x 800 44.2 -> 40.1; from 64 rows on
-# both give one partition. None turns it off. fp8 caches keep the long policy (not swept).
-MID_MIN_SEQS: int | None = 4
-MID_PROGRAMS_PER_SM = 4
-MID_MIN_TOKENS = 128
-MID_TILES = (64, 4, 2)                 # (block_n, num_warps, num_stages)
-
 # The knobs above as one string, for A/B runs (bench/pdl_decode_ab.py --attention, and the
 # serving stack through KVMESH_DECODE_ATTENTION, read at import): "u" (short contexts unsplit) or
 # "sNxB" (SHORT_MAX_SPLITS N, SHORT_BLOCK_N B), then optionally "hH" (SHORT_HEADS_PER_PROGRAM H)
@@ -496,22 +484,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     return int(max(1, min(by_occupancy, by_length, max_splits)))
 
 
-def choose_mid_split(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
-    """MID_MIN_SEQS+ sequences: the power of two of partitions nearest below MID_PROGRAMS_PER_SM
-    programs per SM, at least MID_MIN_TOKENS keys each (of max_context_len), at most
-    LONG_MAX_SPLITS. Powers of two cut BLOCK_N-aligned contexts evenly (3 splits of 800 keys
-    measured slower than 2 or 4)."""
-    want = min(MID_PROGRAMS_PER_SM * num_sms(device) // max(1, num_seqs * num_kv_heads),
-               max(1, max_context_len) // MID_MIN_TOKENS, LONG_MAX_SPLITS)
-    return 1 << (max(1, want).bit_length() - 1)
-
-
 class DecodeSplit(NamedTuple):
     num_splits: int
     block_n: int | None = None            # keys per tile; None: paged_decode_attention's default
     heads_per_program: int | None = None  # None: all G query heads of a KV head
     num_warps: int | None = None          # None: paged_decode_attention's default
-    num_stages: int | None = None         # None: paged_decode_attention's default
 
     @property
     def fine(self) -> bool:
@@ -541,18 +518,11 @@ def choose_short_split(num_seqs: int, num_kv_heads: int, max_context_len: int, d
 
 
 def choose_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
-                        device: torch.device, group: int = 1, kv_bytes: int = 2) -> DecodeSplit:
+                        device: torch.device, group: int = 1) -> DecodeSplit:
     """The split of a step whose contexts are at most max_context_len: choose_short_split for
-    short contexts; for longer ones choose_mid_split with MID_TILES where MID_MIN_SEQS+ sequences
-    read a 16-bit cache (`kv_bytes` per element), else choose_num_splits with the long tiles."""
+    short contexts, else choose_num_splits with the default tiles."""
     if max_context_len <= SHORT_SPLIT_CONTEXT:
         return choose_short_split(num_seqs, num_kv_heads, max_context_len, device, group)
-    if MID_MIN_SEQS is not None and num_seqs >= MID_MIN_SEQS and kv_bytes >= 2:
-        splits = choose_mid_split(num_seqs, num_kv_heads, max_context_len, device)
-        if splits == 1:
-            return DecodeSplit(1)
-        block_n, warps, stages = MID_TILES
-        return DecodeSplit(splits, block_n, None, warps, stages)
     splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, device)
     if splits == 1:
         return DecodeSplit(1)
@@ -653,10 +623,10 @@ def paged_decode_attention(
         return out
     group = n_heads // n_kv
     if num_splits is None:
-        auto = choose_decode_split(B, n_kv, max_context_len, q.device, group, k_cache.element_size())
+        auto = choose_decode_split(B, n_kv, max_context_len, q.device, group)
         num_splits, block_n = auto.num_splits, block_n or auto.block_n
         heads_per_program = heads_per_program or auto.heads_per_program
-        num_warps, num_stages = num_warps or auto.num_warps, num_stages or auto.num_stages
+        num_warps = num_warps or auto.num_warps
     hpp = heads_per_program or group
     assert group % hpp == 0, f"heads_per_program {hpp} must divide the {group} query heads per KV head"
     # Tiles measured on an H200 (bench/gpu_bench.py --sweep, Llama-8B heads): 64 x 2 stages when

@@ -193,49 +193,6 @@ def test_short_split_policy(monkeypatch):
         pda.choose_short_split(1, 8, pda.SHORT_SPLIT_CONTEXT + 1, cpu)
 
 
-def test_mid_batch_split_policy(monkeypatch):
-    """Long graphs of MID_MIN_SEQS+ rows over a 16-bit cache: a power of two of partitions for
-    ~MID_PROGRAMS_PER_SM programs per SM (132 SMs off the GPU, 8 KV heads) with MID_TILES; fewer
-    rows, fp8 caches and MID_MIN_SEQS None keep the long policy; 64+ rows are not split."""
-    from gpu_worker.kernels import paged_decode_attention as pda
-    from gpu_worker.kernels.paged_decode_attention import DecodeSplit
-    cpu = torch.device("cpu")
-    bn, warps, stages = pda.MID_TILES
-    want = {4: 16, 8: 8, 16: 4, 24: 2, 32: 2, 64: 1, 256: 1}      # 528 programs over B x 8
-    for rows, splits in want.items():
-        got = pda.choose_decode_split(rows, 8, 16384, cpu, 4)
-        assert got == (DecodeSplit(splits, bn, None, warps, stages) if splits > 1 else DecodeSplit(1)), rows
-    assert pda.choose_mid_split(16, 8, 300, cpu) == 2              # >= MID_MIN_TOKENS keys each
-    long1 = pda.choose_decode_split(1, 8, 16384, cpu, 4)
-    assert long1 == DecodeSplit(pda.choose_num_splits(1, 8, 16384, cpu), None, None, pda.LONG_NUM_WARPS)
-    assert pda.choose_decode_split(16, 8, 16384, cpu, 4, kv_bytes=1).num_warps == pda.LONG_NUM_WARPS
-    monkeypatch.setattr(pda, "MID_MIN_SEQS", None)
-    assert pda.choose_decode_split(16, 8, 16384, cpu, 4) == DecodeSplit(3, None, None, pda.LONG_NUM_WARPS)
-
-
-def test_mid_batch_split_tiles_match_reference(randn, rel_err):
-    """The mid policy's tiles (64 keys, 4 warps, 2 stages) over split contexts of a few hundred
-    keys with holes in the block tables: the reference's output."""
-    from gpu_worker.kernels import paged_decode_attention as pda
-    B, H, KVH, D, page = 5, 8, 2, 32, 16
-    lens = [300, 17, 257, 1, 190]
-    blocks = [-(-n // page) for n in lens]
-    perm = torch.randperm(sum(blocks) + 7)[:sum(blocks)].int()       # scattered, with unused blocks
-    tables = torch.zeros((B, max(blocks)), dtype=torch.int32)
-    at = 0
-    for i, nb in enumerate(blocks):
-        tables[i, :nb] = perm[at:at + nb]
-        at += nb
-    k, v = randn(sum(blocks) + 7, page, KVH, D), randn(sum(blocks) + 7, page, KVH, D)
-    q = randn(B, H, D)
-    cl = torch.tensor(lens, dtype=torch.int32)
-    bn, warps, stages = pda.MID_TILES
-    out = pda.paged_decode_attention(q, k, v, tables, cl, D ** -0.5, max_context_len=512, num_splits=4,
-                                     block_n=bn, num_warps=warps, num_stages=stages)
-    ref = pda.paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, cl, D ** -0.5)
-    assert rel_err(out, ref) < 1e-5
-
-
 @pytest.mark.parametrize("hpp,num_splits,merge", [(1, 1, "last"), (2, 3, "last"), (1, 4, "two_pass")])
 def test_blocks_of_query_heads(randn, rel_err, hpp, num_splits, merge):
     """heads_per_program < G: G / hpp programs per KV head (each reads the KV head's tiles), with
