@@ -64,12 +64,26 @@ def make_case(B: int, mean_ctx: int, dev, dtype, seed: int = 0):
     return q, k, v, tables, cl, sum(lens)
 
 
+def fused_rope(q, k, tables, cl):
+    """FusedRopeKV for the case: each sequence's new token at its last position (a decode step)."""
+    from gpu_worker.kernels.paged_decode_attention import FusedRopeKV
+    B, dev = q.shape[0], q.device
+    pos = (cl - 1).long()
+    slots = tables[torch.arange(B, device=dev), pos // PAGE].long() * PAGE + pos % PAGE
+    ang = torch.arange(int(cl.max()), device=dev, dtype=torch.float32)[:, None] * 1e-3
+    cos_sin = torch.cat([ang.cos().expand(-1, D // 2), ang.sin().expand(-1, D // 2)], dim=1).contiguous()
+    kn = torch.randn((B, KVH, D), device=dev, dtype=q.dtype)
+    return FusedRopeKV(pos, cos_sin, kn, torch.randn_like(kn), slots)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="768:270,384:300,192:350,64:500,16:1000",
                     help="B:mean_context, comma-separated")
     ap.add_argument("--splits", default="", help="comma list of split counts: sweep those (each with "
                     "SPLIT_TILES) instead of the unsplit tile grid")
+    ap.add_argument("--rope", action="store_true", help="time split configs (num_splits > 1) as the decode "
+                    "graphs run them: RoPE + this step's KV write fused in (FusedRopeKV)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
@@ -92,19 +106,26 @@ def main() -> None:
         ref = paged_decode_attention_ref(q[:4].float(), k.float(), v.float(), tables[:4], cl[:4], scale)
         err = ((out[:4].float() - ref).abs().max() / ref.abs().max()).item()
 
-        # copies of the cache for the timings, so that no call finds its KV in L2
-        copies = [(k, v)] + [(k.clone(), v.clone()) for _ in range(min(15, -(-KV_WORKING_SET // nbytes) - 1))]
+        # copies of the cache for the timings, so that no call finds its KV in L2 (and --rope's
+        # writes never reach the k, v the outputs are checked on)
+        copies = [(k.clone(), v.clone()) for _ in range(min(16, -(-KV_WORKING_SET // nbytes)))]
+        rope = fused_rope(q, k, tables, cl) if args.rope else None
+
+        # the default config is split (and so fused) as choose_decode_split splits it
+        default_fine = choose_decode_split(B, KVH, call["max_context_len"], dev, H // KVH).fine
 
         def timed(**cfg) -> float:
+            split = cfg["num_splits"] > 1 if "num_splits" in cfg else default_fine
+            fused = rope if rope is not None and split else None
             if args.smoke:
-                paged_decode_attention(q, k, v, tables, cl, scale, **call, **cfg)
+                paged_decode_attention(q, *copies[0], tables, cl, scale, **call, **cfg, rope=fused)
                 return 1.0
             from cuda_timing import graph_median_ms
             turn = itertools.cycle(copies)
 
             def one():
                 kc, vc = next(turn)
-                return paged_decode_attention(q, kc, vc, tables, cl, scale, **call, **cfg)
+                return paged_decode_attention(q, kc, vc, tables, cl, scale, **call, **cfg, rope=fused)
             return graph_median_ms(one, inner=max(5, len(copies)), reps=5)
 
         base = timed()

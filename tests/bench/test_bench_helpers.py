@@ -227,3 +227,15 @@ def test_gpu_bench_engine_smoke(tmp_path):
     for line in ("batch-1 decode ctx=128", "batched decode B=8", "prefill L=256", "offline throughput 12 reqs",
                  "async scheduling True"):
         assert line in text, line
+
+
+def test_decode_sweep_splits_with_fused_rope_smoke(tmp_path):
+    """--splits with --rope: the split configs run with RoPE + KV write fused in (on copies of the
+    cache: the outputs checked against the default stay right) and are reported per split."""
+    env = {**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "bench/sweep_decode_batch.py", "--smoke", "--splits", "1,2", "--rope"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "WRONG" not in r.stdout and "by split: 2:" in r.stdout
+    res = json.loads((tmp_path / "sweep_decode_batch.json").read_text())
+    assert list(res[0]["by_split"]) == ["2"] and res[0]["err"] < 1e-3
