@@ -13,10 +13,11 @@ merge included in the time): the long decode graphs fix it per captured batch si
 
 The timed graph cycles through copies of the KV cache that together hold >= KV_WORKING_SET
 bytes, as a model's 32 layers do (the twelfth session's first --splits run re-read one copy,
-partly from the 50 MB L2). Even so, an isolated kernel is not the engine's: the winners at
-B=4-32 (4-warp 64-key programs, more splits) measured 12-53% slower inside the engine's decode
-graphs, where RoPE + KV write run fused in and PDL overlaps the GEMMs (BENCHMARKS.md, twelfth
-session). Check a policy there before adopting it: engine_perf.py --profile-cases B:ctx.
+partly from the 50 MB L2); --rope fuses RoPE + the KV write into split programs as the graphs
+do. Even so, an isolated kernel is not the engine's: the winners at B=4-32 (4-warp 64-key
+programs, more splits) measured 12-53% slower inside the engine's decode graphs, with or without
+those two (BENCHMARKS.md, twelfth session: PDL beside the GEMMs and a cache spread over ~100 GB
+are not ruled out). Check a policy there before adopting it: engine_perf.py --profile-cases B:ctx.
 
     PYTHONPATH=. python3 bench/sweep_decode_batch.py            # the H200, ~60 s
     PYTHONPATH=. TRITON_INTERPRET=1 python3 bench/sweep_decode_batch.py --smoke   # CPU check
