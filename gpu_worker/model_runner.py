@@ -1,12 +1,13 @@
 """ModelRunner: owns the model's tensors (weights, KV cache) and runs one forward per step.
 
-The engine hands it a ForwardBatch and gets float32 logits back for `batch.logits_indices`.
+The engine hands it a ForwardBatch and gets logits back for `batch.logits_indices` (float32
+from a graph that holds the head, else in the model's dtype: the sampler casts what it needs).
 `forward` is three separate pieces so that CUDA graph capture (gpu_worker/cuda_graphs.py) can
 replay just the middle one on static buffers:
 
     prepare_inputs(batch) -> ForwardBatch on the device   (host -> device copies)
     run_model(batch)      -> hidden (T, H)                (pure device work: graph-capturable)
-    compute_logits(hidden, logits_indices) -> (S, V) fp32
+    the head on hidden[logits_indices] -> (S, V)          (model.compute_logits_raw / compute_logits)
 """
 from __future__ import annotations
 
@@ -446,7 +447,3 @@ class ModelRunner:
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """The graph-capturable part: (T,) ids -> (T, H) final hidden states."""
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch)
-
-    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """(T, H) hidden, (S,) row indices -> (S, V) float32."""
-        return self.model.compute_logits(hidden[logits_indices])
