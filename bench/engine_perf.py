@@ -652,6 +652,7 @@ class StepKinds:
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
                 self._prof = profile(activities=acts)
                 self._prof.__enter__()
+                self._trigger = last
             return
         self._prof_steps += 1
         if self._prof_steps == 6:
@@ -664,9 +665,9 @@ class StepKinds:
         self._prof.__exit__(None, None, None)
         self._prof_done = StepKinds.profiled = True
         ka = self._prof.key_averages()
-        last = self.steps[-1]
-        text = (f"live profile, {self._prof_steps} {last['kind']} steps of ~{last['rows']} rows / {last['tokens']} "
-                f"tokens, by host self time:\n" + ka.table(sort_by="self_cpu_time_total", row_limit=22)
+        last = self._trigger                 # the step whose kind and size started the profile
+        text = (f"live profile, {self._prof_steps} steps after a {last['kind']} step of ~{last['rows']} rows / "
+                f"{last['tokens']} tokens, by host self time:\n" + ka.table(sort_by="self_cpu_time_total", row_limit=22)
                 + "\nby device time:\n" + ka.table(sort_by="self_device_time_total", row_limit=30))
         log(text)
         OUT.mkdir(parents=True, exist_ok=True)
