@@ -173,8 +173,7 @@ def parity_case(b: Bench, label: str, lengths: list[int], graphs) -> None:
     eng, runner = b.eng, b.eng.runner
     prompts = [b.prompt(n) for n in lengths]
     recorded: list[torch.Tensor] = []
-    forward, pin = runner.forward, runner._pin_decode_splits
-    attention = runner.attention
+    forward, attention = runner.forward, runner.attention
 
     def rec(batch):
         out = forward(batch)
@@ -196,13 +195,12 @@ def parity_case(b: Bench, label: str, lengths: list[int], graphs) -> None:
             cache = runner.kv_caches[0][0]
             split = choose_decode_split(graphs.bucket(len(prompts)), cache.shape[2], graphs.max_context_len,
                                         runner.device, runner.config.num_heads // cache.shape[2])
-            runner._pin_decode_splits = lambda batch: setattr(attention, "decode_num_splits", None)
             attention.decode_split = lambda batch, q, k_cache: split
         with graphs_off(runner, "decode_graphs", "short_decode_graphs", "piecewise_graphs"):
             eager = b.generate(prompts, 24)
         logits_e = list(recorded)
     finally:
-        runner.forward, runner._pin_decode_splits = forward, pin
+        runner.forward = forward
         attention.__dict__.pop("decode_split", None)        # back to the class's method
         eng.reset_prefix_cache()
     same = [next((i for i, (x, y) in enumerate(zip(a, e)) if x != y), len(a)) for a, e in zip(with_graphs, eager)]

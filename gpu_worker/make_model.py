@@ -29,8 +29,8 @@ from typing import Iterator
 import torch
 
 from gpu_worker.models.moe import EXPERT_NAMES
-from services.text.split_patterns import LLAMA3_SPLIT, QWEN2_SPLIT
 from gpu_worker.models.tokenizer_asset import SPECIAL_TOKENS, truncated_tokenizer_json
+from services.text.split_patterns import LLAMA3_SPLIT, QWEN2_SPLIT
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",

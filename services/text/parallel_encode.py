@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
-
 import re
+from typing import Any
 
 from tokenizers import Encoding, Tokenizer
 
