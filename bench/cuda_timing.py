@@ -1,6 +1,7 @@
 """Timing shared by the device scripts in bench/: the median of CUDA-event-timed calls."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 from typing import Callable
 
@@ -25,17 +26,22 @@ def event_median_ms(fn: Callable[[], object], reps: int, warmup: int = 0) -> flo
     return statistics.median(times)
 
 
-def graph_median_ms(fn: Callable[[], object], inner: int, reps: int, warmup: int = 2) -> float:
+def graph_median_ms(fn: Callable[[], object], inner: int, reps: int, warmup: int = 2, pdl: bool = False) -> float:
     """Median milliseconds of one fn() replayed from a CUDA graph of `inner` back-to-back calls:
     device time without the host's launch cost (what a CUDA-graph decode step sees). fn runs
-    once on a side stream first (allocations and lazy initialisation stay out of the capture)."""
+    once on a side stream first (allocations and lazy initialisation stay out of the capture).
+    pdl: kvmesh's kernels launch with programmatic dependent launch where on, as in the engine's
+    graphs (kernels/_pdl.py: each call's kernels start while the call before finishes)."""
+    from gpu_worker.kernels._pdl import for_cuda_graph
+    launch = for_cuda_graph() if pdl else contextlib.nullcontext()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), launch:
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    launch = for_cuda_graph() if pdl else contextlib.nullcontext()
+    with torch.cuda.graph(graph), launch:
         for _ in range(inner):
             fn()
     ms = event_median_ms(graph.replay, reps, warmup) / inner

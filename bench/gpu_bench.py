@@ -72,14 +72,15 @@ def time_cuda(fn, warmup: int = 3, reps: int = 20) -> float:
     return event_median_ms(fn, reps, warmup)
 
 
-def time_graph(fn, inner: int = 20, reps: int = 10) -> float:
+def time_graph(fn, inner: int = 20, reps: int = 10, pdl: bool = False) -> float:
     """Median milliseconds of one fn() replayed from a CUDA graph of `inner` back-to-back calls:
-    the device time without Python/launch overhead (what a CUDA-graph decode step sees)."""
+    the device time without Python/launch overhead (what a CUDA-graph decode step sees); pdl:
+    launched with PDL as the engine's graphs launch kvmesh's kernels."""
     if DEV == "cpu":
         return time_cuda(fn)
     fn()
     torch.cuda.synchronize()
-    return graph_median_ms(fn, inner, reps)
+    return graph_median_ms(fn, inner, reps, pdl=pdl)
 
 
 def attn_dtype() -> torch.dtype:
@@ -167,11 +168,12 @@ def kernel_decode_attention(args, deadline) -> None:
             ok = err < 1e-2 and not torch.isnan(out).any().item()
             ms_eager = time_cuda(lambda: paged_decode_attention(q, k, v, tables, cl, D ** -0.5, **call))
             ms = time_graph(lambda: paged_decode_attention(q, k, v, tables, cl, D ** -0.5, **call))
+            ms_pdl = time_graph(lambda: paged_decode_attention(q, k, v, tables, cl, D ** -0.5, **call), pdl=True)
             nbytes = 2 * B * ctx * KVH * D * 2 + 2 * q.numel() * 2
-            gbps = nbytes / (ms * 1e-3) / 1e9
+            gbps, gbps_pdl = nbytes / (ms * 1e-3) / 1e9, nbytes / (ms_pdl * 1e-3) / 1e9
             row("kernel", f"decode attn B={B} ctx={ctx} (err {err:.1e} {'ok' if ok else 'FAIL'})",
                 ms * 1e3, "us", f"{gbps:.0f} GB/s = {100 * gbps / _ceil_bw():.0f}% of copy (graph); "
-                f"eager {ms_eager * 1e3:.0f} us")
+                f"with PDL {ms_pdl * 1e3:.1f} us = {100 * gbps_pdl / _ceil_bw():.0f}%; eager {ms_eager * 1e3:.0f} us")
             if args.sweep and ctx >= 8192:
                 best = None
                 for bn in (32, 64, 128):
@@ -197,6 +199,24 @@ def kernel_decode_attention(args, deadline) -> None:
                         f"{best[0] * 1e3:.1f} us @ {best[1:]}", "", f"{nbytes / (best[0] * 1e-3) / 1e9:.0f} GB/s")
             del k, v
             empty_cache()
+
+
+def _fp8_decode_row(kc, vc, tables, B: int, ctx: int, H: int, ks: float, vs: float) -> None:
+    """Decode attention over an fp8 cache of B sequences of ctx keys (stored = value / scale):
+    checked against the reference, timed in a graph; bytes are the fp8 cache's."""
+    from gpu_worker.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+    KVH, D = kc.shape[2], kc.shape[3]
+    q = torch.randn(B, H, D, device=DEV, dtype=attn_dtype())
+    cl = torch.tensor([ctx] * B, dtype=torch.int32, device=DEV)
+    call = dict(max_context_len=ctx, k_scale=ks, v_scale=vs)
+    out = paged_decode_attention(q, kc, vc, tables, cl, D ** -0.5, **call)
+    n = min(B, 4)
+    ref = paged_decode_attention_ref(q[:n], kc, vc, tables[:n], cl[:n], D ** -0.5, k_scale=ks, v_scale=vs)
+    err = rel_err(out[:n], ref)
+    ms = time_graph(lambda: paged_decode_attention(q, kc, vc, tables, cl, D ** -0.5, **call))
+    gbps = 2 * B * ctx * KVH * D / (ms * 1e-3) / 1e9
+    row("kernel", f"fp8 decode attn B={B} ctx={ctx} (err {err:.1e} {'ok' if err < 1e-2 else 'FAIL'})", ms * 1e3, "us",
+        f"{gbps:.0f} GB/s (fp8 bytes) = {100 * gbps / _ceil_bw():.0f}% of copy (graph)")
 
 
 def kernel_prefill_attention(args, deadline) -> None:
@@ -435,17 +455,12 @@ def kernel_fp8(args, deadline) -> None:
         and float(differ.float().mean()) < 1e-5
     row("kernel", "fp8 rope+kv write vs reference", "ok" if ok or SMOKE else "FAIL",
         note=f"V bit for bit; {int(differ.sum())} of {differ.numel()} K codes differ, by at most {steps} fp8 code(s)")
-    q = torch.randn(B, H, D, device=DEV, dtype=attn_dtype())
-    cl = torch.tensor([ctx] * B, dtype=torch.int32, device=DEV)
-    call = dict(max_context_len=ctx, k_scale=ks, v_scale=vs)
-    out = paged_decode_attention(q, kc, vc, tables, cl, D ** -0.5, **call)
-    ref = paged_decode_attention_ref(q[:4], kc, vc, tables[:4], cl[:4], D ** -0.5, k_scale=ks, v_scale=vs)
-    err = rel_err(out[:4], ref)
-    ms = time_graph(lambda: paged_decode_attention(q, kc, vc, tables, cl, D ** -0.5, **call))
-    nbytes = 2 * B * ctx * KVH * D * 1
-    row("kernel", f"fp8 decode attn B={B} ctx={ctx} (err {err:.1e} {'ok' if err < 1e-2 else 'FAIL'})", ms * 1e3, "us",
-        f"{nbytes / (ms * 1e-3) / 1e9:.0f} GB/s (fp8 bytes)")
+    _fp8_decode_row(kc, vc, tables, B, ctx, H, ks, vs)
     del kc, vc
+    for B1, ctx1 in ((1, 8192), (1, 32768)) if not SMOKE else ((1, 40),):   # batch 1: the split programs
+        k1c, v1c, tables1 = _paged_cache([ctx1] * B1, KVH, D, page, attn_dtype(), seed=11)
+        _fp8_decode_row((k1c * 16).to(f8), (v1c * 16).to(f8), tables1, B1, ctx1, H, ks, vs)
+        del k1c, v1c
     # fp8 linear at Llama-8B's gate_up shape
     K, N = (4096, 28672) if not SMOKE else (64, 32)
     w = torch.randn(N, K, device=DEV, dtype=attn_dtype()) / K ** 0.5

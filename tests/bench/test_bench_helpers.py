@@ -239,3 +239,19 @@ def test_decode_sweep_splits_with_fused_rope_smoke(tmp_path):
     assert "WRONG" not in r.stdout and "by split: 2:" in r.stdout
     res = json.loads((tmp_path / "sweep_decode_batch.json").read_text())
     assert list(res[0]["by_split"]) == ["2"] and res[0]["err"] < 1e-3
+
+
+def test_decode_sweep_merges_smoke(tmp_path):
+    """--merges sweeps each split count under every merge (best reported per split/merge), with
+    --exact lengths; a bad --tiles is refused naming the flag."""
+    env = {**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "bench/sweep_decode_batch.py", "--smoke", "--splits", "2", "--merges",
+                        "last,two_pass", "--exact", "--max-context-len", "64"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "WRONG" not in r.stdout
+    res = json.loads((tmp_path / "sweep_decode_batch.json").read_text())
+    assert list(res[0]["by_split"]) == ["2/last", "2/two_pass"] and res[0]["err"] < 1e-3
+    bad = subprocess.run([sys.executable, "bench/sweep_decode_batch.py", "--smoke", "--splits", "2", "--tiles", "64:4"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--tiles" in bad.stderr
