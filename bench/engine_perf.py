@@ -194,7 +194,7 @@ def parity_case(b: Bench, label: str, lengths: list[int], graphs) -> None:
             from gpu_worker.kernels.paged_decode_attention import choose_decode_split
             cache = runner.kv_caches[0][0]
             split = choose_decode_split(graphs.bucket(len(prompts)), cache.shape[2], graphs.max_context_len,
-                                        runner.device, runner.config.num_heads // cache.shape[2])
+                                        runner.device, runner.config.num_heads // cache.shape[2], cache.dtype)
             attention.decode_split = lambda batch, q, k_cache: split
         with graphs_off(runner, "decode_graphs", "short_decode_graphs", "piecewise_graphs"):
             eager = b.generate(prompts, 24)

@@ -66,7 +66,8 @@ class TritonAttentionBackend(AttentionBackend):
         if self.decode_num_splits:
             return DecodeSplit(self.decode_num_splits)
         n_kv = k_cache.shape[2]
-        return choose_decode_split(batch.num_seqs, n_kv, batch.max_context_len, q.device, q.shape[1] // n_kv)
+        return choose_decode_split(batch.num_seqs, n_kv, batch.max_context_len, q.device, q.shape[1] // n_kv,
+                                   k_cache.dtype)
 
     def forget_step_state(self) -> None:
         self._tiles = None

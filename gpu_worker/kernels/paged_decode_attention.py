@@ -130,6 +130,11 @@ LONG_MIN_TOKENS = 512
 LONG_PROGRAMS_PER_SM = 2
 LONG_BLOCK_N: int | None = None        # keys per tile of a split program (None: the kernel's 128)
 LONG_NUM_WARPS: int | None = 8         # warps of a split program (None: the kernel's 4)
+# The same for an fp8 cache, whose programs read half the bytes per key: 8 warps (the bf16 cache's
+# choice above) made them far slower. bench/sweep_decode_batch.py --kv-dtype fp8 --rope --pdl on
+# the H200 (thirteenth session), batch 1, 32 splits of 128-key tiles x 3 stages: 8 / 4 warps
+# 53.8 / 34.5 us at 32k, 19.1 / 12.6 us at 8k (the bf16 cache: 42.0 / 45.9, 17.1 / 18.6).
+LONG_NUM_WARPS_FP8: int | None = None
 
 # The knobs above as one string, for A/B runs (bench/pdl_decode_ab.py --attention, and the
 # serving stack through KVMESH_DECODE_ATTENTION, read at import): "u" (short contexts unsplit) or
@@ -518,15 +523,16 @@ def choose_short_split(num_seqs: int, num_kv_heads: int, max_context_len: int, d
 
 
 def choose_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
-                        device: torch.device, group: int = 1) -> DecodeSplit:
+                        device: torch.device, group: int = 1, kv_dtype: torch.dtype | None = None) -> DecodeSplit:
     """The split of a step whose contexts are at most max_context_len: choose_short_split for
-    short contexts, else choose_num_splits with the default tiles."""
+    short contexts, else choose_num_splits with the default tiles (LONG_NUM_WARPS_FP8 warps for
+    an fp8 cache of kv_dtype)."""
     if max_context_len <= SHORT_SPLIT_CONTEXT:
         return choose_short_split(num_seqs, num_kv_heads, max_context_len, device, group)
     splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, device)
     if splits == 1:
         return DecodeSplit(1)
-    return DecodeSplit(splits, LONG_BLOCK_N, None, LONG_NUM_WARPS)
+    return DecodeSplit(splits, LONG_BLOCK_N, None, LONG_NUM_WARPS_FP8 if kv_dtype in _FP8_DTYPES else LONG_NUM_WARPS)
 
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -623,7 +629,7 @@ def paged_decode_attention(
         return out
     group = n_heads // n_kv
     if num_splits is None:
-        auto = choose_decode_split(B, n_kv, max_context_len, q.device, group)
+        auto = choose_decode_split(B, n_kv, max_context_len, q.device, group, k_cache.dtype)
         num_splits, block_n = auto.num_splits, block_n or auto.block_n
         heads_per_program = heads_per_program or auto.heads_per_program
         num_warps = num_warps or auto.num_warps

@@ -256,6 +256,11 @@ def test_attention_config_strings(monkeypatch, bad):
     pda.set_attention_config("s16x16+2p1")
     assert (pda.LONG_MAX_SPLITS, pda.LONG_MIN_TOKENS, pda.LONG_PROGRAMS_PER_SM) == (32, 512, 2)
     assert pda.choose_decode_split(1, 8, 16384, cpu, 4) == DecodeSplit(32, None, None, 8)   # 8 warps
+    # an fp8 cache's long split programs take LONG_NUM_WARPS_FP8 (None: the kernel's 4), any config
+    for kv in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert pda.choose_decode_split(1, 8, 16384, cpu, 4, kv) == DecodeSplit(32, None, None, pda.LONG_NUM_WARPS_FP8)
+    assert pda.choose_decode_split(1, 8, 16384, cpu, 4, torch.bfloat16) == DecodeSplit(32, None, None, 8)
+    assert pda.choose_decode_split(1, 8, 512, cpu, 4, torch.float8_e4m3fn) == DecodeSplit(16, 16)   # short: as bf16
     with pytest.raises(ValueError, match="expected u, sNxB, sNxBhH"):
         pda.set_attention_config(bad)
 
