@@ -118,11 +118,10 @@ def _num_blocks(config: EngineConfig, runner: Any, device: torch.device, max_len
     if config.num_gpu_blocks is not None:
         return config.num_gpu_blocks
     if device.type == "cuda":
-        try:   # size the profiling forward like the largest step the engine will run
-            return int(runner.profile_num_blocks(config.block_size, config.gpu_memory_utilization,
-                                                 config.max_num_batched_tokens))
-        except TypeError:   # a runner without the optional argument
-            return int(runner.profile_num_blocks(config.block_size, config.gpu_memory_utilization))
+        # size the profiling forward like the largest step the engine will run, and its draw
+        # like the largest batch of sequences
+        return int(runner.profile_num_blocks(config.block_size, config.gpu_memory_utilization,
+                                             config.max_num_batched_tokens, config.max_num_seqs))
     per_seq = -(-max_len // config.block_size)
     budget = max(1, config.cpu_kv_cache_bytes // max(1, int(runner.block_size_bytes(config.block_size))))
     return max(1, min(config.max_num_seqs * per_seq, budget))

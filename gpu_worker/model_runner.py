@@ -23,6 +23,8 @@ from gpu_worker.loader import check_checkpoint, load_weights
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.decoder import CausalLM, KVCache
 from gpu_worker.models.layers.fused import load_fused_kernels
+from gpu_worker.sampler import PendingSample, SampleRequest, Sampler
+from services.protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 # CPU has no device memory to profile: without num_gpu_blocks the KV cache gets this much.
 CPU_KV_BUDGET_BYTES = 2 * 1024**3
@@ -222,22 +224,29 @@ class ModelRunner:
             cache.index_copy_(0, d, cache.index_select(0, s))
 
     def profile_num_blocks(self, block_size: int, gpu_memory_utilization: float,
-                           max_num_batched_tokens: int = PROFILE_TOKENS) -> int:
+                           max_num_batched_tokens: int = PROFILE_TOKENS, max_num_seqs: int = 0) -> int:
         """How many KV blocks fit. `gpu_memory_utilization` is vLLM's: the fraction of the device's
         total memory THIS runner may use for weights, activations and KV cache, so two workers at
         0.45 share one GPU. CUDA: run a dummy forward of `max_num_batched_tokens` tokens, count
         what this runner allocated since it was made (weights) plus the forward's transient peak
         and the non-torch memory that appeared meanwhile (CUDA context, cuBLAS workspaces), and
-        give the KV cache the rest of the budget, no more than is free. CPU: there is nothing to
-        profile; returns the blocks of a CPU_KV_BUDGET_BYTES cache (callers on CPU should pass
-        num_gpu_blocks instead)."""
+        give the KV cache the rest of the budget, no more than is free. With `max_num_seqs`, a
+        draw for that many rows runs first (_dummy_sample: the costliest sampling parameters) and
+        its logits stay alive through the forward, as a step's do under async scheduling while
+        the next step runs: the budget leaves room for the largest step's logits and sampling.
+        CPU: there is nothing to profile; returns the blocks of a CPU_KV_BUDGET_BYTES cache
+        (callers on CPU should pass num_gpu_blocks instead)."""
         per_block = self.block_size_bytes(block_size)
         if self.device.type != "cuda":
             return max(1, CPU_KV_BUDGET_BYTES // per_block)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        pending = self._dummy_sample(max_num_seqs) if max_num_seqs > 0 else None
         self._dummy_forward(max_num_batched_tokens, block_size)
+        if pending is not None:
+            pending.results()
+        del pending
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
@@ -247,6 +256,19 @@ class ModelRunner:
                                "need all the memory that gpu_memory_utilization allows; raise "
                                "gpu_memory_utilization or lower max_num_batched_tokens")
         return budget // per_block
+
+    @torch.inference_mode()
+    def _dummy_sample(self, num_rows: int) -> PendingSample:
+        """The head on `num_rows` rows of zeros, then a draw on every row with the costliest
+        parameters a request may carry (penalties, min_p, top_k, top_p, the most logprobs): the
+        largest decode step's logits and sampling buffers. Its logits (kept for the logprobs)
+        are alive until results()."""
+        hidden = torch.zeros((num_rows, self.config.hidden_size), dtype=self.dtype, device=self.device)
+        head = self.model.compute_logits_raw if self._plain_head else self.model.compute_logits
+        logits = head(hidden)
+        costly = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                                presence_penalty=0.5, frequency_penalty=0.5, logprobs=MAX_LOGPROBS, seed=0)
+        return Sampler().launch(logits, [SampleRequest(i, costly, 0, 0, [0], [0], (), 1) for i in range(num_rows)])
 
     def _dummy_forward(self, num_tokens: int, block_size: int) -> None:
         num_tokens = max(1, min(num_tokens, self.config.max_position_embeddings))

@@ -133,11 +133,13 @@ class TPModelRunner:
         self.rank0.copy_blocks(src, dst)
 
     def profile_num_blocks(self, block_size: int, gpu_memory_utilization: float,
-                           max_num_batched_tokens: int = 4096) -> int:
-        """The fewest blocks that fit on any rank's GPU."""
-        self._send(make_header(OP_PROFILE, block_size, round(gpu_memory_utilization * 1e6), max_num_batched_tokens))
-        return all_min(self.rank0.profile_num_blocks(block_size, gpu_memory_utilization, max_num_batched_tokens),
-                        self.control)
+                           max_num_batched_tokens: int = 4096, max_num_seqs: int = 0) -> int:
+        """The fewest blocks that fit on any rank's GPU (every rank runs the dummy draw: its head
+        gathers the vocabulary shards)."""
+        self._send(make_header(OP_PROFILE, block_size, round(gpu_memory_utilization * 1e6), max_num_batched_tokens,
+                               max_num_seqs))
+        return all_min(self.rank0.profile_num_blocks(block_size, gpu_memory_utilization, max_num_batched_tokens,
+                                                     max_num_seqs), self.control)
 
     def warmup(self, max_num_seqs: int, max_query_len: int = 0) -> None:
         """ModelRunner.warmup on every rank (its warm-up forwards hold collectives)."""
@@ -240,7 +242,8 @@ def follow(runner: TPRankRunner, control) -> None:
         elif op == OP_CAPTURE:
             runner.capture_cuda_graphs(int(header[1]), int(header[2]))
         elif op == OP_PROFILE:
-            all_min(runner.profile_num_blocks(int(header[1]), int(header[2]) / 1e6, int(header[3])), control)
+            all_min(runner.profile_num_blocks(int(header[1]), int(header[2]) / 1e6, int(header[3]), int(header[4])),
+                    control)
         elif op == OP_SHUTDOWN:
             return
         else:

@@ -41,3 +41,20 @@ def test_asking_for_more_than_is_free_names_the_setting():
     with pytest.raises(RuntimeError, match="gpu_memory_utilization=0.9"):
         kv_cache_budget(base, now, peak_allocated=16 * GIB, gpu_memory_utilization=0.9)
 
+
+
+def test_dummy_sample_draws_every_row_with_the_costliest_parameters(tiny_models):
+    """profile_num_blocks' draw (runs on any device): the head on max_num_seqs rows, then a
+    penalized, filtered draw on each with the most logprobs, its logits alive until results()."""
+    import torch
+
+    from gpu_worker.model_config import ModelConfig
+    from gpu_worker.model_runner import ModelRunner
+    from services.protocol.sampling import MAX_LOGPROBS
+    runner = ModelRunner(ModelConfig.from_dir(tiny_models["llama"]), tiny_models["llama"])
+    pending = runner._dummy_sample(37)
+    assert pending.raw is not None and pending.raw.shape == (37, runner.config.vocab_size)
+    assert pending.raw.dtype == torch.float32
+    results = pending.results()
+    assert len(results) == 37
+    assert all(0 <= r.token_id < runner.config.vocab_size and len(r.logprob.top) == MAX_LOGPROBS for r in results)

@@ -62,6 +62,18 @@ def test_profile_num_blocks_cuda(tiny_models):
     assert runner.forward(build_batch_16([(seq, 40)])).shape == (40, 1024)
 
 
+def test_profile_num_blocks_leaves_room_for_the_largest_draw(tiny_models):
+    """With max_num_seqs the budget leaves room for that many rows of logits and their sampling:
+    at least their float32 logits fewer bytes of KV cache than the forward alone leaves."""
+    runner = ModelRunner(ModelConfig.from_dir(tiny_models["qwen3"]), tiny_models["qwen3"], device="cuda",
+                         dtype=torch.bfloat16, attention_backend="auto")
+    per_block = runner.block_size_bytes(16)
+    forward_only = runner.profile_num_blocks(16, 0.05, 512)
+    with_draw = runner.profile_num_blocks(16, 0.05, 512, max_num_seqs=8192)
+    logits_bytes = 8192 * runner.config.vocab_size * 4
+    assert forward_only - with_draw >= logits_bytes // per_block
+
+
 def build_batch_16(steps):
     import test_model_parity as p
 
