@@ -195,6 +195,9 @@ def measure(d: Decode, weights: str, mode: str, pdl: int, prefetch: int, attn: s
     set_attention_config(attn)
     runner = d.eng.runner
     runner.capture_cuda_graphs(4, d.eng.max_model_len)
+    # every variant's tokens from a fresh prefill: a prompt cached by an earlier variant would be
+    # extended from that variant's KV (another kernel path; other weights after quantizing)
+    d.eng.reset_prefix_cache()
     toks = d.tokens()
     sync = d.run(d.p128, 256 if not d.smoke else 8)
     short_ms = d.graph_ms(short=True)
@@ -270,6 +273,7 @@ def main() -> None:
     for i, weights in enumerate(kinds):
         if weights != "bf16" and quantize_linears_fp8(eng.runner.model):    # the first fp8 pass
             eng.runner.prefill_graphs = None       # captured over the bf16 weights: prefill runs eagerly
+        eng.reset_prefix_cache()                   # cached KV of other weights must not be reused
         if weights == "fp8_lm_head":
             quantize_lm_head_fp8(eng.runner.model)
         if weights != "bf16" and not args.smoke:
