@@ -242,12 +242,21 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        pending = self._dummy_sample(max_num_seqs) if max_num_seqs > 0 else None
-        self._dummy_forward(max_num_batched_tokens, block_size)
-        if pending is not None:
-            pending.results()
-        del pending
-        torch.cuda.synchronize(self.device)
+        try:
+            pending = self._dummy_sample(max_num_seqs) if max_num_seqs > 0 else None
+            self._dummy_forward(max_num_batched_tokens, block_size)
+            if pending is not None:
+                pending.results()
+            del pending
+            torch.cuda.synchronize(self.device)
+        except torch.cuda.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            draw = (f" while a draw of max_num_seqs={max_num_seqs} rows x {self.config.vocab_size} logits was "
+                    "alive" if max_num_seqs > 0 else "")
+            raise RuntimeError(
+                f"the largest step does not fit on the GPU beside the weights: a forward of "
+                f"max_num_batched_tokens={max_num_batched_tokens} tokens{draw} ran out of memory; lower "
+                f"max_num_batched_tokens{' or max_num_seqs' if max_num_seqs > 0 else ''}") from e
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
         budget = kv_cache_budget(self._baseline, _device_memory(self.device), peak, gpu_memory_utilization)
@@ -274,7 +283,6 @@ class ModelRunner:
         num_tokens = max(1, min(num_tokens, self.config.max_position_embeddings))
         n_blocks = -(-num_tokens // block_size)
         saved, saved_bs = self.kv_caches, self.block_size
-        self.allocate_kv_cache(n_blocks, block_size)
         i32 = dict(dtype=torch.int32, device=self.device)
         batch = ForwardBatch(
             input_ids=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
@@ -285,8 +293,11 @@ class ModelRunner:
             slot_mapping=torch.arange(num_tokens, device=self.device),
             logits_indices=torch.tensor([num_tokens - 1], device=self.device),
             max_query_len=num_tokens, max_context_len=num_tokens)
-        self.forward(batch)
-        self.kv_caches, self.block_size = saved, saved_bs
+        try:
+            self.allocate_kv_cache(n_blocks, block_size)
+            self.forward(batch)
+        finally:                    # (an out-of-memory error must not leave the dummy cache in place)
+            self.kv_caches, self.block_size = saved, saved_bs
 
     # ---- forward -----------------------------------------------------------------------------
     @property

@@ -58,3 +58,24 @@ def test_dummy_sample_draws_every_row_with_the_costliest_parameters(tiny_models)
     results = pending.results()
     assert len(results) == 37
     assert all(0 <= r.token_id < runner.config.vocab_size and len(r.logprob.top) == MAX_LOGPROBS for r in results)
+
+
+def test_profiling_out_of_memory_names_the_settings(tiny_models, monkeypatch):
+    """An out-of-memory error while profiling the largest step (its draw or its forward) becomes
+    a message naming max_num_batched_tokens and max_num_seqs, not a bare CUDA error. (The CUDA
+    calls around it are stubbed: this runs on the CPU.)"""
+    import torch
+
+    from gpu_worker.model_config import ModelConfig
+    from gpu_worker.model_runner import ModelRunner
+    runner = ModelRunner(ModelConfig.from_dir(tiny_models["llama"]), tiny_models["llama"])
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(runner, "device", torch.device("cuda", 0))
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+    monkeypatch.setattr(runner, "_dummy_sample", oom)
+    with pytest.raises(RuntimeError, match="max_num_batched_tokens=512 .*max_num_seqs=4096") as info:
+        runner.profile_num_blocks(16, 0.9, 512, 4096)
+    assert isinstance(info.value.__cause__, torch.cuda.OutOfMemoryError)
