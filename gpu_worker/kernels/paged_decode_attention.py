@@ -134,6 +134,7 @@ LONG_NUM_WARPS: int | None = 8         # warps of a split program (None: the ker
 # choice above) made them far slower. bench/sweep_decode_batch.py --kv-dtype fp8 --rope --pdl on
 # the H200 (thirteenth session), batch 1, 32 splits of 128-key tiles x 3 stages: 8 / 4 warps
 # 53.8 / 34.5 us at 32k, 19.1 / 12.6 us at 8k (the bf16 cache: 42.0 / 45.9, 17.1 / 18.6).
+# Not part of the configuration strings below (set_attention_config leaves it as it is).
 LONG_NUM_WARPS_FP8: int | None = None
 
 # The knobs above as one string, for A/B runs (bench/pdl_decode_ab.py --attention, and the
