@@ -263,7 +263,7 @@ class ModelRunner:
         if budget < per_block:
             raise RuntimeError("no GPU memory left for the KV cache: this worker's weights and activations "
                                "need all the memory that gpu_memory_utilization allows; raise "
-                               "gpu_memory_utilization or lower max_num_batched_tokens")
+                               "gpu_memory_utilization or lower max_num_batched_tokens or max_num_seqs")
         return budget // per_block
 
     @torch.inference_mode()
