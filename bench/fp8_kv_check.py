@@ -16,6 +16,8 @@ from gpu_worker.engine import Engine
 from gpu_worker.make_model import make_model
 from services.protocol.sampling import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # cuda_timing (bench/)
+
 
 def graph_replay_ms(eng: Engine, short: bool) -> float:
     """GPU ms of one replay of the batch-1 decode graph (the short-context set or the long one),
@@ -26,7 +28,6 @@ def graph_replay_ms(eng: Engine, short: bool) -> float:
     graphs = eng.runner.short_decode_graphs if short else eng.runner.decode_graphs
     if not torch.cuda.is_available() or graphs is None or 1 not in graphs.graphs:
         return float("nan")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cuda_timing import event_median_ms
     return event_median_ms(graphs.graphs[1].replay, 30, warmup=2)
 
