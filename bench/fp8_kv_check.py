@@ -16,20 +16,8 @@ from gpu_worker.engine import Engine
 from gpu_worker.make_model import make_model
 from services.protocol.sampling import SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))   # cuda_timing (bench/)
-
-
-def graph_replay_ms(eng: Engine, short: bool) -> float:
-    """GPU ms of one replay of the batch-1 decode graph (the short-context set or the long one),
-    median of 30, with the last request's context still in its buffers: the step's device time
-    without the host's share (wall tok/s of a synchronous engine varies by a few % between runs).
-    NaN on the CPU or without that graph."""
-    import torch
-    graphs = eng.runner.short_decode_graphs if short else eng.runner.decode_graphs
-    if not torch.cuda.is_available() or graphs is None or 1 not in graphs.graphs:
-        return float("nan")
-    from cuda_timing import event_median_ms
-    return event_median_ms(graphs.graphs[1].replay, 30, warmup=2)
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/
+from engine_perf import graph_gpu_ms  # noqa: E402  (the batch-1 graph's GPU time, NaN without one)
 
 
 def decode_tok_s(eng: Engine, prompt: list[int], steps: int) -> float:
@@ -59,9 +47,9 @@ def run(model: str, kv: str, long_ctx: int) -> dict:
             toks.setdefault(d.request_id, []).extend(d.new_token_ids)
     out["tokens"] = toks
     out["tok_s"] = decode_tok_s(eng, prompts[1][:128], 256)
-    out["graph_ms"] = graph_replay_ms(eng, short=eng.runner.short_decode_graphs is not None)
+    out["graph_ms"] = graph_gpu_ms(eng.runner, 1, short=eng.runner.short_decode_graphs is not None)
     out["tok_s_long"] = decode_tok_s(eng, [rng.randrange(10, eng.vocab_size) for _ in range(long_ctx)], 128)
-    out["graph_ms_long"] = graph_replay_ms(eng, short=False)
+    out["graph_ms_long"] = graph_gpu_ms(eng.runner, 1)
     eng.close()
     return out
 

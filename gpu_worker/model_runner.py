@@ -247,7 +247,6 @@ class ModelRunner:
             self._dummy_forward(max_num_batched_tokens, block_size)
             if pending is not None:
                 pending.results()
-            del pending
             torch.cuda.synchronize(self.device)
         except torch.cuda.OutOfMemoryError as e:
             torch.cuda.empty_cache()
@@ -272,9 +271,7 @@ class ModelRunner:
         parameters a request may carry (penalties, min_p, top_k, top_p, the most logprobs): the
         largest decode step's logits and sampling buffers. Its logits (kept for the logprobs)
         are alive until results()."""
-        hidden = torch.zeros((num_rows, self.config.hidden_size), dtype=self.dtype, device=self.device)
-        head = self.model.compute_logits_raw if self._plain_head else self.model.compute_logits
-        logits = head(hidden)
+        logits = self._logits(torch.zeros((num_rows, self.config.hidden_size), dtype=self.dtype, device=self.device))
         costly = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                                 presence_penalty=0.5, frequency_penalty=0.5, logprobs=MAX_LOGPROBS, seed=0)
         return Sampler().launch(logits, [SampleRequest(i, costly, 0, 0, [0], [0], (), 1) for i in range(num_rows)])
@@ -305,6 +302,11 @@ class ModelRunner:
         """The model's head is CausalLM's (not a tensor-parallel one that gathers across ranks)."""
         return type(self.model).compute_logits is CausalLM.compute_logits
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head outside a graph: in the model's dtype where it is the plain one (the sampler
+        casts what it must), float32 from a tensor-parallel head."""
+        return self.model.compute_logits_raw(hidden) if self._plain_head else self.model.compute_logits(hidden)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> (S, vocab) logits for the rows `batch.logits_indices`: float32 from a graph that
@@ -331,11 +333,9 @@ class ModelRunner:
         else:
             self._pin_decode_splits(batch)
             hidden = self.run_model(batch)                    # (T, H)
-        # the model's own dtype where the head is the plain one (the sampler casts what it must)
-        head = self.model.compute_logits_raw if self._plain_head else self.model.compute_logits
         if batch.logits_indices.shape[0] == hidden.shape[0]:  # every row samples (decode): the
-            return head(hidden)                               # indices are 0..T-1, skip the gather
-        return head(hidden[batch.logits_indices])
+            return self._logits(hidden)                       # indices are 0..T-1, skip the gather
+        return self._logits(hidden[batch.logits_indices])
 
     def capture_cuda_graphs(self, max_batch_size: int, max_context_len: int) -> None:
         """Capture decode steps of up to `max_batch_size` sequences (after allocate_kv_cache);

@@ -90,6 +90,7 @@ LOG2E = 1.4426950408889634
 # cache at batch 1 (0.83-0.89x) and at B=64 x 32k (0.95x), equal at B=64 x 8k.
 FP8_UPCAST = "f16"
 FP8_UPCASTS = {"bf16": 0, "f16": 1, "f16_bits": 2, "f16_asm": 3}
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_BITS_SCALE = 256.0          # the bit variants read value * 2^-8
 
 # How split partials are merged (module doc): "last" (in the launch) or "two_pass" (a second
@@ -534,9 +535,6 @@ def choose_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
     if splits == 1:
         return DecodeSplit(1)
     return DecodeSplit(splits, LONG_BLOCK_N, None, LONG_NUM_WARPS_FP8 if kv_dtype in _FP8_DTYPES else LONG_NUM_WARPS)
-
-
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _fp8_upcast_code(cache_dtype: torch.dtype, fp8_upcast: str | None) -> tuple[int, float]:
