@@ -156,10 +156,10 @@ def main() -> None:
         rope = fused_rope(q, k, tables, cl) if args.rope else None
 
         # the default config is split (and so fused) as choose_decode_split splits it
-        default_fine = choose_decode_split(B, KVH, call["max_context_len"], dev, H // KVH, k.dtype).fine
+        default_split = choose_decode_split(B, KVH, call["max_context_len"], dev, H // KVH, k.dtype)
 
         def timed(**cfg) -> float:
-            split = cfg["num_splits"] > 1 if "num_splits" in cfg else default_fine
+            split = cfg["num_splits"] > 1 if "num_splits" in cfg else default_split.fine
             fused = rope if rope is not None and split else None
             if args.smoke:
                 paged_decode_attention(q, *copies[0], tables, cl, scale, **call, **cfg, rope=fused)
@@ -202,10 +202,8 @@ def main() -> None:
             if sp is not None and t < by_split.get(key, (float("inf"), ""))[0]:
                 by_split[key] = (t, label)
         gb = lambda ms: nbytes / (ms * 1e-3) / 1e9      # noqa: E731
-        default_split = None if args.smoke else choose_decode_split(B, KVH, call["max_context_len"], dev, H // KVH,
-                                                                    k.dtype)
         results.append({"B": B, "mean_ctx": ctx, "err": err, "default_us": base * 1e3, "default_gbs": gb(base),
-                        "default_split": None if default_split is None else default_split._asdict(),
+                        "default_split": default_split._asdict(),
                         "best_us": best[0] * 1e3, "best_gbs": gb(best[0]), "best": best[1],
                         "by_split": {sp: {"us": t * 1e3, "gbs": gb(t), "config": c} for sp, (t, c) in by_split.items()},
                         "timings": timings})
