@@ -13,7 +13,8 @@ Order (each part guarded and time-boxed; the table is printed last, also to $OUT
   decodeB    decode at batch 64 and 256 (prompt 128): out tok/s, host time split per step
   async      batch-1 at 128 and batch 256 again with async_scheduling (step N+1 launched before
              step N's tokens are read back)
-  prefill    prefill at 512 / 2k / 8k prompts (max_tokens 1): prompt tok/s
+  prefill    prefill at 512 / 2k / 8k prompts (max_tokens 1): prompt tok/s, at ~32k prompt tokens
+             per length and at vLLM's peer run's 16,384
   sharegpt   1,000 requests of ShareGPT-like lengths (default: vLLM's peer run's own, 211 in / 182
              out on average), ignore_eos, temperature 1 (--sharegpt-temperature): total tok/s
   sharegpt_async  the same with async_scheduling on (and `sharegpt_N` for each --sharegpt-seqs N);
@@ -46,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cuda_timing import event_median_ms  # noqa: E402  (bench/, the script's folder)
+from peer_workload import PREFILL_TOKENS as PEER_PREFILL_TOKENS, vllm_peer_sharegpt_lengths  # noqa: E402
 
 T0 = time.time()
 ROWS: list[tuple[str, str, str]] = []
@@ -502,16 +504,20 @@ def part_async(b: Bench) -> None:
 
 
 def part_prefill(b: Bench) -> None:
-    for L in (S(512), S(2048), S(8192)):
-        n_req = max(1, S(32768) // L)
-        for _ in range(n_req):
-            b.add(b.prompt(L), 1)
-        sync()
-        t = time.perf_counter()
-        b.drain()
-        sync()
-        dt = time.perf_counter() - t
-        row(f"prefill L={L} x{n_req}", f"{n_req * L / dt:.0f} tok/s", f"{dt:.2f} s")
+    """Prompt tok/s at 512 / 2k / 8k: ~32k prompt tokens per length (two 16,384-token steps, the
+    board at its power cap), then vLLM's peer run's workload (16,384 // L prompts: one step)."""
+    for total in (S(32768), S(PEER_PREFILL_TOKENS)):
+        for L in (S(512), S(2048), S(8192)):
+            n_req = max(1, total // L)
+            for _ in range(n_req):
+                b.add(b.prompt(L), 1)
+            sync()
+            t = time.perf_counter()
+            b.drain()
+            sync()
+            dt = time.perf_counter() - t
+            peer = " (vLLM's workload)" if total == S(PEER_PREFILL_TOKENS) else ""
+            row(f"prefill L={L} x{n_req}{peer}", f"{n_req * L / dt:.0f} tok/s", f"{dt:.2f} s")
 
 
 def part_sharegpt(b: Bench, seconds: float, label: str = "") -> None:
@@ -521,7 +527,6 @@ def part_sharegpt(b: Bench, seconds: float, label: str = "") -> None:
         return int(min(hi, max(lo, rng.lognormvariate(math.log(mean) - sigma ** 2 / 2, sigma))))
 
     if SHAREGPT_WORKLOAD == "vllm":       # the very requests of vLLM's peer run (bench/peer_workload.py)
-        from peer_workload import vllm_peer_sharegpt_lengths
         reqs = [(S(i) if SMOKE else i, o) for i, o in vllm_peer_sharegpt_lengths(S(1000))]
     else:
         reqs = [(lognormal(200, 1.0, 4, 2048), lognormal(180, 1.0, 4, 1024)) for _ in range(S(1000))]

@@ -9,13 +9,15 @@ from __future__ import annotations
 import random
 
 V = 128000     # run_peer.py's token-id range
+PREFILL_TOKENS = 16384     # its prefill runs: B = PREFILL_TOKENS // L prompts of L tokens, one step
+PREFILL_LENS = (512, 2048, 8192)
 
 
 def vllm_peer_sharegpt_lengths(n: int = 1000) -> list[tuple[int, int]]:
     """[(prompt tokens, output tokens)] of run_peer.py's ShareGPT-like part, in its order."""
     rng = random.Random(0)
     draws = 64 + 128 + 8192                       # warm-up prompt, batch-1 prompts at 128 / 8k
-    draws += sum(max(1, 16384 // L) * L for L in (512, 2048, 8192))   # prefill prompts
+    draws += sum(max(1, PREFILL_TOKENS // L) * L for L in PREFILL_LENS)   # prefill prompts
     draws += (64 + 256) * 128                     # batched-decode prompts
     for _ in range(draws):
         rng.randrange(V)

@@ -62,6 +62,8 @@ def test_engine_perf_smoke(tmp_path):
     assert not errors, errors
     assert res["parity graphs vs eager (long)"]["value"] == "ok"
     assert "ttft 1 x 16 tokens (prefill graph)" in res and "ttft 1 x 16 tokens (eager)" in res
+    # prefill at ~32k prompt tokens per length (S(): 1,024) and at vLLM's 16,384 (S(): 512)
+    assert "tok/s" in res["prefill L=64 x16"]["value"] and "tok/s" in res["prefill L=64 x8 (vLLM's workload)"]["value"]
     scaled = sum(max(4, i // 32) for i, _ in vllm_peer_sharegpt_lengths(1000 // 32))   # --smoke's S()
     assert f"in {scaled} / out" in res["sharegpt 1000 reqs async"]["note"]            # vLLM's lengths
     # the A/B variants of the wide run, each with its step profile by rows
