@@ -222,6 +222,7 @@ def _fp8_decode_row(kc, vc, tables, B: int, ctx: int, H: int, ks: float, vs: flo
 
 
 def kernel_prefill_attention(args, deadline) -> None:
+    from gpu_worker.kernels.paged_decode_attention import gather_context
     from gpu_worker.kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
     H, KVH, D, page = 32, 8, 128, 16
     # (query_lens, context_lens): fresh prompts, and chunks behind cached prefixes + decode rows
@@ -240,7 +241,11 @@ def kernel_prefill_attention(args, deadline) -> None:
         qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32, device=DEV)
         cl = torch.tensor(clens, dtype=torch.int32, device=DEV)
         out = torch.full_like(q, float("nan"))
-        kw = dict(max_query_len=max(qlens), out=out)
+        # as the engine calls it: this step's K/V rows passed (v2, its default config), the same
+        # values as the cache holds, so the reference reads them from the cache
+        k_new = torch.cat([gather_context(k, tables[b], c)[c - n:] for b, (n, c) in enumerate(zip(qlens, clens))])
+        v_new = torch.cat([gather_context(v, tables[b], c)[c - n:] for b, (n, c) in enumerate(zip(qlens, clens))])
+        kw = dict(max_query_len=max(qlens), out=out, k_new=k_new, v_new=v_new)
         paged_prefill_attention(q, k, v, tables, cl, qsl, D ** -0.5, **kw)
         ref = paged_prefill_attention_ref(q, k, v, tables, cl, qsl, D ** -0.5)
         err = rel_err(out, ref)
@@ -257,7 +262,8 @@ def kernel_prefill_attention(args, deadline) -> None:
                                    (128, 32, 4, 2), (64, 128, 8, 2), (128, 128, 8, 2)]:
                 if deadline.left() < 40:
                     break
-                cfg = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, max_query_len=max(qlens))
+                cfg = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, max_query_len=max(qlens),
+                           k_new=k_new, v_new=v_new)
                 try:
                     o2 = paged_prefill_attention(q, k, v, tables, cl, qsl, D ** -0.5, **cfg)
                     if rel_err(o2, out) > 1e-2:

@@ -52,14 +52,17 @@ from gpu_worker.kernels import paged_prefill_attention as ppa  # noqa: E402
 
 T0 = time.time()
 MAX_ERR = 1e-2
-# (block_m, block_n, num_warps, num_stages, pack_gqa): the v2 grid, compiled once each (~2-4 s)
+# (block_m, block_n, num_warps, num_stages, pack_gqa[, tma]): the v2 grid, compiled once each (~2-4 s)
 CONFIGS = [
     (128, 64, 8, 2, False), (128, 64, 8, 3, False), (128, 128, 8, 2, False), (128, 128, 8, 3, False),
     (128, 32, 8, 2, False), (64, 64, 4, 2, False), (64, 64, 4, 3, False), (64, 128, 8, 2, False),
-    (128, 64, 8, 2, True), (128, 64, 8, 3, True), (128, 128, 8, 2, True), (64, 64, 4, 2, True),
-    (64, 32, 4, 2, True),
+    (128, 64, 8, 2, True), (64, 64, 4, 2, True),
+    # this step's K/V through TMA descriptors
+    (128, 128, 8, 2, False, True), (128, 128, 8, 3, False, True), (128, 128, 8, 4, False, True),
+    (128, 64, 8, 3, False, True), (128, 64, 4, 3, False, True), (64, 64, 4, 3, False, True),
+    (64, 64, 4, 4, False, True), (64, 128, 4, 3, False, True),
 ]
-SMOKE_CONFIGS = [(16, 16, 4, 2, False), (32, 16, 4, 2, True), (64, 32, 4, 2, True)]
+SMOKE_CONFIGS = [(16, 16, 4, 2, False), (32, 16, 4, 2, True), (64, 32, 4, 2, True), (16, 16, 4, 2, False, True)]
 BUCKETS = (4096, 1 << 62)             # PREFILL_CONFIGS bounds the sweep sets (<= 16 is left alone)
 
 
@@ -73,12 +76,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def cfg_name(c: tuple) -> str:
-    return f"v2 bm{c[0]} bn{c[1]} w{c[2]} s{c[3]}" + (" pack" if c[4] else "")
+    return f"v2 bm{c[0]} bn{c[1]} w{c[2]} s{c[3]}" + (" pack" if c[4] else "") + (" tma" if c[5:6] == (True,) else "")
 
 
 def cfg_literal(c: tuple) -> str:
     return (f"PrefillConfig(block_m={c[0]}, block_n={c[1]}, num_warps={c[2]}, num_stages={c[3]}, "
-            f"pack_gqa={bool(c[4])})")
+            f"pack_gqa={bool(c[4])}" + (", tma=True)" if c[5:6] == (True,) else ")"))
 
 
 class Sweep:

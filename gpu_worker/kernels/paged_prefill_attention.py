@@ -44,11 +44,17 @@ extend attention does; later chunks and decode steps see them quantized.)
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+try:                                        # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:                         # pragma: no cover
+    TensorDescriptor = None
 
 from gpu_worker.kernels._paged_kv import gather_kv_tile, load_tile
 from gpu_worker.kernels._utils import check_device, next_pow2
@@ -66,6 +72,8 @@ class PrefillConfig(NamedTuple):
     num_warps: int = 8
     num_stages: int = 2
     pack_gqa: bool = False    # one program per KV head, its G query heads' rows stacked in M
+    tma: bool = False         # this step's K/V tiles through TMA descriptors (Hopper's bulk copy
+                              # engine) instead of pointer loads; where the rows allow (tma_ok)
 
     def packs(self, group: int) -> bool:
         """Whether the GQA group is packed (needs a group > 1 that fits in block_m)."""
@@ -85,8 +93,8 @@ PREFILL_CONFIGS: list[tuple[int, PrefillConfig]] = [
     # 2k-class cases peak at 64 x 64 tiles with 3 stages (362-375 TFLOP/s, v1 304-325), the 8k/32k
     # prompts at 128 x 128 with 3 stages (488-503 TFLOP/s, v1 337-345); GQA packing never won.
     (16, PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, pack_gqa=False)),
-    (4096, PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=False)),
-    (1 << 62, PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, pack_gqa=False)),
+    (4096, PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=False, tma=True)),
+    (1 << 62, PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, pack_gqa=False, tma=True)),
 ]
 # head_dim > 128 (e.g. 256): smaller tiles (registers / shared memory)
 PREFILL_CONFIG_WIDE = PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, pack_gqa=False)
@@ -258,15 +266,17 @@ def _cache_tiles(
 @triton.jit
 def _new_tiles(
     q, m, l, acc, lo, hi, qi, q_len, window, kn_base, vn_base, stride_knt, stride_vnt,
-    prefix, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale, v_scale,
+    kn_desc, vn_desc, q_start, prefix, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale, v_scale,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, GUARD: tl.constexpr, NEW_PAGED: tl.constexpr,
-    SCALE_V: tl.constexpr, EVEN_D: tl.constexpr,
+    SCALE_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
 ):
     """This step's keys j = lo .. hi-1 of the sequence (position prefix + j), from the contiguous
-    k_new / v_new rows (NEW_PAGED: from the cache). CAUSAL: row qi sees j <= qi (with a window
-    also j > qi - window), loads stop at q_len; else every key is visible to every row."""
+    k_new / v_new rows (NEW_PAGED: from the cache; TMA: rows q_start + j of the (T, kv heads x D)
+    descriptors, head g's columns). CAUSAL: row qi sees j <= qi (with a window also j > qi -
+    window), loads stop at q_len (TMA: a tile past q_len reads the next sequence's rows, or zeros
+    past T, and the mask hides them); else every key is visible to every row."""
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     for n0 in range(lo, hi, BLOCK_N):
@@ -281,11 +291,14 @@ def _new_tiles(
             off = tok % PAGE
             kp = k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + g * stride_kh + d[None, :]
             vp = v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + g * stride_vh + d[None, :]
+            k = load_tile(kp, jmask, dmask, CAUSAL, EVEN_D)
+            v = load_tile(vp, jmask, dmask, CAUSAL, EVEN_D)
+        elif TMA:
+            k = kn_desc.load([q_start + n0, g * HEAD_DIM])
+            v = vn_desc.load([q_start + n0, g * HEAD_DIM])
         else:
-            kp = kn_base + j[:, None] * stride_knt + d[None, :]
-            vp = vn_base + j[:, None] * stride_vnt + d[None, :]
-        k = load_tile(kp, jmask, dmask, CAUSAL, EVEN_D)
-        v = load_tile(vp, jmask, dmask, CAUSAL, EVEN_D)
+            k = load_tile(kn_base + j[:, None] * stride_knt + d[None, :], jmask, dmask, CAUSAL, EVEN_D)
+            v = load_tile(vn_base + j[:, None] * stride_vnt + d[None, :], jmask, dmask, CAUSAL, EVEN_D)
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if CAUSAL:
             visible = j[None, :] <= qi[:, None]
@@ -298,14 +311,14 @@ def _new_tiles(
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"], do_not_specialize_on_alignment=_STEP_PTRS)
 def _prefill_kernel_v2(
-    q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, qsl_ptr,
-    tile_start_ptr, num_seqs, out_ptr, qk_scale_cache, qk_scale_new, v_scale, window,
+    q_ptr, k_new_ptr, v_new_ptr, kn_desc, vn_desc, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    context_lens_ptr, qsl_ptr, tile_start_ptr, num_seqs, out_ptr, qk_scale_cache, qk_scale_new, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_B: tl.constexpr,
     PACK_GQA: tl.constexpr, ROW_PAD: tl.constexpr, NEW_PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SCALE_V_CACHE: tl.constexpr, SCALE_V_NEW: tl.constexpr, EVEN_D: tl.constexpr,
+    SCALE_V_CACHE: tl.constexpr, SCALE_V_NEW: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)                                   # query head (KV head with PACK_GQA)
     item = tl.program_id(1)                                  # a query tile of some sequence
@@ -369,15 +382,15 @@ def _prefill_kernel_v2(
         full_n = (t0 // BLOCK_N) * BLOCK_N
     end_n = tl.minimum(q_len, t0 + TILE_M)
     m, l, acc = _new_tiles(q, m, l, acc, lo_n, full_n, qi, q_len, window, kn_base, vn_base, stride_knt,
-                           stride_vnt, prefix, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale_new, v_scale,
-                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                           stride_vnt, kn_desc, vn_desc, q_start, prefix, bt_row, k_cache_ptr, v_cache_ptr, g,
+                           qk_scale_new, v_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
-                           False, HAS_WINDOW, False, NEW_PAGED, SCALE_V_NEW, EVEN_D)      # below the diagonal
+                           False, HAS_WINDOW, False, NEW_PAGED, SCALE_V_NEW, EVEN_D, TMA)      # below the diagonal
     m, l, acc = _new_tiles(q, m, l, acc, full_n, end_n, qi, q_len, window, kn_base, vn_base, stride_knt,
-                           stride_vnt, prefix, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale_new, v_scale,
-                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                           stride_vnt, kn_desc, vn_desc, q_start, prefix, bt_row, k_cache_ptr, v_cache_ptr, g,
+                           qk_scale_new, v_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
-                           True, HAS_WINDOW, HAS_WINDOW, NEW_PAGED, SCALE_V_NEW, EVEN_D)  # the diagonal
+                           True, HAS_WINDOW, HAS_WINDOW, NEW_PAGED, SCALE_V_NEW, EVEN_D, TMA)  # the diagonal
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (rows * stride_ot + head * stride_oh)[:, None] + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -489,9 +502,12 @@ def paged_prefill_attention(
         assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
         kn_strides, vn_strides = (k_new.stride(0), k_new.stride(1)), (v_new.stride(0), v_new.stride(1))
     qk_cache = scale * k_scale * LOG2E
+    tma = cfg.tma and not new_paged and tma_ok(k_new, v_new)
+    kn_desc = _row_descriptor(k_new, cfg.block_n) if tma else None
+    vn_desc = _row_descriptor(v_new, cfg.block_n) if tma else None
     grid = (n_kv if pack else n_heads, triton.cdiv(T, tile_m) + B)
     _prefill_kernel_v2[grid](
-        q, k_new, v_new, k_cache, v_cache, block_tables, context_lens, query_start_loc, tile_starts, B, out,
+        q, k_new, v_new, kn_desc, vn_desc, k_cache, v_cache, block_tables, context_lens, query_start_loc, tile_starts, B, out,
         qk_cache, qk_cache if new_paged else scale * LOG2E, v_scale, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kn_strides, *vn_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -500,10 +516,34 @@ def paged_prefill_attention(
         BLOCK_N=cfg.block_n, TILE_M=tile_m, PAGE=page, BLOCK_B=_block_b(B),
         PACK_GQA=pack, ROW_PAD=pack and tile_m * group != cfg.block_m, NEW_PAGED=new_paged,
         HAS_WINDOW=bool(sliding_window), SCALE_V_CACHE=v_scale != 1.0, SCALE_V_NEW=new_paged and v_scale != 1.0,
-        EVEN_D=next_pow2(head_dim) == head_dim,
+        EVEN_D=next_pow2(head_dim) == head_dim, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def tma_ok(k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
+    """Whether this step's (T, kv heads, D) K/V rows can be read through TMA descriptors: a GPU of
+    compute capability >= 9 (or the interpreter), a power-of-two head_dim, heads contiguous within
+    a row, 16-byte aligned rows (the bulk copy engine's rules)."""
+    if TensorDescriptor is None:
+        return False
+    if k_new.is_cuda and torch.cuda.get_device_capability(k_new.device)[0] < 9:
+        return False
+    if not k_new.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    for x in (k_new, v_new):
+        d, size = x.shape[2], x.element_size()
+        if (next_pow2(d) != d or x.stride(2) != 1 or x.stride(1) != d or (x.stride(0) * size) % 16
+                or x.data_ptr() % 16):
+            return False
+    return True
+
+
+def _row_descriptor(x: torch.Tensor, block_n: int):
+    """(T, kv heads, D) rows as a 2-D (T, kv heads x D) TMA descriptor of (block_n, D) tiles."""
+    T, n_kv, d = x.shape
+    return TensorDescriptor(x, shape=[T, n_kv * d], strides=[x.stride(0), 1], block_shape=[block_n, d])
 
 
 def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,

@@ -6,6 +6,7 @@ from what the cache holds at those positions, so the reference tells which one a
 import pytest
 import torch
 
+import gpu_worker.kernels.paged_prefill_attention as ppa
 from gpu_worker.kernels.paged_prefill_attention import (PrefillConfig, paged_prefill_attention,
                                                         paged_prefill_attention_ref, prefill_config,
                                                         prefill_tile_starts)
@@ -150,3 +151,42 @@ def test_prefill_config_tiles():
     for n in (1, 2, 16, 17, 2048, 8192, 1 << 20):
         assert isinstance(prefill_config(n, 128, 4), PrefillConfig)
     assert prefill_config(2048, 256, 4).block_m <= 64
+
+
+# ------------------------------------------------------------------------------------------- v2 + TMA
+def qkv_views(randn, T, n_heads, n_kv, head_dim):
+    """q, k_new, v_new as the engine passes them: (T, heads, D) views of one qkv projection output."""
+    qkv = randn(T, (n_heads + 2 * n_kv) * head_dim)
+    q, k, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+    return q.view(T, n_heads, head_dim), k.view(T, n_kv, head_dim), v.view(T, n_kv, head_dim)
+
+
+@pytest.mark.parametrize("pack,window", [(False, None), (True, None), (False, 24)])
+def test_v2_tma_rows_of_the_qkv_output(randn, rel_err, pack, window):
+    """This step's K/V through TMA descriptors over strided qkv rows: ragged prompts whose last
+    query tile runs into the next sequence's rows (17, 257) and past T (the last one), a decode
+    row, an extension behind a cached prefix; the same output as the pointer loads."""
+    q_lens, ctx, n_kv, group, hd = [17, 257, 1, 40], [17, 257, 33, 300], 2, 4, 32
+    k_cache, v_cache, tables = make_paged(randn, ctx, n_kv, hd, 16, share_prefix=True)
+    q, k_new, v_new = qkv_views(randn, sum(q_lens), n_kv * group, n_kv, hd)
+    assert ppa.tma_ok(k_new, v_new)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables, lens, qsl, hd ** -0.5)
+    ref = paged_prefill_attention_ref(*args, k_new=k_new, v_new=v_new, sliding_window=window)
+    outs = []
+    for tma in (True, False):
+        cfg = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, pack_gqa=pack, tma=tma)
+        outs.append(paged_prefill_attention(*args, max_query_len=max(q_lens), k_new=k_new, v_new=v_new,
+                                            config=cfg, sliding_window=window))
+    assert rel_err(outs[0], ref) < 1e-5 and torch.equal(outs[0], outs[1])
+
+
+def test_tma_ok_needs_contiguous_heads_and_aligned_rows(randn):
+    k = randn(8, 2, 32)
+    assert ppa.tma_ok(k, k)
+    assert not ppa.tma_ok(k.transpose(0, 1).contiguous().transpose(0, 1), k)   # heads not within a row
+    rows = randn(8, 2 * 32 + 1)[:, :64].view(8, 2, 32)                          # 260-byte rows
+    assert not ppa.tma_ok(rows, rows)
+    odd = randn(8, 2, 24)                                                        # head_dim not a power of 2
+    assert not ppa.tma_ok(odd, odd)
