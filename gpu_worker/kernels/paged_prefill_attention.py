@@ -21,9 +21,10 @@ prefix's full tiles without masks, its last partial tile with a bound mask, then
 keys: the tiles wholly below the query tile's diagonal without masks, the diagonal ones with the
 causal mask. With pack_gqa one program takes a KV head and stacks its G query heads' rows into
 the M dimension (BLOCK_M rows = BLOCK_M / G tokens x G heads), so each K/V tile is loaded once
-for the group. Launch configurations come from prefill_config() (defaults set by
-bench/sweep_prefill_attention.py). With impl="v2" and no k_new, this step's keys are read from
-the cache too (same loops).
+for the group. With config.tma (the defaults) and rows tma_ok() accepts, this step's K/V tiles are
+read through TMA descriptors (Hopper's bulk copy engine) instead of pointer loads. Launch
+configurations come from prefill_config() (defaults set by bench/sweep_prefill_attention.py).
+With impl="v2" and no k_new, this step's keys are read from the cache too (same loops).
 
 "v1" (k_new not given): every key tile, this step's included, is gathered from the cache;
 one program per (query head, query tile).
@@ -89,9 +90,10 @@ class PrefillConfig(NamedTuple):
 # entry whose bound is >= max_query_len. Set from bench/sweep_prefill_attention.py on the H200
 # (it prints the lines to paste here).
 PREFILL_CONFIGS: list[tuple[int, PrefillConfig]] = [
-    # measured on the H200 (bench/sweep_prefill_attention.py, Llama-8B heads, 2026-11-29): the
-    # 2k-class cases peak at 64 x 64 tiles with 3 stages (362-375 TFLOP/s, v1 304-325), the 8k/32k
-    # prompts at 128 x 128 with 3 stages (488-503 TFLOP/s, v1 337-345); GQA packing never won.
+    # measured on the H200 (bench/sweep_prefill_attention.py, Llama-8B heads, 2026-11-29 and -12-02):
+    # the 2k-class cases peak at 64 x 64 tiles with 3 stages (pointer loads 342-378 TFLOP/s, TMA
+    # 365-427), the 8k/32k prompts at 128 x 128 with 3 stages (pointer loads 474-491, TMA 545-550;
+    # v1 338-345); GQA packing never won; 4 stages of 128 x 128 overflow shared memory.
     (16, PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, pack_gqa=False)),
     (4096, PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=False, tma=True)),
     (1 << 62, PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, pack_gqa=False, tma=True)),
