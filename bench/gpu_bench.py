@@ -583,7 +583,8 @@ def section_engine(args, deadline) -> None:
     row("engine", "load (weights + KV + graphs)", time.time() - t, "s",
         f"{eng.model_config.__class__.__name__}; attention {getattr(eng.setup, 'attention_backend', '?')}; "
         f"decode graphs {len(graphs.sizes) if graphs else 'none'}; max_num_seqs {sc.max_num_seqs}, "
-        f"max_num_batched_tokens {sc.max_num_batched_tokens}, async scheduling {cfg.async_scheduling}")
+        f"max_num_batched_tokens {sc.max_num_batched_tokens}, async scheduling {cfg.async_scheduling}, "
+        f"{eng.block_manager.num_blocks} KV blocks")
     vocab, rng = eng.vocab_size, random.Random(0)
     greedy = dict(temperature=0.0, ignore_eos=True)
     ids = iter(range(10**9))
@@ -671,14 +672,14 @@ def section_engine(args, deadline) -> None:
         for p, o in reqs:
             add(p, o, temperature=args.temperature)
         box = Deadline(time.time() - T0 + min(args.throughput_seconds, deadline.left() - 30))
-        t = time.time()
+        t, preempted = time.time(), eng.scheduler.num_preemptions
         n_out = _drain(eng, box)
         dt = time.time() - t
         done = not eng.has_unfinished_requests()
         in_tokens = sum(p for p, _ in reqs)
         row("engine", f"offline throughput {n_req} reqs{'' if done else ' (time-boxed, partial)'}",
             n_out / dt, "out tok/s", f"{(n_out + (in_tokens if done else 0)) / dt:.0f} total tok/s, {dt:.1f} s"
-            f", temperature {args.temperature}")
+            f", temperature {args.temperature}, {eng.scheduler.num_preemptions - preempted} preemptions")
         for r in list(getattr(eng, "requests", {})):
             eng.abort_request(r)
     else:
@@ -744,7 +745,8 @@ def main(argv=None) -> int:
                     help="full: Llama-8B benchmark; quick: a 1B model at short lengths (checks the GPU path)")
     ap.add_argument("--time-budget", type=float, default=520.0, help="seconds for the whole run (sections skip when short)")
     ap.add_argument("--attention-backend", default="triton", choices=("triton", "torch", "auto"))
-    ap.add_argument("--gpu-mem", type=float, default=0.6, help="engine gpu_memory_utilization (leaves room for the peer)")
+    ap.add_argument("--gpu-mem", type=float, default=0.9, help="engine gpu_memory_utilization (the worker's and vLLM's "
+                    "0.9; the engine is freed before the peers load)")
     ap.add_argument("--num-requests", type=int, default=None, help="offline throughput requests (default: the scale's)")
     ap.add_argument("--throughput-seconds", type=float, default=90.0, help="time box of the offline run")
     ap.add_argument("--temperature", type=float, default=0.0, help="offline throughput sampling temperature "
