@@ -1,6 +1,7 @@
 """Plots the engine against vLLM 0.26.0 measured in the same device session on the same H200
-(BENCHMARKS.md, third session): each workload's kvmesh rate as a multiple of vLLM's, with the
-issue's target as a tick where it has one.
+(BENCHMARKS.md, fourteenth session: bench/gpu_bench.py's engine section, then
+../shared/peer-vllm/run_peer.py, one machine): each workload's kvmesh rate as a multiple of
+vLLM's, with the issue's target as a tick where it has one.
 
     python bench/plot_engine_vs_vllm.py   ->  bench/plots/h200_engine_vs_vllm.png
 """
@@ -15,33 +16,38 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
-ENGINE = "results_engine_perf_2026-11-29_s3.json"
-SHAREGPT = "results_engine_perf_sharegpt_vllm_workload_2026-11-29.json"
-VLLM = "results_vllm_peer_2026-11-29.json"
+ENGINE = "results_gpu_bench_vllm_machine_2026-12-02_s14.json"   # gpu_bench.py --sections ceilings,engine
+VLLM = "results_vllm_peer_2026-12-02_s14.json"
 
-# (label, kvmesh file, kvmesh row, vLLM key, target or None)
+# (label, gpu_bench engine row, how its rate is read, vLLM key, target or None); the prefill rows
+# are vLLM's workload (16,384 prompt tokens per length), ShareGPT-like is vLLM's own 1,000 requests
 LINES = [
-    ("batch-1 decode\n128 ctx (async)", ENGINE, "batch-1 decode ctx=128 async", "bs1_decode_tok_s_ctx128", 240),
-    ("batch-1 decode\n8k ctx (sync)", ENGINE, "batch-1 decode ctx=8192", "bs1_decode_tok_s_ctx8192", None),
-    ("decode B=64", ENGINE, "decode B=64", "decode_bs64_out_tok_s", None),
-    ("decode B=256\n(async)", ENGINE, "decode B=256 async", "decode_bs256_out_tok_s", 18000),
-    ("prefill 512", ENGINE, "prefill L=512 x64", "prefill_tok_s_512", None),
-    ("prefill 2k", ENGINE, "prefill L=2048 x16", "prefill_tok_s_2048", 47000),
-    ("prefill 8k", ENGINE, "prefill L=8192 x4", "prefill_tok_s_8192", 40000),
-    ("ShareGPT-like\n256 seqs", SHAREGPT, "sharegpt 1000 reqs async", "sharegpt_like_total_tok_s", 25000),
-    ("ShareGPT-like\n1024 seqs", SHAREGPT, "sharegpt 1000 reqs async max_num_seqs=1024", "sharegpt_like_total_tok_s", 25000),
+    ("batch-1 decode\n128 ctx", "batch-1 decode ctx=128", "per_ms", "bs1_decode_tok_s_ctx128", 240),
+    ("batch-1 decode\n8k ctx", "batch-1 decode ctx=8192", "per_ms", "bs1_decode_tok_s_ctx8192", None),
+    ("decode B=64", "batched decode B=64", "value", "decode_bs64_out_tok_s", None),
+    ("decode B=256", "batched decode B=256", "value", "decode_bs256_out_tok_s", 18000),
+    ("prefill 512", "prefill L=512 x32 (vLLM's workload)", "value", "prefill_tok_s_512", None),
+    ("prefill 2k", "prefill L=2048 x8 (vLLM's workload)", "value", "prefill_tok_s_2048", 47000),
+    ("prefill 8k", "prefill L=8192 x2 (vLLM's workload)", "value", "prefill_tok_s_8192", 40000),
+    ("ShareGPT-like\n1,000 requests", "offline throughput 1000 reqs", "note_total", "sharegpt_like_total_tok_s", 25000),
 ]
 
 
-def rate(file: str, row: str) -> float:
-    return float(json.loads((HERE / file).read_text())[row]["value"].split()[0])
+def rate(engine: dict, row: str, how: str) -> float:
+    r = engine[row]
+    if how == "per_ms":                       # ms/token -> tok/s
+        return 1e3 / float(r["value"])
+    if how == "note_total":                   # "25614 total tok/s, ..." (the value is out tok/s)
+        return float(r["note"].split(" total tok/s")[0])
+    return float(r["value"])
 
 
 def main() -> None:
     vllm = json.loads((HERE / VLLM).read_text())
+    engine = json.loads((HERE / ENGINE).read_text())["sections"]["engine"]
     labels, ratios, targets, texts = [], [], [], []
-    for label, file, row, key, target in LINES:
-        ours, theirs = rate(file, row), float(vllm[key])
+    for label, row, how, key, target in LINES:
+        ours, theirs = rate(engine, row, how), float(vllm[key])
         labels.append(label)
         ratios.append(ours / theirs)
         targets.append(None if target is None else target / theirs)
@@ -60,8 +66,8 @@ def main() -> None:
     ax.set_ylabel("kvmesh / vLLM (higher is better)")
     ax.set_ylim(0, max(ratios + [t or 0 for t in targets]) * 1.3)
     ax.legend(fontsize=8, loc="upper left")
-    ax.set_title("kvmesh engine vs vLLM 0.26.0 on one H200, same session, random Llama-3.1-8B bf16 "
-                 "(tok/s; ShareGPT-like: vLLM's own 1,000 requests)", fontsize=10)
+    ax.set_title("kvmesh engine (before prefill TMA) vs vLLM 0.26.0 on one H200, same call sequence, random "
+                 "Llama-3.1-8B bf16 (tok/s; ShareGPT-like: vLLM's own 1,000 requests)", fontsize=10)
     fig.tight_layout()
     out = HERE / "plots" / "h200_engine_vs_vllm.png"
     fig.savefig(out, dpi=110)
