@@ -509,7 +509,8 @@ def paged_prefill_attention(
     vn_desc = _row_descriptor(v_new, cfg.block_n) if tma else None
     grid = (n_kv if pack else n_heads, triton.cdiv(T, tile_m) + B)
     _prefill_kernel_v2[grid](
-        q, k_new, v_new, kn_desc, vn_desc, k_cache, v_cache, block_tables, context_lens, query_start_loc, tile_starts, B, out,
+        q, k_new, v_new, kn_desc, vn_desc, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+        tile_starts, B, out,
         qk_cache, qk_cache if new_paged else scale * LOG2E, v_scale, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kn_strides, *vn_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
