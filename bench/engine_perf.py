@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cuda_timing import event_median_ms  # noqa: E402  (bench/, the script's folder)
-from peer_workload import PREFILL_TOKENS as PEER_PREFILL_TOKENS, vllm_peer_sharegpt_lengths  # noqa: E402
+from peer_workload import PREFILL_LENS as PEER_PREFILL_LENS, PREFILL_TOKENS as PEER_PREFILL_TOKENS  # noqa: E402
+from peer_workload import vllm_peer_sharegpt_lengths  # noqa: E402
 
 T0 = time.time()
 ROWS: list[tuple[str, str, str]] = []
@@ -507,7 +508,7 @@ def part_prefill(b: Bench) -> None:
     """Prompt tok/s at 512 / 2k / 8k: ~32k prompt tokens per length (two 16,384-token steps, the
     board at its power cap), then vLLM's peer run's workload (16,384 // L prompts: one step)."""
     for total in (S(32768), S(PEER_PREFILL_TOKENS)):
-        for L in (S(512), S(2048), S(8192)):
+        for L in map(S, PEER_PREFILL_LENS):
             n_req = max(1, total // L)
             for _ in range(n_req):
                 b.add(b.prompt(L), 1)

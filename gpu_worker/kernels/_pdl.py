@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels._utils import interpreting
+from gpu_worker.kernels._utils import hopper_or_newer, interpreting
 
 
 def _env_enabled() -> bool:
@@ -52,7 +52,6 @@ def _triton_supports_pdl() -> bool:
 
 ENABLED = _env_enabled()
 _SUPPORTED = _triton_supports_pdl()
-_CAPABLE: dict[int, bool] = {}
 _GRAPH_DEPTH = 0           # > 0 inside for_cuda_graph()
 
 
@@ -74,10 +73,7 @@ def pdl_on(t: torch.Tensor) -> bool:
     launched in 23.8 ms instead of 18.1 on the H200), which a graph pays once, at capture."""
     if not (ENABLED and _GRAPH_DEPTH and _SUPPORTED and t.is_cuda) or interpreting():
         return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABLE:
-        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _CAPABLE[index]
+    return hopper_or_newer(t.device)
 
 
 def pdl_kwargs(t: torch.Tensor) -> dict:

@@ -37,3 +37,14 @@ def num_sms(device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+_HOPPER: dict[int, bool] = {}
+
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """Whether a CUDA `device` has compute capability >= 9 (PDL, TMA); cached per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _HOPPER[index]

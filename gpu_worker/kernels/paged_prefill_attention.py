@@ -45,7 +45,6 @@ extend attention does; later chunks and decode steps see them quantized.)
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -58,7 +57,7 @@ except ImportError:                         # pragma: no cover
     TensorDescriptor = None
 
 from gpu_worker.kernels._paged_kv import gather_kv_tile, load_tile
-from gpu_worker.kernels._utils import check_device, next_pow2
+from gpu_worker.kernels._utils import check_device, hopper_or_newer, interpreting, next_pow2
 from gpu_worker.kernels.paged_decode_attention import gather_context
 
 LOG2E = 1.4426950408889634
@@ -529,11 +528,8 @@ def tma_ok(k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
     """Whether this step's (T, kv heads, D) K/V rows can be read through TMA descriptors: a GPU of
     compute capability >= 9 (or the interpreter), a power-of-two head_dim, heads contiguous within
     a row, 16-byte aligned rows (the bulk copy engine's rules)."""
-    if TensorDescriptor is None:
-        return False
-    if k_new.is_cuda and torch.cuda.get_device_capability(k_new.device)[0] < 9:
-        return False
-    if not k_new.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    device_ok = hopper_or_newer(k_new.device) if k_new.is_cuda else interpreting()
+    if TensorDescriptor is None or not device_ok:
         return False
     for x in (k_new, v_new):
         d, size = x.shape[2], x.element_size()
