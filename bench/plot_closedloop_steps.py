@@ -7,7 +7,7 @@ of the steps mixed, yet the run takes as long: each mixed step's GPU time grows 
 
     python bench/plot_closedloop_steps.py   ->  bench/plots/h200_closedloop_steps.png
 
-Reads bench/results_closedloop_traces_2026-11-29_s5.json (engine_perf.py's closed-loop traces:
+Reads bench/results/results_closedloop_traces_2026-11-29_s5.json (engine_perf.py's closed-loop traces:
 kind, rows, tokens, wall ms, device ms per step).
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
-TRACES = HERE / "results_closedloop_traces_2026-11-29_s5.json"
+RESULTS_DIR = HERE / "results"   # the stored device results
+TRACES = RESULTS_DIR / "results_closedloop_traces_2026-11-29_s5.json"
 RUNS = ["call 6: budget 1536 eager mixed", "call 6: budget 576 piecewise graphs"]
 COLORS = {"mixed": "tab:orange", "decode": "tab:blue"}
 

@@ -15,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
+RESULTS_DIR = HERE / "results"   # the stored device results
 CALLS = ["results_pdl_ab_attention_first_2026-12-01_s9.json", "results_pdl_ab_short_split_2026-12-01_s9.json",
          "results_pdl_ab_merge_warps_2026-12-01_s9.json"]
 TARGET_MS = 1000 / 240          # the bf16 batch-1 target, 240 tok/s
@@ -25,7 +26,7 @@ def means() -> dict[tuple[str, str], tuple[float, float]]:
     """(weights, configuration) -> (graph ms at 128, at 8k); a later call's mean replaces an earlier one."""
     out = {}
     for name in CALLS:
-        for m in json.loads((HERE / name).read_text())["means"]:
+        for m in json.loads((RESULTS_DIR / name).read_text())["means"]:
             out[(m["weights"], m["attn"])] = (m["graph_ms_128"], m["graph_ms_8k"])
     return out
 

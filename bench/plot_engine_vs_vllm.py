@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
+RESULTS_DIR = HERE / "results"   # the stored device results
 ENGINE = "results_gpu_bench_vllm_machine_2026-12-02_s14.json"   # gpu_bench.py --sections ceilings,engine
 VLLM = "results_vllm_peer_2026-12-02_s14.json"
 
@@ -43,8 +44,8 @@ def rate(engine: dict, row: str, how: str) -> float:
 
 
 def main() -> None:
-    vllm = json.loads((HERE / VLLM).read_text())
-    engine = json.loads((HERE / ENGINE).read_text())["sections"]["engine"]
+    vllm = json.loads((RESULTS_DIR / VLLM).read_text())
+    engine = json.loads((RESULTS_DIR / ENGINE).read_text())["sections"]["engine"]
     labels, ratios, targets, texts = [], [], [], []
     for label, row, how, key, target in LINES:
         ours, theirs = rate(engine, row, how), float(vllm[key])

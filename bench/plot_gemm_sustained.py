@@ -16,13 +16,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
+RESULTS_DIR = HERE / "results"   # the stored device results
 RESULTS = "results_sweep_gemm_sustained_2026-12-01_s10.json"
 GFLOP_PER_TOKEN = 13.96     # Llama-3.1-8B's dense layer GEMMs, 2 x 6.98e9 weights
 TARGETS = {"47k tok/s (2k target)": 47_000, "40k tok/s (8k target)": 40_000}
 
 
 def main() -> None:
-    rows = json.loads((HERE / RESULTS).read_text())
+    rows = json.loads((RESULTS_DIR / RESULTS).read_text())
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, ax = plt.subplots(figsize=(13, 6))
     width = 0.2

@@ -5,7 +5,7 @@ graph replay at 128 and 8k context, mean of two rounds, from bench/pdl_decode_ab
 
     python bench/plot_pdl_decode_ab.py   ->  bench/plots/h200_pdl_decode_ab.png
 
-Reads bench/results_pdl_decode_ab_2026-11-29_s6.json.
+Reads bench/results/results_pdl_decode_ab_2026-11-29_s6.json.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
-RESULTS = HERE / "results_pdl_decode_ab_2026-11-29_s6.json"
+RESULTS_DIR = HERE / "results"   # the stored device results
+RESULTS = RESULTS_DIR / "results_pdl_decode_ab_2026-11-29_s6.json"
 PDL_NAMES = {0: "", 1: " + PDL", 2: " + PDL early"}
 
 

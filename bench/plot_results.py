@@ -2,7 +2,7 @@
 
     python bench/plot_results.py   ->  bench/plots/h200_vs_peers.png
 
-kvmesh numbers come from the stored device results (bench/results_*.json); vLLM's are the
+kvmesh numbers come from the stored device results (bench/results/results_*.json); vLLM's are the
 figures measured with ../shared/peer-vllm/run_peer.py on the same H200 type (see BENCHMARKS.md).
 """
 from __future__ import annotations
@@ -16,13 +16,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
+RESULTS_DIR = HERE / "results"   # the stored device results
 VLLM = {"batch-1 decode 128": 202, "batch-1 decode 8k": 224, "decode B=64": 8400, "decode B=256": 14700,
         "prefill 512": 42800, "prefill 2k": 42300, "prefill 8k": 36700, "ShareGPT total": 21000}
 HF = {"batch-1 decode 128": 19.2}
 
 
 def kvmesh_numbers() -> dict[str, float]:
-    eng = json.loads((HERE / "results_gpu_bench_greedy_2026-11-29.json").read_text())["sections"]["engine"]
+    eng = json.loads((RESULTS_DIR / "results_gpu_bench_greedy_2026-11-29.json").read_text())["sections"]["engine"]
     ms = {k: v["value"] for k, v in eng.items()}
     offline = eng["offline throughput 1000 reqs"]["note"]
     return {

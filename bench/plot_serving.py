@@ -3,7 +3,7 @@ cache-aware against round-robin routing with two workers sharing the GPU.
 
     python bench/plot_serving.py   ->  bench/plots/h200_serving.png
 
-kvmesh numbers come from the stored serve_bench results (bench/results_serve_*.json); vLLM's are
+kvmesh numbers come from the stored serve_bench results (bench/results/results_serve_*.json); vLLM's are
 its server's figures measured on the same H200 type (../shared/peer-vllm/README.md).
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
+RESULTS_DIR = HERE / "results"   # the stored device results
 # vLLM 0.26.0 `vllm serve` + `vllm bench serve` on the H200 (random dataset, same lengths)
 VLLM = {"c1 median TTFT (ms)": 23.4, "c1 median TPOT (ms)": 4.80, "c64 total tok/s (k)": 30.6,
         "c64 p99 ITL (ms)": 189.0}
@@ -25,13 +26,13 @@ TARGET = {"c1 median TTFT (ms)": 20.0, "c1 median TPOT (ms)": 4.3, "c64 total to
 
 
 def single(name: str) -> dict[str, float]:
-    s = json.loads((HERE / name).read_text())["sections"]["single"]
+    s = json.loads((RESULTS_DIR / name).read_text())["sections"]["single"]
     return {"c1 median TTFT (ms)": s["c1"]["median_ttft_ms"], "c1 median TPOT (ms)": s["c1"]["median_tpot_ms"],
             "c64 total tok/s (k)": s["c64"]["total_token_throughput"] / 1e3, "c64 p99 ITL (ms)": s["c64"]["p99_itl_ms"]}
 
 
 def routing(name: str) -> dict[str, dict[str, float]]:
-    s = json.loads((HERE / name).read_text())["sections"]["routing"]
+    s = json.loads((RESULTS_DIR / name).read_text())["sections"]["routing"]
     out = {}
     for mode in ("cache_aware", "round_robin"):
         r = s[mode]["run"]

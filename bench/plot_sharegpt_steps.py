@@ -5,8 +5,8 @@ clock and power over a run (the power cap lowers the clock during the big steps)
 
     python bench/plot_sharegpt_steps.py   ->  bench/plots/h200_sharegpt_steps.png
 
-Reads bench/results_engine_perf_sharegpt_gc_2026-11-29_s4.json (the "sharegpt rows" rows of
-engine_perf.py) and bench/h200_clocks_during_sharegpt_2026-11-29_s4.csv (nvidia-smi, 4 Hz).
+Reads bench/results/results_engine_perf_sharegpt_gc_2026-11-29_s4.json (the "sharegpt rows" rows of
+engine_perf.py) and bench/results/h200_clocks_during_sharegpt_2026-11-29_s4.csv (nvidia-smi, 4 Hz).
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
-RESULTS = HERE / "results_engine_perf_sharegpt_gc_2026-11-29_s4.json"
-CLOCKS = HERE / "h200_clocks_during_sharegpt_2026-11-29_s4.csv"
+RESULTS_DIR = HERE / "results"   # the stored device results
+RESULTS = RESULTS_DIR / "results_engine_perf_sharegpt_gc_2026-11-29_s4.json"
+CLOCKS = RESULTS_DIR / "h200_clocks_during_sharegpt_2026-11-29_s4.csv"
 ROW = "sharegpt rows async max_num_seqs=1024"
 # "decode <=1024: 109 x 28.4 wall, dev 27.6 (fwd 27.4) idle 0.04, host ..."
 BUCKET = re.compile(r"decode (<=\d+|>\d+): (\d+) x ([\d.]+) wall, dev ([\d.]+) \(fwd [\d.]+\) idle ([\d.]+)")
