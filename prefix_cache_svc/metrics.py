@@ -6,9 +6,11 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prefix_cache_svc.core import PrefixCore
+from services.metrics import shown_by
 
-MATCH_SECONDS = Histogram("kvmesh_prefix_match_seconds", "Match handling time in the index",
-                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1))
+MATCH_SECONDS = shown_by("prefix-cache")(Histogram("kvmesh_prefix_match_seconds", "Match handling time in the index",
+                                                   buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                                                            0.025, 0.1)))
 
 
 class CoreCollector:

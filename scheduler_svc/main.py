@@ -79,7 +79,7 @@ class SchedulerService:
         server, grpc_port = grpc_server(cfg.host, cfg.port)
         health = await add_health(server)
         await server.start()
-        metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port)
+        metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port, "scheduler")
         self.receiver: Receiver = Receiver(SchedulerInbox, cfg.host, cfg.zmq_port, name="scheduler")
         host = cfg.reachable_host()
         addrs = {"zmq": tcp_addr(host, self.receiver.port), "grpc": f"{host}:{grpc_port}"}

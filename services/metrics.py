@@ -1,4 +1,9 @@
-"""Prometheus metrics of every service (one process = one service = the default registry).
+"""Prometheus metrics of every service (one process = one service).
+
+Every process imports this module, so every metric exists in each process's default registry;
+each service's /metrics shows only its own families (`service_registry`), plus the process, GC
+and platform ones. A worker's scrape with the gateway's request counters at zero beside its own
+would skew any fleet-wide avg() or min() over the pods.
 
 Labels carry only server-assigned values (route names, worker ids, reasons); nothing a client
 sends ever becomes a label.
@@ -7,9 +12,31 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest, start_http_server)
 
 log = logging.getLogger("kvmesh.metrics")
+
+SERVICES = ("gateway", "scheduler", "worker", "tokenizer", "prefix-cache")
+_FAMILIES: dict[str, set[str]] = {s: set() for s in SERVICES}   # service -> the family names it shows
+
+
+def shown_by(*services: str):
+    """Tags a metric as one of these services' families: `X = shown_by("worker")(Counter(...))`.
+    A family no service claims is shown by every service."""
+    unknown = set(services) - set(SERVICES)
+    assert not unknown, f"unknown services {unknown}"
+
+    def tag(metric):
+        for family in metric.describe():
+            for service in services:
+                _FAMILIES[service].add(family.name)
+        return metric
+    return tag
+
+
+_gateway, _scheduler, _worker, _tokenizer = (shown_by(s) for s in ("gateway", "scheduler", "worker", "tokenizer"))
+_detokenizer = shown_by("tokenizer", "gateway")   # a gateway with --local-detokenizer detokenizes too
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOK = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -31,103 +58,141 @@ _HOP = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05
 # upstream + the start of write. bench/serve_bench.py and bench/control_plane.py print the means.
 
 # ---- gateway
-REQUESTS = Counter("kvmesh_requests", "HTTP API requests by route and status", ["route", "status"])
-INFLIGHT = Gauge("kvmesh_requests_inflight", "Requests being served by this gateway")
-TTFT = Histogram("kvmesh_time_to_first_token_seconds", "Arrival to first token", buckets=_LAT)
-TPOT = Histogram("kvmesh_time_per_output_token_seconds", "Mean time per output token after the first", buckets=_TOK)
-ITL = Histogram("kvmesh_inter_token_latency_seconds", "Gap between streamed chunks", buckets=_TOK)
-E2E = Histogram("kvmesh_e2e_request_latency_seconds", "Arrival to last token", buckets=_LAT)
-PROMPT_TOKENS = Counter("kvmesh_prompt_tokens", "Prompt tokens of finished requests")
-GENERATION_TOKENS = Counter("kvmesh_generation_tokens", "Generated tokens of finished requests")
-CACHED_PROMPT_TOKENS = Counter("kvmesh_cached_prompt_tokens", "Prompt tokens served from a prefix cache")
-GATEWAY_SUBMIT = Histogram("kvmesh_gateway_submit_seconds",
-                           "Request arrival to its last Submit handed to the scheduler's socket (body read, "
-                           "JSON decode, validation, tokenization, encoding)", buckets=_HOP)
-GATEWAY_TOKENIZE = Histogram("kvmesh_gateway_tokenize_seconds",
-                             "Tokenizing one request's prompts (in the gateway, or the tokenizer service's "
-                             "gRPC Tokenize)", buckets=_HOP)
-GATEWAY_UPSTREAM = Histogram("kvmesh_gateway_upstream_first_token_seconds",
-                             "Submit sent to the request's first text delta read off the gateway's inbox "
-                             "(scheduler, worker, detokenizer and the hops between them)", buckets=_HOP)
-GATEWAY_FIRST_WRITE = Histogram("kvmesh_gateway_first_chunk_write_seconds",
-                                "Streamed requests: first text delta read off the inbox to its SSE chunk "
-                                "handed to the HTTP server", buckets=_HOP)
+REQUESTS = _gateway(Counter("kvmesh_requests", "HTTP API requests by route and status", ["route", "status"]))
+INFLIGHT = _gateway(Gauge("kvmesh_requests_inflight", "Requests being served by this gateway"))
+TTFT = _gateway(Histogram("kvmesh_time_to_first_token_seconds", "Arrival to first token", buckets=_LAT))
+TPOT = _gateway(Histogram("kvmesh_time_per_output_token_seconds", "Mean time per output token after the first",
+                          buckets=_TOK))
+ITL = _gateway(Histogram("kvmesh_inter_token_latency_seconds", "Gap between streamed chunks", buckets=_TOK))
+E2E = _gateway(Histogram("kvmesh_e2e_request_latency_seconds", "Arrival to last token", buckets=_LAT))
+PROMPT_TOKENS = _gateway(Counter("kvmesh_prompt_tokens", "Prompt tokens of finished requests"))
+GENERATION_TOKENS = _gateway(Counter("kvmesh_generation_tokens", "Generated tokens of finished requests"))
+CACHED_PROMPT_TOKENS = _gateway(Counter("kvmesh_cached_prompt_tokens", "Prompt tokens served from a prefix cache"))
+GATEWAY_SUBMIT = _gateway(Histogram("kvmesh_gateway_submit_seconds",
+                                    "Request arrival to its last Submit handed to the scheduler's socket (body read, "
+                                    "JSON decode, validation, tokenization, encoding)", buckets=_HOP))
+GATEWAY_TOKENIZE = _gateway(Histogram("kvmesh_gateway_tokenize_seconds",
+                                      "Tokenizing one request's prompts (in the gateway, or the tokenizer service's "
+                                      "gRPC Tokenize)", buckets=_HOP))
+GATEWAY_UPSTREAM = _gateway(Histogram("kvmesh_gateway_upstream_first_token_seconds",
+                                      "Submit sent to the request's first text delta read off the gateway's inbox "
+                                      "(scheduler, worker, detokenizer and the hops between them)", buckets=_HOP))
+GATEWAY_FIRST_WRITE = _gateway(Histogram("kvmesh_gateway_first_chunk_write_seconds",
+                                         "Streamed requests: first text delta read off the inbox to its SSE chunk "
+                                         "handed to the HTTP server", buckets=_HOP))
 
 # ---- scheduler
-QUEUE_DEPTH = Gauge("kvmesh_scheduler_queue_depth", "Requests waiting in the global queue")
-SCHED_RUNNING = Gauge("kvmesh_scheduler_inflight", "Requests dispatched to workers and not finished")
-REJECTED = Counter("kvmesh_scheduler_rejected", "Requests refused at admission", ["reason"])
-WORKERS = Gauge("kvmesh_scheduler_workers", "Live workers known to the scheduler")
-WORKER_FAILURES = Counter("kvmesh_scheduler_worker_failures", "Workers lost (lease expired or replaced)")
-WORKER_RUNNING = Gauge("kvmesh_worker_running_requests", "Running sequences per worker", ["worker"])
-WORKER_WAITING = Gauge("kvmesh_worker_waiting_requests", "Waiting sequences per worker", ["worker"])
-WORKER_KV_USAGE = Gauge("kvmesh_worker_kv_usage_ratio", "Fraction of KV blocks in use per worker", ["worker"])
-WORKER_DISPATCHED = Counter("kvmesh_scheduler_dispatched", "Requests dispatched per worker", ["worker"])
-WORKER_PREFIX_HIT = Gauge("kvmesh_worker_prefix_hit_ratio",
-                          "Per worker: prompt tokens found in its prefix cache / prompt tokens looked up "
-                          "(engine counters since the worker started)", ["worker"])
-CLUSTER_PREFIX_HIT = Gauge("kvmesh_cluster_prefix_hit_ratio",
-                           "All live workers: prompt tokens found in a prefix cache / prompt tokens looked up")
-PREFIX_MATCHES = Counter("kvmesh_scheduler_prefix_matches",
-                         "Prefix-index Match calls by outcome (hit, miss, unavailable: routed by load)", ["outcome"])
-SCHED_DISPATCH = Histogram("kvmesh_scheduler_dispatch_seconds",
-                           "Submit read off the scheduler's socket to its Dispatch handed to the worker's socket "
-                           "(admission, prefix match, routing, and any wait for a worker with room)", buckets=_HOP)
-SCHED_PREFIX_MATCH = Histogram("kvmesh_scheduler_prefix_match_seconds",
-                               "cache_aware routing over several workers: one submission's Match at the "
-                               "prefix-cache index plus its block hashing", buckets=_HOP)
+QUEUE_DEPTH = _scheduler(Gauge("kvmesh_scheduler_queue_depth", "Requests waiting in the global queue"))
+SCHED_RUNNING = _scheduler(Gauge("kvmesh_scheduler_inflight", "Requests dispatched to workers and not finished"))
+REJECTED = _scheduler(Counter("kvmesh_scheduler_rejected", "Requests refused at admission", ["reason"]))
+WORKERS = _scheduler(Gauge("kvmesh_scheduler_workers", "Live workers known to the scheduler"))
+WORKER_FAILURES = _scheduler(Counter("kvmesh_scheduler_worker_failures", "Workers lost (lease expired or replaced)"))
+WORKER_RUNNING = _scheduler(Gauge("kvmesh_worker_running_requests", "Running sequences per worker", ["worker"]))
+WORKER_WAITING = _scheduler(Gauge("kvmesh_worker_waiting_requests", "Waiting sequences per worker", ["worker"]))
+WORKER_KV_USAGE = _scheduler(Gauge("kvmesh_worker_kv_usage_ratio", "Fraction of KV blocks in use per worker",
+                                   ["worker"]))
+WORKER_DISPATCHED = _scheduler(Counter("kvmesh_scheduler_dispatched", "Requests dispatched per worker", ["worker"]))
+WORKER_PREFIX_HIT = _scheduler(Gauge("kvmesh_worker_prefix_hit_ratio",
+                                     "Per worker: prompt tokens found in its prefix cache / prompt tokens looked up "
+                                     "(engine counters since the worker started)", ["worker"]))
+CLUSTER_PREFIX_HIT = _scheduler(Gauge("kvmesh_cluster_prefix_hit_ratio",
+                                      "All live workers: prompt tokens found in a prefix cache / prompt tokens "
+                                      "looked up"))
+PREFIX_MATCHES = _scheduler(Counter("kvmesh_scheduler_prefix_matches",
+                                    "Prefix-index Match calls by outcome (hit, miss, unavailable: routed by load)",
+                                    ["outcome"]))
+SCHED_DISPATCH = _scheduler(Histogram("kvmesh_scheduler_dispatch_seconds",
+                                      "Submit read off the scheduler's socket to its Dispatch handed to the worker's "
+                                      "socket (admission, prefix match, routing, and any wait for a worker with room)",
+                                      buckets=_HOP))
+SCHED_PREFIX_MATCH = _scheduler(Histogram("kvmesh_scheduler_prefix_match_seconds",
+                                          "cache_aware routing over several workers: one submission's Match at the "
+                                          "prefix-cache index plus its block hashing", buckets=_HOP))
 
 # ---- worker
-ENGINE_RUNNING = Gauge("kvmesh_engine_running", "Sequences running in the engine")
-ENGINE_WAITING = Gauge("kvmesh_engine_waiting", "Sequences waiting in the engine")
-KV_FREE_BLOCKS = Gauge("kvmesh_kv_free_blocks", "Free KV blocks")
-KV_USAGE = Gauge("kvmesh_kv_usage_ratio", "Fraction of KV blocks in use")
-PREFIX_QUERY_TOKENS = Gauge("kvmesh_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache (cumulative)")
-PREFIX_HIT_TOKENS = Gauge("kvmesh_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (cumulative)")
-STEP_SECONDS = Histogram("kvmesh_engine_step_seconds", "Duration of one engine step", buckets=_TOK)
-TOKENS_OUT = Counter("kvmesh_worker_generated_tokens", "Tokens generated by this worker")
+ENGINE_RUNNING = _worker(Gauge("kvmesh_engine_running", "Sequences running in the engine"))
+ENGINE_WAITING = _worker(Gauge("kvmesh_engine_waiting", "Sequences waiting in the engine"))
+KV_FREE_BLOCKS = _worker(Gauge("kvmesh_kv_free_blocks", "Free KV blocks"))
+KV_USAGE = _worker(Gauge("kvmesh_kv_usage_ratio", "Fraction of KV blocks in use"))
+PREFIX_QUERY_TOKENS = _worker(Gauge("kvmesh_prefix_cache_query_tokens",
+                                    "Prompt tokens looked up in the prefix cache (cumulative)"))
+PREFIX_HIT_TOKENS = _worker(Gauge("kvmesh_prefix_cache_hit_tokens",
+                                  "Prompt tokens found in the prefix cache (cumulative)"))
+STEP_SECONDS = _worker(Histogram("kvmesh_engine_step_seconds", "Duration of one engine step", buckets=_TOK))
+TOKENS_OUT = _worker(Counter("kvmesh_worker_generated_tokens", "Tokens generated by this worker"))
 # per request, where the worker's share of TTFT goes (vLLM's vllm:request_*_time_seconds); the
 # stages and their boundaries are drawn in gpu_worker/service/core.py
-WORKER_QUEUE = Histogram("kvmesh_worker_request_queue_seconds",
-                         "Dispatch received by the worker to the engine first scheduling any of its prompt tokens",
-                         buckets=_LAT)
-WORKER_PREFILL = Histogram("kvmesh_worker_request_prefill_seconds",
-                           "First scheduled to the engine step that produced its first token", buckets=_LAT)
-WORKER_DECODE = Histogram("kvmesh_worker_request_decode_seconds",
-                          "First token to last token of a finished (not aborted) request", buckets=_LAT)
-WORKER_TTFT = Histogram("kvmesh_worker_time_to_first_token_seconds",
-                        "Dispatch received by the worker to its first token in a StepOutput", buckets=_LAT)
-WORKER_ADMIT = Histogram("kvmesh_worker_request_admit_seconds",
-                         "Dispatch read off the worker's socket to the engine holding the request (decode, "
-                         "validation; part of the queue stage)", buckets=_HOP)
-WORKER_FIRST_SEND = Histogram("kvmesh_worker_first_token_send_seconds",
-                              "End of the engine step that produced a request's first token to its StepOutput "
-                              "handed to the detokenizer's socket", buckets=_HOP)
-WORKER_FIRST_SYNC = Histogram("kvmesh_worker_first_token_sync_seconds",
-                              "The engine step that produced a request's first token: time it waited for the "
-                              "device's sampled tokens (near 0: the token was on the host before the engine "
-                              "looked, so the host, not the GPU, set the pace)", buckets=_HOP)
+WORKER_QUEUE = _worker(Histogram("kvmesh_worker_request_queue_seconds",
+                                 "Dispatch received by the worker to the engine first scheduling any of its prompt "
+                                 "tokens",
+                                 buckets=_LAT))
+WORKER_PREFILL = _worker(Histogram("kvmesh_worker_request_prefill_seconds",
+                                   "First scheduled to the engine step that produced its first token", buckets=_LAT))
+WORKER_DECODE = _worker(Histogram("kvmesh_worker_request_decode_seconds",
+                                  "First token to last token of a finished (not aborted) request", buckets=_LAT))
+WORKER_TTFT = _worker(Histogram("kvmesh_worker_time_to_first_token_seconds",
+                                "Dispatch received by the worker to its first token in a StepOutput", buckets=_LAT))
+WORKER_ADMIT = _worker(Histogram("kvmesh_worker_request_admit_seconds",
+                                 "Dispatch read off the worker's socket to the engine holding the request (decode, "
+                                 "validation; part of the queue stage)", buckets=_HOP))
+WORKER_FIRST_SEND = _worker(Histogram("kvmesh_worker_first_token_send_seconds",
+                                      "End of the engine step that produced a request's first token to its StepOutput "
+                                      "handed to the detokenizer's socket", buckets=_HOP))
+WORKER_FIRST_SYNC = _worker(Histogram("kvmesh_worker_first_token_sync_seconds",
+                                      "The engine step that produced a request's first token: time it waited for the "
+                                      "device's sampled tokens (near 0: the token was on the host before the engine "
+                                      "looked, so the host, not the GPU, set the pace)", buckets=_HOP))
 
 # ---- tokenizer
-TOKENIZE_SECONDS = Histogram("kvmesh_tokenize_seconds", "Tokenize call duration", buckets=_TOK)
-TOKENS_IN = Counter("kvmesh_tokenized_tokens", "Prompt tokens produced by Tokenize")
-DETOK_STREAMS = Gauge("kvmesh_detok_streams", "Requests being detokenized")
-STOP_HITS = Counter("kvmesh_stop_string_hits", "Samples ended by a stop string")
-DETOK_FIRST_TOKEN = Histogram("kvmesh_detok_first_token_seconds",
-                              "A StepOutput carrying some request's first tokens, read off the detokenizer's "
-                              "socket, to its TextBatches handed to the gateways' sockets (a gateway with "
-                              "--local-detokenizer: to its requests)", buckets=_HOP)
+TOKENIZE_SECONDS = _tokenizer(Histogram("kvmesh_tokenize_seconds", "Tokenize call duration", buckets=_TOK))
+TOKENS_IN = _tokenizer(Counter("kvmesh_tokenized_tokens", "Prompt tokens produced by Tokenize"))
+DETOK_STREAMS = _tokenizer(Gauge("kvmesh_detok_streams", "Requests being detokenized"))
+STOP_HITS = _tokenizer(Counter("kvmesh_stop_string_hits", "Samples ended by a stop string"))
+DETOK_FIRST_TOKEN = _detokenizer(Histogram("kvmesh_detok_first_token_seconds",
+                                           "A StepOutput carrying some request's first tokens, read off the "
+                                           "detokenizer's socket, to its TextBatches handed to the gateways' sockets "
+                                           "(a gateway with --local-detokenizer: to its requests)", buckets=_HOP))
 
 
-def serve_metrics(host: str, port: int) -> int:
-    """Start /metrics on its own port: -1 off (returns -1), 0 any free port. Returns the bound port."""
+class _ServiceView:
+    """The default registry as one service shows it: every family but the other services' own."""
+
+    def __init__(self, service: str) -> None:
+        assert service in SERVICES, f"unknown service {service!r}"
+        self.hidden = set().union(*_FAMILIES.values()) - _FAMILIES[service]
+
+    def describe(self):
+        return []     # nothing to reserve: the families are registered (and checked) in REGISTRY
+
+    def collect(self):
+        for family in REGISTRY.collect():
+            if family.name not in self.hidden:
+                yield family
+
+
+def service_registry(service: str) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ServiceView(service))
+    return registry
+
+
+def serve_metrics(host: str, port: int, service: str) -> int:
+    """Start `service`'s /metrics on its own port: -1 off (returns -1), 0 any free port. Returns the
+    bound port."""
     if port < 0:
         return -1
-    server, _thread = start_http_server(port, addr=host)
+    server, _thread = start_http_server(port, addr=host, registry=service_registry(service))
     bound = server.server_address[1]
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound
 
 
+_GATEWAY_REGISTRY: CollectorRegistry | None = None
+
+
 def render() -> tuple[bytes, str]:
-    return generate_latest(), CONTENT_TYPE_LATEST
+    """The gateway's /metrics page (it serves them on its HTTP port)."""
+    global _GATEWAY_REGISTRY
+    if _GATEWAY_REGISTRY is None:
+        _GATEWAY_REGISTRY = service_registry("gateway")
+    return generate_latest(_GATEWAY_REGISTRY), CONTENT_TYPE_LATEST

@@ -68,7 +68,7 @@ class TokenizerService:
         host = cfg.reachable_host()
         self.detok_addr = tcp_addr(host, self.receiver.port)
         await server.start()
-        metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port)
+        metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port, "tokenizer")
         addrs = {"zmq": self.detok_addr, "grpc": f"{host}:{grpc_port}"}
         if metrics_port > 0:
             addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"

@@ -133,7 +133,7 @@ class WorkerService:
         server, grpc_port = grpc_server(cfg.host, cfg.port)
         health = await add_health(server)
         await server.start()
-        metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port)
+        metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port, "worker")
         engine = await asyncio.to_thread(build_engine, cfg)
         freeze = getattr(engine, "freeze_gc", None)      # the null engine has none
         if freeze is not None:
