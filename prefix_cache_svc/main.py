@@ -87,7 +87,7 @@ class PrefixCacheService:
         host = cfg.reachable_host()
         self.grpc_addr = f"{host}:{port}"
         addrs = {"grpc": self.grpc_addr}
-        metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port)
+        metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port, "prefix-cache")
         if metrics_port > 0:
             addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
         self._collector = CoreCollector(self.core)
