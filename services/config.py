@@ -7,8 +7,9 @@ is set, in order of precedence, by the flag `--foo-bar`, the environment variabl
     kvmesh worker --model /m --max-num-seqs 64      # flag
     KVMESH_MAX_NUM_SEQS=64 kvmesh worker --model /m  # same thing through the environment
 
-Unknown flags, unknown `KVMESH_*` variables (typos) and unparsable values fail loudly with a
-message naming the variable. Helm values map onto the same names (docs/services.md).
+Unknown flags, unknown `KVMESH_*` variables (typos), unparsable values and values outside a field's
+bounds (opt's min / max / above / pattern) fail loudly, before the process starts anything, with a
+message naming the flag or variable. Helm values map onto the same names (docs/services.md).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import re
 import sys
 import types
 import typing
@@ -56,10 +58,34 @@ def check_bind_host(host: str) -> None:
 
 
 def opt(default: Any, help: str, **meta: Any) -> Any:
-    """A config field: its default and its --help text (plus e.g. choices=...)."""
+    """A config field: its default and its --help text, plus what values it takes: choices=(...),
+    min= / max= (inclusive), above= (exclusive lower bound), pattern= (a full-match regex)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})
+
+
+PORT = {"min": 1, "max": 65535}
+ANY_PORT = {"min": 0, "max": 65535}           # 0: any free port
+METRICS_PORT = {"min": -1, "max": 65535}      # 0: any free port, -1: off
+DEVICE = {"pattern": r"auto|cpu|cuda(:[0-9]+)?", "expected": "auto, cpu, cuda or cuda:N"}
+
+
+def check_bounds(cfg: Any) -> None:
+    """Every field's min / max / above / pattern (opt's metadata), so that a bad value fails when
+    the config is made, naming its flag, not later inside the process it configures."""
+    for f in dataclasses.fields(cfg):
+        value, meta, name = getattr(cfg, f.name), f.metadata, flag_name(f.name)
+        if isinstance(value, bool) or value is None:
+            continue
+        if "min" in meta and value < meta["min"]:
+            raise ConfigError(f"{name}={value!r} must be at least {meta['min']}")
+        if "max" in meta and value > meta["max"]:
+            raise ConfigError(f"{name}={value!r} must be at most {meta['max']}")
+        if "above" in meta and not value > meta["above"]:
+            raise ConfigError(f"{name}={value!r} must be greater than {meta['above']}")
+        if "pattern" in meta and not re.fullmatch(meta["pattern"], str(value)):
+            raise ConfigError(f"{name}={value!r} must be {meta.get('expected') or 'a match of ' + meta['pattern']}")
 
 
 # ----------------------------------------------------------------------------- service configs
@@ -74,14 +100,15 @@ class ServiceConfig:
     advertise_host: str = opt("", "Address other processes use to reach this one (pod IP); default: --host, "
                                   "or 127.0.0.1 when --host is 0.0.0.0.")
     log_level: str = opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
-    lease_ms: int = opt(3000, "Registry lease in ms: a process whose heartbeat stops is forgotten after this.")
-    heartbeat_ms: int = opt(500, "Heartbeat period in ms (renews the lease, publishes load).")
+    lease_ms: int = opt(3000, "Registry lease in ms: a process whose heartbeat stops is forgotten after this.", min=1)
+    heartbeat_ms: int = opt(500, "Heartbeat period in ms (renews the lease, publishes load).", min=1)
 
     def reachable_host(self) -> str:
         return reachable_host(self.host, self.advertise_host)
 
     def __post_init__(self) -> None:
         check_bind_host(self.host)
+        check_bounds(self)
         if self.lease_ms < 3 * self.heartbeat_ms:
             raise ConfigError(f"lease_ms ({self.lease_ms}) must be at least 3 x heartbeat_ms ({self.heartbeat_ms})")
 
@@ -90,15 +117,16 @@ class ServiceConfig:
 class GatewayConfig(ServiceConfig):
     """`kvmesh gateway`: the OpenAI-compatible HTTP API (authentication, bounds, SSE streaming)."""
 
-    port: int = opt(8000, "HTTP port of the OpenAI-compatible API.")
-    zmq_port: int = opt(5560, "ZMQ port receiving text deltas and scheduler replies (0: any free port).")
+    port: int = opt(8000, "HTTP port of the OpenAI-compatible API.", **PORT)
+    zmq_port: int = opt(5560, "ZMQ port receiving text deltas and scheduler replies (0: any free port).", **ANY_PORT)
     api_key: list = opt([], "Comma-separated API keys; when set, every route except /health, /ready and "
                             "/metrics needs `Authorization: Bearer <key>`.")
-    max_body_bytes: int = opt(8 << 20, "Largest accepted request body in bytes.")
-    max_prompts: int = opt(64, "Most prompts in one /v1/completions request.")
-    max_messages: int = opt(1024, "Most messages in one chat request.")
-    admission_timeout_s: float = opt(15.0, "Seconds to wait for the scheduler to accept a request before a 503.")
-    request_timeout_s: float = opt(600.0, "Seconds a request may go without any progress before it fails.")
+    max_body_bytes: int = opt(8 << 20, "Largest accepted request body in bytes.", min=1)
+    max_prompts: int = opt(64, "Most prompts in one /v1/completions request.", min=1)
+    max_messages: int = opt(1024, "Most messages in one chat request.", min=1)
+    admission_timeout_s: float = opt(15.0, "Seconds to wait for the scheduler to accept a request before a 503.",
+                                     above=0)
+    request_timeout_s: float = opt(600.0, "Seconds a request may go without any progress before it fails.", above=0)
     tokenizer_addr: str = opt("", "host:port of tokenizer gRPC servers, comma-separated (default: from Redis).")
     local_tokenizer: str = opt("", "Model directory: when set, prompts are tokenized in this process (one "
                                    "network hop less per request) instead of by the tokenizer service over gRPC; "
@@ -114,49 +142,56 @@ class TokenizerConfig(ServiceConfig):
     """`kvmesh tokenizer`: gRPC Tokenize (chat template + encode) and the streaming detokenizer."""
 
     model: str = opt("", "Model directory holding tokenizer.json (and its chat template).")
-    port: int = opt(50051, "gRPC port (Tokenize + grpc.health.v1).")
-    zmq_port: int = opt(5558, "ZMQ port receiving workers' token batches for detokenization (0: any).")
-    metrics_port: int = opt(9101, "Prometheus /metrics port (0: any free port, -1: off).")
+    port: int = opt(50051, "gRPC port (Tokenize + grpc.health.v1).", **ANY_PORT)
+    zmq_port: int = opt(5558, "ZMQ port receiving workers' token batches for detokenization (0: any).", **ANY_PORT)
+    metrics_port: int = opt(9101, "Prometheus /metrics port (0: any free port, -1: off).", **METRICS_PORT)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig(ServiceConfig):
     """`kvmesh scheduler`: admission, priority queue, worker choice, cancellation and failover."""
 
-    port: int = opt(50052, "gRPC port (grpc.health.v1).")
-    zmq_port: int = opt(5557, "ZMQ port receiving submissions, aborts and worker status (0: any).")
-    metrics_port: int = opt(9102, "Prometheus /metrics port (0: any free port, -1: off).")
-    max_queue: int = opt(4096, "Most requests waiting in the global queue; beyond it: 429.")
-    max_tenant_inflight: int = opt(1024, "Most queued + running requests of one tenant (API key); beyond: 429.")
-    worker_capacity_factor: float = opt(2.0, "A worker gets at most factor x its max_num_seqs requests at once.")
-    retry_after_s: int = opt(1, "Retry-After seconds sent with 429/503 answers.")
+    port: int = opt(50052, "gRPC port (grpc.health.v1).", **ANY_PORT)
+    zmq_port: int = opt(5557, "ZMQ port receiving submissions, aborts and worker status (0: any).", **ANY_PORT)
+    metrics_port: int = opt(9102, "Prometheus /metrics port (0: any free port, -1: off).", **METRICS_PORT)
+    max_queue: int = opt(4096, "Most requests waiting in the global queue; beyond it: 429.", min=1)
+    max_tenant_inflight: int = opt(1024, "Most queued + running requests of one tenant (API key); beyond: 429.", min=1)
+    worker_capacity_factor: float = opt(2.0, "A worker gets at most factor x its max_num_seqs requests at once.",
+                                        above=0)
+    retry_after_s: int = opt(1, "Retry-After seconds sent with 429/503 answers.", min=0)
     routing: str = opt("cache_aware", "How a worker is chosen: cache_aware (prefix hits from the prefix-cache "
                                       "index against load), least_loaded, or round_robin.",
                        choices=("cache_aware", "least_loaded", "round_robin"))
     prefix_match_timeout_ms: float = opt(50.0, "cache_aware: deadline of the prefix-cache index's Match; "
-                                               "no answer in time routes by load alone.")
-    route_hit_weight: float = opt(1.0, "cache_aware: weight of the prompt fraction already cached on a worker.")
-    route_queue_weight: float = opt(1.0, "cache_aware: weight of waiting requests / max_num_seqs.")
-    route_running_weight: float = opt(0.3, "cache_aware: weight of running requests / max_num_seqs.")
-    route_kv_weight: float = opt(0.3, "cache_aware: weight of the KV fraction in use after the prompt's new blocks.")
+                                               "no answer in time routes by load alone.", above=0)
+    route_hit_weight: float = opt(1.0, "cache_aware: weight of the prompt fraction already cached on a worker.", min=0)
+    route_queue_weight: float = opt(1.0, "cache_aware: weight of waiting requests / max_num_seqs.", min=0)
+    route_running_weight: float = opt(0.3, "cache_aware: weight of running requests / max_num_seqs.", min=0)
+    route_kv_weight: float = opt(0.3, "cache_aware: weight of the KV fraction in use after the prompt's new blocks.",
+                                 min=0)
     route_overflow_penalty: float = opt(10.0, "cache_aware: added when the prompt's new blocks do not fit "
-                                              "in the worker's free and evictable KV.")
-    route_cpu_credit: float = opt(0.8, "cache_aware: a CPU-tier block counts as this fraction of a GPU hit.")
-    route_disk_credit: float = opt(0.5, "cache_aware: a disk-tier block counts as this fraction of a GPU hit.")
+                                              "in the worker's free and evictable KV.", min=0)
+    route_cpu_credit: float = opt(0.8, "cache_aware: a CPU-tier block counts as this fraction of a GPU hit.",
+                                  min=0, max=1)
+    route_disk_credit: float = opt(0.5, "cache_aware: a disk-tier block counts as this fraction of a GPU hit.",
+                                   min=0, max=1)
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     """Engine fields that `kvmesh worker` takes and `kvmesh serve` hands to every worker it starts."""
 
-    max_num_seqs: int = opt(128, "Engine: most sequences in one step.")
+    max_num_seqs: int = opt(128, "Engine: most sequences in one step.", min=1)
     max_num_batched_tokens: int = opt(1536, "Engine: most tokens in one step (the prefill chunk riding with the decodes: "
-                                            "1536 kept p99 ITL at 41 ms on the H200 at concurrency 64, BENCHMARKS.md).")
-    max_model_len: int = opt(0, "Engine: longest prompt + output (0: the model's limit).")
-    num_gpu_blocks: int = opt(0, "Engine: KV blocks (0: profiled / CPU budget).")
-    dtype: str = opt("auto", "Engine: auto, float32, float16, bfloat16.")
+                                            "1536 kept p99 ITL at 41 ms on the H200 at concurrency 64, BENCHMARKS.md).",
+                                            min=1)
+    max_model_len: int = opt(0, "Engine: longest prompt + output (0: the model's limit).", min=0)
+    num_gpu_blocks: int = opt(0, "Engine: KV blocks (0: profiled / CPU budget).", min=0)
+    dtype: str = opt("auto", "Engine: auto, float32, float16, bfloat16.",
+                     choices=("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float"))
     gpu_memory_utilization: float = opt(0.9, "Engine: this worker's share of its GPU's total memory for "
-                                             "weights, activations and KV (two workers at 0.45 share one GPU).")
+                                             "weights, activations and KV (two workers at 0.45 share one GPU).",
+                                             above=0, max=1)
     quantization: str = opt("", "Engine: weight quantization ('' none, fp8: e4m3 weights, per-channel scales; "
                                 "fp8_lm_head: the lm_head in e4m3 too).", choices=("", "fp8", "fp8_lm_head"))
     kv_cache_dtype: str = opt("auto", "Engine: KV-cache storage (auto: the model's dtype; fp8: e4m3, "
@@ -164,6 +199,8 @@ class EngineSettings:
                               choices=("auto", "fp8"))
     async_scheduling: bool = opt(True, "Engine: prepare step N+1 on the CPU while the GPU runs step N "
                                        "(on by default: faster on the H200 at every load, BENCHMARKS.md).")
+    attention_backend: str = opt("auto", "Engine: attention kernels (auto: triton on CUDA, torch on CPU).",
+                                 choices=("auto", "torch", "triton"))
 
 
 @dataclass(frozen=True)
@@ -173,23 +210,21 @@ class WorkerConfig(EngineSettings, ServiceConfig):
     model: str = opt("", "Model directory (config.json, *.safetensors, tokenizer.json).")
     served_model_name: str = opt("", "Name clients use in `model` (default: the model directory's name).")
     role: str = opt("mixed", "Pool of this worker.", choices=("mixed", "prefill", "decode"))
-    device: str = opt("auto", "auto, cpu, cuda or cuda:N.")
+    device: str = opt("auto", "auto, cpu, cuda or cuda:N.", **DEVICE)
     worker_id: str = opt("", "Stable id (e.g. the pod name); default: host-pid-random.")
-    port: int = opt(50053, "gRPC port (grpc.health.v1).")
-    zmq_port: int = opt(5559, "ZMQ port receiving dispatches and aborts (0: any free port).")
-    metrics_port: int = opt(9103, "Prometheus /metrics port (0: any free port, -1: off).")
-    block_size: int = opt(16, "Engine: tokens per KV block.")
+    port: int = opt(50053, "gRPC port (grpc.health.v1).", **ANY_PORT)
+    zmq_port: int = opt(5559, "ZMQ port receiving dispatches and aborts (0: any free port).", **ANY_PORT)
+    metrics_port: int = opt(9103, "Prometheus /metrics port (0: any free port, -1: off).", **METRICS_PORT)
+    block_size: int = opt(16, "Engine: tokens per KV block.", min=1)
     seed: int = opt(0, "Engine seed.")
     enable_prefix_caching: bool = opt(True, "Engine: reuse KV blocks of shared prompt prefixes.")
-    attention_backend: str = opt("auto", "Engine: attention kernels (auto: triton on CUDA, torch on CPU).",
-                                 choices=("auto", "torch", "triton"))
-    tensor_parallel_size: int = opt(1, "Engine: GPUs one worker shards the model over (one rank per GPU).")
+    tensor_parallel_size: int = opt(1, "Engine: GPUs one worker shards the model over (one rank per GPU).", min=1)
     enable_expert_parallel: bool = opt(False, "Engine: MoE experts placed whole on ranks (all-to-all) "
                                               "instead of split across ranks.")
     kv_events: bool = opt(True, "Publish KV-cache events (PUB) and serve snapshots for the prefix-cache index.")
     null_model: bool = opt(False, "Skip the model: emit deterministic fake tokens (control-plane benchmarks only).")
-    null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms (sets the token rate).")
-    null_vocab_size: int = opt(32000, "Null model: vocabulary size of the fake tokens.")
+    null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms (sets the token rate).", min=0)
+    null_vocab_size: int = opt(32000, "Null model: vocabulary size of the fake tokens.", min=1)
 
 
 @dataclass(frozen=True)
@@ -197,17 +232,17 @@ class ServeConfig(EngineSettings):
     """`kvmesh serve`: the whole stack on one machine (each service its own process)."""
 
     model: str = opt("", "Model directory; default: a small built-in random model made on first use.")
-    workers: int = opt(1, "Number of GPU worker processes (mixed role).")
+    workers: int = opt(1, "Number of GPU worker processes (mixed role).", min=1)
     redis_url: str = opt("", "Use this Redis instead of starting an embedded one.")
     host: str = opt("127.0.0.1", "Bind address of the gateway (internal services always use loopback).")
-    port: int = opt(8000, "HTTP port of the gateway.")
-    device: str = opt("auto", "auto, cpu, cuda (workers take cuda:0, cuda:1, ... when several GPUs exist).")
+    port: int = opt(8000, "HTTP port of the gateway.", **PORT)
+    device: str = opt("auto", "auto, cpu, cuda (workers take cuda:0, cuda:1, ... when several GPUs exist).", **DEVICE)
     api_key: list = opt([], "Comma-separated API keys required by the gateway.")
     served_model_name: str = opt("", "Name clients use in `model` (default: the model directory's name).")
     routing: str = opt("cache_aware", "Scheduler: how a worker is chosen (kvmesh scheduler --routing).",
                        choices=("cache_aware", "least_loaded", "round_robin"))
     null_model: bool = opt(False, "Workers skip the model and emit fake tokens (control-plane benchmarks).")
-    null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms.")
+    null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms.", min=0)
     prefix_cache: bool = opt(True, "Start the prefix-cache index service when it is installed.")
     tokenize_in_gateway: bool = opt(True, "The gateway tokenizes prompts itself (saves the gRPC hop); "
                                           "--no-tokenize-in-gateway routes Tokenize through the tokenizer service.")
@@ -215,12 +250,13 @@ class ServeConfig(EngineSettings):
                                             "itself (saves the detokenizer hop per token); "
                                             "--no-detokenize-in-gateway streams through the tokenizer service.")
     log_level: str = opt("info", "Log level of every service.", choices=("debug", "info", "warning", "error"))
-    lease_ms: int = opt(3000, "Registry lease in ms (how fast a dead worker is noticed).")
-    heartbeat_ms: int = opt(500, "Heartbeat period in ms.")
-    ready_timeout_s: float = opt(300.0, "Seconds to wait for the stack to become ready.")
+    lease_ms: int = opt(3000, "Registry lease in ms (how fast a dead worker is noticed).", min=1)
+    heartbeat_ms: int = opt(500, "Heartbeat period in ms.", min=1)
+    ready_timeout_s: float = opt(300.0, "Seconds to wait for the stack to become ready.", above=0)
 
     def __post_init__(self) -> None:
         check_bind_host(self.host)
+        check_bounds(self)
 
 
 @dataclass(frozen=True)
@@ -379,6 +415,17 @@ def load_or_exit(cls: type[C], argv: list[str], prog: str) -> C:
         raise SystemExit(2) from None
 
 
+def _bounds_text(meta: Mapping[str, Any]) -> str:
+    lo, hi, above = meta.get("min"), meta.get("max"), meta.get("above")
+    if lo is not None and hi is not None:
+        return f" From {lo} to {hi}."
+    if above is not None:
+        return f" Greater than {above}" + (f", at most {hi}." if hi is not None else ".")
+    if lo is not None:
+        return f" At least {lo}."
+    return ""
+
+
 def flags_markdown(cls: type, without: type | None = None) -> str:
     """The Markdown table of `cls`'s flags (docs/services.md holds these; a test keeps them true):
     flag, environment variable, default, help. `without`: leave out the fields of this base."""
@@ -393,5 +440,6 @@ def flags_markdown(cls: type, without: type | None = None) -> str:
         text = f.metadata.get("help", "")
         if f.metadata.get("choices"):
             text += " One of: " + ", ".join(c or "''" for c in f.metadata["choices"]) + "."
+        text += _bounds_text(f.metadata)
         rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{default}` | {text} |")
     return "\n".join(rows)

@@ -134,7 +134,13 @@ class WorkerService:
         health = await add_health(server)
         await server.start()
         metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port, "worker")
-        engine = await asyncio.to_thread(build_engine, cfg)
+        try:
+            engine = await asyncio.to_thread(build_engine, cfg)
+        except (ValueError, FileNotFoundError) as exc:   # settings the model or this machine refuses
+            log.error("cannot start the engine: %s", exc)
+            log.debug("engine start-up", exc_info=True)
+            await server.stop(0)
+            return 2
         freeze = getattr(engine, "freeze_gc", None)      # the null engine has none
         if freeze is not None:
             freeze()        # this process serves with it until it exits: no full-heap GC pauses

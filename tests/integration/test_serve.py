@@ -78,3 +78,23 @@ def test_serve_exits_nonzero_when_a_service_crashes(tiny_model, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_refuses_out_of_range_flags_before_starting_anything():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    r = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--workers", "0"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--workers=0 must be at least 1" in r.stderr, r.stderr
+
+
+def test_serve_stops_with_the_engines_reason_when_the_model_refuses_a_setting(tiny_model, tmp_path):
+    """A value only the model can judge (a context longer than its positions) stops the stack with
+    the worker's one-line reason, not a traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    r = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", tiny_model, "--port",
+                        str(free_port()), "--device", "cpu", "--max-model-len", "1000000"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert "cannot start the engine: invalid engine argument max_model_len" in out, out[-3000:]
+    assert "worker-0 exited with code 2 during start-up" in out and "Traceback" not in out, out[-3000:]

@@ -1,10 +1,13 @@
 """The config tree: flags, KVMESH_* env, defaults, loud failures."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from services.config import (
-    ConfigError, GatewayConfig, ServeConfig, WorkerConfig, build_parser, known_env_names, parse_config, to_argv)
+    ConfigError, GatewayConfig, SchedulerConfig, ServeConfig, WorkerConfig, build_parser, known_env_names,
+    parse_config, to_argv)
 
 
 def test_precedence_flag_env_default():
@@ -79,3 +82,46 @@ def test_every_kvmesh_variable_read_in_code_is_known():
             read |= set(re.findall(r"environ(?:\.get\(|\[)\s*\"(KVMESH_[A-Z0-9_]+)\"", path.read_text()))
     assert {"KVMESH_DECODE_GEMV_MAX_M", "KVMESH_FP8_GEMV_MAX_M"} <= read     # the scan sees them
     assert read <= known_env_names(), read - known_env_names()
+
+
+@pytest.mark.parametrize("cls, argv, needle", [
+    (ServeConfig, ["--workers", "0"], "--workers=0 must be at least 1"),
+    (ServeConfig, ["--port", "70000"], "--port=70000 must be at most 65535"),
+    (ServeConfig, ["--port", "0"], "--port=0 must be at least 1"),
+    (ServeConfig, ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization=0.0 must be greater than 0"),
+    (ServeConfig, ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 must be at most 1"),
+    (ServeConfig, ["--max-num-seqs", "0"], "--max-num-seqs=0 must be at least 1"),
+    (ServeConfig, ["--max-model-len", "-1"], "--max-model-len=-1 must be at least 0"),
+    (ServeConfig, ["--device", "tpu"], "--device='tpu' must be auto, cpu, cuda or cuda:N"),
+    (ServeConfig, ["--dtype", "int8"], "--dtype='int8' must be one of"),
+    (WorkerConfig, ["--redis-url", "redis://x", "--metrics-port", "-2"], "--metrics-port=-2 must be at least -1"),
+    (WorkerConfig, ["--redis-url", "redis://x", "--block-size", "0"], "--block-size=0 must be at least 1"),
+    (WorkerConfig, ["--redis-url", "redis://x", "--device", "cuda:x"], "--device='cuda:x' must be"),
+    (GatewayConfig, ["--redis-url", "redis://x", "--max-body-bytes", "0"], "--max-body-bytes=0 must be at least 1"),
+    (SchedulerConfig, ["--redis-url", "redis://x", "--route-cpu-credit", "2"], "--route-cpu-credit=2.0 must be at most 1"),
+])
+def test_out_of_range_values_name_their_flag(cls, argv, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        parse_config(cls, argv, "prog", env={})
+
+
+def test_bounds_hold_for_env_values_and_code_too():
+    with pytest.raises(ConfigError, match=re.escape("--max-num-seqs=-4 must be at least 1")):
+        parse_config(ServeConfig, [], "prog", env={"KVMESH_MAX_NUM_SEQS": "-4"})
+    with pytest.raises(ConfigError, match="--lease-ms=0 must be at least 1"):
+        ServeConfig(lease_ms=0)
+    ok = parse_config(WorkerConfig, ["--redis-url", "redis://x", "--device", "cuda:1", "--metrics-port", "-1",
+                                     "--port", "0", "--gpu-memory-utilization", "1"], "prog", env={})
+    assert (ok.device, ok.metrics_port, ok.port, ok.gpu_memory_utilization) == ("cuda:1", -1, 0, 1.0)
+
+
+def test_every_numeric_flag_has_bounds():
+    """A new int/float flag states what it takes (opt's min/max/above), or is listed here on purpose."""
+    import dataclasses
+
+    from services.config import SECTIONS, _base_type
+    unbounded = {"seed"}      # any integer seeds the engine
+    for cls in SECTIONS:
+        for f in dataclasses.fields(cls):
+            if _base_type(f.type)[0] in (int, float) and f.name not in unbounded:
+                assert {"min", "max", "above"} & set(f.metadata), f"{cls.__name__}.{f.name} has no bounds"

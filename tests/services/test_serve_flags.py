@@ -4,13 +4,14 @@ from services.config import SchedulerConfig, ServeConfig, WorkerConfig, parse_co
 from services.launcher import _engine_flags
 
 ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "dtype", "gpu_memory_utilization",
-                 "quantization", "kv_cache_dtype", "async_scheduling")
+                 "quantization", "kv_cache_dtype", "async_scheduling", "attention_backend")
 
 
 def test_engine_settings_reach_the_worker_unchanged():
     serve = parse_config(ServeConfig, ["--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.45",
                                        "--quantization", "fp8", "--kv-cache-dtype", "fp8",
-                                       "--no-async-scheduling", "--max-num-seqs", "64"], "serve", env={})
+                                       "--no-async-scheduling", "--max-num-seqs", "64",
+                                       "--attention-backend", "torch"], "serve", env={})
     worker = parse_config(WorkerConfig, _engine_flags(serve), "worker", env={})
     for name in ENGINE_FIELDS:
         assert getattr(worker, name) == getattr(serve, name), name
