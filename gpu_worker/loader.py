@@ -11,8 +11,10 @@ so a missing or truncated download fails at once with the file's name:
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +27,9 @@ SINGLE_NAME = "model.safetensors"
 _MAX_HEADER = 100 * 1024 * 1024
 # Tensors a checkpoint may hold that the decoder recomputes or ignores.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+log = logging.getLogger("kvmesh.loader")
+LOG_EVERY_S = 5.0        # off a terminal: one progress line at most this often
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                 "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -112,34 +117,71 @@ def check_checkpoint(model_dir: str | Path, required: set[str]) -> dict[str, lis
 
 
 def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = True) -> None:
-    """Copy every checkpoint tensor into `model` (converting dtype and device), with a progress
-    bar over tensors on stderr."""
+    """Copy every checkpoint tensor into `model` (converting dtype and device), showing progress
+    over tensors (LoadProgress) and logging the time it took."""
     from safetensors import safe_open
-    from tqdm import tqdm
 
     model_dir = Path(model_dir)
     targets = model.hf_weight_targets()
     shards = check_checkpoint(model_dir, set(targets))
-    total = sum(len(names) for names in shards.values())
-    bar = tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr,
-               disable=not progress, leave=False)
+    bar = LoadProgress(sum(len(names) for names in shards.values()), progress)
     unknown = []
     with torch.no_grad():
         for file, names in shards.items():
-            bar.set_postfix_str(file)
+            bar.file(file)
             with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
                 for name in names:
-                    bar.update(1)
                     target = targets.get(name)
                     if target is None:
                         if not name.endswith(_IGNORED_SUFFIXES) and name != "lm_head.weight":
                             unknown.append(name)   # lm_head.weight in a tied model: unused
+                        bar.update(0)
                         continue
-                    _copy(target, f.get_tensor(name), name)
-    bar.close()
+                    tensor = f.get_tensor(name)
+                    _copy(target, tensor, name)
+                    bar.update(tensor.numel() * tensor.element_size())
+    bar.close(model_dir)
     if unknown:
         raise ModelLoadError(f"{model_dir} holds {len(unknown)} tensor(s) this architecture does not "
                              f"use, e.g. {unknown[:3]}; is config.json the right one?")
+
+
+class LoadProgress:
+    """A tqdm bar on a terminal; elsewhere (a service's log, a pod's) whole log lines, at most one
+    per LOG_EVERY_S, since a bar's carriage returns would garble the log lines around them."""
+
+    def __init__(self, total: int, show: bool, desc: str = "loading weights") -> None:
+        self.total, self.done, self.bytes, self.name, self.desc = total, 0, 0, "", desc
+        self.start = self.last = time.monotonic()
+        self.bar = None
+        if show and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
+        self.lines = show and self.bar is None
+
+    def file(self, name: str) -> None:
+        self.name = name
+        if self.bar is not None:
+            self.bar.set_postfix_str(name)
+
+    def update(self, nbytes: int) -> None:
+        self.done, self.bytes = self.done + 1, self.bytes + nbytes
+        if self.bar is not None:
+            self.bar.update(1)
+        elif self.lines and time.monotonic() - self.last >= LOG_EVERY_S:
+            self.last = time.monotonic()
+            log.info("%s: %d/%d tensors, %s (%s)", self.desc, self.done, self.total, _size(self.bytes), self.name)
+
+    def close(self, model_dir: Path) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        secs = time.monotonic() - self.start
+        log.info("loaded %d tensors, %s, from %s in %.1f s (%s/s)", self.done, _size(self.bytes), model_dir, secs,
+                 _size(self.bytes / max(secs, 1e-9)))
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def _copy(target, tensor: torch.Tensor, name: str) -> None:

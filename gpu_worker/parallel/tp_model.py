@@ -19,14 +19,13 @@ ranges of fused parameters come from the decoder's own `hf_weight_targets` on th
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from gpu_worker.attention.base import AttentionBackend
-from gpu_worker.loader import _IGNORED_SUFFIXES, check_checkpoint
+from gpu_worker.loader import _IGNORED_SUFFIXES, LoadProgress, check_checkpoint
 from gpu_worker.model_config import ModelConfig, ModelLoadError
 from gpu_worker.models.decoder import CausalLM
 from gpu_worker.models.moe import EXPERT_NAMES, SparseMoE
@@ -123,33 +122,33 @@ class TPCausalLM(CausalLM):
 def load_sharded_weights(model: TPCausalLM, model_dir: str | Path, progress: bool = True) -> None:
     """Read this rank's slice of every checkpoint tensor (safetensors slices: only those bytes)."""
     from safetensors import safe_open
-    from tqdm import tqdm
 
     model_dir = Path(model_dir)
     targets = model.hf_weight_targets()
     shards = check_checkpoint(model_dir, set(targets))
     skipped = model.hf_skipped_names()
-    bar = tqdm(total=sum(len(v) for v in shards.values()), desc=f"loading weights (rank {model.ctx.rank})",
-               unit="tensor", file=sys.stderr, disable=not progress, leave=False)
+    bar = LoadProgress(sum(len(v) for v in shards.values()), progress, f"loading weights (rank {model.ctx.rank})")
     unknown = []
     with torch.no_grad():
         for file, names in shards.items():
+            bar.file(file)
             with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
                 for name in names:
-                    bar.update(1)
                     target = targets.get(name)
                     if target is None:
                         if not (name.endswith(_IGNORED_SUFFIXES) or name == "lm_head.weight" or name in skipped):
                             unknown.append(name)
+                        bar.update(0)
                         continue
-                    _copy_slice(target, f.get_slice(name), model.hf_shard(name), name)
-    bar.close()
+                    bar.update(_copy_slice(target, f.get_slice(name), model.hf_shard(name), name))
+    bar.close(model_dir)
     if unknown:
         raise ModelLoadError(f"{model_dir} holds {len(unknown)} tensor(s) this architecture does not "
                              f"use, e.g. {unknown[:3]}; is config.json the right one?")
 
 
-def _copy_slice(target, lazy, shard: Shard | None, name: str) -> None:
+def _copy_slice(target, lazy, shard: Shard | None, name: str) -> int:
+    """Copies this rank's slice of one tensor; returns the bytes read."""
     shape = lazy.get_shape()
     index = [slice(None)] * len(shape)
     if shard is not None:
@@ -164,3 +163,4 @@ def _copy_slice(target, lazy, shard: Shard | None, name: str) -> None:
         raise ModelLoadError(f"tensor {name} slice has shape {tuple(tensor.shape)}, this rank expects "
                              f"{tuple(dst.shape)}")
     dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+    return tensor.numel() * tensor.element_size()

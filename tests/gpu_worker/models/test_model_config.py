@@ -146,3 +146,21 @@ def test_check_checkpoint_lists_tensors(tiny_models):
     shards = check_checkpoint(tiny_models["qwen2"], {"model.embed_tokens.weight"})
     names = shards["model.safetensors"]
     assert "model.layers.0.self_attn.q_proj.bias" in names and "lm_head.weight" not in names
+
+
+def test_loading_off_a_terminal_logs_whole_lines(tiny_models, monkeypatch, caplog):
+    """A service's stderr is a pipe or a pod log: progress comes as log lines (no tqdm carriage
+    returns), the last one with the tensors, bytes and time."""
+    import logging
+    import sys
+
+    import gpu_worker.loader as loader
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    monkeypatch.setattr(loader, "LOG_EVERY_S", 0.0)        # a line per tensor
+    with caplog.at_level(logging.INFO, logger="kvmesh.loader"):
+        _runner(tiny_models["llama"])
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvmesh.loader"]
+    shards = check_checkpoint(tiny_models["llama"], set())
+    n = sum(len(names) for names in shards.values())
+    assert sum(line.startswith("loading weights: ") for line in lines) == n
+    assert lines[-1].startswith(f"loaded {n} tensors, ") and " MB, from " in lines[-1], lines[-1]
