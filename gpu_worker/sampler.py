@@ -5,6 +5,7 @@ vLLM's order and semantics:
   1. logprobs are taken from the RAW model logits (log_softmax before any processing), and only
      for the rows that asked for them;
   2. min_tokens: EOS and stop_token_ids are masked until min_tokens outputs exist;
+  2b. logit_bias: each listed token's bias is added to its logit (a -inf mask stays -inf);
   3. penalties: repetition over prompt + output (positive logits divided, negative multiplied),
      presence and frequency over the output only (subtracted);
   4. greedy (temperature < 1e-5) -> argmax; otherwise temperature, then min_p, top_k, top_p,
@@ -183,11 +184,14 @@ class Sampler:
         x = raw
         masked = [i for i, r in enumerate(requests)
                   if r.params.min_tokens and r.stop_ids and _position(r) < r.params.min_tokens]
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalized = [i for i, p in enumerate(params) if _needs_penalty(p)]
-        if masked or penalized:
+        if masked or biased or penalized:
             x = raw.to(torch.float32, copy=True)
             if masked:
                 _mask_stop_ids(x, [requests[i] for i in masked], masked)
+            if biased:                      # before the penalties, as vLLM and OpenAI apply it
+                _add_logit_bias(x, [params[i] for i in biased], biased)
             if penalized:
                 _apply_penalties(x, [requests[i] for i in penalized], penalized)
 
@@ -258,6 +262,15 @@ def _mask_stop_ids(x: torch.Tensor, reqs: list[SampleRequest], rows: list[int]) 
     ri = [row for row, r in zip(rows, reqs) for _ in r.stop_ids]
     ci = [t for r in reqs for t in r.stop_ids]
     x[to_device(ri, x.device), to_device(ci, x.device)] = float("-inf")
+
+
+def _add_logit_bias(x: torch.Tensor, ps: list[SamplingParams], rows: list[int]) -> None:
+    """x[row, token] += bias for every (token, bias) of each row's logit_bias (one indexed add)."""
+    ri = [row for row, p in zip(rows, ps) for _ in p.logit_bias]
+    ci = [t for p in ps for t in p.logit_bias]
+    bias = [b for p in ps for b in p.logit_bias.values()]
+    x.index_put_((to_device(ri, x.device), to_device(ci, x.device)), to_device(bias, x.device, x.dtype),
+                 accumulate=True)
 
 
 def _padded(lists: list, pad: int) -> np.ndarray:

@@ -119,6 +119,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
                 req = decode(CompletionRequest, body)
                 prompts, params = completion_prompts(req, cfg.max_prompts)
             model = check_model(req.model)
+            backend.check_vocab(model, params)
             job, prompt_lens = await backend.start(prompts, params, tenant=tenant, priority=req.priority,
                                                    cache_salt=salt(tenant, req.cache_salt))
         except ApiError as err:

@@ -26,11 +26,11 @@ import grpc
 
 from services import metrics
 from services.config import GatewayConfig
-from services.gateway.schemas import ApiError
+from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
     Abort, Admitted, GatewayInbox, Rejected, RequestFailed, StepOutput, StreamOpen, Submit, TextBatch, TextDelta,
     TokenizeReply, TokenizeRequest)
-from services.protocol.sampling import SamplingParams
+from services.protocol.sampling import SamplingParams, SamplingParamsError
 from services.registry import Membership, Registry
 from services.text.streams import SCHEDULER, STREAM_MAX_AGE_S, DetokCore
 from services.tokenize import INLINE_CHARS, TokenizeError, prompt_chars, tokenize
@@ -71,10 +71,10 @@ class Job:
                                code="scheduler_unavailable", retry_after=1) from None
             if isinstance(msg, Rejected):
                 raise ApiError(msg.status, msg.message, type_=_error_type(msg.status), code=msg.code,
-                               retry_after=msg.retry_after_s)
+                               retry_after=msg.retry_after_s, param=_param(msg.status, msg.message))
             if isinstance(msg, RequestFailed):   # failed before the answer began: a plain error
                 raise ApiError(msg.status, msg.message, type_=_error_type(msg.status), code=msg.code,
-                               retry_after=1 if msg.status == 503 else 0)
+                               retry_after=1 if msg.status == 503 else 0, param=_param(msg.status, msg.message))
             waiting.discard(msg.request_id)
             if not isinstance(msg, Admitted):
                 early.append(msg)   # a delta (or failure) that overtook the admission
@@ -99,7 +99,8 @@ class Job:
                 elif isinstance(msg, RequestFailed):
                     if batch:
                         yield batch
-                    raise ApiError(msg.status, msg.message, type_=_error_type(msg.status), code=msg.code)
+                    raise ApiError(msg.status, msg.message, type_=_error_type(msg.status), code=msg.code,
+                                   param=_param(msg.status, msg.message))
                 if self.queue.empty():
                     break
                 msg = self.queue.get_nowait()
@@ -127,6 +128,12 @@ def _error_type(status: int) -> str:
     return {400: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
 
 
+def _param(status: int, message: str) -> str | None:
+    """A worker's 400 (a parameter only it can judge, e.g. a token id past the vocabulary) names
+    its field the way the gateway's own checks do."""
+    return param_of(message) if status == 400 else None
+
+
 class Backend:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
@@ -138,6 +145,7 @@ class Backend:
         self.tokenizers: dict[str, object] = {}    # grpc target -> stub
         self._rr = itertools.count()
         self.models: list[str] = []
+        self.vocab_sizes: dict[str, int] = {}     # model -> its workers' vocabulary size
         self.workers_ready = 0
         self.id = f"gw-{os.getpid()}-{self._tag[:-1]}"
         self.detok_addrs: list[str] = []
@@ -195,6 +203,8 @@ class Backend:
         workers = [w for w in live["worker"] if not w.info.get("draining")]
         self.workers_ready = len(workers)
         self.models = sorted({str(w.info.get("model", "")) for w in workers} - {""})
+        self.vocab_sizes = {str(w.info["model"]): int(w.info.get("vocab_size") or 0)
+                            for w in workers if w.info.get("model")}
         self._fail_orphans()
 
     def _fail_orphans(self) -> None:
@@ -263,6 +273,15 @@ class Backend:
             raise ApiError(400, str(exc), param="messages" if req.messages is not None else "prompt") from None
         detok = self.reply_addr if self.detok is not None else self.detok_addrs[next(self._rr) % len(self.detok_addrs)]
         return TokenizeReply(prompt_token_ids=ids, detok_addr=detok, vocab_size=self.local_tok.vocab_size)
+
+    def check_vocab(self, model: str, params: SamplingParams) -> None:
+        """Refuse token ids past the model's vocabulary (logit_bias, stop_token_ids; top_k) here,
+        before a stream begins, rather than in the worker after it has (which checks again)."""
+        if vocab := self.vocab_sizes.get(model):
+            try:
+                params.validate(vocab)
+            except SamplingParamsError as exc:
+                raise ApiError(400, str(exc), param=param_of(str(exc))) from None
 
     async def start(self, prompts: list[TokenizeRequest], params: SamplingParams, *, tenant: str,
                     priority: int, cache_salt: str) -> tuple[Job, list[int]]:

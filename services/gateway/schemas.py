@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from services.protocol.messages import ChatMessage, TokenizeRequest
-from services.protocol.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from services.protocol.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 MAX_CACHE_SALT = 256
 MAX_PRIORITY = 1 << 31
@@ -33,6 +33,12 @@ class ApiError(Exception):
 
 def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def param_of(message: str) -> str | None:
+    """The field a SamplingParamsError names ("invalid <field>: why"), wherever it was raised."""
+    m = re.match(r"invalid ([a-z_]+): ", message)
+    return m.group(1) if m else None
 
 
 class StreamOptions(msgspec.Struct):
@@ -128,9 +134,23 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's {"token id as a string": bias} -> {token id: bias} (bounds: SamplingParams.validate;
+    ids past the vocabulary: the worker, which knows it)."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad(f"invalid logit_bias: at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad(f"invalid logit_bias: keys must be token ids (decimal strings), got {key[:20]!r}",
+                      "logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
 def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    if req.logit_bias:
-        raise bad("logit_bias is not supported", "logit_bias")
     if req.cache_salt is not None and len(req.cache_salt) > MAX_CACHE_SALT:
         raise bad(f"cache_salt must have at most {MAX_CACHE_SALT} characters", "cache_salt")
     if not -MAX_PRIORITY <= req.priority < MAX_PRIORITY:
@@ -144,11 +164,11 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) 
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=_stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            logit_bias=_logit_bias(req.logit_bias))
         params.validate()
     except SamplingParamsError as exc:
-        field = str(exc).split(":", 1)[0].removeprefix("invalid ").strip()
-        raise bad(str(exc), field) from None
+        raise bad(str(exc), param_of(str(exc))) from None
     return params
 
 

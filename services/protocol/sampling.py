@@ -13,6 +13,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 1024            # token ids one request may bias
+MAX_ABS_LOGIT_BIAS = 100.0       # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
 class SamplingParamsError(ValueError):
@@ -36,6 +38,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = {}   # token id -> added to its logit before penalties and sampling
 
     @property
     def greedy(self) -> bool:
@@ -78,3 +81,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             raise bad("stop_token_ids", f"ids must be in [0, {vocab_size})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias.items():
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise bad("logit_bias", f"token ids must be in [0, {vocab_size or 'vocab size'}), got {token}")
+            if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:    # NaN fails too
+                raise bad("logit_bias", f"biases must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], "
+                                        f"got {bias} for token {token}")

@@ -161,6 +161,32 @@ def test_greedy_matches_offline_engine(stack):
         assert r.usage.completion_tokens == len(tokens[f"r{i}"]) == 12
 
 
+def test_logit_bias_forces_and_bans_tokens(stack):
+    from services.text.tokenizer import load_tokenizer
+    tok, client = load_tokenizer(stack.model), stack.openai()
+    kw = dict(model=stack.model_name, prompt=[11, 12, 13], max_tokens=5, temperature=0,
+              extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].text
+    forced = client.completions.create(**kw, logit_bias={"777": 100}).choices[0].text
+    assert forced == tok.decode([777] * 5) != plain
+    first = client.completions.create(**{**kw, "max_tokens": 1}, logprobs=0).choices[0].logprobs.tokens[0]
+    banned = [i for i in range(tok.vocab_size) if tok.decode([i]) == first][:8]
+    r = client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=1, temperature=0, logit_bias={str(i): -100 for i in banned})
+    assert r.choices[0].message.content != first
+
+
+@pytest.mark.parametrize("bias, stream", [({"x1": 5}, False), ({"5": 101}, False), ({"1" * 12: 1}, False),
+                                          ({"999999": 1}, False), ({"999999": 1}, True)])
+def test_bad_logit_bias_is_a_400_naming_it_before_any_stream(stack, bias, stream):
+    """Token ids past the vocabulary too: the gateway knows the workers' vocabulary size."""
+    with pytest.raises(openai.BadRequestError) as err:
+        r = stack.openai().completions.create(model=stack.model_name, prompt="hi", max_tokens=2,
+                                              logit_bias=bias, stream=stream)
+        list(r) if stream else None
+    assert err.value.body["param"] == "logit_bias", err.value.body
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"messages": [{"role": "user", "content": "hi"}], "n": 100}, 400, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),

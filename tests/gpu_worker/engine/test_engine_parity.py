@@ -148,3 +148,32 @@ def drain_one(eng: Engine, ids: list[int], params: SamplingParams) -> list[list[
     eng.add_request("s", ids, params)
     out = drain(eng)
     return [out[("s", i)]["tokens"] for i in range(params.n)]
+
+
+def test_logit_bias_matches_transformers_sequence_bias(arch_model):
+    """logit_bias == transformers' SequenceBiasLogitsProcessor with one-token sequences, greedy,
+    beside an unbiased request in the same batches."""
+    from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+
+    model_dir, hf = arch_model
+    ids = prompt(12, 7)
+    plain = hf.greedy(ids, STEPS)[0]
+    with torch.no_grad():
+        first = hf.model(input_ids=torch.tensor([ids])).logits[0, -1].topk(3).indices.tolist()
+    bias = {first[0]: -100.0, first[2]: 1.5, 17: 4.0, 999: -3.0}        # ban HF's pick, favour others
+    proc = SequenceBiasLogitsProcessor(sequence_bias={(t,): b for t, b in bias.items()})
+    tokens: list[int] = []
+    with torch.no_grad():
+        for _ in range(STEPS):
+            input_ids = torch.tensor([ids + tokens])
+            scores = proc(input_ids, hf.model(input_ids=input_ids).logits[:, -1].float())
+            tokens.append(int(scores.argmax(-1)))
+    assert tokens != plain and first[0] not in tokens       # the bias changed the path
+
+    eng = engine(model_dir)
+    eng.add_request("biased", ids, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True,
+                                                  logit_bias=bias))
+    eng.add_request("plain", ids, greedy())
+    out = drain(eng)
+    assert out[("biased", 0)]["tokens"] == tokens
+    assert out[("plain", 0)]["tokens"] == plain

@@ -1,5 +1,6 @@
 """Sampler semantics on hand-made logits."""
 import math
+import re
 
 import pytest
 import torch
@@ -111,3 +112,39 @@ def test_greedy_rows_of_bf16_logits_are_not_copied_to_float32(monkeypatch):
     out = Sampler()(logits, [req(i, temperature=0.0) for i in range(4)])
     assert [r.token_id for r in out] == want
     assert casts == []
+
+
+def test_logit_bias_moves_greedy_and_bans_tokens():
+    assert one(BASE, temperature=0.0, logit_bias={7: 2.5}).token_id == 7          # 3 + 2.5 > 5
+    assert one(BASE, temperature=0.0, logit_bias={1: -100.0, 2: -100.0}).token_id == 7
+    r = one(BASE, temperature=0.0, logit_bias={7: 2.5}, logprobs=1)
+    assert r.logprob.logprob == pytest.approx(float(torch.log_softmax(torch.tensor(BASE), -1)[7]))  # raw
+    for seed in range(20):                                   # a banned token is never drawn
+        assert one(BASE, temperature=1.0, seed=seed, logit_bias={1: -100.0}).token_id != 1
+
+
+def test_logit_bias_comes_before_penalties_and_keeps_min_tokens_masks():
+    # bias first: 3 + 2.5 = 5.5 > 5, then presence 2.0 on output token 7 -> 3.5 < 5: token 1 wins
+    assert one(BASE, temperature=0.0, logit_bias={7: 2.5}, presence_penalty=2.0, out=[7]).token_id == 1
+    # a stop id masked under min_tokens stays masked whatever its bias
+    assert one(BASE, temperature=0.0, logit_bias={1: 100.0}, min_tokens=2, max_tokens=4, stop_ids=[1]).token_id == 2
+
+
+def test_logit_bias_per_row_in_a_batch():
+    x = torch.tensor([BASE, BASE, BASE], dtype=torch.float32)
+    before = x.clone()
+    rs = [req(0, temperature=0.0, logit_bias={3: 10.0}), req(1, temperature=0.0),
+          req(2, temperature=0.0, logit_bias={3: 1.0, 4: 20.0})]
+    assert [r.token_id for r in Sampler()(x, rs)] == [3, 1, 4]
+    assert torch.equal(x, before)                            # the logits are not changed in place
+
+
+@pytest.mark.parametrize("bias, needle", [
+    ({-1: 1.0}, "token ids must be in"), ({V: 1.0}, "token ids must be in [0, 8)"),
+    ({1: 101.0}, "biases must be in [-100, 100]"), ({1: float("nan")}, "biases must be in"),
+    ({i: 1.0 for i in range(1025)}, "at most 1024 token ids"),
+])
+def test_logit_bias_is_bounded(bias, needle):
+    from services.protocol.sampling import SamplingParamsError
+    with pytest.raises(SamplingParamsError, match=re.escape(needle)):
+        SamplingParams(logit_bias=bias).validate(V)
