@@ -1,16 +1,18 @@
-"""Tokenize: a TokenizeRequest (plain prompt, client token ids, or chat messages) -> prompt ids.
+"""Tokenize: a TokenizeRequest (plain prompt, client token ids, or chat messages) -> prompt ids;
+detokenize: ids -> text (the /detokenize route, /tokenize's token strings).
 
-Shared by tokenizer_svc (the gRPC Tokenize method) and the gateway's optional in-process
-tokenization. Raises TokenizeError with a client-facing message (the gateway answers 400).
+Shared by tokenizer_svc (the gRPC Tokenize and Detokenize methods) and the gateway's optional
+in-process tokenization. Raises TokenizeError with a client-facing message (the gateway answers 400).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from services.protocol.messages import TokenizeRequest
+from services.protocol.messages import DetokenizeReply, DetokenizeRequest, TokenizeRequest
 from services.text.chat_template import ChatTemplateError
 
 INLINE_CHARS = 4096  # shorter prompts tokenize on the event loop; longer ones in a thread
+MAX_DETOKENIZE_IDS = 1 << 20
 
 
 class TokenizeError(ValueError):
@@ -43,3 +45,15 @@ def tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
 
 def prompt_chars(req: TokenizeRequest) -> int:
     return len(req.prompt or "") + sum(len(m.content or "") for m in (req.messages or ()))
+
+
+def detokenize(tok: Any, req: DetokenizeRequest) -> DetokenizeReply:
+    """/detokenize's text (and /tokenize's token strings); ids outside the vocabulary are refused."""
+    vocab = tok.vocab_size
+    if len(req.token_ids) > MAX_DETOKENIZE_IDS:
+        raise TokenizeError(f"at most {MAX_DETOKENIZE_IDS} token ids")
+    if any(not 0 <= t < vocab for t in req.token_ids):
+        raise TokenizeError(f"token ids must be in [0, {vocab})")
+    strs = [tok.id_to_token(t) or "" for t in req.token_ids] if req.token_strs else None
+    return DetokenizeReply(text=tok.decode(req.token_ids, skip_special_tokens=req.skip_special_tokens),
+                           token_strs=strs)

@@ -3,6 +3,7 @@
 Handlers (everything this process accepts):
 
     gRPC kvmesh.Tokenizer/Tokenize  TokenizeRequest -> TokenizeReply (carries this detok's address)
+    gRPC kvmesh.Tokenizer/Detokenize  DetokenizeRequest -> DetokenizeReply (the gateway's /detokenize)
     ZMQ  StreamOpen                 -> DetokCore.open    (from workers, before a request's tokens)
     ZMQ  StepOutput                 -> DetokCore.step    (from workers, one per engine step)
     ZMQ  Abort                      -> DetokCore.abort   (from workers / the scheduler)
@@ -22,10 +23,11 @@ import grpc
 from services import metrics
 from services.config import TokenizerConfig, load_or_exit
 from services.logging import setup as setup_logging
-from services.protocol.messages import Abort, DetokInbox, StepOutput, StreamOpen, TokenizeReply, TokenizeRequest
+from services.protocol.messages import (Abort, DetokenizeReply, DetokenizeRequest, DetokInbox, StepOutput, StreamOpen,
+                                       TokenizeReply, TokenizeRequest)
 from services.registry import Registry
 from services.shell import run_until_signal
-from services.tokenize import INLINE_CHARS, TokenizeError, prompt_chars, tokenize
+from services.tokenize import INLINE_CHARS, TokenizeError, detokenize, prompt_chars, tokenize
 from services.transport import (
     Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr, unary_handler)
 from tokenizer_svc.detok import SCHEDULER, STREAM_MAX_AGE_S, DetokCore, Envelope
@@ -59,10 +61,19 @@ class TokenizerService:
         metrics.TOKENS_IN.inc(len(ids))
         return TokenizeReply(prompt_token_ids=ids, detok_addr=self.detok_addr, vocab_size=self.tok.vocab_size)
 
+    async def detokenize(self, req: DetokenizeRequest, context: grpc.aio.ServicerContext) -> DetokenizeReply:
+        try:
+            if len(req.token_ids) <= INLINE_CHARS:
+                return detokenize(self.tok, req)
+            return await asyncio.get_running_loop().run_in_executor(self.pool, detokenize, self.tok, req)
+        except TokenizeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
     async def run(self) -> int:
         cfg = self.cfg
         server, grpc_port = grpc_server(cfg.host, cfg.port)
-        server.add_generic_rpc_handlers([unary_handler(GRPC_SERVICE, {"Tokenize": (self.tokenize, TokenizeRequest)})])
+        server.add_generic_rpc_handlers([unary_handler(GRPC_SERVICE, {
+            "Tokenize": (self.tokenize, TokenizeRequest), "Detokenize": (self.detokenize, DetokenizeRequest)})])
         health = await add_health(server)
         self.receiver: Receiver = Receiver(DetokInbox, cfg.host, cfg.zmq_port, name="detokenizer")
         host = cfg.reachable_host()

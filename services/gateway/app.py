@@ -1,6 +1,7 @@
 """HTTP routes of the OpenAI-compatible API (FastAPI on uvicorn).
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models      (API key when configured)
+    POST /tokenize              POST /detokenize       (vLLM's; API key when configured)
     GET  /health (liveness)     GET  /ready (a tokenizer, the scheduler and a worker are live)
     GET  /metrics (Prometheus)
 
@@ -25,7 +26,9 @@ from services.gateway.backend import Backend, Job
 from services.gateway.render import Accumulator, ChunkWriter
 from services.protocol.kv_events import cache_salt_for
 from services.gateway.schemas import (
-    ApiError, ChatRequest, CompletionRequest, chat_prompt, completion_prompts, decode)
+    ApiError, ChatRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_prompt, completion_prompts, decode,
+    tokenize_request)
+from services.protocol.messages import DetokenizeRequest
 
 _json = msgspec.json.Encoder()
 
@@ -142,6 +145,46 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve(request, "completions")
+
+    def served_model(model: str | None) -> str:
+        """/tokenize and /detokenize may leave the model out when one is served (vLLM's)."""
+        if model is None and len(backend.models) == 1:
+            return backend.models[0]
+        return check_model(model)
+
+    async def tokenize_answer(request: Request) -> dict[str, Any]:
+        tenant_of(request)
+        body = decode(TokenizeBody, await read_body(request))
+        model = served_model(body.model)
+        ids = await backend.token_ids(tokenize_request(body, cfg.max_messages))
+        strs = None
+        if body.return_token_strs:
+            strs = (await backend.detokenize(DetokenizeRequest(token_ids=ids, token_strs=True))).token_strs
+        return {"count": len(ids), "max_model_len": backend.max_model_lens.get(model, 0), "tokens": ids,
+                "token_strs": strs}
+
+    async def detokenize_answer(request: Request) -> dict[str, Any]:
+        tenant_of(request)
+        body = decode(DetokenizeBody, await read_body(request))
+        served_model(body.model)
+        return {"prompt": (await backend.detokenize(DetokenizeRequest(token_ids=body.tokens))).text}
+
+    async def utility(request: Request, route: str, answer) -> Response:
+        try:
+            out = await answer(request)
+        except ApiError as err:
+            metrics.REQUESTS.labels(route, str(err.status)).inc()
+            return error_response(err)
+        metrics.REQUESTS.labels(route, "200").inc()
+        return Response(_json.encode(out), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await utility(request, "tokenize", tokenize_answer)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await utility(request, "detokenize", detokenize_answer)
 
     return app
 

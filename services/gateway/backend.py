@@ -28,12 +28,12 @@ from services import metrics
 from services.config import GatewayConfig
 from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
-    Abort, Admitted, GatewayInbox, Rejected, RequestFailed, StepOutput, StreamOpen, Submit, TextBatch, TextDelta,
-    TokenizeReply, TokenizeRequest)
+    Abort, Admitted, DetokenizeReply, DetokenizeRequest, GatewayInbox, Rejected, RequestFailed, StepOutput, StreamOpen,
+    Submit, TextBatch, TextDelta, TokenizeReply, TokenizeRequest)
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 from services.registry import Membership, Registry
 from services.text.streams import SCHEDULER, STREAM_MAX_AGE_S, DetokCore
-from services.tokenize import INLINE_CHARS, TokenizeError, prompt_chars, tokenize
+from services.tokenize import INLINE_CHARS, TokenizeError, detokenize, prompt_chars, tokenize
 from services.transport import Receiver, Sender, grpc_channel, tcp_addr, unary_stub
 
 log = logging.getLogger("kvmesh.gateway")
@@ -143,9 +143,11 @@ class Backend:
         self.registry = Registry(cfg.redis_url)
         self.scheduler: Sender | None = None
         self.tokenizers: dict[str, object] = {}    # grpc target -> stub
+        self.detokenizers: dict[str, object] = {}  # the same targets' Detokenize
         self._rr = itertools.count()
         self.models: list[str] = []
         self.vocab_sizes: dict[str, int] = {}     # model -> its workers' vocabulary size
+        self.max_model_lens: dict[str, int] = {}  # model -> its workers' longest prompt + output
         self.workers_ready = 0
         self.id = f"gw-{os.getpid()}-{self._tag[:-1]}"
         self.detok_addrs: list[str] = []
@@ -196,15 +198,20 @@ class Backend:
             targets = [r.addrs["grpc"] for r in live["tokenizer"] if "grpc" in r.addrs]
         for t in targets:
             if t not in self.tokenizers:
-                self.tokenizers[t] = unary_stub(grpc_channel(t), TOKENIZER_SERVICE, "Tokenize", TokenizeReply)
+                channel = grpc_channel(t)
+                self.tokenizers[t] = unary_stub(channel, TOKENIZER_SERVICE, "Tokenize", TokenizeReply)
+                self.detokenizers[t] = unary_stub(channel, TOKENIZER_SERVICE, "Detokenize", DetokenizeReply)
         for t in [t for t in self.tokenizers if t not in targets]:
             del self.tokenizers[t]
+            self.detokenizers.pop(t, None)
         self.detok_addrs = [r.addrs["zmq"] for r in live["tokenizer"] if "zmq" in r.addrs]
         workers = [w for w in live["worker"] if not w.info.get("draining")]
         self.workers_ready = len(workers)
         self.models = sorted({str(w.info.get("model", "")) for w in workers} - {""})
         self.vocab_sizes = {str(w.info["model"]): int(w.info.get("vocab_size") or 0)
                             for w in workers if w.info.get("model")}
+        self.max_model_lens = {str(w.info["model"]): int(w.info.get("max_model_len") or 0)
+                               for w in workers if w.info.get("model")}
         self._fail_orphans()
 
     def _fail_orphans(self) -> None:
@@ -257,6 +264,37 @@ class Backend:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ApiError(400, exc.details() or "invalid prompt", param="messages") from None
             log.warning("tokenize failed: %s %s", exc.code(), exc.details())
+            raise ApiError(503, "the tokenizer service is unavailable; retry later", type_="server_error",
+                           code="tokenizer_unavailable", retry_after=1) from None
+
+    async def token_ids(self, req: TokenizeRequest) -> list[int]:
+        """The prompt's ids alone (the /tokenize route): no detokenizer needs to be up."""
+        if self.local_tok is None:
+            return (await self.tokenize(req)).prompt_token_ids
+        try:
+            if prompt_chars(req) <= INLINE_CHARS:
+                return tokenize(self.local_tok, req)
+            return await asyncio.to_thread(tokenize, self.local_tok, req)
+        except TokenizeError as exc:
+            raise ApiError(400, str(exc), param="messages" if req.messages is not None else "prompt") from None
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeReply:
+        try:
+            if self.local_tok is not None:
+                return detokenize(self.local_tok, req)
+        except TokenizeError as exc:
+            raise ApiError(400, str(exc), param="tokens") from None
+        if not self.detokenizers:
+            raise ApiError(503, "no tokenizer service is available; retry later", type_="server_error",
+                           code="tokenizer_unavailable", retry_after=1)
+        targets = list(self.detokenizers)
+        stub = self.detokenizers[targets[next(self._rr) % len(targets)]]
+        try:
+            return await stub(req, timeout=30)  # type: ignore[operator]
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ApiError(400, exc.details() or "invalid token ids", param="tokens") from None
+            log.warning("detokenize failed: %s %s", exc.code(), exc.details())
             raise ApiError(503, "the tokenizer service is unavailable; retry later", type_="server_error",
                            code="tokenizer_unavailable", retry_after=1) from None
 

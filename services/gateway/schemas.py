@@ -107,7 +107,38 @@ class CompletionRequest(_Common, kw_only=True):
     suffix: str | None = None
 
 
-_decoders = {cls: msgspec.json.Decoder(cls) for cls in (ChatRequest, CompletionRequest)}
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    """POST /tokenize (vLLM's): a completion prompt, or chat messages rendered with the template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    """POST /detokenize (vLLM's)."""
+    model: str | None = None
+    tokens: list[int]
+
+
+_decoders = {cls: msgspec.json.Decoder(cls) for cls in (ChatRequest, CompletionRequest, TokenizeBody,
+                                                         DetokenizeBody)}
+
+
+def tokenize_request(body: TokenizeBody, max_messages: int) -> TokenizeRequest:
+    if (body.prompt is None) == (body.messages is None):
+        raise bad("give exactly one of prompt or messages", "prompt")
+    if body.messages is None:
+        return TokenizeRequest(prompt=body.prompt, add_special_tokens=body.add_special_tokens)
+    if not body.messages:
+        raise bad("messages must not be empty", "messages")
+    if len(body.messages) > max_messages:
+        raise bad(f"at most {max_messages} messages per request", "messages")
+    return TokenizeRequest(messages=chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
+                           tools=body.tools)
 
 
 def decode(cls: type, body: bytes) -> Any:
@@ -172,6 +203,19 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) 
     return params
 
 
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" or p.text is None for p in content):
+                raise bad("only text content parts are supported", f"messages[{i}].content")
+            content = "".join(p.text or "" for p in content)
+        out.append(ChatMessage(role=m.role, content=content, name=m.name, tool_calls=m.tool_calls,
+                               tool_call_id=m.tool_call_id))
+    return out
+
+
 def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, SamplingParams]:
     if not req.messages:
         raise bad("messages must not be empty", "messages")
@@ -179,15 +223,7 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
         raise bad(f"at most {max_messages} messages per request", "messages")
     if req.response_format is not None and req.response_format.type != "text":
         raise bad("only response_format type 'text' is supported", "response_format")
-    messages = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            if any(p.type != "text" or p.text is None for p in content):
-                raise bad("only text content parts are supported", f"messages[{i}].content")
-            content = "".join(p.text or "" for p in content)
-        messages.append(ChatMessage(role=m.role, content=content, name=m.name, tool_calls=m.tool_calls,
-                                    tool_call_id=m.tool_call_id))
+    messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

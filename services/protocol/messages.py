@@ -189,6 +189,17 @@ class TokenizeReply(Msg, tag="tokenized", kw_only=True):
     vocab_size: int
 
 
+class DetokenizeRequest(Msg, tag="detokenize", kw_only=True):
+    token_ids: list[int]
+    skip_special_tokens: bool = False
+    token_strs: bool = False                  # also each id's own token string (the vocabulary's)
+
+
+class DetokenizeReply(Msg, tag="detokenized", kw_only=True):
+    text: str
+    token_strs: list[str] | None = None
+
+
 # ----------------------------------------------------------------------------- inbox unions
 
 SchedulerInbox = Union[Submit, Abort, WorkerStatus]

@@ -264,3 +264,35 @@ def test_prefix_cache_hits_reported_in_usage(stack):
     client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=2)
     r = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=2)
     assert r.usage.prompt_tokens_details.cached_tokens >= 48
+
+
+def test_tokenize_and_detokenize_routes(stack):
+    """vLLM's /tokenize and /detokenize, here through the tokenizer service's gRPC (this stack's
+    gateway has no model of its own); they match the tokenizer the workers use."""
+    from services.text.tokenizer import load_tokenizer
+    tok = load_tokenizer(stack.model)
+    post = lambda path, body: httpx.post(stack.base_url + path, json=body, timeout=30)  # noqa: E731
+    r = post("/tokenize", {"model": stack.model_name, "prompt": "Tell me a story.", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode("Tell me a story.") and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == [tok.id_to_token(i) for i in body["tokens"]] and body["max_model_len"] > 0
+    chat_ids = post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]   # model left out
+    assert chat_ids == tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    r = post("/detokenize", {"model": stack.model_name, "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(body["tokens"], skip_special_tokens=False)}
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
+    ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "12"}, 400, "tokens"),
+    ("/detokenize", {}, 400, "tokens"),
+])
+def test_tokenize_and_detokenize_refuse_bad_bodies(stack, path, body, status, param):
+    r = httpx.post(stack.base_url + path, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param, r.json()

@@ -25,8 +25,12 @@ def test_api_key_required(stack, keyed_gateway):
         client = stack.openai(api_key=key or "x", base_url=keyed_gateway)
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
-    r = httpx.post(keyed_gateway + "/v1/completions", json={"model": stack.model_name, "prompt": "hi"})
-    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    for path, body in (("/v1/completions", {"model": stack.model_name, "prompt": "hi"}),
+                       ("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        r = httpx.post(keyed_gateway + path, json=body)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+    r = httpx.post(keyed_gateway + "/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer sk-two"})
+    assert r.status_code == 200 and r.json()["count"] > 0
     # probes stay open
     assert httpx.get(keyed_gateway + "/health").status_code == 200
     assert httpx.get(keyed_gateway + "/ready").status_code == 200
