@@ -12,7 +12,7 @@ import httpx
 
 from services.embedded_redis import EmbeddedRedis
 from tests.integration.conftest import free_port
-from tests.integration.stack import ROOT, records, wait_ready
+from tests.integration.stack import ROOT, records, wait_for, wait_ready
 
 # 6 groups x 8 prompts: a shared system prompt of 4 blocks (64 tokens) + a 16-token question.
 GSP = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "6", "--gsp-prompts-per-group", "8",
@@ -34,6 +34,10 @@ def serve(model: str, workers: int, log_path):
     try:
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, 60)
+        # /ready needs one worker; a loaded machine may start the others later: wait until the
+        # scheduler routes over all of them, or the first would take every request
+        wait_for(lambda: scheduler_metric(redis.url, "kvmesh_scheduler_workers").get("") == workers, 60,
+                 f"the scheduler to see {workers} workers")
         yield base, redis.url
     finally:
         proc.terminate()
