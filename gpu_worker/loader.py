@@ -176,8 +176,8 @@ class LoadProgress:
         if self.bar is not None:
             self.bar.close()
         secs = time.monotonic() - self.start
-        log.info("loaded %d tensors, %s, from %s in %.1f s (%s/s)", self.done, _size(self.bytes), model_dir, secs,
-                 _size(self.bytes / max(secs, 1e-9)))
+        log.info("%s: done, %d tensors, %s, from %s in %.1f s (%s/s)", self.desc, self.done, _size(self.bytes),
+                 model_dir, secs, _size(self.bytes / max(secs, 1e-9)))
 
 
 def _size(nbytes: float) -> str:

@@ -12,6 +12,7 @@ from services.protocol.messages import DetokenizeReply, DetokenizeRequest, Token
 from services.text.chat_template import ChatTemplateError
 
 INLINE_CHARS = 4096  # shorter prompts tokenize on the event loop; longer ones in a thread
+INLINE_IDS = 4096    # shorter id lists detokenize on the event loop; longer ones in a thread
 MAX_DETOKENIZE_IDS = 1 << 20
 
 

@@ -27,7 +27,7 @@ from services.protocol.messages import (Abort, DetokenizeReply, DetokenizeReques
                                        TokenizeReply, TokenizeRequest)
 from services.registry import Registry
 from services.shell import run_until_signal
-from services.tokenize import INLINE_CHARS, TokenizeError, detokenize, prompt_chars, tokenize
+from services.tokenize import INLINE_CHARS, INLINE_IDS, TokenizeError, detokenize, prompt_chars, tokenize
 from services.transport import (
     Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr, unary_handler)
 from tokenizer_svc.detok import SCHEDULER, STREAM_MAX_AGE_S, DetokCore, Envelope
@@ -63,7 +63,7 @@ class TokenizerService:
 
     async def detokenize(self, req: DetokenizeRequest, context: grpc.aio.ServicerContext) -> DetokenizeReply:
         try:
-            if len(req.token_ids) <= INLINE_CHARS:
+            if len(req.token_ids) <= INLINE_IDS:
                 return detokenize(self.tok, req)
             return await asyncio.get_running_loop().run_in_executor(self.pool, detokenize, self.tok, req)
         except TokenizeError as exc:

@@ -169,7 +169,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         served_model(body.model)
         return {"prompt": (await backend.detokenize(DetokenizeRequest(token_ids=body.tokens))).text}
 
-    async def utility(request: Request, route: str, answer) -> Response:
+    async def json_route(request: Request, route: str, answer) -> Response:
         try:
             out = await answer(request)
         except ApiError as err:
@@ -180,11 +180,11 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
-        return await utility(request, "tokenize", tokenize_answer)
+        return await json_route(request, "tokenize", tokenize_answer)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
-        return await utility(request, "detokenize", detokenize_answer)
+        return await json_route(request, "detokenize", detokenize_answer)
 
     return app
 

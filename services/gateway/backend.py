@@ -33,7 +33,7 @@ from services.protocol.messages import (
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 from services.registry import Membership, Registry
 from services.text.streams import SCHEDULER, STREAM_MAX_AGE_S, DetokCore
-from services.tokenize import INLINE_CHARS, TokenizeError, detokenize, prompt_chars, tokenize
+from services.tokenize import INLINE_CHARS, INLINE_IDS, TokenizeError, detokenize, prompt_chars, tokenize
 from services.transport import Receiver, Sender, grpc_channel, tcp_addr, unary_stub
 
 log = logging.getLogger("kvmesh.gateway")
@@ -279,11 +279,15 @@ class Backend:
             raise ApiError(400, str(exc), param="messages" if req.messages is not None else "prompt") from None
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeReply:
-        try:
-            if self.local_tok is not None:
-                return detokenize(self.local_tok, req)
-        except TokenizeError as exc:
-            raise ApiError(400, str(exc), param="tokens") from None
+        """The /detokenize route and /tokenize's token strings: here when this gateway has the
+        tokenizer, else through a tokenizer service's gRPC Detokenize."""
+        if self.local_tok is not None:
+            try:
+                if len(req.token_ids) <= INLINE_IDS:
+                    return detokenize(self.local_tok, req)
+                return await asyncio.to_thread(detokenize, self.local_tok, req)
+            except TokenizeError as exc:
+                raise ApiError(400, str(exc), param="tokens") from None
         if not self.detokenizers:
             raise ApiError(503, "no tokenizer service is available; retry later", type_="server_error",
                            code="tokenizer_unavailable", retry_after=1)

@@ -167,7 +167,7 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's {"token id as a string": bias} -> {token id: bias} (bounds: SamplingParams.validate;
-    ids past the vocabulary: the worker, which knows it)."""
+    ids past the vocabulary: Backend.check_vocab, with the workers' vocabulary size)."""
     if not bias:
         return {}
     if len(bias) > MAX_LOGIT_BIAS:

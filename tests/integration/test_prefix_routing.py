@@ -34,10 +34,14 @@ def serve(model: str, workers: int, log_path):
     try:
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, 60)
-        # /ready needs one worker; a loaded machine may start the others later: wait until the
-        # scheduler routes over all of them, or the first would take every request
+        # /ready needs one worker, and the scheduler and the prefix-cache index discover the others
+        # on their own clocks (the index every second): wait until both know all of them, or a
+        # benchmark that ends in a second is routed without them (every request to one worker, or
+        # every Match a miss)
         wait_for(lambda: scheduler_metric(redis.url, "kvmesh_scheduler_workers").get("") == workers, 60,
                  f"the scheduler to see {workers} workers")
+        wait_for(lambda: [r.load.get("workers") for r in records(redis.url, "prefix-cache")] == [workers], 60,
+                 f"the prefix-cache index to follow {workers} workers")
         yield base, redis.url
     finally:
         proc.terminate()

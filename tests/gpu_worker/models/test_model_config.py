@@ -162,5 +162,5 @@ def test_loading_off_a_terminal_logs_whole_lines(tiny_models, monkeypatch, caplo
     lines = [r.getMessage() for r in caplog.records if r.name == "kvmesh.loader"]
     shards = check_checkpoint(tiny_models["llama"], set())
     n = sum(len(names) for names in shards.values())
-    assert sum(line.startswith("loading weights: ") for line in lines) == n
-    assert lines[-1].startswith(f"loaded {n} tensors, ") and " MB, from " in lines[-1], lines[-1]
+    assert sum(line.startswith("loading weights: ") and "/" in line.split()[2] for line in lines) == n
+    assert lines[-1].startswith(f"loading weights: done, {n} tensors, ") and " MB, from " in lines[-1], lines[-1]
