@@ -77,6 +77,7 @@ SHAREGPT_GC_AB = False       # --sharegpt-gc-ab
 CLOSEDLOOP_PIECEWISE_AB = False   # --closedloop-piecewise-ab
 PROFILE_CASES = ["1:128:short", "1:8192", "128:256"]   # --profile-cases
 PROFILE_CASES_ONLY = False            # --profile-cases given: no prefill profile
+PROFILE_PREFILL_LENS = [2048]         # --profile-prefill-lens: prompt lengths of the prefill profile
 
 
 def row(metric: str, value: str, note: str = "") -> None:
@@ -311,21 +312,25 @@ def part_profile(b: Bench) -> None:
     if PROFILE_CASES_ONLY:
         return
 
-    n_req, L = max(1, b.eng.config.max_num_batched_tokens // 2048), 2048
+    for L in PROFILE_PREFILL_LENS:      # --profile-prefill-lens: one full step of L-token prompts
+        n_req = max(1, b.eng.config.max_num_batched_tokens // S(L))
+        L = S(L)
 
-    def prefill_step() -> None:
-        for _ in range(n_req):
-            b.add(b.prompt(L), 1)
-        b.drain()
+        def prefill_step(n_req=n_req, L=L) -> None:
+            for _ in range(n_req):
+                b.add(b.prompt(L), 1)
+            b.drain()
 
-    cats = profile_kernels(prefill_step, reps=2)
-    gemm = cats.get("gemm (cublas)", (0.0, 0))[0]
-    tokens = n_req * L
-    note = format_profile(cats)
-    if gemm:
-        note += f" | GEMMs {2 * tokens * layer_params / (gemm * 1e-3) / 1e12:.0f} TFLOP/s"
-    row(f"profile prefill {n_req}x{L}", f"{cats['total'][0]:.1f} ms GPU ({tokens / cats['total'][0] * 1e3:.0f} tok/s)", note)
-    log("    top kernels: " + "; ".join(f"{n[:50]} {ms:.2f}ms x{k:.0f}" for n, ms, k in top_kernels(prefill_step, reps=1)))
+        cats = profile_kernels(prefill_step, reps=2)
+        gemm = cats.get("gemm (cublas)", (0.0, 0))[0]
+        tokens = n_req * L
+        note = format_profile(cats)
+        if gemm:
+            note += f" | GEMMs {2 * tokens * layer_params / (gemm * 1e-3) / 1e12:.0f} TFLOP/s"
+        row(f"profile prefill {n_req}x{L}", f"{cats['total'][0]:.1f} ms GPU ({tokens / cats['total'][0] * 1e3:.0f} tok/s)",
+            note)
+        log("    top kernels: " + "; ".join(f"{n[:50]} {ms:.2f}ms x{k:.0f}"
+                                         for n, ms, k in top_kernels(prefill_step, reps=1)))
 
 
 def part_ttft(b: Bench) -> None:
@@ -1003,6 +1008,8 @@ def main() -> None:
                     "run with decode graphs above this many rows hidden (an A/B of graph width)")
     ap.add_argument("--profile-cases", default="", help="the profile part's decode cases, B:ctx[:short] "
                     "comma-separated (default 1:128:short,1:8192,128:256 and an 8 x 2k prefill; given: only these)")
+    ap.add_argument("--profile-prefill-lens", default="2048", help="the profile part's prefill prompt lengths, "
+                    "comma-separated: one full step (max_num_batched_tokens) of prompts of each length")
     ap.add_argument("--live-profile", default="", help="[KIND:]LO:HI[:MINROWS]: the ShareGPT and closed-loop "
                     "runs profile (torch.profiler, host and device) 6 live steps after the first step of KIND "
                     "(decode, the default: LO..HI rows; mixed: LO..HI tokens; at least MINROWS rows), also to $OUT/live_profile_*.txt")
@@ -1038,6 +1045,7 @@ def main() -> None:
         LIVE_PROFILE = (kind, int(spec[0]), int(spec[1]), int(spec[2]) if len(spec) > 2 else 0)
     if args.profile_cases:
         PROFILE_CASES[:], PROFILE_CASES_ONLY = args.profile_cases.split(","), True
+    PROFILE_PREFILL_LENS[:] = [int(x) for x in args.profile_prefill_lens.split(",") if x.strip()]
     SMOKE, ASYNC_DEFAULT = args.smoke, args.async_scheduling
     SHAREGPT_TEMPERATURE, SHAREGPT_WORKLOAD = args.sharegpt_temperature, args.sharegpt_workload
     extra = {}

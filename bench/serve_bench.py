@@ -9,6 +9,11 @@ One device call (H200, at most ~540 s) measures, on a random-weight Llama-3.1-8B
              c64  concurrency 64, 1024 in / 128 out: total tok/s, mean TTFT, TPOT, p99 ITL
                   (targets >= 35k tok/s, p99 ITL <= 50 ms; vLLM 30.6k tok/s, p99 ITL 189 ms)
            after an unmeasured warm-up run on other random prompts (64 x 1024 in / 16 out).
+  vllm     vLLM 0.26.0's own OpenAI server (bench/vllm_server.py: `--load-format dummy` on the same
+           model directory, vLLM's serving defaults) on the same GPU, driven by the same client
+           with the same warm-up, c1 and c64 runs (same prompts); the table gives each metric
+           beside kvmesh's and the ratio. vLLM must be installed in --vllm-site first
+           (../shared/peer-vllm/; `pip install --target /tmp/vsite`).
   routing  two workers sharing the one GPU (`kvmesh serve --workers 2 --device cuda`, each with
            KVMESH_GPU_MEMORY_UTILIZATION=--routing-gpu-mem) plus the prefix-cache index, the same
            generated-shared-prefix workload (32 groups x 8 questions, 2048-token system prompt,
@@ -40,6 +45,7 @@ Usage (repository root; services run as `python3 -m services.cli ...`, no `kvmes
     python3 bench/serve_bench.py                          # both sections, --time-budget 520
     python3 bench/serve_bench.py --sections single        # or routing; split across device calls
     python3 bench/serve_bench.py --sections routing --routing-modes round_robin
+    python3 bench/serve_bench.py --sections single,vllm --time-budget 560   # kvmesh, then vLLM's server
     KVMESH_ASYNC_SCHEDULING=1 python3 bench/serve_bench.py --sections single   # KVMESH_* pass through
     python3 bench/serve_bench.py --env KVMESH_MAX_NUM_BATCHED_TOKENS=4096      # same, per flag
     python3 bench/serve_bench.py --smoke                  # CPU, tiny model, tiny lengths: checks this script
@@ -71,6 +77,7 @@ sys.path.insert(0, str(ROOT))   # run from anywhere in the repo
 
 from services.ports import free_port  # noqa: E402  (the gateway's port, bound later by the stack)
 from stage_metrics import breakdown_lines, scrape, stage_means  # noqa: E402  (bench/, this script's directory)
+from vllm_server import VllmServer  # noqa: E402
 
 T0 = time.time()
 RESULTS: dict = {"sections": {}, "errors": {}, "skipped": {}, "env": {}}
@@ -517,13 +524,7 @@ def section_single(args, sc: Scale) -> None:
         except Exception as exc:
             record_error("single/warmup", exc)
         save()
-        # distinct seeds: same-seed random prompts of two lengths would share a prefix (cache hits)
-        runs = (("c1", sc.est_c1, random_args(sc.c1_in, sc.c1_out, args.c1_prompts or sc.c1_prompts, 1, 1)),
-                ("c64", sc.est_c64, random_args(sc.c64_in, sc.c64_out, args.c64_prompts or sc.c64_prompts,
-                                                sc.c64_conc, 2)))
-        for key, est_s, cargs in runs:
-            if key not in args.single_runs:
-                continue
+        for key, est_s, cargs in single_runs(args, sc):
             if budget() < est_s:
                 skip(f"single/{key}", f"{remaining():.0f} s left, ~{est_s + sc.est_stop:.0f} s needed")
                 continue
@@ -538,6 +539,50 @@ def section_single(args, sc: Scale) -> None:
             save()
     finally:
         stack.stop()
+        save()
+
+
+def single_runs(args, sc: Scale) -> list[tuple[str, float, list[str]]]:
+    """(key, estimated seconds, client arguments) of the runs both `single` and `vllm` make."""
+    # distinct seeds: same-seed random prompts of two lengths would share a prefix (cache hits)
+    runs = (("c1", sc.est_c1, random_args(sc.c1_in, sc.c1_out, args.c1_prompts or sc.c1_prompts, 1, 1)),
+            ("c64", sc.est_c64, random_args(sc.c64_in, sc.c64_out, args.c64_prompts or sc.c64_prompts,
+                                            sc.c64_conc, 2)))
+    return [r for r in runs if r[0] in args.single_runs]
+
+
+def section_vllm(args, sc: Scale) -> None:
+    """vLLM's own server on the same model directory and GPU, driven by the same client runs as
+    `single` (same prompts: same dataset, seeds and lengths), after the same warm-up."""
+    res = RESULTS["sections"].setdefault("vllm", {})
+    est = args.vllm_start_estimate + sc.est_warmup + sc.est_c1 + sc.est_stop
+    if remaining() < est:
+        return skip("vllm", f"{remaining():.0f} s left, ~{est:.0f} s needed")
+    server = VllmServer(args.model_dir, args.vllm_site, args.vllm_max_model_len, args.vllm_gpu_mem, LOG, say,
+                        kill_group, free_port, args.vllm_flag)
+    res["server"] = {"command": server.command(0)[1:], "site": str(args.vllm_site)}
+    try:
+        res["start_s"] = round(server.start(min(remaining() - sc.est_stop, args.ready_timeout)), 1)
+        save()
+        budget = lambda: remaining() - sc.est_stop  # noqa: E731
+        try:
+            res["warmup"] = bench_client(server, "vllm-warmup",
+                                         random_args(sc.warm_in, sc.warm_out, sc.warm_prompts, sc.warm_prompts, 1000),
+                                         sc, args.client_arg, budget())
+        except Exception as exc:
+            record_error("vllm/warmup", exc)
+        save()
+        for key, est_s, cargs in single_runs(args, sc):
+            if budget() < est_s:
+                skip(f"vllm/{key}", f"{remaining():.0f} s left, ~{est_s + sc.est_stop:.0f} s needed")
+                continue
+            try:
+                res[key] = bench_client(server, f"vllm-{key}", cargs, sc, args.client_arg, budget())
+            except Exception as exc:
+                record_error(f"vllm/{key}", exc)
+            save()
+    finally:
+        server.stop()
         save()
 
 
@@ -629,6 +674,9 @@ def table() -> str:
         lines += _stage_lines(title, run)
         if run.get("failed"):
             lines.append(f"{title:<22} {'failed requests':<26} {run['failed']:>12}  {run.get('failure_reasons')}")
+    for key, title in (("c1", f"vllm c=1 {sc.get('c1_in')}/{sc.get('c1_out')}"),
+                       ("c64", f"vllm c={sc.get('c64_conc')} {sc.get('c64_in')}/{sc.get('c64_out')}")):
+        lines += _vllm_lines(key, title, single.get(key), RESULTS["sections"].get("vllm", {}).get(key))
     routing = RESULTS["sections"].get("routing", {})
     for mode in ("cache_aware", "round_robin", "least_loaded"):
         run = (routing.get(mode) or {}).get("run")
@@ -654,6 +702,29 @@ def table() -> str:
         lines.append(f"{part:<22} {'ERROR':<26} {'':>12}  {last[0][:150]}")
     lines.append(f"elapsed {time.time() - T0:.0f} s; details in {OUT / 'serve_bench.json'}, logs in {OUT / 'serve_bench.log'}")
     return "\n".join(lines)
+
+
+VLLM_METRICS = {"c1": (("median TTFT ms", "median_ttft_ms", False), ("median TPOT ms", "median_tpot_ms", False),
+                        ("p99 ITL ms", "p99_itl_ms", False), ("out tok/s", "output_throughput", True)),
+                 "c64": (("total tok/s", "total_token_throughput", True), ("mean TTFT ms", "mean_ttft_ms", False),
+                         ("median TTFT ms", "median_ttft_ms", False), ("median TPOT ms", "median_tpot_ms", False),
+                         ("p99 ITL ms", "p99_itl_ms", False))}
+
+
+def _vllm_lines(key: str, title: str, ours: dict | None, theirs: dict | None) -> list[str]:
+    """vLLM's run next to ours: its value and how many times better kvmesh is (>1: kvmesh ahead)."""
+    if not theirs:
+        return []
+    lines = []
+    for name, k, higher_better in VLLM_METRICS[key]:
+        a, b = (ours or {}).get(k), theirs.get(k)
+        note = ""
+        if a and b:
+            note = f"kvmesh {a:.2f}: {(a / b if higher_better else b / a):.3f}x vLLM (same GPU, same requests)"
+        lines.append(f"{title:<22} {name:<26} {_f(b, '{:.2f}'):>12}  {note}")
+    if theirs.get("failed"):
+        lines.append(f"{title:<22} {'failed requests':<26} {theirs['failed']:>12}  {theirs.get('failure_reasons')}")
+    return lines
 
 
 def _stage_lines(title: str, run: dict) -> list[str]:
@@ -707,7 +778,8 @@ def parse_env(items: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     global DEADLINE, OUT, LOG
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="single,routing", help="comma-separated: single, routing")
+    ap.add_argument("--sections", default="single,routing",
+                    help="comma-separated: single, vllm (vLLM's server, the same runs as single), routing")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny lengths: checks this script")
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="model made once here and reused (default /tmp/kvmesh-llama-8b; smoke: /tmp/kvmesh-serve-bench-tiny)")
@@ -730,6 +802,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra `kvmesh serve` argument (repeatable, e.g. --serve-flag=--max-num-seqs=256)")
     ap.add_argument("--client-arg", action="append", default=[], metavar="ARG",
                     help="extra `kvmesh bench serve` argument for every run (repeatable)")
+    ap.add_argument("--vllm-site", type=Path, default=Path("/tmp/vsite"),
+                    help="folder holding vLLM 0.26.0 and its wheels (section vllm; ../shared/peer-vllm/)")
+    ap.add_argument("--vllm-max-model-len", type=int, default=16384, help="vLLM's --max-model-len (section vllm)")
+    ap.add_argument("--vllm-gpu-mem", type=float, default=0.9, help="vLLM's --gpu-memory-utilization (section vllm)")
+    ap.add_argument("--vllm-start-estimate", type=float, default=150.0,
+                    help="seconds vLLM is expected to take to start (its torch.compile and graph capture)")
+    ap.add_argument("--vllm-flag", action="append", default=[], metavar="FLAG",
+                    help="extra vLLM server argument (repeatable, e.g. --vllm-flag=--max-num-batched-tokens=2048)")
     ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a stack may take to start")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     args = ap.parse_args(argv)
@@ -739,9 +819,9 @@ def main(argv: list[str] | None = None) -> int:
     args.routing_modes = [m.strip() for m in args.routing_modes.split(",") if m.strip()]
     args.single_runs = [m.strip() for m in args.single_runs.split(",") if m.strip()]
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    bad = [s for s in sections if s not in ("single", "routing")]
+    bad = [s for s in sections if s not in ("single", "vllm", "routing")]
     if bad:
-        ap.error(f"unknown section(s) {bad}; choose from single, routing")
+        ap.error(f"unknown section(s) {bad}; choose from single, vllm, routing")
     DEADLINE = T0 + args.time_budget
     OUT = Path(os.environ.get("OUT", "./out"))
     OUT.mkdir(parents=True, exist_ok=True)
@@ -765,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
             record_error("model", exc)
             sections = []
             code = 1
-        for name, fn in (("single", section_single), ("routing", section_routing)):
+        for name, fn in (("single", section_single), ("vllm", section_vllm), ("routing", section_routing)):
             if name in sections:
                 try:
                     fn(args, sc)
