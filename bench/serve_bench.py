@@ -68,7 +68,6 @@ import sys
 import tempfile
 import time
 import traceback
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +76,7 @@ sys.path.insert(0, str(ROOT))   # run from anywhere in the repo
 
 from services.ports import free_port  # noqa: E402  (the gateway's port, bound later by the stack)
 from stage_metrics import breakdown_lines, scrape, stage_means  # noqa: E402  (bench/, this script's directory)
-from vllm_server import VllmServer  # noqa: E402
+from vllm_server import VllmServer, http_ok  # noqa: E402
 
 T0 = time.time()
 RESULTS: dict = {"sections": {}, "errors": {}, "skipped": {}, "env": {}}
@@ -363,11 +362,7 @@ class ServeStack:
         raise StackError(f"stack not ready within {timeout_s:.0f} s (gateway ready: {ready})")
 
     def _http_ok(self, path: str) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return http_ok(self.url + path)
 
     def records(self, kind: str) -> list:
         from services.registry import list_records
@@ -516,27 +511,14 @@ def section_single(args, sc: Scale) -> None:
     try:
         res["stack_start_s"] = STARTS[1] = round(stack.start(min(remaining() - sc.est_stop, args.ready_timeout)), 1)
         save()
-        budget = lambda: remaining() - sc.est_stop  # noqa: E731
-        try:
-            res["warmup"] = bench_client(stack, "single-warmup",
-                                         random_args(sc.warm_in, sc.warm_out, sc.warm_prompts, sc.warm_prompts, 1000),
-                                         sc, args.client_arg, budget())
-        except Exception as exc:
-            record_error("single/warmup", exc)
-        save()
-        for key, est_s, cargs in single_runs(args, sc):
-            if budget() < est_s:
-                skip(f"single/{key}", f"{remaining():.0f} s left, ~{est_s + sc.est_stop:.0f} s needed")
-                continue
-            try:
-                res[key] = measured_run(stack, f"single-{key}", cargs, sc, args.client_arg, budget())
-                if not args.smoke:
-                    res[key]["targets"] = [{"metric": m, "op": op, "target": tgt, "vllm": v,
-                                            "value": res[key].get(m),
-                                            "met": _met(res[key].get(m), op, tgt)} for m, op, tgt, v in TARGETS[key]]
-            except Exception as exc:
-                record_error(f"single/{key}", exc)
-            save()
+
+        def measure(key: str, label: str, cargs: list[str], budget_s: float) -> dict:
+            run = measured_run(stack, label, cargs, sc, args.client_arg, budget_s)
+            if not args.smoke:
+                run["targets"] = [{"metric": m, "op": op, "target": tgt, "vllm": v, "value": run.get(m),
+                                   "met": _met(run.get(m), op, tgt)} for m, op, tgt, v in TARGETS[key]]
+            return run
+        warmup_and_runs(stack, "single", res, args, sc, measure)
     finally:
         stack.stop()
         save()
@@ -549,6 +531,28 @@ def single_runs(args, sc: Scale) -> list[tuple[str, float, list[str]]]:
             ("c64", sc.est_c64, random_args(sc.c64_in, sc.c64_out, args.c64_prompts or sc.c64_prompts,
                                             sc.c64_conc, 2)))
     return [r for r in runs if r[0] in args.single_runs]
+
+
+def warmup_and_runs(stack, part: str, res: dict, args, sc: Scale, measure) -> None:
+    """The unmeasured warm-up, then each run of single_runs that fits the time left, into res;
+    measure(key, label, client args, seconds left) -> the run's summary."""
+    budget = lambda: remaining() - sc.est_stop  # noqa: E731
+    try:
+        res["warmup"] = bench_client(stack, f"{part}-warmup",
+                                     random_args(sc.warm_in, sc.warm_out, sc.warm_prompts, sc.warm_prompts, 1000),
+                                     sc, args.client_arg, budget())
+    except Exception as exc:
+        record_error(f"{part}/warmup", exc)
+    save()
+    for key, est_s, cargs in single_runs(args, sc):
+        if budget() < est_s:
+            skip(f"{part}/{key}", f"{remaining():.0f} s left, ~{est_s + sc.est_stop:.0f} s needed")
+            continue
+        try:
+            res[key] = measure(key, f"{part}-{key}", cargs, budget())
+        except Exception as exc:
+            record_error(f"{part}/{key}", exc)
+        save()
 
 
 def section_vllm(args, sc: Scale) -> None:
@@ -564,23 +568,9 @@ def section_vllm(args, sc: Scale) -> None:
     try:
         res["start_s"] = round(server.start(min(remaining() - sc.est_stop, args.ready_timeout)), 1)
         save()
-        budget = lambda: remaining() - sc.est_stop  # noqa: E731
-        try:
-            res["warmup"] = bench_client(server, "vllm-warmup",
-                                         random_args(sc.warm_in, sc.warm_out, sc.warm_prompts, sc.warm_prompts, 1000),
-                                         sc, args.client_arg, budget())
-        except Exception as exc:
-            record_error("vllm/warmup", exc)
-        save()
-        for key, est_s, cargs in single_runs(args, sc):
-            if budget() < est_s:
-                skip(f"vllm/{key}", f"{remaining():.0f} s left, ~{est_s + sc.est_stop:.0f} s needed")
-                continue
-            try:
-                res[key] = bench_client(server, f"vllm-{key}", cargs, sc, args.client_arg, budget())
-            except Exception as exc:
-                record_error(f"vllm/{key}", exc)
-            save()
+        warmup_and_runs(server, "vllm", res, args, sc,
+                        lambda _key, label, cargs, budget_s: bench_client(server, label, cargs, sc, args.client_arg,
+                                                                          budget_s))
     finally:
         server.stop()
         save()

@@ -25,6 +25,15 @@ VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_
             "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def http_ok(url: str) -> bool:
+    """Whether GET url answers 200 within 2 s (a server's readiness probe; serve_bench's too)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 class VllmServer:
     """The interface bench_client needs of a stack: name, model, url, proc; start() and stop().
     `log` is serve_bench's CombinedLog (header(), fh); the server's output goes to its file."""
@@ -77,11 +86,7 @@ class VllmServer:
         raise RuntimeError(f"vllm not ready within {timeout_s:.0f} s")
 
     def _http_ok(self, path: str) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return http_ok(self.url + path)
 
     def stop(self) -> None:
         if self.proc is None:
