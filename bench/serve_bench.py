@@ -559,7 +559,8 @@ def section_vllm(args, sc: Scale) -> None:
     """vLLM's own server on the same model directory and GPU, driven by the same client runs as
     `single` (same prompts: same dataset, seeds and lengths), after the same warm-up."""
     res = RESULTS["sections"].setdefault("vllm", {})
-    est = args.vllm_start_estimate + sc.est_warmup + sc.est_c1 + sc.est_stop
+    runs = single_runs(args, sc)
+    est = args.vllm_start_estimate + sc.est_warmup + (runs[0][1] if runs else 0.0) + sc.est_stop  # one run at least
     if remaining() < est:
         return skip("vllm", f"{remaining():.0f} s left, ~{est:.0f} s needed")
     server = VllmServer(args.model_dir, args.vllm_site, args.vllm_max_model_len, args.vllm_gpu_mem, LOG, say,
