@@ -6,13 +6,16 @@ in-process tokenization. Raises TokenizeError with a client-facing message (the 
 """
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Executor
 from typing import Any
 
 from services.protocol.messages import DetokenizeReply, DetokenizeRequest, TokenizeRequest
 from services.text.chat_template import ChatTemplateError
 
-INLINE_CHARS = 4096  # shorter prompts tokenize on the event loop; longer ones in a thread
-INLINE_IDS = 4096    # shorter id lists detokenize on the event loop; longer ones in a thread
+# shorter inputs run on the event loop (a thread hop costs more than they do); longer ones in a thread
+INLINE_CHARS = 4096  # prompt characters (tokenize)
+INLINE_IDS = 4096    # token ids (detokenize)
 MAX_DETOKENIZE_IDS = 1 << 20
 
 
@@ -58,3 +61,17 @@ def detokenize(tok: Any, req: DetokenizeRequest) -> DetokenizeReply:
     strs = [tok.id_to_token(t) or "" for t in req.token_ids] if req.token_strs else None
     return DetokenizeReply(text=tok.decode(req.token_ids, skip_special_tokens=req.skip_special_tokens),
                            token_strs=strs)
+
+
+async def tokenize_off_loop(tok: Any, req: TokenizeRequest, executor: Executor | None = None) -> list[int]:
+    """tokenize, in `executor` (None: asyncio's default) unless the prompt is short (INLINE_CHARS)."""
+    if prompt_chars(req) <= INLINE_CHARS:
+        return tokenize(tok, req)
+    return await asyncio.get_running_loop().run_in_executor(executor, tokenize, tok, req)
+
+
+async def detokenize_off_loop(tok: Any, req: DetokenizeRequest, executor: Executor | None = None) -> DetokenizeReply:
+    """detokenize, in `executor` (None: asyncio's default) unless the id list is short (INLINE_IDS)."""
+    if len(req.token_ids) <= INLINE_IDS:
+        return detokenize(tok, req)
+    return await asyncio.get_running_loop().run_in_executor(executor, detokenize, tok, req)

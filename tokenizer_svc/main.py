@@ -27,7 +27,7 @@ from services.protocol.messages import (Abort, DetokenizeReply, DetokenizeReques
                                        TokenizeReply, TokenizeRequest)
 from services.registry import Registry
 from services.shell import run_until_signal
-from services.tokenize import INLINE_CHARS, INLINE_IDS, TokenizeError, detokenize, prompt_chars, tokenize
+from services.tokenize import TokenizeError, detokenize_off_loop, tokenize_off_loop
 from services.transport import (
     Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr, unary_handler)
 from tokenizer_svc.detok import SCHEDULER, STREAM_MAX_AGE_S, DetokCore, Envelope
@@ -51,10 +51,7 @@ class TokenizerService:
     async def tokenize(self, req: TokenizeRequest, context: grpc.aio.ServicerContext) -> TokenizeReply:
         t0 = time.perf_counter()
         try:
-            if prompt_chars(req) <= INLINE_CHARS:
-                ids = tokenize(self.tok, req)
-            else:
-                ids = await asyncio.get_running_loop().run_in_executor(self.pool, tokenize, self.tok, req)
+            ids = await tokenize_off_loop(self.tok, req, self.pool)
         except TokenizeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         metrics.TOKENIZE_SECONDS.observe(time.perf_counter() - t0)
@@ -63,9 +60,7 @@ class TokenizerService:
 
     async def detokenize(self, req: DetokenizeRequest, context: grpc.aio.ServicerContext) -> DetokenizeReply:
         try:
-            if len(req.token_ids) <= INLINE_IDS:
-                return detokenize(self.tok, req)
-            return await asyncio.get_running_loop().run_in_executor(self.pool, detokenize, self.tok, req)
+            return await detokenize_off_loop(self.tok, req, self.pool)
         except TokenizeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

@@ -33,7 +33,7 @@ from services.protocol.messages import (
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 from services.registry import Membership, Registry
 from services.text.streams import SCHEDULER, STREAM_MAX_AGE_S, DetokCore
-from services.tokenize import INLINE_CHARS, INLINE_IDS, TokenizeError, detokenize, prompt_chars, tokenize
+from services.tokenize import TokenizeError, detokenize_off_loop, tokenize_off_loop
 from services.transport import Receiver, Sender, grpc_channel, tcp_addr, unary_stub
 
 log = logging.getLogger("kvmesh.gateway")
@@ -271,10 +271,11 @@ class Backend:
         """The prompt's ids alone (the /tokenize route): no detokenizer needs to be up."""
         if self.local_tok is None:
             return (await self.tokenize(req)).prompt_token_ids
+        return await self._local_ids(req)
+
+    async def _local_ids(self, req: TokenizeRequest) -> list[int]:
         try:
-            if prompt_chars(req) <= INLINE_CHARS:
-                return tokenize(self.local_tok, req)
-            return await asyncio.to_thread(tokenize, self.local_tok, req)
+            return await tokenize_off_loop(self.local_tok, req)
         except TokenizeError as exc:
             raise ApiError(400, str(exc), param="messages" if req.messages is not None else "prompt") from None
 
@@ -283,9 +284,7 @@ class Backend:
         tokenizer, else through a tokenizer service's gRPC Detokenize."""
         if self.local_tok is not None:
             try:
-                if len(req.token_ids) <= INLINE_IDS:
-                    return detokenize(self.local_tok, req)
-                return await asyncio.to_thread(detokenize, self.local_tok, req)
+                return await detokenize_off_loop(self.local_tok, req)
             except TokenizeError as exc:
                 raise ApiError(400, str(exc), param="tokens") from None
         if not self.detokenizers:
@@ -306,13 +305,7 @@ class Backend:
         if self.detok is None and not self.detok_addrs:
             raise ApiError(503, "no tokenizer service is available to stream text; retry later",
                            type_="server_error", code="tokenizer_unavailable", retry_after=1)
-        try:
-            if prompt_chars(req) <= INLINE_CHARS:
-                ids = tokenize(self.local_tok, req)
-            else:
-                ids = await asyncio.to_thread(tokenize, self.local_tok, req)
-        except TokenizeError as exc:
-            raise ApiError(400, str(exc), param="messages" if req.messages is not None else "prompt") from None
+        ids = await self._local_ids(req)
         detok = self.reply_addr if self.detok is not None else self.detok_addrs[next(self._rr) % len(self.detok_addrs)]
         return TokenizeReply(prompt_token_ids=ids, detok_addr=detok, vocab_size=self.local_tok.vocab_size)
 
