@@ -29,8 +29,19 @@ FAMILIES: list[tuple[str, re.Pattern]] = [
 ]
 
 
-def family(name: str) -> str:
-    return next((fam for fam, pat in FAMILIES if pat.search(name)), "other")
+def family(name: str, families: list[tuple[str, re.Pattern]] = FAMILIES) -> str:
+    return next((fam for fam, pat in families if pat.search(name)), "other")
+
+
+def kernel_sums(prof, key: Callable[[str], str]) -> dict[str, tuple[float, int]]:
+    """{key(kernel name): (GPU ms, launches)} over a finished torch.profiler run's CUDA records."""
+    sums: dict[str, list] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            s = sums.setdefault(key(ev.name), [0.0, 0])
+            s[0] += ev.time_range.elapsed_us() / 1e3     # a kernel record: its own duration
+            s[1] += 1
+    return {k: (ms, n) for k, (ms, n) in sums.items()}
 
 
 def _per_call(fn: Callable[[], object], reps: int, key: Callable[[str], str]) -> dict[str, tuple[float, float]]:
@@ -43,13 +54,7 @@ def _per_call(fn: Callable[[], object], reps: int, key: Callable[[str], str]) ->
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    sums: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            s = sums.setdefault(key(ev.name), [0.0, 0])
-            s[0] += ev.time_range.elapsed_us()     # a kernel record: its own duration
-            s[1] += 1
-    return {k: (us / reps / 1e3, n / reps) for k, (us, n) in sums.items()}
+    return {k: (ms / reps, n / reps) for k, (ms, n) in kernel_sums(prof, key).items()}
 
 
 def profile_kernels(fn: Callable[[], object], reps: int = 5) -> dict[str, tuple[float, float]]:

@@ -76,6 +76,7 @@ sys.path.insert(0, str(ROOT))   # run from anywhere in the repo
 
 from services.ports import free_port  # noqa: E402  (the gateway's port, bound later by the stack)
 from stage_metrics import breakdown_lines, scrape, stage_means  # noqa: E402  (bench/, this script's directory)
+from process_group import die_with_parent, kill_group, stop_group  # noqa: E402
 from vllm_server import VllmServer, http_ok  # noqa: E402
 
 T0 = time.time()
@@ -183,45 +184,6 @@ def skip(part: str, why: str) -> None:
     save()
 
 
-def die_with_parent() -> None:
-    """Linux: this child gets SIGTERM if the benchmark process dies (no stack left running)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group, read from /proc."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()   # state ppid pgrp ...
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            pids.append(int(entry))
-    return pids
-
-
-def kill_group(pgid: int, timeout_s: float = 15.0) -> None:
-    """SIGKILL what is left of a process group this script created, then wait until it is gone."""
-    if group_members(pgid):
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    deadline = time.monotonic() + timeout_s
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if left := group_members(pgid):
-        say(f"warning: processes {left} of group {pgid} still alive after SIGKILL")
-
-
 class CombinedLog:
     """$OUT/serve_bench.log: every child's output plus headers saying what runs."""
 
@@ -293,11 +255,11 @@ def ensure_model(model_dir: Path, size: str, est_s: float) -> None:
     try:
         rc = proc.wait(timeout=max(remaining(), 1.0))
     except subprocess.TimeoutExpired:
-        kill_group(proc.pid)
+        kill_group(proc.pid, say=say)
         proc.wait()
         raise TimeoutError("make-model ran past the time budget")
     finally:
-        kill_group(proc.pid)
+        kill_group(proc.pid, say=say)
     if rc != 0 or not model_ready(model_dir, size):
         raise RuntimeError(f"make-model failed (exit {rc}); see serve_bench.log")
     RESULTS["env"]["model_made_s"] = round(time.time() - t, 1)
@@ -386,15 +348,7 @@ class ServeStack:
     def stop(self) -> None:
         if self.proc is not None:
             t = time.time()
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    say(f"stack {self.name}: kvmesh serve did not stop in 60 s; killing its process group")
-            kill_group(self.proc.pid)
-            if self.proc.poll() is None:
-                self.proc.wait()
+            stop_group(self.proc, 60, f"stack {self.name}: kvmesh serve", say)
             LOG.header(f"stack {self.name}: stopped (exit {self.proc.returncode})")
             say(f"stack {self.name}: stopped in {time.time() - t:.1f} s (exit {self.proc.returncode})")
             self.proc = None
@@ -452,12 +406,12 @@ def bench_client(stack: ServeStack, label: str, args: list[str], sc: Scale, clie
         try:
             out, _ = proc.communicate(timeout=max(timeout_s, 5.0))
         except subprocess.TimeoutExpired:
-            kill_group(proc.pid)
+            kill_group(proc.pid, say=say)
             out, _ = proc.communicate()
             LOG.write(out or "")
             raise TimeoutError(f"client {label} ran past {timeout_s:.0f} s (time budget)") from None
         finally:
-            kill_group(proc.pid, 5.0)
+            kill_group(proc.pid, 5.0, say)
         LOG.write(out)
         if proc.returncode != 0:
             raise RuntimeError(f"client {label} exited with {proc.returncode}: {out.strip()[-1500:]}")
@@ -564,7 +518,7 @@ def section_vllm(args, sc: Scale) -> None:
     if remaining() < est:
         return skip("vllm", f"{remaining():.0f} s left, ~{est:.0f} s needed")
     server = VllmServer(args.model_dir, args.vllm_site, args.vllm_max_model_len, args.vllm_gpu_mem, LOG, say,
-                        kill_group, free_port, args.vllm_flag)
+                        args.vllm_flag)
     res["server"] = {"command": server.command(0)[1:], "site": str(args.vllm_site)}
     try:
         res["start_s"] = round(server.start(min(remaining() - sc.est_stop, args.ready_timeout)), 1)

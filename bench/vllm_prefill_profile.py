@@ -24,12 +24,14 @@ import re
 import time
 from pathlib import Path
 
+from kernel_profile import family, kernel_sums   # bench/ (on PYTHONPATH): torch and re only
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")     # the engine core in this process
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 # vLLM's kernel names (FA3's templates name cutlass, so attention is matched first); inductor's
 # fused Triton kernels are named after the ops they fuse.
-FAMILIES = [
+VLLM_FAMILIES = [
     ("attention", re.compile(r"flash|FlashAttn|fmha|attention", re.I)),
     ("gemm", re.compile(r"nvjet|xmma|cutlass|gemm|gemv|sm90_|cublas", re.I)),
     ("rmsnorm (+ residual)", re.compile(r"rms|rsqrt", re.I)),
@@ -39,10 +41,6 @@ FAMILIES = [
     ("copy / fill", re.compile(r"memcpy|memset|copy|fill|cat", re.I)),
 ]
 WORKLOAD = ((512, 32), (2048, 8), (8192, 2))
-
-
-def family(name: str) -> str:
-    return next((fam for fam, pat in FAMILIES if pat.search(name)), "other")
 
 
 def main() -> None:
@@ -81,15 +79,8 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             llm.generate(ps, params, use_tqdm=False)
             torch.cuda.synchronize()
-        fams: dict[str, list[float]] = {}
-        kernels: dict[str, list[float]] = {}
-        for ev in prof.events():
-            if ev.device_type.name == "CUDA":
-                us = ev.time_range.elapsed_us()
-                for table, key in ((fams, family(ev.name)), (kernels, ev.name[:90])):
-                    s = table.setdefault(key, [0.0, 0])
-                    s[0] += us / 1e3
-                    s[1] += 1
+        fams = kernel_sums(prof, lambda name: family(name, VLLM_FAMILIES))
+        kernels = kernel_sums(prof, lambda name: name[:90])
         total = sum(v[0] for v in fams.values())
         entry = {"tokens": length * n, "wall_s": walls, "tok_s_best": length * n / min(walls),
                  "tok_s_median": length * n / sorted(walls)[len(walls) // 2], "gpu_ms": total,

@@ -12,13 +12,15 @@ see the same requests: same dataset, seed, lengths and concurrency.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Callable
+
+from process_group import die_with_parent, stop_group   # bench/, this module's directory
+from services.ports import free_port
 
 # FlashInfer is not carried to the device (peer-vllm README); the rest keeps vLLM off the network.
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -39,11 +41,10 @@ class VllmServer:
     `log` is serve_bench's CombinedLog (header(), fh); the server's output goes to its file."""
 
     def __init__(self, model: Path, site: Path, max_model_len: int, gpu_memory_utilization: float,
-                 log, say: Callable[[str], None], kill_group: Callable[[int], None],
-                 free_port: Callable[[], int], extra_flags: list[str] | None = None) -> None:
+                 log, say: Callable[[str], None], extra_flags: list[str] | None = None) -> None:
         self.name, self.model, self.site = "vllm", model, site
         self.max_model_len, self.gpu_memory_utilization = max_model_len, gpu_memory_utilization
-        self.log, self.say, self.kill_group, self.free_port = log, say, kill_group, free_port
+        self.log, self.say = log, say
         self.extra_flags = list(extra_flags or [])
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -66,13 +67,13 @@ class VllmServer:
             raise RuntimeError(f"no vllm package in --vllm-site {self.site} (install ../shared/peer-vllm/'s wheels "
                                "there first)")
         t = time.time()
-        port = self.free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         cmd = self.command(port)
         self.log.header(f"stack vllm: {' '.join(cmd[1:])}  [PYTHONPATH={self.site}]")
         self.say(f"stack vllm: starting ({' '.join(cmd[2:])})")
         self.proc = subprocess.Popen(cmd, env=self.environment(), stdout=self.log.fh, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -92,15 +93,7 @@ class VllmServer:
         if self.proc is None:
             return
         t = time.time()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=45)
-            except subprocess.TimeoutExpired:
-                self.say("stack vllm: did not stop in 45 s; killing its process group")
-        self.kill_group(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.wait()
+        stop_group(self.proc, 45, "stack vllm", self.say)
         self.log.header(f"stack vllm: stopped (exit {self.proc.returncode})")
         self.say(f"stack vllm: stopped in {time.time() - t:.1f} s (exit {self.proc.returncode})")
         self.proc = None

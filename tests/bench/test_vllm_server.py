@@ -25,7 +25,7 @@ class _Log:
 
 def _server(tmp_path: Path, site: Path) -> VllmServer:
     return VllmServer(tmp_path / "model", site, 16384, 0.9, _Log(tmp_path / "log"), lambda _msg: None,
-                      lambda _pid: None, lambda: 4321, ["--max-num-seqs=256"])
+                      ["--max-num-seqs=256"])
 
 
 def test_command_serves_dummy_weights_of_the_model_on_loopback(tmp_path):
