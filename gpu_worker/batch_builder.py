@@ -120,6 +120,7 @@ class BatchBuilder:
             max_query_len=int(q_lens.max()),
             max_context_len=int(ctx.max()),
             num_decode_seqs=int((q_lens == 1).sum()),
+            fresh_prefill=bool(((q_lens == 1) | (c_lens == 0)).all()),
         )
 
     def _stage(self, dtype: torch.dtype, n: int) -> np.ndarray:

@@ -33,6 +33,9 @@ class ForwardBatch:
     # Sequences with query_len 1, when the builder counted them (None: unknown). A prefill-only
     # step (0) skips the decode attention launch: eager steps are host-bound at small sizes.
     num_decode_seqs: int | None = None
+    # Every row with query_len > 1 starts at position 0 (no cached prefix), known on the host: the
+    # Triton backend may then take its fresh-prompt attention kernel. False when unknown.
+    fresh_prefill: bool = False
 
     @property
     def num_tokens(self) -> int:

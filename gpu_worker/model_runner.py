@@ -289,7 +289,7 @@ class ModelRunner:
             block_tables=torch.arange(n_blocks, **i32)[None],
             slot_mapping=torch.arange(num_tokens, device=self.device),
             logits_indices=torch.tensor([num_tokens - 1], device=self.device),
-            max_query_len=num_tokens, max_context_len=num_tokens)
+            max_query_len=num_tokens, max_context_len=num_tokens, fresh_prefill=True)
         try:
             self.allocate_kv_cache(n_blocks, block_size)
             self.forward(batch)
@@ -463,7 +463,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, **i32), block_tables=torch.zeros((B, width), **i32),
             slot_mapping=torch.full((T,), -1, dtype=torch.long, device=dev),
             logits_indices=torch.tensor([T - 1], device=dev),
-            max_query_len=max(query_lens), max_context_len=max(query_lens))
+            max_query_len=max(query_lens), max_context_len=max(query_lens), fresh_prefill=True)
 
     def prepare_inputs(self, batch: ForwardBatch) -> ForwardBatch:
         """Move every tensor of the batch to the model's device (non-blocking from pinned memory)."""

@@ -17,8 +17,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # (T, hidden)
+        return self.down_proj(self.activation(x))           # (T, hidden)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, inter), down_proj's input
         gate_up = self.gate_up_proj(x)                      # (T, 2 * inter)
         if self.kernels is not None:
-            return self.down_proj(self.kernels.swiglu(gate_up))
+            return self.kernels.swiglu(gate_up)
         gate, up = gate_up.split(self.intermediate, dim=-1)  # 2 x (T, inter)
-        return self.down_proj(F.silu(gate) * up)            # (T, hidden)
+        return F.silu(gate) * up

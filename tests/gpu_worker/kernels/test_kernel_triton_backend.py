@@ -29,11 +29,13 @@ def make_batch(computed, query_lens, page, max_blocks, perm):
         input_ids=torch.zeros(T, dtype=torch.long), positions=torch.tensor(positions),
         query_lens=torch.tensor(query_lens, dtype=torch.int32), context_lens=torch.tensor(ctx, dtype=torch.int32),
         query_start_loc=qsl, block_tables=tables, slot_mapping=torch.tensor(slots),
-        logits_indices=qsl[1:].long() - 1, max_query_len=max(query_lens), max_context_len=max(ctx))
+        logits_indices=qsl[1:].long() - 1, max_query_len=max(query_lens), max_context_len=max(ctx),
+        fresh_prefill=all(c == 0 or q == 1 for c, q in zip(computed, query_lens)))
 
 
 @pytest.mark.parametrize("computed,query_lens", [
     ([0, 0], [17, 1]),                 # fresh prompts (one of a single token)
+    ([0, 5, 0], [40, 1, 9]),           # fresh prompts and a decode row: fresh_prefill_attention
     ([16, 40, 256], [1, 1, 1]),        # pure decode
     ([40, 3, 100, 0], [1, 20, 1, 33]),  # mixed: decodes + a chunk behind a prefix + a fresh prompt
 ])
@@ -109,3 +111,31 @@ def test_sliding_window_matches_torch_backend(randn, rel_err):
     out = TritonAttentionBackend(sliding_window=20).forward(q, k, v, kc, vc, batch, 0.125)
     ref = torch_backend.TorchAttentionBackend(sliding_window=20).forward(q, k, v, kc2, vc2, batch, 0.125)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("computed,query_lens,fresh", [
+    ([0, 0, 7], [17, 30, 1], True),    # every prefill fresh (decode rows aside): the fresh kernel
+    ([0, 12], [17, 30], False),        # a chunk behind a cached prefix: paged_prefill_attention
+])
+def test_triton_backend_takes_the_fresh_kernel_only_for_fresh_prefills(randn, monkeypatch, computed, query_lens,
+                                                                        fresh):
+    import gpu_worker.attention.triton_backend as tb
+    calls = []
+    for name in ("fresh_prefill_attention", "paged_prefill_attention"):
+        real = getattr(tb, name)
+        monkeypatch.setattr(tb, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    n_heads, n_kv, d, page = 4, 2, 32, 16
+    batch = make_batch(computed, query_lens, page, 8, torch.randperm(16).int())
+    assert batch.fresh_prefill == fresh
+    T = batch.num_tokens
+    qkv = randn(T, (n_heads + 2 * n_kv) * d)                      # q, k, v as views of one row, as in the model
+    q, k, v = (x.view(T, -1, d) for x in qkv.split([n_heads * d, n_kv * d, n_kv * d], dim=-1))
+    kc, vc = randn(16, page, n_kv, d), randn(16, page, n_kv, d)
+    backend = TritonAttentionBackend()
+    backend.forward(q, k, v, kc, vc, batch, d ** -0.5)
+    backend.forward(q, k, v, kc, vc, batch, d ** -0.5)                 # a second layer reuses the tile map
+    assert calls == ["fresh_prefill_attention" if fresh else "paged_prefill_attention"] * 2
+    monkeypatch.setattr(TritonAttentionBackend, "fresh_prefill", False)   # the benchmarks' A/B switch
+    calls.clear()
+    TritonAttentionBackend().forward(q, k, v, kc, vc, batch, d ** -0.5)
+    assert calls == ["paged_prefill_attention"]

@@ -44,6 +44,18 @@ def test_bf16_cuda_close_to_hf_bf16(tiny_models, backend):
                  rel_tol=0.1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_adds_inside_the_gemms_cuda(tiny_models, monkeypatch, dtype):
+    """Every step with the residual added by cuBLAS's C input (normally prefill-sized steps only),
+    the Triton kernels' plain RMSNorm after it: held to Hugging Face like the default path."""
+    from gpu_worker.models.decoder import DecoderLayer
+    monkeypatch.setattr(DecoderLayer, "residual_gemm_min_rows", 1)
+    model_dir = tiny_models["llama"]
+    seqs, _ = three_step_run(model_dir, 1024, device="cuda", dtype=dtype, backend="triton")
+    ref = hf_logits(model_dir, [s.tokens for s in seqs], device="cuda", dtype=dtype)
+    assert_close(seqs, ref, FP32_TOL["triton"] if dtype == torch.float32 else 0.1)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mistral_sliding_window_cuda(make_tiny, backend):
     model_dir = make_tiny("mistral", sliding_window=5)

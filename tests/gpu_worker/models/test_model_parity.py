@@ -111,6 +111,21 @@ def test_ragged_paged_batches_match_hf(tiny_models, arch):
     assert_close(seqs, hf_logits(model_dir, [s.tokens for s in seqs]))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_residual_adds_inside_the_gemms_match_hf(tiny_models, monkeypatch, arch):
+    """Every step (ragged, chunked, decode) with the residual added in o_proj's and down_proj's
+    GEMMs (DecoderLayer.residual_gemm_min_rows, normally prefill-sized steps only)."""
+    from gpu_worker.models.decoder import DecoderLayer
+    monkeypatch.setattr(DecoderLayer, "residual_gemm_min_rows", 1)
+    calls = []
+    real = DecoderLayer._forward_residual_gemm
+    monkeypatch.setattr(DecoderLayer, "_forward_residual_gemm", lambda self, *a: calls.append(1) or real(self, *a))
+    model_dir = tiny_models[arch]
+    seqs, runner = three_step_run(model_dir, ModelConfig.from_dir(model_dir).vocab_size)
+    assert len(calls) == 3 * runner.config.num_layers
+    assert_close(seqs, hf_logits(model_dir, [s.tokens for s in seqs]))
+
+
 def test_copy_blocks_then_decode(tiny_models):
     """A forked sample (copy-on-write of its last, partial block) continues exactly like the
     original would."""

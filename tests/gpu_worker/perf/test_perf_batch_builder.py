@@ -33,7 +33,7 @@ def random_step(rng, n):
     scheduled = []
     for _ in range(n):
         total = rng.randint(1, 60)
-        computed = rng.randint(0, total - 1)
+        computed = rng.choice([0, rng.randint(0, total - 1)])          # fresh prompts often
         q = rng.choice([1, total - computed, rng.randint(1, total - computed)])
         blocks = rng.sample(range(500), -(-(computed + q) // BS))
         seq = SimpleNamespace(token_ids=[rng.randrange(1000) for _ in range(total)],
@@ -54,6 +54,8 @@ def test_matches_the_definition_on_random_steps():
         assert batch.context_lens.tolist() == ctx and batch.query_start_loc.tolist() == starts
         assert batch.logits_indices.tolist() == logits
         assert batch.max_query_len == max(qlens) and batch.max_context_len == max(ctx)
+        # every prefill row starts at position 0 (decode rows aside): the fresh-prompt attention kernel
+        assert batch.fresh_prefill == all(seq.num_computed_tokens == 0 or q == 1 for seq, q in scheduled)
         assert batch.block_tables.shape[1] % 16 == 0                    # padded width
         for i, (seq, _) in enumerate(scheduled):
             row = batch.block_tables[i].tolist()

@@ -1,0 +1,217 @@
+"""Causal attention of fresh prompts (nothing cached before them), K/V and q read through TMA.
+
+Sequence b contributes rows query_start_loc[b] .. query_start_loc[b+1] of q, k and v (q_len
+rows, positions 0 .. q_len-1); row i attends to the rows j <= i of its own sequence:
+
+    out[r, h] = sum_{j <= i} softmax_j(scale * <q[r, h], k[s + j, g]>) v[s + j, g],
+                r = s + i,  s = query_start_loc[b],  g = h // G
+
+This is paged_prefill_attention's v2 case without a cached prefix, stripped to what that case
+needs: every tile (q's too) comes through a TMA descriptor, each program finds its sequence with
+one load from a tile map made once per step (v2 scans the sequences' tile starts), and there are
+no prefix loops. Per program: the key tiles wholly below the query tile's diagonal without
+masks, then the diagonal ones with the causal mask. It needs 140 registers where v2 needs 210
+(64 x 64 tiles), and on the H200 it runs 8 x 2k prompts at 1.14x v2's speed, 32 x 512 at 1.33x,
+1 x 8k at 1.07x, but 1 x 32k at 0.98x, so the engine takes it for prompts up to 8,192 tokens
+(fresh_config).
+
+Query tiles are numbered across sequences on the device (fresh_tile_map: tile starts and each
+tile's sequence, no host sync), longest-first within a sequence; the grid is a host-side bound
+(CUDA-graph safe). Rows with query_len 1 (decode rows of a mixed step) are left to the decode
+kernel when skip_decode_rows. The Triton backend uses it for steps whose prefills are all fresh
+(ForwardBatch.fresh_prefill); anything else goes to paged_prefill_attention.
+
+Tried and dropped (sixteenth session): Triton 3.6's Hopper warp specialization
+(tl.range(warp_specialize=True), FlashAttention-3's producer / two-consumer layout). Its pass
+accepts only one key loop with every load a TMA load and no early return; the kernels it then
+built hung on the H200 or returned NaN (BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_worker.kernels._utils import check_device, next_pow2
+from gpu_worker.kernels.paged_prefill_attention import LOG2E, TensorDescriptor, prefill_tile_starts, tma_ok
+
+
+class FreshConfig(NamedTuple):
+    """Launch configuration: query rows and keys per tile, warps, pipeline depth."""
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Default by max_query_len (the first bound >= it); longer prompts have none: paged_prefill_attention's
+# 128 x 128 TMA kernel is as fast there. Set from bench/sweep_prefill_attention.py --only-fresh on
+# the H200 (2026-12-02, sixteenth session), TFLOP/s against v2's defaults in the same call:
+# 8 x 2k 483.6 vs 423.1, 32 x 512 289.6 vs 218.5 (64 x 64); 1 x 8k 585.7 vs 549.4, 1 x 32k 549.7 vs
+# 559.6 (128 x 128, 8 warps).
+FRESH_CONFIGS: list[tuple[int, FreshConfig]] = [
+    (4096, FreshConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+    (8192, FreshConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+]
+
+
+def fresh_config(max_query_len: int) -> FreshConfig | None:
+    """The launch configuration for a step, or None where paged_prefill_attention is faster."""
+    for bound, cfg in FRESH_CONFIGS:
+        if max_query_len <= bound:
+            return cfg
+    return None
+
+
+class FreshTiles(NamedTuple):
+    """One step's query tiles: tile_starts (B+1,) prefix sums, tile_seq (bound,) owner of each."""
+    tile_starts: torch.Tensor
+    tile_seq: torch.Tensor
+
+
+def grid_bound(num_seqs: int, num_tokens: int, block_m: int) -> int:
+    """Host-side bound on a step's query tiles: sum(ceil(q_len / block_m)) <= T / block_m + B."""
+    return triton.cdiv(num_tokens, block_m) + num_seqs
+
+
+def fresh_tile_map(query_start_loc: torch.Tensor, block_m: int, num_tokens: int,
+                   skip_decode_rows: bool = True) -> FreshTiles:
+    """Number every sequence's query tiles on the device, once per step: tile_seq[t] is the
+    sequence owning tile t for t < tile_starts[-1] (the entries past it are never read); its
+    length is grid_bound(B, num_tokens, block_m), the launch's grid."""
+    starts = prefill_tile_starts(query_start_loc, block_m, skip_decode_rows)       # (B+1,)
+    bound = grid_bound(query_start_loc.shape[0] - 1, num_tokens, block_m)
+    items = torch.arange(bound, device=starts.device, dtype=torch.int32)         # (bound,)
+    tile_seq = torch.searchsorted(starts[1:].contiguous(), items, right=True).to(torch.int32)
+    return FreshTiles(starts, tile_seq)
+
+
+@triton.jit
+def _attend(q, m, l, acc, lo, hi, qi, q_start, g, kn_desc, vn_desc, qk_scale,
+            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Fold this sequence's key tiles lo .. hi-1 into (m, l, acc), log2 domain. CAUSAL: row qi
+    sees keys j <= qi; else every key is visible to every row. Tiles may run past q_len into the
+    next sequence's rows (or TMA's zeros past T): the causal mask hides them from every row <
+    q_len, and rows >= q_len are never stored."""
+    for n0 in range(lo, hi, BLOCK_N):
+        k = kn_desc.load([q_start + n0, g * HEAD_DIM])      # (BLOCK_N, HEAD_DIM)
+        v = vn_desc.load([q_start + n0, g * HEAD_DIM])
+        s = tl.dot(q, tl.trans(k))                          # (BLOCK_M, BLOCK_N) raw logits
+        if CAUSAL:
+            j = n0 + tl.arange(0, BLOCK_N)
+            s = tl.where(j[None, :] <= qi[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)  # finite: key 0 is in every row's view
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit(do_not_specialize=["num_seqs"],
+            do_not_specialize_on_alignment=["qsl_ptr", "tile_start_ptr", "tile_seq_ptr"])
+def _fresh_prefill_kernel(
+    q_desc, kn_desc, vn_desc, out_ptr, qsl_ptr, tile_start_ptr, tile_seq_ptr, num_seqs, qk_scale,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    h = tl.program_id(0)                                     # query head
+    item = tl.program_id(1)                                  # a query tile of some sequence
+    if item >= tl.load(tile_start_ptr + num_seqs):
+        return                                               # the grid is an upper bound
+    b = tl.load(tile_seq_ptr + item)
+    mb = tl.load(tile_start_ptr + b + 1) - 1 - item          # a sequence's last (longest) tiles first
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    g = h // GROUP
+    t0 = mb * BLOCK_M                                        # first row of the tile
+    qi = t0 + tl.arange(0, BLOCK_M)                          # (BLOCK_M,) row index in the sequence
+    q = q_desc.load([q_start + t0, h * HEAD_DIM])            # (BLOCK_M, HEAD_DIM); rows >= q_len: not ours
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    full = (t0 // BLOCK_N) * BLOCK_N                         # keys below: visible to every row
+    end = tl.minimum(q_len, t0 + BLOCK_M)                    # keys at/after: visible to none
+    m, l, acc = _attend(q, m, l, acc, 0, full, qi, q_start, g, kn_desc, vn_desc, qk_scale,
+                        HEAD_DIM, BLOCK_N, False)
+    m, l, acc = _attend(q, m, l, acc, full, end, qi, q_start, g, kn_desc, vn_desc, qk_scale,
+                        HEAD_DIM, BLOCK_N, True)
+    rows = (q_start + qi).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    tl.store(out_ptr + (rows * stride_ot + h * stride_oh)[:, None] + d[None, :],
+             (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=(qi < q_len)[:, None])
+
+
+def fresh_prefill_supported(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
+    """Whether these rows can take this kernel: q, K and V readable through TMA (tma_ok: Hopper
+    or the interpreter, power-of-two head_dim, heads contiguous in a row, aligned rows)."""
+    return TensorDescriptor is not None and tma_ok(k_new, v_new) and tma_ok(q, q) and q.shape[-1] == k_new.shape[-1]
+
+
+def fresh_prefill_attention(
+    q: torch.Tensor,                # (T, num_heads, head_dim)
+    k_new: torch.Tensor,            # (T, num_kv_heads, head_dim), K rotated, rows aligned with q's
+    v_new: torch.Tensor,            # (T, num_kv_heads, head_dim)
+    query_start_loc: torch.Tensor,  # (B+1,) int32
+    scale: float,
+    *,
+    max_query_len: int,             # host-side max of the query lens
+    out: torch.Tensor | None = None,
+    skip_decode_rows: bool = False,
+    tiles: FreshTiles | None = None,   # fresh_tile_map(query_start_loc, config.block_m, T, skip_decode_rows)
+    config: FreshConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of every sequence's rows over its own rows (module docstring)."""
+    T, n_heads, head_dim = q.shape
+    n_kv = k_new.shape[1]
+    B = query_start_loc.shape[0] - 1
+    assert k_new.shape == (T, n_kv, head_dim) and v_new.shape == k_new.shape, \
+        f"k_new / v_new must be (T, num_kv_heads, head_dim) = {(T, n_kv, head_dim)}"
+    assert n_heads % n_kv == 0, f"num_heads {n_heads} must be a multiple of num_kv_heads {n_kv}"
+    assert next_pow2(head_dim) == head_dim, f"head_dim {head_dim} must be a power of two"
+    assert query_start_loc.dtype == torch.int32 and scale > 0
+    assert fresh_prefill_supported(q, k_new, v_new), "rows not readable through TMA (fresh_prefill_supported)"
+    check_device(q, k_new, v_new, query_start_loc)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if B == 0 or T == 0:
+        return out
+    cfg = config or fresh_config(max_query_len) or FreshConfig()
+    bound = grid_bound(B, T, cfg.block_m)
+    if tiles is None:
+        tiles = fresh_tile_map(query_start_loc, cfg.block_m, T, skip_decode_rows)
+    assert tiles.tile_starts.shape == (B + 1,) and tiles.tile_seq.shape == (bound,)
+    _fresh_prefill_kernel[(n_heads, bound)](
+        _rows(q, cfg.block_m), _rows(k_new, cfg.block_n), _rows(v_new, cfg.block_n), out, query_start_loc,
+        tiles.tile_starts, tiles.tile_seq, B, scale * LOG2E, out.stride(0), out.stride(1),
+        GROUP=n_heads // n_kv, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _rows(x: torch.Tensor, block: int):
+    """(T, heads, D) rows as a 2-D (T, heads x D) TMA descriptor of (block, D) tiles."""
+    T, heads, d = x.shape
+    return TensorDescriptor(x, shape=[T, heads * d], strides=[x.stride(0), 1], block_shape=[block, d])
+
+
+def fresh_prefill_attention_ref(q, k_new, v_new, query_start_loc, scale, skip_decode_rows: bool = False):
+    """Plain-torch reference in fp32 (skipped rows are left as zeros)."""
+    n_heads, n_kv = q.shape[1], k_new.shape[1]
+    out = torch.zeros_like(q, dtype=torch.float32)
+    for b in range(query_start_loc.shape[0] - 1):
+        s0, s1 = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        if s1 == s0 or (skip_decode_rows and s1 - s0 == 1):
+            continue
+        k = k_new[s0:s1].float().repeat_interleave(n_heads // n_kv, dim=1)      # (n, nh, D)
+        v = v_new[s0:s1].float().repeat_interleave(n_heads // n_kv, dim=1)
+        s = torch.einsum("qhd,nhd->hqn", q[s0:s1].float(), k) * scale            # (nh, n, n)
+        causal = torch.ones(s1 - s0, s1 - s0, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~causal, float("-inf"))
+        out[s0:s1] = torch.einsum("hqn,nhd->qhd", s.softmax(-1), v)
+    return out.to(q.dtype)
