@@ -10,14 +10,18 @@ the JIT's own specializations applied by hand (16-byte-aligned pointers and ints
 marked divisible, ints equal to 1 made constants, both unless the kernel opts out) and PDL on,
 as inside a CUDA graph. Each decode-attention configuration (paged_decode_attention
 .set_attention_config: u+2p, s8x16, s1x64h1, ...) is compiled for the short graphs (128-token
-context, graph bound 1024) and the long ones (8k context, bound 16k).
+context, graph bound 1024) and the long ones (8k context, bound 16k). `--prefill` compiles the
+prefill attention kernels instead (paged_prefill_attention's v2 and fresh_prefill_attention, their
+default configurations and any PrefillConfig / FreshConfig literals given), with their TMA
+descriptors typed as the JIT types them, and adds the TMA loads (UTMALDG) to the counts.
 
     python bench/compile_check.py                                  # the Triton installed here
     PYTHONPATH=/path/to/triton-3.6 python bench/compile_check.py   # the device image's version
+    python bench/compile_check.py --prefill 'FreshConfig(128, 64, 8, 3)'
 
 Registers and spills depend on the Triton version: the device's (3.6) can be installed into its
 own folder (`pip install --no-deps --target DIR triton==3.6.0`) for numbers that match the H200
-runs. Prints a table; writes $OUT/compile_check.json.
+runs. Prints a table; writes $OUT/compile_check.json (--prefill: compile_check_prefill.json).
 """
 from __future__ import annotations
 
@@ -89,6 +93,10 @@ def source(launch: Launch):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):
             sig[p.name] = "fp32"
+        elif v is None:
+            sig[p.name], consts[p.name] = "constexpr", None
+        elif type(v).__name__ == "TensorDescriptor":          # host-side TMA descriptor
+            sig[p.name] = f"tensordesc<{_DTYPES[v.base.dtype]}[{','.join(map(str, v.block_shape))}]>"
         else:
             raise TypeError(f"{kernel.__name__}.{p.name}: cannot type {type(v).__name__}")
     options = dict(num_warps=launch.kwargs.get("num_warps", 4), num_stages=launch.kwargs.get("num_stages", 3))
@@ -113,7 +121,7 @@ def report(launch: Launch) -> dict:
     return dict(kernel=launch.kernel.__name__, grid=list(launch.grid), num_warps=options["num_warps"],
                 num_stages=options["num_stages"], regs=res.get("REG", -1), stack=res.get("STACK", -1),
                 local=res.get("LOCAL", -1), ldg=count(r"\bLDG\b"), atom=count(r"\b(?:ATOM|ATOMG|RED)\b"),
-                bar=count(r"\bBAR\.SYNC"), mma=count(r"\b(?:HMMA|HGMMA)\b"))
+                bar=count(r"\bBAR\.SYNC"), mma=count(r"\b(?:HMMA|HGMMA)\b"), tma=count(r"\bUTMALDG\b"))
 
 
 def decode_step_launches(context: int, graph_bound: int) -> list[Launch]:
@@ -159,11 +167,72 @@ def decode_step_launches(context: int, graph_bound: int) -> list[Launch]:
 CASES = {"128 ctx (short graph)": (128, 1024), "8k ctx (long graph)": (8192, 16384)}
 
 
+def prefill_launches(config) -> list[Launch]:
+    """The kernel paged_prefill_attention launches for a fresh 2 x 1k-token prefill of
+    Llama-3.1-8B heads with this step's K/V as separate rows (the backend's path), under a
+    PrefillConfig; TMA descriptors are made as on the GPU."""
+    from gpu_worker.kernels import fresh_prefill_attention as fpa
+    from gpu_worker.kernels import paged_prefill_attention as ppa
+    launches: list[Launch] = []
+    saved = (ppa._prefill_kernel_v2, fpa._fresh_prefill_kernel, ppa.check_device, fpa.check_device, ppa.tma_ok,
+             fpa.tma_ok)
+    ppa._prefill_kernel_v2 = Recorder(saved[0], launches)
+    fpa._fresh_prefill_kernel = Recorder(saved[1], launches)
+    ppa.check_device = fpa.check_device = lambda *tensors: None
+    ppa.tma_ok = fpa.tma_ok = lambda k_new, v_new: True          # the H200 accepts these rows
+    try:
+        page, n_heads, n_kv, d, n = 16, 32, 8, 128, 1024
+        i32 = dict(dtype=torch.int32)
+        q = torch.zeros(2 * n, n_heads, d, dtype=torch.bfloat16)
+        kn = torch.zeros(2 * n, n_kv, d, dtype=torch.bfloat16)
+        qsl = torch.tensor([0, n, 2 * n], **i32)
+        if isinstance(config, fpa.FreshConfig):
+            fpa.fresh_prefill_attention(q, kn, kn.clone(), qsl, d ** -0.5, max_query_len=n, config=config)
+        else:
+            kc = torch.zeros(2 * n // page, page, n_kv, d, dtype=torch.bfloat16)
+            ppa.paged_prefill_attention(
+                q, kc, kc.clone(), torch.arange(2 * n // page, **i32).view(2, -1), torch.tensor([n, n], **i32),
+                qsl, d ** -0.5, max_query_len=n, k_new=kn, v_new=kn.clone(), config=config)
+    finally:
+        (ppa._prefill_kernel_v2, fpa._fresh_prefill_kernel, ppa.check_device, fpa.check_device, ppa.tma_ok,
+         fpa.tma_ok) = saved
+    return launches
+
+
+def prefill_main(names: list[str]) -> None:
+    """--prefill: compile the prefill kernels per PrefillConfig / FreshConfig literal (paged v2 /
+    fresh_prefill_attention) and print what ptxas made of each."""
+    from gpu_worker.kernels.fresh_prefill_attention import FRESH_CONFIGS, FreshConfig
+    from gpu_worker.kernels.paged_prefill_attention import PREFILL_CONFIGS, PrefillConfig
+    configs = {f"default <= {b}": c for b, c in PREFILL_CONFIGS if b > 16}
+    configs |= {f"fresh default <= {b}": c for b, c in FRESH_CONFIGS}
+    for name in names:                                        # the operator's own flag: literals
+        configs[name] = eval(name, {"PrefillConfig": PrefillConfig, "FreshConfig": FreshConfig})  # noqa: S307
+    rows, t0 = [], time.time()
+    for name, cfg in configs.items():
+        for launch in prefill_launches(cfg):
+            rows.append(dict(config=name, **report(launch)))
+            print(f"[{time.time() - t0:5.1f}s] {name}", flush=True)
+    out = Path(os.environ.get("OUT", "./out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compile_check_prefill.json").write_text(json.dumps(dict(triton=triton.__version__, rows=rows), indent=1))
+    print(f"\nsm_90 with Triton {triton.__version__}: the prefill attention kernels (2 x 1k fresh, Llama-3.1-8B heads)")
+    print(f"{'config':>60s} {'kernel':>22s} {'warps':>5s} {'stages':>6s} {'regs':>4s} {'stack':>5s} {'MMA':>4s} {'TMA':>4s}")
+    for r in rows:
+        print(f"{r['config']:>60s} {r['kernel']:>22s} {r['num_warps']:5d} {r['num_stages']:6d} {r['regs']:4d} "
+              f"{r['stack']:5d} {r['mma']:4d} {r['tma']:4d}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attention", default="u+2p,u,s8x16,s8x16w2,s8x16w1,s4x32,s8x16+2p,s1x64h1,s2x32h1",
                     help="decode-attention configurations (paged_decode_attention.set_attention_config)")
+    ap.add_argument("--prefill", nargs="*", default=None, metavar="CONFIG",
+                    help="instead: the prefill attention kernels under their defaults and these PrefillConfig(...) "
+                         "/ FreshConfig(...) literals, e.g. 'FreshConfig(128, 64, 8, 3)'")
     args = ap.parse_args()
+    if args.prefill is not None:
+        return prefill_main(args.prefill)
     from gpu_worker.kernels import paged_decode_attention as pda
     configs = [c for c in args.attention.split(",") if c]
     bad = [c for c in configs if pda.attention_config_error(c)]

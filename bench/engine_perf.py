@@ -78,6 +78,7 @@ CLOSEDLOOP_PIECEWISE_AB = False   # --closedloop-piecewise-ab
 PROFILE_CASES = ["1:128:short", "1:8192", "128:256"]   # --profile-cases
 PROFILE_CASES_ONLY = False            # --profile-cases given: no prefill profile
 PROFILE_PREFILL_LENS = [2048]         # --profile-prefill-lens: prompt lengths of the prefill profile
+PREFILL_VARIANTS = ["default"]        # --prefill-variants: the prefill part once per variant
 
 
 def row(metric: str, value: str, note: str = "") -> None:
@@ -511,19 +512,38 @@ def part_async(b: Bench) -> None:
 
 def part_prefill(b: Bench) -> None:
     """Prompt tok/s at 512 / 2k / 8k: ~32k prompt tokens per length (two 16,384-token steps, the
-    board at its power cap), then vLLM's peer run's workload (16,384 // L prompts: one step)."""
-    for total in (S(32768), S(PEER_PREFILL_TOKENS)):
-        for L in map(S, PEER_PREFILL_LENS):
-            n_req = max(1, total // L)
-            for _ in range(n_req):
-                b.add(b.prompt(L), 1)
-            sync()
-            t = time.perf_counter()
-            b.drain()
-            sync()
-            dt = time.perf_counter() - t
-            peer = " (vLLM's workload)" if total == S(PEER_PREFILL_TOKENS) else ""
-            row(f"prefill L={L} x{n_req}{peer}", f"{n_req * L / dt:.0f} tok/s", f"{dt:.2f} s")
+    board at its power cap), then vLLM's peer run's workload (16,384 // L prompts: one step).
+    Once per --prefill-variants entry, alternating per length so the board's power state falls
+    on each alike: default (the engine's settings), norm-adds (the residual added in the norm
+    kernels, not in the GEMMs: DecoderLayer.residual_gemm_min_rows off), paged (never the
+    fresh-prompt attention kernel), baseline (both: the sixteenth session's starting point)."""
+    from gpu_worker.attention.triton_backend import TritonAttentionBackend as TAB
+    from gpu_worker.models.decoder import DecoderLayer
+    start = TAB.fresh_prefill, DecoderLayer.residual_gemm_min_rows
+    try:
+        for total in (S(32768), S(PEER_PREFILL_TOKENS)):
+            for L in map(S, PEER_PREFILL_LENS):
+                for variant in PREFILL_VARIANTS:
+                    TAB.fresh_prefill = start[0] and variant not in ("paged", "baseline")
+                    off = variant in ("norm-adds", "baseline")
+                    DecoderLayer.residual_gemm_min_rows = 1 << 62 if off else start[1]
+                    prefill_run(b, total, L, "" if variant == "default" else f" [{variant}]")
+    finally:
+        TAB.fresh_prefill, DecoderLayer.residual_gemm_min_rows = start
+
+
+def prefill_run(b: Bench, total: int, L: int, label: str) -> None:
+    """One prefill line: total // L prompts of L tokens, one token out each."""
+    n_req = max(1, total // L)
+    for _ in range(n_req):
+        b.add(b.prompt(L), 1)
+    sync()
+    t = time.perf_counter()
+    b.drain()
+    sync()
+    dt = time.perf_counter() - t
+    peer = " (vLLM's workload)" if total == S(PEER_PREFILL_TOKENS) else ""
+    row(f"prefill L={L} x{n_req}{peer}{label}", f"{n_req * L / dt:.0f} tok/s", f"{dt:.2f} s")
 
 
 def part_sharegpt(b: Bench, seconds: float, label: str = "") -> None:
@@ -1024,6 +1044,9 @@ def main() -> None:
                     "runs with the piecewise graphs hidden (mixed steps eager) first")
     ap.add_argument("--closedloop-budgets", default="1536", help="comma list of step token budgets "
                     "(max_num_batched_tokens) for the closed-loop part")
+    ap.add_argument("--prefill-variants", default="default", help="comma list: the prefill part once per "
+                    "variant: default, norm-adds (residual adds in the norms), paged (no fresh-prompt attention kernel), "
+                    "baseline (both)")
     ap.add_argument("--fp8-reserve", type=float, default=50, help="seconds kept for the fp8 engine")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the engines' KV cache "
                     "(fp8: e4m3, half the bytes the decode attention reads; e.g. a closed-loop A/B across two runs)")
@@ -1046,6 +1069,9 @@ def main() -> None:
     if args.profile_cases:
         PROFILE_CASES[:], PROFILE_CASES_ONLY = args.profile_cases.split(","), True
     PROFILE_PREFILL_LENS[:] = [int(x) for x in args.profile_prefill_lens.split(",") if x.strip()]
+    PREFILL_VARIANTS[:] = [x for x in args.prefill_variants.split(",") if x.strip()]
+    if not PREFILL_VARIANTS or set(PREFILL_VARIANTS) - {"default", "norm-adds", "paged", "baseline"}:
+        ap.error(f"--prefill-variants {args.prefill_variants!r}: a comma list of default, norm-adds, paged, baseline")
     SMOKE, ASYNC_DEFAULT = args.smoke, args.async_scheduling
     SHAREGPT_TEMPERATURE, SHAREGPT_WORKLOAD = args.sharegpt_temperature, args.sharegpt_workload
     extra = {}

@@ -8,8 +8,9 @@ from the repository root:
     PYTHONPATH=. python3 bench/sweep_prefill_attention.py      # writes $OUT/sweep_prefill_attention.json
 
 Llama-8B attention heads (32 q, 8 kv, head_dim 128), bf16, page 16, shuffled block tables. Cases:
-"1 x 8k fresh", "4 x 2k fresh", "16 x 2k fresh", "1 x 32k fresh", "2k chunk behind 6k cached +
-64 decode rows" (skip_decode_rows, as the backend calls it). The cache holds every token's K/V
+"1 x 8k fresh", "4 x 2k fresh", "16 x 2k fresh", "8 x 2k fresh" (the engine's 16,384-token step),
+"32 x 512 fresh", "1 x 32k fresh", "2k chunk behind 6k cached + 64 decode rows" (skip_decode_rows,
+as the backend calls it). The cache holds every token's K/V
 (this step's too, as after the KV write) and k_new / v_new are the same values, so v1 and v2
 compute the same thing. Variants per case:
   v1 default            today's kernel and launch (the baseline)
@@ -20,7 +21,10 @@ reference, no NaN; 32k: the reference on its first and last 1024 rows, and the w
 v1's), only then timed: median per call of CUDA-graph replays (device time). TFLOP/s counts the
 causal FLOPs, 4 * H * D * sum over the computed rows of the keys each sees. For the fresh cases
 torch's own flash attention is timed as a reference point ("torch flash (reference)": varlen_attn,
-else SDPA per sequence). Printed last: the best variant per case, then the PREFILL_CONFIGS lines
+else SDPA per sequence). Fresh cases also time fresh_prefill_attention (the kernel for prompts with no
+cached prefix) per FreshConfig of FRESH ("fresh bm/bn/w/s"; --only-fresh: only v1, v2's default
+configurations and these). Printed last: the best variant per case (v2's and the fresh kernel's, and
+their ratio), then the PREFILL_CONFIGS lines
 for gpu_worker/kernels/paged_prefill_attention.py (per max_query_len bucket, the configuration with
 the best geometric-mean TFLOP/s over the bucket's cases).
 
@@ -48,6 +52,7 @@ import torch  # noqa: E402
 
 from cuda_timing import event_median_ms, graph_median_ms  # noqa: E402  (bench/, the script's folder)
 
+from gpu_worker.kernels import fresh_prefill_attention as fpa  # noqa: E402
 from gpu_worker.kernels import paged_prefill_attention as ppa  # noqa: E402
 
 T0 = time.time()
@@ -63,6 +68,10 @@ CONFIGS = [
     (64, 64, 4, 4, False, True), (64, 128, 4, 3, False, True),
 ]
 SMOKE_CONFIGS = [(16, 16, 4, 2, False), (32, 16, 4, 2, True), (64, 32, 4, 2, True), (16, 16, 4, 2, False, True)]
+# fresh_prefill_attention (fresh cases only): (block_m, block_n, warps, stages)
+FRESH = [fpa.FreshConfig(64, 64, 4, 3), fpa.FreshConfig(128, 128, 8, 3), fpa.FreshConfig(128, 64, 8, 3),
+         fpa.FreshConfig(64, 64, 4, 2), fpa.FreshConfig(64, 128, 4, 3), fpa.FreshConfig(128, 128, 8, 2)]
+SMOKE_FRESH = [fpa.FreshConfig(16, 16, 4, 2), fpa.FreshConfig(32, 16, 4, 2)]
 BUCKETS = (4096, 1 << 62)             # PREFILL_CONFIGS bounds the sweep sets (<= 16 is left alone)
 
 
@@ -76,6 +85,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def cfg_name(c: tuple) -> str:
+    if isinstance(c, fpa.FreshConfig):
+        return f"fresh bm{c.block_m} bn{c.block_n} w{c.num_warps} s{c.num_stages}"
     return f"v2 bm{c[0]} bn{c[1]} w{c[2]} s{c[3]}" + (" pack" if c[4] else "") + (" tma" if c[5:6] == (True,) else "")
 
 
@@ -96,20 +107,24 @@ class Sweep:
                 "1 x 8k fresh": ([96], [96], False),
                 "4 x 2k fresh": ([40] * 2, [40] * 2, False),
                 "16 x 2k fresh": ([24] * 3, [24] * 3, False),
+                "8 x 2k fresh": ([24] * 2, [24] * 2, False),
+                "32 x 512 fresh": ([9] * 5, [9] * 5, False),
                 "1 x 32k fresh": ([128], [128], False),
                 "2k chunk behind 6k + 64 decodes": ([40] + [1] * 3, [100] + [30] * 3, True),
             }
-            self.configs, self.ref_rows = SMOKE_CONFIGS, 12     # 128 rows > 8 x 12: sliced reference
+            self.configs, self.fresh, self.ref_rows = SMOKE_CONFIGS, SMOKE_FRESH, 12   # 128 rows > 8 x 12: sliced ref
         else:
             self.H, self.KVH, self.D, self.page = 32, 8, 128, 16
             self.cases = {
                 "1 x 8k fresh": ([8192], [8192], False),
                 "4 x 2k fresh": ([2048] * 4, [2048] * 4, False),
                 "16 x 2k fresh": ([2048] * 16, [2048] * 16, False),
+                "8 x 2k fresh": ([2048] * 8, [2048] * 8, False),          # the engine's 16,384-token steps
+                "32 x 512 fresh": ([512] * 32, [512] * 32, False),
                 "1 x 32k fresh": ([32768], [32768], False),
                 "2k chunk behind 6k + 64 decodes": ([2048] + [1] * 64, [8192] + [1000] * 64, True),
             }
-            self.configs, self.ref_rows = CONFIGS, 1024
+            self.configs, self.fresh, self.ref_rows = CONFIGS, FRESH, 1024
         self.G = self.H // self.KVH
         self.results: dict = {"device": self.device_name(), "torch": torch.__version__,
                               "triton": __import__("triton").__version__, "smoke": self.smoke,
@@ -282,8 +297,13 @@ class Sweep:
         base = dict(max_query_len=max(q_lens), out=out, skip_decode_rows=skip)
         v1_out = None
         variants = [("v1 default", None)]
-        variants.append(("v2 paged default", "paged"))
-        variants += [(cfg_name(c), c) for c in self.configs]
+        if not self.args.only_fresh:
+            variants.append(("v2 paged default", "paged"))
+        defaults = {tuple(c) for _, c in ppa.PREFILL_CONFIGS}             # --only-fresh keeps v2's defaults
+        variants += [(cfg_name(c), c) for c in self.configs
+                     if not self.args.only_fresh or tuple(ppa.PrefillConfig(*c)) in defaults]
+        if all(n == c for n, c in zip(q_lens, ctx_lens)):        # no cached prefix: the fresh kernel too
+            variants += [(cfg_name(c), c) for c in self.fresh]
         for vname, c in variants:
             if self.left() < (25 if v1_out is None else 8):
                 res["variants"][vname] = {"skipped": "time budget"}
@@ -293,6 +313,8 @@ class Sweep:
                 if c is None:
                     tile_m = ppa.default_block_m(max(q_lens))
                     kw = dict(base, tile_starts=ppa.prefill_tile_starts(qsl, tile_m, skip))
+                elif isinstance(c, fpa.FreshConfig):
+                    kw = dict(config=c, tiles=fpa.fresh_tile_map(qsl, c.block_m, q.shape[0], skip))
                 elif c == "paged":
                     cfg = ppa.prefill_config(max(q_lens), self.D, G)
                     kw = dict(base, impl="v2", config=cfg,
@@ -302,7 +324,10 @@ class Sweep:
                     kw = dict(base, k_new=kn, v_new=vn, config=cfg,
                               tile_starts=ppa.prefill_tile_starts(qsl, cfg.tile_tokens(G), skip))
 
-                def call(kw=kw):
+                def call(kw=kw, fresh=isinstance(c, fpa.FreshConfig)):
+                    if fresh:
+                        return fpa.fresh_prefill_attention(q, kn, vn, qsl, scale, max_query_len=max(q_lens), out=out,
+                                                           skip_decode_rows=skip, **kw)
                     return ppa.paged_prefill_attention(q, kc, vc, tables, cl, qsl, scale, **kw)
                 out.zero_()
                 t = time.time()
@@ -358,8 +383,8 @@ class Sweep:
         print("\n" + "=" * 110)
         print(f"prefill attention sweep: {self.results['device']}, torch {self.results['torch']}, "
               f"triton {self.results['triton']}; heads {self.H}/{self.KVH} x {self.D}, page {self.page}")
-        print(f"{'case':34s} {'v1':>7s} {'v2 paged':>8s} {'best v2':>8s} {'x v1':>5s} {'torch':>7s}  "
-              f"best v2 configuration  (TFLOP/s)")
+        print(f"{'case':34s} {'v1':>7s} {'v2 paged':>8s} {'best v2':>8s} {'x v1':>5s} {'torch':>7s} {'fresh':>7s} "
+              f"{'x v2':>5s}  best v2 / best fresh configuration  (TFLOP/s)")
         best_by_case = {}
         for name, res in self.results["cases"].items():
             timed = {v: e["tflops"] for v, e in res.get("variants", {}).items() if e.get("tflops")}
@@ -371,7 +396,11 @@ class Sweep:
             best_by_case[name] = bname
             v1, paged = timed.get("v1 default", math.nan), timed.get("v2 paged default", math.nan)
             tf = res.get("torch_flash", {}).get("tflops") or math.nan
-            print(f"{name:34s} {v1:7.1f} {paged:8.1f} {v2[bname]:8.1f} {v2[bname] / v1:5.2f} {tf:7.1f}  {bname}")
+            fresh = {v: t for v, t in timed.items() if v.startswith("fresh ")}
+            fname = max(fresh, key=fresh.get) if fresh else ""
+            ft = fresh[fname] if fresh else math.nan
+            print(f"{name:34s} {v1:7.1f} {paged:8.1f} {v2[bname]:8.1f} {v2[bname] / v1:5.2f} {tf:7.1f} {ft:7.1f} "
+                  f"{ft / v2[bname]:5.2f}  {bname} / {fname or '-'}")
         self.results["best_by_case"] = best_by_case
         # PREFILL_CONFIGS: per bucket of max_query_len, the v2 config with the best geometric mean
         chosen, lo = {}, 16
@@ -415,6 +444,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, toy sizes")
     ap.add_argument("--time-budget", type=float, default=130.0, help="seconds; later variants are skipped")
+    ap.add_argument("--only-fresh", action="store_true", help="v1, v2's default configurations and the fresh "
+                    "kernel's only")
     ap.add_argument("--cases", default="", help="comma-separated case names (substrings) to run")
     args = ap.parse_args()
     if not args.smoke and not torch.cuda.is_available():

@@ -33,3 +33,18 @@ def test_decode_attention_kernels_compile_for_sm90(tmp_path):
     bad = subprocess.run([sys.executable, "bench/compile_check.py", "--attention", "s8x16,turbo"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--attention" in bad.stderr and "turbo" in bad.stderr
+
+
+def test_prefill_attention_kernels_compile_for_sm90(tmp_path):
+    """Both prefill kernels under their default configurations, TMA descriptors included: every
+    one compiles without spilling and reads its tiles through TMA (UTMALDG)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OUT=str(tmp_path), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "bench/compile_check.py", "--prefill"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads((tmp_path / "compile_check_prefill.json").read_text())["rows"]
+    kernels = {x["config"]: x for x in rows}
+    assert {x["kernel"] for x in rows} == {"_prefill_kernel_v2", "_fresh_prefill_kernel"}
+    fresh = [x for name, x in kernels.items() if name.startswith("fresh default")]
+    assert fresh and all(x["stack"] == 0 and x["tma"] > 0 and x["mma"] > 0 for x in fresh)
