@@ -36,6 +36,9 @@ class ForwardBatch:
     # Every row with query_len > 1 starts at position 0 (no cached prefix), known on the host: the
     # Triton backend may then take its fresh-prompt attention kernel. False when unknown.
     fresh_prefill: bool = False
+    # Rows past query_start_loc[-1] are padding (a prefill CUDA graph's bucket): attention leaves
+    # no unwritten memory in them (a NaN there would reach real rows through the next layer's V).
+    padded_rows: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -78,7 +78,7 @@ class PrefillGraphs:
             context_lens=self.context_lens, query_start_loc=self.query_start_loc,
             block_tables=self.block_tables, slot_mapping=self.slot_mapping[:size],
             logits_indices=self.logits_indices, max_query_len=size, max_context_len=self.max_context_len,
-            num_decode_seqs=0)
+            num_decode_seqs=0, padded_rows=True)
 
     def _fn(self, batch: ForwardBatch) -> torch.Tensor:
         return self.logits_fn(self.run_model(batch)[batch.logits_indices])

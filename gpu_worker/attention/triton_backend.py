@@ -134,7 +134,9 @@ class TritonAttentionBackend(AttentionBackend):
         keys from them (raw values: with an fp8 cache, unquantized) and only the cached prefix
         from the cache."""
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
-        out = torch.empty_like(q)                                         # (T, nh, D)
+        # (T, nh, D). Padding rows (no kernel writes them) are zeroed: the prefill kernels' last key
+        # tile reads the padding's V, masked (p = 0), and 0 x NaN from unwritten memory is NaN.
+        out = torch.zeros_like(q) if batch.padded_rows else torch.empty_like(q)
         if batch.num_tokens == 0:
             return out
         if batch.num_decode_seqs != 0:                                    # rows with query_len 1

@@ -57,3 +57,4 @@ def test_fresh_prefill_refuses_what_it_cannot_read(randn):
     q, k, v, qsl = rows(randn, [4], 1, 2, 24)                                          # head_dim not a power of 2
     with pytest.raises(AssertionError, match="power of two"):
         fresh_prefill_attention(q, k, v, qsl, 0.2, max_query_len=4)
+
