@@ -94,7 +94,8 @@ def _attend(q, m, l, acc, lo, hi, qi, q_start, g, kn_desc, vn_desc, qk_scale,
     """Fold this sequence's key tiles lo .. hi-1 into (m, l, acc), log2 domain. CAUSAL: row qi
     sees keys j <= qi; else every key is visible to every row. Tiles may run past q_len into the
     next sequence's rows (or TMA's zeros past T): the causal mask hides them from every row <
-    q_len, and rows >= q_len are never stored."""
+    q_len, and rows >= q_len are never stored. Their values must be finite all the same (p = 0
+    times NaN is NaN): a padded prefill graph's rows are zeroed by the backend (padded_rows)."""
     for n0 in range(lo, hi, BLOCK_N):
         k = kn_desc.load([q_start + n0, g * HEAD_DIM])      # (BLOCK_N, HEAD_DIM)
         v = vn_desc.load([q_start + n0, g * HEAD_DIM])

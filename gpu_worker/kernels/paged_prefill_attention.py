@@ -277,7 +277,8 @@ def _new_tiles(
     k_new / v_new rows (NEW_PAGED: from the cache; TMA: rows q_start + j of the (T, kv heads x D)
     descriptors, head g's columns). CAUSAL: row qi sees j <= qi (with a window also j > qi -
     window), loads stop at q_len (TMA: a tile past q_len reads the next sequence's rows, or zeros
-    past T, and the mask hides them); else every key is visible to every row."""
+    past T, and the mask hides them; their values must be finite, since p = 0 times NaN is NaN: a
+    padded prefill graph's rows are zeroed by the backend); else every key is visible to every row."""
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     for n0 in range(lo, hi, BLOCK_N):

@@ -1,6 +1,7 @@
-"""fresh_prefill_attention (causal attention of prompts with no cached prefix) vs its torch reference and vs paged_prefill_attention on the same rows, on awkward sizes:
-1, 17 and 257 tokens, GQA ratios 1, 4 and 8, decode rows skipped, tiles that run past a sequence
-into the next one's rows and past T."""
+"""fresh_prefill_attention (causal attention of prompts with no cached prefix) vs its torch
+reference and vs paged_prefill_attention on the same rows, on awkward sizes: 1, 17 and 257
+tokens, GQA ratios 1, 4 and 8, decode rows skipped, tiles that run past a sequence into the next
+one's rows and past T."""
 import pytest
 import torch
 
