@@ -86,11 +86,13 @@ def kv_cache_budget(base: _DeviceMemory, now: _DeviceMemory, peak_allocated: int
 
 def _warmup_query_lens(max_query_len: int) -> list[int]:
     """A query length in each prefill launch-configuration bucket a step can reach: 17 and 2
-    (the buckets up to 16 and above), then the first length past each larger bound."""
+    (the buckets up to 16 and above), then the first length past each larger bound of either
+    prefill kernel's table."""
+    from gpu_worker.kernels.fresh_prefill_attention import FRESH_CONFIGS
     from gpu_worker.kernels.paged_prefill_attention import PREFILL_CONFIGS
     lens = [17, 2]
-    bounds = [bound for bound, _ in PREFILL_CONFIGS]
-    lens += [b + 1 for b in bounds[1:-1] if b + 1 <= max_query_len]
+    bounds = sorted({bound for bound, _ in PREFILL_CONFIGS[1:-1]} | {bound for bound, _ in FRESH_CONFIGS})
+    lens += [b + 1 for b in bounds if b + 1 <= max_query_len]
     return lens
 
 
@@ -426,11 +428,12 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self, max_num_seqs: int, max_query_len: int = 0) -> None:
         """Compile, before serving, every Triton kernel variant an eager step can need (CUDA +
-        triton only): the prefill kernel per sequence-count class (its BLOCK_B is next_pow2(B),
-        and Triton specializes B on == 1 and % 16) and per launch configuration (one per
-        PREFILL_CONFIGS bucket that a query of up to `max_query_len` tokens reaches: the first
-        two always), and the decode kernel per split count, in mixed and pure-decode steps (the
-        latter with RoPE fused in when split). No KV writes (slots -1)."""
+        triton only): both prefill kernels (fresh prompts' and chunks behind a prefix's) per
+        sequence-count class (v2's BLOCK_B is next_pow2(B), and Triton specializes B on == 1 and
+        % 16) and per launch configuration (one per PREFILL_CONFIGS / FRESH_CONFIGS bucket that a
+        query of up to `max_query_len` tokens reaches: the first two always), and the decode
+        kernel per split count, in mixed and pure-decode steps (the latter with RoPE fused in when
+        split). No KV writes (slots -1)."""
         if self.device.type != "cuda" or not hasattr(self.attention, "decode_num_splits"):
             return
         counts = sorted({n for n in (1, 2, 3, 5, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512)
@@ -442,12 +445,15 @@ class ModelRunner:
         self.attention.decode_num_splits = 1
         for n in counts:
             for first in _warmup_query_lens(max_query_len):
-                self.run_model(self._warmup_batch([first] + [1] * (n - 1)))
+                for fresh in (True, False):      # fresh prompts' kernel, and chunks behind a prefix's
+                    self.run_model(self._warmup_batch([first] + [1] * (n - 1), fresh))
         self.attention.decode_num_splits = None
         torch.cuda.synchronize(self.device)
 
-    def _warmup_batch(self, query_lens: list[int]) -> ForwardBatch:
-        """Sequences with these query lengths and no cached prefix; writes nothing to the cache."""
+    def _warmup_batch(self, query_lens: list[int], fresh_prefill: bool = True) -> ForwardBatch:
+        """Sequences with these query lengths and no cached prefix; writes nothing to the cache.
+        fresh_prefill False: flagged as unknown, so the prefill rows take the kernel that chunks
+        behind a cached prefix take (paged_prefill_attention instead of fresh_prefill_attention)."""
         dev = self.device
         T, B = sum(query_lens), len(query_lens)
         starts = [0]
@@ -463,7 +469,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, **i32), block_tables=torch.zeros((B, width), **i32),
             slot_mapping=torch.full((T,), -1, dtype=torch.long, device=dev),
             logits_indices=torch.tensor([T - 1], device=dev),
-            max_query_len=max(query_lens), max_context_len=max(query_lens), fresh_prefill=True)
+            max_query_len=max(query_lens), max_context_len=max(query_lens), fresh_prefill=fresh_prefill)
 
     def prepare_inputs(self, batch: ForwardBatch) -> ForwardBatch:
         """Move every tensor of the batch to the model's device (non-blocking from pinned memory)."""
