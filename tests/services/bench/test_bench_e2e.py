@@ -10,7 +10,15 @@ from services.bench.runner import RunConfig, run_benchmark
 from services.bench.tokens import TokenCounter, approx_token_count
 
 TOL_MS = 8.0
+# A busy 2-core machine only adds delay (seen: a 60 ms median TTFT for the script's 50, with 16
+# requests 4 at a time): medians may sit this far above the script, never below it, and the
+# fastest request must still measure the script to TOL_MS.
+NOISE_MS = 3 * TOL_MS
 TIMED = ("--ttft-ms", "50", "--itl-ms", "10")
+
+
+def near(measured_ms: float, scripted_ms: float, tol: float = TOL_MS, noise: float = NOISE_MS) -> bool:
+    return scripted_ms - tol < measured_ms < scripted_ms + noise
 
 
 def run(url, items, chat=False, **kw):
@@ -30,10 +38,10 @@ def test_ttft_tpot_itl_match_the_script(mock_servers, chat):
     url = mock_servers.get(*TIMED)
     out, m = run(url, reqs(16), chat=chat, max_concurrency=4)
     assert m.completed == 16 and m.failed == 0
-    assert abs(m.latency["ttft"].median - 50) < TOL_MS  # chat: the early role chunk is not a token
-    assert abs(m.latency["tpot"].median - 10) < TOL_MS
-    assert abs(m.latency["itl"].median - 10) < TOL_MS
-    assert abs(m.latency["e2el"].median - (50 + 9 * 10)) < 2 * TOL_MS
+    assert abs(min(r.ttft for r in out.results) * 1000 - 50) < TOL_MS   # chat: the early role chunk is not a token
+    assert near(m.latency["ttft"].median, 50)
+    assert near(m.latency["tpot"].median, 10) and near(m.latency["itl"].median, 10)
+    assert near(m.latency["e2el"].median, 50 + 9 * 10, 2 * TOL_MS, 2 * NOISE_MS)
     assert all(len(r.itl) == 9 for r in out.results)
     # Throughput is consistent with the totals, counted from usage.
     assert m.total_output == 160 and m.output_len_sources == {"usage": 16}
@@ -62,8 +70,8 @@ def test_multi_token_chunks_follow_vllm_convention(mock_servers):
     url = mock_servers.get(*TIMED, "--tokens-per-chunk", "4")
     out, m = run(url, reqs(6, out_len=16), max_concurrency=6)
     assert all(len(r.itl) == 3 for r in out.results)
-    assert abs(m.latency["itl"].median - 40) < TOL_MS
-    assert abs(m.latency["tpot"].median - 8) < TOL_MS / 2
+    assert near(m.latency["itl"].median, 40)
+    assert near(m.latency["tpot"].median, 8, TOL_MS / 2, NOISE_MS / 2)
     assert m.total_output == 96
 
 
