@@ -168,9 +168,9 @@ CASES = {"128 ctx (short graph)": (128, 1024), "8k ctx (long graph)": (8192, 163
 
 
 def prefill_launches(config) -> list[Launch]:
-    """The kernel paged_prefill_attention launches for a fresh 2 x 1k-token prefill of
-    Llama-3.1-8B heads with this step's K/V as separate rows (the backend's path), under a
-    PrefillConfig; TMA descriptors are made as on the GPU."""
+    """The kernel a fresh 2 x 1k-token prefill of Llama-3.1-8B heads launches, with this step's
+    K/V as separate rows (the backend's path): fresh_prefill_attention's under a FreshConfig,
+    paged_prefill_attention's v2 under a PrefillConfig; TMA descriptors are made as on the GPU."""
     from gpu_worker.kernels import fresh_prefill_attention as fpa
     from gpu_worker.kernels import paged_prefill_attention as ppa
     launches: list[Launch] = []
@@ -199,15 +199,21 @@ def prefill_launches(config) -> list[Launch]:
     return launches
 
 
-def prefill_main(names: list[str]) -> None:
+def prefill_main(names: list[str], ap: argparse.ArgumentParser) -> None:
     """--prefill: compile the prefill kernels per PrefillConfig / FreshConfig literal (paged v2 /
     fresh_prefill_attention) and print what ptxas made of each."""
     from gpu_worker.kernels.fresh_prefill_attention import FRESH_CONFIGS, FreshConfig
     from gpu_worker.kernels.paged_prefill_attention import PREFILL_CONFIGS, PrefillConfig
     configs = {f"default <= {b}": c for b, c in PREFILL_CONFIGS if b > 16}
     configs |= {f"fresh default <= {b}": c for b, c in FRESH_CONFIGS}
-    for name in names:                                        # the operator's own flag: literals
-        configs[name] = eval(name, {"PrefillConfig": PrefillConfig, "FreshConfig": FreshConfig})  # noqa: S307
+    for name in names:                  # the operator's own flag: literals of the two classes only
+        try:
+            cfg = eval(name, {"__builtins__": {}, "PrefillConfig": PrefillConfig, "FreshConfig": FreshConfig})  # noqa: S307
+        except Exception as exc:       # noqa: BLE001
+            ap.error(f"--prefill: {name!r} is not a PrefillConfig(...) or FreshConfig(...) literal ({exc})")
+        if not isinstance(cfg, (PrefillConfig, FreshConfig)):
+            ap.error(f"--prefill: {name!r} is not a PrefillConfig(...) or FreshConfig(...) literal")
+        configs[name] = cfg
     rows, t0 = [], time.time()
     for name, cfg in configs.items():
         for launch in prefill_launches(cfg):
@@ -232,7 +238,7 @@ def main() -> None:
                          "/ FreshConfig(...) literals, e.g. 'FreshConfig(128, 64, 8, 3)'")
     args = ap.parse_args()
     if args.prefill is not None:
-        return prefill_main(args.prefill)
+        return prefill_main(args.prefill, ap)
     from gpu_worker.kernels import paged_decode_attention as pda
     configs = [c for c in args.attention.split(",") if c]
     bad = [c for c in configs if pda.attention_config_error(c)]

@@ -48,3 +48,6 @@ def test_prefill_attention_kernels_compile_for_sm90(tmp_path):
     assert {x["kernel"] for x in rows} == {"_prefill_kernel_v2", "_fresh_prefill_kernel"}
     fresh = [x for name, x in kernels.items() if name.startswith("fresh default")]
     assert fresh and all(x["stack"] == 0 and x["tma"] > 0 and x["mma"] > 0 for x in fresh)
+    bad = subprocess.run([sys.executable, "bench/compile_check.py", "--prefill", "FreshConfig(64", "turbo"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--prefill" in bad.stderr and "FreshConfig(64" in bad.stderr
