@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels._utils import check_device, next_pow2
-from gpu_worker.kernels.paged_prefill_attention import LOG2E, TensorDescriptor, prefill_tile_starts, tma_ok
+from gpu_worker.kernels.paged_prefill_attention import (LOG2E, online_softmax, prefill_tile_starts, row_descriptor,
+                                                        tma_ok)
 
 
 class FreshConfig(NamedTuple):
@@ -103,12 +104,8 @@ def _attend(q, m, l, acc, lo, hi, qi, q_start, g, kn_desc, vn_desc, qk_scale,
         if CAUSAL:
             j = n0 + tl.arange(0, BLOCK_N)
             s = tl.where(j[None, :] <= qi[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)  # finite: key 0 is in every row's view
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m = m_new
+        # no guard: key 0 is in every row's view, so no row's running max stays -inf
+        m, l, acc = online_softmax(q, s, v, m, l, acc, qk_scale, 1.0, False, False)
     return m, l, acc
 
 
@@ -149,7 +146,7 @@ def _fresh_prefill_kernel(
 def fresh_prefill_supported(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
     """Whether these rows can take this kernel: q, K and V readable through TMA (tma_ok: Hopper
     or the interpreter, power-of-two head_dim, heads contiguous in a row, aligned rows)."""
-    return TensorDescriptor is not None and tma_ok(k_new, v_new) and tma_ok(q, q) and q.shape[-1] == k_new.shape[-1]
+    return tma_ok(k_new, v_new) and tma_ok(q, q)          # (tma_ok also checks TensorDescriptor imported)
 
 
 def fresh_prefill_attention(
@@ -187,18 +184,13 @@ def fresh_prefill_attention(
         tiles = fresh_tile_map(query_start_loc, cfg.block_m, T, skip_decode_rows)
     assert tiles.tile_starts.shape == (B + 1,) and tiles.tile_seq.shape == (bound,)
     _fresh_prefill_kernel[(n_heads, bound)](
-        _rows(q, cfg.block_m), _rows(k_new, cfg.block_n), _rows(v_new, cfg.block_n), out, query_start_loc,
+        row_descriptor(q, cfg.block_m), row_descriptor(k_new, cfg.block_n), row_descriptor(v_new, cfg.block_n),
+        out, query_start_loc,
         tiles.tile_starts, tiles.tile_seq, B, scale * LOG2E, out.stride(0), out.stride(1),
         GROUP=n_heads // n_kv, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
-
-
-def _rows(x: torch.Tensor, block: int):
-    """(T, heads, D) rows as a 2-D (T, heads x D) TMA descriptor of (block, D) tiles."""
-    T, heads, d = x.shape
-    return TensorDescriptor(x, shape=[T, heads * d], strides=[x.stride(0), 1], block_shape=[block, d])
 
 
 def fresh_prefill_attention_ref(q, k_new, v_new, query_start_loc, scale, skip_decode_rows: bool = False):

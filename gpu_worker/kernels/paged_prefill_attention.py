@@ -220,9 +220,10 @@ def _prefill_kernel(
 
 # ================================================================================ v2 kernel
 @triton.jit
-def _online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD: tl.constexpr, SCALE_V: tl.constexpr):
+def online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD: tl.constexpr, SCALE_V: tl.constexpr):
     """Fold one tile of raw logits s (BLOCK_M, BLOCK_N; masked keys -inf) and its values into
-    (m, l, acc), log2 domain. GUARD: a row may have seen no visible key yet (m_new = -inf)."""
+    (m, l, acc), log2 domain (fresh_prefill_attention folds its tiles with it too). GUARD: a row
+    may have seen no visible key yet (m_new = -inf)."""
     m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -260,7 +261,7 @@ def _cache_tiles(
             if HAS_WINDOW:
                 visible = visible & (tok[None, :] > qpos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-        m, l, acc = _online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD, SCALE_V)
+        m, l, acc = online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD, SCALE_V)
     return m, l, acc
 
 
@@ -307,7 +308,7 @@ def _new_tiles(
             if HAS_WINDOW:
                 visible = visible & (j[None, :] > qi[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-        m, l, acc = _online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD, SCALE_V)
+        m, l, acc = online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD, SCALE_V)
     return m, l, acc
 
 
@@ -505,8 +506,8 @@ def paged_prefill_attention(
         kn_strides, vn_strides = (k_new.stride(0), k_new.stride(1)), (v_new.stride(0), v_new.stride(1))
     qk_cache = scale * k_scale * LOG2E
     tma = cfg.tma and not new_paged and tma_ok(k_new, v_new)
-    kn_desc = _row_descriptor(k_new, cfg.block_n) if tma else None
-    vn_desc = _row_descriptor(v_new, cfg.block_n) if tma else None
+    kn_desc = row_descriptor(k_new, cfg.block_n) if tma else None
+    vn_desc = row_descriptor(v_new, cfg.block_n) if tma else None
     grid = (n_kv if pack else n_heads, triton.cdiv(T, tile_m) + B)
     _prefill_kernel_v2[grid](
         q, k_new, v_new, kn_desc, vn_desc, k_cache, v_cache, block_tables, context_lens, query_start_loc,
@@ -540,8 +541,9 @@ def tma_ok(k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
     return True
 
 
-def _row_descriptor(x: torch.Tensor, block_n: int):
-    """(T, kv heads, D) rows as a 2-D (T, kv heads x D) TMA descriptor of (block_n, D) tiles."""
+def row_descriptor(x: torch.Tensor, block_n: int):
+    """(T, heads, D) rows as a 2-D (T, heads x D) TMA descriptor of (block_n, D) tiles (this
+    step's K/V here; q, K and V in fresh_prefill_attention)."""
     T, n_kv, d = x.shape
     return TensorDescriptor(x, shape=[T, n_kv * d], strides=[x.stride(0), 1], block_shape=[block_n, d])
 
