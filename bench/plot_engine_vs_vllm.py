@@ -1,13 +1,15 @@
 """Plots kvmesh against vLLM 0.26.0 measured in the same device session on the same H200
-(BENCHMARKS.md, fifteenth session, one machine: bench/gpu_bench.py's engine section, then
+(BENCHMARKS.md, fifteenth or seventeenth session, one machine: bench/gpu_bench.py's engine section, then
 ../shared/peer-vllm/run_peer.py, then bench/serve_bench.py --sections single,vllm: both servers
 driven by the same client with the same requests): each workload's kvmesh rate as a multiple of
 vLLM's (latencies as vLLM's ms over kvmesh's), with the issue's target as a tick where it has one.
 
-    python bench/plot_engine_vs_vllm.py   ->  bench/plots/h200_engine_vs_vllm.png
+    python bench/plot_engine_vs_vllm.py               ->  bench/plots/h200_engine_vs_vllm.png      (s15)
+    python bench/plot_engine_vs_vllm.py --session s17 ->  bench/plots/h200_engine_vs_vllm_s17.png
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -18,9 +20,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
 RESULTS_DIR = HERE / "results"   # the stored device results
-ENGINE = "results_gpu_bench_2026-12-02_s15.json"   # gpu_bench.py --sections ceilings,engine,peers
-VLLM = "results_vllm_peer_2026-12-02_s15.json"
-SERVE = "results_serve_single_vs_vllm_2026-12-02_s15.json"   # serve_bench.py --sections single,vllm
+# session -> (gpu_bench.py's engine run, run_peer.py's vLLM run, serve_bench.py --sections single,vllm),
+# each pair from one machine
+SESSIONS = {
+    "s15": ("results_gpu_bench_2026-12-02_s15.json", "results_vllm_peer_2026-12-02_s15.json",
+            "results_serve_single_vs_vllm_2026-12-02_s15.json"),
+    "s17": ("results_gpu_bench_m2_2026-12-02_s17.json", "results_vllm_peer_2026-12-02_s17.json",
+            "results_serve_single_vs_vllm_2026-12-02_s17.json"),
+}
 
 # (label, gpu_bench engine row, how its rate is read, vLLM key, target or None); the prefill rows
 # are vLLM's workload (16,384 prompt tokens per length), ShareGPT-like is vLLM's own 1,000 requests
@@ -55,8 +62,12 @@ def rate(engine: dict, row: str, how: str) -> float:
 
 
 def main() -> None:
-    vllm = json.loads((RESULTS_DIR / VLLM).read_text())
-    engine = json.loads((RESULTS_DIR / ENGINE).read_text())["sections"]["engine"]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--session", default="s15", choices=sorted(SESSIONS))
+    session = ap.parse_args().session
+    engine_file, vllm_file, serve_file = SESSIONS[session]
+    vllm = json.loads((RESULTS_DIR / vllm_file).read_text())
+    engine = json.loads((RESULTS_DIR / engine_file).read_text())["sections"]["engine"]
     labels, ratios, targets, texts = [], [], [], []
     for label, row, how, key, target in LINES:
         ours, theirs = rate(engine, row, how), float(vllm[key])
@@ -64,7 +75,7 @@ def main() -> None:
         ratios.append(ours / theirs)
         targets.append(None if target is None else target / theirs)
         texts.append(f"{ours:,.0f}\nvs {theirs:,.0f}")
-    serve = json.loads((RESULTS_DIR / SERVE).read_text())["sections"]
+    serve = json.loads((RESULTS_DIR / serve_file).read_text())["sections"]
     for label, run, key, lower, target in SERVING:
         ours, theirs = float(serve["single"][run][key]), float(serve["vllm"][run][key])
         labels.append(label)
@@ -89,11 +100,11 @@ def main() -> None:
     ax.set_ylabel("kvmesh / vLLM, as speed (higher is better)")
     ax.set_ylim(0, top)
     ax.legend(fontsize=8, loc="upper left")
-    ax.set_title("kvmesh vs vLLM 0.26.0 on one H200 in one session, random Llama-3.1-8B bf16: the engines "
+    ax.set_title(f"kvmesh vs vLLM 0.26.0 on one H200 in one session ({session}), random Llama-3.1-8B bf16: the engines "
                  "offline (tok/s; ShareGPT-like: vLLM's own 1,000 requests), then both servers under one client",
                  fontsize=10)
     fig.tight_layout()
-    out = HERE / "plots" / "h200_engine_vs_vllm.png"
+    out = HERE / "plots" / ("h200_engine_vs_vllm.png" if session == "s15" else f"h200_engine_vs_vllm_{session}.png")
     fig.savefig(out, dpi=110)
     print(out)
 
