@@ -28,10 +28,15 @@ from gpu_worker.engine import Engine  # noqa: E402
 TOKENS = 16384
 
 
-def line(b, L: int) -> float:
+def add_line(b, L: int) -> None:
+    """One line's prompts (16,384 tokens of L-token prompts, one token out each), queued."""
     for _ in range(TOKENS // L):
         b.add(b.prompt(L), 1)
     torch.cuda.synchronize()
+
+
+def line(b, L: int) -> float:
+    add_line(b, L)
     t = time.perf_counter()
     b.drain()
     torch.cuda.synchronize()
@@ -39,9 +44,7 @@ def line(b, L: int) -> float:
 
 
 def traced(b, L: int, out: Path) -> str:
-    for _ in range(TOKENS // L):
-        b.add(b.prompt(L), 1)
-    torch.cuda.synchronize()
+    add_line(b, L)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         b.drain()

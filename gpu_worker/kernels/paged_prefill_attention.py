@@ -541,11 +541,11 @@ def tma_ok(k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
     return True
 
 
-def row_descriptor(x: torch.Tensor, block_n: int):
-    """(T, heads, D) rows as a 2-D (T, heads x D) TMA descriptor of (block_n, D) tiles (this
+def row_descriptor(x: torch.Tensor, block: int):
+    """(T, heads, D) rows as a 2-D (T, heads x D) TMA descriptor of (block, D) tiles (this
     step's K/V here; q, K and V in fresh_prefill_attention)."""
-    T, n_kv, d = x.shape
-    return TensorDescriptor(x, shape=[T, n_kv * d], strides=[x.stride(0), 1], block_shape=[block_n, d])
+    T, heads, d = x.shape
+    return TensorDescriptor(x, shape=[T, heads * d], strides=[x.stride(0), 1], block_shape=[block, d])
 
 
 def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
