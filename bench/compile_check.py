@@ -168,9 +168,10 @@ CASES = {"128 ctx (short graph)": (128, 1024), "8k ctx (long graph)": (8192, 163
 
 
 def prefill_launches(config) -> list[Launch]:
-    """The kernel a fresh 2 x 1k-token prefill of Llama-3.1-8B heads launches, with this step's
-    K/V as separate rows (the backend's path): fresh_prefill_attention's under a FreshConfig,
-    paged_prefill_attention's v2 under a PrefillConfig; TMA descriptors are made as on the GPU."""
+    """The kernels a 2 x 1k-token prefill of Llama-3.1-8B heads launches, with this step's K/V as
+    separate rows (the backend's path): fresh_prefill_attention's under a FreshConfig (fresh
+    prompts, then the same chunks behind a 1k cached prefix), paged_prefill_attention's v2 under a
+    PrefillConfig; TMA descriptors are made as on the GPU."""
     from gpu_worker.kernels import fresh_prefill_attention as fpa
     from gpu_worker.kernels import paged_prefill_attention as ppa
     launches: list[Launch] = []
@@ -186,10 +187,14 @@ def prefill_launches(config) -> list[Launch]:
         q = torch.zeros(2 * n, n_heads, d, dtype=torch.bfloat16)
         kn = torch.zeros(2 * n, n_kv, d, dtype=torch.bfloat16)
         qsl = torch.tensor([0, n, 2 * n], **i32)
+        kc = torch.zeros(4 * n // page, page, n_kv, d, dtype=torch.bfloat16)
         if isinstance(config, fpa.FreshConfig):
             fpa.fresh_prefill_attention(q, kn, kn.clone(), qsl, d ** -0.5, max_query_len=n, config=config)
+            behind = fpa.CachedPrefix(kc, kc.clone(), torch.arange(4 * n // page, **i32).view(2, -1),
+                                      torch.tensor([2 * n, 2 * n], **i32))
+            fpa.fresh_prefill_attention(q, kn, kn.clone(), qsl, d ** -0.5, max_query_len=n, config=config,
+                                        prefix=behind)
         else:
-            kc = torch.zeros(2 * n // page, page, n_kv, d, dtype=torch.bfloat16)
             ppa.paged_prefill_attention(
                 q, kc, kc.clone(), torch.arange(2 * n // page, **i32).view(2, -1), torch.tensor([n, n], **i32),
                 qsl, d ** -0.5, max_query_len=n, k_new=kn, v_new=kn.clone(), config=config)
@@ -217,15 +222,17 @@ def prefill_main(names: list[str], ap: argparse.ArgumentParser) -> None:
     rows, t0 = [], time.time()
     for name, cfg in configs.items():
         for launch in prefill_launches(cfg):
-            rows.append(dict(config=name, **report(launch)))
+            case = "behind 1k" if launch.kwargs.get("HAS_PREFIX") else "fresh"
+            rows.append(dict(config=name, case=case, **report(launch)))
             print(f"[{time.time() - t0:5.1f}s] {name}", flush=True)
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "compile_check_prefill.json").write_text(json.dumps(dict(triton=triton.__version__, rows=rows), indent=1))
-    print(f"\nsm_90 with Triton {triton.__version__}: the prefill attention kernels (2 x 1k fresh, Llama-3.1-8B heads)")
-    print(f"{'config':>60s} {'kernel':>22s} {'warps':>5s} {'stages':>6s} {'regs':>4s} {'stack':>5s} {'MMA':>4s} {'TMA':>4s}")
+    print(f"\nsm_90 with Triton {triton.__version__}: the prefill attention kernels (2 x 1k, Llama-3.1-8B heads)")
+    print(f"{'config':>60s} {'kernel':>22s} {'case':>9s} {'warps':>5s} {'stages':>6s} {'regs':>4s} {'stack':>5s} "
+          f"{'MMA':>4s} {'TMA':>4s}")
     for r in rows:
-        print(f"{r['config']:>60s} {r['kernel']:>22s} {r['num_warps']:5d} {r['num_stages']:6d} {r['regs']:4d} "
+        print(f"{r['config']:>60s} {r['kernel']:>22s} {r['case']:>9s} {r['num_warps']:5d} {r['num_stages']:6d} {r['regs']:4d} "
               f"{r['stack']:5d} {r['mma']:4d} {r['tma']:4d}")
 
 

@@ -15,6 +15,10 @@ Order (each part guarded and time-boxed; the table is printed last, also to $OUT
              step N's tokens are read back)
   prefill    prefill at 512 / 2k / 8k prompts (max_tokens 1): prompt tok/s, at ~32k prompt tokens
              per length and at vLLM's peer run's 16,384
+  behind     chunks behind a cached prefix: 4 prompts of 8k prefilled in 2,048-token chunks, and 32
+             prompts of 512 new tokens behind 1.5k cached (prefix-cache hits after a first turn);
+             prompt tok/s, the fresh_prefill_attention kernel against paged_prefill_attention's
+             v2 (TritonAttentionBackend.fresh_prefix off), alternating, two rounds
   sharegpt   1,000 requests of ShareGPT-like lengths (default: vLLM's peer run's own, 211 in / 182
              out on average), ignore_eos, temperature 1 (--sharegpt-temperature): total tok/s
   sharegpt_async  the same with async_scheduling on (and `sharegpt_N` for each --sharegpt-seqs N);
@@ -75,6 +79,7 @@ LIVE_PROFILE: tuple[str, int, int, int] | None = None   # --live-profile [KIND:]
 FREEZE_GC = True             # --no-freeze-gc
 SHAREGPT_GC_AB = False       # --sharegpt-gc-ab
 CLOSEDLOOP_PIECEWISE_AB = False   # --closedloop-piecewise-ab
+CLOSEDLOOP_KERNEL_AB = False      # --closedloop-kernel-ab
 PROFILE_CASES = ["1:128:short", "1:8192", "128:256"]   # --profile-cases
 PROFILE_CASES_ONLY = False            # --profile-cases given: no prefill profile
 PROFILE_PREFILL_LENS = [2048]         # --profile-prefill-lens: prompt lengths of the prefill profile
@@ -532,6 +537,46 @@ def part_prefill(b: Bench) -> None:
         TAB.fresh_prefill, DecoderLayer.residual_gemm_min_rows = start
 
 
+def part_behind(b: Bench) -> None:
+    """Prompt tok/s of chunks behind a cached prefix (module docstring), per attention kernel."""
+    from gpu_worker.attention.triton_backend import TritonAttentionBackend as TAB
+    sched = b.eng.scheduler
+    start = TAB.fresh_prefix, sched.max_num_batched_tokens
+    try:
+        for _ in range(2):
+            for kernel, on in (("fresh kernel", True), ("v2", False)):
+                TAB.fresh_prefix = start[0] and on
+                sched.max_num_batched_tokens = S(2048)
+                n, L = 4, S(8192)
+                for _ in range(n):
+                    b.add(b.prompt(L), 1)
+                sync()
+                t = time.perf_counter()
+                b.drain()
+                sync()
+                dt = time.perf_counter() - t
+                row(f"chunked prefill {n} x {L}, budget {S(2048)} [{kernel}]", f"{n * L / dt:.0f} tok/s", f"{dt:.2f} s")
+                sched.max_num_batched_tokens = start[1]
+                n, P, L = 32, S(1536), S(512)
+                firsts = [b.prompt(P) for _ in range(n)]
+                for p in firsts:                              # the first turn: fills the prefix cache
+                    b.add(p, 1)
+                b.drain()
+                for p in firsts:
+                    b.add(p + b.prompt(L), 1)
+                hits0 = sched.block_manager.prefix_hit_tokens
+                sync()
+                t = time.perf_counter()
+                b.drain()
+                sync()
+                dt = time.perf_counter() - t
+                hits = sched.block_manager.prefix_hit_tokens - hits0
+                row(f"prefix hits {n} x {L} behind {P} [{kernel}]", f"{n * L / dt:.0f} tok/s",
+                    f"{dt:.2f} s; {hits} prompt tokens from the prefix cache")
+    finally:
+        TAB.fresh_prefix, sched.max_num_batched_tokens = start
+
+
 def prefill_run(b: Bench, total: int, L: int, label: str) -> None:
     """One prefill line: total // L prompts of L tokens, one token out each."""
     n_req = max(1, total // L)
@@ -787,7 +832,11 @@ def part_closedloop(b: Bench, seconds: float) -> None:
     """The serving benchmark's concurrency-64 run (`bench/serve_bench.py`: 640 requests of 1,024 in
     / 128 out, 64 in flight) on the engine alone, once per step token budget in
     --closedloop-budgets: how the budget trades prefill batching against mixing decode rows into
-    prefill steps, without a stack restart per setting. Total tok/s, p99 inter-token gap, TTFT."""
+    prefill steps, without a stack restart per setting. Total tok/s, p99 inter-token gap, TTFT.
+    --closedloop-kernel-ab: each also with chunks behind a cached prefix on paged_prefill_attention's
+    v2 instead of fresh_prefill_attention (TritonAttentionBackend.fresh_prefix off)."""
+    from gpu_worker.attention.triton_backend import TritonAttentionBackend as TAB
+    start_prefix = TAB.fresh_prefix
     sched = b.eng.scheduler
     saved = sched.max_num_seqs, sched.admit_group, sched.max_num_batched_tokens, b.eng.async_scheduling
     n_req, conc, n_in, n_out = S(640), min(64, S(640)), S(1024), S(128)
@@ -796,14 +845,18 @@ def part_closedloop(b: Bench, seconds: float) -> None:
         sched.max_num_seqs, sched.admit_group = conc, conc
         b.eng.async_scheduling = True
         variants = [(" eager mixed", ("piecewise_graphs",)), ("", ())] if CLOSEDLOOP_PIECEWISE_AB else [("", ())]
-        for budget, (suffix, hidden) in ((bu, v) for bu in CLOSEDLOOP_BUDGETS for v in variants):
-            label = f"closed-loop c{conc} budget={budget}{suffix}"
+        kernels = [("", True), (" [v2 behind a prefix]", False)] if CLOSEDLOOP_KERNEL_AB else [("", True)]
+        runs = [(bu, v, k) for bu in CLOSEDLOOP_BUDGETS for v in variants for k in kernels]
+        for budget, (suffix, hidden), (kernel, fresh_prefix) in runs:
+            label = f"closed-loop c{conc} budget={budget}{suffix}{kernel}"
             if time.time() > end - 5:
                 row(label, "SKIPPED", "time budget")
                 continue
+            TAB.fresh_prefix = start_prefix and fresh_prefix
             with graphs_off(b.eng.runner, *hidden):
                 closed_loop_run(b, label, budget, n_req, conc, n_in, n_out, end)
     finally:
+        TAB.fresh_prefix = start_prefix
         sched.max_num_seqs, sched.admit_group, sched.max_num_batched_tokens, b.eng.async_scheduling = saved
         b.eng.step()
 
@@ -1042,6 +1095,8 @@ def main() -> None:
                     "graphs around eager attention for steps of up to 2,048 tokens)")
     ap.add_argument("--closedloop-piecewise-ab", action="store_true", help="each closed-loop budget also "
                     "runs with the piecewise graphs hidden (mixed steps eager) first")
+    ap.add_argument("--closedloop-kernel-ab", action="store_true", help="each closed-loop run also with chunks "
+                    "behind a cached prefix on paged_prefill_attention's v2 (TritonAttentionBackend.fresh_prefix off)")
     ap.add_argument("--closedloop-budgets", default="1536", help="comma list of step token budgets "
                     "(max_num_batched_tokens) for the closed-loop part")
     ap.add_argument("--prefill-variants", default="default", help="comma list: the prefill part once per "
@@ -1057,11 +1112,11 @@ def main() -> None:
     args = ap.parse_args()
     end = T0 + args.budget
     global SMOKE, ASYNC_DEFAULT, ROW_SUFFIX, SHAREGPT_TEMPERATURE, SHAREGPT_WORKLOAD, CLOSEDLOOP_BUDGETS
-    global PROFILE_CASES_ONLY, LIVE_PROFILE, FREEZE_GC, SHAREGPT_GC_AB, CLOSEDLOOP_PIECEWISE_AB
+    global PROFILE_CASES_ONLY, LIVE_PROFILE, FREEZE_GC, SHAREGPT_GC_AB, CLOSEDLOOP_PIECEWISE_AB, CLOSEDLOOP_KERNEL_AB
     CLOSEDLOOP_BUDGETS = [int(x) for x in args.closedloop_budgets.split(",") if x]
     SHAREGPT_GRAPH_CAPS[:] = [int(x) for x in args.sharegpt_graph_cap.split(",") if x]
     FREEZE_GC, SHAREGPT_GC_AB = not args.no_freeze_gc, args.sharegpt_gc_ab
-    CLOSEDLOOP_PIECEWISE_AB = args.closedloop_piecewise_ab
+    CLOSEDLOOP_PIECEWISE_AB, CLOSEDLOOP_KERNEL_AB = args.closedloop_piecewise_ab, args.closedloop_kernel_ab
     if args.live_profile:
         spec = args.live_profile.split(":")
         kind = spec.pop(0) if not spec[0].isdigit() else "decode"
@@ -1093,7 +1148,8 @@ def main() -> None:
     eng, b = make_engine(model_dir, args, extra)
 
     parts = [("parity", part_parity, 30), ("decode1", part_decode1, 20), ("decodeB", part_decodeB, 30),
-             ("async", part_async, 25), ("prefill", part_prefill, 20), ("ablation", part_ablation, 20),
+             ("async", part_async, 25), ("prefill", part_prefill, 20), ("behind", part_behind, 15),
+             ("ablation", part_ablation, 20),
              ("profile", part_profile, 15), ("ttft", part_ttft, 10),
              ("hostprof", part_hostprof, 10)]
     skip = set(filter(None, args.skip.split(",")))

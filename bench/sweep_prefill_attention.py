@@ -21,9 +21,11 @@ reference, no NaN; 32k: the reference on its first and last 1024 rows, and the w
 v1's), only then timed: median per call of CUDA-graph replays (device time). TFLOP/s counts the
 causal FLOPs, 4 * H * D * sum over the computed rows of the keys each sees. For the fresh cases
 torch's own flash attention is timed as a reference point ("torch flash (reference)": varlen_attn,
-else SDPA per sequence). Fresh cases also time fresh_prefill_attention (the kernel for prompts with no
-cached prefix) per FreshConfig of FRESH ("fresh bm/bn/w/s"; --only-fresh: only v1, v2's default
-configurations and these). Printed last: the best variant per case (v2's and the fresh kernel's, and
+else SDPA per sequence). Every case also times fresh_prefill_attention (q and this step's K/V
+through TMA, the cached prefix, where there is one, through the block table) per FreshConfig of
+FRESH ("fresh bm/bn/w/s"; --only-fresh: only v1, v2's default configurations and these). The cases
+behind a cached prefix: "8 x 2k behind 2k", "32 x 512 behind 1.5k", "1 x 8k behind 24k", "1k chunk
+behind 512 + 60 decodes" (a serving step at concurrency 64). Printed last: the best variant per case (v2's and the fresh kernel's, and
 their ratio), then the PREFILL_CONFIGS lines
 for gpu_worker/kernels/paged_prefill_attention.py (per max_query_len bucket, the configuration with
 the best geometric-mean TFLOP/s over the bucket's cases).
@@ -111,6 +113,10 @@ class Sweep:
                 "32 x 512 fresh": ([9] * 5, [9] * 5, False),
                 "1 x 32k fresh": ([128], [128], False),
                 "2k chunk behind 6k + 64 decodes": ([40] + [1] * 3, [100] + [30] * 3, True),
+                "8 x 2k behind 2k": ([24] * 2, [48] * 2, False),
+                "32 x 512 behind 1.5k": ([9] * 3, [30] * 3, False),
+                "1 x 8k behind 24k": ([64], [200], False),
+                "1k chunk behind 512 + 60 decodes": ([20] + [1] * 3, [30] + [25] * 3, True),
             }
             self.configs, self.fresh, self.ref_rows = SMOKE_CONFIGS, SMOKE_FRESH, 12   # 128 rows > 8 x 12: sliced ref
         else:
@@ -123,6 +129,12 @@ class Sweep:
                 "32 x 512 fresh": ([512] * 32, [512] * 32, False),
                 "1 x 32k fresh": ([32768], [32768], False),
                 "2k chunk behind 6k + 64 decodes": ([2048] + [1] * 64, [8192] + [1000] * 64, True),
+                # chunks behind a cached prefix: chunked prompts, multi-turn chats (prefix-cache hits),
+                # a long prompt's last chunk, and a serving step at c=64 (kvmesh serve's 1,536-token budget)
+                "8 x 2k behind 2k": ([2048] * 8, [4096] * 8, False),
+                "32 x 512 behind 1.5k": ([512] * 32, [2048] * 32, False),
+                "1 x 8k behind 24k": ([8192], [32768], False),
+                "1k chunk behind 512 + 60 decodes": ([1024] + [1] * 60, [1536] + [1100] * 60, True),
             }
             self.configs, self.fresh, self.ref_rows = CONFIGS, FRESH, 1024
         self.G = self.H // self.KVH
@@ -302,8 +314,9 @@ class Sweep:
         defaults = {tuple(c) for _, c in ppa.PREFILL_CONFIGS}             # --only-fresh keeps v2's defaults
         variants += [(cfg_name(c), c) for c in self.configs
                      if not self.args.only_fresh or tuple(ppa.PrefillConfig(*c)) in defaults]
-        if all(n == c for n, c in zip(q_lens, ctx_lens)):        # no cached prefix: the fresh kernel too
-            variants += [(cfg_name(c), c) for c in self.fresh]
+        fresh = all(n == c for n, c in zip(q_lens, ctx_lens))
+        variants += [(cfg_name(c), c) for c in self.fresh]         # the fresh kernel (with the prefix if any)
+        prefix = None if fresh else fpa.CachedPrefix(kc, vc, tables, cl)
         for vname, c in variants:
             if self.left() < (25 if v1_out is None else 8):
                 res["variants"][vname] = {"skipped": "time budget"}
@@ -324,10 +337,10 @@ class Sweep:
                     kw = dict(base, k_new=kn, v_new=vn, config=cfg,
                               tile_starts=ppa.prefill_tile_starts(qsl, cfg.tile_tokens(G), skip))
 
-                def call(kw=kw, fresh=isinstance(c, fpa.FreshConfig)):
-                    if fresh:
+                def call(kw=kw, fresh_kernel=isinstance(c, fpa.FreshConfig)):
+                    if fresh_kernel:
                         return fpa.fresh_prefill_attention(q, kn, vn, qsl, scale, max_query_len=max(q_lens), out=out,
-                                                           skip_decode_rows=skip, **kw)
+                                                           skip_decode_rows=skip, prefix=prefix, **kw)
                     return ppa.paged_prefill_attention(q, kc, vc, tables, cl, qsl, scale, **kw)
                 out.zero_()
                 t = time.time()
@@ -359,7 +372,6 @@ class Sweep:
                 log(f"  {vname:28s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
                 if "out of resources" not in str(exc).lower():
                     self.results["errors"][f"{name} / {vname}"] = traceback.format_exc()[-2000:]
-        fresh = all(n == c for n, c in zip(q_lens, ctx_lens))
         if fresh and self.left() > 8:
             try:
                 got = self.torch_flash(data, q_lens)

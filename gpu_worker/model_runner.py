@@ -447,29 +447,35 @@ class ModelRunner:
             for first in _warmup_query_lens(max_query_len):
                 for fresh in (True, False):      # fresh prompts' kernel, and chunks behind a prefix's
                     self.run_model(self._warmup_batch([first] + [1] * (n - 1), fresh))
+        for first in _warmup_query_lens(max_query_len):   # chunks behind a prefix twice their length
+            if 2 * first <= self.config.max_position_embeddings:                     # (fresh_config)
+                self.run_model(self._warmup_batch([first], False, cached_prefix=first))
         self.attention.decode_num_splits = None
         torch.cuda.synchronize(self.device)
 
-    def _warmup_batch(self, query_lens: list[int], fresh_prefill: bool = True) -> ForwardBatch:
-        """Sequences with these query lengths and no cached prefix; writes nothing to the cache.
-        fresh_prefill False: flagged as unknown, so the prefill rows take the kernel that chunks
-        behind a cached prefix take (paged_prefill_attention instead of fresh_prefill_attention)."""
+    def _warmup_batch(self, query_lens: list[int], fresh_prefill: bool = True,
+                      cached_prefix: int = 0) -> ForwardBatch:
+        """Sequences with these query lengths; writes nothing to the cache. fresh_prefill False:
+        flagged as unknown, so the prefill rows take the kernel variant of chunks behind a cached
+        prefix; cached_prefix: the first sequence has that many tokens cached before its rows (block
+        0's contents, whatever they are: the outputs are thrown away)."""
         dev = self.device
         T, B = sum(query_lens), len(query_lens)
+        contexts = [query_lens[0] + cached_prefix] + query_lens[1:]
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
-        positions = [p for q in query_lens for p in range(q)]
+        positions = [c - q + p for q, c in zip(query_lens, contexts) for p in range(q)]
         i32 = dict(dtype=torch.int32, device=dev)
-        width = max(16, -(-max(query_lens) // max(self.block_size, 1)))   # every row's blocks: all block 0
+        width = max(16, -(-max(contexts) // max(self.block_size, 1)))     # every row's blocks: all block 0
         return ForwardBatch(
             input_ids=torch.zeros(T, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            query_lens=torch.tensor(query_lens, **i32), context_lens=torch.tensor(query_lens, **i32),
+            query_lens=torch.tensor(query_lens, **i32), context_lens=torch.tensor(contexts, **i32),
             query_start_loc=torch.tensor(starts, **i32), block_tables=torch.zeros((B, width), **i32),
             slot_mapping=torch.full((T,), -1, dtype=torch.long, device=dev),
             logits_indices=torch.tensor([T - 1], device=dev),
-            max_query_len=max(query_lens), max_context_len=max(query_lens), fresh_prefill=fresh_prefill)
+            max_query_len=max(query_lens), max_context_len=max(contexts), fresh_prefill=fresh_prefill)
 
     def prepare_inputs(self, batch: ForwardBatch) -> ForwardBatch:
         """Move every tensor of the batch to the model's device (non-blocking from pinned memory)."""

@@ -9,9 +9,10 @@
                                              once per step), so no host sync decides who is who;
                                              it reads this step's own keys from the contiguous
                                              k / v rows and only the cached prefix from the cache;
-                                             when every prefill is fresh (no cached prefix, up
-                                             to 8k tokens) on Hopper, fresh_prefill_attention
-                                             instead (q, K and V through TMA, no prefix loops)
+                                             on Hopper, prompts and chunks of up to 8k tokens
+                                             take fresh_prefill_attention instead (q and this
+                                             step's K/V through TMA, a tile map instead of the
+                                             scan; a cached prefix through the block table)
 
 No step does a host sync or depends on tensor values on the host: the grids come from
 ForwardBatch's host-side ints (num_seqs, max_query_len, max_context_len), so a pure-decode step
@@ -31,7 +32,7 @@ import torch
 
 from gpu_worker.attention.base import AttentionBackend
 from gpu_worker.forward_batch import ForwardBatch
-from gpu_worker.kernels.fresh_prefill_attention import (fresh_config, fresh_prefill_attention,
+from gpu_worker.kernels.fresh_prefill_attention import (CachedPrefix, fresh_config, fresh_prefill_attention,
                                                         fresh_prefill_supported, fresh_tile_map)
 from gpu_worker.kernels.kv_cache_write import kv_cache_write
 from gpu_worker.kernels.paged_decode_attention import (DecodeSplit, FusedRopeKV, choose_decode_split,
@@ -57,6 +58,11 @@ class TritonAttentionBackend(AttentionBackend):
     # kernels/fresh_prefill_attention.py instead of paged_prefill_attention (1.14x its speed on
     # 8 x 2k prompts, 1.33x on 32 x 512, 1.07x on 1 x 8k). A class attribute (benchmarks A/B it).
     fresh_prefill = True
+    # ... and steps with chunks behind a cached prefix (chunked prompts, prefix-cache hits) too, the
+    # prefix read through the block table (1.00-1.03x v2 at the same tiles; with PREFIX_CONFIG's
+    # 128 x 128 tiles 1.06-1.10x v2's defaults on 512-2k chunks behind 1.5-6k tokens); not for
+    # chunks of <= 16 tokens (v2's 16-row tiles). A class attribute (benchmarks A/B it).
+    fresh_prefix = True
 
     def __init__(self, sliding_window: int | None = None, decode_num_splits: int | None = None,
                  k_scale: float = 1.0, v_scale: float = 1.0):
@@ -149,13 +155,17 @@ class TritonAttentionBackend(AttentionBackend):
                 sliding_window=self.sliding_window, **scales)
         if batch.is_pure_decode:
             return out
-        cfg = fresh_config(batch.max_query_len)
-        if (cfg is not None and self.fresh_prefill and batch.fresh_prefill and self.sliding_window is None
+        behind = not batch.fresh_prefill                    # some chunk may have a cached prefix
+        cfg = fresh_config(batch.max_query_len, batch.max_context_len if behind else 0)
+        if (cfg is not None and self.fresh_prefill and self.sliding_window is None
+                and (not behind or (self.fresh_prefix and batch.max_query_len > 16))
                 and fresh_prefill_supported(q, k, v)):                    # rows with query_len > 1
             tiles = self._step_tiles(batch, "fresh", cfg.block_m, lambda: fresh_tile_map(
                 batch.query_start_loc, cfg.block_m, batch.num_tokens, skip_decode_rows=True))
+            prefix = CachedPrefix(k_cache, v_cache, batch.block_tables, batch.context_lens,
+                                  self.k_scale, self.v_scale) if behind else None
             return fresh_prefill_attention(q, k, v, batch.query_start_loc, scale, max_query_len=batch.max_query_len,
-                                           out=out, skip_decode_rows=True, tiles=tiles, config=cfg)
+                                           out=out, skip_decode_rows=True, tiles=tiles, config=cfg, prefix=prefix)
         group = q.shape[1] // k_cache.shape[2]
         cfg = prefill_config(batch.max_query_len, q.shape[2], group)
         tile_tokens = cfg.tile_tokens(group)

@@ -239,15 +239,16 @@ def online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD: tl.constexpr, S
 
 
 @triton.jit
-def _cache_tiles(
+def cache_tiles(
     q, m, l, acc, lo, hi, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale, v_scale,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, GUARD: tl.constexpr, SCALE_V: tl.constexpr,
     EVEN_D: tl.constexpr,
 ):
-    """Cached keys at positions lo .. hi-1, gathered through the block table. MASK: keys >= hi
-    (and, with a window, keys too old for a row) are masked; else every key is visible to every row."""
+    """Cached keys at positions lo .. hi-1, gathered through the block table (fresh_prefill_attention
+    reads a cached prefix with it too). MASK: keys >= hi (and, with a window, keys too old for a
+    row) are masked; else every key is visible to every row."""
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     for n0 in range(lo, hi, BLOCK_N):
@@ -364,11 +365,11 @@ def _prefill_kernel_v2(
     else:
         lo_p = 0
         full_p = (prefix // BLOCK_N) * BLOCK_N
-    m, l, acc = _cache_tiles(q, m, l, acc, lo_p, full_p, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g,
+    m, l, acc = cache_tiles(q, m, l, acc, lo_p, full_p, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g,
                              qk_scale_cache, v_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                              stride_vh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
                              False, HAS_WINDOW, False, SCALE_V_CACHE, EVEN_D)            # full tiles
-    m, l, acc = _cache_tiles(q, m, l, acc, full_p, prefix, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g,
+    m, l, acc = cache_tiles(q, m, l, acc, full_p, prefix, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g,
                              qk_scale_cache, v_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                              stride_vh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
                              True, HAS_WINDOW, HAS_WINDOW, SCALE_V_CACHE, EVEN_D)        # the partial tail

