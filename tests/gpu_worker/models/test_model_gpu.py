@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from test_model_parity import assert_close, build_batch, hf_logits, run_step, three_step_run, NUM_BLOCKS, Seq
+from test_model_parity import assert_close, build_batch, hf_logits, long_chunk_run, three_step_run, Seq
 
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.model_runner import ModelRunner
@@ -36,25 +36,6 @@ def test_fp32_cuda_matches_hf(tiny_models, arch, backend):
     assert_close(seqs, hf_logits(model_dir, [s.tokens for s in seqs], device="cuda"), FP32_TOL[backend])
 
 
-def long_chunk_run(model_dir: str, vocab: int, dtype: torch.dtype) -> list[Seq]:
-    """three_step_run with chunks past 16 tokens, so the Triton backend's fresh_prefill_attention
-    runs behind a cached prefix too (shorter chunks stay on paged_prefill_attention):
-        step 1: A prefill 40         | B prefill 24
-        step 2: A chunk 33 (on 40)   | B decode 1 (on 24) | C prefill 20
-        step 3: A decode             | B decode           | C decode"""
-    runner = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device="cuda", dtype=dtype,
-                         attention_backend="triton")
-    runner.allocate_kv_cache(NUM_BLOCKS, 4)
-    g = torch.Generator().manual_seed(1)
-    tok = lambda n: torch.randint(10, vocab, (n,), generator=g).tolist()    # noqa: E731
-    blocks = torch.randperm(NUM_BLOCKS, generator=g).tolist()               # scattered, out of order
-    a, b, c = Seq(tok(74), blocks[:19]), Seq(tok(26), blocks[19:26]), Seq(tok(21), blocks[26:32])
-    run_step(runner, [(a, 40), (b, 24)])
-    run_step(runner, [(a, 33), (b, 1), (c, 20)])
-    run_step(runner, [(a, 1), (b, 1), (c, 1)])
-    return [a, b, c]
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_chunks_behind_a_prefix_cuda_match_hf(tiny_models, monkeypatch, arch):
     """fp32: Hugging Face's logits. bf16: the same engine with those chunks on paged_prefill_attention
@@ -66,13 +47,13 @@ def test_chunks_behind_a_prefix_cuda_match_hf(tiny_models, monkeypatch, arch):
     monkeypatch.setattr(tb, "fresh_prefill_attention",
                         lambda *a, **kw: prefixes.append(kw["prefix"] is not None) or real(*a, **kw))
     model_dir = tiny_models[arch]
-    seqs = long_chunk_run(model_dir, 1024, torch.float32)
+    seqs = long_chunk_run(model_dir, 1024, "cuda", torch.float32)
     assert prefixes and all(prefixes), prefixes           # both prefill steps, every layer, behind a prefix
     assert_close(seqs, hf_logits(model_dir, [s.tokens for s in seqs], device="cuda"), FP32_TOL["triton"])
-    seqs = long_chunk_run(model_dir, 1024, torch.bfloat16)
+    seqs = long_chunk_run(model_dir, 1024, "cuda", torch.bfloat16)
     monkeypatch.setattr(tb.TritonAttentionBackend, "fresh_prefix", False)
     calls = len(prefixes)
-    v2 = long_chunk_run(model_dir, 1024, torch.bfloat16)
+    v2 = long_chunk_run(model_dir, 1024, "cuda", torch.bfloat16)
     assert len(prefixes) == calls                         # v2 took every prefill step
     assert_close(seqs, [torch.stack(s.logits) for s in v2], rel_tol=0.05)
 

@@ -94,6 +94,25 @@ def three_step_run(model_dir: str, vocab: int, device: str = "cpu", dtype: torch
     return [a, b, c], runner
 
 
+def long_chunk_run(model_dir: str, vocab: int, device: str, dtype: torch.dtype = torch.float32) -> list[Seq]:
+    """three_step_run's pattern with chunks past 16 tokens on the Triton backend, so prefills run
+    through fresh_prefill_attention behind a cached prefix (shorter chunks stay on v2):
+        step 1: A prefill 40         | B prefill 24
+        step 2: A chunk 33 (on 40)   | B decode 1 (on 24) | C prefill 20
+        step 3: A decode             | B decode           | C decode"""
+    runner = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device=device, dtype=dtype,
+                         attention_backend="triton")
+    runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
+    g = torch.Generator().manual_seed(1)
+    tok = lambda n: torch.randint(10, vocab, (n,), generator=g).tolist()    # noqa: E731
+    blocks = torch.randperm(NUM_BLOCKS, generator=g).tolist()               # scattered, out of order
+    a, b, c = Seq(tok(74), blocks[:19]), Seq(tok(26), blocks[19:26]), Seq(tok(21), blocks[26:32])
+    run_step(runner, [(a, 40), (b, 24)])
+    run_step(runner, [(a, 33), (b, 1), (c, 20)])
+    run_step(runner, [(a, 1), (b, 1), (c, 1)])
+    return [a, b, c]
+
+
 def assert_close(seqs: list[Seq], refs: list[torch.Tensor], rel_tol: float = REL_TOL) -> None:
     for seq, ref in zip(seqs, refs):
         ours = torch.stack(seq.logits)                 # (len, V)
