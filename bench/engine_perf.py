@@ -550,11 +550,7 @@ def part_behind(b: Bench) -> None:
                 n, L = 4, S(8192)
                 for _ in range(n):
                     b.add(b.prompt(L), 1)
-                sync()
-                t = time.perf_counter()
-                b.drain()
-                sync()
-                dt = time.perf_counter() - t
+                dt = timed_drain(b)
                 row(f"chunked prefill {n} x {L}, budget {S(2048)} [{kernel}]", f"{n * L / dt:.0f} tok/s", f"{dt:.2f} s")
                 sched.max_num_batched_tokens = start[1]
                 n, P, L = 32, S(1536), S(512)
@@ -565,11 +561,7 @@ def part_behind(b: Bench) -> None:
                 for p in firsts:
                     b.add(p + b.prompt(L), 1)
                 hits0 = sched.block_manager.prefix_hit_tokens
-                sync()
-                t = time.perf_counter()
-                b.drain()
-                sync()
-                dt = time.perf_counter() - t
+                dt = timed_drain(b)
                 hits = sched.block_manager.prefix_hit_tokens - hits0
                 row(f"prefix hits {n} x {L} behind {P} [{kernel}]", f"{n * L / dt:.0f} tok/s",
                     f"{dt:.2f} s; {hits} prompt tokens from the prefix cache")
@@ -577,16 +569,21 @@ def part_behind(b: Bench) -> None:
         TAB.fresh_prefix, sched.max_num_batched_tokens = start
 
 
+def timed_drain(b: Bench) -> float:
+    """Seconds to run every queued request to the end, the GPU idle at both ends."""
+    sync()
+    t = time.perf_counter()
+    b.drain()
+    sync()
+    return time.perf_counter() - t
+
+
 def prefill_run(b: Bench, total: int, L: int, label: str) -> None:
     """One prefill line: total // L prompts of L tokens, one token out each."""
     n_req = max(1, total // L)
     for _ in range(n_req):
         b.add(b.prompt(L), 1)
-    sync()
-    t = time.perf_counter()
-    b.drain()
-    sync()
-    dt = time.perf_counter() - t
+    dt = timed_drain(b)
     peer = " (vLLM's workload)" if total == S(PEER_PREFILL_TOKENS) else ""
     row(f"prefill L={L} x{n_req}{peer}{label}", f"{n_req * L / dt:.0f} tok/s", f"{dt:.2f} s")
 
