@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels._paged_kv import F32_DOTS
 from gpu_worker.kernels._utils import check_device, next_pow2
 from gpu_worker.kernels.paged_prefill_attention import (LOG2E, cache_tiles, online_softmax, paged_prefill_attention_ref,
                                                         prefill_tile_starts, row_descriptor, tma_ok)
@@ -131,7 +132,7 @@ def _attend(q, m, l, acc, lo, hi, qi, q_start, g, kn_desc, vn_desc, qk_scale,
     for n0 in range(lo, hi, BLOCK_N):
         k = kn_desc.load([q_start + n0, g * HEAD_DIM])      # (BLOCK_N, HEAD_DIM)
         v = vn_desc.load([q_start + n0, g * HEAD_DIM])
-        s = tl.dot(q, tl.trans(k))                          # (BLOCK_M, BLOCK_N) raw logits
+        s = tl.dot(q, tl.trans(k), input_precision=F32_DOTS)   # (BLOCK_M, BLOCK_N) raw logits
         if CAUSAL:
             j = n0 + tl.arange(0, BLOCK_N)
             s = tl.where(j[None, :] <= qi[:, None], s, float("-inf"))

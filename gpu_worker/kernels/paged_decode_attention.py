@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels._arrivals import arrival_counters
-from gpu_worker.kernels._paged_kv import gather_kv_tile
+from gpu_worker.kernels._paged_kv import F32_DOTS, gather_kv_tile
 from gpu_worker.kernels._pdl import pdl_kwargs, pdl_wait
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2, num_sms
 
@@ -406,13 +406,13 @@ def _decode_stage1_kernel(
         tmask = tok < end
         k, v = gather_kv_tile(bt_row, k_cache_ptr, v_cache_ptr, tok, tmask, d, dmask, g, stride_kb, stride_ks,
                               stride_kh, stride_vb, stride_vs, stride_vh, PAGE, True, False)  # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(_upcast_tile(k, UPCAST, q.dtype))) * qk_scale   # (GROUP_PAD, BLOCK_N), log2
+        s = tl.dot(q, tl.trans(_upcast_tile(k, UPCAST, q.dtype)), input_precision=F32_DOTS) * qk_scale   # log2
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _upcast_tile(v, UPCAST, q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _upcast_tile(v, UPCAST, q.dtype), input_precision=F32_DOTS)
         m = m_new
     if ROPE:
         if has_new:                # the new key: one more online-softmax step, the tiles' roundings

@@ -56,7 +56,7 @@ try:                                        # host-side TMA descriptors (Triton 
 except ImportError:                         # pragma: no cover
     TensorDescriptor = None
 
-from gpu_worker.kernels._paged_kv import gather_kv_tile, load_tile
+from gpu_worker.kernels._paged_kv import F32_DOTS, gather_kv_tile, load_tile
 from gpu_worker.kernels._utils import check_device, hopper_or_newer, interpreting, next_pow2
 from gpu_worker.kernels.paged_decode_attention import gather_context
 
@@ -131,7 +131,7 @@ def _attend_tiles(
         tmask = tok < hi
         k, v = gather_kv_tile(bt_row, k_cache_ptr, v_cache_ptr, tok, tmask, d, dmask, g, stride_kb, stride_ks,
                               stride_kh, stride_vb, stride_vs, stride_vh, PAGE, True, False)  # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale   # (BLOCK_M, BLOCK_N), log2 domain
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=F32_DOTS) * qk_scale   # log2 domain
         if CAUSAL_MASK:
             visible = (tok[None, :] <= qpos[:, None]) & tmask[None, :]
             if HAS_WINDOW:
@@ -142,7 +142,7 @@ def _attend_tiles(
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s - m_use[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=F32_DOTS)
         m = m_new
     return m, l, acc
 
@@ -234,7 +234,7 @@ def online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD: tl.constexpr, S
     l = l * alpha + tl.sum(p, axis=1)
     if SCALE_V:
         p = p * v_scale
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=F32_DOTS)
     return m_new, l, acc
 
 
@@ -256,7 +256,7 @@ def cache_tiles(
         tmask = tok < hi
         k, v = gather_kv_tile(bt_row, k_cache_ptr, v_cache_ptr, tok, tmask, d, dmask, g, stride_kb, stride_ks,
                               stride_kh, stride_vb, stride_vs, stride_vh, PAGE, MASK, EVEN_D)  # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))              # (BLOCK_M, BLOCK_N) raw logits
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=F32_DOTS)   # (BLOCK_M, BLOCK_N) raw logits
         if MASK:
             visible = tmask[None, :]
             if HAS_WINDOW:
@@ -303,7 +303,7 @@ def _new_tiles(
         else:
             k = load_tile(kn_base + j[:, None] * stride_knt + d[None, :], jmask, dmask, CAUSAL, EVEN_D)
             v = load_tile(vn_base + j[:, None] * stride_vnt + d[None, :], jmask, dmask, CAUSAL, EVEN_D)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=F32_DOTS)
         if CAUSAL:
             visible = j[None, :] <= qi[:, None]
             if HAS_WINDOW:

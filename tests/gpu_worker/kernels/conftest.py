@@ -3,8 +3,8 @@ is imported). Inputs are fp32 tensors holding bf16-representable values: the ker
 and compute in fp32, as they do with bf16 on the GPU.
 
 The variable holds for the whole pytest process and every kernel module imported after it: on a
-GPU machine, run this folder in a pytest process of its own, or the model tests collected beside
-it run their kernels interpreted too (seen on the H200: test_model_gpu.py failed that way)."""
+GPU machine the GPU tests collected beside this folder are skipped (tests/gpu_worker/conftest.py
+says how to run them apart)."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
