@@ -23,6 +23,8 @@ the padding rules are tested without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import sys
 import time
@@ -63,9 +65,24 @@ def capture_graph(fn: Callable[[ForwardBatch], torch.Tensor], batch: ForwardBatc
         torch.cuda.synchronize(device)
         before_call()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with no_gc(), torch.cuda.graph(graph, pool=pool):
             output = fn(batch)
     return graph, output
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Python's cyclic GC off for a capture: a collection inside it can free an older engine's
+    graphs or CUDA objects, whose destructors are illegal while a stream captures (on the H200 a
+    process that built engines one after another aborted so, in a prefill graph's capture).
+    Garbage waits for the next collection, after the capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class CaptureTimes:

@@ -1,9 +1,13 @@
 """Engine output == Hugging Face transformers (fp32, CPU) on tiny random models of every
 architecture, through every scheduling path: single, staggered batch, chunked prefill, prefix
 hit, preemption, n > 1. Greedy tokens must be identical for STEPS steps, and the logprob of each
-chosen token (raw log-softmax) within LOGPROB_ATOL of HF's."""
+chosen token (raw log-softmax) within LOGPROB_ATOL of HF's.
+
+Each test runs on the CPU (torch attention) and, where CUDA is, again on the GPU as it serves:
+fp32, Triton kernels, decode and prefill CUDA graphs (TARGETS; the GPU runs are marked gpu)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gpu_worker.config import EngineConfig
@@ -22,9 +26,22 @@ def greedy(n=1, logprobs=0, steps=STEPS):
     return SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, n=n, logprobs=logprobs)
 
 
+TARGETS = {"cpu": dict(device="cpu"),
+           "cuda": dict(device="cuda", dtype="float32", attention_backend="triton", cuda_graph_max_bs=16)}
+_target = dict(TARGETS["cpu"])
+
+
+@pytest.fixture(autouse=True, params=[pytest.param("cpu"),
+                                      pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+                                          not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def target(request, monkeypatch):
+    """Where engine() builds its engines for this test."""
+    monkeypatch.setattr(f"{__name__}._target", TARGETS[request.param])
+
+
 def engine(model_dir: str, **kw) -> Engine:
     kw.setdefault("num_gpu_blocks", 128)
-    eng = Engine(EngineConfig(model=model_dir, device="cpu", **kw))
+    eng = Engine(EngineConfig(model=model_dir, **_target, **kw))
     eng.batch_sizes = []                    # tokens per forward, to check which path ran
     forward = eng.runner.forward
 
