@@ -1,12 +1,14 @@
 """DecodeGraphs' buffer and padding logic, run eagerly on the CPU with the Triton backend."""
 import dataclasses
+import gc
 import re
 import time
 
+import pytest
 import torch
 
 from gpu_worker.attention.triton_backend import TritonAttentionBackend
-from gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
+from gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes, no_gc
 from test_kernel_triton_backend import make_batch
 
 
@@ -16,6 +18,24 @@ def test_capture_sizes_ladder():
     sizes = capture_sizes(512)
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512 and 256 in sizes and 272 in sizes
     assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]))
+
+
+def test_no_gc_holds_collections_off_and_restores_the_state():
+    """Captures run inside no_gc: the cyclic GC is off within it, back on after it (also when the
+    capture raises), and left off where the caller had turned it off."""
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with no_gc():
+            assert not gc.isenabled()
+            raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_padded_replay_matches_direct_call(randn, rel_err):
