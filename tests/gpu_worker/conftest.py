@@ -9,7 +9,8 @@ import os
 import pytest
 
 RUN_APART = ("Triton's interpreter is on in this pytest process (tests/gpu_worker/kernels/conftest.py): "
-             "run the GPU tests in a process of their own: pytest -m gpu tests/gpu_worker/models tests/gpu_worker/perf")
+             "run the GPU tests in a process of their own: "
+             "pytest -m gpu tests/gpu_worker/engine tests/gpu_worker/models tests/gpu_worker/perf")
 
 
 def pytest_collection_modifyitems(config, items):
