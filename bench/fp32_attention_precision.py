@@ -4,11 +4,12 @@ the parity tests' chunked run (long_chunk_run: chunks behind a cached prefix, ra
 with the fresh-prompt kernel and with v2, for llama and qwen3. Prints max |diff| / std of the
 reference logits per sequence, and whether the greedy tokens are identical (1).
 
-The attention dots' fp32 precision is kernels/_paged_kv.F32_DOTS; Triton's global default can be
-compared by hand (each in a fresh Triton cache):
     python3 bench/fp32_attention_precision.py
-    TRITON_CACHE_DIR=/tmp/tc_ieee TRITON_F32_DEFAULT=ieee python3 bench/fp32_attention_precision.py
-(TRITON_F32_DEFAULT only moves dots that do not name their precision, as they did before F32_DOTS.)"""
+
+The attention dots' fp32 precision is kernels/_paged_kv.F32_DOTS (tf32x3); to see another, set it
+there ("tf32", "ieee"). Before F32_DOTS the dots took Triton's global default, which the
+nineteenth session moved with TRITON_F32_DEFAULT (BENCHMARKS.md); that variable no longer
+reaches them."""
 import sys
 import tempfile
 
