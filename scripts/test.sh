@@ -8,4 +8,5 @@ bash "$ROOT/scripts/bootstrap.sh"
 export PATH="$ROOT/.venv/bin:$ROOT/.cache/bin:$PATH"
 export TRITON_INTERPRET=1   # Triton kernels run on the CPU through the interpreter
 cd "$ROOT"
-exec python -m pytest -q -p no:cacheprovider "$@"
+# --durations: the slowest tests in every run's log, to keep CI well under its 20 minutes
+exec python -m pytest -q -p no:cacheprovider --durations=15 "$@"
