@@ -4,9 +4,9 @@ run interpreted on CPU arrays and fail (seen on the H200: 29 failures). Such tes
 with a reason that says how to run them."""
 from __future__ import annotations
 
-import os
-
 import pytest
+
+from gpu_worker.kernels._utils import interpreting
 
 RUN_APART = ("Triton's interpreter is on in this pytest process (tests/gpu_worker/kernels/conftest.py): "
              "run the GPU tests in a process of their own: "
@@ -14,7 +14,7 @@ RUN_APART = ("Triton's interpreter is on in this pytest process (tests/gpu_worke
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not interpreting():
         return
     for item in items:
         if item.get_closest_marker("gpu") is not None:

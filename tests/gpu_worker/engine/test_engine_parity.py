@@ -28,7 +28,7 @@ def greedy(n=1, logprobs=0, steps=STEPS):
 
 TARGETS = {"cpu": dict(device="cpu"),
            "cuda": dict(device="cuda", dtype="float32", attention_backend="triton", cuda_graph_max_bs=16)}
-_target = dict(TARGETS["cpu"])
+_target = TARGETS["cpu"]
 
 
 @pytest.fixture(autouse=True, params=[pytest.param("cpu"),
