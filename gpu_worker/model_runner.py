@@ -135,7 +135,8 @@ class ModelRunner:
         with torch.device("meta"):
             model = self._new_model(config, dtype)
         check_checkpoint(model_dir, set(model.hf_weight_targets()))  # fail before allocating
-        self.model = model.to_empty(device=self.device).eval()
+        # Frozen: a direct call outside the runner's inference_mode builds no autograd graph.
+        self.model = model.to_empty(device=self.device).eval().requires_grad_(False)
         self.model.rope.build_cache(self.device)
         self._load_weights(model_dir)
         self.quantization = quantization

@@ -164,3 +164,13 @@ def test_loading_off_a_terminal_logs_whole_lines(tiny_models, monkeypatch, caplo
     n = sum(len(names) for names in shards.values())
     assert sum(line.startswith("loading weights: ") and "/" in line.split()[2] for line in lines) == n
     assert lines[-1].startswith(f"loading weights: done, {n} tensors, ") and " MB, from " in lines[-1], lines[-1]
+
+
+def test_loaded_weights_are_frozen(tiny_models):
+    """Inference only: a direct call (outside the runner's inference_mode) builds no autograd
+    graph and its outputs carry no grad."""
+    import torch
+    runner = _runner(tiny_models["llama"])
+    assert not any(p.requires_grad for p in runner.model.parameters())
+    logits = runner.model.compute_logits(torch.randn(2, runner.config.hidden_size))
+    assert not logits.requires_grad
