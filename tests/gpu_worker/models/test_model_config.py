@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpu_worker.loader import check_checkpoint, read_header
 from gpu_worker.make_model import SHAPES, config_json
@@ -169,7 +170,6 @@ def test_loading_off_a_terminal_logs_whole_lines(tiny_models, monkeypatch, caplo
 def test_loaded_weights_are_frozen(tiny_models):
     """Inference only: a direct call (outside the runner's inference_mode) builds no autograd
     graph and its outputs carry no grad."""
-    import torch
     runner = _runner(tiny_models["llama"])
     assert not any(p.requires_grad for p in runner.model.parameters())
     logits = runner.model.compute_logits(torch.randn(2, runner.config.hidden_size))
