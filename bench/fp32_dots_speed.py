@@ -31,12 +31,15 @@ PRECISIONS = ("tf32", "tf32x3", "ieee")
 
 
 def set_f32_dots(precision: str) -> None:
-    """F32_DOTS in every module whose kernels read it (each imported the name itself)."""
+    """F32_DOTS in every loaded kernel module that holds it (each imported the name itself), after
+    importing the two kernels measured here and what they import."""
     import triton.language as tl
 
-    from gpu_worker.kernels import _paged_kv, fresh_prefill_attention, paged_decode_attention, paged_prefill_attention
-    for mod in (_paged_kv, fresh_prefill_attention, paged_decode_attention, paged_prefill_attention):
-        mod.F32_DOTS = tl.constexpr(precision)
+    import gpu_worker.kernels.fresh_prefill_attention  # noqa: F401
+    import gpu_worker.kernels.paged_decode_attention  # noqa: F401
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("gpu_worker.kernels.") and hasattr(mod, "F32_DOTS"):
+            mod.F32_DOTS = tl.constexpr(precision)
 
 
 def measure(dtype_name: str, smoke: bool) -> dict:
