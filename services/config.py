@@ -102,6 +102,12 @@ class ServiceConfig:
     log_level: str = opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
     lease_ms: int = opt(3000, "Registry lease in ms: a process whose heartbeat stops is forgotten after this.", min=1)
     heartbeat_ms: int = opt(500, "Heartbeat period in ms (renews the lease, publishes load).", min=1)
+    trust_dir: str = opt("", "Trust directory (`kvmesh keys generate DIR`; a Secret on Kubernetes): this role's CURVE "
+                             "and TLS keys, every role's public keys and the Redis password. Required unless "
+                             "--insecure-internal-planes.")
+    insecure_internal_planes: bool = opt(False, "Run the internal ZeroMQ, gRPC and Redis planes without "
+                                                "authentication or encryption: any local process can then "
+                                                "inject, abort or read requests. Tests and debugging only.")
 
     def reachable_host(self) -> str:
         return reachable_host(self.host, self.advertise_host)
