@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from services.embedded_redis import EmbeddedRedis
+from services.security import bundle
 
 from services.registry import list_records
 
@@ -20,16 +21,22 @@ FAST = ["--lease-ms", "1500", "--heartbeat-ms", "250"]
 INTERNAL = ["--host", "127.0.0.1", "--port", "0", "--zmq-port", "0"]
 
 
+def make_trust(where: Path) -> Path:
+    """A fresh trust directory (keys, certificates, Redis password) for one test stack."""
+    return bundle.generate(where / "trust").root
+
+
 class Procs:
-    def __init__(self, redis_url: str, log_dir: Path) -> None:
+    def __init__(self, redis_url: str, log_dir: Path, trust_dir: Path | None = None) -> None:
         self.redis_url, self.log_dir = redis_url, log_dir
+        self.trust_dir = trust_dir if trust_dir is not None else make_trust(log_dir)
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, service: str, *args: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", service, "--redis-url", self.redis_url,
-                                 "--log-level", "info", *args], cwd=ROOT, stdout=log, stderr=log, env=env)
+                                 "--log-level", "info", "--trust-dir", str(self.trust_dir), *args], cwd=ROOT, stdout=log, stderr=log, env=env)
         self.procs[name] = proc
         return proc
 
