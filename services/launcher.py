@@ -15,8 +15,10 @@ import importlib.util
 import logging
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from pathlib import Path
 from services.config import EngineSettings, ServeConfig, load_or_exit, reachable_host, to_argv
 from services.embedded_redis import EmbeddedRedis
 from services.registry import Registry
+from services.security import bundle
 from services.logging import setup as setup_logging
 
 log = logging.getLogger("kvmesh.serve")
@@ -87,6 +90,10 @@ class Stack:
         self.children: list[Child] = []
         self.redis: EmbeddedRedis | None = None
         self.redis_url = ""
+        # Fresh keys for this stack's internal planes, in a private folder removed at stop: a
+        # process of another user (or one started before this stack) holds none of them.
+        self.trust_dir = Path(tempfile.mkdtemp(prefix="kvmesh-trust-"))
+        self.trust = bundle.generate(self.trust_dir / "trust")
 
     def spawn(self, name: str, service: str, args: list[str], optional: bool = False) -> None:
         cmd = [sys.executable, "-m", "services.cli", service, *args]
@@ -103,7 +110,7 @@ class Stack:
             redis_url = self.redis.url
         self.redis_url = redis_url
         common = ["--redis-url", redis_url, "--log-level", cfg.log_level, "--lease-ms", str(cfg.lease_ms),
-                  "--heartbeat-ms", str(cfg.heartbeat_ms)]
+                  "--heartbeat-ms", str(cfg.heartbeat_ms), "--trust-dir", str(self.trust.root)]
         internal = ["--host", "127.0.0.1", "--port", "0", "--zmq-port", "0"]
         self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])
         self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0", "--routing", cfg.routing])
@@ -188,6 +195,7 @@ class Stack:
                 child.proc.wait()
         if self.redis is not None:
             self.redis.stop()
+        shutil.rmtree(self.trust_dir, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:
