@@ -70,13 +70,16 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         return b"".join(chunks)
 
     def check_model(model: str | None) -> str:
-        served = backend.models
+        """The name responses carry for `model` (a served name or the --model path)."""
+        catalog = backend.catalog
         if model is None:
             raise ApiError(400, "model is required", param="model")
-        if served and model not in served:
+        if not catalog.names:   # no worker yet: admission answers 503
+            return model
+        if (name := catalog.resolve(model)) is None:
             raise ApiError(404, f"the model `{model[:200]}` does not exist; see GET /v1/models",
                            param="model", code="model_not_found")
-        return model
+        return name
 
     def salt(tenant: str, cache_salt: str | None) -> str:
         # Tenants never share prefix-cache blocks unless they share a key (DESIGN §4); the
@@ -105,7 +108,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         tenant_of(request)
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvmesh"} for m in backend.models]
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvmesh"} for m in backend.catalog.names]
         return Response(_json.encode({"object": "list", "data": data}), media_type="application/json")
 
     async def serve(request: Request, kind: str) -> Response:
@@ -148,8 +151,8 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
 
     def served_model(model: str | None) -> str:
         """/tokenize and /detokenize may leave the model out when one is served (vLLM's)."""
-        if model is None and len(backend.models) == 1:
-            return backend.models[0]
+        if model is None and len(backend.catalog.vocab_sizes) == 1:
+            return next(iter(backend.catalog.vocab_sizes))
         return check_model(model)
 
     async def tokenize_answer(request: Request) -> dict[str, Any]:
@@ -160,7 +163,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         strs = None
         if body.return_token_strs:
             strs = (await backend.detokenize(DetokenizeRequest(token_ids=ids, token_strs=True))).token_strs
-        return {"count": len(ids), "max_model_len": backend.max_model_lens.get(model, 0), "tokens": ids,
+        return {"count": len(ids), "max_model_len": backend.catalog.max_model_lens.get(model, 0), "tokens": ids,
                 "token_strs": strs}
 
     async def detokenize_answer(request: Request) -> dict[str, Any]:
