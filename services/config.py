@@ -214,7 +214,9 @@ class WorkerConfig(EngineSettings, ServiceConfig):
     """`kvmesh worker`: one engine (one GPU or tensor-parallel group) serving dispatched requests."""
 
     model: str = opt("", "Model directory (config.json, *.safetensors, tokenizer.json).")
-    served_model_name: str = opt("", "Name clients use in `model` (default: the model directory's name).")
+    served_model_name: list = opt([], "Comma-separated names clients use in `model`; the first is listed first "
+                                      "by /v1/models and carried by responses (default: the model directory's "
+                                      "name). The --model path is accepted too.")
     role: str = opt("mixed", "Pool of this worker.", choices=("mixed", "prefill", "decode"))
     device: str = opt("auto", "auto, cpu, cuda or cuda:N.", **DEVICE)
     worker_id: str = opt("", "Stable id (e.g. the pod name); default: host-pid-random.")
@@ -244,7 +246,9 @@ class ServeConfig(EngineSettings):
     port: int = opt(8000, "HTTP port of the gateway.", **PORT)
     device: str = opt("auto", "auto, cpu, cuda (workers take cuda:0, cuda:1, ... when several GPUs exist).", **DEVICE)
     api_key: list = opt([], "Comma-separated API keys required by the gateway.")
-    served_model_name: str = opt("", "Name clients use in `model` (default: the model directory's name).")
+    served_model_name: list = opt([], "Comma-separated names clients use in `model`; the first is listed first "
+                                      "by /v1/models and carried by responses (default: the model directory's "
+                                      "name). The --model path is accepted too.")
     routing: str = opt("cache_aware", "Scheduler: how a worker is chosen (kvmesh scheduler --routing).",
                        choices=("cache_aware", "least_loaded", "round_robin"))
     null_model: bool = opt(False, "Workers skip the model and emit fake tokens (control-plane benchmarks).")

@@ -125,7 +125,7 @@ class Stack:
             args = [*common, *internal, "--metrics-port", "0", "--model", model, "--device", device,
                     "--worker-id", f"worker-{i}", *_engine_flags(cfg)]
             if cfg.served_model_name:
-                args += ["--served-model-name", cfg.served_model_name]
+                args += ["--served-model-name", ",".join(cfg.served_model_name)]
             if cfg.null_model:
                 args += ["--null-model", "--null-step-ms", str(cfg.null_step_ms)]
             self.spawn(f"worker-{i}", "worker", args)

@@ -28,6 +28,7 @@ from gpu_worker.service.core import SCHEDULER, Envelope, WorkerCore
 from services import metrics
 from services.config import WorkerConfig, load_or_exit
 from services.logging import setup as setup_logging
+from services.model_names import path_aliases, served_names
 from services.protocol.messages import WorkerInbox
 from services.registry import Registry
 from services.shell import arm_stop_deadline
@@ -62,8 +63,10 @@ def build_engine(cfg: WorkerConfig) -> Any:
 
 def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
     stats = engine.stats()
-    name = cfg.served_model_name or (Path(cfg.model).name if cfg.model else "null-model")
-    return {"model": name, "role": cfg.role, "max_model_len": int(stats.extra.get("max_model_len", 0)),
+    names = served_names(cfg.served_model_name, cfg.model)
+    name = names[0]
+    return {"model": name, "served_model_names": names, "model_paths": path_aliases(cfg.model),
+            "role": cfg.role, "max_model_len": int(stats.extra.get("max_model_len", 0)),
             "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
             "vocab_size": int(engine.vocab_size), "null_model": cfg.null_model, "draining": False,
             "model_id": getattr(getattr(engine, "setup", None), "model_id", name),

@@ -1,9 +1,14 @@
 """HTTP routes of the OpenAI-compatible API (FastAPI on uvicorn).
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models      (API key when configured)
+    POST /v1/chat/completions   POST /v1/completions   (API key when configured)
+    GET  /v1/models             GET  /v1/models/{id}   (API key when configured)
     POST /tokenize              POST /detokenize       (vLLM's; API key when configured)
     GET  /health (liveness)     GET  /ready (a tokenizer, the scheduler and a worker are live)
     GET  /metrics (Prometheus)
+
+Every error, unknown routes (404) and wrong methods (405) included, is OpenAI's
+`{"error": {"message", "type", "param", "code"}}`. A client's X-Request-Id is echoed back
+(bounded; the completion's id when none is sent); internal request ids are always the gateway's.
 
 Streaming answers are SSE: `data: {chunk}` ... `data: [DONE]`; an error after the stream began
 is sent as an error chunk, then [DONE]. A client that disconnects has its request aborted in
@@ -19,6 +24,7 @@ from typing import Any, AsyncIterator
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from services import metrics
 from services.config import GatewayConfig
@@ -26,16 +32,33 @@ from services.gateway.backend import Backend, Job
 from services.gateway.render import Accumulator, ChunkWriter
 from services.protocol.kv_events import cache_salt_for
 from services.gateway.schemas import (
-    ApiError, ChatRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_prompt, completion_prompts, decode,
-    tokenize_request)
+    ApiError, ChatRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_prompt, client_request_id,
+    completion_prompts, decode, tokenize_request)
 from services.protocol.messages import DetokenizeRequest
 
 _json = msgspec.json.Encoder()
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(err.retry_after)} if err.retry_after else None
+def error_response(err: ApiError, request_id: str | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after else {}
+    if request_id:
+        headers["X-Request-Id"] = request_id
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def http_error(request: Request, exc: HTTPException) -> ApiError:
+    """Starlette's own 404 / 405 (no such route, wrong method) as an OpenAI error."""
+    where = f"{request.method} {request.url.path[:200]}"
+    if exc.status_code == 404:
+        return ApiError(404, f"no such route: {where}", code="not_found")
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return ApiError(405, f"method not allowed: {where} (allowed: {allowed})", code="method_not_allowed")
+    return ApiError(exc.status_code, str(exc.detail)[:200], type_=_error_type(exc.status_code))
+
+
+def _error_type(status: int) -> str:
+    return "invalid_request_error" if status < 500 else "server_error"
 
 
 def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
@@ -70,13 +93,16 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         return b"".join(chunks)
 
     def check_model(model: str | None) -> str:
-        served = backend.models
+        """The name responses carry for `model` (a served name or the --model path)."""
+        catalog = backend.catalog
         if model is None:
             raise ApiError(400, "model is required", param="model")
-        if served and model not in served:
+        if not catalog.names:   # no worker yet: admission answers 503
+            return model
+        if (name := catalog.resolve(model)) is None:
             raise ApiError(404, f"the model `{model[:200]}` does not exist; see GET /v1/models",
                            param="model", code="model_not_found")
-        return model
+        return name
 
     def salt(tenant: str, cache_salt: str | None) -> str:
         # Tenants never share prefix-cache blocks unless they share a key (DESIGN §4); the
@@ -86,6 +112,18 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
         return error_response(err)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        response = error_response(http_error(request, exc))
+        if exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # the traceback goes to the log (Starlette re-raises it there), never to the client
+        return error_response(ApiError(500, "internal server error", type_="server_error", code="internal_error"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -102,16 +140,37 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh"}
+
+    async def models_answer(request: Request) -> dict[str, Any]:
+        tenant_of(request)
+        return {"object": "list", "data": [model_card(m) for m in backend.catalog.names]}
+
+    async def model_answer(request: Request) -> dict[str, Any]:
+        tenant_of(request)
+        model_id = request.path_params["model_id"]
+        if not model_id:   # /v1/models/: the list, not a redirect
+            return await models_answer(request)
+        if backend.catalog.resolve(model_id) is None:
+            raise ApiError(404, f"the model `{model_id[:200]}` does not exist; see GET /v1/models",
+                           param="model", code="model_not_found")
+        return model_card(model_id)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        tenant_of(request)
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvmesh"} for m in backend.models]
-        return Response(_json.encode({"object": "list", "data": data}), media_type="application/json")
+        return await json_route(request, "models", models_answer)
+
+    @app.get("/v1/models/{model_id:path}")   # ids may hold slashes: org/name, or the --model path
+    async def model(request: Request) -> Response:
+        return await json_route(request, "models", model_answer)
 
     async def serve(request: Request, kind: str) -> Response:
         arrival = time.monotonic()
         route = "chat" if kind == "chat" else "completions"
+        echo = None
         try:
+            echo = client_request_id(request.headers.get("x-request-id"))
             tenant = tenant_of(request)
             body = await read_body(request)
             if kind == "chat":
@@ -127,16 +186,21 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
                                                    cache_salt=salt(tenant, req.cache_salt))
         except ApiError as err:
             metrics.REQUESTS.labels(route, str(err.status)).inc()
-            return error_response(err)
+            return error_response(err, echo)
         metrics.REQUESTS.labels(route, "200").inc()
         metrics.GATEWAY_SUBMIT.observe(job.submitted - arrival)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        options = req.stream_options
         acc = Accumulator(kind, model, params.n, len(prompts), prompt_lens, params.logprobs is not None)
+        request_id = echo or acc.id
         if req.stream:
-            writer = ChunkWriter(acc, include_usage)
+            writer = ChunkWriter(acc, bool(options and options.include_usage),
+                                 bool(options and options.continuous_usage_stats))
             return StreamingResponse(_stream(job, writer, arrival), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(request, job, acc, arrival)
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              "X-Request-Id": request_id})
+        response = await _complete(request, job, acc, arrival)
+        response.headers["X-Request-Id"] = request_id
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -148,8 +212,8 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
 
     def served_model(model: str | None) -> str:
         """/tokenize and /detokenize may leave the model out when one is served (vLLM's)."""
-        if model is None and len(backend.models) == 1:
-            return backend.models[0]
+        if model is None and len(backend.catalog.vocab_sizes) == 1:
+            return next(iter(backend.catalog.vocab_sizes))
         return check_model(model)
 
     async def tokenize_answer(request: Request) -> dict[str, Any]:
@@ -160,7 +224,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         strs = None
         if body.return_token_strs:
             strs = (await backend.detokenize(DetokenizeRequest(token_ids=ids, token_strs=True))).token_strs
-        return {"count": len(ids), "max_model_len": backend.max_model_lens.get(model, 0), "tokens": ids,
+        return {"count": len(ids), "max_model_len": backend.catalog.max_model_lens.get(model, 0), "tokens": ids,
                 "token_strs": strs}
 
     async def detokenize_answer(request: Request) -> dict[str, Any]:
@@ -170,13 +234,16 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         return {"prompt": (await backend.detokenize(DetokenizeRequest(token_ids=body.tokens))).text}
 
     async def json_route(request: Request, route: str, answer) -> Response:
+        echo = None
         try:
+            echo = client_request_id(request.headers.get("x-request-id"))
             out = await answer(request)
         except ApiError as err:
             metrics.REQUESTS.labels(route, str(err.status)).inc()
-            return error_response(err)
+            return error_response(err, echo)
         metrics.REQUESTS.labels(route, "200").inc()
-        return Response(_json.encode(out), media_type="application/json")
+        return Response(_json.encode(out), media_type="application/json",
+                        headers={"X-Request-Id": echo} if echo else None)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:

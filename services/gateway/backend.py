@@ -26,6 +26,7 @@ import grpc
 
 from services import metrics
 from services.config import GatewayConfig
+from services.gateway.models import ModelCatalog
 from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
     Abort, Admitted, DetokenizeReply, DetokenizeRequest, GatewayInbox, Rejected, RequestFailed, StepOutput, StreamOpen,
@@ -145,9 +146,7 @@ class Backend:
         self.tokenizers: dict[str, object] = {}    # grpc target -> stub
         self.detokenizers: dict[str, object] = {}  # the same targets' Detokenize
         self._rr = itertools.count()
-        self.models: list[str] = []
-        self.vocab_sizes: dict[str, int] = {}     # model -> its workers' vocabulary size
-        self.max_model_lens: dict[str, int] = {}  # model -> its workers' longest prompt + output
+        self.catalog = ModelCatalog()              # served models, their names and limits
         self.workers_ready = 0
         self.id = f"gw-{os.getpid()}-{self._tag[:-1]}"
         self.detok_addrs: list[str] = []
@@ -207,11 +206,7 @@ class Backend:
         self.detok_addrs = [r.addrs["zmq"] for r in live["tokenizer"] if "zmq" in r.addrs]
         workers = [w for w in live["worker"] if not w.info.get("draining")]
         self.workers_ready = len(workers)
-        self.models = sorted({str(w.info.get("model", "")) for w in workers} - {""})
-        self.vocab_sizes = {str(w.info["model"]): int(w.info.get("vocab_size") or 0)
-                            for w in workers if w.info.get("model")}
-        self.max_model_lens = {str(w.info["model"]): int(w.info.get("max_model_len") or 0)
-                               for w in workers if w.info.get("model")}
+        self.catalog = ModelCatalog.of(w.info for w in workers)
         self._fail_orphans()
 
     def _fail_orphans(self) -> None:
@@ -312,7 +307,7 @@ class Backend:
     def check_vocab(self, model: str, params: SamplingParams) -> None:
         """Refuse token ids past the model's vocabulary (logit_bias, stop_token_ids; top_k) here,
         before a stream begins, rather than in the worker after it has (which checks again)."""
-        if vocab := self.vocab_sizes.get(model):
+        if vocab := self.catalog.vocab_sizes.get(model):
             try:
                 params.validate(vocab)
             except SamplingParamsError as exc:

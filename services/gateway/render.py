@@ -20,6 +20,7 @@ _json = msgspec.json.Encoder()
 class _Choice:
     parts: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     tokens: int = 0
     logprobs: list[TokenLogprobText] = field(default_factory=list)
     text_offset: int = 0
@@ -49,6 +50,7 @@ class Accumulator:
             c.logprobs.extend(d.logprobs)
         if d.finish_reason is not None:
             c.finish_reason = "stop" if d.finish_reason == "abort" else d.finish_reason
+            c.stop_reason = d.stop_reason
         self.cached[prompt_index] = max(self.cached[prompt_index], d.num_cached_tokens)
         return i
 
@@ -79,29 +81,36 @@ class Accumulator:
             text = "".join(c.parts)
             if self.kind == "chat":
                 lp = self.chat_logprobs(c.logprobs) if self.want_logprobs else None
-                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None,
-                                                        "tool_calls": []},
-                                "logprobs": lp, "finish_reason": c.finish_reason})
+                # no tool_calls key: OpenAI leaves it out when the model called no tool
+                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             else:
                 c.text_offset = 0
                 lp = self.completion_logprobs(c, c.logprobs) if self.want_logprobs else None
-                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage(),
                 "system_fingerprint": None}
 
 
 class ChunkWriter:
-    """SSE bytes for a streamed answer; feeds the same Accumulator (for usage)."""
+    """SSE bytes for a streamed answer; feeds the same Accumulator (for usage).
 
-    def __init__(self, acc: Accumulator, include_usage: bool) -> None:
-        self.acc, self.include_usage = acc, include_usage
+    stream_options (vLLM's semantics): include_usage adds a last chunk with the usage and no
+    choices (the others carry `"usage": null`); continuous_usage_stats puts the usage so far in
+    every chunk (benchmark tools read it to count tokens per chunk)."""
+
+    def __init__(self, acc: Accumulator, include_usage: bool, continuous_usage: bool = False) -> None:
+        self.acc, self.include_usage, self.continuous_usage = acc, include_usage, continuous_usage
         self.object = "chat.completion.chunk" if acc.kind == "chat" else "text_completion"
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
         body: dict[str, Any] = {"id": self.acc.id, "object": self.object, "created": self.acc.created,
                                 "model": self.acc.model, "system_fingerprint": None, "choices": choices}
-        if self.include_usage:
+        if self.continuous_usage:
+            body["usage"] = self.acc.usage()
+        elif self.include_usage:
             body["usage"] = usage
         return b"data: " + _json.encode(body) + b"\n\n"
 
@@ -109,21 +118,25 @@ class ChunkWriter:
         if self.acc.kind != "chat":
             return b""
         return b"".join(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
+                                      "logprobs": None, "finish_reason": None, "stop_reason": None}])
                         for i in range(len(self.acc.choices)))
 
     def delta(self, prompt_index: int, d: TextDelta) -> bytes:
         i = self.acc.add(prompt_index, d)
-        finish = self.acc.choices[i].finish_reason if d.finish_reason is not None else None
+        choice = self.acc.choices[i]
+        ended = d.finish_reason is not None
+        finish, stop_reason = (choice.finish_reason, choice.stop_reason) if ended else (None, None)
         if not d.text and finish is None and not d.logprobs:
             return b""
         want_lp = self.acc.want_logprobs and d.logprobs is not None
         if self.acc.kind == "chat":
             lp = self.acc.chat_logprobs(d.logprobs) if want_lp else None  # type: ignore[arg-type]
             delta = {"content": d.text} if d.text else {}
-            return self._chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
-        lp = self.acc.completion_logprobs(self.acc.choices[i], d.logprobs) if want_lp else None  # type: ignore[arg-type]
-        return self._chunk([{"index": i, "text": d.text, "logprobs": lp, "finish_reason": finish}])
+            return self._chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                                 "stop_reason": stop_reason}])
+        lp = self.acc.completion_logprobs(choice, d.logprobs) if want_lp else None  # type: ignore[arg-type]
+        return self._chunk([{"index": i, "text": d.text, "logprobs": lp, "finish_reason": finish,
+                             "stop_reason": stop_reason}])
 
     def finish(self) -> bytes:
         if not self.include_usage:

@@ -10,12 +10,16 @@ from typing import Any
 
 import msgspec
 
+from services.gateway.json_errors import explain
 from services.protocol.messages import ChatMessage, TokenizeRequest
 from services.protocol.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 MAX_CACHE_SALT = 256
 MAX_PRIORITY = 1 << 31
 MAX_CHOICES = 128
+MAX_CLIENT_REQUEST_ID = 128
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]+")
+_UNFORCED_TOOL_CHOICES = (None, "auto", "none")
 
 
 class ApiError(Exception):
@@ -154,9 +158,28 @@ def decode(cls: type, body: bytes) -> Any:
             param = None
         raise bad(f"invalid request body: {text}", param) from None
     except msgspec.DecodeError as exc:
+        if (found := explain(body)) is not None:
+            raise bad(found.message, found.param) from None
         raise bad(f"the body is not valid JSON: {exc}") from None
     except RecursionError:
         raise bad("the JSON body is nested too deeply") from None
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's X-Request-Id, checked before it is echoed back (vLLM echoes it). It only labels
+    the response: internal request ids are always the gateway's own."""
+    if value is None:
+        return None
+    if len(value) > MAX_CLIENT_REQUEST_ID or not _CLIENT_REQUEST_ID.fullmatch(value):
+        raise bad(f"the X-Request-Id header must be 1 to {MAX_CLIENT_REQUEST_ID} characters of "
+                  "A-Z a-z 0-9 . _ : / + = -", "X-Request-Id")
+    return value
+
+
+def check_streaming(req: _Common) -> None:
+    """stream_options only means something for a streamed answer (OpenAI refuses it otherwise)."""
+    if req.stream_options is not None and not req.stream:
+        raise bad("stream_options is only allowed when stream is true", "stream_options")
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
@@ -223,6 +246,12 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
         raise bad(f"at most {max_messages} messages per request", "messages")
     if req.response_format is not None and req.response_format.type != "text":
         raise bad("only response_format type 'text' is supported", "response_format")
+    if req.tool_choice not in _UNFORCED_TOOL_CHOICES:
+        # a forced call needs output constrained to the tool's schema, which kvmesh cannot do yet;
+        # answering with free text instead would look like success to the client
+        raise bad("tool_choice must be 'auto' or 'none': forcing a tool call ('required' or a named "
+                  "function) is not supported", "tool_choice")
+    check_streaming(req)
     messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
@@ -244,6 +273,7 @@ def completion_prompts(req: CompletionRequest, max_prompts: int) -> tuple[list[T
         raise bad("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad("best_of must equal n", "best_of")
+    check_streaming(req)
     p = req.prompt
     if isinstance(p, str):
         prompts = [TokenizeRequest(prompt=p)]

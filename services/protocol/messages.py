@@ -157,6 +157,9 @@ class TextDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     logprobs: list[TokenLogprobText] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # what ended a "stop": the stop string that matched, or the stop_token_ids entry sampled;
+    # None for EOS, length and abort (vLLM's stop_reason). Last, so older peers ignore it.
+    stop_reason: str | int | None = None
 
 
 class TextBatch(Msg, tag="text", kw_only=True):

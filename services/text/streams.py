@@ -11,7 +11,8 @@ less); it lives in services/ because both import it.
 
 A sample ends when the engine says so (eos/stop token: "stop", "length", "abort") or when one of
 its stop strings appears in the text (then "stop", the text cut right before the stop string,
-and the abort frees the sample's KV on the worker). Tokens of an ended sample are ignored.
+and the abort frees the sample's KV on the worker). Tokens of an ended sample are ignored. A
+"stop" carries its stop_reason: the stop string that matched or the stop token id sampled.
 """
 from __future__ import annotations
 
@@ -48,6 +49,15 @@ class _Stream:
     prompt_tail: list[int]
     samples: dict[int, _Sample] = field(default_factory=dict)
     opened: float = field(default_factory=time.monotonic)
+
+
+def _stop_token(seq: SeqTokens, params: SamplingParams) -> int | None:
+    """The stop_token_ids entry that ended the sample: the engine ends a sample on the stop token
+    it sampled, the last of the step. An EOS token ends it the same way but is not a stop token
+    (None), unless the client listed it in stop_token_ids."""
+    if seq.finish_reason == "stop" and seq.token_ids and seq.token_ids[-1] in params.stop_token_ids:
+        return seq.token_ids[-1]
+    return None
 
 
 class DetokCore:
@@ -95,9 +105,9 @@ class DetokCore:
         if engine_finish is not None:
             text += sample.detok.flush()
         hit = sample.stops.push(text)
-        text, finish = hit.emit, engine_finish
+        text, finish, stop_reason = hit.emit, engine_finish, _stop_token(seq, p)
         if hit.stopped:
-            finish = "stop"
+            finish, stop_reason = "stop", sample.stops.matched
             self.stop_hits += 1
             if engine_finish is None:  # the engine is still generating this sample: stop it
                 out.append(Envelope(SCHEDULER, Abort(request_id=seq.request_id, index=seq.index, reason="stop")))
@@ -107,7 +117,7 @@ class DetokCore:
             sample.done = True
         logprobs = self._logprobs(seq) if p.logprobs is not None and seq.logprobs is not None else None
         return TextDelta(seq.request_id, seq.index, text, len(seq.token_ids), finish, logprobs,
-                         seq.num_prompt_tokens, seq.num_cached_tokens)
+                         seq.num_prompt_tokens, seq.num_cached_tokens, stop_reason)
 
     def _text_of(self, token_id: int) -> tuple[str, list[int]]:
         cached = self._token_text.get(token_id)

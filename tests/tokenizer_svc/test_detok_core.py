@@ -96,3 +96,18 @@ def test_expire():
     core = DetokCore(ToyTok())
     open_(core)
     assert core.expire(0.0) == 1 and not core.streams
+
+
+def reasons(out):
+    return [(d.index, d.finish_reason, d.stop_reason) for e in out if isinstance(e.msg, TextBatch) for d in e.msg.deltas]
+
+
+def test_stop_reason_names_the_stop_string_or_the_stop_token():
+    """vLLM's stop_reason: the stop string that matched, the stop_token_ids entry sampled, or None
+    (EOS, length, still running)."""
+    core = DetokCore(ToyTok())
+    open_(core, n=4, stop=["b!", "xy"], stop_token_ids=[ids(".")[0]])
+    out = step(core, SeqTokens("r", 0, ids("axy")), SeqTokens("r", 1, ids("a."), finish_reason="stop"),
+               SeqTokens("r", 2, ids("a"), finish_reason="stop"), SeqTokens("r", 3, ids("ab")))
+    assert reasons(out) == [(0, "stop", "xy"), (1, "stop", ids(".")[0]), (2, "stop", None), (3, None, None)]
+    assert reasons(step(core, SeqTokens("r", 3, ids("c"), finish_reason="length"))) == [(3, "length", None)]

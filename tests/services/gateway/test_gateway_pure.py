@@ -7,7 +7,7 @@ import pytest
 
 from services.gateway.render import Accumulator, ChunkWriter
 from services.gateway.schemas import (
-    ApiError, ChatRequest, CompletionRequest, chat_prompt, completion_prompts, decode)
+    ApiError, ChatRequest, CompletionRequest, chat_prompt, client_request_id, completion_prompts, decode)
 from services.protocol.messages import TextDelta, TokenLogprobText
 
 
@@ -86,7 +86,8 @@ def test_chunks_with_usage_and_role_first():
     assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first[0]["usage"] is None
     assert w.delta(0, delta(0, "")) == b""                       # nothing to say: no chunk
     mid = sse(w.delta(0, delta(0, "hi", "stop")))
-    assert mid[0]["choices"][0] == {"index": 0, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": "stop"}
+    assert mid[0]["choices"][0] == {"index": 0, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": "stop",
+                                    "stop_reason": None}
     last = sse(w.finish())
     assert last[0]["choices"] == [] and last[0]["usage"]["completion_tokens"] == 2
 
@@ -100,3 +101,90 @@ def test_completion_logprob_offsets():
     assert chunk["choices"][0]["index"] == 1                       # prompt 1, sample 0
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [0, 2]
     assert chunk["choices"][0]["logprobs"]["top_logprobs"] == [{"ab": -1.0}, {}]
+
+
+def test_stop_reason_in_whole_responses_and_no_empty_tool_calls():
+    chat = Accumulator("chat", "m", 2, 1, [5], want_logprobs=False)
+    chat.add(0, TextDelta("r", 0, "a", 1, "stop", None, 5, 0, "###"))
+    chat.add(0, TextDelta("r", 1, "b", 1, "stop", None, 5, 0, 7))
+    r = chat.response()
+    assert [c["stop_reason"] for c in r["choices"]] == ["###", 7]
+    assert "tool_calls" not in r["choices"][0]["message"]     # OpenAI: no key when no tool was called
+    comp = Accumulator("completions", "m", 1, 1, [5], want_logprobs=False)
+    comp.add(0, delta(0, "x", "length"))
+    assert comp.response()["choices"][0]["stop_reason"] is None
+
+
+def test_streamed_stop_reason_only_on_the_last_chunk():
+    w = ChunkWriter(Accumulator("completions", "m", 1, 1, [3], want_logprobs=False), include_usage=False)
+    [mid] = sse(w.delta(0, delta(0, "a")))
+    [last] = sse(w.delta(0, TextDelta("r", 0, "b", 1, "stop", None, 3, 0, "\n\n")))
+    assert (mid["choices"][0]["stop_reason"], last["choices"][0]["stop_reason"]) == (None, "\n\n")
+    assert "usage" not in mid
+
+
+def test_continuous_usage_in_every_chunk():
+    w = ChunkWriter(Accumulator("chat", "m", 1, 1, [3], want_logprobs=False), include_usage=True,
+                    continuous_usage=True)
+    chunks = sse(w.start() + w.delta(0, delta(0, "a")) + w.delta(0, delta(0, "bc", "length", n=2)) + w.finish())
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 3, 3]
+    assert all(c["usage"]["prompt_tokens"] == 3 and c["usage"]["total_tokens"] == 3 + c["usage"]["completion_tokens"]
+               for c in chunks)
+    assert chunks[-1]["choices"] == []
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content", "surrogate"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature", "NaN"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": -Infinity}', "top_p", "-Infinity"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": ["x", "\\udc00"]}', "stop[1]",
+     "surrogate"),
+])
+def test_malformed_values_name_their_field(body, param, words):
+    with pytest.raises(ApiError) as e:
+        decode(ChatRequest, body)
+    assert e.value.status == 400 and e.value.param == param and words in e.value.message
+
+
+def test_other_malformed_json_keeps_the_decoder_message():
+    with pytest.raises(ApiError) as e:
+        decode(ChatRequest, b'{"model": "m", "messages": [}')
+    assert e.value.param is None and "not valid JSON" in e.value.message
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+])
+def test_refused_chat_options(extra, param):
+    with pytest.raises(ApiError) as e:
+        chat_prompt(decode(ChatRequest, chat_body(**extra)), 10)
+    assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "none"])
+def test_unforced_tool_choice_is_accepted(choice):
+    chat_prompt(decode(ChatRequest, chat_body(tools=[{"type": "function", "function": {"name": "f"}}],
+                                              tool_choice=choice, stream=True,
+                                              stream_options={"include_usage": True})), 10)
+
+
+def test_completion_stream_options_need_stream():
+    body = json.dumps({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}).encode()
+    with pytest.raises(ApiError) as e:
+        completion_prompts(decode(CompletionRequest, body), 4)
+    assert e.value.param == "stream_options"
+
+
+@pytest.mark.parametrize("value, ok", [(None, True), ("abc-123_X.y:z/+=", True), ("a" * 128, True),
+                                       ("a" * 129, False), ("", False), ("a b", False), ("é", False),
+                                       ("a\nb", False)])
+def test_client_request_id_bounds(value, ok):
+    if ok:
+        assert client_request_id(value) == value
+    else:
+        with pytest.raises(ApiError) as e:
+            client_request_id(value)
+        assert e.value.param == "X-Request-Id"

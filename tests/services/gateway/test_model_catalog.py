@@ -1,0 +1,38 @@
+"""Which names a model answers to: a worker's served names and --model path (services/model_names.py),
+and the gateway's catalog built from workers' registry records (services/gateway/models.py)."""
+from __future__ import annotations
+
+import os
+
+from services.gateway.models import ModelCatalog
+from services.model_names import path_aliases, served_names
+
+
+def test_served_names_default_to_the_directory_name():
+    assert served_names([], "/models/llama-3/") == ["llama-3"]
+    assert served_names([], "") == ["null-model"]
+    assert served_names(["a", "b", "a"], "/models/llama-3") == ["a", "b"]
+
+
+def test_path_aliases_as_given_trimmed_and_absolute():
+    assert path_aliases("") == []
+    assert path_aliases("/m/x/") == ["/m/x/", "/m/x"]
+    assert path_aliases("rel/x") == ["rel/x", os.path.abspath("rel/x")]
+
+
+def info(names, paths=(), vocab=100, max_len=64):
+    return {"model": names[0], "served_model_names": list(names), "model_paths": list(paths), "vocab_size": vocab,
+            "max_model_len": max_len}
+
+
+def test_catalog_lists_served_names_first_first_and_resolves_paths():
+    cat = ModelCatalog.of([info(["b", "a"], ["/m/x"]), info(["b", "a"], ["/m/x"])])   # two workers, one model
+    assert cat.names == ["b", "a"]
+    assert [cat.resolve(n) for n in ("b", "a", "/m/x", "x", "")] == ["b", "b", "b", None, None]
+    assert cat.vocab_sizes == {"b": 100} and cat.max_model_lens == {"b": 64}
+
+
+def test_catalog_served_names_win_over_path_aliases():
+    cat = ModelCatalog.of([info(["m1"], ["m2"]), info(["m2"], ["/p"]), {"model": "old", "vocab_size": 5}, {}])
+    assert cat.names == ["m1", "m2", "old"]
+    assert (cat.resolve("m2"), cat.resolve("/p"), cat.resolve("old")) == ("m2", "m2", "old")
