@@ -261,18 +261,24 @@ fetched again.
 */}}
 {{- define "kvmesh.modelDownloadScript" -}}
 import json, os, pathlib, sys
-from huggingface_hub import snapshot_download
+from huggingface_hub import HfApi, snapshot_download
 dest = pathlib.Path(os.environ["MODEL_DIR"])
-want = os.environ["MODEL_REPO"] + "@" + os.environ["MODEL_REVISION"]
+repo, revision = os.environ["MODEL_REPO"], os.environ["MODEL_REVISION"]
+want = f"{repo}@{revision}"
 marker = dest / ".kvmesh-download"
 if marker.is_file() and marker.read_text() == want:
     print(f"{want} is already in {dest}")
     sys.exit(0)
 print(f"downloading {want} into {dest}", flush=True)
-snapshot_download(os.environ["MODEL_REPO"], revision=os.environ["MODEL_REVISION"], local_dir=dest,
+# Resolve the revision first: snapshot_download alone answers an unreachable Hub with whatever
+# the directory holds, which would mark a partial model as complete.
+commit = HfApi().repo_info(repo, revision=revision).sha
+snapshot_download(repo, revision=commit, local_dir=dest,
                   allow_patterns=json.loads(os.environ["MODEL_ALLOW_PATTERNS"]) or None)
+if not (dest / "config.json").is_file():
+    sys.exit(f"{want} has no config.json: not a model kvmesh can load")
 marker.write_text(want)
-print(f"{want} is in {dest}")
+print(f"{want} ({commit}) is in {dest}")
 {{- end }}
 
 {{/*
