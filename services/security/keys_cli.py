@@ -122,8 +122,17 @@ def create_secrets(api: Any, namespace: str, manifests: list[dict[str, Any]]) ->
               f"new keys would not match them. Delete all of them to make a new set:\n"
               f"  kubectl -n {namespace} delete secret {' '.join(names)}", file=sys.stderr)
         return 1
+    from kubernetes.client.exceptions import ApiException
+
     for m in manifests:
-        api.create_namespaced_secret(namespace, m)
+        try:
+            api.create_namespaced_secret(namespace, m)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            print(f"kvmesh keys: Secret {namespace}/{m['metadata']['name']} appeared while this run created the "
+                  f"set (another run at the same time?); run again to check the set", file=sys.stderr)
+            return 1
         print(f"kvmesh keys: created Secret {namespace}/{m['metadata']['name']}")
     return 0
 

@@ -34,6 +34,7 @@ class SecretsEmulator:
     def __init__(self) -> None:
         self.secrets: dict[tuple[str, str], dict] = {}
         self.requests: list[tuple[str, str]] = []
+        self.created_elsewhere: set[str] = set()   # names another client creates between our GET and POST
         self.lock = threading.Lock()
         emulator = self
 
@@ -80,6 +81,8 @@ class SecretsEmulator:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 key = (route[0], body["metadata"]["name"])
                 with emulator.lock:
+                    if key[1] in emulator.created_elsewhere:
+                        emulator.secrets[key] = {**body, "data": {}}
                     if key in emulator.secrets:
                         return self._status(409, "AlreadyExists")
                     emulator.secrets[key] = body
@@ -221,6 +224,15 @@ def test_k8s_secrets_is_idempotent_and_refuses_a_partial_set(emulator, tmp_path)
     assert "only some trust Secrets exist" in partial.stderr and "kubectl -n llm delete secret" in partial.stderr
     assert emulator.posts() == posts
     assert (NAMESPACE, f"{PREFIX}-trust-worker") not in emulator.secrets
+
+
+def test_k8s_secrets_stops_when_another_run_creates_the_same_set(emulator, tmp_path):
+    emulator.created_elsewhere.add(f"{PREFIX}-trust-tokenizer")
+    out = k8s_secrets(kubeconfig(tmp_path, emulator.url))
+    assert out.returncode == 1 and "appeared while this run created the set" in out.stderr
+    assert "Traceback" not in out.stderr
+    created = {name for (_, name) in emulator.secrets}
+    assert f"{PREFIX}-trust-prefix-cache" not in created   # it stopped at the conflict
 
 
 def test_k8s_secrets_reports_a_refusal_clearly(emulator, tmp_path):
