@@ -102,6 +102,21 @@ def test_each_port_is_reachable_only_from_the_roles_that_use_it(helm, case, tmp_
     assert not {e for e in reached if e[2] in ("metrics", "http")}
 
 
+def test_no_rule_opens_every_port(helm, tmp_path_factory):
+    """An absent or empty `ports` means every port; the chart never writes such a rule, even with
+    no worker pool to take the worker ports from."""
+    import yaml
+
+    out = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", "llm",
+                   "--set", "workerPools.prefill.enabled=false", "--set", "workerPools.decode.enabled=false")
+    assert out.returncode == 0, out.stderr
+    no_pools = [d for d in yaml.safe_load_all(out.stdout) if d]
+    for docs in (no_pools, render(helm, "defaults", tmp_path_factory), render(helm, "external-redis", tmp_path_factory)):
+        for name, policy in by_kind(docs, "NetworkPolicy").items():
+            for rule in policy["spec"]["ingress"] + policy["spec"]["egress"]:
+                assert rule.get("ports"), f"{name}: {rule} allows every port"
+
+
 def test_the_public_and_metrics_ports(helm, tmp_path_factory):
     policies = by_kind(render(helm, "defaults", tmp_path_factory), "NetworkPolicy")
     gateway = policies[f"{FULLNAME}-gateway"]["spec"]
