@@ -99,6 +99,7 @@ def result_dict(m: BenchmarkMetrics, results: list[RequestResult], t0: float, me
         "cached_token_ratio": m.cached_token_ratio, "failure_reasons": m.failure_reasons,
         "goodput_slos_ms": slos_ms, "output_len_sources": m.output_len_sources,
         "input_len_sources": m.input_len_sources,
+        "server_prompt_tokens": [r.usage_prompt_tokens for r in results],  # None where not reported
     })
     return out
 

@@ -40,7 +40,7 @@ def test_sweep_writes_one_result_per_rate_and_plots(mock_servers, tmp_path, caps
     assert all(p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000 for p in pngs)
 
 
-def test_chat_backend_with_default_model_and_api_key(mock_servers, tmp_path, capsys):
+def test_chat_backend_with_default_model_and_api_key(mock_servers, tmp_path, capsys, tiny_tokenizer):
     url = mock_servers.get("--ttft-ms", "10", "--itl-ms", "2", "--api-key", "sekret")
     args = ["bench", "serve", "--base-url", url + "/v1", "--backend", "openai-chat", "--dataset-name",
             "sharegpt-synthetic", "--num-prompts", "4", "--disable-tqdm", "--no-plots", "--save-result",
@@ -49,7 +49,12 @@ def test_chat_backend_with_default_model_and_api_key(mock_servers, tmp_path, cap
     (path,) = tmp_path.glob("openai-chat-infqps-mock-model-*.json")
     result = json.loads(path.read_text())
     assert result["completed"] == 4 and result["total_output_tokens"] == 12
-    assert kvmesh_main(args[:-4] + ["--api-key", "wrong"]) == 0
+    # A wrong key: the server's /tokenize refuses it before any request is sent...
+    with pytest.raises(SystemExit) as exc:
+        kvmesh_main(args[:-4] + ["--api-key", "wrong"])
+    assert "HTTP 401" in str(exc.value) and "--api-key" in str(exc.value) and "--tokenizer" in str(exc.value)
+    # ... and with a local tokenizer every request fails with 401, counted by reason.
+    assert kvmesh_main(args[:-4] + ["--api-key", "wrong", "--tokenizer", tiny_tokenizer]) == 0
     assert "HTTP 401:" in capsys.readouterr().out
 
 
