@@ -224,7 +224,7 @@ def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> i
         if args.save_result:
             path = save_result(result, Path(args.result_dir) / f"{stem}.json")
             print(f"Result saved to {path}")
-        _maybe_plot_run(args, metrics, out, stem, rate)
+        _maybe_plot_run(args, model, metrics, out, stem, rate)
         sweep_points.append({"rate": rate_label(rate), **{k: result[k] for k in (
             "output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms",
             "median_tpot_ms", "p99_tpot_ms")}})
@@ -272,7 +272,7 @@ def _plot_dir(args) -> Path | None:
     return Path(args.result_dir) if args.save_result else None
 
 
-def _maybe_plot_run(args, metrics, out, stem: str, rate: float) -> None:
+def _maybe_plot_run(args, model: str, metrics, out, stem: str, rate: float) -> None:
     plot_dir = _plot_dir(args)
     if plot_dir is None:
         return
@@ -281,9 +281,11 @@ def _maybe_plot_run(args, metrics, out, stem: str, rate: float) -> None:
     ok = [r for r in out.results if r.success]
     samples = {"ttft": [r.ttft for r in ok], "tpot": [t for t, n in zip(metrics.tpots, metrics.output_lens) if n > 1],
                "itl": [x for r in ok for x in r.itl], "e2el": [r.latency for r in ok]}
-    title = f"{args.dataset_name}, rate {rate_label(rate)} req/s, concurrency {args.max_concurrency}"
+    cap = f"at most {args.max_concurrency} in flight" if args.max_concurrency else "no concurrency cap"
+    title = f"{model}: {args.dataset_name}, request rate {rate_label(rate)} req/s, {cap}"
     p1 = plots.plot_latency_cdfs(samples, plot_dir / f"{stem}-latency-cdf.png", title)
-    p2 = plots.plot_throughput(time_series(out.results, metrics.output_lens, out.t0), plot_dir / f"{stem}-throughput.png", title)
+    series = time_series(out.results, metrics.output_lens, out.t0, bin_s=None)
+    p2 = plots.plot_throughput(series, plot_dir / f"{stem}-throughput.png", title)
     print(f"Plots saved to {p1} and {p2}")
 
 
