@@ -84,3 +84,23 @@ def test_missing_dataset_file_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--model", "m", "--dataset-name", "sharegpt"])
     assert "--dataset-path" in capsys.readouterr().err
+
+
+def test_prompts_are_sized_with_the_servers_tokenize(mock_servers, tmp_path, capsys):
+    url = mock_servers.get("--ttft-ms", "5", "--itl-ms", "1")
+    rc = kvmesh_main(["bench", "serve", "--base-url", url, "--num-prompts", "4", "--random-input-len", "64",
+                      "--random-output-len", "3", "--save-result", "--result-dir", str(tmp_path),
+                      "--result-filename", "r.json", "--disable-tqdm"])
+    assert rc == 0
+    assert f"Tokenizer: the server's /tokenize ({url}/tokenize)" in capsys.readouterr().out
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["server_prompt_tokens"] == [64] * 4 and result["input_lens"] == [64] * 4
+    assert result["tokenizer_id"] == f"the server's /tokenize ({url}/tokenize)"
+
+
+def test_no_tokenizer_at_all_is_a_clear_error_naming_the_flag(mock_servers):
+    url = mock_servers.get("--no-tokenize")
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--base-url", url, "--num-prompts", "2", "--disable-tqdm", "--no-plots"])
+    message = str(exc.value)
+    assert "--tokenizer" in message and f"{url}/tokenize" in message and "HTTP 404" in message
