@@ -17,7 +17,7 @@ from services.bench.metrics import (compute_metrics, parse_goodput, parse_percen
                                     parse_percentiles, time_series)
 from services.bench.report import default_filename, format_table, rate_label, result_dict, save_result
 from services.bench.runner import RunConfig, run_benchmark
-from services.bench.server_tokenizer import ServerTokenizer, TokenizerUnavailable
+from services.bench.server_tokenizer import ServerTokenizer, ServerTokenizerError
 from services.bench.tokens import TokenCounter
 
 DATASETS = ("random", "sharegpt", "sharegpt-synthetic", "generated-shared-prefix", "multi-turn", "custom")
@@ -175,7 +175,7 @@ def token_counter(args: argparse.Namespace, plan: Plan, model: str) -> TokenCoun
     try:
         tokenizer = args.tokenizer or ServerTokenizer(plan.base_url, model, plan.headers)
         counter = TokenCounter(tokenizer, chat=plan.chat)
-    except (TokenizerUnavailable, OSError, ValueError) as exc:
+    except (ServerTokenizerError, OSError, ValueError) as exc:
         raise SystemExit(f"kvmesh bench: no tokenizer to count prompt tokens with: {exc}") from None
     print(f"Tokenizer: {counter.name}")
     return counter
@@ -195,7 +195,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> int:
     try:
         items = load_dataset(_dataset_options(args), counter, args.seed)
-    except TokenizerUnavailable as exc:  # the server stopped answering /tokenize part way
+    except ServerTokenizerError as exc:  # /tokenize refused a prompt or stopped answering part way
         raise SystemExit(f"kvmesh bench: {exc}") from None
     except (ValueError, OSError) as exc:
         parser.error(f"--dataset-name {args.dataset_name}: {exc}")

@@ -15,8 +15,8 @@ TOKENIZER_HINT = ("pass --tokenizer DIR (a Hugging Face tokenizer directory with
                   "e.g. the model's directory) so that prompt lengths can be counted")
 
 
-class TokenizerUnavailable(RuntimeError):
-    """Neither --tokenizer nor a working /tokenize: the message says what failed and names --tokenizer."""
+class ServerTokenizerError(RuntimeError):
+    """/tokenize could not count: the message says what failed (and names --tokenizer where it would help)."""
 
 
 class ServerTokenizer:
@@ -39,7 +39,7 @@ class ServerTokenizer:
         """One request up front, so that a server without /tokenize fails before any prompt is built."""
         try:
             self._post("hello world", False)
-        except TokenizerUnavailable:
+        except ServerTokenizerError:
             self.close()
             raise
 
@@ -48,19 +48,22 @@ class ServerTokenizer:
         try:
             resp = self._http.post(self.url, json=body)
         except httpx.HTTPError as exc:
-            raise TokenizerUnavailable(f"could not reach {self.url} ({type(exc).__name__}: {exc}); "
+            raise ServerTokenizerError(f"could not reach {self.url} ({type(exc).__name__}: {exc}); "
                                        f"{TOKENIZER_HINT}") from None
+        if resp.status_code == 400:  # the endpoint works but refused this prompt (too long, ...)
+            raise ServerTokenizerError(f"{self.url} refused to count a prompt of {len(text)} characters "
+                                       f"(HTTP 400: {_error_message(resp)})")
         if resp.status_code != 200:
             why = _error_message(resp)
             if resp.status_code in (401, 403):
                 why += "; check --api-key"
-            raise TokenizerUnavailable(f"{self.url} answered HTTP {resp.status_code} ({why}); {TOKENIZER_HINT}")
+            raise ServerTokenizerError(f"{self.url} answered HTTP {resp.status_code} ({why}); {TOKENIZER_HINT}")
         try:
             count = resp.json()["count"]
         except (ValueError, KeyError, TypeError):
             count = None
         if not isinstance(count, int) or count < 0:
-            raise TokenizerUnavailable(f"{self.url} did not answer with a token count; {TOKENIZER_HINT}")
+            raise ServerTokenizerError(f"{self.url} did not answer with a token count; {TOKENIZER_HINT}")
         return count
 
 
