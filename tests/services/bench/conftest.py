@@ -1,5 +1,5 @@
 """Fixtures: scripted mock OpenAI servers in subprocesses (so their timing is not disturbed by the
-client's event loop), and a tiny BPE tokenizer directory."""
+client's event loop), a tiny BPE tokenizer directory, and a real `kvmesh serve` with a tiny model."""
 from __future__ import annotations
 
 import os
