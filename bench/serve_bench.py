@@ -38,7 +38,7 @@ Every stack gets its own embedded Redis (so this script can read the registry), 
 workers (and the prefix-cache index) are registered, and is stopped between parts: SIGTERM to
 `kvmesh serve` (it stops its services), SIGKILL to whatever of its process group is left, also
 on errors and on SIGTERM/Ctrl-C to this script. Prompts are text built with the model's tokenizer
-(`--tokenizer`: exact lengths; the tokenizer adds BOS, so 512 in is 513 prompt tokens).
+(`--tokenizer`: exact lengths as the server counts them, its BOS among them: 512 in is 512 prompt tokens).
 
 Usage (repository root; services run as `python3 -m services.cli ...`, no `kvmesh` script needed):
 

@@ -17,6 +17,7 @@ from services.bench.metrics import (compute_metrics, parse_goodput, parse_percen
                                     parse_percentiles, time_series)
 from services.bench.report import default_filename, format_table, rate_label, result_dict, save_result
 from services.bench.runner import RunConfig, run_benchmark
+from services.bench.server_tokenizer import ServerTokenizer, ServerTokenizerError
 from services.bench.tokens import TokenCounter
 
 DATASETS = ("random", "sharegpt", "sharegpt-synthetic", "generated-shared-prefix", "multi-turn", "custom")
@@ -33,8 +34,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint", default=None, help="API path (default: from --backend, else /v1/completions)")
     g.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     g.add_argument("--tokenizer", default=None,
-                   help="Hugging Face tokenizer dir (tokenizer.json): token-exact prompts and counts; "
-                        "without it lengths are word-based estimates")
+                   help="Hugging Face tokenizer dir (tokenizer.json) to count tokens and build prompts with "
+                        "(default: the server's own, through its /tokenize endpoint)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds allowed per request")
 
@@ -121,6 +122,8 @@ class Plan:
         self.chat = self.backend == "openai-chat"
         if args.dataset_name == "multi-turn" and not self.chat:
             err("--dataset-name multi-turn needs the chat endpoint: use --backend openai-chat")
+        if args.dataset_name in ("sharegpt", "custom") and not args.dataset_path:
+            err(f"--dataset-name {args.dataset_name} needs --dataset-path FILE")
         if args.prompt_token_ids and (self.chat or not args.tokenizer):
             err("--prompt-token-ids needs --tokenizer and the completions endpoint (--backend openai)")
         for flag in ("num_prompts", "max_concurrency", "num_warmups"):
@@ -167,15 +170,33 @@ def _dataset_options(args) -> DatasetOptions:
     return DatasetOptions(**values)
 
 
+def token_counter(args: argparse.Namespace, plan: Plan, model: str) -> TokenCounter:
+    """--tokenizer DIR, else the server's /tokenize; without either the benchmark cannot size its prompts."""
+    try:
+        tokenizer = args.tokenizer or ServerTokenizer(plan.base_url, model, plan.headers)
+        counter = TokenCounter(tokenizer, chat=plan.chat)
+    except (ServerTokenizerError, OSError, ValueError) as exc:
+        raise SystemExit(f"kvmesh bench: no tokenizer to count prompt tokens with: {exc}") from None
+    print(f"Tokenizer: {counter.name}")
+    return counter
+
+
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     plan = Plan(args, parser)
-    counter = TokenCounter(args.tokenizer)
-    if not counter.exact:
-        print("Note: no --tokenizer: prompt lengths are word-based estimates (one word ~ one token); input token "
-              "totals use the server's usage.prompt_tokens when it reports them.", file=sys.stderr)
     model = args.model or first_model(plan.base_url, plan.headers)
+    counter = token_counter(args, plan, model)
+    try:
+        return _run_rates(args, parser, plan, model, counter)
+    finally:
+        if isinstance(counter.tokenizer, ServerTokenizer):
+            counter.tokenizer.close()
+
+
+def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> int:
     try:
         items = load_dataset(_dataset_options(args), counter, args.seed)
+    except ServerTokenizerError as exc:  # /tokenize refused a prompt or stopped answering part way
+        raise SystemExit(f"kvmesh bench: {exc}") from None
     except (ValueError, OSError) as exc:
         parser.error(f"--dataset-name {args.dataset_name}: {exc}")
     num_requests = len(items) if args.dataset_name == "generated-shared-prefix" else args.num_prompts
@@ -193,16 +214,17 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         seed=args.seed + i, disable_tqdm=args.disable_tqdm)
         out = asyncio.run(run_benchmark(items, cfg, counter.count, on_warmup=_print_warmup))
         metrics = compute_metrics(out.results, out.duration, plan.computed_percentiles, plan.slos,
-                                  count_tokens=counter.count if counter.exact else None,
-                                  dataset_exact=counter.exact or args.prompt_token_ids)
+                                  count_tokens=counter.count, dataset_exact=True)
         print(format_table(metrics, plan.percentile_metrics, plan.percentiles, rate, args.max_concurrency))
-        meta = _meta(args, plan, model, rate, stamp)
+        if not plan.chat:  # chat prompts carry the template's tokens on top of the dataset's count
+            _note_length_mismatch(out.results, counter.name)
+        meta = _meta(args, plan, model, rate, stamp, counter.name)
         result = result_dict(metrics, out.results, out.t0, meta, plan.computed_percentiles, plan.slos)
         stem = _stem(args, plan, model, rate, multi=len(plan.rates) > 1)
         if args.save_result:
             path = save_result(result, Path(args.result_dir) / f"{stem}.json")
             print(f"Result saved to {path}")
-        _maybe_plot_run(args, metrics, out, stem, rate)
+        _maybe_plot_run(args, model, metrics, out, stem, rate)
         sweep_points.append({"rate": rate_label(rate), **{k: result[k] for k in (
             "output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms",
             "median_tpot_ms", "p99_tpot_ms")}})
@@ -217,13 +239,22 @@ def _print_warmup(results) -> None:
     print(msg, file=sys.stderr)
 
 
-def _meta(args, plan: Plan, model: str, rate: float, stamp: str) -> dict:
+def _note_length_mismatch(results, tokenizer_name: str) -> None:
+    """Say when the server counted other prompt lengths than the benchmark's tokenizer did."""
+    off = [(r.usage_prompt_tokens, r.prompt_len) for r in results
+           if r.success and r.usage_prompt_tokens is not None and r.usage_prompt_tokens != r.prompt_len]
+    if off:
+        print(f"Note: for {len(off)} of {len(results)} requests the server counted other prompt lengths than "
+              f"{tokenizer_name} (e.g. {off[0][0]} instead of {off[0][1]}); the JSON has both "
+              "(server_prompt_tokens, input_lens).", file=sys.stderr)
+
+
+def _meta(args, plan: Plan, model: str, rate: float, stamp: str, tokenizer_name: str) -> dict:
     return {"date": stamp, "backend": plan.backend, "endpoint": plan.endpoint, "label": args.label,
-            "model_id": model, "tokenizer_id": args.tokenizer, "dataset_name": args.dataset_name,
+            "model_id": model, "tokenizer_id": args.tokenizer or tokenizer_name, "dataset_name": args.dataset_name,
             "num_prompts": args.num_prompts, "request_rate": rate if not math.isinf(rate) else "inf",
             "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "duration_limit": args.duration,
-            "ignore_eos": args.ignore_eos, "num_warmups": args.num_warmups,
-            "prompt_lengths_exact": bool(args.tokenizer) or args.prompt_token_ids}
+            "ignore_eos": args.ignore_eos, "num_warmups": args.num_warmups}
 
 
 def _stem(args, plan: Plan, model: str, rate: float, multi: bool) -> str:
@@ -241,7 +272,7 @@ def _plot_dir(args) -> Path | None:
     return Path(args.result_dir) if args.save_result else None
 
 
-def _maybe_plot_run(args, metrics, out, stem: str, rate: float) -> None:
+def _maybe_plot_run(args, model: str, metrics, out, stem: str, rate: float) -> None:
     plot_dir = _plot_dir(args)
     if plot_dir is None:
         return
@@ -250,9 +281,11 @@ def _maybe_plot_run(args, metrics, out, stem: str, rate: float) -> None:
     ok = [r for r in out.results if r.success]
     samples = {"ttft": [r.ttft for r in ok], "tpot": [t for t, n in zip(metrics.tpots, metrics.output_lens) if n > 1],
                "itl": [x for r in ok for x in r.itl], "e2el": [r.latency for r in ok]}
-    title = f"{args.dataset_name}, rate {rate_label(rate)} req/s, concurrency {args.max_concurrency}"
+    cap = f"at most {args.max_concurrency} in flight" if args.max_concurrency else "no concurrency cap"
+    title = f"{model}: {args.dataset_name}, request rate {rate_label(rate)} req/s, {cap}"
     p1 = plots.plot_latency_cdfs(samples, plot_dir / f"{stem}-latency-cdf.png", title)
-    p2 = plots.plot_throughput(time_series(out.results, metrics.output_lens, out.t0), plot_dir / f"{stem}-throughput.png", title)
+    series = time_series(out.results, metrics.output_lens, out.t0, bin_s=None)
+    p2 = plots.plot_throughput(series, plot_dir / f"{stem}-throughput.png", title)
     print(f"Plots saved to {p1} and {p2}")
 
 

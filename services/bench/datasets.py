@@ -29,7 +29,7 @@ SHAREGPT_MAX_TOTAL_LEN = 2048
 @dataclass(frozen=True)
 class SampleRequest:
     prompt: str | list[int]  # text, or token ids (only for the completions endpoint)
-    prompt_len: int  # tokens: exact with a tokenizer, approximate without
+    prompt_len: int  # tokens, as the endpoint counts them (tokens.py), measured
     output_len: int | None  # sent as max_tokens; None lets the server decide
 
 
@@ -93,8 +93,8 @@ def _make_prompt(n: int, prefix: list[int] | str, opts: DatasetOptions, counter:
     if opts.prompt_token_ids:
         ids = list(prefix) + counter.random_ids(n, rng)
         return SampleRequest(ids, len(ids), None)
-    text = (prefix + " " if prefix else "") + counter.random_text(n, rng)
-    return SampleRequest(text, counter.count(text), None)
+    text, length = counter.random_prompt(prefix, n, rng)
+    return SampleRequest(text, length, None)
 
 
 def _with_output(req: SampleRequest, output_len: int | None) -> SampleRequest:
@@ -137,7 +137,7 @@ def _sharegpt(opts: DatasetOptions, counter: TokenCounter, rng) -> list[SampleRe
     out: list[SampleRequest] = []
     for idx in rng.permutation(len(convs)):
         prompt, completion = convs[idx][0]["value"], convs[idx][1]["value"]
-        prompt_len = counter.count(prompt)
+        prompt_len = counter.prompt_len(prompt)
         fixed = opts.sharegpt_output_len is not None
         output_len = opts.sharegpt_output_len if fixed else counter.count(completion)
         if is_valid_sharegpt(prompt_len, output_len, fixed):
@@ -194,7 +194,7 @@ def _sharegpt_conversations(opts: DatasetOptions, counter: TokenCounter, rng) ->
         msgs = convs[idx]
         for user, reply in zip(msgs[0::2], msgs[1::2]):
             out_len = max(counter.count(reply["value"]), 1)
-            turns.append(SampleRequest(user["value"], counter.count(user["value"]), out_len))
+            turns.append(SampleRequest(user["value"], counter.prompt_len(user["value"]), out_len))
         out.append(Conversation(tuple(turns[: opts.multi_turn_num_turns])))
         if len(out) == opts.num_prompts:
             break
@@ -211,7 +211,7 @@ def _custom(opts: DatasetOptions, counter: TokenCounter, rng) -> list[SampleRequ
         row = json.loads(line)
         if not isinstance(row.get("prompt"), str):
             raise ValueError(f"{opts.path}:{lineno}: each line needs a string \"prompt\"")
-        out.append(SampleRequest(row["prompt"], counter.count(row["prompt"]),
+        out.append(SampleRequest(row["prompt"], counter.prompt_len(row["prompt"]),
                                  int(row.get("output_tokens", opts.custom_output_len))))
         if len(out) == opts.num_prompts:
             break

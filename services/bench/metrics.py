@@ -56,7 +56,17 @@ class BenchmarkMetrics:
 class TimeSeries(NamedTuple):
     times: np.ndarray  # (B,) bin start, seconds from the benchmark start
     output_tokens_per_s: np.ndarray  # (B,)
-    concurrent_requests: np.ndarray  # (B,) requests in flight at any point of the bin
+    concurrent_requests: np.ndarray  # (B,) the most requests in flight at any point of the bin
+    bin_s: float
+    end: float  # seconds from the start to the last request's finish
+    in_flight: "InFlight"
+
+
+class InFlight(NamedTuple):
+    """Requests in flight as a step function: level[i] holds from times[i] until times[i + 1];
+    the last step is the last finish, where the level is back to 0."""
+    times: np.ndarray  # (E,) seconds from the start, sorted
+    level: np.ndarray  # (E,)
 
 
 def parse_percentiles(text: str) -> list[float]:
@@ -128,27 +138,53 @@ def is_good(ttft: float, tpot: float, e2el: float, slos_ms: dict[str, float]) ->
     return all(values[k] * 1000.0 <= slo for k, slo in slos_ms.items())
 
 
-def time_series(results: list[RequestResult], output_lens: list[int], t0: float, bin_s: float = 1.0) -> TimeSeries:
-    """Output tokens per second and the most requests in flight at once, in bins of bin_s from t0.
+def time_series(results: list[RequestResult], output_lens: list[int], t0: float,
+                bin_s: float | None = 1.0) -> TimeSeries:
+    """Output tokens per second and the most requests in flight at once, in bins of bin_s from t0;
+    bin_s None: bins of about a second that divide the run evenly, the last one ending at the last
+    finish (for plots: no part-empty last bin reads as a drop in throughput).
 
     Tokens of a chunk are spread evenly over the request's chunks (output_len / num_chunks each),
     since the stream does not say how many tokens each chunk holds.
     """
     spans = [(r.start_time - t0, max(r.end_time, r.start_time) - t0) for r in results]
-    n_bins = max(1, int(np.ceil(max([end for _, end in spans] + [1e-9]) / bin_s)))
+    end = max([e for _, e in spans], default=0.0)
+    if bin_s is None:
+        bin_s = max(end, 1e-9) / max(1, round(end))
+    # the last finish closes the last bin (or falls inside it), never opens one of its own
+    n_bins = max(1, int(np.ceil(max(end, 1e-9) / bin_s - 1e-9)))
     tokens = np.zeros(n_bins)
     for res, n_out, (start, _) in zip(results, output_lens, spans):
         if res.success and res.num_chunks:
             chunk_times = start + res.ttft + np.concatenate([[0.0], np.cumsum(res.itl)])  # (num_chunks,)
             idx = np.minimum((chunk_times // bin_s).astype(int), n_bins - 1)
             np.add.at(tokens, idx, n_out / res.num_chunks)
-    return TimeSeries(np.arange(n_bins) * bin_s, tokens / bin_s, _in_flight(spans, n_bins, bin_s))
+    events = _events(spans)
+    return TimeSeries(np.arange(n_bins) * bin_s, tokens / bin_s, _peak_in_flight(events, n_bins, bin_s), bin_s,
+                      end, in_flight_steps(events))
 
 
-def _in_flight(spans: list[tuple[float, float]], n_bins: int, bin_s: float) -> np.ndarray:
+def _events(spans: list[tuple[float, float]]) -> list[tuple[float, int]]:
+    """(time, +1) per start and (time, -1) per finish, in time order; at the same instant ends
+    sort first, so that back-to-back requests don't overlap."""
+    return sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+
+
+def in_flight_steps(events: list[tuple[float, int]]) -> InFlight:
+    """The exact in-flight count after each event (one step per distinct instant)."""
+    times, level, now = [], [], 0
+    for t, step in events:
+        now += step
+        if times and times[-1] == t:
+            level[-1] = now  # several events at one instant: one step, to the level after all of them
+        else:
+            times.append(t)
+            level.append(now)
+    return InFlight(np.asarray(times, dtype=float), np.asarray(level, dtype=int))
+
+
+def _peak_in_flight(events: list[tuple[float, int]], n_bins: int, bin_s: float) -> np.ndarray:
     """Per bin, the most requests in flight at any instant (a sweep over start/end events)."""
-    # Ends sort before starts at the same instant, so back-to-back requests don't overlap.
-    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
     peak = np.zeros(n_bins, dtype=int)
     level, last_bin = 0, 0
     for t, step in events:

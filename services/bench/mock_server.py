@@ -6,6 +6,8 @@ token, so word counts equal token counts. It reports usage (with prompt_tokens_d
 from a block-level prefix cache over the prompt's tokens) when asked via stream_options.include_usage,
 and fails scripted requests: --fail 500:5,429:7 answers every 5th request with HTTP 500 and every 7th
 with 429. Chat streams send a role-only chunk at once, as real servers do; it must not count as TTFT.
+POST /tokenize (vLLM's shape) counts with the same word tokenizer; --no-tokenize leaves it out, as
+servers without it do.
 
     kvmesh bench mock-server --port 8000 --ttft-ms 50 --itl-ms 10
 """
@@ -30,6 +32,7 @@ class MockConfig:
     block_size: int = 16  # prefix-cache granularity
     fail: tuple[tuple[int, int], ...] = ()  # (HTTP status, every n-th request)
     api_key: str | None = None
+    tokenize: bool = True  # serve POST /tokenize
 
 
 class PrefixCache:
@@ -115,6 +118,24 @@ def build_app(cfg: MockConfig):
         return StreamingResponse(_stream(cfg, chat, n_out, ttft, finish, usage if include_usage else None),
                                  media_type="text/event-stream")
 
+    if cfg.tokenize:
+        vocab: dict[str, int] = {"<unk>": 0}  # ids in order of first sight: the mock has no fixed vocabulary
+
+        def token_id(tok: str) -> int:
+            if tok not in vocab and len(vocab) < 100_000:  # bounded: later new words are <unk>
+                vocab[tok] = len(vocab)
+            return vocab.get(tok, 0)
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+                return error(401, "invalid API key")
+            body = await request.json()
+            if (body.get("prompt") is None) == (body.get("messages") is None):
+                return error(400, "give exactly one of prompt or messages")
+            ids = [token_id(tok) for tok in prompt_tokens(body)]
+            return {"count": len(ids), "max_model_len": 0, "tokens": ids, "token_strs": None}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, chat=False)
@@ -167,13 +188,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-ms-per-token", type=float, default=0.0, help="extra TTFT per uncached prompt token")
     p.add_argument("--fail", default="", help="scripted failures STATUS:EVERY_N[,...], e.g. 500:5,429:7")
     p.add_argument("--api-key", default=None, help="require this bearer token")
+    p.add_argument("--no-tokenize", action="store_true", help="do not serve POST /tokenize")
 
 
 def config_from_args(args: argparse.Namespace) -> MockConfig:
     return MockConfig(model=args.model, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
                       default_max_tokens=args.default_max_tokens, tokens_per_chunk=args.tokens_per_chunk,
                       eos_after=args.eos_after, prefill_ms_per_token=args.prefill_ms_per_token,
-                      fail=parse_fail(args.fail), api_key=args.api_key)
+                      fail=parse_fail(args.fail), api_key=args.api_key, tokenize=not args.no_tokenize)
 
 
 def serve(cfg: MockConfig, host: str, port: int) -> None:

@@ -95,10 +95,12 @@ def result_dict(m: BenchmarkMetrics, results: list[RequestResult], t0: float, me
         # kvmesh extras.
         "tpots": m.tpots, "e2els": [r.latency for r in results],
         "start_times": [r.start_time - t0 for r in results],
+        "end_times": [r.end_time - t0 for r in results],  # finished or failed
         "cached_tokens": [r.cached_tokens for r in results],
         "cached_token_ratio": m.cached_token_ratio, "failure_reasons": m.failure_reasons,
         "goodput_slos_ms": slos_ms, "output_len_sources": m.output_len_sources,
         "input_len_sources": m.input_len_sources,
+        "server_prompt_tokens": [r.usage_prompt_tokens for r in results],  # None where not reported
     })
     return out
 

@@ -82,7 +82,7 @@ class _Sender:
 
     async def conversation(self, conv: Conversation) -> list[RequestResult]:
         history: list[dict] = []
-        history_len = 0  # tokens of the history so far (tokenizer count or estimate)
+        history_len = 0  # tokens of the history so far
         results = []
         for i, turn in enumerate(conv.turns):
             if i and self.cfg.think_time:
@@ -94,7 +94,9 @@ class _Sender:
             if not res.success:
                 break  # the rest of the conversation has no reply to build on
             history.append({"role": "assistant", "content": res.generated_text})
-            history_len += self.count_tokens(res.generated_text)
+            # the server's count of the reply where it reports one: no tokenizer call mid-run
+            history_len += res.usage_output_tokens if res.usage_output_tokens is not None else \
+                self.count_tokens(res.generated_text)
         return results
 
     def run(self, item) -> "asyncio.Future[list[RequestResult]]":

@@ -1,5 +1,5 @@
 """Fixtures: scripted mock OpenAI servers in subprocesses (so their timing is not disturbed by the
-client's event loop), and a tiny BPE tokenizer directory."""
+client's event loop), a tiny BPE tokenizer directory, and a real `kvmesh serve` with a tiny model."""
 from __future__ import annotations
 
 import os
@@ -79,3 +79,46 @@ def tiny_tokenizer(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tok")
     tok.save(str(path / "tokenizer.json"))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def kvmesh_server(tmp_path_factory) -> str:
+    """`kvmesh serve` with the tiny random-weight llama on the CPU (its tokenizer adds a bos);
+    the base URL. Stopped with SIGTERM (SIGKILL if it hangs) at the end of the session."""
+    root = tmp_path_factory.mktemp("kvmesh")
+    model = root / "tiny-llama"
+    subprocess.run([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", "tiny", str(model)],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env["PYTHONPATH"] = str(REPO)
+    log = open(root / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--port", str(port),
+                             "--device", "cpu", "--num-gpu-blocks", "512", "--heartbeat-ms", "250"],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_serving(proc, url, root / "serve.log")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _wait_serving(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvmesh serve exited: {log.read_text(errors='replace')[-3000:]}")
+        try:
+            if httpx.get(url + "/ready", timeout=2.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"kvmesh serve was not ready within 180 s: {log.read_text(errors='replace')[-3000:]}")

@@ -40,7 +40,7 @@ def test_sweep_writes_one_result_per_rate_and_plots(mock_servers, tmp_path, caps
     assert all(p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000 for p in pngs)
 
 
-def test_chat_backend_with_default_model_and_api_key(mock_servers, tmp_path, capsys):
+def test_chat_backend_with_default_model_and_api_key(mock_servers, tmp_path, capsys, tiny_tokenizer):
     url = mock_servers.get("--ttft-ms", "10", "--itl-ms", "2", "--api-key", "sekret")
     args = ["bench", "serve", "--base-url", url + "/v1", "--backend", "openai-chat", "--dataset-name",
             "sharegpt-synthetic", "--num-prompts", "4", "--disable-tqdm", "--no-plots", "--save-result",
@@ -49,7 +49,12 @@ def test_chat_backend_with_default_model_and_api_key(mock_servers, tmp_path, cap
     (path,) = tmp_path.glob("openai-chat-infqps-mock-model-*.json")
     result = json.loads(path.read_text())
     assert result["completed"] == 4 and result["total_output_tokens"] == 12
-    assert kvmesh_main(args[:-4] + ["--api-key", "wrong"]) == 0
+    # A wrong key: the server's /tokenize refuses it before any request is sent...
+    with pytest.raises(SystemExit) as exc:
+        kvmesh_main(args[:-4] + ["--api-key", "wrong"])
+    assert "HTTP 401" in str(exc.value) and "--api-key" in str(exc.value) and "--tokenizer" in str(exc.value)
+    # ... and with a local tokenizer every request fails with 401, counted by reason.
+    assert kvmesh_main(args[:-4] + ["--api-key", "wrong", "--tokenizer", tiny_tokenizer]) == 0
     assert "HTTP 401:" in capsys.readouterr().out
 
 
@@ -79,3 +84,23 @@ def test_missing_dataset_file_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--model", "m", "--dataset-name", "sharegpt"])
     assert "--dataset-path" in capsys.readouterr().err
+
+
+def test_prompts_are_sized_with_the_servers_tokenize(mock_servers, tmp_path, capsys):
+    url = mock_servers.get("--ttft-ms", "5", "--itl-ms", "1")
+    rc = kvmesh_main(["bench", "serve", "--base-url", url, "--num-prompts", "4", "--random-input-len", "64",
+                      "--random-output-len", "3", "--save-result", "--result-dir", str(tmp_path),
+                      "--result-filename", "r.json", "--disable-tqdm"])
+    assert rc == 0
+    assert f"Tokenizer: the server's /tokenize ({url}/tokenize)" in capsys.readouterr().out
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["server_prompt_tokens"] == [64] * 4 and result["input_lens"] == [64] * 4
+    assert result["tokenizer_id"] == f"the server's /tokenize ({url}/tokenize)"
+
+
+def test_no_tokenizer_at_all_is_a_clear_error_naming_the_flag(mock_servers):
+    url = mock_servers.get("--no-tokenize")
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--base-url", url, "--num-prompts", "2", "--disable-tqdm", "--no-plots"])
+    message = str(exc.value)
+    assert "--tokenizer" in message and f"{url}/tokenize" in message and "HTTP 404" in message

@@ -6,7 +6,7 @@ import pytest
 
 from services.bench.datasets import (Conversation, DatasetOptions, load_dataset, range_bounds,
                                      synthetic_sharegpt_lengths)
-from services.bench.tokens import TokenCounter, approx_token_count
+from services.bench.tokens import LocalTokenizer, TokenCounter, approx_token_count
 
 WORDS = TokenCounter()  # no tokenizer: one word = one token
 
@@ -57,7 +57,7 @@ def test_random_prompts_are_token_exact_with_tokenizer(tiny_tokenizer):
     counter = TokenCounter(tiny_tokenizer)
     reqs = load_dataset(DatasetOptions(name="random", num_prompts=20, random_input_len=50, random_output_len=4,
                                        random_range_ratio=0.5), counter, seed=0)
-    assert all(counter.count(r.prompt) == r.prompt_len for r in reqs)
+    assert all(counter.prompt_len(r.prompt) == r.prompt_len for r in reqs)
     assert sum(25 <= r.prompt_len <= 75 for r in reqs) == 20
     ids = load_dataset(DatasetOptions(name="random", num_prompts=5, random_input_len=30, random_output_len=4,
                                       prompt_token_ids=True), counter, seed=0)
@@ -97,3 +97,41 @@ def test_custom_jsonl(tmp_path):
     reqs = load_dataset(DatasetOptions(name="custom", path=str(path), custom_output_len=9), WORDS, seed=0)
     assert [(r.prompt_len, r.output_len) for r in reqs] == [(3, 7), (3, 9)]
     assert approx_token_count("four, five") == 3
+
+
+@pytest.fixture
+def bos_tokenizer(tiny_tokenizer, tmp_path) -> str:
+    """The tiny tokenizer with a post-processor that puts <s> in front, as llama's does."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(f"{tiny_tokenizer}/tokenizer.json")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return str(tmp_path)
+
+
+class CountsOnly:
+    """What a server's /tokenize gives: counts, no vocabulary (so prompts are built from words)."""
+
+    name = "counts only"
+
+    def __init__(self, path: str):
+        self._tok = LocalTokenizer(path)
+
+    def count(self, text: str, add_special_tokens: bool) -> int:
+        return self._tok.count(text, add_special_tokens)
+
+
+@pytest.mark.parametrize("backend", ["vocabulary", "counts"])
+def test_prompt_lengths_count_the_bos_of_the_completions_endpoint(bos_tokenizer, backend):
+    tok = bos_tokenizer if backend == "vocabulary" else CountsOnly(bos_tokenizer)
+    completions, chat = TokenCounter(tok), TokenCounter(tok, chat=True)
+    opts = DatasetOptions(name="random", num_prompts=10, random_input_len=40, random_output_len=4)
+    # completions: the bos is one of the 40 (what usage.prompt_tokens reports); a prefix adds its own 8
+    for req in load_dataset(opts, completions, seed=0):
+        assert req.prompt_len == 40 == completions.prompt_len(req.prompt) == completions.count(req.prompt) + 1
+    with_prefix = DatasetOptions(name="random", num_prompts=10, random_input_len=40, random_output_len=4,
+                                 random_prefix_len=8)
+    assert {r.prompt_len for r in load_dataset(with_prefix, completions, seed=0)} == {48}
+    # chat: the message's own 40 tokens (the template adds its tokens on top)
+    assert all(r.prompt_len == 40 == chat.count(r.prompt) for r in load_dataset(opts, chat, seed=0))

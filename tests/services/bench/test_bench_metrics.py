@@ -98,3 +98,39 @@ def test_time_series_tokens_and_in_flight():
     ts = time_series([a, b, c], [3, 4, 2], t0=0.0)
     assert ts.concurrent_requests.tolist() == [2, 1]
     assert math.isclose(ts.output_tokens_per_s.sum(), 9.0)
+
+
+def step_at(line, x: float) -> float:
+    """The value a steps-post line shows at x."""
+    return line.y[np.searchsorted(line.x, x, side="right") - 1]
+
+
+def test_plotted_in_flight_is_zero_after_the_last_finish():
+    from services.bench.plots import throughput_lines
+
+    a = ok(0.1, [0.2, 0.2], out=3, start=0.0)  # in flight 0 .. 0.5
+    b = ok(0.1, [1.0, 1.1], out=3, start=0.2)  # in flight 0.2 .. 2.4, inside the part-empty bin [2, 3)
+    lines = throughput_lines(time_series([a, b], [3, 3], t0=0.0))
+    flight, out = lines["in_flight"], lines["output"]
+    assert [step_at(flight, x) for x in (0.1, 0.3, 1.0, 2.39, 2.41, 2.9, 10.0)] == [1, 2, 1, 1, 0, 0, 0]
+    assert flight.x[-1] == pytest.approx(2.4) and flight.y[-1] == 0
+    assert out.x[-1] == pytest.approx(2.4) and step_at(out, 2.3) > 0 and step_at(out, 2.5) == 0
+
+
+def test_plot_bins_divide_the_run_evenly():
+    a = ok(0.1, [1.0, 1.1], out=30, start=0.0)  # ends at 2.2: two bins of 1.1 s, not 1 + 1 + a fifth
+    ts = time_series([a], [30], t0=0.0, bin_s=None)
+    assert ts.bin_s == pytest.approx(1.1) and len(ts.times) == 2 and ts.end == pytest.approx(2.2)
+    assert ts.output_tokens_per_s.sum() * ts.bin_s == pytest.approx(30)
+
+
+def test_throughput_legend_covers_no_data():
+    from services.bench.plots import throughput_figure
+
+    runs = [ok(0.05, [0.02] * 20, out=21, start=0.1 * i) for i in range(30)]
+    fig = throughput_figure(time_series(runs, [21] * 30, t0=0.0, bin_s=None), "title")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend_box = (fig.legends[0] if fig.legends else fig.axes[0].get_legend()).get_window_extent(renderer)
+    for ax in fig.axes:
+        assert not legend_box.overlaps(ax.get_window_extent(renderer))
