@@ -31,7 +31,9 @@ from services.protocol.messages import (
     Abort, Admitted, DetokenizeReply, DetokenizeRequest, GatewayInbox, Rejected, RequestFailed, StepOutput, StreamOpen,
     Submit, TextBatch, TextDelta, TokenizeReply, TokenizeRequest)
 from services.protocol.sampling import SamplingParams, SamplingParamsError
+from services.redis_client import RedisAuth
 from services.registry import Membership, Registry
+from services.security import service_trust
 from services.text.streams import SCHEDULER, STREAM_MAX_AGE_S, DetokCore
 from services.tokenize import TokenizeError, detokenize_off_loop, tokenize_off_loop
 from services.transport import Receiver, Sender, grpc_channel, tcp_addr, unary_stub
@@ -140,7 +142,8 @@ class Backend:
         self.jobs: dict[str, Job] = {}
         self._ids = itertools.count()
         self._tag = f"{uuid.uuid4().hex[:8]}-"
-        self.registry = Registry(cfg.redis_url)
+        self.trust = service_trust.load(cfg, "gateway")
+        self.registry = Registry(cfg.redis_url, RedisAuth.of(self.trust))
         self.scheduler: Sender | None = None
         self.tokenizers: dict[str, object] = {}    # grpc target -> stub
         self.detokenizers: dict[str, object] = {}  # the same targets' Detokenize
@@ -198,7 +201,7 @@ class Backend:
             targets = [r.addrs["grpc"] for r in live["tokenizer"] if "grpc" in r.addrs]
         for t in targets:
             if t not in self.tokenizers:
-                channel = grpc_channel(t)
+                channel = grpc_channel(t, self.trust, "tokenizer")
                 self.tokenizers[t] = unary_stub(channel, TOKENIZER_SERVICE, "Tokenize", TokenizeReply)
                 self.detokenizers[t] = unary_stub(channel, TOKENIZER_SERVICE, "Detokenize", DetokenizeReply)
         for t in [t for t in self.tokenizers if t not in targets]:
