@@ -29,7 +29,7 @@ from services.config import GatewayConfig
 from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
     Abort, Admitted, DetokenizeReply, DetokenizeRequest, GatewayInbox, Rejected, RequestFailed, StepOutput, StreamOpen,
-    Submit, TextBatch, TextDelta, TokenizeReply, TokenizeRequest)
+    Submit, TextBatch, TextDelta, TokenizeReply, TokenizeRequest, failure_of)
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 from services.redis_client import RedisAuth
 from services.registry import Membership, Registry
@@ -353,6 +353,12 @@ class Backend:
             raise
         return job, [len(r.prompt_token_ids) for r in replies]
 
+    def fail_inflight(self) -> None:
+        """This gateway is stopping: end every request in flight with a 503 (streams: an error chunk
+        and [DONE]) while their connections are still open, rather than cut them."""
+        for rid, job in list(self.jobs.items()):
+            job.queue.put_nowait(failure_of(Abort(request_id=rid, reason="shutdown")))
+
     def abort(self, rid: str) -> None:
         if self.scheduler is not None:
             self.scheduler.send(Abort(request_id=rid, reason="client"))
@@ -400,7 +406,9 @@ class Backend:
             if env.dest == SCHEDULER:          # a stop string ended a sample: free its KV
                 if self.scheduler is not None:
                     self.scheduler.send(env.msg)
-            else:                              # TextBatch: its reply address is this inbox
+            elif isinstance(env.msg, TextBatch):   # its reply address is this inbox
                 self._route(env.msg.deltas, done)
+            elif (job := self.jobs.get(env.msg.request_id)) is not None:   # RequestFailed: an aborted stream
+                job.queue.put_nowait(env.msg)
         if self.detok.samples_started != started:
             metrics.DETOK_FIRST_TOKEN.observe(done - read_at)

@@ -1,6 +1,7 @@
 """The gRPC and Redis planes of a real stack refuse whoever lacks the deployment's keys: Redis
 without the password (no reading addresses, no fake worker record), gRPC without a certificate of
-the trust CA, or with one of a role the method does not serve."""
+the trust CA, or with one of a role the method does not serve. And a gateway that stops ends its
+open streams with an error chunk and [DONE]."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -128,12 +130,12 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-def test_kvmesh_serve_locks_its_redis(tiny_model, tmp_path):
+def test_kvmesh_serve_locks_redis_and_ends_streams_when_the_gateway_stops(tiny_model, tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", tiny_model, "--port", str(port),
-                             "--null-model", "--heartbeat-ms", "250", "--lease-ms", "1500"],
+                             "--null-model", "--null-step-ms", "50", "--heartbeat-ms", "250", "--lease-ms", "1500"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -147,6 +149,28 @@ def test_kvmesh_serve_locks_its_redis(tiny_model, tmp_path):
             assert not any(password in a for a in argv)
         assert httpx.post(base + "/v1/completions", json={"model": Path(tiny_model).name, "prompt": "x",
                                                           "max_tokens": 2}, timeout=60).status_code == 200
+
+        # a stream in flight when the gateway stops ends with an error chunk and [DONE]
+        lines: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            body = {"model": Path(tiny_model).name, "prompt": "x", "max_tokens": 1000, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first.set()
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(30), "no first chunk"
+        os.kill(gateway, signal.SIGTERM)
+        reader.join(30)
+        assert not reader.is_alive(), "the stream did not end"
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "shutdown" and error["type"] == "server_error" and error["message"]
+        wait_for(lambda: proc.poll() is not None, 30, "kvmesh serve to stop after its gateway")
     finally:
         if proc.poll() is None:
             proc.kill()
