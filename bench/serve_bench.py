@@ -285,7 +285,7 @@ class ServeStack:
 
     def command(self, port: int, ready_timeout: float) -> list[str]:
         cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(self.model), "--port", str(port),
-               "--workers", str(self.workers), "--device", self.sc.device, "--redis-url", self.redis.client_url,
+               "--workers", str(self.workers), "--device", self.sc.device,
                "--ready-timeout-s", f"{ready_timeout:.0f}", "--log-level", self.log_level]
         if self.sc.num_gpu_blocks:
             cmd += ["--num-gpu-blocks", str(self.sc.num_gpu_blocks)]
@@ -302,7 +302,9 @@ class ServeStack:
         shown = " ".join(cmd[1:]) + "".join(f"  [{k}={v}]" for k, v in sorted(self.env.items()))
         LOG.header(f"stack {self.name}: {shown}")
         say(f"stack {self.name}: starting {self.workers} worker(s) on {self.sc.device} ({shown})")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(self.env), stdout=LOG.fh, stderr=subprocess.STDOUT,
+        # the Redis URL (with its password) through the environment: a command line is world-readable
+        env = child_env({**self.env, "KVMESH_REDIS_URL": self.redis.client_url})
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=LOG.fh, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.time() + timeout_s
         ready = False

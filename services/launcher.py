@@ -99,7 +99,10 @@ class Stack:
 
     def spawn(self, name: str, service: str, args: list[str], optional: bool = False) -> None:
         cmd = [sys.executable, "-m", "services.cli", service, *args]
-        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        # the Redis URL through the environment, not argv: it may carry a password, and any local
+        # user can read a process's argv (its environment only the same user)
+        env = {**os.environ, "KVMESH_REDIS_URL": self.redis_url}
+        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env)
         self.children.append(Child(name, proc, optional))
         log.info("started %s (pid %d)", name, proc.pid)
 
@@ -111,7 +114,7 @@ class Stack:
             self.redis = EmbeddedRedis(password=self.redis_auth.password).start()
             redis_url = self.redis.url
         self.redis_url = redis_url
-        common = ["--redis-url", redis_url, "--log-level", cfg.log_level, "--lease-ms", str(cfg.lease_ms),
+        common = ["--log-level", cfg.log_level, "--lease-ms", str(cfg.lease_ms),
                   "--heartbeat-ms", str(cfg.heartbeat_ms), "--trust-dir", str(self.trust.root)]
         internal = ["--host", "127.0.0.1", "--port", "0", "--zmq-port", "0"]
         self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])

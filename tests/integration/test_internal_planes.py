@@ -130,6 +130,11 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(e.decode(errors="replace").partition("=")[::2] for e in f.read().split(b"\0") if e)
+
+
 def test_kvmesh_serve_locks_redis_and_ends_streams_when_the_gateway_stops(tiny_model, tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
@@ -142,7 +147,7 @@ def test_kvmesh_serve_locks_redis_and_ends_streams_when_the_gateway_stops(tiny_m
         wait_ready(base, 120)
         children = {pid: _argv(pid) for pid in _children(proc.pid)}
         gateway = next(pid for pid, argv in children.items() if "gateway" in argv)
-        redis_url = _flag(children[gateway], "--redis-url")
+        redis_url = _environ(gateway)["KVMESH_REDIS_URL"]
         password = (Path(_flag(children[gateway], "--trust-dir")) / "redis.password").read_text().strip()
         assert_refuses_without_password(redis_url)
         for argv in children.values():   # Redis included: its password is in a 0600 config file

@@ -24,14 +24,16 @@ GSP = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "6", "--
 @contextmanager
 def serve(model: str, workers: int, log_path):
     """`kvmesh serve` on its own Redis (so the test can read the registry); yields (base URL, Redis URL).
-    The Redis has a password of its own, given in the URL (an external Redis: redis_client.connect)."""
+    The Redis has a password of its own, given in the URL (an external Redis: redis_client.connect),
+    through the environment (a command line is readable by every local user)."""
     redis = EmbeddedRedis(password=secrets.token_urlsafe(16)).start()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env["KVMESH_REDIS_URL"] = redis.client_url
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", model, "--workers",
                                  str(workers), "--device", "cpu", "--num-gpu-blocks", "512", "--port", str(port),
-                                 "--redis-url", redis.client_url, "--heartbeat-ms", "250", "--lease-ms", "1500"],
+                                 "--heartbeat-ms", "250", "--lease-ms", "1500"],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
