@@ -173,8 +173,8 @@ class SchedulerService:
         records = await self.registry.list("prefix-cache")
         target = next((r.addrs["grpc"] for r in records if "grpc" in r.addrs), "")
         if target != (self.prefix.target if self.prefix else ""):
-            old, self.prefix = self.prefix, (
-                PrefixClient(target, self.trust, timeout_s=self.cfg.prefix_match_timeout_ms / 1000) if target else None)
+            timeout_s = self.cfg.prefix_match_timeout_ms / 1000
+            old, self.prefix = self.prefix, (PrefixClient(target, self.trust, timeout_s=timeout_s) if target else None)
             if old is not None:
                 await old.close()
             log.info("prefix-cache index %s", target or "gone: routing by load only")

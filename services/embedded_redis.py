@@ -75,8 +75,8 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
         binary = find_server_binary()
         self._dir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
-        self._proc = subprocess.Popen([binary, self._write_config()], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      start_new_session=True, preexec_fn=_die_with_parent)
+        self._proc = subprocess.Popen([binary, self._write_config()], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

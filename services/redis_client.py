@@ -1,7 +1,8 @@
 """The one way services open Redis: redis.asyncio with timeouts, and commands that finish before
 a cancellation lands.
 
-    r = redis_client.connect(url, RedisAuth.of(trust))   # then the usual redis.asyncio API, pipelines and scripts too
+    r = redis_client.connect(url, RedisAuth.of(trust))
+    # then the usual redis.asyncio API, pipelines and scripts too
 
 Authentication: a password in the URL (`redis://:PASSWORD@host:port/0`, for an external Redis whose
 password is not the trust directory's) wins; otherwise the trust directory's `redis.password`;

@@ -12,8 +12,8 @@ msgpack directly).
 gRPC methods carry the same msgspec Structs through custom (de)serializers: `unary_handler` on the
 server side (each Method names the roles that may call it), `unary_stub` on the client side;
 `grpc_server` / `grpc_channel` use mutual TLS given a trust directory's material
-(services/security/tls.py); `add_health` adds the standard grpc.health.v1 service, also to a
-plaintext `probe_server` for Kubernetes probes.
+(services/security/tls.py); `add_health` adds the standard grpc.health.v1 service, also on a
+plaintext health-only probe port for Kubernetes probes.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from services.transport import (
 from tokenizer_svc.detok import SCHEDULER, STREAM_MAX_AGE_S, DetokCore, Envelope
 
 GRPC_SERVICE = "kvmesh.Tokenizer"
-GATEWAY_ONLY = frozenset({"gateway"})   # the only role that sends prompts and token ids to turn
+GATEWAY_ONLY = frozenset({"gateway"})   # prompts and token ids are users' text: only the gateway asks
 log = logging.getLogger("kvmesh.tokenizer")
 
 

@@ -52,6 +52,11 @@ class _Stream:
     samples: dict[int, _Sample] = field(default_factory=dict)
     opened: float = field(default_factory=time.monotonic)
 
+    @property
+    def ended(self) -> bool:
+        """Every sample started and ended."""
+        return len(self.samples) == self.params.n and all(s.done for s in self.samples.values())
+
 
 class DetokCore:
     def __init__(self, tokenizer: Any) -> None:
@@ -67,7 +72,7 @@ class DetokCore:
 
     def abort(self, msg: Abort) -> list[Envelope]:
         stream = self.streams.pop(msg.request_id, None)
-        if stream is None or (len(stream.samples) == stream.params.n and all(s.done for s in stream.samples.values())):
+        if stream is None or stream.ended:
             return []
         return [Envelope(stream.reply_addr, failure_of(msg))]
 
@@ -81,7 +86,7 @@ class DetokCore:
             delta = self._advance(stream, seq, out)
             if delta is not None:
                 per_gateway.setdefault(stream.reply_addr, []).append(delta)
-            if len(stream.samples) == stream.params.n and all(s.done for s in stream.samples.values()):
+            if stream.ended:
                 del self.streams[seq.request_id]
         out += [Envelope(addr, TextBatch(deltas=d)) for addr, d in per_gateway.items()]
         return out
