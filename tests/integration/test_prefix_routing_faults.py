@@ -14,8 +14,8 @@ import pytest
 import redis as redis_lib
 
 from services.prefix_client import PrefixClient
-from tests.integration.conftest import free_port
 from services.security import bundle
+from tests.integration.conftest import free_port
 from tests.integration.stack import FAST, INTERNAL, Procs, records, redis_and_procs, wait_for, wait_ready
 
 LEASE_S = 1.5          # FAST's --lease-ms
