@@ -252,7 +252,7 @@ def main() -> int:
         token_prompts = random_token_prompts(model, args.prompt_tokens, args.idle_requests + 20) \
             if args.prompt_tokens else None
         from services.registry import list_records
-        recs = {kind: list_records(redis.url, kind) for kind in ("scheduler", "worker", "tokenizer")}
+        recs = {kind: list_records(redis.url, kind, None) for kind in ("scheduler", "worker", "tokenizer")}
 
         def stages() -> dict:
             return scrape(f"http://127.0.0.1:{port}", lambda kind: recs[kind])

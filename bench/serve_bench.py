@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import struct
@@ -284,7 +285,7 @@ class ServeStack:
 
     def command(self, port: int, ready_timeout: float) -> list[str]:
         cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(self.model), "--port", str(port),
-               "--workers", str(self.workers), "--device", self.sc.device, "--redis-url", self.redis.url,
+               "--workers", str(self.workers), "--device", self.sc.device,
                "--ready-timeout-s", f"{ready_timeout:.0f}", "--log-level", self.log_level]
         if self.sc.num_gpu_blocks:
             cmd += ["--num-gpu-blocks", str(self.sc.num_gpu_blocks)]
@@ -294,14 +295,16 @@ class ServeStack:
         from services.embedded_redis import EmbeddedRedis
 
         t = time.time()
-        self.redis = EmbeddedRedis().start()
+        self.redis = EmbeddedRedis(password=secrets.token_urlsafe(16)).start()   # its URL carries it
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         cmd = self.command(port, timeout_s)
         shown = " ".join(cmd[1:]) + "".join(f"  [{k}={v}]" for k, v in sorted(self.env.items()))
         LOG.header(f"stack {self.name}: {shown}")
         say(f"stack {self.name}: starting {self.workers} worker(s) on {self.sc.device} ({shown})")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(self.env), stdout=LOG.fh, stderr=subprocess.STDOUT,
+        # the Redis URL (with its password) through the environment: a command line is world-readable
+        env = child_env({**self.env, "KVMESH_REDIS_URL": self.redis.client_url})
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=LOG.fh, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.time() + timeout_s
         ready = False
@@ -329,7 +332,7 @@ class ServeStack:
     def records(self, kind: str) -> list:
         from services.registry import list_records
         try:
-            return list_records(self.redis.url, kind)
+            return list_records(self.redis.client_url, kind, None)
         except Exception:
             return []
 

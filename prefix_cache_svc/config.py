@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.config import ANY_PORT, METRICS_PORT, ConfigError, ServiceConfig, opt, register_section
+from services.config import ANY_PORT, HEALTH_PORT_HELP, METRICS_PORT, ConfigError, ServiceConfig, opt, register_section
 
 
 @register_section
@@ -12,6 +12,7 @@ class PrefixCacheConfig(ServiceConfig):
     """The cluster prefix-cache index: KV events in, longest-prefix Match answers out."""
 
     port: int = opt(50054, "gRPC port (Match + grpc.health.v1).", **ANY_PORT)
+    health_port: int = opt(-1, HEALTH_PORT_HELP, **METRICS_PORT)
     metrics_port: int = opt(9104, "Prometheus /metrics port (0: any free port, -1: off).", **METRICS_PORT)
     block_size: int = opt(16, "Tokens per KV block; must equal the workers' block size.")
     max_blocks: int = opt(0, "Most blocks kept in memory (0: no limit); beyond it the oldest leaves "

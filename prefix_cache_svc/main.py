@@ -33,11 +33,14 @@ from services.logging import setup as setup_logging
 from services.protocol.kv_events import (
     PREFIX_GRPC_SERVICE, KVEventBatch, MatchRequest, MatchResponse, Snapshot,
 )
+from services.redis_client import RedisAuth
 from services.registry import Registry
+from services.security import service_trust
 from services.shell import run_until_signal
-from services.transport import add_health, grpc_server, run_async, set_serving, unary_handler
+from services.transport import Method, add_health, grpc_server, run_async, set_serving, unary_handler
 
 log = logging.getLogger("kvmesh.prefix-cache")
+SCHEDULER_ONLY = frozenset({"scheduler"})   # Match answers which workers hold a prompt: schedulers route on it
 
 _MAX_UNWRITTEN = 1_000_000   # changes kept for Redis while it is unreachable
 _TICK_S = 0.25
@@ -75,14 +78,16 @@ class PrefixCacheService:
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
-        self.redis = redis_client.connect(cfg.redis_url)
+        trust = service_trust.load(cfg, "prefix-cache")
+        self.redis = redis_client.connect(cfg.redis_url, RedisAuth.of(trust))
         self.store = OwnershipStore(self.redis, cfg.block_size)
         loaded = await self.store.load(self.core)
         gc.freeze()  # the reloaded index is long-lived: keep it out of every full collection
         log.info("reloaded %d block copies of %d workers from Redis", loaded, len(self.core.index.workers()))
-        self.server, port = grpc_server(cfg.host, cfg.port)
-        self.server.add_generic_rpc_handlers([unary_handler(PREFIX_GRPC_SERVICE, {"Match": (self._match, MatchRequest)})])
-        self.health = await add_health(self.server)
+        self.server, port = grpc_server(cfg.host, cfg.port, trust)
+        self.server.add_generic_rpc_handlers([unary_handler(
+            PREFIX_GRPC_SERVICE, {"Match": Method(self._match, MatchRequest, SCHEDULER_ONLY)}, trust)])
+        self.health = await add_health(self.server, cfg.host, cfg.health_port)
         await self.server.start()
         host = cfg.reachable_host()
         self.grpc_addr = f"{host}:{port}"
@@ -92,7 +97,7 @@ class PrefixCacheService:
             addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
         self._collector = CoreCollector(self.core)
         REGISTRY.register(self._collector)
-        self.registry = Registry(cfg.redis_url)
+        self.registry = Registry(cfg.redis_url, RedisAuth.of(trust))
         self.lease = await self.registry.register("prefix-cache", f"{socket.gethostname()}-{os.getpid()}",
                                                   addrs=addrs, info={"block_size": cfg.block_size},
                                                   lease_ms=cfg.lease_ms)
@@ -112,6 +117,7 @@ class PrefixCacheService:
         await self.lease.release()
         await self.registry.close()
         await self.server.stop(0.5)
+        await self.health.stop()
         REGISTRY.unregister(self._collector)
         self.sub.close()
         await self.redis.aclose()

@@ -2,7 +2,8 @@
 
     submit(Submit)          admission: 400 (too long) / 429 (tenant or queue full) / 503 (no worker),
                             else queued (Admitted) and dispatched when a worker has room
-    abort(Abort)            queued: dropped; dispatched: forwarded to its worker
+    abort(Abort)            queued: dropped, its gateway told (RequestFailed); dispatched: forwarded
+                            to its worker (whose detokenizer tells the gateway)
     worker_status(status)   finished requests leave; load numbers refresh; queue drains
     set_workers(views)      the live set from Redis: a worker gone or restarted (new epoch) fails its
                             in-flight requests with a clear error (gateway) and frees detok state
@@ -20,7 +21,7 @@ from typing import Any, Callable, NamedTuple
 
 from scheduler_svc.routing import Scorer, WorkerView, least_loaded, pick
 from services.protocol.messages import (
-    Abort, Admitted, Dispatch, Rejected, RequestFailed, Submit, WorkerStatus)
+    Abort, Admitted, Dispatch, Rejected, RequestFailed, Submit, WorkerStatus, failure_of)
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -143,7 +144,7 @@ class SchedulerCore:
         if req.worker_id is None:           # still queued: forget it (heap entry deleted lazily)
             self._queued -= 1
             self._forget(msg.request_id)
-            return []
+            return [Envelope(req.submit.reply_addr, failure_of(msg))]   # its gateway ends the stream
         worker = self.workers.get(req.worker_id)
         return [Envelope(worker.addr, msg)] if worker else []
 

@@ -27,7 +27,9 @@ from services import metrics
 from services.config import SchedulerConfig, load_or_exit
 from services.logging import setup as setup_logging
 from services.protocol.messages import Abort, Dispatch, SchedulerInbox, Submit, WorkerStatus
+from services.redis_client import RedisAuth
 from services.registry import Membership, Registry, ServiceRecord
+from services.security import service_trust
 from services.shell import run_until_signal
 from services.prefix_client import PrefixClient
 from services.prefix_hash import chain_hashes
@@ -76,8 +78,9 @@ class SchedulerService:
 
     async def run(self) -> int:
         cfg = self.cfg
-        server, grpc_port = grpc_server(cfg.host, cfg.port)
-        health = await add_health(server)
+        self.trust = service_trust.load(cfg, "scheduler")
+        server, grpc_port = grpc_server(cfg.host, cfg.port, self.trust)
+        health = await add_health(server, cfg.host, cfg.health_port)
         await server.start()
         metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port, "scheduler")
         self.receiver: Receiver = Receiver(SchedulerInbox, cfg.host, cfg.zmq_port, name="scheduler")
@@ -85,7 +88,7 @@ class SchedulerService:
         addrs = {"zmq": tcp_addr(host, self.receiver.port), "grpc": f"{host}:{grpc_port}"}
         if metrics_port > 0:
             addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
-        self.registry = Registry(cfg.redis_url)
+        self.registry = Registry(cfg.redis_url, RedisAuth.of(self.trust))
         self.lease = await self.registry.register("scheduler", self.id, addrs=addrs, info={}, lease_ms=cfg.lease_ms)
         await self._poll_workers()
         await set_serving(health, True)
@@ -98,6 +101,7 @@ class SchedulerService:
         if self.prefix is not None:
             await self.prefix.close()
         await server.stop(0.5)
+        await health.stop()
         self.receiver.close()
         self.senders.close()
         return code
@@ -169,8 +173,8 @@ class SchedulerService:
         records = await self.registry.list("prefix-cache")
         target = next((r.addrs["grpc"] for r in records if "grpc" in r.addrs), "")
         if target != (self.prefix.target if self.prefix else ""):
-            old, self.prefix = self.prefix, (
-                PrefixClient(target, timeout_s=self.cfg.prefix_match_timeout_ms / 1000) if target else None)
+            timeout_s = self.cfg.prefix_match_timeout_ms / 1000
+            old, self.prefix = self.prefix, (PrefixClient(target, self.trust, timeout_s=timeout_s) if target else None)
             if old is not None:
                 await old.close()
             log.info("prefix-cache index %s", target or "gone: routing by load only")

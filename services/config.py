@@ -68,6 +68,8 @@ def opt(default: Any, help: str, **meta: Any) -> Any:
 PORT = {"min": 1, "max": 65535}
 ANY_PORT = {"min": 0, "max": 65535}           # 0: any free port
 METRICS_PORT = {"min": -1, "max": 65535}      # 0: any free port, -1: off
+HEALTH_PORT_HELP = ("Plaintext gRPC port answering only grpc.health.v1, for Kubernetes probes (they hold no "
+                    "client certificate for the mutual-TLS --port); -1: none, 0: any free port.")
 DEVICE = {"pattern": r"auto|cpu|cuda(:[0-9]+)?", "expected": "auto, cpu, cuda or cuda:N"}
 
 
@@ -149,6 +151,7 @@ class TokenizerConfig(ServiceConfig):
 
     model: str = opt("", "Model directory holding tokenizer.json (and its chat template).")
     port: int = opt(50051, "gRPC port (Tokenize + grpc.health.v1).", **ANY_PORT)
+    health_port: int = opt(-1, HEALTH_PORT_HELP, **METRICS_PORT)
     zmq_port: int = opt(5558, "ZMQ port receiving workers' token batches for detokenization (0: any).", **ANY_PORT)
     metrics_port: int = opt(9101, "Prometheus /metrics port (0: any free port, -1: off).", **METRICS_PORT)
 
@@ -158,6 +161,7 @@ class SchedulerConfig(ServiceConfig):
     """`kvmesh scheduler`: admission, priority queue, worker choice, cancellation and failover."""
 
     port: int = opt(50052, "gRPC port (grpc.health.v1).", **ANY_PORT)
+    health_port: int = opt(-1, HEALTH_PORT_HELP, **METRICS_PORT)
     zmq_port: int = opt(5557, "ZMQ port receiving submissions, aborts and worker status (0: any).", **ANY_PORT)
     metrics_port: int = opt(9102, "Prometheus /metrics port (0: any free port, -1: off).", **METRICS_PORT)
     max_queue: int = opt(4096, "Most requests waiting in the global queue; beyond it: 429.", min=1)
@@ -221,6 +225,7 @@ class WorkerConfig(EngineSettings, ServiceConfig):
     device: str = opt("auto", "auto, cpu, cuda or cuda:N.", **DEVICE)
     worker_id: str = opt("", "Stable id (e.g. the pod name); default: host-pid-random.")
     port: int = opt(50053, "gRPC port (grpc.health.v1).", **ANY_PORT)
+    health_port: int = opt(-1, HEALTH_PORT_HELP, **METRICS_PORT)
     zmq_port: int = opt(5559, "ZMQ port receiving dispatches and aborts (0: any free port).", **ANY_PORT)
     metrics_port: int = opt(9103, "Prometheus /metrics port (0: any free port, -1: off).", **METRICS_PORT)
     block_size: int = opt(16, "Engine: tokens per KV block.", min=1)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from services.config import EngineSettings, ServeConfig, load_or_exit, reachable_host, to_argv
 from services.embedded_redis import EmbeddedRedis
+from services.redis_client import RedisAuth
 from services.registry import Registry
 from services.security import bundle
 from services.logging import setup as setup_logging
@@ -94,10 +95,14 @@ class Stack:
         # process of another user (or one started before this stack) holds none of them.
         self.trust_dir = Path(tempfile.mkdtemp(prefix="kvmesh-trust-"))
         self.trust = bundle.generate(self.trust_dir / "trust")
+        self.redis_auth = RedisAuth.from_dir(self.trust.root)
 
     def spawn(self, name: str, service: str, args: list[str], optional: bool = False) -> None:
         cmd = [sys.executable, "-m", "services.cli", service, *args]
-        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        # the Redis URL through the environment, not argv: it may carry a password, and any local
+        # user can read a process's argv (its environment only the same user)
+        env = {**os.environ, "KVMESH_REDIS_URL": self.redis_url}
+        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env)
         self.children.append(Child(name, proc, optional))
         log.info("started %s (pid %d)", name, proc.pid)
 
@@ -106,10 +111,10 @@ class Stack:
         if cfg.redis_url:
             redis_url = cfg.redis_url
         else:
-            self.redis = EmbeddedRedis().start()
+            self.redis = EmbeddedRedis(password=self.redis_auth.password).start()
             redis_url = self.redis.url
         self.redis_url = redis_url
-        common = ["--redis-url", redis_url, "--log-level", cfg.log_level, "--lease-ms", str(cfg.lease_ms),
+        common = ["--log-level", cfg.log_level, "--lease-ms", str(cfg.lease_ms),
                   "--heartbeat-ms", str(cfg.heartbeat_ms), "--trust-dir", str(self.trust.root)]
         internal = ["--host", "127.0.0.1", "--port", "0", "--zmq-port", "0"]
         self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])
@@ -169,7 +174,7 @@ class Stack:
     def workers_registered(self) -> int:
         """Workers holding a live lease in Redis now."""
         async def count() -> int:
-            registry = Registry(self.redis_url)
+            registry = Registry(self.redis_url, self.redis_auth)
             try:
                 return len(await registry.list("worker"))
             finally:

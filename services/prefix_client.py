@@ -2,7 +2,7 @@
 
 In services/ because the scheduler uses it and a service imports only services/ and itself.
 
-    client = PrefixClient("127.0.0.1:50054", timeout_s=0.05)
+    client = PrefixClient("127.0.0.1:50054", trust, timeout_s=0.05)   # trust None: plaintext
     match = await client.match(model_id, prompt_token_ids, tenant_salt=..., cache_salt=...)
     match.available   # False: the index was down or slow; the answer is "no match" (fail open)
 
@@ -17,6 +17,7 @@ import time
 import grpc
 
 from services.protocol.kv_events import PREFIX_GRPC_SERVICE, MatchRequest, MatchResponse, pack_token_ids
+from services.security.bundle import Trust
 from services.transport import grpc_channel, unary_stub
 
 log = logging.getLogger("kvmesh.prefix_client")
@@ -25,8 +26,9 @@ UNAVAILABLE = MatchResponse(block_size=0, query_blocks=0, available=False)
 
 
 class PrefixClient:
-    def __init__(self, target: str, timeout_s: float = 0.05, cooldown_s: float = 1.0) -> None:
+    def __init__(self, target: str, trust: Trust | None, timeout_s: float = 0.05, cooldown_s: float = 1.0) -> None:
         self.target = target
+        self.trust = trust
         self.timeout_s = timeout_s
         self.cooldown_s = cooldown_s
         self._channel: grpc.aio.Channel | None = None
@@ -36,7 +38,7 @@ class PrefixClient:
 
     def _call(self):
         if self._stub is None:
-            self._channel = grpc_channel(self.target)
+            self._channel = grpc_channel(self.target, self.trust, "prefix-cache")
             self._stub = unary_stub(self._channel, PREFIX_GRPC_SERVICE, "Match", MatchResponse)
         return self._stub
 

@@ -1,7 +1,15 @@
 """The one way services open Redis: redis.asyncio with timeouts, and commands that finish before
 a cancellation lands.
 
-    r = redis_client.connect(url)   # then the usual redis.asyncio API, pipelines and scripts too
+    r = redis_client.connect(url, RedisAuth.of(trust))
+    # then the usual redis.asyncio API, pipelines and scripts too
+
+Authentication: a password in the URL (`redis://:PASSWORD@host:port/0`, for an external Redis whose
+password is not the trust directory's) wins; otherwise the trust directory's `redis.password`;
+with neither (--insecure-internal-planes) no AUTH is sent. `rediss://` URLs use TLS and check the
+server's certificate against the system store plus the trust directory's CA (an external Redis
+with a public certificate, or one whose certificate the trust CA signed, both work); a
+`ssl_ca_certs=PATH` query parameter in the URL adds that CA file.
 
 Why: with redis-py 8.1 on Python 3.11, cancelling a task in the middle of a command can leave it
 waiting forever inside the client's send path (with the plain client, the loop in
@@ -14,10 +22,15 @@ the socket timeouts, in practice a millisecond) and then raises CancelledError a
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, TypeVar
+import os
+from pathlib import Path
+from typing import Any, Awaitable, NamedTuple, TypeVar
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline as _Pipeline
+
+from services.security.bundle import Paths, Trust
 
 T = TypeVar("T")
 
@@ -50,5 +63,29 @@ class Redis(aioredis.Redis):
         return Pipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
 
 
-def connect(url: str, timeout_s: float = SOCKET_TIMEOUT_S) -> Redis:
-    return Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+class RedisAuth(NamedTuple):
+    """How to authenticate to Redis: the trust directory's password and CA (PEM text)."""
+
+    password: str
+    ca_pem: str
+
+    @classmethod
+    def of(cls, trust: Trust | None) -> "RedisAuth | None":
+        return None if trust is None else cls(trust.redis_password, trust.ca_cert.decode())
+
+    @classmethod
+    def from_dir(cls, root: str | os.PathLike) -> "RedisAuth":
+        """From a trust directory's files (what the launcher, which holds no role, reads)."""
+        paths = Paths(Path(root))
+        return cls(paths.redis_password.read_text().strip(), paths.ca_cert.read_text())
+
+
+def connect(url: str, auth: RedisAuth | None, timeout_s: float = SOCKET_TIMEOUT_S) -> Redis:
+    """A client for `url` that authenticates as above; `auth` None: no password, no extra CA."""
+    options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    if auth is not None:
+        if not urlsplit(url).password:
+            options["password"] = auth.password
+        if url.startswith("rediss://"):
+            options["ssl_ca_data"] = auth.ca_pem
+    return Redis.from_url(url, **options)

@@ -1,6 +1,6 @@
 """Service registry in Redis: leases with heartbeat renewal and epoch fencing (keys: redis_schema).
 
-    reg = Registry(redis_url)
+    reg = Registry(redis_url, RedisAuth.of(trust))   # authenticates as redis_client.connect says
     lease = await reg.register("worker", worker_id, addrs={"zmq": ...}, info={...})  # takes an epoch
     await lease.renew(load={...})      # every heartbeat; False: a newer incarnation fenced us out
     await reg.list("worker")           # live records (expired ones pruned)
@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from services import redis_client
 from services import redis_schema as keys
+from services.redis_client import RedisAuth
 
 log = logging.getLogger("kvmesh.registry")
 
@@ -68,10 +69,10 @@ class Lease:
 
 
 class Registry:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, auth: RedisAuth | None) -> None:
         if not url:
             raise ValueError("a Redis URL is required (--redis-url / KVMESH_REDIS_URL)")
-        self.redis = redis_client.connect(url)
+        self.redis = redis_client.connect(url, auth)
         self.renew_script = self.redis.register_script(keys.RENEW_LUA)
         self.release_script = self.redis.register_script(keys.RELEASE_LUA)
 
@@ -122,11 +123,11 @@ class Registry:
         await self.redis.aclose()
 
 
-def list_records(redis_url: str, kind: str) -> list[ServiceRecord]:
+def list_records(redis_url: str, kind: str, auth: RedisAuth | None) -> list[ServiceRecord]:
     """Registry.list for synchronous callers (benchmarks, tests): runs its own event loop, so not
     from inside a running one."""
     async def go() -> list[ServiceRecord]:
-        reg = Registry(redis_url)
+        reg = Registry(redis_url, auth)
         try:
             return await reg.list(kind)
         finally:

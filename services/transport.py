@@ -10,14 +10,17 @@ msgpack directly).
     request()     one request over a fresh DEALER, its decoded reply (or None on timeout/garbage)
 
 gRPC methods carry the same msgspec Structs through custom (de)serializers: `unary_handler` on the
-server side, `unary_stub` on the client side; `add_health` adds the standard grpc.health.v1 service.
+server side (each Method names the roles that may call it), `unary_stub` on the client side;
+`grpc_server` / `grpc_channel` use mutual TLS given a trust directory's material
+(services/security/tls.py); `add_health` adds the standard grpc.health.v1 service, also on a
+plaintext health-only probe port for Kubernetes probes.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable, Generic, TypeVar
+from typing import Any, Awaitable, Callable, Generic, NamedTuple, TypeVar
 
 import grpc
 import msgspec
@@ -26,6 +29,8 @@ import zmq.asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.protocol.messages import PROTOCOL_VERSION
+from services.security import tls
+from services.security.bundle import Trust
 
 T = TypeVar("T")
 Q = TypeVar("Q")
@@ -381,17 +386,74 @@ async def request(addr: str, msg: Any, reply_type: Any, timeout_s: float) -> Any
 # ----------------------------------------------------------------------------- gRPC
 
 _GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+_MALFORMED_LOG_EVERY_S = 10.0
 
 
-def unary_handler(service: str, methods: dict[str, tuple[Callable[..., Awaitable[Any]], Any]]) -> grpc.GenericRpcHandler:
-    """A generic gRPC handler: method name -> (async fn(request, context), request type)."""
+class Method(NamedTuple):
+    """One unary gRPC method: `handler(request, context)`, its request type, and the roles whose
+    certificates may call it (checked on mutual-TLS servers; a plaintext server checks nobody)."""
+
+    handler: Callable[..., Awaitable[Any]]
+    request_type: Any
+    callers: frozenset[str]
+
+
+class _Malformed(NamedTuple):
+    error: str
+
+
+class _MalformedLog:
+    """One log line per interval for malformed calls, however many arrive (a flood must not
+    flood the log)."""
+
+    def __init__(self, service: str) -> None:
+        self.service, self.count, self._last = service, 0, 0.0
+
+    def note(self, method: str, error: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self._last >= _MALFORMED_LOG_EVERY_S:
+            self._last = now
+            log.warning("%s/%s: refused a malformed call (%s); %d so far", self.service, method, error, self.count)
+
+
+def unary_handler(service: str, methods: dict[str, Method], trust: Trust | None) -> grpc.GenericRpcHandler:
+    """A generic gRPC handler for msgspec methods. With `trust` (a mutual-TLS server) each call's
+    certificate must name one of the method's callers (else PERMISSION_DENIED); a request that does
+    not decode ends INVALID_ARGUMENT with one rate-limited log line, never a traceback."""
     encoder = msgspec.msgpack.Encoder()
+    malformed = _MalformedLog(service)
     handlers = {}
-    for name, (fn, req_type) in methods.items():
-        decoder = msgspec.msgpack.Decoder(req_type)
+    for name, method in methods.items():
         handlers[name] = grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=decoder.decode, response_serializer=encoder.encode)
+            _checked(name, method, trust is not None, malformed),
+            request_deserializer=_lenient_decoder(method.request_type), response_serializer=encoder.encode)
     return grpc.method_handlers_generic_handler(service, handlers)
+
+
+def _lenient_decoder(request_type: Any) -> Callable[[bytes], Any]:
+    """Decode, or hand the handler a _Malformed (grpc would log a traceback for a raising
+    deserializer and answer INTERNAL)."""
+    decoder = msgspec.msgpack.Decoder(request_type)
+
+    def decode(data: bytes) -> Any:
+        try:
+            return decoder.decode(data)
+        except _DECODE_ERRORS as exc:
+            return _Malformed(str(exc)[:200])
+    return decode
+
+
+def _checked(name: str, method: Method, check_role: bool, malformed: _MalformedLog) -> Callable:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if check_role and tls.peer_role(context) not in method.callers:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{name} may be called only by: {', '.join(sorted(method.callers))}")
+        if isinstance(request, _Malformed):
+            malformed.note(name, request.error)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {name} request")
+        return await method.handler(request, context)
+    return handle
 
 
 def unary_stub(channel: grpc.aio.Channel, service: str, method: str, reply_type: Any) -> Callable:
@@ -400,24 +462,56 @@ def unary_stub(channel: grpc.aio.Channel, service: str, method: str, reply_type:
                                response_deserializer=msgspec.msgpack.Decoder(reply_type).decode)
 
 
-def grpc_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:
+def grpc_server(host: str, port: int, trust: Trust | None) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server on host:port (0: any free port): mutual TLS with `trust`, plaintext without."""
     server = grpc.aio.server(options=_GRPC_OPTIONS)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    addr = f"{host}:{port}"
+    bound = (server.add_secure_port(addr, tls.server_credentials(trust)) if trust is not None
+             else server.add_insecure_port(addr))
     if bound == 0:
-        raise OSError(f"cannot bind gRPC to {host}:{port}")
+        raise OSError(f"cannot bind gRPC to {addr}")
     return server, bound
 
 
-def grpc_channel(target: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=_GRPC_OPTIONS)
+def grpc_channel(target: str, trust: Trust | None, server_role: str) -> grpc.aio.Channel:
+    """A channel to a `server_role` process: mutual TLS with `trust` (the server's certificate must
+    name that role), plaintext without."""
+    if trust is None:
+        return grpc.aio.insecure_channel(target, options=_GRPC_OPTIONS)
+    return grpc.aio.secure_channel(target, tls.channel_credentials(trust),
+                                   options=_GRPC_OPTIONS + tls.channel_options(server_role))
 
 
-async def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
-    """Standard grpc.health.v1 (what Kubernetes gRPC probes call); starts NOT_SERVING."""
+class Health:
+    """grpc.health.v1 of one process: on its main gRPC server and, with a probe port, on a plaintext
+    probe server that serves nothing else. Kubernetes gRPC probes hold no client certificate, so
+    they call the probe port; it tells a caller only SERVING or NOT_SERVING."""
+
+    def __init__(self, servicer: health.aio.HealthServicer, probe: grpc.aio.Server | None, probe_port: int) -> None:
+        self.servicer, self.probe, self.probe_port = servicer, probe, probe_port
+
+    async def set(self, service: str, status: Any) -> None:
+        await self.servicer.set(service, status)
+
+    async def stop(self) -> None:
+        if self.probe is not None:
+            await self.probe.stop(0)
+            self.probe = None
+
+
+async def add_health(server: grpc.aio.Server, host: str = "127.0.0.1", probe_port: int = -1) -> Health:
+    """Standard grpc.health.v1 on `server`, and on a started plaintext probe server at
+    host:probe_port (0: any free port; -1: none). Starts NOT_SERVING."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    await set_serving(servicer, False)
-    return servicer
+    probe, bound = None, -1
+    if probe_port >= 0:
+        probe, bound = grpc_server(host, probe_port, None)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, probe)
+        await probe.start()
+    checker = Health(servicer, probe, bound)
+    await set_serving(checker, False)
+    return checker
 
 
 async def set_serving(servicer: Any, serving: bool, service: str = "") -> None:

@@ -25,14 +25,17 @@ from services.config import TokenizerConfig, load_or_exit
 from services.logging import setup as setup_logging
 from services.protocol.messages import (Abort, DetokenizeReply, DetokenizeRequest, DetokInbox, StepOutput, StreamOpen,
                                        TokenizeReply, TokenizeRequest)
+from services.redis_client import RedisAuth
 from services.registry import Registry
+from services.security import service_trust
 from services.shell import run_until_signal
 from services.tokenize import TokenizeError, detokenize_off_loop, tokenize_off_loop
 from services.transport import (
-    Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr, unary_handler)
+    Method, Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr, unary_handler)
 from tokenizer_svc.detok import SCHEDULER, STREAM_MAX_AGE_S, DetokCore, Envelope
 
 GRPC_SERVICE = "kvmesh.Tokenizer"
+GATEWAY_ONLY = frozenset({"gateway"})   # prompts and token ids are users' text: only the gateway asks
 log = logging.getLogger("kvmesh.tokenizer")
 
 
@@ -66,10 +69,12 @@ class TokenizerService:
 
     async def run(self) -> int:
         cfg = self.cfg
-        server, grpc_port = grpc_server(cfg.host, cfg.port)
+        trust = service_trust.load(cfg, "tokenizer")
+        server, grpc_port = grpc_server(cfg.host, cfg.port, trust)
         server.add_generic_rpc_handlers([unary_handler(GRPC_SERVICE, {
-            "Tokenize": (self.tokenize, TokenizeRequest), "Detokenize": (self.detokenize, DetokenizeRequest)})])
-        health = await add_health(server)
+            "Tokenize": Method(self.tokenize, TokenizeRequest, GATEWAY_ONLY),
+            "Detokenize": Method(self.detokenize, DetokenizeRequest, GATEWAY_ONLY)}, trust)])
+        health = await add_health(server, cfg.host, cfg.health_port)
         self.receiver: Receiver = Receiver(DetokInbox, cfg.host, cfg.zmq_port, name="detokenizer")
         host = cfg.reachable_host()
         self.detok_addr = tcp_addr(host, self.receiver.port)
@@ -78,7 +83,7 @@ class TokenizerService:
         addrs = {"zmq": self.detok_addr, "grpc": f"{host}:{grpc_port}"}
         if metrics_port > 0:
             addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
-        self.registry = Registry(cfg.redis_url)
+        self.registry = Registry(cfg.redis_url, RedisAuth.of(trust))
         self.lease = await self.registry.register("tokenizer", self.id, addrs=addrs,
                                                   info={"vocab_size": self.tok.vocab_size}, lease_ms=cfg.lease_ms)
         await self._refresh_schedulers()
@@ -90,6 +95,7 @@ class TokenizerService:
         await self.lease.release()
         await self.registry.close()
         await server.stop(0.5)
+        await health.stop()
         self.receiver.close()
         self.senders.close()
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -30,7 +30,9 @@ from services.config import WorkerConfig, load_or_exit
 from services.logging import setup as setup_logging
 from services.model_names import path_aliases, served_names
 from services.protocol.messages import WorkerInbox
+from services.redis_client import RedisAuth
 from services.registry import Registry
+from services.security import service_trust
 from services.shell import arm_stop_deadline
 from services.transport import SenderPool, SyncReceiver, add_health, grpc_server, run_async, set_serving, tcp_addr
 
@@ -133,8 +135,9 @@ class WorkerService:
 
     async def run(self) -> int:
         cfg, loop = self.cfg, asyncio.get_running_loop()
-        server, grpc_port = grpc_server(cfg.host, cfg.port)
-        health = await add_health(server)
+        trust = service_trust.load(cfg, "worker")
+        server, grpc_port = grpc_server(cfg.host, cfg.port, trust)
+        health = await add_health(server, cfg.host, cfg.health_port)
         await server.start()
         metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port, "worker")
         try:
@@ -143,13 +146,14 @@ class WorkerService:
             log.error("cannot start the engine: %s", exc)
             log.debug("engine start-up", exc_info=True)
             await server.stop(0)
+            await health.stop()
             return 2
         freeze = getattr(engine, "freeze_gc", None)      # the null engine has none
         if freeze is not None:
             freeze()        # this process serves with it until it exits: no full-heap GC pauses
         receiver: SyncReceiver = SyncReceiver(WorkerInbox, cfg.host, cfg.zmq_port, name="worker")
         host = cfg.reachable_host()
-        self.registry = Registry(cfg.redis_url)
+        self.registry = Registry(cfg.redis_url, RedisAuth.of(trust))
         self.info = engine_info(cfg, engine)
         addrs = {"zmq": tcp_addr(host, receiver.port), "grpc": f"{host}:{grpc_port}"}
         if metrics_port > 0:
@@ -188,6 +192,7 @@ class WorkerService:
         await self.lease.release()
         await self.registry.close()
         await server.stop(0.5)
+        await health.stop()
         receiver.close()
         self.senders.close()
         return code

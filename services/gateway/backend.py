@@ -30,9 +30,11 @@ from services.gateway.models import ModelCatalog
 from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
     Abort, Admitted, DetokenizeReply, DetokenizeRequest, GatewayInbox, Rejected, RequestFailed, StepOutput, StreamOpen,
-    Submit, TextBatch, TextDelta, TokenizeReply, TokenizeRequest)
+    Submit, TextBatch, TextDelta, TokenizeReply, TokenizeRequest, failure_of)
 from services.protocol.sampling import SamplingParams, SamplingParamsError
+from services.redis_client import RedisAuth
 from services.registry import Membership, Registry
+from services.security import service_trust
 from services.text.streams import SCHEDULER, STREAM_MAX_AGE_S, DetokCore
 from services.tokenize import TokenizeError, detokenize_off_loop, tokenize_off_loop
 from services.transport import Receiver, Sender, grpc_channel, tcp_addr, unary_stub
@@ -141,7 +143,8 @@ class Backend:
         self.jobs: dict[str, Job] = {}
         self._ids = itertools.count()
         self._tag = f"{uuid.uuid4().hex[:8]}-"
-        self.registry = Registry(cfg.redis_url)
+        self.trust = service_trust.load(cfg, "gateway")
+        self.registry = Registry(cfg.redis_url, RedisAuth.of(self.trust))
         self.scheduler: Sender | None = None
         self.tokenizers: dict[str, object] = {}    # grpc target -> stub
         self.detokenizers: dict[str, object] = {}  # the same targets' Detokenize
@@ -197,7 +200,7 @@ class Backend:
             targets = [r.addrs["grpc"] for r in live["tokenizer"] if "grpc" in r.addrs]
         for t in targets:
             if t not in self.tokenizers:
-                channel = grpc_channel(t)
+                channel = grpc_channel(t, self.trust, "tokenizer")
                 self.tokenizers[t] = unary_stub(channel, TOKENIZER_SERVICE, "Tokenize", TokenizeReply)
                 self.detokenizers[t] = unary_stub(channel, TOKENIZER_SERVICE, "Detokenize", DetokenizeReply)
         for t in [t for t in self.tokenizers if t not in targets]:
@@ -345,6 +348,12 @@ class Backend:
             raise
         return job, [len(r.prompt_token_ids) for r in replies]
 
+    def fail_inflight(self) -> None:
+        """This gateway is stopping: end every request in flight with a 503 (streams: an error chunk
+        and [DONE]) while their connections are still open, rather than cut them."""
+        for rid, job in list(self.jobs.items()):
+            job.queue.put_nowait(failure_of(Abort(request_id=rid, reason="shutdown")))
+
     def abort(self, rid: str) -> None:
         if self.scheduler is not None:
             self.scheduler.send(Abort(request_id=rid, reason="client"))
@@ -392,7 +401,9 @@ class Backend:
             if env.dest == SCHEDULER:          # a stop string ended a sample: free its KV
                 if self.scheduler is not None:
                     self.scheduler.send(env.msg)
-            else:                              # TextBatch: its reply address is this inbox
+            elif isinstance(env.msg, TextBatch):   # its reply address is this inbox
                 self._route(env.msg.deltas, done)
+            elif (job := self.jobs.get(env.msg.request_id)) is not None:   # RequestFailed: an aborted stream
+                job.queue.put_nowait(env.msg)
         if self.detok.samples_started != started:
             metrics.DETOK_FIRST_TOKEN.observe(done - read_at)

@@ -14,13 +14,26 @@ from services.transport import run_async
 log = logging.getLogger("kvmesh.gateway")
 
 
+class _Server(uvicorn.Server):
+    """uvicorn that, when it stops, first ends every request in flight with an error (streams: an
+    error chunk and [DONE]); its graceful-shutdown timeout would otherwise cut them mid-stream."""
+
+    def __init__(self, config: uvicorn.Config, backend: Backend) -> None:
+        super().__init__(config)
+        self.backend = backend
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        self.backend.fail_inflight()
+        await super().shutdown(sockets)
+
+
 async def serve(cfg: GatewayConfig) -> int:
     backend = Backend(cfg)
     await backend.start_background()
     app = create_app(cfg, backend)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, loop="none", lifespan="off")
-    server = uvicorn.Server(config)
+    server = _Server(config, backend)
     log.info("gateway on http://%s:%d (inbox %s)", cfg.host, cfg.port, backend.reply_addr)
     try:
         await server.serve()

@@ -75,6 +75,22 @@ class RequestFailed(Msg, tag="failed", kw_only=True):
     message: str
 
 
+# why a request was aborted -> what its client is told (HTTP status, OpenAI error code, message)
+_ABORT_ERRORS = {
+    "worker_failed": (503, "worker_failed", "the worker serving this request stopped; please retry"),
+    "timeout": (504, "timeout", "the request took too long and was stopped"),
+    "shutdown": (503, "shutdown", "the service serving this request shut down; please retry"),
+}
+_ABORTED = (500, "aborted", "the request was stopped before it finished")
+
+
+def failure_of(abort: Abort) -> RequestFailed:
+    """The RequestFailed that ends a stream an Abort stopped: its client gets an error, not a hang
+    (the gateway drops it when the abort was its own, its client having left)."""
+    status, code, message = _ABORT_ERRORS.get(abort.reason, _ABORTED)
+    return RequestFailed(request_id=abort.request_id, status=status, code=code, message=message)
+
+
 # ----------------------------------------------------------------------------- scheduler -> worker
 
 

@@ -7,7 +7,10 @@ less); it lives in services/ because both import it.
     open(StreamOpen)     a request starts: one IncrementalDetokenizer + StopStringMatcher per sample
     step(StepOutput)     -> one TextBatch per gateway (all deltas of this step for it), and an
                             Abort(request, index) to the scheduler for every sample a stop string ended
-    abort(Abort)         forget the request (worker aborted it, or its worker died)
+    abort(Abort)         forget the request (worker aborted it, or its worker died); when some of
+                            its samples had not ended, a RequestFailed to its gateway, so the client's
+                            stream ends with an error chunk and [DONE] instead of waiting for text
+                            that will never come (the gateway drops it when the client left first)
 
 A sample ends when the engine says so (eos/stop token: "stop", "length", "abort") or when one of
 its stop strings appears in the text (then "stop", the text cut right before the stop string,
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from services.protocol.messages import (
-    Abort, SeqTokens, StepOutput, StreamOpen, TextBatch, TextDelta, TokenLogprobText)
+    Abort, SeqTokens, StepOutput, StreamOpen, TextBatch, TextDelta, TokenLogprobText, failure_of)
 from services.protocol.sampling import SamplingParams
 from services.text.detokenizer import IncrementalDetokenizer
 from services.text.stop_strings import StopStringMatcher
@@ -50,6 +53,11 @@ class _Stream:
     samples: dict[int, _Sample] = field(default_factory=dict)
     opened: float = field(default_factory=time.monotonic)
 
+    @property
+    def ended(self) -> bool:
+        """Every sample started and ended."""
+        return len(self.samples) == self.params.n and all(s.done for s in self.samples.values())
+
 
 def _stop_token(seq: SeqTokens, params: SamplingParams) -> int | None:
     """The stop_token_ids entry that ended the sample: the engine ends a sample on the stop token
@@ -73,8 +81,10 @@ class DetokCore:
         return []
 
     def abort(self, msg: Abort) -> list[Envelope]:
-        self.streams.pop(msg.request_id, None)
-        return []
+        stream = self.streams.pop(msg.request_id, None)
+        if stream is None or stream.ended:
+            return []
+        return [Envelope(stream.reply_addr, failure_of(msg))]
 
     def step(self, msg: StepOutput) -> list[Envelope]:
         per_gateway: dict[str, list[TextDelta]] = {}
@@ -86,7 +96,7 @@ class DetokCore:
             delta = self._advance(stream, seq, out)
             if delta is not None:
                 per_gateway.setdefault(stream.reply_addr, []).append(delta)
-            if len(stream.samples) == stream.params.n and all(s.done for s in stream.samples.values()):
+            if stream.ended:
                 del self.streams[seq.request_id]
         out += [Envelope(addr, TextBatch(deltas=d)) for addr, d in per_gateway.items()]
         return out

@@ -49,4 +49,4 @@ def stack(tiny_model, tmp_path_factory):
         procs.start("gateway", "gateway", *FAST, "--port", str(port), "--zmq-port", "0")
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, 180)
-        yield Stack(procs, redis.url, tiny_model, Path(tiny_model).name, base)
+        yield Stack(procs, redis.client_url, tiny_model, Path(tiny_model).name, base)

@@ -66,7 +66,10 @@ class Procs:
         return "\n".join(f"==== {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.log_dir.glob("*.log"))
 
 
-records = list_records   # the registry's records of one kind, from synchronous test code
+def records(redis_url: str, kind: str):
+    """The registry's records of one kind, from synchronous test code; `redis_url` carries the
+    password (EmbeddedRedis.client_url)."""
+    return list_records(redis_url, kind, None)
 
 
 def wait_for(pred, timeout_s: float, what: str, interval: float = 0.1):
@@ -90,10 +93,12 @@ def wait_ready(base_url: str, timeout_s: float = 120) -> None:
 
 @contextlib.contextmanager
 def redis_and_procs(logs: Path):
-    """An embedded Redis and a Procs for a test stack; the caller starts the services. On a
-    failure the services' logs are printed; the processes and Redis always stop."""
-    redis = EmbeddedRedis().start()
-    procs = Procs(redis.url, logs)
+    """An embedded Redis with the stack's password and a Procs for a test stack; the caller starts
+    the services (they read the password from the trust directory; test code reads Redis through
+    redis.client_url). On a failure the services' logs are printed; the processes and Redis always stop."""
+    trust_dir = make_trust(logs)
+    redis = EmbeddedRedis(password=bundle.Paths(trust_dir).redis_password.read_text().strip()).start()
+    procs = Procs(redis.url, logs, trust_dir)
     try:
         yield redis, procs
     except BaseException:

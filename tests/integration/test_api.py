@@ -238,21 +238,24 @@ def test_openai_client_raises_on_4xx_and_stack_keeps_serving(stack):
 def test_grpc_health_of_every_internal_service(stack):
     import asyncio
 
-    import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from services.security import bundle
+    from services.transport import grpc_channel
     from tests.integration.stack import records
 
-    targets = [r.addrs["grpc"] for kind in ("tokenizer", "scheduler", "worker") for r in records(stack.redis_url, kind)]
+    targets = [(r.addrs["grpc"], kind) for kind in ("tokenizer", "scheduler", "worker")
+               for r in records(stack.redis_url, kind)]
     assert len(targets) >= 3
+    trust = bundle.load(stack.procs.trust_dir, "gateway")   # health: any certificate of the deployment
 
-    async def check(target: str) -> int:
-        async with grpc.aio.insecure_channel(target) as ch:
+    async def check(target: str, role: str) -> int:
+        async with grpc_channel(target, trust, role) as ch:
             resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             return resp.status
 
     async def check_all() -> list[int]:
-        return await asyncio.wait_for(asyncio.gather(*(check(t) for t in targets)), 20)
+        return await asyncio.wait_for(asyncio.gather(*(check(t, role) for t, role in targets)), 20)
 
     statuses = asyncio.run(check_all())
     assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}

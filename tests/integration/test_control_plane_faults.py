@@ -66,7 +66,8 @@ def test_redis_restart_keeps_serving(cp):
             redis.start()                      # same port, empty (no persistence)
             events = [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and "error" not in events[-2]
-    wait_for(lambda: any(w.id == "null-0" for w in records(redis.url, "worker")), 10, "the worker to re-register")
+    wait_for(lambda: any(w.id == "null-0" for w in records(redis.client_url, "worker")), 10,
+             "the worker to re-register")
     assert cp["procs"].procs["worker"].poll() is None and cp["procs"].procs["worker"].pid == worker_pid
     wait_ready(cp["base"], 10)
     r = httpx.post(cp["base"] + "/v1/completions", json=body(cp, 3), timeout=30)
@@ -91,7 +92,7 @@ def test_tokenizer_death_ends_streams_with_an_error(cp):
     assert r.status_code == 200
     # a second tokenizer process shares the work (Tokenize round-robin, each detokenizes its own)
     cp["procs"].start("tokenizer-2", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", cp["model_dir"])
-    wait_for(lambda: len(records(cp["redis"].url, "tokenizer")) == 2, 30, "two tokenizers")
+    wait_for(lambda: len(records(cp["redis"].client_url, "tokenizer")) == 2, 30, "two tokenizers")
     time.sleep(0.6)                                   # the gateway's next discovery
     for _ in range(6):
         r = httpx.post(cp["base"] + "/v1/completions", json=body(cp, 3, stream=True), timeout=30)
@@ -100,7 +101,7 @@ def test_tokenizer_death_ends_streams_with_an_error(cp):
 
 def test_no_worker_is_503(cp):
     cp["procs"].kill("worker", signal.SIGTERM)   # drains and deregisters at once
-    wait_for(lambda: not records(cp["redis"].url, "worker"), 10, "the worker to deregister")
+    wait_for(lambda: not records(cp["redis"].client_url, "worker"), 10, "the worker to deregister")
     time.sleep(0.6)                              # the scheduler's grace for vanished records
     r = httpx.post(cp["base"] + "/v1/completions", json=body(cp, 1), timeout=30)
     assert r.status_code == 503 and "retry-after" in r.headers, r.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -22,14 +23,17 @@ GSP = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "6", "--
 
 @contextmanager
 def serve(model: str, workers: int, log_path):
-    """`kvmesh serve` on its own Redis (so the test can read the registry); yields (base URL, Redis URL)."""
-    redis = EmbeddedRedis().start()
+    """`kvmesh serve` on its own Redis (so the test can read the registry); yields (base URL, Redis URL).
+    The Redis has a password of its own, given in the URL (an external Redis: redis_client.connect),
+    through the environment (a command line is readable by every local user)."""
+    redis = EmbeddedRedis(password=secrets.token_urlsafe(16)).start()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env["KVMESH_REDIS_URL"] = redis.client_url
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", model, "--workers",
                                  str(workers), "--device", "cpu", "--num-gpu-blocks", "512", "--port", str(port),
-                                 "--redis-url", redis.url, "--heartbeat-ms", "250", "--lease-ms", "1500"],
+                                 "--heartbeat-ms", "250", "--lease-ms", "1500"],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -38,11 +42,11 @@ def serve(model: str, workers: int, log_path):
         # on their own clocks (the index every second): wait until both know all of them, or a
         # benchmark that ends in a second is routed without them (every request to one worker, or
         # every Match a miss)
-        wait_for(lambda: scheduler_metric(redis.url, "kvmesh_scheduler_workers").get("") == workers, 60,
+        wait_for(lambda: scheduler_metric(redis.client_url, "kvmesh_scheduler_workers").get("") == workers, 60,
                  f"the scheduler to see {workers} workers")
-        wait_for(lambda: [r.load.get("workers") for r in records(redis.url, "prefix-cache")] == [workers], 60,
+        wait_for(lambda: [r.load.get("workers") for r in records(redis.client_url, "prefix-cache")] == [workers], 60,
                  f"the prefix-cache index to follow {workers} workers")
-        yield base, redis.url
+        yield base, redis.client_url
     finally:
         proc.terminate()
         try:

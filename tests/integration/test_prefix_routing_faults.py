@@ -14,6 +14,7 @@ import pytest
 import redis as redis_lib
 
 from services.prefix_client import PrefixClient
+from services.security import bundle
 from tests.integration.conftest import free_port
 from tests.integration.stack import FAST, INTERNAL, Procs, records, redis_and_procs, wait_for, wait_ready
 
@@ -42,8 +43,9 @@ def pc(tiny_model, tmp_path_factory):
         procs.start("gateway", "gateway", *FAST, "--port", str(port), "--zmq-port", "0")
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, 60)
-        wait_for(lambda: len(records(redis.url, "worker")) == 2, 30, "two workers")
-        yield {"base": base, "procs": procs, "redis_url": redis.url, "model": tiny_model.rsplit("/", 1)[-1]}
+        wait_for(lambda: len(records(redis.client_url, "worker")) == 2, 30, "two workers")
+        yield {"base": base, "procs": procs, "redis_url": redis.client_url, "model": tiny_model.rsplit("/", 1)[-1],
+               "trust": bundle.load(procs.trust_dir, "scheduler")}
 
 
 def start_index(procs: Procs):
@@ -57,15 +59,17 @@ def complete(pc, group: int, n: int) -> None:
     r.raise_for_status()
 
 
-def matches(redis_url: str, pid: int | None = None) -> dict[int, list[str]]:
-    """group -> workers holding its system prompt, asked of the live index (of process `pid`)."""
+def matches(pc, pid: int | None = None) -> dict[int, list[str]]:
+    """group -> workers holding its system prompt, asked of the live index (of process `pid`) with
+    the scheduler's certificate (Match answers only schedulers)."""
+    redis_url = pc["redis_url"]
     recs = [r for r in records(redis_url, "prefix-cache") if pid is None or r.id.endswith(f"-{pid}")]
     [worker, *_] = records(redis_url, "worker")
     if not recs:
         return {}
 
     async def ask() -> dict[int, list[str]]:
-        client = PrefixClient(recs[0].addrs["grpc"], timeout_s=1.0)
+        client = PrefixClient(recs[0].addrs["grpc"], pc["trust"], timeout_s=1.0)
         try:
             out = {}
             for g in range(GROUPS):
@@ -117,7 +121,7 @@ def test_index_restart_mid_run_fails_open_and_reloads_from_redis(pc):
     load.start()
     try:
         wait_for(lambda: scheduler_hits(redis_url) > 0, 20, "the scheduler routing on prefix hits")
-        wait_for(lambda: all(matches(redis_url).values()), 10, "every group's prompt in the index")
+        wait_for(lambda: all(matches(pc).values()), 10, "every group's prompt in the index")
         procs.kill("prefix-cache", signal.SIGKILL)
         served = load.ok
         wait_for(lambda: not records(redis_url, "prefix-cache"), 5, "the dead index's lease to expire")
@@ -125,11 +129,11 @@ def test_index_restart_mid_run_fails_open_and_reloads_from_redis(pc):
         # the scheduler met the dead index (fail open: routed by load) before its record expired
         assert scheduler_metric(redis_url, r'kvmesh_scheduler_prefix_matches_total\{outcome="unavailable"\}') > 0
         index = start_index(procs)
-        wait_for(lambda: matches(redis_url, index.pid), 20, "the restarted index")
+        wait_for(lambda: matches(pc, index.pid), 20, "the restarted index")
         log = (procs.log_dir / "prefix-cache.log").read_text()
         reloaded = [int(n) for n in re.findall(r"reloaded (\d+) block copies", log)]
         assert len(reloaded) == 2 and reloaded[-1] > 0, reloaded     # warm from Redis, not empty
-        assert all(matches(redis_url, index.pid).values())
+        assert all(matches(pc, index.pid).values())
         hits = scheduler_hits(redis_url)
         wait_for(lambda: scheduler_hits(redis_url) > hits, 20, "prefix hits routed through the new index")
     finally:
@@ -144,11 +148,11 @@ def test_killed_workers_blocks_leave_the_index_within_its_lease(pc):
     for g in range(GROUPS):
         for n in range(3):
             complete(pc, g, 100 + n)
-    held = wait_for(lambda: (m := matches(redis_url)) and all(m.values()) and m, 10, "the groups in the index")
+    held = wait_for(lambda: (m := matches(pc)) and all(m.values()) and m, 10, "the groups in the index")
     victim = held[0][0]
     pc["procs"].kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
-    wait_for(lambda: not any(victim in ws for ws in matches(redis_url).values()), 10,
+    wait_for(lambda: not any(victim in ws for ws in matches(pc).values()), 10,
              f"{victim}'s blocks to leave the index")
     gone_after = time.monotonic() - t0
     # the lease lapses after LEASE_S; the index reads the registry every 0.25 s

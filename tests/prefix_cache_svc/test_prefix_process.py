@@ -24,7 +24,7 @@ PROMPT = list(range(1, 21))
 @pytest.mark.slow
 async def test_prefix_cache_process():
     with EmbeddedRedis() as redis_server:
-        reg = Registry(redis_server.url)
+        reg = Registry(redis_server.url, None)
         bm = FakeBlockManager(BS)
         pub = KVEventPublisher(bm, "w1", heartbeat_s=0.05)
         lease = await reg.register("worker", "w1", lease_ms=3000, info={"block_size": BS},
@@ -34,7 +34,8 @@ async def test_prefix_cache_process():
         err = tempfile.TemporaryFile(mode="w+")
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "prefix-cache", "--redis-url", redis_server.url,
-             "--port", "0", "--metrics-port", "0", "--block-size", str(BS), "--discovery-interval-s", "0.1"],
+             "--insecure-internal-planes", "--port", "0", "--metrics-port", "0", "--block-size", str(BS),
+             "--discovery-interval-s", "0.1"],
             stderr=err, text=True)
 
         def log_tail() -> str:
@@ -52,7 +53,7 @@ async def test_prefix_cache_process():
                 records = await reg.list("prefix-cache")
                 if records and record is None:
                     record = records[0]
-                    client = PrefixClient(record.addrs["grpc"], timeout_s=1.0)
+                    client = PrefixClient(record.addrs["grpc"], None, timeout_s=1.0)
                 if record is not None:
                     best = (await client.match("m", PROMPT)).best_blocks
                 await asyncio.sleep(0.02)
@@ -86,7 +87,7 @@ def test_sigterm_while_loops_are_inside_redis_commands():
             with tempfile.TemporaryFile(mode="w+") as err:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "services.cli", "prefix-cache", "--redis-url", redis_server.url,
-                     "--port", "0", "--metrics-port", "0", "--block-size", str(BS),
+                     "--insecure-internal-planes", "--port", "0", "--metrics-port", "0", "--block-size", str(BS),
                      "--discovery-interval-s", "0.001"], stderr=err, text=True)
                 try:
                     deadline = time.monotonic() + 30
@@ -105,7 +106,7 @@ def test_sigterm_while_loops_are_inside_redis_commands():
 
 
 async def _registered(url: str) -> bool:
-    reg = Registry(url)
+    reg = Registry(url, None)
     try:
         return bool(await reg.list("prefix-cache"))
     finally:

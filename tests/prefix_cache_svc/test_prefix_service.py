@@ -52,7 +52,7 @@ async def worker(redis_url: str, worker_id: str):
     """A worker as the prefix index sees it: a registry lease naming its KV event addresses."""
     bm = FakeBlockManager(BS)
     pub = KVEventPublisher(bm, worker_id, heartbeat_s=0.05)
-    reg = Registry(redis_url)
+    reg = Registry(redis_url, None)
     lease = await reg.register("worker", worker_id, lease_ms=600, info={"block_size": BS},
                                addrs={"kv_events": pub.events_addr, "kv_snapshot": pub.snapshot_addr})
     pub.set_epoch(lease.epoch)
@@ -77,7 +77,7 @@ async def test_service_end_to_end(redis_server):
     cfg = config(redis_server.url)
     svc = PrefixCacheService(cfg)
     await svc.start()
-    client = PrefixClient(svc.grpc_addr, timeout_s=2.0)
+    client = PrefixClient(svc.grpc_addr, None, timeout_s=2.0)
     try:
         async with worker(redis_server.url, "w1") as (bm, alive):
             bm.store_prompt(PROMPT, salt=SALT)
@@ -101,7 +101,7 @@ async def test_service_end_to_end(redis_server):
             svc = PrefixCacheService(cfg)
             await svc.start()
             assert svc.core.index.num_blocks_of("w1") == 5
-            client2 = PrefixClient(svc.grpc_addr, timeout_s=2.0)
+            client2 = PrefixClient(svc.grpc_addr, None, timeout_s=2.0)
             assert (await client2.match("m", PROMPT, tenant_salt="tenant-a")).best_blocks == 5
             await eventually(lambda: _checked(svc))                        # periodic consistency check
             assert svc.core.stats.inconsistent == 0
@@ -115,7 +115,7 @@ async def test_service_end_to_end(redis_server):
         await svc.stop()
         await client.close()
     t0 = time.monotonic()                                                  # index down: fail open
-    down = PrefixClient(svc.grpc_addr, timeout_s=0.2, cooldown_s=5.0)
+    down = PrefixClient(svc.grpc_addr, None, timeout_s=0.2, cooldown_s=5.0)
     assert not (await down.match("m", PROMPT)).available
     assert not (await down.match("m", PROMPT)).available                  # breaker open: instant
     assert time.monotonic() - t0 < 1.5 and down.failures == 1
@@ -138,7 +138,7 @@ async def _purged(svc, client):
 async def test_client_breaker_retries_after_cooldown():
     from services.ports import free_port
 
-    client = PrefixClient(f"127.0.0.1:{free_port()}", timeout_s=0.1, cooldown_s=0.05)
+    client = PrefixClient(f"127.0.0.1:{free_port()}", None, timeout_s=0.1, cooldown_s=0.05)
     assert not (await client.match("m", PROMPT)).available
     assert not (await client.match("m", PROMPT)).available and client.failures == 1   # breaker open
     await asyncio.sleep(0.06)

@@ -106,7 +106,9 @@ def test_abort_queued_and_running():
     core.set_workers([worker("w1", seqs=1)])
     core.submit(submit("run"))
     core.submit(submit("queued"))
-    assert core.abort(Abort(request_id="queued")) == []
+    [failed] = core.abort(Abort(request_id="queued", reason="shutdown"))   # its gateway ends the stream
+    assert failed.dest == submit("queued").reply_addr and isinstance(failed.msg, RequestFailed)
+    assert (failed.msg.request_id, failed.msg.status, failed.msg.code) == ("queued", 503, "shutdown")
     assert core.queue_depth == 0
     [fwd] = core.abort(Abort(request_id="run", index=1, reason="stop"))
     assert fwd.dest == "tcp://w1:1" and fwd.msg.index == 1

@@ -30,7 +30,7 @@ async def _hammer(r: redis_client.Redis) -> None:
 
 
 async def test_cancelling_mid_command_neither_hangs_nor_breaks_the_client(redis_url):
-    r = redis_client.connect(redis_url)
+    r = redis_client.connect(redis_url, None)
     rng = random.Random(7)
     try:
         for _ in range(150):
@@ -46,7 +46,7 @@ async def test_cancelling_mid_command_neither_hangs_nor_breaks_the_client(redis_
 
 
 async def test_a_command_error_still_reaches_the_caller(redis_url):
-    r = redis_client.connect(redis_url)
+    r = redis_client.connect(redis_url, None)
     try:
         await r.set("text", "not a number")
         with pytest.raises(Exception, match="not an integer"):

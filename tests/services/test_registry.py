@@ -16,7 +16,7 @@ def redis_url():
 
 
 async def test_lease_expires_without_heartbeat(redis_url):
-    reg = Registry(redis_url)
+    reg = Registry(redis_url, None)
     try:
         lease = await reg.register("worker", "w-exp", addrs={"zmq": "tcp://x:1"}, info={"role": "mixed"}, lease_ms=300)
         assert [r.id for r in await reg.list("worker") if r.id == "w-exp"] == ["w-exp"]
@@ -30,7 +30,7 @@ async def test_lease_expires_without_heartbeat(redis_url):
 
 
 async def test_newer_epoch_fences_the_old_incarnation(redis_url):
-    reg = Registry(redis_url)
+    reg = Registry(redis_url, None)
     try:
         old = await reg.register("worker", "w-f", addrs={}, info={}, lease_ms=5000)
         new = await reg.register("worker", "w-f", addrs={}, info={}, lease_ms=5000)

@@ -12,8 +12,8 @@ import zmq
 from services.protocol.messages import Abort, SchedulerInbox, Submit, TokenizeReply, TokenizeRequest
 from services.protocol.sampling import SamplingParams
 from services.transport import (
-    Publisher, Receiver, Sender, Subscriber, add_health, context, grpc_channel, grpc_server, set_serving, tcp_addr,
-    unary_handler, unary_stub)
+    Method, Publisher, Receiver, Sender, Subscriber, add_health, context, grpc_channel, grpc_server, set_serving,
+    tcp_addr, unary_handler, unary_stub)
 
 
 async def test_malformed_frames_are_dropped_not_fatal():
@@ -121,13 +121,14 @@ async def test_grpc_with_msgspec_and_health():
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty")
         return TokenizeReply(prompt_token_ids=[len(req.prompt)], detok_addr="d", vocab_size=5)
 
-    server, port = grpc_server("127.0.0.1", 0)
-    server.add_generic_rpc_handlers([unary_handler("kvmesh.T", {"Tokenize": (tokenize, TokenizeRequest)})])
+    server, port = grpc_server("127.0.0.1", 0, None)
+    server.add_generic_rpc_handlers([unary_handler(
+        "kvmesh.T", {"Tokenize": Method(tokenize, TokenizeRequest, frozenset({"gateway"}))}, None)])
     health = await add_health(server)
     await server.start()
     await set_serving(health, True)
     try:
-        async with grpc_channel(f"127.0.0.1:{port}") as ch:
+        async with grpc_channel(f"127.0.0.1:{port}", None, "tokenizer") as ch:
             stub = unary_stub(ch, "kvmesh.T", "Tokenize", TokenizeReply)
             assert (await stub(TokenizeRequest(prompt="abc"))).prompt_token_ids == [3]
             try:

@@ -1,7 +1,7 @@
 """DetokCore without sockets, over a toy tokenizer: streaming text, stop strings, aborts, logprobs."""
 from __future__ import annotations
 
-from services.protocol.messages import Abort, SeqTokens, StepOutput, StreamOpen, TextBatch
+from services.protocol.messages import Abort, RequestFailed, SeqTokens, StepOutput, StreamOpen, TextBatch
 from services.protocol.sampling import SamplingParams
 from tokenizer_svc.detok import SCHEDULER, DetokCore
 
@@ -80,6 +80,29 @@ def test_abort_and_unknown_requests():
     core.abort(Abort(request_id="r"))
     assert step(core, SeqTokens("r", 0, ids("a"))) == []
     assert step(core, SeqTokens("other", 0, ids("a"))) == []
+    assert core.abort(Abort(request_id="never-opened", reason="timeout")) == []
+
+
+def test_an_abort_of_an_unfinished_stream_fails_it_at_its_gateway():
+    """Whatever stopped it (worker failure, timeout, shutdown, the scheduler), the gateway is told,
+    so its client gets an error chunk and [DONE] rather than a stream that never ends."""
+    for reason, status, code in (("worker_failed", 503, "worker_failed"), ("timeout", 504, "timeout"),
+                                 ("shutdown", 503, "shutdown"), ("client", 500, "aborted")):
+        core = DetokCore(ToyTok())
+        open_(core, n=2)
+        step(core, SeqTokens("r", 0, ids("ab"), finish_reason="length"), SeqTokens("r", 1, ids("c")))
+        [env] = core.abort(Abort(request_id="r", reason=reason))
+        assert env.dest == "gw" and isinstance(env.msg, RequestFailed)
+        assert (env.msg.request_id, env.msg.status, env.msg.code) == ("r", status, code)
+        assert not core.streams
+
+
+def test_an_abort_after_every_sample_ended_tells_nobody():
+    core = DetokCore(ToyTok())
+    open_(core, stop=["c"])
+    out = step(core, SeqTokens("r", 0, ids("abc")))
+    assert texts(out) == [(0, "ab", "stop")]
+    assert core.abort(Abort(request_id="r", reason="stop")) == []
 
 
 def test_logprobs_and_batching_per_gateway():
