@@ -94,8 +94,9 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_BITS_SCALE = 256.0          # the bit variants read value * 2^-8
 
 # How split partials are merged (module doc): "last" (in the launch) or "two_pass" (a second
-# kernel). Looked up at each call. On the H200 (batch-1 decode graph) the second kernel won: the in-launch merge of one program made
-# the bf16 batch-1 graph 0.13 ms slower at 8k context (32 splits) and 0.06 ms at 128 (8 splits).
+# kernel). Looked up at each call. On the H200 (batch-1 decode graph) the second kernel won: the
+# in-launch merge of one program made the bf16 batch-1 graph 0.13 ms slower at 8k context (32
+# splits) and 0.06 ms at 128 (8 splits).
 SPLIT_MERGE = "two_pass"
 SPLIT_MERGES = ("last", "two_pass")
 MERGE_NUM_WARPS = 1               # warps of a "two_pass" merge program (1 vs 4: bf16 batch-1 graph
