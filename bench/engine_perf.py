@@ -50,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from cuda_timing import event_median_ms  # noqa: E402  (bench/, the script's folder)
-from peer_workload import PREFILL_LENS as PEER_PREFILL_LENS, PREFILL_TOKENS as PEER_PREFILL_TOKENS  # noqa: E402
-from peer_workload import vllm_peer_sharegpt_lengths  # noqa: E402
+from gpu_timing import event_median_ms  # noqa: E402  (bench/, the script's folder)
+from offline_bench import PREFILL_LENS as PEER_PREFILL_LENS, PREFILL_TOKENS as PEER_PREFILL_TOKENS  # noqa: E402
+from offline_bench import vllm_peer_sharegpt_lengths  # noqa: E402
 
 T0 = time.time()
 ROWS: list[tuple[str, str, str]] = []
@@ -269,10 +269,10 @@ def part_ablation(b: Bench) -> None:
 
 
 def part_profile(b: Bench) -> None:
-    """GPU time by kernel family (bench/kernel_profile.py) of the steps the targets are about: a
+    """GPU time by kernel family (gpu_timing.profile_kernels) of the steps the targets are about: a
     batch-1 and a batch-128 decode graph replay as they serve (real contexts in the buffers), and
     an eager prefill step of 8 x 2k prompts; GEMM time against the weight bytes / the FLOPs."""
-    from kernel_profile import format_profile, profile_kernels, top_kernels
+    from gpu_timing import format_profile, profile_kernels, top_kernels
     if SMOKE:
         return
     runner = b.eng.runner
@@ -345,7 +345,7 @@ def part_ttft(b: Bench) -> None:
     chat's second turn (128 new tokens behind 2,048 cached), each with the prefill graphs and
     eagerly; the prefill forward's host launch time, its wall time on the GPU (CUDA events from
     the launch's start) and, eagerly, the sum of its kernels' durations (the GPU's busy time)."""
-    from kernel_profile import profile_kernels
+    from gpu_timing import profile_kernels
     eng, runner = b.eng, b.eng.runner
     L = S(513)
 
@@ -521,7 +521,7 @@ def part_prefill(b: Bench) -> None:
     Once per --prefill-variants entry, alternating per length so the board's power state falls
     on each alike: default (the engine's settings), norm-adds (the residual added in the norm
     kernels, not in the GEMMs: DecoderLayer.residual_gemm_min_rows off), paged (never the
-    fresh-prompt attention kernel), baseline (both: the sixteenth session's starting point)."""
+    fresh-prompt attention kernel), baseline (both: the engine without either change)."""
     from gpu_worker.attention.triton_backend import TritonAttentionBackend as TAB
     from gpu_worker.models.decoder import DecoderLayer
     start = TAB.fresh_prefill, DecoderLayer.residual_gemm_min_rows
@@ -594,7 +594,7 @@ def part_sharegpt(b: Bench, seconds: float, label: str = "") -> None:
     def lognormal(mean, sigma, lo, hi):
         return int(min(hi, max(lo, rng.lognormvariate(math.log(mean) - sigma ** 2 / 2, sigma))))
 
-    if SHAREGPT_WORKLOAD == "vllm":       # the very requests of vLLM's peer run (bench/peer_workload.py)
+    if SHAREGPT_WORKLOAD == "vllm":       # the very requests of vLLM's peer run (bench/offline_bench.py)
         reqs = [(S(i) if SMOKE else i, o) for i, o in vllm_peer_sharegpt_lengths(S(1000))]
     else:
         reqs = [(lognormal(200, 1.0, 4, 2048), lognormal(180, 1.0, 4, 1024)) for _ in range(S(1000))]
@@ -1068,7 +1068,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks this script only")
     ap.add_argument("--sharegpt-temperature", type=float, default=1.0)
     ap.add_argument("--sharegpt-workload", choices=("vllm", "lognormal"), default="vllm",
-                    help="vllm: the 1,000 lengths of ../shared/peer-vllm/run_peer.py (mean 211 in / 182 "
+                    help="vllm: the 1,000 lengths of vLLM's peer run, offline_bench.py (mean 211 in / 182 "
                          "out); lognormal: this script's older draw (mean ~193 in / ~165 out)")
     ap.add_argument("--sharegpt-seqs", default="", help="comma list of max_num_seqs values for extra "
                     "ShareGPT async runs (e.g. 512,1024; the other parts run with 256)")

@@ -7,14 +7,18 @@ One device call builds, checks and times everything (see bench/README.md for the
 
 Sections (each guarded: one failure is recorded and the next section runs):
   ceilings  device-to-device copy bandwidth (bytes read + written) and bf16 8192^3 matmul TFLOP/s
+  sustained (not in the default run, ~1 min) bf16 GEMMs in a burst and back to back for 2 s, per
+            cuBLAS backend, with the SM clock and board power: the rate a long prefill step gets
+            at the board's power cap (the square ceiling and Llama-3.1-8B's layer GEMMs at 16,384
+            and 2,048 rows)
   kernels   every Triton kernel vs its torch reference in bf16 (rel err ||out-ref||/||ref|| < 1e-2),
             then timed (median of CUDA-event timings) with GB/s or TFLOP/s against the ceilings
   engine    a random-weight Llama-3.1-8B (kvmesh make-model) through gpu_worker.Engine, configured
             as a GPU worker serves (async scheduling, CUDA graphs, the GC heap frozen after load):
             batch-1 decode ms/token, batched decode tok/s, prefill tok/s (~32k prompt tokens per
             length, and vLLM's peer run's 16,384), offline throughput on the
-            1,000 ShareGPT-like requests of vLLM's peer run (bench/peer_workload.py: the same
-            lengths, greedy by default, as ../shared/peer-vllm/run_peer.py)
+            1,000 ShareGPT-like requests of vLLM's peer run (bench/offline_bench.py: the same
+            lengths, greedy by default)
   peers     Hugging Face transformers on the same weights, time-boxed: eager (sdpa), then batch-1
             decode with a static cache and torch.compile (transformers' own fast path)
 
@@ -39,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhe
 
 import torch  # noqa: E402
 
-from cuda_timing import event_median_ms, graph_median_ms  # noqa: E402  (bench/, the script's folder)
-from peer_workload import PREFILL_TOKENS as PEER_PREFILL_TOKENS, vllm_peer_sharegpt_lengths  # noqa: E402
+from gpu_timing import (PowerSampler, burst_and_sustained_tflops, event_median_ms,  # noqa: E402  (bench/)
+                        graph_median_ms)
+from offline_bench import PREFILL_TOKENS as PEER_PREFILL_TOKENS, vllm_peer_sharegpt_lengths  # noqa: E402
 
 T0 = time.time()
 DEV = "cuda"           # "cpu" only with --smoke (TRITON_INTERPRET=1, tiny sizes: checks this script's code)
@@ -764,9 +769,54 @@ def hf_static_compiled_decode(model, ids, sync) -> None:
         f"{ms:.2f} ms/token (the difference of {long_n}- and {short_n}-token runs)")
 
 
+# ============================================================================ sustained
+# Llama-3.1-8B's layer GEMMs, name -> (N, K): y (M, N) = x (M, K) @ w (N, K).T, as nn.Linear runs them
+LAYER_GEMMS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def sustained_gemm_shapes() -> dict[str, tuple[int, int, int]]:
+    if SMOKE:
+        return {"square 64": (64, 64, 64), "qkv M=32": (32, 48, 64)}
+    out = {"square 8192": (8192, 8192, 8192)}
+    for m in (16384, 2048):                            # a full prefill step, and a serving chunk
+        out |= {f"{name} M={m}": (m, n, k) for name, (n, k) in LAYER_GEMMS.items()}
+    return out
+
+
+def section_sustained(args, deadline) -> None:
+    """The matmul ceiling is a burst (~15 ms of products, the board at its boost clock); a prefill
+    step runs GEMMs long enough to reach the board's power cap, where the SM clock drops. Each
+    shape, per cuBLAS backend: burst and sustained TFLOP/s, SM clock and board power."""
+    cuda = not SMOKE
+    dt = torch.bfloat16 if cuda else torch.float32
+    backends = ["cublas", "cublaslt"] if cuda else ["default"]
+    rows = []
+    for name, (m, n, k) in sustained_gemm_shapes().items():
+        if deadline.left() < 30:
+            row("sustained", name, "skipped (time)")
+            continue
+        x = torch.randn(m, k, device=DEV, dtype=dt)
+        w = torch.randn(n, k, device=DEV, dtype=dt)
+        for backend in backends:
+            if cuda:
+                torch.backends.cuda.preferred_blas_library(backend)
+            with PowerSampler(cuda) as smi:
+                burst, sustained = burst_and_sustained_tflops(lambda: x @ w.t(), 2 * m * n * k,
+                                                              args.sustained_seconds if cuda else 0.05, cuda)
+            clock, power = smi.median()
+            rows.append(dict(shape=name, m=m, n=n, k=k, backend=backend, burst_tflops=burst,
+                             sustained_tflops=sustained, sm_clock_mhz=clock, power_w=power))
+            row("sustained", f"{name} {backend}", sustained, "TFLOP/s",
+                f"burst {burst:.0f}; {clock:.0f} MHz, {power:.0f} W")
+        del x, w
+    if cuda:
+        torch.backends.cuda.preferred_blas_library("default")
+    RESULTS["sustained_gemm"] = rows
+
+
 # ============================================================================ main
-SECTIONS = {"ceilings": section_ceilings, "kernels": section_kernels, "engine": section_engine,
-            "peers": section_peers}
+SECTIONS = {"ceilings": section_ceilings, "sustained": section_sustained, "kernels": section_kernels,
+            "engine": section_engine, "peers": section_peers}
 
 
 def main(argv=None) -> int:
@@ -787,6 +837,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="run the engine without async scheduling (the GPU worker's default is async)")
     ap.add_argument("--sweep", action="store_true", help="also sweep attention tile configs")
+    ap.add_argument("--sustained-seconds", type=float, default=2.0,
+                    help="the sustained section: seconds of back-to-back products per shape and backend")
     ap.add_argument("--hf-compile-min-s", type=float, default=200.0,
                     help="seconds the budget must still hold for the transformers peer's static cache + "
                     "torch.compile decode (its compile and CUDA-graph capture take one to two minutes)")

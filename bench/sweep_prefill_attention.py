@@ -52,7 +52,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
-from cuda_timing import event_median_ms, graph_median_ms  # noqa: E402  (bench/, the script's folder)
+from gpu_timing import event_median_ms, graph_median_ms  # noqa: E402  (bench/, the script's folder)
 
 from gpu_worker.kernels import fresh_prefill_attention as fpa  # noqa: E402
 from gpu_worker.kernels import paged_prefill_attention as ppa  # noqa: E402

@@ -66,7 +66,7 @@ class EngineConfig:
     """Largest decode batch captured in a CUDA graph (capped by max_num_seqs, so only engines
     allowed more than 512 sequences capture past vLLM's 512); larger decode batches run eagerly.
     At 1,024 sequences, graphs up to 1,024 rows made vLLM's ShareGPT-like run 2.2% faster than
-    graphs up to 512 (BENCHMARKS.md, fourth session), for ~3 s more capture."""
+    graphs up to 512 (on the H200), for ~3 s more capture."""
     prefill_graph_max_tokens: int = 1024
     """A step whose only sequence prefills at most this many tokens of its prompt (all of it, or
     the part after a cached prefix) replays a CUDA graph captured at startup (sizes every 32
@@ -77,8 +77,10 @@ class EngineConfig:
     serves (prefill beside decodes, several prompts) replay the model between attentions from
     CUDA graphs captured at startup, attention itself running eagerly (sizes every 64 tokens;
     not with tensor parallelism or MoE layers). Launched eagerly, such a step costs ~18 ms of
-    Python on the H200's host, more than its GPU time up to ~1,000 tokens. 0 (the default): none
-    yet: its speed on the H200 is not measured (try 2048; BENCHMARKS.md, fourth session)."""
+    Python on the H200's host, more than its GPU time up to ~1,000 tokens. 0 (the default): none,
+    since on the H200's concurrency-64 serving load they sped up host-bound steps of ~576
+    tokens and changed nothing from 768 tokens up, where the GPU's work is the bound
+    (BENCHMARKS.md; try 2048)."""
     tensor_parallel_size: int = 1
     """GPUs one worker shards the model over (attention heads, MLP, vocabulary; one all-reduce
     per sub-layer); ranks 1.. run as child processes of the worker. 1 = no parallelism."""

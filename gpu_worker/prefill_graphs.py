@@ -35,8 +35,8 @@ from gpu_worker.forward_batch import ForwardBatch
 log = logging.getLogger(__name__)
 
 # A prompt pads at most 15 rows. cuBLAS's GEMMs slow in steps, not in proportion to the rows: on
-# the H200 a layer's four GEMMs x 32 take 11.13 ms at 513 rows, 11.50 at 528, 12.27 at 544
-# (bench/sweep_gemm_rows.py), so the 32-token ladder's 544 rows cost a 513-token prompt 0.8 ms.
+# the H200 a layer's four GEMMs x 32 take 11.13 ms at 513 rows, 11.50 at 528, 12.27 at 544,
+# so the 32-token ladder's 544 rows cost a 513-token prompt 0.8 ms.
 LADDER_STEP = 16
 
 

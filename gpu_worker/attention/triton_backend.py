@@ -45,12 +45,12 @@ from gpu_worker.kernels.rope_kv_write import rope_kv_write
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     # Pure-decode steps whose decode kernel is split: RoPE and the KV write inside it
-    # (decode_rope_attend), one launch instead of two per layer. On the H200 (bench/
-    # pdl_decode_ab.py, BENCHMARKS.md eighth session), batch-1 graph ms fused vs separate: 8k
+    # (decode_rope_attend), one launch instead of two per layer. On the H200, batch-1 decode
+    # graph ms fused vs separate: 8k
     # context (split) bf16 4.61 vs 4.67, fp8 3.18 vs 3.23; 128 context unsplit (8 programs)
     # bf16 4.47 vs 4.45, fp8 3.15 vs 3.00, hence separate there. Short contexts now run several
     # programs per KV head too (paged_decode_attention.choose_short_split) and fuse: 4.42 ->
-    # 4.15 ms at 128 context (ninth session).
+    # 4.15 ms at 128 context.
     # A class attribute (benchmarks A/B it: False never fuses), read at each forward.
     fuse_rope_decode = True
     # Steps whose prefills are all fresh (ForwardBatch.fresh_prefill) and at most 8,192 tokens long

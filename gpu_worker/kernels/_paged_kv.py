@@ -8,7 +8,7 @@ import triton.language as tl
 
 # The attention dots' precision when q is fp32 (bf16 / fp16 dots ignore it). Triton's default, tf32,
 # keeps 10 mantissa bits: on the H200 a tiny fp32 model's logits drifted 0.7-1.5% of their std from
-# Hugging Face's fp32 within 74 positions (bench/results/h200_fp32_dot_precision_*). tf32x3 (three
+# Hugging Face's fp32 within 74 positions. tf32x3 (three
 # tf32 products on the tensor cores) is within 5e-5 there, as is "ieee" (FMA, far slower).
 F32_DOTS: tl.constexpr = tl.constexpr("tf32x3")
 

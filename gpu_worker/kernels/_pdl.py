@@ -14,7 +14,7 @@ Rules every PDL kernel here follows (each kernel may be followed by any other):
   - the next kernel may launch (griddepcontrol.launch_dependents) once every program of this one
     has passed its wait (`pdl_wait` issues it): one kernel waits ahead at a time. Letting it
     launch at each kernel's start instead stacked a chain of waiting kernels on the SMs while
-    the kernel in front ran: 5% slower at 8k context (BENCHMARKS.md, sixth session).
+    the kernel in front ran: 5% slower at 8k context on the H200.
 Kernels launched without PDL (cuBLAS, torch ops) wait for their predecessor to finish as usual.
 
 On: kernels launched inside `for_cuda_graph()` (a CUDA graph's warm-up calls and its capture:

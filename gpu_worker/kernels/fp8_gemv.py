@@ -57,7 +57,7 @@ no float atomics), config `reduce`:
     "two_pass"  partials, then a small reduce+epilogue kernel (one more launch, ~2 us).
 split_k 1 is a single pass with the epilogue fused.
 
-Configs: gemv_config(M, N, K, weight dtype) -> TUNED (exact shapes, from bench/sweep_gemv.py on
+Configs: gemv_config(M, N, K, weight dtype) -> TUNED (exact shapes, swept on
 the H200) or DEFAULTS per (weight kind, M bucket) with split_k picked to fill the SMs.
 No host syncs; CUDA-graph capturable (allocations are torch.empty; the counter buffer is
 allocated outside capture, else "last" falls back to "two_pass"). Launched with programmatic
@@ -97,10 +97,10 @@ class GemvConfig(NamedTuple):
 
 # TUNED: (weight kind "fp8" | "16bit", M bucket, N, K) -> config for the Llama-8B shapes;
 # DEFAULTS: (kind, M bucket 1/2/4/8) -> config for any other shape, split_k 0 = auto
-# (resolve_split). Both measured on the H200 by bench/sweep_gemv.py (2026-11-29) and pasted as it
+# (resolve_split). Both swept on the H200 against cuBLAS (2026-11-29) and pasted as the sweep
 # printed them (per layer at M=1: fp8 GEMV 68.9 us vs bf16 cuBLAS 115.5 us, fp8 _scaled_mm 131.8),
-# except the M=1 entries marked "in-graph sweep": bench/sweep_gemv_in_graph.py's winners inside
-# the batch-1 decode CUDA graph with PDL (seventh session: -110 us per bf16 step, -28 us fp8),
+# except the M=1 entries marked "in-graph sweep": the winners of a sweep inside the batch-1
+# decode CUDA graph with PDL (-110 us per bf16 step, -28 us fp8, against the isolated sweep's),
 # where each kernel's start and end overlap its neighbours' and more split-K programs pay.
 TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("fp8", 1, 6144, 4096): GemvConfig(16, 512, 3, "last", False, 0, 4, 1),  # qkv (in-graph sweep)
@@ -127,7 +127,7 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("16bit", 2, 4096, 14336): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # down 31.36 us 3.75 TB/s
     ("fp8", 4, 4096, 14336): GemvConfig(64, 256, 7, "last", True, 2, 4, 3),  # down 25.86 us 2.27 TB/s
     ("16bit", 4, 4096, 14336): GemvConfig(32, 256, 2, "last", True, 0, 4, 3),  # down 31.45 us 3.73 TB/s
-    # the 16-bit lm_head (CausalLM.head_gemv; fp8 models keep it bf16): in-graph sweep, tenth session
+    # the 16-bit lm_head (CausalLM.head_gemv; fp8 models keep it bf16): in-graph sweep
     ("16bit", 1, 128256, 4096): GemvConfig(16, 512, 1, "last", False, 0, 4, 1),  # lm_head (in-graph sweep)
 }
 DEFAULTS: dict[tuple[str, int], GemvConfig] = {
@@ -143,7 +143,7 @@ DEFAULTS: dict[tuple[str, int], GemvConfig] = {
 
 
 # With PDL on (kernels/_pdl.py), weight tiles per program prefetched into L2 while the previous
-# kernel finishes. bench/pdl_decode_ab.py on the H200 (batch-1 graph, unfused GEMV layers): 0 / 1
+# kernel finishes. On the H200 (batch-1 decode graph, unfused GEMV layers): 0 / 1
 # / 2 tiles gave bf16 4.546 / 4.533 / 4.651 ms, fp8 3.013 / 3.061 / 3.205 ms: none by default.
 PDL_PREFETCH_TILES = 0
 # With PDL on: the kernel after a GEMV may launch once every GEMV program has finished its K loop
@@ -182,8 +182,8 @@ def resolve_split(cfg: GemvConfig, N: int, K: int) -> GemvConfig:
 
 
 # FUSED_TUNED: (kind, M bucket, N, K, fusion) -> config of a fused GEMV ("norm", "res",
-# "swiglu+res": what the decoder's fused-GEMV layers use), from bench/sweep_gemv_fusions.py on
-# the H200 (2026-11-29, fifth session), pasted as printed; a fused call not listed takes its plain
+# "swiglu+res": what the decoder's fused-GEMV layers use), swept on the H200 (2026-11-29) and
+# pasted as printed; a fused call not listed takes its plain
 # shape's config. Per layer at M=1: bf16 fused 122.8 us vs 119.6 unfused (GEMV + norm/SwiGLU
 # kernels), fp8 74.8 vs 74.8.
 FUSED_TUNED: dict[tuple[str, int, int, int, str], GemvConfig] = {

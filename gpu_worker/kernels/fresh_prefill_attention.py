@@ -24,7 +24,7 @@ at 1.07x, but 1 x 32k at 0.98x, so the engine takes it for steps of up to 8,192 
 (fresh_config). Behind a prefix the key tiles are mostly gathered, as in v2, and it runs
 1.00-1.03x v2 at the same tiles; with fresh_config's PREFIX_CONFIG (128 x 128 tiles where the keys
 are mostly cached) it runs 1.06-1.10x v2's defaults on 512-2k chunks behind 1.5-6k cached tokens,
-1.03x on a serving step, 1.00x on 8k behind 24k (BENCHMARKS.md, eighteenth session).
+1.03x on a serving step, 1.00x on 8k behind 24k (H200).
 
 Query tiles are numbered across sequences on the device (fresh_tile_map: tile starts and each
 tile's sequence, no host sync), longest-first within a sequence; the grid is a host-side bound
@@ -33,10 +33,10 @@ kernel when skip_decode_rows. The Triton backend takes it for every prefill step
 query tokens without a sliding window on rows TMA can read (Hopper), except chunks of <= 16
 tokens behind a prefix (v2's 16-row tiles); anything else goes to paged_prefill_attention.
 
-Tried and dropped (sixteenth session): Triton 3.6's Hopper warp specialization
+Tried and dropped: Triton 3.6's Hopper warp specialization
 (tl.range(warp_specialize=True), FlashAttention-3's producer / two-consumer layout). Its pass
 accepts only one key loop with every load a TMA load and no early return; the kernels it then
-built hung on the H200 or returned NaN (BENCHMARKS.md).
+built hung on the H200 or returned NaN.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class FreshConfig(NamedTuple):
 
 # Default by max_query_len (the first bound >= it); longer prompts have none: paged_prefill_attention's
 # 128 x 128 TMA kernel is as fast there. Set from bench/sweep_prefill_attention.py --only-fresh on
-# the H200 (2026-12-02, sixteenth session), TFLOP/s against v2's defaults in the same call:
+# the H200 (2026-12-02), TFLOP/s against v2's defaults in the same call:
 # 8 x 2k 483.6 vs 423.1, 32 x 512 289.6 vs 218.5 (64 x 64); 1 x 8k 585.7 vs 549.4, 1 x 32k 549.7 vs
 # 559.6 (128 x 128, 8 warps).
 FRESH_CONFIGS: list[tuple[int, FreshConfig]] = [
@@ -70,7 +70,7 @@ FRESH_CONFIGS: list[tuple[int, FreshConfig]] = [
     (8192, FreshConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)),
 ]
 # Steps whose keys are mostly cached (max_context_len >= 2 x max_query_len) read most tiles through
-# the block table, where 128 x 128 tiles win at every chunk length (H200, eighteenth session, TFLOP/s
+# the block table, where 128 x 128 tiles win at every chunk length (H200, 2026-12-03, TFLOP/s
 # against the 64 x 64 tiles): 2k behind 6k 397.3 vs 368.6, 8 x 2k behind 2k 425.7 vs 392.5, 32 x 512
 # behind 1.5k 362.9 vs 346.7; a serving step's 1k chunk behind 512 (+ 60 decode rows) keeps 64 x 64
 # (336.2 vs 325.9).

@@ -84,7 +84,7 @@ from gpu_worker.kernels._utils import check_device, interpreting, next_pow2, num
 LOG2E = 1.4426950408889634
 
 # How an fp8 cache's tiles are upcast (module docstring). The engine passes no fp8_upcast: this
-# default applies, looked up at each call. bench/sweep_fp8_decode.py on the H200 (2026-11-29):
+# default applies, looked up at each call. Swept on the H200 (2026-11-29):
 # fp16 compute is the fastest everywhere (geomean fp8/bf16-cache time 1.12 vs 1.31 for the bf16
 # upcast, 1.19 PTX bits, 1.47 plain bits), and with 128-key tiles x 3 stages it beats the bf16
 # cache at batch 1 (0.83-0.89x) and at B=64 x 32k (0.95x), equal at B=64 x 8k.
@@ -94,9 +94,9 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_BITS_SCALE = 256.0          # the bit variants read value * 2^-8
 
 # How split partials are merged (module doc): "last" (in the launch) or "two_pass" (a second
-# kernel). Looked up at each call; bench/pdl_decode_ab.py --attention A/Bs it. On the H200
-# (BENCHMARKS.md, ninth session) the second kernel won: the in-launch merge of one program made
-# the bf16 batch-1 graph 0.13 ms slower at 8k context (32 splits) and 0.06 ms at 128 (8 splits).
+# kernel). Looked up at each call. On the H200 (batch-1 decode graph) the second kernel won: the
+# in-launch merge of one program made the bf16 batch-1 graph 0.13 ms slower at 8k context (32
+# splits) and 0.06 ms at 128 (8 splits).
 SPLIT_MERGE = "two_pass"
 SPLIT_MERGES = ("last", "two_pass")
 MERGE_NUM_WARPS = 1               # warps of a "two_pass" merge program (1 vs 4: bf16 batch-1 graph
@@ -106,8 +106,8 @@ _COUNTER_SLOTS = 1 << 16          # (sequence, head block) pairs a "last" merge 
 # choose_short_split's policy for contexts of at most SHORT_SPLIT_CONTEXT tokens: up to
 # SHORT_MAX_SPLITS partitions of SHORT_BLOCK_N-key tiles, each program taking
 # SHORT_HEADS_PER_PROGRAM query heads. SHORT_MAX_SPLITS 1 with SHORT_HEADS_PER_PROGRAM None
-# turns it off (unsplit, RoPE + KV write its own kernel: the default until the ninth session).
-# On the H200 (bench/pdl_decode_ab.py --attention, BENCHMARKS.md ninth session), bf16 batch-1
+# turns it off (unsplit, RoPE + KV write its own kernel).
+# On the H200 (batch-1 decode graph per configuration), bf16 batch-1
 # graph at 128 context: unsplit 4.416 ms, 16 x 16 4.165, 8 x 16 4.188, 4 x 32 4.213, a program
 # per query head (1 x 64, h1) 4.406; fp8 2.990 -> 2.761 with 16 x 16. Up to 1,024 tokens (not
 # 512) so that chats of a 512-token prompt stay on the short graphs: serving at concurrency 1
@@ -122,7 +122,7 @@ SHORT_NUM_WARPS: int | None = None             # warps of a fine program (None: 
 # LONG_MIN_TOKENS keys (of the step's max_context_len: a long decode graph's bound), as many as
 # give LONG_PROGRAMS_PER_SM programs per SM (at batch 1 and 8 KV heads: 32 partitions, 256 keys
 # each at 8k context), each program of LONG_NUM_WARPS warps over LONG_BLOCK_N-key tiles. On the
-# H200 (bench/pdl_decode_ab.py --attention, BENCHMARKS.md eleventh session), batch-1 graph ms at
+# H200 (batch-1 decode graph per configuration), batch-1 graph ms at
 # 8k context, bf16 / fp8: 32 splits of 4 warps (the default until then) 4.530 / 3.144; 8 warps
 # 4.451 / 3.046; 64 splits of 64-key tiles 4.510 / 3.047; 32 of 64-key tiles 4.530 / 3.100;
 # 16 splits 4.720 / 3.358 (another machine). 128 context (short graphs) is not affected.
@@ -132,20 +132,20 @@ LONG_PROGRAMS_PER_SM = 2
 LONG_BLOCK_N: int | None = None        # keys per tile of a split program (None: the kernel's 128)
 LONG_NUM_WARPS: int | None = 8         # warps of a split program (None: the kernel's 4)
 # The same for an fp8 cache, whose programs read half the bytes per key: 8 warps (the bf16 cache's
-# choice above) made them far slower. bench/sweep_decode_batch.py --kv-dtype fp8 --rope --pdl on
-# the H200 (thirteenth session), batch 1, 32 splits of 128-key tiles x 3 stages: 8 / 4 warps
+# choice above) made them far slower. Swept on the H200 with RoPE fused and PDL as the graphs
+# run them, batch 1, 32 splits of 128-key tiles x 3 stages: 8 / 4 warps
 # 53.8 / 34.5 us at 32k, 19.1 / 12.6 us at 8k (the bf16 cache: 42.0 / 45.9, 17.1 / 18.6).
 # Not part of the configuration strings below (set_attention_config leaves it as it is).
 LONG_NUM_WARPS_FP8: int | None = None
 
-# The knobs above as one string, for A/B runs (bench/pdl_decode_ab.py --attention, and the
+# The knobs above as one string, for A/B runs (of the batch-1 decode graph, and the
 # serving stack through KVMESH_DECODE_ATTENTION, read at import): "u" (short contexts unsplit) or
 # "sNxB" (SHORT_MAX_SPLITS N, SHORT_BLOCK_N B), then optionally "hH" (SHORT_HEADS_PER_PROGRAM H)
 # and "wW" (SHORT_NUM_WARPS W), then optionally "lNxTpP" for longer contexts (LONG_MAX_SPLITS N,
 # LONG_MIN_TOKENS T, LONG_PROGRAMS_PER_SM P; absent: 32, 512, 2), itself optionally followed by
 # "bB" (LONG_BLOCK_N B) and "wW" (LONG_NUM_WARPS W; absent: 8), then "+2p" for SPLIT_MERGE
 # "two_pass" (else "last"), optionally followed by the merge kernel's warps (MERGE_NUM_WARPS:
-# "+2p1" one warp; "+2p" alone 4, the kernel's warps before the ninth session). The default,
+# "+2p1" one warp; "+2p" alone 4). The default,
 # DEFAULT_ATTENTION_CONFIG, is s16x16+2p1.
 ATTENTION_CONFIG_RE = re.compile(r"^(?:(?P<unsplit>u)|s(?P<splits>\d+)x(?P<block>\d+)(?:h(?P<hpp>\d+))?"
                                  r"(?:w(?P<warps>\d+))?)"
@@ -637,7 +637,7 @@ def paged_decode_attention(
     # Tiles measured on an H200 (bench/gpu_bench.py --sweep, Llama-8B heads): 64 x 2 stages when
     # each program walks a whole context, 128 x 3 stages for the shorter split partitions.
     # An fp8 cache moves half the bytes per key: 128-key tiles x 3 stages won in both modes
-    # (bench/sweep_fp8_decode.py).
+    # (swept on the H200).
     split = num_splits > 1
     wide_tiles = (split or k_cache.dtype.itemsize == 1) and head_dim <= 128
     if block_n is None:

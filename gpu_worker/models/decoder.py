@@ -137,8 +137,8 @@ class DecoderLayer(nn.Module):
     the GEMV before them (fp8_gemv's norm_out and swiglu_out): o_proj adds the residual and
     writes the post-attention norm, gate_up writes SwiGLU, down adds the residual and writes the
     next layer's input norm (NormedStream): three kernels fewer a layer, no work repeated.
-    (The fifth session's fusion into the GEMVs' prologues instead, where every program redoes
-    the norm / SwiGLU of its x, was slower than separate kernels: BENCHMARKS.md sixth session.)
+    (Fusing them into the GEMVs' prologues instead, where every program redoes the norm /
+    SwiGLU of its x, was slower than separate kernels on the H200.)
     One row, any weights, unfused, by default (the fused layer measured slower with PDL:
     docs/architecture.md says why); M > 1 is unmeasured. Class attributes read at each forward
     (before CUDA-graph capture), set at import from KVMESH_DECODE_GEMV_MAX_M (0: off),

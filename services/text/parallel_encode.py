@@ -4,9 +4,8 @@ Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen 2) first split text into words w
 then merge each word on its own, so a prompt cut between two words encodes to the same ids as
 the whole: the `tokenizers` library encodes the pieces in parallel (`encode_batch_fast`, its
 Rust thread pool) and we join them. A fresh 512-token prompt of `kvmesh bench serve --dataset-name
-random` took 2.15 ms whole and 0.70 ms in 6 pieces on the H200 host's 16 cores
-(bench/parallel_encode_bench.py); the gateway's tokenize stage of the serving run went from 2.23
-to 1.06 ms of a 16-18 ms time to first token (BENCHMARKS.md, eleventh session).
+random` took 2.15 ms whole and 0.70 ms in 6 pieces on the H200 host's 16 cores; the gateway's
+tokenize stage of the serving run went from 2.23 to 1.06 ms of a 16-18 ms time to first token.
 
     |... word| word word| word ...|      cut only before a space that sits between two letters
              ^ cut                       (`a| b`): no split pattern here joins a non-space to the

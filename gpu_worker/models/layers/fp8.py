@@ -9,7 +9,7 @@ Half the weight bytes of bf16 and Hopper's fp8 tensor cores: prefill GEMMs run u
 the bf16 rate (measured on the H200: prefill +33-56%). At M=1 cuBLASLt's fp8 GEMM reads its
 weights at only 1.0-2.4 TB/s, which made batch-1 decode slower than bf16, so batches of up to
 `gemv_max_m` rows take the weight-only split-K GEMV instead (below): batch-1 decode is then 1.49x
-bf16's speed on the H200 (BENCHMARKS.md, eighth session). The embeddings and
+bf16's speed on the H200 (BENCHMARKS.md). The embeddings and
 the lm_head stay in the model dtype (as in vLLM): they hold the vocabulary's precision and
 the head is one GEMM per step. `quantization="fp8_lm_head"` quantizes the lm_head the same way
 (`quantize_lm_head_fp8`: a tied head gets a quantized copy of the embeddings, which stay as they
@@ -40,7 +40,7 @@ class Fp8Linear(nn.Module):
     inputs of 1..`gemv_max_m` rows (at most fp8_gemv.MAX_M) take the weight-only split-K GEMV
     of fp8_gemv.py instead (x unquantized, weights read once): on the H200 it reads the four
     Llama-8B layers in 68.9 us at M=1 and 87 us at M=4, against 132-135 us for cuBLASLt's fp8
-    GEMM and 115 us for bf16 cuBLAS (bench/sweep_gemv.py), hence 4 by default. Change it
+    GEMM and 115 us for bf16 cuBLAS (H200), hence 4 by default. Change it
     process-wide with `Fp8Linear.gemv_max_m = N` (a class attribute, read at each forward:
     before CUDA-graph capture) or the environment variable KVMESH_FP8_GEMV_MAX_M (read at import)."""
     gemv_max_m = int(os.environ.get("KVMESH_FP8_GEMV_MAX_M", "4"))

@@ -87,7 +87,7 @@ def test_fp8_cache_attention_matches_dequantized_reference(randn, rel_err):
         out = paged_decode_attention(q, kc, vc, tables, lens, 0.125, max_context_len=40, num_splits=splits,
                                      k_scale=ks, v_scale=vs, block_n=16, fp8_upcast="bf16")   # q's dtype: fp32 here
         assert rel_err(out, ref) < 1e-5
-    # the module default (whatever bench/sweep_fp8_decode.py chose), with a sliding window and
+    # the module default (whatever the fp8 sweep chose), with a sliding window and
     # query_start_loc rows
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
     out = paged_decode_attention(q, kc, vc, tables, lens, 0.125, max_context_len=40, num_splits=2,
