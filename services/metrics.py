@@ -148,6 +148,10 @@ TOKENIZE_SECONDS = _tokenizer(Histogram("kvmesh_tokenize_seconds", "Tokenize cal
 TOKENS_IN = _tokenizer(Counter("kvmesh_tokenized_tokens", "Prompt tokens produced by Tokenize"))
 DETOK_STREAMS = _tokenizer(Gauge("kvmesh_detok_streams", "Requests being detokenized"))
 STOP_HITS = _tokenizer(Counter("kvmesh_stop_string_hits", "Samples ended by a stop string"))
+DETOK_DROPPED_TOKENS = _detokenizer(Counter(
+    "kvmesh_detok_dropped_tokens", "Generated tokens a detokenizer received but dropped, by reason: "
+    "stale_epoch (from a worker incarnation older than one already seen), no_stream (for a request it "
+    "does not hold: ended, failed or aborted)", ["reason"]))
 DETOK_FIRST_TOKEN = _detokenizer(Histogram("kvmesh_detok_first_token_seconds",
                                            "A StepOutput carrying some request's first tokens, read off the "
                                            "detokenizer's socket, to its TextBatches handed to the gateways' sockets "

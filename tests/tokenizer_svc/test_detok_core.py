@@ -96,3 +96,20 @@ def test_expire():
     core = DetokCore(ToyTok())
     open_(core)
     assert core.expire(0.0) == 1 and not core.streams
+
+
+def test_a_stale_epochs_tokens_are_dropped_and_counted():
+    """Once a worker's newer incarnation has been heard from, anything its older one still sends
+    is dropped whole, even for a stream the detokenizer holds; tokens for streams it does not hold
+    are counted too."""
+    core = DetokCore(ToyTok())
+    open_(core, "a")
+    out = core.step(StepOutput(worker_id="w", epoch=2, step=0, seqs=[SeqTokens("a", 0, ids("hi"))]))
+    assert texts(out) == [(0, "hi", None)]
+    stale = StepOutput(worker_id="w", epoch=1, step=9, seqs=[SeqTokens("a", 0, ids("xyz"))])
+    assert core.step(stale) == []
+    other = StepOutput(worker_id="v", epoch=1, step=0, seqs=[SeqTokens("a", 0, ids("!"))])
+    assert texts(core.step(other)) == [(0, "!", None)]        # epochs are per worker
+    gone = StepOutput(worker_id="w", epoch=2, step=1, seqs=[SeqTokens("failed", 0, ids("ab"))])
+    assert core.step(gone) == []
+    assert core.dropped_tokens == {"stale_epoch": 3, "no_stream": 2}
