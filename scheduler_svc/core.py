@@ -3,7 +3,8 @@
     submit(Submit)          admission: 400 (too long) / 429 (tenant or queue full) / 503 (no worker),
                             else queued (Admitted) and dispatched when a worker has room
     abort(Abort)            queued: dropped; dispatched: forwarded to its worker
-    worker_status(status)   finished requests leave; load numbers refresh; queue drains
+    worker_status(status)   finished requests leave; load numbers refresh; queue drains (only a
+                            status of the worker's current epoch counts; others are ignored)
     set_workers(views)      the live set from Redis: a worker gone or restarted (new epoch) fails its
                             in-flight requests with a clear error (gateway) and frees detok state
 
@@ -131,7 +132,7 @@ class SchedulerCore:
             worker.dispatched += 1
             s = req.submit
             out.append(Envelope(worker.addr, Dispatch(
-                request_id=rid, prompt_token_ids=s.prompt_token_ids, params=s.params, priority=s.priority,
+                request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params, priority=s.priority,
                 cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
         return out
 
@@ -163,6 +164,8 @@ class SchedulerCore:
     def worker_status(self, msg: WorkerStatus) -> list[Envelope]:
         w = self.workers.get(msg.worker_id)
         if w is None or w.epoch != msg.epoch:
+            # another incarnation's (a stale one's "finished" list would forget live requests);
+            # a newer one's counts once the registry shows its epoch
             return []
         w.running, w.waiting = msg.running, msg.waiting
         w.free_blocks, w.cached_blocks, w.total_blocks = msg.free_blocks, msg.cached_blocks, msg.total_blocks

@@ -80,6 +80,7 @@ class RequestFailed(Msg, tag="failed", kw_only=True):
 
 class Dispatch(Msg, tag="dispatch", kw_only=True):
     request_id: str
+    epoch: int                       # the worker incarnation it is meant for; any other refuses it
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
