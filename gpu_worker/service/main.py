@@ -42,6 +42,7 @@ from services.shell import arm_stop_deadline
 from services.transport import SenderPool, SyncReceiver, add_health, grpc_server, run_async, set_serving, tcp_addr
 
 DRAIN_TIMEOUT_S = 30.0
+FAIL_ALL_TIMEOUT_S = 5.0  # after the drain timed out: for the engine thread to fail what is left
 STOP_DEADLINE_S = 20.0   # after the drain: engine join, lease release, freeing the device
 log = logging.getLogger("kvmesh.worker")
 
@@ -241,7 +242,9 @@ class WorkerService:
         if self.core.requests and self.engine.is_alive():
             log.warning("drain timed out; failing %d requests", len(self.core.requests))
             self.engine.fail_message = "the worker shut down"
-            while self.engine.fail_message is not None and self.engine.is_alive():
+            # bounded: an engine thread holding its output for a lapsed lease never takes it up
+            deadline = time.monotonic() + FAIL_ALL_TIMEOUT_S
+            while self.engine.fail_message is not None and self.engine.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
 
     async def _refresh_schedulers(self) -> None:
