@@ -4,7 +4,8 @@ generating it for clients that were already told it failed. A restarted worker w
 --worker-id (what `kvmesh serve` does) is a new incarnation too.
 
 Its own stack (the worker is paused and killed): embedded Redis, tokenizer (with a metrics page:
-the detokenizer's dropped-token counter is the witness), scheduler, one tiny CPU worker, gateway.
+the detokenizer's dropped-token counter is the witness), scheduler, prefix-cache index (its
+metrics show it resynced the rejoined worker's kept cache), one tiny CPU worker, gateway.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def lease_stack(tiny_model, tmp_path_factory):
     with redis_and_procs(logs) as (redis, procs):
         procs.start("tokenizer", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "0", "--model", tiny_model)
         procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "-1")
+        procs.start("prefix-cache", "prefix-cache", *FAST, "--host", "127.0.0.1", "--port", "0",
+                    "--metrics-port", "0")
         procs.start_worker(WORKER, tiny_model)
         procs.start("gateway", "gateway", *FAST, "--port", str(port), "--zmq-port", "0")
         base = f"http://127.0.0.1:{port}"
@@ -44,16 +47,23 @@ def worker_record(st):
     return next((r for r in records(st["redis"], "worker") if r.id == WORKER), None)
 
 
+def scrape(st, kind: str) -> dict[str, float]:
+    """A service's /metrics page: sample name with labels -> value."""
+    [rec] = records(st["redis"], kind)
+    text = httpx.get(rec.addrs["metrics"], timeout=5).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
 def dropped_tokens(st) -> dict[str, float]:
     """The tokenizer's kvmesh_detok_dropped_tokens_total, by reason."""
-    [tok] = records(st["redis"], "tokenizer")
-    text = httpx.get(tok.addrs["metrics"], timeout=5).text
-    out = {"stale_epoch": 0.0, "no_stream": 0.0}
-    for line in text.splitlines():
-        if line.startswith("kvmesh_detok_dropped_tokens_total{"):
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = float(line.rsplit(" ", 1)[1])
-    return out
+    page = scrape(st, "tokenizer")
+    return {reason: page.get(f'kvmesh_detok_dropped_tokens_total{{reason="{reason}"}}', 0.0)
+            for reason in ("stale_epoch", "no_stream")}
+
+
+def index_blocks_of_worker(st) -> float:
+    return scrape(st, "prefix-cache").get(f'kvmesh_prefix_worker_blocks{{worker="{WORKER}"}}', 0.0)
 
 
 class Stream(threading.Thread):
@@ -61,7 +71,7 @@ class Stream(threading.Thread):
 
     def __init__(self, st, i: int) -> None:
         super().__init__(daemon=True)
-        self.body = {"model": st["model"], "prompt": f"story {i}", "max_tokens": 1500, "temperature": 0,
+        self.body = {"model": st["model"], "prompt": f"story {i} " * 30, "max_tokens": 1500, "temperature": 0,
                      "stream": True, "ignore_eos": True}
         self.url = st["base"] + "/v1/completions"
         self.events: list[str] = []
@@ -108,12 +118,18 @@ def test_a_worker_paused_past_its_lease_rejoins_with_a_new_epoch_and_drops_the_o
     assert rejoined.info["pid"] == pid                  # the same process: a new incarnation of it
     # zero blocks in use and nothing held, as reported after its steps (every heartbeat)
     idle = wait_for(lambda: (r := worker_record(st)) and r.load.get("requests") == 0
-                    and r.load.get("running") == 0 and r.load["free_blocks"] == r.load["total_blocks"] and r,
+                    and r.load.get("running") == 0 and r.load["free_blocks"] + r.load["cached_blocks"] == r.load["total_blocks"] and r,
                     10, "the rejoined worker to hold no request and no KV block")
     time.sleep(1.0)   # were the old requests still generating, tokens would keep arriving
     assert worker_record(st).load["tokens_out"] == idle.load["tokens_out"]
     after = dropped_tokens(st)
     assert after == before, f"tokens of the old epoch reached the detokenizer: {before} -> {after}"
+    # the worker kept its cached prefix blocks; the index, which purged them when the lease
+    # expired, takes them back from a snapshot of the new epoch
+    assert idle.load["cached_blocks"] > 0
+    wait_for(lambda: index_blocks_of_worker(st) == worker_record(st).load["cached_blocks"], 10,
+             "the prefix index to resync the rejoined worker's cache")
+    assert scrape(st, "prefix-cache")["kvmesh_prefix_new_epochs_total"] >= 1
     log = (st["logs"] / f"{WORKER}.log").read_text(errors="replace")
     assert f"the lease of epoch {first.epoch} lapsed; serving as epoch {rejoined.epoch}, " \
            f"dropped its {STREAMS} requests" in log
