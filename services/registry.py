@@ -48,6 +48,9 @@ class Lease:
         self.fenced = False
         self.rejoins = 0                          # times the record had expired and a new epoch was taken
         self.valid_until = float("-inf")          # time.monotonic(): the record certainly lives until then
+        # one renewal at a time: two that both found the record expired would both rejoin, and
+        # the second, a step behind the counter, would fence this very process
+        self._renewing = asyncio.Lock()
 
     @property
     def epoch(self) -> int:
@@ -63,18 +66,19 @@ class Lease:
         False: fenced, a newer incarnation owns this id; stop serving."""
         if load is not None:
             self.record.load = load
-        started = time.monotonic()
-        status = await self._run(self._reg.renew_script, self.record)
-        if status == keys.LAPSED:
-            status = await self._rejoin()
-        if status != keys.RENEWED:
-            if not self.fenced:
-                self.fenced = True
-                r = self.record
-                log.error("%s %s epoch %d was replaced by a newer incarnation; stop serving", r.kind, r.id, r.epoch)
-            return False
-        self.valid_until = started + self.lease_ms / 1000
-        return True
+        async with self._renewing:
+            started = time.monotonic()
+            status = await self._run(self._reg.renew_script, self.record)
+            if status == keys.LAPSED:
+                status = await self._rejoin()
+            if status == keys.RENEWED:
+                self.valid_until = started + self.lease_ms / 1000
+                return True
+        if not self.fenced:
+            self.fenced = True
+            r = self.record
+            log.error("%s %s epoch %d was replaced by a newer incarnation; stop serving", r.kind, r.id, r.epoch)
+        return False
 
     async def claim(self) -> bool:
         """Write the record of a freshly taken epoch (registration)."""

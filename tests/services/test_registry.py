@@ -100,3 +100,17 @@ async def test_a_redis_restart_keeps_the_epoch(redis_url):
         assert [r.epoch for r in await reg.list("worker") if r.id == "w-flush"] == [lease.epoch]
     finally:
         await reg.close()
+
+
+async def test_concurrent_renewals_of_a_lapsed_lease_rejoin_once(redis_url):
+    """Two renewals at once (a worker's drain beside its heartbeat) that both find the record
+    expired must take one new epoch, not fence the process with its own second rejoin."""
+    reg = Registry(redis_url)
+    try:
+        lease = await reg.register("worker", "w-twice", addrs={}, info={}, lease_ms=300)
+        first = lease.epoch
+        await asyncio.sleep(0.5)
+        assert await asyncio.gather(lease.renew(), lease.renew()) == [True, True]
+        assert lease.epoch == first + 1 and lease.rejoins == 1 and not lease.fenced
+    finally:
+        await reg.close()
