@@ -132,8 +132,8 @@ class SchedulerCore:
             worker.dispatched += 1
             s = req.submit
             out.append(Envelope(worker.addr, Dispatch(
-                request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params, priority=s.priority,
-                cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
+                request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
+                priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
         return out
 
     # ---- request end ---------------------------------------------------------------------

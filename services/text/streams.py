@@ -32,7 +32,7 @@ from services.text.stop_strings import StopStringMatcher
 
 SCHEDULER = "scheduler"
 STREAM_MAX_AGE_S = 3600.0  # a stream whose end was lost is forgotten after this (expire())
-MAX_WORKERS_REMEMBERED = 4096  # newest epoch per worker id; the oldest-seen ids go first
+MAX_WORKERS_REMEMBERED = 4096  # newest epoch per worker id; past this, the first-seen ids go first
 
 
 class Envelope(NamedTuple):

@@ -117,8 +117,10 @@ def test_a_worker_paused_past_its_lease_rejoins_with_a_new_epoch_and_drops_the_o
                         "the worker to rejoin with a new epoch")
     assert rejoined.info["pid"] == pid                  # the same process: a new incarnation of it
     # zero blocks in use and nothing held, as reported after its steps (every heartbeat)
+    def no_block_in_use(r) -> bool:   # free + cached == total: used == 0
+        return r.load["free_blocks"] + r.load["cached_blocks"] == r.load["total_blocks"]
     idle = wait_for(lambda: (r := worker_record(st)) and r.load.get("requests") == 0
-                    and r.load.get("running") == 0 and r.load["free_blocks"] + r.load["cached_blocks"] == r.load["total_blocks"] and r,
+                    and r.load.get("running") == 0 and no_block_in_use(r) and r,
                     10, "the rejoined worker to hold no request and no KV block")
     time.sleep(1.0)   # were the old requests still generating, tokens would keep arriving
     assert worker_record(st).load["tokens_out"] == idle.load["tokens_out"]
