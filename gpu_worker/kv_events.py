@@ -64,6 +64,15 @@ class KVEventPublisher:
         addresses); the stream restarts at seq 0. Call before the first step."""
         self.epoch, self.seq = epoch, -1
 
+    def begin_epoch(self, epoch: int) -> None:
+        """A later incarnation of this worker that keeps its cache (its lease lapsed and it rejoined
+        with `epoch`): the stream restarts in `epoch` as if batch 0 had been sent, so the index,
+        which never sees a batch 0, finds a gap and replaces whatever it held for this worker with a
+        snapshot (docs/kv_events.md). Events not yet published are covered by that snapshot."""
+        self.epoch, self.seq = epoch, 0
+        self._pending = []
+        self._last_send = float("-inf")   # the next flush announces the new epoch at once
+
     # ---- block-manager listener ----------------------------------------------------------
     def on_stored(self, block_hash: bytes, parent: bytes | None, token_ids: list[int], tier: str = "gpu") -> None:
         self._pending.append(BlockStored(block_hash, parent, list(token_ids), tier))

@@ -4,7 +4,8 @@
                             else queued (Admitted) and dispatched when a worker has room
     abort(Abort)            queued: dropped, its gateway told (RequestFailed); dispatched: forwarded
                             to its worker (whose detokenizer tells the gateway)
-    worker_status(status)   finished requests leave; load numbers refresh; queue drains
+    worker_status(status)   finished requests leave; load numbers refresh; queue drains (only a
+                            status of the worker's current epoch counts; others are ignored)
     set_workers(views)      the live set from Redis: a worker gone or restarted (new epoch) fails its
                             in-flight requests with a clear error (gateway) and frees detok state
 
@@ -132,8 +133,8 @@ class SchedulerCore:
             worker.dispatched += 1
             s = req.submit
             out.append(Envelope(worker.addr, Dispatch(
-                request_id=rid, prompt_token_ids=s.prompt_token_ids, params=s.params, priority=s.priority,
-                cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
+                request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
+                priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
         return out
 
     # ---- request end ---------------------------------------------------------------------
@@ -164,6 +165,8 @@ class SchedulerCore:
     def worker_status(self, msg: WorkerStatus) -> list[Envelope]:
         w = self.workers.get(msg.worker_id)
         if w is None or w.epoch != msg.epoch:
+            # another incarnation's (a stale one's "finished" list would forget live requests);
+            # a newer one's counts once the registry shows its epoch
             return []
         w.running, w.waiting = msg.running, msg.waiting
         w.free_blocks, w.cached_blocks, w.total_blocks = msg.free_blocks, msg.cached_blocks, msg.total_blocks

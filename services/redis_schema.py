@@ -2,10 +2,14 @@
 
     kvmesh:epoch:{kind}:{id}   INCR counter. Each start of a process takes the next value: its epoch,
                                a fencing token. A process whose epoch is no longer the counter's value
-                               has been replaced and must stop renewing (and serving).
+                               has been replaced and must stop renewing (and serving). A process whose
+                               record expired (paused, starved, cut off from Redis past its lease)
+                               takes the next value too when it comes back: readers may have declared
+                               it dead, so it rejoins as a new incarnation and drops its old work.
     kvmesh:svc:{kind}:{id}     JSON ServiceRecord (addresses, model info, load), SET ... PX lease_ms,
-                               renewed by every heartbeat only while the epoch still matches (Lua).
-                               Gone == dead: readers treat a missing record as a failed process.
+                               renewed by every heartbeat only while the epoch still matches and the
+                               record still exists (Lua). Gone == dead: readers treat a missing record
+                               as a failed process.
     kvmesh:svcs:{kind}         SET of ids ever registered of this kind (discovery index; members whose
                                record has expired are pruned by readers).
 
@@ -33,20 +37,48 @@ def index_key(kind: str) -> str:
     return f"{PREFIX}:svcs:{kind}"
 
 
+# Script results (bulk strings).
+RENEWED, LAPSED, FENCED = b"renewed", b"lapsed", b"fenced"
+
 # KEYS: record, epoch counter, index. ARGV: epoch, value, lease ms, id.
-# Renews only while this process's epoch is still the newest one; returns 1 if renewed, 0 if fenced.
+# Registration, right after INCR took the epoch: writes the record unless a newer start already
+# took the counter past it.
+CLAIM_LUA = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 'fenced' end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[4])
+return 'renewed'
+"""
+
+# KEYS: record, epoch counter, index. ARGV: epoch, value, lease ms, id.
+# A heartbeat. Renews only while this process's epoch is still the newest one ('fenced' if not)
+# and its record has not expired ('lapsed': readers may have seen it gone and failed its work, so
+# the process must rejoin with REJOIN_LUA, never resurrect the old epoch).
 # A missing counter means Redis lost its data (restart without persistence): the first live
 # incarnation to renew claims it again, so a Redis restart does not stop the fleet.
 RENEW_LUA = """
 local current = redis.call('GET', KEYS[2])
 if not current then
   redis.call('SET', KEYS[2], ARGV[1])
-  current = ARGV[1]
+elseif current ~= ARGV[1] then
+  return 'fenced'
+elseif redis.call('EXISTS', KEYS[1]) == 0 then
+  return 'lapsed'
 end
-if current ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[4])
-return 1
+return 'renewed'
+"""
+
+# KEYS: record, epoch counter, index. ARGV: old epoch, value (carrying old epoch + 1), lease ms, id.
+# A lapsed process takes the next epoch, unless a newer start already took it ('fenced').
+REJOIN_LUA = """
+local current = redis.call('GET', KEYS[2])
+if current and current ~= ARGV[1] then return 'fenced' end
+redis.call('SET', KEYS[2], tonumber(ARGV[1]) + 1)
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[4])
+return 'renewed'
 """
 
 # KEYS: record, epoch counter. ARGV: epoch. Deletes the record only if we still own it.

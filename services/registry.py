@@ -3,8 +3,14 @@
     reg = Registry(redis_url, RedisAuth.of(trust))   # authenticates as redis_client.connect says
     lease = await reg.register("worker", worker_id, addrs={"zmq": ...}, info={...})  # takes an epoch
     await lease.renew(load={...})      # every heartbeat; False: a newer incarnation fenced us out
+    lease.held()                       # True until lease_ms after the start of the last renewal
     await reg.list("worker")           # live records (expired ones pruned)
     await lease.release()              # clean shutdown: the record disappears at once
+
+A renewal that finds the record expired (the process was paused or starved past its lease, or
+cut off from Redis) does not bring the old epoch back: readers may have declared it dead and
+failed its work. The lease takes the next epoch instead (`lease.epoch` changes) and the process
+is a new incarnation; a worker drops every request of the old epoch (gpu_worker/service/main.py).
 """
 from __future__ import annotations
 
@@ -41,23 +47,65 @@ class Lease:
     def __init__(self, reg: "Registry", record: ServiceRecord, lease_ms: int) -> None:
         self._reg, self.record, self.lease_ms = reg, record, lease_ms
         self.fenced = False
+        self.rejoins = 0                          # times the record had expired and a new epoch was taken
+        self.valid_until = float("-inf")          # time.monotonic(): the record certainly lives until then
+        # one renewal at a time: two that both found the record expired would both rejoin, and
+        # the second, a step behind the counter, would fence this very process
+        self._renewing = asyncio.Lock()
 
     @property
     def epoch(self) -> int:
         return self.record.epoch
 
+    def held(self) -> bool:
+        """Whether the record is certainly still in Redis: the last renewal started less than
+        lease_ms ago (its PX counts from later than that). Safe from any thread."""
+        return time.monotonic() < self.valid_until
+
     async def renew(self, load: dict[str, Any] | None = None) -> bool:
+        """Renew the lease, or rejoin with the next epoch when the record had expired.
+        False: fenced, a newer incarnation owns this id; stop serving."""
         if load is not None:
             self.record.load = load
-        self.record.ts = time.time()
-        r = self.record
-        ok = await self._reg.renew_script(
-            keys=[keys.record_key(r.kind, r.id), keys.epoch_key(r.kind, r.id), keys.index_key(r.kind)],
-            args=[str(r.epoch), _enc.encode(r), self.lease_ms, r.id])
-        if not ok and not self.fenced:
+        async with self._renewing:
+            started = time.monotonic()
+            status = await self._run(self._reg.renew_script, self.record)
+            if status == keys.LAPSED:
+                status = await self._rejoin()
+            if status == keys.RENEWED:
+                self.valid_until = started + self.lease_ms / 1000
+                return True
+        if not self.fenced:
             self.fenced = True
+            r = self.record
             log.error("%s %s epoch %d was replaced by a newer incarnation; stop serving", r.kind, r.id, r.epoch)
-        return bool(ok)
+        return False
+
+    async def claim(self) -> bool:
+        """Write the record of a freshly taken epoch (registration)."""
+        started = time.monotonic()
+        if await self._run(self._reg.claim_script, self.record) != keys.RENEWED:
+            return False
+        self.valid_until = started + self.lease_ms / 1000
+        return True
+
+    async def _rejoin(self) -> bytes:
+        old = self.record
+        new = msgspec.structs.replace(old, epoch=old.epoch + 1)
+        status = await self._run(self._reg.rejoin_script, new, old.epoch)
+        if status == keys.RENEWED:
+            self.record = new
+            self.rejoins += 1
+            log.warning("%s %s: the lease of epoch %d lapsed (its record expired); rejoined as epoch %d",
+                        old.kind, old.id, old.epoch, new.epoch)
+        return status
+
+    async def _run(self, script: Any, record: ServiceRecord, epoch: int | None = None) -> bytes:
+        record.ts = time.time()
+        return await script(
+            keys=[keys.record_key(record.kind, record.id), keys.epoch_key(record.kind, record.id),
+                  keys.index_key(record.kind)],
+            args=[str(record.epoch if epoch is None else epoch), _enc.encode(record), self.lease_ms, record.id])
 
     async def release(self) -> None:
         r = self.record
@@ -73,7 +121,9 @@ class Registry:
         if not url:
             raise ValueError("a Redis URL is required (--redis-url / KVMESH_REDIS_URL)")
         self.redis = redis_client.connect(url, auth)
+        self.claim_script = self.redis.register_script(keys.CLAIM_LUA)
         self.renew_script = self.redis.register_script(keys.RENEW_LUA)
+        self.rejoin_script = self.redis.register_script(keys.REJOIN_LUA)
         self.release_script = self.redis.register_script(keys.RELEASE_LUA)
 
     async def register(self, kind: str, id_: str, *, addrs: dict[str, str], info: dict[str, Any],
@@ -91,7 +141,7 @@ class Registry:
                 await asyncio.sleep(1.0)
         lease = Lease(self, ServiceRecord(kind=kind, id=id_, epoch=epoch, addrs=addrs, info=info,
                                           load=load or {}), lease_ms)
-        if not await lease.renew():
+        if not await lease.claim():
             raise RuntimeError(f"{kind} {id_}: lost the epoch race at registration")
         return lease
 

@@ -2,6 +2,11 @@
 
     core.run([Dispatch, Abort, ...]) -> [Envelope(dest, msg), ...]
 
+A Dispatch names the worker incarnation (epoch) it was meant for; one for another epoch is refused
+with a RequestFailed. When the registry lease lapses and the worker rejoins with a new epoch, the
+shell calls rejoin(): every request of the old epoch is dropped without a word (the scheduler has
+failed them already), their KV blocks freed.
+
 Per step it emits one StepOutput per detokenizer holding every sequence's new tokens (usually a
 single message), a StreamOpen before a request's first tokens (same destination, so ordered),
 and a WorkerStatus to the scheduler when requests ended. All engine calls happen in run(), which
@@ -103,7 +108,29 @@ class WorkerCore:
             metrics.WORKER_FIRST_SEND.observe(now - produced)
         self._first_tokens.clear()
 
+    def rejoin(self, epoch: int) -> int:
+        """Serve as incarnation `epoch` from now on. The old epoch's lease lapsed, so the scheduler
+        has failed (or, on seeing the new epoch, will fail) every request it held: abort each one in
+        the engine (its KV blocks are freed) and emit nothing more for any of them. Cached prefix
+        blocks stay. Returns how many requests were dropped."""
+        dropped = list(self.requests)
+        for rid in dropped:
+            self.engine.abort_request(rid)
+        self.requests.clear()
+        self._unscheduled.clear()
+        self._finished.clear()
+        self._first_tokens.clear()
+        self.epoch = epoch
+        return len(dropped)
+
     def _dispatch(self, msg: Dispatch, out: list[Envelope], received: float) -> None:
+        if msg.epoch != self.epoch:     # meant for an incarnation that is gone (or not yet adopted)
+            log.info("refusing request %s dispatched to epoch %d (serving epoch %d)",
+                     msg.request_id, msg.epoch, self.epoch)
+            out.append(Envelope(msg.reply_addr, RequestFailed(
+                request_id=msg.request_id, status=503, code="worker_failed",
+                message="the worker serving this request restarted; please retry")))
+            return
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                     priority=msg.priority, cache_salt=msg.cache_salt)

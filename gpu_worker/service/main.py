@@ -6,7 +6,15 @@
                     signals
 
 The engine thread owns its sockets (plain zmq, no event loop between two steps), so a step never
-waits for the loop and the loop keeps heartbeating while a step computes. SIGTERM drains: the
+waits for the loop and the loop keeps heartbeating while a step computes.
+
+Lease fencing: the engine thread emits only while the lease is certainly alive (`Lease.held()`:
+the last renewal started less than --lease-ms ago). After a pause (SIGSTOP, a stalled host) or
+a Redis outage past the lease it holds its output until the heartbeat knows more: the same epoch
+renewed (nothing was lost: it sends and goes on) or a new epoch taken because the record had
+expired (the scheduler has failed the old epoch's requests: it drops them all, frees their KV
+blocks, discards the held output and serves as the new incarnation; the KV-event stream restarts
+in the new epoch and the prefix index resyncs it from a snapshot). SIGTERM drains: the
 record says `draining` (no new work is routed here), running requests finish (up to 30 s), then
 the lease is released.
 """
@@ -31,12 +39,13 @@ from services.logging import setup as setup_logging
 from services.model_names import path_aliases, served_names
 from services.protocol.messages import WorkerInbox
 from services.redis_client import RedisAuth
-from services.registry import Registry
+from services.registry import Lease, Registry
 from services.security import service_trust
 from services.shell import arm_stop_deadline
 from services.transport import SenderPool, SyncReceiver, add_health, grpc_server, run_async, set_serving, tcp_addr
 
 DRAIN_TIMEOUT_S = 30.0
+FAIL_ALL_TIMEOUT_S = 5.0  # after the drain timed out: for the engine thread to fail what is left
 STOP_DEADLINE_S = 20.0   # after the drain: engine join, lease release, freeing the device
 log = logging.getLogger("kvmesh.worker")
 
@@ -80,10 +89,11 @@ class EngineThread(threading.Thread):
 
     IDLE_POLL_MS = 50   # also the idle period of KV-event heartbeats and snapshot answers
 
-    def __init__(self, core: WorkerCore, receiver: SyncReceiver, scheduler_addrs: list[str],
+    def __init__(self, core: WorkerCore, receiver: SyncReceiver, scheduler_addrs: list[str], lease: Lease,
                  kv_publisher: Any = None) -> None:
         super().__init__(name="engine", daemon=True)
         self.core, self.receiver, self.kv_publisher = core, receiver, kv_publisher
+        self.lease = lease                          # renewed by the loop thread; read here
         self.scheduler_addrs = scheduler_addrs      # replaced (not mutated) by the heartbeat
         self.senders: SenderPool = SenderPool()
         self.stop = threading.Event()
@@ -91,17 +101,27 @@ class EngineThread(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        held: list[Envelope] = []    # output of steps that ended while the lease was in doubt
         try:
             while not self.stop.is_set():
+                if self.lease.epoch != self.core.epoch:
+                    held = []        # the old incarnation's: its requests were failed
+                    self._rejoin(self.lease.epoch)
+                if not self.lease.held():
+                    self.stop.wait(self.IDLE_POLL_MS / 1000)   # until renewed or rejoined
+                    continue
                 inbox = self.receiver.recv_all(0 if self.core.has_work() else self.IDLE_POLL_MS)
-                out = self.core.run(inbox, self.receiver.read_at if inbox else None)
+                held += self.core.run(inbox, self.receiver.read_at if inbox else None)
                 if self.fail_message is not None:
-                    self.core.fail_all(self.fail_message, out)
+                    self.core.fail_all(self.fail_message, held)
                     self.fail_message = None
-                self._send(out)
-                self.core.note_sent(time.perf_counter())
-                if self.kv_publisher is not None:
-                    self.kv_publisher.flush()   # this step's cache changes; snapshots; heartbeats
+                # checked again after the step: a pause may have begun during it
+                if self.lease.held() and self.lease.epoch == self.core.epoch:
+                    self._send(held)
+                    held = []
+                    self.core.note_sent(time.perf_counter())
+                    if self.kv_publisher is not None:
+                        self.kv_publisher.flush()   # this step's cache changes; snapshots; heartbeats
                 if self.core.last_step_s:
                     metrics.STEP_SECONDS.observe(self.core.last_step_s)
                     self.core.last_step_s = 0.0
@@ -115,6 +135,15 @@ class EngineThread(threading.Thread):
             close = getattr(self.core.engine, "close", None)   # the null engine has none
             if close is not None:
                 close()
+
+    def _rejoin(self, epoch: int) -> None:
+        old = self.core.epoch
+        dropped = self.core.rejoin(epoch)
+        if self.kv_publisher is not None:
+            self.kv_publisher.begin_epoch(epoch)
+        metrics.WORKER_REJOINS.inc()
+        log.warning("worker %s: the lease of epoch %d lapsed; serving as epoch %d, dropped its %d requests",
+                    self.core.worker_id, old, epoch, dropped)
 
     def _send(self, out: list[Envelope]) -> None:
         for env in out:
@@ -167,7 +196,7 @@ class WorkerService:
             publisher.set_epoch(self.lease.epoch)
         self.core = WorkerCore(engine, self.worker_id, self.lease.epoch)
         await self._refresh_schedulers()
-        self.engine = EngineThread(self.core, receiver, self.scheduler_addrs, publisher)
+        self.engine = EngineThread(self.core, receiver, self.scheduler_addrs, self.lease, publisher)
         self.engine.start()
         await set_serving(health, True)
         log.info("worker %s epoch %d ready: %s (%s), zmq %s", self.worker_id, self.lease.epoch,
@@ -222,7 +251,9 @@ class WorkerService:
         if self.core.requests and self.engine.is_alive():
             log.warning("drain timed out; failing %d requests", len(self.core.requests))
             self.engine.fail_message = "the worker shut down"
-            while self.engine.fail_message is not None and self.engine.is_alive():
+            # bounded: an engine thread holding its output for a lapsed lease never takes it up
+            deadline = time.monotonic() + FAIL_ALL_TIMEOUT_S
+            while self.engine.fail_message is not None and self.engine.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
 
     async def _refresh_schedulers(self) -> None:

@@ -96,6 +96,7 @@ def failure_of(abort: Abort) -> RequestFailed:
 
 class Dispatch(Msg, tag="dispatch", kw_only=True):
     request_id: str
+    epoch: int                       # the worker incarnation it is meant for; any other refuses it
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0

@@ -12,6 +12,10 @@ less); it lives in services/ because both import it.
                             stream ends with an error chunk and [DONE] instead of waiting for text
                             that will never come (the gateway drops it when the client left first)
 
+A StepOutput from an older epoch of a worker than one already seen is dropped whole: that
+incarnation's lease lapsed and its requests were failed. Tokens dropped, for that reason or because
+their stream is gone, are counted in `dropped_tokens` and kvmesh_detok_dropped_tokens_total.
+
 A sample ends when the engine says so (eos/stop token: "stop", "length", "abort") or when one of
 its stop strings appears in the text (then "stop", the text cut right before the stop string,
 and the abort frees the sample's KV on the worker). Tokens of an ended sample are ignored. A
@@ -23,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from services import metrics
 from services.protocol.messages import (
     Abort, SeqTokens, StepOutput, StreamOpen, TextBatch, TextDelta, TokenLogprobText, failure_of)
 from services.protocol.sampling import SamplingParams
@@ -31,6 +36,7 @@ from services.text.stop_strings import StopStringMatcher
 
 SCHEDULER = "scheduler"
 STREAM_MAX_AGE_S = 3600.0  # a stream whose end was lost is forgotten after this (expire())
+MAX_WORKERS_REMEMBERED = 4096  # newest epoch per worker id; past this, the first-seen ids go first
 
 
 class Envelope(NamedTuple):
@@ -75,6 +81,8 @@ class DetokCore:
         self.stop_hits = 0
         self.samples_started = 0   # samples whose first tokens a step carried (the shell times those steps)
         self._token_text: dict[int, tuple[str, list[int]]] = {}
+        self.worker_epochs: dict[str, int] = {}   # worker id -> newest epoch seen
+        self.dropped_tokens = {"stale_epoch": 0, "no_stream": 0}
 
     def open(self, msg: StreamOpen) -> list[Envelope]:
         self.streams[msg.request_id] = _Stream(msg.reply_addr, msg.params, msg.prompt_tail)
@@ -87,12 +95,16 @@ class DetokCore:
         return [Envelope(stream.reply_addr, failure_of(msg))]
 
     def step(self, msg: StepOutput) -> list[Envelope]:
+        if self._is_stale(msg):
+            self._drop("stale_epoch", sum(len(seq.token_ids) for seq in msg.seqs))
+            return []
         per_gateway: dict[str, list[TextDelta]] = {}
         out: list[Envelope] = []
         for seq in msg.seqs:
             stream = self.streams.get(seq.request_id)
-            if stream is None:
-                continue  # aborted or unknown: nobody waits for it
+            if stream is None:  # aborted or unknown: nobody waits for it
+                self._drop("no_stream", len(seq.token_ids))
+                continue
             delta = self._advance(stream, seq, out)
             if delta is not None:
                 per_gateway.setdefault(stream.reply_addr, []).append(delta)
@@ -100,6 +112,20 @@ class DetokCore:
                 del self.streams[seq.request_id]
         out += [Envelope(addr, TextBatch(deltas=d)) for addr, d in per_gateway.items()]
         return out
+
+    def _drop(self, reason: str, num_tokens: int) -> None:
+        if num_tokens:
+            self.dropped_tokens[reason] += num_tokens
+            metrics.DETOK_DROPPED_TOKENS.labels(reason).inc(num_tokens)
+
+    def _is_stale(self, msg: StepOutput) -> bool:
+        newest = self.worker_epochs.get(msg.worker_id)
+        if newest is not None and msg.epoch < newest:
+            return True
+        if newest is None and len(self.worker_epochs) >= MAX_WORKERS_REMEMBERED:
+            del self.worker_epochs[next(iter(self.worker_epochs))]
+        self.worker_epochs[msg.worker_id] = msg.epoch
+        return False
 
     def _advance(self, stream: _Stream, seq: SeqTokens, out: list[Envelope]) -> TextDelta | None:
         p = stream.params

@@ -71,3 +71,34 @@ async def test_index_mirrors_the_engine_block_manager():
     finally:
         sub.close()
         pub.close()
+
+
+async def test_a_rejoined_worker_keeps_its_cache_and_the_index_resyncs_from_a_snapshot():
+    """A worker whose lease lapsed rejoins with a new epoch but keeps its cached blocks: its event
+    stream restarts in the new epoch (begin_epoch) and the index, which forgets a worker on a new
+    epoch, must fetch a snapshot rather than start the new epoch empty."""
+    bm = block_manager.BlockManager(12, BS, "m")
+    pub = KVEventPublisher(bm, "w1", epoch=1, heartbeat_s=0.02)
+    sub = EventSubscriber()
+    sub.connect(pub.events_addr)
+    core = PrefixCore(BS)
+    a, b = list(range(100, 116)), list(range(300, 308))
+    try:
+        async with pumped(pub):
+            run_prompt(bm, a, "a")
+            await follow(core, sub, pub, lambda: index_hits(core, a) == 4)
+            snapshots = core.stats.snapshots_applied
+            pub.begin_epoch(2)
+            await follow(core, sub, pub, lambda: core.streams["w1"].epoch == 2
+                         and core.streams["w1"].awaiting_since is None)
+            assert index_hits(core, a) == 4 and core.stats.snapshots_applied == snapshots + 1
+            assert core.stats.new_epochs == 1
+            run_prompt(bm, b, "b")                          # the new epoch's events apply on top
+            await follow(core, sub, pub, lambda: index_hits(core, b) == 2)
+            snap = await fetch_snapshot(pub.snapshot_addr, "check", timeout_s=2.0)
+        assert snap.epoch == 2 and core.compare(snap).consistent and index_hits(core, a) == 4
+        bm.check_integrity()
+        core.index.check_integrity()
+    finally:
+        sub.close()
+        pub.close()

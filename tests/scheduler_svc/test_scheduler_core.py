@@ -140,6 +140,30 @@ def test_dead_or_restarted_worker_fails_its_requests():
     assert core.workers["w2"].running == 0
 
 
+def test_a_stale_epochs_status_is_refused_and_dispatches_name_the_epoch():
+    """A worker paused past its lease rejoins with a new epoch; whatever its old incarnation still
+    reports (finished lists, heartbeats listing what it held, load) must not touch the new one's
+    requests, and each Dispatch names the incarnation it is meant for."""
+    now = [0.0]
+    core = SchedulerCore(clock=lambda: now[0])
+    core.set_workers([worker("w1", epoch=1)])
+    core.submit(submit("old"))
+    out = core.set_workers([worker("w1", epoch=2)])          # rejoined: "old" fails
+    assert [e.msg.request_id for e in out if isinstance(e.msg, RequestFailed)] == ["old"]
+    [d] = [e.msg for e in core.submit(submit("new")) if isinstance(e.msg, Dispatch)]
+    assert d.epoch == 2
+    now[0] = SchedulerCore.RECONCILE_AFTER_S + 1
+    stale = WorkerStatus(worker_id="w1", epoch=1, running=7, waiting=3, free_blocks=0, cached_blocks=0,
+                         total_blocks=10, finished=["new"], active=[])
+    assert core.worker_status(stale) == []
+    assert "new" in core.requests and core.workers["w1"].inflight == {"new"}
+    assert (core.workers["w1"].running, core.workers["w1"].waiting) == (0, 0)
+    current = WorkerStatus(worker_id="w1", epoch=2, running=1, waiting=0, free_blocks=9, cached_blocks=0,
+                           total_blocks=10, finished=["new"])
+    core.worker_status(current)
+    assert not core.requests and core.workers["w1"].running == 1
+
+
 def test_draining_worker_gets_no_new_work():
     core = SchedulerCore()
     w = worker("w1")

@@ -62,3 +62,55 @@ def test_membership_grace_and_epochs():
     assert {r.id for r in m.update([a1], 1.6)} == {"a"}           # gone for good
     a2 = ServiceRecord(kind="worker", id="a", epoch=2)
     assert [r.epoch for r in m.update([a2], 1.7)] == [2]          # a restart replaces at once
+
+
+async def test_a_lease_that_lapsed_rejoins_with_the_next_epoch(redis_url):
+    """A process paused past its lease must not bring its old epoch back: readers may have failed
+    its work. Its next renewal takes a new epoch; a newer start still fences it."""
+    reg = Registry(redis_url, None)
+    try:
+        lease = await reg.register("worker", "w-lapse", addrs={}, info={"role": "mixed"}, lease_ms=300)
+        first = lease.epoch
+        assert lease.held()
+        await asyncio.sleep(0.5)                       # "paused": no heartbeat past the lease
+        assert not lease.held()
+        assert not [r for r in await reg.list("worker") if r.id == "w-lapse"]
+        assert await lease.renew({"running": 0})
+        assert lease.epoch == first + 1 and lease.rejoins == 1 and lease.held() and not lease.fenced
+        assert [r.epoch for r in await reg.list("worker") if r.id == "w-lapse"] == [first + 1]
+        assert await lease.renew() and lease.epoch == first + 1    # an ordinary renewal keeps it
+
+        newer = await reg.register("worker", "w-lapse", addrs={}, info={}, lease_ms=300)
+        await asyncio.sleep(0.5)                       # both lapse: the newer start owns the counter
+        assert not await lease.renew() and lease.fenced
+        assert [r.epoch for r in await reg.list("worker") if r.id == "w-lapse"] == []
+        assert await newer.renew() and newer.epoch == first + 3 and newer.rejoins == 1
+    finally:
+        await reg.close()
+
+
+async def test_a_redis_restart_keeps_the_epoch(redis_url):
+    """Redis lost every key (restart without persistence): the live process claims its epoch back
+    rather than counting as a lapsed one."""
+    reg = Registry(redis_url, None)
+    try:
+        lease = await reg.register("worker", "w-flush", addrs={}, info={}, lease_ms=5000)
+        await reg.redis.flushall()
+        assert await lease.renew() and lease.rejoins == 0
+        assert [r.epoch for r in await reg.list("worker") if r.id == "w-flush"] == [lease.epoch]
+    finally:
+        await reg.close()
+
+
+async def test_concurrent_renewals_of_a_lapsed_lease_rejoin_once(redis_url):
+    """Two renewals at once (a worker's drain beside its heartbeat) that both find the record
+    expired must take one new epoch, not fence the process with its own second rejoin."""
+    reg = Registry(redis_url, None)
+    try:
+        lease = await reg.register("worker", "w-twice", addrs={}, info={}, lease_ms=300)
+        first = lease.epoch
+        await asyncio.sleep(0.5)
+        assert await asyncio.gather(lease.renew(), lease.renew()) == [True, True]
+        assert lease.epoch == first + 1 and lease.rejoins == 1 and not lease.fenced
+    finally:
+        await reg.close()

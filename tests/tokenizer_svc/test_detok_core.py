@@ -134,3 +134,20 @@ def test_stop_reason_names_the_stop_string_or_the_stop_token():
                SeqTokens("r", 2, ids("a"), finish_reason="stop"), SeqTokens("r", 3, ids("ab")))
     assert reasons(out) == [(0, "stop", "xy"), (1, "stop", ids(".")[0]), (2, "stop", None), (3, None, None)]
     assert reasons(step(core, SeqTokens("r", 3, ids("c"), finish_reason="length"))) == [(3, "length", None)]
+
+
+def test_a_stale_epochs_tokens_are_dropped_and_counted():
+    """Once a worker's newer incarnation has been heard from, anything its older one still sends
+    is dropped whole, even for a stream the detokenizer holds; tokens for streams it does not hold
+    are counted too."""
+    core = DetokCore(ToyTok())
+    open_(core, "a")
+    out = core.step(StepOutput(worker_id="w", epoch=2, step=0, seqs=[SeqTokens("a", 0, ids("hi"))]))
+    assert texts(out) == [(0, "hi", None)]
+    stale = StepOutput(worker_id="w", epoch=1, step=9, seqs=[SeqTokens("a", 0, ids("xyz"))])
+    assert core.step(stale) == []
+    other = StepOutput(worker_id="v", epoch=1, step=0, seqs=[SeqTokens("a", 0, ids("!"))])
+    assert texts(core.step(other)) == [(0, "!", None)]        # epochs are per worker
+    gone = StepOutput(worker_id="w", epoch=2, step=1, seqs=[SeqTokens("failed", 0, ids("ab"))])
+    assert core.step(gone) == []
+    assert core.dropped_tokens == {"stale_epoch": 3, "no_stream": 2}

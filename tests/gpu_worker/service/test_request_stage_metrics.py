@@ -40,7 +40,7 @@ def delta(before: dict, after: dict) -> dict[str, tuple[float, float]]:
 
 def dispatch(rid: str, prompt_len: int = 3, max_tokens: int = 3, n: int = 1) -> Dispatch:
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return Dispatch(request_id=rid, prompt_token_ids=[2 + i % 40 for i in range(prompt_len)], params=params,
+    return Dispatch(request_id=rid, epoch=1, prompt_token_ids=[2 + i % 40 for i in range(prompt_len)], params=params,
                     reply_addr="gw", detok_addr="d1")
 
 

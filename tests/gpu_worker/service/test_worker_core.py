@@ -8,7 +8,8 @@ from services.protocol.sampling import SamplingParams
 
 
 def dispatch(rid, n=1, max_tokens=3, detok="d1", prompt=(1, 2, 3)):
-    return Dispatch(request_id=rid, prompt_token_ids=list(prompt), params=SamplingParams(n=n, max_tokens=max_tokens),
+    return Dispatch(request_id=rid, epoch=1, prompt_token_ids=list(prompt),
+                    params=SamplingParams(n=n, max_tokens=max_tokens),
                     reply_addr="gw", detok_addr=detok)
 
 
