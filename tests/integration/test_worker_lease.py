@@ -39,7 +39,7 @@ def lease_stack(tiny_model, tmp_path_factory):
         procs.start("gateway", "gateway", *FAST, "--port", str(port), "--zmq-port", "0")
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, 180)
-        yield {"base": base, "procs": procs, "redis": redis.url, "model": Path(tiny_model).name,
+        yield {"base": base, "procs": procs, "redis": redis.client_url, "model": Path(tiny_model).name,
                "model_dir": tiny_model, "logs": logs}
 
 
