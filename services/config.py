@@ -133,6 +133,8 @@ class GatewayConfig(ServiceConfig):
     admission_timeout_s: float = opt(15.0, "Seconds to wait for the scheduler to accept a request before a 503.",
                                      above=0)
     request_timeout_s: float = opt(600.0, "Seconds a request may go without any progress before it fails.", above=0)
+    tokenize_threads: int = opt(4, "Threads tokenizing long prompts (and detokenizing long id lists) off the event "
+                                   "loop; more wait their turn.", min=1)
     tokenizer_addr: str = opt("", "host:port of tokenizer gRPC servers, comma-separated (default: from Redis).")
     local_tokenizer: str = opt("", "Model directory: when set, prompts are tokenized in this process (one "
                                    "network hop less per request) instead of by the tokenizer service over gRPC; "
