@@ -1,10 +1,12 @@
-"""The gateway's intake under heavy input (issue #29, item 2): a prompt too long to fit is refused
-by its characters before it is tokenized, long prompts tokenize off the event loop (/health keeps
-answering), and /tokenize's answer is bounded.
+"""The gateway's intake under hostile or heavy input (issue #29, items 2 and 3): a prompt too long
+to fit is refused by its characters before it is tokenized, long prompts tokenize off the event
+loop (/health keeps answering), /tokenize's answer is bounded, slow clients are timed out, a
+burst past the connection limit is refused cleanly, and a client leaving mid-body is one log line.
 
 Its own stack (real processes): a null-model worker with a long context (MAX_MODEL_LEN) so that
 multi-megabyte prompts pass the character bound and really are tokenized; a gateway that
-tokenizes in-process (`local`) and one that asks the tokenizer service over gRPC (`grpc`).
+tokenizes in-process (`local`), one that asks the tokenizer service over gRPC (`grpc`, with short
+read timeouts) and one with a small connection limit (`few`).
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ import pytest
 
 from services.ports import free_port
 from services.text.tokenizer import load_tokenizer
-from tests.integration.stack import FAST, INTERNAL, redis_and_procs, wait_ready
+from tests.integration.stack import FAST, INTERNAL, redis_and_procs, wait_for, wait_ready
 
 MAX_MODEL_LEN = 100_000
+HEADER_TIMEOUT_S, BODY_TIMEOUT_S, FEW_CONNECTIONS = 2.0, 3.0, 20
 WORDS = ["hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
 
 
@@ -85,7 +88,7 @@ class Gateways:
 @pytest.fixture(scope="module")
 def gws(tiny_model, tmp_path_factory) -> Gateways:
     logs = tmp_path_factory.mktemp("intake-logs")
-    ports = {name: free_port() for name in ("local", "grpc")}
+    ports = {name: free_port() for name in ("local", "grpc", "few")}
     with redis_and_procs(logs) as (redis, procs):
         procs.start("tokenizer", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", tiny_model)
         procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "-1")
@@ -94,7 +97,10 @@ def gws(tiny_model, tmp_path_factory) -> Gateways:
                     "--num-gpu-blocks", "16384", "--max-num-seqs", "16")
         procs.start("gw-local", "gateway", *FAST, "--port", str(ports["local"]), "--zmq-port", "0",
                     "--local-tokenizer", tiny_model)
-        procs.start("gw-grpc", "gateway", *FAST, "--port", str(ports["grpc"]), "--zmq-port", "0")
+        procs.start("gw-grpc", "gateway", *FAST, "--port", str(ports["grpc"]), "--zmq-port", "0",
+                    "--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S))
+        procs.start("gw-few", "gateway", *FAST, "--port", str(ports["few"]), "--zmq-port", "0",
+                    "--max-connections", str(FEW_CONNECTIONS))
         urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
         for url in urls.values():
             wait_ready(url, 180)
@@ -105,6 +111,8 @@ def gws(tiny_model, tmp_path_factory) -> Gateways:
 
 BOTH = pytest.mark.parametrize("which", ["local", "grpc"])
 
+
+# ---- item 2: long prompts ------------------------------------------------------------------------
 
 @BOTH
 def test_a_prompt_over_the_character_bound_is_refused_fast_without_tokenizing(gws, which):
@@ -185,3 +193,107 @@ def test_tokenize_answers_at_most_the_context_length(gws, which):
     status, answer, elapsed = refusal_time(gws.addr(which), "/tokenize", {
         "model": gws.model_name, "prompt": text_of(MAX_MODEL_LEN * gws.token_chars + 1)})
     assert status == 400 and "characters" in answer["error"]["message"] and elapsed < 1.0
+
+
+# ---- item 3: slow clients, connection limit, disconnects -----------------------------------------
+
+def _open(addr: tuple[str, int], data: bytes) -> socket.socket:
+    s = socket.create_connection(addr, timeout=5)
+    s.sendall(data)
+    return s
+
+
+def _answer_and_close(s: socket.socket, within_s: float) -> bytes:
+    """What the server sent before closing; fails if it keeps the connection open past within_s."""
+    s.settimeout(within_s)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except socket.timeout:
+        raise AssertionError(f"the connection was still open after {within_s} s (got {out[:80]!r})") from None
+    except ConnectionResetError:
+        pass
+    finally:
+        s.close()
+    return out
+
+
+def _close_all(sockets: list[socket.socket], timeout_s: float) -> list[bytes]:
+    with concurrent.futures.ThreadPoolExecutor(len(sockets)) as pool:
+        return list(pool.map(lambda s: _answer_and_close(s, timeout_s), sockets))
+
+
+def test_slow_headers_are_closed_after_the_header_timeout(gws):
+    addr = gws.addr("grpc")
+    t0 = time.monotonic()
+    sockets = [_open(addr, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") for _ in range(25)]
+    sockets += [socket.create_connection(addr, timeout=5) for _ in range(25)]   # connect, send nothing
+    answers = _close_all(sockets, HEADER_TIMEOUT_S + 15)
+    assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 15
+    assert all(a.startswith(b"HTTP/1.1 408") or a == b"" for a in answers), answers[:3]
+    assert sum(a.startswith(b"HTTP/1.1 408") for a in answers) >= 40
+    assert httpx.get(gws.urls["grpc"] + "/health", timeout=10).status_code == 200
+
+
+def test_oversized_headers_are_refused_with_431(gws):
+    addr = gws.addr("grpc")
+    s = _open(addr, b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"p" * 70_000 + b"\r\n\r\n")
+    answer = _answer_and_close(s, 10)
+    assert answer.startswith(b"HTTP/1.1 431") and b"headers_too_large" in answer
+    assert httpx.get(gws.urls["grpc"] + "/health", headers={"X-Pad": "p" * 8000}, timeout=10).status_code == 200
+
+
+def test_half_bodies_are_closed_after_the_body_timeout(gws):
+    addr = gws.addr("grpc")
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 2000\r\n\r\n")
+    t0 = time.monotonic()
+    sockets = [_open(addr, head + b'{"prompt": "' + b"a" * 900) for _ in range(50)]
+    answers = _close_all(sockets, BODY_TIMEOUT_S + 15)
+    assert time.monotonic() - t0 < BODY_TIMEOUT_S + 15
+    assert sum(a.startswith(b"HTTP/1.1 408") for a in answers) >= 40, answers[:3]
+    assert "Traceback" not in gws.log("grpc")
+    # the gateway still serves
+    out = gws.client("grpc").completions.create(model=gws.model_name, prompt="hello", max_tokens=2)
+    assert out.choices[0].text is not None
+
+
+def test_a_disconnect_mid_body_is_one_log_line_and_no_traceback(gws):
+    addr = gws.addr("local")
+    before = gws.log("local")
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
+    s = _open(addr, head + b"b" * 1000)
+    time.sleep(0.3)
+    s.close()
+    line = "disconnected during POST /v1/completions after 1000 of 100000 body bytes"
+    wait_for(lambda: line in gws.log("local"), 10, "the disconnect's log line")
+    time.sleep(0.5)   # anything else it would log (a traceback) comes with it
+    new = gws.log("local")[len(before):]
+    assert new.count(line) == 1 and len([x for x in new.splitlines() if x.strip()]) == 1, new[:2000]
+    assert "Traceback" not in new and "ClientDisconnect" not in new
+
+
+def test_a_burst_over_the_connection_limit_is_refused_and_normal_requests_follow(gws):
+    addr, url = gws.addr("few"), gws.urls["few"]
+    held = [socket.create_connection(addr, timeout=5) for _ in range(FEW_CONNECTIONS)]
+    try:
+        time.sleep(0.3)
+        with httpx.Client(timeout=10) as http:
+            answers = [http.get(url + "/health", headers={"connection": "close"}) for _ in range(10)]
+        for r in answers:
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "too_many_connections"
+    finally:
+        for s in held:
+            s.close()
+    def served() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_for(served, 10, "the gateway to serve once the held connections closed")
+    out = gws.client("few").completions.create(model=gws.model_name, prompt="hello", max_tokens=2)
+    assert out.usage.completion_tokens == 2
+    log = gws.log("few")
+    assert log.count("--max-connections is") <= 2 and "Traceback" not in log
