@@ -17,8 +17,10 @@ still apply) where a step can drop or merge text:
   NFC/NFKC may compose up to 4 characters into one (the longest canonical decomposition);
 - pre-tokenizers that drop whitespace or delimiters (Whitespace, BERT, CharDelimiterSplit,
   a Split or Punctuation with behavior Removed);
-- models that map unknown text to one token: WordPiece and WordLevel (a whole word), BPE with
-  fuse_unk, Unigram without byte fallback;
+- models that map unknown text to one token or to none: WordPiece and WordLevel (a whole word),
+  BPE with fuse_unk or (no unk token) dropping what its vocabulary lacks unless it falls back to
+  bytes or sees only byte-level characters (all 256 in its vocabulary), Unigram without byte
+  fallback;
 - added tokens that swallow neighbouring whitespace (lstrip/rstrip), and truncation.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 
 # the longest canonical decomposition (U+1F82...: alpha + 3 marks), what composition can merge
 _COMPOSE_FACTOR = 4
@@ -50,16 +52,18 @@ def check_count(count: int, max_tokens: int) -> None:
 def max_token_chars(tokenizer: Tokenizer) -> int | None:
     """Most prompt characters one token covers, or None where no such bound holds (module docstring)."""
     factor = _normalizer_factor(_state(tokenizer.normalizer))
-    if factor is None or not _pre_keeps_text(_state(tokenizer.pre_tokenizer)):
+    pre = _state(tokenizer.pre_tokenizer)
+    if factor is None or not _pre_keeps_text(pre):
         return None
-    if not _model_keeps_text(json.loads(tokenizer.model.__getstate__())):
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    byte_level = _has_byte_level(pre) and all(c in vocab for c in pre_tokenizers.ByteLevel.alphabet())
+    if not _model_keeps_text(json.loads(tokenizer.model.__getstate__()), byte_level):
         return None
     if tokenizer.truncation:
         return None
     if any(t.lstrip or t.rstrip for t in tokenizer.get_added_tokens_decoder().values()):
         return None
-    longest = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
-    return max(1, longest) * factor
+    return max(1, max(map(len, vocab), default=1)) * factor
 
 
 def _state(component: Any) -> dict[str, Any] | None:
@@ -101,10 +105,19 @@ def _pre_keeps_text(pre: dict[str, Any] | None) -> bool:
     return all(_pre_keeps_text(step) for step in pre.get("pretokenizers") or [])
 
 
-def _model_keeps_text(model: dict[str, Any]) -> bool:
+def _has_byte_level(pre: dict[str, Any] | None) -> bool:
+    if pre is None:
+        return False
+    return pre.get("type") == "ByteLevel" or any(_has_byte_level(p) for p in pre.get("pretokenizers") or [])
+
+
+def _model_keeps_text(model: dict[str, Any], byte_level: bool) -> bool:
+    """Every character reaches a token of its own: bytes, or one unknown token per character."""
     kind = model.get("type")
     if kind == "BPE":
-        return model.get("byte_fallback") or not (model.get("fuse_unk") and model.get("unk_token"))
+        if model.get("byte_fallback") or byte_level:
+            return True
+        return bool(model.get("unk_token")) and not model.get("fuse_unk")
     if kind == "Unigram":
         return bool(model.get("byte_fallback")) or model.get("unk_id") is None
     return False

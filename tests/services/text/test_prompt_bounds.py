@@ -38,9 +38,15 @@ def _bpe(**kw) -> Tokenizer:
 @pytest.mark.parametrize("make, why", [
     (lambda: Tokenizer(models.WordPiece(vocab={"a": 0, "[UNK]": 1}, unk_token="[UNK]")), "a word becomes one [UNK]"),
     (lambda: _bpe(unk_token="[UNK]", fuse_unk=True), "unknown runs fuse into one token"),
+    (lambda: _bpe(), "with no unknown token, what the vocabulary lacks is dropped"),
 ])
 def test_no_bound_where_a_model_maps_unknown_text_to_one_token(make, why):
     assert max_token_chars(make()) is None, why
+
+
+def test_a_bound_where_every_character_reaches_a_token():
+    assert max_token_chars(_bpe(unk_token="[UNK]")) == 5          # one [UNK] per unknown character
+    assert max_token_chars(_bpe(byte_fallback=True)) == 5
 
 
 def test_no_bound_where_a_step_drops_text():
