@@ -97,7 +97,7 @@ def detokenize(tok: Any, req: DetokenizeRequest) -> DetokenizeReply:
     if any(not 0 <= t < vocab for t in req.token_ids):
         raise TokenizeError(f"token ids must be in [0, {vocab})")
     strs = [tok.id_to_token(t) or "" for t in req.token_ids] if req.token_strs else None
-    return DetokenizeReply(text=tok.decode(req.token_ids, skip_special_tokens=req.skip_special_tokens),
+    return DetokenizeReply(text=tok.decode_long(req.token_ids, skip_special_tokens=req.skip_special_tokens),
                            token_strs=strs)
 
 
