@@ -39,7 +39,7 @@ class LogDisconnects:
             client = scope.get("client")
             who = f"{client[0]}:{client[1]}" if client else "a client"
             length = dict(scope["headers"]).get(b"content-length", b"?")[:20].decode("latin-1")
-            what = f"{scope['method']} {scope['path']}"[:200]
+            what = f"{scope['method']} {ascii(scope['path'][:200])}"   # the client's bytes: escaped, one line
             if BODY_TIMEOUT_KEY in scope:
                 log.info("closed the connection of %s: %s sent %d of %s body bytes in %g s (408)",
                          who, what, received, length, scope[BODY_TIMEOUT_KEY])

@@ -248,11 +248,14 @@ def test_half_bodies_are_closed_after_the_body_timeout(gws):
     addr = gws.addr("grpc")
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 2000\r\n\r\n")
+    logged = gws.log("grpc").count("body bytes in 3 s (408)")
     t0 = time.monotonic()
     sockets = [_open(addr, head + b'{"prompt": "' + b"a" * 900) for _ in range(50)]
     answers = _close_all(sockets, BODY_TIMEOUT_S + 15)
     assert time.monotonic() - t0 < BODY_TIMEOUT_S + 15
     assert sum(a.startswith(b"HTTP/1.1 408") for a in answers) >= 40, answers[:3]
+    # one line each ("closed the connection of ...: POST '/v1/completions' sent 912 of 2000 body bytes ...")
+    wait_for(lambda: gws.log("grpc").count("body bytes in 3 s (408)") - logged == 50, 10, "a log line per 408")
     assert "Traceback" not in gws.log("grpc")
     # the gateway still serves
     out = gws.client("grpc").completions.create(model=gws.model_name, prompt="hello", max_tokens=2)
@@ -266,7 +269,7 @@ def test_a_disconnect_mid_body_is_one_log_line_and_no_traceback(gws):
     s = _open(addr, head + b"b" * 1000)
     time.sleep(0.3)
     s.close()
-    line = "disconnected during POST /v1/completions after 1000 of 100000 body bytes"
+    line = "disconnected during POST '/v1/completions' after 1000 of 100000 body bytes"
     wait_for(lambda: line in gws.log("local"), 10, "the disconnect's log line")
     time.sleep(0.5)   # anything else it would log (a traceback) comes with it
     new = gws.log("local")[len(before):]
