@@ -135,6 +135,15 @@ class GatewayConfig(ServiceConfig):
     admission_timeout_s: float = opt(15.0, "Seconds to wait for the scheduler to accept a request before a 503.",
                                      above=0)
     request_timeout_s: float = opt(600.0, "Seconds a request may go without any progress before it fails.", above=0)
+    header_timeout_s: float = opt(10.0, "Seconds a connection may take to send a request's headers (from "
+                                        "connecting, or from a keep-alive request's first byte); beyond: 408, "
+                                        "closed.", above=0)
+    body_timeout_s: float = opt(60.0, "Seconds a request's whole body may take to arrive after its headers; "
+                                      "beyond: 408, closed.", above=0)
+    max_connections: int = opt(4096, "Most open HTTP connections; a request on one beyond it gets a 503 and its "
+                                     "connection is closed.", min=1)
+    tokenize_threads: int = opt(4, "Threads tokenizing long prompts (and detokenizing long id lists) off the event "
+                                   "loop; more wait their turn.", min=1)
     tokenizer_addr: str = opt("", "host:port of tokenizer gRPC servers, comma-separated (default: from Redis).")
     local_tokenizer: str = opt("", "Model directory: when set, prompts are tokenized in this process (one "
                                    "network hop less per request) instead of by the tokenizer service over gRPC; "

@@ -12,6 +12,7 @@ from typing import Any
 
 from services.protocol.messages import DetokenizeReply, DetokenizeRequest, TokenizeRequest
 from services.text.chat_template import ChatTemplateError
+from services.text.prompt_bounds import TooManyTokens
 
 # shorter inputs run on the event loop (a thread hop costs more than they do); longer ones in a thread
 INLINE_CHARS = 4096  # prompt characters (tokenize)
@@ -23,20 +24,43 @@ class TokenizeError(ValueError):
     """The prompt cannot be tokenized; the message says what to change."""
 
 
+class PromptTooLong(TokenizeError):
+    """The prompt cannot fit the model's context (req.max_prompt_tokens), by its characters or tokens."""
+
+
 def tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
+    try:
+        ids = _tokenize(tok, req)
+    except TooManyTokens as exc:
+        ids_count = exc.count
+    else:
+        ids_count = len(ids)
+    if req.max_prompt_tokens and ids_count > req.max_prompt_tokens:
+        raise PromptTooLong(f"the prompt has {ids_count} tokens; this model's maximum context length is "
+                            f"{req.max_prompt_tokens} tokens; shorten the prompt")
+    return ids
+
+
+def _tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
     given = [req.prompt is not None, req.prompt_token_ids is not None, req.messages is not None]
     if sum(given) != 1:
         raise TokenizeError("give exactly one of prompt, prompt token ids or messages")
+    check_chars(req, prompt_chars(req), tok.max_token_chars)
     if req.messages is not None:
         messages = [{k: v for k, v in (("role", m.role), ("content", m.content), ("name", m.name),
                                        ("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id))
                      if v is not None} for m in req.messages]
         try:
-            ids = tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools)
+            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                           tools=req.tools)
         except ChatTemplateError as exc:
             raise TokenizeError(str(exc)) from None
+        # the template adds text around the messages (and may repeat them): bound what it made too
+        check_chars(req, len(text), tok.max_token_chars)
+        # the template writes bos itself
+        ids = tok.encode(text, add_special_tokens=False, max_tokens=req.max_prompt_tokens)
     elif req.prompt is not None:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens, max_tokens=req.max_prompt_tokens)
     else:
         ids = list(req.prompt_token_ids or [])
         vocab = tok.vocab_size
@@ -51,6 +75,20 @@ def prompt_chars(req: TokenizeRequest) -> int:
     return len(req.prompt or "") + sum(len(m.content or "") for m in (req.messages or ()))
 
 
+def check_chars(req: TokenizeRequest, chars: int, max_token_chars: int | None) -> None:
+    """Refuse a prompt too long to fit before tokenizing it: no token covers more than
+    max_token_chars characters (services/text/prompt_bounds.py), so at most max_prompt_tokens times
+    that many can fit. Cheap: run it on the event loop, before the thread hop."""
+    if not (req.max_prompt_tokens and max_token_chars):
+        return
+    limit = req.max_prompt_tokens * max_token_chars
+    if chars > limit:
+        raise PromptTooLong(
+            f"the prompt has {chars} characters; this model's maximum context length is {req.max_prompt_tokens} "
+            f"tokens of at most {max_token_chars} characters each, so at most {limit} characters can fit; "
+            "shorten the prompt")
+
+
 def detokenize(tok: Any, req: DetokenizeRequest) -> DetokenizeReply:
     """/detokenize's text (and /tokenize's token strings); ids outside the vocabulary are refused."""
     vocab = tok.vocab_size
@@ -59,13 +97,16 @@ def detokenize(tok: Any, req: DetokenizeRequest) -> DetokenizeReply:
     if any(not 0 <= t < vocab for t in req.token_ids):
         raise TokenizeError(f"token ids must be in [0, {vocab})")
     strs = [tok.id_to_token(t) or "" for t in req.token_ids] if req.token_strs else None
-    return DetokenizeReply(text=tok.decode(req.token_ids, skip_special_tokens=req.skip_special_tokens),
+    return DetokenizeReply(text=tok.decode_long(req.token_ids, skip_special_tokens=req.skip_special_tokens),
                            token_strs=strs)
 
 
 async def tokenize_off_loop(tok: Any, req: TokenizeRequest, executor: Executor | None = None) -> list[int]:
-    """tokenize, in `executor` (None: asyncio's default) unless the prompt is short (INLINE_CHARS)."""
-    if prompt_chars(req) <= INLINE_CHARS:
+    """tokenize, in `executor` (None: asyncio's default) unless the prompt is short (INLINE_CHARS);
+    a prompt too long to fit is refused here, on the caller's loop, without tokenizing it."""
+    chars = prompt_chars(req)
+    check_chars(req, chars, tok.max_token_chars)
+    if chars <= INLINE_CHARS:
         return tokenize(tok, req)
     return await asyncio.get_running_loop().run_in_executor(executor, tokenize, tok, req)
 

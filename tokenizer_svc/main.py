@@ -29,7 +29,7 @@ from services.redis_client import RedisAuth
 from services.registry import Registry
 from services.security import service_trust
 from services.shell import run_until_signal
-from services.tokenize import TokenizeError, detokenize_off_loop, tokenize_off_loop
+from services.tokenize import PromptTooLong, TokenizeError, detokenize_off_loop, tokenize_off_loop
 from services.transport import (
     Method, Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr, unary_handler)
 from tokenizer_svc.detok import SCHEDULER, STREAM_MAX_AGE_S, DetokCore, Envelope
@@ -55,6 +55,8 @@ class TokenizerService:
         t0 = time.perf_counter()
         try:
             ids = await tokenize_off_loop(self.tok, req, self.pool)
+        except PromptTooLong as exc:   # the gateway answers it as context_length_exceeded
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
         except TokenizeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         metrics.TOKENIZE_SECONDS.observe(time.perf_counter() - t0)
@@ -84,8 +86,9 @@ class TokenizerService:
         if metrics_port > 0:
             addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
         self.registry = Registry(cfg.redis_url, RedisAuth.of(trust))
-        self.lease = await self.registry.register("tokenizer", self.id, addrs=addrs,
-                                                  info={"vocab_size": self.tok.vocab_size}, lease_ms=cfg.lease_ms)
+        # max_token_chars: gateways refuse a prompt that cannot fit before sending it (prompt_bounds.py)
+        info = {"vocab_size": self.tok.vocab_size, "max_token_chars": self.tok.max_token_chars or 0}
+        self.lease = await self.registry.register("tokenizer", self.id, addrs=addrs, info=info, lease_ms=cfg.lease_ms)
         await self._refresh_schedulers()
         await set_serving(health, True)
         log.info("tokenizer ready: grpc %s, detok %s", addrs["grpc"], self.detok_addr)

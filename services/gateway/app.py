@@ -182,8 +182,8 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
                 prompts, params = completion_prompts(req, cfg.max_prompts)
             model = check_model(req.model)
             backend.check_vocab(model, params)
-            job, prompt_lens = await backend.start(prompts, params, tenant=tenant, priority=req.priority,
-                                                   cache_salt=salt(tenant, req.cache_salt))
+            job, prompt_lens = await backend.start(prompts, params, model=model, tenant=tenant,
+                                                   priority=req.priority, cache_salt=salt(tenant, req.cache_salt))
         except ApiError as err:
             metrics.REQUESTS.labels(route, str(err.status)).inc()
             return error_response(err, echo)
@@ -220,7 +220,8 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         tenant_of(request)
         body = decode(TokenizeBody, await read_body(request))
         model = served_model(body.model)
-        ids = await backend.token_ids(tokenize_request(body, cfg.max_messages))
+        # bounded like a completion's prompt: /tokenize never answers more ids than the model takes
+        ids = await backend.token_ids(backend.bounded(tokenize_request(body, cfg.max_messages), model))
         strs = None
         if body.return_token_strs:
             strs = (await backend.detokenize(DetokenizeRequest(token_ids=ids, token_strs=True))).token_strs

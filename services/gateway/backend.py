@@ -20,9 +20,11 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import grpc
+import msgspec
 
 from services import metrics
 from services.config import GatewayConfig
@@ -36,7 +38,8 @@ from services.redis_client import RedisAuth
 from services.registry import Membership, Registry
 from services.security import service_trust
 from services.text.streams import SCHEDULER, STREAM_MAX_AGE_S, DetokCore
-from services.tokenize import TokenizeError, detokenize_off_loop, tokenize_off_loop
+from services.tokenize import (
+    PromptTooLong, TokenizeError, check_chars, detokenize_off_loop, prompt_chars, tokenize_off_loop)
 from services.transport import Receiver, Sender, grpc_channel, tcp_addr, unary_stub
 
 log = logging.getLogger("kvmesh.gateway")
@@ -127,6 +130,13 @@ async def _get(queue: asyncio.Queue, timeout_s: float) -> object:
         return await queue.get()
 
 
+def _prompt_error(req: TokenizeRequest, exc: TokenizeError) -> ApiError:
+    """A prompt the tokenizer refused, as a 400 naming the request's field."""
+    param = "messages" if req.messages is not None else "prompt"
+    code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
+    return ApiError(400, str(exc), param=param, code=code)
+
+
 def _error_type(status: int) -> str:
     return {400: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
 
@@ -151,6 +161,9 @@ class Backend:
         self._rr = itertools.count()
         self.catalog = ModelCatalog()              # served models, their names and limits
         self.workers_ready = 0
+        self.token_chars: int | None = None        # the tokenizer services' longest token, in characters
+        # tokenization and detokenization of long inputs: off the event loop, a bounded number at once
+        self.pool = ThreadPoolExecutor(max_workers=cfg.tokenize_threads, thread_name_prefix="tokenize")
         self.id = f"gw-{os.getpid()}-{self._tag[:-1]}"
         self.detok_addrs: list[str] = []
         grace = 2 * cfg.heartbeat_ms / 1000   # vanished records kept this long (Redis restart)
@@ -179,6 +192,7 @@ class Backend:
         self.receiver.close()
         if self.scheduler:
             self.scheduler.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- discovery -----------------------------------------------------------------------
     async def discover(self) -> None:
@@ -207,6 +221,8 @@ class Backend:
             del self.tokenizers[t]
             self.detokenizers.pop(t, None)
         self.detok_addrs = [r.addrs["zmq"] for r in live["tokenizer"] if "zmq" in r.addrs]
+        # they serve one model; the largest is the safe bound should one differ
+        self.token_chars = max((int(r.info.get("max_token_chars") or 0) for r in live["tokenizer"]), default=0) or None
         workers = [w for w in live["worker"] if not w.info.get("draining")]
         self.workers_ready = len(workers)
         self.catalog = ModelCatalog.of(w.info for w in workers)
@@ -248,22 +264,38 @@ class Backend:
         return bool(self.scheduler and self.tokenizers and self.detok_addrs and self.workers_ready)
 
     # ---- requests ------------------------------------------------------------------------
+    def bounded(self, req: TokenizeRequest, model: str) -> TokenizeRequest:
+        """`req` refused past `model`'s context length (its workers' max_model_len; none known: unbounded)."""
+        return msgspec.structs.replace(req, max_prompt_tokens=self.catalog.max_model_lens.get(model, 0))
+
     async def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
         if self.local_tok is not None:
             return await self._tokenize_locally(req)
         if not self.tokenizers:
             raise ApiError(503, "no tokenizer service is available; retry later", type_="server_error",
                            code="tokenizer_unavailable", retry_after=1)
+        try:   # the tokenizer service checks too; here it costs no gRPC round trip of megabytes
+            check_chars(req, prompt_chars(req), self.token_chars)
+        except PromptTooLong as exc:
+            raise _prompt_error(req, exc) from None
         targets = list(self.tokenizers)
         stub = self.tokenizers[targets[next(self._rr) % len(targets)]]
         try:
-            return await stub(req, timeout=30)  # type: ignore[operator]
+            reply = await stub(req, timeout=30)  # type: ignore[operator]
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:     # PromptTooLong in the service
+                raise _prompt_error(req, PromptTooLong(exc.details() or "the prompt is too long")) from None
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ApiError(400, exc.details() or "invalid prompt", param="messages") from None
+                raise _prompt_error(req, TokenizeError(exc.details() or "invalid prompt")) from None
             log.warning("tokenize failed: %s %s", exc.code(), exc.details())
             raise ApiError(503, "the tokenizer service is unavailable; retry later", type_="server_error",
                            code="tokenizer_unavailable", retry_after=1) from None
+        # a tokenizer service that predates max_prompt_tokens ignores it
+        if req.max_prompt_tokens and len(reply.prompt_token_ids) > req.max_prompt_tokens:
+            raise _prompt_error(req, PromptTooLong(
+                f"the prompt has {len(reply.prompt_token_ids)} tokens; this model's maximum context length is "
+                f"{req.max_prompt_tokens} tokens; shorten the prompt"))
+        return reply
 
     async def token_ids(self, req: TokenizeRequest) -> list[int]:
         """The prompt's ids alone (the /tokenize route): no detokenizer needs to be up."""
@@ -273,16 +305,16 @@ class Backend:
 
     async def _local_ids(self, req: TokenizeRequest) -> list[int]:
         try:
-            return await tokenize_off_loop(self.local_tok, req)
+            return await tokenize_off_loop(self.local_tok, req, self.pool)
         except TokenizeError as exc:
-            raise ApiError(400, str(exc), param="messages" if req.messages is not None else "prompt") from None
+            raise _prompt_error(req, exc) from None
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeReply:
         """The /detokenize route and /tokenize's token strings: here when this gateway has the
         tokenizer, else through a tokenizer service's gRPC Detokenize."""
         if self.local_tok is not None:
             try:
-                return await detokenize_off_loop(self.local_tok, req)
+                return await detokenize_off_loop(self.local_tok, req, self.pool)
             except TokenizeError as exc:
                 raise ApiError(400, str(exc), param="tokens") from None
         if not self.detokenizers:
@@ -316,10 +348,11 @@ class Backend:
             except SamplingParamsError as exc:
                 raise ApiError(400, str(exc), param=param_of(str(exc))) from None
 
-    async def start(self, prompts: list[TokenizeRequest], params: SamplingParams, *, tenant: str,
+    async def start(self, prompts: list[TokenizeRequest], params: SamplingParams, *, model: str, tenant: str,
                     priority: int, cache_salt: str) -> tuple[Job, list[int]]:
         """Tokenize, submit and wait for admission. Returns the job and each prompt's token count."""
         t0 = time.monotonic()
+        prompts = [self.bounded(p, model) for p in prompts]
         if len(prompts) == 1:   # the common case: no task per prompt
             replies = [await self.tokenize(prompts[0])]
         else:

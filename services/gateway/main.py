@@ -1,6 +1,7 @@
 """`kvmesh gateway`: the OpenAI-compatible HTTP API (uvicorn) over the stack's backend."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import uvicorn
@@ -8,6 +9,8 @@ import uvicorn
 from services.config import GatewayConfig, load_or_exit
 from services.gateway.app import create_app
 from services.gateway.backend import Backend
+from services.gateway.connections import ConnectionLimits, LimitedHttpProtocol, ensure_fd_room
+from services.gateway.disconnects import LogDisconnects
 from services.logging import setup as setup_logging
 from services.transport import run_async
 
@@ -30,9 +33,12 @@ class _Server(uvicorn.Server):
 async def serve(cfg: GatewayConfig) -> int:
     backend = Backend(cfg)
     await backend.start_background()
-    app = create_app(cfg, backend)
+    app = LogDisconnects(create_app(cfg, backend))
+    limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections)
+    ensure_fd_room(cfg.max_connections)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, loop="none", lifespan="off")
+                            timeout_graceful_shutdown=5, loop="none", lifespan="off",
+                            http=functools.partial(LimitedHttpProtocol, limits=limits))  # type: ignore[arg-type]
     server = _Server(config, backend)
     log.info("gateway on http://%s:%d (inbox %s)", cfg.host, cfg.port, backend.reply_addr)
     try:

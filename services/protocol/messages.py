@@ -201,6 +201,7 @@ class TokenizeRequest(Msg, tag="tokenize", kw_only=True):
     add_generation_prompt: bool = True
     tools: list[dict] | None = None           # chat: tool schemas the template may render
     add_special_tokens: bool = True
+    max_prompt_tokens: int = 0                # the model's context length: longer prompts are refused (0: none)
 
 
 class TokenizeReply(Msg, tag="tokenized", kw_only=True):

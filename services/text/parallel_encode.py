@@ -27,6 +27,7 @@ from typing import Any
 
 from tokenizers import Encoding, Tokenizer
 
+from services.text.prompt_bounds import check_count
 from services.text.split_patterns import LLAMA3_SPLIT, QWEN2_SPLIT
 
 # the split patterns known to be cut-safe (module docstring); GPT-2's is ByteLevel's own (use_regex)
@@ -110,20 +111,41 @@ class ParallelEncoder:
     def __init__(self, tokenizer: Tokenizer, max_pieces: int | None = None) -> None:
         self._tok = tokenizer
         self.max_pieces = default_pieces() if max_pieces is None else max(1, max_pieces)
+        self._special_ends = special_ends(tokenizer)
 
     def pieces_for(self, text: str) -> int:
         return min(self.max_pieces, len(text) // MIN_PIECE_CHARS)
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, max_tokens: int = 0) -> list[int]:
+        """The ids; TooManyTokens, before they are made, when there are more than max_tokens (0: any)."""
         points = cut_points(text, self.pieces_for(text))
         if not points:
-            return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+            whole = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+            check_count(len(whole), max_tokens)
+            return whole.ids
         bounds = [0, *points, len(text)]
         encodings = self._tok.encode_batch_fast([text[a:b] for a, b in zip(bounds, bounds[1:])],
                                                 add_special_tokens=False)
-        if add_special_tokens:       # bos/eos once, where the post-processor puts them
+        head, tail = (self._special_ends or ((), ())) if add_special_tokens else ((), ())
+        check_count(len(head) + sum(map(len, encodings)) + len(tail), max_tokens)
+        if add_special_tokens and self._special_ends is None:
             return self._tok.post_process(Encoding.merge(encodings), add_special_tokens=True).ids
-        ids: list[int] = []
+        # bos/eos once, where the post-processor puts them; joining id lists instead of merging
+        # Encodings matters off the event loop: merge and post_process hold the GIL (0.9 s for a
+        # 3.7M-token prompt, the gateway's loop stalled with it), encode_batch_fast does not
+        ids: list[int] = list(head)
         for enc in encodings:
             ids += enc.ids
+        ids += tail
         return ids
+
+
+def special_ends(tokenizer: Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The ids the post-processor puts before and after one text (e.g. ((bos,), ())), found by
+    post-processing a probe; None where the probe's own ids do not come through unchanged."""
+    probe = tokenizer.encode_batch_fast(["a"], add_special_tokens=False)[0]
+    body, full = probe.ids, tokenizer.post_process(probe, add_special_tokens=True).ids
+    for start in range(len(full) - len(body) + 1):
+        if full[start:start + len(body)] == body:
+            return tuple(full[:start]), tuple(full[start + len(body):])
+    return None
