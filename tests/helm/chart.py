@@ -41,6 +41,9 @@ VALUE_SETS: dict[str, dict] = {
     "download-emptydir": {"model": {"download": {"repo": "meta-llama/Llama-3.1-8B-Instruct", "tokenSecret": "hf",
                                                  "endpoint": "https://hf-mirror.internal"},
                                     "volume": {"type": "emptyDir"}}},
+    # A CNI that filters the node's traffic too: the kubelet's probes need a rule of their own.
+    "strict-cni": {"networkPolicy": {"probeFrom": [{"ipBlock": {"cidr": "10.0.0.0/16"}}]},
+                   "tokenizer": {"healthPort": 8181}, "workerPools": {"decode": {"healthPort": 8182}}},
     "everything": {
         "gateway": {"apiKey": {"existingSecret": "kvmesh-keys"}},
         "redis": {"persistence": {"enabled": True}},

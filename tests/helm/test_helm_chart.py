@@ -139,7 +139,7 @@ def test_probe_types(helm, tmp_path_factory):
     assert gw["readinessProbe"]["httpGet"]["path"] == "/ready"
     for comp in ("tokenizer", "scheduler", "prefix-cache", "prefill", "decode"):
         (c,) = containers(deps[f"{FULLNAME}-{comp}"])
-        port = int(env_of(c)["KVMESH_PORT"]["value"])
+        port = int(env_of(c)["KVMESH_HEALTH_PORT"]["value"])  # the gRPC port wants a client certificate
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert c[probe]["grpc"]["port"] == port, f"{comp} {probe}"
 

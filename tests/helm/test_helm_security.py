@@ -81,7 +81,7 @@ EXPECTED_EDGES = {
 # ----------------------------------------------------------------------------- NetworkPolicy
 
 
-@pytest.mark.parametrize("case", ["defaults", "pools", "everything"])
+@pytest.mark.parametrize("case", ["defaults", "pools", "strict-cni", "everything"])
 def test_each_port_is_reachable_only_from_the_roles_that_use_it(helm, case, tmp_path_factory):
     docs = render(helm, case, tmp_path_factory)
     policies = list(by_kind(docs, "NetworkPolicy").values())

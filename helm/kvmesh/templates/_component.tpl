@@ -91,6 +91,9 @@ spec:
               containerPort: {{ $v.port }}
               protocol: TCP
             {{- if not .http }}
+            - name: health
+              containerPort: {{ $v.healthPort }}
+              protocol: TCP
             - name: metrics
               containerPort: {{ $root.Values.metrics.port }}
               protocol: TCP
@@ -139,6 +142,9 @@ spec:
             {{- include "kvmesh.trustEnv" $root | nindent 12 }}
             {{- if .http }}
             {{- include "kvmesh.apiKeyEnv" $root | nindent 12 }}
+            {{- else }}
+            - name: KVMESH_HEALTH_PORT
+              value: {{ $v.healthPort | quote }}
             {{- end }}
             {{- if not (kindIs "invalid" $v.zmqPort) }}
             - name: KVMESH_ZMQ_PORT
@@ -238,10 +244,11 @@ spec:
 {{- end }}
 
 {{/*
-Probes. The gateway answers HTTP /health (alive) and /ready (can take traffic); every other
-service serves the standard grpc.health.v1 service on its gRPC port, probed natively by the
-kubelet (`grpc:` probes) against the server's overall status (service name ""), which a service
-reports NOT_SERVING until it has loaded and while it drains.
+Probes. The gateway answers HTTP /health (alive) and /ready (can take traffic). Every other
+service's gRPC port requires a client certificate, which the kubelet's `grpc:` probes cannot
+present, so they go to the plaintext health port (KVMESH_HEALTH_PORT), which serves only
+grpc.health.v1: the server's overall status (service name ""), NOT_SERVING until the service has
+loaded and while it drains. A `grpc:` probe takes a port number, not a name.
 */}}
 {{- define "kvmesh.probes" -}}
 {{- $v := .v }}
@@ -264,15 +271,15 @@ readinessProbe:
 {{- else }}
 startupProbe:
   grpc:
-    port: {{ $v.port }}
+    port: {{ $v.healthPort }}
   {{- toYaml $v.startupProbe | nindent 2 }}
 livenessProbe:
   grpc:
-    port: {{ $v.port }}
+    port: {{ $v.healthPort }}
   {{- toYaml $v.livenessProbe | nindent 2 }}
 readinessProbe:
   grpc:
-    port: {{ $v.port }}
+    port: {{ $v.healthPort }}
   {{- toYaml $v.readinessProbe | nindent 2 }}
 {{- end }}
 {{- end }}
