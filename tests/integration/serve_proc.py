@@ -22,7 +22,8 @@ class Serve:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", str(self.port),
                                           "--heartbeat-ms", "250", "--lease-ms", "1500", *args],
-                                         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)   # its own process group, as in a terminal
 
     def wait_serving(self, timeout_s: float = 180) -> None:
         """Until the banner: the launcher prints it once every worker is registered."""

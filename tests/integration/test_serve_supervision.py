@@ -197,6 +197,14 @@ def test_a_killed_embedded_redis_is_restarted_and_ready_says_so(tiny_model, tmp_
             key = re.sub(r"\d+", "N", line)[:60]
             sites[key] = sites.get(key, 0) + 1
         assert sites and all(n <= 2 for n in sites.values()), sites
+
+        # -- Ctrl-C (SIGINT to the whole process group, as a terminal sends it): everything stops,
+        #    nothing is restarted, and it does not hang
+        everyone, log_at_stop = children(serve.proc.pid), len(serve.log())
+        os.killpg(serve.proc.pid, signal.SIGINT)
+        assert serve.proc.wait(30) == 0
+        assert "restarting" not in serve.log()[log_at_stop:], serve.log()[log_at_stop:]
+        assert all(not os.path.exists(f"/proc/{pid}") or is_zombie(pid) for pid in everyone)
     finally:
         assert serve.stop() == 0
 
