@@ -19,7 +19,8 @@ What a restart means for requests in flight:
                 `scheduler_failed`; requests already on a worker finish (their tokens do not pass
                 through it); until the gateway has found the new one, new requests get that 503.
   tokenizer     with --no-detokenize-in-gateway, the streams whose text it makes fail with
-                `tokenizer_failed`; by default the gateway (de)tokenizes itself and nothing fails.
+                `tokenizer_failed`; by default the gateway (de)tokenizes itself, so no request
+                goes through it.
   prefix-cache  optional: routing falls back to load alone until it is back; nothing fails.
                 A crash loop drops it instead of stopping the stack.
   gateway       its client connections drop (clients see a closed connection, no error body);

@@ -81,6 +81,8 @@ def _completes(serve: Serve, model: str) -> bool:
     except openai.APIStatusError as exc:
         assert exc.status_code == 503, exc
         return False
+    except openai.APIConnectionError:      # the gateway is not listening again yet
+        return False
     return r.choices[0].finish_reason in ("stop", "length")
 
 
@@ -209,7 +211,7 @@ def test_a_killed_embedded_redis_is_restarted_and_ready_says_so(tiny_model, tmp_
         assert serve.stop() == 0
 
 
-def test_a_crash_looping_scheduler_stops_the_stack_saying_why(tiny_model, tmp_path):
+def test_a_killed_scheduler_or_gateway_comes_back_and_a_crash_loop_stops_the_stack(tiny_model, tmp_path):
     serve = Serve(tmp_path, "--model", tiny_model, "--null-model")
     try:
         serve.wait_serving()
@@ -220,6 +222,12 @@ def test_a_crash_looping_scheduler_stops_the_stack_saying_why(tiny_model, tmp_pa
         # until the gateway has dropped the old scheduler's record, a request may still meet it and
         # get a retryable 503 scheduler_failed: the stack serves again once one goes through
         wait_for(lambda: _completes(serve, os.path.basename(tiny_model)), 60, "a request through the new scheduler",
+                 interval=0.5)
+
+        gateway = serve.child(" gateway ")                              # the gateway too, on the same port
+        os.kill(gateway, signal.SIGKILL)
+        wait_for(lambda: serve.child(" gateway ") not in (None, gateway), 30, "the gateway to restart")
+        wait_for(lambda: _completes(serve, os.path.basename(tiny_model)), 60, "a request through the new gateway",
                  interval=0.5)
 
         killed = {first}
