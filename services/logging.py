@@ -31,7 +31,11 @@ class RepeatLimiter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return True
-        key, now = (record.name, record.getMessage()), time.monotonic()
+        try:
+            text = record.getMessage()
+        except Exception:   # bad arguments: let the handler report it as it always does, never raise here
+            return True
+        key, now = (record.name, text), time.monotonic()
         last = self._last.get(key)
         if last is not None and now - last[0] < self.interval_s:
             self._last[key] = (last[0], last[1] + 1)

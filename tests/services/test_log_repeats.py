@@ -38,3 +38,14 @@ def test_different_messages_and_info_lines_are_never_held_back():
         log.info("worker joined")
     text = out.getvalue()
     assert all(f"pid {pid}" in text for pid in (11, 12, 13)) and text.count("worker joined") == 5
+
+
+def test_a_record_with_bad_arguments_does_not_raise_into_the_caller():
+    log, out = _logger(60)
+    logging.raiseExceptions = False          # the handler's own report of the bad record stays quiet
+    try:
+        log.warning("two values %d %d", 1)   # a caller's bug: logging reports it, never raises it
+    finally:
+        logging.raiseExceptions = True
+    log.warning("still logging")
+    assert "still logging" in out.getvalue()
