@@ -1,39 +1,60 @@
-"""`kvmesh serve`: the whole stack on this machine, each service its own process.
+"""`kvmesh serve`: the whole stack on this machine, each service its own process, supervised.
 
     embedded Redis (unless --redis-url) -> tokenizer, scheduler, [prefix-cache], N workers -> gateway
 
-Waits until the gateway's /ready answers, prints the URL, then watches: Ctrl-C / SIGTERM stops
-everything (gateway first, Redis last); a service that exits on its own is reported and the
-stack stops with a nonzero code (never hangs). The optional prefix-cache index may fail alone.
-Children get SIGTERM if this process dies (PR_SET_PDEATHSIG on Linux).
+Refuses a busy --port before starting anything. Waits until the gateway's /ready answers and every
+worker is registered, then prints the URL and each service's /metrics page. A failure during
+start-up stops the stack (a bad model or flag would only fail again). From then on a service that
+exits on its own, whatever its code, is reported in one line and restarted with back-off, with the
+same flags (services.supervisor, services.restart_policy); one that crash-loops stops the stack
+with the reason. Ctrl-C / SIGTERM stops everything, gateway first and Redis last, each step
+bounded. Children get SIGTERM if this process dies (PR_SET_PDEATHSIG on Linux).
+
+What a restart means for requests in flight:
+  worker        its requests end with a `worker_failed` error (a 503 before the first token; an
+                error chunk then `[DONE]` in a stream) when the scheduler sees its lease lapse or
+                its id come back under a new epoch; the other workers keep serving, and the
+                restarted one (same --worker-id) takes new requests once registered.
+  scheduler     requests it still queued (no token yet) fail with a retryable 503
+                `scheduler_failed`; requests already on a worker finish (their tokens do not pass
+                through it); until the gateway has found the new one, new requests get that 503.
+  tokenizer     with --no-detokenize-in-gateway, the streams whose text it makes fail with
+                `tokenizer_failed`; by default the gateway (de)tokenizes itself, so no request
+                goes through it.
+  prefix-cache  optional: routing falls back to load alone until it is back; nothing fails.
+                A crash loop drops it instead of stopping the stack.
+  gateway       its client connections drop (clients see a closed connection, no error body);
+                it binds the same --port again.
+  Redis         (embedded) restarted on the same port, empty; requests in flight go on (the data
+                path does not use Redis); /ready answers 503 until it is back, and every service
+                registers again on its next heartbeat.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import importlib.util
 import logging
 import os
-import signal
 import shutil
-import subprocess
+import signal
+import socket
 import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 from services.config import EngineSettings, ServeConfig, load_or_exit, reachable_host, to_argv
 from services.embedded_redis import EmbeddedRedis
 from services.redis_client import RedisAuth
-from services.registry import Registry
+from services.registry import ServiceRecord, list_records
+from services.restart_policy import describe_exit
+from services.supervisor import Supervisor
 from services.security import bundle
 from services.logging import setup as setup_logging
 
 log = logging.getLogger("kvmesh.serve")
 DEFAULT_MODEL_SIZE = "tiny"
-STOP_TIMEOUT_S = 10.0
 
 
 def default_model_dir() -> Path:
@@ -56,21 +77,6 @@ def ensure_model(model: str) -> str:
     return str(path)
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    optional: bool = False
-
-
 def _gpu_count() -> int:
     try:
         import torch
@@ -88,8 +94,7 @@ def _engine_flags(cfg: ServeConfig) -> list[str]:
 class Stack:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
-        self.children: list[Child] = []
-        self.redis: EmbeddedRedis | None = None
+        self.sup = Supervisor()
         self.redis_url = ""
         # Fresh keys for this stack's internal planes, in a private folder removed at stop: a
         # process of another user (or one started before this stack) holds none of them.
@@ -98,21 +103,19 @@ class Stack:
         self.redis_auth = RedisAuth.from_dir(self.trust.root)
 
     def spawn(self, name: str, service: str, args: list[str], optional: bool = False) -> None:
-        cmd = [sys.executable, "-m", "services.cli", service, *args]
         # the Redis URL through the environment, not argv: it may carry a password, and any local
         # user can read a process's argv (its environment only the same user)
         env = {**os.environ, "KVMESH_REDIS_URL": self.redis_url}
-        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env)
-        self.children.append(Child(name, proc, optional))
-        log.info("started %s (pid %d)", name, proc.pid)
+        self.sup.spawn(name, [sys.executable, "-m", "services.cli", service, *args], time.monotonic(), optional, env)
 
     def start(self, model: str) -> None:
         cfg = self.cfg
         if cfg.redis_url:
             redis_url = cfg.redis_url
         else:
-            self.redis = EmbeddedRedis(password=self.redis_auth.password).start()
-            redis_url = self.redis.url
+            redis = EmbeddedRedis(password=self.redis_auth.password).start()
+            self.sup.watch_redis(redis, time.monotonic())
+            redis_url = redis.url
         self.redis_url = redis_url
         common = ["--log-level", cfg.log_level, "--lease-ms", str(cfg.lease_ms),
                   "--heartbeat-ms", str(cfg.heartbeat_ms), "--trust-dir", str(self.trust.root)]
@@ -127,6 +130,7 @@ class Stack:
         gpus = _gpu_count() if cfg.device in ("auto", "cuda") and not cfg.null_model else 0
         for i in range(cfg.workers):
             device = f"cuda:{i % gpus}" if gpus > 1 else cfg.device
+            # a restarted worker keeps its --worker-id: it registers again under a new epoch
             args = [*common, *internal, "--metrics-port", "0", "--model", model, "--device", device,
                     "--worker-id", f"worker-{i}", *_engine_flags(cfg)]
             if cfg.served_model_name:
@@ -143,26 +147,17 @@ class Stack:
             gw += ["--api-key", ",".join(cfg.api_key)]
         self.spawn("gateway", "gateway", gw)
 
-    def crashed(self) -> Child | None:
-        for child in list(self.children):
-            if child.proc.poll() is not None:
-                if child.optional:
-                    log.warning("%s exited with code %s; continuing without it", child.name, child.proc.returncode)
-                    self.children.remove(child)
-                    continue
-                return child
-        return None
-
     def wait_ready(self, url: str, timeout_s: float, stop: list[bool]) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not stop:
-            if (child := self.crashed()) is not None:
-                log.error("%s exited with code %s during start-up", child.name, child.proc.returncode)
+            if (exited := self.sup.exited_during_startup()) is not None:
+                child, code = exited
+                log.error("%s exited with %s during start-up", child.name, describe_exit(code))
                 return False
             try:
                 with urllib.request.urlopen(url + "/ready", timeout=2) as r:
                     # /ready needs one worker; the stack is ready when all of them are registered
-                    if r.status == 200 and self.workers_registered() >= self.cfg.workers:
+                    if r.status == 200 and len(self.records("worker")) >= self.cfg.workers:
                         return True
             except OSError:
                 pass
@@ -171,41 +166,66 @@ class Stack:
             log.error("the stack was not ready within %.0f s", timeout_s)
         return False
 
-    def workers_registered(self) -> int:
-        """Workers holding a live lease in Redis now."""
-        async def count() -> int:
-            registry = Registry(self.redis_url, self.redis_auth)
-            try:
-                return len(await registry.list("worker"))
-            finally:
-                await registry.close()
+    def records(self, kind: str) -> list[ServiceRecord]:
+        """The live registry records of one kind; none while Redis is busy or restarting."""
         try:
-            return asyncio.run(count())
-        except Exception as exc:   # Redis busy or restarting: not ready yet
-            log.debug("could not count workers: %s", exc)
-            return 0
+            return list_records(self.redis_url, kind, self.redis_auth)
+        except Exception as exc:
+            log.debug("could not list %s records: %s", kind, exc)
+            return []
+
+    def metrics_pages(self, url: str) -> list[tuple[str, str]]:
+        """(service, its /metrics URL) for every local service; the gateway's is on its own port."""
+        pages = [("gateway", f"{url}/metrics")]
+        for kind in ("tokenizer", "scheduler", "prefix-cache", "worker"):
+            for r in sorted(self.records(kind), key=lambda r: r.id):
+                if "metrics" in r.addrs:
+                    pages.append((r.id if kind == "worker" else kind, r.addrs["metrics"]))
+        return pages
+
+    def supervise(self, stop: list[bool]) -> int:
+        """Until Ctrl-C / SIGTERM (0) or a service that cannot be kept up (1)."""
+        while not stop:
+            if (reason := self.sup.tick(time.monotonic())) is not None:
+                log.error("%s", reason)
+                return 1
+            time.sleep(0.2)
+        return 0
 
     def stop(self) -> None:
-        order = sorted(self.children, key=lambda c: 0 if c.name == "gateway" else 1 if c.name.startswith("worker") else 2)
-        for child in order:
-            if child.proc.poll() is None:
-                child.proc.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for child in order:
-            try:
-                child.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time; killing it", child.name)
-                child.proc.kill()
-                child.proc.wait()
-        if self.redis is not None:
-            self.redis.stop()
+        self.sup.stop()
         shutil.rmtree(self.trust_dir, ignore_errors=True)
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why the gateway could not bind host:port now, or None. Binds the way uvicorn does
+    (SO_REUSEADDR), so a port in TIME_WAIT counts as free."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def print_banner(model: str, url: str, pages: list[tuple[str, str]]) -> None:
+    width = max(len(name) for name, _ in pages)
+    lines = [f"kvmesh is serving {Path(model).name} at {url}/v1  (Ctrl-C to stop)",
+             "metrics (Prometheus; a restarted service logs its new port):",
+             *(f"  {name:<{width}}  {page}" for name, page in pages)]
+    print("\n".join(lines), flush=True)
 
 
 def main(argv: list[str]) -> int:
     cfg = load_or_exit(ServeConfig, argv, "kvmesh serve")
     setup_logging("serve", cfg.log_level)
+    if (why := port_taken(cfg.host, cfg.port)) is not None:
+        print(f"kvmesh serve: --port {cfg.port}: cannot listen on {cfg.host}:{cfg.port} ({why}); "
+              "stop what uses it or choose another --port", file=sys.stderr)
+        return 2
     model = ensure_model(cfg.model) if not (cfg.null_model and not cfg.model) else ensure_model("")
     stop: list[bool] = []
 
@@ -215,20 +235,13 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stack = Stack(cfg)
-    host = reachable_host(cfg.host)
-    url = f"http://{host}:{cfg.port}"
+    url = f"http://{reachable_host(cfg.host)}:{cfg.port}"
     code = 1
     try:
         stack.start(model)
         if stack.wait_ready(url, cfg.ready_timeout_s, stop):
-            print(f"kvmesh is serving {Path(model).name} at {url}/v1  (Ctrl-C to stop)", flush=True)
-            code = 0
-            while not stop:
-                if (child := stack.crashed()) is not None:
-                    log.error("%s exited with code %s; stopping the stack", child.name, child.proc.returncode)
-                    code = 1
-                    break
-                time.sleep(0.2)
+            print_banner(model, url, stack.metrics_pages(url))
+            code = stack.supervise(stop)
         elif stop:
             code = 0
     finally:

@@ -2,6 +2,10 @@
 
 Every service also prints all its threads' stacks on `kill -USR1 <pid>` (faulthandler, in C, so it
 answers even when the event loop or the GIL is stuck): the first thing to ask a hung process.
+
+A warning or error that repeats word for word (every heartbeat's "heartbeat failed: Error 111
+connecting to ..." while Redis is down) is written once per REPEAT_INTERVAL_S, with the number held
+back since; a message that differs (another pid, another error) is always written.
 """
 from __future__ import annotations
 
@@ -10,12 +14,45 @@ import logging
 import os
 import signal
 import sys
+import time
+
+REPEAT_INTERVAL_S = 10.0
+_MAX_TRACKED = 1024   # messages remembered; varying ones would otherwise grow the table forever
+
+
+class RepeatLimiter(logging.Filter):
+    """Passes a WARNING+ record at most once per interval per (logger, message text)."""
+
+    def __init__(self, interval_s: float = REPEAT_INTERVAL_S) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}   # -> (last written, held back since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        try:
+            text = record.getMessage()
+        except Exception:   # bad arguments: let the handler report it as it always does, never raise here
+            return True
+        key, now = (record.name, text), time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self.interval_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return False
+        if last is not None and last[1]:
+            record.msg = f"{record.msg} (and {last[1]} more like this since the last one shown)"
+        if len(self._last) >= _MAX_TRACKED:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        return True
 
 
 def setup(service: str, level: str = "info") -> logging.Logger:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(
         f"%(asctime)s %(levelname)s {service}[{os.getpid()}] %(name)s: %(message)s", "%H:%M:%S"))
+    handler.addFilter(RepeatLimiter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -131,9 +131,10 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        if backend.ready:
+        reason = backend.not_ready_reason
+        if reason is None:
             return Response(b'{"status":"ready"}', media_type="application/json")
-        return Response(b'{"status":"not ready"}', status_code=503, media_type="application/json")
+        return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
 
     @app.get("/metrics")
     async def prom() -> Response:

@@ -25,6 +25,7 @@ from typing import AsyncIterator
 
 import grpc
 import msgspec
+from redis.exceptions import RedisError
 
 from services import metrics
 from services.config import GatewayConfig
@@ -164,6 +165,7 @@ class Backend:
         self.token_chars: int | None = None        # the tokenizer services' longest token, in characters
         # tokenization and detokenization of long inputs: off the event loop, a bounded number at once
         self.pool = ThreadPoolExecutor(max_workers=cfg.tokenize_threads, thread_name_prefix="tokenize")
+        self.redis_error = ""                     # why the last registry read failed; "" when it worked
         self.id = f"gw-{os.getpid()}-{self._tag[:-1]}"
         self.detok_addrs: list[str] = []
         grace = 2 * cfg.heartbeat_ms / 1000   # vanished records kept this long (Redis restart)
@@ -256,12 +258,30 @@ class Backend:
             try:
                 await self.discover()
                 await self.lease.renew({"inflight": len(self.jobs)})
+                self.redis_error = ""
+            except (RedisError, OSError) as exc:
+                self.redis_error = str(exc) or type(exc).__name__
+                log.warning("discovery failed: Redis: %s", exc)
             except Exception as exc:
                 log.warning("discovery failed: %s", exc)
 
     @property
     def ready(self) -> bool:
-        return bool(self.scheduler and self.tokenizers and self.detok_addrs and self.workers_ready)
+        return self.not_ready_reason is None
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why /ready answers 503, or None. Redis first: without it the stack cannot notice a
+        worker that dies, so the last known members are not trusted for readiness."""
+        if self.redis_error:
+            return "the registry (Redis) is unreachable"
+        if not self.scheduler:
+            return "no scheduler is registered"
+        if not (self.tokenizers and self.detok_addrs):
+            return "no tokenizer is registered"
+        if not self.workers_ready:
+            return "no worker is registered"
+        return None
 
     # ---- requests ------------------------------------------------------------------------
     def bounded(self, req: TokenizeRequest, model: str) -> TokenizeRequest:

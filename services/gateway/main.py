@@ -1,6 +1,7 @@
 """`kvmesh gateway`: the OpenAI-compatible HTTP API (uvicorn) over the stack's backend."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 
@@ -40,12 +41,20 @@ async def serve(cfg: GatewayConfig) -> int:
                             timeout_graceful_shutdown=5, loop="none", lifespan="off",
                             http=functools.partial(LimitedHttpProtocol, limits=limits))  # type: ignore[arg-type]
     server = _Server(config, backend)
-    log.info("gateway on http://%s:%d (inbox %s)", cfg.host, cfg.port, backend.reply_addr)
+    announce = asyncio.create_task(_announce_once_listening(server, cfg, backend.reply_addr))
     try:
         await server.serve()
     finally:
+        announce.cancel()
         await backend.stop()
     return 0
+
+
+async def _announce_once_listening(server: uvicorn.Server, cfg: GatewayConfig, inbox: str) -> None:
+    """The URL is logged only once the port is bound: a busy port must not look like a running gateway."""
+    while not server.started:
+        await asyncio.sleep(0.05)
+    log.info("gateway on http://%s:%d (inbox %s)", cfg.host, cfg.port, inbox)
 
 
 def main(argv: list[str]) -> int:

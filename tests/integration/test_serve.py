@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import httpx
+
 from tests.integration.conftest import free_port
-from tests.integration.stack import ROOT, wait_for, wait_ready
+from tests.integration.stack import FAST, ROOT, redis_and_procs, wait_for, wait_ready
 
 
 def test_serve_starts_serves_and_stops(tmp_path):
@@ -48,36 +51,40 @@ def test_serve_rejects_unknown_env(tmp_path):
     assert r.returncode == 2 and "KVMESH_WORKRES" in r.stderr and "KVMESH_WORKERS" in r.stderr
 
 
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(x) for x in f.read().split()]
-
-
-def _cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode()
-
-
-def test_serve_exits_nonzero_when_a_service_crashes(tiny_model, tmp_path):
-    port = free_port()
+def test_serve_refuses_a_busy_port_before_starting_anything(tmp_path):
+    """The gateway's port is checked first: exit 2 naming --port, no model made, no service started."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", tiny_model, "--port", str(port),
-                             "--null-model", "--heartbeat-ms", "250", "--lease-ms", "1500"],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", 120)
-        children = _children(proc.pid)
-        scheduler = next(p for p in children if " scheduler " in _cmdline(p))
-        os.kill(scheduler, signal.SIGKILL)
-        assert proc.wait(30) == 1
-        assert "scheduler exited" in (tmp_path / "serve.log").read_text()
-        for pid in children:                      # every other service was stopped too
-            assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    env["KVMESH_CACHE_DIR"] = str(tmp_path / "cache")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--device", "cpu"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert f"--port {port}" in r.stderr and "in use" in r.stderr, r.stderr
+    assert "started" not in out and "kvmesh is serving" not in out, out[-3000:]
+    assert not (tmp_path / "cache").exists()            # not even the built-in model was made
+    assert time.monotonic() - t0 < 60
+
+
+def test_gateway_logs_its_url_only_once_it_listens(tmp_path):
+    """On a busy port the gateway exits without ever claiming to serve there."""
+    with redis_and_procs(tmp_path) as (_redis, procs), socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        gateway = procs.start("gateway", "gateway", *FAST, "--port", str(port), "--zmq-port", "0")
+        assert gateway.wait(60) != 0
+        log = (tmp_path / "gateway.log").read_text()
+        assert "gateway on http" not in log, log[-3000:]
+        free = free_port()
+        procs.start("gateway-ok", "gateway", *FAST, "--port", str(free), "--zmq-port", "0")
+        wait_for(lambda: f"gateway on http://127.0.0.1:{free}" in (tmp_path / "gateway-ok.log").read_text(), 60,
+                 "the gateway's URL once it listens")
+        assert httpx.get(f"http://127.0.0.1:{free}/health", timeout=5).status_code == 200
 
 
 def test_serve_refuses_out_of_range_flags_before_starting_anything():
