@@ -9,6 +9,8 @@ The engine thread owns its sockets (plain zmq, no event loop between two steps),
 waits for the loop and the loop keeps heartbeating while a step computes. SIGTERM drains: the
 record says `draining` (no new work is routed here), running requests finish (up to 30 s), then
 the lease is released.
+
+SENDERS names the roles (CURVE keys) each inbox message may come from; the inbox drops the rest.
 """
 from __future__ import annotations
 
@@ -28,14 +30,17 @@ from gpu_worker.service.core import SCHEDULER, Envelope, WorkerCore
 from services import metrics
 from services.config import WorkerConfig, load_or_exit
 from services.logging import setup as setup_logging
-from services.protocol.messages import WorkerInbox
+from services.protocol.messages import Abort, Dispatch, WorkerInbox
 from services.registry import Registry
+from services.security.bundle import TrustError
+from services.security.curve import Plane, plane_for, with_role
 from services.shell import arm_stop_deadline
 from services.transport import SenderPool, SyncReceiver, add_health, grpc_server, run_async, set_serving, tcp_addr
 
 DRAIN_TIMEOUT_S = 30.0
 STOP_DEADLINE_S = 20.0   # after the drain: engine join, lease release, freeing the device
 log = logging.getLogger("kvmesh.worker")
+SENDERS = {Dispatch: ("scheduler",), Abort: ("scheduler",)}   # message -> the roles that may send it
 
 
 def build_engine(cfg: WorkerConfig) -> Any:
@@ -75,12 +80,12 @@ class EngineThread(threading.Thread):
 
     IDLE_POLL_MS = 50   # also the idle period of KV-event heartbeats and snapshot answers
 
-    def __init__(self, core: WorkerCore, receiver: SyncReceiver, scheduler_addrs: list[str],
+    def __init__(self, core: WorkerCore, receiver: SyncReceiver, scheduler_addrs: list[str], plane: Plane,
                  kv_publisher: Any = None) -> None:
         super().__init__(name="engine", daemon=True)
         self.core, self.receiver, self.kv_publisher = core, receiver, kv_publisher
         self.scheduler_addrs = scheduler_addrs      # replaced (not mutated) by the heartbeat
-        self.senders: SenderPool = SenderPool()
+        self.senders: SenderPool = SenderPool(plane)
         self.stop = threading.Event()
         self.fail_message: str | None = None        # set by the loop thread: fail all, then idle
         self.error: BaseException | None = None
@@ -121,11 +126,12 @@ class EngineThread(threading.Thread):
 
 
 class WorkerService:
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: WorkerConfig, plane: Plane) -> None:
         self.cfg = cfg
+        self.plane = plane
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.stopping = asyncio.Event()
-        self.senders: SenderPool = SenderPool()     # loop thread only (heartbeat status)
+        self.senders: SenderPool = SenderPool(plane)   # loop thread only (heartbeat status)
         self.scheduler_addrs: list[str] = []
 
     async def run(self) -> int:
@@ -144,11 +150,12 @@ class WorkerService:
         freeze = getattr(engine, "freeze_gc", None)      # the null engine has none
         if freeze is not None:
             freeze()        # this process serves with it until it exits: no full-heap GC pauses
-        receiver: SyncReceiver = SyncReceiver(WorkerInbox, cfg.host, cfg.zmq_port, name="worker")
+        receiver: SyncReceiver = SyncReceiver(WorkerInbox, cfg.host, cfg.zmq_port, name="worker",
+                                              plane=self.plane, senders=SENDERS)
         host = cfg.reachable_host()
         self.registry = Registry(cfg.redis_url)
         self.info = engine_info(cfg, engine)
-        addrs = {"zmq": tcp_addr(host, receiver.port), "grpc": f"{host}:{grpc_port}"}
+        addrs = {"zmq": with_role(tcp_addr(host, receiver.port), "worker"), "grpc": f"{host}:{grpc_port}"}
         if metrics_port > 0:
             addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
         publisher = self._kv_publisher(engine)
@@ -160,7 +167,7 @@ class WorkerService:
             publisher.set_epoch(self.lease.epoch)
         self.core = WorkerCore(engine, self.worker_id, self.lease.epoch)
         await self._refresh_schedulers()
-        self.engine = EngineThread(self.core, receiver, self.scheduler_addrs, publisher)
+        self.engine = EngineThread(self.core, receiver, self.scheduler_addrs, self.plane, publisher)
         self.engine.start()
         await set_serving(health, True)
         log.info("worker %s epoch %d ready: %s (%s), zmq %s", self.worker_id, self.lease.epoch,
@@ -197,7 +204,7 @@ class WorkerService:
             from gpu_worker.kv_events import KVEventPublisher
         except ImportError:
             return None
-        return KVEventPublisher(engine.block_manager, self.worker_id, host=self.cfg.host,
+        return KVEventPublisher(engine.block_manager, self.worker_id, plane=self.plane, host=self.cfg.host,
                                 advertise_host=self.cfg.reachable_host())
 
     async def _drain(self) -> None:
@@ -269,4 +276,9 @@ def main(argv: list[str]) -> int:
     if not cfg.model and not cfg.null_model:
         log.error("--model (or KVMESH_MODEL) is required")
         return 2
-    return run_async(WorkerService(cfg).run())
+    try:
+        plane = plane_for(cfg, "worker")
+    except TrustError as exc:
+        log.error("%s", exc)
+        return 2
+    return run_async(WorkerService(cfg, plane).run())

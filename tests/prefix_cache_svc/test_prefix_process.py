@@ -10,7 +10,7 @@ import time
 import urllib.request
 
 import pytest
-from prefix_fakes import FakeBlockManager
+from prefix_fakes import FakeBlockManager, planes
 
 from gpu_worker.kv_events import KVEventPublisher
 from services.prefix_client import PrefixClient
@@ -26,7 +26,7 @@ async def test_prefix_cache_process():
     with EmbeddedRedis() as redis_server:
         reg = Registry(redis_server.url)
         bm = FakeBlockManager(BS)
-        pub = KVEventPublisher(bm, "w1", heartbeat_s=0.05)
+        pub = KVEventPublisher(bm, "w1", plane=planes().worker, heartbeat_s=0.05)
         lease = await reg.register("worker", "w1", lease_ms=3000, info={"block_size": BS},
                                    addrs={"kv_events": pub.events_addr, "kv_snapshot": pub.snapshot_addr})
         pub.set_epoch(lease.epoch)
@@ -34,7 +34,8 @@ async def test_prefix_cache_process():
         err = tempfile.TemporaryFile(mode="w+")
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "prefix-cache", "--redis-url", redis_server.url,
-             "--port", "0", "--metrics-port", "0", "--block-size", str(BS), "--discovery-interval-s", "0.1"],
+             "--port", "0", "--metrics-port", "0", "--block-size", str(BS), "--discovery-interval-s", "0.1",
+             "--trust-dir", str(planes().trust_dir)],
             stderr=err, text=True)
 
         def log_tail() -> str:
@@ -87,7 +88,7 @@ def test_sigterm_while_loops_are_inside_redis_commands():
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "services.cli", "prefix-cache", "--redis-url", redis_server.url,
                      "--port", "0", "--metrics-port", "0", "--block-size", str(BS),
-                     "--discovery-interval-s", "0.001"], stderr=err, text=True)
+                     "--discovery-interval-s", "0.001", "--insecure-internal-planes"], stderr=err, text=True)
                 try:
                     deadline = time.monotonic() + 30
                     while not asyncio.run(_registered(redis_server.url)):   # started, however slow CI is

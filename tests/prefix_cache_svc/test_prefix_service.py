@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prefix_fakes import FakeBlockManager
+from prefix_fakes import FakeBlockManager, planes
 
 from gpu_worker.kv_events import KVEventPublisher
 from services.prefix_client import PrefixClient
@@ -51,7 +51,7 @@ async def eventually(check, timeout_s: float = 5.0):
 async def worker(redis_url: str, worker_id: str):
     """A worker as the prefix index sees it: a registry lease naming its KV event addresses."""
     bm = FakeBlockManager(BS)
-    pub = KVEventPublisher(bm, worker_id, heartbeat_s=0.05)
+    pub = KVEventPublisher(bm, worker_id, plane=planes().worker, heartbeat_s=0.05)
     reg = Registry(redis_url)
     lease = await reg.register("worker", worker_id, lease_ms=600, info={"block_size": BS},
                                addrs={"kv_events": pub.events_addr, "kv_snapshot": pub.snapshot_addr})
@@ -75,7 +75,7 @@ async def worker(redis_url: str, worker_id: str):
 
 async def test_service_end_to_end(redis_server):
     cfg = config(redis_server.url)
-    svc = PrefixCacheService(cfg)
+    svc = PrefixCacheService(cfg, planes().index)
     await svc.start()
     client = PrefixClient(svc.grpc_addr, timeout_s=2.0)
     try:
@@ -98,7 +98,7 @@ async def test_service_end_to_end(redis_server):
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
             await svc.stop()                                               # restart: reload from Redis
-            svc = PrefixCacheService(cfg)
+            svc = PrefixCacheService(cfg, planes().index)
             await svc.start()
             assert svc.core.index.num_blocks_of("w1") == 5
             client2 = PrefixClient(svc.grpc_addr, timeout_s=2.0)
