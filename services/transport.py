@@ -295,6 +295,7 @@ class SenderPool(Generic[T]):
     def __init__(self, plane: Plane) -> None:
         self.plane = plane
         self._senders: dict[str, Sender[T]] = {}
+        self._bad_addrs = RateLimitedLog(log, "sender pool")
 
     def send(self, addr: str, msg: T) -> bool:
         sender = self._senders.get(addr)
@@ -302,7 +303,7 @@ class SenderPool(Generic[T]):
             try:
                 sender = self._senders[addr] = Sender(addr, plane=self.plane)
             except (ValueError, zmq.ZMQError) as exc:   # an address without a role, or unparsable
-                log.warning("cannot send to %s: %s", addr, exc)
+                self._bad_addrs.warn("cannot send to %s: %s", addr, exc)
                 return False
         return sender.send(msg)
 

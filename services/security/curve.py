@@ -79,6 +79,9 @@ class Plane:
         """Make `sock` (before it binds) a CURVE server of this role that lets in only `allowed` roles."""
         if self.trust is None:
             return
+        if sock.context.underlying != zmq.Context.instance().underlying:
+            # the ZAP responder serves that context only; elsewhere libzmq would let any key in
+            raise ValueError("a CURVE server socket must come from zmq.Context.instance()")
         roles = sorted(set(allowed))
         for role in roles:
             self.trust.peer_key(role)                   # a role the directory lacks: fail now, clearly
