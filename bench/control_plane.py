@@ -24,9 +24,11 @@ prompts tokenize as on the H200 serving run.
 
 `--curve on` (the default) runs the internal planes as `kvmesh serve` does (CURVE on every ZMQ
 socket, keys from a fresh trust directory); `--curve off` runs them with
---insecure-internal-planes; `--curve both` runs the whole measurement once each way (off first),
-prints both and the difference, and writes them to bench/results/control_plane_curve_<time>.json
-(issue #30's target: at most 5% fewer streamed tokens/s and 0.2 ms more TTFT with CURVE).
+--insecure-internal-planes; `--curve both` runs the whole measurement both ways `--repeat` times,
+alternating the order (off-on, on-off, ...) so that a change in the machine's load hits both
+alike, prints the median of each measure both ways and the difference, and writes every run to
+bench/results/control_plane_curve_<time>.json (issue #30's target: at most 5% fewer streamed
+tokens/s and 0.2 ms more TTFT with CURVE).
 """
 from __future__ import annotations
 
@@ -160,10 +162,12 @@ async def idle_ttft(port: int, n: int, prompt_of=None, stages=None) -> dict:
     return out
 
 
-def wait_http(port: int, timeout_s: float = 120) -> None:
+def wait_http(port: int, procs: list[subprocess.Popen], timeout_s: float = 120) -> None:
     import urllib.request
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):   # e.g. a free port taken by another process meanwhile
+            raise SystemExit(f"a service exited while the gateway on port {port} was starting")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
                 if r.status == 200:
@@ -233,7 +237,8 @@ def main() -> int:
                          "starts it); --no-detokenize-in-gateway streams through the tokenizer service")
     ap.add_argument("--curve", choices=("on", "off", "both"), default="on",
                     help="CURVE on the internal ZMQ planes (as `kvmesh serve` runs), off "
-                         "(--insecure-internal-planes), or both: one run each, compared and saved under bench/results/")
+                         "(--insecure-internal-planes), or both: compared and saved under bench/results/")
+    ap.add_argument("--repeat", type=int, default=2, help="with --curve both: runs each way, in alternating order")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory(prefix="kvmesh-bench-")
     try:
@@ -243,10 +248,16 @@ def main() -> int:
             vocab_flag = ["--vocab-size", str(args.vocab_size)] if args.vocab_size else []
             subprocess.run([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", "tiny",
                             *vocab_flag, model], cwd=ROOT, check=True, capture_output=True)
-        modes = {"on": [True], "off": [False], "both": [False, True]}[args.curve]
-        results = {}
+        rounds = [[False, True] if i % 2 == 0 else [True, False] for i in range(max(args.repeat, 1))]
+        modes = {"on": [True], "off": [False], "both": [m for r in rounds for m in r]}[args.curve]
+        results: dict[str, list[dict]] = {"insecure": [], "curve": []}
         for curve in modes:
-            results["curve" if curve else "insecure"] = res = run_stack(args, model, Path(tmp.name), curve)
+            try:
+                res = run_stack(args, model, Path(tmp.name), curve)
+            except SystemExit as exc:   # one more try: the ports are picked free, then bound later
+                print(f"{exc}; starting the stack again", file=sys.stderr)
+                res = run_stack(args, model, Path(tmp.name), curve)
+            results["curve" if curve else "insecure"].append(res)
             print_rows(args, res, f"CURVE {'on' if curve else 'off'}")
     finally:
         tmp.cleanup()
@@ -274,8 +285,8 @@ def run_stack(args: argparse.Namespace, model: str, tmp: Path, curve: bool) -> d
             ["gateway", *common, "--port", str(grpc_port), "--zmq-port", "0"]]
     procs = [subprocess.Popen([sys.executable, "-m", "services.cli", *c], cwd=ROOT, env=env) for c in cmds]
     try:
-        wait_http(port)
-        wait_http(grpc_port)
+        wait_http(port, procs)
+        wait_http(grpc_port, procs)
         base_ttft, base_step = in_process_baseline(vocab)
         token_prompts = random_token_prompts(model, args.prompt_tokens, args.idle_requests + 20) \
             if args.prompt_tokens else None
@@ -335,8 +346,9 @@ def print_rows(args: argparse.Namespace, res: dict, title: str) -> None:
 
 
 def save_comparison(args: argparse.Namespace, results: dict) -> None:
-    """Print CURVE against no CURVE and write both runs to bench/results/control_plane_curve_<time>.json."""
-    off, on = results["insecure"], results["curve"]
+    """Print CURVE against no CURVE (medians over the runs) and write every run to
+    bench/results/control_plane_curve_<time>.json."""
+    off, on = (_median_of(results[mode]) for mode in ("insecure", "curve"))
     ms = 1000.0
     rows = [("TTFT at idle p50", off["ttft_p50"] * ms, on["ttft_p50"] * ms, "ms"),
             ("TTFT at idle p99", off["ttft_p99"] * ms, on["ttft_p99"] * ms, "ms"),
@@ -345,8 +357,8 @@ def save_comparison(args: argparse.Namespace, results: dict) -> None:
         rows += [("lone stream tokens/s", off["lone_stream_tok_s"], on["lone_stream_tok_s"], ""),
                  (f"streamed tokens/s (c={args.concurrency}, 256 tok)", off["long_tok_s"], on["long_tok_s"], ""),
                  (f"short requests/s (c={args.concurrency // 2})", off["short_req_s"], on["short_req_s"], "")]
-    print(f"\nCURVE vs --insecure-internal-planes ({os.cpu_count()} CPUs; target: <= 5% fewer streamed "
-          "tokens/s, <= 0.2 ms added TTFT)")
+    print(f"\nCURVE vs --insecure-internal-planes, medians of {len(results['curve'])} runs each "
+          f"({os.cpu_count()} CPUs; target: <= 5% fewer streamed tokens/s, <= 0.2 ms added TTFT)")
     width = max(len(r[0]) for r in rows)
     print(f"{'':<{width}}  {'off':>10}  {'on':>10}  {'change':>14}")
     for name, a, b, unit in rows:
@@ -357,8 +369,15 @@ def save_comparison(args: argparse.Namespace, results: dict) -> None:
     out = ROOT / "bench" / "results" / f"control_plane_curve_{stamp}.json"
     out.write_text(json.dumps({"command": " ".join(["python", "bench/control_plane.py", *sys.argv[1:]]),
                                "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-                               "insecure": _jsonable(off), "curve": _jsonable(on)}, indent=2) + "\n")
+                               "median": {"insecure": off, "curve": on},
+                               "runs": {mode: [_jsonable(r) for r in runs] for mode, runs in results.items()}},
+                              indent=2) + "\n")
     print(f"\nwrote {out.relative_to(ROOT)}")
+
+
+def _median_of(runs: list[dict]) -> dict:
+    """Each scalar measure's median over runs of one mode."""
+    return {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, (int, float))}
 
 
 def _jsonable(res: dict) -> dict:
