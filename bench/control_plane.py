@@ -21,6 +21,14 @@ itself. Targets: < 1 ms added TTFT at idle, >= 20k streamed tokens/s.
 `--vocab-size 128256` makes the tiny model with Llama-3.1-8B's vocabulary size, whose tokenizer is
 the one `make-model --size 8b` writes (32768 BPE tokens; the default tiny model's has 1024), so
 prompts tokenize as on the H200 serving run.
+
+`--curve on` (the default) runs the internal planes as `kvmesh serve` does (CURVE on every ZMQ
+socket, keys from a fresh trust directory); `--curve off` runs them with
+--insecure-internal-planes; `--curve both` runs the whole measurement both ways `--repeat` times,
+alternating the order (off-on, on-off, ...) so that a change in the machine's load hits both
+alike, prints the median of each measure both ways and the difference, and writes every run to
+bench/results/control_plane_curve_<time>.json (issue #30's target: at most 5% fewer streamed
+tokens/s and 0.2 ms more TTFT with CURVE).
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from services.embedded_redis import EmbeddedRedis  # noqa: E402
 from services.ports import free_port  # noqa: E402
+from services.security import bundle  # noqa: E402
 from stage_metrics import breakdown_lines, scrape, stage_means  # noqa: E402  (bench/, this script's directory)
 
 
@@ -152,10 +162,12 @@ async def idle_ttft(port: int, n: int, prompt_of=None, stages=None) -> dict:
     return out
 
 
-def wait_http(port: int, timeout_s: float = 120) -> None:
+def wait_http(port: int, procs: list[subprocess.Popen], timeout_s: float = 120) -> None:
     import urllib.request
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):   # e.g. a free port taken by another process meanwhile
+            raise SystemExit(f"a service exited while the gateway on port {port} was starting")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
                 if r.status == 200:
@@ -223,18 +235,45 @@ def main() -> int:
     ap.add_argument("--detokenize-in-gateway", action=argparse.BooleanOptionalAction, default=True,
                     help="the tokenizing gateway also detokenizes (--local-detokenizer, as `kvmesh serve` "
                          "starts it); --no-detokenize-in-gateway streams through the tokenizer service")
+    ap.add_argument("--curve", choices=("on", "off", "both"), default="on",
+                    help="CURVE on the internal ZMQ planes (as `kvmesh serve` runs), off "
+                         "(--insecure-internal-planes), or both: compared and saved under bench/results/")
+    ap.add_argument("--repeat", type=int, default=2, help="with --curve both: runs each way, in alternating order")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory(prefix="kvmesh-bench-")
-    model = args.model
-    if not model:
-        model = str(Path(tmp.name) / "tiny")
-        vocab_flag = ["--vocab-size", str(args.vocab_size)] if args.vocab_size else []
-        subprocess.run([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", "tiny",
-                        *vocab_flag, model], cwd=ROOT, check=True, capture_output=True)
+    try:
+        model = args.model
+        if not model:
+            model = str(Path(tmp.name) / "tiny")
+            vocab_flag = ["--vocab-size", str(args.vocab_size)] if args.vocab_size else []
+            subprocess.run([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", "tiny",
+                            *vocab_flag, model], cwd=ROOT, check=True, capture_output=True)
+        rounds = [[False, True] if i % 2 == 0 else [True, False] for i in range(max(args.repeat, 1))]
+        modes = {"on": [True], "off": [False], "both": [m for r in rounds for m in r]}[args.curve]
+        results: dict[str, list[dict]] = {"insecure": [], "curve": []}
+        for curve in modes:
+            try:
+                res = run_stack(args, model, Path(tmp.name), curve)
+            except SystemExit as exc:   # one more try: the ports are picked free, then bound later
+                print(f"{exc}; starting the stack again", file=sys.stderr)
+                res = run_stack(args, model, Path(tmp.name), curve)
+            results["curve" if curve else "insecure"].append(res)
+            print_rows(args, res, f"CURVE {'on' if curve else 'off'}")
+    finally:
+        tmp.cleanup()
+    if args.curve == "both":
+        save_comparison(args, results)
+    return 0
+
+
+def run_stack(args: argparse.Namespace, model: str, tmp: Path, curve: bool) -> dict:
+    """Start the stack (CURVE on or off), measure it, stop it; the measurements."""
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     redis = EmbeddedRedis().start()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    common = ["--redis-url", redis.url, "--log-level", "warning", "--host", "127.0.0.1"]
+    trust = bundle.generate(tmp / f"trust-{time.monotonic_ns()}").root if curve else None
+    planes = ["--trust-dir", str(trust)] if trust else ["--insecure-internal-planes"]
+    common = ["--redis-url", redis.url, "--log-level", "warning", "--host", "127.0.0.1", *planes]
     internal = ["--port", "0", "--zmq-port", "0", "--metrics-port", "0"]   # metrics: the stage histograms
     port, grpc_port = free_port(), free_port()
     cmds = [["tokenizer", *common, *internal, "--model", model],
@@ -246,8 +285,8 @@ def main() -> int:
             ["gateway", *common, "--port", str(grpc_port), "--zmq-port", "0"]]
     procs = [subprocess.Popen([sys.executable, "-m", "services.cli", *c], cwd=ROOT, env=env) for c in cmds]
     try:
-        wait_http(port)
-        wait_http(grpc_port)
+        wait_http(port, procs)
+        wait_http(grpc_port, procs)
         base_ttft, base_step = in_process_baseline(vocab)
         token_prompts = random_token_prompts(model, args.prompt_tokens, args.idle_requests + 20) \
             if args.prompt_tokens else None
@@ -265,7 +304,12 @@ def main() -> int:
         for p in procs:
             p.wait(10)
         redis.stop()
-        tmp.cleanup()
+    res["base_ttft"], res["base_step"] = base_ttft, base_step
+    return res
+
+
+def print_rows(args: argparse.Namespace, res: dict, title: str) -> None:
+    base_ttft, base_step = res["base_ttft"], res["base_step"]
     ms = 1000.0
     rows = [
         ("TTFT at idle p50 (stack)", f"{res['ttft_p50'] * ms:.3f} ms"),
@@ -289,7 +333,7 @@ def main() -> int:
             (f"long requests/s (c={args.concurrency})", f"{res['long_req_s']:.1f}"),
         ]
     width = max(len(r[0]) for r in rows)
-    print(f"\nkvmesh control plane (null-model worker, {os.cpu_count()} CPUs)")
+    print(f"\nkvmesh control plane, {title} (null-model worker, {os.cpu_count()} CPUs)")
     print("-" * (width + 30))
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
@@ -299,7 +343,50 @@ def main() -> int:
         if key in res:
             print(f"\nwhere the mean first token went, {what} (ms; bench/stage_metrics.py):")
             print("\n".join(breakdown_lines(res[key]["stages"], "  ")))
-    return 0
+
+
+def save_comparison(args: argparse.Namespace, results: dict) -> None:
+    """Print CURVE against no CURVE (medians over the runs) and write every run to
+    bench/results/control_plane_curve_<time>.json."""
+    off, on = (_median_of(results[mode]) for mode in ("insecure", "curve"))
+    ms = 1000.0
+    rows = [("TTFT at idle p50", off["ttft_p50"] * ms, on["ttft_p50"] * ms, "ms"),
+            ("TTFT at idle p99", off["ttft_p99"] * ms, on["ttft_p99"] * ms, "ms"),
+            ("TTFT at idle p50, Tokenize over gRPC", off["grpc_ttft_p50"] * ms, on["grpc_ttft_p50"] * ms, "ms")]
+    if not args.skip_throughput:
+        rows += [("lone stream tokens/s", off["lone_stream_tok_s"], on["lone_stream_tok_s"], ""),
+                 (f"streamed tokens/s (c={args.concurrency}, 256 tok)", off["long_tok_s"], on["long_tok_s"], ""),
+                 (f"short requests/s (c={args.concurrency // 2})", off["short_req_s"], on["short_req_s"], "")]
+    print(f"\nCURVE vs --insecure-internal-planes, medians of {len(results['curve'])} runs each "
+          f"({os.cpu_count()} CPUs; target: <= 5% fewer streamed tokens/s, <= 0.2 ms added TTFT)")
+    width = max(len(r[0]) for r in rows)
+    print(f"{'':<{width}}  {'off':>10}  {'on':>10}  {'change':>14}")
+    for name, a, b, unit in rows:
+        change = f"{b - a:+.3f} {unit}" if unit else f"{100 * (b - a) / max(a, 1e-9):+.1f}%"
+        print(f"{name:<{width}}  {a:>10.3f}  {b:>10.3f}  {change:>14}" if unit else
+              f"{name:<{width}}  {a:>10.0f}  {b:>10.0f}  {change:>14}")
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
+    out = ROOT / "bench" / "results" / f"control_plane_curve_{stamp}.json"
+    out.write_text(json.dumps({"command": " ".join(["python", "bench/control_plane.py", *sys.argv[1:]]),
+                               "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+                               "median": {"insecure": off, "curve": on},
+                               "runs": {mode: [_jsonable(r) for r in runs] for mode, runs in results.items()}},
+                              indent=2) + "\n")
+    print(f"\nwrote {out.relative_to(ROOT)}")
+
+
+def _median_of(runs: list[dict]) -> dict:
+    """Each scalar measure's median over runs of one mode."""
+    return {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, (int, float))}
+
+
+def _jsonable(res: dict) -> dict:
+    """The scalar measurements (the stage breakdowns stay in the printed report)."""
+    out = {k: v for k, v in res.items() if isinstance(v, (int, float))}
+    for phase in ("idle", "words", "tokens"):
+        if phase in res:
+            out[phase] = {k: v for k, v in res[phase].items() if isinstance(v, (int, float))}
+    return out
 
 
 if __name__ == "__main__":

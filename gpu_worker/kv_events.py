@@ -1,6 +1,6 @@
 """KV event publishing: the block manager's cache changes -> one KVEventBatch per engine step.
 
-    pub = KVEventPublisher(engine.block_manager, worker_id, epoch=lease.epoch, host=cfg.host)
+    pub = KVEventPublisher(engine.block_manager, worker_id, epoch=lease.epoch, plane=plane, host=cfg.host)
     # advertise pub.events_addr and pub.snapshot_addr in the worker's registry record, then:
     while serving:
         engine.step()
@@ -11,6 +11,9 @@ within the epoch; an idle publisher repeats its last seq with no events every `h
 subscriber notices a lost last batch. A ROUTER socket answers SnapshotRequest with the block
 manager's `cached_block_hashes()`, taken between steps (inside flush), so the Snapshot is exactly
 the state after batch `seq`.
+
+Only the prefix-cache role may subscribe or ask for snapshots (CURVE, services/security/curve.py):
+both carry token ids, i.e. users' prompts and answers.
 
 Threading: the listener callbacks and flush() must run on the thread that runs engine.step()
 (ZMQ sockets and the block manager are single-threaded).
@@ -26,6 +29,7 @@ from services.protocol.kv_events import (
     SnapshotBlock, SnapshotRequest,
 )
 from services.config import reachable_host
+from services.security.curve import Plane, with_role
 from services.transport import Publisher, Replier
 
 log = logging.getLogger("kvmesh.worker.kv_events")
@@ -37,7 +41,7 @@ _MAX_SNAPSHOTS_PER_FLUSH = 4
 class KVEventPublisher:
     """A block-manager listener that batches events per step and serves snapshots."""
 
-    def __init__(self, block_manager, worker_id: str, epoch: int | None = None, *,
+    def __init__(self, block_manager, worker_id: str, epoch: int | None = None, *, plane: Plane,
                  host: str = "127.0.0.1", advertise_host: str = "", events_port: int = 0,
                  snapshot_port: int = 0, heartbeat_s: float = 1.0,
                  clock: Callable[[], float] = time.time) -> None:
@@ -49,12 +53,13 @@ class KVEventPublisher:
         self._clock = clock
         self._pending: list[KVEvent] = []
         self._last_send = float("-inf")  # monotonic time of the last batch or heartbeat
-        self._pub: Publisher[KVEventBatch] = Publisher(host, events_port, hwm=_SNDHWM)
-        self._replier: Replier[SnapshotRequest, Snapshot] = Replier(SnapshotRequest, host, snapshot_port,
-                                                                    name="snapshot requests")
+        self._pub: Publisher[KVEventBatch] = Publisher(host, events_port, hwm=_SNDHWM, plane=plane,
+                                                       subscribers=("prefix-cache",))
+        self._replier: Replier[SnapshotRequest, Snapshot] = Replier(
+            SnapshotRequest, host, snapshot_port, name="snapshot requests", plane=plane, clients=("prefix-cache",))
         reach = reachable_host(host, advertise_host)
-        self.events_addr = f"tcp://{reach}:{self._pub.port}"
-        self.snapshot_addr = f"tcp://{reach}:{self._replier.port}"
+        self.events_addr = with_role(f"tcp://{reach}:{self._pub.port}", "worker")
+        self.snapshot_addr = with_role(f"tcp://{reach}:{self._replier.port}", "worker")
         self.published = 0
         self.snapshots_served = 0
         block_manager.add_listener(self)

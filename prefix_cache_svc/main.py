@@ -35,7 +35,8 @@ from services.protocol.kv_events import (
 )
 from services.redis_client import RedisAuth
 from services.registry import Registry
-from services.security import service_trust
+from services.security.bundle import TrustError
+from services.security.curve import Plane, plane_for
 from services.shell import run_until_signal
 from services.transport import Method, add_health, grpc_server, run_async, set_serving, unary_handler
 
@@ -52,10 +53,11 @@ class WorkerAddrs(NamedTuple):
 
 
 class PrefixCacheService:
-    def __init__(self, cfg: PrefixCacheConfig) -> None:
+    def __init__(self, cfg: PrefixCacheConfig, plane: Plane) -> None:
         self.cfg = cfg
+        self.plane = plane
         self.core = PrefixCore(cfg.block_size, cfg.max_blocks or None)
-        self.sub = EventSubscriber()
+        self.sub = EventSubscriber(plane)
         self.workers: dict[str, WorkerAddrs] = {}
         self.grpc_addr = ""
         self._fetching: set[str] = set()
@@ -78,7 +80,7 @@ class PrefixCacheService:
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
-        trust = service_trust.load(cfg, "prefix-cache")
+        trust = self.plane.trust     # gRPC and Redis use the same trust material as ZeroMQ
         self.redis = redis_client.connect(cfg.redis_url, RedisAuth.of(trust))
         self.store = OwnershipStore(self.redis, cfg.block_size)
         loaded = await self.store.load(self.core)
@@ -207,7 +209,7 @@ class PrefixCacheService:
 
     async def _fetch(self, worker_id: str, addr: str) -> None:
         try:
-            snap = await fetch_snapshot(addr, uuid.uuid4().hex, self.cfg.snapshot_timeout_s)
+            snap = await fetch_snapshot(addr, uuid.uuid4().hex, self.cfg.snapshot_timeout_s, self.plane)
         finally:
             self._fetching.discard(worker_id)
         if snap is None or snap.worker_id != worker_id or worker_id not in self.workers:
@@ -304,4 +306,9 @@ def main(argv: list[str]) -> int:
     if not cfg.redis_url:
         log.error("--redis-url (or KVMESH_REDIS_URL) is required: Redis holds the registry and block ownership")
         return 2
-    return run_async(PrefixCacheService(cfg).run())
+    try:
+        plane = plane_for(cfg, "prefix-cache")
+    except TrustError as exc:
+        log.error("%s", exc)
+        return 2
+    return run_async(PrefixCacheService(cfg, plane).run())

@@ -24,6 +24,11 @@ follows `hot` and compares 64 bytes per block: ~0.3 ms for 2048 blocks among a m
 
 Capacity: beyond `max_blocks` the oldest-inserted block without known children is dropped from
 the index (not from Redis); the count of such evictions is in `stats()`.
+
+Token ids are users' prompts and answers: a block's tokens live exactly as long as some worker
+holds the block. A node that leaves the index drops its key at once (a stale eviction-queue entry
+may outlive it, holding no tokens), and the queue is compacted when stale entries outnumber live
+ones, so churn without capacity pressure cannot grow it.
 """
 from __future__ import annotations
 
@@ -107,6 +112,7 @@ class RadixIndex:
         self._worker_at: list[str | None] = []
         self._blocks_of: list[set[bytes]] = []      # slot -> hashes it holds (any tier)
         self._fifo: deque[_Node] = deque()           # insertion order, for capacity eviction
+        self._stale = 0                              # entries of unlinked nodes in _fifo
         self._mask_pool: dict[tuple[int, int, int], tuple[int, int, int]] = {_NO_OWNERS: _NO_OWNERS}
         self.evictions = 0
         self.rejected = 0                            # inconsistent inserts refused
@@ -177,7 +183,9 @@ class RadixIndex:
         node = self._by_hash.get(block_hash)
         if slot is None or node is None:
             return False
-        return self._drop(node, slot, TIER_BIT[tier])
+        dropped = self._drop(node, slot, TIER_BIT[tier])
+        self._compact_fifo()
+        return dropped
 
     def clear(self, worker_id: str, tier: str | None = None) -> int:
         """Forget the worker's blocks in `tier` (all tiers when None); returns copies dropped."""
@@ -188,6 +196,7 @@ class RadixIndex:
         dropped = 0
         for h in list(self._blocks_of[slot]):
             dropped += self._drop(self._by_hash[h], slot, tier_bits)
+        self._compact_fifo()
         return dropped
 
     def remove_worker(self, worker_id: str) -> int:
@@ -266,7 +275,19 @@ class RadixIndex:
                 if parent.hot is node:
                     parent.hot = None
         node.hot = None
+        node.key = b""         # the tokens go with the block (its queue entry may stay a while)
         node.evict_skips += 1  # its queue entry is stale now
+        self._stale += 1
+
+    def _compact_fifo(self) -> None:
+        """Drop the queue entries of unlinked nodes once they outnumber the live ones (insertion
+        order kept, so eviction order holds). Called after removals, never inside _evict_one."""
+        if self._stale <= len(self._by_hash) + 1024:
+            return
+        self._fifo = deque(n for n in self._fifo if self._by_hash.get(n.hash) is n)
+        for node in self._fifo:
+            node.evict_skips = 0   # a live node's only entry is its own
+        self._stale = 0
 
     def _evict_one(self) -> None:
         """Drop the oldest block, preferring ones without children (a root would orphan a chain)."""
@@ -275,6 +296,7 @@ class RadixIndex:
             node = self._fifo.popleft()
             if node.evict_skips:
                 node.evict_skips -= 1
+                self._stale -= 1
                 continue
             if node.nchild and scanned < _EVICT_SCAN:
                 scanned += 1
@@ -285,6 +307,7 @@ class RadixIndex:
                 if owners >> slot & 1:
                     self._drop(node, slot, ALL_TIERS)
             node.evict_skips -= 1  # _unlink marked the entry we just popped as stale
+            self._stale -= 1
             self.evictions += 1
             return
 
@@ -400,6 +423,9 @@ class RadixIndex:
             assert worker is not None or not self._blocks_of[slot], "freed slot still holds blocks"
         assert len(self._slot_of) == sum(w is not None for w in self._worker_at)
         assert self.max_blocks is None or len(self._by_hash) <= self.max_blocks, "over capacity"
+        unlinked = [n for n in self._fifo if self._by_hash.get(n.hash) is not n]
+        assert not any(n.key for n in unlinked), "a block that left the index still holds its tokens"
+        assert len(unlinked) == self._stale <= len(self._by_hash) + 1024, "eviction queue holds too many stale entries"
 
 
 class _Walk:

@@ -10,6 +10,8 @@ Handlers (everything this process accepts):
     Abort         -> core.abort           (from gateways: disconnect; detokenizers: stop string)
     WorkerStatus  -> core.worker_status   (from workers, per finished step and per heartbeat)
     (Redis poll)  -> core.set_workers     (every heartbeat/2: joins, deaths, restarts, draining)
+
+SENDERS names the roles (CURVE keys) each message may come from; the inbox drops the rest.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from services.logging import setup as setup_logging
 from services.protocol.messages import Abort, Dispatch, SchedulerInbox, Submit, WorkerStatus
 from services.redis_client import RedisAuth
 from services.registry import Membership, Registry, ServiceRecord
-from services.security import service_trust
+from services.security.curve import Plane, plane_for, with_role
+from services.security.bundle import TrustError
 from services.shell import run_until_signal
 from services.prefix_client import PrefixClient
 from services.prefix_hash import chain_hashes
@@ -37,6 +40,9 @@ from services.protocol.kv_events import MatchResponse
 from services.transport import Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr
 
 log = logging.getLogger("kvmesh.scheduler")
+# message -> the roles that may send it ("tokenizer": a detokenizer's stop string; a gateway with
+# --local-detokenizer sends its stop strings as the gateway role)
+SENDERS = {Submit: ("gateway",), Abort: ("gateway", "tokenizer"), WorkerStatus: ("worker",)}
 RECENT_MAX_BLOCKS = 256   # leading blocks of a prompt remembered as dispatched (at most ~0.5 ms of hashing)
 
 
@@ -61,15 +67,16 @@ def routing_weights(cfg: SchedulerConfig) -> RoutingWeights:
 
 
 class SchedulerService:
-    def __init__(self, cfg: SchedulerConfig) -> None:
+    def __init__(self, cfg: SchedulerConfig, plane: Plane) -> None:
         self.cfg = cfg
+        self.plane = plane
         self.core = SchedulerCore(Limits(cfg.max_queue, cfg.max_tenant_inflight, cfg.worker_capacity_factor,
                                          cfg.retry_after_s), scorer=make_scorer(cfg.routing, routing_weights(cfg)))
         self.prefix: PrefixClient | None = None  # the prefix-cache index (cache_aware routing only)
         self.recent = RecentDispatches()         # what the index cannot know yet (recent.py)
         self.block_hashes: dict[str, list[bytes]] = {}  # request id -> its blocks, until dispatched
         self.matching: dict[str, bool] = {}     # submissions waiting for their Match (id -> aborted?)
-        self.senders: SenderPool = SenderPool()
+        self.senders: SenderPool = SenderPool(plane)
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # a vanished record is kept for two heartbeats (Redis restart), then its worker is dead
         self.membership = Membership(2 * cfg.heartbeat_ms / 1000)
@@ -78,14 +85,15 @@ class SchedulerService:
 
     async def run(self) -> int:
         cfg = self.cfg
-        self.trust = service_trust.load(cfg, "scheduler")
+        self.trust = self.plane.trust     # gRPC and Redis use the same trust material as ZeroMQ
         server, grpc_port = grpc_server(cfg.host, cfg.port, self.trust)
         health = await add_health(server, cfg.host, cfg.health_port)
         await server.start()
         metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port, "scheduler")
-        self.receiver: Receiver = Receiver(SchedulerInbox, cfg.host, cfg.zmq_port, name="scheduler")
+        self.receiver: Receiver = Receiver(SchedulerInbox, cfg.host, cfg.zmq_port, name="scheduler",
+                                           plane=self.plane, senders=SENDERS)
         host = cfg.reachable_host()
-        addrs = {"zmq": tcp_addr(host, self.receiver.port), "grpc": f"{host}:{grpc_port}"}
+        addrs = {"zmq": with_role(tcp_addr(host, self.receiver.port), "scheduler"), "grpc": f"{host}:{grpc_port}"}
         if metrics_port > 0:
             addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
         self.registry = Registry(cfg.redis_url, RedisAuth.of(self.trust))
@@ -234,4 +242,9 @@ def split_salt(salt: str) -> tuple[str, str]:
 def main(argv: list[str]) -> int:
     cfg = load_or_exit(SchedulerConfig, argv, "kvmesh scheduler")
     setup_logging("scheduler", cfg.log_level)
-    return run_async(SchedulerService(cfg).run())
+    try:
+        plane = plane_for(cfg, "scheduler")
+    except TrustError as exc:
+        log.error("%s", exc)
+        return 2
+    return run_async(SchedulerService(cfg, plane).run())

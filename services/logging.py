@@ -60,3 +60,24 @@ def setup(service: str, level: str = "info") -> logging.Logger:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     return logging.getLogger(f"kvmesh.{service}")
+
+
+class RateLimitedLog:
+    """At most one warning per `period_s` for one source (a socket), carrying how many were
+    suppressed since the last line: a flood of bad frames costs a counter, not the log."""
+
+    def __init__(self, logger: logging.Logger, name: str, period_s: float = 10.0) -> None:
+        self.logger, self.name, self.period_s = logger, name, period_s
+        self.count = 0            # every event, logged or not
+        self._since_line = 0      # events since the last line
+        self._last_line = float("-inf")
+
+    def warn(self, fmt: str, *args: object) -> None:
+        self.count += 1
+        self._since_line += 1
+        now = time.monotonic()
+        if now - self._last_line < self.period_s:
+            return
+        more = f" ({self._since_line - 1} more since the last such line)" if self._since_line > 1 else ""
+        self.logger.warning(f"%s: {fmt}%s", self.name, *args, more)
+        self._last_line, self._since_line = now, 0

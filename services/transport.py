@@ -1,13 +1,20 @@
 """Typed ZMQ and gRPC carriers for the messages of services/protocol (no service touches zmq or
 msgpack directly).
 
-    Receiver[T]   PULL socket, bound; yields decoded T; drops malformed frames with a log line
+    Receiver[T]   PULL socket, bound; yields decoded T sent by a role allowed to send it
+    SyncReceiver  the same for a thread that blocks (the worker's engine thread)
     Sender[T]     PUSH socket, connected to one address; never blocks (drops + counts when full)
     SenderPool[T] one Sender per destination address, connected lazily (reply-to addresses)
     Publisher[T]  PUB socket, bound; never blocks (a slow subscriber's queue drops)
     Subscriber[T] SUB socket connected to many publishers; yields decoded T; drops malformed frames
     Replier[Q, R] ROUTER socket, bound, answered between steps by a thread that never blocks
     request()     one request over a fresh DEALER, its decoded reply (or None on timeout/garbage)
+
+Every ZMQ carrier takes the process's `Plane` (services/security/curve.py): CURVE with this
+role's keys, or explicitly none. A bound socket names the roles that may connect; a receiver
+also names, per message kind, the roles that may send it (`senders`) and drops the rest. Dropped
+frames (malformed, another protocol version, an unauthorized sender) are counted and logged at
+most once per 10 s per socket.
 
 gRPC methods carry the same msgspec Structs through custom (de)serializers: `unary_handler` on the
 server side (each Method names the roles that may call it), `unary_stub` on the client side;
@@ -20,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable, Generic, NamedTuple, TypeVar
+from typing import Any, Awaitable, Callable, Collection, Generic, Iterable, Mapping, NamedTuple, TypeVar
 
 import grpc
 import msgspec
@@ -28,14 +35,18 @@ import zmq
 import zmq.asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.logging import RateLimitedLog
 from services.protocol.messages import PROTOCOL_VERSION
 from services.security import tls
 from services.security.bundle import Trust
+from services.security.curve import Plane, split_role
 
 T = TypeVar("T")
 Q = TypeVar("Q")
 R = TypeVar("R")
 log = logging.getLogger("kvmesh.transport")
+
+Senders = Mapping[type, Collection[str]]   # message kind -> the roles that may send it
 
 _HWM = 100_000
 _ctx: zmq.asyncio.Context | None = None
@@ -61,12 +72,72 @@ def _bind(sock: Any, host: str, port: int) -> int:
     return sock.bind_to_random_port(f"tcp://{host}")
 
 
+def _connect(sock: Any, addr: str, plane: Plane, server_role: str) -> str:
+    """Connect `sock` as a CURVE client to `addr` (`tcp://host:port`, optionally `#role`), expecting
+    `server_role` there (default: the role the address names). Returns the plain endpoint."""
+    endpoint, named = split_role(addr)
+    role = server_role or named
+    if plane.secure and not role:
+        raise ValueError(f"{addr} names no role, so its CURVE public key is unknown (expected tcp://host:port#role)")
+    plane.connect(sock, role)
+    sock.connect(endpoint)
+    return endpoint
+
+
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError)
 
 
+class _Inbox(Generic[T]):
+    """What a bound receiving socket accepts: one frame, decodable as `msg_type`, of this protocol
+    version, of a kind its sender's role may send."""
+
+    def __init__(self, msg_type: Any, name: str, plane: Plane, senders: Senders) -> None:
+        self.decoder = msgspec.msgpack.Decoder(msg_type)
+        self.name = name or str(msg_type)
+        self.plane = plane
+        self.senders = {kind: frozenset(roles) for kind, roles in senders.items()}
+        self.malformed = RateLimitedLog(log, self.name)
+        self.unauthorized = RateLimitedLog(log, self.name)
+
+    @property
+    def roles(self) -> set[str]:
+        """Every role that may connect (sends at least one kind)."""
+        return set().union(*self.senders.values())
+
+    def accept(self, frames: list) -> T | None:
+        """The message in `frames` (bytes, or zmq.Frame when secure), or None (counted, logged)."""
+        if len(frames) != 1:
+            self.malformed.warn("dropped a %d-part message", len(frames))
+            return None
+        frame = frames[0]
+        body = frame.buffer if isinstance(frame, zmq.Frame) else frame
+        try:
+            msg = self.decoder.decode(body)
+        except _DECODE_ERRORS as exc:
+            self.malformed.warn("dropped a malformed frame (%d bytes): %s", len(body), exc)
+            return None
+        if getattr(msg, "version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+            self.malformed.warn("dropped a message of protocol version %s", msg.version)
+            return None
+        if self.plane.secure:
+            role = self.plane.sender_role(frame)
+            if role not in self.senders.get(type(msg), ()):
+                self.unauthorized.warn("refused a %s from role %s (it may not send that here)",
+                                       type(msg).__name__, role or "none")
+                return None
+        return msg
+
+
+def _inbox_socket(inbox: _Inbox, host: str, port: int) -> tuple[Any, int]:
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, _HWM)
+    inbox.plane.serve(sock, inbox.roles)
+    return sock, _bind(sock, host, port)
+
+
 class Receiver(Generic[T]):
-    """Bound PULL socket decoding `msg_type` (a Struct or a tagged Union of Structs); `recv()` serves
-    one consumer task on the running event loop.
+    """Bound PULL socket decoding `msg_type` (a Struct or a tagged Union of Structs) from the roles
+    `senders` allows per kind; `recv()` serves one consumer task on the running event loop.
 
     A plain zmq socket whose ZMQ_FD the loop watches (a reader callback), not zmq.asyncio: a message
     already queued returns without a future, and a wake-up is one callback and one future. Each
@@ -75,42 +146,33 @@ class Receiver(Generic[T]):
     messages, uvloop, 2-vCPU VM).
     """
 
-    def __init__(self, msg_type: Any, host: str, port: int = 0, name: str = "") -> None:
-        self._decoder = msgspec.msgpack.Decoder(msg_type)
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
-        self._sock.setsockopt(zmq.RCVHWM, _HWM)
-        self.port = _bind(self._sock, host, port)
-        self.name = name or str(msg_type)
-        self.dropped = 0
+    def __init__(self, msg_type: Any, host: str, port: int = 0, name: str = "", *, plane: Plane,
+                 senders: Senders) -> None:
+        self._inbox: _Inbox[T] = _Inbox(msg_type, name, plane, senders)
+        self._sock, self.port = _inbox_socket(self._inbox, host, port)
+        self._copy = not plane.secure          # the sender's role is a property of the zmq.Frame
+        self.name = self._inbox.name
         self._loop: asyncio.AbstractEventLoop | None = None   # the loop watching the socket's FD
         self._waiter: asyncio.Future | None = None
 
-    def decode(self, frame: bytes) -> T | None:
-        """The message in `frame`, or None (logged) when malformed or of another protocol version."""
-        try:
-            msg = self._decoder.decode(frame)
-        except _DECODE_ERRORS as exc:
-            self.dropped += 1
-            log.warning("%s: dropped a malformed frame (%d bytes): %s", self.name, len(frame), exc)
-            return None
-        if getattr(msg, "version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
-            self.dropped += 1
-            log.warning("%s: dropped a message of protocol version %s", self.name, msg.version)
-            return None
-        return msg
+    @property
+    def dropped(self) -> int:
+        """Malformed frames and messages of another protocol version."""
+        return self._inbox.malformed.count
+
+    @property
+    def refused(self) -> int:
+        """Messages of a kind their sender's role may not send here."""
+        return self._inbox.unauthorized.count
 
     async def recv(self) -> T:
         while True:
             try:
-                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=self._copy)
             except zmq.Again:
                 await self._readable()
                 continue
-            if len(frames) != 1:
-                self.dropped += 1
-                log.warning("%s: dropped a %d-part message", self.name, len(frames))
-                continue
-            msg = self.decode(frames[0])
+            msg = self._inbox.accept(frames)
             if msg is not None:
                 return msg
 
@@ -157,19 +219,20 @@ class Receiver(Generic[T]):
 class SyncReceiver(Generic[T]):
     """Bound PULL socket for a thread that blocks (the worker's engine thread): plain zmq, no loop."""
 
-    def __init__(self, msg_type: Any, host: str, port: int = 0, name: str = "") -> None:
-        self._checker = Receiver.__new__(Receiver)   # reuse Receiver.decode (validation + logging)
-        self._checker._decoder = msgspec.msgpack.Decoder(msg_type)
-        self._checker.name = name or str(msg_type)
-        self._checker.dropped = 0
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
-        self._sock.setsockopt(zmq.RCVHWM, _HWM)
-        self.port = _bind(self._sock, host, port)
+    def __init__(self, msg_type: Any, host: str, port: int = 0, name: str = "", *, plane: Plane,
+                 senders: Senders) -> None:
+        self._inbox: _Inbox[T] = _Inbox(msg_type, name, plane, senders)
+        self._sock, self.port = _inbox_socket(self._inbox, host, port)
+        self._copy = not plane.secure
         self.read_at = 0.0   # perf_counter() when the last recv_all that got a frame read its first
 
     @property
     def dropped(self) -> int:
-        return self._checker.dropped
+        return self._inbox.malformed.count
+
+    @property
+    def refused(self) -> int:
+        return self._inbox.unauthorized.count
 
     def recv_all(self, timeout_ms: int) -> list[T]:
         """Every queued message; waits up to timeout_ms for the first one when none is queued."""
@@ -179,16 +242,13 @@ class SyncReceiver(Generic[T]):
         first = True
         while True:
             try:
-                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=self._copy)
             except zmq.Again:
                 return out
             if first:
                 self.read_at, first = time.perf_counter(), False
-            if len(frames) == 1 and (msg := self._checker.decode(frames[0])) is not None:
+            if (msg := self._inbox.accept(frames)) is not None:
                 out.append(msg)
-            elif len(frames) != 1:
-                self._checker.dropped += 1
-                log.warning("%s: dropped a %d-part message", self._checker.name, len(frames))
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -198,17 +258,22 @@ class Sender(Generic[T]):
     """Connected PUSH socket. `send` never blocks: a full or peerless queue drops (and logs).
 
     A plain (synchronous) zmq socket: a non-blocking send needs no event loop or future, which
-    keeps the per-message cost low; use it from one thread only.
+    keeps the per-message cost low; use it from one thread only. `server_role` is the role whose
+    key the peer must hold (default: the one `addr` names, `tcp://host:port#role`).
     """
 
     _encoder = msgspec.msgpack.Encoder()
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, *, plane: Plane, server_role: str = "") -> None:
         self.addr = addr
         self._sock = zmq.Context.instance().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, _HWM)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(addr)
+        try:
+            _connect(self._sock, addr, plane, server_role)
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
         self.dropped = 0
         self._last_warn = 0.0
 
@@ -229,15 +294,22 @@ class Sender(Generic[T]):
 
 
 class SenderPool(Generic[T]):
-    """One Sender per address, created on first use (reply-to addresses of gateways, detokenizers)."""
+    """One Sender per address, created on first use (reply-to addresses of gateways, detokenizers);
+    each address names the role serving it (`tcp://host:port#role`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, plane: Plane) -> None:
+        self.plane = plane
         self._senders: dict[str, Sender[T]] = {}
+        self._bad_addrs = RateLimitedLog(log, "sender pool")
 
     def send(self, addr: str, msg: T) -> bool:
         sender = self._senders.get(addr)
         if sender is None:
-            sender = self._senders[addr] = Sender(addr)
+            try:
+                sender = self._senders[addr] = Sender(addr, plane=self.plane)
+            except (ValueError, zmq.ZMQError) as exc:   # an address without a role, or unparsable
+                self._bad_addrs.warn("cannot send to %s: %s", addr, exc)
+                return False
         return sender.send(msg)
 
     def drop(self, addr: str) -> None:
@@ -252,14 +324,17 @@ class SenderPool(Generic[T]):
 
 
 class Publisher(Generic[T]):
-    """Bound PUB socket (plain zmq, one thread). `send` never blocks: past `hwm` queued messages a
-    slow subscriber's copy is dropped (subscribers must notice gaps themselves)."""
+    """Bound PUB socket (plain zmq, one thread) that only `subscribers` roles may join. `send` never
+    blocks: past `hwm` queued messages a slow subscriber's copy is dropped (subscribers must notice
+    gaps themselves)."""
 
     _encoder = msgspec.msgpack.Encoder()
 
-    def __init__(self, host: str, port: int = 0, hwm: int = _HWM) -> None:
+    def __init__(self, host: str, port: int = 0, hwm: int = _HWM, *, plane: Plane,
+                 subscribers: Iterable[str]) -> None:
         self._sock = zmq.Context.instance().socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
+        plane.serve(self._sock, subscribers)
         self.port = _bind(self._sock, host, port)
 
     def send(self, msg: T) -> bool:
@@ -274,32 +349,39 @@ class Publisher(Generic[T]):
 
 
 class Subscriber(Generic[T]):
-    """SUB socket (every topic) connected to any number of publishers; yields decoded `msg_type`.
+    """SUB socket (every topic) connected to any number of `server_role` publishers; yields decoded
+    `msg_type`.
 
-    Malformed frames are dropped, counted and logged. No protocol-version filter here: streams
-    with their own version (KV events) are checked by the consumer, which counts them apart.
+    Malformed frames are dropped, counted and logged (rate-limited). No protocol-version filter
+    here: streams with their own version (KV events) are checked by the consumer, which counts them
+    apart.
     """
 
-    def __init__(self, msg_type: Any, name: str = "") -> None:
+    def __init__(self, msg_type: Any, name: str = "", *, plane: Plane, server_role: str) -> None:
         self._decoder = msgspec.msgpack.Decoder(msg_type)
         self._sock = context().socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        plane.connect(self._sock, server_role)
         self.name = name or str(msg_type)
         self.connected: set[str] = set()
-        self.dropped = 0
+        self._malformed = RateLimitedLog(log, self.name)
+
+    @property
+    def dropped(self) -> int:
+        return self._malformed.count
 
     def connect(self, addr: str) -> None:
         if addr not in self.connected:
-            self._sock.connect(addr)
+            self._sock.connect(split_role(addr)[0])
             self.connected.add(addr)
 
     def disconnect(self, addr: str) -> None:
         if addr in self.connected:
             self.connected.discard(addr)
             try:
-                self._sock.disconnect(addr)
+                self._sock.disconnect(split_role(addr)[0])
             except zmq.ZMQError:
                 pass
 
@@ -308,8 +390,7 @@ class Subscriber(Generic[T]):
         try:
             return self._decoder.decode(frame)
         except _DECODE_ERRORS as exc:
-            self.dropped += 1
-            log.warning("%s: dropped a malformed frame (%d bytes): %s", self.name, len(frame), exc)
+            self._malformed.warn("dropped a malformed frame (%d bytes): %s", len(frame), exc)
             return None
 
     async def recv(self) -> T:
@@ -324,16 +405,19 @@ class Subscriber(Generic[T]):
 
 
 class Replier(Generic[Q, R]):
-    """Bound ROUTER socket answering `request()` callers, polled by a thread that never blocks
-    (plain zmq): `serve` answers what is queued, up to `limit` requests."""
+    """Bound ROUTER socket answering `request()` callers of the `clients` roles, polled by a thread
+    that never blocks (plain zmq): `serve` answers what is queued, up to `limit` requests."""
 
     _encoder = msgspec.msgpack.Encoder()
 
-    def __init__(self, request_type: Any, host: str, port: int = 0, name: str = "") -> None:
+    def __init__(self, request_type: Any, host: str, port: int = 0, name: str = "", *, plane: Plane,
+                 clients: Iterable[str]) -> None:
         self._decoder = msgspec.msgpack.Decoder(request_type)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        plane.serve(self._sock, clients)
         self.port = _bind(self._sock, host, port)
         self.name = name or str(request_type)
+        self._malformed = RateLimitedLog(log, self.name)
 
     def serve(self, answer: Callable[[Q], R], malformed: Callable[[], R], limit: int) -> int:
         """Reply to up to `limit` queued requests with answer(request), or malformed() for a
@@ -349,7 +433,7 @@ class Replier(Generic[Q, R]):
             try:
                 req = self._decoder.decode(payload)
             except _DECODE_ERRORS as exc:
-                log.warning("%s: malformed request (%d bytes): %s", self.name, len(payload), exc)
+                self._malformed.warn("malformed request (%d bytes): %s", len(payload), exc)
                 reply = malformed()
             else:
                 reply = answer(req)
@@ -361,9 +445,10 @@ class Replier(Generic[Q, R]):
         self._sock.close(linger=0)
 
 
-async def request(addr: str, msg: Any, reply_type: Any, timeout_s: float) -> Any | None:
-    """Send `msg` to the Replier at `addr`; its reply decoded as `reply_type`, or None on timeout or
-    a malformed reply (logged).
+async def request(addr: str, msg: Any, reply_type: Any, timeout_s: float, *, plane: Plane,
+                  server_role: str) -> Any | None:
+    """Send `msg` to the `server_role` Replier at `addr`; its reply decoded as `reply_type`, or None
+    on timeout, a failed handshake or a malformed reply (logged).
 
     A fresh DEALER per request: requests are rare, and a late reply to an earlier request can
     never be mistaken for this one.
@@ -371,11 +456,14 @@ async def request(addr: str, msg: Any, reply_type: Any, timeout_s: float) -> Any
     sock = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(addr)
-        await sock.send(Replier._encoder.encode(msg))
-        if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return None
-        return msgspec.msgpack.Decoder(reply_type).decode(await sock.recv())
+        _connect(sock, addr, plane, server_role)
+        async with asyncio.timeout(timeout_s):   # the send too: a DEALER waits for a handshaken peer
+            await sock.send(Replier._encoder.encode(msg))
+            if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+                return None
+            return msgspec.msgpack.Decoder(reply_type).decode(await sock.recv())
+    except TimeoutError:
+        return None
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         log.warning("dropped a malformed reply from %s: %s", addr, exc)
         return None

@@ -7,6 +7,8 @@ Handlers (everything this process accepts):
     ZMQ  StreamOpen                 -> DetokCore.open    (from workers, before a request's tokens)
     ZMQ  StepOutput                 -> DetokCore.step    (from workers, one per engine step)
     ZMQ  Abort                      -> DetokCore.abort   (from workers / the scheduler)
+
+SENDERS names the roles (CURVE keys) each ZMQ message may come from; the inbox drops the rest.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from services.protocol.messages import (Abort, DetokenizeReply, DetokenizeReques
                                        TokenizeReply, TokenizeRequest)
 from services.redis_client import RedisAuth
 from services.registry import Registry
-from services.security import service_trust
+from services.security.bundle import TrustError
+from services.security.curve import Plane, plane_for, with_role
 from services.shell import run_until_signal
 from services.tokenize import PromptTooLong, TokenizeError, detokenize_off_loop, tokenize_off_loop
 from services.transport import (
@@ -37,15 +40,18 @@ from tokenizer_svc.detok import SCHEDULER, STREAM_MAX_AGE_S, DetokCore, Envelope
 GRPC_SERVICE = "kvmesh.Tokenizer"
 GATEWAY_ONLY = frozenset({"gateway"})   # prompts and token ids are users' text: only the gateway asks
 log = logging.getLogger("kvmesh.tokenizer")
+# message -> the roles that may send it (the scheduler aborts the streams of a worker that died)
+SENDERS = {StreamOpen: ("worker",), StepOutput: ("worker",), Abort: ("worker", "scheduler")}
 
 
 class TokenizerService:
-    def __init__(self, cfg: TokenizerConfig) -> None:
+    def __init__(self, cfg: TokenizerConfig, plane: Plane) -> None:
         from services.text.tokenizer import load_tokenizer
         self.cfg = cfg
+        self.plane = plane
         self.tok = load_tokenizer(cfg.model)
         self.core = DetokCore(self.tok)
-        self.senders: SenderPool = SenderPool()
+        self.senders: SenderPool = SenderPool(plane)
         self.scheduler_addrs: list[str] = []
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -71,15 +77,16 @@ class TokenizerService:
 
     async def run(self) -> int:
         cfg = self.cfg
-        trust = service_trust.load(cfg, "tokenizer")
+        trust = self.plane.trust     # gRPC and Redis use the same trust material as ZeroMQ
         server, grpc_port = grpc_server(cfg.host, cfg.port, trust)
         server.add_generic_rpc_handlers([unary_handler(GRPC_SERVICE, {
             "Tokenize": Method(self.tokenize, TokenizeRequest, GATEWAY_ONLY),
             "Detokenize": Method(self.detokenize, DetokenizeRequest, GATEWAY_ONLY)}, trust)])
         health = await add_health(server, cfg.host, cfg.health_port)
-        self.receiver: Receiver = Receiver(DetokInbox, cfg.host, cfg.zmq_port, name="detokenizer")
+        self.receiver: Receiver = Receiver(DetokInbox, cfg.host, cfg.zmq_port, name="detokenizer",
+                                           plane=self.plane, senders=SENDERS)
         host = cfg.reachable_host()
-        self.detok_addr = tcp_addr(host, self.receiver.port)
+        self.detok_addr = with_role(tcp_addr(host, self.receiver.port), "tokenizer")
         await server.start()
         metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port, "tokenizer")
         addrs = {"zmq": self.detok_addr, "grpc": f"{host}:{grpc_port}"}
@@ -147,4 +154,9 @@ def main(argv: list[str]) -> int:
     if not cfg.model:
         log.error("--model (or KVMESH_MODEL) is required: the directory holding tokenizer.json")
         return 2
-    return run_async(TokenizerService(cfg).run())
+    try:
+        plane = plane_for(cfg, "tokenizer")
+    except TrustError as exc:
+        log.error("%s", exc)
+        return 2
+    return run_async(TokenizerService(cfg, plane).run())

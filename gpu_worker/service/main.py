@@ -17,6 +17,8 @@ blocks, discards the held output and serves as the new incarnation; the KV-event
 in the new epoch and the prefix index resyncs it from a snapshot). SIGTERM drains: the
 record says `draining` (no new work is routed here), running requests finish (up to 30 s), then
 the lease is released.
+
+SENDERS names the roles (CURVE keys) each inbox message may come from; the inbox drops the rest.
 """
 from __future__ import annotations
 
@@ -37,10 +39,11 @@ from services import metrics
 from services.config import WorkerConfig, load_or_exit
 from services.logging import setup as setup_logging
 from services.model_names import path_aliases, served_names
-from services.protocol.messages import WorkerInbox
+from services.protocol.messages import Abort, Dispatch, WorkerInbox
 from services.redis_client import RedisAuth
 from services.registry import Lease, Registry
-from services.security import service_trust
+from services.security.bundle import TrustError
+from services.security.curve import Plane, plane_for, with_role
 from services.shell import arm_stop_deadline
 from services.transport import SenderPool, SyncReceiver, add_health, grpc_server, run_async, set_serving, tcp_addr
 
@@ -48,6 +51,7 @@ DRAIN_TIMEOUT_S = 30.0
 FAIL_ALL_TIMEOUT_S = 5.0  # after the drain timed out: for the engine thread to fail what is left
 STOP_DEADLINE_S = 20.0   # after the drain: engine join, lease release, freeing the device
 log = logging.getLogger("kvmesh.worker")
+SENDERS = {Dispatch: ("scheduler",), Abort: ("scheduler",)}   # message -> the roles that may send it
 
 
 def build_engine(cfg: WorkerConfig) -> Any:
@@ -90,12 +94,13 @@ class EngineThread(threading.Thread):
     IDLE_POLL_MS = 50   # also the idle period of KV-event heartbeats and snapshot answers
 
     def __init__(self, core: WorkerCore, receiver: SyncReceiver, scheduler_addrs: list[str], lease: Lease,
+                 plane: Plane,
                  kv_publisher: Any = None) -> None:
         super().__init__(name="engine", daemon=True)
         self.core, self.receiver, self.kv_publisher = core, receiver, kv_publisher
         self.lease = lease                          # renewed by the loop thread; read here
         self.scheduler_addrs = scheduler_addrs      # replaced (not mutated) by the heartbeat
-        self.senders: SenderPool = SenderPool()
+        self.senders: SenderPool = SenderPool(plane)
         self.stop = threading.Event()
         self.fail_message: str | None = None        # set by the loop thread: fail all, then idle
         self.error: BaseException | None = None
@@ -155,16 +160,17 @@ class EngineThread(threading.Thread):
 
 
 class WorkerService:
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: WorkerConfig, plane: Plane) -> None:
         self.cfg = cfg
+        self.plane = plane
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.stopping = asyncio.Event()
-        self.senders: SenderPool = SenderPool()     # loop thread only (heartbeat status)
+        self.senders: SenderPool = SenderPool(plane)   # loop thread only (heartbeat status)
         self.scheduler_addrs: list[str] = []
 
     async def run(self) -> int:
         cfg, loop = self.cfg, asyncio.get_running_loop()
-        trust = service_trust.load(cfg, "worker")
+        trust = self.plane.trust     # gRPC and Redis use the same trust material as ZeroMQ
         server, grpc_port = grpc_server(cfg.host, cfg.port, trust)
         health = await add_health(server, cfg.host, cfg.health_port)
         await server.start()
@@ -180,11 +186,12 @@ class WorkerService:
         freeze = getattr(engine, "freeze_gc", None)      # the null engine has none
         if freeze is not None:
             freeze()        # this process serves with it until it exits: no full-heap GC pauses
-        receiver: SyncReceiver = SyncReceiver(WorkerInbox, cfg.host, cfg.zmq_port, name="worker")
+        receiver: SyncReceiver = SyncReceiver(WorkerInbox, cfg.host, cfg.zmq_port, name="worker",
+                                              plane=self.plane, senders=SENDERS)
         host = cfg.reachable_host()
         self.registry = Registry(cfg.redis_url, RedisAuth.of(trust))
         self.info = engine_info(cfg, engine)
-        addrs = {"zmq": tcp_addr(host, receiver.port), "grpc": f"{host}:{grpc_port}"}
+        addrs = {"zmq": with_role(tcp_addr(host, receiver.port), "worker"), "grpc": f"{host}:{grpc_port}"}
         if metrics_port > 0:
             addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
         publisher = self._kv_publisher(engine)
@@ -196,7 +203,7 @@ class WorkerService:
             publisher.set_epoch(self.lease.epoch)
         self.core = WorkerCore(engine, self.worker_id, self.lease.epoch)
         await self._refresh_schedulers()
-        self.engine = EngineThread(self.core, receiver, self.scheduler_addrs, self.lease, publisher)
+        self.engine = EngineThread(self.core, receiver, self.scheduler_addrs, self.lease, self.plane, publisher)
         self.engine.start()
         await set_serving(health, True)
         log.info("worker %s epoch %d ready: %s (%s), zmq %s", self.worker_id, self.lease.epoch,
@@ -234,7 +241,7 @@ class WorkerService:
             from gpu_worker.kv_events import KVEventPublisher
         except ImportError:
             return None
-        return KVEventPublisher(engine.block_manager, self.worker_id, host=self.cfg.host,
+        return KVEventPublisher(engine.block_manager, self.worker_id, plane=self.plane, host=self.cfg.host,
                                 advertise_host=self.cfg.reachable_host(), events_port=self.cfg.kv_events_port,
                                 snapshot_port=self.cfg.kv_snapshot_port)
 
@@ -309,4 +316,9 @@ def main(argv: list[str]) -> int:
     if not cfg.model and not cfg.null_model:
         log.error("--model (or KVMESH_MODEL) is required")
         return 2
-    return run_async(WorkerService(cfg).run())
+    try:
+        plane = plane_for(cfg, "worker")
+    except TrustError as exc:
+        log.error("%s", exc)
+        return 2
+    return run_async(WorkerService(cfg, plane).run())

@@ -5,8 +5,10 @@
         ...
     job.close()                                      # aborts whatever did not finish (disconnects)
 
-Every internal request id is made here; a client never picks one. Replies arrive on this
-gateway's ZMQ inbox: Admitted / Rejected (scheduler), TextBatch (detokenizer), RequestFailed.
+Every internal request id is made here, random (`new_request_id`): a client never picks one and
+nobody can guess another's. Replies arrive on this gateway's ZMQ inbox: Admitted / Rejected
+(scheduler), TextBatch (detokenizer), RequestFailed (scheduler, worker, detokenizer); `inbox_senders` names
+the roles (CURVE keys) each may come from, and the inbox drops the rest.
 With --local-detokenizer (needs --local-tokenizer) the gateway is its requests' detokenizer: each
 Submit names this inbox as `detok_addr`, so workers send it StreamOpen / StepOutput / Abort, and
 the same DetokCore the tokenizer service runs turns them into text here (a stop string's Abort
@@ -18,8 +20,8 @@ import asyncio
 import itertools
 import logging
 import os
+import secrets
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
@@ -37,7 +39,7 @@ from services.protocol.messages import (
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 from services.redis_client import RedisAuth
 from services.registry import Membership, Registry
-from services.security import service_trust
+from services.security.curve import Plane, with_role
 from services.text.streams import SCHEDULER, STREAM_MAX_AGE_S, DetokCore
 from services.tokenize import (
     PromptTooLong, TokenizeError, check_chars, detokenize_off_loop, prompt_chars, tokenize_off_loop)
@@ -45,6 +47,21 @@ from services.transport import Receiver, Sender, grpc_channel, tcp_addr, unary_s
 
 log = logging.getLogger("kvmesh.gateway")
 TOKENIZER_SERVICE = "kvmesh.Tokenizer"
+
+
+def new_request_id() -> str:
+    """An internal request id: 128 random bits, so a forged Abort cannot name someone else's request."""
+    return "r-" + secrets.token_hex(16)
+
+
+def inbox_senders(local_detokenizer: bool) -> dict[type, tuple[str, ...]]:
+    """Message -> the roles that may send it to a gateway's inbox. Workers stream tokens here only
+    to a gateway that detokenizes its own requests."""
+    senders: dict[type, tuple[str, ...]] = {Admitted: ("scheduler",), Rejected: ("scheduler",),
+                                            RequestFailed: ("scheduler", "worker", "tokenizer"), TextBatch: ("tokenizer",)}
+    if local_detokenizer:
+        senders |= {StreamOpen: ("worker",), StepOutput: ("worker",), Abort: ("worker", "scheduler")}
+    return senders
 
 
 class Job:
@@ -149,12 +166,11 @@ def _param(status: int, message: str) -> str | None:
 
 
 class Backend:
-    def __init__(self, cfg: GatewayConfig) -> None:
+    def __init__(self, cfg: GatewayConfig, plane: Plane) -> None:
         self.cfg = cfg
+        self.plane = plane
         self.jobs: dict[str, Job] = {}
-        self._ids = itertools.count()
-        self._tag = f"{uuid.uuid4().hex[:8]}-"
-        self.trust = service_trust.load(cfg, "gateway")
+        self.trust = plane.trust     # gRPC and Redis use the same trust material as ZeroMQ
         self.registry = Registry(cfg.redis_url, RedisAuth.of(self.trust))
         self.scheduler: Sender | None = None
         self.tokenizers: dict[str, object] = {}    # grpc target -> stub
@@ -166,7 +182,7 @@ class Backend:
         # tokenization and detokenization of long inputs: off the event loop, a bounded number at once
         self.pool = ThreadPoolExecutor(max_workers=cfg.tokenize_threads, thread_name_prefix="tokenize")
         self.redis_error = ""                     # why the last registry read failed; "" when it worked
-        self.id = f"gw-{os.getpid()}-{self._tag[:-1]}"
+        self.id = f"gw-{os.getpid()}-{secrets.token_hex(4)}"   # a registry name, unrelated to request ids
         self.detok_addrs: list[str] = []
         grace = 2 * cfg.heartbeat_ms / 1000   # vanished records kept this long (Redis restart)
         self.members = {kind: Membership(grace) for kind in ("scheduler", "tokenizer", "worker")}
@@ -179,8 +195,9 @@ class Backend:
 
     async def start_background(self) -> None:
         cfg = self.cfg
-        self.receiver: Receiver = Receiver(GatewayInbox, cfg.host, cfg.zmq_port, name="gateway")
-        self.reply_addr = tcp_addr(cfg.reachable_host(), self.receiver.port)
+        self.receiver: Receiver = Receiver(GatewayInbox, cfg.host, cfg.zmq_port, name="gateway", plane=self.plane,
+                                           senders=inbox_senders(self.detok is not None))
+        self.reply_addr = with_role(tcp_addr(cfg.reachable_host(), self.receiver.port), "gateway")
         self.lease = await self.registry.register("gateway", self.id, addrs={"zmq": self.reply_addr},
                                                   info={}, lease_ms=cfg.lease_ms)
         await self.discover()
@@ -206,7 +223,7 @@ class Backend:
         if sched and (self.scheduler is None or self.scheduler.addr != sched[0]):
             if self.scheduler:
                 self.scheduler.close()
-            self.scheduler = Sender(sched[0])
+            self.scheduler = Sender(sched[0], plane=self.plane, server_role="scheduler")
         elif not sched and self.scheduler is not None:
             self.scheduler.close()
             self.scheduler = None
@@ -381,7 +398,7 @@ class Backend:
         if self.scheduler is None:
             raise ApiError(503, "the scheduler is unavailable; retry later", type_="server_error",
                            code="scheduler_unavailable", retry_after=1)
-        rids = [f"{self._tag}{next(self._ids):x}" for _ in prompts]
+        rids = [new_request_id() for _ in prompts]
         job = Job(self, rids, params.n, self.cfg.request_timeout_s)
         job.detok_of = {rid: rep.detok_addr for rid, rep in zip(rids, replies)}
         job.scheduler_addr = self.scheduler.addr

@@ -13,6 +13,8 @@ from services.gateway.backend import Backend
 from services.gateway.connections import ConnectionLimits, LimitedHttpProtocol, ensure_fd_room
 from services.gateway.disconnects import LogDisconnects
 from services.logging import setup as setup_logging
+from services.security.bundle import TrustError
+from services.security.curve import Plane, plane_for
 from services.transport import run_async
 
 log = logging.getLogger("kvmesh.gateway")
@@ -31,8 +33,8 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-async def serve(cfg: GatewayConfig) -> int:
-    backend = Backend(cfg)
+async def serve(cfg: GatewayConfig, plane: Plane) -> int:
+    backend = Backend(cfg, plane)
     await backend.start_background()
     app = LogDisconnects(create_app(cfg, backend))
     limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections)
@@ -63,7 +65,12 @@ def main(argv: list[str]) -> int:
     if cfg.local_detokenizer and not cfg.local_tokenizer:
         log.error("--local-detokenizer needs --local-tokenizer DIR (the model's tokenizer, to turn tokens into text)")
         return 2
-    return run_async(serve(cfg))
+    try:
+        plane = plane_for(cfg, "gateway")
+    except TrustError as exc:
+        log.error("%s", exc)
+        return 2
+    return run_async(serve(cfg, plane))
 
 
 if __name__ == "__main__":

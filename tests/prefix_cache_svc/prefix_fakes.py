@@ -1,13 +1,36 @@
 """Test helpers: a stand-in for the engine's BlockManager (the listener + snapshot contract only),
-and pumping a publisher / following it from an index over real sockets."""
+pumping a publisher / following it from an index over real sockets, and the CURVE planes of both
+ends (`planes()`: the worker and prefix-cache roles of one trust directory per test session)."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
 
 from prefix_cache_svc.channels import fetch_snapshot
 from prefix_cache_svc.core import Outcome
 from prefix_cache_svc.hashing import block_hash
+from services.security import bundle
+from services.security.curve import Plane
+
+
+class Planes(NamedTuple):
+    worker: Plane
+    index: Plane
+    trust_dir: Path
+
+
+@functools.cache
+def planes() -> Planes:
+    root = Path(tempfile.mkdtemp(prefix="kvmesh-test-trust-"))
+    atexit.register(shutil.rmtree, root, True)
+    trust = bundle.generate(root / "trust").root
+    return Planes(Plane.load(str(trust), "worker"), Plane.load(str(trust), "prefix-cache"), trust)
 
 
 class FakeBlockManager:
@@ -71,7 +94,7 @@ async def follow(core: PrefixCore, sub: EventSubscriber, pub: KVEventPublisher, 
         while not until():
             batch = await sub.recv()
             if core.on_batch(batch, 0.0) is Outcome.NEED_SNAPSHOT:
-                snap = await fetch_snapshot(pub.snapshot_addr, "req", timeout_s=2.0)
+                snap = await fetch_snapshot(pub.snapshot_addr, "req", timeout_s=2.0, plane=planes().index)
                 assert snap is not None and snap.request_id == "req"
                 core.on_snapshot(snap)
     await asyncio.wait_for(loop(), 5.0)

@@ -3,7 +3,7 @@ the block manager's own prefix lookups through stores, LRU evictions and a cache
 from __future__ import annotations
 
 import pytest
-from prefix_fakes import follow, pumped
+from prefix_fakes import follow, planes, pumped
 
 block_manager = pytest.importorskip("gpu_worker.block_manager")
 sequence = pytest.importorskip("gpu_worker.sequence")
@@ -48,8 +48,8 @@ def index_hits(core, tokens):
 
 async def test_index_mirrors_the_engine_block_manager():
     bm = block_manager.BlockManager(6, BS, "m")
-    pub = KVEventPublisher(bm, "w1", epoch=1, heartbeat_s=0.02)
-    sub = EventSubscriber()
+    pub = KVEventPublisher(bm, "w1", epoch=1, plane=planes().worker, heartbeat_s=0.02)
+    sub = EventSubscriber(planes().index)
     sub.connect(pub.events_addr)
     core = PrefixCore(BS)
     a, b = list(range(100, 116)), list(range(200, 216))
@@ -64,7 +64,7 @@ async def test_index_mirrors_the_engine_block_manager():
             await follow(core, sub, pub, lambda: index_hits(core, b) == 0)
             run_prompt(bm, a[:8], "a2")
             await follow(core, sub, pub, lambda: index_hits(core, a) == 2)
-            snap = await fetch_snapshot(pub.snapshot_addr, "check", timeout_s=2.0)
+            snap = await fetch_snapshot(pub.snapshot_addr, "check", timeout_s=2.0, plane=planes().index)
         assert core.compare(snap).consistent and len(snap.blocks) == 2
         bm.check_integrity()
         core.index.check_integrity()
@@ -78,8 +78,8 @@ async def test_a_rejoined_worker_keeps_its_cache_and_the_index_resyncs_from_a_sn
     stream restarts in the new epoch (begin_epoch) and the index, which forgets a worker on a new
     epoch, must fetch a snapshot rather than start the new epoch empty."""
     bm = block_manager.BlockManager(12, BS, "m")
-    pub = KVEventPublisher(bm, "w1", epoch=1, heartbeat_s=0.02)
-    sub = EventSubscriber()
+    pub = KVEventPublisher(bm, "w1", epoch=1, plane=planes().worker, heartbeat_s=0.02)
+    sub = EventSubscriber(planes().index)
     sub.connect(pub.events_addr)
     core = PrefixCore(BS)
     a, b = list(range(100, 116)), list(range(300, 308))
@@ -95,7 +95,7 @@ async def test_a_rejoined_worker_keeps_its_cache_and_the_index_resyncs_from_a_sn
             assert core.stats.new_epochs == 1
             run_prompt(bm, b, "b")                          # the new epoch's events apply on top
             await follow(core, sub, pub, lambda: index_hits(core, b) == 2)
-            snap = await fetch_snapshot(pub.snapshot_addr, "check", timeout_s=2.0)
+            snap = await fetch_snapshot(pub.snapshot_addr, "check", timeout_s=2.0, plane=planes().index)
         assert snap.epoch == 2 and core.compare(snap).consistent and index_hits(core, a) == 4
         bm.check_integrity()
         core.index.check_integrity()

@@ -10,12 +10,14 @@ import time
 import urllib.request
 
 import pytest
-from prefix_fakes import FakeBlockManager
+from prefix_fakes import FakeBlockManager, planes
 
 from gpu_worker.kv_events import KVEventPublisher
 from services.prefix_client import PrefixClient
 from services.embedded_redis import EmbeddedRedis
+from services.redis_client import RedisAuth
 from services.registry import Registry
+from services.security import bundle
 
 BS = 4
 PROMPT = list(range(1, 21))
@@ -23,10 +25,11 @@ PROMPT = list(range(1, 21))
 
 @pytest.mark.slow
 async def test_prefix_cache_process():
-    with EmbeddedRedis() as redis_server:
-        reg = Registry(redis_server.url, None)
+    auth = RedisAuth.from_dir(planes().trust_dir)   # the service authenticates with the trust directory's
+    with EmbeddedRedis(password=auth.password) as redis_server:
+        reg = Registry(redis_server.url, auth)
         bm = FakeBlockManager(BS)
-        pub = KVEventPublisher(bm, "w1", heartbeat_s=0.05)
+        pub = KVEventPublisher(bm, "w1", plane=planes().worker, heartbeat_s=0.05)
         lease = await reg.register("worker", "w1", lease_ms=3000, info={"block_size": BS},
                                    addrs={"kv_events": pub.events_addr, "kv_snapshot": pub.snapshot_addr})
         pub.set_epoch(lease.epoch)
@@ -34,8 +37,8 @@ async def test_prefix_cache_process():
         err = tempfile.TemporaryFile(mode="w+")
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "prefix-cache", "--redis-url", redis_server.url,
-             "--insecure-internal-planes", "--port", "0", "--metrics-port", "0", "--block-size", str(BS),
-             "--discovery-interval-s", "0.1"],
+             "--port", "0", "--metrics-port", "0", "--block-size", str(BS), "--discovery-interval-s", "0.1",
+             "--trust-dir", str(planes().trust_dir)],
             stderr=err, text=True)
 
         def log_tail() -> str:
@@ -53,7 +56,7 @@ async def test_prefix_cache_process():
                 records = await reg.list("prefix-cache")
                 if records and record is None:
                     record = records[0]
-                    client = PrefixClient(record.addrs["grpc"], None, timeout_s=1.0)
+                    client = PrefixClient(record.addrs["grpc"], bundle.load(planes().trust_dir, "scheduler"), timeout_s=1.0)
                 if record is not None:
                     best = (await client.match("m", PROMPT)).best_blocks
                 await asyncio.sleep(0.02)
@@ -87,8 +90,8 @@ def test_sigterm_while_loops_are_inside_redis_commands():
             with tempfile.TemporaryFile(mode="w+") as err:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "services.cli", "prefix-cache", "--redis-url", redis_server.url,
-                     "--insecure-internal-planes", "--port", "0", "--metrics-port", "0", "--block-size", str(BS),
-                     "--discovery-interval-s", "0.001"], stderr=err, text=True)
+                     "--port", "0", "--metrics-port", "0", "--block-size", str(BS),
+                     "--discovery-interval-s", "0.001", "--insecure-internal-planes"], stderr=err, text=True)
                 try:
                     deadline = time.monotonic() + 30
                     while not asyncio.run(_registered(redis_server.url)):   # started, however slow CI is

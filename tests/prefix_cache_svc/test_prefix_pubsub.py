@@ -2,7 +2,7 @@
 slow joiner, in-order batches, a lost batch (gap -> snapshot), a restart (new epoch)."""
 from __future__ import annotations
 
-from prefix_fakes import FakeBlockManager, follow, pumped
+from prefix_fakes import FakeBlockManager, follow, planes, pumped
 
 from gpu_worker.kv_events import KVEventPublisher
 from prefix_cache_svc.channels import EventSubscriber, fetch_snapshot
@@ -20,8 +20,8 @@ def matched(core: PrefixCore, tokens=PROMPT) -> dict[str, int]:
 
 async def test_publisher_to_index_over_zmq():
     bm = FakeBlockManager(BS)
-    pub = KVEventPublisher(bm, "w1", epoch=7, heartbeat_s=0.02)
-    sub = EventSubscriber()
+    pub = KVEventPublisher(bm, "w1", epoch=7, plane=planes().worker, heartbeat_s=0.02)
+    sub = EventSubscriber(planes().index)
     sub.connect(pub.events_addr)
     core = PrefixCore(BS)
     try:
@@ -43,7 +43,7 @@ async def test_publisher_to_index_over_zmq():
             pub.set_epoch(8)
             bm.store_prompt(PROMPT[:4])
             await follow(core, sub, pub, lambda: core.streams["w1"].epoch == 8 and matched(core) == {"w1": 1})
-            snap = await fetch_snapshot(pub.snapshot_addr, "check", timeout_s=2.0)
+            snap = await fetch_snapshot(pub.snapshot_addr, "check", timeout_s=2.0, plane=planes().index)
         assert core.compare(snap).consistent
         assert pub.snapshots_served >= 1
         core.index.check_integrity()
@@ -54,8 +54,8 @@ async def test_publisher_to_index_over_zmq():
 
 async def test_snapshot_request_times_out_when_nobody_answers():
     bm = FakeBlockManager(BS)
-    pub = KVEventPublisher(bm, "w1", epoch=1)
+    pub = KVEventPublisher(bm, "w1", epoch=1, plane=planes().worker)
     try:
-        assert await fetch_snapshot(pub.snapshot_addr, "r", timeout_s=0.1) is None  # never flushed
+        assert await fetch_snapshot(pub.snapshot_addr, "r", timeout_s=0.1, plane=planes().index) is None  # never flushed
     finally:
         pub.close()

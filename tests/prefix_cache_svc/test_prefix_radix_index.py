@@ -147,6 +147,24 @@ def test_capacity_evicts_leaves_first():
     index.check_integrity()
 
 
+def test_token_ids_leave_with_their_blocks():
+    """Users' token ids live in the index only while a worker holds the block: after removal no
+    node anywhere (the eviction queue included) keeps them, and churn does not grow the queue."""
+    for max_blocks in (None, 10_000):
+        index = RadixIndex(BS, max_blocks=max_blocks)
+        for round_ in range(600):                    # 3,000 blocks stored and removed
+            prompt = [round_ * 1000 + t for t in range(20)]
+            blocks = chain(prompt)
+            store(index, "a", blocks)
+            for h, _, _ in reversed(blocks):
+                assert index.remove("a", h)
+        assert len(index) == 0
+        packed = [pack_tokens([round_ * 1000 + t for t in range(i, i + BS)]) for i in range(0, 20, BS)]
+        assert not any(p in node.key for node in index._fifo for p in packed)
+        assert len(index._fifo) <= 1024 + 1
+        index.check_integrity()
+
+
 def test_snapshot_restore_round_trip():
     import msgspec
 

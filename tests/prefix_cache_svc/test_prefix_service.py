@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prefix_fakes import FakeBlockManager
+from prefix_fakes import FakeBlockManager, planes
 
 from gpu_worker.kv_events import KVEventPublisher
 from services.prefix_client import PrefixClient
@@ -18,7 +18,10 @@ from prefix_cache_svc.config import PrefixCacheConfig
 from prefix_cache_svc.main import PrefixCacheService
 from services.embedded_redis import EmbeddedRedis
 from services.protocol.kv_events import cache_salt_for
+from services.redis_client import RedisAuth
 from services.registry import Registry
+from services.security import bundle
+from services.transport import grpc_channel
 
 BS = 4
 PROMPT = list(range(1, 21))  # 5 blocks
@@ -27,8 +30,19 @@ SALT = cache_salt_for("tenant-a", "")
 
 @pytest.fixture(scope="module")
 def redis_server():
-    with EmbeddedRedis() as server:
+    """Locked with the trust directory's password, which the in-process service (given the
+    prefix-cache plane) authenticates with."""
+    with EmbeddedRedis(password=auth().password) as server:
         yield server
+
+
+def auth() -> RedisAuth:
+    return RedisAuth.from_dir(planes().trust_dir)
+
+
+def scheduler_trust() -> bundle.Trust:
+    """Match answers the scheduler only (mutual TLS)."""
+    return bundle.load(planes().trust_dir, "scheduler")
 
 
 def config(url: str) -> PrefixCacheConfig:
@@ -51,8 +65,8 @@ async def eventually(check, timeout_s: float = 5.0):
 async def worker(redis_url: str, worker_id: str):
     """A worker as the prefix index sees it: a registry lease naming its KV event addresses."""
     bm = FakeBlockManager(BS)
-    pub = KVEventPublisher(bm, worker_id, heartbeat_s=0.05)
-    reg = Registry(redis_url, None)
+    pub = KVEventPublisher(bm, worker_id, plane=planes().worker, heartbeat_s=0.05)
+    reg = Registry(redis_url, auth())
     lease = await reg.register("worker", worker_id, lease_ms=600, info={"block_size": BS},
                                addrs={"kv_events": pub.events_addr, "kv_snapshot": pub.snapshot_addr})
     pub.set_epoch(lease.epoch)
@@ -75,9 +89,9 @@ async def worker(redis_url: str, worker_id: str):
 
 async def test_service_end_to_end(redis_server):
     cfg = config(redis_server.url)
-    svc = PrefixCacheService(cfg)
+    svc = PrefixCacheService(cfg, planes().index)
     await svc.start()
-    client = PrefixClient(svc.grpc_addr, None, timeout_s=2.0)
+    client = PrefixClient(svc.grpc_addr, scheduler_trust(), timeout_s=2.0)
     try:
         async with worker(redis_server.url, "w1") as (bm, alive):
             bm.store_prompt(PROMPT, salt=SALT)
@@ -93,15 +107,15 @@ async def test_service_end_to_end(redis_server):
             keys = [k async for k in svc.redis.scan_iter("kvmesh:pc:*")]    # Redis lost our records
             await svc.redis.delete(*keys)
             await eventually(lambda: _owners(svc, bm))                    # rewritten from memory
-            async with grpc.aio.insecure_channel(svc.grpc_addr) as ch:
+            async with grpc_channel(svc.grpc_addr, scheduler_trust(), "prefix-cache") as ch:
                 reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
             await svc.stop()                                               # restart: reload from Redis
-            svc = PrefixCacheService(cfg)
+            svc = PrefixCacheService(cfg, planes().index)
             await svc.start()
             assert svc.core.index.num_blocks_of("w1") == 5
-            client2 = PrefixClient(svc.grpc_addr, None, timeout_s=2.0)
+            client2 = PrefixClient(svc.grpc_addr, scheduler_trust(), timeout_s=2.0)
             assert (await client2.match("m", PROMPT, tenant_salt="tenant-a")).best_blocks == 5
             await eventually(lambda: _checked(svc))                        # periodic consistency check
             assert svc.core.stats.inconsistent == 0
@@ -115,7 +129,7 @@ async def test_service_end_to_end(redis_server):
         await svc.stop()
         await client.close()
     t0 = time.monotonic()                                                  # index down: fail open
-    down = PrefixClient(svc.grpc_addr, None, timeout_s=0.2, cooldown_s=5.0)
+    down = PrefixClient(svc.grpc_addr, scheduler_trust(), timeout_s=0.2, cooldown_s=5.0)
     assert not (await down.match("m", PROMPT)).available
     assert not (await down.match("m", PROMPT)).available                  # breaker open: instant
     assert time.monotonic() - t0 < 1.5 and down.failures == 1
@@ -138,7 +152,7 @@ async def _purged(svc, client):
 async def test_client_breaker_retries_after_cooldown():
     from services.ports import free_port
 
-    client = PrefixClient(f"127.0.0.1:{free_port()}", None, timeout_s=0.1, cooldown_s=0.05)
+    client = PrefixClient(f"127.0.0.1:{free_port()}", scheduler_trust(), timeout_s=0.1, cooldown_s=0.05)
     assert not (await client.match("m", PROMPT)).available
     assert not (await client.match("m", PROMPT)).available and client.failures == 1   # breaker open
     await asyncio.sleep(0.06)

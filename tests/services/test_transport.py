@@ -9,18 +9,22 @@ import msgspec
 import pytest
 import zmq
 
-from services.protocol.messages import Abort, SchedulerInbox, Submit, TokenizeReply, TokenizeRequest
+from services.protocol.messages import Abort, SchedulerInbox, Submit, TokenizeReply, TokenizeRequest, WorkerStatus
 from services.protocol.sampling import SamplingParams
+from services.security.curve import Plane
 from services.transport import (
     Method, Publisher, Receiver, Sender, Subscriber, add_health, context, grpc_channel, grpc_server, set_serving,
     tcp_addr, unary_handler, unary_stub)
 
+INSECURE = Plane.insecure()
+ANYONE = {Submit: (), Abort: (), WorkerStatus: ()}   # the table is not consulted without CURVE
+
 
 async def test_malformed_frames_are_dropped_not_fatal():
-    rx: Receiver = Receiver(SchedulerInbox, "127.0.0.1", 0, name="test")
+    rx: Receiver = Receiver(SchedulerInbox, "127.0.0.1", 0, name="test", plane=INSECURE, senders=ANYONE)
     raw = context().socket(zmq.PUSH)
     raw.connect(tcp_addr("127.0.0.1", rx.port))
-    tx: Sender = Sender(tcp_addr("127.0.0.1", rx.port))
+    tx: Sender = Sender(tcp_addr("127.0.0.1", rx.port), plane=INSECURE)
     try:
         await raw.send(b"\xff\x00garbage")
         await raw.send(msgspec.msgpack.encode({"t": "abort"}))                      # missing field
@@ -44,8 +48,8 @@ async def test_receiver_wakes_per_message_and_never_spins():
     """recv() (a reader on the socket's edge-triggered ZMQ_FD) returns a queued message at once,
     wakes for one that arrives while it waits, drains a burst in order, survives a cancelled wait,
     and a message arriving while nobody waits neither gets lost nor keeps the loop busy."""
-    rx: Receiver = Receiver(SchedulerInbox, "127.0.0.1", 0, name="test")
-    tx: Sender = Sender(tcp_addr("127.0.0.1", rx.port))
+    rx: Receiver = Receiver(SchedulerInbox, "127.0.0.1", 0, name="test", plane=INSECURE, senders=ANYONE)
+    tx: Sender = Sender(tcp_addr("127.0.0.1", rx.port), plane=INSECURE)
     try:
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(rx.recv(), 0.2)            # nothing yet: the wait is cancelled
@@ -69,11 +73,11 @@ async def test_receiver_wakes_per_message_and_never_spins():
 
 
 async def test_subscriber_drops_a_malformed_frame_and_keeps_going():
-    pub: Publisher = Publisher("127.0.0.1")
+    pub: Publisher = Publisher("127.0.0.1", plane=INSECURE, subscribers=())
     raw = zmq.Context.instance().socket(zmq.PUB)
     raw.setsockopt(zmq.LINGER, 0)
     raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
-    sub: Subscriber = Subscriber(SchedulerInbox, name="test")
+    sub: Subscriber = Subscriber(SchedulerInbox, name="test", plane=INSECURE, server_role="")
     sub.connect(tcp_addr("127.0.0.1", pub.port))
     sub.connect(tcp_addr("127.0.0.1", raw_port))
     try:
@@ -105,7 +109,7 @@ async def test_subscriber_drops_a_malformed_frame_and_keeps_going():
 
 
 def test_send_without_peer_never_blocks():
-    tx: Sender = Sender("tcp://127.0.0.1:9")  # nobody there
+    tx: Sender = Sender("tcp://127.0.0.1:9", plane=INSECURE)  # nobody there
     try:
         for _ in range(10):
             tx.send(Abort(request_id="x"))

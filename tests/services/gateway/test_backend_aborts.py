@@ -11,6 +11,7 @@ from services.gateway.backend import Backend, Job
 from services.gateway.schemas import ApiError
 from services.protocol.messages import Abort, StreamOpen
 from services.protocol.sampling import SamplingParams
+from services.security.curve import Plane
 
 TIMEOUT_S = 5.0   # batches() gives up with a 504 after this: a test that hangs fails instead
 
@@ -23,7 +24,8 @@ def model_dir(tmp_path_factory) -> str:
 def backend_of(model_dir: str) -> Backend:
     """A gateway backend that detokenizes its own requests; nothing here touches its Redis."""
     return Backend(GatewayConfig(redis_url="redis://127.0.0.1:9/0", local_tokenizer=model_dir,
-                                 local_detokenizer=True, insecure_internal_planes=True))
+                                 local_detokenizer=True, insecure_internal_planes=True),
+                   Plane.insecure())
 
 
 async def failure(job: Job) -> ApiError:
