@@ -13,7 +13,9 @@ import pytest
 
 from services.embedded_redis import EmbeddedRedis
 from services.protocol.messages import Abort, Admitted, GatewayInbox, RequestFailed, Submit, TextBatch
+from services.gateway.backend import inbox_senders
 from services.protocol.sampling import SamplingParams
+from services.security.curve import Plane
 from services.transport import Receiver, Sender, tcp_addr
 from tests.integration.stack import FAST, INTERNAL, Procs, records, wait_for
 
@@ -45,10 +47,15 @@ def planes(tiny_model, tmp_path_factory):
         redis.stop()
 
 
+INSECURE = Plane.insecure()
+
+
 class FakeGateway:
     def __init__(self, scheduler_addr: str, detok_addr: str) -> None:
-        self.inbox: Receiver = Receiver(GatewayInbox, "127.0.0.1", 0, name="test-gateway")
-        self.scheduler = Sender(scheduler_addr)
+        # the stack runs --insecure-internal-planes: this test speaks for the gateway without its key
+        self.inbox: Receiver = Receiver(GatewayInbox, "127.0.0.1", 0, name="test-gateway", plane=INSECURE,
+                                        senders=inbox_senders(local_detokenizer=False))
+        self.scheduler = Sender(scheduler_addr, plane=INSECURE)
         self.detok_addr = detok_addr
 
     def submit(self, rid: str) -> None:

@@ -147,6 +147,12 @@ def test_forged_submit_is_refused(stack, attacker):
     assert "from role worker" in log
 
 
+def worker_epoch(stack) -> int:
+    """The live worker's epoch: a forged Dispatch that is refused must be refused for its sender,
+    not because it named a stale incarnation."""
+    return next(r.epoch for r in records(stack.redis_url, "worker"))
+
+
 def test_forged_dispatch_is_refused(stack, attacker):
     worker = addr(stack, "worker")
     plain_inbox, plain_addr = attacker.inbox()
@@ -154,7 +160,7 @@ def test_forged_dispatch_is_refused(stack, attacker):
     for sock, reply in ((attacker.sender(worker), plain_addr),
                         (attacker.sender(worker, "gateway", "worker"), keyed_addr)):
         send(sock, Dispatch(request_id="forged", prompt_token_ids=[5, 6, 7], reply_addr=reply, detok_addr=reply,
-                            params=SamplingParams(max_tokens=8, ignore_eos=True)))
+                            params=SamplingParams(max_tokens=8, ignore_eos=True), epoch=worker_epoch(stack)))
     victim = Victim(stack)
     victim.start()
     assert silent(plain_inbox) and silent(keyed_inbox)
