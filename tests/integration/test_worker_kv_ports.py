@@ -14,7 +14,7 @@ def test_worker_advertises_the_fixed_kv_event_and_snapshot_ports(tiny_model, tmp
     with redis_and_procs(tmp_path) as (redis, procs):
         procs.start_worker("w-fixed", tiny_model, "--kv-events-port", str(events_port),
                            "--kv-snapshot-port", str(snapshot_port))
-        record = wait_for(lambda: next((r for r in records(redis.url, "worker") if r.id == "w-fixed"), None),
+        record = wait_for(lambda: next((r for r in records(redis.client_url, "worker") if r.id == "w-fixed"), None),
                           180, "the worker's registry record")
-        assert record.addrs["kv_events"] == f"tcp://127.0.0.1:{events_port}"
-        assert record.addrs["kv_snapshot"] == f"tcp://127.0.0.1:{snapshot_port}"
+        assert record.addrs["kv_events"] == f"tcp://127.0.0.1:{events_port}#worker"   # the role serving it picks the CURVE key
+        assert record.addrs["kv_snapshot"] == f"tcp://127.0.0.1:{snapshot_port}#worker"
