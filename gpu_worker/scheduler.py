@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gpu_worker.block_manager import BlockCopy, BlockManager
-from gpu_worker.sequence import Request, Sequence, SequenceStatus
+from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 
 
 class ScheduledSeq(NamedTuple):
@@ -54,6 +54,12 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+def _last_output(request: Request) -> int:
+    """Output tokens after which a sequence computes nothing more here: an exported request
+    (export_kv) stops after its first token, which the decode engine computes."""
+    return 1 if request.export_kv else request.max_tokens
+
+
 def _seq_slots(seq: Sequence) -> int:
     """Batch slots a running sequence holds: an unforked request reserves room for all n samples."""
     return seq.request.n if seq.request.needs_fork else 1
@@ -70,11 +76,14 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: list[Sequence] = []   # sorted by sort_key, hold no blocks
         self.running: list[Sequence] = []   # sorted by sort_key, hold blocks
+        self.prefilled: list[Sequence] = []  # KV received from a prefill engine, hold blocks:
+                                             # join running as batch slots free up
         self.num_preemptions = 0
 
     # ---- the loop ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._admit_prefilled()
         token_budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, token_budget)
@@ -90,7 +99,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
-            if seq.num_output_tokens >= seq.request.max_tokens:   # its last token, being read back
+            if seq.num_output_tokens >= _last_output(seq.request):   # its last token, being read back
                 i += 1
                 continue
             num_new = self._chunk(seq, seq.num_new_tokens, token_budget)
@@ -143,6 +152,14 @@ class Scheduler:
             slots += _seq_slots(seq)
             token_budget -= num_new
 
+    def _admit_prefilled(self) -> None:
+        slots = sum(_seq_slots(s) for s in self.running)
+        while self.prefilled and slots < self.max_num_seqs:
+            seq = self.prefilled.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            slots += 1
+
     @staticmethod
     def _unschedule(seq: Sequence, out: SchedulerOutput) -> int:
         """Take seq out of this step's batch (before it is preempted); returns its tokens."""
@@ -159,6 +176,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
+    def add_prefilled(self, seq: Sequence) -> None:
+        """A sequence whose blocks hold its prompt's KV (received, not computed here)."""
+        seq.status = SequenceStatus.WAITING
+        self.prefilled.append(seq)
+
     def fork(self, parent: Sequence, index: int) -> Sequence:
         """A new running sample sharing parent's blocks (copy-on-write)."""
         child = parent.fork(index)
@@ -168,7 +190,12 @@ class Scheduler:
         return child
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        self._remove(seq)
+        """Ends seq and frees its blocks, except a HANDOFF: the engine holds those for the
+        decode engine until it releases them."""
+        if reason == HANDOFF:
+            self.running.remove(seq)
+        else:
+            self._remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def abort(self, request: Request) -> None:
@@ -187,9 +214,13 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _remove(self, seq: Sequence) -> None:
-        queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
-        queue.remove(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.prefilled:
+            self.prefilled.remove(seq)
+        else:
+            self.waiting.remove(seq)
         self.block_manager.free(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilled)
