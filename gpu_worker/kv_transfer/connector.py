@@ -75,6 +75,12 @@ class KVConsumer(abc.ABC):
     def abort(self, request_id: str) -> None: ...
 
 
+def _engine_layout(engine) -> KVLayout:
+    if engine.config.tensor_parallel_size > 1:   # each rank's cache lives in its own process
+        raise ValueError("KV transfer does not support tensor_parallel_size > 1 yet")
+    return layout_of(engine)
+
+
 def _frame_plan(layout: KVLayout, itemsize: int, max_frame_bytes: int) -> tuple[int, int]:
     """(layers, blocks) per frame: all layers of as many blocks as fit, else fewer layers."""
     per_layer_block = 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
@@ -85,7 +91,7 @@ def _frame_plan(layout: KVLayout, itemsize: int, max_frame_bytes: int) -> tuple[
 class EngineKVProducer(KVProducer):
     def __init__(self, engine, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.engine = engine
-        self.layout = layout_of(engine)
+        self.layout = _engine_layout(engine)
         self.max_frame_bytes = max_frame_bytes
         self._sent: dict[str, int] = {}       # frames sent per request
         self.blocks_sent = 0                  # totals, for tests and measurements
@@ -159,7 +165,7 @@ class _Receiving:
 class EngineKVConsumer(KVConsumer):
     def __init__(self, engine, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.engine = engine
-        self.layout = layout_of(engine)
+        self.layout = _engine_layout(engine)
         self.max_frame_bytes = max_frame_bytes
         self._dtype = engine.runner.kv_caches[0][0].dtype
         self._rx: dict[str, _Receiving] = {}
