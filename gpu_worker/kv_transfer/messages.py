@@ -8,7 +8,9 @@
     P -> D  BlockFrame  header + one raw payload frame: K and V of layers [layer_start,
                         layer_end) for blocks [block_start, block_start + len(dst_block_ids))
                         of the block table, shape (layers, 2, blocks, block_size, kv_heads,
-                        head_dim), `checksum` = blake2b-128 of the payload
+                        head_dim), `checksum` = xxh3-128 of the payload (catches corruption
+                        and framing bugs, ~10x blake2b's speed; integrity against an attacker is
+                        the authenticated plane's job)
     P -> D  Done        every frame is sent (`num_frames` of them)
     D -> P  Ack         D holds every block and decodes: P may release its blocks
          or Fail        D dropped the request (bad frame, abort): P releases its blocks
@@ -16,9 +18,8 @@
 """
 from __future__ import annotations
 
-import hashlib
-
 import msgspec
+import xxhash
 
 from gpu_worker.kv_transfer.layout import KVLayout
 from services.protocol.sampling import SamplingParams
@@ -111,4 +112,4 @@ def decode(data: bytes) -> Message:
 
 
 def checksum(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=CHECKSUM_BYTES).digest()
+    return xxhash.xxh3_128_digest(payload)
