@@ -147,7 +147,8 @@ class Engine:
     def abort_request(self, request_id: str, index: int | None = None) -> None:
         """Stop a request (or only its sample `index`) and free every block it holds. Unknown ids
         are ignored. Aborted samples produce no more deltas."""
-        if self.release_export(request_id) or self._drop_import(request_id):
+        if request_id in self.exported or request_id in self._importing:
+            self._abort_handoff(request_id, index)
             return
         request = self.requests.get(request_id)
         if request is None:
@@ -395,8 +396,10 @@ class Engine:
         indices = [i for i, _, _ in samples]
         if not samples or len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
             raise RequestError(f"invalid samples: distinct sample indices in [0, {params.n}) expected")
-        if any(_as_token_ids([t], self.vocab_size) is None for _, t, _ in samples):
-            raise RequestError(f"invalid samples: every first token must be an integer in [0, {self.vocab_size})")
+        if any(_as_token_ids([t], self.vocab_size) is None for _, t, _ in samples) or not all(
+                isinstance(lp, float) for _, _, lp in samples):
+            raise RequestError(f"invalid samples: first tokens must be integers in [0, {self.vocab_size}), "
+                               "logprobs floats")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise RequestError("invalid seed: must be an integer")
         max_tokens = self.max_model_len - len(prompt)
@@ -423,32 +426,47 @@ class Engine:
         request = seq.request
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.register_computed_blocks(seq)
-        going_on = {i for i, _, _ in samples}
-        for index in range(request.n):         # samples that ended on the prefill engine
-            if index not in going_on:
+        going_on = {i: (token, logprob) for i, token, logprob in samples}
+        for index in range(request.n):
+            if index not in going_on:          # ended on the prefill engine, or aborted since
                 request.seqs.append(Sequence(request, index, list(seq.token_ids), seq.num_prompt_tokens,
                                              status=SequenceStatus.FINISHED, finish_reason="stop"))
-        for index, token, logprob in samples:
-            sample = seq if index == seq.index else seq.fork(index)
+                continue
+            sample = seq if index == seq.index else seq.fork(index)   # forks share the blocks
             if sample is not seq:
                 self.block_manager.fork(seq, sample)
             request.seqs.append(sample)
-        for (_, token, logprob), sample in zip(samples, [s for s in request.seqs if s.index in going_on]):
-            sample.token_ids.append(token)
-            sample.cumulative_logprob = logprob
-            self.scheduler.add_prefilled(sample)
+        if seq.index not in going_on:          # the sequence that reserved the blocks was aborted
+            self.block_manager.free(seq)
+        for sample in request.seqs:
+            if sample.index in going_on:
+                token, logprob = going_on[sample.index]
+                sample.token_ids.append(token)
+                sample.cumulative_logprob = logprob
+                self.scheduler.add_prefilled(sample)
 
     def is_importing(self, request_id: str) -> bool:
         """True while an imported request's blocks wait for their KV."""
         return request_id in self._importing
 
-    def _drop_import(self, request_id: str) -> bool:
-        entry = self._importing.pop(request_id, None)
-        if entry is None:
-            return False
-        self.block_manager.free(entry[0])
-        del self.requests[request_id]
-        return True
+    def _abort_handoff(self, request_id: str, index: int | None) -> None:
+        """abort_request of a request whose blocks are held for, or awaited from, another engine:
+        the whole request frees its blocks; one sample (index) only leaves the hand-off."""
+        exported = self.exported.get(request_id)
+        if exported is not None:
+            for seq in exported.seqs:
+                if seq.finish_reason == HANDOFF and index in (None, seq.index):
+                    self.block_manager.free(seq)
+                    seq.finish_reason = "abort"
+            if not any(s.finish_reason == HANDOFF for s in exported.seqs):
+                del self.exported[request_id]
+            return
+        seq, samples = self._importing[request_id]
+        samples[:] = [s for s in samples if index not in (None, s[0])]
+        if not samples:
+            self._importing.pop(request_id)
+            self.block_manager.free(seq)
+            del self.requests[request_id]
 
     def _prepare_gpu(self) -> None:
         """CUDA + triton attention: compile the eager-step kernel variants, then (unless

@@ -54,12 +54,6 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-def _last_output(request: Request) -> int:
-    """Output tokens after which a sequence computes nothing more here: an exported request
-    (export_kv) stops after its first token, which the decode engine computes."""
-    return 1 if request.export_kv else request.max_tokens
-
-
 def _seq_slots(seq: Sequence) -> int:
     """Batch slots a running sequence holds: an unforked request reserves room for all n samples."""
     return seq.request.n if seq.request.needs_fork else 1
@@ -83,7 +77,8 @@ class Scheduler:
     # ---- the loop ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._admit_prefilled()
+        if self.prefilled:
+            self._admit_prefilled()
         token_budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, token_budget)
@@ -99,7 +94,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
-            if seq.num_output_tokens >= _last_output(seq.request):   # its last token, being read back
+            request = seq.request      # its last token, being read back (an export's is its first)
+            if seq.num_output_tokens >= (1 if request.export_kv else request.max_tokens):
                 i += 1
                 continue
             num_new = self._chunk(seq, seq.num_new_tokens, token_budget)

@@ -240,3 +240,36 @@ def test_no_free_blocks_on_d_is_refused_and_d_keeps_serving(llama):
     assert isinstance(hand_off(producer, consumer, "s"), Ack)
     assert len(drain(d)[("s", 0)]) == STEPS - 1
     check_clean(d)
+
+
+def test_aborting_one_sample_on_p_hands_off_the_others(pd, llama):
+    p, d, producer, consumer = pd
+    ids = prompt(40, 12)
+    prefill_on(p, "r", ids, greedy(STEPS, n=3))
+    p.abort_request("r", 1)
+    assert [s.index for s in producer.offer("r").samples] == [0, 2]
+    assert isinstance(hand_off(producer, consumer, "r"), Ack)
+    check_clean(p)
+    drain(d)
+    want = run_single(engine(llama), [("r", ids, greedy(STEPS))])[("r", 0)]
+    assert d.seen[("r", 0)] == d.seen[("r", 2)] == want[1:] and ("r", 1) not in d.seen
+    finish_bystander(d, llama)
+
+
+def test_aborting_the_reserving_sample_on_d_mid_transfer_keeps_the_others(pd, llama):
+    p, d, producer, consumer = pd
+    ids = prompt(40, 13)
+    prefill_on(p, "r", ids, greedy(STEPS, n=2))
+    accept = consumer.accept(producer.offer("r"))
+    frames = producer.frames(accept)
+    assert consumer.receive(*next(frames)) is None
+    d.abort_request("r", 0)                              # sample 0's sequence reserved the blocks
+    for frame, payload in frames:
+        assert consumer.receive(frame, payload) is None
+    assert isinstance(consumer.complete(producer.done("r")), Ack)
+    producer.release("r")
+    drain(d)
+    want = run_single(engine(llama), [("r", ids, greedy(STEPS))])[("r", 0)]
+    assert d.seen[("r", 1)] == want[1:] and ("r", 0) not in d.seen
+    check_clean(p)
+    finish_bystander(d, llama)
