@@ -4,6 +4,8 @@
     messages.py      the msgspec messages of one hand-off; block frames carry raw KV bytes
     connector.py     the connector interface (KVProducer on P, KVConsumer on D) and its
                      engine-backed implementation: which blocks move, where they land
-    zmq_transport.py the plain ZMQ/TCP path (CPU runs, CI); NIXL would replace only this part
+    local.py         both engines in one process: the hand-off as plain calls
+    zmq_transport.py the plain ZMQ/TCP path (CPU runs, CI): P sends checked block frames
+    nixl_transport.py the NIXL path (the `nixl` extra): D reads P's registered blocks directly
     rate_limit.py    one log line per interval for dropped frames
 """

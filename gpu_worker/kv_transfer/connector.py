@@ -69,6 +69,16 @@ class KVConsumer(abc.ABC):
     def receive(self, frame: BlockFrame, payload: bytes | memoryview) -> Fail | None: ...
 
     @abc.abstractmethod
+    def written_directly(self, request_id: str) -> bool:
+        """A transport that wrote the missing blocks itself (NIXL's READ) says so here, in place of
+        frames; complete(Done(request_id, 0)) then admits the request. False if unknown."""
+        rx = self._rx.get(request_id)
+        if rx is None or not self.engine.is_importing(request_id):
+            return False
+        rx.covered[:] = True
+        self.blocks_received += rx.covered.shape[1]
+        return True
+
     def complete(self, done: Done) -> Ack | Fail: ...
 
     @abc.abstractmethod
@@ -113,7 +123,7 @@ class EngineKVProducer(KVProducer):
                      params=request.params, seed=request.seed, priority=request.priority,
                      cache_salt=request.cache_salt, num_cached_tokens=request.num_cached_tokens,
                      samples=[SampleStart(s.index, s.token_ids[-1], s.cumulative_logprob) for s in seqs],
-                     block_hashes=hashes, num_blocks=len(seq.block_table))
+                     block_hashes=hashes, num_blocks=len(seq.block_table), src_block_ids=list(seq.block_table))
 
     def frames(self, accept: Accept) -> Iterator[tuple[BlockFrame, memoryview]]:
         """Raises KVLayoutMismatch before any frame when D's layout differs."""
@@ -249,6 +259,16 @@ class EngineKVConsumer(KVConsumer):
         if rx.covered[frame.layer_start:frame.layer_end, b0:b0 + n].any():
             return "frame repeats blocks already received"
         return ""
+
+    def written_directly(self, request_id: str) -> bool:
+        """A transport that wrote the missing blocks itself (NIXL's READ) says so here, in place of
+        frames; complete(Done(request_id, 0)) then admits the request. False if unknown."""
+        rx = self._rx.get(request_id)
+        if rx is None or not self.engine.is_importing(request_id):
+            return False
+        rx.covered[:] = True
+        self.blocks_received += rx.covered.shape[1]
+        return True
 
     def complete(self, done: Done) -> Ack | Fail:
         rx = self._rx.get(done.request_id)

@@ -43,6 +43,7 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     samples: list[SampleStart]
     block_hashes: list[bytes]       # full prompt blocks, chained (services/prefix_hash.py)
     num_blocks: int                 # blocks of the prompt (full ones + a partial last one)
+    src_block_ids: list[int] = []   # P's block table: what a reading transport (NIXL) reads
     priority: int = 0
     cache_salt: str = ""
     num_cached_tokens: int = 0
