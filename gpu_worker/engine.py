@@ -199,7 +199,7 @@ class Engine:
             return self._settle(prev)
         out = self.scheduler.schedule()
         if not out.scheduled:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self._stuck():
                 raise RuntimeError("engine stuck: a waiting request cannot be scheduled on an idle engine")
             return []
         if out.copies:
@@ -234,7 +234,7 @@ class Engine:
             deltas, prev = self._settle(prev), None      # penalties read the tokens on the host
         out = self.scheduler.schedule()
         if not out.scheduled:
-            if prev is None and not deltas and self.scheduler.waiting and not self.scheduler.running:
+            if prev is None and not deltas and self._stuck():
                 raise RuntimeError("engine stuck: a waiting request cannot be scheduled on an idle engine")
             return deltas + (self._settle(prev) if prev is not None else [])
         launched = self._launch(out, prev)
@@ -309,6 +309,12 @@ class Engine:
                 self._forget_if_done(seq.request)
             deltas.append(self._delta(seq, result, reason))
         return deltas
+
+    def _stuck(self) -> bool:
+        """Requests wait, yet nothing runs and no block will come back: blocks held for or awaited
+        from another engine (KV hand-off) do come back when it answers."""
+        return bool(self.scheduler.waiting and not self.scheduler.running and not self.exported
+                    and not self._importing)
 
     def _finish_reason_at(self, seq: Sequence, token_id: int, num_tokens: int) -> str | None:
         """_finish_reason for the token at index num_tokens - 1 of seq.token_ids."""

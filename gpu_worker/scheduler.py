@@ -15,7 +15,8 @@ arrival) is preempted: its blocks are freed and it goes back to the waiting queu
 generated tokens, to be recomputed later (prefix-cache hits make that cheap). Waiting
 sequences are admitted in order, head of line first, only in steps where no running sequence
 ran out of blocks; a waiting sequence that ranks before the last running one may preempt it
-to get blocks (priority scheduling).
+to get blocks (priority scheduling). An exported request (KV hand-off) whose first token is
+being read back is never the victim: it leaves at the read-back with its blocks held.
 
 Saturated admission: while sequences run and the waiting requests do not all fit in the free
 batch slots, waiting sequences are admitted only once `admit_group` slots are free (default
@@ -103,8 +104,8 @@ class Scheduler:
                 i += 1
                 continue
             copies = self.block_manager.allocate_slots(seq, num_new)
-            while copies is None and self.running[-1] is not seq:
-                self._preempt(self.running[-1], out)
+            while copies is None and (victim := self._victim(seq)) is not None:
+                self._preempt(victim, out)
                 copies = self.block_manager.allocate_slots(seq, num_new)
             if copies is None:           # seq itself is the lowest-priority sequence left
                 self._preempt(seq, out)
@@ -133,9 +134,9 @@ class Scheduler:
             if num_new == 0:
                 break
             while not bm.allocate_prefill(seq, hits, num_new):
-                if not self.running or self.running[-1].sort_key <= seq.sort_key:
-                    return
-                victim = self.running[-1]          # lower priority than seq: make room for it
+                victim = self._victim(None)
+                if victim is None or victim.sort_key <= seq.sort_key:
+                    return                         # else lower priority than seq: make room for it
                 token_budget += self._unschedule(victim, out)
                 slots -= _seq_slots(victim)
                 self._preempt(victim, out)
@@ -147,6 +148,17 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             slots += _seq_slots(seq)
             token_budget -= num_new
+
+    def _victim(self, before: Sequence | None) -> Sequence | None:
+        """The lowest-ranked running sequence ranked after `before` (None: any), to preempt. An
+        exported request whose first token is being read back (async scheduling) is passed
+        over: it leaves at the read-back, its blocks held for the decode engine."""
+        for seq in reversed(self.running):
+            if seq is before:
+                return None
+            if not (seq.request.export_kv and seq.num_output_tokens):
+                return seq
+        return None
 
     def _admit_prefilled(self) -> None:
         slots = sum(_seq_slots(s) for s in self.running)

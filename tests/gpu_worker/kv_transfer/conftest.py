@@ -90,14 +90,14 @@ class PD:
 
     def run(self, requests: list[tuple[str, list[int], SamplingParams]], arrivals: dict | None = None) -> dict:
         """Requests go to P (export_kv), each hands off to D as its prefill ends; arrivals =
-        {P step: [requests]} arrive later. {(rid, index): tokens} across both engines."""
+        {P step: [(rid, ids, params[, priority])]} arrive later. {(rid, index): tokens} across both engines."""
         out: dict = {}
         arrivals = dict(arrivals or {})
         for rid, ids, params in requests:
             self.p.add_request(rid, ids, params, export_kv=True)
         for step in range(MAX_STEPS):
-            for rid, ids, params in arrivals.pop(step, []):
-                self.p.add_request(rid, ids, params, export_kv=True)
+            for rid, ids, params, *priority in arrivals.pop(step, []):
+                self.p.add_request(rid, ids, params, priority=priority[0] if priority else 0, export_kv=True)
             if not (self.p.has_unfinished_requests() or self.d.has_unfinished_requests()
                     or self.p.exported or arrivals):
                 break

@@ -20,9 +20,10 @@ from tests.gpu_worker.kv_transfer.conftest import (MAX_STEPS, check_clean, colle
 STEPS = 8
 
 
-def prefill_on(p, rid: str, ids: list[int], params=None) -> None:
-    """Run rid's prefill on P until its blocks are held for the hand-off."""
-    p.add_request(rid, ids, params or greedy(STEPS), export_kv=True)
+def prefill_on(p, rid: str, ids: list[int] | None, params=None) -> None:
+    """Run rid's prefill on P (ids None: already added) until its blocks are held for the hand-off."""
+    if ids is not None:
+        p.add_request(rid, ids, params or greedy(STEPS), export_kv=True)
     for _ in range(MAX_STEPS):
         if rid in p.exported:
             return
@@ -273,3 +274,21 @@ def test_aborting_the_reserving_sample_on_d_mid_transfer_keeps_the_others(pd, ll
     assert d.seen[("r", 1)] == want[1:] and ("r", 0) not in d.seen
     check_clean(p)
     finish_bystander(d, llama)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_p_waits_for_its_held_blocks_instead_of_failing(llama, async_scheduling):
+    """P's pool is full of blocks held for D: a new request waits (no 'engine stuck'), and runs
+    once D's answer releases them."""
+    p, d = engine(llama, num_gpu_blocks=6, async_scheduling=async_scheduling), engine(llama)
+    producer, consumer = EngineKVProducer(p), EngineKVConsumer(d)
+    prefill_on(p, "held", prompt(60, 14))                # 4 of P's 6 blocks, held
+    p.add_request("next", prompt(40, 15), greedy(STEPS), export_kv=True)   # needs 3
+    for _ in range(3):
+        assert p.step() == []
+    assert isinstance(hand_off(producer, consumer, "held"), Ack)
+    prefill_on(p, "next", None)
+    assert isinstance(hand_off(producer, consumer, "next"), Ack)
+    check_clean(p)
+    drain(d)
+    check_clean(d)

@@ -98,3 +98,16 @@ def test_async_scheduling_on_either_side(arch_model, async_p, async_d):
     out = PD(engine(model_dir, async_scheduling=async_p), engine(model_dir, async_scheduling=async_d)).run(requests)
     assert out[("a", 0)] == hf.greedy(requests[0][1], STEPS)[0]
     assert out[("b", 0)] == out[("b", 1)] == hf.greedy(requests[1][1], STEPS)[0]
+
+
+def test_async_p_never_preempts_a_prefill_whose_first_token_is_being_read(arch_model):
+    """Async scheduling: a higher-priority prompt that needs blocks arrives while an exported
+    request's first token is still on its way back; that request leaves with its blocks held for
+    the hand-off at the next read-back, so it is not the victim (its KV is what D needs)."""
+    model_dir, hf = arch_model
+    low, high = prompt(60, 40), prompt(40, 41)            # 4 + 3 blocks > P's 6
+    p = engine(model_dir, num_gpu_blocks=6, async_scheduling=True)
+    pd = PD(p, engine(model_dir))
+    out = pd.run([], arrivals={0: [("low", low, greedy(STEPS), 1)], 1: [("high", high, greedy(STEPS), 0)]})
+    for rid, ids in (("low", low), ("high", high)):
+        assert out[(rid, 0)] == hf.greedy(ids, STEPS)[0], rid
