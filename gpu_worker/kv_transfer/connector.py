@@ -142,6 +142,8 @@ class EngineKVProducer(KVProducer):
             dst = accept.dst_block_ids[b0 - accept.first_block:b0 - accept.first_block + len(src)]
             index = torch.tensor(src, device=caches[0][0].device)
             for l0 in range(0, self.layout.num_layers, layers_per):
+                if accept.request_id not in self.engine.exported:   # aborted on P meanwhile: its
+                    return                                          # blocks may hold others' KV now
                 l1 = min(l0 + layers_per, self.layout.num_layers)
                 kv = torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)))
                                   for k, v in caches[l0:l1]])

@@ -199,6 +199,7 @@ def test_abort_on_p_at_every_stage(pd, llama, stage):
         frames = producer.frames(accept)
         consumer.receive(*next(frames))
         p.abort_request("r")                             # P's blocks go at once...
+        assert list(frames) == []                        # ...no more of them is read...
         consumer.abort("r")                              # ...and its Abort reaches D
     if stage == "decoding":
         assert isinstance(hand_off(producer, consumer, "r"), Ack)
