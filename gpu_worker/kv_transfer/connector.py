@@ -26,7 +26,8 @@ import abc
 import logging
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -172,6 +173,7 @@ class _Receiving:
     first_block: int            # blocks before it were prefix hits on D
     covered: torch.Tensor       # (layers, blocks) bool: which layer of which block arrived
     next_seq: int = 0
+    last_progress: float = field(default_factory=time.monotonic)
 
 
 class EngineKVConsumer(KVConsumer):
@@ -233,6 +235,7 @@ class EngineKVConsumer(KVConsumer):
         b0 = frame.block_start - rx.first_block
         rx.covered[frame.layer_start:frame.layer_end, b0:b0 + len(frame.dst_block_ids)] = True
         rx.next_seq += 1
+        rx.last_progress = time.monotonic()
         if frame.layer_end == self.layout.num_layers:
             self.blocks_received += len(frame.dst_block_ids)
         return None
@@ -282,6 +285,16 @@ class EngineKVConsumer(KVConsumer):
         del self._rx[done.request_id]
         self.engine.admit_imported(done.request_id)
         return Ack(done.request_id)
+
+    def expire(self, idle_s: float) -> list[str]:
+        """Fail the transfers that made no progress for idle_s seconds (P died or went silent):
+        their blocks are freed. Returns their request ids."""
+        now = time.monotonic()
+        stale = [rid for rid, rx in self._rx.items() if now - rx.last_progress >= idle_s]
+        for rid in stale:
+            self._dropped.warning("kv transfer: request %r made no progress for %.1f s, dropped", rid[:64], idle_s)
+            self.abort(rid)
+        return stale
 
     def abort(self, request_id: str) -> None:
         """Stop receiving a request; its blocks are freed (also after admission: an abort)."""

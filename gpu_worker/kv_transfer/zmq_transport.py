@@ -19,7 +19,7 @@ import time
 
 import zmq
 
-from gpu_worker.kv_transfer.connector import DEFAULT_MAX_FRAME_BYTES, KVConsumer, KVProducer
+from gpu_worker.kv_transfer.connector import DEFAULT_MAX_FRAME_BYTES, EngineKVConsumer, KVProducer
 from gpu_worker.kv_transfer.layout import KVLayoutMismatch
 from gpu_worker.kv_transfer.messages import (MAX_HEADER_BYTES, Abort, Accept, Ack, BlockFrame, Done,
                                              Fail, Offer, Refuse, decode, encode)
@@ -29,9 +29,10 @@ log = logging.getLogger("kvmesh.kv_transfer")
 
 
 class KVReceiverEndpoint:
-    def __init__(self, consumer: KVConsumer, host: str = "127.0.0.1", port: int = 0,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(self, consumer: EngineKVConsumer, host: str = "127.0.0.1", port: int = 0,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, idle_timeout_s: float = 10.0) -> None:
         self.consumer = consumer
+        self.idle_timeout_s = idle_timeout_s     # a transfer silent this long is dropped (P died)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # a message larger than this never reaches memory: ZMQ drops the connection instead
@@ -46,12 +47,14 @@ class KVReceiverEndpoint:
         self.messages_dropped = 0
 
     def poll(self, timeout_ms: int = 0) -> int:
-        """Handle every message that arrives within timeout_ms (then every one queued); the count."""
+        """Handle every message that arrives within timeout_ms (then every one queued), then drop
+        the transfers idle for idle_timeout_s; the count of messages."""
         handled = 0
         while self._sock.poll(timeout_ms if handled == 0 else 0, zmq.POLLIN):
             parts = self._sock.recv_multipart(copy=False)
             self._handle(parts)
             handled += 1
+        self.consumer.expire(self.idle_timeout_s)
         return handled
 
     def _handle(self, parts: list) -> None:

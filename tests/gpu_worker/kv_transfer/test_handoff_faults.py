@@ -293,3 +293,18 @@ def test_p_waits_for_its_held_blocks_instead_of_failing(llama, async_scheduling)
     check_clean(p)
     drain(d)
     check_clean(d)
+
+
+def test_a_transfer_whose_producer_goes_silent_is_dropped_on_d(pd, llama):
+    """P died after D accepted (or mid-stream): D frees the blocks once the transfer has been
+    idle for the timeout, and not before."""
+    p, d, producer, consumer = pd
+    prefill_on(p, "r", prompt(40, 16))
+    accept = consumer.accept(producer.offer("r"))
+    assert consumer.receive(*next(producer.frames(accept))) is None
+    assert consumer.expire(30.0) == [] and d.is_importing("r")
+    assert consumer.expire(0.0) == ["r"]
+    assert not d.is_importing("r") and "r" not in d.requests
+    producer.release("r")
+    check_clean(p)
+    finish_bystander(d, llama)
