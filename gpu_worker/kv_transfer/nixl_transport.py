@@ -12,6 +12,7 @@ the READ's completion takes the frames' place (consumer.written_directly, then D
 """
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
@@ -35,7 +36,11 @@ class NixlPeer(msgspec.Struct, frozen=True):
 class NixlKVAgent:
     """One engine's NIXL agent (UCX backend) with every layer's K and V cache registered."""
 
-    def __init__(self, engine, name: str) -> None:
+    def __init__(self, engine, name: str, ucx_devices: str = "lo") -> None:
+        """ucx_devices: the devices UCX may listen and connect on (UCX_NET_DEVICES syntax,
+        e.g. "mlx5_0:1,eth0"); loopback by default, like every kvmesh socket. The backend
+        parameter alone leaves UCX's TCP listener on every interface, so the process's
+        UCX_NET_DEVICES gets it too, unless the environment already sets it."""
         from nixl._api import nixl_agent, nixl_agent_config   # optional dependency
         self.name = name
         self.layout = layout_of(engine)
@@ -45,7 +50,9 @@ class NixlKVAgent:
         self.device_id = (first.device.index or 0) if first.is_cuda else 0
         self.block_bytes = first.stride(0) * first.element_size()
         self.num_blocks = int(first.shape[0])
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        os.environ.setdefault("UCX_NET_DEVICES", ucx_devices)   # read when UCX starts, below
+        self.agent = nixl_agent(name, nixl_agent_config(backends=[]))
+        self.agent.create_backend("UCX", {"ucx_devices": ucx_devices})
         self._registration = self.agent.register_memory(self.caches)
 
     def peer(self) -> NixlPeer:

@@ -69,3 +69,33 @@ def test_a_mismatched_or_bogus_source_moves_nothing(llama):
     producer.release("r")
     check_clean(p)
     check_clean(d)
+
+
+def _listening_addresses() -> set[str]:
+    """IPv4 addresses this process listens on (LISTEN sockets among its own file descriptors)."""
+    import os
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    addresses = set()
+    with open("/proc/self/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:            # TCP_LISTEN
+                ip = bytes.fromhex(cols[1].split(":")[0])[::-1]
+                addresses.add(".".join(map(str, ip)))
+    return addresses
+
+
+def test_the_agent_listens_on_loopback_only(llama):
+    agent = nixl_transport.NixlKVAgent(engine(llama), "p_lo")
+    try:
+        addresses = _listening_addresses()
+        assert addresses and addresses <= {"127.0.0.1"}, addresses
+    finally:
+        agent.close()
