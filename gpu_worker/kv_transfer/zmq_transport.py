@@ -94,10 +94,11 @@ class KVReceiverEndpoint:
 
 
 class KVSenderEndpoint:
-    def __init__(self, producer: KVProducer, address: str) -> None:
+    def __init__(self, producer: KVProducer, address: str, send_hwm: int = 64) -> None:
         self.producer = producer
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, send_hwm)     # frames queued for D: up to 64 x 64 MiB
         self._sock.connect(address)
 
     def send(self, request_id: str, timeout_s: float = 30.0) -> Ack | Fail | Refuse | None:
@@ -108,31 +109,39 @@ class KVSenderEndpoint:
             return None
         deadline = time.monotonic() + timeout_s
         try:
-            self._sock.send(encode(offer))
-            answer = self._answer(request_id, deadline)
+            answer = self._answer(request_id, deadline) if self._send([encode(offer)], deadline) else None
             if isinstance(answer, Accept):
                 try:
                     answer = self._stream(answer, deadline)
                 except KVLayoutMismatch as e:          # D's layout differs: nothing was sent
-                    self._sock.send(encode(Abort(request_id)), zmq.NOBLOCK)
+                    self._send([encode(Abort(request_id))], time.monotonic())
                     return Refuse(request_id, str(e))
             if answer is None:
-                self._sock.send(encode(Abort(request_id)), zmq.NOBLOCK)
+                self._send([encode(Abort(request_id))], time.monotonic())
             return answer
         finally:
             self.producer.release(request_id)
 
+    def _send(self, parts: list, deadline: float) -> bool:
+        """Queue one message unless D's queue stays full past the deadline (D stopped reading)."""
+        if not self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
+            return False
+        self._sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+        return True
+
     def _stream(self, accept: Accept, deadline: float) -> Ack | Fail | None:
         rid = accept.request_id
         for frame, payload in self.producer.frames(accept):
-            self._sock.send_multipart([encode(frame), payload], copy=False)
+            if not self._send([encode(frame), payload], deadline):
+                return None
             while self._sock.poll(0, zmq.POLLIN):        # D gave up on it mid-stream?
                 early = self._recv()
                 if isinstance(early, Fail) and early.request_id == rid:
                     return early
             if time.monotonic() > deadline:
                 return None
-        self._sock.send(encode(self.producer.done(rid)))
+        if not self._send([encode(self.producer.done(rid))], deadline):
+            return None
         return self._answer(rid, deadline)
 
     def _answer(self, request_id: str, deadline: float):

@@ -8,14 +8,16 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
 
-from gpu_worker.kv_transfer.connector import EngineKVProducer
-from gpu_worker.kv_transfer.messages import Ack, BlockFrame, Done, Fail, encode
+from gpu_worker.kv_transfer.connector import EngineKVConsumer, EngineKVProducer
+from gpu_worker.kv_transfer.messages import Ack, BlockFrame, Done, Fail, Offer, encode
 from gpu_worker.kv_transfer.zmq_transport import KVSenderEndpoint
 from services.protocol.sampling import SamplingParams
 from tests.gpu_worker.kv_transfer.conftest import MAX_STEPS, check_clean, engine, greedy, prompt, run_single
@@ -121,6 +123,38 @@ def test_p_gives_up_on_a_silent_d_and_frees_its_blocks(llama):
         assert sock.poll(1000)                           # the Offer, then the Abort it was sent
         kinds = [msgspec.msgpack.decode(sock.recv_multipart()[1])["type"] for _ in range(2)]
         assert kinds == ["offer", "abort"]
+    finally:
+        sender.close()
+        sock.close(0)
+
+
+def test_p_gives_up_on_a_d_that_stops_reading_mid_stream(tmp_path):
+    """A D that accepted, then stopped reading (hung, or killed): P's sends would block once the
+    socket's queue and the kernel's buffers are full (12 MB here is more than they hold); P gives
+    up at its deadline and frees its blocks."""
+    from gpu_worker.make_model import make_model
+    small = str(make_model(tmp_path / "small", arch="llama", size="small", progress=False))
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    p, d = engine(small, num_gpu_blocks=100), engine(small, num_gpu_blocks=100)
+    consumer = EngineKVConsumer(d)
+    sender = KVSenderEndpoint(EngineKVProducer(p, max_frame_bytes=1 << 20), f"tcp://127.0.0.1:{port}")
+    try:
+        prefill(p, "r", prompt(1500, 5), greedy(4))       # 94 blocks: 12.3 MB in 13 frames
+        answered = threading.Event()
+
+        def accept_then_stop():                           # a D that answers the Offer, reads no more
+            peer, offer = sock.recv_multipart()
+            sock.send_multipart([peer, encode(consumer.accept(msgspec.msgpack.decode(offer, type=Offer)))])
+            answered.set()
+        t = threading.Thread(target=accept_then_stop)
+        t.start()
+        start = time.monotonic()
+        assert sender.send("r", timeout_s=3.0) is None
+        assert answered.is_set() and time.monotonic() - start < 20
+        t.join(timeout=10)
+        check_clean(p)
     finally:
         sender.close()
         sock.close(0)
