@@ -19,6 +19,10 @@ Sections (each guarded: one failure is recorded and the next section runs):
             length, and vLLM's peer run's 16,384), offline throughput on the
             1,000 ShareGPT-like requests of vLLM's peer run (bench/offline_bench.py: the same
             lengths, greedy by default)
+  kv_transfer (not in the default run) a prefill engine and a decode engine on one device (half
+            the engine's memory each): per prompt length of the scale, P's prefill time and the
+            KV hand-off's (gpu_worker/kv_transfer, in one process: device -> host frames ->
+            checksums -> device), its bytes and GB/s
   peers     Hugging Face transformers on the same weights, time-boxed: eager (sdpa), then batch-1
             decode with a static cache and torch.compile (transformers' own fast path)
 
@@ -814,9 +818,58 @@ def section_sustained(args, deadline) -> None:
     RESULTS["sustained_gemm"] = rows
 
 
+def section_kv_transfer(args, deadline) -> None:
+    import random
+
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import Engine
+    from gpu_worker.kv_transfer.connector import EngineKVConsumer, EngineKVProducer
+    from gpu_worker.kv_transfer.local import hand_off
+    from services.protocol.sampling import SamplingParams
+
+    sc: EngineScale = args.scale
+    sizes = dict(model=str(ensure_model(args)), max_num_seqs=8, max_model_len=sc.max_model_len,
+                 max_num_batched_tokens=sc.max_num_batched_tokens)
+    if SMOKE:
+        make = lambda: Engine(EngineConfig(**sizes, device="cpu", dtype="float32", attention_backend="torch",
+                                           num_gpu_blocks=1024))
+    else:
+        make = lambda: Engine(EngineConfig(**sizes, gpu_memory_utilization=args.gpu_mem / 2, dtype="bfloat16",
+                                           attention_backend=args.attention_backend))
+    p, d = make(), make()
+    producer, consumer = EngineKVProducer(p), EngineKVConsumer(d)
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+    rng = random.Random(0)
+    for k, L in enumerate(sc.prefill_lens):
+        if deadline.left() < 30:
+            row("kv_transfer", f"L={L}", "skipped (time)")
+            continue
+        rid = f"kv{k}"
+        p.add_request(rid, _prompt(rng, L, p.vocab_size), SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True), export_kv=True)
+        sync()
+        t = time.perf_counter()
+        while rid not in p.exported:
+            p.step()
+        sync()
+        prefill_s = time.perf_counter() - t
+        sent = producer.bytes_sent
+        t = time.perf_counter()
+        answer = hand_off(producer, consumer, rid)
+        sync()
+        handoff_s = time.perf_counter() - t
+        nbytes = producer.bytes_sent - sent
+        _drain(d)
+        row("kv_transfer", f"hand-off L={L}", 1e3 * handoff_s, "ms",
+            f"{nbytes / 1e6:.1f} MB, {nbytes / handoff_s / 1e9:.2f} GB/s; prefill on P {1e3 * prefill_s:.1f} ms "
+            f"(hand-off = {100 * handoff_s / prefill_s:.0f}% of it); {type(answer).__name__}")
+    p.close()
+    d.close()
+
+
 # ============================================================================ main
 SECTIONS = {"ceilings": section_ceilings, "sustained": section_sustained, "kernels": section_kernels,
-            "engine": section_engine, "peers": section_peers}
+            "engine": section_engine, "peers": section_peers, "kv_transfer": section_kv_transfer}
 
 
 def main(argv=None) -> int:

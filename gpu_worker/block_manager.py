@@ -96,6 +96,21 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def lookup_full_blocks(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding seq's longest cached prefix of FULL prompt blocks, the last one
+        included: a sequence whose KV arrives from a prefill engine computes no prompt token here."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = seq.num_prompt_tokens // self.block_size
+        self._ensure_hashes(seq, limit)
+        hits: list[int] = []
+        for h in seq.block_hashes[:limit]:
+            block_id = self._by_hash.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
     def allocate_prefill(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
         """Give a sequence without blocks the cached `hits` plus room for num_new_tokens after them.
 

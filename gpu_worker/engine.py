@@ -28,7 +28,7 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.outputs import EngineStats, RequestError, SequenceDelta
 from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResult, to_device
 from gpu_worker.scheduler import ScheduledSeq, Scheduler
-from gpu_worker.sequence import Request, Sequence, SequenceStatus
+from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,8 @@ class Engine:
         self.batch_builder = BatchBuilder(config.block_size, self.device)
         self._prepare_gpu()
         self.requests: dict[str, Request] = {}
+        self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
+        self._importing: dict[str, tuple[Sequence, list[tuple[int, int, float]]]] = {}  # KV arriving
         self._arrivals = 0
         self._seed_rng = random.Random(config.seed)  # seeds of requests that give none
         self._inflight: _InFlight | None = None       # async_scheduling: the launched step
@@ -93,15 +95,19 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, priority: int = 0, cache_salt: str = "") -> None:
-        """Queue a request; raises RequestError naming the bad field (nothing is queued then)."""
+                    *, priority: int = 0, cache_salt: str = "", export_kv: bool = False) -> None:
+        """Queue a request; raises RequestError naming the bad field (nothing is queued then).
+        export_kv: prefill it and draw its first token(s) only; each sample that goes on finishes
+        with HANDOFF and its blocks stay held (`exported`) until release_export."""
         prompt = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
+        if request_id in self.exported:
+            raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
         room = self.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals,
-                          seed, max_tokens, stop_ids=stop_ids)
+                          seed, max_tokens, stop_ids=stop_ids, export_kv=export_kv)
         self._arrivals += 1
         seq = Sequence(request, 0, list(prompt), len(prompt))
         request.seqs.append(seq)
@@ -141,6 +147,9 @@ class Engine:
     def abort_request(self, request_id: str, index: int | None = None) -> None:
         """Stop a request (or only its sample `index`) and free every block it holds. Unknown ids
         are ignored. Aborted samples produce no more deltas."""
+        if request_id in self.exported or request_id in self._importing:
+            self._abort_handoff(request_id, index)
+            return
         request = self.requests.get(request_id)
         if request is None:
             return
@@ -190,7 +199,7 @@ class Engine:
             return self._settle(prev)
         out = self.scheduler.schedule()
         if not out.scheduled:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self._stuck():
                 raise RuntimeError("engine stuck: a waiting request cannot be scheduled on an idle engine")
             return []
         if out.copies:
@@ -225,7 +234,7 @@ class Engine:
             deltas, prev = self._settle(prev), None      # penalties read the tokens on the host
         out = self.scheduler.schedule()
         if not out.scheduled:
-            if prev is None and not deltas and self.scheduler.waiting and not self.scheduler.running:
+            if prev is None and not deltas and self._stuck():
                 raise RuntimeError("engine stuck: a waiting request cannot be scheduled on an idle engine")
             return deltas + (self._settle(prev) if prev is not None else [])
         launched = self._launch(out, prev)
@@ -301,13 +310,19 @@ class Engine:
             deltas.append(self._delta(seq, result, reason))
         return deltas
 
+    def _stuck(self) -> bool:
+        """Requests wait, yet nothing runs and no block will come back: blocks held for or awaited
+        from another engine (KV hand-off) do come back when it answers."""
+        return bool(self.scheduler.waiting and not self.scheduler.running and not self.exported
+                    and not self._importing)
+
     def _finish_reason_at(self, seq: Sequence, token_id: int, num_tokens: int) -> str | None:
         """_finish_reason for the token at index num_tokens - 1 of seq.token_ids."""
         if token_id in seq.request.stop_ids:
             return "stop"
         if num_tokens - seq.num_prompt_tokens >= seq.request.max_tokens or num_tokens >= self.max_model_len:
             return "length"
-        return None
+        return HANDOFF if seq.request.export_kv else None
 
     def _delta(self, seq: Sequence, result: SampleResult, reason: str | None) -> SequenceDelta:
         request = seq.request
@@ -358,6 +373,106 @@ class Engine:
     def _forget_if_done(self, request: Request) -> None:
         if request.finished:
             self.requests.pop(request.request_id, None)
+            if any(s.finish_reason == HANDOFF for s in request.seqs):
+                self.exported[request.request_id] = request
+
+    # ---- KV hand-off between a prefill and a decode engine (gpu_worker/kv_transfer) ---------
+    def release_export(self, request_id: str) -> bool:
+        """Free the blocks an exported request holds (the decode engine acknowledged, failed, or
+        the request was aborted); its full blocks stay in the prefix cache. False if unknown."""
+        request = self.exported.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if seq.finish_reason == HANDOFF:
+                self.block_manager.free(seq)
+        return True
+
+    def import_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                         seed: int, samples: list[tuple[int, int, float]], priority: int = 0,
+                         cache_salt: str = "", num_cached_tokens: int = 0) -> Sequence | None:
+        """Reserve blocks for a request prefilled on another engine, whose samples (index, first
+        token, its cumulative logprob) go on here. The returned sequence's block table covers the
+        prompt: its leading blocks that this engine's prefix cache already holds are reused
+        (block_table[:num_computed_tokens // block_size]), the rest await the KV. None (nothing
+        reserved) when the pool lacks free blocks now. Raises RequestError like add_request."""
+        prompt = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
+        if request_id in self.exported:
+            raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
+        indices = [i for i, _, _ in samples]
+        if not samples or len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
+            raise RequestError(f"invalid samples: distinct sample indices in [0, {params.n}) expected")
+        if any(_as_token_ids([t], self.vocab_size) is None for _, t, _ in samples) or not all(
+                isinstance(lp, float) for _, _, lp in samples):
+            raise RequestError(f"invalid samples: first tokens must be integers in [0, {self.vocab_size}), "
+                               "logprobs floats")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise RequestError("invalid seed: must be an integer")
+        max_tokens = self.max_model_len - len(prompt)
+        if params.max_tokens is not None:
+            max_tokens = min(params.max_tokens, max_tokens)
+        stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
+        request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals, seed,
+                          max_tokens, stop_ids=stop_ids)
+        seq = Sequence(request, min(indices), list(prompt), len(prompt))
+        bm = self.block_manager
+        hits = bm.lookup_full_blocks(seq)
+        if not bm.allocate_prefill(seq, hits, len(prompt) - len(hits) * bm.block_size):
+            return None
+        self._arrivals += 1
+        request.num_cached_tokens = num_cached_tokens
+        self.requests[request_id] = request
+        self._importing[request_id] = (seq, sorted(samples))
+        return seq
+
+    def admit_imported(self, request_id: str) -> None:
+        """Every block of an imported request holds its KV now: its samples join the batch as if
+        this engine had prefilled the prompt, and its full blocks join the prefix cache."""
+        seq, samples = self._importing.pop(request_id)
+        request = seq.request
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.register_computed_blocks(seq)
+        going_on = {i: (token, logprob) for i, token, logprob in samples}
+        for index in range(request.n):
+            if index not in going_on:          # ended on the prefill engine, or aborted since
+                request.seqs.append(Sequence(request, index, list(seq.token_ids), seq.num_prompt_tokens,
+                                             status=SequenceStatus.FINISHED, finish_reason="stop"))
+                continue
+            sample = seq if index == seq.index else seq.fork(index)   # forks share the blocks
+            if sample is not seq:
+                self.block_manager.fork(seq, sample)
+            request.seqs.append(sample)
+        if seq.index not in going_on:          # the sequence that reserved the blocks was aborted
+            self.block_manager.free(seq)
+        for sample in request.seqs:
+            if sample.index in going_on:
+                token, logprob = going_on[sample.index]
+                sample.token_ids.append(token)
+                sample.cumulative_logprob = logprob
+                self.scheduler.add_prefilled(sample)
+
+    def is_importing(self, request_id: str) -> bool:
+        """True while an imported request's blocks wait for their KV."""
+        return request_id in self._importing
+
+    def _abort_handoff(self, request_id: str, index: int | None) -> None:
+        """abort_request of a request whose blocks are held for, or awaited from, another engine:
+        the whole request frees its blocks; one sample (index) only leaves the hand-off."""
+        exported = self.exported.get(request_id)
+        if exported is not None:
+            for seq in exported.seqs:
+                if seq.finish_reason == HANDOFF and index in (None, seq.index):
+                    self.block_manager.free(seq)
+                    seq.finish_reason = "abort"
+            if not any(s.finish_reason == HANDOFF for s in exported.seqs):
+                del self.exported[request_id]
+            return
+        seq, samples = self._importing[request_id]
+        samples[:] = [s for s in samples if index not in (None, s[0])]
+        if not samples:
+            self._importing.pop(request_id)
+            self.block_manager.free(seq)
+            del self.requests[request_id]
 
     def _prepare_gpu(self) -> None:
         """CUDA + triton attention: compile the eager-step kernel variants, then (unless

@@ -15,7 +15,8 @@ arrival) is preempted: its blocks are freed and it goes back to the waiting queu
 generated tokens, to be recomputed later (prefix-cache hits make that cheap). Waiting
 sequences are admitted in order, head of line first, only in steps where no running sequence
 ran out of blocks; a waiting sequence that ranks before the last running one may preempt it
-to get blocks (priority scheduling).
+to get blocks (priority scheduling). An exported request (KV hand-off) whose first token is
+being read back is never the victim: it leaves at the read-back with its blocks held.
 
 Saturated admission: while sequences run and the waiting requests do not all fit in the free
 batch slots, waiting sequences are admitted only once `admit_group` slots are free (default
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gpu_worker.block_manager import BlockCopy, BlockManager
-from gpu_worker.sequence import Request, Sequence, SequenceStatus
+from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 
 
 class ScheduledSeq(NamedTuple):
@@ -70,11 +71,15 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: list[Sequence] = []   # sorted by sort_key, hold no blocks
         self.running: list[Sequence] = []   # sorted by sort_key, hold blocks
+        self.prefilled: list[Sequence] = []  # KV received from a prefill engine, hold blocks:
+                                             # join running as batch slots free up
         self.num_preemptions = 0
 
     # ---- the loop ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.prefilled:
+            self._admit_prefilled()
         token_budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, token_budget)
@@ -90,7 +95,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
-            if seq.num_output_tokens >= seq.request.max_tokens:   # its last token, being read back
+            request = seq.request      # its last token, being read back (an export's is its first)
+            if seq.num_output_tokens >= (1 if request.export_kv else request.max_tokens):
                 i += 1
                 continue
             num_new = self._chunk(seq, seq.num_new_tokens, token_budget)
@@ -98,8 +104,8 @@ class Scheduler:
                 i += 1
                 continue
             copies = self.block_manager.allocate_slots(seq, num_new)
-            while copies is None and self.running[-1] is not seq:
-                self._preempt(self.running[-1], out)
+            while copies is None and (victim := self._victim(seq)) is not None:
+                self._preempt(victim, out)
                 copies = self.block_manager.allocate_slots(seq, num_new)
             if copies is None:           # seq itself is the lowest-priority sequence left
                 self._preempt(seq, out)
@@ -128,9 +134,9 @@ class Scheduler:
             if num_new == 0:
                 break
             while not bm.allocate_prefill(seq, hits, num_new):
-                if not self.running or self.running[-1].sort_key <= seq.sort_key:
-                    return
-                victim = self.running[-1]          # lower priority than seq: make room for it
+                victim = self._victim(None)
+                if victim is None or victim.sort_key <= seq.sort_key:
+                    return                         # else lower priority than seq: make room for it
                 token_budget += self._unschedule(victim, out)
                 slots -= _seq_slots(victim)
                 self._preempt(victim, out)
@@ -142,6 +148,25 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             slots += _seq_slots(seq)
             token_budget -= num_new
+
+    def _victim(self, before: Sequence | None) -> Sequence | None:
+        """The lowest-ranked running sequence ranked after `before` (None: any), to preempt. An
+        exported request whose first token is being read back (async scheduling) is passed
+        over: it leaves at the read-back, its blocks held for the decode engine."""
+        for seq in reversed(self.running):
+            if seq is before:
+                return None
+            if not (seq.request.export_kv and seq.num_output_tokens):
+                return seq
+        return None
+
+    def _admit_prefilled(self) -> None:
+        slots = sum(_seq_slots(s) for s in self.running)
+        while self.prefilled and slots < self.max_num_seqs:
+            seq = self.prefilled.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            slots += 1
 
     @staticmethod
     def _unschedule(seq: Sequence, out: SchedulerOutput) -> int:
@@ -159,6 +184,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
+    def add_prefilled(self, seq: Sequence) -> None:
+        """A sequence whose blocks hold its prompt's KV (received, not computed here)."""
+        seq.status = SequenceStatus.WAITING
+        self.prefilled.append(seq)
+
     def fork(self, parent: Sequence, index: int) -> Sequence:
         """A new running sample sharing parent's blocks (copy-on-write)."""
         child = parent.fork(index)
@@ -168,7 +198,12 @@ class Scheduler:
         return child
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        self._remove(seq)
+        """Ends seq and frees its blocks, except a HANDOFF: the engine holds those for the
+        decode engine until it releases them."""
+        if reason == HANDOFF:
+            self.running.remove(seq)
+        else:
+            self._remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def abort(self, request: Request) -> None:
@@ -187,9 +222,13 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _remove(self, seq: Sequence) -> None:
-        queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
-        queue.remove(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.prefilled:
+            self.prefilled.remove(seq)
+        else:
+            self.waiting.remove(seq)
         self.block_manager.free(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilled)

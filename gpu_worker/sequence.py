@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 from services.protocol.sampling import SamplingParams
 
 
+# finish_reason of a sample whose prefill is done on this engine (export_kv) and whose KV blocks
+# are held for a decode engine (gpu_worker/kv_transfer) until released: not a client-facing reason.
+HANDOFF = "kv_handoff"
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"      # queued for (re)computation, holds no blocks
     RUNNING = "running"      # holds blocks, scheduled every step until finished or preempted
@@ -39,6 +44,8 @@ class Request:
     dropped: set[int] = field(default_factory=set)  # sample indices aborted on their own
     stop_ids: tuple[int, ...] = ()  # stop_token_ids + EOS (unless ignore_eos): masked under
                                     # min_tokens, end the sequence when sampled
+    export_kv: bool = False   # prefill here, draw the first token, then hold the blocks for a
+                              # decode engine: the samples finish with HANDOFF
 
     @property
     def n(self) -> int:

@@ -118,6 +118,21 @@ def test_gpu_bench_engine_smoke(tmp_path):
         assert line in text, line
 
 
+def test_gpu_bench_kv_transfer_smoke(tmp_path):
+    """bench/gpu_bench.py's kv_transfer section on the CPU: a hand-off per prefill length, each
+    acknowledged by the decode engine, with its bytes and P's prefill time."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "bench/gpu_bench.py", "--smoke", "--sections", "kv_transfer"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert not res["errors"], res["errors"]
+    text = json.dumps(res)
+    for line in ("hand-off L=64", "hand-off L=256", "prefill on P"):
+        assert line in text, line
+    assert text.count("; Ack") == 2
+
+
 def test_plot_vs_vllm_from_stored_results(tmp_path):
     """plot.py vs-vllm draws the README's figure from the stored JSON it cites."""
     out = tmp_path / "vs.png"

@@ -1,0 +1,11 @@
+"""KV-cache hand-off from a prefill engine (P) to a decode engine (D).
+
+    layout.py        the KV layout both sides must share (checked before any byte moves)
+    messages.py      the msgspec messages of one hand-off; block frames carry raw KV bytes
+    connector.py     the connector interface (KVProducer on P, KVConsumer on D) and its
+                     engine-backed implementation: which blocks move, where they land
+    local.py         both engines in one process: the hand-off as plain calls
+    zmq_transport.py the plain ZMQ/TCP path (CPU runs, CI): P sends checked block frames
+    nixl_transport.py the NIXL path (the `nixl` extra): D reads P's registered blocks directly
+    rate_limit.py    one log line per interval for dropped frames
+"""

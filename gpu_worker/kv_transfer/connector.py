@@ -1,0 +1,309 @@
+"""The connector interface of a KV hand-off and its engine-backed implementation.
+
+A transport (zmq_transport.py; NIXL or Mooncake would be another) only carries the messages of
+messages.py between a KVProducer on the prefill engine (P) and a KVConsumer on the decode
+engine (D). Everything that decides which bytes move and where they land is here:
+
+    P  engine.add_request(..., export_kv=True); step until its samples finish with HANDOFF
+    P  producer.offer(rid)              -> Offer (layout, prompt, first tokens, block hashes)
+    D  consumer.accept(offer)           -> Accept (D's block ids for the blocks D lacks) | Refuse
+    P  producer.frames(accept)          -> BlockFrame + payload, block group by block group
+    D  consumer.receive(frame, payload) -> None | Fail (the request is dropped, blocks freed)
+    P  producer.done(rid)               -> Done
+    D  consumer.complete(done)          -> Ack (D decodes the request from now on) | Fail
+    P  producer.release(rid)            after Ack or Fail: P's blocks are freed (its full
+                                        blocks stay in P's prefix cache)
+
+Blocks are named by chained content hashes (services/prefix_hash.py): D reuses the prefix it
+already caches and only the blocks after it move; the blocks D receives join its prefix cache.
+A transport that reads P's memory directly (NIXL's RDMA/CUDA-IPC READ) uses the same Offer and
+Accept: the block ids of both sides are exactly the descriptors it needs, and frames() is then
+replaced by one read per block group into D's registered KV tensors.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import warnings
+from collections.abc import Iterator
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible, layout_of
+from gpu_worker.kv_transfer.messages import (Accept, Ack, BlockFrame, Done, Fail, Offer, Refuse,
+                                             SampleStart, checksum)
+from gpu_worker.kv_transfer.rate_limit import RateLimitedLog
+from gpu_worker.outputs import RequestError
+from gpu_worker.sequence import HANDOFF
+from services.prefix_hash import chain_hashes
+
+log = logging.getLogger("kvmesh.kv_transfer")
+
+DEFAULT_MAX_FRAME_BYTES = 64 << 20
+
+
+class KVProducer(abc.ABC):
+    """P's side: describes an exported request and streams the blocks the consumer lacks."""
+
+    @abc.abstractmethod
+    def offer(self, request_id: str) -> Offer | None: ...
+
+    @abc.abstractmethod
+    def frames(self, accept: Accept) -> Iterator[tuple[BlockFrame, memoryview]]: ...
+
+    @abc.abstractmethod
+    def done(self, request_id: str) -> Done: ...
+
+    @abc.abstractmethod
+    def release(self, request_id: str) -> bool: ...
+
+
+class KVConsumer(abc.ABC):
+    """D's side: reserves blocks, writes what arrives, admits the request when all is there."""
+
+    @abc.abstractmethod
+    def accept(self, offer: Offer) -> Accept | Refuse: ...
+
+    @abc.abstractmethod
+    def receive(self, frame: BlockFrame, payload: bytes | memoryview) -> Fail | None: ...
+
+    @abc.abstractmethod
+    def written_directly(self, request_id: str) -> bool:
+        """A transport that wrote the missing blocks itself (NIXL's READ) says so here, in place of
+        frames; complete(Done(request_id, 0)) then admits the request. False if unknown."""
+        rx = self._rx.get(request_id)
+        if rx is None or not self.engine.is_importing(request_id):
+            return False
+        rx.covered[:] = True
+        self.blocks_received += rx.covered.shape[1]
+        return True
+
+    def complete(self, done: Done) -> Ack | Fail: ...
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+
+def _engine_layout(engine) -> KVLayout:
+    if engine.config.tensor_parallel_size > 1:   # each rank's cache lives in its own process
+        raise ValueError("KV transfer does not support tensor_parallel_size > 1 yet")
+    return layout_of(engine)
+
+
+def _frame_plan(layout: KVLayout, itemsize: int, max_frame_bytes: int) -> tuple[int, int]:
+    """(layers, blocks) per frame: all layers of as many blocks as fit, else fewer layers."""
+    per_layer_block = 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
+    layers = min(layout.num_layers, max(1, max_frame_bytes // per_layer_block))
+    return layers, max(1, max_frame_bytes // (layers * per_layer_block))
+
+
+class EngineKVProducer(KVProducer):
+    def __init__(self, engine, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.engine = engine
+        self.layout = _engine_layout(engine)
+        self.max_frame_bytes = max_frame_bytes
+        self._sent: dict[str, int] = {}       # frames sent per request
+        self.blocks_sent = 0                  # totals, for tests and measurements
+        self.bytes_sent = 0
+
+    def _handoff_seqs(self, request_id: str):
+        request = self.engine.exported.get(request_id)
+        return [] if request is None else [s for s in request.seqs if s.finish_reason == HANDOFF]
+
+    def offer(self, request_id: str) -> Offer | None:
+        """None unless the request finished its prefill here with samples to hand off."""
+        seqs = self._handoff_seqs(request_id)
+        if not seqs:
+            return None
+        seq, request, bs = seqs[0], seqs[0].request, self.layout.block_size
+        assert all(s.block_table == seq.block_table for s in seqs), "samples wrote past the prompt"
+        hashes = chain_hashes(None, self.layout.model_id, request.cache_salt, request.prompt_token_ids, bs)
+        return Offer(request_id=request_id, layout=self.layout, prompt_token_ids=request.prompt_token_ids,
+                     params=request.params, seed=request.seed, priority=request.priority,
+                     cache_salt=request.cache_salt, num_cached_tokens=request.num_cached_tokens,
+                     samples=[SampleStart(s.index, s.token_ids[-1], s.cumulative_logprob) for s in seqs],
+                     block_hashes=hashes, num_blocks=len(seq.block_table), src_block_ids=list(seq.block_table))
+
+    def frames(self, accept: Accept) -> Iterator[tuple[BlockFrame, memoryview]]:
+        """Raises KVLayoutMismatch before any frame when D's layout differs."""
+        check_compatible(self.layout, accept.layout)
+        seqs = self._handoff_seqs(accept.request_id)
+        if not seqs:
+            return
+        table = seqs[0].block_table
+        if not 0 <= accept.first_block <= len(table) or len(accept.dst_block_ids) != len(table) - accept.first_block:
+            raise ValueError(f"Accept for {accept.request_id!r} does not match its block table")
+        caches = self.engine.runner.kv_caches
+        layers_per, blocks_per = _frame_plan(self.layout, caches[0][0].element_size(), self.max_frame_bytes)
+        seq_no = 0
+        for b0 in range(accept.first_block, len(table), blocks_per):
+            src = table[b0:b0 + blocks_per]
+            dst = accept.dst_block_ids[b0 - accept.first_block:b0 - accept.first_block + len(src)]
+            index = torch.tensor(src, device=caches[0][0].device)
+            for l0 in range(0, self.layout.num_layers, layers_per):
+                if accept.request_id not in self.engine.exported:   # aborted on P meanwhile: its
+                    return                                          # blocks may hold others' KV now
+                l1 = min(l0 + layers_per, self.layout.num_layers)
+                kv = torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)))
+                                  for k, v in caches[l0:l1]])
+                payload = memoryview(kv.contiguous().view(torch.uint8).cpu().numpy()).cast("B")
+                yield BlockFrame(request_id=accept.request_id, seq_no=seq_no, layer_start=l0, layer_end=l1,
+                                 block_start=b0, src_block_ids=src, dst_block_ids=dst,
+                                 dtype=self.layout.kv_dtype, shape=list(kv.shape),
+                                 checksum=checksum(payload)), payload
+                seq_no += 1
+                self.bytes_sent += len(payload)
+            self.blocks_sent += len(src)
+        self._sent[accept.request_id] = seq_no
+
+    def done(self, request_id: str) -> Done:
+        return Done(request_id, self._sent.pop(request_id, 0))
+
+    def release(self, request_id: str) -> bool:
+        """Free P's blocks of the request (after D's Ack or Fail, or an abort on P)."""
+        self._sent.pop(request_id, None)
+        return self.engine.release_export(request_id)
+
+
+@dataclass
+class _Receiving:
+    table: list[int]            # D's block table of the request
+    first_block: int            # blocks before it were prefix hits on D
+    covered: torch.Tensor       # (layers, blocks) bool: which layer of which block arrived
+    next_seq: int = 0
+    last_progress: float = field(default_factory=time.monotonic)
+
+
+class EngineKVConsumer(KVConsumer):
+    def __init__(self, engine, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.engine = engine
+        self.layout = _engine_layout(engine)
+        self.max_frame_bytes = max_frame_bytes
+        self._dtype = engine.runner.kv_caches[0][0].dtype
+        self._rx: dict[str, _Receiving] = {}
+        self._dropped = RateLimitedLog(log)
+        self.blocks_received = 0
+        self.frames_dropped = 0
+
+    def accept(self, offer: Offer) -> Accept | Refuse:
+        try:
+            check_compatible(self.layout, offer.layout)
+        except KVLayoutMismatch as e:
+            return Refuse(offer.request_id, str(e))
+        bs = self.layout.block_size
+        n = len(offer.prompt_token_ids)
+        if offer.num_blocks != -(-n // bs) or offer.block_hashes != chain_hashes(
+                None, self.layout.model_id, offer.cache_salt, offer.prompt_token_ids, bs):
+            return Refuse(offer.request_id, "the offer's blocks do not match its prompt")
+        try:
+            seq = self.engine.import_prefilled(
+                offer.request_id, offer.prompt_token_ids, offer.params, seed=offer.seed,
+                samples=[(s.index, s.token_id, s.cumulative_logprob) for s in offer.samples],
+                priority=offer.priority, cache_salt=offer.cache_salt, num_cached_tokens=offer.num_cached_tokens)
+        except RequestError as e:
+            return Refuse(offer.request_id, str(e))
+        if seq is None:
+            return Refuse(offer.request_id, "no free KV blocks")
+        first = seq.num_computed_tokens // bs
+        self._rx[offer.request_id] = _Receiving(
+            list(seq.block_table), first,
+            torch.zeros((self.layout.num_layers, len(seq.block_table) - first), dtype=torch.bool))
+        return Accept(offer.request_id, self.layout, first, seq.block_table[first:])
+
+    def receive(self, frame: BlockFrame, payload: bytes | memoryview) -> Fail | None:
+        """Writes a frame's KV into D's blocks; an invalid frame drops it with a (rate-limited)
+        log line and fails its request (blocks freed). Frames of unknown requests are dropped."""
+        rx = self._rx.get(frame.request_id)
+        if rx is None or not self.engine.is_importing(frame.request_id):
+            self._rx.pop(frame.request_id, None)
+            return self._drop(frame.request_id, "no transfer in progress for it", fail=False)
+        problem = self._check(frame, payload, rx)
+        if problem:
+            return self._drop(frame.request_id, problem, fail=True)
+        with warnings.catch_warnings():        # read-only receive buffers: we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            kv = torch.frombuffer(payload, dtype=torch.uint8)
+        kv = kv.view(self._dtype).view(frame.shape)
+        caches = self.engine.runner.kv_caches
+        dst = torch.tensor(frame.dst_block_ids, device=caches[0][0].device)
+        kv = kv.to(caches[0][0].device)
+        for i, (k, v) in enumerate(caches[frame.layer_start:frame.layer_end]):
+            k.index_copy_(0, dst, kv[i, 0])
+            v.index_copy_(0, dst, kv[i, 1])
+        b0 = frame.block_start - rx.first_block
+        rx.covered[frame.layer_start:frame.layer_end, b0:b0 + len(frame.dst_block_ids)] = True
+        rx.next_seq += 1
+        rx.last_progress = time.monotonic()
+        if frame.layer_end == self.layout.num_layers:
+            self.blocks_received += len(frame.dst_block_ids)
+        return None
+
+    def _check(self, frame: BlockFrame, payload: bytes | memoryview, rx: _Receiving) -> str:
+        """'' when the frame is the next one of its request and fits it exactly, else why not."""
+        lay, n = self.layout, len(frame.dst_block_ids)
+        if frame.seq_no != rx.next_seq:
+            return f"frame {frame.seq_no} out of order (expected {rx.next_seq})"
+        if not 0 <= frame.layer_start < frame.layer_end <= lay.num_layers:
+            return f"layer range [{frame.layer_start}, {frame.layer_end}) out of bounds"
+        if n == 0 or not rx.first_block <= frame.block_start or frame.block_start + n > len(rx.table):
+            return "block range out of bounds"
+        if frame.dst_block_ids != rx.table[frame.block_start:frame.block_start + n]:
+            return "destination blocks differ from the accepted ones"
+        expected_shape = [frame.layer_end - frame.layer_start, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim]
+        if frame.dtype != lay.kv_dtype or list(frame.shape) != expected_shape:
+            return f"dtype/shape {frame.dtype}{list(frame.shape)} != {lay.kv_dtype}{expected_shape}"
+        size = len(payload) if isinstance(payload, bytes) else payload.nbytes
+        want = expected_shape[0] * 2 * n * lay.block_size * lay.num_kv_heads * lay.head_dim * self._dtype.itemsize
+        if size != want or size > self.max_frame_bytes:
+            return f"payload of {size} bytes (expected {want}, at most {self.max_frame_bytes})"
+        if checksum(payload) != frame.checksum:
+            return "checksum mismatch"
+        b0 = frame.block_start - rx.first_block
+        if rx.covered[frame.layer_start:frame.layer_end, b0:b0 + n].any():
+            return "frame repeats blocks already received"
+        return ""
+
+    def written_directly(self, request_id: str) -> bool:
+        """A transport that wrote the missing blocks itself (NIXL's READ) says so here, in place of
+        frames; complete(Done(request_id, 0)) then admits the request. False if unknown."""
+        rx = self._rx.get(request_id)
+        if rx is None or not self.engine.is_importing(request_id):
+            return False
+        rx.covered[:] = True
+        self.blocks_received += rx.covered.shape[1]
+        return True
+
+    def complete(self, done: Done) -> Ack | Fail:
+        rx = self._rx.get(done.request_id)
+        if rx is None or not self.engine.is_importing(done.request_id):
+            self._rx.pop(done.request_id, None)
+            return Fail(done.request_id, "no transfer in progress for it")
+        if done.num_frames != rx.next_seq or not bool(rx.covered.all()):
+            return self._drop(done.request_id, f"incomplete: {rx.next_seq} of {done.num_frames} frames", fail=True)
+        del self._rx[done.request_id]
+        self.engine.admit_imported(done.request_id)
+        return Ack(done.request_id)
+
+    def expire(self, idle_s: float) -> list[str]:
+        """Fail the transfers that made no progress for idle_s seconds (P died or went silent):
+        their blocks are freed. Returns their request ids."""
+        now = time.monotonic()
+        stale = [rid for rid, rx in self._rx.items() if now - rx.last_progress >= idle_s]
+        for rid in stale:
+            self._dropped.warning("kv transfer: request %r made no progress for %.1f s, dropped", rid[:64], idle_s)
+            self.abort(rid)
+        return stale
+
+    def abort(self, request_id: str) -> None:
+        """Stop receiving a request; its blocks are freed (also after admission: an abort)."""
+        self._rx.pop(request_id, None)
+        self.engine.abort_request(request_id)
+
+    def _drop(self, request_id: str, reason: str, *, fail: bool) -> Fail:
+        self.frames_dropped += 1
+        self._dropped.warning("kv transfer: dropped a frame of request %r: %s", request_id[:64], reason)
+        if fail:
+            self.abort(request_id)
+        return Fail(request_id, reason)

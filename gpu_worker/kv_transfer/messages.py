@@ -1,0 +1,116 @@
+"""The messages of one KV hand-off (msgspec msgpack; never pickle).
+
+    P -> D  Offer       the request, its first token(s), the chained hashes of its full prompt
+                        blocks and P's KV layout
+    D -> P  Accept      D's layout and the blocks P must send: from `first_block` on (the ones
+                        before are prefix hits on D), with D's block id for each
+         or Refuse      layout mismatch, invalid request, no free blocks: nothing moves
+    P -> D  BlockFrame  header + one raw payload frame: K and V of layers [layer_start,
+                        layer_end) for blocks [block_start, block_start + len(dst_block_ids))
+                        of the block table, shape (layers, 2, blocks, block_size, kv_heads,
+                        head_dim), `checksum` = xxh3-128 of the payload (catches corruption
+                        and framing bugs, ~10x blake2b's speed; integrity against an attacker is
+                        the authenticated plane's job)
+    P -> D  Done        every frame is sent (`num_frames` of them)
+    D -> P  Ack         D holds every block and decodes: P may release its blocks
+         or Fail        D dropped the request (bad frame, abort): P releases its blocks
+    either  Abort       the other side stops and frees the request's blocks
+"""
+from __future__ import annotations
+
+import msgspec
+import xxhash
+
+from gpu_worker.kv_transfer.layout import KVLayout
+from services.protocol.sampling import SamplingParams
+
+MAX_HEADER_BYTES = 1 << 20          # an Offer of a 128k-token prompt is ~0.6 MB
+CHECKSUM_BYTES = 16
+
+
+class SampleStart(msgspec.Struct, array_like=True, frozen=True):
+    index: int
+    token_id: int
+    cumulative_logprob: float
+
+
+class Offer(msgspec.Struct, tag="offer", frozen=True):
+    request_id: str
+    layout: KVLayout
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    samples: list[SampleStart]
+    block_hashes: list[bytes]       # full prompt blocks, chained (services/prefix_hash.py)
+    num_blocks: int                 # blocks of the prompt (full ones + a partial last one)
+    src_block_ids: list[int] = []   # P's block table: what a reading transport (NIXL) reads
+    priority: int = 0
+    cache_salt: str = ""
+    num_cached_tokens: int = 0
+
+
+class Accept(msgspec.Struct, tag="accept", frozen=True):
+    request_id: str
+    layout: KVLayout
+    first_block: int                # blocks before it are prefix hits on D: they do not move
+    dst_block_ids: list[int]        # D's block for each of blocks first_block.. of the table
+
+
+class Refuse(msgspec.Struct, tag="refuse", frozen=True):
+    request_id: str
+    reason: str
+
+
+class BlockFrame(msgspec.Struct, tag="blocks", frozen=True):
+    request_id: str
+    seq_no: int                     # 0, 1, 2... per request: a gap or a repeat fails it
+    layer_start: int
+    layer_end: int
+    block_start: int                # index in the sequence's block table
+    src_block_ids: list[int]        # P's ids (for P's logs)
+    dst_block_ids: list[int]        # D's ids, as D's Accept mapped them
+    dtype: str
+    shape: list[int]
+    checksum: bytes
+
+
+class Done(msgspec.Struct, tag="done", frozen=True):
+    request_id: str
+    num_frames: int
+
+
+class Ack(msgspec.Struct, tag="ack", frozen=True):
+    request_id: str
+
+
+class Fail(msgspec.Struct, tag="fail", frozen=True):
+    request_id: str
+    reason: str
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    request_id: str
+
+
+Message = Offer | Accept | Refuse | BlockFrame | Done | Ack | Fail | Abort
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Raises ValueError on anything that is not one well-formed message of bounded size."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"malformed message: {e}") from None
+
+
+def checksum(payload: bytes | memoryview) -> bytes:
+    return xxhash.xxh3_128_digest(payload)

@@ -1,0 +1,165 @@
+"""The plain ZMQ/TCP path of the KV hand-off (CPU runs, CI, hosts without RDMA).
+
+    D  KVReceiverEndpoint: ROUTER bound (loopback by default); poll() between engine steps
+       answers Offers, writes BlockFrames, answers Done with Ack/Fail
+    P  KVSenderEndpoint:   DEALER connected to one D; send(rid) runs one hand-off to the end
+                           and releases P's blocks after D's answer (or a timeout: Abort)
+
+Every ZMQ message is [header] or, for a BlockFrame, [header, payload]: the header is one msgpack
+message of messages.py, the payload the raw KV bytes (sent without a copy). Malformed headers,
+unexpected payloads, oversize messages and frames that fail the consumer's checks are dropped
+with a rate-limited log line. The sockets are synchronous: the engine loop calls them between
+steps. (This path has no authentication of its own yet: it binds to loopback by default and is
+meant for the internal plane's CURVE wrapping, services/transport.py.)
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from gpu_worker.kv_transfer.connector import DEFAULT_MAX_FRAME_BYTES, EngineKVConsumer, KVProducer
+from gpu_worker.kv_transfer.layout import KVLayoutMismatch
+from gpu_worker.kv_transfer.messages import (MAX_HEADER_BYTES, Abort, Accept, Ack, BlockFrame, Done,
+                                             Fail, Offer, Refuse, decode, encode)
+from gpu_worker.kv_transfer.rate_limit import RateLimitedLog
+
+log = logging.getLogger("kvmesh.kv_transfer")
+
+
+class KVReceiverEndpoint:
+    def __init__(self, consumer: EngineKVConsumer, host: str = "127.0.0.1", port: int = 0,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, idle_timeout_s: float = 10.0) -> None:
+        self.consumer = consumer
+        self.idle_timeout_s = idle_timeout_s     # a transfer silent this long is dropped (P died)
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # a message larger than this never reaches memory: ZMQ drops the connection instead
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + MAX_HEADER_BYTES)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{self.port}"
+        self._dropped = RateLimitedLog(log)
+        self.messages_dropped = 0
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Handle every message that arrives within timeout_ms (then every one queued), then drop
+        the transfers idle for idle_timeout_s; the count of messages."""
+        handled = 0
+        while self._sock.poll(timeout_ms if handled == 0 else 0, zmq.POLLIN):
+            parts = self._sock.recv_multipart(copy=False)
+            self._handle(parts)
+            handled += 1
+        self.consumer.expire(self.idle_timeout_s)
+        return handled
+
+    def _handle(self, parts: list) -> None:
+        peer, rest = parts[0].bytes, parts[1:]
+        try:
+            if not rest:
+                raise ValueError("empty message")
+            msg = decode(rest[0].bytes)
+            if isinstance(msg, BlockFrame) != (len(rest) == 2) or len(rest) > 2:
+                raise ValueError(f"{type(msg).__name__} with {len(rest) - 1} payload frames")
+        except ValueError as e:
+            self.messages_dropped += 1
+            self._dropped.warning("kv transfer: dropped a malformed message: %s", e)
+            return
+        if isinstance(msg, Offer):
+            self._reply(peer, self.consumer.accept(msg))
+        elif isinstance(msg, BlockFrame):
+            failed = self.consumer.receive(msg, rest[1].buffer)
+            if failed is not None:
+                self._reply(peer, failed)
+        elif isinstance(msg, Done):
+            self._reply(peer, self.consumer.complete(msg))
+        elif isinstance(msg, Abort):
+            self.consumer.abort(msg.request_id)
+        else:
+            self.messages_dropped += 1
+            self._dropped.warning("kv transfer: dropped an unexpected %s", type(msg).__name__)
+
+    def _reply(self, peer: bytes, msg) -> None:
+        try:
+            self._sock.send_multipart([peer, encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("kv transfer: reply to a producer dropped (its queue is full)")
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+
+class KVSenderEndpoint:
+    def __init__(self, producer: KVProducer, address: str, send_hwm: int = 64) -> None:
+        self.producer = producer
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, send_hwm)     # frames queued for D: up to 64 x 64 MiB
+        self._sock.connect(address)
+
+    def send(self, request_id: str, timeout_s: float = 30.0) -> Ack | Fail | Refuse | None:
+        """One hand-off: Offer, frames, Done, D's answer; then P's blocks are released. None when
+        the request has nothing to hand off or D did not answer in time (D is sent an Abort)."""
+        offer = self.producer.offer(request_id)
+        if offer is None:
+            return None
+        deadline = time.monotonic() + timeout_s
+        try:
+            answer = self._answer(request_id, deadline) if self._send([encode(offer)], deadline) else None
+            if isinstance(answer, Accept):
+                try:
+                    answer = self._stream(answer, deadline)
+                except KVLayoutMismatch as e:          # D's layout differs: nothing was sent
+                    self._send([encode(Abort(request_id))], time.monotonic())
+                    return Refuse(request_id, str(e))
+            if answer is None:
+                self._send([encode(Abort(request_id))], time.monotonic())
+            return answer
+        finally:
+            self.producer.release(request_id)
+
+    def _send(self, parts: list, deadline: float) -> bool:
+        """Queue one message unless D's queue stays full past the deadline (D stopped reading)."""
+        if not self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
+            return False
+        self._sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+        return True
+
+    def _stream(self, accept: Accept, deadline: float) -> Ack | Fail | None:
+        rid = accept.request_id
+        for frame, payload in self.producer.frames(accept):
+            if not self._send([encode(frame), payload], deadline):
+                return None
+            while self._sock.poll(0, zmq.POLLIN):        # D gave up on it mid-stream?
+                early = self._recv()
+                if isinstance(early, Fail) and early.request_id == rid:
+                    return early
+            if time.monotonic() > deadline:
+                return None
+        if not self._send([encode(self.producer.done(rid))], deadline):
+            return None
+        return self._answer(rid, deadline)
+
+    def _answer(self, request_id: str, deadline: float):
+        """D's next message about request_id (others are stale and skipped); None on timeout."""
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                return None
+            msg = self._recv()
+            if isinstance(msg, (Accept, Refuse, Ack, Fail)) and msg.request_id == request_id:
+                return msg
+        return None
+
+    def _recv(self):
+        try:
+            return decode(self._sock.recv())
+        except ValueError as e:
+            log.warning("kv transfer: dropped a malformed answer: %s", e)
+            return None
+
+    def close(self) -> None:
+        self._sock.close(0)
