@@ -23,7 +23,6 @@ _QUANTIZATIONS = (None, "fp8", "fp8_lm_head")
 _KV_CACHE_DTYPES = ("auto", "fp8")
 
 
-
 def tuning_from_env(env: Mapping[str, str] | None = None) -> KernelTuning:
     """KernelTuning's defaults with the KVMESH_* overrides of `env` (default: os.environ)
     applied; a bad value raises a ValueError naming the variable. The names are declared in

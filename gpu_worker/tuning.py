@@ -98,7 +98,7 @@ class DecodeAttentionTuning:
         m = _SPEC_RE.match(text)
         v = {k: int(x) for k, x in m.groupdict().items() if x is not None and x.isdigit()} if m else {}
         try:
-            if m is None or (not m["unsplit"] and v["block"] < 16):
+            if m is None:
                 raise ValueError
             return cls(short_max_splits=v.get("splits", 1), short_block_n=v.get("block", 16),
                        short_heads_per_program=v.get("hpp"), short_num_warps=v.get("warps"),
