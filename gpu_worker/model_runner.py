@@ -136,6 +136,7 @@ class ModelRunner:
         self._baseline = _device_memory(self.device)
         torch.manual_seed(seed)
         self.attention = make_attention_backend(attention_backend, self.device, config, tuning)
+        self.kernels = load_fused_kernels(self.device)     # None on CPU: the model uses torch ops
         # Build on the meta device (no memory, no random init), then allocate for real and load.
         with torch.device("meta"):
             model = self._new_model(config, dtype)
@@ -147,7 +148,6 @@ class ModelRunner:
         self.quantization = quantization
         if quantization is not None:
             self._quantize(quantization)
-        self.model.use_fused_kernels(load_fused_kernels(self.device))   # None on CPU: torch ops
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.decode_graphs = None   # gpu_worker.cuda_graphs.DecodeGraphs once captured
@@ -157,7 +157,7 @@ class ModelRunner:
 
     # Overridden by the tensor-parallel rank runner (gpu_worker/parallel/tp_runner.py).
     def _new_model(self, config: ModelConfig, dtype: torch.dtype) -> CausalLM:
-        return CausalLM(config, self.attention, dtype, self.tuning)
+        return CausalLM(config, self.attention, dtype, self.tuning, self.kernels)
 
     def _load_weights(self, model_dir: str) -> None:
         load_weights(self.model, model_dir)

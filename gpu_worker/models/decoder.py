@@ -37,17 +37,16 @@ class WeightTarget(NamedTuple):
 
 
 class Attention(nn.Module):
-    kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
-
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype, kernels=None):
         super().__init__()
+        self.kernels = kernels   # gpu_worker.models.layers.fused launchers (CUDA), or None: torch ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
         self.rope = rope          # the same RotaryEmbedding object in every layer: one cos/sin table
         self.backend = backend    # not an nn.Module: the runner owns it
 
@@ -139,21 +138,21 @@ class DecoderLayer(nn.Module):
 
     All four come from the engine's KernelTuning (decode_gemv_max_m, decode_gemv_weights,
     decode_gemv_fuse, residual_gemm_min_rows), copied into attributes at construction."""
-    kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype,
-                 layer_idx: int = 0, tuning: KernelTuning = KernelTuning()):
+                 layer_idx: int = 0, tuning: KernelTuning = KernelTuning(), kernels=None):
         super().__init__()
+        self.kernels = kernels   # gpu_worker.models.layers.fused launchers (CUDA), or None: torch ops
         self.gemv_max_m, self.gemv_weights = tuning.decode_gemv_max_m, tuning.decode_gemv_weights
         self.gemv_fuse, self.residual_gemm_min_rows = tuning.decode_gemv_fuse, tuning.residual_gemm_min_rows
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, rope, backend, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
+        self.self_attn = Attention(cfg, rope, backend, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         if layer_idx in cfg.moe_layers:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, kernels)
 
     def forward(self, x, residual, positions, kv: KVCache, batch: ForwardBatch, next_norm: RMSNorm | None = None):
         """x (T, H): the previous layer's MLP output (or the embeddings); residual (T, H): the
@@ -229,11 +228,12 @@ class DecoderModel(nn.Module):
     """HF's `model.*` part: embeddings, layers, final norm."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype,
-                 tuning: KernelTuning = KernelTuning()):
+                 tuning: KernelTuning = KernelTuning(), kernels=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, dtype, i, tuning) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, dtype, i, tuning, kernels)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
 
 
 class CausalLM(nn.Module):
@@ -241,18 +241,21 @@ class CausalLM(nn.Module):
     GEMVs (decode_gemv_max_m; 16-bit heads only where decode_gemv_weights is "all") also run the
     16-bit lm_head as fp8_gemv's split-K GEMV instead of cuBLAS: under programmatic dependent
     launch its programs start while the final norm finishes, and it is the step's largest read
-    (1 GB of Llama-8B's 16 GB); False: cuBLAS (the A/B's baseline)."""
-    kernels = None     # the fused launchers (CUDA), set by use_fused_kernels like the layers'
+    (1 GB of Llama-8B's 16 GB); False: cuBLAS (the A/B's baseline).
+
+    `kernels`: the Triton launchers (gpu_worker.models.layers.fused.load_fused_kernels) every
+    layer, norm and MLP is built with; None: plain torch ops (CPU)."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype = torch.float32,
-                 tuning: KernelTuning = KernelTuning()):
+                 tuning: KernelTuning = KernelTuning(), kernels=None):
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels
         # the head's GEMV rows: 0 (never) unless the layers' GEMV path takes 16-bit weights
         self.head_gemv_max_m = (tuning.decode_gemv_max_m if tuning.head_gemv and tuning.decode_gemv_weights == "all"
                                 else 0)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.model = DecoderModel(cfg, self.rope, backend, dtype, tuning)
+        self.model = DecoderModel(cfg, self.rope, backend, dtype, tuning, kernels)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
         self.head_fp8 = None     # quantization="fp8_lm_head": the head in e4m3 (layers/fp8.py)
@@ -270,10 +273,10 @@ class CausalLM(nn.Module):
         return self.model.norm.add_forward(x, residual)[0]
 
     def use_fused_kernels(self, kernels) -> None:
-        """Route RMSNorm(+residual), RoPE and SwiGLU through Triton kernels (a namespace from
-        gpu_worker.models.layers.fused.load_fused_kernels), or back to torch (None)."""
+        """Switch a built model's launchers (an A/B of benchmarks and tests: the model is built with
+        its own): RMSNorm(+residual), RoPE, SwiGLU and the GEMVs through `kernels`, or torch (None)."""
         for module in self.modules():
-            if hasattr(type(module), "kernels"):
+            if isinstance(module, (CausalLM, DecoderLayer, Attention, RMSNorm, GatedMLP)):
                 module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,8 @@ class TPCausalLM(CausalLM):
     """One rank's shard. `cfg` holds the local shapes, `full_cfg` the model's."""
 
     def __init__(self, full_cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-                 ctx: ParallelContext, tuning: KernelTuning = KernelTuning()):
-        super().__init__(local_config(full_cfg, ctx), backend, dtype, tuning)
+                 ctx: ParallelContext, tuning: KernelTuning = KernelTuning(), kernels=None):
+        super().__init__(local_config(full_cfg, ctx), backend, dtype, tuning, kernels)
         self.full_cfg, self.ctx = full_cfg, ctx
         cfg, hidden = self.cfg, full_cfg.hidden_size
         self.model.embed_tokens = VocabParallelEmbedding(full_cfg.vocab_size, hidden, ctx, dtype)

@@ -26,7 +26,7 @@ class TPRankRunner(ModelRunner):
         self.config = self.model.cfg                 # local shapes: the KV cache holds this rank's heads
 
     def _new_model(self, config: ModelConfig, dtype: torch.dtype) -> TPCausalLM:
-        return TPCausalLM(config, self.attention, dtype, self.ctx, self.tuning)
+        return TPCausalLM(config, self.attention, dtype, self.ctx, self.tuning, self.kernels)
 
     def _load_weights(self, model_dir: str) -> None:
         load_sharded_weights(self.model, model_dir, progress=self.ctx.rank == 0)

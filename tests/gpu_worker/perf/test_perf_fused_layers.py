@@ -136,3 +136,24 @@ def test_head_runs_as_gemv_where_the_layers_do(arch, request):
     model_with(head_gemv=False).compute_logits(hidden[:1])
     model_with(decode_gemv_weights="fp8").compute_logits(hidden[:1])
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])     # qwen3: per-head q/k norms too
+def test_model_is_built_with_its_launchers(arch, request):
+    """The launchers are a constructor argument: every norm, MLP, attention and layer holds them
+    from construction (nothing injected afterwards); use_fused_kernels(None) switches all of them
+    back to torch ops, and a model built without launchers has none anywhere."""
+    from gpu_worker.attention.torch_backend import TorchAttentionBackend
+    from gpu_worker.models.decoder import Attention, CausalLM, DecoderLayer
+    from gpu_worker.models.layers import GatedMLP, RMSNorm
+    cfg = ModelConfig.from_dir(request.getfixturevalue(arch))
+    kernels = reference_kernels()
+    with torch.device("meta"):
+        model = CausalLM(cfg, TorchAttentionBackend(), torch.float32, kernels=kernels)
+        plain = CausalLM(cfg, TorchAttentionBackend(), torch.float32)
+    kinds = (CausalLM, DecoderLayer, Attention, RMSNorm, GatedMLP)
+    holders = [m for m in model.modules() if isinstance(m, kinds)]
+    assert len(holders) >= 1 + 5 * cfg.num_layers + 1 and all(m.kernels is kernels for m in holders)
+    assert all(m.kernels is None for m in plain.modules() if isinstance(m, kinds))
+    model.use_fused_kernels(None)
+    assert all(m.kernels is None for m in holders)
