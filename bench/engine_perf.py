@@ -18,7 +18,7 @@ Order (each part guarded and time-boxed; the table is printed last, also to $OUT
   behind     chunks behind a cached prefix: 4 prompts of 8k prefilled in 2,048-token chunks, and 32
              prompts of 512 new tokens behind 1.5k cached (prefix-cache hits after a first turn);
              prompt tok/s, the fresh_prefill_attention kernel against paged_prefill_attention's
-             v2 (TritonAttentionBackend.fresh_prefix off), alternating, two rounds
+             v2 (KernelTuning.fresh_prefix off), alternating, two rounds
   sharegpt   1,000 requests of ShareGPT-like lengths (default: vLLM's peer run's own, 211 in / 182
              out on average), ignore_eos, temperature 1 (--sharegpt-temperature): total tok/s
   sharegpt_async  the same with async_scheduling on (and `sharegpt_N` for each --sharegpt-seqs N);
@@ -198,13 +198,14 @@ def parity_case(b: Bench, label: str, lengths: list[int], graphs) -> None:
         logits_g = list(recorded)
         recorded.clear()
         eng.reset_prefix_cache()
-        if hasattr(attention, "decode_num_splits") and not SMOKE:
+        if attention.pins_decode_splits and not SMOKE:
             # the eager steps split as the graph of their bucket does (its captured size and
             # context bound: split count and tiles), not as an eager step would
             from gpu_worker.kernels.paged_decode_attention import choose_decode_split
             cache = runner.kv_caches[0][0]
             split = choose_decode_split(graphs.bucket(len(prompts)), cache.shape[2], graphs.max_context_len,
-                                        runner.device, runner.config.num_heads // cache.shape[2], cache.dtype)
+                                        runner.device, runner.config.num_heads // cache.shape[2], cache.dtype,
+                                        attention.decode_tuning)
             attention.decode_split = lambda batch, q, k_cache: split
         with graphs_off(runner, "decode_graphs", "short_decode_graphs", "piecewise_graphs"):
             eager = b.generate(prompts, 24)
@@ -520,32 +521,35 @@ def part_prefill(b: Bench) -> None:
     board at its power cap), then vLLM's peer run's workload (16,384 // L prompts: one step).
     Once per --prefill-variants entry, alternating per length so the board's power state falls
     on each alike: default (the engine's settings), norm-adds (the residual added in the norm
-    kernels, not in the GEMMs: DecoderLayer.residual_gemm_min_rows off), paged (never the
-    fresh-prompt attention kernel), baseline (both: the engine without either change)."""
-    from gpu_worker.attention.triton_backend import TritonAttentionBackend as TAB
-    from gpu_worker.models.decoder import DecoderLayer
-    start = TAB.fresh_prefill, DecoderLayer.residual_gemm_min_rows
+    kernels, not in the GEMMs: KernelTuning.residual_gemm_min_rows off), paged (never the
+    fresh-prompt attention kernel), baseline (both: the engine without either change). The
+    switches are the live backend's and layers' copies of the engine's KernelTuning fields."""
+    attention, layers = b.eng.runner.attention, list(b.eng.runner.model.model.layers)
+    # (the torch backend, --smoke's, has no prefill kernels to switch: the switch does nothing there)
+    start = getattr(attention, "fresh_prefill", False), layers[0].residual_gemm_min_rows
     try:
         for total in (S(32768), S(PEER_PREFILL_TOKENS)):
             for L in map(S, PEER_PREFILL_LENS):
                 for variant in PREFILL_VARIANTS:
-                    TAB.fresh_prefill = start[0] and variant not in ("paged", "baseline")
+                    attention.fresh_prefill = start[0] and variant not in ("paged", "baseline")
                     off = variant in ("norm-adds", "baseline")
-                    DecoderLayer.residual_gemm_min_rows = 1 << 62 if off else start[1]
+                    for layer in layers:
+                        layer.residual_gemm_min_rows = 1 << 62 if off else start[1]
                     prefill_run(b, total, L, "" if variant == "default" else f" [{variant}]")
     finally:
-        TAB.fresh_prefill, DecoderLayer.residual_gemm_min_rows = start
+        attention.fresh_prefill = start[0]
+        for layer in layers:
+            layer.residual_gemm_min_rows = start[1]
 
 
 def part_behind(b: Bench) -> None:
     """Prompt tok/s of chunks behind a cached prefix (module docstring), per attention kernel."""
-    from gpu_worker.attention.triton_backend import TritonAttentionBackend as TAB
-    sched = b.eng.scheduler
-    start = TAB.fresh_prefix, sched.max_num_batched_tokens
+    attention, sched = b.eng.runner.attention, b.eng.scheduler
+    start = getattr(attention, "fresh_prefix", False), sched.max_num_batched_tokens   # (torch: none)
     try:
         for _ in range(2):
             for kernel, on in (("fresh kernel", True), ("v2", False)):
-                TAB.fresh_prefix = start[0] and on
+                attention.fresh_prefix = start[0] and on
                 sched.max_num_batched_tokens = S(2048)
                 n, L = 4, S(8192)
                 for _ in range(n):
@@ -566,7 +570,7 @@ def part_behind(b: Bench) -> None:
                 row(f"prefix hits {n} x {L} behind {P} [{kernel}]", f"{n * L / dt:.0f} tok/s",
                     f"{dt:.2f} s; {hits} prompt tokens from the prefix cache")
     finally:
-        TAB.fresh_prefix, sched.max_num_batched_tokens = start
+        attention.fresh_prefix, sched.max_num_batched_tokens = start
 
 
 def timed_drain(b: Bench) -> float:
@@ -831,9 +835,9 @@ def part_closedloop(b: Bench, seconds: float) -> None:
     --closedloop-budgets: how the budget trades prefill batching against mixing decode rows into
     prefill steps, without a stack restart per setting. Total tok/s, p99 inter-token gap, TTFT.
     --closedloop-kernel-ab: each also with chunks behind a cached prefix on paged_prefill_attention's
-    v2 instead of fresh_prefill_attention (TritonAttentionBackend.fresh_prefix off)."""
-    from gpu_worker.attention.triton_backend import TritonAttentionBackend as TAB
-    start_prefix = TAB.fresh_prefix
+    v2 instead of fresh_prefill_attention (the backend's fresh_prefix off)."""
+    attention = b.eng.runner.attention
+    start_prefix = getattr(attention, "fresh_prefix", False)        # (the torch backend: none)
     sched = b.eng.scheduler
     saved = sched.max_num_seqs, sched.admit_group, sched.max_num_batched_tokens, b.eng.async_scheduling
     n_req, conc, n_in, n_out = S(640), min(64, S(640)), S(1024), S(128)
@@ -849,11 +853,11 @@ def part_closedloop(b: Bench, seconds: float) -> None:
             if time.time() > end - 5:
                 row(label, "SKIPPED", "time budget")
                 continue
-            TAB.fresh_prefix = start_prefix and fresh_prefix
+            attention.fresh_prefix = start_prefix and fresh_prefix
             with graphs_off(b.eng.runner, *hidden):
                 closed_loop_run(b, label, budget, n_req, conc, n_in, n_out, end)
     finally:
-        TAB.fresh_prefix = start_prefix
+        attention.fresh_prefix = start_prefix
         sched.max_num_seqs, sched.admit_group, sched.max_num_batched_tokens, b.eng.async_scheduling = saved
         b.eng.step()
 
@@ -1093,7 +1097,7 @@ def main() -> None:
     ap.add_argument("--closedloop-piecewise-ab", action="store_true", help="each closed-loop budget also "
                     "runs with the piecewise graphs hidden (mixed steps eager) first")
     ap.add_argument("--closedloop-kernel-ab", action="store_true", help="each closed-loop run also with chunks "
-                    "behind a cached prefix on paged_prefill_attention's v2 (TritonAttentionBackend.fresh_prefix off)")
+                    "behind a cached prefix on paged_prefill_attention's v2 (KernelTuning.fresh_prefix off)")
     ap.add_argument("--closedloop-budgets", default="1536", help="comma list of step token budgets "
                     "(max_num_batched_tokens) for the closed-loop part")
     ap.add_argument("--prefill-variants", default="default", help="comma list: the prefill part once per "

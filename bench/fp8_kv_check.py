@@ -9,11 +9,13 @@ import argparse
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from gpu_worker.config import EngineConfig
+from gpu_worker.config import EngineConfig, tuning_from_env
 from gpu_worker.engine import Engine
 from gpu_worker.make_model import make_model
+from gpu_worker.tuning import FP8_UPCASTS, KernelTuning
 from services.protocol.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/
@@ -33,9 +35,9 @@ def decode_tok_s(eng: Engine, prompt: list[int], steps: int) -> float:
     return n / (time.time() - t)
 
 
-def run(model: str, kv: str, long_ctx: int) -> dict:
+def run(model: str, kv: str, long_ctx: int, tuning: KernelTuning) -> dict:
     eng = Engine(EngineConfig(model=model, dtype="bfloat16", kv_cache_dtype=kv, max_num_seqs=8,
-                              gpu_memory_utilization=0.45, max_model_len=max(long_ctx, 1024) + 512))
+                              gpu_memory_utilization=0.45, max_model_len=max(long_ctx, 1024) + 512, tuning=tuning))
     rng = random.Random(0)
     prompts = [[rng.randrange(10, eng.vocab_size) for _ in range(n)] for n in (17, 200, 1000)]
     out: dict = {"blocks": eng.stats().num_free_blocks}
@@ -59,14 +61,14 @@ def main() -> int:
     ap.add_argument("--size", default="8b")
     ap.add_argument("--model-dir", default="", help="default /tmp/kvmesh-llama-SIZE (made once)")
     ap.add_argument("--long-context", type=int, default=32768)
-    ap.add_argument("--fp8-upcast", default="", help="decode attention's fp8 read (paged_decode_attention."
-                    "FP8_UPCASTS); default: the module's FP8_UPCAST")
+    ap.add_argument("--fp8-upcast", default="", help="decode attention's fp8 read (gpu_worker.tuning."
+                    "FP8_UPCASTS); default: DecodeAttentionTuning's fp8_upcast")
     args = ap.parse_args()
+    tuning = tuning_from_env()                  # the KVMESH_* overrides, as an engine would take them
     if args.fp8_upcast:
-        import gpu_worker.kernels.paged_decode_attention as pda
-        if args.fp8_upcast not in pda.FP8_UPCASTS:
-            ap.error(f"--fp8-upcast must be one of {', '.join(pda.FP8_UPCASTS)}")
-        pda.FP8_UPCAST = args.fp8_upcast
+        if args.fp8_upcast not in FP8_UPCASTS:
+            ap.error(f"--fp8-upcast must be one of {', '.join(FP8_UPCASTS)}")
+        tuning = replace(tuning, decode_attention=replace(tuning.decode_attention, fp8_upcast=args.fp8_upcast))
         print(f"fp8 decode attention reads with fp8_upcast={args.fp8_upcast}")
     model_dir = Path(args.model_dir or f"/tmp/kvmesh-llama-{args.size}")
     model = str(model_dir if (model_dir / "config.json").exists()
@@ -74,7 +76,7 @@ def main() -> int:
     import torch
     if torch.cuda.is_available():
         torch.cuda.empty_cache()   # make_model's cached blocks would count as used by the KV profile
-    ref, fp8 = run(model, "auto", args.long_context), run(model, "fp8", args.long_context)
+    ref, fp8 = run(model, "auto", args.long_context, tuning), run(model, "fp8", args.long_context, tuning)
     for rid in sorted(ref["tokens"]):
         a, b = ref["tokens"][rid], fp8["tokens"][rid]
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))

@@ -51,9 +51,15 @@ from gpu_timing import (PowerSampler, burst_and_sustained_tflops, event_median_m
                         graph_median_ms)
 from offline_bench import PREFILL_TOKENS as PEER_PREFILL_TOKENS, vllm_peer_sharegpt_lengths  # noqa: E402
 
+from gpu_worker.config import tuning_from_env  # noqa: E402
+from gpu_worker.tuning import KernelTuning  # noqa: E402
+
 T0 = time.time()
 DEV = "cuda"           # "cpu" only with --smoke (TRITON_INTERPRET=1, tiny sizes: checks this script's code)
 SMOKE = False
+# The kernels' choices for every direct kernel call below (the engine sections take theirs from
+# EngineConfig): KernelTuning's defaults with the KVMESH_* overrides, set in main.
+TUNING = KernelTuning()
 ROWS: list[tuple[str, str, str, str]] = []      # (section, metric, value, note) for the final table
 RESULTS: dict = {"sections": {}, "errors": {}}
 
@@ -90,6 +96,7 @@ def time_graph(fn, inner: int = 20, reps: int = 10, pdl: bool = False) -> float:
     launched with PDL as the engine's graphs launch kvmesh's kernels."""
     if DEV == "cpu":
         return time_cuda(fn)
+    pdl = pdl and TUNING.pdl
     fn()
     torch.cuda.synchronize()
     return graph_median_ms(fn, inner, reps, pdl=pdl)
@@ -172,7 +179,7 @@ def kernel_decode_attention(args, deadline) -> None:
             q = torch.randn(B, H, D, device=DEV, dtype=attn_dtype())
             cl = torch.tensor(lens, dtype=torch.int32, device=DEV)
             out = torch.full_like(q, float("nan"))
-            call = dict(max_context_len=ctx, out=out)
+            call = dict(max_context_len=ctx, out=out, tuning=TUNING.decode_attention)
             paged_decode_attention(q, k, v, tables, cl, D ** -0.5, **call)
             nchk = min(B, 4)
             ref = paged_decode_attention_ref(q[:nchk], k, v, tables[:nchk], cl[:nchk], D ** -0.5)
@@ -193,7 +200,8 @@ def kernel_decode_attention(args, deadline) -> None:
                         for ns in (2, 3):
                             if deadline.left() < 40:
                                 break
-                            cfg = dict(block_n=bn, num_warps=nw, num_stages=ns, max_context_len=ctx)
+                            cfg = dict(block_n=bn, num_warps=nw, num_stages=ns, max_context_len=ctx,
+                                       tuning=TUNING.decode_attention)
                             try:
                                 o2 = paged_decode_attention(q, k, v, tables, cl, D ** -0.5, **cfg)
                                 if rel_err(o2, out) > 1e-2:
@@ -220,7 +228,7 @@ def _fp8_decode_row(kc, vc, tables, B: int, ctx: int, H: int, ks: float, vs: flo
     KVH, D = kc.shape[2], kc.shape[3]
     q = torch.randn(B, H, D, device=DEV, dtype=attn_dtype())
     cl = torch.tensor([ctx] * B, dtype=torch.int32, device=DEV)
-    call = dict(max_context_len=ctx, k_scale=ks, v_scale=vs)
+    call = dict(max_context_len=ctx, k_scale=ks, v_scale=vs, tuning=TUNING.decode_attention)
     out = paged_decode_attention(q, kc, vc, tables, cl, D ** -0.5, **call)
     n = min(B, 4)
     ref = paged_decode_attention_ref(q[:n], kc, vc, tables[:n], cl[:n], D ** -0.5, k_scale=ks, v_scale=vs)
@@ -393,7 +401,7 @@ def kernel_cuda_graphs(args, deadline) -> None:
     vc = torch.randn(n_blocks, page, KVH, D, device=DEV, dtype=dt, generator=g)
     wq = torch.randn(64, H * D, device=DEV, dtype=dt, generator=g)
     wkv = torch.randn(64, 2 * KVH * D, device=DEV, dtype=dt, generator=g)
-    backend = TritonAttentionBackend()
+    backend = TritonAttentionBackend(tuning=TUNING)
 
     def run_model(batch):
         x = torch.nn.functional.one_hot(batch.input_ids % 64, 64).to(dt)
@@ -897,7 +905,8 @@ def main(argv=None) -> int:
                     "torch.compile decode (its compile and CUDA-graph capture take one to two minutes)")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny sizes: test this script")
     args = ap.parse_args(argv)
-    global DEV, SMOKE
+    global DEV, SMOKE, TUNING
+    TUNING = tuning_from_env()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
         DEV, SMOKE = "cpu", True

@@ -2,17 +2,61 @@
 
 Each field's comment is its `--help` text. `EngineConfig.from_kwargs` rejects unknown names;
 `Engine` resolves the "auto"/None fields against the model and the device (see `resolved`).
+
+`EngineConfig.tuning` (gpu_worker/tuning.py's KernelTuning) holds the kernel choices; its default
+is built at construction by `tuning_from_env`, the one place that reads the KVMESH_* tuning
+overrides (TUNING_ENV), so that benchmarks can A/B a serving stack without new flags.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from gpu_worker.tuning import DecodeAttentionTuning, KernelTuning
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
 _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("auto", "torch", "triton")
 _QUANTIZATIONS = (None, "fp8", "fp8_lm_head")
 _KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def tuning_from_env(env: Mapping[str, str] | None = None) -> KernelTuning:
+    """KernelTuning's defaults with the KVMESH_* overrides of `env` (default: os.environ)
+    applied; a bad value raises a ValueError naming the variable. The names are declared in
+    services/config.py's TUNING_ENV (so that a service started with them set accepts them)."""
+    env = os.environ if env is None else env
+
+    def number(name: str, default: int) -> int:
+        value = env.get(name, str(default))
+        if not value.isdigit():
+            raise ValueError(f"{name}={value!r}: expected an integer >= 0")
+        return int(value)
+
+    def switch(name: str, default: bool, meaning: str) -> bool:
+        value = env.get(name, "1" if default else "0")
+        if value not in ("0", "1"):
+            raise ValueError(f"{name}={value!r}: expected 0 or 1 ({meaning})")
+        return value == "1"
+
+    weights = env.get("KVMESH_DECODE_GEMV_WEIGHTS", "all")
+    if weights not in ("fp8", "all"):
+        raise ValueError(f"KVMESH_DECODE_GEMV_WEIGHTS={weights!r}: expected 'fp8' or 'all'")
+    spec = env.get("KVMESH_DECODE_ATTENTION")
+    try:
+        attention = DecodeAttentionTuning() if spec is None else DecodeAttentionTuning.parse(spec)
+    except ValueError as e:
+        raise ValueError(f"KVMESH_DECODE_ATTENTION: {e}") from None
+    return KernelTuning(
+        decode_attention=attention,
+        decode_gemv_max_m=number("KVMESH_DECODE_GEMV_MAX_M", 1),
+        decode_gemv_weights=weights,
+        decode_gemv_fuse=switch("KVMESH_DECODE_GEMV_FUSE", False, "1: norms and SwiGLU in the GEMVs' epilogues"),
+        fp8_gemv_max_m=number("KVMESH_FP8_GEMV_MAX_M", 4),
+        pdl=switch("KVMESH_PDL", True, "0: programmatic dependent launch off"),
+    )
 
 
 @dataclass(frozen=True)
@@ -98,6 +142,10 @@ class EngineConfig:
     """KV-cache storage: auto (the model's dtype) or fp8 (float8_e4m3fn, one byte per element:
     twice the blocks of a 16-bit cache for the same memory). K and V are stored divided by a
     per-tensor scale of 1.0 (vLLM's default without calibration) and dequantized when read."""
+    tuning: KernelTuning = field(default_factory=tuning_from_env)
+    """Kernel choices (gpu_worker/tuning.py): decode-attention splits and tiles, the decode GEMV
+    path, PDL. Default: the H200-measured defaults with the KVMESH_* overrides of the
+    environment (tuning_from_env), read when the config is built."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -130,6 +178,8 @@ class EngineConfig:
             raise bad("kv_cache_dtype", "'fp8' is not supported with tensor_parallel_size > 1 yet; use 'auto'")
         if self.cpu_kv_cache_bytes < 1:
             raise bad("cpu_kv_cache_bytes", "must be positive")
+        if not isinstance(self.tuning, KernelTuning):
+            raise bad("tuning", f"must be a gpu_worker.tuning.KernelTuning, got {type(self.tuning).__name__}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

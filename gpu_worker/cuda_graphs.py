@@ -48,15 +48,17 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 
 def capture_graph(fn: Callable[[ForwardBatch], torch.Tensor], batch: ForwardBatch, pool, device: torch.device,
-                  before_call: Callable[[], None] = lambda: None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                  before_call: Callable[[], None] = lambda: None,
+                  pdl: bool = True) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """fn(batch) twice on a side stream (Triton compiles, lazy allocations stay out of the
     capture), then once captured into a CUDA graph in `pool` -> (graph, its output tensor).
     `before_call` runs before each of the three calls. All three launch the Triton kernels with
-    programmatic dependent launch where it is on (gpu_worker/kernels/_pdl.py)."""
+    programmatic dependent launch where `pdl` (KernelTuning.pdl) and the device allow it
+    (gpu_worker/kernels/_pdl.py)."""
     from gpu_worker.kernels._pdl import for_cuda_graph
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    with for_cuda_graph():
+    with for_cuda_graph(pdl):
         with torch.cuda.stream(stream):
             for _ in range(2):
                 before_call()
@@ -128,12 +130,12 @@ class EagerReplay:
 class DecodeGraphs:
     def __init__(self, run_model: RunModel, *, device: torch.device, max_batch_size: int,
                  max_blocks_per_seq: int, max_context_len: int, sizes: list[int] | None = None,
-                 logits_fn: Logits | None = None, logits_max_bs: int = 0):
+                 logits_fn: Logits | None = None, logits_max_bs: int = 0, pdl: bool = True):
         """`logits_fn`: graphs of at most `logits_max_bs` rows also capture the lm_head (their
         output is (B, V) float32 logits, see `returns_logits`); larger ones stop at the hidden
         states, whose logits the caller computes (a (256, V) float32 output per graph would
-        hold ~0.5 MB per row in the pool)."""
-        self.run_model = run_model
+        hold ~0.5 MB per row in the pool). `pdl`: capture_graph's."""
+        self.run_model, self.pdl = run_model, pdl
         self.logits_fn = logits_fn
         self.logits_max_bs = logits_max_bs if logits_fn is not None else 0
         self.device = torch.device(device)
@@ -189,7 +191,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in self.capture_times:
             self.graphs[size], self.outputs[size] = capture_graph(
-                self._captured_fn(size), self.static_batch(size), pool, self.device)
+                self._captured_fn(size), self.static_batch(size), pool, self.device, pdl=self.pdl)
         torch.cuda.synchronize(self.device)
         log.info("captured %s; batch sizes %s", self.capture_times.summary(), self.sizes)
 

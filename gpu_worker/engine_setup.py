@@ -82,7 +82,8 @@ def resolve_setup(config: EngineConfig, *, runner: Any = None, model_config: Any
                                      quantization=config.quantization,
                                      kv_cache_dtype=_KV_CACHE_DTYPES[config.kv_cache_dtype],
                                      tensor_parallel_size=config.tensor_parallel_size,
-                                     enable_expert_parallel=config.enable_expert_parallel)
+                                     enable_expert_parallel=config.enable_expert_parallel,
+                                     tuning=config.tuning)
     else:
         assert model_config is not None, "a given runner needs its model_config"
         dtype = resolve_dtype(config, device, getattr(model_config, "torch_dtype", "float32"))

@@ -24,6 +24,7 @@ from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.decoder import CausalLM, KVCache
 from gpu_worker.models.layers.fused import load_fused_kernels
 from gpu_worker.sampler import PendingSample, SampleRequest, Sampler
+from gpu_worker.tuning import KernelTuning
 from services.protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 # CPU has no device memory to profile: without num_gpu_blocks the KV cache gets this much.
@@ -96,9 +97,10 @@ def _warmup_query_lens(max_query_len: int) -> list[int]:
     return lens
 
 
-def make_attention_backend(name: str, device: torch.device, cfg: ModelConfig) -> AttentionBackend:
+def make_attention_backend(name: str, device: torch.device, cfg: ModelConfig,
+                           tuning: KernelTuning = KernelTuning()) -> AttentionBackend:
     """The backend `name` on `device`; an fp8 KV cache is read and written with scales KV_SCALE
-    (the scales are ignored by caches in the model's dtype)."""
+    (the scales are ignored by caches in the model's dtype). `tuning`: the triton kernels' choices."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     scales = dict(k_scale=KV_SCALE, v_scale=KV_SCALE)
@@ -107,20 +109,23 @@ def make_attention_backend(name: str, device: torch.device, cfg: ModelConfig) ->
         return TorchAttentionBackend(sliding_window=cfg.sliding_window, **scales)
     if name == "triton":
         from gpu_worker.attention.triton_backend import TritonAttentionBackend  # lazy: needs triton
-        return TritonAttentionBackend(sliding_window=cfg.sliding_window, **scales)
+        return TritonAttentionBackend(sliding_window=cfg.sliding_window, tuning=tuning, **scales)
     raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch or triton")
 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, model_dir: str, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, attention_backend: str = "torch", seed: int = 0,
-                 quantization: str | None = None, kv_cache_dtype: torch.dtype | None = None):
+                 quantization: str | None = None, kv_cache_dtype: torch.dtype | None = None,
+                 tuning: KernelTuning = KernelTuning()):
         """`quantization="fp8"`: the decoder layers' linear weights become e4m3 with per-channel
         scales once loaded (gpu_worker/models/layers/fp8.py), "fp8_lm_head" the lm_head too; None
         keeps them in `dtype`.
         `kv_cache_dtype`: the KV cache's storage dtype (None: `dtype`; torch.float8_e4m3fn:
-        one byte per element, written as value / KV_SCALE)."""
+        one byte per element, written as value / KV_SCALE).
+        `tuning`: the kernels' choices (EngineConfig.tuning), handed to the backend and the model."""
         self.config = config
+        self.tuning = tuning
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:   # cuda -> cuda:N, so that
             self.device = torch.device("cuda", torch.cuda.current_device())  # tensor.device == it
@@ -130,7 +135,8 @@ class ModelRunner:
         # process, other processes): profile_num_blocks budgets only this runner's own usage.
         self._baseline = _device_memory(self.device)
         torch.manual_seed(seed)
-        self.attention = make_attention_backend(attention_backend, self.device, config)
+        self.attention = make_attention_backend(attention_backend, self.device, config, tuning)
+        self.kernels = load_fused_kernels(self.device)     # None on CPU: the model uses torch ops
         # Build on the meta device (no memory, no random init), then allocate for real and load.
         with torch.device("meta"):
             model = self._new_model(config, dtype)
@@ -142,7 +148,6 @@ class ModelRunner:
         self.quantization = quantization
         if quantization is not None:
             self._quantize(quantization)
-        self.model.use_fused_kernels(load_fused_kernels(self.device))   # None on CPU: torch ops
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.decode_graphs = None   # gpu_worker.cuda_graphs.DecodeGraphs once captured
@@ -152,7 +157,7 @@ class ModelRunner:
 
     # Overridden by the tensor-parallel rank runner (gpu_worker/parallel/tp_runner.py).
     def _new_model(self, config: ModelConfig, dtype: torch.dtype) -> CausalLM:
-        return CausalLM(config, self.attention, dtype)
+        return CausalLM(config, self.attention, dtype, self.tuning, self.kernels)
 
     def _load_weights(self, model_dir: str) -> None:
         load_weights(self.model, model_dir)
@@ -161,9 +166,9 @@ class ModelRunner:
         from gpu_worker.models.layers.fp8 import QUANTIZATIONS, quantize_lm_head_fp8, quantize_linears_fp8
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)} or None")
-        quantize_linears_fp8(self.model)
+        quantize_linears_fp8(self.model, self.tuning.fp8_gemv_max_m)
         if quantization == "fp8_lm_head":
-            quantize_lm_head_fp8(self.model)
+            quantize_lm_head_fp8(self.model, self.tuning.fp8_gemv_max_m)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()          # the bf16 weights' memory goes to the KV cache
 
@@ -351,7 +356,7 @@ class ModelRunner:
             raise ValueError("CUDA graphs need attention_backend='triton': the torch reference "
                              "backend reads lengths on the host, which graph capture forbids")
         self.decode_graphs = self.short_decode_graphs = None
-        if hasattr(self.attention, "decode_num_splits"):
+        if self.attention.pins_decode_splits:
             self.attention.decode_num_splits = None   # graphs pick theirs per captured size
 
         # The lm_head joins the graphs only for the plain head: a sharded one (tensor parallel)
@@ -363,7 +368,8 @@ class ModelRunner:
             max_blocks = -(-context_len // (16 * self.block_size)) * 16
             graphs = DecodeGraphs(self.run_model, device=self.device, max_batch_size=max_batch_size,
                                   max_blocks_per_seq=max_blocks, max_context_len=context_len, sizes=sizes,
-                                  logits_fn=self.model.compute_logits, logits_max_bs=logits_max_bs)
+                                  logits_fn=self.model.compute_logits, logits_max_bs=logits_max_bs,
+                                  pdl=self.tuning.pdl)
             graphs.capture()
             return graphs
 
@@ -393,7 +399,7 @@ class ModelRunner:
 
         graphs = PrefillGraphs(self.run_model, self.model.compute_logits, device=self.device,
                                max_tokens=max_tokens, max_context_len=max_context_len, block_size=self.block_size,
-                               reset_step_state=self.attention.forget_step_state)
+                               reset_step_state=self.attention.forget_step_state, pdl=self.tuning.pdl)
         graphs.capture()
         self.prefill_graphs = graphs
 
@@ -411,7 +417,8 @@ class ModelRunner:
         self.piecewise_graphs = None
         if (type(self.model) is not CausalLM or self.config.moe_layers or max_tokens < LADDER_STEP):
             return
-        graphs = PiecewiseGraphs(self.model, self.kv_caches, device=self.device, max_tokens=max_tokens)
+        graphs = PiecewiseGraphs(self.model, self.kv_caches, device=self.device, max_tokens=max_tokens,
+                                 pdl=self.tuning.pdl)
         graphs.capture()
         self.piecewise_graphs = graphs
 
@@ -419,11 +426,12 @@ class ModelRunner:
         """Eager steps on the triton backend: round the decode kernel's split count down to a
         power of two. Split count is a compile-time constant of the kernel, so this bounds the
         variants Triton ever compiles to six (warmup compiles them all ahead of time)."""
-        if not hasattr(self.attention, "decode_num_splits") or self.device.type != "cuda":
+        if not self.attention.pins_decode_splits or self.device.type != "cuda":
             return
         from gpu_worker.kernels.paged_decode_attention import choose_num_splits
         n_kv = self.kv_caches[0][0].shape[2]
-        splits = choose_num_splits(batch.num_seqs, n_kv, batch.max_context_len, self.device)
+        splits = choose_num_splits(batch.num_seqs, n_kv, batch.max_context_len, self.device,
+                                   self.tuning.decode_attention)
         self.attention.decode_num_splits = 1 << (splits.bit_length() - 1)
 
     @torch.inference_mode()
@@ -435,7 +443,7 @@ class ModelRunner:
         query of up to `max_query_len` tokens reaches: the first two always), and the decode
         kernel per split count, in mixed and pure-decode steps (the latter with RoPE fused in when
         split). No KV writes (slots -1)."""
-        if self.device.type != "cuda" or not hasattr(self.attention, "decode_num_splits"):
+        if self.device.type != "cuda" or not self.attention.pins_decode_splits:
             return
         counts = sorted({n for n in (1, 2, 3, 5, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512)
                          if n <= max_num_seqs} | {max_num_seqs})

@@ -49,8 +49,9 @@ def piecewise_sizes(max_tokens: int) -> list[int]:
 
 
 class PiecewiseGraphs:
-    def __init__(self, model: CausalLM, kv_caches: list[KVCache], *, device: torch.device, max_tokens: int):
-        self.model, self.kv_caches = model, kv_caches
+    def __init__(self, model: CausalLM, kv_caches: list[KVCache], *, device: torch.device, max_tokens: int,
+                 pdl: bool = True):
+        self.model, self.kv_caches, self.pdl = model, kv_caches, pdl   # pdl: cuda_graphs.capture_graph's
         self.layers = list(model.model.layers)
         self.device = torch.device(device)
         self.sizes = piecewise_sizes(max_tokens)
@@ -118,7 +119,7 @@ class PiecewiseGraphs:
             if pool is None:                 # CPU: replays run the pieces eagerly
                 self.graphs[size] = [None] * (len(self.layers) + 1)
                 continue
-            self.graphs[size] = [capture_graph(lambda _b, i=i: self._piece(i, size), None, pool, self.device)[0]
+            self.graphs[size] = [capture_graph(lambda _b, i=i: self._piece(i, size), None, pool, self.device, pdl=self.pdl)[0]
                                  for i in range(len(self.layers) + 1)]
         if pool is not None:
             torch.cuda.synchronize(self.device)

@@ -47,10 +47,13 @@ def prefill_sizes(max_tokens: int) -> list[int]:
 
 class PrefillGraphs:
     def __init__(self, run_model: RunModel, logits_fn: Logits, *, device: torch.device, max_tokens: int,
-                 max_context_len: int, block_size: int, reset_step_state: Callable[[], None] = lambda: None):
+                 max_context_len: int, block_size: int, reset_step_state: Callable[[], None] = lambda: None,
+                 pdl: bool = True):
         """`reset_step_state` drops what the attention backend caches between the layers of one
-        step (its prefill tile numbering), so that each capture records that work itself."""
+        step (its prefill tile numbering), so that each capture records that work itself.
+        `pdl`: cuda_graphs.capture_graph's."""
         self.run_model, self.logits_fn, self.reset_step_state = run_model, logits_fn, reset_step_state
+        self.pdl = pdl
         self.device = torch.device(device)
         self.sizes = prefill_sizes(max_tokens)
         if not self.sizes:
@@ -99,7 +102,7 @@ class PrefillGraphs:
                 self._pool = torch.cuda.graph_pool_handle()
             # the step state reset before each call: the capture records the tile numbering
             self.graphs[size], self.outputs[size] = capture_graph(
-                self._fn, batch, self._pool, self.device, before_call=self.reset_step_state)
+                self._fn, batch, self._pool, self.device, before_call=self.reset_step_state, pdl=self.pdl)
         self.reset_step_state()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -22,6 +22,16 @@ class AttentionBackend(ABC):
     whole context (cached prefix + new tokens)."""
 
     name: str
+    writes_rope_kv: bool = False
+    """Whether the backend has rope_kv_write + attend (RoPE fused into the KV write), which a
+    model then calls instead of rope + forward."""
+    fuse_rope_decode: bool = False
+    """Whether a pure-decode step may go to decode_rope_attend (RoPE, KV write and attention in
+    one kernel where that is faster)."""
+    decode_num_splits: int | None = None
+    """Backends whose decode kernel splits contexts: a fixed split count for eager steps (the
+    runner pins it; None: chosen per step). `pins_decode_splits` says whether the backend has one."""
+    pins_decode_splits: bool = False
 
     @abstractmethod
     def forward(
@@ -40,3 +50,18 @@ class AttentionBackend(ABC):
         """Drop whatever the layers of one step share (computed by the first layer, reused by the
         rest), so that the next call computes it afresh: a CUDA-graph capture must record that
         work itself. Stateless backends have nothing to drop."""
+
+    # Optional: backends that set writes_rope_kv / fuse_rope_decode implement these.
+    def rope_kv_write(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping) -> None:
+        """Rotate q, k in place (unrotated views of the qkv output) and write k, v into the cache."""
+        raise NotImplementedError(f"the {self.name} backend has no fused rope_kv_write")
+
+    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Attention over caches that already hold this step's K/V -> (T, nh, D)."""
+        raise NotImplementedError(f"the {self.name} backend has no attend")
+
+    def decode_rope_attend(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, batch: ForwardBatch,
+                           scale: float) -> torch.Tensor:
+        """A pure-decode step's RoPE, KV write and attention -> (T, nh, D)."""
+        raise NotImplementedError(f"the {self.name} backend has no decode_rope_attend")

@@ -20,7 +20,9 @@ can be captured in a CUDA graph (gpu_worker/cuda_graphs.py) with max_context_len
 model's maximum.
 
 `rope_kv_write` + `attend` is the same with the rotary embedding fused into the KV write (one
-kernel fewer per layer); a model calls them instead of rope_ + forward when the backend has them.
+kernel fewer per layer); a model calls them instead of rope_ + forward (`writes_rope_kv`).
+The kernels' choices (decode splits and tiles, which prefill kernel) come from the engine's
+KernelTuning (gpu_worker/tuning.py), read once here at construction.
 
 A sliding window (Mistral-style: the query at position p sees keys p - W + 1 .. p) is supported
 by both kernels. An fp8 KV cache (the caches' dtype float8_e4m3fn) is written and read with the per-tensor
@@ -40,33 +42,35 @@ from gpu_worker.kernels.paged_decode_attention import (DecodeSplit, FusedRopeKV,
 from gpu_worker.kernels.paged_prefill_attention import (paged_prefill_attention, prefill_config,
                                                         prefill_tile_starts)
 from gpu_worker.kernels.rope_kv_write import rope_kv_write
+from gpu_worker.tuning import KernelTuning
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    # Pure-decode steps whose decode kernel is split: RoPE and the KV write inside it
-    # (decode_rope_attend), one launch instead of two per layer. On the H200, batch-1 decode
-    # graph ms fused vs separate: 8k
-    # context (split) bf16 4.61 vs 4.67, fp8 3.18 vs 3.23; 128 context unsplit (8 programs)
-    # bf16 4.47 vs 4.45, fp8 3.15 vs 3.00, hence separate there. Short contexts now run several
-    # programs per KV head too (paged_decode_attention.choose_short_split) and fuse: 4.42 ->
-    # 4.15 ms at 128 context.
-    # A class attribute (benchmarks A/B it: False never fuses), read at each forward.
-    fuse_rope_decode = True
-    # Steps whose prefills are all fresh (ForwardBatch.fresh_prefill) and at most 8,192 tokens long
-    # (fresh_config), without a sliding window, on rows TMA can read (Hopper):
-    # kernels/fresh_prefill_attention.py instead of paged_prefill_attention (1.14x its speed on
-    # 8 x 2k prompts, 1.33x on 32 x 512, 1.07x on 1 x 8k). A class attribute (benchmarks A/B it).
-    fresh_prefill = True
-    # ... and steps with chunks behind a cached prefix (chunked prompts, prefix-cache hits) too, the
-    # prefix read through the block table (1.00-1.03x v2 at the same tiles; with PREFIX_CONFIG's
-    # 128 x 128 tiles 1.06-1.10x v2's defaults on 512-2k chunks behind 1.5-6k tokens); not for
-    # chunks of <= 16 tokens (v2's 16-row tiles). A class attribute (benchmarks A/B it).
-    fresh_prefix = True
+    writes_rope_kv = True
+    pins_decode_splits = True
 
     def __init__(self, sliding_window: int | None = None, decode_num_splits: int | None = None,
-                 k_scale: float = 1.0, v_scale: float = 1.0):
+                 k_scale: float = 1.0, v_scale: float = 1.0, tuning: KernelTuning = KernelTuning()):
         self.sliding_window = sliding_window
+        self.decode_tuning = tuning.decode_attention
+        # Pure-decode steps whose decode kernel is split: RoPE and the KV write inside it
+        # (decode_rope_attend), one launch instead of two per layer. On the H200, batch-1 decode
+        # graph ms fused vs separate: 8k context (split) bf16 4.61 vs 4.67, fp8 3.18 vs 3.23;
+        # 128 context unsplit (8 programs) bf16 4.47 vs 4.45, fp8 3.15 vs 3.00, hence separate
+        # there. Short contexts run several programs per KV head too (choose_short_split) and
+        # fuse: 4.42 -> 4.15 ms at 128 context.
+        self.fuse_rope_decode = tuning.fuse_rope_decode
+        # Steps whose prefills are all fresh (ForwardBatch.fresh_prefill) and at most 8,192 tokens
+        # long (fresh_config), without a sliding window, on rows TMA can read (Hopper):
+        # kernels/fresh_prefill_attention.py instead of paged_prefill_attention (1.14x its speed on
+        # 8 x 2k prompts, 1.33x on 32 x 512, 1.07x on 1 x 8k).
+        self.fresh_prefill = tuning.fresh_prefill
+        # ... and steps with chunks behind a cached prefix too, the prefix read through the block
+        # table (1.00-1.03x v2 at the same tiles; with PREFIX_CONFIG's 128 x 128 tiles 1.06-1.10x
+        # v2's defaults on 512-2k chunks behind 1.5-6k tokens); not for chunks of <= 16 tokens
+        # (v2's 16-row tiles).
+        self.fresh_prefix = tuning.fresh_prefix
         # fp8 KV caches (float8_e4m3fn): stored = value / scale, per tensor; ignored otherwise.
         self.k_scale, self.v_scale = k_scale, v_scale
         # (query_start_loc, (kernel, tokens per tile), tile numbering) of the current step:
@@ -83,7 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
             return DecodeSplit(self.decode_num_splits)
         n_kv = k_cache.shape[2]
         return choose_decode_split(batch.num_seqs, n_kv, batch.max_context_len, q.device, q.shape[1] // n_kv,
-                                   k_cache.dtype)
+                                   k_cache.dtype, self.decode_tuning)
 
     def forget_step_state(self) -> None:
         self._tiles = None
@@ -129,8 +133,8 @@ class TritonAttentionBackend(AttentionBackend):
             max_context_len=batch.max_context_len, query_start_loc=self._decode_query_start_loc(batch),
             out=out, num_splits=split.num_splits, block_n=split.block_n,
             heads_per_program=split.heads_per_program, num_warps=split.num_warps,
-            sliding_window=self.sliding_window, k_scale=self.k_scale,
-            v_scale=self.v_scale, rope=FusedRopeKV(positions, cos_sin_cache, k, v, batch.slot_mapping))
+            sliding_window=self.sliding_window, k_scale=self.k_scale, v_scale=self.v_scale,
+            rope=FusedRopeKV(positions, cos_sin_cache, k, v, batch.slot_mapping), tuning=self.decode_tuning)
         return out
 
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k: torch.Tensor,
@@ -152,7 +156,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_context_len=batch.max_context_len, query_start_loc=self._decode_query_start_loc(batch),
                 out=out, num_splits=split.num_splits, block_n=split.block_n,
                 heads_per_program=split.heads_per_program, num_warps=split.num_warps,
-                sliding_window=self.sliding_window, **scales)
+                sliding_window=self.sliding_window, tuning=self.decode_tuning, **scales)
         if batch.is_pure_decode:
             return out
         behind = not batch.fresh_prefill                    # some chunk may have a cached prefix

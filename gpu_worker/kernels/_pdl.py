@@ -17,29 +17,22 @@ Rules every PDL kernel here follows (each kernel may be followed by any other):
     the kernel in front ran: 5% slower at 8k context on the H200.
 Kernels launched without PDL (cuBLAS, torch ops) wait for their predecessor to finish as usual.
 
-On: kernels launched inside `for_cuda_graph()` (a CUDA graph's warm-up calls and its capture:
-cuda_graphs.capture_graph), on CUDA devices of compute capability >= 9 when Triton supports it
-and KVMESH_PDL is not "0" (read at import; `ENABLED` may be flipped at run time before a CUDA
-graph is captured). Eager steps never use it (pdl_on says why).
+On: kernels launched inside `for_cuda_graph(True)` (a CUDA graph's warm-up calls and its capture:
+cuda_graphs.capture_graph, given the engine's KernelTuning.pdl), on CUDA devices of compute
+capability >= 9 when Triton supports it. Eager steps never use it (pdl_on says why). Which launches
+are inside is a context variable, set and reset by for_cuda_graph: no process-wide counter.
 Under TRITON_INTERPRET=1 (the CPU tests) it is always off: the PDL constexpr is 0 there.
 """
 from __future__ import annotations
 
 import contextlib
-import os
+from contextvars import ContextVar
 
 import torch
 import triton
 import triton.language as tl
 
 from gpu_worker.kernels._utils import hopper_or_newer, interpreting
-
-
-def _env_enabled() -> bool:
-    value = os.environ.get("KVMESH_PDL", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KVMESH_PDL={value!r}: expected 0 (off) or 1 (on, the default on sm_90+)")
-    return value == "1"
 
 
 def _triton_supports_pdl() -> bool:
@@ -50,28 +43,27 @@ def _triton_supports_pdl() -> bool:
         return False
 
 
-ENABLED = _env_enabled()
-_SUPPORTED = _triton_supports_pdl()
-_GRAPH_DEPTH = 0           # > 0 inside for_cuda_graph()
+_SUPPORTED = _triton_supports_pdl()      # a property of the installed Triton, fixed per process
+_IN_PDL_GRAPH: ContextVar[bool] = ContextVar("kvmesh_in_pdl_graph", default=False)
 
 
 @contextlib.contextmanager
-def for_cuda_graph():
-    """Kernels launched inside use PDL (where on). Wrap a graph's eager warm-up calls as well as
-    its capture: the PDL variants then compile and load before the capture starts."""
-    global _GRAPH_DEPTH
-    _GRAPH_DEPTH += 1
+def for_cuda_graph(enabled: bool = True):
+    """Kernels launched inside use PDL where `enabled` (KernelTuning.pdl) and the device has it.
+    Wrap a graph's eager warm-up calls as well as its capture: the PDL variants then compile and
+    load before the capture starts."""
+    token = _IN_PDL_GRAPH.set(enabled and _SUPPORTED)
     try:
         yield
     finally:
-        _GRAPH_DEPTH -= 1
+        _IN_PDL_GRAPH.reset(token)
 
 
 def pdl_on(t: torch.Tensor) -> bool:
     """Whether kernels on `t`'s device launch with PDL: only for CUDA graphs (for_cuda_graph).
     Triton's PDL launch costs the host far more than a plain one (an eager 513-token prefill
     launched in 23.8 ms instead of 18.1 on the H200), which a graph pays once, at capture."""
-    if not (ENABLED and _GRAPH_DEPTH and _SUPPORTED and t.is_cuda) or interpreting():
+    if not (_IN_PDL_GRAPH.get() and t.is_cuda) or interpreting():
         return False
     return hopper_or_newer(t.device)
 

@@ -18,7 +18,7 @@ program keeps an online softmax (running max m, sum l, accumulator acc) in fp32 
 
 The splits' partial (m, l, acc) are merged as
     M = max_s m_s,  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
-in one of two ways (`merge`, default the module's SPLIT_MERGE):
+in one of two ways (`merge`, default the DecodeAttentionTuning's, gpu_worker/tuning.py):
     "last"      in the same launch: each program stores its partial, then bumps its (sequence,
                 head block)'s arrival counter (kernels/_arrivals.py); the program that arrives
                 last merges the splits of its P query heads (read through L2) and writes them
@@ -29,13 +29,13 @@ With num_splits == 1 stage 1 writes the normalized output directly.
 Short contexts (the short decode graphs, contexts <= SHORT_SPLIT_CONTEXT) are split too,
 finely (`choose_short_split`: up to 16 partitions of 16-key tiles by default), so that a batch-1
 step runs B x KV heads x splits programs instead of 8, with RoPE and the KV write fused in (see
-below); each program can also take fewer query heads (SHORT_HEADS_PER_PROGRAM: with P = 1, 32
+below); each program can also take fewer query heads (short_heads_per_program: with P = 1, 32
 programs at batch 1 without a split or a merge; measured slower).
 
 With a sliding window W only the last W keys are attended (the partitions cover those).
 An fp8 cache (e4m3/e5m2) is read with per-tensor scales: K = k_scale * stored, V = v_scale * stored
 (k_scale folds into the logit scale, v_scale into the output). How a tile is upcast for the two dots
-is `fp8_upcast` (default: the module's FP8_UPCAST):
+is `fp8_upcast` (default: the tuning's fp8_upcast):
 
     "bf16"      tiles .to(q's dtype): bf16 dots. On sm_90 Triton has no e4m3->bf16 instruction; it
                 emits e4m3x2->f16x2 then two f16->bf16 conversions per pair (conversion-throughput
@@ -68,8 +68,6 @@ q has one row per sequence. A context length of 0 (a padded CUDA-graph row) writ
 """
 from __future__ import annotations
 
-import os
-import re
 from typing import NamedTuple
 
 import torch
@@ -80,169 +78,38 @@ from gpu_worker.kernels._arrivals import arrival_counters
 from gpu_worker.kernels._paged_kv import F32_DOTS, gather_kv_tile
 from gpu_worker.kernels._pdl import pdl_kwargs, pdl_wait
 from gpu_worker.kernels._utils import check_device, interpreting, next_pow2, num_sms
+from gpu_worker.tuning import SPLIT_MERGES, DecodeAttentionTuning
 
 LOG2E = 1.4426950408889634
 
-# How an fp8 cache's tiles are upcast (module docstring). The engine passes no fp8_upcast: this
-# default applies, looked up at each call. Swept on the H200 (2026-11-29):
-# fp16 compute is the fastest everywhere (geomean fp8/bf16-cache time 1.12 vs 1.31 for the bf16
-# upcast, 1.19 PTX bits, 1.47 plain bits), and with 128-key tiles x 3 stages it beats the bf16
-# cache at batch 1 (0.83-0.89x) and at B=64 x 32k (0.95x), equal at B=64 x 8k.
-FP8_UPCAST = "f16"
-FP8_UPCASTS = {"bf16": 0, "f16": 1, "f16_bits": 2, "f16_asm": 3}
+# Every choice below (splits, tiles, warps, merge, fp8 upcast) comes from a DecodeAttentionTuning
+# (gpu_worker/tuning.py: its fields, defaults and the H200 measurements behind them), passed by
+# the caller; DEFAULT_TUNING when none is given. Measured on the H200:
+#  - fp8 upcast: fp16 compute is the fastest everywhere (geomean fp8/bf16-cache time 1.12 vs 1.31
+#    for the bf16 upcast, 1.19 PTX bits, 1.47 plain bits), and with 128-key tiles x 3 stages it
+#    beats the bf16 cache at batch 1 (0.83-0.89x) and at B=64 x 32k (0.95x), equal at B=64 x 8k.
+#  - merge: the second kernel won: the in-launch merge of one program made the bf16 batch-1
+#    graph 0.13 ms slower at 8k context (32 splits) and 0.06 ms at 128 (8 splits); its programs
+#    with 1 warp instead of 4: 4.164 -> 4.150 ms at 128 context, 4.598 -> 4.585 at 8k.
+#  - short contexts (batch-1 graph at 128 context): unsplit 4.416 ms, 16 x 16 4.165, 8 x 16
+#    4.188, 4 x 32 4.213, a program per query head (1 x 64, h1) 4.406; fp8 2.990 -> 2.761 with
+#    16 x 16. Up to 1,024 tokens (not 512) so that chats of a 512-token prompt stay on the short
+#    graphs: serving at concurrency 1 (512 in / 128 out), median TPOT 4.28 -> 4.25 ms.
+#  - long contexts, batch-1 graph ms at 8k context, bf16 / fp8: 32 splits of 4 warps 4.530 /
+#    3.144; 8 warps 4.451 / 3.046; 64 splits of 64-key tiles 4.510 / 3.047; 32 of 64-key tiles
+#    4.530 / 3.100; 16 splits 4.720 / 3.358 (another machine). An fp8 cache's programs read half
+#    the bytes per key, and 8 warps made them far slower (batch 1, 32 splits of 128-key tiles x
+#    3 stages, RoPE fused, PDL: 8 / 4 warps 53.8 / 34.5 us at 32k, 19.1 / 12.6 us at 8k), hence
+#    long_num_warps_fp8 None (4).
+DEFAULT_TUNING = DecodeAttentionTuning()
+FP8_UPCAST_CODES = {"bf16": 0, "f16": 1, "f16_bits": 2, "f16_asm": 3}
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_BITS_SCALE = 256.0          # the bit variants read value * 2^-8
-
-# How split partials are merged (module doc): "last" (in the launch) or "two_pass" (a second
-# kernel). Looked up at each call. On the H200 (batch-1 decode graph) the second kernel won: the
-# in-launch merge of one program made the bf16 batch-1 graph 0.13 ms slower at 8k context (32
-# splits) and 0.06 ms at 128 (8 splits).
-SPLIT_MERGE = "two_pass"
-SPLIT_MERGES = ("last", "two_pass")
-MERGE_NUM_WARPS = 1               # warps of a "two_pass" merge program (1 vs 4: bf16 batch-1 graph
-                                  # 4.164 -> 4.150 ms at 128 context, 4.598 -> 4.585 at 8k, H200)
 _COUNTER_SLOTS = 1 << 16          # (sequence, head block) pairs a "last" merge can count at once
 
-# choose_short_split's policy for contexts of at most SHORT_SPLIT_CONTEXT tokens: up to
-# SHORT_MAX_SPLITS partitions of SHORT_BLOCK_N-key tiles, each program taking
-# SHORT_HEADS_PER_PROGRAM query heads. SHORT_MAX_SPLITS 1 with SHORT_HEADS_PER_PROGRAM None
-# turns it off (unsplit, RoPE + KV write its own kernel).
-# On the H200 (batch-1 decode graph per configuration), bf16 batch-1
-# graph at 128 context: unsplit 4.416 ms, 16 x 16 4.165, 8 x 16 4.188, 4 x 32 4.213, a program
-# per query head (1 x 64, h1) 4.406; fp8 2.990 -> 2.761 with 16 x 16. Up to 1,024 tokens (not
-# 512) so that chats of a 512-token prompt stay on the short graphs: serving at concurrency 1
-# (512 in / 128 out), median TPOT 4.28 -> 4.25 ms.
+# The short decode graphs' context bound: choose_short_split's contexts (model_runner captures
+# a second set of decode graphs for them).
 SHORT_SPLIT_CONTEXT = 1024
-SHORT_MAX_SPLITS = 16
-SHORT_BLOCK_N = 16
-SHORT_HEADS_PER_PROGRAM: int | None = None     # e.g. 1: a program per query head (no merge needed)
-SHORT_NUM_WARPS: int | None = None             # warps of a fine program (None: the kernel's 4)
-
-# choose_num_splits' policy for longer contexts: up to LONG_MAX_SPLITS partitions of at least
-# LONG_MIN_TOKENS keys (of the step's max_context_len: a long decode graph's bound), as many as
-# give LONG_PROGRAMS_PER_SM programs per SM (at batch 1 and 8 KV heads: 32 partitions, 256 keys
-# each at 8k context), each program of LONG_NUM_WARPS warps over LONG_BLOCK_N-key tiles. On the
-# H200 (batch-1 decode graph per configuration), batch-1 graph ms at
-# 8k context, bf16 / fp8: 32 splits of 4 warps (the default until then) 4.530 / 3.144; 8 warps
-# 4.451 / 3.046; 64 splits of 64-key tiles 4.510 / 3.047; 32 of 64-key tiles 4.530 / 3.100;
-# 16 splits 4.720 / 3.358 (another machine). 128 context (short graphs) is not affected.
-LONG_MAX_SPLITS = 32
-LONG_MIN_TOKENS = 512
-LONG_PROGRAMS_PER_SM = 2
-LONG_BLOCK_N: int | None = None        # keys per tile of a split program (None: the kernel's 128)
-LONG_NUM_WARPS: int | None = 8         # warps of a split program (None: the kernel's 4)
-# The same for an fp8 cache, whose programs read half the bytes per key: 8 warps (the bf16 cache's
-# choice above) made them far slower. Swept on the H200 with RoPE fused and PDL as the graphs
-# run them, batch 1, 32 splits of 128-key tiles x 3 stages: 8 / 4 warps
-# 53.8 / 34.5 us at 32k, 19.1 / 12.6 us at 8k (the bf16 cache: 42.0 / 45.9, 17.1 / 18.6).
-# Not part of the configuration strings below (set_attention_config leaves it as it is).
-LONG_NUM_WARPS_FP8: int | None = None
-
-# The knobs above as one string, for A/B runs (of the batch-1 decode graph, and the
-# serving stack through KVMESH_DECODE_ATTENTION, read at import): "u" (short contexts unsplit) or
-# "sNxB" (SHORT_MAX_SPLITS N, SHORT_BLOCK_N B), then optionally "hH" (SHORT_HEADS_PER_PROGRAM H)
-# and "wW" (SHORT_NUM_WARPS W), then optionally "lNxTpP" for longer contexts (LONG_MAX_SPLITS N,
-# LONG_MIN_TOKENS T, LONG_PROGRAMS_PER_SM P; absent: 32, 512, 2), itself optionally followed by
-# "bB" (LONG_BLOCK_N B) and "wW" (LONG_NUM_WARPS W; absent: 8), then "+2p" for SPLIT_MERGE
-# "two_pass" (else "last"), optionally followed by the merge kernel's warps (MERGE_NUM_WARPS:
-# "+2p1" one warp; "+2p" alone 4). The default,
-# DEFAULT_ATTENTION_CONFIG, is s16x16+2p1.
-ATTENTION_CONFIG_RE = re.compile(r"^(?:(?P<unsplit>u)|s(?P<splits>\d+)x(?P<block>\d+)(?:h(?P<hpp>\d+))?"
-                                 r"(?:w(?P<warps>\d+))?)"
-                                 r"(?:l(?P<long_splits>\d+)x(?P<long_tokens>\d+)(?:p(?P<long_per_sm>\d+))?"
-                                 r"(?:b(?P<long_block_n>\d+))?(?:w(?P<long_num_warps>\d+))?)?"
-                                 r"(?P<two_pass>\+2p(?P<merge_warps>\d+)?)?$")
-DEFAULT_ATTENTION_CONFIG = "s16x16+2p1"
-
-
-class AttentionConfig(NamedTuple):
-    """A parsed configuration string: the values set_attention_config gives the module's knobs."""
-    max_splits: int                  # SHORT_MAX_SPLITS
-    block_n: int                     # SHORT_BLOCK_N
-    heads_per_program: int | None    # SHORT_HEADS_PER_PROGRAM
-    num_warps: int | None            # SHORT_NUM_WARPS
-    merge: str                       # SPLIT_MERGE
-    merge_warps: int                 # MERGE_NUM_WARPS
-    long_splits: int = 32            # LONG_MAX_SPLITS
-    long_tokens: int = 512           # LONG_MIN_TOKENS
-    long_per_sm: int = 2             # LONG_PROGRAMS_PER_SM
-    long_block_n: int | None = None  # LONG_BLOCK_N
-    long_num_warps: int | None = 8   # LONG_NUM_WARPS
-
-
-# the long-context fields (ATTENTION_CONFIG_RE's groups of the same names) and their values when absent
-_LONG_DEFAULTS = AttentionConfig._field_defaults
-
-
-def parse_attention_config(text: str) -> AttentionConfig:
-    """A configuration string (ATTENTION_CONFIG_RE) -> its values; ValueError naming the forms."""
-    m = ATTENTION_CONFIG_RE.match(text)
-    v = {k: int(x) for k, x in m.groupdict().items() if x is not None and x.isdigit()} if m else {}
-    pow2 = lambda n: n is None or (n >= 1 and n & (n - 1) == 0)          # noqa: E731
-    ok = m is not None and pow2(v.get("merge_warps"))
-    if ok and not m["unsplit"]:
-        ok = (v["splits"] >= 1 and v["block"] >= 16 and pow2(v["block"]) and v.get("hpp", 1) >= 1
-              and pow2(v.get("warps")))
-    if ok:
-        ok = (v.get("long_splits", 1) >= 1 and v.get("long_tokens", 1) >= 1 and v.get("long_per_sm", 1) >= 1
-              and (v.get("long_block_n") is None or (v["long_block_n"] >= 16 and pow2(v["long_block_n"])))
-              and pow2(v.get("long_num_warps")))
-    if not ok:
-        raise ValueError(f"decode attention config {text!r}: expected u, sNxB, sNxBhH, sNxBwW or sNxBhHwW "
-                         f"(N >= 1 splits, B >= 16 keys a power of two, H >= 1 heads, W warps a power of "
-                         f"two), optionally + 'lNxTpP[bB][wW]' (long contexts: N >= 1 splits of T >= 1 keys, P >= 1 "
-                         f"programs per SM, B-key tiles, W warps), optionally + '+2p' (then the merge kernel's warps, e.g. +2p1), "
-                         f"e.g. u+2p, s16x16+2p, s1x64h1w2, s16x16l64x128p4+2p1")
-    return AttentionConfig(max_splits=v.get("splits", 1), block_n=v.get("block", 16),
-                           heads_per_program=v.get("hpp"), num_warps=v.get("warps"),
-                           merge="two_pass" if m["two_pass"] else "last",
-                           merge_warps=v.get("merge_warps", 4),       # "+2p" alone: the kernel's old 4
-                           **{f: v.get(f, default) for f, default in _LONG_DEFAULTS.items()})
-
-
-def attention_config_error(text: str) -> str | None:
-    """parse_attention_config's message for a string it refuses, None for a configuration (CLI checks)."""
-    try:
-        parse_attention_config(text)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def set_attention_config(text: str) -> None:
-    """Set SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE,
-    MERGE_NUM_WARPS and the LONG_ knobs from a configuration string; read at each call, so set it
-    before CUDA-graph capture."""
-    global SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE, MERGE_NUM_WARPS
-    global LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM, LONG_BLOCK_N, LONG_NUM_WARPS
-    (SHORT_MAX_SPLITS, SHORT_BLOCK_N, SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS, SPLIT_MERGE, MERGE_NUM_WARPS,
-     LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM, LONG_BLOCK_N, LONG_NUM_WARPS) = parse_attention_config(text)
-
-
-def attention_config() -> str:
-    """The current knobs as a configuration string (set_attention_config's inverse)."""
-    hpp, warps = SHORT_HEADS_PER_PROGRAM, SHORT_NUM_WARPS
-    base = "u" if SHORT_MAX_SPLITS == 1 and hpp is None else (
-        f"s{SHORT_MAX_SPLITS}x{SHORT_BLOCK_N}" + (f"h{hpp}" if hpp else "") + (f"w{warps}" if warps else ""))
-    d = _LONG_DEFAULTS
-    long_tiles = ((f"b{LONG_BLOCK_N}" if LONG_BLOCK_N else "")
-                  + (f"w{LONG_NUM_WARPS}" if LONG_NUM_WARPS != d["long_num_warps"] else ""))
-    policy = (LONG_MAX_SPLITS, LONG_MIN_TOKENS, LONG_PROGRAMS_PER_SM)
-    long = (policy != (d["long_splits"], d["long_tokens"], d["long_per_sm"]) or bool(long_tiles)) * (
-        f"l{LONG_MAX_SPLITS}x{LONG_MIN_TOKENS}p{LONG_PROGRAMS_PER_SM}{long_tiles}")
-    merge = "" if SPLIT_MERGE == "last" else "+2p" + (str(MERGE_NUM_WARPS) if MERGE_NUM_WARPS != 4 else "")
-    return base + long + merge
-
-
-def _env_attention_config() -> None:
-    text = os.environ.get("KVMESH_DECODE_ATTENTION", DEFAULT_ATTENTION_CONFIG)
-    try:
-        set_attention_config(text)
-    except ValueError as e:
-        raise ValueError(f"KVMESH_DECODE_ATTENTION: {e}") from None
-
-
-_env_attention_config()
 
 
 @triton.jit
@@ -477,18 +344,16 @@ def _decode_stage2_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
-                      min_tokens_per_split: int | None = None, max_splits: int | None = None) -> int:
-    """Enough programs to fill the GPU LONG_PROGRAMS_PER_SM times over, with at least
-    `min_tokens_per_split` (LONG_MIN_TOKENS) tokens each, at most `max_splits` (LONG_MAX_SPLITS).
+                      tuning: DecodeAttentionTuning = DEFAULT_TUNING) -> int:
+    """Enough programs to fill the GPU tuning.long_programs_per_sm times over, with at least
+    tuning.long_min_tokens tokens each, at most tuning.long_max_splits.
 
     Depends only on host-side sizes, so a CUDA graph captured for (num_seqs, max_model_len)
     stays valid for every shorter context."""
-    min_tokens_per_split = LONG_MIN_TOKENS if min_tokens_per_split is None else min_tokens_per_split
-    max_splits = LONG_MAX_SPLITS if max_splits is None else max_splits
     programs = num_seqs * num_kv_heads
-    by_occupancy = triton.cdiv(LONG_PROGRAMS_PER_SM * num_sms(device), max(1, programs))
-    by_length = triton.cdiv(max(1, max_context_len), min_tokens_per_split)
-    return int(max(1, min(by_occupancy, by_length, max_splits)))
+    by_occupancy = triton.cdiv(tuning.long_programs_per_sm * num_sms(device), max(1, programs))
+    by_length = triton.cdiv(max(1, max_context_len), tuning.long_min_tokens)
+    return int(max(1, min(by_occupancy, by_length, tuning.long_max_splits)))
 
 
 class DecodeSplit(NamedTuple):
@@ -504,47 +369,48 @@ class DecodeSplit(NamedTuple):
 
 
 def choose_short_split(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
-                       group: int = 1) -> DecodeSplit:
+                       group: int = 1, tuning: DecodeAttentionTuning = DEFAULT_TUNING) -> DecodeSplit:
     """For contexts of at most SHORT_SPLIT_CONTEXT tokens (a short decode graph's bound): blocks of
-    SHORT_HEADS_PER_PROGRAM of the `group` query heads of a KV head (None: the whole group) and up
-    to SHORT_MAX_SPLITS partitions of SHORT_BLOCK_N-key tiles, as many as keep 2 programs per SM,
-    each program of SHORT_NUM_WARPS warps.
+    tuning.short_heads_per_program of the `group` query heads of a KV head (None: the whole group)
+    and up to tuning.short_max_splits partitions of short_block_n-key tiles, as many as keep 2
+    programs per SM, each program of short_num_warps warps.
 
     At batch 1 a whole 128-token context in one program per KV head is 8 programs running a
     chain of dependent loads; 8 partitions of 16 keys each make it 64 programs of one tile."""
     assert max_context_len <= SHORT_SPLIT_CONTEXT, "choose_short_split is for short contexts"
-    hpp = SHORT_HEADS_PER_PROGRAM
+    hpp = tuning.short_heads_per_program
     if hpp is not None and (hpp >= group or group % hpp):
         hpp = None                                  # a block of the whole group
     programs = max(1, num_seqs * num_kv_heads * (group // hpp if hpp else 1))
     by_occupancy = triton.cdiv(2 * num_sms(device), programs)
-    by_length = triton.cdiv(max(1, max_context_len), SHORT_BLOCK_N)
-    splits = int(max(1, min(SHORT_MAX_SPLITS, by_occupancy, by_length)))
+    by_length = triton.cdiv(max(1, max_context_len), tuning.short_block_n)
+    splits = int(max(1, min(tuning.short_max_splits, by_occupancy, by_length)))
     fine = splits > 1 or hpp is not None
-    return DecodeSplit(splits, SHORT_BLOCK_N, hpp, SHORT_NUM_WARPS) if fine else DecodeSplit(1)
+    return DecodeSplit(splits, tuning.short_block_n, hpp, tuning.short_num_warps) if fine else DecodeSplit(1)
 
 
 def choose_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
-                        device: torch.device, group: int = 1, kv_dtype: torch.dtype | None = None) -> DecodeSplit:
+                        device: torch.device, group: int = 1, kv_dtype: torch.dtype | None = None,
+                        tuning: DecodeAttentionTuning = DEFAULT_TUNING) -> DecodeSplit:
     """The split of a step whose contexts are at most max_context_len: choose_short_split for
-    short contexts, else choose_num_splits with the default tiles (LONG_NUM_WARPS_FP8 warps for
-    an fp8 cache of kv_dtype)."""
+    short contexts, else choose_num_splits with the long-context tiles (long_num_warps_fp8 warps
+    for an fp8 cache of kv_dtype)."""
     if max_context_len <= SHORT_SPLIT_CONTEXT:
-        return choose_short_split(num_seqs, num_kv_heads, max_context_len, device, group)
-    splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, device)
+        return choose_short_split(num_seqs, num_kv_heads, max_context_len, device, group, tuning)
+    splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, device, tuning)
     if splits == 1:
         return DecodeSplit(1)
-    return DecodeSplit(splits, LONG_BLOCK_N, None, LONG_NUM_WARPS_FP8 if kv_dtype in _FP8_DTYPES else LONG_NUM_WARPS)
+    warps = tuning.long_num_warps_fp8 if kv_dtype in _FP8_DTYPES else tuning.long_num_warps
+    return DecodeSplit(splits, tuning.long_block_n, None, warps)
 
 
-def _fp8_upcast_code(cache_dtype: torch.dtype, fp8_upcast: str | None) -> tuple[int, float]:
+def _fp8_upcast_code(cache_dtype: torch.dtype, fp8_upcast: str) -> tuple[int, float]:
     """(UPCAST constexpr, factor folded into both scales) for a cache dtype and an fp8_upcast name."""
-    name = FP8_UPCAST if fp8_upcast is None else fp8_upcast
-    if name not in FP8_UPCASTS:
-        raise ValueError(f"fp8_upcast must be one of {sorted(FP8_UPCASTS)}, got {name!r}")
+    if fp8_upcast not in FP8_UPCAST_CODES:
+        raise ValueError(f"fp8_upcast must be one of {sorted(FP8_UPCAST_CODES)}, got {fp8_upcast!r}")
     if cache_dtype not in _FP8_DTYPES:
         return 0, 1.0                       # a bf16/fp16/fp32 cache: tiles already in q's dtype
-    code = FP8_UPCASTS[name]
+    code = FP8_UPCAST_CODES[fp8_upcast]
     if code >= 2 and cache_dtype != torch.float8_e4m3fn:
         code = 1                            # the bit tricks decode e4m3; e5m2 -> fp16 is exact
     if code == 3 and interpreting():
@@ -601,10 +467,11 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    fp8_upcast: str | None = None,                # fp8 caches: "bf16" | "f16" | "f16_bits" | "f16_asm"
+    fp8_upcast: str | None = None,                # fp8 caches: "bf16" | "f16" | "f16_bits" | "f16_asm" (tuning's)
     rope: FusedRopeKV | None = None,              # RoPE + this step's KV write fused in (module doc)
-    merge: str | None = None,                     # split partials: "last" | "two_pass" (SPLIT_MERGE)
+    merge: str | None = None,                     # split partials: "last" | "two_pass" (tuning.merge)
     heads_per_program: int | None = None,         # query heads per program, a divisor of the group
+    tuning: DecodeAttentionTuning = DEFAULT_TUNING,   # the choices for what is not given above
 ) -> torch.Tensor:
     """Attention of each sequence's single new query over its paged context (module docstring)."""
     T, n_heads, head_dim = q.shape
@@ -628,7 +495,7 @@ def paged_decode_attention(
         return out
     group = n_heads // n_kv
     if num_splits is None:
-        auto = choose_decode_split(B, n_kv, max_context_len, q.device, group, k_cache.dtype)
+        auto = choose_decode_split(B, n_kv, max_context_len, q.device, group, k_cache.dtype, tuning)
         num_splits, block_n = auto.num_splits, block_n or auto.block_n
         heads_per_program = heads_per_program or auto.heads_per_program
         num_warps = num_warps or auto.num_warps
@@ -646,8 +513,8 @@ def paged_decode_attention(
         num_warps = 4
     if num_stages is None:
         num_stages = 3 if wide_tiles else 2
-    upcast, kv_mul = _fp8_upcast_code(k_cache.dtype, fp8_upcast)
-    merge = SPLIT_MERGE if merge is None else merge
+    upcast, kv_mul = _fp8_upcast_code(k_cache.dtype, tuning.fp8_upcast if fp8_upcast is None else fp8_upcast)
+    merge = tuning.merge if merge is None else merge
     if merge not in SPLIT_MERGES:
         raise ValueError(f"merge must be one of {SPLIT_MERGES}, got {merge!r}")
     direct = num_splits == 1
@@ -682,7 +549,7 @@ def paged_decode_attention(
         _decode_stage2_kernel[(B, n_heads)](
             qsl, out, part_acc, part_ml, out.stride(0), out.stride(1), *pa_strides, *pm_strides,
             HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
-            HAS_QSL=query_start_loc is not None, num_warps=MERGE_NUM_WARPS, **pdl_kwargs(q),
+            HAS_QSL=query_start_loc is not None, num_warps=tuning.merge_num_warps, **pdl_kwargs(q),
         )
     return out
 

@@ -14,7 +14,6 @@ Face tensor name onto the row range of the fused parameter it fills.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -25,6 +24,7 @@ from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from gpu_worker.models.moe import EXPERT_NAMES, SparseMoE
+from gpu_worker.tuning import KernelTuning
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, block_size, n_kv, head_dim) x 2
 
@@ -37,17 +37,16 @@ class WeightTarget(NamedTuple):
 
 
 class Attention(nn.Module):
-    kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
-
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype, kernels=None):
         super().__init__()
+        self.kernels = kernels   # gpu_worker.models.layers.fused launchers (CUDA), or None: torch ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
         self.rope = rope          # the same RotaryEmbedding object in every layer: one cos/sin table
         self.backend = backend    # not an nn.Module: the runner owns it
 
@@ -57,10 +56,10 @@ class Attention(nn.Module):
 
     def rotate_attend(self, qkv: torch.Tensor, positions: torch.Tensor, kv: KVCache, batch: ForwardBatch):
         """rotate() then attend() -> (T, nh, D). A pure-decode step goes to the backend's
-        decode_rope_attend where it has one (triton), which runs RoPE, the KV write and attention
+        decode_rope_attend where it fuses (triton: fuse_rope_decode), which runs RoPE, the KV write and attention
         as one kernel where that is faster (long contexts; q and k then stay unrotated in qkv)."""
         if (self.kernels is not None and self.q_norm is None and batch.is_pure_decode
-                and getattr(self.backend, "fuse_rope_decode", False)):
+                and self.backend.fuse_rope_decode):
             t = qkv.shape[0]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             return self.backend.decode_rope_attend(
@@ -85,7 +84,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)     # (T, nkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.kernels is not None and hasattr(self.backend, "rope_kv_write"):
+        if self.kernels is not None and self.backend.writes_rope_kv:
             # one kernel rotates q, k in place (views of the qkv output) and writes the KV cache
             self.backend.rope_kv_write(q, k, v, positions, self.rope.cos_sin, kv[0], kv[1], slot_mapping)
             return q, k, v, True
@@ -103,19 +102,9 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, kv[0], kv[1], batch, self.scale)
 
 
-def _decode_gemv_env() -> tuple[int, str, bool]:
-    """KVMESH_DECODE_GEMV_MAX_M (an integer >= 0), KVMESH_DECODE_GEMV_WEIGHTS (fp8 | all) and
-    KVMESH_DECODE_GEMV_FUSE (0 | 1)."""
-    m = os.environ.get("KVMESH_DECODE_GEMV_MAX_M", "1")
-    w = os.environ.get("KVMESH_DECODE_GEMV_WEIGHTS", "all")
-    f = os.environ.get("KVMESH_DECODE_GEMV_FUSE", "0")
-    if not m.isdigit():
-        raise ValueError(f"KVMESH_DECODE_GEMV_MAX_M={m!r}: expected an integer >= 0 (0 turns it off)")
-    if w not in ("fp8", "all"):
-        raise ValueError(f"KVMESH_DECODE_GEMV_WEIGHTS={w!r}: expected 'fp8' or 'all'")
-    if f not in ("0", "1"):
-        raise ValueError(f"KVMESH_DECODE_GEMV_FUSE={f!r}: expected 0 (separate norm / SwiGLU kernels) or 1")
-    return int(m), w, f == "1"
+def runs_gemv(kernels, gemv_max_m: int, x: torch.Tensor) -> bool:
+    """Whether a step of these rows runs its linears as GEMVs (kernels loaded, 1..gemv_max_m rows)."""
+    return kernels is not None and 0 < x.shape[0] <= min(gemv_max_m, kernels.gemv_max_rows)
 
 
 class NormedStream(NamedTuple):
@@ -127,8 +116,6 @@ class NormedStream(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
-    kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
-    gemv_max_m, gemv_weights, gemv_fuse = _decode_gemv_env()
     """Steps of 1..gemv_max_m tokens (at most fp8_gemv.MAX_M) on CUDA, in layers whose weights are
     fp8 (gemv_weights "fp8") or any (gemv_weights "all"), run every linear as the split-K GEMV of
     kernels/fp8_gemv.py instead of cuBLAS / _scaled_mm, so a layer is Triton kernels only and each
@@ -140,29 +127,32 @@ class DecoderLayer(nn.Module):
     (Fusing them into the GEMVs' prologues instead, where every program redoes the norm /
     SwiGLU of its x, was slower than separate kernels on the H200.)
     One row, any weights, unfused, by default (the fused layer measured slower with PDL:
-    docs/architecture.md says why); M > 1 is unmeasured. Class attributes read at each forward
-    (before CUDA-graph capture), set at import from KVMESH_DECODE_GEMV_MAX_M (0: off),
-    KVMESH_DECODE_GEMV_WEIGHTS and KVMESH_DECODE_GEMV_FUSE."""
+    docs/architecture.md says why); M > 1 is unmeasured.
 
-    residual_gemm_min_rows = 1024
-    """Steps of at least this many tokens add the residual inside the o_proj and down_proj GEMMs
-    (cuBLAS's C input: stream.addmm_(x, W^T)) instead of in the next norm's kernel, whose fused
-    add-and-norm (read x and residual, write both) becomes a plain norm (read the stream, write
-    the normed rows): 4 of a layer's 8 passes over the (T, hidden) activations gone, ~4 ms of a
-    16,384-token Llama-8B step on the H200. The sum is rounded once (Hugging Face rounds the
-    GEMM's output, then the sum). A class attribute read at each forward; a huge value turns it off."""
+    Steps of at least residual_gemm_min_rows tokens add the residual inside the o_proj and
+    down_proj GEMMs (cuBLAS's C input: stream.addmm_(x, W^T)) instead of in the next norm's
+    kernel, whose fused add-and-norm (read x and residual, write both) becomes a plain norm (read
+    the stream, write the normed rows): 4 of a layer's 8 passes over the (T, hidden) activations
+    gone, ~4 ms of a 16,384-token Llama-8B step on the H200. The sum is rounded once (Hugging Face
+    rounds the GEMM's output, then the sum).
+
+    All four come from the engine's KernelTuning (decode_gemv_max_m, decode_gemv_weights,
+    decode_gemv_fuse, residual_gemm_min_rows), copied into attributes at construction."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype,
-                 layer_idx: int = 0):
+                 layer_idx: int = 0, tuning: KernelTuning = KernelTuning(), kernels=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, rope, backend, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.kernels = kernels   # gpu_worker.models.layers.fused launchers (CUDA), or None: torch ops
+        self.gemv_max_m, self.gemv_weights = tuning.decode_gemv_max_m, tuning.decode_gemv_weights
+        self.gemv_fuse, self.residual_gemm_min_rows = tuning.decode_gemv_fuse, tuning.residual_gemm_min_rows
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
+        self.self_attn = Attention(cfg, rope, backend, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         if layer_idx in cfg.moe_layers:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, kernels)
 
     def forward(self, x, residual, positions, kv: KVCache, batch: ForwardBatch, next_norm: RMSNorm | None = None):
         """x (T, H): the previous layer's MLP output (or the embeddings); residual (T, H): the
@@ -174,7 +164,7 @@ class DecoderLayer(nn.Module):
             h, residual = x, residual.stream
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        if self.runs_gemv(self.kernels, x):
+        if runs_gemv(self.kernels, self.gemv_max_m, x):
             ops = self._gemv_operands()
             if ops is not None:
                 return self._forward_gemv(ops, h, residual, positions, kv, batch, next_norm)
@@ -201,11 +191,6 @@ class DecoderLayer(nn.Module):
         act = mlp.activation(self.post_attention_layernorm(stream))               # (T, inter)
         stream.addmm_(act, mlp.down_proj.weight.t())                               # stream += down(act)
         return stream, None
-
-    @classmethod
-    def runs_gemv(cls, kernels, x: torch.Tensor) -> bool:
-        """Whether a step of these rows runs its linears as GEMVs (kernels loaded, 1..gemv_max_m rows)."""
-        return kernels is not None and 0 < x.shape[0] <= min(cls.gemv_max_m, kernels.gemv_max_rows)
 
     def _gemv_operands(self) -> list | None:
         """(weight, scale, bias) of qkv, o_proj, gate_up, down; None when a layer is not a plain or
@@ -242,27 +227,35 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """HF's `model.*` part: embeddings, layers, final norm."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, dtype,
+                 tuning: KernelTuning = KernelTuning(), kernels=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, dtype, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, dtype, i, tuning, kernels)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
 
 
 class CausalLM(nn.Module):
-    kernels = None     # the fused launchers (CUDA), set by use_fused_kernels like the layers'
-    head_gemv = True
-    """Steps whose rows the decoder layers run as GEMVs (DecoderLayer.gemv_max_m; 16-bit heads
-    only where gemv_weights is "all") also run the 16-bit lm_head as fp8_gemv's split-K GEMV
-    instead of cuBLAS: under programmatic dependent launch its programs start while the final
-    norm finishes, and it is the step's largest read (1 GB of Llama-8B's 16 GB). A class
-    attribute read at each call (before CUDA-graph capture); False: cuBLAS (the A/B's baseline)."""
+    """The decoder with its head. With tuning.head_gemv, steps whose rows the decoder layers run as
+    GEMVs (decode_gemv_max_m; 16-bit heads only where decode_gemv_weights is "all") also run the
+    16-bit lm_head as fp8_gemv's split-K GEMV instead of cuBLAS: under programmatic dependent
+    launch its programs start while the final norm finishes, and it is the step's largest read
+    (1 GB of Llama-8B's 16 GB); False: cuBLAS (the A/B's baseline).
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype = torch.float32):
+    `kernels`: the Triton launchers (gpu_worker.models.layers.fused.load_fused_kernels) every
+    layer, norm and MLP is built with; None: plain torch ops (CPU)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype = torch.float32,
+                 tuning: KernelTuning = KernelTuning(), kernels=None):
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels
+        # the head's GEMV rows: 0 (never) unless the layers' GEMV path takes 16-bit weights
+        self.head_gemv_max_m = (tuning.decode_gemv_max_m if tuning.head_gemv and tuning.decode_gemv_weights == "all"
+                                else 0)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.model = DecoderModel(cfg, self.rope, backend, dtype)
+        self.model = DecoderModel(cfg, self.rope, backend, dtype, tuning, kernels)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
         self.head_fp8 = None     # quantization="fp8_lm_head": the head in e4m3 (layers/fp8.py)
@@ -280,10 +273,10 @@ class CausalLM(nn.Module):
         return self.model.norm.add_forward(x, residual)[0]
 
     def use_fused_kernels(self, kernels) -> None:
-        """Route RMSNorm(+residual), RoPE and SwiGLU through Triton kernels (a namespace from
-        gpu_worker.models.layers.fused.load_fused_kernels), or back to torch (None)."""
+        """Switch a built model's launchers (an A/B of benchmarks and tests: the model is built with
+        its own): RMSNorm(+residual), RoPE, SwiGLU and the GEMVs through `kernels`, or torch (None)."""
         for module in self.modules():
-            if hasattr(type(module), "kernels"):
+            if isinstance(module, (CausalLM, DecoderLayer, Attention, RMSNorm, GatedMLP)):
                 module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -297,8 +290,8 @@ class CausalLM(nn.Module):
         if self.head_fp8 is not None:
             return self.head_fp8(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if (self.head_gemv and DecoderLayer.gemv_weights == "all" and hidden.dim() == 2 and hidden.stride(1) == 1
-                and DecoderLayer.runs_gemv(self.kernels, hidden)):
+        if (hidden.dim() == 2 and hidden.stride(1) == 1
+                and runs_gemv(self.kernels, self.head_gemv_max_m, hidden)):
             return self.kernels.gemv(hidden, weight, None, None)   # rounded like cuBLAS's
         return hidden @ weight.t()
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gpu_worker.tuning import KernelTuning
+
 if TYPE_CHECKING:
     from gpu_worker.model_config import ModelConfig
 
@@ -28,18 +30,20 @@ if TYPE_CHECKING:
 def create_model_runner(config: ModelConfig, model_dir: str, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, attention_backend: str = "torch", seed: int = 0,
                         tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                        quantization: str | None = None, kv_cache_dtype: torch.dtype | None = None):
+                        quantization: str | None = None, kv_cache_dtype: torch.dtype | None = None,
+                        tuning: KernelTuning = KernelTuning()):
     """A ModelRunner for tensor_parallel_size 1, else a TPModelRunner driving that many ranks
     (rank 0 in this process, one child process per further rank; call its close() at shutdown).
     enable_expert_parallel: MoE experts placed whole on ranks instead of each one split.
-    quantization ("fp8", "fp8_lm_head") and an fp8 kv_cache_dtype are single-rank only for now."""
+    quantization ("fp8", "fp8_lm_head") and an fp8 kv_cache_dtype are single-rank only for now.
+    tuning: the kernels' choices (EngineConfig.tuning), on every rank."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
     if tensor_parallel_size == 1:
         from gpu_worker.model_runner import ModelRunner
         return ModelRunner(config, model_dir, device=device, dtype=dtype,
                            attention_backend=attention_backend, seed=seed, quantization=quantization,
-                           kv_cache_dtype=kv_cache_dtype)
+                           kv_cache_dtype=kv_cache_dtype, tuning=tuning)
     if kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype} is not supported with tensor_parallel_size > 1 yet")
     if quantization is not None:
@@ -47,5 +51,5 @@ def create_model_runner(config: ModelConfig, model_dir: str, *, device: str | to
     from gpu_worker.parallel.tp_worker import TPModelRunner
     return TPModelRunner(config, model_dir, device=device, dtype=dtype, attention_backend=attention_backend,
                          seed=seed, tensor_parallel_size=tensor_parallel_size,
-                         enable_expert_parallel=enable_expert_parallel)
+                         enable_expert_parallel=enable_expert_parallel, tuning=tuning)
 

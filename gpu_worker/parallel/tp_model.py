@@ -30,6 +30,7 @@ from gpu_worker.model_config import ModelConfig, ModelLoadError
 from gpu_worker.models.decoder import CausalLM
 from gpu_worker.models.moe import EXPERT_NAMES, SparseMoE
 from gpu_worker.parallel.state import ParallelContext
+from gpu_worker.tuning import KernelTuning
 from gpu_worker.parallel.tp_linear import (ColumnParallelLinear, RowParallelLinear, Shard, even_shard,
                                            head_shard, kv_head_shard, kv_heads_per_rank)
 from gpu_worker.parallel.vocab_parallel import (VocabParallelEmbedding, padded_vocab_per_rank,
@@ -63,8 +64,8 @@ class TPCausalLM(CausalLM):
     """One rank's shard. `cfg` holds the local shapes, `full_cfg` the model's."""
 
     def __init__(self, full_cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-                 ctx: ParallelContext):
-        super().__init__(local_config(full_cfg, ctx), backend, dtype)
+                 ctx: ParallelContext, tuning: KernelTuning = KernelTuning(), kernels=None):
+        super().__init__(local_config(full_cfg, ctx), backend, dtype, tuning, kernels)
         self.full_cfg, self.ctx = full_cfg, ctx
         cfg, hidden = self.cfg, full_cfg.hidden_size
         self.model.embed_tokens = VocabParallelEmbedding(full_cfg.vocab_size, hidden, ctx, dtype)

@@ -34,6 +34,7 @@ from gpu_worker.parallel.tp_protocol import (DTYPES, HEADER_LEN, OP_ALLOCATE_KV,
                                              OP_FORWARD, OP_PROFILE, OP_SHUTDOWN, OP_WARMUP, all_min, make_header, pack_batch,
                                              payload_len, unpack_batch)
 from gpu_worker.parallel.tp_runner import TPRankRunner
+from gpu_worker.tuning import KernelTuning
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class TPModelRunner:
     def __init__(self, config: ModelConfig, model_dir: str, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, attention_backend: str = "torch", seed: int = 0,
                  tensor_parallel_size: int = 2, enable_expert_parallel: bool = False,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, tuning: KernelTuning = KernelTuning()):
         n = tensor_parallel_size
         device = torch.device(device)
         devices = _rank_devices(device, n)
@@ -57,14 +58,14 @@ class TPModelRunner:
                     "--world-size", str(n), "--port", str(store.port), "--model-dir", str(model_dir),
                     "--device", str(devices[rank]), "--dtype", dtype_name, "--attention-backend",
                     attention_backend, "--seed", str(seed), "--timeout-s", str(timeout_s),
-                    "--parent-pid", str(os.getpid())] + (["--expert-parallel"] if enable_expert_parallel else [])
+                    "--parent-pid", str(os.getpid()), "--tuning", tuning.to_json()] + (["--expert-parallel"] if enable_expert_parallel else [])
             self.children.append(subprocess.Popen(argv, env=_child_env()))
         atexit.register(self.close)
         try:
             self._wait_joined(store, timeout_s)
             self.ctx = init_parallel(0, n, devices[0], store, enable_expert_parallel, timeout_s)
             self.control = new_control_group()
-            self.rank0 = self._build_rank0(config, model_dir, devices[0], dtype, attention_backend, seed)
+            self.rank0 = self._build_rank0(config, model_dir, devices[0], dtype, attention_backend, seed, tuning)
             self._ready = True
         except BaseException:
             self.close()
@@ -81,10 +82,10 @@ class TPModelRunner:
                 raise TimeoutError("tensor-parallel ranks did not start in time")
             time.sleep(0.05)
 
-    def _build_rank0(self, config, model_dir, device, dtype, backend, seed) -> TPRankRunner:
+    def _build_rank0(self, config, model_dir, device, dtype, backend, seed, tuning) -> TPRankRunner:
         error = None
         try:
-            runner = TPRankRunner(config, model_dir, self.ctx, device, dtype, backend, seed)
+            runner = TPRankRunner(config, model_dir, self.ctx, device, dtype, backend, seed, tuning)
         except Exception as e:           # still take part in the READY vote, then raise
             error = e
         if all_min(0 if error else 1, self.control) == 0:
@@ -273,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
     ap.add_argument("--parent-pid", type=int, default=0)
     ap.add_argument("--expert-parallel", action="store_true")
+    ap.add_argument("--tuning", default=KernelTuning().to_json(), help="KernelTuning as JSON (rank 0's)")
     args = ap.parse_args(argv)
     if args.parent_pid:
         _watch_parent(args.parent_pid)
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ModelConfig.from_dir(args.model_dir)
         runner = TPRankRunner(config, args.model_dir, ctx, device, DTYPES[args.dtype],
-                              args.attention_backend, args.seed)
+                              args.attention_backend, args.seed, KernelTuning.from_json(args.tuning))
     except Exception as e:
         error = e
     if all_min(0 if error else 1, control) == 0:

@@ -2,38 +2,49 @@
 only), and on the GPU that a chain of PDL kernels replayed from a CUDA graph computes bit for bit
 what the same kernels give launched one after another without it (a kernel reading its predecessor's output too early would
 show as a difference, or as replays that disagree)."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from gpu_worker.kernels import _pdl
 
 
-def test_off_for_cpu_tensors_eager_launches_and_when_disabled(monkeypatch):
+def test_off_for_cpu_tensors_eager_launches_and_when_disabled():
     with _pdl.for_cuda_graph():
         assert not _pdl.pdl_on(torch.zeros(1))
         assert _pdl.pdl_kwargs(torch.zeros(1)) == {"PDL": 0}      # no launch_pdl off the GPU
-    assert _pdl._GRAPH_DEPTH == 0
     if torch.cuda.is_available():
         x = torch.zeros(1, device="cuda")
         assert not _pdl.pdl_on(x)                               # eager: never (its host cost)
-        monkeypatch.setattr(_pdl, "ENABLED", False)
-        with _pdl.for_cuda_graph():
+        with _pdl.for_cuda_graph(False):                        # KernelTuning.pdl off
             assert not _pdl.pdl_on(x)
+            with _pdl.for_cuda_graph(True):                     # nested: the inner one rules
+                assert _pdl.pdl_on(x) == (_pdl._SUPPORTED and torch.cuda.get_device_capability()[0] >= 9)
+            assert not _pdl.pdl_on(x)                           # and the outer one again after it
+        assert not _pdl.pdl_on(x)
+
+
+def test_graph_scope_is_per_thread():
+    """Which launches are inside a graph capture is a context variable: a capture on one thread
+    does not turn PDL on for another thread's launches (a process-wide counter did)."""
+    import threading
+    with _pdl.for_cuda_graph():
+        inside = _pdl._IN_PDL_GRAPH.get()
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(_pdl._IN_PDL_GRAPH.get()))
+        t.start()
+        t.join(timeout=30)
+    assert seen == [False] and inside == _pdl._SUPPORTED and _pdl._IN_PDL_GRAPH.get() is False
 
 
 @pytest.mark.parametrize("value, ok", [("0", True), ("1", True), ("yes", False), ("", False)])
 def test_env_value_is_checked(value, ok):
-    code = "import gpu_worker.kernels._pdl as p; print(p.ENABLED)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "KVMESH_PDL": value}, timeout=120)
+    """KVMESH_PDL is read when the engine config is built (tuning_from_env), not at import."""
+    from gpu_worker.config import tuning_from_env
     if ok:
-        assert proc.returncode == 0 and proc.stdout.strip() == str(value == "1"), proc.stderr
+        assert tuning_from_env({"KVMESH_PDL": value}).pdl == (value == "1")
     else:
-        assert proc.returncode != 0 and "KVMESH_PDL" in proc.stderr
+        with pytest.raises(ValueError, match="KVMESH_PDL"):
+            tuning_from_env({"KVMESH_PDL": value})
 
 
 def _chain(x, layers):
@@ -80,11 +91,9 @@ def test_pdl_graph_replays_match_plain_launches(monkeypatch, dtype, launch_late)
                weight(2 * I, H), weight(H, I)) for _ in range(6)]
     x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
 
-    monkeypatch.setattr(_pdl, "ENABLED", False)
-    ref = _chain(x, layers)
+    ref = _chain(x, layers)                  # eager, outside a graph: no PDL
     torch.cuda.synchronize()
 
-    monkeypatch.setattr(_pdl, "ENABLED", True)
     with _pdl.for_cuda_graph():            # as cuda_graphs.capture_graph: warm-up, then capture
         assert _pdl.pdl_on(x)
         eager = _chain(x, layers)
@@ -103,14 +112,14 @@ def test_pdl_graph_replays_match_plain_launches(monkeypatch, dtype, launch_late)
                     reason="PDL needs an sm_90+ GPU")
 @pytest.mark.parametrize("num_splits,block_n,ctx,hpp", [(8, 16, 128, None), (8, 16, 512, None), (32, 128, 8192, None),
                                                         (1, 64, 128, 1), (2, 32, 512, 2)])
-def test_decode_attention_merged_in_launch_under_pdl_graphs(monkeypatch, num_splits, block_n, ctx, hpp):
+def test_decode_attention_merged_in_launch_under_pdl_graphs(num_splits, block_n, ctx, hpp):
     """Split decode attention with RoPE + KV write fused in, each layer's output the next one's
     query: the in-launch merge (the last program of each head block merges) replayed from a PDL
     graph equals the two-kernel merge launched plainly, bit for bit, replay after replay (a
     program merging before the others' partials are visible would show as a difference); with
     blocks of fewer query heads (hpp) too, where one program of each KV head writes its key."""
-    from gpu_worker.kernels import paged_decode_attention as pda
     from gpu_worker.kernels.paged_decode_attention import FusedRopeKV, paged_decode_attention
+    from gpu_worker.tuning import DecodeAttentionTuning
     from gpu_worker.kernels.rope import build_cos_sin_cache, rope_inv_freq
     torch.manual_seed(0)
     dev, n_kv, group, D, page, B = "cuda", 8, 4, 128, 16, 2
@@ -131,16 +140,14 @@ def test_decode_attention_merged_in_launch_under_pdl_graphs(monkeypatch, num_spl
         for kc, vc, k, v in layers:
             q = paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, max_context_len=ctx,
                                        num_splits=num_splits, block_n=block_n, merge=merge, heads_per_program=hpp,
-                                       rope=FusedRopeKV(lens.long() - 1, cs, k, v, slots))
+                                       rope=FusedRopeKV(lens.long() - 1, cs, k, v, slots), tuning=tuning)
         return q
 
     # bit-equal only when both merges reduce over the splits with the same warps: the merge kernel
-    # runs with MERGE_NUM_WARPS (1 by default), the in-launch merge with the attention kernel's 4
-    monkeypatch.setattr(pda, "MERGE_NUM_WARPS", 4)
-    monkeypatch.setattr(_pdl, "ENABLED", False)
-    ref = chain("two_pass")
+    # runs with merge_num_warps (1 by default), the in-launch merge with the attention kernel's 4
+    tuning = DecodeAttentionTuning(merge_num_warps=4)
+    ref = chain("two_pass")                  # eager, outside a graph: no PDL
     torch.cuda.synchronize()
-    monkeypatch.setattr(_pdl, "ENABLED", True)
     with _pdl.for_cuda_graph():
         eager = chain("last")
         torch.cuda.synchronize()

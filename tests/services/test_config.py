@@ -70,18 +70,39 @@ def test_empty_bind_host_is_refused(cls):
     assert parse_config(cls, [], "x", env={}).host == "127.0.0.1"
 
 
-def test_every_kvmesh_variable_read_in_code_is_known():
-    """A KVMESH_* variable the code reads outside the config tree must be in EXTERNAL_ENV, or a
-    process started with it set would refuse it as unknown."""
+def _kvmesh_names_in_code() -> set[str]:
+    """Every "KVMESH_*" string literal in the product's code outside services/config.py."""
     import re
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
-    read = set()
+    found = set()
     for pkg in ("gpu_worker", "services", "tokenizer_svc", "scheduler_svc", "prefix_cache_svc"):
         for path in (root / pkg).rglob("*.py"):
-            read |= set(re.findall(r"environ(?:\.get\(|\[)\s*\"(KVMESH_[A-Z0-9_]+)\"", path.read_text()))
-    assert {"KVMESH_DECODE_GEMV_MAX_M", "KVMESH_FP8_GEMV_MAX_M"} <= read     # the scan sees them
+            if path != root / "services" / "config.py":
+                found |= set(re.findall(r"[\"'](KVMESH_[A-Z0-9_]+)[\"']", path.read_text()))
+    return found
+
+
+def test_every_kvmesh_variable_read_in_code_is_known():
+    """A KVMESH_* variable the code reads outside the config tree must be in EXTERNAL_ENV, or a
+    process started with it set would refuse it as unknown."""
+    read = _kvmesh_names_in_code()
+    assert {"KVMESH_DECODE_GEMV_MAX_M", "KVMESH_FP8_GEMV_MAX_M", "KVMESH_CACHE_DIR"} <= read   # the scan sees them
     assert read <= known_env_names(), read - known_env_names()
+
+
+def test_every_external_variable_is_read_by_code():
+    """EXTERNAL_ENV allows only names some code reads: an allowed name that nothing reads is a
+    setting that silently does nothing."""
+    from services.config import EXTERNAL_ENV, TUNING_ENV
+    assert EXTERNAL_ENV - _kvmesh_names_in_code() == set()
+    from gpu_worker.config import tuning_from_env
+    defaults = tuning_from_env({})
+    changed = {"KVMESH_DECODE_ATTENTION": "u+2p", "KVMESH_DECODE_GEMV_MAX_M": "2", "KVMESH_DECODE_GEMV_WEIGHTS": "fp8",
+               "KVMESH_DECODE_GEMV_FUSE": "1", "KVMESH_FP8_GEMV_MAX_M": "8", "KVMESH_PDL": "0"}
+    assert set(changed) == TUNING_ENV
+    for name, value in changed.items():                  # each one changes the engine's tuning
+        assert tuning_from_env({name: value}) != defaults, name
 
 
 @pytest.mark.parametrize("cls, argv, needle", [

@@ -21,13 +21,12 @@ accuracy without a GPU.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from gpu_worker.kernels.fp8_gemv import MAX_M as GEMV_MAX_ROWS, w8_gemv
 from gpu_worker.kernels.fp8_linear import Fp8Weight, fp8_linear, fp8_linear_ref, quantize_weight_fp8
+from gpu_worker.tuning import KernelTuning
 
 QUANTIZATIONS = ("fp8", "fp8_lm_head")
 
@@ -40,23 +39,23 @@ class Fp8Linear(nn.Module):
     inputs of 1..`gemv_max_m` rows (at most fp8_gemv.MAX_M) take the weight-only split-K GEMV
     of fp8_gemv.py instead (x unquantized, weights read once): on the H200 it reads the four
     Llama-8B layers in 68.9 us at M=1 and 87 us at M=4, against 132-135 us for cuBLASLt's fp8
-    GEMM and 115 us for bf16 cuBLAS (H200), hence 4 by default. Change it
-    process-wide with `Fp8Linear.gemv_max_m = N` (a class attribute, read at each forward:
-    before CUDA-graph capture) or the environment variable KVMESH_FP8_GEMV_MAX_M (read at import)."""
-    gemv_max_m = int(os.environ.get("KVMESH_FP8_GEMV_MAX_M", "4"))
+    GEMM and 115 us for bf16 cuBLAS (H200), hence 4 by default (KernelTuning.fp8_gemv_max_m,
+    given at construction)."""
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 gemv_max_m: int = KernelTuning().fp8_gemv_max_m):
         super().__init__()
+        self.gemv_max_m = gemv_max_m
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)                 # (N, K) float8_e4m3fn
         self.register_buffer("weight_scale", weight_scale)     # (N,) float32
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, gemv_max_m: int = KernelTuning().fp8_gemv_max_m) -> "Fp8Linear":
         q = quantize_weight_fp8(linear.weight.detach())
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(q.weight, q.scale, bias)
+        return cls(q.weight, q.scale, bias, gemv_max_m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # (T, K) -> (T, N) in x's dtype
         w = Fp8Weight(self.weight, self.weight_scale)
@@ -80,7 +79,7 @@ def gemv_operands(linear: nn.Module) -> GemvOperands | None:
     return None
 
 
-def quantize_linears_fp8(model: nn.Module) -> int:
+def quantize_linears_fp8(model: nn.Module, gemv_max_m: int = KernelTuning().fp8_gemv_max_m) -> int:
     """Replace every plain nn.Linear inside the decoder layers (`model.model.layers`: q/k/v,
     o_proj, gate_up, down) by an Fp8Linear, in place; returns how many were replaced. Sharded
     (tensor-parallel) or expert layers are not plain nn.Linear and stay as they are."""
@@ -89,18 +88,18 @@ def quantize_linears_fp8(model: nn.Module) -> int:
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(parent, name, Fp8Linear.from_linear(child))
+                    setattr(parent, name, Fp8Linear.from_linear(child, gemv_max_m))
                     replaced += 1
     return replaced
 
 
-def quantize_lm_head_fp8(model: nn.Module) -> None:
+def quantize_lm_head_fp8(model: nn.Module, gemv_max_m: int = KernelTuning().fp8_gemv_max_m) -> None:
     """Give the model's head an e4m3 copy of its weights (`model.head_fp8`, which compute_logits
     then uses): the lm_head's, or the embeddings' for a tied head. The bf16 lm_head is freed."""
     head = model.lm_head
     weight = (head.weight if head is not None else model.model.embed_tokens.weight).detach()
     q = quantize_weight_fp8(weight)
-    model.head_fp8 = Fp8Linear(q.weight, q.scale, None)
+    model.head_fp8 = Fp8Linear(q.weight, q.scale, None, gemv_max_m)
     if head is not None:
         head.weight = nn.Parameter(torch.empty(0, weight.shape[1], dtype=weight.dtype, device=weight.device),
                                    requires_grad=False)                 # 1 GB of Llama-8B's back

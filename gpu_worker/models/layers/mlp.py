@@ -8,10 +8,10 @@ from torch import nn
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)). gate_up_proj.weight = cat([gate_proj.weight, up_proj.weight])."""
-    kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype | None = None):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype | None = None, kernels=None):
         super().__init__()
+        self.kernels = kernels   # gpu_worker.models.layers.fused launchers (CUDA), or None: torch ops
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)

@@ -6,10 +6,9 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    kernels = None   # gpu_worker.models.layers.fused launchers (CUDA), set by CausalLM
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, kernels=None):
         super().__init__()
+        self.kernels = kernels   # gpu_worker.models.layers.fused launchers (CUDA), or None: torch ops
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))  # (dim,)
 

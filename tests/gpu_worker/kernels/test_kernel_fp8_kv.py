@@ -3,11 +3,11 @@ decode kernel's fp8 upcast variants (bf16 / fp16 dots, the e4m3 -> fp16 bit tric
 import pytest
 import torch
 
-import gpu_worker.kernels.paged_decode_attention as pda
 from gpu_worker.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref
 from gpu_worker.kernels.paged_decode_attention import (e4m3_to_f16_bits_ref, fp8_upcast_probe, fp8_upcast_probe_ref,
                                                        paged_decode_attention, paged_decode_attention_ref)
 from gpu_worker.kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from gpu_worker.tuning import DecodeAttentionTuning
 from test_kernel_paged_decode import make_paged
 
 F8 = torch.float8_e4m3fn
@@ -87,13 +87,13 @@ def test_fp8_cache_attention_matches_dequantized_reference(randn, rel_err):
         out = paged_decode_attention(q, kc, vc, tables, lens, 0.125, max_context_len=40, num_splits=splits,
                                      k_scale=ks, v_scale=vs, block_n=16, fp8_upcast="bf16")   # q's dtype: fp32 here
         assert rel_err(out, ref) < 1e-5
-    # the module default (whatever the fp8 sweep chose), with a sliding window and
+    # the tuning's default (whatever the fp8 sweep chose), with a sliding window and
     # query_start_loc rows
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
     out = paged_decode_attention(q, kc, vc, tables, lens, 0.125, max_context_len=40, num_splits=2,
                                  k_scale=ks, v_scale=vs, block_n=16, query_start_loc=qsl, sliding_window=20)
     ref_w = paged_decode_attention_ref(q, kc, vc, tables, lens, 0.125, k_scale=ks, v_scale=vs, sliding_window=20)
-    assert rel_err(out, ref_w) < (1e-5 if pda.FP8_UPCAST == "bf16" else FP16_DOTS_TOL)
+    assert rel_err(out, ref_w) < (1e-5 if DecodeAttentionTuning().fp8_upcast == "bf16" else FP16_DOTS_TOL)
     qsl = torch.tensor([0, 9, 10], dtype=torch.int32)
     q = randn(10, n_kv * group, d)
     out = paged_prefill_attention(q, kc, vc, tables, lens, qsl, 0.125, max_query_len=9, k_scale=ks, v_scale=vs,

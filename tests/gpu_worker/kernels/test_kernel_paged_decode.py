@@ -160,35 +160,40 @@ def test_merge_name_is_checked(randn):
                                0.1, max_context_len=5, num_splits=2, merge="atomic")
 
 
-def test_short_split_policy(monkeypatch):
-    """Short contexts split into partitions of SHORT_BLOCK_N-key tiles while that keeps <= 2
-    programs per SM, optionally in blocks of SHORT_HEADS_PER_PROGRAM query heads; long ones keep
-    choose_num_splits' 128-key tiles; SHORT_MAX_SPLITS 1 without head blocks is off."""
+def test_short_split_policy():
+    """Short contexts split into partitions of short_block_n-key tiles while that keeps <= 2
+    programs per SM, optionally in blocks of short_heads_per_program query heads; long ones keep
+    choose_num_splits' 128-key tiles; short_max_splits 1 without head blocks is off."""
+    from dataclasses import replace
+
     from gpu_worker.kernels import paged_decode_attention as pda
     from gpu_worker.kernels.paged_decode_attention import DecodeSplit
+    from gpu_worker.tuning import DecodeAttentionTuning
     cpu = torch.device("cpu")                        # num_sms: 132 off the GPU
-    monkeypatch.setattr(pda, "SHORT_MAX_SPLITS", 1)
-    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(1) and not DecodeSplit(1).fine
-    monkeypatch.setattr(pda, "SHORT_MAX_SPLITS", 8)
-    monkeypatch.setattr(pda, "SHORT_BLOCK_N", 16)
-    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(8, 16)
-    assert pda.choose_decode_split(32, 8, 512, cpu, 4) == DecodeSplit(2, 16)       # 256 programs
-    assert pda.choose_decode_split(64, 8, 512, cpu, 4) == DecodeSplit(1)           # fills the GPU
-    assert pda.choose_decode_split(1, 8, 10, cpu, 4) == DecodeSplit(1)             # one tile
-    assert pda.choose_decode_split(1, 8, 16384, cpu, 4) == DecodeSplit(pda.choose_num_splits(1, 8, 16384, cpu),
-                                                                     None, None, pda.LONG_NUM_WARPS)
-    monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", 1)                         # 32 programs at batch 1
-    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(8, 16, 1)
-    assert pda.choose_decode_split(16, 8, 512, cpu, 4) == DecodeSplit(1, 16, 1)    # 512 programs: no split
+
+    def split(t, *shape):
+        return pda.choose_decode_split(*shape[:3], cpu, shape[3], tuning=t)
+
+    t = DecodeAttentionTuning(short_max_splits=1)
+    assert split(t, 1, 8, 512, 4) == DecodeSplit(1) and not DecodeSplit(1).fine
+    t = replace(t, short_max_splits=8, short_block_n=16)
+    assert split(t, 1, 8, 512, 4) == DecodeSplit(8, 16)
+    assert split(t, 32, 8, 512, 4) == DecodeSplit(2, 16)       # 256 programs
+    assert split(t, 64, 8, 512, 4) == DecodeSplit(1)           # fills the GPU
+    assert split(t, 1, 8, 10, 4) == DecodeSplit(1)             # one tile
+    assert split(t, 1, 8, 16384, 4) == DecodeSplit(pda.choose_num_splits(1, 8, 16384, cpu, t),
+                                                   None, None, t.long_num_warps)
+    t = replace(t, short_heads_per_program=1)                  # 32 programs at batch 1
+    assert split(t, 1, 8, 512, 4) == DecodeSplit(8, 16, 1)
+    assert split(t, 16, 8, 512, 4) == DecodeSplit(1, 16, 1)    # 512 programs: no split
     assert DecodeSplit(1, 16, 1).fine
-    assert pda.choose_decode_split(1, 8, 512, cpu, 1) == DecodeSplit(8, 16)        # MHA: the group is 1 head
-    monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", 3)                         # not a divisor of 4
-    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(8, 16)
-    monkeypatch.setattr(pda, "SHORT_NUM_WARPS", 2)                                 # fine programs only
-    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(8, 16, None, 2)
-    monkeypatch.setattr(pda, "SHORT_MAX_SPLITS", 1)
-    monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", None)
-    assert pda.choose_decode_split(1, 8, 512, cpu, 4) == DecodeSplit(1)
+    assert split(t, 1, 8, 512, 1) == DecodeSplit(8, 16)        # MHA: the group is 1 head
+    t = replace(t, short_heads_per_program=3)                  # not a divisor of 4
+    assert split(t, 1, 8, 512, 4) == DecodeSplit(8, 16)
+    t = replace(t, short_num_warps=2)                          # fine programs only
+    assert split(t, 1, 8, 512, 4) == DecodeSplit(8, 16, None, 2)
+    t = replace(t, short_max_splits=1, short_heads_per_program=None)
+    assert split(t, 1, 8, 512, 4) == DecodeSplit(1)
     with pytest.raises(AssertionError):
         pda.choose_short_split(1, 8, pda.SHORT_SPLIT_CONTEXT + 1, cpu)
 
@@ -229,52 +234,45 @@ def test_blocks_of_query_heads(randn, rel_err, hpp, num_splits, merge):
                                  "u+3p", "S8x16", "s16x16+2p3", "u+2p0", "s16x16l0x128+2p1", "s16x16l64x0p4",
                                  "s16x16l64x128p0", "s16x16l64+2p", "l64x128p4", "s16x16l32x512p2b48",
                                  "s16x16l32x512p2w3"])
-def test_attention_config_strings(monkeypatch, bad):
-    """set_attention_config / attention_config round-trip the A/B strings; a bad one is refused
-    with the expected forms named."""
+def test_attention_config_strings(bad):
+    """DecodeAttentionTuning.parse / spec round-trip the A/B strings; a bad one is refused with the
+    expected forms named."""
     from gpu_worker.kernels import paged_decode_attention as pda
-    for name in ("SHORT_MAX_SPLITS", "SHORT_BLOCK_N", "SHORT_HEADS_PER_PROGRAM", "SHORT_NUM_WARPS", "SPLIT_MERGE",
-                 "MERGE_NUM_WARPS", "LONG_MAX_SPLITS", "LONG_MIN_TOKENS", "LONG_PROGRAMS_PER_SM", "LONG_BLOCK_N",
-                 "LONG_NUM_WARPS"):
-        monkeypatch.setattr(pda, name, getattr(pda, name))          # restored after the test
+    from gpu_worker.kernels.paged_decode_attention import DecodeSplit
+    from gpu_worker.tuning import DecodeAttentionTuning
+    parse = DecodeAttentionTuning.parse
     for cfg in ("u+2p", "u", "s8x16", "s2x32h1+2p", "s1x64h1", "s8x16w2", "s1x64h1w2+2p", "s16x16+2p1", "u+2p2",
                 "s16x16l64x128p4+2p1", "ul8x256p1", "s16x16l32x512p2b64+2p1", "s16x16l64x128p4b64w4+2p1",
                 "s16x16l32x512p2w4+2p1"):
-        pda.set_attention_config(cfg)
-        assert pda.attention_config() == cfg
-    pda.set_attention_config("s8x16h2w8")
-    assert (pda.SHORT_MAX_SPLITS, pda.SHORT_BLOCK_N, pda.SHORT_HEADS_PER_PROGRAM, pda.SHORT_NUM_WARPS,
-            pda.SPLIT_MERGE) == (8, 16, 2, 8, "last")
-    pda.set_attention_config("s16x16l64x128p4+2p1")        # long contexts: 64 splits at batch 1, 8 KV heads
-    assert (pda.LONG_MAX_SPLITS, pda.LONG_MIN_TOKENS, pda.LONG_PROGRAMS_PER_SM) == (64, 128, 4)
+        assert parse(cfg).spec() == cfg
+    t = parse("s8x16h2w8")
+    assert (t.short_max_splits, t.short_block_n, t.short_heads_per_program, t.short_num_warps,
+            t.merge) == (8, 16, 2, 8, "last")
+    t = parse("s16x16l64x128p4+2p1")                 # long contexts: 64 splits at batch 1, 8 KV heads
+    assert (t.long_max_splits, t.long_min_tokens, t.long_programs_per_sm) == (64, 128, 4)
     cpu = torch.device("cpu")
-    assert pda.choose_num_splits(1, 8, 16384, cpu) == 64 and pda.choose_num_splits(1, 8, 4096, cpu) == 32
-    from gpu_worker.kernels.paged_decode_attention import DecodeSplit
-    pda.set_attention_config("s16x16l32x512p2b64w4+2p1")         # long split programs' tiles
-    assert pda.choose_decode_split(1, 8, 16384, cpu, 4) == DecodeSplit(32, 64, None, 4)
-    assert pda.choose_decode_split(64, 8, 16384, cpu, 4) == DecodeSplit(1)   # unsplit: the kernel's tiles
-    pda.set_attention_config("s16x16+2p1")
-    assert (pda.LONG_MAX_SPLITS, pda.LONG_MIN_TOKENS, pda.LONG_PROGRAMS_PER_SM) == (32, 512, 2)
-    assert pda.choose_decode_split(1, 8, 16384, cpu, 4) == DecodeSplit(32, None, None, 8)   # 8 warps
-    # an fp8 cache's long split programs take LONG_NUM_WARPS_FP8 (None: the kernel's 4), any config
+    assert pda.choose_num_splits(1, 8, 16384, cpu, t) == 64 and pda.choose_num_splits(1, 8, 4096, cpu, t) == 32
+    t = parse("s16x16l32x512p2b64w4+2p1")            # long split programs' tiles
+    assert pda.choose_decode_split(1, 8, 16384, cpu, 4, tuning=t) == DecodeSplit(32, 64, None, 4)
+    assert pda.choose_decode_split(64, 8, 16384, cpu, 4, tuning=t) == DecodeSplit(1)   # unsplit: the kernel's tiles
+    t = parse("s16x16+2p1")
+    assert (t.long_max_splits, t.long_min_tokens, t.long_programs_per_sm) == (32, 512, 2)
+    assert pda.choose_decode_split(1, 8, 16384, cpu, 4, tuning=t) == DecodeSplit(32, None, None, 8)   # 8 warps
+    # an fp8 cache's long split programs take long_num_warps_fp8 (None: the kernel's 4), any config
     for kv in (torch.float8_e4m3fn, torch.float8_e5m2):
-        assert pda.choose_decode_split(1, 8, 16384, cpu, 4, kv) == DecodeSplit(32, None, None, pda.LONG_NUM_WARPS_FP8)
-    assert pda.choose_decode_split(1, 8, 16384, cpu, 4, torch.bfloat16) == DecodeSplit(32, None, None, 8)
-    assert pda.choose_decode_split(1, 8, 512, cpu, 4, torch.float8_e4m3fn) == DecodeSplit(16, 16)   # short: as bf16
+        assert pda.choose_decode_split(1, 8, 16384, cpu, 4, kv, t) == DecodeSplit(32, None, None, t.long_num_warps_fp8)
+    assert pda.choose_decode_split(1, 8, 16384, cpu, 4, torch.bfloat16, t) == DecodeSplit(32, None, None, 8)
+    assert pda.choose_decode_split(1, 8, 512, cpu, 4, torch.float8_e4m3fn, t) == DecodeSplit(16, 16)   # short: as bf16
     with pytest.raises(ValueError, match="expected u, sNxB, sNxBhH"):
-        pda.set_attention_config(bad)
+        parse(bad)
 
 
 def test_attention_config_from_the_environment():
-    """KVMESH_DECODE_ATTENTION is read at import; a bad value stops the import naming it."""
-    import os
-    import subprocess
-    import sys
-    code = "import gpu_worker.kernels.paged_decode_attention as p; print(p.attention_config())"
-    for value, ok in (("s8x16", True), ("u+2p", True), ("fast", False)):
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "KVMESH_DECODE_ATTENTION": value})
-        if ok:
-            assert proc.returncode == 0 and proc.stdout.strip() == value, proc.stderr
-        else:
-            assert proc.returncode != 0 and "KVMESH_DECODE_ATTENTION" in proc.stderr
+    """KVMESH_DECODE_ATTENTION is read when an engine config is built (tuning_from_env), not at
+    import; a bad value is refused naming the variable."""
+    from gpu_worker.config import tuning_from_env
+    for value in ("s8x16", "u+2p"):
+        assert tuning_from_env({"KVMESH_DECODE_ATTENTION": value}).decode_attention.spec() == value
+    assert tuning_from_env({}).decode_attention.spec() == "s16x16+2p1"
+    with pytest.raises(ValueError, match="KVMESH_DECODE_ATTENTION"):
+        tuning_from_env({"KVMESH_DECODE_ATTENTION": "fast"})

@@ -4,6 +4,7 @@ import torch
 
 from gpu_worker.attention.triton_backend import TritonAttentionBackend
 from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.tuning import KernelTuning
 
 torch_backend = pytest.importorskip("gpu_worker.attention.torch_backend")
 
@@ -74,17 +75,15 @@ def test_rope_kv_write_then_attend_equals_rope_then_forward(randn, rel_err):
 
 @pytest.mark.parametrize("head_dim", [64, 48])
 @pytest.mark.parametrize("short_split,merge,hpp", [(1, "two_pass", None), (8, "last", None), (1, "last", 1)])
-def test_decode_rope_attend_equals_rope_kv_write_then_attend(randn, rel_err, monkeypatch, head_dim,
-                                                             short_split, merge, hpp):
+def test_decode_rope_attend_equals_rope_kv_write_then_attend(randn, rel_err, head_dim, short_split, merge, hpp):
     """A pure-decode step's fused path (one kernel) against the two-kernel one, split and not
     (head_dim 48, not a power of two, always takes the two kernels); with the short-context split
     on (these contexts are short), the auto split (None) is fine-grained (key partitions merged in
     the launch, or a program per query head)."""
-    from gpu_worker.kernels import paged_decode_attention as pda
     from gpu_worker.kernels.rope import build_cos_sin_cache, rope_inv_freq
-    monkeypatch.setattr(pda, "SHORT_MAX_SPLITS", short_split)
-    monkeypatch.setattr(pda, "SPLIT_MERGE", merge)
-    monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", hpp)
+    from gpu_worker.tuning import DecodeAttentionTuning
+    tuning = KernelTuning(decode_attention=DecodeAttentionTuning(short_max_splits=short_split, merge=merge,
+                                                                 short_heads_per_program=hpp))
     n_heads, n_kv, page, n_blocks = 8, 2, 16, 40
     batch = make_batch([16, 40, 256], [1, 1, 1], page, 24, torch.randperm(n_blocks).int())
     T = batch.num_tokens
@@ -93,7 +92,7 @@ def test_decode_rope_attend_equals_rope_kv_write_then_attend(randn, rel_err, mon
     kc, vc = randn(n_blocks, page, n_kv, head_dim), randn(n_blocks, page, n_kv, head_dim)
     for splits in (None, 3):
         q2, k2, kc2, vc2 = q.clone(), k.clone(), kc.clone(), vc.clone()
-        backend = TritonAttentionBackend(decode_num_splits=splits)
+        backend = TritonAttentionBackend(decode_num_splits=splits, tuning=tuning)
         out = backend.decode_rope_attend(q, k, v, batch.positions, cs, kc, vc, batch, 0.125)
         backend.rope_kv_write(q2, k2, v, batch.positions, cs, kc2, vc2, batch.slot_mapping)
         ref = backend.attend(q2, kc2, vc2, batch, 0.125, k2, v)
@@ -138,11 +137,10 @@ def test_triton_backend_picks_the_prefill_kernel(randn, rel_err, monkeypatch, co
     assert calls == [kernel] * 2
     ref = torch_backend.TorchAttentionBackend().forward(q, k, v, kc.clone(), vc.clone(), batch, d ** -0.5)
     assert rel_err(out, ref) < 1e-5
-    monkeypatch.setattr(TritonAttentionBackend, "fresh_prefix", False)    # the benchmarks' A/B switches
-    calls.clear()
-    TritonAttentionBackend().forward(q, k, v, kc, vc, batch, d ** -0.5)
+    calls.clear()                                                     # the benchmarks' A/B switches
+    TritonAttentionBackend(tuning=KernelTuning(fresh_prefix=False)).forward(q, k, v, kc, vc, batch, d ** -0.5)
     assert calls == ["fresh_prefill_attention" if fresh else "paged_prefill_attention"]
-    monkeypatch.setattr(TritonAttentionBackend, "fresh_prefill", False)
     calls.clear()
-    TritonAttentionBackend().forward(q, k, v, kc, vc, batch, d ** -0.5)
+    TritonAttentionBackend(tuning=KernelTuning(fresh_prefix=False, fresh_prefill=False)).forward(
+        q, k, v, kc, vc, batch, d ** -0.5)
     assert calls == ["paged_prefill_attention"]

@@ -11,6 +11,7 @@ from test_model_parity import assert_close, build_batch, hf_logits, long_chunk_r
 
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.tuning import KernelTuning
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -52,9 +53,8 @@ def test_chunks_behind_a_prefix_cuda_match_hf(tiny_models, monkeypatch, arch):
     assert prefixes and all(prefixes), prefixes           # both prefill steps, every layer, behind a prefix
     assert_close(seqs, hf_logits(model_dir, [s.tokens for s in seqs], device="cuda"), FP32_TOL)
     seqs = long_chunk_run(model_dir, 1024, "cuda", torch.bfloat16)
-    monkeypatch.setattr(tb.TritonAttentionBackend, "fresh_prefix", False)
     calls = len(prefixes)
-    v2 = long_chunk_run(model_dir, 1024, "cuda", torch.bfloat16)
+    v2 = long_chunk_run(model_dir, 1024, "cuda", torch.bfloat16, KernelTuning(fresh_prefix=False))
     assert len(prefixes) == calls                         # v2 took every prefill step
     assert_close(seqs, [torch.stack(s.logits) for s in v2], rel_tol=0.05)
 
@@ -68,13 +68,12 @@ def test_bf16_cuda_close_to_hf_bf16(tiny_models, backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_residual_adds_inside_the_gemms_cuda(tiny_models, monkeypatch, dtype):
+def test_residual_adds_inside_the_gemms_cuda(tiny_models, dtype):
     """Every step with the residual added by cuBLAS's C input (normally prefill-sized steps only),
     the Triton kernels' plain RMSNorm after it: held to Hugging Face like the default path."""
-    from gpu_worker.models.decoder import DecoderLayer
-    monkeypatch.setattr(DecoderLayer, "residual_gemm_min_rows", 1)
     model_dir = tiny_models["llama"]
-    seqs, _ = three_step_run(model_dir, 1024, device="cuda", dtype=dtype, backend="triton")
+    seqs, _ = three_step_run(model_dir, 1024, device="cuda", dtype=dtype, backend="triton",
+                             tuning=KernelTuning(residual_gemm_min_rows=1))
     ref = hf_logits(model_dir, [s.tokens for s in seqs], device="cuda", dtype=dtype)
     assert_close(seqs, ref, FP32_TOL if dtype == torch.float32 else 0.1)
 
@@ -123,18 +122,17 @@ def build_batch_16(steps):
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])      # llama: RoPE + KV write fused into split attention
 @pytest.mark.parametrize("short_splits,merge,hpp", [(1, "two_pass", None), (8, "two_pass", None), (8, "last", None),
                                                     (1, "two_pass", 1)])
-def test_cuda_graph_decode_matches_eager(tiny_models, monkeypatch, arch, short_splits, merge, hpp):
+def test_cuda_graph_decode_matches_eager(tiny_models, arch, short_splits, merge, hpp):
     """Decode graphs (PDL where on) against eager steps and Hugging Face; with the short-context
     split on (these contexts are short: choose_short_split), merged in the launch or by a second
     kernel, or a program per query head. Eager steps keep the default kernels, so only the
     default graphs equal them to 1e-4; the others sum in other orders and are held to Hugging
     Face's logits and greedy tokens instead."""
-    from gpu_worker.kernels import paged_decode_attention as pda
-    monkeypatch.setattr(pda, "SHORT_MAX_SPLITS", short_splits)
-    monkeypatch.setattr(pda, "SPLIT_MERGE", merge)
-    monkeypatch.setattr(pda, "SHORT_HEADS_PER_PROGRAM", hpp)
+    from gpu_worker.tuning import DecodeAttentionTuning
+    tuning = KernelTuning(decode_attention=DecodeAttentionTuning(short_max_splits=short_splits, merge=merge,
+                                                                 short_heads_per_program=hpp))
     model_dir = tiny_models[arch]
-    seqs, runner = three_step_run(model_dir, 1024, device="cuda", backend="triton")
+    seqs, runner = three_step_run(model_dir, 1024, device="cuda", backend="triton", tuning=tuning)
     for s in seqs:
         s.tokens.append(77)
     decode = build_batch([(s, 1) for s in seqs])

@@ -20,6 +20,7 @@ from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers.rope import rope_inv_freq
+from gpu_worker.tuning import KernelTuning
 
 BLOCK = 4
 NUM_BLOCKS = 40
@@ -78,9 +79,9 @@ def hf_logits(model_dir: str, token_lists: list[list[int]], device: str = "cpu",
 
 
 def three_step_run(model_dir: str, vocab: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                   backend: str = "torch") -> tuple[list[Seq], ModelRunner]:
+                   backend: str = "torch", tuning: KernelTuning = KernelTuning()) -> tuple[list[Seq], ModelRunner]:
     runner = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device=device,
-                         dtype=dtype, attention_backend=backend)
+                         dtype=dtype, attention_backend=backend, tuning=tuning)
     runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
     g = torch.Generator().manual_seed(0)
     tok = lambda n: torch.randint(10, vocab, (n,), generator=g).tolist()  # noqa: E731
@@ -94,14 +95,15 @@ def three_step_run(model_dir: str, vocab: int, device: str = "cpu", dtype: torch
     return [a, b, c], runner
 
 
-def long_chunk_run(model_dir: str, vocab: int, device: str, dtype: torch.dtype = torch.float32) -> list[Seq]:
+def long_chunk_run(model_dir: str, vocab: int, device: str, dtype: torch.dtype = torch.float32,
+                   tuning: KernelTuning = KernelTuning()) -> list[Seq]:
     """three_step_run's pattern with chunks past 16 tokens on the Triton backend, so prefills run
     through fresh_prefill_attention behind a cached prefix (shorter chunks stay on v2):
         step 1: A prefill 40         | B prefill 24
         step 2: A chunk 33 (on 40)   | B decode 1 (on 24) | C prefill 20
         step 3: A decode             | B decode           | C decode"""
     runner = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device=device, dtype=dtype,
-                         attention_backend="triton")
+                         attention_backend="triton", tuning=tuning)
     runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
     g = torch.Generator().manual_seed(1)
     tok = lambda n: torch.randint(10, vocab, (n,), generator=g).tolist()    # noqa: E731
@@ -133,14 +135,14 @@ def test_ragged_paged_batches_match_hf(tiny_models, arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 def test_residual_adds_inside_the_gemms_match_hf(tiny_models, monkeypatch, arch):
     """Every step (ragged, chunked, decode) with the residual added in o_proj's and down_proj's
-    GEMMs (DecoderLayer.residual_gemm_min_rows, normally prefill-sized steps only)."""
+    GEMMs (KernelTuning.residual_gemm_min_rows, normally prefill-sized steps only)."""
     from gpu_worker.models.decoder import DecoderLayer
-    monkeypatch.setattr(DecoderLayer, "residual_gemm_min_rows", 1)
     calls = []
     real = DecoderLayer._forward_residual_gemm
     monkeypatch.setattr(DecoderLayer, "_forward_residual_gemm", lambda self, *a: calls.append(1) or real(self, *a))
     model_dir = tiny_models[arch]
-    seqs, runner = three_step_run(model_dir, ModelConfig.from_dir(model_dir).vocab_size)
+    seqs, runner = three_step_run(model_dir, ModelConfig.from_dir(model_dir).vocab_size,
+                                  tuning=KernelTuning(residual_gemm_min_rows=1))
     assert len(calls) == 3 * runner.config.num_layers
     assert_close(seqs, hf_logits(model_dir, [s.tokens for s in seqs]))
 

@@ -16,6 +16,7 @@ from gpu_worker.batch_builder import build_forward_batch
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.scheduler import ScheduledSeq
+from gpu_worker.tuning import KernelTuning
 
 
 def reference_kernels(calls: list | None = None) -> SimpleNamespace:
@@ -61,13 +62,13 @@ def prefill_mixed_decode(runner: ModelRunner) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
-def test_fused_path_matches_torch_path(arch, fuse, request, monkeypatch):
-    from gpu_worker.models.decoder import DecoderLayer
-    monkeypatch.setattr(DecoderLayer, "gemv_max_m", 2)        # the decode step has two rows
-    monkeypatch.setattr(DecoderLayer, "gemv_weights", "all")  # these weights are fp32
-    monkeypatch.setattr(DecoderLayer, "gemv_fuse", fuse)
+def test_fused_path_matches_torch_path(arch, fuse, request):
+    tuning = KernelTuning(decode_gemv_max_m=2,           # the decode step has two rows
+                          decode_gemv_weights="all",     # these weights are fp32
+                          decode_gemv_fuse=fuse)
     model_dir = request.getfixturevalue(arch)
-    runner = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device="cpu", dtype=torch.float32)
+    runner = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device="cpu", dtype=torch.float32,
+                         tuning=tuning)
     plain = prefill_mixed_decode(runner)
     calls = []
     runner.model.use_fused_kernels(reference_kernels(calls))
@@ -91,34 +92,36 @@ def test_warmup_batch_writes_nothing(tiny_llama):
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
 
 
-def test_decode_gemv_env_is_checked(monkeypatch):
-    """A bad KVMESH_DECODE_GEMV_* value stops the import with the variable's name, not later."""
-    from gpu_worker.models.decoder import _decode_gemv_env
-    monkeypatch.setenv("KVMESH_DECODE_GEMV_MAX_M", "2")
-    monkeypatch.setenv("KVMESH_DECODE_GEMV_WEIGHTS", "all")
-    monkeypatch.setenv("KVMESH_DECODE_GEMV_FUSE", "0")
-    assert _decode_gemv_env() == (2, "all", False)
-    monkeypatch.setenv("KVMESH_DECODE_GEMV_FUSE", "yes")
+def test_decode_gemv_env_is_checked():
+    """A bad KVMESH_DECODE_GEMV_* value stops the engine config with the variable's name, not later."""
+    from gpu_worker.config import tuning_from_env
+    env = {"KVMESH_DECODE_GEMV_MAX_M": "2", "KVMESH_DECODE_GEMV_WEIGHTS": "all", "KVMESH_DECODE_GEMV_FUSE": "0"}
+    t = tuning_from_env(env)
+    assert (t.decode_gemv_max_m, t.decode_gemv_weights, t.decode_gemv_fuse) == (2, "all", False)
     with pytest.raises(ValueError, match="KVMESH_DECODE_GEMV_FUSE"):
-        _decode_gemv_env()
-    monkeypatch.setenv("KVMESH_DECODE_GEMV_FUSE", "1")
-    monkeypatch.setenv("KVMESH_DECODE_GEMV_WEIGHTS", "bf16")
+        tuning_from_env({**env, "KVMESH_DECODE_GEMV_FUSE": "yes"})
     with pytest.raises(ValueError, match="KVMESH_DECODE_GEMV_WEIGHTS"):
-        _decode_gemv_env()
-    monkeypatch.setenv("KVMESH_DECODE_GEMV_MAX_M", "-1")
+        tuning_from_env({**env, "KVMESH_DECODE_GEMV_FUSE": "1", "KVMESH_DECODE_GEMV_WEIGHTS": "bf16"})
     with pytest.raises(ValueError, match="KVMESH_DECODE_GEMV_MAX_M"):
-        _decode_gemv_env()
+        tuning_from_env({**env, "KVMESH_DECODE_GEMV_MAX_M": "-1"})
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])   # qwen3's tiny model ties its head
-def test_head_runs_as_gemv_where_the_layers_do(arch, request, monkeypatch):
+def test_head_runs_as_gemv_where_the_layers_do(arch, request):
     """compute_logits sends the 16-bit head through the GEMV for the rows the decoder layers run
-    as GEMVs (gemv_max_m), with the head's weight (the embeddings when tied), and gives what the
-    matmul gives; more rows, head_gemv off, or gemv_weights "fp8" keep the matmul."""
-    from gpu_worker.models.decoder import CausalLM, DecoderLayer
-    monkeypatch.setattr(DecoderLayer, "gemv_max_m", 1)
+    as GEMVs (decode_gemv_max_m), with the head's weight (the embeddings when tied), and gives what
+    the matmul gives; more rows, head_gemv off, or decode_gemv_weights "fp8" keep the matmul."""
     model_dir = request.getfixturevalue(arch)
-    model = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device="cpu", dtype=torch.float32).model
+
+    def model_with(**tuning):
+        runner = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device="cpu", dtype=torch.float32,
+                             tuning=KernelTuning(decode_gemv_max_m=1, **tuning))
+        runner.model.use_fused_kernels(reference_kernels(calls))
+        return runner.model
+
+    calls = []
+    model = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, device="cpu", dtype=torch.float32,
+                        tuning=KernelTuning(decode_gemv_max_m=1)).model
     hidden = torch.randn(2, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     plain = model.compute_logits(hidden)
     calls = []
@@ -130,9 +133,27 @@ def test_head_runs_as_gemv_where_the_layers_do(arch, request, monkeypatch):
     head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
     assert (model.lm_head is None) == model.cfg.tie_word_embeddings and one.shape[1] == head.shape[0]
     assert torch.equal(model.compute_logits(hidden), plain) and len(calls) == 1     # 2 rows > gemv_max_m
-    monkeypatch.setattr(CausalLM, "head_gemv", False)
-    model.compute_logits(hidden[:1])
-    monkeypatch.setattr(CausalLM, "head_gemv", True)
-    monkeypatch.setattr(DecoderLayer, "gemv_weights", "fp8")
-    model.compute_logits(hidden[:1])
+    model_with(head_gemv=False).compute_logits(hidden[:1])
+    model_with(decode_gemv_weights="fp8").compute_logits(hidden[:1])
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])     # qwen3: per-head q/k norms too
+def test_model_is_built_with_its_launchers(arch, request):
+    """The launchers are a constructor argument: every norm, MLP, attention and layer holds them
+    from construction (nothing injected afterwards); use_fused_kernels(None) switches all of them
+    back to torch ops, and a model built without launchers has none anywhere."""
+    from gpu_worker.attention.torch_backend import TorchAttentionBackend
+    from gpu_worker.models.decoder import Attention, CausalLM, DecoderLayer
+    from gpu_worker.models.layers import GatedMLP, RMSNorm
+    cfg = ModelConfig.from_dir(request.getfixturevalue(arch))
+    kernels = reference_kernels()
+    with torch.device("meta"):
+        model = CausalLM(cfg, TorchAttentionBackend(), torch.float32, kernels=kernels)
+        plain = CausalLM(cfg, TorchAttentionBackend(), torch.float32)
+    kinds = (CausalLM, DecoderLayer, Attention, RMSNorm, GatedMLP)
+    holders = [m for m in model.modules() if isinstance(m, kinds)]
+    assert len(holders) >= 1 + 5 * cfg.num_layers + 1 and all(m.kernels is kernels for m in holders)
+    assert all(m.kernels is None for m in plain.modules() if isinstance(m, kinds))
+    model.use_fused_kernels(None)
+    assert all(m.kernels is None for m in holders)
