@@ -39,7 +39,7 @@ def pod_environment(docs: list[dict], container: dict, local: dict) -> dict[str,
         if name in env:
             env[name] = str(local["ports"].setdefault(int(env[name]), free_port()))
     env.update(KVMESH_HOST="127.0.0.1", KVMESH_ADVERTISE_HOST="127.0.0.1", KVMESH_REDIS_URL=local["redis_url"],
-               KVMESH_TRUST_DIR=str(local["trust_dir"]), KVMESH_HOME=str(local["home"] / ".kvmesh"),
+               KVMESH_TRUST_DIR=str(local["trust_dir"]),
                KVMESH_CACHE_DIR=str(local["home"] / ".cache"))
     return env
 
