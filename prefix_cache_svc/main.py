@@ -35,8 +35,7 @@ from services.protocol.kv_events import (
 )
 from services.redis_client import RedisAuth
 from services.registry import Registry
-from services.security.bundle import TrustError
-from services.security.curve import Plane, plane_for
+from services.security.curve import Plane, plane_or_exit
 from services.shell import run_until_signal
 from services.transport import Method, add_health, grpc_server, run_async, set_serving, unary_handler
 
@@ -306,9 +305,5 @@ def main(argv: list[str]) -> int:
     if not cfg.redis_url:
         log.error("--redis-url (or KVMESH_REDIS_URL) is required: Redis holds the registry and block ownership")
         return 2
-    try:
-        plane = plane_for(cfg, "prefix-cache")
-    except TrustError as exc:
-        log.error("%s", exc)
-        return 2
+    plane = plane_or_exit(cfg, "prefix-cache")
     return run_async(PrefixCacheService(cfg, plane).run())

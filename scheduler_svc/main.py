@@ -31,8 +31,7 @@ from services.logging import setup as setup_logging
 from services.protocol.messages import Abort, Dispatch, SchedulerInbox, Submit, WorkerStatus
 from services.redis_client import RedisAuth
 from services.registry import Membership, Registry, ServiceRecord
-from services.security.curve import Plane, plane_for, with_role
-from services.security.bundle import TrustError
+from services.security.curve import Plane, plane_or_exit, with_role
 from services.shell import run_until_signal
 from services.prefix_client import PrefixClient
 from services.prefix_hash import chain_hashes
@@ -242,9 +241,5 @@ def split_salt(salt: str) -> tuple[str, str]:
 def main(argv: list[str]) -> int:
     cfg = load_or_exit(SchedulerConfig, argv, "kvmesh scheduler")
     setup_logging("scheduler", cfg.log_level)
-    try:
-        plane = plane_for(cfg, "scheduler")
-    except TrustError as exc:
-        log.error("%s", exc)
-        return 2
+    plane = plane_or_exit(cfg, "scheduler")
     return run_async(SchedulerService(cfg, plane).run())

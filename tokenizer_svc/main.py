@@ -29,8 +29,7 @@ from services.protocol.messages import (Abort, DetokenizeReply, DetokenizeReques
                                        TokenizeReply, TokenizeRequest)
 from services.redis_client import RedisAuth
 from services.registry import Registry
-from services.security.bundle import TrustError
-from services.security.curve import Plane, plane_for, with_role
+from services.security.curve import Plane, plane_or_exit, with_role
 from services.shell import run_until_signal
 from services.tokenize import PromptTooLong, TokenizeError, detokenize_off_loop, tokenize_off_loop
 from services.transport import (
@@ -154,9 +153,5 @@ def main(argv: list[str]) -> int:
     if not cfg.model:
         log.error("--model (or KVMESH_MODEL) is required: the directory holding tokenizer.json")
         return 2
-    try:
-        plane = plane_for(cfg, "tokenizer")
-    except TrustError as exc:
-        log.error("%s", exc)
-        return 2
+    plane = plane_or_exit(cfg, "tokenizer")
     return run_async(TokenizerService(cfg, plane).run())

@@ -42,8 +42,7 @@ from services.model_names import path_aliases, served_names
 from services.protocol.messages import Abort, Dispatch, WorkerInbox
 from services.redis_client import RedisAuth
 from services.registry import Lease, Registry
-from services.security.bundle import TrustError
-from services.security.curve import Plane, plane_for, with_role
+from services.security.curve import Plane, plane_or_exit, with_role
 from services.shell import arm_stop_deadline
 from services.transport import SenderPool, SyncReceiver, add_health, grpc_server, run_async, set_serving, tcp_addr
 
@@ -316,9 +315,5 @@ def main(argv: list[str]) -> int:
     if not cfg.model and not cfg.null_model:
         log.error("--model (or KVMESH_MODEL) is required")
         return 2
-    try:
-        plane = plane_for(cfg, "worker")
-    except TrustError as exc:
-        log.error("%s", exc)
-        return 2
+    plane = plane_or_exit(cfg, "worker")
     return run_async(WorkerService(cfg, plane).run())

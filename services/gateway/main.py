@@ -13,8 +13,7 @@ from services.gateway.backend import Backend
 from services.gateway.connections import ConnectionLimits, LimitedHttpProtocol, ensure_fd_room
 from services.gateway.disconnects import LogDisconnects
 from services.logging import setup as setup_logging
-from services.security.bundle import TrustError
-from services.security.curve import Plane, plane_for
+from services.security.curve import Plane, plane_or_exit
 from services.transport import run_async
 
 log = logging.getLogger("kvmesh.gateway")
@@ -65,11 +64,7 @@ def main(argv: list[str]) -> int:
     if cfg.local_detokenizer and not cfg.local_tokenizer:
         log.error("--local-detokenizer needs --local-tokenizer DIR (the model's tokenizer, to turn tokens into text)")
         return 2
-    try:
-        plane = plane_for(cfg, "gateway")
-    except TrustError as exc:
-        log.error("%s", exc)
-        return 2
+    plane = plane_or_exit(cfg, "gateway")
     return run_async(serve(cfg, plane))
 
 

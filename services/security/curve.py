@@ -118,6 +118,16 @@ def plane_for(cfg: Any, role: str) -> Plane:
     return Plane.load(cfg.trust_dir, role)
 
 
+def plane_or_exit(cfg: Any, role: str) -> Plane:
+    """plane_for for a service's main(): missing or unreadable trust material logs its one-line
+    reason and exits 2, as a bad flag does (kvmesh serve's supervisor does not restart exit 2)."""
+    try:
+        return plane_for(cfg, role)
+    except TrustError as exc:
+        log.error("%s", exc)
+        raise SystemExit(2) from None
+
+
 class _ZapResponder(threading.Thread):
     """Answers libzmq's ZAP requests for every CURVE server socket of this process.
 
