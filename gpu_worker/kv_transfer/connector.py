@@ -73,13 +73,8 @@ class KVConsumer(abc.ABC):
     def written_directly(self, request_id: str) -> bool:
         """A transport that wrote the missing blocks itself (NIXL's READ) says so here, in place of
         frames; complete(Done(request_id, 0)) then admits the request. False if unknown."""
-        rx = self._rx.get(request_id)
-        if rx is None or not self.engine.is_importing(request_id):
-            return False
-        rx.covered[:] = True
-        self.blocks_received += rx.covered.shape[1]
-        return True
 
+    @abc.abstractmethod
     def complete(self, done: Done) -> Ack | Fail: ...
 
     @abc.abstractmethod
