@@ -38,8 +38,9 @@ def find_server_binary() -> str:
                            "or pass --redis-url") from exc
 
 
-def _die_with_parent() -> None:
-    """Linux: the server gets SIGTERM when the process that started it dies (no orphans)."""
+def die_with_parent() -> None:
+    """Linux (a Popen preexec_fn): the child gets SIGTERM when the process that started it dies
+    without stopping it (no orphans)."""
     try:
         import ctypes
         import signal
@@ -76,7 +77,7 @@ class EmbeddedRedis:
         binary = find_server_binary()
         self._dir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
         self._proc = subprocess.Popen([binary, self._write_config()], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
+                                      stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

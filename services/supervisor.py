@@ -17,27 +17,17 @@ The embedded Redis is watched the same way (`watch_redis`) and restarted on its 
 from __future__ import annotations
 
 import logging
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 
-from services.embedded_redis import EmbeddedRedis
+from services.embedded_redis import EmbeddedRedis, die_with_parent
 from services.restart_policy import GiveUp, RestartPolicy, describe_exit
 
 log = logging.getLogger("kvmesh.serve")
 CONFIG_REFUSED = 2        # load_or_exit's and the worker's exit code for a refused setting
 GATEWAY_STOP_S = 7.0      # the gateway drains its streams for up to 5 s (uvicorn's graceful shutdown)
 STOP_TIMEOUT_S = 10.0     # then everything else, together
-
-
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if `kvmesh serve` dies without stopping it (no orphans)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 @dataclass
@@ -80,7 +70,7 @@ class Supervisor:
         self.redis.policy.started(now)
 
     def _launch(self, child: Child, now: float) -> None:
-        child.proc = subprocess.Popen(child.cmd, preexec_fn=_die_with_parent, env=child.env)
+        child.proc = subprocess.Popen(child.cmd, preexec_fn=die_with_parent, env=child.env)
         child.policy.started(now)
         child.restart_at = None
         log.info("started %s (pid %d)", child.name, child.proc.pid)
