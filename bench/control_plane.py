@@ -27,7 +27,7 @@ socket, keys from a fresh trust directory); `--curve off` runs them with
 --insecure-internal-planes; `--curve both` runs the whole measurement both ways `--repeat` times,
 alternating the order (off-on, on-off, ...) so that a change in the machine's load hits both
 alike, prints the median of each measure both ways and the difference, and writes every run to
-bench/results/control_plane_curve_<time>.json (issue #30's target: at most 5% fewer streamed
+bench/results/control_plane_curve_<time>.json (the target: at most 5% fewer streamed
 tokens/s and 0.2 ms more TTFT with CURVE).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The gateway's intake under hostile or heavy input (issue #29, items 2 and 3): a prompt too long
+"""The gateway's intake under hostile or heavy input: a prompt too long
 to fit is refused by its characters before it is tokenized, long prompts tokenize off the event
 loop (/health keeps answering), /tokenize's answer is bounded, slow clients are timed out, a
 burst past the connection limit is refused cleanly, and a client leaving mid-body is one log line.
