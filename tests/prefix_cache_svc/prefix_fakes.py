@@ -1,6 +1,6 @@
 """Test helpers: a stand-in for the engine's BlockManager (the listener + snapshot contract only),
 pumping a publisher / following it from an index over real sockets, and the CURVE planes of both
-ends (`planes()`: the worker and prefix-cache roles of one trust directory per test session)."""
+ends (`planes()`: the worker and prefix-cache roles of one trust directory per pytest process)."""
 from __future__ import annotations
 
 import asyncio
