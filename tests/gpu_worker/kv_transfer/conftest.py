@@ -12,7 +12,8 @@ from gpu_worker.kv_transfer.connector import EngineKVConsumer, EngineKVProducer
 from gpu_worker.kv_transfer.local import hand_off
 from gpu_worker.kv_transfer.messages import Ack
 from services.protocol.sampling import SamplingParams
-from tests.gpu_worker.engine.conftest import ARCHS, HFReference
+# the engine tests' models and transformers references, shared rather than made twice
+from tests.gpu_worker.engine.conftest import arch_model, tiny_models  # noqa: F401  (fixtures)
 
 MAX_STEPS = 5_000        # every drive loop below is bounded
 
@@ -25,27 +26,9 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="session")
-def kv_models(tmp_path_factory) -> dict[str, str]:
-    from gpu_worker.make_model import make_model
-    root = tmp_path_factory.mktemp("kv_models")
-    return {arch: str(make_model(root / arch, arch=arch, size="tiny", progress=False)) for arch in ARCHS}
-
-
-_HF: dict[str, HFReference] = {}
-
-
-@pytest.fixture(params=ARCHS)
-def arch_model(request, kv_models) -> tuple[str, HFReference]:
-    arch = request.param
-    if arch not in _HF:
-        _HF[arch] = HFReference(kv_models[arch])
-    return kv_models[arch], _HF[arch]
-
-
 @pytest.fixture
-def llama(kv_models) -> str:
-    return kv_models["llama"]
+def llama(tiny_models) -> str:
+    return tiny_models["llama"]
 
 
 def prompt(n: int, seed: int) -> list[int]:
