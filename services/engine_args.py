@@ -58,8 +58,8 @@ class EngineArgs:
     attention_backend: str = opt("auto", "Engine: attention kernels (auto: triton on CUDA, torch elsewhere).",
                                  choices=("auto", "torch", "triton"))
     max_n: int = opt(16, "Engine: largest n (samples per request) accepted.", min=1)
-    model_id: str | None = opt(None, "Engine: identity mixed into prefix-cache block hashes (default: the model "
-                                     "directory's name).", unset="")
+    model_id: str | None = opt(None, "Engine: identity mixed into prefix-cache block hashes; none: the model "
+                                     "directory's name.", unset="")
     cpu_kv_cache_bytes: int = opt(1 << 30, "Engine, CPU only, without num_gpu_blocks: most bytes the KV cache "
                                            "may take.", min=1)
     enforce_eager: bool = opt(False, "Engine: never use CUDA graphs (by default decode steps, and lone short "

@@ -63,9 +63,14 @@ def build_engine(cfg: WorkerConfig) -> Any:
         return NullEngine(vocab_size=vocab, max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size,
                           num_blocks=cfg.num_gpu_blocks or 65536, max_model_len=cfg.max_model_len or 4096,
                           step_ms=cfg.null_step_ms)
-    from gpu_worker.config import EngineConfig
     from gpu_worker.engine import Engine
-    return Engine(EngineConfig(**engine_args_of(cfg)))
+    return Engine(engine_config(cfg))
+
+
+def engine_config(cfg: WorkerConfig) -> Any:
+    """The EngineConfig of the worker's engine fields (all of EngineArgs'; tuning from the env)."""
+    from gpu_worker.config import EngineConfig
+    return EngineConfig(**engine_args_of(cfg))
 
 
 def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
