@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     s.add_argument("--logprobs", type=int, default=None, help="also print the top-N logprobs of each token")
-    e = ap.add_argument_group("engine", "Every engine field, with LLM(...)'s offline defaults (docs/services.md); "
-                                        "--model is required; --seed also seeds every prompt's samples.")
+    e = ap.add_argument_group("engine", "Every engine field, with LLM(...)'s offline defaults (docs/services.md). "
+                                        "The model directory is required; the engine seed also seeds every "
+                                        "prompt's samples.")
     add_flags(e, _ENGINE_FIELDS, env=False)
     e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
                    default=argparse.SUPPRESS, help="same as --no-enable-prefix-caching")

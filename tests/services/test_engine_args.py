@@ -197,3 +197,26 @@ def test_served_engine_args_differ_from_offline_only_where_declared():
     for f in dataclasses.fields(ServedEngineArgs):
         expected = SERVED_DEFAULTS[f.name].default if f.name in SERVED_DEFAULTS else FIELDS[f.name].default
         assert f.default == expected, f.name
+
+
+@pytest.mark.parametrize("command, defaults", [("serve", SERVED), ("worker", SERVED), ("generate", OFFLINE)])
+def test_cli_help_lists_every_engine_flag_once_with_its_default(command, defaults):
+    """`kvmesh <command> --help` as a user runs it: every engine flag once, with the default that
+    entry point applies (generate's are LLM(...)'s)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KVMESH_")}
+    out = subprocess.run([sys.executable, "-m", "services.cli", command, "--help"], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())       # argparse wraps help lines
+    for name in ENGINE_FIELDS:
+        flag = flag_name(name)
+        # an option's entry is the one line that starts with two spaces and the flag
+        assert len(re.findall(rf"^  {re.escape(flag)}(?![\w-])", out.stdout, re.M)) == 1, (command, flag)
+    for name in SERVED_DEFAULTS:
+        entry = text[text.index(" " + flag_name(name)) + 1:]
+        shown = re.search(r"\(default: ([^)]*)\)", entry).group(1)
+        assert shown in (str(defaults[name]), repr(defaults[name])), (command, name, shown)
