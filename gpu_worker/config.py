@@ -3,7 +3,7 @@
 The fields, their help, bounds and offline defaults are services/engine_args.py's EngineArgs,
 the one list every entry point (LLM, kvmesh generate / worker / serve, Helm) is generated from.
 `EngineConfig.from_kwargs` rejects unknown names; `Engine` resolves the "auto"/None fields
-against the model and the device (see `resolved`).
+against the model and the device.
 
 `EngineConfig.tuning` (gpu_worker/tuning.py's KernelTuning) holds the kernel choices; its default
 is built at construction by `tuning_from_env`, the one place that reads the KVMESH_* tuning
@@ -19,7 +19,6 @@ from typing import Mapping
 from gpu_worker.tuning import DecodeAttentionTuning, KernelTuning
 from services.engine_args import EngineArgs
 from services.options import is_unset, out_of_bounds
-
 
 
 def tuning_from_env(env: Mapping[str, str] | None = None) -> KernelTuning:

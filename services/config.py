@@ -354,7 +354,7 @@ def build_parser(cls: type, prog: str, description: str = "") -> argparse.Argume
     add_flags(parser, tuple(f for f in fields if f.name not in ENGINE_FIELDS))
     engine = tuple(f for f in fields if f.name in ENGINE_FIELDS)
     if engine:
-        add_flags(parser.add_argument_group("engine", "The engine's fields (docs/services.md, Engine)."), engine)
+        add_flags(parser.add_argument_group("engine", "The engine's fields (docs/services.md, \"The engine\")."), engine)
     return parser
 
 
