@@ -102,16 +102,22 @@ class ServedDefault(NamedTuple):
     why: str
 
 
-# The served defaults that differ from the offline ones. Offline runs are judged by throughput
-# (a whole batch at once); serving by time to first token and inter-token latency under load.
+# The served defaults that differ from the offline ones, and why each use has its own. Offline
+# runs are judged by throughput (a whole batch at once); serving by time to first token and
+# inter-token latency under load.
 SERVED_DEFAULTS: dict[str, ServedDefault] = {
-    "max_num_seqs": ServedDefault(128, "fewer sequences per step keep each step short, so every running "
-                                       "request gets its next token sooner"),
-    "max_num_batched_tokens": ServedDefault(1536, "the prefill chunk riding with the decodes sets the "
-                                                  "inter-token latency: 1,536 kept p99 ITL at 41 ms on the "
-                                                  "H200 at concurrency 64 (BENCHMARKS.md)"),
-    "async_scheduling": ServedDefault(True, "preparing step N+1 while the GPU runs step N was faster on the "
-                                            "H200 at every serving load (BENCHMARKS.md)"),
+    "max_num_seqs": ServedDefault(128, "offline, 512 sequences (with 8,192 tokens) a step put every offline line "
+                                       "of BENCHMARKS.md level with or ahead of vLLM's defaults; served, a "
+                                       "smaller batch keeps each step, and so each running request's next "
+                                       "token, short (the H200 serving lines ran with 128)"),
+    "max_num_batched_tokens": ServedDefault(1536, "offline, 8,192 tokens a step prefill an 8k prompt at once "
+                                                  "(2,048 chunked it four times and trailed vLLM's long "
+                                                  "prefills); served, the prefill chunk riding with the decodes "
+                                                  "sets the inter-token latency: 1,536 kept p99 ITL at 41 ms on "
+                                                  "the H200 at concurrency 64 (BENCHMARKS.md)"),
+    "async_scheduling": ServedDefault(True, "served, preparing step N+1 while the GPU runs step N was faster on "
+                                            "the H200 at every serving load (BENCHMARKS.md); the offline lines "
+                                            "were measured without it"),
 }
 
 
@@ -119,8 +125,8 @@ def _with_served_defaults(cls: type) -> type:
     """`cls` with SERVED_DEFAULTS' defaults; everything else about each field (type, help,
     bounds) stays the one EngineArgs declares."""
     by_name = {f.name: f for f in dataclasses.fields(cls)}
-    fields = [(name, by_name[name].type, dataclasses.field(default=served.default, metadata={
-        **by_name[name].metadata, "served_why": served.why})) for name, served in SERVED_DEFAULTS.items()]
+    fields = [(name, by_name[name].type, dataclasses.field(default=served.default, metadata=by_name[name].metadata))
+              for name, served in SERVED_DEFAULTS.items()]
     return dataclasses.make_dataclass("ServedEngineArgs", fields, bases=(cls,), frozen=True,
                                       namespace={"__module__": __name__,
                                                  "__doc__": "The engine's fields with the served defaults "
