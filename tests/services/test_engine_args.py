@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from gpu_worker.cli_generate import _engine_args
 from gpu_worker.cli_generate import build_parser as generate_parser
@@ -20,7 +26,7 @@ from services.config import ServeConfig, WorkerConfig, build_parser, env_name, f
 from services.engine_args import ENGINE_FIELDS, SERVED_DEFAULTS, EngineArgs, ServedEngineArgs
 from services.launcher import _engine_flags
 from services.options import out_of_bounds
-from tests.helm.chart import CHART, FULLNAME, RELEASE, containers, env_of, helm, run_helm  # noqa: F401
+from tests.helm.chart import CHART, RELEASE, containers, env_of, helm, run_helm  # noqa: F401 (helm: a fixture)
 
 # EngineConfig fields that are deliberately no flag, with the way they are set instead.
 NOT_FLAGS = {"tuning": "the KVMESH_* tuning variables (services/config.py's TUNING_ENV), read when "
@@ -131,8 +137,7 @@ def test_llm_takes_every_field_as_a_keyword(samples):
         assert getattr(config, name) == value, name
 
 
-def _worker_pods(helm: str, values: dict, tmp_path) -> dict[str, dict]:
-    import yaml
+def _worker_pods(helm: str, values: dict, tmp_path: Path) -> dict[str, dict]:
     out = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", "llm", values=values, tmp=tmp_path)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"]
@@ -203,11 +208,7 @@ def test_served_engine_args_differ_from_offline_only_where_declared():
 def test_cli_help_lists_every_engine_flag_once_with_its_default(command, defaults):
     """`kvmesh <command> --help` as a user runs it: every engine flag once, with the default that
     entry point applies (generate's are LLM(...)'s)."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KVMESH_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     out = subprocess.run([sys.executable, "-m", "services.cli", command, "--help"], capture_output=True, text=True,
                          timeout=120, env=env, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
