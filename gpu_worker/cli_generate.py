@@ -5,31 +5,29 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
+from typing import Any
 
+from services.config import ConfigError, add_flags, convert_flag, flag_name
+from services.engine_args import EngineArgs
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 
-# SamplingParams / EngineConfig field -> the flag that sets it (errors name the flag).
+# SamplingParams field -> the flag that sets it (errors name the flag).
 _SAMPLING_FLAGS = {
     "max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
     "min_p": "--min-p", "n": "--n", "seed": "--seed", "stop": "--stop", "logprobs": "--logprobs",
     "min_tokens": "--min-tokens", "repetition_penalty": "--repetition-penalty",
     "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+    "prompt_token_ids": "--prompt",
 }
-_ENGINE_FLAGS = {
-    "max_model_len": "--max-model-len", "num_gpu_blocks": "--num-gpu-blocks", "device": "--device",
-    "dtype": "--dtype", "block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens", "attention_backend": "--attention-backend",
-    "gpu_memory_utilization": "--gpu-memory-utilization",
-}
-_FLAGS = {**_SAMPLING_FLAGS, **_ENGINE_FLAGS, "prompt_token_ids": "--prompt"}
+_ENGINE_FIELDS = dataclasses.fields(EngineArgs)
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvmesh generate", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="Hugging Face model directory")
     ap.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     ap.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
     s = ap.add_argument_group("sampling")
@@ -43,31 +41,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--presence-penalty", type=float, default=0.0)
     s.add_argument("--frequency-penalty", type=float, default=0.0)
     s.add_argument("--n", type=int, default=1, help="samples per prompt")
-    s.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible samples)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     s.add_argument("--logprobs", type=int, default=None, help="also print the top-N logprobs of each token")
-    e = ap.add_argument_group("engine")
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--num-gpu-blocks", type=int, default=None)
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--no-prefix-caching", action="store_true")
+    e = ap.add_argument_group("engine", "Every engine field, with LLM(...)'s offline defaults (docs/services.md). "
+                                        "The model directory is required; the engine seed also seeds every "
+                                        "prompt's samples.")
+    add_flags(e, _ENGINE_FIELDS, env=False)
+    e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
+                   default=argparse.SUPPRESS, help="same as --no-enable-prefix-caching")
     ap.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     return ap
+
+
+def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine fields given on the command line, as their types; LLM(...) has the defaults."""
+    return {f.name: convert_flag(f, getattr(args, f.name)) for f in _ENGINE_FIELDS
+            if getattr(args, f.name) is not None}
 
 
 def _flag_error(ap: argparse.ArgumentParser, err: Exception) -> int:
     """Print err with the field named as its command-line flag; exit code 2."""
     message = str(err)
     match = re.search(r"engine argument (\w+)", message) or re.search(r"invalid (\w+)", message)
-    if match and match.group(1) in _FLAGS:
-        message = f"{_FLAGS[match.group(1)]}: {message}"
+    if match and match.group(1) in _SAMPLING_FLAGS:
+        message = f"{_SAMPLING_FLAGS[match.group(1)]}: {message}"
+    elif match and match.group(1) in EngineArgs.__dataclass_fields__:
+        message = f"{flag_name(match.group(1))}: {message}"
     ap.print_usage(sys.stderr)
     print(f"kvmesh generate: error: {message}", file=sys.stderr)
     return 2
@@ -77,10 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
+        engine_args = _engine_args(args)
+    except ConfigError as err:
+        return _flag_error(ap, err)
+    if not engine_args.get("model"):
+        ap.error("the following arguments are required: --model")
+    try:
         params = SamplingParams(
             n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+            frequency_penalty=args.frequency_penalty, seed=engine_args.get("seed"), max_tokens=args.max_tokens,
             min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
         params.validate()
     except SamplingParamsError as err:
@@ -88,9 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from gpu_worker.llm import LLM
     from gpu_worker.outputs import RequestError
-    engine_args = {name: getattr(args, name) for name in _ENGINE_FLAGS}
     try:
-        llm = LLM(model=args.model, enable_prefix_caching=not args.no_prefix_caching, **engine_args)
+        llm = LLM(**engine_args)
     except (ValueError, OSError) as err:
         if "engine argument" in str(err):
             return _flag_error(ap, err)

@@ -1,7 +1,9 @@
 """EngineConfig: every knob of one engine, named as in vLLM so users need not relearn them.
 
-Each field's comment is its `--help` text. `EngineConfig.from_kwargs` rejects unknown names;
-`Engine` resolves the "auto"/None fields against the model and the device (see `resolved`).
+The fields, their help, bounds and offline defaults are services/engine_args.py's EngineArgs,
+the one list every entry point (LLM, kvmesh generate / worker / serve, Helm) is generated from.
+`EngineConfig.from_kwargs` rejects unknown names; `Engine` resolves the "auto"/None fields
+against the model and the device.
 
 `EngineConfig.tuning` (gpu_worker/tuning.py's KernelTuning) holds the kernel choices; its default
 is built at construction by `tuning_from_env`, the one place that reads the KVMESH_* tuning
@@ -15,12 +17,8 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from gpu_worker.tuning import DecodeAttentionTuning, KernelTuning
-
-_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
-_DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("auto", "torch", "triton")
-_QUANTIZATIONS = (None, "fp8", "fp8_lm_head")
-_KV_CACHE_DTYPES = ("auto", "fp8")
+from services.engine_args import EngineArgs
+from services.options import is_unset, out_of_bounds
 
 
 def tuning_from_env(env: Mapping[str, str] | None = None) -> KernelTuning:
@@ -60,124 +58,31 @@ def tuning_from_env(env: Mapping[str, str] | None = None) -> KernelTuning:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model: str
-    """Path of a Hugging Face model directory (config.json, *.safetensors, tokenizer files)."""
-    max_num_seqs: int = 256
-    """Most sequences (samples) in one step's batch."""
-    max_num_batched_tokens: int = 2048
-    """Most tokens (decode tokens + prefill chunks) in one step's batch."""
-    max_model_len: int | None = None
-    """Longest sequence (prompt + output) in tokens; default: the model's
-    max_position_embeddings, capped by the KV-cache capacity (and by max_num_batched_tokens when
-    chunked prefill is off)."""
-    block_size: int = 16
-    """Tokens per KV-cache block."""
-    enable_prefix_caching: bool = True
-    """Reuse KV blocks of identical prompt prefixes (same model, same cache_salt)."""
-    enable_chunked_prefill: bool = True
-    """Split long prompts into chunks that share steps with running decodes."""
-    num_gpu_blocks: int | None = None
-    """KV-cache blocks to allocate; default: profiled from free GPU memory, or a CPU budget."""
-    gpu_memory_utilization: float = 0.9
-    """This engine's share of the GPU's total memory (weights + activations + KV cache), vLLM's
-    meaning: memory other processes or engines already hold is not charged, so two engines at
-    0.45 share one GPU; asking for more than is free is an error."""
-    dtype: str = "auto"
-    """Weights/activations dtype: auto (the model's dtype on GPU, fp32 on CPU; fp32 models run
-    in bf16 on GPU), float32, float16, bfloat16."""
-    device: str = "auto"
-    """cuda, cpu or auto (cuda when available)."""
-    seed: int = 0
-    """Engine seed: weights init of random layers and the seed of requests that give none."""
-    attention_backend: str = "auto"
-    """torch (reference, any device), triton (GPU), or auto (triton on GPU when available)."""
-    max_n: int = 16
-    """Largest n (samples per request) accepted."""
-    model_id: str | None = None
-    """Identity mixed into prefix-cache block hashes (default: the model directory's name)."""
-    cpu_kv_cache_bytes: int = 1 << 30
-    """CPU only, when num_gpu_blocks is not given: most bytes the KV cache may take."""
-    enforce_eager: bool = False
-    """Never use CUDA graphs (by default decode steps replay graphs captured at startup on CUDA
-    with the triton attention backend)."""
-    async_scheduling: bool = False
-    """Schedule and launch step N+1 while step N runs on the GPU: its decode inputs are step N's
-    sampled tokens, read on the device; step() then returns step N's deltas (one step late).
-    Hides the host's per-step work behind the GPU's. Steps where a request uses penalties (they
-    need the tokens on the host) run one at a time."""
-    cuda_graph_max_bs: int = 1024
-    """Largest decode batch captured in a CUDA graph (capped by max_num_seqs, so only engines
-    allowed more than 512 sequences capture past vLLM's 512); larger decode batches run eagerly.
-    At 1,024 sequences, graphs up to 1,024 rows made vLLM's ShareGPT-like run 2.2% faster than
-    graphs up to 512 (on the H200), for ~3 s more capture."""
-    prefill_graph_max_tokens: int = 1024
-    """A step whose only sequence prefills at most this many tokens of its prompt (all of it, or
-    the part after a cached prefix) replays a CUDA graph captured at startup (sizes every 32
-    tokens; 0: none). Eager prefills that short are host-bound: this is the time to first token
-    of a lone request, and of a chat's next turn."""
-    piecewise_graph_max_tokens: int = 0
-    """Steps of 5 to this many tokens (capped by max_num_batched_tokens) that no whole-step graph
-    serves (prefill beside decodes, several prompts) replay the model between attentions from
-    CUDA graphs captured at startup, attention itself running eagerly (sizes every 64 tokens;
-    not with tensor parallelism or MoE layers). Launched eagerly, such a step costs ~18 ms of
-    Python on the H200's host, more than its GPU time up to ~1,000 tokens. 0 (the default): none,
-    since on the H200's concurrency-64 serving load they sped up host-bound steps of ~576
-    tokens and changed nothing from 768 tokens up, where the GPU's work is the bound
-    (BENCHMARKS.md; try 2048)."""
-    tensor_parallel_size: int = 1
-    """GPUs one worker shards the model over (attention heads, MLP, vocabulary; one all-reduce
-    per sub-layer); ranks 1.. run as child processes of the worker. 1 = no parallelism."""
-    enable_expert_parallel: bool = False
-    """MoE models with tensor_parallel_size > 1: place whole experts on ranks (all-to-all token
-    dispatch) instead of splitting every expert across all ranks."""
-    quantization: str | None = None
-    """Weight quantization: None (weights in `dtype`) or "fp8" (vLLM's dynamic FP8: the decoder
-    layers' linear weights in e4m3 with one scale per output channel, activations quantized per
-    token at run time; embeddings and lm_head stay in `dtype`, as in vLLM) or "fp8_lm_head" (the
-    same plus the lm_head in e4m3: half of the head's 1 GB read per decode step of Llama-8B, at
-    the cost of the logits' precision). Best on Hopper GPUs; elsewhere the same maths runs
-    dequantized."""
-    kv_cache_dtype: str = "auto"
-    """KV-cache storage: auto (the model's dtype) or fp8 (float8_e4m3fn, one byte per element:
-    twice the blocks of a 16-bit cache for the same memory). K and V are stored divided by a
-    per-tensor scale of 1.0 (vLLM's default without calibration) and dequantized when read."""
+class EngineConfig(EngineArgs):
+    """One engine's configuration: services/engine_args.py's EngineArgs (every flag-settable
+    field, with its help and bounds, and the offline defaults) plus the kernel tuning."""
+
     tuning: KernelTuning = field(default_factory=tuning_from_env)
     """Kernel choices (gpu_worker/tuning.py): decode-attention splits and tiles, the decode GEMV
-    path, PDL. Default: the H200-measured defaults with the KVMESH_* overrides of the
-    environment (tuning_from_env), read when the config is built."""
+    path, PDL. No flag: the H200-measured defaults with the KVMESH_* overrides of the environment
+    (tuning_from_env), read when the config is built."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"invalid engine argument {name}: {why}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_n", "cuda_graph_max_bs",
-                     "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise bad(name, f"must be at least 1, got {getattr(self, name)}")
-        for name in ("prefill_graph_max_tokens", "piecewise_graph_max_tokens"):
-            if getattr(self, name) < 0:
-                raise bad(name, f"must be at least 0, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
-        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
-            raise bad("num_gpu_blocks", f"must be at least 1, got {self.num_gpu_blocks}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.dtype not in _DTYPES:
-            raise bad("dtype", f"must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.device not in _DEVICES and not self.device.startswith("cuda:"):
-            raise bad("device", f"must be one of {', '.join(_DEVICES)} or cuda:N, got {self.device!r}")
-        if self.attention_backend not in _BACKENDS:
-            raise bad("attention_backend", f"must be one of {', '.join(_BACKENDS)}, got {self.attention_backend!r}")
-        if self.quantization not in _QUANTIZATIONS:
-            raise bad("quantization", f"must be one of {', '.join(map(str, _QUANTIZATIONS))}, got {self.quantization!r}")
-        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
-            raise bad("kv_cache_dtype", f"must be one of {', '.join(_KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if not self.model:
+            raise bad("model", "give the model directory")
+        for f in dataclasses.fields(EngineArgs):
+            value = getattr(self, f.name)
+            if is_unset(value, f.metadata):        # 0 / "": the served configs' "not set"
+                object.__setattr__(self, f.name, None)
+                continue
+            why = out_of_bounds(value, f.metadata)
+            if why:
+                raise bad(f.name, f"{why}, got {value!r}")
         if self.kv_cache_dtype == "fp8" and self.tensor_parallel_size > 1:
             raise bad("kv_cache_dtype", "'fp8' is not supported with tensor_parallel_size > 1 yet; use 'auto'")
-        if self.cpu_kv_cache_bytes < 1:
-            raise bad("cpu_kv_cache_bytes", "must be positive")
         if not isinstance(self.tuning, KernelTuning):
             raise bad("tuning", f"must be a gpu_worker.tuning.KernelTuning, got {type(self.tuning).__name__}")
 

@@ -17,12 +17,14 @@ import argparse
 import dataclasses
 import difflib
 import os
-import re
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, TypeVar, Union
+
+from services.engine_args import ENGINE_FIELDS, ServedEngineArgs
+from services.options import opt, out_of_bounds  # opt: re-exported, every service declares its fields with it
 
 ENV_PREFIX = "KVMESH_"
 # KVMESH_* variables read outside this config tree (left alone by the unknown-name check), each
@@ -57,37 +59,21 @@ def check_bind_host(host: str) -> None:
                           "default; the pod IP on Kubernetes; 0.0.0.0 only to listen on every interface)")
 
 
-def opt(default: Any, help: str, **meta: Any) -> Any:
-    """A config field: its default and its --help text, plus what values it takes: choices=(...),
-    min= / max= (inclusive), above= (exclusive lower bound), pattern= (a full-match regex)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **meta})
-    return field(default=default, metadata={"help": help, **meta})
-
-
 PORT = {"min": 1, "max": 65535}
 ANY_PORT = {"min": 0, "max": 65535}           # 0: any free port
 METRICS_PORT = {"min": -1, "max": 65535}      # 0: any free port, -1: off
 HEALTH_PORT_HELP = ("Plaintext gRPC port answering only grpc.health.v1, for Kubernetes probes (they hold no "
                     "client certificate for the mutual-TLS --port); -1: none, 0: any free port.")
-DEVICE = {"pattern": r"auto|cpu|cuda(:[0-9]+)?", "expected": "auto, cpu, cuda or cuda:N"}
 
 
 def check_bounds(cfg: Any) -> None:
-    """Every field's min / max / above / pattern (opt's metadata), so that a bad value fails when
-    the config is made, naming its flag, not later inside the process it configures."""
+    """Every field's choices / min / max / above / pattern (opt's metadata), so that a bad value
+    fails when the config is made, naming its flag, not later inside the process it configures."""
     for f in dataclasses.fields(cfg):
-        value, meta, name = getattr(cfg, f.name), f.metadata, flag_name(f.name)
-        if isinstance(value, bool) or value is None:
-            continue
-        if "min" in meta and value < meta["min"]:
-            raise ConfigError(f"{name}={value!r} must be at least {meta['min']}")
-        if "max" in meta and value > meta["max"]:
-            raise ConfigError(f"{name}={value!r} must be at most {meta['max']}")
-        if "above" in meta and not value > meta["above"]:
-            raise ConfigError(f"{name}={value!r} must be greater than {meta['above']}")
-        if "pattern" in meta and not re.fullmatch(meta["pattern"], str(value)):
-            raise ConfigError(f"{name}={value!r} must be {meta.get('expected') or 'a match of ' + meta['pattern']}")
+        value = getattr(cfg, f.name)
+        why = out_of_bounds(value, f.metadata)
+        if why:
+            raise ConfigError(f"{flag_name(f.name)}={value!r} {why}")
 
 
 # ----------------------------------------------------------------------------- service configs
@@ -197,52 +183,19 @@ class SchedulerConfig(ServiceConfig):
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """Engine fields that `kvmesh worker` takes and `kvmesh serve` hands to every worker it starts."""
+class WorkerConfig(ServedEngineArgs, ServiceConfig):
+    """`kvmesh worker`: one engine (one GPU or tensor-parallel group) serving dispatched requests.
+    Its engine fields are services/engine_args.py's, with the served defaults."""
 
-    max_num_seqs: int = opt(128, "Engine: most sequences in one step.", min=1)
-    max_num_batched_tokens: int = opt(1536, "Engine: most tokens in one step (the prefill chunk riding with the decodes: "
-                                            "1536 kept p99 ITL at 41 ms on the H200 at concurrency 64, BENCHMARKS.md).",
-                                            min=1)
-    max_model_len: int = opt(0, "Engine: longest prompt + output (0: the model's limit).", min=0)
-    num_gpu_blocks: int = opt(0, "Engine: KV blocks (0: profiled / CPU budget).", min=0)
-    dtype: str = opt("auto", "Engine: auto, float32, float16, bfloat16.",
-                     choices=("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float"))
-    gpu_memory_utilization: float = opt(0.9, "Engine: this worker's share of its GPU's total memory for "
-                                             "weights, activations and KV (two workers at 0.45 share one GPU).",
-                                             above=0, max=1)
-    quantization: str = opt("", "Engine: weight quantization ('' none, fp8: e4m3 weights, per-channel scales; "
-                                "fp8_lm_head: the lm_head in e4m3 too).", choices=("", "fp8", "fp8_lm_head"))
-    kv_cache_dtype: str = opt("auto", "Engine: KV-cache storage (auto: the model's dtype; fp8: e4m3, "
-                                      "scale 1.0, twice the blocks for the same memory).",
-                              choices=("auto", "fp8"))
-    async_scheduling: bool = opt(True, "Engine: prepare step N+1 on the CPU while the GPU runs step N "
-                                       "(on by default: faster on the H200 at every load, BENCHMARKS.md).")
-    attention_backend: str = opt("auto", "Engine: attention kernels (auto: triton on CUDA, torch on CPU).",
-                                 choices=("auto", "torch", "triton"))
-
-
-@dataclass(frozen=True)
-class WorkerConfig(EngineSettings, ServiceConfig):
-    """`kvmesh worker`: one engine (one GPU or tensor-parallel group) serving dispatched requests."""
-
-    model: str = opt("", "Model directory (config.json, *.safetensors, tokenizer.json).")
     served_model_name: list = opt([], "Comma-separated names clients use in `model`; the first is listed first "
                                       "by /v1/models and carried by responses (default: the model directory's "
                                       "name). The --model path is accepted too.")
     role: str = opt("mixed", "Pool of this worker.", choices=("mixed", "prefill", "decode"))
-    device: str = opt("auto", "auto, cpu, cuda or cuda:N.", **DEVICE)
     worker_id: str = opt("", "Stable id (e.g. the pod name); default: host-pid-random.")
     port: int = opt(50053, "gRPC port (grpc.health.v1).", **ANY_PORT)
     health_port: int = opt(-1, HEALTH_PORT_HELP, **METRICS_PORT)
     zmq_port: int = opt(5559, "ZMQ port receiving dispatches and aborts (0: any free port).", **ANY_PORT)
     metrics_port: int = opt(9103, "Prometheus /metrics port (0: any free port, -1: off).", **METRICS_PORT)
-    block_size: int = opt(16, "Engine: tokens per KV block.", min=1)
-    seed: int = opt(0, "Engine seed.")
-    enable_prefix_caching: bool = opt(True, "Engine: reuse KV blocks of shared prompt prefixes.")
-    tensor_parallel_size: int = opt(1, "Engine: GPUs one worker shards the model over (one rank per GPU).", min=1)
-    enable_expert_parallel: bool = opt(False, "Engine: MoE experts placed whole on ranks (all-to-all) "
-                                              "instead of split across ranks.")
     kv_events: bool = opt(True, "Publish KV-cache events (PUB) and serve snapshots for the prefix-cache index.")
     kv_events_port: int = opt(0, "Port of the KV-event PUB socket the prefix-cache index subscribes to (0: any free "
                                  "port; fix it where a firewall or NetworkPolicy names ports).", **ANY_PORT)
@@ -254,15 +207,15 @@ class WorkerConfig(EngineSettings, ServiceConfig):
 
 
 @dataclass(frozen=True)
-class ServeConfig(EngineSettings):
-    """`kvmesh serve`: the whole stack on one machine (each service its own process)."""
+class ServeConfig(ServedEngineArgs):
+    """`kvmesh serve`: the whole stack on one machine (each service its own process). Its engine
+    fields (services/engine_args.py, served defaults) go to every worker it starts."""
 
     model: str = opt("", "Model directory; default: a small built-in random model made on first use.")
     workers: int = opt(1, "Number of GPU worker processes (mixed role).", min=1)
     redis_url: str = opt("", "Use this Redis instead of starting an embedded one.")
     host: str = opt("127.0.0.1", "Bind address of the gateway (internal services always use loopback).")
     port: int = opt(8000, "HTTP port of the gateway.", **PORT)
-    device: str = opt("auto", "auto, cpu, cuda (workers take cuda:0, cuda:1, ... when several GPUs exist).", **DEVICE)
     api_key: list = opt([], "Comma-separated API keys required by the gateway.")
     served_model_name: list = opt([], "Comma-separated names clients use in `model`; the first is listed first "
                                       "by /v1/models and carried by responses (default: the model directory's "
@@ -378,20 +331,36 @@ def check_env(env: Mapping[str, str]) -> None:
             raise ConfigError(f"unknown environment variable {name}{hint}")
 
 
-def build_parser(cls: type, prog: str, description: str = "") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip(),
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(cls):
+def add_flags(parser: Any, fields: tuple[dataclasses.Field, ...], env: bool = True) -> None:
+    """One flag per field on `parser` (or an argument group): its help, its default and, with
+    `env`, the KVMESH_* variable that sets it too. Every flag parses to None when not given, so
+    the caller knows what was set (convert_flag turns the text into the field's type)."""
+    for f in fields:
         tp, _ = _base_type(f.type)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_ = f"{f.metadata.get('help', '')} [env {env_name(f.name)}]"
+        help_ = f.metadata.get("help", "") + (f" [env {env_name(f.name)}]" if env else "")
         if tp is bool:
             parser.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=help_ + f" (default: {default})")
         else:
             parser.add_argument(flag_name(f.name), dest=f.name, metavar=f.name.upper(), default=None,
                                 help=help_ + f" (default: {default!r})")
+
+
+def build_parser(cls: type, prog: str, description: str = "") -> argparse.ArgumentParser:
+    """`cls`'s flags; the engine's (services/engine_args.py) in a group of their own."""
+    parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip())
+    fields = dataclasses.fields(cls)
+    add_flags(parser, tuple(f for f in fields if f.name not in ENGINE_FIELDS))
+    engine = tuple(f for f in fields if f.name in ENGINE_FIELDS)
+    if engine:
+        add_flags(parser.add_argument_group("engine", "The engine's fields (docs/services.md, \"The engine\")."), engine)
     return parser
+
+
+def convert_flag(f: dataclasses.Field, given: Any) -> Any:
+    """A flag's parsed value (text, or a bool from --x / --no-x) as field `f`'s type."""
+    return given if isinstance(given, bool) else _convert(f, given, flag_name(f.name))
 
 
 def parse_config(cls: type[C], argv: list[str], prog: str, env: Mapping[str, str] | None = None) -> C:
@@ -403,7 +372,7 @@ def parse_config(cls: type[C], argv: list[str], prog: str, env: Mapping[str, str
     for f in dataclasses.fields(cls):
         given = getattr(args, f.name)
         if given is not None:
-            values[f.name] = given if isinstance(given, bool) else _convert(f, given, flag_name(f.name))
+            values[f.name] = convert_flag(f, given)
         elif env_name(f.name) in env:
             values[f.name] = _convert(f, env[env_name(f.name)], env_name(f.name))
     try:
@@ -454,13 +423,15 @@ def _bounds_text(meta: Mapping[str, Any]) -> str:
     return ""
 
 
-def flags_markdown(cls: type, without: type | None = None) -> str:
+def flags_markdown(cls: type, without: type | tuple[type, ...] = ()) -> str:
     """The Markdown table of `cls`'s flags (docs/services.md holds these; a test keeps them true):
-    flag, environment variable, default, help. `without`: leave out the fields of this base."""
-    skip = {f.name for f in dataclasses.fields(without)} if without is not None else set()
+    flag, environment variable, default, help. `without`: leave out the fields `cls` takes
+    unchanged from these bases (a field it declares again, with its own help, stays)."""
+    bases = without if isinstance(without, tuple) else (without,) if without else ()
+    inherited = {(f.name, f.metadata.get("help")) for base in bases for f in dataclasses.fields(base)}
     rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        if (f.name, f.metadata.get("help")) in inherited:
             continue
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
         if isinstance(default, list):

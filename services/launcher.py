@@ -31,7 +31,6 @@ What a restart means for requests in flight:
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 import os
@@ -44,7 +43,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from services.config import EngineSettings, ServeConfig, load_or_exit, reachable_host, to_argv
+from services.config import ServeConfig, load_or_exit, reachable_host, to_argv
+from services.engine_args import ServedEngineArgs, engine_args_of
 from services.embedded_redis import EmbeddedRedis
 from services.redis_client import RedisAuth
 from services.registry import ServiceRecord, list_records
@@ -86,9 +86,9 @@ def _gpu_count() -> int:
 
 
 def _engine_flags(cfg: ServeConfig) -> list[str]:
-    """The worker flags that reproduce serve's engine settings (EngineSettings, the fields both
-    configs share; defaults are left out, as the workers have the same ones)."""
-    return to_argv(EngineSettings(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineSettings)}))
+    """The worker flags that reproduce serve's engine fields (defaults are left out: the workers
+    have the same served defaults); the model and the device are given per worker."""
+    return to_argv(ServedEngineArgs(**engine_args_of(cfg)), skip=("model", "device"))
 
 
 class Stack:

@@ -37,6 +37,7 @@ from typing import Any
 from gpu_worker.service.core import SCHEDULER, Envelope, WorkerCore
 from services import metrics
 from services.config import WorkerConfig, load_or_exit
+from services.engine_args import engine_args_of
 from services.logging import setup as setup_logging
 from services.model_names import path_aliases, served_names
 from services.protocol.messages import Abort, Dispatch, WorkerInbox
@@ -62,17 +63,14 @@ def build_engine(cfg: WorkerConfig) -> Any:
         return NullEngine(vocab_size=vocab, max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size,
                           num_blocks=cfg.num_gpu_blocks or 65536, max_model_len=cfg.max_model_len or 4096,
                           step_ms=cfg.null_step_ms)
-    from gpu_worker.config import EngineConfig
     from gpu_worker.engine import Engine
-    return Engine(EngineConfig(
-        model=cfg.model, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=cfg.max_model_len or None, block_size=cfg.block_size,
-        enable_prefix_caching=cfg.enable_prefix_caching, num_gpu_blocks=cfg.num_gpu_blocks or None,
-        dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
-        gpu_memory_utilization=cfg.gpu_memory_utilization, attention_backend=cfg.attention_backend,
-        quantization=cfg.quantization or None, kv_cache_dtype=cfg.kv_cache_dtype,
-        async_scheduling=cfg.async_scheduling,
-        tensor_parallel_size=cfg.tensor_parallel_size, enable_expert_parallel=cfg.enable_expert_parallel))
+    return Engine(engine_config(cfg))
+
+
+def engine_config(cfg: WorkerConfig) -> Any:
+    """The EngineConfig of the worker's engine fields (all of EngineArgs'; tuning from the env)."""
+    from gpu_worker.config import EngineConfig
+    return EngineConfig(**engine_args_of(cfg))
 
 
 def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:

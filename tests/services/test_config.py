@@ -112,7 +112,7 @@ def test_every_external_variable_is_read_by_code():
     (ServeConfig, ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization=0.0 must be greater than 0"),
     (ServeConfig, ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 must be at most 1"),
     (ServeConfig, ["--max-num-seqs", "0"], "--max-num-seqs=0 must be at least 1"),
-    (ServeConfig, ["--max-model-len", "-1"], "--max-model-len=-1 must be at least 0"),
+    (ServeConfig, ["--max-model-len", "-1"], "--max-model-len=-1 must be at least 2"),
     (ServeConfig, ["--device", "tpu"], "--device='tpu' must be auto, cpu, cuda or cuda:N"),
     (ServeConfig, ["--dtype", "int8"], "--dtype='int8' must be one of"),
     (WorkerConfig, ["--redis-url", "redis://x", "--metrics-port", "-2"], "--metrics-port=-2 must be at least -1"),

@@ -95,8 +95,17 @@ KVMESH_* environment entries from a settings map: `{max-num-seqs: 8}` -> KVMESH_
 {{- define "kvmesh.configEnv" -}}
 {{- range $key, $value := . }}
 - name: {{ printf "KVMESH_%s" ($key | replace "-" "_" | replace "." "_" | upper) }}
-  value: {{ $value | toString | quote }}
+  value: {{ include "kvmesh.settingText" $value | quote }}
 {{- end }}
+{{- end }}
+
+{{/*
+A setting's value as the text a flag takes. Helm reads every number of the values as a float, and
+prints large whole ones in exponent form (2147483648 as 2.147483648e+09), which an integer flag
+refuses: whole numbers are printed as integers.
+*/}}
+{{- define "kvmesh.settingText" -}}
+{{- if and (kindIs "float64" .) (eq . (floor .)) }}{{ int64 . }}{{ else }}{{ toString . }}{{ end }}
 {{- end }}
 
 {{/*
