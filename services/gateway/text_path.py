@@ -26,7 +26,7 @@ from services.protocol.messages import (
 from services.registry import ServiceRecord
 from services.security.bundle import Trust
 from services.text.streams import DetokCore
-from services.tokenize import (
+from services.text.requests import (
     PromptTooLong, TokenizeError, check_chars, detokenize_off_loop, prompt_chars, tokenize_off_loop)
 
 
