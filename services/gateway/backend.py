@@ -82,7 +82,7 @@ class Job:
 
     @property
     def first_read(self) -> float:
-        """monotonic: when the first text with tokens was read off the inbox."""
+        """monotonic: when the first text with tokens was ready to write."""
         return self.core_job.first_read
 
     async def _next(self) -> Any:
@@ -292,6 +292,11 @@ class Backend:
         self.carry_out(self.core.close(job.core_job.id, time.monotonic()))
 
     def carry_out(self, out: Outbox) -> None:
+        if out.first_text:   # the upstream stage ends once their text is ready (detokenized here, too)
+            ready = time.monotonic()
+            for core_job in out.first_text:
+                core_job.first_read = ready
+                metrics.GATEWAY_UPSTREAM.observe(ready - core_job.submitted_at)
         for job_id, item in out.deliver:
             if (job := self.jobs.get(job_id)) is not None:
                 job.queue.put_nowait(item)

@@ -29,7 +29,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from services import metrics
 from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
     Abort, Admitted, Rejected, RequestFailed, StepOutput, StreamOpen, TextBatch, TextDelta, failure_of)
@@ -64,6 +63,7 @@ class Delivery(NamedTuple):
 class Outbox:
     deliver: list[Delivery] = field(default_factory=list)
     send: list[Envelope] = field(default_factory=list)
+    first_text: list[Job] = field(default_factory=list)   # jobs whose first tokens this call brought
 
 
 @dataclass
@@ -78,7 +78,8 @@ class Job:
     phase: Phase = Phase.SUBMITTED
     waiting: set[str] = field(default_factory=set)                   # prompts not yet admitted
     unfinished: set[tuple[str, int]] = field(default_factory=set)    # (request id, sample) not ended
-    first_read: float = 0.0              # when the first text with tokens arrived (0: none yet)
+    first_read: float = 0.0              # when the first tokens' text was ready (the shell's clock; 0: not yet)
+    tokens_seen: bool = False            # text with tokens arrived
     index: dict[str, int] = field(default_factory=dict)              # request id -> prompt index
 
     @property
@@ -213,9 +214,9 @@ class GatewayCore:
                 continue
             if job.phase is Phase.SUBMITTED:   # text overtook the admission: it was admitted
                 self._admitted(job, d.request_id, now, out)
-            if not job.first_read and d.num_new_tokens:
-                job.first_read = now
-                metrics.GATEWAY_UPSTREAM.observe(now - job.submitted_at)
+            if not job.tokens_seen and d.num_new_tokens:
+                job.tokens_seen = True
+                out.first_text.append(job)
             job.phase = Phase.STREAMING
             job.deadline = now + self.request_timeout_s
             out.deliver.append(Delivery(job.id, (job.index[d.request_id], d)))

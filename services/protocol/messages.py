@@ -227,5 +227,5 @@ class DetokenizeReply(Msg, tag="detokenized", kw_only=True):
 SchedulerInbox = Union[Submit, Abort, WorkerStatus]
 WorkerInbox = Union[Dispatch, Abort]
 DetokInbox = Union[StreamOpen, StepOutput, Abort]
-# a gateway with --local-detokenizer is its requests' detokenizer too: it takes DetokInbox's messages
+# a gateway with --text-in-gateway is its requests' detokenizer too: it takes DetokInbox's messages
 GatewayInbox = Union[Admitted, Rejected, RequestFailed, TextBatch, StreamOpen, StepOutput, Abort]

@@ -60,7 +60,9 @@ def test_a_request_streams_then_finishes_and_later_text_is_dropped():
     assert job.phase is Phase.ADMITTED
     out = core.step([TextBatch(deltas=[delta("r1", "he")])], 2.0)
     assert items(out) == [(0, delta("r1", "he"))] and job.phase is Phase.STREAMING
-    core.step([TextBatch(deltas=[delta("r1", "llo", finish="length")])], 3.0)
+    assert out.first_text == [job]          # the shell ends the job's upstream stage
+    out = core.step([TextBatch(deltas=[delta("r1", "llo", finish="length")])], 3.0)
+    assert out.first_text == []
     assert job.phase is Phase.FINISHED
     late = core.step([TextBatch(deltas=[delta("r1", "x")]), RequestFailed(request_id="r1", status=500, code="c",
                                                                            message="m")], 4.0)
