@@ -232,9 +232,6 @@ def main() -> int:
                     "when --model is not given (128256: Llama-3.1-8B's, and the 8b model's tokenizer)")
     ap.add_argument("--skip-throughput", action="store_true", help="TTFT at idle only (no lone-stream and "
                     "throughput phases)")
-    ap.add_argument("--detokenize-in-gateway", action=argparse.BooleanOptionalAction, default=True,
-                    help="the tokenizing gateway also detokenizes (--local-detokenizer, as `kvmesh serve` "
-                         "starts it); --no-detokenize-in-gateway streams through the tokenizer service")
     ap.add_argument("--curve", choices=("on", "off", "both"), default="on",
                     help="CURVE on the internal ZMQ planes (as `kvmesh serve` runs), off "
                          "(--insecure-internal-planes), or both: compared and saved under bench/results/")
@@ -280,8 +277,7 @@ def run_stack(args: argparse.Namespace, model: str, tmp: Path, curve: bool) -> d
             ["scheduler", *common, *internal],
             ["worker", *common, *internal, "--model", model, "--null-model", "--served-model-name", "bench",
              "--max-num-seqs", "512"],
-            ["gateway", *common, "--port", str(port), "--zmq-port", "0", "--local-tokenizer", model,
-             *(["--local-detokenizer"] if args.detokenize_in_gateway else [])],
+            ["gateway", *common, "--port", str(port), "--zmq-port", "0", "--text-in-gateway", "--model", model],
             ["gateway", *common, "--port", str(grpc_port), "--zmq-port", "0"]]
     procs = [subprocess.Popen([sys.executable, "-m", "services.cli", *c], cwd=ROOT, env=env) for c in cmds]
     try:

@@ -11,7 +11,7 @@ The stages and their clocks are drawn in services/metrics.py. Every one is a dur
 inside one process; `hops_ms` is what the gateway's upstream stage (Submit sent -> first text delta
 read) holds beyond the scheduler's, the worker's and the detokenizer's own stages: the ZMQ hops
 between them (wake-ups and transfers; four, or three when the gateway detokenizes itself with
---local-detokenizer). At concurrency 1 every stage counts once per request; with more, a
+--text-in-gateway). At concurrency 1 every stage counts once per request; with more, a
 detokenizer step can carry several requests' first tokens, so `hops_ms` is approximate.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ STAGE_HISTOGRAMS = (  # (results key, where scraped, histogram): means over a ru
     ("worker_admit", "worker", "kvmesh_worker_request_admit_seconds"),
     ("worker_first_sync", "worker", "kvmesh_worker_first_token_sync_seconds"),
     ("worker_first_send", "worker", "kvmesh_worker_first_token_send_seconds"),
-    ("detok_first_token", ("tokenizer", "gateway"), "kvmesh_detok_first_token_seconds"),  # gateway: --local-detokenizer
+    ("detok_first_token", ("tokenizer", "gateway"), "kvmesh_detok_first_token_seconds"),  # gateway: --text-in-gateway
 )
 WHERE = ("gateway", "scheduler", "worker", "tokenizer")
 

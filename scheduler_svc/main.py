@@ -40,7 +40,7 @@ from services.transport import Receiver, SenderPool, add_health, grpc_server, ru
 
 log = logging.getLogger("kvmesh.scheduler")
 # message -> the roles that may send it ("tokenizer": a detokenizer's stop string; a gateway with
-# --local-detokenizer sends its stop strings as the gateway role)
+# --text-in-gateway sends its stop strings as the gateway role)
 SENDERS = {Submit: ("gateway",), Abort: ("gateway", "tokenizer"), WorkerStatus: ("worker",)}
 RECENT_MAX_BLOCKS = 256   # leading blocks of a prompt remembered as dispatched (at most ~0.5 ms of hashing)
 

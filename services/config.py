@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import os
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, TypeVar, Union
+from typing import Any, Callable, ClassVar, Literal, Mapping, NamedTuple, TypeVar, Union
 
 from services.engine_args import ENGINE_FIELDS, ServedEngineArgs
 from services.options import opt, out_of_bounds  # opt: re-exported, every service declares its fields with it
@@ -57,6 +58,15 @@ def check_bind_host(host: str) -> None:
     if not host.strip():
         raise ConfigError("--host / KVMESH_HOST is empty: give the address to bind (127.0.0.1 by "
                           "default; the pod IP on Kubernetes; 0.0.0.0 only to listen on every interface)")
+
+
+class Deprecated(NamedTuple):
+    """An old field name still accepted as a flag and a KVMESH_* variable; each use logs one
+    warning naming what replaces it."""
+
+    name: str                                         # the old field name: --old-name, KVMESH_OLD_NAME
+    takes_value: bool                                 # False: a switch (--old-name / --no-old-name)
+    means: Callable[[str], dict[str, str]]            # its value ("true"/"false" for a switch) -> new fields
 
 
 PORT = {"min": 1, "max": 65535}
@@ -131,13 +141,21 @@ class GatewayConfig(ServiceConfig):
     tokenize_threads: int = opt(4, "Threads tokenizing long prompts (and detokenizing long id lists) off the event "
                                    "loop; more wait their turn.", min=1)
     tokenizer_addr: str = opt("", "host:port of tokenizer gRPC servers, comma-separated (default: from Redis).")
-    local_tokenizer: str = opt("", "Model directory: when set, prompts are tokenized in this process (one "
-                                   "network hop less per request) instead of by the tokenizer service over gRPC; "
-                                   "detokenization stays in the tokenizer service unless --local-detokenizer.")
-    local_detokenizer: bool = opt(False, "With --local-tokenizer: workers send this gateway its requests' tokens and "
-                                         "it streams their text itself (one process hop less for every token, "
-                                         "the first included) instead of through the tokenizer service.")
+    text_in_gateway: bool = opt(False, "Make text in this process: tokenize prompts and turn the workers' tokens "
+                                       "into text (one hop less per request and per token; needs --model); "
+                                       "--no-text-in-gateway: the tokenizer services do both.")
+    model: str = opt("", "Model directory holding tokenizer.json (and its chat template), for --text-in-gateway.")
     scheduler_addr: str = opt("", "tcp://host:port of the scheduler (default: from Redis).")
+
+    DEPRECATED: ClassVar[tuple[Deprecated, ...]] = (
+        Deprecated("local_tokenizer", True, lambda v: {"text_in_gateway": "true", "model": v} if v else {}),
+        Deprecated("local_detokenizer", False, lambda v: {}),   # implied by --text-in-gateway
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.text_in_gateway and not self.model:
+            raise ConfigError("--text-in-gateway needs --model DIR (or KVMESH_MODEL): the model's tokenizer files")
 
 
 @dataclass(frozen=True)
@@ -225,15 +243,18 @@ class ServeConfig(ServedEngineArgs):
     null_model: bool = opt(False, "Workers skip the model and emit fake tokens (control-plane benchmarks).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms.", min=0)
     prefix_cache: bool = opt(True, "Start the prefix-cache index service when it is installed.")
-    tokenize_in_gateway: bool = opt(True, "The gateway tokenizes prompts itself (saves the gRPC hop); "
-                                          "--no-tokenize-in-gateway routes Tokenize through the tokenizer service.")
-    detokenize_in_gateway: bool = opt(True, "With --tokenize-in-gateway, the gateway also turns tokens into text "
-                                            "itself (saves the detokenizer hop per token); "
-                                            "--no-detokenize-in-gateway streams through the tokenizer service.")
+    text_in_gateway: bool = opt(True, "The gateway makes the text itself (tokenizes prompts, turns tokens into "
+                                      "text: one hop less per request and per token) and no tokenizer service "
+                                      "is started; --no-text-in-gateway starts one and routes both through it.")
     log_level: str = opt("info", "Log level of every service.", choices=("debug", "info", "warning", "error"))
     lease_ms: int = opt(3000, "Registry lease in ms (how fast a dead worker is noticed).", min=1)
     heartbeat_ms: int = opt(500, "Heartbeat period in ms.", min=1)
     ready_timeout_s: float = opt(300.0, "Seconds to wait for the stack to become ready.", above=0)
+
+    DEPRECATED: ClassVar[tuple[Deprecated, ...]] = (
+        Deprecated("tokenize_in_gateway", False, lambda v: {"text_in_gateway": v}),
+        Deprecated("detokenize_in_gateway", False, lambda v: {} if v == "true" else {"text_in_gateway": v}),
+    )
 
     def __post_init__(self) -> None:
         check_bind_host(self.host)
@@ -265,6 +286,7 @@ def known_env_names() -> set[str]:
     names = set(EXTERNAL_ENV)
     for cls in (*SECTIONS, *_extra_sections):
         names |= {env_name(f.name) for f in dataclasses.fields(cls)}
+        names |= {env_name(d.name) for d in getattr(cls, "DEPRECATED", ())}
     return names
 
 
@@ -367,6 +389,7 @@ def parse_config(cls: type[C], argv: list[str], prog: str, env: Mapping[str, str
     """Flags > KVMESH_* env > defaults. Raises ConfigError (or exits 2 for bad flags / --help)."""
     env = os.environ if env is None else env
     check_env(env)
+    argv, env = apply_deprecated(cls, argv, env)
     args = build_parser(cls, prog).parse_args(argv)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -379,6 +402,59 @@ def parse_config(cls: type[C], argv: list[str], prog: str, env: Mapping[str, str
         return cls(**values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+def apply_deprecated(cls: type, argv: list[str], env: Mapping[str, str]) -> tuple[list[str], Mapping[str, str]]:
+    """`cls.DEPRECATED`'s old flags and variables rewritten into the fields they mean now; a
+    variable never overrides the new one when both are set. One warning per old name used."""
+    deprecated: tuple[Deprecated, ...] = getattr(cls, "DEPRECATED", ())
+    if not deprecated:
+        return argv, env
+    out: list[str] = []
+    new_env = dict(env)
+    i = 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        name, _, inline = arg.partition("=")
+        d = next((d for d in deprecated if name in (flag_name(d.name), "--no-" + d.name.replace("_", "-"))), None)
+        if d is None:
+            out.append(arg)
+            continue
+        if d.takes_value:
+            if not inline and i < len(argv):
+                inline, i = argv[i], i + 1
+            value = inline
+        else:
+            value = "false" if name.startswith("--no-") else "true"
+        new = _as_flags(cls, d.means(value))
+        _warn_deprecated(name, " ".join(new))
+        out += new
+    for d in deprecated:
+        old = env_name(d.name)
+        if old in env:
+            raw = env[old]
+            value = raw if d.takes_value else ("true" if raw.strip().lower() in _TRUE else "false")
+            _warn_deprecated(old, " ".join(f"{env_name(k)}={v}" for k, v in d.means(value).items()))
+            for field_name, v in d.means(value).items():
+                new_env.setdefault(env_name(field_name), v)
+            del new_env[old]
+    return out, new_env
+
+
+def _as_flags(cls: type, values: dict[str, str]) -> list[str]:
+    bools = {f.name for f in dataclasses.fields(cls) if _base_type(f.type)[0] is bool}
+    flags: list[str] = []
+    for name, value in values.items():
+        if name in bools:
+            flags.append(flag_name(name) if value == "true" else "--no-" + name.replace("_", "-"))
+        else:
+            flags += [flag_name(name), value]
+    return flags
+
+
+def _warn_deprecated(old: str, now: str) -> None:
+    logging.getLogger("kvmesh.config").warning("%s is deprecated and will be removed; it means %s", old,
+                                               now or "nothing more (it is implied)")
 
 
 def to_argv(cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:

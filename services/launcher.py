@@ -1,6 +1,10 @@
 """`kvmesh serve`: the whole stack on this machine, each service its own process, supervised.
 
-    embedded Redis (unless --redis-url) -> tokenizer, scheduler, [prefix-cache], N workers -> gateway
+    embedded Redis (unless --redis-url) -> [tokenizer], scheduler, [prefix-cache], N workers -> gateway
+
+Only services that requests reach are started: the gateway makes its own text by default
+(--text-in-gateway), so the tokenizer service runs only with --no-text-in-gateway, and only then
+does the gateway's /ready wait for it.
 
 Refuses a busy --port before starting anything. Waits until the gateway's /ready answers and every
 worker is registered, then prints the URL and each service's /metrics page. A failure during
@@ -18,9 +22,8 @@ What a restart means for requests in flight:
   scheduler     requests it still queued (no token yet) fail with a retryable 503
                 `scheduler_failed`; requests already on a worker finish (their tokens do not pass
                 through it); until the gateway has found the new one, new requests get that 503.
-  tokenizer     with --no-detokenize-in-gateway, the streams whose text it makes fail with
-                `tokenizer_failed`; by default the gateway (de)tokenizes itself, so no request
-                goes through it.
+  tokenizer     (--no-text-in-gateway only) the streams whose text it makes fail with
+                `tokenizer_failed`; new requests wait for the restarted one.
   prefix-cache  optional: routing falls back to load alone until it is back; nothing fails.
                 A crash loop drops it instead of stopping the stack.
   gateway       its client connections drop (clients see a closed connection, no error body);
@@ -120,7 +123,8 @@ class Stack:
         common = ["--log-level", cfg.log_level, "--lease-ms", str(cfg.lease_ms),
                   "--heartbeat-ms", str(cfg.heartbeat_ms), "--trust-dir", str(self.trust.root)]
         internal = ["--host", "127.0.0.1", "--port", "0", "--zmq-port", "0"]
-        self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])
+        if not cfg.text_in_gateway:
+            self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])
         self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0", "--routing", cfg.routing])
         if cfg.prefix_cache and importlib.util.find_spec("prefix_cache_svc.main") is not None:
             self.spawn("prefix-cache", "prefix-cache", [*common, "--host", "127.0.0.1", "--port", "0",
@@ -139,10 +143,8 @@ class Stack:
                 args += ["--null-model", "--null-step-ms", str(cfg.null_step_ms)]
             self.spawn(f"worker-{i}", "worker", args)
         gw = [*common, "--host", cfg.host, "--port", str(cfg.port), "--zmq-port", "0"]
-        if cfg.tokenize_in_gateway:
-            gw += ["--local-tokenizer", model]
-            if cfg.detokenize_in_gateway:
-                gw += ["--local-detokenizer"]
+        if cfg.text_in_gateway:
+            gw += ["--text-in-gateway", "--model", model]
         if cfg.api_key:
             gw += ["--api-key", ",".join(cfg.api_key)]
         self.spawn("gateway", "gateway", gw)

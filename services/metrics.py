@@ -36,7 +36,7 @@ def shown_by(*services: str):
 
 
 _gateway, _scheduler, _worker, _tokenizer = (shown_by(s) for s in ("gateway", "scheduler", "worker", "tokenizer"))
-_detokenizer = shown_by("tokenizer", "gateway")   # a gateway with --local-detokenizer detokenizes too
+_detokenizer = shown_by("tokenizer", "gateway")   # a gateway with --text-in-gateway detokenizes too
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOK = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -53,7 +53,7 @@ _HOP = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05
 # processes are ever subtracted), so what the stages do not cover is the hops between processes:
 #   upstream - (dispatch + worker TTFT + send + detok) = the ZMQ hops' wake-ups and transfers:
 #   gateway -> scheduler -> worker -> detokenizer -> gateway, or three when the gateway is the
-#   detokenizer (--local-detokenizer: its detok stage is observed in the gateway).
+#   detokenizer (--text-in-gateway: its detok stage is observed in the gateway).
 # The gateway's TTFT (arrival -> first delta taken up by the response stream) = submit +
 # upstream + the start of write. bench/serve_bench.py and bench/control_plane.py print the means.
 
@@ -158,7 +158,7 @@ DETOK_DROPPED_TOKENS = _detokenizer(Counter(
 DETOK_FIRST_TOKEN = _detokenizer(Histogram("kvmesh_detok_first_token_seconds",
                                            "A StepOutput carrying some request's first tokens, read off the "
                                            "detokenizer's socket, to its TextBatches handed to the gateways' sockets "
-                                           "(a gateway with --local-detokenizer: to its requests)", buckets=_HOP))
+                                           "(a gateway with --text-in-gateway: to its requests)", buckets=_HOP))
 
 
 class _ServiceView:

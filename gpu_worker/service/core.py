@@ -65,9 +65,10 @@ class _Req:
 
 
 class WorkerCore:
-    def __init__(self, engine: Any, worker_id: str, epoch: int) -> None:
+    def __init__(self, engine: Any, worker_id: str, epoch: int, inbox_addr: str = "") -> None:
         self.engine = engine
         self.worker_id, self.epoch = worker_id, epoch
+        self.inbox_addr = inbox_addr   # named in StreamOpen: a detokenizing gateway aborts stopped samples here
         self.requests: dict[str, _Req] = {}
         self.num_steps = 0
         self.num_requests = 0       # accepted since start
@@ -147,7 +148,8 @@ class WorkerCore:
         self.num_requests += 1
         out.append(Envelope(msg.detok_addr, StreamOpen(
             request_id=msg.request_id, params=msg.params, reply_addr=msg.reply_addr,
-            num_prompt_tokens=len(msg.prompt_token_ids), prompt_tail=msg.prompt_token_ids[-8:])))
+            num_prompt_tokens=len(msg.prompt_token_ids), prompt_tail=msg.prompt_token_ids[-8:],
+            worker_addr=self.inbox_addr)))
 
     def _abort(self, msg: Abort, out: list[Envelope]) -> None:
         req = self.requests.get(msg.request_id)

@@ -51,7 +51,8 @@ DRAIN_TIMEOUT_S = 30.0
 FAIL_ALL_TIMEOUT_S = 5.0  # after the drain timed out: for the engine thread to fail what is left
 STOP_DEADLINE_S = 20.0   # after the drain: engine join, lease release, freeing the device
 log = logging.getLogger("kvmesh.worker")
-SENDERS = {Dispatch: ("scheduler",), Abort: ("scheduler",)}   # message -> the roles that may send it
+# message -> the roles that may send it (a gateway that detokenizes stops a sample its stop string ended)
+SENDERS = {Dispatch: ("scheduler",), Abort: ("scheduler", "gateway")}
 
 
 def build_engine(cfg: WorkerConfig) -> Any:
@@ -198,7 +199,7 @@ class WorkerService:
                                                   lease_ms=cfg.lease_ms)
         if publisher is not None:
             publisher.set_epoch(self.lease.epoch)
-        self.core = WorkerCore(engine, self.worker_id, self.lease.epoch)
+        self.core = WorkerCore(engine, self.worker_id, self.lease.epoch, inbox_addr=addrs["zmq"])
         await self._refresh_schedulers()
         self.engine = EngineThread(self.core, receiver, self.scheduler_addrs, self.lease, self.plane, publisher)
         self.engine.start()

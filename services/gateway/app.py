@@ -3,7 +3,7 @@
     POST /v1/chat/completions   POST /v1/completions   (API key when configured)
     GET  /v1/models             GET  /v1/models/{id}   (API key when configured)
     POST /tokenize              POST /detokenize       (vLLM's; API key when configured)
-    GET  /health (liveness)     GET  /ready (a tokenizer, the scheduler and a worker are live)
+    GET  /health (liveness)     GET  /ready (the scheduler, a worker and, without --text-in-gateway, a tokenizer are live)
     GET  /metrics (Prometheus)
 
 Every error, unknown routes (404) and wrong methods (405) included, is OpenAI's

@@ -61,9 +61,6 @@ async def _announce_once_listening(server: uvicorn.Server, cfg: GatewayConfig, i
 def main(argv: list[str]) -> int:
     cfg = load_or_exit(GatewayConfig, argv, "kvmesh gateway")
     setup_logging("gateway", cfg.log_level)
-    if cfg.local_detokenizer and not cfg.local_tokenizer:
-        log.error("--local-detokenizer needs --local-tokenizer DIR (the model's tokenizer, to turn tokens into text)")
-        return 2
     plane = plane_or_exit(cfg, "gateway")
     return run_async(serve(cfg, plane))
 

@@ -116,6 +116,7 @@ class StreamOpen(Msg, tag="open", kw_only=True):
     reply_addr: str
     num_prompt_tokens: int
     prompt_tail: list[int] = []      # last prompt ids: left context for the first generated token
+    worker_addr: str = ""            # the worker's inbox: a gateway that makes the text stops samples there
 
 
 class SeqTokens(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -226,5 +227,5 @@ class DetokenizeReply(Msg, tag="detokenized", kw_only=True):
 SchedulerInbox = Union[Submit, Abort, WorkerStatus]
 WorkerInbox = Union[Dispatch, Abort]
 DetokInbox = Union[StreamOpen, StepOutput, Abort]
-# a gateway with --local-detokenizer is its requests' detokenizer too: it takes DetokInbox's messages
+# a gateway with --text-in-gateway is its requests' detokenizer too: it takes DetokInbox's messages
 GatewayInbox = Union[Admitted, Rejected, RequestFailed, TextBatch, StreamOpen, StepOutput, Abort]

@@ -1,7 +1,7 @@
 """The streaming detokenizer's pure core: workers' token batches in, text deltas out. No sockets.
 
-Run by the tokenizer service (tokenizer_svc/main.py) and, with --local-detokenizer, by the gateway
-itself (services/gateway/backend.py: workers then send it their tokens directly, one process hop
+Run by the tokenizer service (tokenizer_svc/streams.py) and, with --text-in-gateway, by the gateway
+itself (services/gateway/core.py: workers then send it their tokens directly, one process hop
 less); it lives in services/ because both import it.
 
     open(StreamOpen)     a request starts: one IncrementalDetokenizer + StopStringMatcher per sample

@@ -54,7 +54,7 @@ class FakeGateway:
     def __init__(self, scheduler_addr: str, detok_addr: str) -> None:
         # the stack runs --insecure-internal-planes: this test speaks for the gateway without its key
         self.inbox: Receiver = Receiver(GatewayInbox, "127.0.0.1", 0, name="test-gateway", plane=INSECURE,
-                                        senders=inbox_senders(local_detokenizer=False))
+                                        senders=inbox_senders(local_text=False))
         self.scheduler = Sender(scheduler_addr, plane=INSECURE)
         self.detok_addr = detok_addr
 

@@ -96,7 +96,7 @@ def gws(tiny_model, tmp_path_factory) -> Gateways:
                     "--null-model", "--worker-id", "intake-worker", "--max-model-len", str(MAX_MODEL_LEN),
                     "--num-gpu-blocks", "16384", "--max-num-seqs", "16")
         procs.start("gw-local", "gateway", *FAST, "--port", str(ports["local"]), "--zmq-port", "0",
-                    "--local-tokenizer", tiny_model)
+                    "--text-in-gateway", "--model", tiny_model)
         procs.start("gw-grpc", "gateway", *FAST, "--port", str(ports["grpc"]), "--zmq-port", "0",
                     "--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S))
         procs.start("gw-few", "gateway", *FAST, "--port", str(ports["few"]), "--zmq-port", "0",

@@ -1,9 +1,10 @@
-"""A gateway that tokenizes and detokenizes in its own process (--local-tokenizer DIR
---local-detokenizer, as `kvmesh serve` starts it) on the session stack: the worker sends it the
-tokens directly, and every answer is the one the tokenizer service's detokenizer streams through
-the default gateway."""
+"""A gateway that makes its own text (--text-in-gateway --model DIR, as `kvmesh serve` starts it)
+on the session stack: the worker sends it the tokens directly, every answer is the one the
+tokenizer service's detokenizer streams through the default gateway, and a stop string it finds
+stops the sample on the worker at once."""
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -19,7 +20,7 @@ IGNORE_EOS = {"ignore_eos": True}
 def local_gw(stack):
     port = free_port()
     stack.procs.start("gateway-local", "gateway", *FAST, "--port", str(port), "--zmq-port", "0",
-                      "--local-tokenizer", stack.model, "--local-detokenizer")
+                      "--text-in-gateway", "--model", stack.model)
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, 60)
     yield base
@@ -57,6 +58,32 @@ def test_stop_string_ends_the_sample_and_frees_it(stack, local_gw):
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == base[:base.index(stop)]
     # the stop's Abort went to the scheduler and on to the worker: nothing is left running there
     wait_for(lambda: (w := stack.worker("worker-0")) and w.load.get("requests") == 0, 15, "an idle worker")
+
+
+def test_a_stop_string_stops_the_worker_promptly_and_spares_another_request(stack, local_gw):
+    idle = lambda: (w := stack.worker("worker-0")) and w.load.get("requests") == 0  # noqa: E731
+    other_kw = {"temperature": 0, "max_tokens": 64, "extra_body": IGNORE_EOS,
+                "messages": [{"role": "user", "content": "Count the stars."}]}
+    alone = chat(stack, local_gw, **other_kw).choices[0].message.content
+    base = chat(stack, local_gw, temperature=0, max_tokens=24, extra_body=IGNORE_EOS).choices[0].message.content
+    cut = next((i for i in range(3, len(base)) if base[i - 2:i].strip()), None)
+    assert cut is not None, base
+    stop = base[cut - 2:cut]
+    wait_for(idle, 20, "an idle worker")
+    before = stack.worker("worker-0").load["tokens_out"]
+    other: list = []
+    runner = threading.Thread(target=lambda: other.append(chat(stack, local_gw, **other_kw)))
+    runner.start()
+    # 2,000 tokens unless the stop string ends it: only the worker stopping the sample ends it soon
+    r = chat(stack, local_gw, temperature=0, max_tokens=2000, stop=[stop], extra_body=IGNORE_EOS)
+    runner.join(120)
+    assert not runner.is_alive()
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == base[:base.index(stop)]
+    assert other[0].choices[0].message.content == alone and other[0].usage.completion_tokens == 64
+    wait_for(idle, 30, "the worker to finish both requests")
+    generated = stack.worker("worker-0").load["tokens_out"] - before
+    # the stopped sample ran a few steps past its stop string at most, not toward its 2,000 tokens
+    assert generated - 64 < 24 + 200, generated
 
 
 def test_disconnect_mid_stream_aborts_upstream(stack, local_gw):

@@ -22,7 +22,8 @@ def families(url: str) -> set[str]:
 
 
 def test_each_process_serves_its_own_families(tiny_model, tmp_path):
-    with serve(tiny_model, 1, tmp_path / "serve.log") as (base, redis_url):
+    # --no-text-in-gateway: the tokenizer service runs (and tokenizes) only then
+    with serve(tiny_model, 1, tmp_path / "serve.log", "--no-text-in-gateway") as (base, redis_url):
         httpx.post(base + "/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
                    timeout=30).raise_for_status()
         pages = {"gateway": base + "/metrics"}

@@ -24,7 +24,7 @@ GSP = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "6", "--
 
 
 @contextmanager
-def serve(model: str, workers: int, log_path):
+def serve(model: str, workers: int, log_path, *flags: str):
     """`kvmesh serve` on its own Redis (so the test can read the registry); yields (base URL, Redis URL).
     The Redis has a password of its own, given in the URL (an external Redis: redis_client.connect),
     through the environment (a command line is readable by every local user)."""
@@ -35,7 +35,7 @@ def serve(model: str, workers: int, log_path):
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", model, "--workers",
                                  str(workers), "--device", "cpu", "--num-gpu-blocks", "512", "--port", str(port),
-                                 "--heartbeat-ms", "250", "--lease-ms", "1500"],
+                                 "--heartbeat-ms", "250", "--lease-ms", "1500", *flags],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"

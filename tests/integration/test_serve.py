@@ -9,8 +9,10 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.integration.conftest import free_port
+from tests.integration.serve_proc import Serve, cmdline
 from tests.integration.stack import FAST, ROOT, redis_and_procs, wait_for, wait_ready
 
 
@@ -105,3 +107,35 @@ def test_serve_stops_with_the_engines_reason_when_the_model_refuses_a_setting(ti
     assert r.returncode != 0
     assert "cannot start the engine: invalid engine argument max_model_len" in out, out[-3000:]
     assert "worker-0 exited with code 2 during start-up" in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("flags, with_tokenizer", [((), False), (("--no-text-in-gateway",), True),
+                                                   (("--no-detokenize-in-gateway",), True)])
+def test_serve_starts_the_tokenizer_service_only_when_requests_reach_it(tiny_model, tmp_path, flags, with_tokenizer):
+    """By default the gateway makes the text: no tokenizer process, and /ready does not wait for
+    one. With --no-text-in-gateway (or its deprecated spelling, which says so once) it is started,
+    requests go through it, and /ready needs it: stopped past its lease, the stack is not ready."""
+    serve = Serve(tmp_path, "--model", tiny_model, "--null-model", *flags)
+    try:
+        serve.wait_serving()
+        tokenizer = serve.child(" tokenizer ")
+        assert (tokenizer is not None) is with_tokenizer, serve.log()[-3000:]
+        assert ("--text-in-gateway" in cmdline(serve.child(" gateway "))) is not with_tokenizer
+        assert serve.log().count("is deprecated") == (1 if "--no-detokenize-in-gateway" in flags else 0)
+        r = serve.openai().completions.create(model=os.path.basename(tiny_model), prompt="hi", max_tokens=4)
+        assert r.usage.completion_tokens == 4
+        if tokenizer is None:
+            return
+        os.kill(tokenizer, signal.SIGSTOP)    # alive to the supervisor, silent to the registry
+        try:
+            wait_for(lambda: _ready(serve) == (503, "no tokenizer is registered"), 30, "/ready to need the tokenizer")
+        finally:
+            os.kill(tokenizer, signal.SIGCONT)
+        wait_for(lambda: _ready(serve)[0] == 200, 30, "/ready once the tokenizer is back")
+    finally:
+        serve.stop()
+
+
+def _ready(serve: Serve) -> tuple[int, str]:
+    r = httpx.get(serve.base_url + "/ready", timeout=5)
+    return r.status_code, r.json().get("reason", "")

@@ -111,7 +111,8 @@ def test_a_killed_or_drained_worker_is_restarted_while_the_other_keeps_serving(t
 
         # -- the banner lists every local service's /metrics, and each answers
         pages = _metrics_pages(serve.log())
-        assert set(pages) >= {"gateway", "tokenizer", "scheduler", "worker-0", "worker-1"}, pages
+        assert set(pages) >= {"gateway", "scheduler", "worker-0", "worker-1"}, pages
+        assert "tokenizer" not in pages     # the gateway makes the text: no tokenizer service runs
         for name, page in pages.items():
             r = httpx.get(page, timeout=10)
             assert r.status_code == 200 and "# TYPE" in r.text, (name, page, r.status_code)
@@ -191,7 +192,7 @@ def test_a_killed_embedded_redis_is_restarted_and_ready_says_so(tiny_model, tmp_
         down = [body for _, code, body in seen if code == 503]
         assert "Redis" in down[0].get("reason", ""), down[:3]
         assert serve.child("-server ") not in (None, redis_pid)               # a new server, same port
-        for kind in ("tokenizer", "scheduler", "worker", "gateway"):         # everyone registered again
+        for kind in ("scheduler", "worker", "gateway"):                      # everyone registered again
             wait_for(lambda: list_records(redis_url, kind, None), 30, f"the {kind} to register again")
         r = serve.openai().completions.create(model=model, prompt="after Redis", max_tokens=4)
         assert r.choices[0].finish_reason in ("stop", "length")

@@ -177,7 +177,7 @@ def test_forged_aborts_do_not_stop_other_streams(stack, attacker):
         v.started.wait(60)
     scheduler, worker = addr(stack, "scheduler"), addr(stack, "worker")
     socks = [attacker.sender(scheduler), attacker.sender(worker),
-             attacker.sender(scheduler, "worker", "scheduler"), attacker.sender(worker, "gateway", "worker")]
+             attacker.sender(scheduler, "worker", "scheduler"), attacker.sender(worker, "tokenizer", "worker")]
     for rid in guessed_ids(stack):
         for sock in socks:
             send(sock, Abort(request_id=rid))
@@ -194,8 +194,9 @@ def test_forged_abort_of_a_known_id_is_refused(stack, attacker):
     msg = submit(rid, inbox_addr)
     send(legit, Submit(**{**msgspec.structs.asdict(msg), "params": SamplingParams(max_tokens=300, ignore_eos=True)}))
     deadline, tokens, aborted = time.monotonic() + 120, 0, False
+    # (a gateway may abort on a worker: the sample a stop string it found ended)
     forgers = [attacker.sender(scheduler), attacker.sender(worker), attacker.sender(scheduler, "worker", "scheduler"),
-               attacker.sender(worker, "gateway", "worker"), attacker.sender(worker, "tokenizer", "worker")]
+               attacker.sender(worker, "prefix-cache", "worker"), attacker.sender(worker, "tokenizer", "worker")]
     decoder = msgspec.msgpack.Decoder(GatewayInbox)
     finish = None
     while finish is None:
@@ -214,6 +215,37 @@ def test_forged_abort_of_a_known_id_is_refused(stack, attacker):
                 send(sock, Abort(request_id=rid))
             aborted = True
     assert aborted and finish == "length" and tokens == 300
+
+
+def test_a_gateway_may_stop_a_sample_on_the_worker_directly(stack, attacker):
+    """The one Abort a gateway sends a worker: a request submitted with the gateway's key, then
+    stopped mid-stream on the worker itself (not through the scheduler), as a gateway that found a
+    stop string does. The worker stops it: the stream ends with the worker's Abort, far short of
+    its max_tokens."""
+    inbox, inbox_addr = attacker.inbox("gateway")
+    scheduler, worker = addr(stack, "scheduler"), addr(stack, "worker")
+    gateway = attacker.sender(scheduler, "gateway", "scheduler")
+    direct = attacker.sender(worker, "gateway", "worker")
+    rid = "r-stopped-by-its-gateway"
+    msg = submit(rid, inbox_addr)
+    send(gateway, Submit(**{**msgspec.structs.asdict(msg), "params": SamplingParams(max_tokens=2000, ignore_eos=True)}))
+    decoder = msgspec.msgpack.Decoder(GatewayInbox)
+    deadline, tokens, stopped_at = time.monotonic() + 120, 0, None
+    while True:
+        assert time.monotonic() < deadline, f"the stream neither stopped nor ended after {tokens} tokens"
+        if not inbox.poll(30_000, zmq.POLLIN):
+            raise AssertionError(f"the stream went silent after {tokens} tokens")
+        out = decoder.decode(inbox.recv())
+        if isinstance(out, StepOutput):
+            tokens += sum(len(seq.token_ids) for seq in out.seqs)
+            assert not any(seq.finish_reason == "length" for seq in out.seqs), "never stopped"
+        if isinstance(out, Abort):
+            assert (out.request_id, out.reason) == (rid, "stop")
+            break
+        if tokens and stopped_at is None:
+            send(direct, Abort(request_id=rid, index=0, reason="stop"))
+            stopped_at = tokens
+    assert stopped_at is not None and tokens < 2000
 
 
 def test_forged_text_batch_does_not_reach_a_stream(stack, attacker):

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services import metrics
 from services.metrics import SERVICES, _FAMILIES, serve_metrics, service_registry
 
-# a gateway with --local-detokenizer detokenizes too: the only families two services share
+# a gateway with --text-in-gateway detokenizes too: the only families two services share
 DETOKENIZER_FAMILIES = {"kvmesh_detok_first_token_seconds", "kvmesh_detok_dropped_tokens"}
 
 
@@ -40,7 +40,7 @@ def test_each_service_shows_only_its_own_families():
     assert {"kvmesh_tokenize_seconds", "kvmesh_detok_first_token_seconds"} <= shown["tokenizer"]
     assert shown["prefix-cache"] == {"kvmesh_prefix_match_seconds"}
     assert "kvmesh_engine_running" not in shown["gateway"] and "kvmesh_requests" not in shown["worker"]
-    # a gateway with --local-detokenizer observes the detokenizer's first-token stage
+    # a gateway with --text-in-gateway observes the detokenizer's first-token stage
     assert "kvmesh_detok_first_token_seconds" in shown["gateway"]
     for a in SERVICES:
         for b in SERVICES:

@@ -7,7 +7,7 @@ Every component template calls these with a context dict:
   service    the `kvmesh <service>` subcommand: gateway | tokenizer | scheduler | prefix-cache | worker
   values     the component's values (for worker pools: `worker` merged with the pool)
   http       true for the HTTP gateway (HTTP probes on /health and /ready), false for gRPC services
-  model      true to mount the model volume (tokenizer and workers)
+  model      true to mount the model volume (tokenizer, workers, a gateway with textInGateway)
   role       worker role (prefill | decode | mixed), empty for other services
 
 Pods carry `kvmesh.io/service: <service>`, the label the NetworkPolicies and the trust Secret
@@ -149,6 +149,10 @@ spec:
             {{- if not (kindIs "invalid" $v.zmqPort) }}
             - name: KVMESH_ZMQ_PORT
               value: {{ $v.zmqPort | quote }}
+            {{- end }}
+            {{- if $v.textInGateway }}
+            - name: KVMESH_TEXT_IN_GATEWAY
+              value: "true"
             {{- end }}
             {{- if .role }}
             - name: KVMESH_ROLE

@@ -1,7 +1,10 @@
-"""The gateway's request state (services/gateway/backend.py) in-process: a request an Abort or a
-shutdown ends fails with an ApiError, which the routes turn into an error chunk and [DONE] (a
-stream) or an error body; no job is left waiting for text that will not come."""
+"""The gateway's shell (services/gateway/backend.py) in-process: a job's deliveries reach the
+route through its queue, an Abort, a shutdown or a deadline ends it with an ApiError, which the
+routes turn into an error chunk and [DONE] (a stream) or an error body; no job is left waiting for
+text that will not come."""
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -9,11 +12,11 @@ from gpu_worker.make_model import make_model
 from services.config import GatewayConfig
 from services.gateway.backend import Backend, Job
 from services.gateway.schemas import ApiError
-from services.protocol.messages import Abort, StreamOpen
+from services.protocol.messages import Abort, Admitted, StreamOpen
 from services.protocol.sampling import SamplingParams
 from services.security.curve import Plane
 
-TIMEOUT_S = 5.0   # batches() gives up with a 504 after this: a test that hangs fails instead
+SELF = "tcp://127.0.0.1:1#gateway"
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +24,10 @@ def model_dir(tmp_path_factory) -> str:
     return str(make_model(tmp_path_factory.mktemp("m") / "tiny", arch="llama", size="tiny", progress=False))
 
 
-def backend_of(model_dir: str) -> Backend:
-    """A gateway backend that detokenizes its own requests; nothing here touches its Redis."""
-    return Backend(GatewayConfig(redis_url="redis://127.0.0.1:9/0", local_tokenizer=model_dir,
-                                 local_detokenizer=True, insecure_internal_planes=True),
-                   Plane.insecure())
+def backend_of(model_dir: str, **cfg) -> Backend:
+    """A gateway backend that makes its own text; nothing here touches its Redis."""
+    return Backend(GatewayConfig(redis_url="redis://127.0.0.1:9/0", text_in_gateway=True, model=model_dir,
+                                 insecure_internal_planes=True, **cfg), Plane.insecure())
 
 
 async def failure(job: Job) -> ApiError:
@@ -37,19 +39,37 @@ async def failure(job: Job) -> ApiError:
 
 async def test_an_abort_for_a_stream_this_gateway_detokenizes_fails_its_request(model_dir):
     backend = backend_of(model_dir)
-    job = Job(backend, ["r1"], 1, TIMEOUT_S)
-    backend._detokenize(StreamOpen(request_id="r1", params=SamplingParams(), reply_addr="self", num_prompt_tokens=3))
-    backend._detokenize(Abort(request_id="r1", reason="worker_failed"))
+    job = backend.open_job(["r1"], 1, [SELF], "sched")
+    backend.carry_out(backend.core.step([
+        Admitted(request_id="r1"),
+        StreamOpen(request_id="r1", params=SamplingParams(), reply_addr=SELF, num_prompt_tokens=3),
+        Abort(request_id="r1", reason="worker_failed")], time.monotonic()))
+    await job.admitted()
     err = await failure(job)
     assert (err.status, err.code) == (503, "worker_failed")
+    job.close()
+    assert not backend.jobs and not backend.core.jobs
     await backend.registry.close()
 
 
 async def test_a_stopping_gateway_fails_every_request_in_flight(model_dir):
     backend = backend_of(model_dir)
-    jobs = [Job(backend, ["a", "b"], 1, TIMEOUT_S), Job(backend, ["c"], 2, TIMEOUT_S)]
+    jobs = [backend.open_job(["a", "b"], 1, [SELF] * 2, "sched"), backend.open_job(["c"], 2, [SELF], "sched")]
     backend.fail_inflight()
     for job in jobs:
-        err = await failure(job)
+        with pytest.raises(ApiError) as info:
+            await job.admitted()
+        err = info.value
         assert (err.status, err.code) == (503, "shutdown") and err.body()["error"]["type"] == "server_error"
+    await backend.registry.close()
+
+
+async def test_a_job_waits_only_until_its_deadline(model_dir):
+    backend = backend_of(model_dir, admission_timeout_s=0.2)
+    job = backend.open_job(["r1"], 1, [SELF], "sched")
+    t0 = time.monotonic()
+    with pytest.raises(ApiError) as info:
+        await job.admitted()
+    assert (info.value.status, info.value.code) == (503, "scheduler_unavailable")
+    assert 0.2 <= time.monotonic() - t0 < 5
     await backend.registry.close()

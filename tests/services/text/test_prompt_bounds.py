@@ -11,7 +11,7 @@ from text_fixtures import CORPUS
 
 from services.protocol.messages import ChatMessage, TokenizeRequest
 from services.text.prompt_bounds import TooManyTokens, max_token_chars
-from services.tokenize import PromptTooLong, TokenizeError, tokenize
+from services.text.requests import PromptTooLong, TokenizeError, tokenize
 
 
 def _texts() -> list[str]:

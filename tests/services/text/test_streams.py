@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from services.protocol.messages import Abort, RequestFailed, SeqTokens, StepOutput, StreamOpen, TextBatch
 from services.protocol.sampling import SamplingParams
-from tokenizer_svc.detok import SCHEDULER, DetokCore
+from services.text.streams import SCHEDULER, DetokCore
 
 VOCAB = {i: ch for i, ch in enumerate("abcdefghijklmnopqrstuvwxyz .!")}
 

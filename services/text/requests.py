@@ -1,8 +1,8 @@
 """Tokenize: a TokenizeRequest (plain prompt, client token ids, or chat messages) -> prompt ids;
 detokenize: ids -> text (the /detokenize route, /tokenize's token strings).
 
-Shared by tokenizer_svc (the gRPC Tokenize and Detokenize methods) and the gateway's optional
-in-process tokenization. Raises TokenizeError with a client-facing message (the gateway answers 400).
+Shared by tokenizer_svc (the gRPC Tokenize and Detokenize methods) and the gateway's local text
+path. Raises TokenizeError with a client-facing message (the gateway answers 400).
 """
 from __future__ import annotations
 

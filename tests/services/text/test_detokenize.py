@@ -1,4 +1,4 @@
-"""services.tokenize.detokenize: the shared core of /detokenize (gateway) and gRPC Detokenize."""
+"""services.text.requests.detokenize: the shared core of /detokenize (gateway) and gRPC Detokenize."""
 from __future__ import annotations
 
 import random
@@ -10,7 +10,7 @@ import pytest
 from gpu_worker.make_model import make_model
 from services.protocol.messages import DetokenizeRequest
 from services.text.tokenizer import load_tokenizer
-from services.tokenize import MAX_DETOKENIZE_IDS, TokenizeError, detokenize
+from services.text.requests import MAX_DETOKENIZE_IDS, TokenizeError, detokenize
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,33 @@
+"""What the gateway finds in the registry (Redis), every heartbeat: the scheduler to submit to,
+the tokenizer services (when they make its text) and the workers ready to serve (its model
+catalog and readiness). A record missing for less than two heartbeats is kept (Redis restart)."""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from services.registry import Membership, Registry, ServiceRecord
+
+
+class Members(NamedTuple):
+    scheduler_addr: str               # "" when none is registered
+    tokenizers: list[ServiceRecord]
+    workers: list[ServiceRecord]      # not draining
+
+
+class Discovery:
+    def __init__(self, registry: Registry, heartbeat_ms: int, scheduler_addr: str, with_tokenizers: bool) -> None:
+        self.registry = registry
+        self.fixed_scheduler = scheduler_addr     # --scheduler-addr: this one, not the registry's
+        self.kinds = ("scheduler", "worker", *(("tokenizer",) if with_tokenizers else ()))
+        grace = 2 * heartbeat_ms / 1000           # vanished records kept this long (Redis restart)
+        self.members = {kind: Membership(grace) for kind in self.kinds}
+
+    async def read(self) -> Members:
+        """Raises RedisError / OSError when the registry cannot be read."""
+        now = time.monotonic()
+        live = {kind: self.members[kind].update(await self.registry.list(kind), now) for kind in self.kinds}
+        scheduler = self.fixed_scheduler or next(
+            (r.addrs["zmq"] for r in live["scheduler"] if "zmq" in r.addrs), "")
+        workers = [w for w in live["worker"] if not w.info.get("draining")]
+        return Members(scheduler, live.get("tokenizer", []), workers)
