@@ -58,11 +58,11 @@ class _Req:
     reply_addr: str
     n: int
     received: float                      # perf_counter() when the Dispatch was read off the socket
-    prompt_tokens: int                   # prompt length: the prefill backlog until the first token
     done: set[int] = field(default_factory=set)
     scheduled: float | None = None       # start of the step that first computed prompt tokens
     first_token: float | None = None     # end of the step that produced the first token
     last_token: float = 0.0              # end of the latest step that produced tokens
+    prompt_tokens: int = 0               # prompt tokens to prefill here: the backlog until the first token
 
 
 class WorkerCore:
@@ -141,7 +141,8 @@ class WorkerCore:
             self._finished.append(msg.request_id)
             return
         metrics.WORKER_ADMIT.observe(time.perf_counter() - received)
-        req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received, len(msg.prompt_token_ids))
+        req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received,
+                   prompt_tokens=len(msg.prompt_token_ids))
         self.requests[msg.request_id] = req
         if self._sees_scheduling:
             self._unscheduled[msg.request_id] = req
