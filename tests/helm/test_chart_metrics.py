@@ -8,10 +8,7 @@ environment the chart renders for each pool's pods (null model, real Redis, loop
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import time
 
 import httpx
@@ -21,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import prefix_cache_svc.metrics  # noqa: F401  (registers the prefix-cache index's families)
 from services import metrics
-from services.ports import free_port
-from tests.helm.chart import CHART, FULLNAME, RELEASE, ROOT, by_kind, containers, helm, run_helm  # noqa: F401
-from tests.helm.test_chart_probes_live import PORT_VARS, pod_environment, wait_serving
+from tests.helm.chart import CHART, FULLNAME, RELEASE, by_kind, helm, run_helm  # noqa: F401
+from tests.helm.live_pod import start_pool_worker
+from tests.helm.test_chart_probes_live import wait_serving
 from tests.integration.stack import redis_and_procs
 
 # Every HPA the chart can make, each pool and service autoscaled with its default metrics.
@@ -126,24 +123,11 @@ def scrape(url: str) -> set[str]:
 
 @pytest.mark.parametrize("pool", ["prefill", "decode", "mixed"])
 def test_a_worker_started_like_the_pools_pods_serves_its_hpa_metrics(helm, pool, tmp_path):
-    """The pool's rendered KVMESH_* environment, with pod-only values swapped for this machine
-    (every port for a free loopback port), the null model instead of weights."""
     docs = render_docs(helm, tmp_path, *AUTOSCALED)
-    (c,) = containers(by_kind(docs, "Deployment")[f"{FULLNAME}-{pool}"])
     (_, wanted) = hpa_metric_names(docs)[f"{FULLNAME}-{pool}"]
+    (tmp_path / "model").mkdir()
     with redis_and_procs(tmp_path) as (redis, procs):
-        local = {"ports": {}, "redis_url": redis.url, "trust_dir": procs.trust_dir, "home": tmp_path}
-        env = pod_environment(docs, c, local)
-        for name in env:
-            if name.endswith("_PORT") and name not in PORT_VARS and int(env[name]) > 0:   # kv events, transfer
-                env[name] = str(local["ports"].setdefault(int(env[name]), free_port()))
-        (tmp_path / "model").mkdir()
-        env.update(KVMESH_NULL_MODEL="true", KVMESH_MODEL=str(tmp_path / "model"), KVMESH_WORKER_ID=f"{pool}-0")
-        base = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-        with open(tmp_path / f"{pool}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "services.cli", *c["command"][1:]], cwd=ROOT,
-                                    env={**base, **env}, stdout=log, stderr=log)
-        procs.procs[pool] = proc   # stopped with the stack, whatever happens
+        proc, env = start_pool_worker(docs, pool, f"{pool}-0", procs, redis.url, tmp_path / "model", tmp_path)
         wait_serving(int(env["KVMESH_HEALTH_PORT"]), proc)
         url = f"http://127.0.0.1:{env['KVMESH_METRICS_PORT']}/metrics"
         deadline = time.monotonic() + SCRAPE_TIMEOUT_S
