@@ -323,11 +323,13 @@ def test_config_checksum_follows_the_configmap(helm, tmp_path_factory):
     assert checksum("defaults") != checksum("everything")     # config.lease-ms changed it
 
 
-def test_env_names_are_known_to_the_services(helm, tmp_path_factory):
-    """Services refuse unknown KVMESH_* variables at start; the chart must set only real ones."""
+@pytest.mark.parametrize("case", ["everything", "pd-pools"])
+def test_env_names_are_known_to_the_services(helm, case, tmp_path_factory):
+    """Services refuse unknown KVMESH_* variables at start; the chart must set only real ones
+    (the pools' default `engine` keys included)."""
     config = pytest.importorskip("services.config")
     known = config.known_env_names()
-    docs = render(helm, "everything", tmp_path_factory)
+    docs = render(helm, case, tmp_path_factory)
     names = set(by_kind(docs, "ConfigMap")[f"{FULLNAME}-config"]["data"])
     for dep in by_kind(docs, "Deployment").values():
         names |= set(env_of(containers(dep)[0]))
