@@ -1,6 +1,6 @@
 """Every metric the chart's HorizontalPodAutoscalers (and the README's prometheus-adapter example)
-name is a series the process behind them really exports. A name no process exports gives the
-HPA no value, so it never scales: the chart once shipped such a default (`kvmesh_waiting_requests`).
+name is a series the process behind them really exports. A name no process exports (say
+`kvmesh_waiting_requests`) gives the HPA no value, so it never scales, and nothing else says so.
 
 Checked twice: against the registry each service's /metrics page is built from
 (`services.metrics.service_registry`), and on the page of a real worker process started with the
@@ -72,7 +72,7 @@ def test_every_hpa_reads_a_metric_its_pods_export(helm, tmp_path):
 
 
 def test_the_check_catches_a_metric_nothing_exports(helm, tmp_path):
-    """The check itself: the old default is reported, as is a counter named without its `_total`."""
+    """The check itself: a name nothing exports is reported, as is a counter named without its `_total`."""
     docs = render_docs(helm, tmp_path, *AUTOSCALED,
                        "--set", "workerPools.decode.autoscaling.metrics[0].type=Pods",
                        "--set", "workerPools.decode.autoscaling.metrics[0].pods.metric.name=kvmesh_waiting_requests",
