@@ -219,6 +219,8 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
                                  "port; fix it where a firewall or NetworkPolicy names ports).", **ANY_PORT)
     kv_snapshot_port: int = opt(0, "Port answering the prefix-cache index's snapshot requests (0: any free port).",
                                 **ANY_PORT)
+    kv_transfer_port: int = opt(0, "Decode role: port of the KV-transfer socket prefill workers send KV to "
+                                   "(CURVE, worker role only; 0: any free port).", **ANY_PORT)
     null_model: bool = opt(False, "Skip the model: emit deterministic fake tokens (control-plane benchmarks only).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms (sets the token rate).", min=0)
     null_vocab_size: int = opt(32000, "Null model: vocabulary size of the fake tokens.", min=1)

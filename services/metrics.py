@@ -114,6 +114,9 @@ ENGINE_RUNNING = _worker(Gauge("kvmesh_engine_running", "Sequences running in th
 ENGINE_WAITING = _worker(Gauge("kvmesh_engine_waiting", "Sequences waiting in the engine"))
 KV_FREE_BLOCKS = _worker(Gauge("kvmesh_kv_free_blocks", "Free KV blocks"))
 KV_USAGE = _worker(Gauge("kvmesh_kv_usage_ratio", "Fraction of KV blocks in use"))
+PENDING_PROMPT_TOKENS = _worker(Gauge("kvmesh_worker_pending_prompt_tokens",
+                                      "Prompt tokens of the requests held by this worker that have no first token "
+                                      "yet (the prefill backlog; prefix-cache hits included)"))
 PREFIX_QUERY_TOKENS = _worker(Gauge("kvmesh_prefix_cache_query_tokens",
                                     "Prompt tokens looked up in the prefix cache (cumulative)"))
 PREFIX_HIT_TOKENS = _worker(Gauge("kvmesh_prefix_cache_hit_tokens",

@@ -62,6 +62,7 @@ class _Req:
     scheduled: float | None = None       # start of the step that first computed prompt tokens
     first_token: float | None = None     # end of the step that produced the first token
     last_token: float = 0.0              # end of the latest step that produced tokens
+    prompt_tokens: int = 0               # prompt tokens to prefill here: the backlog until the first token
 
 
 class WorkerCore:
@@ -141,7 +142,8 @@ class WorkerCore:
             self._finished.append(msg.request_id)
             return
         metrics.WORKER_ADMIT.observe(time.perf_counter() - received)
-        req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received)
+        req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received,
+                   prompt_tokens=len(msg.prompt_token_ids))
         self.requests[msg.request_id] = req
         if self._sees_scheduling:
             self._unscheduled[msg.request_id] = req
@@ -239,7 +241,14 @@ class WorkerCore:
                 "cached_blocks": s.num_cached_blocks, "total_blocks": s.num_total_blocks,
                 "requests": len(self.requests), "requests_total": self.num_requests,
                 "tokens_out": self.tokens_out, "prefix_query_tokens": s.prefix_query_tokens,
-                "prefix_hit_tokens": s.prefix_hit_tokens}
+                "prefix_hit_tokens": s.prefix_hit_tokens, "pending_prompt_tokens": self.pending_prompt_tokens()}
+
+    def pending_prompt_tokens(self) -> int:
+        """Prompt tokens of the requests held here that have no first token yet: the prefill
+        backlog (prefix-cache hits and chunks already computed still count, so it is an upper
+        bound). The heartbeat thread calls this while the engine thread runs: list() copies the
+        table in one step under the GIL, where iterating the dict itself could see it change."""
+        return sum(r.prompt_tokens for r in list(self.requests.values()) if r.first_token is None)
 
     def status(self, finished: list[str] | None = None, with_active: bool = False) -> WorkerStatus:
         """Load numbers; `finished` after steps; `with_active` (heartbeats) lists every request held."""

@@ -304,6 +304,7 @@ class WorkerService:
         metrics.KV_FREE_BLOCKS.set(load["free_blocks"])
         total = max(load["total_blocks"], 1)
         metrics.KV_USAGE.set(1 - (load["free_blocks"] + load["cached_blocks"]) / total)
+        metrics.PENDING_PROMPT_TOKENS.set(load["pending_prompt_tokens"])
         metrics.PREFIX_QUERY_TOKENS.set(load["prefix_query_tokens"])
         metrics.PREFIX_HIT_TOKENS.set(load["prefix_hit_tokens"])
 

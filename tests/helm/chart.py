@@ -44,6 +44,20 @@ VALUE_SETS: dict[str, dict] = {
     # A CNI that filters the node's traffic too: the kubelet's probes need a rule of their own.
     "strict-cni": {"networkPolicy": {"probeFrom": [{"ipBlock": {"cidr": "10.0.0.0/16"}}]},
                    "tokenizer": {"healthPort": 8181}, "workerPools": {"decode": {"healthPort": 8182}}},
+    # Pools that differ in everything a pool can set on its own, autoscaled on their own metrics.
+    "pd-pools": {
+        "worker": {"engine": {"max-model-len": 8192, "dtype": "bfloat16"}, "autoscaling": {"enabled": True}},
+        "workerPools": {
+            "prefill": {"replicas": 3, "engine": {"max-num-batched-tokens": 16384},
+                        "resources": {"requests": {"cpu": "8"}},
+                        "readinessProbe": {"periodSeconds": 2}},
+            "decode": {"replicas": 5, "engine": {"max-num-seqs": 1024, "max-model-len": 32768},
+                       "resources": {"limits": {"memory": "128Gi"}},
+                       "livenessProbe": {"failureThreshold": 6}, "kvTransferPort": 5600,
+                       "autoscaling": {"maxReplicas": 16}},
+            "mixed": {"enabled": True},
+        },
+    },
     "everything": {
         "gateway": {"apiKey": {"existingSecret": "kvmesh-keys"}},
         "redis": {"persistence": {"enabled": True}},
@@ -52,7 +66,7 @@ VALUE_SETS: dict[str, dict] = {
         "workerPools": {"mixed": {"enabled": True, "replicas": 2, "gpus": 0, "device": "cpu"}},
         "networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {}}]},
         "config": {"lease-ms": 5000},
-        "worker": {"config": {"max-num-seqs": 64}, "extraArgs": ["--dtype", "bfloat16"],
+        "worker": {"engine": {"max-num-seqs": 64}, "config": {"heartbeat-ms": 250}, "extraArgs": ["--dtype", "bfloat16"],
                    "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}},
     },

@@ -17,8 +17,8 @@ from tests.helm.chart import (CHART, CRD_GROUPS, FULLNAME, RELEASE, VALUE_SETS, 
 # ----------------------------------------------------------------------------- lint and schemas
 
 
-@pytest.mark.parametrize("case", ["defaults", "pools", "external-redis", "ingress-hpa-monitoring", "insecure",
-                                  "own-keys-hostpath", "everything"])
+@pytest.mark.parametrize("case", ["defaults", "pools", "pd-pools", "external-redis", "ingress-hpa-monitoring",
+                                  "insecure", "own-keys-hostpath", "everything"])
 def test_lint_strict(helm, case, tmp_path):
     out = run_helm(helm, "lint", "--strict", str(CHART), values=VALUE_SETS[case], tmp=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -106,9 +106,90 @@ def test_workers_have_gpu_shm_model_and_drain(helm, tmp_path_factory):
         assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
         mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
         assert "/dev/shm" in mounts and mounts["/models"]["readOnly"] is True
-        assert spec["terminationGracePeriodSeconds"] >= 60
-        assert "preStop" in c["lifecycle"]
         assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
+
+
+@pytest.mark.parametrize("case", ["defaults", "pd-pools", "everything"])
+def test_worker_grace_period_covers_the_drain(helm, case, tmp_path_factory):
+    """A pod that leaves (kubectl scale down, rollout, eviction) gets SIGKILL at the end of its grace
+    period: it must cover any preStop time, the worker's drain (running requests finish, then the
+    rest are failed) and its stop (lease released, GPU freed), read from the worker itself."""
+    from gpu_worker.service import main as worker_main
+    drain = worker_main.DRAIN_TIMEOUT_S + worker_main.FAIL_ALL_TIMEOUT_S + worker_main.STOP_DEADLINE_S
+    deps = by_kind(render(helm, case, tmp_path_factory), "Deployment")
+    workers = [d for d in deps.values() if d["spec"]["template"]["metadata"]["labels"]["kvmesh.io/service"] == "worker"]
+    assert len(workers) >= 2
+    for dep in workers:
+        spec = dep["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        assert set(c.get("lifecycle", {}).get("preStop", {})) <= {"sleep"}, "an exec preStop takes unknown time"
+        assert spec["terminationGracePeriodSeconds"] >= pre_stop + drain, dep["metadata"]["name"]
+
+
+def test_scaling_a_pool_is_not_pinned(helm, tmp_path_factory):
+    """`kubectl scale deployment <fullname>-decode` holds: no HorizontalPodAutoscaler takes the pools
+    over unless asked, and `replicas` comes from each pool's own value."""
+    docs = render(helm, "defaults", tmp_path_factory)
+    assert not by_kind(docs, "HorizontalPodAutoscaler")
+    deps = by_kind(docs, "Deployment")
+    for pool in ("prefill", "decode"):
+        assert deps[f"{FULLNAME}-{pool}"]["spec"]["replicas"] == 1
+    deps = by_kind(render(helm, "pools", tmp_path_factory), "Deployment")
+    assert (deps[f"{FULLNAME}-prefill"]["spec"]["replicas"], deps[f"{FULLNAME}-decode"]["spec"]["replicas"]) == (2, 4)
+
+
+def test_pools_differ_in_engine_resources_probes_and_replicas(helm, tmp_path_factory):
+    """Each pool's values are `worker`'s with the pool's own on top, key by key: engine settings
+    (as KVMESH_* variables), resources and probes, and an HPA each."""
+    docs = render(helm, "pd-pools", tmp_path_factory)
+    deps = by_kind(docs, "Deployment")
+    (prefill,), (decode,), (mixed,) = (containers(deps[f"{FULLNAME}-{p}"]) for p in ("prefill", "decode", "mixed"))
+
+    def engine_env(c):
+        return {k: e["value"] for k, e in env_of(c).items()
+                if k in ("KVMESH_MAX_NUM_SEQS", "KVMESH_MAX_NUM_BATCHED_TOKENS", "KVMESH_MAX_MODEL_LEN", "KVMESH_DTYPE")}
+    assert engine_env(prefill) == {"KVMESH_MAX_NUM_BATCHED_TOKENS": "16384", "KVMESH_MAX_MODEL_LEN": "8192",
+                                   "KVMESH_DTYPE": "bfloat16"}
+    assert engine_env(decode) == {"KVMESH_MAX_NUM_SEQS": "1024", "KVMESH_MAX_MODEL_LEN": "32768",
+                                  "KVMESH_DTYPE": "bfloat16"}
+    assert engine_env(mixed) == {"KVMESH_MAX_MODEL_LEN": "8192", "KVMESH_DTYPE": "bfloat16"}
+    assert env_of(decode)["KVMESH_KV_TRANSFER_PORT"]["value"] == "5600"
+    assert "KVMESH_KV_TRANSFER_PORT" not in env_of(prefill) and "KVMESH_KV_TRANSFER_PORT" not in env_of(mixed)
+    assert prefill["resources"]["requests"]["cpu"] == "8" and prefill["resources"]["limits"]["memory"] == "64Gi"
+    assert decode["resources"]["requests"]["cpu"] == "4" and decode["resources"]["limits"]["memory"] == "128Gi"
+    assert (prefill["readinessProbe"]["periodSeconds"], prefill["readinessProbe"]["timeoutSeconds"]) == (2, 3)
+    assert decode["readinessProbe"]["periodSeconds"] == 5
+    assert (decode["livenessProbe"]["failureThreshold"], prefill["livenessProbe"]["failureThreshold"]) == (6, 3)
+    hpas = by_kind(docs, "HorizontalPodAutoscaler")
+    assert hpas[f"{FULLNAME}-decode"]["spec"]["maxReplicas"] == 16 and hpas[f"{FULLNAME}-prefill"]["spec"]["maxReplicas"] == 8
+    for pool in ("prefill", "decode", "mixed"):
+        assert "replicas" not in deps[f"{FULLNAME}-{pool}"]["spec"]
+
+
+def test_default_pools_are_tuned_for_their_role(helm, tmp_path_factory):
+    deps = by_kind(render(helm, "defaults", tmp_path_factory), "Deployment")
+    (prefill,), (decode,) = (containers(deps[f"{FULLNAME}-{p}"]) for p in ("prefill", "decode"))
+    assert env_of(prefill)["KVMESH_MAX_NUM_BATCHED_TOKENS"]["value"] == "8192"   # long steps: nothing decodes there
+    assert env_of(decode)["KVMESH_MAX_NUM_SEQS"]["value"] == "512"                # many sequences per step
+    assert "KVMESH_MAX_NUM_SEQS" not in env_of(prefill) and "KVMESH_MAX_NUM_BATCHED_TOKENS" not in env_of(decode)
+
+
+def test_no_container_gets_a_variable_twice(helm, tmp_path_factory):
+    for case in VALUE_SETS:
+        for name, dep in by_kind(render(helm, case, tmp_path_factory), "Deployment").items():
+            names = [e["name"] for e in containers(dep)[0].get("env", [])]
+            assert len(names) == len(set(names)), (case, name, sorted(n for n in names if names.count(n) > 1))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--set", "worker.config.max-num-seqs=64"], "engine settings belong in `engine`"),
+    (["--set", "workerPools.prefill.config.max_num_batched_tokens=4096"], "engine settings belong in `engine`"),
+    (["--set", "workerPools.decode.engine.tensor-parallel-size=2"], "set gpus instead"),
+])
+def test_engine_settings_have_one_place(helm, bad, message):
+    out = run_helm(helm, "template", RELEASE, str(CHART), *bad)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
 def test_multi_gpu_pool_shards_the_model_over_its_gpus(helm, tmp_path_factory):
@@ -197,7 +278,10 @@ def test_ingress_hpa_and_servicemonitor(helm, tmp_path_factory):
     assert ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == f"{FULLNAME}-gateway"
     hpas = by_kind(docs, "HorizontalPodAutoscaler")
     assert set(hpas) == {f"{FULLNAME}-{c}" for c in ("gateway", "tokenizer", "prefill", "decode")}
-    assert hpas[f"{FULLNAME}-decode"]["spec"]["metrics"][0]["pods"]["metric"]["name"] == "kvmesh_waiting_requests"
+    def metric_names(pool):
+        return [m["pods"]["metric"]["name"] for m in hpas[f"{FULLNAME}-{pool}"]["spec"]["metrics"]]
+    assert metric_names("prefill") == ["kvmesh_worker_pending_prompt_tokens"]
+    assert metric_names("decode") == ["kvmesh_kv_usage_ratio", "kvmesh_engine_waiting"]
     deps = by_kind(docs, "Deployment")
     for name in hpas:  # the HPA owns replicas; the Deployment must not fight it
         assert hpas[name]["spec"]["scaleTargetRef"]["name"] == name
@@ -221,7 +305,7 @@ def test_security_context_and_config_checksum(helm, tmp_path_factory):
             assert sc["readOnlyRootFilesystem"] is True
     assert set(by_kind(docs, "PodDisruptionBudget")) >= {f"{FULLNAME}-{c}" for c in ("gateway", "prefill", "decode", "mixed")}
     assert set(by_kind(docs, "NetworkPolicy")) == {f"{FULLNAME}-{c}" for c in (
-        "gateway", "tokenizer", "scheduler", "prefix-cache", "worker", "redis")}
+        "gateway", "tokenizer", "scheduler", "prefix-cache", "prefill", "decode", "mixed", "redis")}
     mixed = by_kind(docs, "Deployment")[f"{FULLNAME}-mixed"]
     (c,) = containers(mixed)
     assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
@@ -239,11 +323,13 @@ def test_config_checksum_follows_the_configmap(helm, tmp_path_factory):
     assert checksum("defaults") != checksum("everything")     # config.lease-ms changed it
 
 
-def test_env_names_are_known_to_the_services(helm, tmp_path_factory):
-    """Services refuse unknown KVMESH_* variables at start; the chart must set only real ones."""
+@pytest.mark.parametrize("case", ["everything", "pd-pools"])
+def test_env_names_are_known_to_the_services(helm, case, tmp_path_factory):
+    """Services refuse unknown KVMESH_* variables at start; the chart must set only real ones
+    (the pools' default `engine` keys included)."""
     config = pytest.importorskip("services.config")
     known = config.known_env_names()
-    docs = render(helm, "everything", tmp_path_factory)
+    docs = render(helm, case, tmp_path_factory)
     names = set(by_kind(docs, "ConfigMap")[f"{FULLNAME}-config"]["data"])
     for dep in by_kind(docs, "Deployment").values():
         names |= set(env_of(containers(dep)[0]))

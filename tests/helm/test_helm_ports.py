@@ -18,6 +18,9 @@ from tests.helm.chart import FULLNAME, VALUE_SETS, by_kind, containers, env_of, 
 CONFIG_OF = {"gateway": GatewayConfig, "tokenizer": TokenizerConfig, "scheduler": SchedulerConfig,
              "prefix-cache": PrefixCacheConfig, "worker": WorkerConfig}
 GRPC_SERVICES = ("tokenizer", "scheduler", "prefix-cache", "worker")
+# Ports only some worker roles bind (WorkerConfig's help names the role): set and declared on
+# those pools' pods, absent elsewhere.
+ROLE_PORTS = {"kv_transfer_port": ("decode",)}
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 
 
@@ -45,10 +48,14 @@ def test_every_port_a_service_binds_is_fixed_and_declared(helm, case, tmp_path_f
     for name, (service, c) in kvmesh_pods(docs).items():
         values = settings(docs, c)
         declared = {p["containerPort"] for p in c["ports"]}
+        role = values.get("KVMESH_ROLE")
         for field in dataclasses.fields(CONFIG_OF[service]):
             if not field.name.endswith("port"):
                 continue
             env = f"KVMESH_{field.name.upper()}"
+            if field.name in ROLE_PORTS and role not in ROLE_PORTS[field.name]:
+                assert env not in values, f"{case}: {name} ({role}) sets {env}, which only {ROLE_PORTS[field.name]} bind"
+                continue
             assert env in values, f"{case}: {name} leaves --{field.name.replace('_', '-')} at its default"
             assert int(values[env]) > 0 and int(values[env]) in declared, (case, name, env, values[env])
         assert len(declared) == len(c["ports"]), f"{case}: {name} declares a port twice"
@@ -91,10 +98,13 @@ def test_probe_peers_reach_the_health_ports_only(helm, tmp_path_factory):
     (nodes,) = VALUE_SETS["strict-cni"]["networkPolicy"]["probeFrom"]
     policies = by_kind(docs, "NetworkPolicy")
     pods = kvmesh_pods(docs)
-    for service in GRPC_SERVICES:
-        health = {int(env_of(c)["KVMESH_HEALTH_PORT"]["value"]) for s, c in pods.values() if s == service}
-        spec = policies[f"{FULLNAME}-{service}"]["spec"]
-        assert ingress_ports_from(spec, nodes) == health, service
+    # each worker pool has a policy of its own, named like its Deployment
+    components = [*(s for s in GRPC_SERVICES if s != "worker"), "prefill", "decode"]
+    for component in components:
+        (_, c) = pods[f"{FULLNAME}-{component}"]
+        health = {int(env_of(c)["KVMESH_HEALTH_PORT"]["value"])}
+        spec = policies[f"{FULLNAME}-{component}"]["spec"]
+        assert ingress_ports_from(spec, nodes) == health, component
         (rule,) = [r for r in spec["ingress"] if nodes in r["from"]]
         assert rule["from"] == [nodes]
     for other in ("gateway", "redis"):

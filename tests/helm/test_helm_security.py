@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from services.security import bundle, keys_cli
-from tests.helm.chart import (CHART, FULLNAME, RELEASE, by_kind, containers, env_of, helm,  # noqa: F401
+from tests.helm.chart import (CHART, FULLNAME, RELEASE, VALUE_SETS, by_kind, containers, env_of, helm,  # noqa: F401
                               render, run_helm)
 
 ROLES = bundle.ROLES
@@ -74,6 +74,7 @@ EXPECTED_EDGES = {
     ("gateway", "scheduler", "zmq"), ("tokenizer", "scheduler", "zmq"), ("worker", "scheduler", "zmq"),
     ("scheduler", "prefix-cache", "grpc"),
     ("scheduler", "worker", "zmq"), ("prefix-cache", "worker", "kv-events"), ("prefix-cache", "worker", "kv-snapshot"),
+    ("worker", "worker", "kv-transfer"),   # prefill -> decode only: test_kv_transfer_port_takes_the_prefill_pool_only
     *((role, "redis", "redis") for role in ROLES),
 }
 
@@ -96,10 +97,26 @@ def test_each_port_is_reachable_only_from_the_roles_that_use_it(helm, case, tmp_
                 reached.add((src["service"], dst["service"], port_name))
     assert reached == EXPECTED_EDGES
     # What the issue named: the internet-facing gateway reaches no worker port and no other pod's
-    # metrics; a worker's ports take only the scheduler and the prefix-cache index.
+    # metrics; a worker's ports take only the scheduler, the prefix-cache index and (the decode
+    # pool's KV-transfer port) the prefill pool.
     assert not {e for e in reached if e[0] == "gateway" and e[1] in ("worker", "prefix-cache")}
-    assert {e[0] for e in reached if e[1] == "worker"} == {"scheduler", "prefix-cache"}
+    assert {e[0] for e in reached if e[1] == "worker"} == {"scheduler", "prefix-cache", "worker"}
+    assert {e[2] for e in reached if e[:2] == ("worker", "worker")} == {"kv-transfer"}
     assert not {e for e in reached if e[2] in ("metrics", "http")}
+
+
+@pytest.mark.parametrize("case", ["defaults", "pd-pools", "everything"])
+def test_kv_transfer_port_takes_the_prefill_pool_only(helm, case, tmp_path_factory):
+    """The decode pool's KV-transfer port: prefill pods reach it, no other pod does (not the
+    scheduler, not a mixed or another decode pod), and no other pod declares such a port."""
+    docs = render(helm, case, tmp_path_factory)
+    policies = list(by_kind(docs, "NetworkPolicy").values())
+    everyone = pods(docs)
+    port = everyone["decode"]["ports"]["kv-transfer"]
+    assert port == VALUE_SETS[case].get("workerPools", {}).get("decode", {}).get("kvTransferPort", 5563)
+    assert [c for c, p in everyone.items() if "kv-transfer" in p["ports"]] == ["decode"]
+    reach = {c for c, src in everyone.items() if can_reach(policies, src, everyone["decode"], port)}
+    assert reach == {"prefill"}, case
 
 
 def test_no_rule_opens_every_port(helm, tmp_path_factory):
@@ -123,7 +140,7 @@ def test_the_public_and_metrics_ports(helm, tmp_path_factory):
     (http,) = [r for r in gateway["ingress"] if r["ports"] == [{"port": 8000, "protocol": "TCP"}]]
     assert "from" not in http  # the public entry: anyone, by default
     monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
-    for name in ("tokenizer", "scheduler", "prefix-cache", "worker"):
+    for name in ("tokenizer", "scheduler", "prefix-cache", "prefill", "decode"):
         rules = [r for r in policies[f"{FULLNAME}-{name}"]["spec"]["ingress"]
                  if {"port": 9090, "protocol": "TCP"} in r["ports"]]
         assert [r["from"] for r in rules] == [monitoring], name
@@ -134,7 +151,7 @@ def test_the_public_and_metrics_ports(helm, tmp_path_factory):
     http_rules = [r for r in rules if r["ports"] == [{"port": 8000, "protocol": "TCP"}]]
     assert [r["from"] for r in http_rules] == [[{"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": "ingress-nginx"}}}]]
-    for name in ("tokenizer", "worker"):  # metricsFrom: [] opens no metrics port
+    for name in ("tokenizer", "prefill", "decode"):  # metricsFrom: [] opens no metrics port
         assert not [r for r in restricted[f"{FULLNAME}-{name}"]["spec"]["ingress"]
                     if {"port": 9090, "protocol": "TCP"} in r["ports"]]
 
@@ -154,9 +171,10 @@ def test_egress_leaves_the_release_only_for_dns_and_the_model_download(helm, tmp
 
     dns = [(53, "TCP"), (53, "UDP")]
     assert outside("defaults") == {"gateway": [dns], "tokenizer": [dns, [(443, "TCP")]], "scheduler": [dns],
-                                   "prefix-cache": [dns], "worker": [dns, [(443, "TCP")]]}
+                                   "prefix-cache": [dns], "prefill": [dns, [(443, "TCP")]],
+                                   "decode": [dns, [(443, "TCP")]]}
     assert outside("own-keys-hostpath") == {n: [dns] for n in ("gateway", "tokenizer", "scheduler",
-                                                                "prefix-cache", "worker")}
+                                                                "prefix-cache", "prefill", "decode")}
 
 
 def test_external_redis_egress(helm, tmp_path_factory):

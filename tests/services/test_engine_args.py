@@ -1,7 +1,7 @@
 """Every engine field (services/engine_args.py's EngineArgs, gpu_worker/config.py's EngineConfig)
 reaches the engine from every entry point: `kvmesh serve` (through the worker flags it hands on),
 `kvmesh worker` (flags and KVMESH_* variables), `kvmesh generate`, `LLM(**kwargs)` and the Helm
-chart's `worker.config`; and each entry point's default is the one declared default: EngineArgs'
+chart's `worker.engine` and pools' `engine`; and each entry point's default is the one declared default: EngineArgs'
 offline one for LLM / generate, SERVED_DEFAULTS' (else EngineArgs') for serve / worker / Helm."""
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ NOT_FLAGS = {"tuning": "the KVMESH_* tuning variables (services/config.py's TUNI
 PER_WORKER = ("model", "device")
 # Engine fields the Helm chart sets from values of its own, and why.
 HELM_SET = {"device": "worker.device: pods that request GPUs run on cuda",
-            "tensor_parallel_size": "worker.gpus: one rank per GPU of the pod (set above 1 only)"}
+            "tensor_parallel_size": "worker.gpus: one rank per GPU of the pod (set above 1 only)",
+            "max_num_batched_tokens": "workerPools.prefill.engine: large steps, no decodes to wait behind them",
+            "max_num_seqs": "workerPools.decode.engine: many sequences a step"}
 FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
 
 
@@ -147,11 +149,15 @@ def _worker_pods(helm: str, values: dict, tmp_path: Path) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("samples", rounds(SERVED_SAMPLES))
-def test_helm_worker_config_reaches_the_engine(helm, tmp_path, samples):
-    """`worker.config: {max-num-seqs: ..., ...}` with every engine field: each becomes its KVMESH_*
-    variable in every worker pool's container, and the worker's config parser turns the
-    container's environment into the sampled values."""
-    values = {"worker": {"config": {flag_name(name)[2:]: value for name, value in samples.items()}}}
+def test_helm_worker_engine_reaches_the_engine(helm, tmp_path, samples):
+    """`engine: {max-num-seqs: ..., ...}` with every engine field, in `worker` and in each pool (whose
+    own map wins key by key): each becomes its KVMESH_* variable in every worker pool's container,
+    and the worker's config parser turns the container's environment into the sampled values.
+    tensor-parallel-size, which the chart derives from `gpus`, goes through `worker.config`."""
+    engine = {flag_name(name)[2:]: value for name, value in samples.items() if name != "tensor_parallel_size"}
+    config = {flag_name(name)[2:]: value for name, value in samples.items() if name == "tensor_parallel_size"}
+    values = {"worker": {"engine": engine, "config": config},
+              "workerPools": {pool: {"engine": engine} for pool in ("prefill", "decode")}}
     engine_env = {env_name(name) for name in ENGINE_FIELDS}
     for pod, container in _worker_pods(helm, values, tmp_path).items():
         env = {name: e["value"] for name, e in env_of(container).items() if name in engine_env}

@@ -110,6 +110,11 @@ spec:
             - name: kv-snapshot
               containerPort: {{ $v.kvSnapshotPort }}
               protocol: TCP
+            {{- if eq .role "decode" }}
+            - name: kv-transfer
+              containerPort: {{ $v.kvTransferPort }}
+              protocol: TCP
+            {{- end }}
             {{- end }}
             {{- range $v.extraPorts }}
             - name: {{ .name }}
@@ -165,6 +170,10 @@ spec:
               value: {{ $v.kvEventsPort | quote }}
             - name: KVMESH_KV_SNAPSHOT_PORT
               value: {{ $v.kvSnapshotPort | quote }}
+            {{- if eq .role "decode" }}
+            - name: KVMESH_KV_TRANSFER_PORT
+              value: {{ $v.kvTransferPort | quote }}
+            {{- end }}
             {{- if gt (int $v.gpus) 1 }}
             # One tensor-parallel rank per GPU of the pod.
             - name: KVMESH_TENSOR_PARALLEL_SIZE
@@ -172,6 +181,9 @@ spec:
             {{- end }}
             {{- end }}
             {{- include "kvmesh.configEnv" $v.config | nindent 12 }}
+            {{- if .role }}
+            {{- include "kvmesh.engineEnv" (dict "values" $v "pool" .role) | nindent 12 }}
+            {{- end }}
             {{- with $v.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}

@@ -109,6 +109,29 @@ refuses: whole numbers are printed as integers.
 {{- end }}
 
 {{/*
+A worker pool's engine settings (`engine`, the pool's merged over `worker`'s) as KVMESH_* entries.
+The same setting in `config` too would give the container one variable twice, with no telling
+which wins: refused, as is `tensor-parallel-size`, which `gpus` sets.
+Call with (dict "values" <the pool's merged values> "pool" "decode").
+*/}}
+{{- define "kvmesh.engineEnv" -}}
+{{- $envName := dict }}
+{{- range $key, $_ := .values.config }}
+{{- $_ := set $envName ($key | replace "-" "_" | replace "." "_" | upper) $key }}
+{{- end }}
+{{- range $key, $_ := .values.engine }}
+{{- $name := $key | replace "-" "_" | upper }}
+{{- if eq $name "TENSOR_PARALLEL_SIZE" }}
+{{- fail (printf "workerPools.%s: engine.tensor-parallel-size is set by `gpus` (one rank per GPU of the pod): set gpus instead" $.pool) }}
+{{- end }}
+{{- if hasKey $envName $name }}
+{{- fail (printf "workerPools.%s gets %s from both `engine` and `config` (worker.* or workerPools.%s.*): engine settings belong in `engine` only" $.pool $key $.pool) }}
+{{- end }}
+{{- end }}
+{{- include "kvmesh.configEnv" .values.engine }}
+{{- end }}
+
+{{/*
 Name of the Secret the chart creates for an external Redis URL.
 */}}
 {{- define "kvmesh.secretName" -}}

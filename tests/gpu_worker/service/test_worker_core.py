@@ -62,3 +62,26 @@ def test_engine_failure_fails_requests_instead_of_hanging():
     out = core.run([dispatch("a")])
     assert any(isinstance(e.msg, RequestFailed) and e.msg.status == 500 for e in out)
     assert not core.requests
+
+
+def test_pending_prompt_tokens_count_prompts_until_their_first_token():
+    """The prefill pool's autoscaling signal: prompt tokens that still wait for a first token."""
+    core = WorkerCore(NullEngine(vocab_size=1000, max_num_seqs=1), "w", 1)
+    assert core.load()["pending_prompt_tokens"] == 0
+    core.run([dispatch("a", max_tokens=2, prompt=range(1, 6)), dispatch("b", max_tokens=2, prompt=range(1, 8)),
+              dispatch("c", max_tokens=2, prompt=range(1, 4))])
+    assert core.load()["pending_prompt_tokens"] == 7 + 3      # "a" has its first token; one slot only
+    core.run([Abort(request_id="c")])                         # "a" finishes in this step
+    assert core.load()["pending_prompt_tokens"] == 7
+    core.run([])                                               # "b" takes the slot: its first token
+    assert core.load()["pending_prompt_tokens"] == 0
+
+
+def test_the_heartbeat_publishes_the_pending_prompt_tokens_gauge():
+    from prometheus_client import REGISTRY
+
+    from gpu_worker.service.main import WorkerService
+    core = WorkerCore(NullEngine(vocab_size=1000, max_num_seqs=1), "w", 1)
+    core.run([dispatch("a", prompt=range(1, 6)), dispatch("b", prompt=range(1, 10))])
+    WorkerService._publish_metrics(None, core.load())   # what each heartbeat does with the load
+    assert REGISTRY.get_sample_value("kvmesh_worker_pending_prompt_tokens") == 9
