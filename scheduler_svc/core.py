@@ -18,18 +18,14 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 from scheduler_svc.routing import Scorer, WorkerView, least_loaded, pick
+from services.envelope import Envelope
 from services.protocol.messages import (
     Abort, Admitted, Dispatch, Rejected, RequestFailed, Submit, WorkerStatus, failure_of)
 
 log = logging.getLogger("kvmesh.scheduler")
-
-
-class Envelope(NamedTuple):
-    dest: str   # ZMQ address: a worker, a gateway or a detokenizer
-    msg: Any
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,12 @@ import socket
 import time
 import uuid
 
-from scheduler_svc.core import Envelope, Limits, SchedulerCore
+from scheduler_svc.core import Limits, SchedulerCore
 from scheduler_svc.recent import RecentDispatches
 from scheduler_svc.routing import RoutingWeights, WorkerView, make_scorer
 from services import metrics
 from services.config import SchedulerConfig, load_or_exit
+from services.envelope import Envelope
 from services.logging import setup as setup_logging
 from services.protocol.messages import Abort, Dispatch, SchedulerInbox, Submit, WorkerStatus
 from services.redis_client import RedisAuth
