@@ -178,13 +178,13 @@ async def test_an_index_answer_over_grpc_routes_to_the_holder(busy_w0):
 
 
 async def test_a_slow_index_falls_back_to_load(busy_w0):
-    async with Index(hit("w0", 4), delay_s=1.0) as target:
+    async with Index(hit("w0", 4), delay_s=3.0) as target:
         client = PrefixClient(target, None, timeout_s=0.1, cooldown_s=5.0)
         try:
             workers, took = await route(busy_w0, client, "r1")
-            assert workers == ["w1"] and took < 0.8          # the deadline, not the index's answer
+            assert workers == ["w1"] and took < 2.0          # the deadline, not the index's answer
             workers, took = await route(busy_w0, client, "r2")
-            assert workers == ["w1"] and took < 0.05         # the breaker is open: no call at all
+            assert workers == ["w1"] and took < 0.5          # the breaker is open: no call at all
         finally:
             await client.close()
 
