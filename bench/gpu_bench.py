@@ -259,7 +259,7 @@ def kernel_prefill_attention(args, deadline) -> None:
         qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32, device=DEV)
         cl = torch.tensor(clens, dtype=torch.int32, device=DEV)
         out = torch.full_like(q, float("nan"))
-        # as the engine calls it: this step's K/V rows passed (v2, its default config), the same
+        # as the engine calls it: this step's K/V rows passed, its default config, the same
         # values as the cache holds, so the reference reads them from the cache
         k_new = torch.cat([gather_context(k, tables[b], c)[c - n:] for b, (n, c) in enumerate(zip(qlens, clens))])
         v_new = torch.cat([gather_context(v, tables[b], c)[c - n:] for b, (n, c) in enumerate(zip(qlens, clens))])

@@ -1,6 +1,7 @@
-"""Prefill / extend attention on the GPU: the v1 kernel (every key gathered from the paged cache)
-vs v2 (this step's keys from the contiguous k/v rows, only the cached prefix from the cache) over a
-small grid of launch configurations; prints the defaults to put in paged_prefill_attention.py.
+"""Prefill / extend attention on the GPU: paged_prefill_attention ("v2": this step's keys from the
+contiguous k/v rows, only the cached prefix from the paged cache) over a small grid of launch
+configurations, against fresh_prefill_attention; prints the defaults to put in
+paged_prefill_attention.py.
 
 One GPU call (H200, about 1-2 minutes; --time-budget, default 130 s, skips what would not fit),
 from the repository root:
@@ -11,19 +12,17 @@ Llama-8B attention heads (32 q, 8 kv, head_dim 128), bf16, page 16, shuffled blo
 "1 x 8k fresh", "4 x 2k fresh", "16 x 2k fresh", "8 x 2k fresh" (the engine's 16,384-token step),
 "32 x 512 fresh", "1 x 32k fresh", "2k chunk behind 6k cached + 64 decode rows" (skip_decode_rows,
 as the backend calls it). The cache holds every token's K/V
-(this step's too, as after the KV write) and k_new / v_new are the same values, so v1 and v2
-compute the same thing. Variants per case:
-  v1 default            today's kernel and launch (the baseline)
-  v2 paged default      v2 with this step's keys read from the cache too (impl="v2", no k_new)
-  v2 bm/bn/w/s[/pack]   v2 with k_new / v_new, each configuration of CONFIGS
+(this step's too, as after the KV write) and k_new / v_new are the same values. Variants per case:
+  v2 default            prefill_config()'s launch for the case (the baseline)
+  v2 bm/bn/w/s[/pack]   each configuration of CONFIGS
 Each output is checked first (rel. error ||out - ref|| / ||ref|| < 1e-2 against the fp32 torch
 reference, no NaN; 32k: the reference on its first and last 1024 rows, and the whole output vs
-v1's), only then timed: median per call of CUDA-graph replays (device time). TFLOP/s counts the
+the default's), only then timed: median per call of CUDA-graph replays (device time). TFLOP/s counts the
 causal FLOPs, 4 * H * D * sum over the computed rows of the keys each sees. For the fresh cases
 torch's own flash attention is timed as a reference point ("torch flash (reference)": varlen_attn,
 else SDPA per sequence). Every case also times fresh_prefill_attention (q and this step's K/V
 through TMA, the cached prefix, where there is one, through the block table) per FreshConfig of
-FRESH ("fresh bm/bn/w/s"; --only-fresh: only v1, v2's default configurations and these). The cases
+FRESH ("fresh bm/bn/w/s"; --only-fresh: only v2's default configurations and these). The cases
 behind a cached prefix: "8 x 2k behind 2k", "32 x 512 behind 1.5k", "1 x 8k behind 24k", "1k chunk
 behind 512 + 60 decodes" (a serving step at concurrency 64). Printed last: the best variant per case (v2's and the fresh kernel's, and
 their ratio), then the PREFILL_CONFIGS lines
@@ -307,10 +306,8 @@ class Sweep:
             f"{time.time() - t:.1f}s (rows checked: {sorted(refs)})")
         out = torch.zeros_like(q)
         base = dict(max_query_len=max(q_lens), out=out, skip_decode_rows=skip)
-        v1_out = None
-        variants = [("v1 default", None)]
-        if not self.args.only_fresh:
-            variants.append(("v2 paged default", "paged"))
+        base_out = None
+        variants = [("v2 default", None)]
         defaults = {tuple(c) for _, c in ppa.PREFILL_CONFIGS}             # --only-fresh keeps v2's defaults
         variants += [(cfg_name(c), c) for c in self.configs
                      if not self.args.only_fresh or tuple(ppa.PrefillConfig(*c)) in defaults]
@@ -318,22 +315,15 @@ class Sweep:
         variants += [(cfg_name(c), c) for c in self.fresh]         # the fresh kernel (with the prefix if any)
         prefix = None if fresh else fpa.CachedPrefix(kc, vc, tables, cl)
         for vname, c in variants:
-            if self.left() < (25 if v1_out is None else 8):
+            if self.left() < (25 if base_out is None else 8):
                 res["variants"][vname] = {"skipped": "time budget"}
                 log(f"  {vname:28s} skipped (time budget)")
                 continue
             try:
-                if c is None:
-                    tile_m = ppa.default_block_m(max(q_lens))
-                    kw = dict(base, tile_starts=ppa.prefill_tile_starts(qsl, tile_m, skip))
-                elif isinstance(c, fpa.FreshConfig):
+                if isinstance(c, fpa.FreshConfig):
                     kw = dict(config=c, tiles=fpa.fresh_tile_map(qsl, c.block_m, q.shape[0], skip))
-                elif c == "paged":
-                    cfg = ppa.prefill_config(max(q_lens), self.D, G)
-                    kw = dict(base, impl="v2", config=cfg,
-                              tile_starts=ppa.prefill_tile_starts(qsl, cfg.tile_tokens(G), skip))
                 else:
-                    cfg = ppa.PrefillConfig(*c)
+                    cfg = ppa.prefill_config(max(q_lens), self.D, G) if c is None else ppa.PrefillConfig(*c)
                     kw = dict(base, k_new=kn, v_new=vn, config=cfg,
                               tile_starts=ppa.prefill_tile_starts(qsl, cfg.tile_tokens(G), skip))
 
@@ -347,25 +337,24 @@ class Sweep:
                 call()
                 self.sync()
                 first_s = time.time() - t
-                key = vname if c != "paged" else "v2 paged default"
-                self.results["compile_s"].setdefault(key, round(first_s, 2))
+                self.results["compile_s"].setdefault(vname, round(first_s, 2))
                 err = self.check(out, refs)
                 finite = bool(torch.isfinite(out).all())
-                err_v1 = None
-                if vname == "v1 default":
-                    v1_out = out.clone()
-                elif v1_out is not None:
-                    err_v1 = rel_err(out, v1_out)
-                ok = finite and err < MAX_ERR and (err_v1 is None or err_v1 < MAX_ERR)
-                entry = {"err": err, "err_vs_v1": err_v1, "finite": finite, "first_call_s": round(first_s, 2),
+                err_base = None
+                if c is None:
+                    base_out = out.clone()
+                elif base_out is not None:
+                    err_base = rel_err(out, base_out)
+                ok = finite and err < MAX_ERR and (err_base is None or err_base < MAX_ERR)
+                entry = {"err": err, "err_vs_default": err_base, "finite": finite, "first_call_s": round(first_s, 2),
                          "ok": ok}
                 res["variants"][vname] = entry
                 if not ok:
-                    log(f"  {vname:28s} WRONG: err {err:.1e}, vs v1 {err_v1}, finite {finite}")
+                    log(f"  {vname:28s} WRONG: err {err:.1e}, vs the default {err_base}, finite {finite}")
                     continue
                 ms = self.time_ms(call)
                 entry.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-                log(f"  {vname:28s} err {err:.1e}{'' if err_v1 is None else f' (vs v1 {err_v1:.1e})'}  "
+                log(f"  {vname:28s} err {err:.1e}{'' if err_base is None else f' (vs default {err_base:.1e})'}  "
                     f"{ms * 1e3:9.1f} us  {entry['tflops']:6.1f} TFLOP/s   (first call {first_s:.1f}s)")
             except Exception as exc:                                  # noqa: BLE001 e.g. out of shared memory
                 res["variants"][vname] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -386,7 +375,7 @@ class Sweep:
             except Exception as exc:                                  # noqa: BLE001
                 res["torch_flash"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 log(f"  torch flash (reference) FAILED {type(exc).__name__}: {str(exc)[:200]}")
-        del data, refs, out, v1_out
+        del data, refs, out, base_out
         if not self.smoke:
             torch.cuda.empty_cache()
 
@@ -395,7 +384,7 @@ class Sweep:
         print("\n" + "=" * 110)
         print(f"prefill attention sweep: {self.results['device']}, torch {self.results['torch']}, "
               f"triton {self.results['triton']}; heads {self.H}/{self.KVH} x {self.D}, page {self.page}")
-        print(f"{'case':34s} {'v1':>7s} {'v2 paged':>8s} {'best v2':>8s} {'x v1':>5s} {'torch':>7s} {'fresh':>7s} "
+        print(f"{'case':34s} {'default':>7s} {'best v2':>8s} {'x dflt':>6s} {'torch':>7s} {'fresh':>7s} "
               f"{'x v2':>5s}  best v2 / best fresh configuration  (TFLOP/s)")
         best_by_case = {}
         for name, res in self.results["cases"].items():
@@ -406,12 +395,12 @@ class Sweep:
                 continue
             bname = max(v2, key=v2.get)
             best_by_case[name] = bname
-            v1, paged = timed.get("v1 default", math.nan), timed.get("v2 paged default", math.nan)
+            default = timed.get("v2 default", math.nan)
             tf = res.get("torch_flash", {}).get("tflops") or math.nan
             fresh = {v: t for v, t in timed.items() if v.startswith("fresh ")}
             fname = max(fresh, key=fresh.get) if fresh else ""
             ft = fresh[fname] if fresh else math.nan
-            print(f"{name:34s} {v1:7.1f} {paged:8.1f} {v2[bname]:8.1f} {v2[bname] / v1:5.2f} {tf:7.1f} {ft:7.1f} "
+            print(f"{name:34s} {default:7.1f} {v2[bname]:8.1f} {v2[bname] / default:6.2f} {tf:7.1f} {ft:7.1f} "
                   f"{ft / v2[bname]:5.2f}  {bname} / {fname or '-'}")
         self.results["best_by_case"] = best_by_case
         # PREFILL_CONFIGS: per bucket of max_query_len, the v2 config with the best geometric mean
@@ -456,7 +445,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, toy sizes")
     ap.add_argument("--time-budget", type=float, default=130.0, help="seconds; later variants are skipped")
-    ap.add_argument("--only-fresh", action="store_true", help="v1, v2's default configurations and the fresh "
+    ap.add_argument("--only-fresh", action="store_true", help="v2's default configurations and the fresh "
                     "kernel's only")
     ap.add_argument("--cases", default="", help="comma-separated case names (substrings) to run")
     args = ap.parse_args()
@@ -464,7 +453,7 @@ def main() -> None:
         sys.exit("no CUDA device (use --smoke on the CPU)")
     sweep = Sweep(args)
     log(f"{sweep.results['device']}, torch {sweep.results['torch']}, triton {sweep.results['triton']}; "
-        f"{len(sweep.configs)} v2 configurations + v1 + v2 paged; budget {args.time_budget:.0f}s")
+        f"{len(sweep.configs)} v2 configurations + the default; budget {args.time_budget:.0f}s")
     wanted = [w.strip() for w in args.cases.split(",") if w.strip()]
     for i, (name, (q_lens, ctx_lens, skip)) in enumerate(sweep.cases.items()):
         if wanted and not any(w in name for w in wanted):

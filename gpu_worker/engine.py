@@ -27,7 +27,7 @@ from gpu_worker.engine_setup import EngineSetup, resolve_setup
 from gpu_worker.config import EngineConfig
 from gpu_worker.outputs import EngineStats, RequestError, SequenceDelta
 from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResult, to_device
-from gpu_worker.scheduler import ScheduledSeq, Scheduler
+from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 
@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 256
 PENDING = -1     # async_scheduling: a token sampled on the device, not yet read back
+
+
+class _Forwarded(NamedTuple):
+    """A step's forward, before its draw: the logits and who draws from which row, with what."""
+    logits: torch.Tensor                  # (S, vocab): one row per sampling sequence
+    targets: list[tuple[int, Sequence]]   # (logits row, sequence); forks share their parent's row
+    requests: list[SampleRequest]         # one per target
 
 
 class _InFlight(NamedTuple):
@@ -202,22 +209,34 @@ class Engine:
             if self._stuck():
                 raise RuntimeError("engine stuck: a waiting request cannot be scheduled on an idle engine")
             return []
+        fwd = self._forward(out, None)
+        t = time.perf_counter()
+        results = self.sampler(fwd.logits, fwd.requests)             # the draw and its host sync
+        self.last_sync_s += time.perf_counter() - t
+        return [d for (_, seq), res in zip(fwd.targets, results) if (d := self._append(seq, res))]
+
+    def _forward(self, out: SchedulerOutput, prev: _InFlight | None) -> _Forwarded:
+        """The part of a step both schedulings share: copy-on-write copies, the batch (its PENDING
+        inputs taken on the device from `prev`'s draw), the forward, progress, forks, and what each
+        sampling sequence draws with. The caller draws: at once (step) or queued (_launch)."""
         if out.copies:
             self.runner.copy_blocks([c.src for c in out.copies], [c.dst for c in out.copies])
         batch = self.batch_builder.build(out.scheduled)
+        if prev is not None:
+            self._take_pending_inputs(batch, out.scheduled, prev)
         sampling = [item for item in out.scheduled if item.samples]
         logits = self.runner.forward(batch)                          # (S, vocab)
-        bm, bs = self.block_manager, self.config.block_size
-        for seq, num_new in out.scheduled:
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens // bs > seq.num_registered_blocks:   # a block filled up
-                bm.register_computed_blocks(seq)
+        if prev is None:              # every token is known: publish the blocks that filled up now
+            bm, bs = self.block_manager, self.config.block_size
+            for seq, num_new in out.scheduled:
+                seq.num_computed_tokens += num_new
+                if seq.num_computed_tokens // bs > seq.num_registered_blocks:
+                    bm.register_computed_blocks(seq)
+        else:                         # a block may end in a PENDING token: _step_async publishes it
+            for seq, num_new in out.scheduled:                       # once prev is settled
+                seq.num_computed_tokens += num_new
         targets = self._fork_targets(sampling)                       # (row, seq) per draw
-        requests = [self._sample_request(row, seq) for row, seq in targets]
-        t = time.perf_counter()
-        results = self.sampler(logits, requests)                     # the draw and its host sync
-        self.last_sync_s += time.perf_counter() - t
-        return [d for (_, seq), res in zip(targets, results) if (d := self._append(seq, res))]
+        return _Forwarded(logits, targets, [self._sample_request(row, seq) for row, seq in targets])
 
     # ---- one step ahead (async_scheduling) ------------------------------------------------
     #
@@ -240,30 +259,23 @@ class Engine:
         launched = self._launch(out, prev)
         if prev is not None:
             deltas = self._settle(prev)
-        bm, bs = self.block_manager, self.config.block_size
-        for seq, _ in out.scheduled:          # the tokens these blocks hold are all known now
-            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens // bs > seq.num_registered_blocks:
-                bm.register_computed_blocks(seq)
+            bm, bs = self.block_manager, self.config.block_size
+            for seq, _ in out.scheduled:      # the tokens these blocks hold are all known now
+                if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens // bs > seq.num_registered_blocks:
+                    bm.register_computed_blocks(seq)
         self._inflight = launched
         return deltas
 
-    def _launch(self, out, prev: "_InFlight | None") -> "_InFlight":
-        if out.copies:
-            self.runner.copy_blocks([c.src for c in out.copies], [c.dst for c in out.copies])
-        batch = self.batch_builder.build(out.scheduled)
-        if prev is not None:
-            self._take_pending_inputs(batch, out.scheduled, prev)
-        sampling = [item for item in out.scheduled if item.samples]
-        logits = self.runner.forward(batch)                          # (S, vocab)
-        for seq, num_new in out.scheduled:
-            seq.num_computed_tokens += num_new
-        targets = self._fork_targets(sampling)
-        pending = self.sampler.launch(logits, [self._sample_request(row, seq) for row, seq in targets])
+    def _launch(self, out: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
+        """_forward, then the draw queued on the device: each sampling sequence gets a PENDING
+        placeholder that the next call's _settle replaces."""
+        fwd = self._forward(out, prev)
+        pending = self.sampler.launch(fwd.logits, fwd.requests)
         slots = []
-        for _, seq in targets:
+        for _, seq in fwd.targets:
             seq.token_ids.append(PENDING)
             slots.append(len(seq.token_ids) - 1)
-        return _InFlight(targets, slots, pending)
+        return _InFlight(fwd.targets, slots, pending)
 
     def _take_pending_inputs(self, batch, scheduled: list[ScheduledSeq], prev: "_InFlight") -> None:
         """input_ids rows whose token is still PENDING <- the previous step's sampled tokens."""

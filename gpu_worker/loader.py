@@ -16,6 +16,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable, Collection
 
 import torch
 
@@ -119,12 +120,25 @@ def check_checkpoint(model_dir: str | Path, required: set[str]) -> dict[str, lis
 def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = True) -> None:
     """Copy every checkpoint tensor into `model` (converting dtype and device), showing progress
     over tensors (LoadProgress) and logging the time it took."""
+    def copy(f, name: str, target) -> int:
+        tensor = f.get_tensor(name)
+        _copy(target, tensor, name)
+        return tensor.numel() * tensor.element_size()
+    copy_checkpoint(model_dir, model.hf_weight_targets(), copy, progress=progress)
+
+
+def copy_checkpoint(model_dir: str | Path, targets: dict, copy: Callable[[Any, str, Any], int], *,
+                    progress: bool, desc: str = "loading weights", skipped: Collection[str] = ()) -> None:
+    """The loop every loader runs: each checkpoint tensor that has a target goes through
+    copy(open safetensors file, name, target) -> bytes read, under a LoadProgress titled `desc`.
+    A tensor without a target must be one known to be unused (a tied model's lm_head.weight,
+    `skipped`: another rank's), else the checkpoint is not this architecture's: ModelLoadError
+    naming a few."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
-    targets = model.hf_weight_targets()
     shards = check_checkpoint(model_dir, set(targets))
-    bar = LoadProgress(sum(len(names) for names in shards.values()), progress)
+    bar = LoadProgress(sum(len(names) for names in shards.values()), progress, desc)
     unknown = []
     with torch.no_grad():
         for file, names in shards.items():
@@ -133,13 +147,11 @@ def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = True) 
                 for name in names:
                     target = targets.get(name)
                     if target is None:
-                        if not name.endswith(_IGNORED_SUFFIXES) and name != "lm_head.weight":
-                            unknown.append(name)   # lm_head.weight in a tied model: unused
+                        if not (name.endswith(_IGNORED_SUFFIXES) or name == "lm_head.weight" or name in skipped):
+                            unknown.append(name)
                         bar.update(0)
                         continue
-                    tensor = f.get_tensor(name)
-                    _copy(target, tensor, name)
-                    bar.update(tensor.numel() * tensor.element_size())
+                    bar.update(copy(f, name, target))
     bar.close(model_dir)
     if unknown:
         raise ModelLoadError(f"{model_dir} holds {len(unknown)} tensor(s) this architecture does not "

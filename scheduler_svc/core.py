@@ -1,7 +1,10 @@
 """The global scheduler's pure core: messages and worker-set changes in, envelopes out. No sockets.
 
     submit(Submit)          admission: 400 (too long) / 429 (tenant or queue full) / 503 (no worker),
-                            else queued (Admitted) and dispatched when a worker has room
+                            else queued (Admitted) and dispatched when a worker has room; with prefix
+                            hints (cache_aware) and several workers to choose from, first a
+                            PrefixQuery to the shell (prefix_hints.py) and the queue after its answer
+    prefix_matched(id, m)   the prefix-cache index's answer to a PrefixQuery (None: no answer)
     abort(Abort)            queued: dropped, its gateway told (RequestFailed); dispatched: forwarded
                             to its worker (whose detokenizer tells the gateway)
     worker_status(status)   finished requests leave; load numbers refresh; queue drains (only a
@@ -9,7 +12,7 @@
     set_workers(views)      the live set from Redis: a worker gone or restarted (new epoch) fails its
                             in-flight requests with a clear error (gateway) and frees detok state
 
-Queue order: (priority, arrival), lower priority value first. Routing: routing.pick(scorer).
+Queue order: (priority, arrival), lower priority value first. Routing: routing.pick(scorer, hint).
 """
 from __future__ import annotations
 
@@ -18,18 +21,16 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
+from scheduler_svc.prefix_hints import PREFIX_INDEX, PrefixHints
 from scheduler_svc.routing import Scorer, WorkerView, least_loaded, pick
+from services.envelope import Envelope
+from services.protocol.kv_events import MatchResponse
 from services.protocol.messages import (
     Abort, Admitted, Dispatch, Rejected, RequestFailed, Submit, WorkerStatus, failure_of)
 
 log = logging.getLogger("kvmesh.scheduler")
-
-
-class Envelope(NamedTuple):
-    dest: str   # ZMQ address: a worker, a gateway or a detokenizer
-    msg: Any
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,9 @@ class Limits:
 @dataclass
 class _Req:
     submit: Submit
-    hint: Any = None               # routing hint given at submission (e.g. a prefix match)
+    hint: Any = None               # what the scorer reads besides load (prefix_hints: a prefix match)
+    block_hashes: list[bytes] | None = None   # prefix_hints: recorded for its worker at dispatch
+    matching: bool = False         # admitted, out of the queue until the prefix index answers
     worker_id: str | None = None   # None while queued
     received_at: float = 0.0       # clock(): the Submit read off the socket (the shell's time, if given)
     dispatched_at: float = 0.0
@@ -55,8 +58,9 @@ class SchedulerCore:
     RECONCILE_AFTER_S = 5.0
 
     def __init__(self, limits: Limits = Limits(), scorer: Scorer = least_loaded,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, prefix_hints: PrefixHints | None = None) -> None:
         self.limits, self.scorer, self.clock = limits, scorer, clock
+        self.prefix_hints = prefix_hints   # None: routed without prefix matches (no PrefixQuery)
         self.workers: dict[str, WorkerView] = {}
         self.requests: dict[str, _Req] = {}
         self.tenant_inflight: dict[str, int] = {}
@@ -67,9 +71,8 @@ class SchedulerCore:
         self.worker_failures = 0
 
     # ---- admission -----------------------------------------------------------------------
-    def submit(self, msg: Submit, hint: Any = None, received_at: float | None = None) -> list[Envelope]:
-        """`received_at` (this core's clock) is when the shell read msg off its socket, before any
-        prefix match it awaited; default now."""
+    def submit(self, msg: Submit, received_at: float | None = None) -> list[Envelope]:
+        """`received_at` (this core's clock) is when the shell read msg off its socket; default now."""
         rid = msg.request_id
         if rid in self.requests:
             return [self._reject(msg, 400, "duplicate_request", "request id already in use")]
@@ -89,12 +92,33 @@ class SchedulerCore:
                                  "too many concurrent requests for this API key; retry later")]
         if self._queued >= self.limits.max_queue:
             return [self._reject(msg, 429, "server_overloaded", "the server is overloaded; retry later")]
-        self.requests[rid] = _Req(msg, hint, received_at=self.clock() if received_at is None else received_at)
+        req = self.requests[rid] = _Req(msg, received_at=self.clock() if received_at is None else received_at)
         self.tenant_inflight[msg.tenant] = self.tenant_inflight.get(msg.tenant, 0) + 1
-        heapq.heappush(self._queue, (msg.priority, next(self._arrivals), rid))
-        self._queued += 1
+        self._queued += 1                  # counted as queued from admission, its prefix match included
+        admitted = Envelope(msg.reply_addr, Admitted(request_id=rid))
+        if self.prefix_hints is not None and len(eligible) > 1:   # where is its prefix? ask first
+            req.matching = True
+            return [Envelope(PREFIX_INDEX, self.prefix_hints.query(msg, eligible)), admitted]
+        self._enqueue(req)
         # the dispatch is on the request's critical path (first token); the admission reply is not
-        return [*self.dispatch(), Envelope(msg.reply_addr, Admitted(request_id=rid))]
+        return [*self.dispatch(), admitted]
+
+    def prefix_matched(self, request_id: str, match: MatchResponse | None) -> list[Envelope]:
+        """The prefix-cache index's answer to this core's PrefixQuery (None, or not `available`: no
+        index, or it was slow or failing: routed by load and recent dispatches). A request aborted
+        meanwhile is gone: nothing happens."""
+        req = self.requests.get(request_id)
+        if req is None or not req.matching:
+            return []
+        req.matching = False
+        eligible = self._eligible()
+        if eligible:                         # (else it waits in the queue for a worker, like any other)
+            req.hint, req.block_hashes = self.prefix_hints.hint(req.submit, eligible, match, self.clock())
+        self._enqueue(req)
+        return self.dispatch()
+
+    def _enqueue(self, req: _Req) -> None:
+        heapq.heappush(self._queue, (req.submit.priority, next(self._arrivals), req.submit.request_id))
 
     def _reject(self, msg: Submit, status: int, code: str, message: str) -> Envelope:
         self.rejections[code] = self.rejections.get(code, 0) + 1
@@ -131,6 +155,9 @@ class SchedulerCore:
             req.dispatched_at = self.clock()
             worker.inflight.add(rid)
             worker.dispatched += 1
+            if req.block_hashes and self.prefix_hints is not None:   # for the next ones sharing its prefix
+                self.prefix_hints.dispatched(worker.id, req.block_hashes, req.dispatched_at)
+                req.block_hashes = None
             s = req.submit
             out.append(Envelope(worker.addr, Dispatch(
                 request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
@@ -142,7 +169,7 @@ class SchedulerCore:
         req = self.requests.get(msg.request_id)
         if req is None:
             return []
-        if req.worker_id is None:           # still queued: forget it (heap entry deleted lazily)
+        if req.worker_id is None:           # queued or matching: forget it (heap entry deleted lazily)
             self._queued -= 1
             self._forget(msg.request_id)
             return [Envelope(req.submit.reply_addr, failure_of(msg))]   # its gateway ends the stream
@@ -192,6 +219,8 @@ class SchedulerCore:
             if new is None or new.epoch != old.epoch:
                 out += self._fail_worker(old, "gone" if new is None else "restarted")
                 del self.workers[wid]
+                if self.prefix_hints is not None:   # a new epoch starts with an empty cache
+                    self.prefix_hints.forget_worker(wid)
         for wid, view in fresh.items():
             cur = self.workers.get(wid)
             if cur is None:

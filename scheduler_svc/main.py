@@ -3,10 +3,10 @@
 Handlers (everything this process accepts):
 
     Submit        -> core.submit          (from gateways, with the time it was read: the dispatch
-                                           stage's start; with --routing cache_aware and several
-                                           workers, first a prefix Match at the prefix-cache index
-                                           (PrefixClient, 50 ms deadline) as the routing hint; no
-                                           index or no answer: routed by load alone)
+                                           stage's start)
+    (PrefixQuery) -> core.prefix_matched  (the core's question, with --routing cache_aware and several
+                                           workers: the one gRPC Match at the prefix-cache index,
+                                           PrefixClient, 50 ms deadline; no index or no answer: None)
     Abort         -> core.abort           (from gateways: disconnect; detokenizers: stop string)
     WorkerStatus  -> core.worker_status   (from workers, per finished step and per heartbeat)
     (Redis poll)  -> core.set_workers     (every heartbeat/2: joins, deaths, restarts, draining)
@@ -22,11 +22,12 @@ import socket
 import time
 import uuid
 
-from scheduler_svc.core import Envelope, Limits, SchedulerCore
-from scheduler_svc.recent import RecentDispatches
+from scheduler_svc.core import Limits, SchedulerCore
+from scheduler_svc.prefix_hints import PREFIX_INDEX, PrefixHints, PrefixQuery
 from scheduler_svc.routing import RoutingWeights, WorkerView, make_scorer
 from services import metrics
 from services.config import SchedulerConfig, load_or_exit
+from services.envelope import Envelope
 from services.logging import setup as setup_logging
 from services.protocol.messages import Abort, Dispatch, SchedulerInbox, Submit, WorkerStatus
 from services.redis_client import RedisAuth
@@ -34,7 +35,6 @@ from services.registry import Membership, Registry, ServiceRecord
 from services.security.curve import Plane, plane_or_exit, with_role
 from services.shell import run_until_signal
 from services.prefix_client import PrefixClient
-from services.prefix_hash import chain_hashes
 from services.protocol.kv_events import MatchResponse
 from services.transport import Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr
 
@@ -42,7 +42,6 @@ log = logging.getLogger("kvmesh.scheduler")
 # message -> the roles that may send it ("tokenizer": a detokenizer's stop string; a gateway with
 # --text-in-gateway sends its stop strings as the gateway role)
 SENDERS = {Submit: ("gateway",), Abort: ("gateway", "tokenizer"), WorkerStatus: ("worker",)}
-RECENT_MAX_BLOCKS = 256   # leading blocks of a prompt remembered as dispatched (at most ~0.5 ms of hashing)
 
 
 def view_of(r: ServiceRecord) -> WorkerView:
@@ -70,11 +69,10 @@ class SchedulerService:
         self.cfg = cfg
         self.plane = plane
         self.core = SchedulerCore(Limits(cfg.max_queue, cfg.max_tenant_inflight, cfg.worker_capacity_factor,
-                                         cfg.retry_after_s), scorer=make_scorer(cfg.routing, routing_weights(cfg)))
+                                         cfg.retry_after_s), scorer=make_scorer(cfg.routing, routing_weights(cfg)),
+                                  prefix_hints=PrefixHints() if cfg.routing == "cache_aware" else None)
         self.prefix: PrefixClient | None = None  # the prefix-cache index (cache_aware routing only)
-        self.recent = RecentDispatches()         # what the index cannot know yet (recent.py)
-        self.block_hashes: dict[str, list[bytes]] = {}  # request id -> its blocks, until dispatched
-        self.matching: dict[str, bool] = {}     # submissions waiting for their Match (id -> aborted?)
+        self.asking: set[asyncio.Task] = set()   # Match calls in flight (held: the loop keeps weak refs)
         self.senders: SenderPool = SenderPool(plane)
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # a vanished record is kept for two heartbeats (Redis restart), then its worker is dead
@@ -115,15 +113,21 @@ class SchedulerService:
 
     def _send(self, out: list[Envelope]) -> None:
         for env in out:
-            self.senders.send(env.dest, env.msg)
-            if not isinstance(env.msg, Dispatch):
+            if env.dest == PREFIX_INDEX:
+                self._ask_index(env.msg)
                 continue
-            if (req := self.core.requests.get(env.msg.request_id)) is not None:
+            self.senders.send(env.dest, env.msg)
+            if isinstance(env.msg, Dispatch) and (req := self.core.requests.get(env.msg.request_id)) is not None:
                 metrics.SCHED_DISPATCH.observe(self.core.clock() - req.received_at)
-            if hashes := self.block_hashes.pop(env.msg.request_id, None):
-                wid = next((w.id for w in self.core.workers.values() if w.addr == env.dest), None)
-                if wid is not None:
-                    self.recent.record(wid, hashes, time.monotonic())
+
+    def _ask_index(self, query: PrefixQuery) -> None:
+        """The core's PrefixQuery: answered at once without an index, else by a Match call of its own."""
+        if self.prefix is None:
+            self._send(self.core.prefix_matched(query.request_id, None))
+            return
+        task = asyncio.create_task(self._match(self.prefix, query))
+        self.asking.add(task)
+        task.add_done_callback(self.asking.discard)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -133,13 +137,6 @@ class SchedulerService:
                 # A worker may have registered since the last poll (the gateway can see it
                 # first): look once more before answering 503.
                 await self._poll_workers()
-            if isinstance(msg, Submit) and self.cfg.routing == "cache_aware" and len(self.core.workers) > 1:
-                self.matching[msg.request_id] = False
-                asyncio.create_task(self._submit_with_match(msg, read_at))
-                continue
-            if isinstance(msg, Abort) and msg.request_id in self.matching:
-                self.matching[msg.request_id] = True
-                continue
             if isinstance(msg, Submit):
                 self._send(self.core.submit(msg, received_at=read_at))
             else:
@@ -147,32 +144,17 @@ class SchedulerService:
             metrics.QUEUE_DEPTH.set(self.core.queue_depth)
             metrics.SCHED_RUNNING.set(self.core.num_inflight)
 
-    async def _submit_with_match(self, msg: Submit, read_at: float) -> None:
+    async def _match(self, prefix: PrefixClient, query: PrefixQuery) -> None:
+        """The one gRPC call of cache-aware routing; its answer (unavailable when the index is slow
+        or failing: the core routes by load) goes back to the core."""
         t0 = time.perf_counter()
-        match = await self._match(msg)
-        if self.matching.pop(msg.request_id, False):
-            return  # aborted while we asked
-        worker = next(iter(self.core.workers.values()), None)
-        if worker is not None:
-            head = msg.prompt_token_ids[:RECENT_MAX_BLOCKS * worker.block_size]   # bounds the hashing cost
-            hashes = chain_hashes(None, worker.model_id, msg.cache_salt, head, worker.block_size)
-            match = self.recent.overlay(match, hashes, worker.block_size, time.monotonic())
-            self.block_hashes[msg.request_id] = hashes
-        metrics.SCHED_PREFIX_MATCH.observe(time.perf_counter() - t0)
-        self._send(self.core.submit(msg, hint=match, received_at=read_at))
-        metrics.QUEUE_DEPTH.set(self.core.queue_depth)
-
-    async def _match(self, msg: Submit) -> MatchResponse | None:
-        """The index's longest-prefix match; `available=False` when it is slow or failing (fail open)."""
-        prefix = self.prefix
-        if prefix is None:
-            return None
-        model_id = next((str(w.model_id) for w in self.core.workers.values() if w.model_id), "")
-        tenant_salt, cache_salt = split_salt(msg.cache_salt)
-        match = await prefix.match(model_id, msg.prompt_token_ids, tenant_salt=tenant_salt, cache_salt=cache_salt)
+        match = await ask_index(prefix, query)
         metrics.PREFIX_MATCHES.labels("unavailable" if not match.available else
                                       "hit" if match.workers else "miss").inc()
-        return match
+        out = self.core.prefix_matched(query.request_id, match)     # (hashes the prompt's blocks)
+        metrics.SCHED_PREFIX_MATCH.observe(time.perf_counter() - t0)
+        self._send(out)
+        metrics.QUEUE_DEPTH.set(self.core.queue_depth)
 
     async def _poll_prefix_index(self) -> None:
         if self.cfg.routing != "cache_aware":
@@ -193,10 +175,7 @@ class SchedulerService:
         self._send(self.core.set_workers(views))
         metrics.WORKER_FAILURES.inc(self.core.worker_failures - before)
         metrics.WORKERS.set(len(self.core.workers))
-        for rid in [r for r in self.block_hashes if r not in self.core.requests]:
-            del self.block_hashes[rid]   # rejected or aborted before dispatch
         for gone in set(self.labeled) - set(self.core.workers):
-            self.recent.forget_worker(gone)
             for gauge in (metrics.WORKER_RUNNING, metrics.WORKER_WAITING, metrics.WORKER_KV_USAGE,
                           metrics.WORKER_PREFIX_HIT, metrics.WORKER_DISPATCHED):
                 gauge.remove(gone)
@@ -229,13 +208,11 @@ class SchedulerService:
                 log.warning("registry poll failed: %s", exc)
 
 
-def split_salt(salt: str) -> tuple[str, str]:
-    """Invert services.protocol.kv_events.cache_salt_for: "N:<tenant N chars><request salt>"."""
-    head, sep, rest = salt.partition(":")
-    if not sep or not head.isdigit() or int(head) > len(rest):
-        return "", salt
-    n = int(head)
-    return rest[:n], rest[n:]
+async def ask_index(prefix: PrefixClient, query: PrefixQuery) -> MatchResponse:
+    """The index's longest-prefix match of the query's prompt; `available=False` when the index is
+    slow or failing (PrefixClient's deadline and breaker: fail open)."""
+    return await prefix.match(query.model_id, query.prompt_token_ids, tenant_salt=query.tenant_salt,
+                              cache_salt=query.cache_salt)
 
 
 def main(argv: list[str]) -> int:

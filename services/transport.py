@@ -128,14 +128,32 @@ class _Inbox(Generic[T]):
         return msg
 
 
-def _inbox_socket(inbox: _Inbox, host: str, port: int) -> tuple[Any, int]:
-    sock = zmq.Context.instance().socket(zmq.PULL)
-    sock.setsockopt(zmq.RCVHWM, _HWM)
-    inbox.plane.serve(sock, inbox.roles)
-    return sock, _bind(sock, host, port)
+class _BoundPull(Generic[T]):
+    """A bound PULL socket (a CURVE server for the roles `senders` names) and its inbox's checks:
+    what Receiver and SyncReceiver share."""
+
+    def __init__(self, msg_type: Any, host: str, port: int = 0, name: str = "", *, plane: Plane,
+                 senders: Senders) -> None:
+        self._inbox: _Inbox[T] = _Inbox(msg_type, name, plane, senders)
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, _HWM)
+        plane.serve(self._sock, self._inbox.roles)
+        self.port = _bind(self._sock, host, port)
+        self._copy = not plane.secure          # the sender's role is a property of the zmq.Frame
+        self.name = self._inbox.name
+
+    @property
+    def dropped(self) -> int:
+        """Malformed frames and messages of another protocol version."""
+        return self._inbox.malformed.count
+
+    @property
+    def refused(self) -> int:
+        """Messages of a kind their sender's role may not send here."""
+        return self._inbox.unauthorized.count
 
 
-class Receiver(Generic[T]):
+class Receiver(_BoundPull[T]):
     """Bound PULL socket decoding `msg_type` (a Struct or a tagged Union of Structs) from the roles
     `senders` allows per kind; `recv()` serves one consumer task on the running event loop.
 
@@ -148,22 +166,9 @@ class Receiver(Generic[T]):
 
     def __init__(self, msg_type: Any, host: str, port: int = 0, name: str = "", *, plane: Plane,
                  senders: Senders) -> None:
-        self._inbox: _Inbox[T] = _Inbox(msg_type, name, plane, senders)
-        self._sock, self.port = _inbox_socket(self._inbox, host, port)
-        self._copy = not plane.secure          # the sender's role is a property of the zmq.Frame
-        self.name = self._inbox.name
+        super().__init__(msg_type, host, port, name, plane=plane, senders=senders)
         self._loop: asyncio.AbstractEventLoop | None = None   # the loop watching the socket's FD
         self._waiter: asyncio.Future | None = None
-
-    @property
-    def dropped(self) -> int:
-        """Malformed frames and messages of another protocol version."""
-        return self._inbox.malformed.count
-
-    @property
-    def refused(self) -> int:
-        """Messages of a kind their sender's role may not send here."""
-        return self._inbox.unauthorized.count
 
     async def recv(self) -> T:
         while True:
@@ -216,23 +221,13 @@ class Receiver(Generic[T]):
         self._sock.close(linger=0)
 
 
-class SyncReceiver(Generic[T]):
+class SyncReceiver(_BoundPull[T]):
     """Bound PULL socket for a thread that blocks (the worker's engine thread): plain zmq, no loop."""
 
     def __init__(self, msg_type: Any, host: str, port: int = 0, name: str = "", *, plane: Plane,
                  senders: Senders) -> None:
-        self._inbox: _Inbox[T] = _Inbox(msg_type, name, plane, senders)
-        self._sock, self.port = _inbox_socket(self._inbox, host, port)
-        self._copy = not plane.secure
+        super().__init__(msg_type, host, port, name, plane=plane, senders=senders)
         self.read_at = 0.0   # perf_counter() when the last recv_all that got a frame read its first
-
-    @property
-    def dropped(self) -> int:
-        return self._inbox.malformed.count
-
-    @property
-    def refused(self) -> int:
-        return self._inbox.unauthorized.count
 
     def recv_all(self, timeout_ms: int) -> list[T]:
         """Every queued message; waits up to timeout_ms for the first one when none is queued."""

@@ -13,7 +13,8 @@ from typing import Any
 
 from services import metrics
 from services.protocol.messages import Abort, StepOutput, StreamOpen
-from services.text.streams import SCHEDULER, Envelope, DetokCore
+from services.envelope import SCHEDULER, Envelope
+from services.text.streams import DetokCore
 from services.transport import Receiver, SenderPool
 
 log = logging.getLogger("kvmesh.tokenizer")

@@ -1,5 +1,5 @@
 """Triton helpers shared by the paged attention kernels: reading K/V tiles of one sequence
-through its block-table row (paged_decode_attention, paged_prefill_attention's v1 and v2), and
+through its block-table row (paged_decode_attention, the cached prefix of both prefill kernels), and
 the fp32 dots' precision (F32_DOTS)."""
 from __future__ import annotations
 

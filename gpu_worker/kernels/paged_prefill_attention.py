@@ -11,25 +11,19 @@ absolute position  pos_i = context_len - query_len + i  and attends to keys j <=
 
     out[r, h] = sum_{j <= pos_r} softmax_j(scale * <q[r, h], K[j, g]>) V[j, g],  g = h // G
 
-Two kernels compute this:
+The keys of this step's own tokens (positions prefix .. context_len-1) are read from the
+contiguous k_new / v_new rows (aligned with q's rows: row query_start_loc[b] + j holds position
+prefix + j), and only the cached prefix (positions < prefix) is gathered through the block table.
+Per program: the prefix's full tiles without masks, its last partial tile with a bound mask, then
+this step's keys: the tiles wholly below the query tile's diagonal without masks, the diagonal
+ones with the causal mask. With pack_gqa one program takes a KV head and stacks its G query heads'
+rows into the M dimension (BLOCK_M rows = BLOCK_M / G tokens x G heads), so each K/V tile is
+loaded once for the group. With config.tma (the defaults) and rows tma_ok() accepts, this step's
+K/V tiles are read through TMA descriptors (Hopper's bulk copy engine) instead of pointer loads.
+Launch configurations come from prefill_config() (defaults set by bench/sweep_prefill_attention.py).
+Measurements and fresh_prefill_attention.py call this kernel "v2".
 
-"v2" (used when this step's K/V are passed as k_new/v_new, the backend's path): the keys of
-this step's own tokens (positions prefix .. context_len-1) are read from the contiguous k_new /
-v_new rows (aligned with q's rows: row query_start_loc[b] + j holds position prefix + j), and only
-the cached prefix (positions < prefix) is gathered through the block table. Per program: the
-prefix's full tiles without masks, its last partial tile with a bound mask, then this step's
-keys: the tiles wholly below the query tile's diagonal without masks, the diagonal ones with the
-causal mask. With pack_gqa one program takes a KV head and stacks its G query heads' rows into
-the M dimension (BLOCK_M rows = BLOCK_M / G tokens x G heads), so each K/V tile is loaded once
-for the group. With config.tma (the defaults) and rows tma_ok() accepts, this step's K/V tiles are
-read through TMA descriptors (Hopper's bulk copy engine) instead of pointer loads. Launch
-configurations come from prefill_config() (defaults set by bench/sweep_prefill_attention.py).
-With impl="v2" and no k_new, this step's keys are read from the cache too (same loops).
-
-"v1" (k_new not given): every key tile, this step's included, is gathered from the cache;
-one program per (query head, query tile).
-
-Both: grid (heads, query tiles of all sequences). The tiles are numbered by a device-side prefix
+Grid (heads, query tiles of all sequences). The tiles are numbered by a device-side prefix
 sum (prefill_tile_starts, no host sync), so a mixed step with hundreds of decode rows launches
 programs only for the prefill tiles; the grid is a host-side bound (CUDA-graph safe). Running
 max / sum / accumulator in fp32, exp2 domain. Decode rows (query_len 1) are handled like any
@@ -66,7 +60,7 @@ MIN_BLOCK_B = 128       # ... and at least this many (one compiled kernel for ev
 
 
 class PrefillConfig(NamedTuple):
-    """Launch configuration of the v2 kernel."""
+    """Launch configuration of the kernel."""
     block_m: int = 128        # query rows per program (tokens x heads with pack_gqa)
     block_n: int = 64         # keys per tile
     num_warps: int = 8
@@ -85,14 +79,14 @@ class PrefillConfig(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------------------
-# Default launch configurations of the v2 kernel, by max_query_len (head_dim <= 128): the first
+# Default launch configurations of the kernel, by max_query_len (head_dim <= 128): the first
 # entry whose bound is >= max_query_len. Set from bench/sweep_prefill_attention.py on the H200
 # (it prints the lines to paste here).
 PREFILL_CONFIGS: list[tuple[int, PrefillConfig]] = [
     # measured on the H200 (bench/sweep_prefill_attention.py, Llama-8B heads, 2026-11-29 and -12-02):
     # the 2k-class cases peak at 64 x 64 tiles with 3 stages (pointer loads 342-378 TFLOP/s, TMA
-    # 365-427), the 8k/32k prompts at 128 x 128 with 3 stages (pointer loads 474-491, TMA 545-550;
-    # v1 338-345); GQA packing never won; 4 stages of 128 x 128 overflow shared memory.
+    # 365-427), the 8k/32k prompts at 128 x 128 with 3 stages (pointer loads 474-491, TMA 545-550);
+    # GQA packing never won; 4 stages of 128 x 128 overflow shared memory.
     (16, PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, pack_gqa=False)),
     (4096, PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=False, tma=True)),
     (1 << 62, PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, pack_gqa=False, tma=True)),
@@ -102,7 +96,7 @@ PREFILL_CONFIG_WIDE = PrefillConfig(block_m=64, block_n=32, num_warps=4, num_sta
 
 
 def prefill_config(max_query_len: int, head_dim: int = 128, group: int = 1) -> PrefillConfig:
-    """The default v2 launch configuration for a step (host ints only). `group` (query heads per
+    """The default launch configuration for a step (host ints only). `group` (query heads per
     KV head) is accepted for future per-group defaults; tile_tokens(group) needs it too."""
     if head_dim > 128:
         return PREFILL_CONFIG_WIDE
@@ -114,37 +108,6 @@ def prefill_config(max_query_len: int, head_dim: int = 128, group: int = 1) -> P
 
 def _block_b(num_seqs: int) -> int:
     return min(MAX_BLOCK_B, max(MIN_BLOCK_B, next_pow2(num_seqs)))
-
-
-# ================================================================================ v1 kernel
-@triton.jit
-def _attend_tiles(
-    q, m, l, acc, lo, hi, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-):
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    for n0 in range(lo, hi, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)                    # (BLOCK_N,) key positions
-        tmask = tok < hi
-        k, v = gather_kv_tile(bt_row, k_cache_ptr, v_cache_ptr, tok, tmask, d, dmask, g, stride_kb, stride_ks,
-                              stride_kh, stride_vb, stride_vs, stride_vh, PAGE, True, False)  # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=F32_DOTS) * qk_scale   # log2 domain
-        if CAUSAL_MASK:
-            visible = (tok[None, :] <= qpos[:, None]) & tmask[None, :]
-            if HAS_WINDOW:
-                visible = visible & (tok[None, :] > qpos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with nothing visible yet
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=F32_DOTS)
-        m = m_new
-    return m, l, acc
 
 
 @triton.jit
@@ -166,59 +129,7 @@ def _tile_owner(tile_start_ptr, num_seqs, item, BLOCK_B: tl.constexpr):
 _STEP_PTRS = ["block_tables_ptr", "context_lens_ptr", "qsl_ptr", "tile_start_ptr"]
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"], do_not_specialize_on_alignment=_STEP_PTRS)
-def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, qsl_ptr, tile_start_ptr, num_seqs,
-    out_ptr, qk_scale, v_scale, window,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_B: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-):
-    h = tl.program_id(0)
-    item = tl.program_id(1)                                  # a query tile of some sequence
-    if item >= tl.load(tile_start_ptr + num_seqs):
-        return                                               # the grid is an upper bound
-    b, mb = _tile_owner(tile_start_ptr, num_seqs, item, BLOCK_B)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    g = h // GROUP
-    n_ctx = tl.load(context_lens_ptr + b)
-    prefix = n_ctx - q_len
-
-    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)                 # (BLOCK_M,) query index in the sequence
-    rmask = i < q_len
-    qpos = prefix + i                                        # absolute positions
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    rows = (q_start + i).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=rmask[:, None] & dmask[None, :], other=0.0)   # (BLOCK_M, BLOCK_D)
-
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    first_q = prefix + mb * BLOCK_M                          # smallest position in this tile
-    full_end = (first_q // BLOCK_N) * BLOCK_N                # keys below: visible to every row
-    kv_end = tl.minimum(n_ctx, first_q + BLOCK_M)            # keys at/after: visible to none
-    lo = 0
-    if HAS_WINDOW:                   # keys before first_q - window + 1 are visible to no row;
-        lo = (tl.maximum(first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
-        full_end = lo                # and every tile needs the mask
-    m, l, acc = _attend_tiles(q, m, l, acc, lo, full_end, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g,
-                              qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                              HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, False, HAS_WINDOW)
-    m, l, acc = _attend_tiles(q, m, l, acc, full_end, kv_end, qpos, window, bt_row, k_cache_ptr, v_cache_ptr, g,
-                              qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                              HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, HAS_WINDOW)
-    o = acc * v_scale / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
-
-
-# ================================================================================ v2 kernel
+# ================================================================================ the kernel
 @triton.jit
 def online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD: tl.constexpr, SCALE_V: tl.constexpr):
     """Fold one tile of raw logits s (BLOCK_M, BLOCK_N; masked keys -inf) and its values into
@@ -269,15 +180,14 @@ def cache_tiles(
 @triton.jit
 def _new_tiles(
     q, m, l, acc, lo, hi, qi, q_len, window, kn_base, vn_base, stride_knt, stride_vnt,
-    kn_desc, vn_desc, q_start, prefix, bt_row, k_cache_ptr, v_cache_ptr, g, qk_scale, v_scale,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, GUARD: tl.constexpr, NEW_PAGED: tl.constexpr,
-    SCALE_V: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
+    kn_desc, vn_desc, q_start, g, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, GUARD: tl.constexpr, EVEN_D: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """This step's keys j = lo .. hi-1 of the sequence (position prefix + j), from the contiguous
-    k_new / v_new rows (NEW_PAGED: from the cache; TMA: rows q_start + j of the (T, kv heads x D)
-    descriptors, head g's columns). CAUSAL: row qi sees j <= qi (with a window also j > qi -
+    k_new / v_new rows (TMA: rows q_start + j of the (T, kv heads x D) descriptors, head g's
+    columns). CAUSAL: row qi sees j <= qi (with a window also j > qi -
     window), loads stop at q_len (TMA: a tile past q_len reads the next sequence's rows, or zeros
     past T, and the mask hides them; their values must be finite, since p = 0 times NaN is NaN: a
     padded prefill graph's rows are zeroed by the backend); else every key is visible to every row."""
@@ -286,18 +196,7 @@ def _new_tiles(
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)                      # (BLOCK_N,) index among this step's keys
         jmask = j < q_len
-        if NEW_PAGED:
-            tok = prefix + j
-            if CAUSAL:
-                blk = tl.load(bt_row + tok // PAGE, mask=jmask, other=0).to(tl.int64)
-            else:
-                blk = tl.load(bt_row + tok // PAGE).to(tl.int64)
-            off = tok % PAGE
-            kp = k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + g * stride_kh + d[None, :]
-            vp = v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + g * stride_vh + d[None, :]
-            k = load_tile(kp, jmask, dmask, CAUSAL, EVEN_D)
-            v = load_tile(vp, jmask, dmask, CAUSAL, EVEN_D)
-        elif TMA:
+        if TMA:
             k = kn_desc.load([q_start + n0, g * HEAD_DIM])
             v = vn_desc.load([q_start + n0, g * HEAD_DIM])
         else:
@@ -309,20 +208,20 @@ def _new_tiles(
             if HAS_WINDOW:
                 visible = visible & (j[None, :] > qi[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-        m, l, acc = online_softmax(q, s, v, m, l, acc, qk_scale, v_scale, GUARD, SCALE_V)
+        m, l, acc = online_softmax(q, s, v, m, l, acc, qk_scale, 1.0, GUARD, False)   # raw V: no v_scale
     return m, l, acc
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"], do_not_specialize_on_alignment=_STEP_PTRS)
-def _prefill_kernel_v2(
+def _prefill_kernel(
     q_ptr, k_new_ptr, v_new_ptr, kn_desc, vn_desc, k_cache_ptr, v_cache_ptr, block_tables_ptr,
     context_lens_ptr, qsl_ptr, tile_start_ptr, num_seqs, out_ptr, qk_scale_cache, qk_scale_new, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_B: tl.constexpr,
-    PACK_GQA: tl.constexpr, ROW_PAD: tl.constexpr, NEW_PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SCALE_V_CACHE: tl.constexpr, SCALE_V_NEW: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
+    PACK_GQA: tl.constexpr, ROW_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SCALE_V_CACHE: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)                                   # query head (KV head with PACK_GQA)
     item = tl.program_id(1)                                  # a query tile of some sequence
@@ -386,30 +285,21 @@ def _prefill_kernel_v2(
         full_n = (t0 // BLOCK_N) * BLOCK_N
     end_n = tl.minimum(q_len, t0 + TILE_M)
     m, l, acc = _new_tiles(q, m, l, acc, lo_n, full_n, qi, q_len, window, kn_base, vn_base, stride_knt,
-                           stride_vnt, kn_desc, vn_desc, q_start, prefix, bt_row, k_cache_ptr, v_cache_ptr, g,
-                           qk_scale_new, v_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                           HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
-                           False, HAS_WINDOW, False, NEW_PAGED, SCALE_V_NEW, EVEN_D, TMA)      # below the diagonal
+                           stride_vnt, kn_desc, vn_desc, q_start, g, qk_scale_new,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_WINDOW, False, EVEN_D, TMA)      # below the diagonal
     m, l, acc = _new_tiles(q, m, l, acc, full_n, end_n, qi, q_len, window, kn_base, vn_base, stride_knt,
-                           stride_vnt, kn_desc, vn_desc, q_start, prefix, bt_row, k_cache_ptr, v_cache_ptr, g,
-                           qk_scale_new, v_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                           HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
-                           True, HAS_WINDOW, HAS_WINDOW, NEW_PAGED, SCALE_V_NEW, EVEN_D, TMA)  # the diagonal
+                           stride_vnt, kn_desc, vn_desc, q_start, g, qk_scale_new,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, HAS_WINDOW, EVEN_D, TMA)  # the diagonal
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (rows * stride_ot + head * stride_oh)[:, None] + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 # ================================================================================ launcher
-def default_block_m(max_query_len: int) -> int:
-    """v1's query tile (rows per program)."""
-    return 64 if max_query_len > 16 else 16
-
-
 def prefill_tile_starts(query_start_loc: torch.Tensor, block_m: int, skip_decode_rows: bool = False) -> torch.Tensor:
     """(B+1,) int32 prefix sums of each sequence's query tiles (ceil(q_len / block_m); 0 for a
     decode row when skipped), on the device, without a host sync. Compute once per step.
-    block_m: query tokens per tile (v1: its block_m; v2: PrefillConfig.tile_tokens(group))."""
+    block_m: query tokens per tile (PrefillConfig.tile_tokens(group))."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]                        # (B,)
     tiles = (q_lens + block_m - 1) // block_m
     if skip_decode_rows:
@@ -429,26 +319,24 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int,            # host-side max of query lens (sizes the grid)
+    k_new: torch.Tensor,           # (T, num_kv_heads, head_dim): this step's K/V, rows aligned with
+    v_new: torch.Tensor,           # q's (raw values: no k_scale/v_scale), K rotated
     out: torch.Tensor | None = None,
     skip_decode_rows: bool = False,
     sliding_window: int | None = None,   # row at position p sees keys p - W + 1 .. p
     k_scale: float = 1.0,                # fp8 caches: K = k_scale * stored, V = v_scale * stored
     v_scale: float = 1.0,
     tile_starts: torch.Tensor | None = None,   # (B+1,) int32 from prefill_tile_starts (one per step)
-    block_m: int | None = None,
+    config: PrefillConfig | None = None,  # launch config (default prefill_config(...)); the
+    block_m: int | None = None,           # arguments below override its fields
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    k_new: torch.Tensor | None = None,   # (T, num_kv_heads, head_dim): this step's K/V, rows aligned
-    v_new: torch.Tensor | None = None,   # with q's (raw values: no k_scale/v_scale), K rotated
-    pack_gqa: bool | None = None,        # v2: stack a KV head's G query heads in one program
-    config: PrefillConfig | None = None,  # v2: launch config (default prefill_config(...)); the
-                                          # block_m/... arguments above override its fields
-    impl: str | None = None,             # "v1" / "v2"; default: "v2" when k_new is given, else "v1"
+    pack_gqa: bool | None = None,        # stack a KV head's G query heads in one program
 ) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged context (module docstring).
-    A given tile_starts must be prefill_tile_starts(query_start_loc, tokens per tile, skip_decode_rows)
-    with v1's block_m, or v2's config.tile_tokens(num_heads // num_kv_heads)."""
+    A given tile_starts must be prefill_tile_starts(query_start_loc, config.tile_tokens(num_heads //
+    num_kv_heads), skip_decode_rows)."""
     T, n_heads, head_dim = q.shape
     n_blocks, page, n_kv, head_dim_c = k_cache.shape
     B = block_tables.shape[0]
@@ -459,9 +347,9 @@ def paged_prefill_attention(
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert scale > 0 and k_scale > 0 and v_scale > 0
-    impl = impl or ("v2" if k_new is not None else "v1")
-    assert impl in ("v1", "v2"), f"impl {impl!r}: v1 or v2"
-    assert (k_new is None) == (v_new is None), "k_new and v_new go together"
+    assert k_new.shape == (T, n_kv, head_dim) and v_new.shape == (T, n_kv, head_dim), \
+        f"k_new / v_new must be (T, num_kv_heads, head_dim) = {(T, n_kv, head_dim)}"
+    assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
     check_device(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_new, v_new)
     if out is None:
         out = torch.empty_like(q)
@@ -469,26 +357,6 @@ def paged_prefill_attention(
     if B == 0 or T == 0:
         return out
     group = n_heads // n_kv
-    if impl == "v1":
-        block_m, block_n = block_m or default_block_m(max_query_len), block_n or 64
-        if tile_starts is None:
-            tile_starts = prefill_tile_starts(query_start_loc, block_m, skip_decode_rows)
-        assert tile_starts.shape == (B + 1,) and tile_starts.dtype == torch.int32
-        # Tiles of all sequences <= sum(ceil(q_len / block_m)) <= T / block_m + B: a host-side bound.
-        grid = (n_heads, triton.cdiv(T, block_m) + B)
-        _prefill_kernel[grid](
-            q, k_cache, v_cache, block_tables, context_lens, query_start_loc, tile_starts, B, out,
-            scale * k_scale * LOG2E,
-            v_scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-            BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, BLOCK_B=_block_b(B),
-            HAS_WINDOW=bool(sliding_window),
-            num_warps=num_warps or 4, num_stages=num_stages or 2,
-        )
-        return out
-
     cfg = config or prefill_config(max_query_len, head_dim, group)
     overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pack_gqa=pack_gqa)
     cfg = cfg._replace(**{key: val for key, val in overrides.items() if val is not None})
@@ -496,31 +364,23 @@ def paged_prefill_attention(
     if tile_starts is None:
         tile_starts = prefill_tile_starts(query_start_loc, tile_m, skip_decode_rows)
     assert tile_starts.shape == (B + 1,) and tile_starts.dtype == torch.int32
-    new_paged = k_new is None
-    if new_paged:                               # this step's keys from the cache (dummy pointers)
-        k_new, v_new = k_cache, v_cache
-        kn_strides = vn_strides = (0, 0)
-    else:
-        assert k_new.shape == (T, n_kv, head_dim) and v_new.shape == (T, n_kv, head_dim), \
-            f"k_new / v_new must be (T, num_kv_heads, head_dim) = {(T, n_kv, head_dim)}"
-        assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
-        kn_strides, vn_strides = (k_new.stride(0), k_new.stride(1)), (v_new.stride(0), v_new.stride(1))
-    qk_cache = scale * k_scale * LOG2E
-    tma = cfg.tma and not new_paged and tma_ok(k_new, v_new)
+    tma = cfg.tma and tma_ok(k_new, v_new)
     kn_desc = row_descriptor(k_new, cfg.block_n) if tma else None
     vn_desc = row_descriptor(v_new, cfg.block_n) if tma else None
+    # Tiles of all sequences <= sum(ceil(q_len / tile_m)) <= T / tile_m + B: a host-side bound.
     grid = (n_kv if pack else n_heads, triton.cdiv(T, tile_m) + B)
-    _prefill_kernel_v2[grid](
+    _prefill_kernel[grid](
         q, k_new, v_new, kn_desc, vn_desc, k_cache, v_cache, block_tables, context_lens, query_start_loc,
         tile_starts, B, out,
-        qk_cache, qk_cache if new_paged else scale * LOG2E, v_scale, sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kn_strides, *vn_strides,
+        scale * k_scale * LOG2E, scale * LOG2E, v_scale, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, TILE_M=tile_m, PAGE=page, BLOCK_B=_block_b(B),
-        PACK_GQA=pack, ROW_PAD=pack and tile_m * group != cfg.block_m, NEW_PAGED=new_paged,
-        HAS_WINDOW=bool(sliding_window), SCALE_V_CACHE=v_scale != 1.0, SCALE_V_NEW=new_paged and v_scale != 1.0,
+        PACK_GQA=pack, ROW_PAD=pack and tile_m * group != cfg.block_m,
+        HAS_WINDOW=bool(sliding_window), SCALE_V_CACHE=v_scale != 1.0,
         EVEN_D=next_pow2(head_dim) == head_dim, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

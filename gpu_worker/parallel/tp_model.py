@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.attention.base import AttentionBackend
-from gpu_worker.loader import _IGNORED_SUFFIXES, LoadProgress, check_checkpoint
+from gpu_worker.loader import copy_checkpoint
 from gpu_worker.model_config import ModelConfig, ModelLoadError
 from gpu_worker.models.decoder import CausalLM
 from gpu_worker.models.moe import EXPERT_NAMES, SparseMoE
@@ -122,30 +122,10 @@ class TPCausalLM(CausalLM):
 
 def load_sharded_weights(model: TPCausalLM, model_dir: str | Path, progress: bool = True) -> None:
     """Read this rank's slice of every checkpoint tensor (safetensors slices: only those bytes)."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    targets = model.hf_weight_targets()
-    shards = check_checkpoint(model_dir, set(targets))
-    skipped = model.hf_skipped_names()
-    bar = LoadProgress(sum(len(v) for v in shards.values()), progress, f"loading weights (rank {model.ctx.rank})")
-    unknown = []
-    with torch.no_grad():
-        for file, names in shards.items():
-            bar.file(file)
-            with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
-                for name in names:
-                    target = targets.get(name)
-                    if target is None:
-                        if not (name.endswith(_IGNORED_SUFFIXES) or name == "lm_head.weight" or name in skipped):
-                            unknown.append(name)
-                        bar.update(0)
-                        continue
-                    bar.update(_copy_slice(target, f.get_slice(name), model.hf_shard(name), name))
-    bar.close(model_dir)
-    if unknown:
-        raise ModelLoadError(f"{model_dir} holds {len(unknown)} tensor(s) this architecture does not "
-                             f"use, e.g. {unknown[:3]}; is config.json the right one?")
+    def copy(f, name: str, target) -> int:
+        return _copy_slice(target, f.get_slice(name), model.hf_shard(name), name)
+    copy_checkpoint(model_dir, model.hf_weight_targets(), copy, progress=progress,
+                    desc=f"loading weights (rank {model.ctx.rank})", skipped=model.hf_skipped_names())
 
 
 def _copy_slice(target, lazy, shard: Shard | None, name: str) -> int:

@@ -35,22 +35,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from gpu_worker.outputs import RequestError, SequenceDelta
 from services import metrics
+from services.envelope import SCHEDULER, Envelope
 from services.protocol.messages import (
     Abort, Dispatch, RequestFailed, SeqTokens, StepOutput, StreamOpen, WorkerStatus)
 
 log = logging.getLogger("kvmesh.worker")
-
-SCHEDULER = "scheduler"  # Envelope.dest of messages for the scheduler(s)
-
-
-class Envelope(NamedTuple):
-    dest: str   # a ZMQ address (detokenizer, gateway) or SCHEDULER
-    msg: Any
-
 
 @dataclass
 class _Req:

@@ -34,10 +34,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from gpu_worker.service.core import SCHEDULER, Envelope, WorkerCore
+from gpu_worker.service.core import WorkerCore
 from services import metrics
 from services.config import WorkerConfig, load_or_exit
 from services.engine_args import engine_args_of
+from services.envelope import SCHEDULER, Envelope
 from services.logging import setup as setup_logging
 from services.model_names import path_aliases, served_names
 from services.protocol.messages import Abort, Dispatch, WorkerInbox

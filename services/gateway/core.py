@@ -32,7 +32,8 @@ from typing import Any, NamedTuple
 from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
     Abort, Admitted, Rejected, RequestFailed, StepOutput, StreamOpen, TextBatch, TextDelta, failure_of)
-from services.text.streams import SCHEDULER, DetokCore
+from services.envelope import SCHEDULER, Envelope
+from services.text.streams import DetokCore
 
 
 class Phase(enum.Enum):
@@ -47,11 +48,6 @@ class Phase(enum.Enum):
 
 LIVE = (Phase.SUBMITTED, Phase.ADMITTED, Phase.STREAMING)
 JOB_ADMITTED = "admitted"   # delivered once, when the scheduler accepted every prompt of the job
-
-
-class Envelope(NamedTuple):
-    dest: str   # SCHEDULER or a worker's inbox address
-    msg: Any
 
 
 class Delivery(NamedTuple):

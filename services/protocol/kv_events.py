@@ -178,6 +178,16 @@ def cache_salt_for(tenant_salt: str, cache_salt: str) -> str:
     return f"{len(tenant_salt)}:{tenant_salt}{cache_salt}"
 
 
+def split_salt(salt: str) -> tuple[str, str]:
+    """cache_salt_for inverted: (tenant salt, request salt) of "N:<tenant N chars><request salt>";
+    a salt not of that form is all the request's."""
+    head, sep, rest = salt.partition(":")
+    if not sep or not head.isdigit() or int(head) > len(rest):
+        return "", salt
+    n = int(head)
+    return rest[:n], rest[n:]
+
+
 # Decoders for each channel: a receiver validates with these and drops malformed frames.
 KV_EVENT_BATCH_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 SNAPSHOT_REQUEST_DECODER = msgspec.msgpack.Decoder(SnapshotRequest)

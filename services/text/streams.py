@@ -25,23 +25,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from services import metrics
+from services.envelope import SCHEDULER, Envelope
 from services.protocol.messages import (
     Abort, SeqTokens, StepOutput, StreamOpen, TextBatch, TextDelta, TokenLogprobText, failure_of)
 from services.protocol.sampling import SamplingParams
 from services.text.detokenizer import IncrementalDetokenizer
 from services.text.stop_strings import StopStringMatcher
 
-SCHEDULER = "scheduler"
 STREAM_MAX_AGE_S = 3600.0  # a stream whose end was lost is forgotten after this (expire())
 MAX_WORKERS_REMEMBERED = 4096  # newest epoch per worker id; past this, the first-seen ids go first
-
-
-class Envelope(NamedTuple):
-    dest: str   # gateway address or SCHEDULER
-    msg: Any
 
 
 @dataclass

@@ -31,7 +31,7 @@ def test_peer_workload_is_vllms():
     ("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", "gemm (cublas)"),
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm (cublas)"),
     ("_gemv_kernel", "gemv (triton)"), ("_splitk_reduce_kernel", "gemv (triton)"),
-    ("_decode_stage1_kernel", "decode attention"), ("_prefill_kernel_v2", "prefill attention"),
+    ("_decode_stage1_kernel", "decode attention"), ("_prefill_kernel", "prefill attention"),
     ("_rmsnorm_kernel", "rmsnorm"), ("_rope_kv_write_kernel", "rope + kv write"),
     ("_swiglu_kernel", "swiglu"), ("_gumbel_argmax_kernel", "sampling"),
     ("void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16>", "embedding"),

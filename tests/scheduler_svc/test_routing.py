@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_svc.core import SchedulerCore
+from scheduler_svc.prefix_hints import PrefixHints
 from scheduler_svc.routing import (
     CacheAware, RoutingWeights, WorkerView, cache_aware, least_loaded, make_scorer, pick, prefix_hit, round_robin)
 from services.config import SchedulerConfig, parse_config
@@ -104,12 +105,13 @@ def test_round_robin_and_least_loaded_through_the_core():
 
 
 def test_cache_aware_in_the_core_follows_the_hint_until_load_says_otherwise():
-    core = SchedulerCore(scorer=make_scorer("cache_aware"))
+    core = SchedulerCore(scorer=make_scorer("cache_aware"), prefix_hints=PrefixHints())
     core.set_workers([view("w1", seqs=4), view("w2", seqs=4)])
     m = match(("w2", 64, 64, 64))
     dests = []
     for i in range(8):
-        [d] = [e for e in core.submit(request(rid=f"r{i}"), hint=m) if isinstance(e.msg, Dispatch)]
+        core.submit(request(rid=f"r{i}"))
+        [d] = [e for e in core.prefix_matched(f"r{i}", m) if isinstance(e.msg, Dispatch)]
         dests.append(d.dest)
     # the prefix holder takes the first ones; once its queue grows the idle worker takes over
     assert dests[0] == "tcp://w2:1" and "tcp://w1:1" in dests

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from scheduler_svc.core import Limits, SchedulerCore
+from scheduler_svc.prefix_hints import PrefixHints
 from scheduler_svc.routing import WorkerView
+from services.protocol.kv_events import MatchResponse, WorkerMatch
 from services.protocol.messages import (
     Abort, Admitted, Dispatch, Rejected, RequestFailed, Submit, WorkerStatus)
 from services.protocol.sampling import SamplingParams
@@ -10,8 +12,9 @@ from services.protocol.sampling import SamplingParams
 GW, DT = "tcp://gw:1", "tcp://detok:1"
 
 
-def submit(rid: str, *, tenant: str = "t", priority: int = 0, prompt_len: int = 4, max_tokens: int = 8) -> Submit:
-    return Submit(request_id=rid, tenant=tenant, prompt_token_ids=list(range(prompt_len)),
+def submit(rid: str, *, tenant: str = "t", priority: int = 0, prompt_len: int = 4, max_tokens: int = 8,
+           first: int = 0) -> Submit:
+    return Submit(request_id=rid, tenant=tenant, prompt_token_ids=list(range(first, first + prompt_len)),
                   params=SamplingParams(max_tokens=max_tokens), priority=priority, reply_addr=GW, detok_addr=DT)
 
 
@@ -93,11 +96,15 @@ def test_least_loaded_routing_and_scorer_hook():
     dests = [e.dest for rid in "abcd" for e in core.submit(submit(rid)) if isinstance(e.msg, Dispatch)]
     assert sorted(dests) == ["tcp://w1:1"] * 2 + ["tcp://w2:1"] * 2
 
-    # a cache-aware scorer plugs in; the hint given at submission reaches it
-    by_hint = SchedulerCore(scorer=lambda w, r, hint=None: 0.0 if w.id == hint else 1.0)
+    # a cache-aware scorer plugs in; the prefix index's answer reaches it as the hint
+    by_hint = SchedulerCore(scorer=lambda w, r, hint=None: 0.0 if hint.blocks_for(w.id) else 1.0,
+                            prefix_hints=PrefixHints())
     by_hint.set_workers([worker("w1", seqs=4), worker("w2", seqs=4)])
-    dests = [e.dest for rid, h in (("a", "w2"), ("b", "w2"), ("c", "w1"))
-             for e in by_hint.submit(submit(rid), hint=h) if isinstance(e.msg, Dispatch)]
+    dests = []
+    for rid, holder in (("a", "w2"), ("b", "w2"), ("c", "w1")):
+        by_hint.submit(submit(rid))
+        answer = MatchResponse(block_size=16, query_blocks=1, workers=[WorkerMatch(holder, 1, 1, 1)])
+        dests += [e.dest for e in by_hint.prefix_matched(rid, answer) if isinstance(e.msg, Dispatch)]
     assert dests == ["tcp://w2:1", "tcp://w2:1", "tcp://w1:1"]
 
 
@@ -189,21 +196,22 @@ def test_lost_finished_reports_are_reconciled_from_heartbeats():
 
 def test_cache_aware_scorer_prefers_the_prefix_holder_over_a_lighter_load():
     from scheduler_svc.routing import cache_aware
-    from services.protocol.kv_events import MatchResponse, WorkerMatch
 
-    core = SchedulerCore(scorer=cache_aware)
+    core = SchedulerCore(scorer=cache_aware, prefix_hints=PrefixHints())
     core.set_workers([worker("w1", seqs=8), worker("w2", seqs=8)])
-    core.submit(submit("busy"))                                    # w1 (tie-break) gets one request
+    core.submit(submit("busy"))
+    core.prefix_matched("busy", None)                              # w1 (tie-break) gets one request
     match = MatchResponse(block_size=4, query_blocks=4, workers=[WorkerMatch("w1", 4, 4, 4)])
-    out = core.submit(submit("p", prompt_len=16), hint=match)
+    core.submit(submit("p", prompt_len=16))
+    out = core.prefix_matched("p", match)
     assert [e.dest for e in out if isinstance(e.msg, Dispatch)] == ["tcp://w1:1"]
-    out = core.submit(submit("q", prompt_len=16))                  # no hint: least-loaded
+    core.submit(submit("q", prompt_len=16, first=100))            # no match: least-loaded
+    out = core.prefix_matched("q", None)
     assert [e.dest for e in out if isinstance(e.msg, Dispatch)] == ["tcp://w2:1"]
 
 
 def test_split_salt_inverts_cache_salt_for():
-    from scheduler_svc.main import split_salt
-    from services.protocol.kv_events import cache_salt_for
+    from services.protocol.kv_events import cache_salt_for, split_salt
 
     for tenant, salt in (("key0", ""), ("key1", "abc"), ("", "x:y"), ("k:2", "3:z")):
         assert split_salt(cache_salt_for(tenant, salt)) == (tenant, salt)

@@ -96,7 +96,8 @@ def test_fp8_cache_attention_matches_dequantized_reference(randn, rel_err):
     assert rel_err(out, ref_w) < (1e-5 if DecodeAttentionTuning().fp8_upcast == "bf16" else FP16_DOTS_TOL)
     qsl = torch.tensor([0, 9, 10], dtype=torch.int32)
     q = randn(10, n_kv * group, d)
+    new = dict(k_new=randn(10, n_kv, d), v_new=randn(10, n_kv, d))     # this step's K/V: raw, unscaled
     out = paged_prefill_attention(q, kc, vc, tables, lens, qsl, 0.125, max_query_len=9, k_scale=ks, v_scale=vs,
-                                  block_m=16, block_n=16)
-    ref = paged_prefill_attention_ref(q, kc, vc, tables, lens, qsl, 0.125, k_scale=ks, v_scale=vs)
+                                  block_m=16, block_n=16, **new)
+    ref = paged_prefill_attention_ref(q, kc, vc, tables, lens, qsl, 0.125, k_scale=ks, v_scale=vs, **new)
     assert rel_err(out, ref) < 1e-5

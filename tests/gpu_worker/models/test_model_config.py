@@ -136,6 +136,19 @@ def test_missing_tensor(tiny_models, tmp_path):
         _runner(model_dir)
 
 
+def test_tensor_the_architecture_does_not_use(tiny_models, tmp_path):
+    """A checkpoint tensor with no place in the model is named (one loop serves both loaders:
+    loader.copy_checkpoint); a tied model's lm_head.weight is not one of them."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = _copy(tiny_models["llama"], tmp_path / "m")
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["model.layers.0.mlp.extra_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].clone()
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="does not use, e.g. .'model.layers.0.mlp.extra_proj.weight'"):
+        _runner(model_dir)
+
+
 def test_wrong_shape_tensor(tiny_models, tmp_path):
     model_dir = _copy(tiny_models["llama"], tmp_path / "m")
     _edit_config(model_dir, intermediate_size=96)

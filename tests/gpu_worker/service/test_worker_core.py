@@ -1,8 +1,9 @@
 """WorkerCore without sockets, over the null engine: dispatch, one message per step, aborts."""
 from __future__ import annotations
 
-from gpu_worker.service.core import SCHEDULER, WorkerCore
+from gpu_worker.service.core import WorkerCore
 from gpu_worker.service.null_engine import NullEngine
+from services.envelope import SCHEDULER
 from services.protocol.messages import Abort, Dispatch, RequestFailed, StepOutput, StreamOpen, WorkerStatus
 from services.protocol.sampling import SamplingParams
 

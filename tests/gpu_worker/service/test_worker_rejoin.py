@@ -5,7 +5,8 @@ pool's integrity is checked, not a counter.
 """
 from __future__ import annotations
 
-from gpu_worker.service.core import SCHEDULER, WorkerCore
+from gpu_worker.service.core import WorkerCore
+from services.envelope import SCHEDULER
 from services.protocol.messages import Dispatch, RequestFailed, StepOutput, StreamOpen, WorkerStatus
 from services.protocol.sampling import SamplingParams
 from tests.gpu_worker.engine.engine_fakes import make_engine

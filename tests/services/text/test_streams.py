@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from services.protocol.messages import Abort, RequestFailed, SeqTokens, StepOutput, StreamOpen, TextBatch
 from services.protocol.sampling import SamplingParams
-from services.text.streams import SCHEDULER, DetokCore
+from services.envelope import SCHEDULER
+from services.text.streams import DetokCore
 
 VOCAB = {i: ch for i, ch in enumerate("abcdefghijklmnopqrstuvwxyz .!")}
 
