@@ -1,5 +1,5 @@
 """gateway.textInGateway: the gateway pods get KVMESH_TEXT_IN_GATEWAY, the model volume (and its
-download's egress), and still no way to a worker port."""
+download's egress), and a way to the workers' ZMQ port (a stop string's Abort), to no other worker port."""
 from __future__ import annotations
 
 import yaml
@@ -26,5 +26,10 @@ def test_text_in_gateway_sets_the_flag_and_mounts_the_model(helm, tmp_path):
         assert bool(download) is on
         to_workers = [r for r in policy["egress"] for peer in r.get("to", [])
                       if peer.get("podSelector", {}).get("matchLabels", {}).get("kvmesh.io/service") == "worker"]
-        assert to_workers == []
+        assert [r["ports"] for r in to_workers] == ([[{"port": 5559, "protocol": "TCP"}]] if on else [])
+        for pool in ("prefill", "decode"):
+            ingress = by_kind(docs, "NetworkPolicy")[f"{FULLNAME}-{pool}"]["spec"]["ingress"]
+            from_gateway = [r for r in ingress for peer in r.get("from", [])
+                            if peer.get("podSelector", {}).get("matchLabels", {}).get("kvmesh.io/service") == "gateway"]
+            assert [r["ports"] for r in from_gateway] == ([[{"port": 5559, "protocol": "TCP"}]] if on else [])
     assert env_of(gw)["KVMESH_TEXT_IN_GATEWAY"]["value"] == "true"

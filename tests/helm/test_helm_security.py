@@ -82,6 +82,26 @@ EXPECTED_EDGES = {
 # ----------------------------------------------------------------------------- NetworkPolicy
 
 
+def edges(docs: list[dict]) -> set[tuple[str, str, str]]:
+    """(client service, server service, server port name) of every connection the policies allow."""
+    policies = list(by_kind(docs, "NetworkPolicy").values())
+    everyone = pods(docs)
+    return {(src["service"], dst["service"], port_name)
+            for src, dst in itertools.product(everyone.values(), everyone.values())
+            for port_name, number in dst["ports"].items() if can_reach(policies, src, dst, number)}
+
+
+def test_a_gateway_making_its_own_text_reaches_the_workers_zmq_port_only(helm, tmp_path):
+    """gateway.textInGateway: a stop string's Abort goes to the worker directly, so the gateway
+    reaches the workers' ZMQ port, and no other worker port."""
+    import yaml
+
+    out = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", "llm",
+                   values={"gateway": {"textInGateway": True}}, tmp=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert edges([d for d in yaml.safe_load_all(out.stdout) if d]) == EXPECTED_EDGES | {("gateway", "worker", "zmq")}
+
+
 @pytest.mark.parametrize("case", ["defaults", "pools", "strict-cni", "everything"])
 def test_each_port_is_reachable_only_from_the_roles_that_use_it(helm, case, tmp_path_factory):
     docs = render(helm, case, tmp_path_factory)
@@ -90,11 +110,7 @@ def test_each_port_is_reachable_only_from_the_roles_that_use_it(helm, case, tmp_
     for pod in everyone.values():  # every pod is under exactly one policy, both directions
         spec = policy_of(policies, pod["labels"])
         assert spec["policyTypes"] == ["Ingress", "Egress"]
-    reached = set()
-    for (a, src), (b, dst) in itertools.product(everyone.items(), everyone.items()):
-        for port_name, number in dst["ports"].items():
-            if can_reach(policies, src, dst, number):
-                reached.add((src["service"], dst["service"], port_name))
+    reached = edges(docs)
     assert reached == EXPECTED_EDGES
     # What the issue named: the internet-facing gateway reaches no worker port and no other pod's
     # metrics; a worker's ports take only the scheduler, the prefix-cache index and (the decode
