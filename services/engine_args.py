@@ -6,7 +6,7 @@ One declaration (name, type, offline default, help, bounds) drives every entry p
     kvmesh generate --model DIR --max-num-seqs 64     # gpu_worker/cli_generate.py
     kvmesh worker --max-num-seqs 64                   # WorkerConfig(ServedEngineArgs, ServiceConfig)
     kvmesh serve --max-num-seqs 64                    # ServeConfig(ServedEngineArgs), handed to its workers
-    helm: worker.config: {max-num-seqs: 64}           # rendered as KVMESH_MAX_NUM_SEQS
+    helm: worker.engine: {max-num-seqs: 64}           # rendered as KVMESH_MAX_NUM_SEQS (per pool too)
 
 Offline use (`LLM(...)`, `kvmesh generate`) takes EngineArgs' defaults, tuned for throughput;
 serving (`kvmesh serve`, `kvmesh worker`, the Helm chart) takes SERVED_DEFAULTS on top, tuned for
