@@ -21,6 +21,8 @@ _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("auto", "torch", "triton")
 _QUANTIZATIONS = (None, "fp8", "fp8_lm_head")
 _KV_CACHE_DTYPES = ("auto", "fp8")
+_KV_LOAD_POLICIES = ("auto", "always", "never")
+_MAX_OFFLOAD_GB = 65536.0
 
 
 def tuning_from_env(env: Mapping[str, str] | None = None) -> KernelTuning:
@@ -142,6 +144,20 @@ class EngineConfig:
     """KV-cache storage: auto (the model's dtype) or fp8 (float8_e4m3fn, one byte per element:
     twice the blocks of a 16-bit cache for the same memory). K and V are stored divided by a
     per-tensor scale of 1.0 (vLLM's default without calibration) and dequantized when read."""
+    kv_offload_cpu_gb: float = 0.0
+    """GiB of host memory (pinned on CUDA) for a KV tier below the device: cached blocks that the
+    device's LRU evicts are copied there (asynchronously on CUDA) and loaded back when a prompt's
+    prefix is found there (a multi-turn chat's history). 0: no host tier."""
+    kv_offload_dir: str | None = None
+    """Directory of a local-disk KV tier below the host tier (blocks the host tier evicts; without
+    a host tier, blocks the device evicts). Created 0700, one 0600 file per block, each with a
+    checksummed header; block files found there at start-up are deleted. None: no disk tier."""
+    kv_offload_disk_gb: float = 0.0
+    """Most GiB the disk tier's files take (with kv_offload_dir)."""
+    kv_load_policy: str = "auto"
+    """For a prompt whose prefix sits in a lower KV tier: auto (load or recompute, whichever is
+    predicted faster from the tiers' measured bandwidth and the recent prefill rate, or load the
+    first blocks and compute the rest), always (load), never (recompute)."""
     tuning: KernelTuning = field(default_factory=tuning_from_env)
     """Kernel choices (gpu_worker/tuning.py): decode-attention splits and tiles, the decode GEMV
     path, PDL. Default: the H200-measured defaults with the KVMESH_* overrides of the
@@ -178,8 +194,27 @@ class EngineConfig:
             raise bad("kv_cache_dtype", "'fp8' is not supported with tensor_parallel_size > 1 yet; use 'auto'")
         if self.cpu_kv_cache_bytes < 1:
             raise bad("cpu_kv_cache_bytes", "must be positive")
+        for name in ("kv_offload_cpu_gb", "kv_offload_disk_gb"):
+            if not 0.0 <= getattr(self, name) <= _MAX_OFFLOAD_GB:
+                raise bad(name, f"must be in [0, {_MAX_OFFLOAD_GB}], got {getattr(self, name)}")
+        if self.kv_offload_dir is not None and not (isinstance(self.kv_offload_dir, str)
+                                                   and 0 < len(self.kv_offload_dir) <= 4096):
+            raise bad("kv_offload_dir", "must be a directory path of 1 to 4096 characters")
+        if (self.kv_offload_dir is None) != (self.kv_offload_disk_gb == 0.0):
+            raise bad("kv_offload_dir", "kv_offload_dir and kv_offload_disk_gb go together: give both or neither")
+        if self.kv_load_policy not in _KV_LOAD_POLICIES:
+            raise bad("kv_load_policy", f"must be one of {', '.join(_KV_LOAD_POLICIES)}, got {self.kv_load_policy!r}")
+        if self.kv_offload_enabled and not self.enable_prefix_caching:
+            raise bad("kv_offload_cpu_gb", "KV offload needs enable_prefix_caching (blocks are found by their hash)")
+        if self.kv_offload_enabled and self.tensor_parallel_size > 1:
+            raise bad("kv_offload_cpu_gb", "KV offload is not supported with tensor_parallel_size > 1 yet")
         if not isinstance(self.tuning, KernelTuning):
             raise bad("tuning", f"must be a gpu_worker.tuning.KernelTuning, got {type(self.tuning).__name__}")
+
+    @property
+    def kv_offload_enabled(self) -> bool:
+        """True when the engine has a KV tier below the device (host memory or disk)."""
+        return self.kv_offload_cpu_gb > 0 or self.kv_offload_dir is not None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -1,0 +1,106 @@
+"""Copies of whole KV blocks between the engine's device cache and host memory.
+
+One block on the host is one tensor of shape (num_layers, 2, block_size, num_kv_heads, head_dim)
+(2: K then V) in the cache's dtype, C-contiguous, so its bytes are the disk tier's payload.
+
+On CUDA the copies run on two streams of their own, and the step's stream never waits for an
+offload:
+
+    step stream     gather(evicted ids) -> staging   | forward may overwrite the blocks now
+    offload stream            wait(step) -> staging D2H host slots (pinned) -> event per batch
+    load stream     H2D host blocks -> staging -> event; step stream waits for that event, then
+                    scatters staging into the destination blocks
+
+The gather is a device-to-device snapshot of the evicted blocks (a few microseconds per block):
+after it, the step may reuse them at once while the slow D2H drains in the background. A host
+slot is not written again before the loads that read it are done (the offload stream waits
+for the last load event), and is not read on the host (disk tier) before its D2H is done
+(`wait_offloaded`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]     # per layer: K, V (num_blocks, bs, n_kv, hd)
+
+
+class BlockMover:
+    def __init__(self, kv_caches: KVCaches) -> None:
+        k = kv_caches[0][0]
+        self.kv_caches = kv_caches
+        self.device = k.device
+        self.dtype = k.dtype
+        self.block_shape = (len(kv_caches), 2, *k.shape[1:])    # (L, 2, bs, n_kv, hd)
+        self.block_bytes = math.prod(self.block_shape) * k.element_size()
+        self.cuda = self.device.type == "cuda"
+        self._offload_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._load_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._last_load: torch.cuda.Event | None = None
+
+    def host_blocks(self, num_blocks: int) -> torch.Tensor:
+        """Host memory for num_blocks blocks (pinned on CUDA, so copies are asynchronous DMA)."""
+        return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), 1)
+                            for k, v in self.kv_caches], 1)            # (n, L, 2, bs, n_kv, hd)
+
+    def offload(self, block_ids: list[int], host: torch.Tensor, slots: list[int]) -> "torch.cuda.Event | None":
+        """Device blocks -> host[slots]. Returns the event that marks the end of the copy (CUDA),
+        or None when the copy is already done (CPU)."""
+        staged = self._gather(block_ids)
+        if not self.cuda:
+            host.index_copy_(0, torch.tensor(slots, dtype=torch.long), staged)
+            return None
+        stream = self._offload_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))    # the gather is done first
+        if self._last_load is not None:
+            stream.wait_event(self._last_load)                        # slots being read are not overwritten
+        with torch.cuda.stream(stream):
+            for i, slot in enumerate(slots):
+                host[slot].copy_(staged[i], non_blocking=True)
+            staged.record_stream(stream)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def offload_to_memory(self, block_ids: list[int]) -> torch.Tensor:
+        """Device blocks -> a new host tensor (n, L, 2, bs, n_kv, hd), synchronously."""
+        return self._gather(block_ids).cpu()
+
+    @staticmethod
+    def wait_offloaded(done: "torch.cuda.Event | None") -> None:
+        """Block the host until an offload's copy is in host memory (before reading it there)."""
+        if done is not None:
+            done.synchronize()
+
+    def stage(self, sources: list[torch.Tensor], pending: list["torch.cuda.Event | None"]) -> torch.Tensor:
+        """Host blocks -> one staging tensor on the device (n, L, 2, bs, n_kv, hd): taken now, so
+        the host copies may be dropped or overwritten afterwards. `pending`: the offload events
+        the sources still wait for."""
+        if not self.cuda:
+            return torch.stack(sources)
+        staged = torch.empty((len(sources), *self.block_shape), dtype=self.dtype, device=self.device)
+        stream = self._load_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))    # staging memory is free
+        for event in pending:
+            if event is not None:
+                stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            for i, src in enumerate(sources):
+                staged[i].copy_(src, non_blocking=True)
+            self._last_load = torch.cuda.Event()
+            self._last_load.record(stream)
+        return staged
+
+    def scatter(self, staged: torch.Tensor, block_ids: list[int]) -> None:
+        """staging -> device blocks, ordered before whatever the step stream runs next."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self._last_load)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, staged[:, layer, 0])
+            v.index_copy_(0, idx, staged[:, layer, 1])
