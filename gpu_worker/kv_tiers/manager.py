@@ -87,7 +87,9 @@ class KVTiers:
     def _offload_to_host(self, evicted: list[Evicted]) -> None:
         host = self.host
         fresh = [e for e in evicted if host.get(e.block_hash) is None]     # get(): a held one is touched
-        fresh = fresh[-host.num_slots:]                                   # the most recently used fit
+        overflow, fresh = fresh[:-host.num_slots], fresh[-host.num_slots:]   # the most recently used fit
+        if overflow and self.disk is not None and self.disk.enabled:
+            self._offload_to_disk(overflow)                               # the rest skips the host tier
         if not fresh:
             return
         slots = [self._host_slot() for _ in fresh]
@@ -114,6 +116,8 @@ class KVTiers:
 
     def _offload_to_disk(self, evicted: list[Evicted]) -> None:
         fresh = [e for e in evicted if e.block_hash not in self.disk]
+        if not fresh:
+            return
         staged = self.mover.offload_to_memory([e.block_id for e in fresh])   # (n, L, 2, bs, n_kv, hd) on the host
         for e, block in zip(fresh, staged):
             if not self._write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block):
@@ -178,11 +182,13 @@ class KVTiers:
             return 0
         sources, pending, tiers = self._read_sources(seq.block_hashes[first:first + num_blocks])
         self.stats.load_shortfall_blocks += num_blocks - len(sources)
-        self.flush()      # the destination blocks may be ones evicted this step: their KV goes down first
-        if not sources:
-            return 0
         t = time.perf_counter()
-        staged = self.mover.stage(sources, pending)
+        # Order matters: the sources are copied out first (the flush may reuse their host slots),
+        # then the blocks evicted for this sequence, which may be its destinations, go down a tier.
+        staged = self.mover.stage(sources, pending) if sources else None
+        self.flush()
+        if staged is None:
+            return 0
         self.mover.scatter(staged, seq.block_table[first:first + len(sources)])
         if not self.mover.cuda:
             self.policy.observe_copy("cpu", tiers.count("cpu") * self.mover.block_bytes, time.perf_counter() - t)
@@ -239,7 +245,7 @@ class KVTiers:
         """Start-up estimates of each tier's bandwidth from a few real block copies: device
         blocks are only read, into host slots that are still free, and the disk probe file is
         deleted."""
-        n = min(_PROBE_BLOCKS, self.block_manager.num_blocks, self.host.num_slots if self.host else _PROBE_BLOCKS)
+        n = min(_PROBE_BLOCKS, self.block_manager.num_blocks, self.host.num_slots if self.host is not None else _PROBE_BLOCKS)
         ids = list(range(n))
         t = time.perf_counter()
         if self.host is not None:
