@@ -66,15 +66,16 @@ def push_out(eng: Engine, seed: int) -> None:
 
 def chat(eng: Engine, turns: int, seed: int = 0, between=None) -> list[tuple[list[int], list[int], int]]:
     """A chat whose every turn is the history + the last answer + a new user message, with the
-    history pushed out of the device pool between turns: [(prompt, answer, cached_tokens)]."""
+    history pushed out of the device pool between turns: [(prompt, answer, cached_tokens)].
+    between(eng, turn, next_prompt) runs before each next turn."""
     history, out = tokens(12, seed), []
     for turn in range(turns):
         answer, cached = run(eng, f"chat-{seed}-{turn}", history)
         out.append((list(history), answer, cached))
         push_out(eng, seed * 100 + turn)
-        if between is not None:
-            between(eng, turn)
         history = history + answer + tokens(5, seed * 1000 + turn)
+        if between is not None:
+            between(eng, turn, history)
     return out
 
 
@@ -88,3 +89,9 @@ def check_all_tiers(eng: Engine) -> None:
 
 def tier_stats(eng: Engine) -> dict:
     return eng.stats().extra["kv_tiers"]
+
+
+def prompt_hashes(eng: Engine, prompt: list[int]) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks, as the engine computes them."""
+    from services.prefix_hash import chain_hashes
+    return chain_hashes(None, eng.block_manager.model_id, "", prompt, BLOCK_SIZE)

@@ -84,7 +84,7 @@ def test_auto_policy_splits_when_the_tail_is_slow(llama, tmp_path):
                         kv_offload_dir=str(tmp_path / "kv"), kv_offload_disk_gb=0.001)
     assert eng.kv_tiers.host.num_slots == 3
 
-    def slow_disk(eng, turn):
+    def slow_disk(eng, turn, next_prompt):
         eng.kv_tiers.policy.bandwidth.update(cpu=1e12, disk=1.0)   # bytes per second
         eng.kv_tiers.policy.prefill_rate = 1e6              # tokens per second
 
