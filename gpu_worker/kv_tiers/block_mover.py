@@ -38,6 +38,26 @@ class BlockMover:
         self._offload_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._last_load: torch.cuda.Event | None = None
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []   # CUDA: copies to time
+
+    def _timing_start(self, stream) -> "torch.cuda.Event":
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start
+
+    def _timing_end(self, start, stream, num_bytes: int) -> "torch.cuda.Event":
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        if len(self._timed) < 64:                  # bounded: polled at every flush
+            self._timed.append((start, end, num_bytes))
+        return end
+
+    def finished_copies(self) -> list[tuple[int, float]]:
+        """(bytes, seconds) of the CUDA copies that completed since the last call, measured on the
+        device (the tiers' bandwidth estimates follow them); never waits."""
+        done = [(n, start.elapsed_time(end) / 1e3) for start, end, n in self._timed if end.query()]
+        self._timed = [t for t in self._timed if not t[1].query()]
+        return done
 
     def host_blocks(self, num_blocks: int) -> torch.Tensor:
         """Host memory for num_blocks blocks (pinned on CUDA, so copies are asynchronous DMA)."""
@@ -60,12 +80,11 @@ class BlockMover:
         if self._last_load is not None:
             stream.wait_event(self._last_load)                        # slots being read are not overwritten
         with torch.cuda.stream(stream):
+            start = self._timing_start(stream)
             for i, slot in enumerate(slots):
                 host[slot].copy_(staged[i], non_blocking=True)
             staged.record_stream(stream)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return done
+            return self._timing_end(start, stream, len(slots) * self.block_bytes)
 
     def offload_to_memory(self, block_ids: list[int]) -> torch.Tensor:
         """Device blocks -> a new host tensor (n, L, 2, bs, n_kv, hd), synchronously."""
@@ -90,10 +109,10 @@ class BlockMover:
             if event is not None:
                 stream.wait_event(event)
         with torch.cuda.stream(stream):
+            start = self._timing_start(stream)
             for i, src in enumerate(sources):
                 staged[i].copy_(src, non_blocking=True)
-            self._last_load = torch.cuda.Event()
-            self._last_load.record(stream)
+            self._last_load = self._timing_end(start, stream, len(sources) * self.block_bytes)
         return staged
 
     def scatter(self, staged: torch.Tensor, block_ids: list[int]) -> None:

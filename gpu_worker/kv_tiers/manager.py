@@ -76,6 +76,9 @@ class KVTiers:
 
     def flush(self) -> None:
         """Copy every block evicted since the last flush down a tier (host, else disk)."""
+        if self.mover.cuda:
+            for num_bytes, seconds in self.mover.finished_copies():   # host <-> device, both ways
+                self.policy.observe_copy("cpu", num_bytes, seconds)
         if not self._evicted:
             return
         evicted, self._evicted = self._evicted, []
