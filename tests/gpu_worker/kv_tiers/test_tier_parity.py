@@ -97,3 +97,16 @@ def test_auto_policy_splits_when_the_tail_is_slow(llama, tmp_path):
     assert stats["loaded_blocks"]["cpu"] > 0 and stats["loaded_blocks"]["disk"] == 0, stats
     assert stats["recomputed_tier_tokens"] > 0
     check_all_tiers(eng)
+
+
+def test_async_scheduling_with_tiers(llama, tmp_path):
+    """One step ahead (async_scheduling): loads and offloads happen in schedule(), before the
+    launch, exactly as in the synchronous loop."""
+    model_dir, hf = llama
+    eng = tiered_engine(model_dir, async_scheduling=True, kv_offload_cpu_gb=6e-6,
+                        kv_offload_dir=str(tmp_path / "kv"), kv_offload_disk_gb=0.001)
+    turns = chat(eng, 4)
+    for prompt, answer, _ in turns:
+        assert answer == hf.greedy(prompt, len(answer))[0]
+    assert sum(tier_stats(eng)["loaded_blocks"].values()) > 0
+    check_all_tiers(eng)
