@@ -80,7 +80,8 @@ class Engine:
         scheduling = (self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                       config.enable_chunked_prefill)
         self.kv_tiers = build_kv_tiers(self) if config.kv_offload_enabled else None
-        self.scheduler = Scheduler(*scheduling) if self.kv_tiers is None else TieredScheduler(self.kv_tiers, *scheduling)
+        self.scheduler = (Scheduler(*scheduling) if self.kv_tiers is None
+                          else TieredScheduler(self.kv_tiers, *scheduling))
         self.sampler = Sampler()
         self.batch_builder = BatchBuilder(config.block_size, self.device)
         self._prepare_gpu()

@@ -1,7 +1,9 @@
 """Copies of whole KV blocks between the engine's device cache and host memory.
 
-One block on the host is one tensor of shape (num_layers, 2, block_size, num_kv_heads, head_dim)
-(2: K then V) in the cache's dtype, C-contiguous, so its bytes are the disk tier's payload.
+One block on the host is one uint8 tensor of shape (num_layers, 2, block_size, num_kv_heads,
+head_dim * itemsize) (2: K then V): the cache's bytes, C-contiguous, so they are also the disk
+tier's payload. Copies work on byte views of the cache, so every cache dtype (fp8 included) takes
+the same gather and scatter kernels.
 
 On CUDA the copies run on two streams of their own, and the step's stream never waits for an
 offload:
@@ -28,12 +30,11 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]     # per layer: K, V (num_bl
 
 class BlockMover:
     def __init__(self, kv_caches: KVCaches) -> None:
-        k = kv_caches[0][0]
-        self.kv_caches = kv_caches
+        self.kv_caches = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in kv_caches]
+        k = self.kv_caches[0][0]                                # (num_blocks, bs, n_kv, hd * itemsize)
         self.device = k.device
-        self.dtype = k.dtype
-        self.block_shape = (len(kv_caches), 2, *k.shape[1:])    # (L, 2, bs, n_kv, hd)
-        self.block_bytes = math.prod(self.block_shape) * k.element_size()
+        self.block_shape = (len(kv_caches), 2, *k.shape[1:])    # (L, 2, bs, n_kv, hd * itemsize)
+        self.block_bytes = math.prod(self.block_shape)
         self.cuda = self.device.type == "cuda"
         self._offload_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -61,12 +62,12 @@ class BlockMover:
 
     def host_blocks(self, num_blocks: int) -> torch.Tensor:
         """Host memory for num_blocks blocks (pinned on CUDA, so copies are asynchronous DMA)."""
-        return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
+        return torch.empty((num_blocks, *self.block_shape), dtype=torch.uint8, pin_memory=self.cuda)
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), 1)
-                            for k, v in self.kv_caches], 1)            # (n, L, 2, bs, n_kv, hd)
+                            for k, v in self.kv_caches], 1)            # (n, L, 2, bs, n_kv, hd * itemsize)
 
     def offload(self, block_ids: list[int], host: torch.Tensor, slots: list[int]) -> "torch.cuda.Event | None":
         """Device blocks -> host[slots]. Returns the event that marks the end of the copy (CUDA),
@@ -102,7 +103,7 @@ class BlockMover:
         the sources still wait for."""
         if not self.cuda:
             return torch.stack(sources)
-        staged = torch.empty((len(sources), *self.block_shape), dtype=self.dtype, device=self.device)
+        staged = torch.empty((len(sources), *self.block_shape), dtype=torch.uint8, device=self.device)
         stream = self._load_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))    # staging memory is free
         for event in pending:

@@ -5,7 +5,7 @@
                                                     its final name (a crash leaves only .tmp)
 
 The index (hash -> parent, token ids) lives in memory, LRU first, bounded by `max_blocks`
-(the configured bytes over one file's size). At start-up the directory's block files are
+(the configured bytes over one file's largest size). At start-up the directory's block files are
 removed: their parents and tokens, which the KV events need, are not in the files.
 
 Failures never fail a request: a file that does not verify is deleted and reported missing
@@ -26,6 +26,7 @@ from gpu_worker.kv_transfer.layout import KVLayout
 
 log = logging.getLogger("kvmesh.kv_tiers")
 
+DISK_OVERHEAD = 4 + tier_file.MAX_HEADER_BYTES      # a file's bytes beyond its payload, at most
 _BLOCK_FILE = re.compile(r"^[0-9a-f]{32}\.kvb(\.tmp)?$")
 
 

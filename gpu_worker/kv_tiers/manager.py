@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from gpu_worker.kv_tiers.block_mover import BlockMover
-from gpu_worker.kv_tiers.disk_tier import DiskBlock, DiskTier
+from gpu_worker.kv_tiers.disk_tier import DISK_OVERHEAD, DiskBlock, DiskTier
 from gpu_worker.kv_tiers.host_tier import HostBlock, HostTier
 from gpu_worker.kv_tiers.load_policy import LoadPlan, LoadPolicy
 from gpu_worker.kv_tiers.tier_stats import TierStats
@@ -49,8 +49,8 @@ class KVTiers:
         self.layout = layout
         bb = self.mover.block_bytes
         self.host = HostTier(self.mover.host_blocks(cpu_bytes // bb)) if cpu_bytes >= bb else None
-        self.disk = (DiskTier(disk_dir, disk_bytes // bb, layout, bb)
-                     if disk_dir and disk_bytes >= bb else None)
+        self.disk = (DiskTier(disk_dir, disk_bytes // (bb + DISK_OVERHEAD), layout, bb)
+                     if disk_dir and disk_bytes >= bb + DISK_OVERHEAD else None)
         self.policy = LoadPolicy(policy, bb, self.block_size)
         self.stats = TierStats()
         self._evicted: list[Evicted] = []
@@ -121,7 +121,7 @@ class KVTiers:
         fresh = [e for e in evicted if e.block_hash not in self.disk]
         if not fresh:
             return
-        staged = self.mover.offload_to_memory([e.block_id for e in fresh])   # (n, L, 2, bs, n_kv, hd) on the host
+        staged = self.mover.offload_to_memory([e.block_id for e in fresh])   # (n, L, 2, bs, n_kv, hd * isz)
         for e, block in zip(fresh, staged):
             if not self._write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block):
                 return
@@ -130,7 +130,7 @@ class KVTiers:
         disk = self.disk
         while disk.is_full():
             self._removed(disk.pop_lru(), "disk")
-        payload = memoryview(data.view(torch.uint8).reshape(-1).numpy())
+        payload = memoryview(data.reshape(-1).numpy())
         t = time.perf_counter()
         if not disk.write(block_hash, block, payload):
             self._disk_off()
@@ -228,8 +228,7 @@ class KVTiers:
             self._removed(block_hash, "disk")
             return None
         self.policy.observe_copy("disk", len(payload), time.perf_counter() - t)
-        raw = torch.frombuffer(payload, dtype=torch.uint8)
-        return raw.view(self.mover.dtype).view(self.mover.block_shape)
+        return torch.frombuffer(payload, dtype=torch.uint8).view(self.mover.block_shape)
 
     # ---- rates ---------------------------------------------------------------------------
     def step_began(self, running: bool) -> None:
@@ -248,7 +247,8 @@ class KVTiers:
         """Start-up estimates of each tier's bandwidth from a few real block copies: device
         blocks are only read, into host slots that are still free, and the disk probe file is
         deleted."""
-        n = min(_PROBE_BLOCKS, self.block_manager.num_blocks, self.host.num_slots if self.host is not None else _PROBE_BLOCKS)
+        n = min(_PROBE_BLOCKS, self.block_manager.num_blocks,
+                self.host.num_slots if self.host is not None else _PROBE_BLOCKS)
         ids = list(range(n))
         t = time.perf_counter()
         if self.host is not None:
@@ -259,7 +259,7 @@ class KVTiers:
         self.policy.observe_copy("cpu", n * self.mover.block_bytes, time.perf_counter() - t)
         if self.disk is not None:
             probe = b"\x00" * 16
-            payload = memoryview(staged[0].view(torch.uint8).reshape(-1).numpy())
+            payload = memoryview(staged[0].reshape(-1).numpy())
             t = time.perf_counter()
             if self.disk.write(probe, DiskBlock(None, ()), payload):
                 self.disk.read(probe)

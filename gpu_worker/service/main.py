@@ -307,7 +307,10 @@ class WorkerService:
         metrics.KV_USAGE.set(1 - (load["free_blocks"] + load["cached_blocks"]) / total)
         metrics.PREFIX_QUERY_TOKENS.set(load["prefix_query_tokens"])
         metrics.PREFIX_HIT_TOKENS.set(load["prefix_hit_tokens"])
-        tiers = self.core.engine.stats().extra.get("kv_tiers")   # an engine with KV tiers
+        try:
+            tiers = self.core.engine.stats().extra.get("kv_tiers")   # an engine with KV tiers
+        except RuntimeError:      # read while the engine thread runs: a dict changed size, next beat
+            return
         if tiers is not None:
             metrics.publish_kv_tiers(tiers)
 

@@ -110,3 +110,16 @@ def test_async_scheduling_with_tiers(llama, tmp_path):
         assert answer == hf.greedy(prompt, len(answer))[0]
     assert sum(tier_stats(eng)["loaded_blocks"].values()) > 0
     check_all_tiers(eng)
+
+
+def test_an_fp8_cache_round_trips_through_the_tiers(llama, tmp_path):
+    """The tiers move the cache's bytes: an fp8 cache comes back bit for bit, so the tokens are
+    those of the same engine without tiers (fp8 is not transformers' numerics)."""
+    model_dir, _ = llama
+    kw = dict(kv_cache_dtype="fp8", num_gpu_blocks=24)
+    tiered = tiered_engine(model_dir, kv_offload_cpu_gb=6e-6, kv_offload_dir=str(tmp_path / "kv"),
+                           kv_offload_disk_gb=0.001, **kw)
+    plain = tiered_engine(model_dir, **kw)
+    assert [a for _, a, _ in chat(tiered, 3)] == [a for _, a, _ in chat(plain, 3)]
+    assert tier_stats(tiered)["loaded_blocks"]["cpu"] > 0 and tier_stats(tiered)["loaded_blocks"]["disk"] > 0
+    check_all_tiers(tiered)
