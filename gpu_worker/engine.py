@@ -168,11 +168,14 @@ class Engine:
         self._forget_if_done(request)
 
     def close(self) -> None:
-        """Releases what outlives the engine object: tensor-parallel rank processes and the
-        device memory of the weights and KV cache (so a later engine in this process gets it)."""
+        """Releases what outlives the engine object: tensor-parallel rank processes, the device
+        memory of the weights and KV cache (so a later engine in this process gets it) and the
+        KV disk tier's writer thread."""
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self.kv_tiers is not None:      # the disk tier's writer thread
+            self.kv_tiers.close()
         if self._froze_gc:                 # the engine holds reference cycles: let them go
             self._froze_gc = False
             gc.unfreeze()

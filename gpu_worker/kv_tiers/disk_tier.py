@@ -8,9 +8,14 @@ The index (hash -> parent, token ids) lives in memory, LRU first, bounded by `ma
 (the configured bytes over one file's largest size). At start-up the directory's block files are
 removed: their parents and tokens, which the KV events need, are not in the files.
 
+Files are written and deleted by one background thread, in the order asked, so the engine's
+thread never waits for the disk: a block is in the index as soon as its write is queued, and
+reads of a block still queued come from the queued bytes. At most `max_queued` writes wait; a
+further one waits for the oldest (the only time the engine waits for this tier).
+
 Failures never fail a request: a file that does not verify is deleted and reported missing
 (the caller recomputes the block); a write that fails (disk full, directory gone) turns the
-whole tier off with one warning, and every block it held is reported removed.
+whole tier off with one warning at the next `poll`, and the caller reports its blocks removed.
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ import logging
 import os
 import re
 import stat
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from gpu_worker.kv_tiers import tier_file
@@ -36,14 +43,19 @@ class DiskBlock(NamedTuple):
 
 
 class DiskTier:
-    def __init__(self, directory: str, max_blocks: int, layout: KVLayout, payload_len: int) -> None:
+    def __init__(self, directory: str, max_blocks: int, layout: KVLayout, payload_len: int,
+                 max_queued: int = 64) -> None:
         self.directory = directory
         self.max_blocks = max_blocks
         self.layout = layout
         self.payload_len = payload_len
+        self.max_queued = max_queued
         self.enabled = True
         self.num_corrupt = 0          # files dropped because they did not verify
         self._blocks: OrderedDict[bytes, DiskBlock] = OrderedDict()    # LRU first
+        self._queued: OrderedDict[bytes, tuple[Future, bytearray]] = OrderedDict()   # writes not done
+        self._copies: deque[tuple[int, float]] = deque(maxlen=256)   # (bytes, seconds) of file I/O
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-kv-disk")
         _private_directory(directory)
         for name in os.listdir(directory):
             if _BLOCK_FILE.match(name):
@@ -61,16 +73,20 @@ class DiskTier:
     def is_full(self) -> bool:
         return len(self._blocks) >= self.max_blocks
 
-    def pop_lru(self) -> bytes:
-        """Delete the least recently used block's file; returns its hash."""
-        block_hash, _ = self._blocks.popitem(last=False)
-        self._unlink(block_hash)
-        return block_hash
+    # ---- writes (queued) -----------------------------------------------------------------
+    def write(self, block_hash: bytes, block: DiskBlock, payload: bytearray) -> None:
+        """Queue a block's file (the caller made room and hands over `payload`)."""
+        self._blocks[block_hash] = block
+        self._queued[block_hash] = (self._writer.submit(self._write_file, block_hash, payload), payload)
+        if len(self._queued) > self.max_queued:
+            oldest, _ = next(iter(self._queued.values()))
+            oldest.exception()                          # waits; poll() settles it
 
-    def write(self, block_hash: bytes, block: DiskBlock, payload: memoryview) -> bool:
-        """Store a block (the caller made room). False when the write failed: the tier is off now."""
+    def _write_file(self, block_hash: bytes, payload: bytearray) -> None:
+        """(writer thread) Raises OSError when the write fails."""
         path = self._path(block_hash)
         tmp = path + ".tmp"
+        t = time.perf_counter()
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
@@ -81,24 +97,47 @@ class DiskTier:
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-        except OSError as e:
-            log.warning("KV disk tier %s turned off: writing a block failed (%s); blocks evicted from "
-                        "host memory are dropped from now on", self.directory, e)
-            self._unlink_path(tmp)
-            self.enabled = False
-            return False
-        self._blocks[block_hash] = block
-        return True
+        except OSError:
+            _unlink_path(tmp)
+            raise
+        self._copies.append((len(payload), time.perf_counter() - t))
 
+    def poll(self) -> list[tuple[int, float]]:
+        """Settle finished writes; a failed one turns the tier off (one warning: the caller then
+        clears the tier). Returns the (bytes, seconds) of file reads and writes since the last call."""
+        while self._queued:
+            block_hash, (future, _) = next(iter(self._queued.items()))
+            if not future.done():
+                break
+            del self._queued[block_hash]
+            error = future.exception()
+            if error is not None and self.enabled:
+                log.warning("KV disk tier %s turned off: writing a block failed (%s); blocks evicted from "
+                            "host memory are dropped from now on", self.directory, error)
+                self.enabled = False
+        copies = list(self._copies)
+        self._copies.clear()
+        return copies
+
+    def drain(self) -> None:
+        """Wait until every queued write and delete is done (poll() then settles them)."""
+        self._writer.submit(lambda: None).result()
+
+    # ---- reads ---------------------------------------------------------------------------
     def read(self, block_hash: bytes) -> memoryview | None:
         """The verified payload of a block (marked most recently used), or None when it is not held
         or its file does not verify (the file is deleted and the block forgotten)."""
         if block_hash not in self._blocks:
             return None
+        queued = self._queued.get(block_hash)
+        if queued is not None and not queued[0].done():
+            self._blocks.move_to_end(block_hash)
+            return memoryview(queued[1])
+        t = time.perf_counter()
         try:
             fd = os.open(self._path(block_hash), os.O_RDONLY | os.O_NOFOLLOW)
             try:
-                data = _read_at_most(fd, tier_file.MAX_HEADER_BYTES + 4 + self.payload_len + 1)
+                data = _read_at_most(fd, DISK_OVERHEAD + self.payload_len + 1)
             finally:
                 os.close(fd)
             payload = tier_file.decode(data, block_hash, self.layout, self.payload_len)
@@ -107,40 +146,54 @@ class DiskTier:
             self.num_corrupt += 1
             self.forget(block_hash)
             return None
+        self._copies.append((len(payload), time.perf_counter() - t))
         self._blocks.move_to_end(block_hash)
         return payload
 
+    # ---- removal -------------------------------------------------------------------------
+    def pop_lru(self) -> bytes:
+        """Forget the least recently used block and delete its file; returns its hash."""
+        block_hash, _ = self._blocks.popitem(last=False)
+        self._delete(block_hash)
+        return block_hash
+
     def forget(self, block_hash: bytes) -> None:
         if self._blocks.pop(block_hash, None) is not None:
-            self._unlink(block_hash)
+            self._delete(block_hash)
 
     def clear(self) -> list[bytes]:
-        """Delete every block file (best effort); returns the hashes the tier held."""
+        """Forget every block and delete the files; returns the hashes the tier held."""
         gone = list(self._blocks)
         for block_hash in gone:
-            self._unlink(block_hash)
+            self._delete(block_hash)
         self._blocks.clear()
         return gone
+
+    def _delete(self, block_hash: bytes) -> None:
+        """Queued behind the block's own write, so the file cannot appear after its delete."""
+        self._queued.pop(block_hash, None)
+        self._writer.submit(_unlink_path, self._path(block_hash))
 
     def hashes(self) -> list[tuple[bytes, DiskBlock]]:
         return list(self._blocks.items())
 
-    def _unlink(self, block_hash: bytes) -> None:
-        self._unlink_path(self._path(block_hash))
-
-    @staticmethod
-    def _unlink_path(path: str) -> None:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
 
     def check_integrity(self) -> None:
         """cached <= total; while on, every indexed block has its file (nothing else is ours)."""
+        self.drain()
         assert len(self._blocks) <= self.max_blocks, f"disk tier: {len(self._blocks)} > {self.max_blocks}"
         if self.enabled:
             on_disk = {n for n in os.listdir(self.directory) if _BLOCK_FILE.match(n)}
             assert on_disk == {h.hex() + ".kvb" for h in self._blocks}, "disk tier: files differ from the index"
+
+
+def _unlink_path(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _private_directory(directory: str) -> None:

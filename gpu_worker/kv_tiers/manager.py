@@ -79,6 +79,8 @@ class KVTiers:
         if self.mover.cuda:
             for num_bytes, seconds in self.mover.finished_copies():   # host <-> device, both ways
                 self.policy.observe_copy("cpu", num_bytes, seconds)
+        if self.disk is not None and self.disk.enabled:
+            self._poll_disk()
         if not self._evicted:
             return
         evicted, self._evicted = self._evicted, []
@@ -123,26 +125,25 @@ class KVTiers:
             return
         staged = self.mover.offload_to_memory([e.block_id for e in fresh])   # (n, L, 2, bs, n_kv, hd * isz)
         for e, block in zip(fresh, staged):
-            if not self._write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block):
-                return
+            self._write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block)
 
-    def _write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor) -> bool:
+    def _write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor) -> None:
+        """Queue a block's file; `data` (host bytes) is copied, so its slot may be reused at once."""
         disk = self.disk
         while disk.is_full():
             self._removed(disk.pop_lru(), "disk")
-        payload = memoryview(data.reshape(-1).numpy())
-        t = time.perf_counter()
-        if not disk.write(block_hash, block, payload):
-            self._disk_off()
-            return False
-        self.policy.observe_copy("disk", len(payload), time.perf_counter() - t)
+        disk.write(block_hash, block, bytearray(data.reshape(-1).numpy()))
         self.stats.offloaded_blocks["disk"] += 1
         self._stored(block_hash, block.parent, block.token_ids, "disk")
-        return True
 
-    def _disk_off(self) -> None:
-        for block_hash in self.disk.clear():
-            self._removed(block_hash, "disk")
+    def _poll_disk(self) -> None:
+        """Settle the disk tier's background writes: their times feed the bandwidth estimate, and
+        a failed one (the tier turned itself off) removes every block it held."""
+        for num_bytes, seconds in self.disk.poll():
+            self.policy.observe_copy("disk", num_bytes, seconds)
+        if not self.disk.enabled:
+            for block_hash in self.disk.clear():
+                self._removed(block_hash, "disk")
 
     # ---- reload --------------------------------------------------------------------------
     def plan(self, seq: Sequence, first: int) -> LoadPlan:
@@ -222,12 +223,10 @@ class KVTiers:
         disk = self.disk
         if disk is None or block_hash not in disk:
             return None
-        t = time.perf_counter()
         payload = disk.read(block_hash)
         if payload is None:                      # did not verify: deleted
             self._removed(block_hash, "disk")
             return None
-        self.policy.observe_copy("disk", len(payload), time.perf_counter() - t)
         return torch.frombuffer(payload, dtype=torch.uint8).view(self.mover.block_shape)
 
     # ---- rates ---------------------------------------------------------------------------
@@ -257,14 +256,17 @@ class KVTiers:
         else:
             staged = self.mover.offload_to_memory(ids)
         self.policy.observe_copy("cpu", n * self.mover.block_bytes, time.perf_counter() - t)
-        if self.disk is not None:
+        if self.disk is not None:                # one file written and read back, then deleted
             probe = b"\x00" * 16
-            payload = memoryview(staged[0].reshape(-1).numpy())
-            t = time.perf_counter()
-            if self.disk.write(probe, DiskBlock(None, ()), payload):
+            self.disk.write(probe, DiskBlock(None, ()), bytearray(staged[0].reshape(-1).numpy()))
+            self.disk.drain()
+            for num_bytes, seconds in self.disk.poll():     # a failed write turns the tier off here
+                self.policy.observe_copy("disk", num_bytes, seconds)
+            if self.disk.enabled:
                 self.disk.read(probe)
-                self.policy.observe_copy("disk", 2 * self.mover.block_bytes, time.perf_counter() - t)
-                self.disk.forget(probe)
+            self.disk.forget(probe)
+            self.disk.drain()
+            self._poll_disk()
 
     # ---- maintenance ---------------------------------------------------------------------
     def clear(self) -> None:
@@ -300,6 +302,11 @@ class KVTiers:
             "predicted_load_s": s.predicted_load_s.as_dict(),
             "predicted_recompute_s": s.predicted_recompute_s.as_dict(),
         }
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and stop its thread."""
+        if self.disk is not None:
+            self.disk.close()
 
     def check_integrity(self) -> None:
         if self.host is not None:

@@ -55,6 +55,7 @@ def test_a_damaged_file_is_dropped_and_its_block_recomputed(llama, damage, tmp_p
     eng = tiered_engine(model_dir, kv_offload_dir=str(directory), **DISK)
 
     def damage_second_block(eng, turn, next_prompt):
+        eng.kv_tiers.disk.drain()                            # the background writes are on disk
         damage(str(directory / (prompt_hashes(eng, next_prompt)[1].hex() + ".kvb")))
 
     turns = chat(eng, 2, between=damage_second_block)
@@ -75,6 +76,7 @@ def test_block_files_are_private(llama, tmp_path):
     (directory / "notes.txt").write_text("not ours")
     eng = tiered_engine(model_dir, kv_offload_dir=str(directory), **DISK)
     chat(eng, 2)
+    eng.kv_tiers.disk.drain()
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
     files = [f for f in os.listdir(directory) if f.endswith(".kvb")]
     assert files and all(stat.S_IMODE(os.stat(directory / f).st_mode) == 0o600 for f in files)
