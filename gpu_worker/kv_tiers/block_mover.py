@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from gpu_worker.sampler import to_device
+
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]     # per layer: K, V (num_blocks, bs, n_kv, hd)
 
 
@@ -65,7 +67,7 @@ class BlockMover:
         return torch.empty((num_blocks, *self.block_shape), dtype=torch.uint8, pin_memory=self.cuda)
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        idx = to_device(block_ids, self.device)          # no host sync
         return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), 1)
                             for k, v in self.kv_caches], 1)            # (n, L, 2, bs, n_kv, hd * itemsize)
 
@@ -88,7 +90,7 @@ class BlockMover:
             return self._timing_end(start, stream, len(slots) * self.block_bytes)
 
     def offload_to_memory(self, block_ids: list[int]) -> torch.Tensor:
-        """Device blocks -> a new host tensor (n, L, 2, bs, n_kv, hd), synchronously."""
+        """Device blocks -> a new host tensor (n, L, 2, bs, n_kv, hd * itemsize), synchronously."""
         return self._gather(block_ids).cpu()
 
     @staticmethod
@@ -98,7 +100,7 @@ class BlockMover:
             done.synchronize()
 
     def stage(self, sources: list[torch.Tensor], pending: list["torch.cuda.Event | None"]) -> torch.Tensor:
-        """Host blocks -> one staging tensor on the device (n, L, 2, bs, n_kv, hd): taken now, so
+        """Host blocks -> one staging tensor on the device (n, L, 2, bs, n_kv, hd * itemsize): taken now, so
         the host copies may be dropped or overwritten afterwards. `pending`: the offload events
         the sources still wait for."""
         if not self.cuda:
@@ -112,7 +114,9 @@ class BlockMover:
         with torch.cuda.stream(stream):
             start = self._timing_start(stream)
             for i, src in enumerate(sources):
-                staged[i].copy_(src, non_blocking=True)
+                # a pageable source (a file read) would make the copy sync the stream, and with
+                # it the step queued before: pinned first, a host memcpy
+                staged[i].copy_(src if src.is_pinned() else src.pin_memory(), non_blocking=True)
             self._last_load = self._timing_end(start, stream, len(sources) * self.block_bytes)
         return staged
 
@@ -120,7 +124,7 @@ class BlockMover:
         """staging -> device blocks, ordered before whatever the step stream runs next."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self._last_load)
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        idx = to_device(block_ids, self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, idx, staged[:, layer, 0])
             v.index_copy_(0, idx, staged[:, layer, 1])

@@ -33,8 +33,8 @@ def llama(tiny_models) -> tuple[str, HFReference]:
 
 
 def tiered_engine(model_dir: str, num_gpu_blocks: int = 24, **kw) -> Engine:
-    return Engine(EngineConfig(model=model_dir, device="cpu", num_gpu_blocks=num_gpu_blocks,
-                               block_size=BLOCK_SIZE, **kw))
+    kw.setdefault("device", "cpu")
+    return Engine(EngineConfig(model=model_dir, num_gpu_blocks=num_gpu_blocks, block_size=BLOCK_SIZE, **kw))
 
 
 def tokens(n: int, seed: int) -> list[int]:

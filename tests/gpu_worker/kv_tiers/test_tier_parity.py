@@ -4,6 +4,7 @@ load-or-recompute policies; integrity of every tier at the end."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import check_all_tiers, chat, tier_stats, tiered_engine
 
@@ -123,3 +124,24 @@ def test_an_fp8_cache_round_trips_through_the_tiers(llama, tmp_path):
     assert [a for _, a, _ in chat(tiered, 3)] == [a for _, a, _ in chat(plain, 3)]
     assert tier_stats(tiered)["loaded_blocks"]["cpu"] > 0 and tier_stats(tiered)["loaded_blocks"]["disk"] > 0
     check_all_tiers(tiered)
+
+
+CUDA = dict(device="cuda", dtype="float32", attention_backend="triton", cuda_graph_max_bs=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_offload_and_reload_on_the_gpu(arch_model, async_scheduling, tmp_path):
+    """The CUDA path as it serves (streams of its own, pinned host slots, device events, CUDA
+    graphs, Triton kernels): transformers' tokens after the history went to host and disk."""
+    model_dir, hf = arch_model
+    eng = tiered_engine(model_dir, kv_offload_cpu_gb=6e-6, kv_offload_dir=str(tmp_path / "kv"),
+                        kv_offload_disk_gb=0.001, async_scheduling=async_scheduling, **CUDA)
+    turns = chat(eng, 4)
+    for prompt, answer, _ in turns:
+        assert answer == hf.greedy(prompt, len(answer))[0]
+    stats = tier_stats(eng)
+    assert stats["loaded_blocks"]["cpu"] > 0 and stats["loaded_blocks"]["disk"] > 0, stats
+    check_all_tiers(eng)
+    eng.close()
