@@ -75,8 +75,9 @@ class BlockMover:
         """Device blocks -> host[slots]. Returns the event that marks the end of the copy (CUDA),
         or None when the copy is already done (CPU)."""
         staged = self._gather(block_ids)
-        if not self.cuda:
-            host.index_copy_(0, torch.tensor(slots, dtype=torch.long), staged)
+        if not self.cuda:            # row copies: CPU index_copy_ of bytes runs ~7x slower
+            for i, slot in enumerate(slots):
+                host[slot].copy_(staged[i])
             return None
         stream = self._offload_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))    # the gather is done first
@@ -122,8 +123,15 @@ class BlockMover:
 
     def scatter(self, staged: torch.Tensor, block_ids: list[int]) -> None:
         """staging -> device blocks, ordered before whatever the step stream runs next."""
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self._last_load)
+        if not self.cuda:            # row copies: CPU index_copy_ of bytes runs ~3x slower
+            for layer, cache in enumerate(self.kv_caches):
+                for kv, tensor in enumerate(cache):
+                    rows = tensor.view(tensor.shape[0], -1)         # (num_blocks, a layer's block bytes)
+                    src = staged[:, layer, kv].reshape(len(block_ids), -1)
+                    for i, block_id in enumerate(block_ids):
+                        rows[block_id].copy_(src[i])
+            return
+        torch.cuda.current_stream(self.device).wait_event(self._last_load)
         idx = to_device(block_ids, self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, idx, staged[:, layer, 0])

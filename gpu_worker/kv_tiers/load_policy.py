@@ -9,8 +9,8 @@ first k of them and computing the rest is predicted to take
 and `auto` takes the k in 0..n with the least cost (the largest on a tie): all (load), none
 (recompute) or a split, where a fast host prefix is followed by slow disk blocks. `always` loads
 all n, `never` none. Bandwidths are measured at start-up and then follow real copies; the
-prefill rate follows recent steps (tokens over the time between their starts); both are
-exponential moving averages. Until a step has been measured, `auto` loads.
+prefill rate follows recent steps that were mostly prefill (tokens over the time between their
+starts); both are exponential moving averages. Until a step has been measured, `auto` loads.
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ class TieredScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         self.tiers.step_began(bool(self.running))
         out = super().schedule()
-        self.tiers.step_scheduled(out.num_tokens)
+        prefill = sum(n for _, n in out.scheduled if n > 1)      # a decode computes one token
+        self.tiers.step_scheduled(out.num_tokens, prefill)
         return out
 
     def _lower_tier_blocks(self, seq: Sequence, first: int) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from conftest import chat, tier_stats, tiered_engine
+from conftest import chat, run, tier_stats, tiered_engine, tokens
 from services import metrics
 
 
@@ -11,6 +11,7 @@ def test_tier_stats_become_worker_gauges(llama, tmp_path):
     model_dir, _ = llama
     eng = tiered_engine(model_dir, kv_offload_cpu_gb=6e-6, kv_offload_dir=str(tmp_path / "kv"),
                         kv_offload_disk_gb=0.001)
+    run(eng, "long", tokens(64, 99))   # a prefill step followed by decodes: the prefill rate's sample
     chat(eng, 3)
     stats = tier_stats(eng)
     metrics.publish_kv_tiers(stats)
@@ -25,3 +26,18 @@ def test_tier_stats_become_worker_gauges(llama, tmp_path):
     assert value("kvmesh_kv_tier_bandwidth_bytes_per_second", tier="disk") > 0
     assert value("kvmesh_kv_tier_prefill_tokens_per_second") > 0
     assert value("kvmesh_kv_tier_disk_enabled") == 1
+
+
+def test_only_prefill_steps_measure_the_prefill_rate(llama):
+    """A decode step computes few tokens in a whole pass: counting it would make recomputing look
+    far slower than it is and tilt auto towards loading."""
+    model_dir, _ = llama
+    eng = tiered_engine(model_dir, kv_offload_cpu_gb=0.001)
+    for _ in range(3):                      # decode-only steps of a batch of 64
+        eng.kv_tiers.step_began(running=True)
+        eng.kv_tiers.step_scheduled(64, 0)
+    eng.kv_tiers.step_began(running=True)
+    assert eng.kv_tiers.policy.prefill_rate is None
+    eng.kv_tiers.step_scheduled(64, 60)     # mostly prefill
+    eng.kv_tiers.step_began(running=True)
+    assert eng.kv_tiers.policy.prefill_rate > 0
