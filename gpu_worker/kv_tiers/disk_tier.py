@@ -78,9 +78,8 @@ class DiskTier:
         """Queue a block's file (the caller made room and hands over `payload`)."""
         self._blocks[block_hash] = block
         self._queued[block_hash] = (self._writer.submit(self._write_file, block_hash, payload), payload)
-        if len(self._queued) > self.max_queued:
-            oldest, _ = next(iter(self._queued.values()))
-            oldest.exception()                          # waits; poll() settles it
+        while len(self._queued) > self.max_queued:
+            self._settle_oldest(wait=True)
 
     def _write_file(self, block_hash: bytes, payload: bytearray) -> None:
         """(writer thread) Raises OSError when the write fails."""
@@ -105,23 +104,31 @@ class DiskTier:
     def poll(self) -> list[tuple[int, float]]:
         """Settle finished writes; a failed one turns the tier off (one warning: the caller then
         clears the tier). Returns the (bytes, seconds) of file reads and writes since the last call."""
-        while self._queued:
-            block_hash, (future, _) = next(iter(self._queued.items()))
-            if not future.done():
-                break
-            del self._queued[block_hash]
-            error = future.exception()
-            if error is not None and self.enabled:
-                log.warning("KV disk tier %s turned off: writing a block failed (%s); blocks evicted from "
-                            "host memory are dropped from now on", self.directory, error)
-                self.enabled = False
+        while self._queued and self._settle_oldest(wait=False):
+            pass
         copies = list(self._copies)
         self._copies.clear()
         return copies
 
+    def _settle_oldest(self, wait: bool) -> bool:
+        """Retire the oldest queued write (waiting for it when `wait`); False when it is not done."""
+        block_hash, (future, _) = next(iter(self._queued.items()))
+        if not (wait or future.done()):
+            return False
+        error = future.exception()
+        del self._queued[block_hash]
+        if error is not None and self.enabled:
+            log.warning("KV disk tier %s turned off: writing a block failed (%s); blocks evicted from "
+                        "host memory are dropped from now on", self.directory, error)
+            self.enabled = False
+        return True
+
     def drain(self) -> None:
-        """Wait until every queued write and delete is done (poll() then settles them)."""
+        """Wait until every queued write and delete is done, and retire the writes (a failed one
+        turns the tier off; poll() still returns their times)."""
         self._writer.submit(lambda: None).result()
+        while self._queued:
+            self._settle_oldest(wait=True)
 
     # ---- reads ---------------------------------------------------------------------------
     def read(self, block_hash: bytes) -> memoryview | None:
@@ -130,7 +137,7 @@ class DiskTier:
         if block_hash not in self._blocks:
             return None
         queued = self._queued.get(block_hash)
-        if queued is not None and not queued[0].done():
+        if queued is not None:                   # not settled yet: its bytes are still here
             self._blocks.move_to_end(block_hash)
             return memoryview(queued[1])
         t = time.perf_counter()

@@ -187,16 +187,19 @@ class KVTiers:
             return 0
         sources, pending, tiers = self._read_sources(seq.block_hashes[first:first + num_blocks])
         self.stats.load_shortfall_blocks += num_blocks - len(sources)
-        t = time.perf_counter()
         # Order matters: the sources are copied out first (the flush may reuse their host slots),
         # then the blocks evicted for this sequence, which may be its destinations, go down a tier.
+        t = time.perf_counter()
         staged = self.mover.stage(sources, pending) if sources else None
+        copy_s = time.perf_counter() - t
         self.flush()
         if staged is None:
             return 0
+        t = time.perf_counter()
         self.mover.scatter(staged, seq.block_table[first:first + len(sources)])
-        if not self.mover.cuda:
-            self.policy.observe_copy("cpu", tiers.count("cpu") * self.mover.block_bytes, time.perf_counter() - t)
+        if not self.mover.cuda and "disk" not in tiers:     # CUDA copies are timed on the device
+            copy_s += time.perf_counter() - t
+            self.policy.observe_copy("cpu", len(sources) * self.mover.block_bytes, copy_s)
         for tier in tiers:
             self.stats.loaded_blocks[tier] += 1
         seq.num_computed_tokens += len(sources) * self.block_size
