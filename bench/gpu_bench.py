@@ -920,6 +920,7 @@ def _tier_copy_bandwidth(eng, sync) -> None:
             best = min(best, time.perf_counter() - t)
         return best
 
+    # on a fresh engine: host slots 0..n-1 and device blocks 0..n-1 hold nothing yet
     d2h = timed(lambda: tiers.mover.offload(ids, tiers.host.data, ids))
     h2d = timed(lambda: tiers.mover.scatter(tiers.mover.stage([tiers.host.data[i] for i in ids], [None] * n), ids))
     d2h_ceiling = timed(lambda: pinned.copy_(dev, non_blocking=True))
@@ -967,8 +968,10 @@ def _decode_step_ms(eng, sync, batch: int, steps: int) -> float:
     from services.protocol.sampling import SamplingParams
     rng = random.Random(1)
     bs, bm = eng.config.block_size, eng.block_manager
-    while bm.num_cached_blocks < bm.num_blocks - batch * (steps // bs + 4):      # fill the cache
-        eng.add_request(f"fill{bm.num_cached_blocks}", _prompt(rng, 1024 if not SMOKE else 64, eng.vocab_size),
+    for i in range(10_000):                                                      # fill the cache
+        if bm.num_cached_blocks >= bm.num_blocks - batch * (steps // bs + 4):
+            break
+        eng.add_request(f"fill{i}", _prompt(rng, 1024 if not SMOKE else 64, eng.vocab_size),
                         SamplingParams(max_tokens=1))
         _drain(eng)
     for i in range(batch):

@@ -91,6 +91,7 @@ def test_directory_removed_mid_run_turns_the_disk_tier_off(llama, tmp_path, capl
 
     def remove(eng, turn, next_prompt):
         if turn == 0:
+            eng.kv_tiers.disk.drain()        # no file half-made while the directory goes
             shutil.rmtree(directory)
 
     with caplog.at_level("WARNING", logger="kvmesh.kv_tiers"):
