@@ -3,7 +3,7 @@
 tiers exactly as the engine holds it, and agrees with the worker's snapshot."""
 from __future__ import annotations
 
-from conftest import chat, check_all_tiers, prompt_hashes, tiered_engine
+from tests.gpu_worker.kv_tiers.conftest import chat, check_all_tiers, prompt_hashes, tiered_engine
 from gpu_worker.kv_events import KVEventPublisher
 from prefix_cache_svc.channels import EventSubscriber, fetch_snapshot
 from prefix_cache_svc.core import PrefixCore

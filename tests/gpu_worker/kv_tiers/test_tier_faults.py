@@ -15,7 +15,7 @@ import textwrap
 import msgspec
 import pytest
 
-from conftest import check_all_tiers, chat, prompt_hashes, run, tier_stats, tiered_engine
+from tests.gpu_worker.kv_tiers.conftest import check_all_tiers, chat, prompt_hashes, run, tier_stats, tiered_engine
 from gpu_worker.kv_tiers import tier_file
 
 DISK = dict(kv_offload_disk_gb=0.001)
@@ -106,11 +106,11 @@ def test_directory_removed_mid_run_turns_the_disk_tier_off(llama, tmp_path, capl
 
 _FULL_DISK = textwrap.dedent("""
     import json, logging, resource, signal, sys
-    sys.path[:0] = [{root!r}, {tests!r}]
+    sys.path[:0] = [{root!r}]
     logging.basicConfig(level=logging.WARNING)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)           # a write past the limit fails with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))   # every block file is larger
-    from conftest import chat, check_all_tiers, tier_stats, tiered_engine
+    from tests.gpu_worker.kv_tiers.conftest import chat, check_all_tiers, tier_stats, tiered_engine
     eng = tiered_engine({model!r}, kv_offload_cpu_gb=6e-6, kv_offload_dir={directory!r}, kv_offload_disk_gb=0.001)
     turns = chat(eng, 3)
     check_all_tiers(eng)
@@ -123,7 +123,7 @@ def test_a_disk_that_refuses_writes_leaves_no_disk_tier_and_one_warning(llama, t
     tier keeps working, the requests all succeed with transformers' tokens."""
     model_dir, hf = llama
     here = os.path.dirname(__file__)
-    script = _FULL_DISK.format(root=os.path.abspath(os.path.join(here, "../../..")), tests=here,
+    script = _FULL_DISK.format(root=os.path.abspath(os.path.join(here, "../../..")),
                                model=model_dir, directory=str(tmp_path / "kv"))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

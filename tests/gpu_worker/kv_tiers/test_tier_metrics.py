@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from conftest import chat, run, tier_stats, tiered_engine, tokens
+from tests.gpu_worker.kv_tiers.conftest import chat, run, tier_stats, tiered_engine, tokens
 from services import metrics
 
 

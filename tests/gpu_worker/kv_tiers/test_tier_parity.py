@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import check_all_tiers, chat, tier_stats, tiered_engine
+from tests.gpu_worker.kv_tiers.conftest import check_all_tiers, chat, tier_stats, tiered_engine
 
 TIER_CONFIGS = {
     "cpu": dict(kv_offload_cpu_gb=0.001),
