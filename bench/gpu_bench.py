@@ -927,7 +927,8 @@ def _tier_copy_bandwidth(eng, sync) -> None:
     h2d_ceiling = timed(lambda: dev.copy_(pinned, non_blocking=True))
     for name, t, ceiling in (("D2H", d2h, d2h_ceiling), ("H2D", h2d, h2d_ceiling)):
         row("kv_tiers", f"{name} tier path, {n} blocks", nbytes / t / 1e9, "GB/s",
-            f"{100 * ceiling / t:.0f}% of a pinned copy of the same {nbytes / 1e6:.1f} MB ({nbytes / ceiling / 1e9:.1f} GB/s)")
+            f"{100 * ceiling / t:.0f}% of a pinned copy of the same {nbytes / 1e6:.1f} MB "
+            f"({nbytes / ceiling / 1e9:.1f} GB/s)")
 
 
 def _tier_chat_ttft(eng, users: int, turns: int, per_turn: int, deadline) -> list[float]:
