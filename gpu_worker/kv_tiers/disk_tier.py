@@ -55,11 +55,11 @@ class DiskTier:
         self._blocks: OrderedDict[bytes, DiskBlock] = OrderedDict()    # LRU first
         self._queued: OrderedDict[bytes, tuple[Future, bytearray]] = OrderedDict()   # writes not done
         self._copies: deque[tuple[int, float]] = deque(maxlen=256)   # (bytes, seconds) of file I/O
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-kv-disk")
         _private_directory(directory)
         for name in os.listdir(directory):
             if _BLOCK_FILE.match(name):
                 os.unlink(os.path.join(directory, name))
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-kv-disk")
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._blocks
@@ -205,8 +205,11 @@ def _unlink_path(path: str) -> None:
 
 def _private_directory(directory: str) -> None:
     """Create `directory` (0700) or check an existing one is ours; tighten it to 0700."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    info = os.stat(directory, follow_symlinks=False)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        info = os.stat(directory, follow_symlinks=False)
+    except OSError as e:
+        raise ValueError(f"invalid engine argument kv_offload_dir: cannot use {directory!r} ({e.strerror})") from None
     if not stat.S_ISDIR(info.st_mode):
         raise ValueError(f"invalid engine argument kv_offload_dir: {directory!r} is not a directory")
     if info.st_uid != os.getuid():

@@ -37,3 +37,16 @@ def test_queued_writes_read_back_and_land_on_disk(tmp_path):
         disk.check_integrity()
     finally:
         disk.close()
+
+
+def test_an_unusable_directory_is_a_clear_error(tmp_path):
+    import pytest
+    a_file = tmp_path / "not-a-directory"
+    a_file.write_text("x")
+    for bad in (a_file, a_file / "below"):
+        with pytest.raises(ValueError, match="kv_offload_dir"):
+            DiskTier(str(bad), max_blocks=1, layout=LAYOUT, payload_len=PAYLOAD)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(ValueError, match="not a directory"):        # a symlink is not followed
+        DiskTier(str(link), max_blocks=1, layout=LAYOUT, payload_len=PAYLOAD)
