@@ -55,11 +55,8 @@ class HostTier:
         self._blocks[block_hash] = block
 
     def pop_lru(self) -> tuple[bytes, HostBlock]:
-        """The least recently used block; the caller frees its slot (release) once done with it."""
+        """The least recently used block, forgotten: its slot passes to the caller."""
         return self._blocks.popitem(last=False)
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
 
     def clear(self) -> list[bytes]:
         """Forget every block; returns their hashes."""
