@@ -23,6 +23,11 @@ Sections (each guarded: one failure is recorded and the next section runs):
             the engine's memory each): per prompt length of the scale, P's prefill time and the
             KV hand-off's (gpu_worker/kv_transfer, in one process: device -> host frames ->
             checksums -> device), its bytes and GB/s
+  kv_tiers  (not in the default run) KV tiers (gpu_worker/kv_tiers): D2H and H2D bandwidth of the tier
+            path against a pinned copy of the same bytes in the same run; time to first token
+            per turn of a multi-turn chat whose users' histories exceed the device pool, with
+            kv_load_policy never (recompute) / always (load) / auto; decode step time while
+            every new block evicts (and offloads) a cached one, against an engine without tiers
   peers     Hugging Face transformers on the same weights, time-boxed: eager (sdpa), then batch-1
             decode with a static cache and torch.compile (transformers' own fast path)
 
@@ -875,9 +880,176 @@ def section_kv_transfer(args, deadline) -> None:
     d.close()
 
 
+# ============================================================================ kv_tiers
+def _tier_chat_sizes(sc: "EngineScale") -> tuple[int, int, int]:
+    """(users, turns, tokens added per turn): the history grows to turns * per_turn tokens."""
+    if SMOKE:
+        return 3, 4, 48
+    return (8, 8, 2048) if sc.model_size == "8b" else (8, 6, 512)
+
+
+def _tier_engine(args, model_dir, num_blocks: int, **tiers):
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import Engine
+    sc: EngineScale = args.scale
+    sizes = dict(model=str(model_dir), max_num_seqs=64, max_num_batched_tokens=sc.max_num_batched_tokens,
+                 num_gpu_blocks=num_blocks)     # max_model_len: what the small pool holds
+    if SMOKE:
+        return Engine(EngineConfig(**sizes, device="cpu", dtype="float32", attention_backend="torch", **tiers))
+    return Engine(EngineConfig(**sizes, gpu_memory_utilization=args.gpu_mem, dtype="bfloat16",
+                               attention_backend=args.attention_backend, **tiers))
+
+
+def _tier_copy_bandwidth(eng, sync) -> None:
+    """The tier path's D2H (gather + copy into host slots) and H2D (stage + scatter) against plain
+    pinned copies of the same bytes in one piece, the ceiling."""
+    tiers = eng.kv_tiers
+    n = min(256 if not SMOKE else 32, tiers.host.num_slots, eng.block_manager.num_blocks)
+    ids, nbytes = list(range(n)), n * tiers.mover.block_bytes
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEV == "cuda")
+
+    def timed(fn, reps=5) -> float:
+        fn()
+        sync()
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    # on a fresh engine: host slots 0..n-1 and device blocks 0..n-1 hold nothing yet
+    d2h = timed(lambda: tiers.mover.offload(ids, tiers.host.data, ids))
+    h2d = timed(lambda: tiers.mover.scatter(tiers.mover.stage([tiers.host.data[i] for i in ids], [None] * n), ids))
+    d2h_ceiling = timed(lambda: pinned.copy_(dev, non_blocking=True))
+    h2d_ceiling = timed(lambda: dev.copy_(pinned, non_blocking=True))
+    for name, t, ceiling in (("D2H", d2h, d2h_ceiling), ("H2D", h2d, h2d_ceiling)):
+        row("kv_tiers", f"{name} tier path, {n} blocks", nbytes / t / 1e9, "GB/s",
+            f"{100 * ceiling / t:.0f}% of a pinned copy of the same {nbytes / 1e6:.1f} MB "
+            f"({nbytes / ceiling / 1e9:.1f} GB/s)")
+
+
+def _tier_chat_ttft(eng, users: int, turns: int, per_turn: int, deadline) -> list[float]:
+    """Median time to first token per turn of `users` chats served turn by turn in rotation, so
+    each user's history is pushed out of the device pool by the others'."""
+    import random
+    import statistics
+
+    from services.protocol.sampling import SamplingParams
+    rng = random.Random(0)
+    histories = [[] for _ in range(users)]
+    out = []
+    for turn in range(turns):
+        ttfts = []
+        for u in range(users):
+            if deadline.left() < 15:
+                return out
+            histories[u] += _prompt(rng, per_turn, eng.vocab_size)
+            rid = f"u{u}t{turn}"
+            eng.add_request(rid, list(histories[u]), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+            t, first = time.perf_counter(), None
+            while eng.has_unfinished_requests():
+                for d in eng.step():
+                    if first is None:
+                        first = time.perf_counter() - t
+                    histories[u] += d.new_token_ids
+            ttfts.append(first)
+        out.append(statistics.median(ttfts))
+    return out
+
+
+def _decode_step_ms(eng, sync, batch: int, steps: int) -> float:
+    """Median step time of `batch` decoding sequences after filling the pool with cached blocks,
+    so every block a sequence needs evicts one (offloaded when the engine has tiers)."""
+    import random
+    import statistics
+
+    from services.protocol.sampling import SamplingParams
+    rng = random.Random(1)
+    bs, bm = eng.config.block_size, eng.block_manager
+    for i in range(10_000):                                                      # fill the cache
+        if bm.num_cached_blocks >= bm.num_blocks - batch * (steps // bs + 4):
+            break
+        eng.add_request(f"fill{i}", _prompt(rng, 1024 if not SMOKE else 64, eng.vocab_size),
+                        SamplingParams(max_tokens=1))
+        _drain(eng)
+    for i in range(batch):
+        eng.add_request(f"dec{i}", _prompt(rng, 64, eng.vocab_size),
+                        SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    times = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        eng.step()
+        sync()
+        times.append(time.perf_counter() - t)
+    _drain(eng)
+    return 1e3 * statistics.median(times)
+
+
+def section_kv_tiers(args, deadline) -> None:
+    """KV tiers (gpu_worker/kv_tiers): copy bandwidth against the pinned ceiling, multi-turn TTFT
+    with tiers (policy always / auto) against recompute (never), decode step time with
+    offloads running against an engine without tiers."""
+    import tempfile
+
+    sc: EngineScale = args.scale
+    model_dir = ensure_model(args)
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+    users, turns, per_turn = _tier_chat_sizes(sc)
+    bs = 16
+    # the device pool holds about 1.5 users' final histories: the others' must come from a tier
+    pool = 3 * turns * (per_turn + 8) // (2 * bs) + 8
+    host_gb = 16.0 if not SMOKE else 0.05
+    with tempfile.TemporaryDirectory(prefix="kvmesh-tiers-") as tmp:
+        tiers = dict(kv_offload_cpu_gb=host_gb, kv_offload_dir=tmp, kv_offload_disk_gb=2 * host_gb)
+        ttft = {}
+        for policy in ("never", "always", "auto"):
+            if deadline.left() < 60:
+                row("kv_tiers", f"chat policy={policy}", "skipped (time)")
+                continue
+            eng = _tier_engine(args, model_dir, pool, kv_load_policy=policy, **tiers)
+            if policy == "always":
+                _tier_copy_bandwidth(eng, sync)
+            ttft[policy] = _tier_chat_ttft(eng, users, turns, per_turn, deadline)
+            row("kv_tiers", f"chat TTFT per turn, policy={policy}", " ".join(f"{1e3 * t:.1f}" for t in ttft[policy]),
+                "ms", f"{users} users x {turns} turns, +{per_turn} tokens a turn, {pool}-block device pool; "
+                f"decisions {eng.stats().extra['kv_tiers']['decisions']}")
+            eng.close()
+            del eng
+            empty_cache()
+        if "never" in ttft and "always" in ttft and ttft["always"]:
+            last = len(ttft["always"]) - 1
+            row("kv_tiers", "last-turn TTFT, recompute / load", ttft["never"][last] / ttft["always"][last], "x",
+                f"history {turns * per_turn} tokens")
+        if "auto" in ttft and "never" in ttft and "always" in ttft:
+            worst = max(a / min(n, l) for a, n, l in zip(ttft["auto"], ttft["never"], ttft["always"]))
+            row("kv_tiers", "auto vs the better of always/never, worst turn", worst, "x", "target <= 1.05")
+        if deadline.left() < 60:
+            row("kv_tiers", "decode with offload", "skipped (time)")
+            return
+        batch, steps = (64, 64) if not SMOKE else (4, 16)
+        step_ms = {}
+        for name, kw in (("without tiers", {}), ("offloading", tiers)):
+            eng = _tier_engine(args, model_dir, pool, **kw)
+            step_ms[name] = _decode_step_ms(eng, sync, batch, steps)
+            offloaded = eng.stats().extra.get("kv_tiers", {}).get("offloaded_blocks", {})
+            row("kv_tiers", f"decode step, batch {batch}, {name}", step_ms[name], "ms", f"offloaded {offloaded}")
+            eng.close()
+            del eng
+            empty_cache()
+        row("kv_tiers", "decode step with offload / without", step_ms["offloading"] / step_ms["without tiers"], "x",
+            "target <= 1.02")
+
+
 # ============================================================================ main
 SECTIONS = {"ceilings": section_ceilings, "sustained": section_sustained, "kernels": section_kernels,
-            "engine": section_engine, "peers": section_peers, "kv_transfer": section_kv_transfer}
+            "engine": section_engine, "peers": section_peers, "kv_transfer": section_kv_transfer,
+            "kv_tiers": section_kv_tiers}
 
 
 def main(argv=None) -> int:

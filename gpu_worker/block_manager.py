@@ -23,11 +23,22 @@ from gpu_worker.sequence import Sequence
 
 
 class KVEventListener(Protocol):
-    """Told about every change of the set of cached (hashed) blocks, in order."""
+    """Told about every change of the set of cached (hashed) blocks, in order. The block manager
+    reports the device's blocks (tier "gpu", the default); lower KV tiers (gpu_worker/kv_tiers)
+    report theirs through the same listeners with tier "cpu" or "disk"."""
 
     def on_stored(self, block_hash: bytes, parent: bytes | None, token_ids: list[int]) -> None: ...
     def on_removed(self, block_hash: bytes) -> None: ...
     def on_cleared(self) -> None: ...
+
+
+class LowerTiers(Protocol):
+    """Where evicted cached blocks go (gpu_worker/kv_tiers.KVTiers)."""
+
+    def on_evict(self, block_id: int, block_hash: bytes, parent: bytes | None,
+                 token_ids: tuple[int, ...]) -> None: ...
+    def snapshot(self) -> list[tuple[bytes, bytes | None, list[int], str]]: ...
+    def clear(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -57,6 +68,7 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}
         self._holders: dict[int, Sequence] = {}               # id(seq) -> seq holding blocks
         self._listeners: list[KVEventListener] = []
+        self.lower_tiers: LowerTiers | None = None           # told of every eviction
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -219,7 +231,10 @@ class BlockManager:
             block_id = self._free.popleft()
         else:
             block_id, _ = self._cached.popitem(last=False)
-            self._unregister(self.blocks[block_id])
+            block = self.blocks[block_id]
+            if self.lower_tiers is not None:
+                self.lower_tiers.on_evict(block_id, block.hash, block.parent, block.token_ids)
+            self._unregister(block)
         self.blocks[block_id].ref_count = 1
         return block_id
 
@@ -238,15 +253,31 @@ class BlockManager:
     def remove_listener(self, listener: KVEventListener) -> None:
         self._listeners.remove(listener)
 
+    @property
+    def listeners(self) -> tuple[KVEventListener, ...]:
+        return tuple(self._listeners)
+
+    def attach_lower_tiers(self, tiers: LowerTiers) -> None:
+        """Evicted cached blocks are reported to `tiers` (their KV is intact until the next
+        write into the block), and the cache's snapshot and reset cover them."""
+        self.lower_tiers = tiers
+
+    def lower_tier_block_hashes(self) -> list[tuple[bytes, bytes | None, list[int], str]]:
+        """Every block the lower tiers hold, as (hash, parent, token_ids, tier)."""
+        return self.lower_tiers.snapshot() if self.lower_tiers is not None else []
+
     def cached_block_hashes(self) -> list[tuple[bytes, bytes | None, list[int]]]:
         """Snapshot of every hashed block (used or cached) as (hash, parent, token_ids), in the
         order they were stored, so a parent comes before its children."""
         return [(h, self.blocks[b].parent, list(self.blocks[b].token_ids)) for h, b in self._by_hash.items()]
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (emits on_cleared). Refused (False) while blocks are in use."""
+        """Forget every cached block, lower tiers included (emits on_cleared). Refused (False)
+        while blocks are in use."""
         if self.num_used_blocks:
             return False
+        if self.lower_tiers is not None:
+            self.lower_tiers.clear()
         for block_id in list(self._cached):
             block = self.blocks[block_id]
             block.hash, block.parent, block.token_ids = None, None, ()

@@ -83,8 +83,19 @@ class EngineConfig(EngineArgs):
                 raise bad(f.name, f"{why}, got {value!r}")
         if self.kv_cache_dtype == "fp8" and self.tensor_parallel_size > 1:
             raise bad("kv_cache_dtype", "'fp8' is not supported with tensor_parallel_size > 1 yet; use 'auto'")
+        if (self.kv_offload_dir is None) != (self.kv_offload_disk_gb == 0.0):
+            raise bad("kv_offload_dir", "kv_offload_dir and kv_offload_disk_gb go together: give both or neither")
+        if self.kv_offload_enabled and not self.enable_prefix_caching:
+            raise bad("kv_offload_cpu_gb", "KV offload needs enable_prefix_caching (blocks are found by their hash)")
+        if self.kv_offload_enabled and self.tensor_parallel_size > 1:
+            raise bad("kv_offload_cpu_gb", "KV offload is not supported with tensor_parallel_size > 1 yet")
         if not isinstance(self.tuning, KernelTuning):
             raise bad("tuning", f"must be a gpu_worker.tuning.KernelTuning, got {type(self.tuning).__name__}")
+
+    @property
+    def kv_offload_enabled(self) -> bool:
+        """True when the engine has a KV tier below the device (host memory or disk)."""
+        return self.kv_offload_cpu_gb > 0 or self.kv_offload_dir is not None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

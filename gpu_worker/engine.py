@@ -24,6 +24,7 @@ import torch
 from gpu_worker.batch_builder import BatchBuilder
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.engine_setup import EngineSetup, resolve_setup
+from gpu_worker.kv_tiers import TieredScheduler, build_kv_tiers
 from gpu_worker.config import EngineConfig
 from gpu_worker.outputs import EngineStats, RequestError, SequenceDelta
 from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResult, to_device
@@ -83,8 +84,11 @@ class Engine:
         self.eos_token_ids: tuple[int, ...] = tuple(self.model_config.eos_token_ids)
         self.block_manager = BlockManager(setup.num_blocks, config.block_size, setup.model_id,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_chunked_prefill)
+        scheduling = (self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                      config.enable_chunked_prefill)
+        self.kv_tiers = build_kv_tiers(self) if config.kv_offload_enabled else None
+        self.scheduler = (Scheduler(*scheduling) if self.kv_tiers is None
+                          else TieredScheduler(self.kv_tiers, *scheduling))
         self.sampler = Sampler()
         self.batch_builder = BatchBuilder(config.block_size, self.device)
         self._prepare_gpu()
@@ -171,11 +175,14 @@ class Engine:
         self._forget_if_done(request)
 
     def close(self) -> None:
-        """Releases what outlives the engine object: tensor-parallel rank processes and the
-        device memory of the weights and KV cache (so a later engine in this process gets it)."""
+        """Releases what outlives the engine object: tensor-parallel rank processes, the device
+        memory of the weights and KV cache (so a later engine in this process gets it) and the
+        KV disk tier's writer thread."""
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self.kv_tiers is not None:      # the disk tier's writer thread
+            self.kv_tiers.close()
         if self._froze_gc:                 # the engine holds reference cycles: let them go
             self._froze_gc = False
             gc.unfreeze()
@@ -431,6 +438,8 @@ class Engine:
         hits = bm.lookup_full_blocks(seq)
         if not bm.allocate_prefill(seq, hits, len(prompt) - len(hits) * bm.block_size):
             return None
+        if self.kv_tiers is not None:          # blocks it evicted go down a tier before the KV lands
+            self.kv_tiers.flush()
         self._arrivals += 1
         request.num_cached_tokens = num_cached_tokens
         self.requests[request_id] = request
@@ -528,7 +537,8 @@ class Engine:
             prefix_query_tokens=bm.prefix_query_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             extra={"num_requests": len(self.requests), "max_model_len": self.max_model_len,
-                   "block_size": bm.block_size})
+                   "block_size": bm.block_size,
+                   **({"kv_tiers": self.kv_tiers.stats_dict()} if self.kv_tiers is not None else {})})
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

@@ -125,6 +125,9 @@ class KVEventPublisher:
         if req.version != KV_EVENTS_VERSION:
             return Snapshot(request_id=req.request_id, error=f"unsupported version {req.version}", **base)
         blocks = [SnapshotBlock(h, parent, list(tokens)) for h, parent, tokens in bm.cached_block_hashes()]
+        lower = getattr(bm, "lower_tier_block_hashes", None)     # an engine's host and disk KV tiers
+        if lower is not None:
+            blocks += [SnapshotBlock(h, parent, tokens, tier) for h, parent, tokens, tier in lower()]
         return Snapshot(request_id=req.request_id, blocks=blocks, **base)
 
     def close(self) -> None:

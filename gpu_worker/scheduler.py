@@ -130,16 +130,18 @@ class Scheduler:
             if slots + _seq_slots(seq) > self.max_num_seqs or seq in out.preempted:
                 break
             hits = bm.lookup_prefix(seq)
-            num_new = self._chunk(seq, seq.num_tokens - len(hits) * bm.block_size, token_budget)
+            lower = self._lower_tier_blocks(seq, len(hits))
+            num_new = self._chunk(seq, seq.num_tokens - (len(hits) + lower) * bm.block_size, token_budget)
             if num_new == 0:
                 break
-            while not bm.allocate_prefill(seq, hits, num_new):
+            while not bm.allocate_prefill(seq, hits, num_new + lower * bm.block_size):
                 victim = self._victim(None)
                 if victim is None or victim.sort_key <= seq.sort_key:
                     return                         # else lower priority than seq: make room for it
                 token_budget += self._unschedule(victim, out)
                 slots -= _seq_slots(victim)
                 self._preempt(victim, out)
+            self._load_lower_tiers(seq, len(hits), lower)
             if seq.index == 0 and seq.num_preemptions == 0:
                 seq.request.num_cached_tokens = seq.num_computed_tokens
             self.waiting.pop(0)
@@ -148,6 +150,16 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             slots += _seq_slots(seq)
             token_budget -= num_new
+
+    # ---- hook points of lower KV tiers (gpu_worker/kv_tiers/scheduling.py) ---------------------
+    def _lower_tier_blocks(self, seq: Sequence, first: int) -> int:
+        """Blocks after seq's first `first` (its device prefix hit) to bring back from a lower
+        tier instead of computing them. No side effects: admission may still fail."""
+        return 0
+
+    def _load_lower_tiers(self, seq: Sequence, first: int, num_blocks: int) -> None:
+        """seq holds its blocks now: load the planned ones, advancing num_computed_tokens. A
+        block that is gone by now is computed instead (this step's chunk then ends earlier)."""
 
     def _victim(self, before: Sequence | None) -> Sequence | None:
         """The lowest-ranked running sequence ranked after `before` (None: any), to preempt. An

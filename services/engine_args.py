@@ -95,6 +95,22 @@ class EngineArgs:
                                    choices=("fp8", "fp8_lm_head"), unset="")
     kv_cache_dtype: str = opt("auto", "Engine: KV-cache storage (auto: the model's dtype; fp8: e4m3 with scale "
                                       "1.0, twice the blocks for the same memory).", choices=("auto", "fp8"))
+    # KV tiers below the device (gpu_worker/kv_tiers/): what the device's LRU evicts goes down a
+    # tier and comes back when a prompt's prefix is found there (a multi-turn chat's history).
+    kv_offload_cpu_gb: float = opt(0.0, "Engine: GiB of host memory (pinned on CUDA) for a KV tier below the device: "
+                                        "cached blocks the device evicts are copied there (asynchronously on "
+                                        "CUDA) and loaded back on a prefix hit; 0: no host tier.", min=0, max=65536)
+    kv_offload_dir: str | None = opt(None, "Engine: directory of a local-disk KV tier below the host tier (created "
+                                           "0700, one 0600 file per block with a checksummed header; block files "
+                                           "found there at start-up are deleted); none: no disk tier. Needs "
+                                           "kv_offload_disk_gb.", unset="", pattern=r".{1,4096}",
+                                     expected="a directory path of 1 to 4096 characters")
+    kv_offload_disk_gb: float = opt(0.0, "Engine: most GiB the disk tier's files take (with kv_offload_dir).",
+                                    min=0, max=65536)
+    kv_load_policy: str = opt("auto", "Engine: a prompt whose prefix sits in a lower KV tier: auto (load or "
+                                      "recompute, whichever the tiers' measured bandwidth and the recent prefill "
+                                      "rate predict faster, or load the first blocks and compute the rest), "
+                                      "always (load), never (recompute).", choices=("auto", "always", "never"))
 
 
 class ServedDefault(NamedTuple):

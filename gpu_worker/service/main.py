@@ -308,6 +308,12 @@ class WorkerService:
         metrics.PENDING_PROMPT_TOKENS.set(load["pending_prompt_tokens"])
         metrics.PREFIX_QUERY_TOKENS.set(load["prefix_query_tokens"])
         metrics.PREFIX_HIT_TOKENS.set(load["prefix_hit_tokens"])
+        try:
+            tiers = self.core.engine.stats().extra.get("kv_tiers")   # an engine with KV tiers
+        except RuntimeError:      # read while the engine thread runs: a dict changed size, next beat
+            return
+        if tiers is not None:
+            metrics.publish_kv_tiers(tiers)
 
 
 def main(argv: list[str]) -> int:

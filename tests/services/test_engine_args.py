@@ -48,12 +48,12 @@ def _non_default(f: dataclasses.Field, default: Any) -> Any:
         value = next(c for c in meta["choices"] if c != default)
     elif isinstance(default, bool):
         value = not default
+    elif f.name in ("model", "model_id", "kv_offload_dir"):
+        value = f"/models/{f.name}"
     elif "pattern" in meta:                  # the device
         value = "cpu"
-    elif f.name in ("model", "model_id"):
-        value = f"/models/{f.name}"
     elif isinstance(default, float):
-        value = default / 2
+        value = default / 2 if default else meta.get("min", 0) + 1.5
     else:                                    # counts, possibly None ("not set")
         value = (default if default is not None else meta.get("min", 1)) + 3
         if "max" in meta and value > meta["max"]:
@@ -67,9 +67,9 @@ SERVED = {**OFFLINE, **{name: d.default for name, d in SERVED_DEFAULTS.items()}}
 # Values other than the default of the entry point they go through.
 OFFLINE_SAMPLES = {name: _non_default(f, OFFLINE[name]) for name, f in FIELDS.items()}
 SERVED_SAMPLES = {name: _non_default(f, SERVED[name]) for name, f in FIELDS.items()}
-# Fields whose samples may not meet in one config (fp8 KV with tensor parallelism): set in a round
-# of their own.
-APART = ("kv_cache_dtype",)
+# Fields whose samples may not meet in one config (fp8 KV and KV tiers with tensor parallelism,
+# KV tiers without prefix caching): set in a round of their own.
+APART = ("kv_cache_dtype", "kv_offload_cpu_gb", "kv_offload_dir", "kv_offload_disk_gb", "kv_load_policy")
 
 
 def rounds(samples: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,0 +1,229 @@
+"""The local-disk tier: one file per block (tier_file.py's format) in a private directory.
+
+    <dir>/ (0700)   <block hash hex>.kvb (0600)     written as <name>.tmp, then renamed, so a
+                                                    reader never sees a half-written file under
+                                                    its final name (a crash leaves only .tmp)
+
+The index (hash -> parent, token ids) lives in memory, LRU first, bounded by `max_blocks`
+(the configured bytes over one file's largest size). At start-up the directory's block files are
+removed: their parents and tokens, which the KV events need, are not in the files.
+
+Files are written and deleted by one background thread, in the order asked, so the engine's
+thread never waits for the disk: a block is in the index as soon as its write is queued, and
+reads of a block still queued come from the queued bytes. At most `max_queued` writes wait; a
+further one waits for the oldest (the only time the engine waits for this tier).
+
+Failures never fail a request: a file that does not verify is deleted and reported missing
+(the caller recomputes the block); a write that fails (disk full, directory gone) turns the
+whole tier off with one warning at the next `poll`, and the caller reports its blocks removed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
+
+from gpu_worker.kv_tiers import tier_file
+from gpu_worker.kv_transfer.layout import KVLayout
+
+log = logging.getLogger("kvmesh.kv_tiers")
+
+DISK_OVERHEAD = 4 + tier_file.MAX_HEADER_BYTES      # a file's bytes beyond its payload, at most
+_BLOCK_FILE = re.compile(r"^[0-9a-f]{32}\.kvb(\.tmp)?$")
+
+
+class DiskBlock(NamedTuple):
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+
+
+class DiskTier:
+    def __init__(self, directory: str, max_blocks: int, layout: KVLayout, payload_len: int,
+                 max_queued: int = 64) -> None:
+        self.directory = directory
+        self.max_blocks = max_blocks
+        self.layout = layout
+        self.payload_len = payload_len
+        self.max_queued = max_queued
+        self.enabled = True
+        self.num_corrupt = 0          # files dropped because they did not verify
+        self._blocks: OrderedDict[bytes, DiskBlock] = OrderedDict()    # LRU first
+        self._queued: OrderedDict[bytes, tuple[Future, bytearray]] = OrderedDict()   # writes not done
+        self._copies: deque[tuple[int, float]] = deque(maxlen=256)   # (bytes, seconds) of file I/O
+        _private_directory(directory)
+        for name in os.listdir(directory):
+            if _BLOCK_FILE.match(name):
+                os.unlink(os.path.join(directory, name))
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-kv-disk")
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def _path(self, block_hash: bytes) -> str:
+        return os.path.join(self.directory, block_hash.hex() + ".kvb")
+
+    def is_full(self) -> bool:
+        return len(self._blocks) >= self.max_blocks
+
+    # ---- writes (queued) -----------------------------------------------------------------
+    def write(self, block_hash: bytes, block: DiskBlock, payload: bytearray) -> None:
+        """Queue a block's file (the caller made room and hands over `payload`)."""
+        self._blocks[block_hash] = block
+        self._queued[block_hash] = (self._writer.submit(self._write_file, block_hash, payload), payload)
+        while len(self._queued) > self.max_queued:
+            self._settle_oldest(wait=True)
+
+    def _write_file(self, block_hash: bytes, payload: bytearray) -> None:
+        """(writer thread) Raises OSError when the write fails."""
+        path = self._path(block_hash)
+        tmp = path + ".tmp"
+        t = time.perf_counter()
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                for part in tier_file.encode(block_hash, self.layout, payload):
+                    view = memoryview(part)
+                    while view:
+                        view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError:
+            _unlink_path(tmp)
+            raise
+        self._copies.append((len(payload), time.perf_counter() - t))
+
+    def poll(self) -> list[tuple[int, float]]:
+        """Settle finished writes; a failed one turns the tier off (one warning: the caller then
+        clears the tier). Returns the (bytes, seconds) of file reads and writes since the last call."""
+        while self._queued and self._settle_oldest(wait=False):
+            pass
+        copies = list(self._copies)
+        self._copies.clear()
+        return copies
+
+    def _settle_oldest(self, wait: bool) -> bool:
+        """Retire the oldest queued write (waiting for it when `wait`); False when it is not done."""
+        block_hash, (future, _) = next(iter(self._queued.items()))
+        if not (wait or future.done()):
+            return False
+        error = future.exception()
+        del self._queued[block_hash]
+        if error is not None and self.enabled:
+            log.warning("KV disk tier %s turned off: writing a block failed (%s); blocks evicted from "
+                        "host memory are dropped from now on", self.directory, error)
+            self.enabled = False
+        return True
+
+    def drain(self) -> None:
+        """Wait until every queued write and delete is done, and retire the writes (a failed one
+        turns the tier off; poll() still returns their times)."""
+        self._writer.submit(lambda: None).result()
+        while self._queued:
+            self._settle_oldest(wait=True)
+
+    # ---- reads ---------------------------------------------------------------------------
+    def read(self, block_hash: bytes) -> memoryview | None:
+        """The verified payload of a block (marked most recently used), or None when it is not held
+        or its file does not verify (the file is deleted and the block forgotten)."""
+        if block_hash not in self._blocks:
+            return None
+        queued = self._queued.get(block_hash)
+        if queued is not None:                   # not settled yet: its bytes are still here
+            self._blocks.move_to_end(block_hash)
+            return memoryview(queued[1])
+        t = time.perf_counter()
+        try:
+            fd = os.open(self._path(block_hash), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                data = _read_at_most(fd, DISK_OVERHEAD + self.payload_len + 1)
+            finally:
+                os.close(fd)
+            payload = tier_file.decode(data, block_hash, self.layout, self.payload_len)
+        except (OSError, tier_file.TierFileError) as e:
+            log.warning("KV disk tier: dropped block %s (%s); it will be recomputed", block_hash.hex(), e)
+            self.num_corrupt += 1
+            self.forget(block_hash)
+            return None
+        self._copies.append((len(payload), time.perf_counter() - t))
+        self._blocks.move_to_end(block_hash)
+        return payload
+
+    # ---- removal -------------------------------------------------------------------------
+    def pop_lru(self) -> bytes:
+        """Forget the least recently used block and delete its file; returns its hash."""
+        block_hash, _ = self._blocks.popitem(last=False)
+        self._delete(block_hash)
+        return block_hash
+
+    def forget(self, block_hash: bytes) -> None:
+        if self._blocks.pop(block_hash, None) is not None:
+            self._delete(block_hash)
+
+    def clear(self) -> list[bytes]:
+        """Forget every block and delete the files; returns the hashes the tier held."""
+        gone = list(self._blocks)
+        for block_hash in gone:
+            self._delete(block_hash)
+        self._blocks.clear()
+        return gone
+
+    def _delete(self, block_hash: bytes) -> None:
+        """Queued behind the block's own write, so the file cannot appear after its delete."""
+        self._queued.pop(block_hash, None)
+        self._writer.submit(_unlink_path, self._path(block_hash))
+
+    def hashes(self) -> list[tuple[bytes, DiskBlock]]:
+        return list(self._blocks.items())
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+
+    def check_integrity(self) -> None:
+        """cached <= total; while on, every indexed block has its file (nothing else is ours)."""
+        self.drain()
+        assert len(self._blocks) <= self.max_blocks, f"disk tier: {len(self._blocks)} > {self.max_blocks}"
+        if self.enabled:
+            on_disk = {n for n in os.listdir(self.directory) if _BLOCK_FILE.match(n)}
+            assert on_disk == {h.hex() + ".kvb" for h in self._blocks}, "disk tier: files differ from the index"
+
+
+def _unlink_path(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _private_directory(directory: str) -> None:
+    """Create `directory` (0700) or check an existing one is ours; tighten it to 0700."""
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        info = os.stat(directory, follow_symlinks=False)
+    except OSError as e:
+        raise ValueError(f"invalid engine argument kv_offload_dir: cannot use {directory!r} ({e.strerror})") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"invalid engine argument kv_offload_dir: {directory!r} is not a directory")
+    if info.st_uid != os.getuid():
+        raise ValueError(f"invalid engine argument kv_offload_dir: {directory!r} belongs to another user")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(directory, 0o700)
+
+
+def _read_at_most(fd: int, limit: int) -> bytearray:
+    """Up to `limit` bytes of a file, in a writable buffer (torch.frombuffer views it in place)."""
+    data = bytearray()
+    while len(data) < limit:
+        chunk = os.read(fd, min(limit - len(data), 1 << 24))
+        if not chunk:
+            break
+        data += chunk
+    return data

@@ -1,0 +1,322 @@
+"""KVTiers: the engine's prefix cache below the device, host memory then local disk.
+
+    device LRU evicts a cached block --(flush: gather + D2H)--> host tier --(host LRU)--> disk tier
+                                                                  |                        |
+    admission: device prefix hit, then the next blocks found here -+-- load k (policy) ----+
+               -> stage (H2D / file read) -> flush -> scatter into the sequence's new blocks
+
+The block manager reports evictions (`on_evict`) while it hands blocks out; their KV is copied
+out in `flush`, which runs before anything can overwrite those blocks: at the end of every
+schedule (before the step's copy-on-write copies and forward), before a load writes, and after a
+KV import reserves blocks. Hashes are the device's (services/prefix_hash.py), so a lower-tier hit
+is the same tokens of the same tenant. Every change of a tier is a KV event with its tier.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+
+from gpu_worker.kv_tiers.block_mover import BlockMover
+from gpu_worker.kv_tiers.disk_tier import DISK_OVERHEAD, DiskBlock, DiskTier
+from gpu_worker.kv_tiers.host_tier import HostBlock, HostTier
+from gpu_worker.kv_tiers.load_policy import LoadPlan, LoadPolicy
+from gpu_worker.kv_tiers.tier_stats import TierStats
+from gpu_worker.kv_transfer.layout import KVLayout
+from gpu_worker.sequence import Sequence
+
+log = logging.getLogger("kvmesh.kv_tiers")
+
+GIB = 1 << 30
+_PROBE_BLOCKS = 4
+_MIN_PREFILL_SAMPLE = 32      # prompt tokens a step must compute to measure the prefill rate
+
+
+class Evicted(NamedTuple):
+    block_id: int
+    block_hash: bytes
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+
+
+class KVTiers:
+    def __init__(self, block_manager, kv_caches, layout: KVLayout, *, cpu_bytes: int, disk_dir: str | None,
+                 disk_bytes: int, policy: str) -> None:
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.mover = BlockMover(kv_caches)
+        self.layout = layout
+        bb = self.mover.block_bytes
+        self.host = HostTier(self.mover.host_blocks(cpu_bytes // bb)) if cpu_bytes >= bb else None
+        self.disk = (DiskTier(disk_dir, disk_bytes // (bb + DISK_OVERHEAD), layout, bb)
+                     if disk_dir and disk_bytes >= bb + DISK_OVERHEAD else None)
+        self.policy = LoadPolicy(policy, bb, self.block_size)
+        self.stats = TierStats()
+        self._evicted: list[Evicted] = []
+        self._planned: tuple[Sequence, LoadPlan, int] | None = None    # the last plan, until its load
+        self._step_start: float | None = None
+        self._step_tokens = 0
+        self.measure_bandwidth()
+        block_manager.attach_lower_tiers(self)
+
+    # ---- events --------------------------------------------------------------------------
+    def _stored(self, block_hash: bytes, parent: bytes | None, token_ids: tuple[int, ...], tier: str) -> None:
+        for listener in self.block_manager.listeners:
+            listener.on_stored(block_hash, parent, list(token_ids), tier)
+
+    def _removed(self, block_hash: bytes, tier: str) -> None:
+        for listener in self.block_manager.listeners:
+            listener.on_removed(block_hash, tier)
+
+    # ---- offload -------------------------------------------------------------------------
+    def on_evict(self, block_id: int, block_hash: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> None:
+        """The block manager is about to hand out a cached block: its KV is still there until flush."""
+        self._evicted.append(Evicted(block_id, block_hash, parent, token_ids))
+
+    def flush(self) -> None:
+        """Copy every block evicted since the last flush down a tier (host, else disk)."""
+        if self.mover.cuda:
+            for num_bytes, seconds in self.mover.finished_copies():   # host <-> device, both ways
+                self.policy.observe_copy("cpu", num_bytes, seconds)
+        if self.disk is not None and self.disk.enabled:
+            self._poll_disk()
+        if not self._evicted:
+            return
+        evicted, self._evicted = self._evicted, []
+        if self.host is not None:
+            self._offload_to_host(evicted)
+        elif self.disk is not None and self.disk.enabled:
+            self._offload_to_disk(evicted)
+
+    def _offload_to_host(self, evicted: list[Evicted]) -> None:
+        host = self.host
+        fresh = [e for e in evicted if host.get(e.block_hash) is None]     # get(): a held one is touched
+        overflow, fresh = fresh[:-host.num_slots], fresh[-host.num_slots:]   # the most recently used fit
+        if overflow and self.disk is not None and self.disk.enabled:
+            self._offload_to_disk(overflow)                               # the rest skips the host tier
+        if not fresh:
+            return
+        slots = [self._host_slot() for _ in fresh]
+        t = time.perf_counter()
+        done = self.mover.offload([e.block_id for e in fresh], host.data, slots)
+        if done is None:
+            self.policy.observe_copy("cpu", len(fresh) * self.mover.block_bytes, time.perf_counter() - t)
+        for e, slot in zip(fresh, slots):
+            host.put(e.block_hash, HostBlock(slot, e.parent, e.token_ids, done))
+            self._stored(e.block_hash, e.parent, e.token_ids, "cpu")
+        self.stats.offloaded_blocks["cpu"] += len(fresh)
+
+    def _host_slot(self) -> int:
+        """A free host slot, demoting the LRU host block to disk (or dropping it) when none is."""
+        slot = self.host.free_slot()
+        if slot is not None:
+            return slot
+        block_hash, block = self.host.pop_lru()
+        self._removed(block_hash, "cpu")
+        if self.disk is not None and self.disk.enabled and block_hash not in self.disk:
+            self.mover.wait_offloaded(block.offloaded)
+            self._write_disk(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot])
+        return block.slot
+
+    def _offload_to_disk(self, evicted: list[Evicted]) -> None:
+        fresh = [e for e in evicted if e.block_hash not in self.disk]
+        if not fresh:
+            return
+        staged = self.mover.offload_to_memory([e.block_id for e in fresh])   # (n, L, 2, bs, n_kv, hd * isz)
+        for e, block in zip(fresh, staged):
+            self._write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block)
+
+    def _write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor) -> None:
+        """Queue a block's file; `data` (host bytes) is copied, so its slot may be reused at once."""
+        disk = self.disk
+        while disk.is_full():
+            self._removed(disk.pop_lru(), "disk")
+        disk.write(block_hash, block, bytearray(data.reshape(-1).numpy()))
+        self.stats.offloaded_blocks["disk"] += 1
+        self._stored(block_hash, block.parent, block.token_ids, "disk")
+
+    def _poll_disk(self) -> None:
+        """Settle the disk tier's background writes: their times feed the bandwidth estimate, and
+        a failed one (the tier turned itself off) removes every block it held."""
+        for num_bytes, seconds in self.disk.poll():
+            self.policy.observe_copy("disk", num_bytes, seconds)
+        if not self.disk.enabled:
+            for block_hash in self.disk.clear():
+                self._removed(block_hash, "disk")
+
+    # ---- reload --------------------------------------------------------------------------
+    def plan(self, seq: Sequence, first: int) -> LoadPlan:
+        """How many blocks of seq after its first `first` (the device's hit) to load; no side
+        effects. Never the block of the last prompt token: its logits are needed."""
+        limit = (seq.num_tokens - 1) // self.block_size
+        tiers: list[str] = []
+        for block_hash in seq.block_hashes[first:limit]:
+            if self.host is not None and block_hash in self.host:
+                tiers.append("cpu")
+            elif self.disk is not None and block_hash in self.disk:
+                tiers.append("disk")
+            else:
+                break
+        if not tiers:
+            return LoadPlan(0, 0.0, 0.0)
+        plan = self.policy.choose(tiers, seq.num_tokens - first * self.block_size)
+        self._planned = (seq, plan, len(tiers))
+        return plan
+
+    def _count_decision(self, seq: Sequence) -> None:
+        """Metrics of the plan of an admitted sequence (a plan whose admission failed is not counted)."""
+        planned, self._planned = self._planned, None
+        if planned is None or planned[0] is not seq:
+            return
+        _, plan, available = planned
+        decision = "recompute" if plan.num_blocks == 0 else "load" if plan.num_blocks == available else "split"
+        self.stats.decisions[decision] += 1
+        self.stats.recomputed_tier_tokens += (available - plan.num_blocks) * self.block_size
+        self.stats.predicted_load_s.observe(plan.load_s)
+        self.stats.predicted_recompute_s.observe(plan.recompute_s)
+
+    def load(self, seq: Sequence, first: int, num_blocks: int) -> int:
+        """Bring blocks first..first+num_blocks of seq back into its block table (already
+        allocated), advancing num_computed_tokens; returns how many came back (fewer when one
+        is gone or does not verify: the rest is computed). The loaded blocks join the device's
+        prefix cache when the scheduler registers them."""
+        self._count_decision(seq)
+        if not num_blocks:
+            return 0
+        sources, pending, tiers = self._read_sources(seq.block_hashes[first:first + num_blocks])
+        self.stats.load_shortfall_blocks += num_blocks - len(sources)
+        # Order matters: the sources are copied out first (the flush may reuse their host slots),
+        # then the blocks evicted for this sequence, which may be its destinations, go down a tier.
+        t = time.perf_counter()
+        staged = self.mover.stage(sources, pending) if sources else None
+        copy_s = time.perf_counter() - t
+        self.flush()
+        if staged is None:
+            return 0
+        t = time.perf_counter()
+        self.mover.scatter(staged, seq.block_table[first:first + len(sources)])
+        if not self.mover.cuda and "disk" not in tiers:     # CUDA copies are timed on the device
+            copy_s += time.perf_counter() - t
+            self.policy.observe_copy("cpu", len(sources) * self.mover.block_bytes, copy_s)
+        for tier in tiers:
+            self.stats.loaded_blocks[tier] += 1
+        seq.num_computed_tokens += len(sources) * self.block_size
+        self.block_manager.prefix_hit_tokens += len(sources) * self.block_size
+        return len(sources)
+
+    def _read_sources(self, hashes: list[bytes]) -> tuple[list[torch.Tensor], list, list[str]]:
+        sources, pending, tiers = [], [], []
+        for block_hash in hashes:
+            block = self.host.get(block_hash) if self.host is not None else None
+            if block is not None:
+                sources.append(self.host.data[block.slot])
+                pending.append(block.offloaded)
+                tiers.append("cpu")
+                continue
+            payload = self._read_disk(block_hash)
+            if payload is None:
+                break
+            sources.append(payload)
+            pending.append(None)
+            tiers.append("disk")
+        return sources, pending, tiers
+
+    def _read_disk(self, block_hash: bytes) -> torch.Tensor | None:
+        disk = self.disk
+        if disk is None or block_hash not in disk:
+            return None
+        payload = disk.read(block_hash)
+        if payload is None:                      # did not verify: deleted
+            self._removed(block_hash, "disk")
+            return None
+        return torch.frombuffer(payload, dtype=torch.uint8).view(self.mover.block_shape)
+
+    # ---- rates ---------------------------------------------------------------------------
+    def step_began(self, running: bool) -> None:
+        """Start of a schedule: the previous step took until now (when the engine did not idle).
+        Only steps that are mostly prefill measure the prefill rate (a decode token costs a whole
+        memory-bound pass: decode steps would make recomputing look far slower than it is)."""
+        now = time.perf_counter()
+        if running and self._step_start is not None and self._step_tokens:
+            self.policy.observe_step(self._step_tokens, now - self._step_start)
+        self._step_start = now
+
+    def step_scheduled(self, num_tokens: int, num_prefill_tokens: int) -> None:
+        """End of a schedule: offloads go out before the step overwrites anything."""
+        mostly_prefill = num_prefill_tokens >= max(_MIN_PREFILL_SAMPLE, num_tokens // 2)
+        self._step_tokens = num_tokens if mostly_prefill else 0
+        self.flush()
+
+    def measure_bandwidth(self) -> None:
+        """Start-up estimates of each tier's bandwidth from a few real block copies: device
+        blocks are only read, into host slots that are still free, and the disk probe file is
+        deleted."""
+        n = min(_PROBE_BLOCKS, self.block_manager.num_blocks,
+                self.host.num_slots if self.host is not None else _PROBE_BLOCKS)
+        ids = list(range(n))
+        t = time.perf_counter()
+        if self.host is not None:
+            self.mover.wait_offloaded(self.mover.offload(ids, self.host.data, ids))
+            staged = self.host.data[:n]
+        else:
+            staged = self.mover.offload_to_memory(ids)
+        self.policy.observe_copy("cpu", n * self.mover.block_bytes, time.perf_counter() - t)
+        if self.disk is not None:                # one file written and read back, then deleted
+            probe = b"\x00" * 16
+            self.disk.write(probe, DiskBlock(None, ()), bytearray(staged[0].reshape(-1).numpy()))
+            self.disk.drain()
+            for num_bytes, seconds in self.disk.poll():     # a failed write turns the tier off here
+                self.policy.observe_copy("disk", num_bytes, seconds)
+            if self.disk.enabled:
+                self.disk.read(probe)
+            self.disk.forget(probe)
+            self.disk.drain()
+            self._poll_disk()
+
+    # ---- maintenance ---------------------------------------------------------------------
+    def clear(self) -> None:
+        """Forget every lower-tier block (the caller announces AllCleared for every tier)."""
+        self._evicted = []
+        if self.host is not None:
+            self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def snapshot(self) -> list[tuple[bytes, bytes | None, list[int], str]]:
+        """Every lower-tier block as (hash, parent, token_ids, tier)."""
+        out = []
+        if self.host is not None:
+            out += [(h, b.parent, list(b.token_ids), "cpu") for h, b in self.host.hashes()]
+        if self.disk is not None:
+            out += [(h, b.parent, list(b.token_ids), "disk") for h, b in self.disk.hashes()]
+        return out
+
+    def stats_dict(self) -> dict:
+        s = self.stats
+        return {
+            "cpu_blocks": len(self.host) if self.host is not None else 0,
+            "cpu_capacity_blocks": self.host.num_slots if self.host is not None else 0,
+            "disk_blocks": len(self.disk) if self.disk is not None else 0,
+            "disk_enabled": bool(self.disk is not None and self.disk.enabled),
+            "disk_corrupt_files": self.disk.num_corrupt if self.disk is not None else 0,
+            "offloaded_blocks": dict(s.offloaded_blocks), "loaded_blocks": dict(s.loaded_blocks),
+            "decisions": dict(s.decisions), "recomputed_tier_tokens": s.recomputed_tier_tokens,
+            "load_shortfall_blocks": s.load_shortfall_blocks,
+            "bandwidth_bytes_per_s": dict(self.policy.bandwidth),
+            "prefill_tokens_per_s": self.policy.prefill_rate or 0.0,
+            "predicted_load_s": s.predicted_load_s.as_dict(),
+            "predicted_recompute_s": s.predicted_recompute_s.as_dict(),
+        }
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and stop its thread."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def check_integrity(self) -> None:
+        if self.host is not None:
+            self.host.check_integrity()
+        if self.disk is not None:
+            self.disk.check_integrity()

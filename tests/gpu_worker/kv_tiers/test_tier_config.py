@@ -1,0 +1,67 @@
+"""The tier fields of EngineConfig are bounded and name themselves when wrong; the policy's choice
+follows its cost model; the file format rejects what is not exactly the block asked for."""
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker.config import EngineConfig
+from gpu_worker.kv_tiers import tier_file
+from gpu_worker.kv_tiers.load_policy import LoadPolicy
+from gpu_worker.kv_transfer.layout import KVLayout
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    (dict(kv_offload_cpu_gb=-1.0), "kv_offload_cpu_gb"),
+    (dict(kv_offload_cpu_gb=1e9), "kv_offload_cpu_gb"),
+    (dict(kv_offload_dir="/tmp/x"), "kv_offload_dir"),                 # without a size
+    (dict(kv_offload_disk_gb=1.0), "kv_offload_dir"),                  # without a directory
+    (dict(kv_offload_dir="", kv_offload_disk_gb=1.0), "kv_offload_dir"),
+    (dict(kv_load_policy="sometimes"), "kv_load_policy"),
+    (dict(kv_offload_cpu_gb=1.0, enable_prefix_caching=False), "enable_prefix_caching"),
+    (dict(kv_offload_cpu_gb=1.0, tensor_parallel_size=2), "tensor_parallel_size"),
+])
+def test_bad_tier_fields_are_named(kwargs, names):
+    with pytest.raises(ValueError, match=names):
+        EngineConfig(model="m", **kwargs)
+
+
+def test_tiers_are_off_by_default():
+    assert not EngineConfig(model="m").kv_offload_enabled
+
+
+def test_auto_takes_the_cheapest_split():
+    policy = LoadPolicy("auto", block_bytes=1000, block_size=10)
+    policy.bandwidth.update(cpu=1e6, disk=1e3)              # 1 ms and 1 s a block
+    policy.prefill_rate = 1e3                               # 10 ms a block's tokens
+    plan = policy.choose(["cpu", "cpu", "disk", "disk"], num_uncached_tokens=50)
+    assert plan.num_blocks == 2 and plan.load_s == pytest.approx(2e-3) and plan.recompute_s == pytest.approx(0.03)
+    policy.prefill_rate = 1e7                               # computing beats even the host tier
+    assert policy.choose(["cpu", "cpu"], 50).num_blocks == 0
+    assert LoadPolicy("always", 1000, 10).choose(["disk"], 50).num_blocks == 1
+    assert LoadPolicy("never", 1000, 10).choose(["cpu"], 50).num_blocks == 0
+
+
+LAYOUT = KVLayout("m", 16, "float32", 2, 2, 8, 1)
+HASH = bytes(range(16))
+
+
+def _file(payload: bytes = b"x" * 64) -> bytes:
+    return b"".join(bytes(p) for p in tier_file.encode(HASH, LAYOUT, payload))
+
+
+def test_a_valid_file_round_trips():
+    assert bytes(tier_file.decode(_file(), HASH, LAYOUT, 64)) == b"x" * 64
+
+
+@pytest.mark.parametrize("data, block_hash, layout, why", [
+    (_file()[:3], HASH, LAYOUT, "truncated"),
+    (_file()[:-1], HASH, LAYOUT, "payload of"),
+    (_file()[:-1] + b"y", HASH, LAYOUT, "checksum"),
+    (_file(), bytes(16), LAYOUT, "another block"),
+    (_file(), HASH, KVLayout("m", 16, "bfloat16", 2, 2, 8, 1), "foreign KV layout"),
+    ((1 << 31).to_bytes(4, "little") + _file()[4:], HASH, LAYOUT, "header length"),
+    (b"\x02\x00\x00\x00\x91\x01" + b"x" * 64, HASH, LAYOUT, "unreadable header"),
+])
+def test_a_bad_file_is_refused(data, block_hash, layout, why):
+    with pytest.raises(tier_file.TierFileError, match=why):
+        tier_file.decode(data, block_hash, layout, 64)
