@@ -9,7 +9,12 @@
     set_workers(views)      the live set from Redis: a worker gone or restarted (new epoch) fails its
                             in-flight requests with a clear error (gateway) and frees detok state
 
-Queue order: (priority, arrival), lower priority value first. Routing: routing.pick(scorer).
+Queue order: (priority, arrival), lower priority value first. Routing: routing.route(scorer).
+
+Prefill/decode pools: a request routed to a prefill worker P and a decode worker D gets an AwaitKV
+to D and a Dispatch naming D's KV socket to P; it is in flight on both until each reports it
+finished (P once the hand-off ended, D once decoding ended). An Abort goes to both. P gone with
+the request: D is told to drop it (Abort) and the client gets the worker_failed error.
 """
 from __future__ import annotations
 
@@ -20,9 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
-from scheduler_svc.routing import Scorer, WorkerView, least_loaded, pick
+from scheduler_svc.routing import Scorer, WorkerView, least_loaded, route, same_layout
+from services import metrics
 from services.protocol.messages import (
-    Abort, Admitted, Dispatch, Rejected, RequestFailed, Submit, WorkerStatus, failure_of)
+    Abort, Admitted, AwaitKV, Dispatch, Rejected, RequestFailed, Submit, WorkerStatus, failure_of)
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -38,13 +44,15 @@ class Limits:
     max_tenant_inflight: int = 1024
     worker_capacity_factor: float = 2.0
     retry_after_s: int = 1
+    pd_min_prefill_tokens: int = 256   # routing.route: fewer uncached prompt tokens run on D alone
 
 
 @dataclass
 class _Req:
     submit: Submit
     hint: Any = None               # routing hint given at submission (e.g. a prefix match)
-    worker_id: str | None = None   # None while queued
+    worker_id: str | None = None   # None while queued; with a hand-off, the decode worker
+    prefill_id: str | None = None  # the prefill worker, until it reports the hand-off ended
     received_at: float = 0.0       # clock(): the Submit read off the socket (the shell's time, if given)
     dispatched_at: float = 0.0
 
@@ -107,11 +115,16 @@ class SchedulerCore:
         return bool(self._eligible())
 
     def _eligible(self) -> list[WorkerView]:
+        """Workers that can run a request whole: mixed and decode ones (decode workers run short
+        prompts whole and decode the rest); prefill ones only while no decode worker exists."""
         live = [w for w in self.workers.values() if not w.draining]
-        # Until prefill/decode hand-off exists, only mixed workers run whole requests; other
-        # roles are used when no mixed worker exists (each then does the whole request).
-        mixed = [w for w in live if w.role == "mixed"]
-        return mixed or live
+        whole = [w for w in live if w.role != "prefill"]
+        return whole or live
+
+    def _prefill_pool(self) -> list[WorkerView]:
+        if not any(w.role == "decode" for w in self.workers.values()):
+            return []
+        return [w for w in self.workers.values() if w.role == "prefill" and not w.draining]
 
     # ---- dispatch ------------------------------------------------------------------------
     def dispatch(self) -> list[Envelope]:
@@ -126,15 +139,30 @@ class SchedulerCore:
             if req is None or req.worker_id is not None:
                 continue  # aborted while queued (lazy deletion)
             self._queued -= 1
-            worker = pick(room, req.submit, self.scorer, req.hint)
-            req.worker_id = worker.id
-            req.dispatched_at = self.clock()
-            worker.inflight.add(rid)
-            worker.dispatched += 1
-            s = req.submit
-            out.append(Envelope(worker.addr, Dispatch(
-                request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
-                priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
+            prefill = [w for w in self._prefill_pool() if len(w.inflight) < w.capacity(factor)]
+            chosen = route(room, prefill, req.submit, self.scorer, req.hint, self.limits.pd_min_prefill_tokens)
+            if chosen.label != "mixed" or prefill:
+                metrics.PD_ROUTES.labels(chosen.label).inc()
+            out += self._send_to(rid, req, chosen.worker, chosen.prefill)
+        return out
+
+    def _send_to(self, rid: str, req: _Req, worker: WorkerView, prefill: WorkerView | None) -> list[Envelope]:
+        """`worker` runs the request whole, or decodes it after `prefill` handed it the KV."""
+        req.worker_id, req.dispatched_at = worker.id, self.clock()
+        s, out = req.submit, []
+        for w in (worker, prefill):
+            if w is not None:
+                w.inflight.add(rid)
+                w.dispatched += 1
+        if prefill is not None:
+            req.prefill_id = prefill.id
+            out.append(Envelope(worker.addr, AwaitKV(request_id=rid, epoch=worker.epoch, n=s.params.n,
+                                                     reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
+        target = prefill or worker
+        out.append(Envelope(target.addr, Dispatch(
+            request_id=rid, epoch=target.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
+            priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr,
+            handoff_to=worker.kv_addr if prefill is not None else "")))
         return out
 
     # ---- request end ---------------------------------------------------------------------
@@ -146,8 +174,8 @@ class SchedulerCore:
             self._queued -= 1
             self._forget(msg.request_id)
             return [Envelope(req.submit.reply_addr, failure_of(msg))]   # its gateway ends the stream
-        worker = self.workers.get(req.worker_id)
-        return [Envelope(worker.addr, msg)] if worker else []
+        holders = (self.workers.get(req.prefill_id or ""), self.workers.get(req.worker_id))
+        return [Envelope(w.addr, msg) for w in holders if w is not None]
 
     def _forget(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
@@ -159,8 +187,20 @@ class SchedulerCore:
             self.tenant_inflight[tenant] = left
         else:
             self.tenant_inflight.pop(tenant, None)
-        if req.worker_id and (w := self.workers.get(req.worker_id)):
+        for wid in (req.worker_id, req.prefill_id):
+            if wid and (w := self.workers.get(wid)):
+                w.inflight.discard(rid)
+
+    def _leave(self, rid: str, w: WorkerView) -> None:
+        """Worker w holds nothing of rid any more: a prefill worker's part ends, a request ends."""
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        if req.prefill_id == w.id:
+            req.prefill_id = None
             w.inflight.discard(rid)
+        elif req.worker_id == w.id:
+            self._forget(rid)
 
     def worker_status(self, msg: WorkerStatus) -> list[Envelope]:
         w = self.workers.get(msg.worker_id)
@@ -171,15 +211,13 @@ class SchedulerCore:
         w.running, w.waiting = msg.running, msg.waiting
         w.free_blocks, w.cached_blocks, w.total_blocks = msg.free_blocks, msg.cached_blocks, msg.total_blocks
         for rid in msg.finished:
-            req = self.requests.get(rid)
-            if req is not None and req.worker_id == w.id:
-                self._forget(rid)
+            self._leave(rid, w)
         if msg.active is not None:
             active, now = set(msg.active), self.clock()
             for rid in [r for r in w.inflight if r not in active]:
                 if now - self.requests[rid].dispatched_at > self.RECONCILE_AFTER_S:
                     log.info("request %s left worker %s without a report; forgetting it", rid, w.id)
-                    self._forget(rid)
+                    self._leave(rid, w)
         return self.dispatch()
 
     # ---- membership ----------------------------------------------------------------------
@@ -197,11 +235,23 @@ class SchedulerCore:
             if cur is None:
                 log.info("worker %s epoch %d joined (%s, %s)", wid, view.epoch, view.role, view.addr)
                 self.workers[wid] = view
+                self._check_pairable(view)
             else:  # keep our in-flight set; refresh what the record says
                 cur.draining, cur.addr, cur.role = view.draining, view.addr, view.role
+                cur.kv_addr, cur.kv_layout = view.kv_addr, view.kv_layout
                 cur.max_num_seqs, cur.max_model_len = view.max_num_seqs, view.max_model_len
                 cur.prefix_query_tokens, cur.prefix_hit_tokens = view.prefix_query_tokens, view.prefix_hit_tokens
         return out + self.dispatch()
+
+    def _check_pairable(self, w: WorkerView) -> None:
+        """A prefill or decode worker whose KV layout no worker of the other pool shares is never
+        paired (its KV would be garbage there): say so once, when it joins."""
+        other = {"prefill": "decode", "decode": "prefill"}.get(w.role)
+        peers = [p for p in self.workers.values() if p.role == other]
+        if other is None or not peers or any(same_layout(w, p) for p in peers):
+            return
+        log.error("worker %s (%s) has a KV layout no %s worker shares; it will not be paired with any: %s "
+                  "(theirs: %s)", w.id, w.role, other, w.kv_layout, peers[0].kv_layout)
 
     def _fail_worker(self, w: WorkerView, why: str) -> list[Envelope]:
         self.worker_failures += 1
@@ -212,6 +262,9 @@ class SchedulerCore:
             if req is None:
                 continue
             s = req.submit
+            other = self.workers.get(req.worker_id if req.prefill_id == w.id else req.prefill_id or "")
+            if other is not None:     # the other half of a hand-off: it frees what it holds
+                out.append(Envelope(other.addr, Abort(request_id=rid, reason="worker_failed")))
             out.append(Envelope(s.reply_addr, RequestFailed(
                 request_id=rid, status=503, code="worker_failed",
                 message="the worker serving this request stopped; please retry")))

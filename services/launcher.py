@@ -2,6 +2,9 @@
 
     embedded Redis (unless --redis-url) -> tokenizer, scheduler, [prefix-cache], N workers -> gateway
 
+Workers: --workers mixed ones (worker-0..), --prefill-workers (prefill-0..) and --decode-workers
+(decode-0..) of the disaggregated pools.
+
 Refuses a busy --port before starting anything. Waits until the gateway's /ready answers and every
 worker is registered, then prints the URL and each service's /metrics page. A failure during
 start-up stops the stack (a bad model or flag would only fail again). From then on a service that
@@ -128,16 +131,21 @@ class Stack:
         elif cfg.prefix_cache:
             log.info("prefix-cache service not installed; running without the cluster prefix index")
         gpus = _gpu_count() if cfg.device in ("auto", "cuda") and not cfg.null_model else 0
-        for i in range(cfg.workers):
-            device = f"cuda:{i % gpus}" if gpus > 1 else cfg.device
-            # a restarted worker keeps its --worker-id: it registers again under a new epoch
-            args = [*common, *internal, "--metrics-port", "0", "--model", model, "--device", device,
-                    "--worker-id", f"worker-{i}", *_engine_flags(cfg)]
-            if cfg.served_model_name:
-                args += ["--served-model-name", ",".join(cfg.served_model_name)]
-            if cfg.null_model:
-                args += ["--null-model", "--null-step-ms", str(cfg.null_step_ms)]
-            self.spawn(f"worker-{i}", "worker", args)
+        pools = [("worker", "mixed", cfg.mixed_workers), ("prefill", "prefill", cfg.prefill_workers),
+                 ("decode", "decode", cfg.decode_workers)]
+        i = 0
+        for prefix, role, count in pools:
+            for k in range(count):
+                device = f"cuda:{i % gpus}" if gpus > 1 else cfg.device
+                # a restarted worker keeps its --worker-id: it registers again under a new epoch
+                args = [*common, *internal, "--metrics-port", "0", "--model", model, "--device", device,
+                        "--worker-id", f"{prefix}-{k}", "--role", role, *_engine_flags(cfg)]
+                if cfg.served_model_name:
+                    args += ["--served-model-name", ",".join(cfg.served_model_name)]
+                if cfg.null_model:
+                    args += ["--null-model", "--null-step-ms", str(cfg.null_step_ms)]
+                self.spawn(f"{prefix}-{k}", "worker", args)
+                i += 1
         gw = [*common, "--host", cfg.host, "--port", str(cfg.port), "--zmq-port", "0"]
         if cfg.tokenize_in_gateway:
             gw += ["--local-tokenizer", model]
@@ -157,7 +165,7 @@ class Stack:
             try:
                 with urllib.request.urlopen(url + "/ready", timeout=2) as r:
                     # /ready needs one worker; the stack is ready when all of them are registered
-                    if r.status == 200 and len(self.records("worker")) >= self.cfg.workers:
+                    if r.status == 200 and len(self.records("worker")) >= self.num_workers:
                         return True
             except OSError:
                 pass
@@ -165,6 +173,11 @@ class Stack:
         if not stop:
             log.error("the stack was not ready within %.0f s", timeout_s)
         return False
+
+    @property
+    def num_workers(self) -> int:
+        cfg = self.cfg
+        return cfg.mixed_workers + cfg.prefill_workers + cfg.decode_workers
 
     def records(self, kind: str) -> list[ServiceRecord]:
         """The live registry records of one kind; none while Redis is busy or restarting."""

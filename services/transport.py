@@ -234,6 +234,11 @@ class SyncReceiver(Generic[T]):
     def refused(self) -> int:
         return self._inbox.unauthorized.count
 
+    @property
+    def socket(self) -> Any:
+        """The bound socket, for a zmq.Poller that waits on it and on other sockets of the thread."""
+        return self._sock
+
     def recv_all(self, timeout_ms: int) -> list[T]:
         """Every queued message; waits up to timeout_ms for the first one when none is queued."""
         out: list[T] = []
