@@ -270,9 +270,8 @@ class ServeConfig(EngineSettings):
     """`kvmesh serve`: the whole stack on one machine (each service its own process)."""
 
     model: str = opt("", "Model directory; default: a small built-in random model made on first use.")
-    workers: int = opt(0, "Number of mixed-role GPU worker processes (0: one, or none when --prefill-workers and "
-                          "--decode-workers are given; give both kinds to run mixed workers beside the pools).",
-                       min=0)
+    workers: int = opt(1, "Number of mixed-role GPU worker processes (0 only with --prefill-workers and "
+                          "--decode-workers: then the pools serve alone).", min=0)
     prefill_workers: int = opt(0, "Prefill-role worker processes (disaggregated serving; needs --decode-workers).",
                                min=0)
     decode_workers: int = opt(0, "Decode-role worker processes (disaggregated serving; needs --prefill-workers).",
@@ -306,10 +305,8 @@ class ServeConfig(EngineSettings):
         if bool(self.prefill_workers) != bool(self.decode_workers):
             raise ConfigError("--prefill-workers and --decode-workers go together: a prefill worker hands its "
                               "KV to a decode worker (give both, or neither)")
-
-    @property
-    def mixed_workers(self) -> int:
-        return self.workers or (0 if self.prefill_workers else 1)
+        if not self.workers and not self.prefill_workers:
+            raise ConfigError("--workers=0 needs --prefill-workers and --decode-workers (some worker must serve)")
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ class Stack:
         elif cfg.prefix_cache:
             log.info("prefix-cache service not installed; running without the cluster prefix index")
         gpus = _gpu_count() if cfg.device in ("auto", "cuda") and not cfg.null_model else 0
-        pools = [("worker", "mixed", cfg.mixed_workers), ("prefill", "prefill", cfg.prefill_workers),
+        pools = [("worker", "mixed", cfg.workers), ("prefill", "prefill", cfg.prefill_workers),
                  ("decode", "decode", cfg.decode_workers)]
         i = 0
         for prefix, role, count in pools:
@@ -177,7 +177,7 @@ class Stack:
     @property
     def num_workers(self) -> int:
         cfg = self.cfg
-        return cfg.mixed_workers + cfg.prefill_workers + cfg.decode_workers
+        return cfg.workers + cfg.prefill_workers + cfg.decode_workers
 
     def records(self, kind: str) -> list[ServiceRecord]:
         """The live registry records of one kind; none while Redis is busy or restarting."""
