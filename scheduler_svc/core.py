@@ -13,17 +13,23 @@ Queue order: (priority, arrival), lower priority value first. Routing: routing.r
 
 Prefill/decode pools: a request routed to a prefill worker P and a decode worker D gets an AwaitKV
 to D and a Dispatch naming D's KV socket to P; it is in flight on both until each reports it
-finished (P once the hand-off ended, D once decoding ended). An Abort goes to both. P gone with
-the request: D is told to drop it (Abort) and the client gets the worker_failed error.
+finished (P once the hand-off ended, D once decoding ended). An Abort goes to both. Such a
+request gets a seed when the client gave none, so any worker that computes it draws the same
+tokens. P gone with the request: D runs it whole (Dispatch.resumes: the client may have its first
+token already, and its detokenizer skips the tokens it has seen), so the client sees one stream; D
+gone: P is told to drop it (Abort) and the client gets the worker_failed error.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
+
+import msgspec
 
 from scheduler_svc.routing import Scorer, WorkerView, least_loaded, route, same_layout
 from services import metrics
@@ -73,6 +79,7 @@ class SchedulerCore:
         self._arrivals = itertools.count()
         self.rejections: dict[str, int] = {}
         self.worker_failures = 0
+        self.prefill_retries = 0          # requests a dead prefill worker left, re-run on their decode worker
 
     # ---- admission -----------------------------------------------------------------------
     def submit(self, msg: Submit, hint: Any = None, received_at: float | None = None) -> list[Envelope]:
@@ -156,13 +163,13 @@ class SchedulerCore:
                 w.dispatched += 1
         if prefill is not None:
             req.prefill_id = prefill.id
+            if s.params.seed is None:     # a re-run after P died must draw what P drew
+                s = req.submit = msgspec.structs.replace(
+                    s, params=msgspec.structs.replace(s.params, seed=secrets.randbits(63)))
             out.append(Envelope(worker.addr, AwaitKV(request_id=rid, epoch=worker.epoch, n=s.params.n,
                                                      reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
         target = prefill or worker
-        out.append(Envelope(target.addr, Dispatch(
-            request_id=rid, epoch=target.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
-            priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr,
-            handoff_to=worker.kv_addr if prefill is not None else "")))
+        out.append(Envelope(target.addr, _dispatch_of(rid, s, target, worker.kv_addr if prefill is not None else "")))
         return out
 
     # ---- request end ---------------------------------------------------------------------
@@ -222,14 +229,16 @@ class SchedulerCore:
 
     # ---- membership ----------------------------------------------------------------------
     def set_workers(self, views: list[WorkerView]) -> list[Envelope]:
-        """Replace the live set. Gone or re-epoched workers fail their in-flight requests."""
+        """Replace the live set. Gone or re-epoched workers fail their in-flight requests (those a
+        prefill worker held for a live decode worker are re-run there)."""
         out: list[Envelope] = []
         fresh = {v.id: v for v in views}
-        for wid, old in list(self.workers.items()):
-            new = fresh.get(wid)
-            if new is None or new.epoch != old.epoch:
-                out += self._fail_worker(old, "gone" if new is None else "restarted")
-                del self.workers[wid]
+        lost = {wid for wid, old in self.workers.items()
+                if wid not in fresh or fresh[wid].epoch != old.epoch}
+        for wid in sorted(lost):
+            old, new = self.workers[wid], fresh.get(wid)
+            out += self._fail_worker(old, "gone" if new is None else "restarted", lost)
+            del self.workers[wid]
         for wid, view in fresh.items():
             cur = self.workers.get(wid)
             if cur is None:
@@ -253,13 +262,22 @@ class SchedulerCore:
         log.error("worker %s (%s) has a KV layout no %s worker shares; it will not be paired with any: %s "
                   "(theirs: %s)", w.id, w.role, other, w.kv_layout, peers[0].kv_layout)
 
-    def _fail_worker(self, w: WorkerView, why: str) -> list[Envelope]:
+    def _fail_worker(self, w: WorkerView, why: str, lost: set[str]) -> list[Envelope]:
+        """`lost`: every worker gone in this update (a decode worker among them cannot take a re-run)."""
         self.worker_failures += 1
         log.warning("worker %s epoch %d %s; failing %d in-flight requests", w.id, w.epoch, why, len(w.inflight))
         out: list[Envelope] = []
         for rid in list(w.inflight):
             req = self.requests.get(rid)
             if req is None:
+                continue
+            decoder = self.workers.get(req.worker_id or "") if req.prefill_id == w.id else None
+            if decoder is not None and decoder.id not in lost:
+                req.prefill_id = None
+                w.inflight.discard(rid)
+                self.prefill_retries += 1
+                log.warning("request %s: its prefill worker %s %s; re-running it on %s", rid, w.id, why, decoder.id)
+                out.append(Envelope(decoder.addr, _dispatch_of(rid, req.submit, decoder, "", resumes=True)))
                 continue
             s = req.submit
             other = self.workers.get(req.worker_id if req.prefill_id == w.id else req.prefill_id or "")
@@ -280,3 +298,9 @@ class SchedulerCore:
     @property
     def num_inflight(self) -> int:
         return len(self.requests) - self._queued
+
+
+def _dispatch_of(rid: str, s: Submit, worker: WorkerView, handoff_to: str, resumes: bool = False) -> Dispatch:
+    return Dispatch(request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
+                    priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr,
+                    handoff_to=handoff_to, resumes=resumes)

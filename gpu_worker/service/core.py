@@ -157,6 +157,8 @@ class WorkerCore:
                 request_id=msg.request_id, status=503, code="worker_failed",
                 message="the worker serving this request restarted; please retry")))
             return
+        if msg.resumes and not self._take_over(msg.request_id):
+            return
         try:
             if msg.handoff_to:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
@@ -177,7 +179,18 @@ class WorkerCore:
         self.num_requests += 1
         out.append(Envelope(msg.detok_addr, StreamOpen(
             request_id=msg.request_id, params=msg.params, reply_addr=msg.reply_addr,
-            num_prompt_tokens=len(msg.prompt_token_ids), prompt_tail=msg.prompt_token_ids[-8:])))
+            num_prompt_tokens=len(msg.prompt_token_ids), prompt_tail=msg.prompt_token_ids[-8:],
+            resumes=msg.resumes)))
+
+    def _take_over(self, rid: str) -> bool:
+        """A re-run of rid, whose prefill worker died: False when its KV arrived before that (it
+        decodes here already); else what was reserved for the KV is freed and it runs whole."""
+        if rid in self.requests:
+            return False
+        if self.awaiting.pop(rid, None) is not None:
+            self.imports.abort(rid)
+            self.imports.take_dropped()
+        return True
 
     def _abort(self, msg: Abort, out: list[Envelope]) -> None:
         req = self.requests.get(msg.request_id)

@@ -111,6 +111,9 @@ class Dispatch(Msg, tag="dispatch", kw_only=True):
     # (`tcp://host:port#worker`). The prefill worker computes the prompt, streams the first token,
     # hands the KV over there and the decode worker streams the rest.
     handoff_to: str = ""
+    # the request's prefill worker died after it may have streamed first tokens: this worker runs it
+    # whole again (same seed, so the same tokens) and its detokenizer skips what was streamed
+    resumes: bool = False
 
 
 class AwaitKV(Msg, tag="await_kv", kw_only=True):
@@ -135,6 +138,9 @@ class StreamOpen(Msg, tag="open", kw_only=True):
     reply_addr: str
     num_prompt_tokens: int
     prompt_tail: list[int] = []      # last prompt ids: left context for the first generated token
+    # a re-run of a stream whose first tokens came from a worker that died (Dispatch.resumes): the
+    # detokenizer keeps the stream and drops as many leading tokens of each sample as it has seen
+    resumes: bool = False
 
 
 class SeqTokens(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -115,11 +115,37 @@ def test_an_abort_reaches_both_workers_and_only_its_request():
     assert core.abort(Abort(request_id="b"))[0].dest == "tcp://d:1#worker"   # P is done with b: D only
 
 
-def test_a_dead_prefill_worker_fails_its_requests_and_frees_d():
+def test_a_dead_decode_worker_fails_its_requests_and_frees_p():
     core = core_with(worker("p", "prefill"), worker("d", "decode"))
     core.submit(submit("a", MIN + 1))
-    out = core.set_workers([worker("d", "decode")])   # P's lease lapsed
-    assert [(d, m.request_id) for d, m in messages(out, Abort)] == [("tcp://d:1#worker", "a"), (DT, "a")]
+    out = core.set_workers([worker("p", "prefill")])   # D's lease lapsed
+    assert [(d, m.request_id) for d, m in messages(out, Abort)] == [("tcp://p:1#worker", "a"), (DT, "a")]
     [(gw, failed)] = messages(out, RequestFailed)
     assert gw == GW and failed.code == "worker_failed"
-    assert "a" not in core.requests and not core.workers["d"].inflight
+    assert "a" not in core.requests and not core.workers["p"].inflight
+
+
+def test_a_dead_prefill_worker_s_request_is_re_run_on_its_decode_worker():
+    """The client may hold the first token already: D recomputes the request with the seed the
+    scheduler fixed at pairing (so the same tokens) and the detokenizer skips what was streamed."""
+    core = core_with(worker("p", "prefill"), worker("d", "decode"))
+    out = core.submit(submit("a", MIN + 1))
+    [(_, first)] = messages(out, Dispatch)
+    assert first.params.seed is not None          # fixed at pairing: any re-run draws the same tokens
+    out = core.set_workers([worker("d", "decode")])   # P's lease lapsed
+    [(addr, rerun)] = messages(out, Dispatch)
+    assert addr == "tcp://d:1#worker" and rerun.resumes and rerun.handoff_to == ""
+    assert rerun.params == first.params and not messages(out, RequestFailed) and not messages(out, Abort)
+    assert core.requests["a"].prefill_id is None and "a" in core.workers["d"].inflight
+    core.worker_status(status("d", ["a"]))
+    assert "a" not in core.requests
+
+
+def test_both_workers_of_a_pair_dead_fail_the_request():
+    core = core_with(worker("p", "prefill"), worker("d", "decode"), worker("m", "mixed", inflight=8))
+    core.submit(submit("a", MIN + 1))
+    assert core.requests["a"].prefill_id == "p"
+    out = core.set_workers([worker("m", "mixed", inflight=8)])
+    [(gw, failed)] = messages(out, RequestFailed)
+    assert gw == GW and failed.code == "worker_failed" and not messages(out, Dispatch)
+    assert "a" not in core.requests
