@@ -276,6 +276,7 @@ class SchedulerCore:
                 req.prefill_id = None
                 w.inflight.discard(rid)
                 self.prefill_retries += 1
+                metrics.PD_ROUTES.labels("rerun").inc()
                 log.warning("request %s: its prefill worker %s %s; re-running it on %s", rid, w.id, why, decoder.id)
                 out.append(Envelope(decoder.addr, _dispatch_of(rid, req.submit, decoder, "", resumes=True)))
                 continue

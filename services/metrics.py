@@ -108,7 +108,9 @@ SCHED_DISPATCH = _scheduler(Histogram("kvmesh_scheduler_dispatch_seconds",
 PD_ROUTES = _scheduler(Counter("kvmesh_scheduler_pd_routes", "Requests routed while prefill and decode pools "
                                "exist, by route: pd (prefill worker then decode worker), decode_short (prompt under "
                                "--pd-min-prefill-tokens), decode_cached (the decode worker holds all but that many "
-                               "tokens), mixed (a mixed worker)", ["route"]))
+                               "tokens), decode_unpaired (no prefill worker with room and D's KV layout), mixed "
+                               "(a mixed worker), rerun (its prefill worker died: re-run on its decode worker)",
+                               ["route"]))
 SCHED_PREFIX_MATCH = _scheduler(Histogram("kvmesh_scheduler_prefix_match_seconds",
                                           "cache_aware routing over several workers: one submission's Match at the "
                                           "prefix-cache index plus its block hashing", buckets=_HOP))

@@ -90,7 +90,7 @@ class AwaitedImports(EngineKVConsumer):
         self.lease_s = lease_s
         self._awaited: dict[str, float] = {}     # request id -> monotonic() when announced
         self._admitted: list[str] = []
-        self._dropped: list[str] = []
+        self._forgotten: list[str] = []
 
     def await_request(self, request_id: str) -> None:
         self._awaited[request_id] = time.monotonic()
@@ -133,14 +133,14 @@ class AwaitedImports(EngineKVConsumer):
 
     def _forget(self, request_id: str) -> None:
         if self._awaited.pop(request_id, None) is not None:
-            self._dropped.append(request_id)
+            self._forgotten.append(request_id)
 
     def take_admitted(self) -> list[str]:
         out, self._admitted = self._admitted, []
         return out
 
     def take_dropped(self) -> list[str]:
-        out, self._dropped = self._dropped, []
+        out, self._forgotten = self._forgotten, []
         return out
 
 
