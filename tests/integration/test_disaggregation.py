@@ -2,6 +2,8 @@
 CURVE planes, a real Redis) serve what one engine serves, token for token, and leave no KV block held."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.integration.pd_stack import CHUNK, PD_MIN_PREFILL_TOKENS, pd_stack
@@ -100,3 +102,60 @@ def test_no_block_stays_held_after_requests_end(pd):
     served(pd, LONG, max_tokens=4, temperature=0)
     for worker in ("prefill-0", "decode-0"):
         wait_for(lambda: pd.no_blocks_held(worker), 10, f"{worker} to hold no block")
+
+
+def test_bad_transfer_messages_are_dropped_and_the_decode_worker_keeps_serving(pd):
+    """D's KV socket is a CURVE server for the worker role: a garbage header, a truncated frame, an
+    offer D does not await and an oversize message are dropped (answered where the protocol
+    answers) and logged; another role's key gets no answer; D then still takes hand-offs."""
+    import zmq
+
+    from gpu_worker.kv_transfer.layout import KVLayout
+    from gpu_worker.kv_transfer.messages import BlockFrame, Fail, Offer, Refuse, SampleStart, decode, encode
+    from services.protocol.sampling import SamplingParams
+    from services.security.curve import Plane, split_role
+
+    record = pd.record("decode-0")
+    endpoint, role = split_role(record.addrs["kv"])
+    assert role == "worker" and endpoint.startswith("tcp://127.0.0.1:")
+
+    def dealer(as_role: str):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        Plane.load(str(pd.procs.trust_dir), as_role).connect(sock, "worker")
+        sock.connect(endpoint)
+        return sock
+
+    def answer(sock, timeout_ms: int = 5000):
+        return decode(sock.recv()) if sock.poll(timeout_ms) else None
+
+    layout = KVLayout(**record.info["kv_layout"])
+    offer = Offer(request_id="r-" + "0" * 32, layout=layout, prompt_token_ids=[1, 2, 3], params=SamplingParams(),
+                  seed=1, samples=[SampleStart(0, 5, 0.0)], block_hashes=[], num_blocks=1)
+    stranger = dealer("gateway")
+    try:
+        stranger.send(encode(offer))
+        assert answer(stranger, 1500) is None             # the handshake fails: nothing reaches D
+    finally:
+        stranger.close(0)
+    sock = dealer("worker")
+    try:
+        sock.send(b"\x00 not a message")
+        frame = BlockFrame(request_id="r-" + "1" * 32, seq_no=0, layer_start=0, layer_end=1, block_start=0,
+                           src_block_ids=[0], dst_block_ids=[0], dtype=layout.kv_dtype,
+                           shape=[1, 2, 1, layout.block_size, layout.num_kv_heads, layout.head_dim],
+                           checksum=b"\x00" * 16)
+        sock.send_multipart([encode(frame), b"truncated"])
+        reply = answer(sock)
+        assert isinstance(reply, Fail) and reply.request_id == frame.request_id
+        sock.send(encode(offer))
+        reply = answer(sock)
+        assert isinstance(reply, Refuse) and "does not await" in reply.reason
+        sock.send(b"\x00" * ((64 << 20) + (2 << 20)))      # past the frame bound: D drops the connection
+        time.sleep(0.5)
+    finally:
+        sock.close(0)
+    log = (pd.procs.log_dir / "decode-0.log").read_text(errors="replace")
+    assert "dropped a malformed message" in log and "no transfer in progress" in log
+    fresh = [(17 * i + 9) % 900 + 11 for i in range(3 * CHUNK)]       # cached nowhere: P hands it to D
+    test_greedy_through_prefill_and_decode_matches_one_engine(pd, fresh)
