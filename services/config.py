@@ -286,6 +286,8 @@ class ServeConfig(EngineSettings):
                                       "name). The --model path is accepted too.")
     routing: str = opt("cache_aware", "Scheduler: how a worker is chosen (kvmesh scheduler --routing).",
                        choices=("cache_aware", "least_loaded", "round_robin"))
+    pd_min_prefill_tokens: int = opt(256, "Scheduler: prompts with fewer uncached tokens skip the prefill pool "
+                                          "(kvmesh scheduler --pd-min-prefill-tokens).", min=0)
     null_model: bool = opt(False, "Workers skip the model and emit fake tokens (control-plane benchmarks).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms.", min=0)
     prefix_cache: bool = opt(True, "Start the prefix-cache index service when it is installed.")

@@ -124,7 +124,8 @@ class Stack:
                   "--heartbeat-ms", str(cfg.heartbeat_ms), "--trust-dir", str(self.trust.root)]
         internal = ["--host", "127.0.0.1", "--port", "0", "--zmq-port", "0"]
         self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])
-        self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0", "--routing", cfg.routing])
+        self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0", "--routing", cfg.routing,
+                                                "--pd-min-prefill-tokens", str(cfg.pd_min_prefill_tokens)])
         if cfg.prefix_cache and importlib.util.find_spec("prefix_cache_svc.main") is not None:
             self.spawn("prefix-cache", "prefix-cache", [*common, "--host", "127.0.0.1", "--port", "0",
                                                         "--metrics-port", "0"], optional=True)
