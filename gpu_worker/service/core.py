@@ -95,6 +95,7 @@ class WorkerCore:
         self._first_tokens: list[float] = []   # ends of steps that produced first tokens, not yet sent
         self._handoffs: list[tuple[str, str]] = []     # (request id, decode worker) ready to hand off
         self._cancels: list[tuple[str, str]] = []      # (request id, decode worker) that need no hand-off
+        self.hands_off = False                         # prefill worker: the shell runs hand-offs
         self.imports: Any = None                       # decode worker: handoff.AwaitedImports
         self.awaiting: dict[str, _Req] = {}            # decode worker: announced, KV not yet here
 
@@ -159,8 +160,9 @@ class WorkerCore:
             return
         if msg.resumes and not self._take_over(msg.request_id):
             return
+        handoff_to = msg.handoff_to if self.hands_off else ""   # no sender here: run it whole
         try:
-            if msg.handoff_to:
+            if handoff_to:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                         priority=msg.priority, cache_salt=msg.cache_salt, export_kv=True)
             else:
@@ -172,7 +174,7 @@ class WorkerCore:
             self._finished.append(msg.request_id)
             return
         metrics.WORKER_ADMIT.observe(time.perf_counter() - received)
-        req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received, handoff_to=msg.handoff_to)
+        req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received, handoff_to=handoff_to)
         self.requests[msg.request_id] = req
         if self._sees_scheduling:
             self._unscheduled[msg.request_id] = req
@@ -340,7 +342,7 @@ class WorkerCore:
         s = self.engine.stats()
         return {"running": s.num_running, "waiting": s.num_waiting, "free_blocks": s.num_free_blocks,
                 "cached_blocks": s.num_cached_blocks, "total_blocks": s.num_total_blocks,
-                "requests": len(self.requests), "requests_total": self.num_requests,
+                "requests": len(self.requests) + len(self.awaiting), "requests_total": self.num_requests,
                 "tokens_out": self.tokens_out, "prefix_query_tokens": s.prefix_query_tokens,
                 "prefix_hit_tokens": s.prefix_hit_tokens}
 
@@ -350,7 +352,8 @@ class WorkerCore:
         return WorkerStatus(worker_id=self.worker_id, epoch=self.epoch, running=s.num_running,
                             waiting=s.num_waiting, free_blocks=s.num_free_blocks,
                             cached_blocks=s.num_cached_blocks, total_blocks=s.num_total_blocks,
-                            finished=finished or [], active=list(self.requests) if with_active else None)
+                            finished=finished or [],
+                            active=[*self.requests, *self.awaiting] if with_active else None)
 
 
 def _note_token(req: _Req, now: float) -> None:

@@ -8,8 +8,10 @@
                          is renewed by every frame the decode worker takes; lapsed, P frees the
                          blocks and tells D to drop the request.
     decode worker (D)    AwaitedImports: the engine consumer, refusing offers of requests the
-                         scheduler did not announce (AwaitKV); announced requests whose offer does
-                         not come within the lease are forgotten. It reports which requests it
+                         scheduler did not announce (AwaitKV). An announcement holds no KV block
+                         (blocks are reserved when the Offer is accepted) and may wait as long as
+                         P's queue and prefill take; one whose Offer never comes (its cancel was
+                         lost) is forgotten after AWAIT_OFFER_MAX_S. It reports which requests it
                          admitted (they decode here now) and which it dropped.
 
 Both run on the engine thread: the engine is touched by one thread only.
@@ -28,6 +30,9 @@ from services.security.curve import Plane
 
 log = logging.getLogger("kvmesh.worker")
 MAX_PEERS = 256     # decode workers a prefill worker keeps a connection to (least recently used go)
+# An announced request whose prefill worker neither offered nor cancelled it by then is forgotten:
+# P died (the scheduler re-runs it here, which replaces the announcement) or its cancel was lost.
+AWAIT_OFFER_MAX_S = 600.0
 
 
 class HandoffResult(NamedTuple):
@@ -95,9 +100,6 @@ class AwaitedImports(EngineKVConsumer):
     def await_request(self, request_id: str) -> None:
         self._awaited[request_id] = time.monotonic()
 
-    def is_awaited(self, request_id: str) -> bool:
-        return request_id in self._awaited
-
     def accept(self, offer: Offer) -> Accept | Refuse:
         if offer.request_id not in self._awaited:
             return Refuse(offer.request_id, "this decode worker does not await the request")
@@ -105,8 +107,6 @@ class AwaitedImports(EngineKVConsumer):
         if isinstance(answer, Refuse):
             log.warning("kv hand-off of %s refused: %s", offer.request_id, answer.reason)
             self._forget(offer.request_id)
-        else:
-            self._awaited[offer.request_id] = time.monotonic()   # now the receive idle timeout counts
         return answer
 
     def complete(self, done: Done) -> Ack | Fail:
@@ -124,11 +124,11 @@ class AwaitedImports(EngineKVConsumer):
             self._forget(request_id)
 
     def expire_awaited(self) -> None:
-        """Announced requests whose offer never came (P died or failed before offering)."""
+        """Announced requests whose offer never came (module docstring)."""
         now = time.monotonic()
-        for rid in [r for r, t in self._awaited.items() if now - t > self.lease_s and not self.engine.is_importing(r)]:
-            log.info("kv hand-off of %s: no offer within the lease; forgetting it", rid)
-            metrics.HANDOFF_EXPIRIES.inc()
+        for rid in [r for r, t in self._awaited.items()
+                    if now - t > AWAIT_OFFER_MAX_S and not self.engine.is_importing(r)]:
+            log.info("kv hand-off of %s: no offer in %.0f s; forgetting it", rid, AWAIT_OFFER_MAX_S)
             self._forget(rid)
 
     def _forget(self, request_id: str) -> None:

@@ -252,6 +252,7 @@ class WorkerService:
         if publisher is not None:
             publisher.set_epoch(self.lease.epoch)
         self.core = WorkerCore(engine, self.worker_id, self.lease.epoch)
+        self.core.hands_off = sender is not None
         if kv_receiver is not None:
             self.core.imports = kv_receiver.imports
         await self._refresh_schedulers()
@@ -318,7 +319,7 @@ class WorkerService:
         except Exception:
             pass
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while self.core.requests and time.monotonic() < deadline and self.engine.is_alive():
+        while (self.core.requests or self.core.awaiting) and time.monotonic() < deadline and self.engine.is_alive():
             await asyncio.sleep(0.05)
         if self.core.requests and self.engine.is_alive():
             log.warning("drain timed out; failing %d requests", len(self.core.requests))
