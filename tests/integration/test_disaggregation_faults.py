@@ -89,6 +89,7 @@ def test_a_decode_worker_dead_mid_transfer_leaves_nothing_held_on_the_prefill_wo
     t0 = time.monotonic()
     wait_for(lambda: pd.no_blocks_held("prefill-0"), LEASE_MS / 1000 + 5, "P's blocks free within the lease")
     assert time.monotonic() - t0 < LEASE_MS / 1000 + 5
+    assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoff_expiries_total") == 1
     client.join(60)
     text, events = outcome[0]
     assert text == first, events               # the first token came from P, without waiting for D
