@@ -199,6 +199,6 @@ def route(whole: list[WorkerView], prefill: list[WorkerView], request: Submit, s
     if uncached_tokens(worker, prompt_tokens, hint) < min_prefill_tokens:
         return Route(worker, None, "decode_cached")
     partners = [p for p in prefill if same_layout(p, worker)]
-    if not partners:
+    if not partners or not worker.kv_addr:
         return Route(worker, None, "decode_unpaired")
     return Route(worker, pick(partners, request, scorer, hint), "pd")

@@ -244,7 +244,14 @@ class WorkerService:
         publisher = self._kv_publisher(engine)
         if publisher is not None:
             addrs["kv_events"], addrs["kv_snapshot"] = publisher.events_addr, publisher.snapshot_addr
-        sender, kv_receiver = self._handoff_endpoints(engine)
+        try:
+            sender, kv_receiver = self._handoff_endpoints(engine)
+        except ValueError as exc:          # an engine the KV transfer cannot serve (tensor parallel)
+            log.error("cannot serve --role %s: %s", cfg.role, exc)
+            receiver.close()
+            await server.stop(0)
+            await health.stop()
+            return 2
         if kv_receiver is not None:
             addrs["kv"] = with_role(tcp_addr(host, kv_receiver.endpoint.port), "worker")
         self.lease = await self.registry.register("worker", self.worker_id, addrs=addrs, info=self.info,
