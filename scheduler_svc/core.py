@@ -12,23 +12,36 @@
     set_workers(views)      the live set from Redis: a worker gone or restarted (new epoch) fails its
                             in-flight requests with a clear error (gateway) and frees detok state
 
-Queue order: (priority, arrival), lower priority value first. Routing: routing.pick(scorer, hint).
+Queue order: (priority, arrival), lower priority value first. Routing: routing.route(scorer, hint), the hint a prefix match
+(prefix_hints.py).
+
+Prefill/decode pools: a request routed to a prefill worker P and a decode worker D gets an AwaitKV
+to D and a Dispatch naming D's KV socket to P; it is in flight on both until each reports it
+finished (P once the hand-off ended, D once decoding ended). An Abort goes to both. Such a
+request gets a seed when the client gave none, so any worker that computes it draws the same
+tokens. P gone with the request: D runs it whole (Dispatch.resumes: the client may have its first
+token already, and its detokenizer skips the tokens it has seen), so the client sees one stream; D
+gone: P is told to drop it (Abort) and the client gets the worker_failed error.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import msgspec
+
 from scheduler_svc.prefix_hints import PREFIX_INDEX, PrefixHints
-from scheduler_svc.routing import Scorer, WorkerView, least_loaded, pick
+from scheduler_svc.routing import Scorer, WorkerView, least_loaded, route, same_layout
+from services import metrics
 from services.envelope import Envelope
 from services.protocol.kv_events import MatchResponse
 from services.protocol.messages import (
-    Abort, Admitted, Dispatch, Rejected, RequestFailed, Submit, WorkerStatus, failure_of)
+    Abort, Admitted, AwaitKV, Dispatch, Rejected, RequestFailed, Submit, WorkerStatus, failure_of)
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -39,15 +52,17 @@ class Limits:
     max_tenant_inflight: int = 1024
     worker_capacity_factor: float = 2.0
     retry_after_s: int = 1
+    pd_min_prefill_tokens: int = 256   # routing.route: fewer uncached prompt tokens run on D alone
 
 
 @dataclass
 class _Req:
     submit: Submit
     hint: Any = None               # what the scorer reads besides load (prefix_hints: a prefix match)
-    block_hashes: list[bytes] | None = None   # prefix_hints: recorded for its worker at dispatch
+    block_hashes: list[bytes] | None = None   # prefix_hints: recorded for its worker(s) at dispatch
     matching: bool = False         # admitted, out of the queue until the prefix index answers
-    worker_id: str | None = None   # None while queued
+    worker_id: str | None = None   # None while queued; with a hand-off, the decode worker
+    prefill_id: str | None = None  # the prefill worker, until it reports the hand-off ended
     received_at: float = 0.0       # clock(): the Submit read off the socket (the shell's time, if given)
     dispatched_at: float = 0.0
 
@@ -69,6 +84,7 @@ class SchedulerCore:
         self._arrivals = itertools.count()
         self.rejections: dict[str, int] = {}
         self.worker_failures = 0
+        self.prefill_retries = 0          # requests a dead prefill worker left, re-run on their decode worker
 
     # ---- admission -----------------------------------------------------------------------
     def submit(self, msg: Submit, received_at: float | None = None) -> list[Envelope]:
@@ -96,7 +112,9 @@ class SchedulerCore:
         self.tenant_inflight[msg.tenant] = self.tenant_inflight.get(msg.tenant, 0) + 1
         self._queued += 1                  # counted as queued from admission, its prefix match included
         admitted = Envelope(msg.reply_addr, Admitted(request_id=rid))
-        if self.prefix_hints is not None and len(eligible) > 1:   # where is its prefix? ask first
+        # where is its prefix? ask first, when there is a choice to make: between workers, or
+        # between prefilling on a prefill worker and decode-only on a decode worker that holds it
+        if self.prefix_hints is not None and len(eligible) + len(self._prefill_pool()) > 1:
             req.matching = True
             return [Envelope(PREFIX_INDEX, self.prefix_hints.query(msg, eligible)), admitted]
         self._enqueue(req)
@@ -131,11 +149,16 @@ class SchedulerCore:
         return bool(self._eligible())
 
     def _eligible(self) -> list[WorkerView]:
+        """Workers that can run a request whole: mixed and decode ones (decode workers run short
+        prompts whole and decode the rest); prefill ones only while no decode worker exists."""
         live = [w for w in self.workers.values() if not w.draining]
-        # Until prefill/decode hand-off exists, only mixed workers run whole requests; other
-        # roles are used when no mixed worker exists (each then does the whole request).
-        mixed = [w for w in live if w.role == "mixed"]
-        return mixed or live
+        whole = [w for w in live if w.role != "prefill"]
+        return whole or live
+
+    def _prefill_pool(self) -> list[WorkerView]:
+        if not any(w.role == "decode" for w in self.workers.values()):
+            return []
+        return [w for w in self.workers.values() if w.role == "prefill" and not w.draining]
 
     # ---- dispatch ------------------------------------------------------------------------
     def dispatch(self) -> list[Envelope]:
@@ -150,18 +173,33 @@ class SchedulerCore:
             if req is None or req.worker_id is not None:
                 continue  # aborted while queued (lazy deletion)
             self._queued -= 1
-            worker = pick(room, req.submit, self.scorer, req.hint)
-            req.worker_id = worker.id
-            req.dispatched_at = self.clock()
-            worker.inflight.add(rid)
-            worker.dispatched += 1
-            if req.block_hashes and self.prefix_hints is not None:   # for the next ones sharing its prefix
-                self.prefix_hints.dispatched(worker.id, req.block_hashes, req.dispatched_at)
-                req.block_hashes = None
-            s = req.submit
-            out.append(Envelope(worker.addr, Dispatch(
-                request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
-                priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
+            prefill = [w for w in self._prefill_pool() if len(w.inflight) < w.capacity(factor)]
+            chosen = route(room, prefill, req.submit, self.scorer, req.hint, self.limits.pd_min_prefill_tokens)
+            if chosen.label != "mixed" or prefill:
+                metrics.PD_ROUTES.labels(chosen.label).inc()
+            out += self._send_to(rid, req, chosen.worker, chosen.prefill)
+        return out
+
+    def _send_to(self, rid: str, req: _Req, worker: WorkerView, prefill: WorkerView | None) -> list[Envelope]:
+        """`worker` runs the request whole, or decodes it after `prefill` handed it the KV."""
+        req.worker_id, req.dispatched_at = worker.id, self.clock()
+        s, out = req.submit, []
+        for w in (worker, prefill):
+            if w is not None:
+                w.inflight.add(rid)
+                w.dispatched += 1
+                if req.block_hashes and self.prefix_hints is not None:   # for the next ones sharing its prefix
+                    self.prefix_hints.dispatched(w.id, req.block_hashes, req.dispatched_at)
+        req.block_hashes = None
+        if prefill is not None:
+            req.prefill_id = prefill.id
+            if s.params.seed is None:     # a re-run after P died must draw what P drew
+                s = req.submit = msgspec.structs.replace(
+                    s, params=msgspec.structs.replace(s.params, seed=secrets.randbits(63)))
+            out.append(Envelope(worker.addr, AwaitKV(request_id=rid, epoch=worker.epoch, n=s.params.n,
+                                                     reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
+        target = prefill or worker
+        out.append(Envelope(target.addr, _dispatch_of(rid, s, target, worker.kv_addr if prefill is not None else "")))
         return out
 
     # ---- request end ---------------------------------------------------------------------
@@ -173,8 +211,8 @@ class SchedulerCore:
             self._queued -= 1
             self._forget(msg.request_id)
             return [Envelope(req.submit.reply_addr, failure_of(msg))]   # its gateway ends the stream
-        worker = self.workers.get(req.worker_id)
-        return [Envelope(worker.addr, msg)] if worker else []
+        holders = (self.workers.get(req.prefill_id or ""), self.workers.get(req.worker_id))
+        return [Envelope(w.addr, msg) for w in holders if w is not None]
 
     def _forget(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
@@ -186,8 +224,20 @@ class SchedulerCore:
             self.tenant_inflight[tenant] = left
         else:
             self.tenant_inflight.pop(tenant, None)
-        if req.worker_id and (w := self.workers.get(req.worker_id)):
+        for wid in (req.worker_id, req.prefill_id):
+            if wid and (w := self.workers.get(wid)):
+                w.inflight.discard(rid)
+
+    def _leave(self, rid: str, w: WorkerView) -> None:
+        """Worker w holds nothing of rid any more: a prefill worker's part ends, a request ends."""
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        if req.prefill_id == w.id:
+            req.prefill_id = None
             w.inflight.discard(rid)
+        elif req.worker_id == w.id:
+            self._forget(rid)
 
     def worker_status(self, msg: WorkerStatus) -> list[Envelope]:
         w = self.workers.get(msg.worker_id)
@@ -198,41 +248,54 @@ class SchedulerCore:
         w.running, w.waiting = msg.running, msg.waiting
         w.free_blocks, w.cached_blocks, w.total_blocks = msg.free_blocks, msg.cached_blocks, msg.total_blocks
         for rid in msg.finished:
-            req = self.requests.get(rid)
-            if req is not None and req.worker_id == w.id:
-                self._forget(rid)
+            self._leave(rid, w)
         if msg.active is not None:
             active, now = set(msg.active), self.clock()
             for rid in [r for r in w.inflight if r not in active]:
                 if now - self.requests[rid].dispatched_at > self.RECONCILE_AFTER_S:
                     log.info("request %s left worker %s without a report; forgetting it", rid, w.id)
-                    self._forget(rid)
+                    self._leave(rid, w)
         return self.dispatch()
 
     # ---- membership ----------------------------------------------------------------------
     def set_workers(self, views: list[WorkerView]) -> list[Envelope]:
-        """Replace the live set. Gone or re-epoched workers fail their in-flight requests."""
+        """Replace the live set. Gone or re-epoched workers fail their in-flight requests (those a
+        prefill worker held for a live decode worker are re-run there)."""
         out: list[Envelope] = []
         fresh = {v.id: v for v in views}
-        for wid, old in list(self.workers.items()):
-            new = fresh.get(wid)
-            if new is None or new.epoch != old.epoch:
-                out += self._fail_worker(old, "gone" if new is None else "restarted")
-                del self.workers[wid]
-                if self.prefix_hints is not None:   # a new epoch starts with an empty cache
-                    self.prefix_hints.forget_worker(wid)
+        lost = {wid for wid, old in self.workers.items()
+                if wid not in fresh or fresh[wid].epoch != old.epoch}
+        for wid in sorted(lost):
+            old, new = self.workers[wid], fresh.get(wid)
+            out += self._fail_worker(old, "gone" if new is None else "restarted", lost)
+            del self.workers[wid]
+            if self.prefix_hints is not None:   # a new epoch starts with an empty cache
+                self.prefix_hints.forget_worker(wid)
         for wid, view in fresh.items():
             cur = self.workers.get(wid)
             if cur is None:
                 log.info("worker %s epoch %d joined (%s, %s)", wid, view.epoch, view.role, view.addr)
                 self.workers[wid] = view
+                self._check_pairable(view)
             else:  # keep our in-flight set; refresh what the record says
                 cur.draining, cur.addr, cur.role = view.draining, view.addr, view.role
+                cur.kv_addr, cur.kv_layout = view.kv_addr, view.kv_layout
                 cur.max_num_seqs, cur.max_model_len = view.max_num_seqs, view.max_model_len
                 cur.prefix_query_tokens, cur.prefix_hit_tokens = view.prefix_query_tokens, view.prefix_hit_tokens
         return out + self.dispatch()
 
-    def _fail_worker(self, w: WorkerView, why: str) -> list[Envelope]:
+    def _check_pairable(self, w: WorkerView) -> None:
+        """A prefill or decode worker whose KV layout no worker of the other pool shares is never
+        paired (its KV would be garbage there): say so once, when it joins."""
+        other = {"prefill": "decode", "decode": "prefill"}.get(w.role)
+        peers = [p for p in self.workers.values() if p.role == other]
+        if other is None or not peers or any(same_layout(w, p) for p in peers):
+            return
+        log.error("worker %s (%s) has a KV layout no %s worker shares; it will not be paired with any: %s "
+                  "(theirs: %s)", w.id, w.role, other, w.kv_layout, peers[0].kv_layout)
+
+    def _fail_worker(self, w: WorkerView, why: str, lost: set[str]) -> list[Envelope]:
+        """`lost`: every worker gone in this update (a decode worker among them cannot take a re-run)."""
         self.worker_failures += 1
         log.warning("worker %s epoch %d %s; failing %d in-flight requests", w.id, w.epoch, why, len(w.inflight))
         out: list[Envelope] = []
@@ -240,7 +303,19 @@ class SchedulerCore:
             req = self.requests.get(rid)
             if req is None:
                 continue
+            decoder = self.workers.get(req.worker_id or "") if req.prefill_id == w.id else None
+            if decoder is not None and decoder.id not in lost:
+                req.prefill_id = None
+                w.inflight.discard(rid)
+                self.prefill_retries += 1
+                metrics.PD_ROUTES.labels("rerun").inc()
+                log.warning("request %s: its prefill worker %s %s; re-running it on %s", rid, w.id, why, decoder.id)
+                out.append(Envelope(decoder.addr, _dispatch_of(rid, req.submit, decoder, "", resumes=True)))
+                continue
             s = req.submit
+            other = self.workers.get(req.worker_id if req.prefill_id == w.id else req.prefill_id or "")
+            if other is not None:     # the other half of a hand-off: it frees what it holds
+                out.append(Envelope(other.addr, Abort(request_id=rid, reason="worker_failed")))
             out.append(Envelope(s.reply_addr, RequestFailed(
                 request_id=rid, status=503, code="worker_failed",
                 message="the worker serving this request stopped; please retry")))
@@ -256,3 +331,9 @@ class SchedulerCore:
     @property
     def num_inflight(self) -> int:
         return len(self.requests) - self._queued
+
+
+def _dispatch_of(rid: str, s: Submit, worker: WorkerView, handoff_to: str, resumes: bool = False) -> Dispatch:
+    return Dispatch(request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
+                    priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr,
+                    handoff_to=handoff_to, resumes=resumes)

@@ -52,7 +52,8 @@ def view_of(r: ServiceRecord) -> WorkerView:
                       running=int(load.get("running", 0)), waiting=int(load.get("waiting", 0)),
                       free_blocks=int(load.get("free_blocks", 0)), cached_blocks=int(load.get("cached_blocks", 0)),
                       total_blocks=int(load.get("total_blocks", 0)), model_id=str(info.get("model_id", "")),
-                      block_size=int(info.get("block_size", 16)),
+                      block_size=int(info.get("block_size", 16)), kv_addr=str(r.addrs.get("kv", "")),
+                      kv_layout=info.get("kv_layout") if isinstance(info.get("kv_layout"), dict) else None,
                       prefix_query_tokens=int(load.get("prefix_query_tokens", 0)),
                       prefix_hit_tokens=int(load.get("prefix_hit_tokens", 0)))
 
@@ -69,7 +70,8 @@ class SchedulerService:
         self.cfg = cfg
         self.plane = plane
         self.core = SchedulerCore(Limits(cfg.max_queue, cfg.max_tenant_inflight, cfg.worker_capacity_factor,
-                                         cfg.retry_after_s), scorer=make_scorer(cfg.routing, routing_weights(cfg)),
+                                         cfg.retry_after_s, cfg.pd_min_prefill_tokens),
+                                  scorer=make_scorer(cfg.routing, routing_weights(cfg)),
                                   prefix_hints=PrefixHints() if cfg.routing == "cache_aware" else None)
         self.prefix: PrefixClient | None = None  # the prefix-cache index (cache_aware routing only)
         self.asking: set[asyncio.Task] = set()   # Match calls in flight (held: the loop keeps weak refs)

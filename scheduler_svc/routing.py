@@ -19,6 +19,13 @@ Every term is a fraction, so the weights read as exchange rates: with the defaul
 hit is worth a queue of one max_num_seqs batch. An overloaded worker holding the prefix loses to
 an idle one; between equal loads the longer (or faster-tier) prefix wins.
 
+Prefill/decode pools (route()): the request goes to the best whole-request worker by the scorer
+(mixed and decode workers; prefill workers too when no decode worker exists). A decode worker D so
+chosen runs it alone when fewer than `min_prefill_tokens` of its prompt are not already cached on
+D (a short prompt, or a conversation whose history D holds: moving the KV would cost more than
+computing it there); otherwise the best prefill worker whose KV layout equals D's prefills it and
+hands the KV to D. Workers whose layouts differ are never paired.
+
 `hint` is what the shell attached at submission (`core.submit(msg, hint=...)`): the prefix-cache
 index's MatchResponse for this prompt, or None (no index, or it did not answer: no prefix credit).
 Load counts what this scheduler dispatched and what the worker last reported, whichever is larger,
@@ -53,6 +60,8 @@ class WorkerView:
     total_blocks: int = 0
     prefix_query_tokens: int = 0      # engine counters, cumulative (registry load record)
     prefix_hit_tokens: int = 0
+    kv_addr: str = ""                 # decode role: its KV-transfer socket (`tcp://host:port#worker`)
+    kv_layout: dict | None = None     # model id, block size, KV dtype, layers, KV heads, head dim, TP size
     dispatched: int = 0               # requests this scheduler sent it
     inflight: set[str] = field(default_factory=set)  # requests we dispatched and that did not end
 
@@ -157,3 +166,39 @@ def make_scorer(policy: str, weights: RoutingWeights = RoutingWeights()) -> Scor
 
 def pick(workers: list[WorkerView], request: Submit, scorer: Scorer, hint: Any = None) -> WorkerView:
     return min(workers, key=lambda w: (scorer(w, request, hint), w.id))
+
+
+class Route(NamedTuple):
+    worker: WorkerView                # runs the request whole, or decodes it after `prefill`
+    prefill: WorkerView | None        # prefills and hands the KV to `worker`; None: whole
+    label: str                        # mixed | decode_short | decode_cached | decode_unpaired | pd
+
+
+def same_layout(a: WorkerView, b: WorkerView) -> bool:
+    """Their KV blocks can be exchanged (gpu_worker/kv_transfer/layout.py's fields all equal)."""
+    return a.kv_layout is not None and a.kv_layout == b.kv_layout
+
+
+def uncached_tokens(worker: WorkerView, prompt_tokens: int, hint: Any = None) -> int:
+    """Prompt tokens `worker` would compute: all but the GPU blocks the index says it holds."""
+    if not isinstance(hint, MatchResponse) or not hint.block_size:
+        return prompt_tokens
+    return max(0, prompt_tokens - prefix_hit(worker.id, prompt_tokens, hint).gpu_blocks * hint.block_size)
+
+
+def route(whole: list[WorkerView], prefill: list[WorkerView], request: Submit, scorer: Scorer,
+          hint: Any = None, min_prefill_tokens: int = 256) -> Route:
+    """Where one request runs (module docstring). `whole`: workers with room that can run a request
+    whole (not empty); `prefill`: prefill workers with room."""
+    worker = pick(whole, request, scorer, hint)
+    if worker.role != "decode":
+        return Route(worker, None, "mixed")
+    prompt_tokens = len(request.prompt_token_ids)
+    if prompt_tokens < min_prefill_tokens:
+        return Route(worker, None, "decode_short")
+    if uncached_tokens(worker, prompt_tokens, hint) < min_prefill_tokens:
+        return Route(worker, None, "decode_cached")
+    partners = [p for p in prefill if same_layout(p, worker)]
+    if not partners or not worker.kv_addr:
+        return Route(worker, None, "decode_unpaired")
+    return Route(worker, pick(partners, request, scorer, hint), "pd")

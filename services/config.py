@@ -198,6 +198,10 @@ class SchedulerConfig(ServiceConfig):
                                   min=0, max=1)
     route_disk_credit: float = opt(0.5, "cache_aware: a disk-tier block counts as this fraction of a GPU hit.",
                                    min=0, max=1)
+    pd_min_prefill_tokens: int = opt(256, "Prefill/decode pools: a prompt runs on a decode worker alone when fewer "
+                                          "than this many of its tokens are not already cached there (short "
+                                          "prompts, or conversations whose history the decode worker holds); "
+                                          "longer ones prefill on a prefill worker and hand their KV over.", min=0)
 
 
 @dataclass(frozen=True)
@@ -208,7 +212,10 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
     served_model_name: list = opt([], "Comma-separated names clients use in `model`; the first is listed first "
                                       "by /v1/models and carried by responses (default: the model directory's "
                                       "name). The --model path is accepted too.")
-    role: str = opt("mixed", "Pool of this worker.", choices=("mixed", "prefill", "decode"))
+    role: str = opt("mixed", "Pool of this worker: mixed runs whole requests; prefill computes prompts and hands "
+                             "their KV to a decode worker; decode binds a KV-transfer socket and decodes what "
+                             "prefill workers hand it (and runs short prompts whole).",
+                    choices=("mixed", "prefill", "decode"))
     worker_id: str = opt("", "Stable id (e.g. the pod name); default: host-pid-random.")
     port: int = opt(50053, "gRPC port (grpc.health.v1).", **ANY_PORT)
     health_port: int = opt(-1, HEALTH_PORT_HELP, **METRICS_PORT)
@@ -221,6 +228,9 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
                                 **ANY_PORT)
     kv_transfer_port: int = opt(0, "Decode role: port of the KV-transfer socket prefill workers send KV to "
                                    "(CURVE, worker role only; 0: any free port).", **ANY_PORT)
+    handoff_lease_ms: int = opt(5000, "Prefill/decode roles: a hand-off's lease in ms, renewed by each KV frame the "
+                                      "decode worker takes; lapsed, the prefill worker frees the request's blocks "
+                                      "and the decode worker forgets it.", min=100, max=600000)
     null_model: bool = opt(False, "Skip the model: emit deterministic fake tokens (control-plane benchmarks only).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms (sets the token rate).", min=0)
     null_vocab_size: int = opt(32000, "Null model: vocabulary size of the fake tokens.", min=1)
@@ -232,7 +242,12 @@ class ServeConfig(ServedEngineArgs):
     fields (services/engine_args.py, served defaults) go to every worker it starts."""
 
     model: str = opt("", "Model directory; default: a small built-in random model made on first use.")
-    workers: int = opt(1, "Number of GPU worker processes (mixed role).", min=1)
+    workers: int = opt(1, "Number of mixed-role GPU worker processes (0 only with --prefill-workers and "
+                          "--decode-workers: then the pools serve alone).", min=0)
+    prefill_workers: int = opt(0, "Prefill-role worker processes (disaggregated serving; needs --decode-workers).",
+                               min=0)
+    decode_workers: int = opt(0, "Decode-role worker processes (disaggregated serving; needs --prefill-workers).",
+                              min=0)
     redis_url: str = opt("", "Use this Redis instead of starting an embedded one.")
     host: str = opt("127.0.0.1", "Bind address of the gateway (internal services always use loopback).")
     port: int = opt(8000, "HTTP port of the gateway.", **PORT)
@@ -242,6 +257,8 @@ class ServeConfig(ServedEngineArgs):
                                       "name). The --model path is accepted too.")
     routing: str = opt("cache_aware", "Scheduler: how a worker is chosen (kvmesh scheduler --routing).",
                        choices=("cache_aware", "least_loaded", "round_robin"))
+    pd_min_prefill_tokens: int = opt(256, "Scheduler: prompts with fewer uncached tokens skip the prefill pool "
+                                          "(kvmesh scheduler --pd-min-prefill-tokens).", min=0)
     null_model: bool = opt(False, "Workers skip the model and emit fake tokens (control-plane benchmarks).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms.", min=0)
     prefix_cache: bool = opt(True, "Start the prefix-cache index service when it is installed.")
@@ -261,6 +278,11 @@ class ServeConfig(ServedEngineArgs):
     def __post_init__(self) -> None:
         check_bind_host(self.host)
         check_bounds(self)
+        if bool(self.prefill_workers) != bool(self.decode_workers):
+            raise ConfigError("--prefill-workers and --decode-workers go together: a prefill worker hands its "
+                              "KV to a decode worker (give both, or neither)")
+        if not self.workers and not self.prefill_workers:
+            raise ConfigError("--workers=0 needs --prefill-workers and --decode-workers (some worker must serve)")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ Only services that requests reach are started: the gateway makes its own text by
 (--text-in-gateway), so the tokenizer service runs only with --no-text-in-gateway, and only then
 does the gateway's /ready wait for it.
 
+Workers: --workers mixed ones (worker-0..), --prefill-workers (prefill-0..) and --decode-workers
+(decode-0..) of the disaggregated pools.
+
 Refuses a busy --port before starting anything. Waits until the gateway's /ready answers and every
 worker is registered, then prints the URL and each service's /metrics page. A failure during
 start-up stops the stack (a bad model or flag would only fail again). From then on a service that
@@ -125,23 +128,29 @@ class Stack:
         internal = ["--host", "127.0.0.1", "--port", "0", "--zmq-port", "0"]
         if not cfg.text_in_gateway:
             self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])
-        self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0", "--routing", cfg.routing])
+        self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0", "--routing", cfg.routing,
+                                                "--pd-min-prefill-tokens", str(cfg.pd_min_prefill_tokens)])
         if cfg.prefix_cache and importlib.util.find_spec("prefix_cache_svc.main") is not None:
             self.spawn("prefix-cache", "prefix-cache", [*common, "--host", "127.0.0.1", "--port", "0",
                                                         "--metrics-port", "0"], optional=True)
         elif cfg.prefix_cache:
             log.info("prefix-cache service not installed; running without the cluster prefix index")
         gpus = _gpu_count() if cfg.device in ("auto", "cuda") and not cfg.null_model else 0
-        for i in range(cfg.workers):
-            device = f"cuda:{i % gpus}" if gpus > 1 else cfg.device
-            # a restarted worker keeps its --worker-id: it registers again under a new epoch
-            args = [*common, *internal, "--metrics-port", "0", "--model", model, "--device", device,
-                    "--worker-id", f"worker-{i}", *_engine_flags(cfg)]
-            if cfg.served_model_name:
-                args += ["--served-model-name", ",".join(cfg.served_model_name)]
-            if cfg.null_model:
-                args += ["--null-model", "--null-step-ms", str(cfg.null_step_ms)]
-            self.spawn(f"worker-{i}", "worker", args)
+        pools = [("worker", "mixed", cfg.workers), ("prefill", "prefill", cfg.prefill_workers),
+                 ("decode", "decode", cfg.decode_workers)]
+        i = 0
+        for prefix, role, count in pools:
+            for k in range(count):
+                device = f"cuda:{i % gpus}" if gpus > 1 else cfg.device
+                # a restarted worker keeps its --worker-id: it registers again under a new epoch
+                args = [*common, *internal, "--metrics-port", "0", "--model", model, "--device", device,
+                        "--worker-id", f"{prefix}-{k}", "--role", role, *_engine_flags(cfg)]
+                if cfg.served_model_name:
+                    args += ["--served-model-name", ",".join(cfg.served_model_name)]
+                if cfg.null_model:
+                    args += ["--null-model", "--null-step-ms", str(cfg.null_step_ms)]
+                self.spawn(f"{prefix}-{k}", "worker", args)
+                i += 1
         gw = [*common, "--host", cfg.host, "--port", str(cfg.port), "--zmq-port", "0"]
         if cfg.text_in_gateway:
             gw += ["--text-in-gateway", "--model", model]
@@ -159,7 +168,7 @@ class Stack:
             try:
                 with urllib.request.urlopen(url + "/ready", timeout=2) as r:
                     # /ready needs one worker; the stack is ready when all of them are registered
-                    if r.status == 200 and len(self.records("worker")) >= self.cfg.workers:
+                    if r.status == 200 and len(self.records("worker")) >= self.num_workers:
                         return True
             except OSError:
                 pass
@@ -167,6 +176,11 @@ class Stack:
         if not stop:
             log.error("the stack was not ready within %.0f s", timeout_s)
         return False
+
+    @property
+    def num_workers(self) -> int:
+        cfg = self.cfg
+        return cfg.workers + cfg.prefill_workers + cfg.decode_workers
 
     def records(self, kind: str) -> list[ServiceRecord]:
         """The live registry records of one kind; none while Redis is busy or restarting."""

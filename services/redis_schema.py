@@ -17,7 +17,15 @@
 
 The prefix-cache service's block-ownership keys (block -> owners, worker -> blocks) are described
 with their protocol in docs/kv_events.md; they are purged when a worker's record expires.
-Reserved for later: kvmesh:tenant:{tenant}:tokens (token buckets), kvmesh:handoff:{request} (P->D leases).
+A worker record's info carries `role` and `kv_layout` (the scheduler pairs prefill and decode
+workers whose layouts are equal); a decode worker's addrs carry `kv` (its KV-transfer socket).
+
+No key per prefill/decode hand-off: its lease (--handoff-lease-ms) lives in the prefill worker,
+the only process that can free the blocks it holds, and renews with every frame the decode worker
+takes; the failures that cross processes are seen through the worker records above (a decode
+worker's record gone: the scheduler aborts the request on its prefill worker; a prefill worker's
+gone: the scheduler re-runs it on its decode worker). docs/architecture.md, "KV transfer".
+Reserved for later: kvmesh:tenant:{tenant}:tokens (token buckets).
 """
 from __future__ import annotations
 

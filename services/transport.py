@@ -229,6 +229,11 @@ class SyncReceiver(_BoundPull[T]):
         super().__init__(msg_type, host, port, name, plane=plane, senders=senders)
         self.read_at = 0.0   # perf_counter() when the last recv_all that got a frame read its first
 
+    @property
+    def socket(self) -> Any:
+        """The bound socket, for a zmq.Poller that waits on it and on other sockets of the thread."""
+        return self._sock
+
     def recv_all(self, timeout_ms: int) -> list[T]:
         """Every queued message; waits up to timeout_ms for the first one when none is queued."""
         out: list[T] = []

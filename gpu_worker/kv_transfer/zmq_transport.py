@@ -9,8 +9,13 @@ Every ZMQ message is [header] or, for a BlockFrame, [header, payload]: the heade
 message of messages.py, the payload the raw KV bytes (sent without a copy). Malformed headers,
 unexpected payloads, oversize messages and frames that fail the consumer's checks are dropped
 with a rate-limited log line. The sockets are synchronous: the engine loop calls them between
-steps. (This path has no authentication of its own yet: it binds to loopback by default and is
-meant for the internal plane's CURVE wrapping, services/transport.py.)
+steps. Given a `Plane` (services/security/curve.py) the ROUTER is a CURVE server that lets in
+only the worker role and each DEALER a CURVE client of it: authenticated and encrypted like every
+internal plane. Without one (engine-level tests) it is plaintext, on loopback by default.
+
+A hand-off's deadline is a lease renewed by progress: each message D takes (Offer, frame, Done)
+pushes it `timeout_s` further, so a long transfer that moves runs to its end while a D that stops
+reading or answering ends it within `timeout_s`.
 """
 from __future__ import annotations
 
@@ -24,17 +29,21 @@ from gpu_worker.kv_transfer.layout import KVLayoutMismatch
 from gpu_worker.kv_transfer.messages import (MAX_HEADER_BYTES, Abort, Accept, Ack, BlockFrame, Done,
                                              Fail, Offer, Refuse, decode, encode)
 from gpu_worker.kv_transfer.rate_limit import RateLimitedLog
+from services.security.curve import Plane, split_role
 
 log = logging.getLogger("kvmesh.kv_transfer")
 
 
 class KVReceiverEndpoint:
     def __init__(self, consumer: EngineKVConsumer, host: str = "127.0.0.1", port: int = 0,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, idle_timeout_s: float = 10.0) -> None:
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, idle_timeout_s: float = 10.0,
+                 plane: Plane | None = None) -> None:
         self.consumer = consumer
         self.idle_timeout_s = idle_timeout_s     # a transfer silent this long is dropped (P died)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if plane is not None:
+            plane.serve(self._sock, ("worker",))   # only prefill workers offer KV
         # a message larger than this never reaches memory: ZMQ drops the connection instead
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + MAX_HEADER_BYTES)
         if port:
@@ -45,6 +54,11 @@ class KVReceiverEndpoint:
         self.address = f"tcp://{host}:{self.port}"
         self._dropped = RateLimitedLog(log)
         self.messages_dropped = 0
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The bound socket, for a poller that also waits on the engine's inbox."""
+        return self._sock
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Handle every message that arrives within timeout_ms (then every one queued), then drop
@@ -94,12 +108,26 @@ class KVReceiverEndpoint:
 
 
 class KVSenderEndpoint:
-    def __init__(self, producer: KVProducer, address: str, send_hwm: int = 64) -> None:
+    def __init__(self, producer: KVProducer, address: str, send_hwm: int = 64,
+                 plane: Plane | None = None) -> None:
+        """`address`: `tcp://host:port`, or `tcp://host:port#worker` as a decode worker advertises it."""
         self.producer = producer
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, send_hwm)     # frames queued for D: up to 64 x 64 MiB
-        self._sock.connect(address)
+        endpoint, _ = split_role(address)
+        if plane is not None:
+            plane.connect(self._sock, "worker")
+        self._sock.connect(endpoint)
+        self.bytes_sent = 0                             # payload bytes of the last send()
+
+    def abort(self, request_id: str) -> None:
+        """Tell D to stop awaiting or receiving request_id (never blocks: a full queue drops it,
+        and D's own idle timeout frees the request)."""
+        try:
+            self._sock.send(encode(Abort(request_id)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def send(self, request_id: str, timeout_s: float = 30.0) -> Ack | Fail | Refuse | None:
         """One hand-off: Offer, frames, Done, D's answer; then P's blocks are released. None when
@@ -107,12 +135,13 @@ class KVSenderEndpoint:
         offer = self.producer.offer(request_id)
         if offer is None:
             return None
+        self.bytes_sent = 0
         deadline = time.monotonic() + timeout_s
         try:
             answer = self._answer(request_id, deadline) if self._send([encode(offer)], deadline) else None
             if isinstance(answer, Accept):
                 try:
-                    answer = self._stream(answer, deadline)
+                    answer = self._stream(answer, timeout_s)
                 except KVLayoutMismatch as e:          # D's layout differs: nothing was sent
                     self._send([encode(Abort(request_id))], time.monotonic())
                     return Refuse(request_id, str(e))
@@ -129,11 +158,14 @@ class KVSenderEndpoint:
         self._sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
         return True
 
-    def _stream(self, accept: Accept, deadline: float) -> Ack | Fail | None:
+    def _stream(self, accept: Accept, timeout_s: float) -> Ack | Fail | None:
         rid = accept.request_id
+        deadline = time.monotonic() + timeout_s
         for frame, payload in self.producer.frames(accept):
             if not self._send([encode(frame), payload], deadline):
                 return None
+            self.bytes_sent += len(payload)
+            deadline = time.monotonic() + timeout_s      # D took the frame: the lease is renewed
             while self._sock.poll(0, zmq.POLLIN):        # D gave up on it mid-stream?
                 early = self._recv()
                 if isinstance(early, Fail) and early.request_id == rid:

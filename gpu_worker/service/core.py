@@ -29,6 +29,16 @@ first / last tokens; `send` ends when the shell handed that StepOutput to the so
 device (`Engine.last_sync_s`, where the engine has it). Decode is observed only for requests that
 finished (engine finish or stop string), not for aborted ones. An engine without a `requests`
 table gets TTFT and decode only.
+
+Prefill/decode hand-off (the shell moves the KV, gpu_worker/service/handoff.py):
+
+    prefill worker   Dispatch(handoff_to=D) -> the engine prefills with export_kv; the step that
+                     draws the first token streams it (HANDOFF is internal: the detokenizer sees an
+                     unfinished sample) -> take_handoffs() lists (request, D) once every sample is
+                     drawn -> handoff_done(): D took it (the request leaves this worker) or not
+                     (its client gets a RequestFailed)
+    decode worker    AwaitKV -> `awaiting` until the KV arrives -> adopt_imports(): admitted
+                     requests decode and stream here; dropped ones leave
 """
 from __future__ import annotations
 
@@ -38,10 +48,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_worker.outputs import RequestError, SequenceDelta
+from gpu_worker.sequence import HANDOFF
 from services import metrics
 from services.envelope import SCHEDULER, Envelope
 from services.protocol.messages import (
-    Abort, Dispatch, RequestFailed, SeqTokens, StepOutput, StreamOpen, WorkerStatus)
+    Abort, AwaitKV, Dispatch, RequestFailed, SeqTokens, StepOutput, StreamOpen, WorkerStatus)
 
 log = logging.getLogger("kvmesh.worker")
 
@@ -56,6 +67,8 @@ class _Req:
     first_token: float | None = None     # end of the step that produced the first token
     last_token: float = 0.0              # end of the latest step that produced tokens
     prompt_tokens: int = 0               # prompt tokens to prefill here: the backlog until the first token
+    handoff_to: str = ""                 # prefill worker: the decode worker that gets the KV
+    exported: bool = False               # prefill worker: some sample goes on at the decode worker
 
 
 class WorkerCore:
@@ -75,6 +88,11 @@ class WorkerCore:
         self._unscheduled: dict[str, _Req] = {}
         self._sees_scheduling = isinstance(getattr(engine, "requests", None), dict)
         self._first_tokens: list[float] = []   # ends of steps that produced first tokens, not yet sent
+        self._handoffs: list[tuple[str, str]] = []     # (request id, decode worker) ready to hand off
+        self._cancels: list[tuple[str, str]] = []      # (request id, decode worker) that need no hand-off
+        self.hands_off = False                         # prefill worker: the shell runs hand-offs
+        self.imports: Any = None                       # decode worker: handoff.AwaitedImports
+        self.awaiting: dict[str, _Req] = {}            # decode worker: announced, KV not yet here
 
     # ---- one iteration -------------------------------------------------------------------
     def run(self, inbox: list[Any], received: float | None = None) -> list[Envelope]:
@@ -86,6 +104,8 @@ class WorkerCore:
         for msg in inbox:
             if isinstance(msg, Dispatch):
                 self._dispatch(msg, out, received)
+            elif isinstance(msg, AwaitKV):
+                self._await_kv(msg, out, received)
             elif isinstance(msg, Abort):
                 self._abort(msg, out)
         if self.engine.has_unfinished_requests():
@@ -111,10 +131,17 @@ class WorkerCore:
         dropped = list(self.requests)
         for rid in dropped:
             self.engine.abort_request(rid)
+        for rid in self.awaiting:
+            self.imports.abort(rid)
+        if self.imports is not None:
+            self.imports.take_dropped()
         self.requests.clear()
+        self.awaiting.clear()
         self._unscheduled.clear()
         self._finished.clear()
         self._first_tokens.clear()
+        self._handoffs.clear()
+        self._cancels.clear()
         self.epoch = epoch
         return len(dropped)
 
@@ -126,16 +153,23 @@ class WorkerCore:
                 request_id=msg.request_id, status=503, code="worker_failed",
                 message="the worker serving this request restarted; please retry")))
             return
+        if msg.resumes and not self._take_over(msg.request_id):
+            return
+        handoff_to = msg.handoff_to if self.hands_off else ""   # no sender here: run it whole
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                    priority=msg.priority, cache_salt=msg.cache_salt)
+            if handoff_to:
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                        priority=msg.priority, cache_salt=msg.cache_salt, export_kv=True)
+            else:
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                        priority=msg.priority, cache_salt=msg.cache_salt)
         except RequestError as exc:
             out.append(Envelope(msg.reply_addr, RequestFailed(
                 request_id=msg.request_id, status=400, code="invalid_request", message=str(exc))))
             self._finished.append(msg.request_id)
             return
         metrics.WORKER_ADMIT.observe(time.perf_counter() - received)
-        req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received,
+        req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received, handoff_to=handoff_to,
                    prompt_tokens=len(msg.prompt_token_ids))
         self.requests[msg.request_id] = req
         if self._sees_scheduling:
@@ -144,10 +178,30 @@ class WorkerCore:
         out.append(Envelope(msg.detok_addr, StreamOpen(
             request_id=msg.request_id, params=msg.params, reply_addr=msg.reply_addr,
             num_prompt_tokens=len(msg.prompt_token_ids), prompt_tail=msg.prompt_token_ids[-8:],
-            worker_addr=self.inbox_addr)))
+            worker_addr=self.inbox_addr, resumes=msg.resumes)))
+
+    def _take_over(self, rid: str) -> bool:
+        """A re-run of rid, whose prefill worker died: False when its KV arrived before that (it
+        decodes here already); else what was reserved for the KV is freed and it runs whole."""
+        if rid in self.requests:
+            return False
+        if self.awaiting.pop(rid, None) is not None:
+            self.imports.abort(rid)
+            self.imports.take_dropped()
+        return True
 
     def _abort(self, msg: Abort, out: list[Envelope]) -> None:
         req = self.requests.get(msg.request_id)
+        if req is None and msg.request_id in self.awaiting:
+            if msg.index is not None:          # one sample: it leaves the hand-off, if it has begun
+                self.engine.abort_request(msg.request_id, msg.index)
+                return
+            # its KV has not arrived: free what is reserved; the prefill worker ends the stream
+            self.awaiting.pop(msg.request_id)
+            self.imports.abort(msg.request_id)
+            self.imports.take_dropped()
+            self._finished.append(msg.request_id)
+            return
         if req is None:
             return
         self.engine.abort_request(msg.request_id, msg.index)
@@ -183,7 +237,8 @@ class WorkerCore:
             if req is None:
                 continue
             self.tokens_out += len(d.new_token_ids)
-            per_dest.setdefault(req.detok_addr, []).append(_seq_tokens(d))
+            handed = d.finish_reason == HANDOFF     # the sample goes on at the decode worker
+            per_dest.setdefault(req.detok_addr, []).append(_seq_tokens(d, None if handed else d.finish_reason))
             if d.new_token_ids and req.first_token is None:
                 self._first_tokens.append(t1)
                 sync_s = getattr(self.engine, "last_sync_s", None)
@@ -193,13 +248,64 @@ class WorkerCore:
                 _note_token(req, t1)
             if d.finish_reason is not None:
                 req.done.add(d.index)
+                req.exported |= handed
                 if len(req.done) >= req.n:
-                    _observe_decode(req)
-                    del self.requests[d.request_id]
-                    self._finished.append(d.request_id)
+                    self._prefill_ended(d.request_id, req)
         for dest, seqs in per_dest.items():
             out.append(Envelope(dest, StepOutput(worker_id=self.worker_id, epoch=self.epoch,
                                                  step=self.num_steps, seqs=seqs)))
+
+    def _prefill_ended(self, rid: str, req: _Req) -> None:
+        """Every sample of rid has drawn its last token here, or its first before a hand-off."""
+        if req.exported:
+            self._handoffs.append((rid, req.handoff_to))   # stays in `requests` until handoff_done
+            return
+        _observe_decode(req)
+        del self.requests[rid]
+        self._finished.append(rid)
+        if req.handoff_to:                    # every sample ended at its first token
+            self._cancels.append((rid, req.handoff_to))
+
+    # ---- prefill/decode hand-off ------------------------------------------------------------
+    def take_handoffs(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """(to hand off, to cancel at the decode worker): (request id, decode worker address)."""
+        todo, cancel = self._handoffs, self._cancels
+        self._handoffs, self._cancels = [], []
+        return todo, cancel
+
+    def handoff_done(self, rid: str, ok: bool, reason: str, out: list[Envelope]) -> None:
+        """The shell ran rid's hand-off (P's blocks are released either way)."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return
+        self._finished.append(rid)
+        if not ok:
+            out.append(Envelope(req.reply_addr, RequestFailed(
+                request_id=rid, status=503, code="worker_failed",
+                message="the request's hand-off to a decode worker failed; please retry")))
+            out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="worker_failed")))
+
+    def _await_kv(self, msg: AwaitKV, out: list[Envelope], received: float) -> None:
+        if msg.epoch != self.epoch or self.imports is None or msg.request_id in self.requests:
+            log.info("refusing to await the KV of %s (epoch %d, serving epoch %d, role without a KV socket: %s)",
+                     msg.request_id, msg.epoch, self.epoch, self.imports is None)
+            self._finished.append(msg.request_id)
+            return
+        self.awaiting[msg.request_id] = _Req(msg.detok_addr, msg.reply_addr, msg.n, received)
+        self.imports.await_request(msg.request_id)
+        self.num_requests += 1
+
+    def adopt_imports(self) -> None:
+        """After the shell served the KV socket: requests admitted decode here from now on."""
+        now = time.perf_counter()
+        for rid in self.imports.take_admitted():
+            req = self.awaiting.pop(rid, None)
+            if req is not None:
+                req.first_token = req.last_token = now    # the first token came from the prefill worker
+                self.requests[rid] = req
+        for rid in self.imports.take_dropped():
+            if self.awaiting.pop(rid, None) is not None:
+                self._finished.append(rid)
 
     def fail_all(self, message: str, out: list[Envelope]) -> None:
         for rid, req in list(self.requests.items()):
@@ -232,7 +338,7 @@ class WorkerCore:
         s = self.engine.stats()
         return {"running": s.num_running, "waiting": s.num_waiting, "free_blocks": s.num_free_blocks,
                 "cached_blocks": s.num_cached_blocks, "total_blocks": s.num_total_blocks,
-                "requests": len(self.requests), "requests_total": self.num_requests,
+                "requests": len(self.requests) + len(self.awaiting), "requests_total": self.num_requests,
                 "tokens_out": self.tokens_out, "prefix_query_tokens": s.prefix_query_tokens,
                 "prefix_hit_tokens": s.prefix_hit_tokens, "pending_prompt_tokens": self.pending_prompt_tokens()}
 
@@ -249,7 +355,8 @@ class WorkerCore:
         return WorkerStatus(worker_id=self.worker_id, epoch=self.epoch, running=s.num_running,
                             waiting=s.num_waiting, free_blocks=s.num_free_blocks,
                             cached_blocks=s.num_cached_blocks, total_blocks=s.num_total_blocks,
-                            finished=finished or [], active=list(self.requests) if with_active else None)
+                            finished=finished or [],
+                            active=[*self.requests, *self.awaiting] if with_active else None)
 
 
 def _note_token(req: _Req, now: float) -> None:
@@ -266,10 +373,12 @@ def _observe_decode(req: _Req) -> None:
         metrics.WORKER_DECODE.observe(req.last_token - req.first_token)
 
 
-def _seq_tokens(d: SequenceDelta) -> SeqTokens:
+def _seq_tokens(d: SequenceDelta, finish_reason: str | None) -> SeqTokens:
+    """`finish_reason`: d's, or None for a sample that goes on at a decode worker (its stream has
+    not finished)."""
     logprobs = top = None
     if d.new_logprobs:
         logprobs = [lp.logprob for lp in d.new_logprobs]
         top = [[(int(t), float(v)) for t, v in lp.top] for lp in d.new_logprobs]
-    return SeqTokens(d.request_id, d.index, list(d.new_token_ids), logprobs, top, d.finish_reason,
+    return SeqTokens(d.request_id, d.index, list(d.new_token_ids), logprobs, top, finish_reason,
                      d.num_prompt_tokens, d.num_cached_tokens)

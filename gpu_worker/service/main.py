@@ -18,6 +18,12 @@ in the new epoch and the prefix index resyncs it from a snapshot). SIGTERM drain
 record says `draining` (no new work is routed here), running requests finish (up to 30 s), then
 the lease is released.
 
+Roles (--role): a prefill worker runs each hand-off (handoff.PrefillSender) right after the step
+output carrying the request's first token went to its socket; a decode worker binds the
+KV-transfer socket (CURVE, worker role only; advertised as `kv` in its record) and serves it
+between steps, waiting on it and on its inbox together when idle. Every real engine advertises its
+KV layout (`kv_layout` in the record's info): the scheduler pairs only workers whose layouts are equal.
+
 SENDERS names the roles (CURVE keys) each inbox message may come from; the inbox drops the rest.
 """
 from __future__ import annotations
@@ -34,6 +40,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from gpu_worker.service.core import WorkerCore
 from services import metrics
 from services.config import WorkerConfig, load_or_exit
@@ -41,7 +49,7 @@ from services.engine_args import engine_args_of
 from services.envelope import SCHEDULER, Envelope
 from services.logging import setup as setup_logging
 from services.model_names import path_aliases, served_names
-from services.protocol.messages import Abort, Dispatch, WorkerInbox
+from services.protocol.messages import Abort, AwaitKV, Dispatch, WorkerInbox
 from services.redis_client import RedisAuth
 from services.registry import Lease, Registry
 from services.security.curve import Plane, plane_or_exit, with_role
@@ -53,7 +61,7 @@ FAIL_ALL_TIMEOUT_S = 5.0  # after the drain timed out: for the engine thread to 
 STOP_DEADLINE_S = 20.0   # after the drain: engine join, lease release, freeing the device
 log = logging.getLogger("kvmesh.worker")
 # message -> the roles that may send it (a gateway that detokenizes stops a sample its stop string ended)
-SENDERS = {Dispatch: ("scheduler",), Abort: ("scheduler", "gateway")}
+SENDERS = {Dispatch: ("scheduler",), AwaitKV: ("scheduler",), Abort: ("scheduler", "gateway")}
 
 
 def build_engine(cfg: WorkerConfig) -> Any:
@@ -84,7 +92,17 @@ def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
             "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
             "vocab_size": int(engine.vocab_size), "null_model": cfg.null_model, "draining": False,
             "model_id": getattr(getattr(engine, "setup", None), "model_id", name),
-            "pid": os.getpid()}
+            "kv_layout": kv_layout(engine), "pid": os.getpid()}
+
+
+def kv_layout(engine: Any) -> dict[str, Any] | None:
+    """The engine's KV layout (gpu_worker/kv_transfer/layout.py) as plain fields; None for the null
+    engine, which holds no KV to move."""
+    if not hasattr(engine, "runner"):
+        return None
+    import msgspec
+    from gpu_worker.kv_transfer.layout import layout_of
+    return msgspec.structs.asdict(layout_of(engine))
 
 
 class EngineThread(threading.Thread):
@@ -93,10 +111,17 @@ class EngineThread(threading.Thread):
     IDLE_POLL_MS = 50   # also the idle period of KV-event heartbeats and snapshot answers
 
     def __init__(self, core: WorkerCore, receiver: SyncReceiver, scheduler_addrs: list[str], lease: Lease,
-                 plane: Plane,
-                 kv_publisher: Any = None) -> None:
+                 plane: Plane, kv_publisher: Any = None, handoff_sender: Any = None,
+                 kv_receiver: Any = None) -> None:
         super().__init__(name="engine", daemon=True)
         self.core, self.receiver, self.kv_publisher = core, receiver, kv_publisher
+        self.handoff_sender = handoff_sender        # prefill role: handoff.PrefillSender
+        self.kv_receiver = kv_receiver              # decode role: handoff.DecodeReceiver
+        self.poller: zmq.Poller | None = None
+        if kv_receiver is not None:                 # idle: wake for a dispatch or a KV message
+            self.poller = zmq.Poller()
+            self.poller.register(receiver.socket, zmq.POLLIN)
+            self.poller.register(kv_receiver.endpoint.socket, zmq.POLLIN)
         self.lease = lease                          # renewed by the loop thread; read here
         self.scheduler_addrs = scheduler_addrs      # replaced (not mutated) by the heartbeat
         self.senders: SenderPool = SenderPool(plane)
@@ -114,8 +139,11 @@ class EngineThread(threading.Thread):
                 if not self.lease.held():
                     self.stop.wait(self.IDLE_POLL_MS / 1000)   # until renewed or rejoined
                     continue
-                inbox = self.receiver.recv_all(0 if self.core.has_work() else self.IDLE_POLL_MS)
+                inbox = self._recv(0 if self.core.has_work() else self.IDLE_POLL_MS)
                 held += self.core.run(inbox, self.receiver.read_at if inbox else None)
+                if self.kv_receiver is not None:
+                    self.kv_receiver.poll()
+                    self.core.adopt_imports()
                 if self.fail_message is not None:
                     self.core.fail_all(self.fail_message, held)
                     self.fail_message = None
@@ -124,6 +152,8 @@ class EngineThread(threading.Thread):
                     self._send(held)
                     held = []
                     self.core.note_sent(time.perf_counter())
+                    if self.handoff_sender is not None:   # first tokens are out: now move the KV
+                        self._hand_off(held)
                     if self.kv_publisher is not None:
                         self.kv_publisher.flush()   # this step's cache changes; snapshots; heartbeats
                 if self.core.last_step_s:
@@ -134,11 +164,29 @@ class EngineThread(threading.Thread):
             log.exception("engine thread died")
         finally:
             self.senders.close()
+            for endpoint in (self.handoff_sender, self.kv_receiver):
+                if endpoint is not None:
+                    endpoint.close()
             if self.kv_publisher is not None:
                 self.kv_publisher.close()
             close = getattr(self.core.engine, "close", None)   # the null engine has none
             if close is not None:
                 close()
+
+    def _recv(self, timeout_ms: int) -> list[Any]:
+        if self.poller is not None and timeout_ms:
+            self.poller.poll(timeout_ms)
+            timeout_ms = 0
+        return self.receiver.recv_all(timeout_ms)
+
+    def _hand_off(self, out: list[Envelope]) -> None:
+        """Run the hand-offs the last step made ready; failures go out with the next step's output."""
+        todo, cancel = self.core.take_handoffs()
+        for rid, to in cancel:
+            self.handoff_sender.cancel(rid, to)
+        for rid, to in todo:
+            result = self.handoff_sender.send(rid, to)
+            self.core.handoff_done(rid, result.ok, result.reason, out)
 
     def _rejoin(self, epoch: int) -> None:
         old = self.core.epoch
@@ -196,13 +244,27 @@ class WorkerService:
         publisher = self._kv_publisher(engine)
         if publisher is not None:
             addrs["kv_events"], addrs["kv_snapshot"] = publisher.events_addr, publisher.snapshot_addr
+        try:
+            sender, kv_receiver = self._handoff_endpoints(engine)
+        except ValueError as exc:          # an engine the KV transfer cannot serve (tensor parallel)
+            log.error("cannot serve --role %s: %s", cfg.role, exc)
+            receiver.close()
+            await server.stop(0)
+            await health.stop()
+            return 2
+        if kv_receiver is not None:
+            addrs["kv"] = with_role(tcp_addr(host, kv_receiver.endpoint.port), "worker")
         self.lease = await self.registry.register("worker", self.worker_id, addrs=addrs, info=self.info,
                                                   lease_ms=cfg.lease_ms)
         if publisher is not None:
             publisher.set_epoch(self.lease.epoch)
         self.core = WorkerCore(engine, self.worker_id, self.lease.epoch, inbox_addr=addrs["zmq"])
+        self.core.hands_off = sender is not None
+        if kv_receiver is not None:
+            self.core.imports = kv_receiver.imports
         await self._refresh_schedulers()
-        self.engine = EngineThread(self.core, receiver, self.scheduler_addrs, self.lease, self.plane, publisher)
+        self.engine = EngineThread(self.core, receiver, self.scheduler_addrs, self.lease, self.plane, publisher,
+                                   sender, kv_receiver)
         self.engine.start()
         await set_serving(health, True)
         log.info("worker %s epoch %d ready: %s (%s), zmq %s", self.worker_id, self.lease.epoch,
@@ -244,6 +306,18 @@ class WorkerService:
                                 advertise_host=self.cfg.reachable_host(), events_port=self.cfg.kv_events_port,
                                 snapshot_port=self.cfg.kv_snapshot_port)
 
+    def _handoff_endpoints(self, engine: Any) -> tuple[Any, Any]:
+        """(PrefillSender, DecodeReceiver) of this worker's role; None where the role has none. The
+        null engine holds no KV: it serves every role as a mixed worker."""
+        cfg = self.cfg
+        if cfg.role == "mixed" or not hasattr(engine, "runner"):
+            return None, None
+        from gpu_worker.service.handoff import DecodeReceiver, PrefillSender
+        lease_s = cfg.handoff_lease_ms / 1000
+        if cfg.role == "prefill":
+            return PrefillSender(engine, self.plane, lease_s), None
+        return None, DecodeReceiver(engine, self.plane, cfg.host, cfg.kv_transfer_port, lease_s)
+
     async def _drain(self) -> None:
         self.info["draining"] = True
         self.lease.record.info = self.info
@@ -252,7 +326,7 @@ class WorkerService:
         except Exception:
             pass
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while self.core.requests and time.monotonic() < deadline and self.engine.is_alive():
+        while (self.core.requests or self.core.awaiting) and time.monotonic() < deadline and self.engine.is_alive():
             await asyncio.sleep(0.05)
         if self.core.requests and self.engine.is_alive():
             log.warning("drain timed out; failing %d requests", len(self.core.requests))

@@ -4,7 +4,11 @@ Frozen msgspec Structs, msgpack on the wire, one tag each and a `version`. Who s
 
     gateway   --Submit, Abort------------------------------> scheduler      (ZMQ PUSH/PULL)
     scheduler --Admitted, Rejected, RequestFailed----------> gateway        (reply_addr)
-    scheduler --Dispatch, Abort----------------------------> worker
+    scheduler --Dispatch, Abort----------------------------> worker         (a prefill worker's Dispatch
+                                                                              names the decode worker it
+                                                                              hands the KV to)
+    scheduler --AwaitKV, Abort-----------------------------> decode worker  (the request's KV comes from a
+                                                                              prefill worker)
     scheduler --Abort--------------------------------------> detokenizer    (worker died)
     worker    --StreamOpen, StepOutput, Abort--------------> detokenizer    (one connection: ordered; the
                                                                               gateway's inbox when it
@@ -103,6 +107,24 @@ class Dispatch(Msg, tag="dispatch", kw_only=True):
     cache_salt: str = ""
     reply_addr: str
     detok_addr: str
+    # set on a prefill worker's Dispatch: the decode worker's KV-transfer address
+    # (`tcp://host:port#worker`). The prefill worker computes the prompt, streams the first token,
+    # hands the KV over there and the decode worker streams the rest.
+    handoff_to: str = ""
+    # the request's prefill worker died after it may have streamed first tokens: this worker runs it
+    # whole again (same seed, so the same tokens) and its detokenizer skips what was streamed
+    resumes: bool = False
+
+
+class AwaitKV(Msg, tag="await_kv", kw_only=True):
+    """To a decode worker: a prefill worker will offer this request's KV (gpu_worker/kv_transfer);
+    stream what follows the first token to detok_addr. Offers of requests not awaited are refused."""
+
+    request_id: str
+    epoch: int                       # the decode worker incarnation it is meant for
+    n: int                           # samples (the Offer carries the rest of the request)
+    reply_addr: str
+    detok_addr: str
 
 
 # ----------------------------------------------------------------------------- worker -> detokenizer
@@ -117,6 +139,9 @@ class StreamOpen(Msg, tag="open", kw_only=True):
     num_prompt_tokens: int
     prompt_tail: list[int] = []      # last prompt ids: left context for the first generated token
     worker_addr: str = ""            # the worker's inbox: a gateway that makes the text stops samples there
+    # a re-run of a stream whose first tokens came from a worker that died (Dispatch.resumes): the
+    # detokenizer keeps the stream and drops as many leading tokens of each sample as it has seen
+    resumes: bool = False
 
 
 class SeqTokens(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -225,7 +250,7 @@ class DetokenizeReply(Msg, tag="detokenized", kw_only=True):
 # ----------------------------------------------------------------------------- inbox unions
 
 SchedulerInbox = Union[Submit, Abort, WorkerStatus]
-WorkerInbox = Union[Dispatch, Abort]
+WorkerInbox = Union[Dispatch, AwaitKV, Abort]
 DetokInbox = Union[StreamOpen, StepOutput, Abort]
 # a gateway with --text-in-gateway is its requests' detokenizer too: it takes DetokInbox's messages
 GatewayInbox = Union[Admitted, Rejected, RequestFailed, TextBatch, StreamOpen, StepOutput, Abort]

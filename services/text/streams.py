@@ -4,7 +4,10 @@ Run by the tokenizer service (tokenizer_svc/streams.py) and, with --text-in-gate
 itself (services/gateway/core.py: workers then send it their tokens directly, one process hop
 less); it lives in services/ because both import it.
 
-    open(StreamOpen)     a request starts: one IncrementalDetokenizer + StopStringMatcher per sample
+    open(StreamOpen)     a request starts: one IncrementalDetokenizer + StopStringMatcher per sample;
+                         a re-run of a stream it holds (`resumes`: the worker that streamed its first
+                         tokens died, another recomputes it with the same seed) keeps the stream and
+                         skips as many leading tokens of each sample as it has seen
     step(StepOutput)     -> one TextBatch per gateway (all deltas of this step for it), and an
                             Abort(request, index) to the scheduler for every sample a stop string ended
     abort(Abort)         forget the request (worker aborted it, or its worker died); when some of
@@ -44,6 +47,8 @@ class _Sample:
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
     done: bool = False
+    seen: int = 0          # tokens received for this sample (from its current worker)
+    skip: int = 0          # leading tokens of a re-run that the client already has
 
 
 @dataclass
@@ -58,6 +63,17 @@ class _Stream:
     def ended(self) -> bool:
         """Every sample started and ended."""
         return len(self.samples) == self.params.n and all(s.done for s in self.samples.values())
+
+
+def _skip_seen(sample: _Sample, seq: SeqTokens) -> SeqTokens | None:
+    """seq without the leading tokens the client already has (sample.skip of them); None if nothing
+    new is left."""
+    n = min(sample.skip, len(seq.token_ids))
+    sample.skip -= n
+    if n == len(seq.token_ids) and seq.finish_reason is None:
+        return None
+    return SeqTokens(seq.request_id, seq.index, seq.token_ids[n:], seq.logprobs and seq.logprobs[n:],
+                     seq.top and seq.top[n:], seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens)
 
 
 def _stop_token(seq: SeqTokens, params: SamplingParams) -> int | None:
@@ -80,6 +96,11 @@ class DetokCore:
         self.dropped_tokens = {"stale_epoch": 0, "no_stream": 0}
 
     def open(self, msg: StreamOpen) -> list[Envelope]:
+        stream = self.streams.get(msg.request_id)
+        if msg.resumes and stream is not None:
+            for sample in stream.samples.values():
+                sample.skip, sample.seen = sample.seen, 0
+            return []
         self.streams[msg.request_id] = _Stream(msg.reply_addr, msg.params, msg.prompt_tail)
         return []
 
@@ -131,6 +152,11 @@ class DetokCore:
             self.samples_started += 1
         if sample.done:
             return None
+        sample.seen += len(seq.token_ids)
+        if sample.skip:
+            seq = _skip_seen(sample, seq)
+            if seq is None:
+                return None
         text = sample.detok.push(seq.token_ids)
         engine_finish = seq.finish_reason
         if engine_finish is not None:

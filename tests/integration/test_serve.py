@@ -93,7 +93,7 @@ def test_serve_refuses_out_of_range_flags_before_starting_anything():
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     r = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--workers", "0"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--workers=0 must be at least 1" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--workers=0 needs --prefill-workers and --decode-workers" in r.stderr, r.stderr
 
 
 def test_serve_stops_with_the_engines_reason_when_the_model_refuses_a_setting(tiny_model, tmp_path):

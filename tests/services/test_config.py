@@ -106,7 +106,10 @@ def test_every_external_variable_is_read_by_code():
 
 
 @pytest.mark.parametrize("cls, argv, needle", [
-    (ServeConfig, ["--workers", "0"], "--workers=0 must be at least 1"),
+    (ServeConfig, ["--workers", "-1"], "--workers=-1 must be at least 0"),
+    (ServeConfig, ["--workers", "0"], "--workers=0 needs --prefill-workers and --decode-workers"),
+    (ServeConfig, ["--prefill-workers", "1"], "--prefill-workers and --decode-workers go together"),
+    (WorkerConfig, ["--redis-url", "redis://x", "--handoff-lease-ms", "10"], "--handoff-lease-ms=10 must be at least 100"),
     (ServeConfig, ["--port", "70000"], "--port=70000 must be at most 65535"),
     (ServeConfig, ["--port", "0"], "--port=0 must be at least 1"),
     (ServeConfig, ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization=0.0 must be greater than 0"),

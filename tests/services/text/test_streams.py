@@ -152,3 +152,25 @@ def test_a_stale_epochs_tokens_are_dropped_and_counted():
     gone = StepOutput(worker_id="w", epoch=2, step=1, seqs=[SeqTokens("failed", 0, ids("ab"))])
     assert core.step(gone) == []
     assert core.dropped_tokens == {"stale_epoch": 3, "no_stream": 2}
+
+
+def test_a_re_run_stream_skips_the_tokens_the_client_has():
+    """The prefill worker streamed each sample's first token and died; the decode worker re-runs the
+    request from its prompt (StreamOpen.resumes): the client sees every token once."""
+    core = DetokCore(ToyTok())
+    open_(core, n=2)
+    assert texts(step(core, SeqTokens("r", 0, ids("h")), SeqTokens("r", 1, ids("y")))) == [(0, "h", None),
+                                                                                             (1, "y", None)]
+    core.open(StreamOpen(request_id="r", params=SamplingParams(n=2), reply_addr="gw", num_prompt_tokens=3,
+                         resumes=True))
+    assert texts(step(core, SeqTokens("r", 0, ids("h")), SeqTokens("r", 1, ids("y")))) == []
+    out = step(core, SeqTokens("r", 0, ids("ello"), finish_reason="length"), SeqTokens("r", 1, ids("es")))
+    assert texts(out) == [(0, "ello", "length"), (1, "es", None)]
+    # a re-run whose first step carries the seen token and more: only the new ones
+    open_(core, "s")
+    step(core, SeqTokens("s", 0, ids("ab")))
+    core.open(StreamOpen(request_id="s", params=SamplingParams(), reply_addr="gw", num_prompt_tokens=3, resumes=True))
+    assert texts(step(core, SeqTokens("s", 0, ids("abc")))) == [(0, "c", None)]
+    # a resumed open of a stream this detokenizer does not hold is a plain open
+    core.open(StreamOpen(request_id="t", params=SamplingParams(), reply_addr="gw", num_prompt_tokens=3, resumes=True))
+    assert texts(step(core, SeqTokens("t", 0, ids("x")))) == [(0, "x", None)]

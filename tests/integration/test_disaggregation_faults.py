@@ -1,0 +1,122 @@
+"""Prefill/decode hand-offs under faults, real processes: aborts at every stage free every block on
+both workers and touch no other request; a decode worker dead mid-transfer leaves nothing held on
+the prefill worker past the hand-off lease; a prefill worker dead mid-transfer still completes its
+client's request in one stream. The decode worker is held mid-transfer with SIGSTOP: the prefill
+worker has streamed the first token and waits for it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.pd_stack import CHUNK, pd_stack
+from tests.integration.stack import wait_for
+from tests.integration.test_disaggregation import offline, texts
+
+pytestmark = pytest.mark.timeout(600)
+LEASE_MS = 2000
+
+
+@pytest.fixture
+def pd(tiny_model, tmp_path):
+    with pd_stack(tiny_model, tmp_path, lease_ms=LEASE_MS) as stack:
+        yield stack
+
+
+def prompt_of(seed: int, length: int = 4 * CHUNK) -> list[int]:
+    return [(seed * 31 + 7 * i) % 1000 + 5 for i in range(length)]
+
+
+def stream(pd, prompt, max_tokens: int, chunks_before_close: int | None = None,
+           events: list[dict] | None = None) -> tuple[str, list[dict]]:
+    """A streamed greedy completion: its text and its events ([DONE] excluded; also appended to
+    `events` as they come); closes the connection after `chunks_before_close` data events (0: as
+    soon as the response starts)."""
+    body = {"model": pd.model.rsplit("/", 1)[-1], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    events = [] if events is None else events
+    with httpx.Client(timeout=60) as http, http.stream("POST", pd.base_url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if chunks_before_close is not None and len(events) >= chunks_before_close:
+                break
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    text = "".join(c["text"] for e in events for c in e.get("choices", []))
+    return text, events
+
+
+def test_aborts_at_every_stage_free_both_sides_and_spare_other_requests(pd):
+    keep = prompt_of(99)
+    expected = texts(pd.model, offline(pd.model, keep, max_tokens=40, temperature=0))[0]
+    kept: list[str] = []
+    survivor = threading.Thread(target=lambda: kept.append(stream(pd, keep, 40)[0]))
+    survivor.start()
+    # closed: before any token (queued or prefilling on P), at the first token (the hand-off
+    # starts), and while decoding on D
+    stages = [0, 1, 0, 2, 1, 5, 0, 3, 8]
+    aborted = [threading.Thread(target=stream, args=(pd, prompt_of(i), 200, k)) for i, k in enumerate(stages)]
+    for t in aborted:
+        t.start()
+    for t in [*aborted, survivor]:
+        t.join(120)
+    assert kept == [expected]
+    for worker in ("prefill-0", "decode-0"):
+        wait_for(lambda: pd.no_blocks_held(worker), LEASE_MS / 1000 + 10, f"{worker} to hold no block")
+
+
+def test_a_decode_worker_dead_mid_transfer_leaves_nothing_held_on_the_prefill_worker(pd):
+    prompt = prompt_of(3)      # its first token is whole characters (a lone UTF-8 byte would be held back)
+    first = texts(pd.model, offline(pd.model, prompt, max_tokens=1, temperature=0))[0]
+    assert first.isprintable() and first
+    d_pid = pd.record("decode-0").info["pid"]
+    os.kill(d_pid, signal.SIGSTOP)            # D reads nothing: P's Offer waits for an answer
+    try:
+        outcome: list = []
+        client = threading.Thread(target=lambda: outcome.append(stream(pd, prompt, 50)))
+        client.start()
+        # P streams the first token without waiting for the transfer
+        wait_for(lambda: pd.load("prefill-0").get("requests") == 1, 20, "P to hold the request")
+        os.kill(d_pid, signal.SIGKILL)
+    finally:
+        os.kill(d_pid, signal.SIGCONT)
+    pd.procs.procs.pop("decode-0").wait(30)
+    t0 = time.monotonic()
+    wait_for(lambda: pd.no_blocks_held("prefill-0"), LEASE_MS / 1000 + 5, "P's blocks free within the lease")
+    assert time.monotonic() - t0 < LEASE_MS / 1000 + 5
+    assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoff_expiries_total") == 1
+    client.join(60)
+    text, events = outcome[0]
+    assert text == first, events               # the first token came from P, without waiting for D
+    assert "error" in events[-1]               # then the stream ended with an error, not a hang
+
+
+def test_a_prefill_worker_dead_mid_transfer_still_completes_the_request(pd):
+    prompt = prompt_of(2)      # its first token is whole characters: the client sees it at once
+    expected = texts(pd.model, offline(pd.model, prompt, max_tokens=30, temperature=0))[0]
+    first = texts(pd.model, offline(pd.model, prompt, max_tokens=1, temperature=0))[0]
+    assert first.isprintable() and first
+    d_pid, p_pid = pd.record("decode-0").info["pid"], pd.record("prefill-0").info["pid"]
+    os.kill(d_pid, signal.SIGSTOP)
+    try:
+        outcome: list = []
+        seen: list[dict] = []
+        client = threading.Thread(target=lambda: outcome.append(stream(pd, prompt, 30, events=seen)))
+        client.start()
+        wait_for(lambda: seen, 30, "the first token at the client (from P, D stopped)")
+        assert seen[0]["choices"][0]["text"] == first
+        os.kill(p_pid, signal.SIGKILL)         # P waits for D's answer to its Offer
+    finally:
+        os.kill(d_pid, signal.SIGCONT)
+    pd.procs.procs.pop("prefill-0").wait(30)
+    client.join(120)
+    text, events = outcome[0]
+    assert text == expected                    # every token once: none lost, none repeated
+    assert all("error" not in e for e in events)
+    assert pd.route_count("rerun") == 1         # D recomputed it
+    wait_for(lambda: pd.no_blocks_held("decode-0"), LEASE_MS / 1000 + 10, "D to hold no block")
