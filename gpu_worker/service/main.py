@@ -359,6 +359,7 @@ class WorkerService:
             metrics.TOKENS_OUT.inc(load["tokens_out"] - tokens_seen)
             tokens_seen = load["tokens_out"]
             self._publish_metrics(load)
+            self._publish_tier_metrics()
             try:
                 if not await self.lease.renew(load):
                     self.stopping.set()  # fenced: a newer incarnation owns this id
@@ -382,6 +383,9 @@ class WorkerService:
         metrics.PENDING_PROMPT_TOKENS.set(load["pending_prompt_tokens"])
         metrics.PREFIX_QUERY_TOKENS.set(load["prefix_query_tokens"])
         metrics.PREFIX_HIT_TOKENS.set(load["prefix_hit_tokens"])
+
+    def _publish_tier_metrics(self) -> None:
+        """The KV tiers' gauges, for an engine that has tiers."""
         try:
             tiers = self.core.engine.stats().extra.get("kv_tiers")   # an engine with KV tiers
         except RuntimeError:      # read while the engine thread runs: a dict changed size, next beat
