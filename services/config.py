@@ -261,7 +261,8 @@ class ServeConfig(ServedEngineArgs):
                                           "(kvmesh scheduler --pd-min-prefill-tokens).", min=0)
     null_model: bool = opt(False, "Workers skip the model and emit fake tokens (control-plane benchmarks).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms.", min=0)
-    prefix_cache: bool = opt(True, "Start the prefix-cache index service when it is installed.")
+    prefix_cache: bool = opt(True, "Start the prefix-cache index service (when installed) where the scheduler asks "
+                                   "it: cache_aware routing with more than one worker.")
     text_in_gateway: bool = opt(True, "The gateway makes the text itself (tokenizes prompts, turns tokens into "
                                       "text: one hop less per request and per token) and no tokenizer service "
                                       "is started; --no-text-in-gateway starts one and routes both through it.")

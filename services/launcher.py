@@ -4,7 +4,8 @@
 
 Only services that requests reach are started: the gateway makes its own text by default
 (--text-in-gateway), so the tokenizer service runs only with --no-text-in-gateway, and only then
-does the gateway's /ready wait for it.
+does the gateway's /ready wait for it; the prefix-cache index runs only where the scheduler asks it
+(cache_aware routing with more than one worker).
 
 Workers: --workers mixed ones (worker-0..), --prefill-workers (prefill-0..) and --decode-workers
 (decode-0..) of the disaggregated pools.
@@ -130,10 +131,13 @@ class Stack:
             self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])
         self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0", "--routing", cfg.routing,
                                                 "--pd-min-prefill-tokens", str(cfg.pd_min_prefill_tokens)])
-        if cfg.prefix_cache and importlib.util.find_spec("prefix_cache_svc.main") is not None:
+        # the scheduler asks the prefix index only where it has a choice to make (several workers,
+        # or prefill beside decode-only), so one worker runs without it
+        index_asked = cfg.routing == "cache_aware" and cfg.workers + cfg.prefill_workers + cfg.decode_workers > 1
+        if cfg.prefix_cache and index_asked and importlib.util.find_spec("prefix_cache_svc.main") is not None:
             self.spawn("prefix-cache", "prefix-cache", [*common, "--host", "127.0.0.1", "--port", "0",
                                                         "--metrics-port", "0"], optional=True)
-        elif cfg.prefix_cache:
+        elif cfg.prefix_cache and index_asked:
             log.info("prefix-cache service not installed; running without the cluster prefix index")
         gpus = _gpu_count() if cfg.device in ("auto", "cuda") and not cfg.null_model else 0
         pools = [("worker", "mixed", cfg.workers), ("prefill", "prefill", cfg.prefill_workers),

@@ -22,14 +22,14 @@ def families(url: str) -> set[str]:
 
 
 def test_each_process_serves_its_own_families(tiny_model, tmp_path):
-    # --no-text-in-gateway: the tokenizer service runs (and tokenizes) only then
-    with serve(tiny_model, 1, tmp_path / "serve.log", "--no-text-in-gateway") as (base, redis_url):
+    # --no-text-in-gateway: the tokenizer service runs (and tokenizes) only then; two workers: the
+    # prefix-cache index runs only where the scheduler has a choice of worker
+    with serve(tiny_model, 2, tmp_path / "serve.log", "--no-text-in-gateway") as (base, redis_url):
         httpx.post(base + "/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
                    timeout=30).raise_for_status()
         pages = {"gateway": base + "/metrics"}
         for kind in ("scheduler", "worker", "tokenizer", "prefix-cache"):
-            [record] = records(redis_url, kind)
-            pages[kind] = record.addrs["metrics"]
+            pages[kind] = records(redis_url, kind)[0].addrs["metrics"]
         for kind, url in pages.items():
             shown = families(url)
             own, others = OWN[kind]

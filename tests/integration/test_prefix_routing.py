@@ -46,8 +46,9 @@ def serve(model: str, workers: int, log_path, *flags: str):
         # every Match a miss)
         wait_for(lambda: scheduler_metric(redis.client_url, "kvmesh_scheduler_workers").get("") == workers, 60,
                  f"the scheduler to see {workers} workers")
-        wait_for(lambda: [r.load.get("workers") for r in records(redis.client_url, "prefix-cache")] == [workers], 60,
-                 f"the prefix-cache index to follow {workers} workers")
+        if workers > 1:      # one worker: kvmesh serve starts no index (the scheduler would not ask it)
+            wait_for(lambda: [r.load.get("workers") for r in records(redis.client_url, "prefix-cache")] == [workers],
+                     60, f"the prefix-cache index to follow {workers} workers")
         yield base, redis.client_url
     finally:
         proc.terminate()

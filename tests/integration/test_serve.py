@@ -113,13 +113,14 @@ def test_serve_stops_with_the_engines_reason_when_the_model_refuses_a_setting(ti
                                                    (("--no-detokenize-in-gateway",), True)])
 def test_serve_starts_the_tokenizer_service_only_when_requests_reach_it(tiny_model, tmp_path, flags, with_tokenizer):
     """By default the gateway makes the text: no tokenizer process, and /ready does not wait for
-    one. With --no-text-in-gateway (or its deprecated spelling, which says so once) it is started,
+    one (nor a prefix-cache index, which one worker never needs). With --no-text-in-gateway (or its deprecated spelling, which says so once) it is started,
     requests go through it, and /ready needs it: stopped past its lease, the stack is not ready."""
     serve = Serve(tmp_path, "--model", tiny_model, "--null-model", *flags)
     try:
         serve.wait_serving()
         tokenizer = serve.child(" tokenizer ")
         assert (tokenizer is not None) is with_tokenizer, serve.log()[-3000:]
+        assert serve.child(" prefix-cache ") is None   # one worker: the scheduler never asks the index
         assert ("--text-in-gateway" in cmdline(serve.child(" gateway "))) is not with_tokenizer
         assert serve.log().count("is deprecated") == (1 if "--no-detokenize-in-gateway" in flags else 0)
         r = serve.openai().completions.create(model=os.path.basename(tiny_model), prompt="hi", max_tokens=4)
