@@ -130,7 +130,8 @@ class Stack:
         if not cfg.text_in_gateway:
             self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])
         self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0", "--routing", cfg.routing,
-                                                "--pd-min-prefill-tokens", str(cfg.pd_min_prefill_tokens)])
+                                                "--pd-min-prefill-tokens", str(cfg.pd_min_prefill_tokens),
+                                                "--route-conversation-ttl-s", str(cfg.route_conversation_ttl_s)])
         # the scheduler asks the prefix index only where it has a choice to make (several workers,
         # or prefill beside decode-only), so one worker runs without it
         index_asked = cfg.routing == "cache_aware" and cfg.workers + cfg.prefill_workers + cfg.decode_workers > 1
