@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 
 from tests.integration.serve_proc import Serve
@@ -63,6 +64,18 @@ def _start_load(serve: Serve, model: str, turn: int) -> threading.Thread:
     return thread
 
 
+def _bad_keys_are_400s_and_cost_nothing(serve: Serve) -> None:
+    client, model = serve.openai(), serve.openai().models.list().data[0].id
+    for field in ("user", "conversation_id"):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_body={field: "x" * 257})
+        assert err.value.body["param"] == field and "at most 256 characters" in err.value.body["message"]
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"conversation_id": "chat-2"})
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 def _metric(page: str, name: str, **labels: str) -> float:
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     pattern = rf"^{re.escape(name)}{{{re.escape(want)}}} (\S+)$" if want else rf"^{re.escape(name)} (\S+)$"
@@ -93,6 +106,7 @@ def test_a_chat_sticks_to_its_worker_and_reuses_its_history_from_the_host_tier(t
         with httpx.Client(trust_env=False, timeout=10) as http:
             scheduler = http.get(pages["scheduler"]).text
             workers = {w: http.get(pages[w]).text for w in ("worker-0", "worker-1")}
+        _bad_keys_are_400s_and_cost_nothing(serve)
     finally:
         serve.stop()
 
