@@ -157,3 +157,13 @@ def test_with_prefill_and_decode_pools_the_conversation_keeps_its_decode_worker(
     [await_kv] = [e for e in out if isinstance(e.msg, AwaitKV)]
     [dispatch] = [e for e in out if isinstance(e.msg, Dispatch)]
     assert await_kv.dest == "tcp://d1:1" and dispatch.msg.handoff_to == "tcp://d1:2#worker"
+
+
+def test_the_table_exists_unless_round_robin_or_a_zero_ttl():
+    from scheduler_svc.main import conversation_table
+    from services.config import SchedulerConfig
+
+    assert conversation_table(SchedulerConfig()).ttl_s == 600.0
+    assert conversation_table(SchedulerConfig(routing="least_loaded", route_conversation_ttl_s=5)).ttl_s == 5
+    assert conversation_table(SchedulerConfig(routing="round_robin")) is None
+    assert conversation_table(SchedulerConfig(route_conversation_ttl_s=0)) is None
