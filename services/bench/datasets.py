@@ -6,7 +6,7 @@
 | sharegpt                 | first human/gpt turn pair of a ShareGPT JSON file, vLLM's filter rules  |
 | sharegpt-synthetic       | random tokens with ShareGPT-like lognormal lengths (no file needed)     |
 | generated-shared-prefix  | groups of prompts sharing a system prompt (SGLang's gsp workload)       |
-| multi-turn               | a Conversation (one user): messages sent one after another, with history |
+| multi-turn               | a Conversation of one user: each turn resends the history (chat API)    |
 | custom                   | JSONL lines {"prompt": str, "output_tokens": int}                      |
 """
 from __future__ import annotations
