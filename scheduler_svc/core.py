@@ -13,7 +13,8 @@
                             in-flight requests with a clear error (gateway) and frees detok state
 
 Queue order: (priority, arrival), lower priority value first. Routing: routing.route(scorer, hint), the hint a prefix match
-(prefix_hints.py).
+(prefix_hints.py); a request of a known conversation goes to its last turn's worker while that one
+can take it (conversations.py, routing.conversation_worker).
 
 Prefill/decode pools: a request routed to a prefill worker P and a decode worker D gets an AwaitKV
 to D and a Dispatch naming D's KV socket to P; it is in flight on both until each reports it
@@ -35,8 +36,9 @@ from typing import Any, Callable
 
 import msgspec
 
+from scheduler_svc.conversations import ConversationTable
 from scheduler_svc.prefix_hints import PREFIX_INDEX, PrefixHints
-from scheduler_svc.routing import Scorer, WorkerView, least_loaded, route, same_layout
+from scheduler_svc.routing import Scorer, WorkerView, conversation_worker, least_loaded, route, same_layout
 from services import metrics
 from services.envelope import Envelope
 from services.protocol.kv_events import MatchResponse
@@ -53,6 +55,7 @@ class Limits:
     worker_capacity_factor: float = 2.0
     retry_after_s: int = 1
     pd_min_prefill_tokens: int = 256   # routing.route: fewer uncached prompt tokens run on D alone
+    conversation_max_load: float = 1.0  # routing.conversation_worker: past this load a conversation moves
 
 
 @dataclass
@@ -73,9 +76,11 @@ class SchedulerCore:
     RECONCILE_AFTER_S = 5.0
 
     def __init__(self, limits: Limits = Limits(), scorer: Scorer = least_loaded,
-                 clock: Callable[[], float] = time.monotonic, prefix_hints: PrefixHints | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, prefix_hints: PrefixHints | None = None,
+                 conversations: ConversationTable | None = None) -> None:
         self.limits, self.scorer, self.clock = limits, scorer, clock
         self.prefix_hints = prefix_hints   # None: routed without prefix matches (no PrefixQuery)
+        self.conversations = conversations   # None: a conversation's turns are routed like any request
         self.workers: dict[str, WorkerView] = {}
         self.requests: dict[str, _Req] = {}
         self.tenant_inflight: dict[str, int] = {}
@@ -174,16 +179,29 @@ class SchedulerCore:
                 continue  # aborted while queued (lazy deletion)
             self._queued -= 1
             prefill = [w for w in self._prefill_pool() if len(w.inflight) < w.capacity(factor)]
-            chosen = route(room, prefill, req.submit, self.scorer, req.hint, self.limits.pd_min_prefill_tokens)
+            sticky = self._conversation_worker(req.submit, room)
+            chosen = route(room, prefill, req.submit, self.scorer, req.hint, self.limits.pd_min_prefill_tokens,
+                           sticky)
             if chosen.label != "mixed" or prefill:
                 metrics.PD_ROUTES.labels(chosen.label).inc()
             out += self._send_to(rid, req, chosen.worker, chosen.prefill)
         return out
 
+    def _conversation_worker(self, s: Submit, room: list[WorkerView]) -> WorkerView | None:
+        """The worker of the conversation's last turn, where it can take this one (routing.py)."""
+        if self.conversations is None or not s.conversation:
+            return None
+        last = self.conversations.lookup(s.tenant, s.conversation, self.clock())
+        worker = conversation_worker(room, last, self.limits.conversation_max_load)
+        metrics.CONVERSATION_ROUTES.labels("new" if last is None else "kept" if worker else "moved").inc()
+        return worker
+
     def _send_to(self, rid: str, req: _Req, worker: WorkerView, prefill: WorkerView | None) -> list[Envelope]:
         """`worker` runs the request whole, or decodes it after `prefill` handed it the KV."""
         req.worker_id, req.dispatched_at = worker.id, self.clock()
         s, out = req.submit, []
+        if self.conversations is not None and s.conversation:   # the next turn finds its KV there
+            self.conversations.record(s.tenant, s.conversation, worker.id, req.dispatched_at)
         for w in (worker, prefill):
             if w is not None:
                 w.inflight.add(rid)
@@ -271,6 +289,8 @@ class SchedulerCore:
             del self.workers[wid]
             if self.prefix_hints is not None:   # a new epoch starts with an empty cache
                 self.prefix_hints.forget_worker(wid)
+            if self.conversations is not None:
+                self.conversations.forget_worker(wid)
         for wid, view in fresh.items():
             cur = self.workers.get(wid)
             if cur is None:

@@ -22,6 +22,7 @@ import socket
 import time
 import uuid
 
+from scheduler_svc.conversations import ConversationTable
 from scheduler_svc.core import Limits, SchedulerCore
 from scheduler_svc.prefix_hints import PREFIX_INDEX, PrefixHints, PrefixQuery
 from scheduler_svc.routing import RoutingWeights, WorkerView, make_scorer
@@ -65,14 +66,23 @@ def routing_weights(cfg: SchedulerConfig) -> RoutingWeights:
                           disk_credit=cfg.route_disk_credit)
 
 
+def conversation_table(cfg: SchedulerConfig) -> ConversationTable | None:
+    """round_robin is the baseline that ignores where KV is, so it keeps no conversations either."""
+    if cfg.routing == "round_robin" or cfg.route_conversation_ttl_s <= 0:
+        return None
+    return ConversationTable(cfg.route_conversation_ttl_s)
+
+
 class SchedulerService:
     def __init__(self, cfg: SchedulerConfig, plane: Plane) -> None:
         self.cfg = cfg
         self.plane = plane
         self.core = SchedulerCore(Limits(cfg.max_queue, cfg.max_tenant_inflight, cfg.worker_capacity_factor,
-                                         cfg.retry_after_s, cfg.pd_min_prefill_tokens),
+                                         cfg.retry_after_s, cfg.pd_min_prefill_tokens,
+                                         cfg.route_conversation_max_load),
                                   scorer=make_scorer(cfg.routing, routing_weights(cfg)),
-                                  prefix_hints=PrefixHints() if cfg.routing == "cache_aware" else None)
+                                  prefix_hints=PrefixHints() if cfg.routing == "cache_aware" else None,
+                                  conversations=conversation_table(cfg))
         self.prefix: PrefixClient | None = None  # the prefix-cache index (cache_aware routing only)
         self.asking: set[asyncio.Task] = set()   # Match calls in flight (held: the loop keeps weak refs)
         self.senders: SenderPool = SenderPool(plane)

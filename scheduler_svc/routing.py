@@ -26,6 +26,12 @@ D (a short prompt, or a conversation whose history D holds: moving the KV would 
 computing it there); otherwise the best prefill worker whose KV layout equals D's prefills it and
 hands the KV to D. Workers whose layouts differ are never paired.
 
+Conversations (`conversation_worker`): a request whose Submit names a conversation goes to the worker
+that ran its last turn (the history's KV is there, in some tier), unless that worker is gone,
+draining, full or loaded past `max_load` x max_num_seqs; then the scorer picks as for any request.
+With prefill/decode pools the conversation keeps its decode worker; whether a prefill worker
+computes the new part first is decided as above.
+
 `hint` is what the shell attached at submission (`core.submit(msg, hint=...)`): the prefix-cache
 index's MatchResponse for this prompt, or None (no index, or it did not answer: no prefix credit).
 Load counts what this scheduler dispatched and what the worker last reported, whichever is larger,
@@ -186,11 +192,27 @@ def uncached_tokens(worker: WorkerView, prompt_tokens: int, hint: Any = None) ->
     return max(0, prompt_tokens - prefix_hit(worker.id, prompt_tokens, hint).gpu_blocks * hint.block_size)
 
 
+def load_of(worker: WorkerView) -> float:
+    """Requests in flight on the worker (ours or its own report, whichever is larger) / max_num_seqs."""
+    return max(len(worker.inflight), worker.running + worker.waiting) / max(worker.max_num_seqs, 1)
+
+
+def conversation_worker(whole: list[WorkerView], last_id: str | None, max_load: float) -> WorkerView | None:
+    """The worker that served the conversation's last turn, while it can take this one: still live,
+    not draining, with room (all three: it is in `whole`) and below `max_load` (load_of). None: the
+    conversation moves, routed by the scorer (whose prefix hint finds its history in any tier)."""
+    if last_id is None:
+        return None
+    worker = next((w for w in whole if w.id == last_id), None)
+    return worker if worker is not None and load_of(worker) < max_load else None
+
+
 def route(whole: list[WorkerView], prefill: list[WorkerView], request: Submit, scorer: Scorer,
-          hint: Any = None, min_prefill_tokens: int = 256) -> Route:
+          hint: Any = None, min_prefill_tokens: int = 256, sticky: WorkerView | None = None) -> Route:
     """Where one request runs (module docstring). `whole`: workers with room that can run a request
-    whole (not empty); `prefill`: prefill workers with room."""
-    worker = pick(whole, request, scorer, hint)
+    whole (not empty); `prefill`: prefill workers with room; `sticky`: the conversation's worker
+    (conversation_worker), taken over the scorer's choice."""
+    worker = sticky if sticky is not None else pick(whole, request, scorer, hint)
     if worker.role != "decode":
         return Route(worker, None, "mixed")
     prompt_tokens = len(request.prompt_token_ids)

@@ -198,6 +198,13 @@ class SchedulerConfig(ServiceConfig):
                                   min=0, max=1)
     route_disk_credit: float = opt(0.5, "cache_aware: a disk-tier block counts as this fraction of a GPU hit.",
                                    min=0, max=1)
+    route_conversation_ttl_s: float = opt(600.0, "A request naming a conversation (OpenAI `user`, or the "
+                                                 "`conversation_id` extension) goes to the worker that ran its last "
+                                                 "turn within this many seconds, which holds its history's KV; "
+                                                 "0: off. Not with round_robin.", min=0)
+    route_conversation_max_load: float = opt(1.0, "A conversation leaves its worker for the routing policy's choice "
+                                                  "when that worker has this many x max_num_seqs requests in "
+                                                  "flight (or is gone, draining or full).", above=0)
     pd_min_prefill_tokens: int = opt(256, "Prefill/decode pools: a prompt runs on a decode worker alone when fewer "
                                           "than this many of its tokens are not already cached there (short "
                                           "prompts, or conversations whose history the decode worker holds); "
@@ -259,6 +266,9 @@ class ServeConfig(ServedEngineArgs):
                        choices=("cache_aware", "least_loaded", "round_robin"))
     pd_min_prefill_tokens: int = opt(256, "Scheduler: prompts with fewer uncached tokens skip the prefill pool "
                                           "(kvmesh scheduler --pd-min-prefill-tokens).", min=0)
+    route_conversation_ttl_s: float = opt(600.0, "Scheduler: a conversation's next turn goes to the worker of its "
+                                                 "last one within this many seconds; 0: off (kvmesh scheduler "
+                                                 "--route-conversation-ttl-s).", min=0)
     null_model: bool = opt(False, "Workers skip the model and emit fake tokens (control-plane benchmarks).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms.", min=0)
     prefix_cache: bool = opt(True, "Start the prefix-cache index service (when installed) where the scheduler asks "

@@ -98,6 +98,12 @@ def _engine_flags(cfg: ServeConfig) -> list[str]:
     return to_argv(ServedEngineArgs(**engine_args_of(cfg)), skip=("model", "device"))
 
 
+def _scheduler_flags(cfg: ServeConfig) -> list[str]:
+    """The scheduler flags of serve's routing fields."""
+    return ["--routing", cfg.routing, "--pd-min-prefill-tokens", str(cfg.pd_min_prefill_tokens),
+            "--route-conversation-ttl-s", str(cfg.route_conversation_ttl_s)]
+
+
 class Stack:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
@@ -129,8 +135,7 @@ class Stack:
         internal = ["--host", "127.0.0.1", "--port", "0", "--zmq-port", "0"]
         if not cfg.text_in_gateway:
             self.spawn("tokenizer", "tokenizer", [*common, *internal, "--metrics-port", "0", "--model", model])
-        self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0", "--routing", cfg.routing,
-                                                "--pd-min-prefill-tokens", str(cfg.pd_min_prefill_tokens)])
+        self.spawn("scheduler", "scheduler", [*common, *internal, "--metrics-port", "0", *_scheduler_flags(cfg)])
         # the scheduler asks the prefix index only where it has a choice to make (several workers,
         # or prefill beside decode-only), so one worker runs without it
         index_asked = cfg.routing == "cache_aware" and cfg.workers + cfg.prefill_workers + cfg.decode_workers > 1

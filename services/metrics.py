@@ -105,6 +105,11 @@ SCHED_DISPATCH = _scheduler(Histogram("kvmesh_scheduler_dispatch_seconds",
                                       "Submit read off the scheduler's socket to its Dispatch handed to the worker's "
                                       "socket (admission, prefix match, routing, and any wait for a worker with room)",
                                       buckets=_HOP))
+CONVERSATION_ROUTES = _scheduler(Counter(
+    "kvmesh_scheduler_conversation_routes", "Requests carrying a conversation key (the OpenAI `user` field or "
+    "`conversation_id`), by outcome: kept (sent to the worker of its last turn), moved (that worker was gone, "
+    "draining or overloaded: routed by the policy), new (no turn within --route-conversation-ttl-s)",
+    ["outcome"]))
 PD_ROUTES = _scheduler(Counter("kvmesh_scheduler_pd_routes", "Requests routed while prefill and decode pools "
                                "exist, by route: pd (prefill worker then decode worker), decode_short (prompt under "
                                "--pd-min-prefill-tokens), decode_cached (the decode worker holds all but that many "

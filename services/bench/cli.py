@@ -15,7 +15,8 @@ from services.bench.arrivals import parse_rates
 from services.bench.datasets import DatasetOptions, load_dataset, range_bounds
 from services.bench.metrics import (compute_metrics, parse_goodput, parse_percentile_metrics,
                                     parse_percentiles, time_series)
-from services.bench.report import default_filename, format_table, rate_label, result_dict, save_result
+from services.bench.report import (default_filename, format_table, format_turn_table, rate_label, result_dict,
+                                   save_result)
 from services.bench.runner import RunConfig, run_benchmark
 from services.bench.server_tokenizer import ServerTokenizer, ServerTokenizerError
 from services.bench.tokens import TokenCounter
@@ -57,7 +58,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gsp-system-prompt-len", type=int, default=2048)
     g.add_argument("--gsp-question-len", type=int, default=128)
     g.add_argument("--gsp-output-len", type=int, default=256)
-    g.add_argument("--multi-turn-num-turns", type=int, default=4)
+    g.add_argument("--multi-turn-turns", "--multi-turn-num-turns", dest="multi_turn_num_turns", type=int, default=10,
+                   help="turns of each conversation")
+    g.add_argument("--multi-turn-users", type=int, default=None,
+                   help="conversations, one user each, all started at once unless --request-rate or "
+                        "--max-concurrency pace them (default: --num-prompts)")
+    g.add_argument("--multi-turn-history-tokens", type=int, default=None,
+                   help="tokens of history the last turn sends (its user messages and the replies); sets "
+                        "--multi-turn-user-len")
     g.add_argument("--multi-turn-user-len", type=int, default=64, help="tokens of each new user message")
     g.add_argument("--multi-turn-output-len", type=int, default=64)
     g.add_argument("--multi-turn-think-time", type=float, default=0.0, help="seconds between a reply and the next turn")
@@ -126,10 +134,12 @@ class Plan:
             err(f"--dataset-name {args.dataset_name} needs --dataset-path FILE")
         if args.prompt_token_ids and (self.chat or not args.tokenizer):
             err("--prompt-token-ids needs --tokenizer and the completions endpoint (--backend openai)")
-        for flag in ("num_prompts", "max_concurrency", "num_warmups"):
+        for flag in ("num_prompts", "max_concurrency", "num_warmups", "multi_turn_num_turns", "multi_turn_users",
+                     "multi_turn_history_tokens", "multi_turn_user_len", "multi_turn_output_len"):
             value = getattr(args, flag)
             if value is not None and value < (0 if flag == "num_warmups" else 1):
-                err(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'num_warmups' else 1}, got {value}")
+                name = "multi-turn-turns" if flag == "multi_turn_num_turns" else flag.replace("_", "-")
+                err(f"--{name} must be >= {0 if flag == 'num_warmups' else 1}, got {value}")
         if args.duration is not None and (args.duration <= 0 or (math.isinf(max(self.rates)) and not args.max_concurrency)):
             err("--duration needs a positive value and a finite --request-rate or a --max-concurrency")
         try:
@@ -199,7 +209,9 @@ def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> i
         raise SystemExit(f"kvmesh bench: {exc}") from None
     except (ValueError, OSError) as exc:
         parser.error(f"--dataset-name {args.dataset_name}: {exc}")
-    num_requests = len(items) if args.dataset_name == "generated-shared-prefix" else args.num_prompts
+    every_item = args.dataset_name == "generated-shared-prefix" or (
+        args.dataset_name == "multi-turn" and args.multi_turn_users is not None)
+    num_requests = len(items) if every_item else args.num_prompts
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     sweep_points = []
     for i, rate in enumerate(plan.rates):
@@ -216,6 +228,8 @@ def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> i
         metrics = compute_metrics(out.results, out.duration, plan.computed_percentiles, plan.slos,
                                   count_tokens=counter.count, dataset_exact=True)
         print(format_table(metrics, plan.percentile_metrics, plan.percentiles, rate, args.max_concurrency))
+        if metrics.ttft_by_turn:
+            print(format_turn_table(metrics.ttft_by_turn))
         if not plan.chat:  # chat prompts carry the template's tokens on top of the dataset's count
             _note_length_mismatch(out.results, counter.name)
         meta = _meta(args, plan, model, rate, stamp, counter.name)
@@ -254,7 +268,10 @@ def _meta(args, plan: Plan, model: str, rate: float, stamp: str, tokenizer_name:
             "model_id": model, "tokenizer_id": args.tokenizer or tokenizer_name, "dataset_name": args.dataset_name,
             "num_prompts": args.num_prompts, "request_rate": rate if not math.isinf(rate) else "inf",
             "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "duration_limit": args.duration,
-            "ignore_eos": args.ignore_eos, "num_warmups": args.num_warmups}
+            "ignore_eos": args.ignore_eos, "num_warmups": args.num_warmups,
+            **({"multi_turn_turns": args.multi_turn_num_turns, "multi_turn_users": args.multi_turn_users,
+                "multi_turn_history_tokens": args.multi_turn_history_tokens}
+               if args.dataset_name == "multi-turn" else {})}
 
 
 def _stem(args, plan: Plan, model: str, rate: float, multi: bool) -> str:
@@ -287,6 +304,9 @@ def _maybe_plot_run(args, model: str, metrics, out, stem: str, rate: float) -> N
     series = time_series(out.results, metrics.output_lens, out.t0, bin_s=None)
     p2 = plots.plot_throughput(series, plot_dir / f"{stem}-throughput.png", title)
     print(f"Plots saved to {p1} and {p2}")
+    if metrics.ttft_by_turn:
+        p3 = plots.plot_ttft_by_turn(metrics.ttft_by_turn, plot_dir / f"{stem}-ttft-by-turn.png", title)
+        print(f"TTFT by turn plotted in {p3}")
 
 
 def _finish_sweep(args, plan: Plan, model: str, points: list[dict]) -> None:

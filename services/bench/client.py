@@ -29,6 +29,7 @@ class RequestInput:
     ignore_eos: bool = False
     temperature: float = 0.0
     extra_body: dict | None = None
+    user: str | None = None  # OpenAI's `user`: a conversation's turns name one, so the server may keep them together
 
 
 @dataclass
@@ -47,6 +48,7 @@ class RequestResult:
     usage_prompt_tokens: int | None = None
     usage_output_tokens: int | None = None
     cached_tokens: int | None = None
+    turn: int | None = None  # multi-turn: the turn's index in its conversation (0 = first)
 
 
 def build_payload(req: RequestInput) -> dict:
@@ -57,6 +59,8 @@ def build_payload(req: RequestInput) -> dict:
         body["max_tokens"] = req.output_len
     if req.ignore_eos:
         body["ignore_eos"] = True  # vLLM / SGLang / kvmesh extension
+    if req.user is not None:
+        body["user"] = req.user
     body.update(req.extra_body or {})
     return body
 

@@ -6,7 +6,7 @@
 | sharegpt                 | first human/gpt turn pair of a ShareGPT JSON file, vLLM's filter rules  |
 | sharegpt-synthetic       | random tokens with ShareGPT-like lognormal lengths (no file needed)     |
 | generated-shared-prefix  | groups of prompts sharing a system prompt (SGLang's gsp workload)       |
-| multi-turn               | a Conversation: user messages sent one after another on the chat API    |
+| multi-turn               | a Conversation of one user: each turn resends the history (chat API)    |
 | custom                   | JSONL lines {"prompt": str, "output_tokens": int}                      |
 """
 from __future__ import annotations
@@ -56,9 +56,11 @@ class DatasetOptions:
     gsp_system_prompt_len: int = 2048
     gsp_question_len: int = 128
     gsp_output_len: int = 256
-    multi_turn_num_turns: int = 4
+    multi_turn_num_turns: int = 10
     multi_turn_user_len: int = 64
     multi_turn_output_len: int = 64
+    multi_turn_users: int | None = None  # conversations (one user each); None: num_prompts
+    multi_turn_history_tokens: int | None = None  # the last turn's history; sets multi_turn_user_len
     custom_output_len: int = 256
 
 
@@ -175,14 +177,34 @@ def _generated_shared_prefix(opts: DatasetOptions, counter: TokenCounter, rng) -
     return [out[i] for i in rng.permutation(len(out))]
 
 
+def multi_turn_user_len(opts: DatasetOptions) -> int:
+    """Tokens of each user message. With multi_turn_history_tokens H, T turns and O output tokens a
+    turn, the last turn sends T user messages and T - 1 replies: T x user_len + (T - 1) x O = H.
+
+        turn 1   [u1]
+        turn 2   [u1 r1 u2]
+        turn T   [u1 r1 u2 r2 ... uT]      ~ H tokens (the chat template adds its own on top)
+    """
+    if opts.multi_turn_history_tokens is None:
+        return opts.multi_turn_user_len
+    turns, out = opts.multi_turn_num_turns, opts.multi_turn_output_len
+    user_len = (opts.multi_turn_history_tokens - (turns - 1) * out) // turns
+    if user_len < 1:
+        raise ValueError(f"--multi-turn-history-tokens {opts.multi_turn_history_tokens} cannot hold {turns} turns "
+                         f"with {out} output tokens each; give at least {(turns - 1) * out + turns}")
+    return user_len
+
+
 def _multi_turn(opts: DatasetOptions, counter: TokenCounter, rng) -> list[Conversation]:
     if opts.path:
         return _sharegpt_conversations(opts, counter, rng)
     text_opts = DatasetOptions(prompt_token_ids=False)  # chat messages are always text
-    return [Conversation(tuple(_with_output(_make_prompt(opts.multi_turn_user_len, "", text_opts, counter, rng),
+    user_len = multi_turn_user_len(opts)
+    users = opts.multi_turn_users if opts.multi_turn_users is not None else opts.num_prompts
+    return [Conversation(tuple(_with_output(_make_prompt(user_len, "", text_opts, counter, rng),
                                             opts.multi_turn_output_len)
                                for _ in range(opts.multi_turn_num_turns)))
-            for _ in range(opts.num_prompts)]
+            for _ in range(users)]
 
 
 def _sharegpt_conversations(opts: DatasetOptions, counter: TokenCounter, rng) -> list[Conversation]:
@@ -196,7 +218,7 @@ def _sharegpt_conversations(opts: DatasetOptions, counter: TokenCounter, rng) ->
             out_len = max(counter.count(reply["value"]), 1)
             turns.append(SampleRequest(user["value"], counter.prompt_len(user["value"]), out_len))
         out.append(Conversation(tuple(turns[: opts.multi_turn_num_turns])))
-        if len(out) == opts.num_prompts:
+        if len(out) == (opts.multi_turn_users or opts.num_prompts):
             break
     return out
 

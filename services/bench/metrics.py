@@ -51,6 +51,7 @@ class BenchmarkMetrics:
     input_lens: list[int] = field(default_factory=list)
     output_lens: list[int] = field(default_factory=list)
     tpots: list[float] = field(default_factory=list)  # seconds, per request (0.0 when undefined)
+    ttft_by_turn: list["TurnStats"] = field(default_factory=list)  # multi-turn only
 
 
 class TimeSeries(NamedTuple):
@@ -245,5 +246,34 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles: 
         max_concurrent_requests=int(series.concurrent_requests.max()),
         cached_token_ratio=cached_ratio, latency=stats, failure_reasons=reasons,
         output_len_sources=out_src, input_len_sources=in_src,
-        input_lens=in_lens, output_lens=out_lens, tpots=all_tpots,
+        input_lens=in_lens, output_lens=out_lens, tpots=all_tpots, ttft_by_turn=ttft_by_turn(results),
     )
+
+
+class TurnStats(NamedTuple):
+    """TTFT of the completed requests of one turn index across conversations (multi-turn)."""
+    turn: int  # 1 = each conversation's first turn
+    completed: int
+    mean_ttft_ms: float
+    median_ttft_ms: float
+    p99_ttft_ms: float
+    mean_prompt_tokens: float  # usage.prompt_tokens where reported, else the dataset's count
+    cached_token_ratio: float | None  # cached_tokens / prompt_tokens; None when never reported
+
+
+def ttft_by_turn(results: list[RequestResult]) -> list[TurnStats]:
+    """One row per turn index that has a completed request; [] for single-turn workloads."""
+    by_turn: dict[int, list[RequestResult]] = {}
+    for r in results:
+        if r.success and r.turn is not None:
+            by_turn.setdefault(r.turn, []).append(r)
+    rows = []
+    for turn in sorted(by_turn):
+        rs = by_turn[turn]
+        ttfts = np.asarray([r.ttft for r in rs]) * 1000.0
+        prompts = [r.usage_prompt_tokens if r.usage_prompt_tokens is not None else r.prompt_len for r in rs]
+        cached = [(r.cached_tokens, p) for r, p in zip(rs, prompts) if r.cached_tokens is not None]
+        ratio = sum(c for c, _ in cached) / max(sum(p for _, p in cached), 1) if cached else None
+        rows.append(TurnStats(turn + 1, len(rs), float(ttfts.mean()), float(np.median(ttfts)),
+                              float(np.percentile(ttfts, 99)), float(np.mean(prompts)), ratio))
+    return rows

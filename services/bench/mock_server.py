@@ -7,7 +7,8 @@ from a block-level prefix cache over the prompt's tokens) when asked via stream_
 and fails scripted requests: --fail 500:5,429:7 answers every 5th request with HTTP 500 and every 7th
 with 429. Chat streams send a role-only chunk at once, as real servers do; it must not count as TTFT.
 POST /tokenize (vLLM's shape) counts with the same word tokenizer; --no-tokenize leaves it out, as
-servers without it do.
+servers without it do. GET /mock/users answers how many requests named each OpenAI `user` (what a
+multi-turn run sends per conversation).
 
     kvmesh bench mock-server --port 8000 --ttft-ms 50 --itl-ms 10
 """
@@ -82,6 +83,7 @@ def build_app(cfg: MockConfig):
     app = FastAPI()
     cache = PrefixCache(cfg.block_size)
     counter = {"n": 0}
+    users: dict[str, int] = {}  # the `user` field -> requests naming it
 
     def error(status: int, message: str):
         return JSONResponse({"error": {"message": message, "type": "mock_error", "code": status}}, status_code=status)
@@ -95,6 +97,8 @@ def build_app(cfg: MockConfig):
             return error(401, "invalid API key")
         body = await request.json()
         counter["n"] += 1
+        if isinstance(body.get("user"), str) and (body["user"] in users or len(users) < 100_000):
+            users[body["user"]] = users.get(body["user"], 0) + 1
         for status, every in cfg.fail:
             if counter["n"] % every == 0:
                 return error(status, f"scripted failure of request {counter['n']}")
@@ -135,6 +139,10 @@ def build_app(cfg: MockConfig):
                 return error(400, "give exactly one of prompt or messages")
             ids = [token_id(tok) for tok in prompt_tokens(body)]
             return {"count": len(ids), "max_model_len": 0, "tokens": ids, "token_strs": None}
+
+    @app.get("/mock/users")
+    async def user_counts():
+        return {"users": users}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

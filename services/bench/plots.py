@@ -1,4 +1,5 @@
-"""PNG plots (matplotlib, Agg backend): latency CDFs, throughput over time, sweep curves."""
+"""PNG plots (matplotlib, Agg backend): latency CDFs, throughput over time, sweep curves, TTFT per
+turn of a multi-turn run."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
-from services.bench.metrics import TimeSeries  # noqa: E402
+from services.bench.metrics import TimeSeries, TurnStats  # noqa: E402
 
 
 # What each latency is, for the panel titles (vLLM's definitions, services/bench/README.md).
@@ -106,6 +107,30 @@ def plot_sweep(points: list[dict], path: Path, title: str) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
     fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_ttft_by_turn(rows: list[TurnStats], path: Path, title: str) -> Path:
+    """Median and p99 TTFT per turn index, with the prompt's cached fraction on a second axis."""
+    fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained")
+    turns = [r.turn for r in rows]
+    ax.plot(turns, [r.median_ttft_ms for r in rows], "o-", label="median TTFT")
+    ax.plot(turns, [r.p99_ttft_ms for r in rows], "s--", label="p99 TTFT")
+    ax.set_xlabel("turn of the conversation (its prompt: the whole history so far + a new message)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    handles = ax.get_legend_handles_labels()[0]
+    cached = [(r.turn, 100.0 * r.cached_token_ratio) for r in rows if r.cached_token_ratio is not None]
+    if cached:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*cached), "^:", color="tab:green", alpha=0.8, label="cached prompt tokens (%)")
+        ax2.set_ylim(0, 105)
+        ax2.set_ylabel("cached prompt tokens (%)")
+        handles += ax2.get_legend_handles_labels()[0]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    ax.set_title(title)
     return _save(fig, path)
 
 

@@ -7,7 +7,7 @@ from datetime import datetime
 from pathlib import Path
 
 from services.bench.client import RequestResult
-from services.bench.metrics import BenchmarkMetrics, percentile_key
+from services.bench.metrics import BenchmarkMetrics, TurnStats, percentile_key
 
 _TITLES = {
     "ttft": ("Time to First Token", "TTFT"),
@@ -66,6 +66,18 @@ def format_table(m: BenchmarkMetrics, percentile_metrics: list[str], percentiles
     return "\n".join(lines)
 
 
+def format_turn_table(rows: list[TurnStats]) -> str:
+    """Multi-turn: TTFT per turn index (how the growing history costs, or does not, when cached)."""
+    head = f"{'turn':>4} {'requests':>8} {'prompt tok':>10} {'cached %':>8} {'mean TTFT':>10} {'med TTFT':>9} {'p99 TTFT':>9}"
+    lines = [_rule(" TTFT by turn (ms) ", "="), head]
+    for r in rows:
+        cached = "-" if r.cached_token_ratio is None else f"{100.0 * r.cached_token_ratio:.1f}"
+        lines.append(f"{r.turn:>4} {r.completed:>8} {r.mean_prompt_tokens:>10.0f} {cached:>8} "
+                     f"{r.mean_ttft_ms:>10.2f} {r.median_ttft_ms:>9.2f} {r.p99_ttft_ms:>9.2f}")
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
 def _sources(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} ({v})" for k, v in sorted(counts.items())) or "-"
 
@@ -101,6 +113,8 @@ def result_dict(m: BenchmarkMetrics, results: list[RequestResult], t0: float, me
         "goodput_slos_ms": slos_ms, "output_len_sources": m.output_len_sources,
         "input_len_sources": m.input_len_sources,
         "server_prompt_tokens": [r.usage_prompt_tokens for r in results],  # None where not reported
+        "turns": [r.turn for r in results],  # multi-turn: each request's turn index (0 = first), else None
+        "ttft_by_turn": [row._asdict() for row in m.ttft_by_turn],
     })
     return out
 

@@ -4,12 +4,15 @@ Requests go out at absolute arrival offsets (arrivals.py). With --max-concurrenc
 for a free slot; requests that fall behind then go out as soon as one frees (vLLM's behaviour:
 the request clock starts when the request is actually sent). For multi-turn workloads the unit of
 arrival and of --max-concurrency is the conversation: one request of a conversation is in flight
-at a time, with --multi-turn-think-time between a reply and the next user message.
+at a time, with --multi-turn-think-time between a reply and the next user message. Every
+conversation sent is one user: its turns carry OpenAI's `user` field, `bench-<run>-<n>`, unique per
+run, so a server that routes by it (kvmesh) keeps the turns on the worker holding the history.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -65,10 +68,10 @@ class _Sender:
                  pbar: tqdm | None):
         self.cfg, self.session, self.count_tokens, self.pbar = cfg, session, count_tokens, pbar
 
-    def _input(self, prompt, prompt_len: int, output_len: int | None) -> RequestInput:
+    def _input(self, prompt, prompt_len: int, output_len: int | None, user: str | None = None) -> RequestInput:
         c = self.cfg
         return RequestInput(c.api_url, c.model, prompt, prompt_len, output_len, c.chat, c.ignore_eos,
-                            c.temperature, c.extra_body)
+                            c.temperature, c.extra_body, user)
 
     async def _send(self, req: RequestInput) -> RequestResult:
         res = await send_request(self.session, req, self.cfg.headers)
@@ -80,7 +83,7 @@ class _Sender:
         prompt = [{"role": "user", "content": item.prompt}] if self.cfg.chat else item.prompt
         return [await self._send(self._input(prompt, item.prompt_len, item.output_len))]
 
-    async def conversation(self, conv: Conversation) -> list[RequestResult]:
+    async def conversation(self, conv: Conversation, user: str) -> list[RequestResult]:
         history: list[dict] = []
         history_len = 0  # tokens of the history so far
         results = []
@@ -89,7 +92,8 @@ class _Sender:
                 await asyncio.sleep(self.cfg.think_time)
             history.append({"role": "user", "content": turn.prompt})
             history_len += turn.prompt_len
-            res = await self._send(self._input(list(history), history_len, turn.output_len))
+            res = await self._send(self._input(list(history), history_len, turn.output_len, user))
+            res.turn = i
             results.append(res)
             if not res.success:
                 break  # the rest of the conversation has no reply to build on
@@ -99,8 +103,8 @@ class _Sender:
                 self.count_tokens(res.generated_text)
         return results
 
-    def run(self, item) -> "asyncio.Future[list[RequestResult]]":
-        return self.conversation(item) if isinstance(item, Conversation) else self.single(item)
+    def run(self, item, user: str) -> "asyncio.Future[list[RequestResult]]":
+        return self.conversation(item, user) if isinstance(item, Conversation) else self.single(item)
 
 
 def _num_requests(items: list, n: int) -> int:
@@ -132,9 +136,11 @@ async def run_benchmark(items: list, cfg: RunConfig, count_tokens: Callable[[str
         sender = _Sender(cfg, session, count_tokens, pbar)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
 
-        async def guarded(item) -> list[RequestResult]:
+        run_id = secrets.token_hex(4)   # this run's users are new to the server
+
+        async def guarded(item, user: str) -> list[RequestResult]:
             try:
-                return await sender.run(item)
+                return await sender.run(item, user)
             finally:
                 if sem:
                     sem.release()
@@ -156,7 +162,7 @@ async def run_benchmark(items: list, cfg: RunConfig, count_tokens: Callable[[str
                 if sem:
                     sem.release()
                 break
-            tasks.append(asyncio.create_task(guarded(item)))
+            tasks.append(asyncio.create_task(guarded(item, f"bench-{run_id}-{i}")))
         per_item = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         if pbar is not None:

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from services import metrics
 from services.config import GatewayConfig
 from services.gateway.backend import Backend, Job
+from services.gateway.conversation import conversation_key
 from services.gateway.render import Accumulator, ChunkWriter
 from services.protocol.kv_events import cache_salt_for
 from services.gateway.schemas import (
@@ -183,8 +184,10 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
                 prompts, params = completion_prompts(req, cfg.max_prompts)
             model = check_model(req.model)
             backend.check_vocab(model, params)
+            conversation = conversation_key(tenant, req.user, req.conversation_id)
             job, prompt_lens = await backend.start(prompts, params, model=model, tenant=tenant,
-                                                   priority=req.priority, cache_salt=salt(tenant, req.cache_salt))
+                                                   priority=req.priority, cache_salt=salt(tenant, req.cache_salt),
+                                                   conversation=conversation)
         except ApiError as err:
             metrics.REQUESTS.labels(route, str(err.status)).inc()
             return error_response(err, echo)

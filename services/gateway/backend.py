@@ -1,7 +1,8 @@
 """The gateway's shell around GatewayCore (services/gateway/core.py): sockets, discovery, the text
 path, and one asyncio queue per job for the HTTP routes.
 
-    job, prompt_lens = await backend.start(prompts, params, model=..., tenant=..., priority=..., cache_salt=...)
+    job, prompt_lens = await backend.start(prompts, params, model=..., tenant=..., priority=..., cache_salt=...,
+                                           conversation=...)
     async for batch in job.batches():                # [(prompt_index, TextDelta), ...]
         ...
     job.close()                                      # aborts whatever did not finish (disconnects)
@@ -250,7 +251,7 @@ class Backend:
         return job
 
     async def start(self, prompts: list[TokenizeRequest], params: SamplingParams, *, model: str, tenant: str,
-                    priority: int, cache_salt: str) -> tuple[Job, list[int]]:
+                    priority: int, cache_salt: str, conversation: str = "") -> tuple[Job, list[int]]:
         """Tokenize, submit and wait for admission. Returns the job and each prompt's token count."""
         t0 = time.monotonic()
         prompts = [self.bounded(p, model) for p in prompts]
@@ -272,7 +273,7 @@ class Backend:
                 self.scheduler.send(Submit(
                     request_id=rid, tenant=tenant, prompt_token_ids=rep.prompt_token_ids, params=params,
                     priority=priority, cache_salt=cache_salt, reply_addr=self.reply_addr,
-                    detok_addr=rep.detok_addr, arrival=now))
+                    detok_addr=rep.detok_addr, arrival=now, conversation=conversation))
             await job.admitted()
         except BaseException:
             job.close()

@@ -1,6 +1,6 @@
 """OpenAI request bodies, decoded and bounded; each problem becomes an ApiError (400) naming the field.
 
-Unknown fields are ignored (clients send `user`, `store`, `metadata`...); wrong types and values
+Unknown fields are ignored (clients send `store`, `metadata`...); wrong types and values
 out of range are refused. Decoding is msgspec (typed, fast, with a recursion limit).
 """
 from __future__ import annotations
@@ -90,6 +90,10 @@ class _Common(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    # OpenAI's end-user id, and an extension naming one conversation of it: either routes the
+    # request where the conversation's last turn ran (conversation.py); never logged or a label
+    user: str | None = None
+    conversation_id: str | None = None
 
 
 class ChatRequest(_Common, kw_only=True):

@@ -22,13 +22,14 @@ A request's id is assigned by the gateway and never comes from a client.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
 from services.protocol.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
+MAX_CONVERSATION_KEY = 64            # Submit.conversation: a hex digest, never the client's text
 
 
 class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
@@ -48,6 +49,9 @@ class Submit(Msg, tag="submit", kw_only=True):
     reply_addr: str                  # gateway's ZMQ inbox
     detok_addr: str                  # detokenizer that streams this request's text
     arrival: float = 0.0             # gateway wall-clock time
+    # the gateway's digest of (tenant, the client's `user` or `conversation_id`): the scheduler sends
+    # the conversation's next turn where its last one ran; "" when the request named none
+    conversation: Annotated[str, msgspec.Meta(max_length=MAX_CONVERSATION_KEY)] = ""
 
 
 class Abort(Msg, tag="abort", kw_only=True):

@@ -1,7 +1,7 @@
 """`kvmesh serve` hands its engine settings to every worker it starts, under the worker's own
 flag names, and its routing to the scheduler."""
 from services.config import SchedulerConfig, ServeConfig, WorkerConfig, parse_config
-from services.launcher import _engine_flags
+from services.launcher import _engine_flags, _scheduler_flags
 
 ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "dtype", "gpu_memory_utilization",
                  "quantization", "kv_cache_dtype", "async_scheduling", "attention_backend")
@@ -28,3 +28,12 @@ def test_serve_routing_matches_the_scheduler_choices():
     serve = parse_config(ServeConfig, ["--routing", "round_robin"], "serve", env={})
     assert parse_config(SchedulerConfig, ["--routing", serve.routing], "scheduler", env={}).routing == "round_robin"
     assert ServeConfig().routing == SchedulerConfig().routing
+
+
+def test_serve_routing_fields_reach_the_scheduler():
+    serve = parse_config(ServeConfig, ["--routing", "least_loaded", "--pd-min-prefill-tokens", "32",
+                                       "--route-conversation-ttl-s", "0"], "serve", env={})
+    scheduler = parse_config(SchedulerConfig, _scheduler_flags(serve), "scheduler", env={})
+    assert (scheduler.routing, scheduler.pd_min_prefill_tokens, scheduler.route_conversation_ttl_s) == (
+        "least_loaded", 32, 0.0)
+    assert ServeConfig().route_conversation_ttl_s == SchedulerConfig().route_conversation_ttl_s

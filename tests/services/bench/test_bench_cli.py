@@ -68,6 +68,8 @@ def test_chat_backend_with_default_model_and_api_key(mock_servers, tmp_path, cap
     (["--num-prompts", "many"], "--num-prompts"),
     (["--dataset-name", "multi-turn", "--backend", "openai"], "multi-turn"),
     (["--prompt-token-ids"], "--prompt-token-ids"),
+    (["--dataset-name", "multi-turn", "--multi-turn-turns", "0"], "--multi-turn-turns"),
+    (["--dataset-name", "multi-turn", "--multi-turn-users", "0"], "--multi-turn-users"),
     (["--duration", "5"], "--duration"),
     (["--max-concurrency", "0"], "--max-concurrency"),
     (["--endpoint", "/v1/chat/completions", "--backend", "openai"], "--endpoint"),
@@ -104,3 +106,29 @@ def test_no_tokenizer_at_all_is_a_clear_error_naming_the_flag(mock_servers):
         main(["serve", "--base-url", url, "--num-prompts", "2", "--disable-tqdm", "--no-plots"])
     message = str(exc.value)
     assert "--tokenizer" in message and f"{url}/tokenize" in message and "HTTP 404" in message
+
+
+def test_multi_turn_reports_ttft_per_turn_with_a_plot(mock_servers, tmp_path, capsys):
+    url = mock_servers.get("--ttft-ms", "10", "--itl-ms", "1", "--prefill-ms-per-token", "0.2")
+    rc = kvmesh_main(["bench", "serve", "--base-url", url, "--dataset-name", "multi-turn", "--multi-turn-users", "3",
+                      "--multi-turn-turns", "4", "--multi-turn-history-tokens", "200", "--multi-turn-output-len", "5",
+                      "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "mt.json"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "TTFT by turn (ms)" in printed
+    result = json.loads((tmp_path / "mt.json").read_text())
+    assert result["completed"] == 12 and result["multi_turn_users"] == 3 and result["multi_turn_turns"] == 4
+    assert sorted(result["turns"]) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert [row["turn"] for row in result["ttft_by_turn"]] == [1, 2, 3, 4]
+    assert all(row["completed"] == 3 for row in result["ttft_by_turn"])
+    assert result["input_lens"][result["turns"].index(3)] >= 200 - 15     # the last turn: ~200 tokens of history
+    png = tmp_path / "mt-ttft-by-turn.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
+
+
+def test_multi_turn_history_too_short_names_the_flag(mock_servers, capsys):
+    url = mock_servers.get("--ttft-ms", "10", "--itl-ms", "1", "--prefill-ms-per-token", "0.2")
+    with pytest.raises(SystemExit) as exc:
+        kvmesh_main(["bench", "serve", "--base-url", url, "--dataset-name", "multi-turn", "--multi-turn-turns", "10",
+                     "--multi-turn-history-tokens", "50", "--disable-tqdm"])
+    assert exc.value.code == 2 and "--multi-turn-history-tokens 50" in capsys.readouterr().err

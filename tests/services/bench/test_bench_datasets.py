@@ -84,6 +84,22 @@ def test_multi_turn_conversations():
     assert all(t.prompt_len == 12 and t.output_len == 6 for c in convs for t in c.turns)
 
 
+def test_multi_turn_users_and_history_length():
+    """--multi-turn-users conversations; --multi-turn-history-tokens sizes the user messages so that
+    the last turn sends that much history: T messages and T - 1 replies."""
+    opts = DatasetOptions(name="multi-turn", num_prompts=50, multi_turn_users=4, multi_turn_num_turns=10,
+                          multi_turn_output_len=20, multi_turn_history_tokens=1000)
+    convs = load_dataset(opts, WORDS, seed=0)
+    assert len(convs) == 4 and all(len(c.turns) == 10 for c in convs)
+    user_len = convs[0].turns[0].prompt_len
+    assert user_len == (1000 - 9 * 20) // 10 == 82
+    assert 1000 - 10 < 10 * user_len + 9 * 20 <= 1000
+    assert len(load_dataset(DatasetOptions(name="multi-turn", num_prompts=3, multi_turn_num_turns=2), WORDS, 0)) == 3
+    with pytest.raises(ValueError, match="--multi-turn-history-tokens 100 cannot hold 10 turns"):
+        load_dataset(DatasetOptions(name="multi-turn", multi_turn_num_turns=10, multi_turn_output_len=20,
+                                    multi_turn_history_tokens=100), WORDS, seed=0)
+
+
 def test_synthetic_sharegpt_lengths():
     pairs = synthetic_sharegpt_lengths(3000, np.random.default_rng(0))
     ins, outs = np.array(pairs).T

@@ -109,6 +109,33 @@ def test_multi_turn_history_grows_and_prefix_is_cached(mock_servers):
     assert 0.0 < m.cached_token_ratio < 1.0
 
 
+def test_multi_turn_ttft_by_turn_and_one_user_per_conversation(mock_servers):
+    """Each conversation's turns name one `user`; with a prefix-caching server whose TTFT grows with
+    uncached prompt tokens (1 ms each), TTFT per turn stays flat as the history grows, since only the
+    last reply and the new message are new; the turn table says so, per turn index."""
+    import httpx
+
+    url = mock_servers.get("--ttft-ms", "20", "--itl-ms", "2", "--prefill-ms-per-token", "1")
+    users, turns, user_len, out_len = 3, 5, 40, 4
+    convs = load_dataset(DatasetOptions(name="multi-turn", multi_turn_users=users, multi_turn_num_turns=turns,
+                                        multi_turn_user_len=user_len, multi_turn_output_len=out_len),
+                         TokenCounter(), seed=1)
+    before = httpx.get(url + "/mock/users", trust_env=False).json()["users"]
+    out, m = run(url, convs, chat=True)
+    assert m.completed == users * turns
+    seen = {u: n for u, n in httpx.get(url + "/mock/users", trust_env=False).json()["users"].items()
+            if u not in before}
+    assert len(seen) == users and set(seen.values()) == {turns}         # one user per conversation, every turn
+    rows = m.ttft_by_turn
+    assert [r.turn for r in rows] == list(range(1, turns + 1)) and all(r.completed == users for r in rows)
+    assert all(a.mean_prompt_tokens < b.mean_prompt_tokens for a, b in zip(rows, rows[1:]))
+    assert rows[0].cached_token_ratio == 0.0 and rows[-1].cached_token_ratio > 0.6
+    # uncached at a later turn: the new message, the last reply, 2 role tokens, < a block of the old prompt
+    assert near(rows[0].median_ttft_ms, 20 + user_len + 1, noise=2 * NOISE_MS)
+    assert rows[-1].median_ttft_ms < 20 + user_len + out_len + 2 + 16 + 2 * NOISE_MS
+    assert rows[-1].mean_prompt_tokens > turns * user_len                # while the whole history was sent
+
+
 def test_duration_mode_stops_sending(mock_servers):
     url = mock_servers.get(*TIMED)
     out, m = run(url, reqs(3, out_len=2), request_rate=40.0, duration=0.5, num_requests=0)

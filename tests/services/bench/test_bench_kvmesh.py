@@ -45,3 +45,19 @@ def test_chat_messages_are_the_requested_length_plus_the_template(kvmesh_server,
     assert chat - alone > 0
     assert result["input_lens"] == [64] * 6
     assert result["server_prompt_tokens"] == [64 + chat - alone] * 6
+
+
+def test_multi_turn_against_kvmesh_reports_reused_history_per_turn(kvmesh_server, tmp_path, capsys):
+    rc = kvmesh_main(["bench", "serve", "--base-url", kvmesh_server, "--dataset-name", "multi-turn",
+                      "--multi-turn-users", "2", "--multi-turn-turns", "3", "--multi-turn-history-tokens", "150",
+                      "--multi-turn-output-len", "4", "--ignore-eos", "--disable-tqdm", "--save-result",
+                      "--result-dir", str(tmp_path), "--result-filename", "mt.json"])
+    assert rc == 0
+    assert "TTFT by turn (ms)" in capsys.readouterr().out
+    result = json.loads((tmp_path / "mt.json").read_text())
+    assert result["completed"] == 6, result["errors"]
+    rows = result["ttft_by_turn"]
+    assert [r["turn"] for r in rows] == [1, 2, 3] and all(r["completed"] == 2 for r in rows)
+    # the server's prefix cache holds each conversation's earlier turns: the later turns reuse them
+    assert rows[0]["cached_token_ratio"] < 0.5 < rows[2]["cached_token_ratio"]
+    assert (tmp_path / "mt-ttft-by-turn.png").read_bytes()[:8] == PNG_MAGIC
