@@ -164,7 +164,8 @@ TOKENS_OUT = _worker(Counter("kvmesh_worker_generated_tokens", "Tokens generated
 # ---- prefill/decode hand-off (gpu_worker/service/handoff.py; outcomes are fixed names)
 HANDOFFS = _worker(Counter("kvmesh_worker_kv_handoffs", "KV hand-offs this prefill worker ran, by outcome "
                            "(ack: the decode worker took the request; fail, refused, timeout: it did not, "
-                           "the request failed and the blocks were freed)", ["outcome"]))
+                           "the request failed and the blocks were freed; abort: the request was aborted "
+                           "on the prefill worker mid-send)", ["outcome"]))
 HANDOFF_BYTES = _worker(Counter("kvmesh_worker_kv_handoff_bytes", "KV bytes this prefill worker sent to decode workers"))
 HANDOFF_SECONDS = _worker(Histogram("kvmesh_worker_kv_handoff_seconds", "One hand-off on the prefill worker: "
                                     "Offer sent to the decode worker's Ack (or the failure)", buckets=_LAT))
