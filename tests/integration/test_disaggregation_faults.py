@@ -170,3 +170,27 @@ def test_a_stopped_decode_worker_stalls_nothing_else_on_the_prefill_worker(tiny_
             assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoff_expiries_total") == 0
         finally:
             os.kill(d_pid, signal.SIGCONT)
+
+
+
+def test_a_decode_worker_without_room_leaves_the_request_to_the_prefill_worker(tiny_model, tmp_path):
+    """D's pool (12 blocks) holds one of two concurrent 10-block prompts: D refuses the other's KV,
+    P decodes that one itself, and each client sees one stream, token for token what one engine
+    streams."""
+    with pd_stack(tiny_model, tmp_path, decode_extra=("--num-gpu-blocks", "12")) as pd:
+        prompts = [prompt_of(seed, length=150) for seed in (5, 6)]
+        expected = [texts(pd.model, offline(pd.model, p, max_tokens=30, temperature=0))[0] for p in prompts]
+        results: dict[int, tuple[str, list[dict]]] = {}
+        clients = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream(pd, prompts[i], 30)))
+                   for i in range(2)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(120)
+        assert [results[i][0] for i in range(2)] == expected
+        assert all("error" not in e for i in range(2) for e in results[i][1])
+        assert pd.route_count("pd") == 2
+        assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoffs_total", 'outcome="refused"') == 1
+        assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoffs_total", 'outcome="ack"') == 1
+        for worker in ("prefill-0", "decode-0"):
+            wait_for(lambda: pd.no_blocks_held(worker), 10, f"{worker} to hold no block")
