@@ -18,8 +18,8 @@ Queue order: (priority, arrival), lower priority value first. Routing: routing.r
 Prefill/decode pools: a request routed to a prefill worker P and a decode worker D gets an AwaitKV
 to D and a Dispatch naming D's KV socket to P; it is in flight on both until each reports it
 finished (P once the hand-off ended, D once decoding ended; D's report first means P holds the
-request from then on: D had no room for its KV, and P decodes it itself). An Abort goes to both. Such a
-request gets a seed when the client gave none, so any worker that computes it draws the same
+request from then on: D had no room for its KV, and P decodes it itself). An Abort goes to both.
+Such a request gets a seed when the client gave none, so any worker that computes it draws the same
 tokens. P gone with the request: D runs it whole (Dispatch.resumes: the client may have its first
 token already, and its detokenizer skips the tokens it has seen), so the client sees one stream; D
 gone: P is told to drop it (Abort) and the client gets the worker_failed error.

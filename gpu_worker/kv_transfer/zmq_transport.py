@@ -5,15 +5,15 @@
     P  KVSenderEndpoint:   DEALER connected to one D; send(rid) runs one hand-off to the end
                            and releases P's blocks after D's answer (or a timeout: Abort);
                            send(rid, release=False) leaves the release to the caller (a sender
-                           thread whose engine is released on the engine thread)
+                           thread: the engine thread frees the blocks)
 
 Every ZMQ message is [header] or, for a BlockFrame, [header, payload]: the header is one msgpack
 message of messages.py, the payload the raw KV bytes (sent without a copy). Malformed headers,
 unexpected payloads, oversize messages and frames that fail the consumer's checks are dropped
 with a rate-limited log line. The sockets are synchronous: D's engine loop serves its endpoint
-between steps; P's sender thread (gpu_worker/service/handoff.py) owns its endpoints. Given a `Plane` (services/security/curve.py) the ROUTER is a CURVE server that lets in
-only the worker role and each DEALER a CURVE client of it: authenticated and encrypted like every
-internal plane. Without one (engine-level tests) it is plaintext, on loopback by default.
+between steps; P's sender thread (gpu_worker/service/handoff.py) owns its endpoints. Given a
+`Plane` (services/security/curve.py) the ROUTER is a CURVE server that lets in only the worker
+role and each DEALER a CURVE client of it: authenticated and encrypted like every internal plane. Without one (engine-level tests) it is plaintext, on loopback by default.
 
 A hand-off's deadline is a lease renewed by progress: each message D takes (Offer, frame, Done)
 pushes it `timeout_s` further, so a long transfer that moves runs to its end while a D that stops

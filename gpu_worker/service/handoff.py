@@ -71,6 +71,7 @@ class PrefillSender:
         self._queued: set[str] = set()
         self._skipped: set[str] = set()
         self._stopped: set[str] = set()
+        self._closing = False                 # close(): every running hand-off ends now
         self._thread = threading.Thread(target=self._run, name="kv-handoff", daemon=True)
         self._thread.start()
 
@@ -116,8 +117,6 @@ class PrefillSender:
         self._thread.join(timeout=self.lease_s + 5)
 
     # ---- sender thread -------------------------------------------------------------------
-    _closing = False
-
     def _run(self) -> None:
         try:
             while (job := self._jobs.get()) is not None:

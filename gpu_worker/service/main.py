@@ -20,8 +20,8 @@ the lease is released.
 
 Roles (--role): a prefill worker queues each hand-off for its sender thread (handoff.PrefillSender)
 right after the step output carrying the request's first token went to its socket, and frees the
-request's blocks when the sender reports the end (the engine thread never waits for a decode worker); a decode worker binds the
-KV-transfer socket (CURVE, worker role only; advertised as `kv` in its record) and serves it
+request's blocks when the sender reports the end (the engine thread never waits for a decode
+worker); a decode worker binds the KV-transfer socket (CURVE, worker role only; advertised as `kv` in its record) and serves it
 between steps, waiting on it and on its inbox together when idle. Every real engine advertises its
 KV layout (`kv_layout` in the record's info): the scheduler pairs only workers whose layouts are equal.
 
