@@ -407,6 +407,21 @@ class Engine:
                 self.block_manager.free(seq)
         return True
 
+    def keep_export(self, request_id: str) -> bool:
+        """Decode an exported request here after all (no decode engine could take it): its
+        samples held for the hand-off rejoin the batch with the KV and first tokens they hold, as
+        if their KV had just arrived, and draw what they would have drawn. False if unknown."""
+        request = self.exported.pop(request_id, None)
+        if request is None:
+            return False
+        request.export_kv = False
+        for seq in request.seqs:
+            if seq.finish_reason == HANDOFF:
+                seq.finish_reason = None
+                self.scheduler.add_prefilled(seq)
+        self.requests[request_id] = request
+        return True
+
     def import_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                          seed: int, samples: list[tuple[int, int, float]], priority: int = 0,
                          cache_salt: str = "", num_cached_tokens: int = 0) -> Sequence | None:

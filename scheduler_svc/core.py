@@ -18,8 +18,9 @@ can take it (conversations.py, routing.conversation_worker).
 
 Prefill/decode pools: a request routed to a prefill worker P and a decode worker D gets an AwaitKV
 to D and a Dispatch naming D's KV socket to P; it is in flight on both until each reports it
-finished (P once the hand-off ended, D once decoding ended). An Abort goes to both. Such a
-request gets a seed when the client gave none, so any worker that computes it draws the same
+finished (P once the hand-off ended, D once decoding ended; D's report first means P holds the
+request from then on: D had no room for its KV, and P decodes it itself). An Abort goes to both.
+Such a request gets a seed when the client gave none, so any worker that computes it draws the same
 tokens. P gone with the request: D runs it whole (Dispatch.resumes: the client may have its first
 token already, and its detokenizer skips the tokens it has seen), so the client sees one stream; D
 gone: P is told to drop it (Abort) and the client gets the worker_failed error.
@@ -253,6 +254,11 @@ class SchedulerCore:
             return
         if req.prefill_id == w.id:
             req.prefill_id = None
+            w.inflight.discard(rid)
+        elif req.worker_id == w.id and req.prefill_id is not None:
+            # D let go before P did: P decodes it itself (D had no room for its KV), or P's own
+            # report (hand-off failed, aborted) follows; either way P holds the request now
+            req.worker_id, req.prefill_id = req.prefill_id, None
             w.inflight.discard(rid)
         elif req.worker_id == w.id:
             self._forget(rid)

@@ -42,6 +42,7 @@ from services.prefix_hash import chain_hashes
 log = logging.getLogger("kvmesh.kv_transfer")
 
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
+NO_FREE_BLOCKS = "no free KV blocks"     # the Refuse of a consumer whose pool is full now
 
 
 class KVProducer(abc.ABC):
@@ -200,7 +201,7 @@ class EngineKVConsumer(KVConsumer):
         except RequestError as e:
             return Refuse(offer.request_id, str(e))
         if seq is None:
-            return Refuse(offer.request_id, "no free KV blocks")
+            return Refuse(offer.request_id, NO_FREE_BLOCKS)
         first = seq.num_computed_tokens // bs
         self._rx[offer.request_id] = _Receiving(
             list(seq.block_table), first,

@@ -3,15 +3,17 @@
     D  KVReceiverEndpoint: ROUTER bound (loopback by default); poll() between engine steps
        answers Offers, writes BlockFrames, answers Done with Ack/Fail
     P  KVSenderEndpoint:   DEALER connected to one D; send(rid) runs one hand-off to the end
-                           and releases P's blocks after D's answer (or a timeout: Abort)
+                           and releases P's blocks after D's answer (or a timeout: Abort);
+                           send(rid, release=False) leaves the release to the caller (a sender
+                           thread: the engine thread frees the blocks)
 
 Every ZMQ message is [header] or, for a BlockFrame, [header, payload]: the header is one msgpack
 message of messages.py, the payload the raw KV bytes (sent without a copy). Malformed headers,
 unexpected payloads, oversize messages and frames that fail the consumer's checks are dropped
-with a rate-limited log line. The sockets are synchronous: the engine loop calls them between
-steps. Given a `Plane` (services/security/curve.py) the ROUTER is a CURVE server that lets in
-only the worker role and each DEALER a CURVE client of it: authenticated and encrypted like every
-internal plane. Without one (engine-level tests) it is plaintext, on loopback by default.
+with a rate-limited log line. The sockets are synchronous: D's engine loop serves its endpoint
+between steps; P's sender thread (gpu_worker/service/handoff.py) owns its endpoints. Given a
+`Plane` (services/security/curve.py) the ROUTER is a CURVE server that lets in only the worker
+role and each DEALER a CURVE client of it: authenticated and encrypted like every internal plane. Without one (engine-level tests) it is plaintext, on loopback by default.
 
 A hand-off's deadline is a lease renewed by progress: each message D takes (Offer, frame, Done)
 pushes it `timeout_s` further, so a long transfer that moves runs to its end while a D that stops
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -32,6 +35,7 @@ from gpu_worker.kv_transfer.rate_limit import RateLimitedLog
 from services.security.curve import Plane, split_role
 
 log = logging.getLogger("kvmesh.kv_transfer")
+WAIT_SLICE_S = 0.05     # a waiting sender checks its `cancelled` callback this often
 
 
 class KVReceiverEndpoint:
@@ -120,6 +124,7 @@ class KVSenderEndpoint:
             plane.connect(self._sock, "worker")
         self._sock.connect(endpoint)
         self.bytes_sent = 0                             # payload bytes of the last send()
+        self._cancelled: Callable[[], bool] = _never
 
     def abort(self, request_id: str) -> None:
         """Tell D to stop awaiting or receiving request_id (never blocks: a full queue drops it,
@@ -129,13 +134,17 @@ class KVSenderEndpoint:
         except zmq.Again:
             pass
 
-    def send(self, request_id: str, timeout_s: float = 30.0) -> Ack | Fail | Refuse | None:
-        """One hand-off: Offer, frames, Done, D's answer; then P's blocks are released. None when
-        the request has nothing to hand off or D did not answer in time (D is sent an Abort)."""
+    def send(self, request_id: str, timeout_s: float = 30.0, *, release: bool = True,
+             cancelled: Callable[[], bool] | None = None) -> Ack | Fail | Refuse | None:
+        """One hand-off: Offer, frames, Done, D's answer; then P's blocks are released (unless
+        `release` is False: the caller releases them). None when the request has nothing to hand
+        off, D did not answer in time, or `cancelled()` turned true (checked every WAIT_SLICE_S
+        while waiting and between frames); D is sent an Abort then."""
         offer = self.producer.offer(request_id)
         if offer is None:
             return None
         self.bytes_sent = 0
+        self._cancelled = cancelled or _never
         deadline = time.monotonic() + timeout_s
         try:
             answer = self._answer(request_id, deadline) if self._send([encode(offer)], deadline) else None
@@ -149,11 +158,22 @@ class KVSenderEndpoint:
                 self._send([encode(Abort(request_id))], time.monotonic())
             return answer
         finally:
-            self.producer.release(request_id)
+            if release:
+                self.producer.release(request_id)
+
+    def _wait(self, event: int, deadline: float) -> bool:
+        """Poll for `event` until the deadline, in slices; False at the deadline or on cancel."""
+        while not self._cancelled():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._sock.poll(max(1, int(min(left, WAIT_SLICE_S) * 1000)), event):
+                return True
+        return False
 
     def _send(self, parts: list, deadline: float) -> bool:
         """Queue one message unless D's queue stays full past the deadline (D stopped reading)."""
-        if not self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
+        if not self._sock.poll(0, zmq.POLLOUT) and not self._wait(zmq.POLLOUT, deadline):
             return False
         self._sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
         return True
@@ -162,7 +182,7 @@ class KVSenderEndpoint:
         rid = accept.request_id
         deadline = time.monotonic() + timeout_s
         for frame, payload in self.producer.frames(accept):
-            if not self._send([encode(frame), payload], deadline):
+            if self._cancelled() or not self._send([encode(frame), payload], deadline):
                 return None
             self.bytes_sent += len(payload)
             deadline = time.monotonic() + timeout_s      # D took the frame: the lease is renewed
@@ -177,10 +197,9 @@ class KVSenderEndpoint:
         return self._answer(rid, deadline)
 
     def _answer(self, request_id: str, deadline: float):
-        """D's next message about request_id (others are stale and skipped); None on timeout."""
-        while (left := deadline - time.monotonic()) > 0:
-            if not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                return None
+        """D's next message about request_id (others are stale and skipped); None on timeout or
+        cancel."""
+        while self._wait(zmq.POLLIN, deadline):
             msg = self._recv()
             if isinstance(msg, (Accept, Refuse, Ack, Fail)) and msg.request_id == request_id:
                 return msg
@@ -195,3 +214,7 @@ class KVSenderEndpoint:
 
     def close(self) -> None:
         self._sock.close(0)
+
+
+def _never() -> bool:
+    return False

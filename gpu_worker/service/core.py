@@ -35,8 +35,11 @@ Prefill/decode hand-off (the shell moves the KV, gpu_worker/service/handoff.py):
     prefill worker   Dispatch(handoff_to=D) -> the engine prefills with export_kv; the step that
                      draws the first token streams it (HANDOFF is internal: the detokenizer sees an
                      unfinished sample) -> take_handoffs() lists (request, D) once every sample is
-                     drawn -> handoff_done(): D took it (the request leaves this worker) or not
-                     (its client gets a RequestFailed)
+                     drawn -> the shell's sender thread moves the KV while this core steps on;
+                     an abort meanwhile goes to the sender (take_stops) and the engine keeps the
+                     blocks it reads -> handoff_done() frees them: D took the request (it leaves
+                     this worker), D had no room (it decodes here: the engine's keep_export),
+                     or not (its client gets a RequestFailed)
     decode worker    AwaitKV -> `awaiting` until the KV arrives -> adopt_imports(): admitted
                      requests decode and stream here; dropped ones leave
 """
@@ -69,6 +72,7 @@ class _Req:
     prompt_tokens: int = 0               # prompt tokens to prefill here: the backlog until the first token
     handoff_to: str = ""                 # prefill worker: the decode worker that gets the KV
     exported: bool = False               # prefill worker: some sample goes on at the decode worker
+    handed: set[int] = field(default_factory=set)   # prefill worker: those samples
 
 
 class WorkerCore:
@@ -90,6 +94,10 @@ class WorkerCore:
         self._first_tokens: list[float] = []   # ends of steps that produced first tokens, not yet sent
         self._handoffs: list[tuple[str, str]] = []     # (request id, decode worker) ready to hand off
         self._cancels: list[tuple[str, str]] = []      # (request id, decode worker) that need no hand-off
+        # handed to the shell's sender, whose thread reads their blocks: the engine keeps them
+        # until handoff_done, even when the request is aborted meanwhile (_stops tells the sender)
+        self._sending: set[str] = set()
+        self._stops: list[str] = []
         self.hands_off = False                         # prefill worker: the shell runs hand-offs
         self.imports: Any = None                       # decode worker: handoff.AwaitedImports
         self.awaiting: dict[str, _Req] = {}            # decode worker: announced, KV not yet here
@@ -130,7 +138,7 @@ class WorkerCore:
         blocks stay. Returns how many requests were dropped."""
         dropped = list(self.requests)
         for rid in dropped:
-            self.engine.abort_request(rid)
+            self._abort_in_engine(rid)
         for rid in self.awaiting:
             self.imports.abort(rid)
         if self.imports is not None:
@@ -190,6 +198,17 @@ class WorkerCore:
             self.imports.take_dropped()
         return True
 
+    def _abort_in_engine(self, rid: str) -> None:
+        """Abort rid in the engine, unless its blocks are being sent: the sender is told to stop,
+        and handoff_done frees them."""
+        if rid in self._sending:
+            self._stops.append(rid)
+        else:
+            self.engine.abort_request(rid)
+            if any(h[0] == rid for h in self._handoffs):     # ready, not yet handed to the sender
+                self._handoffs = [h for h in self._handoffs if h[0] != rid]
+                self._cancels.append((rid, self.requests[rid].handoff_to))
+
     def _abort(self, msg: Abort, out: list[Envelope]) -> None:
         req = self.requests.get(msg.request_id)
         if req is None and msg.request_id in self.awaiting:
@@ -204,7 +223,12 @@ class WorkerCore:
             return
         if req is None:
             return
-        self.engine.abort_request(msg.request_id, msg.index)
+        if msg.index is None:
+            self._abort_in_engine(msg.request_id)
+        elif msg.request_id in self._sending:
+            return    # the sample's first token went out already; its blocks go on with the rest
+        else:
+            self.engine.abort_request(msg.request_id, msg.index)
         if msg.index is not None:
             req.done.add(msg.index)
             if len(req.done) < req.n:
@@ -248,7 +272,9 @@ class WorkerCore:
                 _note_token(req, t1)
             if d.finish_reason is not None:
                 req.done.add(d.index)
-                req.exported |= handed
+                if handed:
+                    req.exported = True
+                    req.handed.add(d.index)
                 if len(req.done) >= req.n:
                     self._prefill_ended(d.request_id, req)
         for dest, seqs in per_dest.items():
@@ -268,13 +294,32 @@ class WorkerCore:
 
     # ---- prefill/decode hand-off ------------------------------------------------------------
     def take_handoffs(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-        """(to hand off, to cancel at the decode worker): (request id, decode worker address)."""
+        """(to hand off, to cancel at the decode worker): (request id, decode worker address).
+        The blocks of those to hand off stay held until handoff_done."""
         todo, cancel = self._handoffs, self._cancels
         self._handoffs, self._cancels = [], []
+        self._sending.update(rid for rid, _ in todo)
         return todo, cancel
 
-    def handoff_done(self, rid: str, ok: bool, reason: str, out: list[Envelope]) -> None:
-        """The shell ran rid's hand-off (P's blocks are released either way)."""
+    def take_stops(self) -> list[str]:
+        """Requests aborted while their hand-off runs: the sender ends it (handoff_done follows)."""
+        stops, self._stops = self._stops, []
+        return stops
+
+    def handoff_done(self, rid: str, ok: bool, reason: str, out: list[Envelope],
+                     decode_here: bool = False) -> None:
+        """rid's hand-off ended: P's blocks are released here, on the engine thread. decode_here:
+        the decode worker had no room for it, so this worker decodes it itself (it holds the KV
+        and has streamed the first tokens): the client's stream goes on from here."""
+        self._sending.discard(rid)
+        req = self.requests.get(rid)
+        if not ok and decode_here and req is not None and self.engine.keep_export(rid):
+            log.info("request %s: its decode worker had no free KV blocks; decoding it here", rid)
+            req.done -= req.handed
+            req.handed.clear()
+            req.exported, req.handoff_to = False, ""
+            return
+        self.engine.release_export(rid)
         req = self.requests.pop(rid, None)
         if req is None:
             return
@@ -309,7 +354,7 @@ class WorkerCore:
 
     def fail_all(self, message: str, out: list[Envelope]) -> None:
         for rid, req in list(self.requests.items()):
-            self.engine.abort_request(rid)
+            self._abort_in_engine(rid)
             out.append(Envelope(req.reply_addr, RequestFailed(
                 request_id=rid, status=500, code="worker_error", message=message)))
             out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="worker_failed")))

@@ -18,9 +18,10 @@ in the new epoch and the prefix index resyncs it from a snapshot). SIGTERM drain
 record says `draining` (no new work is routed here), running requests finish (up to 30 s), then
 the lease is released.
 
-Roles (--role): a prefill worker runs each hand-off (handoff.PrefillSender) right after the step
-output carrying the request's first token went to its socket; a decode worker binds the
-KV-transfer socket (CURVE, worker role only; advertised as `kv` in its record) and serves it
+Roles (--role): a prefill worker queues each hand-off for its sender thread (handoff.PrefillSender)
+right after the step output carrying the request's first token went to its socket, and frees the
+request's blocks when the sender reports the end (the engine thread never waits for a decode
+worker); a decode worker binds the KV-transfer socket (CURVE, worker role only; advertised as `kv` in its record) and serves it
 between steps, waiting on it and on its inbox together when idle. Every real engine advertises its
 KV layout (`kv_layout` in the record's info): the scheduler pairs only workers whose layouts are equal.
 
@@ -180,13 +181,21 @@ class EngineThread(threading.Thread):
         return self.receiver.recv_all(timeout_ms)
 
     def _hand_off(self, out: list[Envelope]) -> None:
-        """Run the hand-offs the last step made ready; failures go out with the next step's output."""
+        """Queue the hand-offs the last step made ready for the sender thread, tell it which were
+        aborted, and free the blocks of those that ended; failures go out with the next step's
+        output. Never waits for a decode worker."""
+        sender = self.handoff_sender
         todo, cancel = self.core.take_handoffs()
         for rid, to in cancel:
-            self.handoff_sender.cancel(rid, to)
+            sender.cancel(rid, to)
         for rid, to in todo:
-            result = self.handoff_sender.send(rid, to)
-            self.core.handoff_done(rid, result.ok, result.reason, out)
+            sender.submit(rid, to)
+        for rid in self.core.take_stops():
+            if sender.stop_sending(rid):          # had not begun: never will
+                self.core.handoff_done(rid, False, "aborted", out)
+        for result in sender.take_results():
+            self.core.handoff_done(result.request_id, result.ok, result.reason, out,
+                                   decode_here=result.refused_for_room)
 
     def _rejoin(self, epoch: int) -> None:
         old = self.core.epoch

@@ -89,7 +89,11 @@ def test_a_decode_worker_dead_mid_transfer_leaves_nothing_held_on_the_prefill_wo
     t0 = time.monotonic()
     wait_for(lambda: pd.no_blocks_held("prefill-0"), LEASE_MS / 1000 + 5, "P's blocks free within the lease")
     assert time.monotonic() - t0 < LEASE_MS / 1000 + 5
-    assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoff_expiries_total") == 1
+    # ended by its lease, or sooner by the scheduler's Abort once D's worker lease lapsed (P's
+    # sender thread stops mid-send for it)
+    ended = [pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoffs_total", f'outcome="{o}"')
+             for o in ("timeout", "abort")]
+    assert sum(ended) == 1, ended
     client.join(60)
     text, events = outcome[0]
     assert text == first, events               # the first token came from P, without waiting for D
@@ -120,3 +124,73 @@ def test_a_prefill_worker_dead_mid_transfer_still_completes_the_request(pd):
     assert all("error" not in e for e in events)
     assert pd.route_count("rerun") == 1         # D recomputed it
     wait_for(lambda: pd.no_blocks_held("decode-0"), LEASE_MS / 1000 + 10, "D to hold no block")
+
+
+
+def held_stream(pd, prompt, first: threading.Event, leave: threading.Event) -> None:
+    """A streamed greedy completion whose client holds the connection open after the first data
+    event until `leave` is set (at most 60 s), then goes away."""
+    body = {"model": pd.model.rsplit("/", 1)[-1], "prompt": prompt, "max_tokens": 50, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", pd.base_url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                first.set()
+                leave.wait(60)      # inside the loop: leaving it closes the response
+                break
+
+
+def test_a_stopped_decode_worker_stalls_nothing_else_on_the_prefill_worker(tiny_model, tmp_path):
+    """P's hand-offs run on a thread of their own: while one waits for a stopped D (its lease is a
+    minute here, and D's worker lease longer: the scheduler does not abort it), P streams another request's first token; that request's client leaving frees its
+    blocks at once though its hand-off is queued behind the waiting one, and the first client
+    leaving ends the waiting hand-off and frees its blocks at once, not at the lease."""
+    # D's worker lease outlives the test: stopped, it stays registered (silent, not dead)
+    with pd_stack(tiny_model, tmp_path, lease_ms=60_000, decode_extra=("--lease-ms", "120000")) as pd:
+        d_pid = pd.record("decode-0").info["pid"]
+        os.kill(d_pid, signal.SIGSTOP)
+        try:
+            a_first, a_leave = threading.Event(), threading.Event()
+            a = threading.Thread(target=held_stream, args=(pd, prompt_of(3), a_first, a_leave))
+            a.start()
+            assert a_first.wait(30), "a's first token (from P; its hand-off waits for D now)"
+            wait_for(lambda: pd.load("prefill-0").get("requests") == 1, 10, "P to hold a")
+            b_events: list[dict] = []
+            t0 = time.monotonic()
+            b = threading.Thread(target=stream, args=(pd, prompt_of(2), 50, 1, b_events))
+            b.start()
+            wait_for(lambda: b_events, 15, "b's first token while a's hand-off waits")
+            b.join(30)
+            wait_for(lambda: pd.load("prefill-0").get("requests") == 1, 10, "P to let go of b")
+            a_leave.set()
+            a.join(30)
+            wait_for(lambda: pd.no_blocks_held("prefill-0"), 10, "P to free a's blocks")
+            assert time.monotonic() - t0 < 40                  # well inside a's lease
+            assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoffs_total", 'outcome="abort"') == 1
+            assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoff_expiries_total") == 0
+        finally:
+            os.kill(d_pid, signal.SIGCONT)
+
+
+
+def test_a_decode_worker_without_room_leaves_the_request_to_the_prefill_worker(tiny_model, tmp_path):
+    """D's pool (12 blocks) holds one of two concurrent 10-block prompts: D refuses the other's KV,
+    P decodes that one itself, and each client sees one stream, token for token what one engine
+    streams."""
+    with pd_stack(tiny_model, tmp_path, decode_extra=("--num-gpu-blocks", "12")) as pd:
+        prompts = [prompt_of(seed, length=150) for seed in (5, 6)]
+        expected = [texts(pd.model, offline(pd.model, p, max_tokens=30, temperature=0))[0] for p in prompts]
+        results: dict[int, tuple[str, list[dict]]] = {}
+        clients = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream(pd, prompts[i], 30)))
+                   for i in range(2)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(120)
+        assert [results[i][0] for i in range(2)] == expected
+        assert all("error" not in e for i in range(2) for e in results[i][1])
+        assert pd.route_count("pd") == 2
+        assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoffs_total", 'outcome="refused"') == 1
+        assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoffs_total", 'outcome="ack"') == 1
+        for worker in ("prefill-0", "decode-0"):
+            wait_for(lambda: pd.no_blocks_held(worker), 10, f"{worker} to hold no block")

@@ -105,6 +105,23 @@ def test_the_request_ends_when_d_reports_it_and_p_leaving_keeps_it():
     assert "a" not in core.requests and not core.workers["d"].inflight
 
 
+def test_d_leaving_first_leaves_the_request_with_p():
+    """D had no free blocks for the KV: it lets go, P decodes the request itself; aborts and P's
+    death reach P from then on, and P's report ends the request."""
+    core = core_with(worker("p", "prefill"), worker("d", "decode"))
+    core.submit(submit("a", MIN + 1))
+    core.worker_status(status("d", ["a"]))
+    assert "a" in core.requests and "a" in core.workers["p"].inflight and "a" not in core.workers["d"].inflight
+    assert [e.dest for e in core.abort(Abort(request_id="a"))] == ["tcp://p:1#worker"]
+    core.worker_status(status("p", ["a"]))
+    assert "a" not in core.requests and not core.workers["p"].inflight
+    core.submit(submit("b", MIN + 1))
+    core.worker_status(status("d", ["b"]))
+    out = core.set_workers([worker("d", "decode")])      # P dies while decoding b
+    [(gw, failed)] = messages(out, RequestFailed)
+    assert gw == GW and failed.code == "worker_failed" and "b" not in core.requests
+
+
 def test_an_abort_reaches_both_workers_and_only_its_request():
     core = core_with(worker("p", "prefill"), worker("d", "decode"))
     core.submit(submit("a", MIN + 1))
