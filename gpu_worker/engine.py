@@ -8,7 +8,9 @@
 Each step: schedule (scheduler.py) -> copy-on-write copies -> build the ForwardBatch
 (batch_builder.py) -> runner.forward -> sample (sampler.py) -> append tokens, publish full
 blocks to the prefix cache, finish what is done. Invalid requests raise RequestError naming
-the field and leave the engine serving the others.
+the field and leave the engine serving the others. With speculative_config, a synchronous step
+first appends n-gram drafts that the same forward verifies (_speculative_step;
+gpu_worker/spec_decode/).
 """
 from __future__ import annotations
 
