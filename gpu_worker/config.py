@@ -90,7 +90,10 @@ class EngineConfig(EngineArgs):
             raise bad("kv_offload_cpu_gb", "KV offload needs enable_prefix_caching (blocks are found by their hash)")
         if self.kv_offload_enabled and self.tensor_parallel_size > 1:
             raise bad("kv_offload_cpu_gb", "KV offload is not supported with tensor_parallel_size > 1 yet")
-        spec = self.speculative                    # raises naming the bad key
+        try:
+            spec = self.speculative
+        except ValueError as e:                    # names the bad key
+            raise bad("speculative_config", str(e).removeprefix("invalid speculative_config: ")) from None
         if spec is not None and self.async_scheduling:
             raise bad("speculative_config", "speculative decoding runs only with async_scheduling off "
                                             "(--no-async-scheduling; served engines default to it on)")

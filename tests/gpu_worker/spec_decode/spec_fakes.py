@@ -52,3 +52,13 @@ def fake_engine(spec: str | None, window: int | None = 1, max_len: int = 512, **
     kwargs.setdefault("model_id", "fake")
     config = EngineConfig(model="fake-model", speculative_config=spec, **kwargs)
     return Engine(config, runner=VerifyingFakeRunner(window), model_config=fake_model_config(max_len))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """n random token ids in [3, 1000)."""
+    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def repetitive(n: int, period: int, seed: int) -> list[int]:
+    """n tokens repeating a random pattern of `period` ids."""
+    return (prompt(period, seed) * n)[:n]

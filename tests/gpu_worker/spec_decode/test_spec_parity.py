@@ -4,24 +4,14 @@ prefill, prefix hits, preemption and n > 1, with drafts really accepted (repetit
 greedy decoding of random weights falls into cycles that n-gram drafts predict)."""
 from __future__ import annotations
 
-import torch
-
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from services.protocol.sampling import SamplingParams
 from tests.gpu_worker.engine.conftest import HFReference, arch_model, tiny_models  # noqa: F401  (fixtures)
 from tests.gpu_worker.engine.engine_fakes import assert_clean, collect
-from tests.gpu_worker.spec_decode.spec_fakes import MAX_STEPS, ngram
+from tests.gpu_worker.spec_decode.spec_fakes import MAX_STEPS, ngram, prompt, repetitive
 
 STEPS = 32
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def repetitive(n: int, period: int, seed: int) -> list[int]:
-    return (prompt(period, seed) * n)[:n]
 
 
 def greedy(n: int = 1) -> SamplingParams:
