@@ -5,13 +5,14 @@ tokens that followed them then.
                  ^match   ^^^ drafts: d e ...       the k tokens after its latest earlier match
 
 n goes from prompt_lookup_max down to prompt_lookup_min; the first n with a match wins. Host
-numpy only; the search covers the last SEARCH_WINDOW tokens, so one sequence costs at most
-O(SEARCH_WINDOW * prompt_lookup_max) element compares a step, whatever its length.
+numpy only, over the last SEARCH_WINDOW tokens: one compare of the window against the last token
+finds the candidate match ends, then each of up to prompt_lookup_max - 1 passes extends the
+candidates still matching by one token, so a step costs O(SEARCH_WINDOW) plus
+O(candidates * prompt_lookup_max) whatever the sequence's length.
 """
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 SEARCH_WINDOW = 2048
 
@@ -24,12 +25,21 @@ def propose_ngram(tokens: list[int], k: int, lookup_min: int, lookup_max: int,
         return []
     t = np.asarray(tokens[-window:], dtype=np.int64)                    # (L,)
     L = len(t)
-    for n in range(min(lookup_max, L - 1), lookup_min - 1, -1):
-        # windows start at 0..L-1-n: each match has at least one token after it, and the
-        # suffix itself (start L-n) is excluded
-        starts = sliding_window_view(t[:L - 1], n)                       # (L-n, n)
-        hits = np.flatnonzero((starts == t[L - n:]).all(axis=1))
-        if hits.size:
-            i = int(hits[-1]) + n                                        # first token after the match
-            return t[i:i + k].tolist()
-    return []
+    # a match ends at i <= L-2 (a token follows it, and it is not the suffix itself)
+    ends = np.flatnonzero(t[:L - 1] == t[L - 1])                        # (C,) candidate ends
+    if ends.size == 0 or lookup_min > L - 1:
+        return []
+    length = np.ones(ends.size, dtype=np.int64)                         # (C,) matched length
+    alive = np.ones(ends.size, dtype=bool)
+    for j in range(1, min(lookup_max, L - 1)):
+        prev = ends - j                                                  # (C,)
+        alive &= prev >= 0
+        alive[alive] &= t[prev[alive]] == t[L - 1 - j]
+        if not alive.any():
+            break
+        length += alive
+    n = int(length.max())
+    if n < lookup_min:
+        return []
+    i = int(ends[np.flatnonzero(length >= n)[-1]]) + 1                  # after its latest match
+    return t[i:i + k].tolist()

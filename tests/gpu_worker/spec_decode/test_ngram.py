@@ -1,6 +1,8 @@
 """The n-gram proposer: the continuation of the latest earlier match of the longest suffix."""
 from __future__ import annotations
 
+import random
+
 from gpu_worker.spec_decode.ngram import propose_ngram
 
 
@@ -26,3 +28,21 @@ def test_search_is_bounded_by_the_window():
     tokens = [1, 2, 42] + [0] * 50 + [1, 2]
     assert propose_ngram(tokens, 1, 2, 2) == [42]
     assert propose_ngram(tokens, 1, 2, 2, window=20) == []
+
+
+def _brute_force(tokens: list[int], k: int, lo: int, hi: int, window: int) -> list[int]:
+    t = tokens[-window:]
+    for n in range(min(hi, len(t) - 1), lo - 1, -1):
+        for start in range(len(t) - n - 1, -1, -1):            # latest first
+            if t[start:start + n] == t[len(t) - n:]:
+                return t[start + n:start + n + k]
+    return []
+
+
+def test_matches_a_brute_force_search_on_random_sequences():
+    rng = random.Random(1)
+    for _ in range(3000):                                      # bounded
+        tokens = [rng.randrange(rng.randint(1, 6)) for _ in range(rng.randint(1, 40))]
+        k, lo = rng.randint(0, 5), rng.randint(1, 4)
+        hi, window = rng.randint(lo, 6), rng.choice([2048, 10])
+        assert propose_ngram(tokens, k, lo, hi, window) == (_brute_force(tokens, k, lo, hi, window) if k else [])
