@@ -57,7 +57,7 @@ class Speculator:
         """Append drafts to each eligible running sequence's token_ids; returns them by sequence.
         Eligible: caught up but for its last sampled token, past its first output token, not a
         prefill for another engine, with room for the drafts and one token more (max_tokens,
-        max_model_len). None when more sequences run than disable_by_batch_size."""
+        max_model_len). Nothing when more sequences run than disable_by_batch_size."""
         cfg = self.config
         if len(running) > cfg.disable_by_batch_size:
             return {}
