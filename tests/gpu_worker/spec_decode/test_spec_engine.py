@@ -143,3 +143,13 @@ def test_seeded_sampling_gives_the_same_tokens(seed):
                             seed=seed, max_tokens=30, ignore_eos=True)
     plain, spec, eng = both({0: [("s", [9, 2, 9, 2, 9], params)]})
     assert spec == plain
+
+
+def test_a_request_that_opts_out_never_verifies_drafts():
+    ids = [4, 8, 4, 8, 4, 8]
+    eng = fake_engine(ngram())
+    out = drive(eng, {0: [("out", ids, greedy(speculative=False))]})
+    assert eng.stats().extra["spec_decode"]["proposed"] == 0
+    assert all(b.max_query_len == 1 for b in eng.runner.batches[1:])      # one token a step
+    both_ways = drive(fake_engine(ngram()), {0: [("in", ids, greedy())]})
+    assert both_ways["in", 0] == out["out", 0]
