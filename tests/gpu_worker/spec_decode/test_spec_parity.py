@@ -4,6 +4,9 @@ prefill, prefix hits, preemption and n > 1, with drafts really accepted (repetit
 greedy decoding of random weights falls into cycles that n-gram drafts predict)."""
 from __future__ import annotations
 
+import pytest
+import torch
+
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from services.protocol.sampling import SamplingParams
@@ -32,9 +35,24 @@ def drain(eng: Engine, arrivals: dict[int, list]) -> dict:
     return {k: v["tokens"] for k, v in out.items()}
 
 
+# CPU: torch attention. CUDA (marked gpu): fp32 through the Triton kernels as served, the
+# verification steps on the paged extend path, the other decode steps replaying CUDA graphs.
+TARGETS = {"cpu": dict(device="cpu"),
+           "cuda": dict(device="cuda", dtype="float32", attention_backend="triton", cuda_graph_max_bs=16)}
+_target = TARGETS["cpu"]
+
+
+@pytest.fixture(autouse=True, params=[pytest.param("cpu"),
+                                      pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+                                          not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def target(request, monkeypatch):
+    """Where spec_engine() builds its engines for this test."""
+    monkeypatch.setattr(f"{__name__}._target", TARGETS[request.param])
+
+
 def spec_engine(model_dir: str, **kw) -> Engine:
     kw.setdefault("num_gpu_blocks", 128)
-    return Engine(EngineConfig(model=model_dir, device="cpu", speculative_config=ngram(k=4, lo=1, hi=3), **kw))
+    return Engine(EngineConfig(model=model_dir, speculative_config=ngram(k=4, lo=1, hi=3), **_target, **kw))
 
 
 def test_batch_chunks_prefix_hits_and_forks_match_transformers(arch_model):
