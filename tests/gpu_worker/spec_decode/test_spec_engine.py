@@ -153,3 +153,28 @@ def test_a_request_that_opts_out_never_verifies_drafts():
     assert all(b.max_query_len == 1 for b in eng.runner.batches[1:])      # one token a step
     both_ways = drive(fake_engine(ngram()), {0: [("in", ids, greedy())]})
     assert both_ways["in", 0] == out["out", 0]
+
+
+def test_aborting_one_sample_between_verifications_frees_only_its_blocks():
+    params = SamplingParams(temperature=0.7, seed=3, n=3, max_tokens=60, ignore_eos=True)
+    eng = fake_engine(ngram(), block_size=4, num_gpu_blocks=128)
+    eng.add_request("n", [2, 3, 4, 2, 3, 4], params)
+    out: dict = {}
+    for step in range(MAX_STEPS):
+        if not eng.has_unfinished_requests():
+            break
+        if step == 10:
+            eng.abort_request("n", 1)
+            eng.block_manager.check_integrity()
+        collect(eng.step(), out)
+        eng.block_manager.check_integrity()
+    assert_clean(eng)
+    plain = fake_engine(None, block_size=4, num_gpu_blocks=128)
+    plain.add_request("n", [2, 3, 4, 2, 3, 4], params)
+    want: dict = {}
+    for _ in range(MAX_STEPS):
+        if not plain.has_unfinished_requests():
+            break
+        collect(plain.step(), want)
+    assert [out["n", i]["tokens"] for i in (0, 2)] == [want["n", i]["tokens"] for i in (0, 2)]
+    assert len(out["n", 1]["tokens"]) < 60 and accepted(eng) > 0
