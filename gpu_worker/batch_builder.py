@@ -7,6 +7,7 @@ For scheduled sequence i with c = num_computed_tokens and q = num_new_tokens:
     slot of position p    block_table[p // block_size] * block_size + p % block_size
     context_len           c + q
     logits row            start_i + q - 1, only when c + q == num_tokens (the sequence samples)
+    verifying (d drafts)  rows start_i + q - 1 - d ... start_i + q - 1 (spec_decode/speculator.py)
 
 The host side is numpy: one Python pass over the sequences collects their token slices, lengths
 and block tables; positions, slots and offsets are computed vectorized. On CUDA everything goes
@@ -47,7 +48,9 @@ class BatchBuilder:
         self._turn = 0
         self._copy_stream = torch.cuda.Stream(self.device) if self.pinned else None
 
-    def build(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
+    def build(self, scheduled: list[ScheduledSeq], num_drafts: list[int] | None = None) -> ForwardBatch:
+        """num_drafts: per scheduled sequence, the draft tokens at the end of its chunk whose
+        positions want logits too (speculative verification); None: only each last row."""
         bs = self.block_size
         B = len(scheduled)
         q_lens = np.empty(B, dtype=np.int64)
@@ -82,7 +85,11 @@ class BatchBuilder:
             seq_of_tok = np.repeat(np.arange(B), q_lens)                # (T,)
             positions = np.arange(T) - starts[seq_of_tok] + c_lens[seq_of_tok]
         slots = table_arr[seq_of_tok, positions // bs] * bs + positions % bs   # (T,)
-        logits_idx = (ends - 1)[samples]                                # (S,)
+        if num_drafts is None:
+            logits_idx = (ends - 1)[samples]                            # (S,)
+        else:                                                           # (S,) with 1 + d rows each
+            logits_idx = np.array([r for i in np.flatnonzero(samples)
+                                   for r in range(ends[i] - 1 - num_drafts[i], ends[i])], dtype=np.int64)
         S = len(logits_idx)
         ctx = c_lens + q_lens
 

@@ -196,6 +196,17 @@ class BlockManager:
         self._holders[id(seq)] = seq
         return copies
 
+    def release_uncomputed(self, seq: Sequence) -> None:
+        """Free the blocks past seq's computed tokens (slots of rejected draft tokens). They
+        were allocated this step, so they are private and unhashed: back to the free list."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is None, "a released slot's block is shared or cached"
+            block.ref_count = 0
+            self._free.append(block_id)
+        del seq.block_table[keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent (child.block_table is a copy of parent's)."""
         for block_id in child.block_table:

@@ -19,6 +19,7 @@ from typing import Mapping
 from gpu_worker.tuning import DecodeAttentionTuning, KernelTuning
 from services.engine_args import EngineArgs
 from services.options import is_unset, out_of_bounds
+from services.speculative import SpeculativeConfig, parse_speculative_config
 
 
 def tuning_from_env(env: Mapping[str, str] | None = None) -> KernelTuning:
@@ -89,8 +90,21 @@ class EngineConfig(EngineArgs):
             raise bad("kv_offload_cpu_gb", "KV offload needs enable_prefix_caching (blocks are found by their hash)")
         if self.kv_offload_enabled and self.tensor_parallel_size > 1:
             raise bad("kv_offload_cpu_gb", "KV offload is not supported with tensor_parallel_size > 1 yet")
+        try:
+            spec = self.speculative
+        except ValueError as e:                    # names the bad key
+            raise bad("speculative_config", str(e).removeprefix("invalid speculative_config: ")) from None
+        if spec is not None and self.async_scheduling:
+            raise bad("speculative_config", "speculative decoding runs only with async_scheduling off "
+                                            "(--no-async-scheduling; served engines default to it on)")
         if not isinstance(self.tuning, KernelTuning):
             raise bad("tuning", f"must be a gpu_worker.tuning.KernelTuning, got {type(self.tuning).__name__}")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config parsed (None: no speculation); a bad value raises a ValueError
+        naming its key."""
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def kv_offload_enabled(self) -> bool:

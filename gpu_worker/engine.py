@@ -8,7 +8,9 @@
 Each step: schedule (scheduler.py) -> copy-on-write copies -> build the ForwardBatch
 (batch_builder.py) -> runner.forward -> sample (sampler.py) -> append tokens, publish full
 blocks to the prefix cache, finish what is done. Invalid requests raise RequestError naming
-the field and leave the engine serving the others.
+the field and leave the engine serving the others. With speculative_config, a synchronous step
+first appends n-gram drafts that the same forward verifies (_speculative_step;
+gpu_worker/spec_decode/).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from gpu_worker.outputs import EngineStats, RequestError, SequenceDelta
 from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResult, to_device
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
+from gpu_worker.spec_decode import Speculator
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,8 @@ class Engine:
                           else TieredScheduler(self.kv_tiers, *scheduling))
         self.sampler = Sampler()
         self.batch_builder = BatchBuilder(config.block_size, self.device)
+        spec = config.speculative
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self._prepare_gpu()
         self.requests: dict[str, Request] = {}
         self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
@@ -211,11 +216,16 @@ class Engine:
         if self._inflight is not None:        # async_scheduling was switched off: finish its step
             prev, self._inflight = self._inflight, None
             return self._settle(prev)
+        drafts = self.speculator.propose(self.scheduler.running) if self.speculator is not None else None
         out = self.scheduler.schedule()
+        if drafts:
+            drafts = self.speculator.fit(out, drafts)
         if not out.scheduled:
             if self._stuck():
                 raise RuntimeError("engine stuck: a waiting request cannot be scheduled on an idle engine")
             return []
+        if drafts:
+            return self._speculative_step(out, drafts)
         fwd = self._forward(out, None)
         t = time.perf_counter()
         results = self.sampler(fwd.logits, fwd.requests)             # the draw and its host sync
@@ -244,6 +254,100 @@ class Engine:
                 seq.num_computed_tokens += num_new
         targets = self._fork_targets(sampling)                       # (row, seq) per draw
         return _Forwarded(logits, targets, [self._sample_request(row, seq) for row, seq in targets])
+
+    # ---- speculative decoding (gpu_worker/spec_decode/speculator.py: the layout, why exact) ----
+    def _speculative_step(self, out: SchedulerOutput, drafts: dict[Sequence, list[int]]) -> list[SequenceDelta]:
+        """A synchronous step in which the sequences of `drafts` verify their drafts: their
+        draft positions get logits rows and draws of their own; the others step as usual."""
+        if out.copies:
+            self.runner.copy_blocks([c.src for c in out.copies], [c.dst for c in out.copies])
+        batch = self.batch_builder.build(out.scheduled, [len(drafts.get(seq, ())) for seq, _ in out.scheduled])
+        sampling = [item.seq for item in out.scheduled if item.samples]
+        logits = self.runner.forward(batch)                          # (S + drafts, vocab)
+        bm, bs = self.block_manager, self.config.block_size
+        for seq, num_new in out.scheduled:                           # drafts: after verification
+            if seq not in drafts:
+                seq.num_computed_tokens += num_new
+                if seq.num_computed_tokens // bs > seq.num_registered_blocks:
+                    bm.register_computed_blocks(seq)
+        plain: list[tuple[int, Sequence]] = []                       # (first row, seq)
+        verifying: list[tuple[Sequence, list[int]]] = []
+        requests: list[SampleRequest] = []
+        row = 0
+        for seq in sampling:
+            draft = drafts.get(seq)
+            if draft is None:
+                plain.append((row, seq))
+                if seq.request.needs_fork:
+                    plain += [(row, self.scheduler.fork(seq, i)) for i in range(1, seq.request.n)]
+                row += 1
+                continue
+            verifying.append((seq, draft))
+            base = seq.num_tokens - len(draft)
+            requests += [self._sample_request_at(row + j, seq, base + j) for j in range(len(draft) + 1)]
+            row += len(draft) + 1
+        order = [self._sample_request(r, seq) for r, seq in plain]
+        t = time.perf_counter()
+        results = self.sampler(logits, order + requests)             # the draws and their host sync
+        self.last_sync_s += time.perf_counter() - t
+        deltas = [d for (_, seq), res in zip(plain, results) if (d := self._append(seq, res))]
+        at = len(plain)
+        for seq, draft in verifying:
+            drawn = results[at:at + len(draft) + 1]
+            at += len(draft) + 1
+            if (d := self._accept(seq, draft, drawn)) is not None:
+                deltas.append(d)
+        return deltas
+
+    def _sample_request_at(self, row: int, seq: Sequence, num_tokens: int) -> SampleRequest:
+        """The draw after seq.token_ids[:num_tokens] (drafts before it included), as a plain
+        step at that point would make it."""
+        request, params = seq.request, seq.request.params
+        position = num_tokens - seq.num_prompt_tokens
+        needs_output = _needs_output(params) or position < params.min_tokens
+        outputs = seq.token_ids[seq.num_prompt_tokens:num_tokens] if needs_output else ()
+        return SampleRequest(row, params, request.seed, seq.index, request.prompt_token_ids, outputs,
+                             request.stop_ids, position)
+
+    def _accept(self, seq: Sequence, draft: list[int], drawn: list[SampleResult]) -> SequenceDelta | None:
+        """Keep the drafts the model drew itself, then its next token; roll the rest back."""
+        accepted = 0
+        while accepted < len(draft) and drawn[accepted].token_id == draft[accepted]:
+            accepted += 1
+        stats = self.speculator.stats
+        stats.proposed += len(draft)
+        stats.accepted += accepted
+        stats.verify_steps += 1
+        base = seq.num_tokens - len(draft)
+        del seq.token_ids[base:]
+        request = seq.request
+        if seq.index in request.dropped:
+            self.scheduler.abort_sequence(seq)
+            self._forget_if_done(request)
+            return None
+        tokens, logprobs, reason = [], [], None
+        for result in drawn[:accepted + 1]:
+            seq.token_ids.append(result.token_id)
+            tokens.append(result.token_id)
+            if result.logprob is not None:
+                seq.cumulative_logprob += result.logprob.logprob
+                logprobs.append(result.logprob)
+            reason = self._finish_reason(seq, result.token_id)
+            if reason is not None:
+                break
+        # KV is final for the last token before the drafts and the accepted drafts (those kept
+        # when a stop came first): register full blocks of those only, then free the rest
+        seq.num_computed_tokens = min(base + accepted, seq.num_tokens)
+        self.block_manager.release_uncomputed(seq)
+        if seq.num_computed_tokens // self.config.block_size > seq.num_registered_blocks:
+            self.block_manager.register_computed_blocks(seq)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._forget_if_done(request)
+        return SequenceDelta(request_id=request.request_id, index=seq.index, new_token_ids=tokens,
+                             new_logprobs=logprobs if request.params.logprobs is not None else None,
+                             finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
+                             num_cached_tokens=request.num_cached_tokens)
 
     # ---- one step ahead (async_scheduling) ------------------------------------------------
     #
@@ -553,6 +657,8 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             extra={"num_requests": len(self.requests), "max_model_len": self.max_model_len,
                    "block_size": bm.block_size,
+                   **({"spec_decode": self.speculator.stats.as_dict(self.speculator.config.method)}
+                      if self.speculator is not None else {}),
                    **({"kv_tiers": self.kv_tiers.stats_dict()} if self.kv_tiers is not None else {})})
 
     def reset_prefix_cache(self) -> bool:

@@ -112,6 +112,16 @@ class EngineArgs:
                                       "rate predict faster, or load the first blocks and compute the rest), "
                                       "always (load), never (recompute).", choices=("auto", "always", "never"))
 
+    # Speculative decoding (gpu_worker/spec_decode/): cheap drafts verified by the model in one
+    # forward; greedy output is unchanged, sampled output keeps the model's distribution.
+    speculative_config: str | None = opt(None, "Engine: speculative decoding as a JSON object, as vLLM's "
+                                               "--speculative-config: {\"method\": \"ngram\", "
+                                               "\"num_speculative_tokens\": 4 (1-8), \"prompt_lookup_min\": 2, "
+                                               "\"prompt_lookup_max\": 5, \"disable_by_batch_size\": 8 (more "
+                                               "running sequences: no drafts)}; needs async_scheduling off; "
+                                               "none: off.", unset="", pattern=r"(?s).{1,4096}",
+                                         expected="a JSON object of 1 to 4096 characters")
+
 
 class ServedDefault(NamedTuple):
     default: Any

@@ -39,6 +39,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = {}   # token id -> added to its logit before penalties and sampling
+    speculative: bool = True     # False: never verify speculative drafts for this request (an engine
+                                 # with speculative_config decodes it one token a step)
 
     @property
     def greedy(self) -> bool:

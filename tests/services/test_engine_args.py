@@ -50,6 +50,8 @@ def _non_default(f: dataclasses.Field, default: Any) -> Any:
         value = not default
     elif f.name in ("model", "model_id", "kv_offload_dir"):
         value = f"/models/{f.name}"
+    elif f.name == "speculative_config":
+        value = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
     elif "pattern" in meta:                  # the device
         value = "cpu"
     elif isinstance(default, float):
@@ -68,13 +70,14 @@ SERVED = {**OFFLINE, **{name: d.default for name, d in SERVED_DEFAULTS.items()}}
 OFFLINE_SAMPLES = {name: _non_default(f, OFFLINE[name]) for name, f in FIELDS.items()}
 SERVED_SAMPLES = {name: _non_default(f, SERVED[name]) for name, f in FIELDS.items()}
 # Fields whose samples may not meet in one config (fp8 KV and KV tiers with tensor parallelism,
-# KV tiers without prefix caching): set in a round of their own.
-APART = ("kv_cache_dtype", "kv_offload_cpu_gb", "kv_offload_dir", "kv_offload_disk_gb", "kv_load_policy")
+# KV tiers without prefix caching, speculation with async scheduling): set in a round of their own.
+APART = ("kv_cache_dtype", "kv_offload_cpu_gb", "kv_offload_dir", "kv_offload_disk_gb", "kv_load_policy",
+         "speculative_config")
 
 
 def rounds(samples: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v for k, v in samples.items() if k not in APART},
-            {k: samples[k] for k in ("model", *APART)}]
+            {**{k: samples[k] for k in ("model", *APART)}, "async_scheduling": False}]
 
 
 def _as_text(value: Any) -> str:

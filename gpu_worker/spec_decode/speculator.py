@@ -1,0 +1,92 @@
+"""Speculative steps: propose drafts, fit them into the scheduled step, verify, roll back.
+
+One speculative step of a decoding sequence with c computed tokens and last token x:
+
+    token_ids:  | ... computed (c) ... | x | d0 d1 .. dk-1 |      drafts appended before schedule()
+    this step:                          |<---- 1 + k ----->|      query tokens, KV slots allocated
+    logits rows:                        | r0 r1 ..... rk   |      row j: the model after d<j
+    draws:                                s0 s1 ..... sk          s_j drawn from row j
+
+a = the longest prefix with s_j == d_j. Kept: x, d0..da-1 (KV final: num_computed = c + 1 + a);
+appended: s0..sa (= d0..da-1, then the model's own token). Blocks past the computed tokens are
+freed; only then are full blocks registered in the prefix cache, so no draft's KV is published.
+
+Why this is exact. Each row j is drawn by the ordinary sampler with the request's parameters
+(penalties see the output up to d<j; min_tokens, logit_bias, top-k/top-p/min-p) and the draw
+key (seed, sample index, output position) a non-speculative step at that position would use.
+Greedy: s_j is the argmax the plain step would take, so the output is identical. Sampling with
+temperature: the n-gram draft is a point mass q = delta(d_j). Accepting d_j exactly when the
+target's own draw s_j equals it accepts with probability p(d_j) = min(1, p(d_j) / q(d_j)), and
+on rejection s_j is distributed as p conditioned on s_j != d_j, i.e. norm(max(0, p - q)):
+the rule of Leviathan et al. and Chen et al. for this q. Every emitted token is thus a draw from
+the target's processed distribution at its position (the same draw as without speculation, up
+to the rounding differences between a one-token and a multi-token forward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_worker.scheduler import SchedulerOutput
+from gpu_worker.sequence import Sequence
+from gpu_worker.spec_decode.ngram import propose_ngram
+from services.speculative import SpeculativeConfig
+
+
+@dataclass
+class SpecStats:
+    proposed: int = 0        # draft tokens verified
+    accepted: int = 0        # of those, accepted
+    verify_steps: int = 0    # sequence-steps that verified at least one draft
+
+    def as_dict(self, method: str) -> dict:
+        steps = max(self.verify_steps, 1)
+        return {"method": method, "proposed": self.proposed, "accepted": self.accepted,
+                "verify_steps": self.verify_steps,
+                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                # tokens a verifying sequence gained per step: accepted drafts + the model's own
+                "mean_accepted_length": 1.0 + self.accepted / steps if self.verify_steps else 0.0}
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+
+    def propose(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Append drafts to each eligible running sequence's token_ids; returns them by sequence.
+        Eligible: caught up but for its last sampled token, past its first output token, not a
+        prefill for another engine, not opted out (SamplingParams.speculative), with room for the drafts and one token more (max_tokens,
+        max_model_len). Nothing when more sequences run than disable_by_batch_size."""
+        cfg = self.config
+        if len(running) > cfg.disable_by_batch_size:
+            return {}
+        drafts: dict[Sequence, list[int]] = {}
+        for seq in running:
+            request = seq.request
+            if (seq.num_new_tokens != 1 or seq.num_output_tokens < 1 or request.export_kv
+                    or not request.params.speculative):
+                continue
+            room = min(cfg.num_speculative_tokens, request.max_tokens - seq.num_output_tokens - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            draft = propose_ngram(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if draft:
+                seq.token_ids.extend(draft)
+                drafts[seq] = draft
+        return drafts
+
+    @staticmethod
+    def fit(out: SchedulerOutput, drafts: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:
+        """Drafts as scheduled: a sequence scheduled for fewer tokens (budget) keeps the drafts
+        that fit; one not scheduled (or preempted) loses them. Returns the sequences that verify."""
+        scheduled = {id(seq): q for seq, q in out.scheduled}
+        kept: dict[Sequence, list[int]] = {}
+        for seq, draft in drafts.items():
+            base = seq.num_tokens - len(draft)            # tokens before the drafts
+            fits = scheduled.get(id(seq), 1) - 1 if seq.num_computed_tokens == base - 1 else 0
+            if fits < len(draft):
+                del seq.token_ids[base + fits:]
+                draft = draft[:fits]
+            if draft:
+                kept[seq] = draft
+        return kept

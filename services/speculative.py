@@ -1,0 +1,71 @@
+"""SpeculativeConfig: `--speculative-config`, a JSON object as vLLM spells it, parsed and checked.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+Only the n-gram (prompt-lookup) method exists so far. Unknown keys, wrong types and values out
+of bounds raise a ValueError naming the key. No torch here: every service's config embeds the
+field (services/engine_args.py), and a bad value fails at start-up in the process that reads it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 8
+MAX_LOOKUP = 64            # longest n-gram searched: bounds the proposer's per-step cost
+MAX_CONFIG_CHARS = 4096
+# Sequences in a step above which speculation switches itself off: a guess on the safe side
+# (batched decode already keeps the GPU busy), not yet measured.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4       # most draft tokens verified per sequence and step
+    prompt_lookup_min: int = 2            # shortest n-gram matched
+    prompt_lookup_max: int = 5            # longest n-gram matched (tried first)
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE   # more running sequences: no drafts
+
+
+_BOUNDS = {"num_speculative_tokens": (1, MAX_SPECULATIVE_TOKENS), "prompt_lookup_min": (1, MAX_LOOKUP),
+           "prompt_lookup_max": (1, MAX_LOOKUP), "disable_by_batch_size": (1, 1 << 20)}
+
+
+def _bad(key: str, why: str) -> ValueError:
+    return ValueError(f"invalid speculative_config: {key} {why}")
+
+
+def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """None or "" -> None (no speculation); else the checked config."""
+    if not text:
+        return None
+    if len(text) > MAX_CONFIG_CHARS:
+        raise _bad("(the whole value)", f"must be at most {MAX_CONFIG_CHARS} characters")
+    try:
+        raw: Any = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _bad("(the whole value)", f"is not valid JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(raw, dict):
+        raise _bad("(the whole value)", 'must be a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4}')
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise _bad(repr(unknown[0]), f"is not a known key; known keys: {', '.join(sorted(known))}")
+    if "method" not in raw:
+        raise _bad("method", f"is required (one of: {', '.join(METHODS)})")
+    if raw["method"] not in METHODS:
+        raise _bad("method", f"must be one of: {', '.join(METHODS)} (got {raw['method']!r}); "
+                             "draft_model and mtp are not supported yet")
+    for key, (lo, hi) in _BOUNDS.items():
+        if key in raw:
+            value = raw[key]
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise _bad(key, f"must be an integer in [{lo}, {hi}], got {value!r}")
+    config = SpeculativeConfig(**raw)
+    if config.prompt_lookup_min > config.prompt_lookup_max:
+        raise _bad("prompt_lookup_min", f"({config.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                                        f"({config.prompt_lookup_max})")
+    return config

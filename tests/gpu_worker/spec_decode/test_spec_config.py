@@ -1,0 +1,56 @@
+"""--speculative-config: parsed as vLLM's JSON, every mistake named by its key, and refused with
+async scheduling (the served default) rather than ignored."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gpu_worker.config import EngineConfig
+from services.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig, parse_speculative_config
+
+
+def test_ngram_config_parses_with_defaults():
+    cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert cfg == SpeculativeConfig("ngram", 3, 2, 4, DEFAULT_DISABLE_BY_BATCH_SIZE)
+    assert parse_speculative_config(None) is None and parse_speculative_config("") is None
+
+
+@pytest.mark.parametrize("text, named", [
+    ('{"method": "ngram", "num_speculative_tokens": 9}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens"),
+    ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 3}', "prompt_lookup_min"),
+    ('{"method": "ngram", "prompt_lookup_max": 65}', "prompt_lookup_max"),
+    ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size"),
+    ('{"method": "draft_model", "model": "/m"}', "'model'"),
+    ('{"method": "eagle"}', "method"),
+    ('{"num_speculative_tokens": 4}', "method"),
+    ('{"method": "ngram", "typo": 1}', "'typo'"),
+    ('[1, 2]', "JSON object"),
+    ('{"method": ', "not valid JSON"),
+])
+def test_bad_values_name_their_key(text, named):
+    with pytest.raises(ValueError, match="invalid speculative_config") as e:
+        parse_speculative_config(text)
+    assert named in str(e.value)
+
+
+def test_engine_config_validates_and_refuses_async_scheduling():
+    good = '{"method": "ngram", "num_speculative_tokens": 2}'
+    assert EngineConfig(model="/m", speculative_config=good).speculative.num_speculative_tokens == 2
+    with pytest.raises(ValueError, match="invalid engine argument speculative_config: num_speculative_tokens"):
+        EngineConfig(model="/m", speculative_config='{"method": "ngram", "num_speculative_tokens": 99}')
+    with pytest.raises(ValueError, match="async_scheduling off"):
+        EngineConfig(model="/m", speculative_config=good, async_scheduling=True)
+
+
+def test_cli_names_the_flag_and_key():
+    """kvmesh generate with a bad value exits with a message, not a traceback."""
+    proc = subprocess.run([sys.executable, "-m", "gpu_worker.cli_generate", "--model", "/nonexistent", "--prompt",
+                           "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 20}'],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--speculative-config: invalid engine argument speculative_config: num_speculative_tokens" in proc.stderr
