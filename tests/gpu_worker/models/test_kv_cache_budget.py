@@ -17,7 +17,8 @@ def test_budget_is_share_minus_own_weights_and_peak():
 
 
 def test_memory_held_before_the_runner_is_not_charged():
-    # Another engine in this process holds 70 GiB (the case that broke bench/fp8_kv_check.py):
+    # Another engine in this process holds 70 GiB (a benchmark that builds a bf16-cache engine and
+    # then an fp8-cache one):
     # the new runner still gets its own 0.4 share.
     held = 70 * GIB
     base = _DeviceMemory(TOTAL, used=held + GIB, reserved=held, allocated=held)
