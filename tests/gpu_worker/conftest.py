@@ -10,7 +10,8 @@ from gpu_worker.kernels._utils import interpreting
 
 RUN_APART = ("Triton's interpreter is on in this pytest process (tests/gpu_worker/kernels/conftest.py): "
              "run the GPU tests in a process of their own: "
-             "pytest -m gpu tests/gpu_worker/engine tests/gpu_worker/models tests/gpu_worker/perf")
+             "pytest -m gpu tests/gpu_worker/engine tests/gpu_worker/models tests/gpu_worker/perf "
+             "tests/gpu_worker/kv_transfer tests/gpu_worker/kv_tiers tests/gpu_worker/spec_decode")
 
 
 def pytest_collection_modifyitems(config, items):
