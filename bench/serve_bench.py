@@ -35,7 +35,7 @@ send + detokenizer + the hops between (`hops_ms`, the remainder), the first chun
 worker's admit (socket -> engine) and how long the first token's step waited for the GPU.
 
 Every stack gets its own embedded Redis (so this script can read the registry), waits until all
-workers (and the prefix-cache index) are registered, and is stopped between parts: SIGTERM to
+workers (and the prefix-cache index, where kvmesh serve starts one) are registered, and is stopped between parts: SIGTERM to
 `kvmesh serve` (it stops its services), SIGKILL to whatever of its process group is left, also
 on errors and on SIGTERM/Ctrl-C to this script. Prompts are text built with the model's tokenizer
 (`--tokenizer`: exact lengths as the server counts them, its BOS among them: 512 in is 512 prompt tokens).
@@ -276,9 +276,11 @@ class ServeStack:
     """`python3 -m services.cli serve` in its own process group, with its own embedded Redis."""
 
     def __init__(self, name: str, model: Path, workers: int, sc: Scale, env: dict[str, str],
-                 log_level: str, extra_flags: list[str], expect_prefix: bool = True) -> None:
+                 log_level: str, extra_flags: list[str]) -> None:
         self.name, self.model, self.workers, self.sc = name, model, workers, sc
-        self.env, self.log_level, self.extra_flags, self.expect_prefix = env, log_level, extra_flags, expect_prefix
+        self.env, self.log_level, self.extra_flags = env, log_level, extra_flags
+        # kvmesh serve starts the prefix-cache index only where its scheduler asks it
+        self.expect_prefix = workers > 1 and env.get("KVMESH_ROUTING", "cache_aware") == "cache_aware"
         self.proc: subprocess.Popen | None = None
         self.redis = None
         self.url = ""
