@@ -29,10 +29,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from services.envelope import SCHEDULER, Envelope
 from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
     Abort, Admitted, Rejected, RequestFailed, StepOutput, StreamOpen, TextBatch, TextDelta, failure_of)
-from services.envelope import SCHEDULER, Envelope
 from services.text.streams import DetokCore
 
 
