@@ -96,24 +96,17 @@ class BlockManager:
         The block holding the last token is never reused, so at least one token is always
         computed (its logits are needed): a full-prompt hit still recomputes the last block.
         """
-        if not self.enable_prefix_caching:
-            return []
-        limit = (seq.num_tokens - 1) // self.block_size
-        self._ensure_hashes(seq, limit)
-        hits: list[int] = []
-        for h in seq.block_hashes[:limit]:
-            block_id = self._by_hash.get(h)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        return self._cached_prefix(seq, (seq.num_tokens - 1) // self.block_size)
 
     def lookup_full_blocks(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's longest cached prefix of FULL prompt blocks, the last one
         included: a sequence whose KV arrives from a prefill engine computes no prompt token here."""
+        return self._cached_prefix(seq, seq.num_prompt_tokens // self.block_size)
+
+    def _cached_prefix(self, seq: Sequence, limit: int) -> list[int]:
+        """Cached blocks of seq's longest cached prefix among its first `limit` blocks."""
         if not self.enable_prefix_caching:
             return []
-        limit = seq.num_prompt_tokens // self.block_size
         self._ensure_hashes(seq, limit)
         hits: list[int] = []
         for h in seq.block_hashes[:limit]:

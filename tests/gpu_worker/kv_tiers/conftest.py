@@ -9,19 +9,11 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from services.protocol.sampling import SamplingParams
 # the engine tests' models and transformers references, shared rather than made twice
-from tests.gpu_worker.engine.conftest import HFReference, arch_model, tiny_models  # noqa: F401  (fixtures)
+from tests.gpu_worker.engine.conftest import HFReference, _one_torch_thread, arch_model, tiny_models  # noqa: F401  (fixtures)
 
 MAX_STEPS = 2_000           # every drive loop below is bounded
 BLOCK_SIZE = 4
 OUT_TOKENS = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -13,17 +13,9 @@ from gpu_worker.kv_transfer.local import hand_off
 from gpu_worker.kv_transfer.messages import Ack
 from services.protocol.sampling import SamplingParams
 # the engine tests' models and transformers references, shared rather than made twice
-from tests.gpu_worker.engine.conftest import arch_model, tiny_models  # noqa: F401  (fixtures)
+from tests.gpu_worker.engine.conftest import _one_torch_thread, arch_model, tiny_models  # noqa: F401  (fixtures)
 
 MAX_STEPS = 5_000        # every drive loop below is bounded
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
