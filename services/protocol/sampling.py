@@ -17,8 +17,42 @@ MAX_LOGIT_BIAS = 1024            # token ids one request may bias
 MAX_ABS_LOGIT_BIAS = 100.0       # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
+MAX_STRUCTURED_SPEC_BYTES = 64 * 1024   # a schema, regex or grammar as sent on the wire
+MAX_CHOICES = 256                         # entries of a `choice` constraint
+
+
 class SamplingParamsError(ValueError):
     """A request's sampling parameters are invalid; the message names the field."""
+
+
+class StructuredOutput(msgspec.Struct, kw_only=True, frozen=True):
+    """A constraint on the generated text, compiled by the worker into a token grammar.
+
+    Exactly one field is set (vLLM's `StructuredOutputsParams`): a JSON Schema (serialized
+    JSON), any JSON object, a regular expression, one of a list of strings, or an EBNF grammar.
+    """
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def validate(self) -> None:
+        """Raise SamplingParamsError unless exactly one bounded constraint is set."""
+        texts = {"json_schema": self.json_schema, "regex": self.regex, "grammar": self.grammar}
+        given = [k for k, v in texts.items() if v is not None]
+        given += ["json_object"] * self.json_object + ["choice"] * (self.choice is not None)
+        if len(given) != 1:
+            raise SamplingParamsError(f"invalid structured output: exactly one constraint must be set, got "
+                                      f"{', '.join(given) or 'none'}")
+        for name, text in texts.items():
+            if text is not None and not 0 < len(text.encode()) <= MAX_STRUCTURED_SPEC_BYTES:
+                raise SamplingParamsError(f"invalid {name}: must have 1 to {MAX_STRUCTURED_SPEC_BYTES} bytes")
+        if self.choice is not None:
+            if not 0 < len(self.choice) <= MAX_CHOICES:
+                raise SamplingParamsError(f"invalid choice: must list 1 to {MAX_CHOICES} strings")
+            if sum(len(c.encode()) for c in self.choice) > MAX_STRUCTURED_SPEC_BYTES:
+                raise SamplingParamsError(f"invalid choice: at most {MAX_STRUCTURED_SPEC_BYTES} bytes in all")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -41,6 +75,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     logit_bias: dict[int, float] = {}   # token id -> added to its logit before penalties and sampling
     speculative: bool = True     # False: never verify speculative drafts for this request (an engine
                                  # with speculative_config decodes it one token a step)
+    structured: StructuredOutput | None = None   # constrained decoding (JSON schema, regex, ...)
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +118,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             raise bad("stop_token_ids", f"ids must be in [0, {vocab_size})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.structured is not None:
+            self.structured.validate()
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias.items():
