@@ -14,6 +14,9 @@ One device call (H200, at most ~540 s) measures, on a random-weight Llama-3.1-8B
            with the same warm-up, c1 and c64 runs (same prompts); the table gives each metric
            beside kvmesh's and the ratio. vLLM must be installed in --vllm-site first
            (../shared/peer-vllm/; `pip install --target /tmp/vsite`).
+  pd       one prefill and one decode worker sharing the GPU (`kvmesh serve --workers 0
+           --prefill-workers 1 --decode-workers 1`, each at --routing-gpu-mem), the same warm-up, c1
+           and c64 runs as single; the table sets each figure beside single's (one mixed worker).
   routing  two workers sharing the one GPU (`kvmesh serve --workers 2 --device cuda`, each with
            KVMESH_GPU_MEMORY_UTILIZATION=--routing-gpu-mem) plus the prefix-cache index, the same
            generated-shared-prefix workload (32 groups x 8 questions, 2048-token system prompt,
@@ -276,11 +279,14 @@ class ServeStack:
     """`python3 -m services.cli serve` in its own process group, with its own embedded Redis."""
 
     def __init__(self, name: str, model: Path, workers: int, sc: Scale, env: dict[str, str],
-                 log_level: str, extra_flags: list[str]) -> None:
+                 log_level: str, extra_flags: list[str], prefill_decode: tuple[int, int] = (0, 0)) -> None:
+        """workers mixed workers, plus prefill_decode = (P, D) disaggregated ones."""
         self.name, self.model, self.workers, self.sc = name, model, workers, sc
         self.env, self.log_level, self.extra_flags = env, log_level, extra_flags
+        self.prefill_decode = prefill_decode
+        self.total_workers = workers + sum(prefill_decode)
         # kvmesh serve starts the prefix-cache index only where its scheduler asks it
-        self.expect_prefix = workers > 1 and env.get("KVMESH_ROUTING", "cache_aware") == "cache_aware"
+        self.expect_prefix = self.total_workers > 1 and env.get("KVMESH_ROUTING", "cache_aware") == "cache_aware"
         self.proc: subprocess.Popen | None = None
         self.redis = None
         self.url = ""
@@ -291,6 +297,8 @@ class ServeStack:
                "--ready-timeout-s", f"{ready_timeout:.0f}", "--log-level", self.log_level]
         if self.sc.num_gpu_blocks:
             cmd += ["--num-gpu-blocks", str(self.sc.num_gpu_blocks)]
+        if any(self.prefill_decode):
+            cmd += ["--prefill-workers", str(self.prefill_decode[0]), "--decode-workers", str(self.prefill_decode[1])]
         return cmd + self.extra_flags
 
     def start(self, timeout_s: float) -> float:
@@ -303,7 +311,7 @@ class ServeStack:
         cmd = self.command(port, timeout_s)
         shown = " ".join(cmd[1:]) + "".join(f"  [{k}={v}]" for k, v in sorted(self.env.items()))
         LOG.header(f"stack {self.name}: {shown}")
-        say(f"stack {self.name}: starting {self.workers} worker(s) on {self.sc.device} ({shown})")
+        say(f"stack {self.name}: starting {self.total_workers} worker(s) on {self.sc.device} ({shown})")
         # the Redis URL (with its password) through the environment: a command line is world-readable
         env = child_env({**self.env, "KVMESH_REDIS_URL": self.redis.client_url})
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=LOG.fh, stderr=subprocess.STDOUT,
@@ -319,7 +327,7 @@ class ServeStack:
             if ready:
                 workers = self.records("worker")
                 prefix = self.records("prefix-cache") if self.expect_prefix else [None]
-                if len(workers) >= self.workers and prefix:
+                if len(workers) >= self.total_workers and prefix:
                     time.sleep(1.5)     # the scheduler and the prefix index poll the registry
                     took = time.time() - t
                     say(f"stack {self.name}: ready in {took:.1f} s ({len(workers)} worker(s)"
@@ -483,6 +491,31 @@ def section_single(args, sc: Scale) -> None:
         save()
 
 
+def section_pd(args, sc: Scale) -> None:
+    """One prefill and one decode worker sharing the GPU (each KVMESH_GPU_MEMORY_UTILIZATION=
+    --routing-gpu-mem), the same warm-up and runs as `single`: what disaggregation costs or gains
+    on one GPU against one mixed worker (the table sets each figure beside single's)."""
+    res = RESULTS["sections"].setdefault("pd", {})
+    est = est_start(sc, 2) + sc.est_warmup + sc.est_c1 + sc.est_stop
+    if remaining() < est:
+        return skip("pd", f"{remaining():.0f} s left, ~{est:.0f} s needed")
+    env = dict(args.env)
+    if args.routing_gpu_mem:
+        env["KVMESH_GPU_MEMORY_UTILIZATION"] = str(args.routing_gpu_mem)
+    stack = ServeStack("pd", args.model_dir, 0, sc, env, args.log_level, args.serve_flag, prefill_decode=(1, 1))
+    res["stack"] = {"prefill_workers": 1, "decode_workers": 1, "device": sc.device, "env": env,
+                    "serve_flags": args.serve_flag}
+    try:
+        res["stack_start_s"] = STARTS[2] = round(stack.start(min(remaining() - sc.est_stop, args.ready_timeout)), 1)
+        save()
+        warmup_and_runs(stack, "pd", res, args, sc,
+                        lambda _key, label, cargs, budget_s: measured_run(stack, label, cargs, sc, args.client_arg,
+                                                                          budget_s))
+    finally:
+        stack.stop()
+        save()
+
+
 def single_runs(args, sc: Scale) -> list[tuple[str, float, list[str]]]:
     """(key, estimated seconds, client arguments) of the runs both `single` and `vllm` make."""
     # distinct seeds: same-seed random prompts of two lengths would share a prefix (cache hits)
@@ -627,6 +660,12 @@ def table() -> str:
     for key, title in (("c1", f"vllm c=1 {sc.get('c1_in')}/{sc.get('c1_out')}"),
                        ("c64", f"vllm c={sc.get('c64_conc')} {sc.get('c64_in')}/{sc.get('c64_out')}")):
         lines += _vllm_lines(key, title, single.get(key), RESULTS["sections"].get("vllm", {}).get(key))
+    for key, title in (("c1", f"1P+1D c=1 {sc.get('c1_in')}/{sc.get('c1_out')}"),
+                       ("c64", f"1P+1D c={sc.get('c64_conc')} {sc.get('c64_in')}/{sc.get('c64_out')}")):
+        run = RESULTS["sections"].get("pd", {}).get(key)
+        if run:
+            lines += _beside_lines(key, title, run, single.get(key), "single")
+            lines += _stage_lines(title, run)
     routing = RESULTS["sections"].get("routing", {})
     for mode in ("cache_aware", "round_robin", "least_loaded"):
         run = (routing.get(mode) or {}).get("run")
@@ -674,6 +713,18 @@ def _vllm_lines(key: str, title: str, ours: dict | None, theirs: dict | None) ->
         lines.append(f"{title:<22} {name:<26} {_f(b, '{:.2f}'):>12}  {note}")
     if theirs.get("failed"):
         lines.append(f"{title:<22} {'failed requests':<26} {theirs['failed']:>12}  {theirs.get('failure_reasons')}")
+    return lines
+
+
+def _beside_lines(key: str, title: str, run: dict, other: dict | None, other_name: str) -> list[str]:
+    """A run's metrics, each beside another kvmesh run's (>1: this run ahead)."""
+    lines = []
+    for name, k, higher_better in VLLM_METRICS[key]:
+        a, b = run.get(k), (other or {}).get(k)
+        note = f"{other_name} {b:.2f}: {(a / b if higher_better else b / a):.3f}x" if a and b else ""
+        lines.append(f"{title:<22} {name:<26} {_f(a, '{:.2f}'):>12}  {note}")
+    if run.get("failed"):
+        lines.append(f"{title:<22} {'failed requests':<26} {run['failed']:>12}  {run.get('failure_reasons')}")
     return lines
 
 
@@ -729,7 +780,8 @@ def main(argv: list[str] | None = None) -> int:
     global DEADLINE, OUT, LOG
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="single,routing",
-                    help="comma-separated: single, vllm (vLLM's server, the same runs as single), routing")
+                    help="comma-separated: single, vllm (vLLM's server, the same runs as single), pd (1 prefill + "
+                         "1 decode worker on the GPU, the same runs as single), routing")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny lengths: checks this script")
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="model made once here and reused (default /tmp/kvmesh-llama-8b; smoke: /tmp/kvmesh-serve-bench-tiny)")
@@ -740,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routing-modes", default="cache_aware,round_robin",
                     help="scheduler --routing values, one fresh 2-worker stack each")
     ap.add_argument("--routing-gpu-mem", type=float, default=0.42,
-                    help="KVMESH_GPU_MEMORY_UTILIZATION of each of the two workers (0: leave unset)")
+                    help="KVMESH_GPU_MEMORY_UTILIZATION of each of the two workers, routing and pd (0: leave unset)")
     ap.add_argument("--single-gpu-mem", type=float, default=0.0,
                     help="KVMESH_GPU_MEMORY_UTILIZATION of the single worker (0: the stack's default)")
     ap.add_argument("--gsp-groups", type=int, default=0, help="shared-prefix groups (default 32)")
@@ -769,9 +821,9 @@ def main(argv: list[str] | None = None) -> int:
     args.routing_modes = [m.strip() for m in args.routing_modes.split(",") if m.strip()]
     args.single_runs = [m.strip() for m in args.single_runs.split(",") if m.strip()]
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    bad = [s for s in sections if s not in ("single", "vllm", "routing")]
+    bad = [s for s in sections if s not in ("single", "vllm", "pd", "routing")]
     if bad:
-        ap.error(f"unknown section(s) {bad}; choose from single, vllm, routing")
+        ap.error(f"unknown section(s) {bad}; choose from single, vllm, pd, routing")
     DEADLINE = T0 + args.time_budget
     OUT = Path(os.environ.get("OUT", "./out"))
     OUT.mkdir(parents=True, exist_ok=True)
@@ -795,7 +847,8 @@ def main(argv: list[str] | None = None) -> int:
             record_error("model", exc)
             sections = []
             code = 1
-        for name, fn in (("single", section_single), ("vllm", section_vllm), ("routing", section_routing)):
+        for name, fn in (("single", section_single), ("vllm", section_vllm), ("pd", section_pd),
+                         ("routing", section_routing)):
             if name in sections:
                 try:
                     fn(args, sc)
