@@ -185,6 +185,9 @@ class EngineThread(threading.Thread):
         aborted, and free the blocks of those that ended; failures go out with the next step's
         output. Never waits for a decode worker."""
         sender = self.handoff_sender
+        for rid, to, first, ids in self.core.take_stream_blocks():   # before their finish, per D
+            if not sender.stream(rid, to, first, ids):
+                self.core.stop_streaming(rid)
         todo, cancel = self.core.take_handoffs()
         for rid, to in cancel:
             sender.cancel(rid, to)
@@ -268,7 +271,7 @@ class WorkerService:
         if publisher is not None:
             publisher.set_epoch(self.lease.epoch)
         self.core = WorkerCore(engine, self.worker_id, self.lease.epoch, inbox_addr=addrs["zmq"])
-        self.core.hands_off = sender is not None
+        self.core.hands_off = self.core.streams_kv = sender is not None
         if kv_receiver is not None:
             self.core.imports = kv_receiver.imports
         await self._refresh_schedulers()
