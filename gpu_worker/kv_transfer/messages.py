@@ -18,6 +18,8 @@
     D -> P  Ack         D holds every block and decodes: P may release its blocks
          or Fail        D dropped the request (bad frame, abort): P releases its blocks
     either  Abort       the other side stops and frees the request's blocks
+    P -> D  NixlSource  (NIXL transport) P's agent: metadata and cache addresses, before its Offers;
+                        D then reads the blocks itself (no BlockFrame, no Done) and answers Ack/Fail
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     priority: int = 0
     cache_salt: str = ""
     num_cached_tokens: int = 0
+    nixl_source: str = ""           # NIXL transport: the agent D reads the blocks from (NixlSource)
 
 
 class Accept(msgspec.Struct, tag="accept", frozen=True):
@@ -96,7 +99,11 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     request_id: str
 
 
-Message = Offer | Accept | Refuse | BlockFrame | Done | Ack | Fail | Abort
+class NixlSource(msgspec.Struct, tag="nixl_source", frozen=True):
+    peer: bytes                     # nixl_transport.NixlPeer, msgpack (bounded by MAX_HEADER_BYTES)
+
+
+Message = Offer | Accept | Refuse | BlockFrame | Done | Ack | Fail | Abort | NixlSource
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -30,7 +30,8 @@ import time
 from typing import Any, NamedTuple
 
 from gpu_worker.kv_transfer.connector import NO_FREE_BLOCKS, EngineKVConsumer, EngineKVProducer
-from gpu_worker.kv_transfer.messages import Accept, Ack, Done, Fail, Offer, Refuse
+from gpu_worker.kv_transfer.messages import Accept, Ack, Done, Fail, NixlSource, Offer, Refuse
+from gpu_worker.kv_transfer.nixl_transport import encode_peer
 from gpu_worker.kv_transfer.streaming import streamed_offer, take_snapshot
 from gpu_worker.kv_transfer.zmq_transport import KVReceiverEndpoint
 from gpu_worker.service.handoff_peer import PeerSender
@@ -70,8 +71,13 @@ class PrefillSender:
     private copies (kv_transfer/streaming.py), at most max_snapshot_bytes of them waiting at once."""
 
     def __init__(self, engine: Any, plane: Plane, lease_s: float,
-                 max_snapshot_bytes: int = MAX_SNAPSHOT_BYTES) -> None:
+                 max_snapshot_bytes: int = MAX_SNAPSHOT_BYTES, nixl_agent: Any = None) -> None:
+        """nixl_agent: a nixl_transport.NixlKVAgent of the engine: decode workers read the blocks
+        from it (its metadata goes to each over the authenticated ZMQ socket) and no frame moves."""
         self.producer = EngineKVProducer(engine)
+        self.nixl_agent = nixl_agent
+        self.nixl_name = nixl_agent.name if nixl_agent is not None else ""
+        self.nixl_source = None if nixl_agent is None else NixlSource(encode_peer(nixl_agent.peer()))
         self.engine, self.plane, self.lease_s = engine, plane, lease_s
         self.frame_plan = self.producer._plan(engine.runner.kv_caches[0][0].element_size())
         self.max_snapshot_bytes = max_snapshot_bytes
@@ -159,6 +165,8 @@ class PrefillSender:
             peer.jobs.put(None)
         for peer in peers:
             peer.join(timeout=self.lease_s + 5)
+        if self.nixl_agent is not None:
+            self.nixl_agent.close()
 
     def _put(self, to: str, job: tuple[str, str, Any]) -> None:
         with self._lock:                      # under the lock: an idle peer ending now is not given it
@@ -293,12 +301,19 @@ class AwaitedImports(EngineKVConsumer):
 
 
 class DecodeReceiver:
-    """D's bound KV-transfer socket (CURVE, worker role only) and its consumer."""
+    """D's bound KV-transfer socket (CURVE, worker role only) and its consumer; with a NIXL agent
+    (nixl_transport.NixlKVAgent of the engine) D reads the blocks of each accepted offer from the
+    prefill worker's agent itself."""
 
-    def __init__(self, engine: Any, plane: Plane, host: str, port: int, lease_s: float) -> None:
+    def __init__(self, engine: Any, plane: Plane, host: str, port: int, lease_s: float,
+                 nixl_agent: Any = None) -> None:
         self.imports = AwaitedImports(engine, lease_s)
         self.endpoint = KVReceiverEndpoint(self.imports, host, port, idle_timeout_s=lease_s,
                                            plane=plane if plane.secure else None)
+        self.nixl_agent = nixl_agent
+        if nixl_agent is not None:
+            from gpu_worker.kv_transfer.nixl_transport import NixlKVReader
+            self.endpoint.nixl_reader = NixlKVReader(self.imports, nixl_agent)
 
     def poll(self) -> int:
         handled = self.endpoint.poll(0)
@@ -307,3 +322,5 @@ class DecodeReceiver:
 
     def close(self) -> None:
         self.endpoint.close()
+        if self.nixl_agent is not None:
+            self.nixl_agent.close()

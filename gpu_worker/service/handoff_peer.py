@@ -22,10 +22,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from gpu_worker.kv_transfer.layout import KVLayoutMismatch, check_compatible
 from gpu_worker.kv_transfer.messages import Accept, Ack, BlockFrame, Done, Offer, Refuse, encode
 from gpu_worker.kv_transfer.streaming import BlockSnapshot, SnapshotReader, snapshot_frames
 from gpu_worker.kv_transfer.zmq_peer import Answer, KVPeerChannel
+from services import metrics
 
 if TYPE_CHECKING:
     from gpu_worker.service.handoff import PrefillSender
@@ -107,7 +110,13 @@ class PeerSender(threading.Thread):
         channel.open(rid)
         deadline = time.monotonic() + self.owner.lease_s
         cancelled = lambda: self._cancelled(rid)                       # noqa: E731
-        answer = channel.answer(rid, deadline, cancelled) if channel.send([encode(offer)], deadline, cancelled) else None
+        parts = [encode(offer)]
+        if self.owner.nixl_source is not None:    # D reads from our agent: it connects first (once)
+            parts = [encode(self.owner.nixl_source)]
+            offer = msgspec.structs.replace(offer, nixl_source=self.owner.nixl_name)
+            sent = channel.send(parts, deadline, cancelled)
+            parts = [encode(offer)] if sent else []
+        answer = channel.answer(rid, deadline, cancelled) if parts and channel.send(parts, deadline, cancelled) else None
         if not isinstance(answer, Accept):
             return self._end(rid, answer)
         try:
@@ -128,6 +137,7 @@ class PeerSender(threading.Thread):
                                               self.owner.frame_plan, stream.seq_no):
             if not self._send_frame(rid, stream, frame, payload):
                 return
+        metrics.HANDOFF_STREAMED_BLOCKS.inc(max(0, snap.block_end - max(stream.sent_upto, snap.block_start)))
         stream.sent_upto = max(stream.sent_upto, snap.block_end)
 
     def _finish(self, rid: str) -> None:
@@ -148,11 +158,15 @@ class PeerSender(threading.Thread):
         else:
             samples = producer.first_tokens(rid)
         stream.finishing = True
+        deadline = time.monotonic() + self.owner.lease_s
+        cancelled = lambda: self._cancelled(rid)                       # noqa: E731
+        if self.owner.nixl_source is not None:    # D reads the blocks itself, then answers
+            self._end(rid, self._channel.answer(rid, deadline, cancelled), started=t0)
+            return
         for frame, payload in producer.frames(stream.accept, stream.sent_upto, stream.seq_no):
             if not self._send_frame(rid, stream, frame, payload):
                 return
         deadline = time.monotonic() + self.owner.lease_s
-        cancelled = lambda: self._cancelled(rid)                       # noqa: E731
         done = Done(rid, stream.seq_no, samples)
         answer = self._channel.answer(rid, deadline, cancelled) if self._channel.send(
             [encode(done)], deadline, cancelled) else None
