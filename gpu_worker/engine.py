@@ -526,9 +526,10 @@ class Engine:
         return seq.block_table[:min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.config.block_size]
 
     def keep_export(self, request_id: str) -> bool:
-        """Decode an exported request here after all (no decode engine could take it; one still
-        prefilling just goes on as a request of this engine): its samples held for the hand-off rejoin the batch with the KV and first tokens they hold, as
-        if their KV had just arrived, and draw what they would have drawn. False if unknown."""
+        """Decode an exported request here after all (no decode engine could take it): its
+        samples held for the hand-off rejoin the batch with the KV and first tokens they hold, as
+        if their KV had just arrived, and draw what they would have drawn; one still prefilling
+        just goes on as a request of this engine. False if unknown."""
         request = self.exported.pop(request_id, None)
         if request is None:
             live = self.requests.get(request_id)

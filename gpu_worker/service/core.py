@@ -214,10 +214,9 @@ class WorkerCore:
         else:
             self.engine.abort_request(rid)
             self._prefilling.pop(rid, None)
-            if rid in self._streaming:       # blocks streamed while it prefilled: D drops them
+            # blocks streamed while it prefilled, or ready and not yet handed to the sender: D drops it
+            if rid in self._streaming or any(h[0] == rid for h in self._handoffs):
                 self._streaming.discard(rid)
-                self._cancels.append((rid, self.requests[rid].handoff_to))
-            elif any(h[0] == rid for h in self._handoffs):     # ready, not yet handed to the sender
                 self._handoffs = [h for h in self._handoffs if h[0] != rid]
                 self._cancels.append((rid, self.requests[rid].handoff_to))
 

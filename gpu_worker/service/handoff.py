@@ -155,6 +155,7 @@ class PrefillSender:
                 return out
             with self._lock:        # a stop that came after its end
                 self._stopped.discard(result.request_id)
+            self._streaming.pop(result.request_id, None)   # its stream, if any, ended with it
             out.append(result)
 
     def close(self) -> None:

@@ -78,7 +78,7 @@ class PeerSender(threading.Thread):
     def _do(self, kind: str, rid: str, arg: Any) -> None:
         try:
             if kind == "open":
-                self._open(rid, arg)
+                self._open(rid, arg, finishing=False)
             elif kind == "blocks":
                 self._blocks(rid, arg)
             elif kind == "finish":
@@ -100,13 +100,14 @@ class PeerSender(threading.Thread):
         return self.owner.cancelled(rid)
 
     # ---- the jobs ------------------------------------------------------------------------
-    def _open(self, rid: str, offer: Offer | None) -> bool:
-        """Offer, D's Accept (checked); False when the hand-off ended (reported)."""
+    def _open(self, rid: str, offer: Offer | None, *, finishing: bool) -> bool:
+        """Offer, D's Accept (checked); False when the hand-off ended (reported). finishing: the
+        whole hand-off runs now (not streamed)."""
         if offer is None:          # nothing to hand off (aborted meanwhile)
             self._report(rid, None, None)
             return False
         channel = self._channel
-        self._streams[rid] = stream = _Stream(offer)
+        self._streams[rid] = stream = _Stream(offer, finishing=finishing)
         channel.open(rid)
         deadline = time.monotonic() + self.owner.lease_s
         cancelled = lambda: self._cancelled(rid)                       # noqa: E731
@@ -152,7 +153,7 @@ class PeerSender(threading.Thread):
         stream = self._streams.get(rid)
         samples = []
         if stream is None:
-            if not self._open(rid, producer.offer(rid)):
+            if not self._open(rid, producer.offer(rid), finishing=True):
                 return
             stream = self._streams[rid]
         else:
