@@ -30,6 +30,7 @@ import torch
 from gpu_worker.kv_transfer.connector import block_frames
 from gpu_worker.kv_transfer.layout import KVLayout
 from gpu_worker.kv_transfer.messages import Accept, BlockFrame, Offer
+from gpu_worker.sampler import to_device
 from services.prefix_hash import chain_hashes
 
 
@@ -68,9 +69,12 @@ def take_snapshot(engine: Any, block_start: int, src_block_ids: list[int]) -> Bl
     """Copy the KV of blocks src_block_ids (engine thread, right after the step that computed
     them): queued on the engine's stream on a GPU, at once on the CPU."""
     caches = engine.runner.kv_caches
-    index = torch.tensor(src_block_ids, device=caches[0][0].device)
-    kv = torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)))
-                      for k, v in caches])         # (layers, 2, blocks, block_size, kv heads, head dim)
+    index = to_device(src_block_ids, caches[0][0].device)     # no host sync: the step may still run
+    k0 = caches[0][0]                              # (num_blocks, block_size, kv heads, head dim)
+    kv = torch.empty((len(caches), 2, len(src_block_ids), *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
+    for layer, (k, v) in enumerate(caches):        # gathered straight into the copy: no second one
+        torch.index_select(k, 0, index, out=kv[layer, 0])
+        torch.index_select(v, 0, index, out=kv[layer, 1])
     ready = None
     if kv.is_cuda:
         ready = torch.cuda.Event()

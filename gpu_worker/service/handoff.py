@@ -139,11 +139,11 @@ class PrefillSender:
         queued behind one that waits for a silent D must not wait too). False: it is running, its
         result (not ok) follows within WAIT_SLICE_S, then the engine thread frees the blocks."""
         with self._lock:
+            self._stopped.add(request_id)     # its stream, if one waits for D, ends too
             if request_id in self._queued:
                 self._queued.discard(request_id)
                 self._skipped.add(request_id)
                 return True
-            self._stopped.add(request_id)
             return False
 
     def take_results(self) -> list[HandoffResult]:

@@ -106,6 +106,9 @@ class PeerSender(threading.Thread):
         if offer is None:          # nothing to hand off (aborted meanwhile)
             self._report(rid, None, None)
             return False
+        if not finishing and self._cancelled(rid):    # aborted before its stream began: nothing
+            self._ended.add(rid)                      # to report; its finish or cancel follows
+            return False
         channel = self._channel
         self._streams[rid] = stream = _Stream(offer, finishing=finishing)
         channel.open(rid)
@@ -142,11 +145,11 @@ class PeerSender(threading.Thread):
         stream.sent_upto = max(stream.sent_upto, snap.block_end)
 
     def _finish(self, rid: str) -> None:
-        if rid in self._ended:                 # its stream ended and was reported already
-            self._ended.discard(rid)
-            return
         if self.owner.take_skipped(rid):       # aborted before it began: D stops awaiting it
             self._cancel(rid)
+            return
+        if rid in self._ended:                 # its stream ended and was reported already
+            self._ended.discard(rid)
             return
         t0 = time.perf_counter()
         producer = self.owner.producer
