@@ -173,7 +173,7 @@ class EngineKVProducer(KVProducer):
                                 for k, v in caches[l0:l1]])     # (layers, 2, blocks, bs, kv heads, head dim)
 
         frames = block_frames(accept, self.layout, table, max(start_block, accept.first_block), len(table),
-                              gather, self._plan(caches[0][0].element_size()), seq_no)
+                              gather, self.frame_plan(caches[0][0].element_size()), seq_no)
         for frame, payload in frames:
             self.bytes_sent += len(payload)
             seq_no = frame.seq_no + 1
@@ -181,7 +181,8 @@ class EngineKVProducer(KVProducer):
         self.blocks_sent += len(table) - max(start_block, accept.first_block)
         self._sent[accept.request_id] = seq_no
 
-    def _plan(self, itemsize: int) -> tuple[int, int]:
+    def frame_plan(self, itemsize: int) -> tuple[int, int]:
+        """(layers, blocks) per frame for a cache of this item size."""
         return _frame_plan(self.layout, itemsize, self.max_frame_bytes)
 
     def done(self, request_id: str) -> Done:

@@ -79,7 +79,7 @@ class PrefillSender:
         self.nixl_name = nixl_agent.name if nixl_agent is not None else ""
         self.nixl_source = None if nixl_agent is None else NixlSource(encode_peer(nixl_agent.peer()))
         self.engine, self.plane, self.lease_s = engine, plane, lease_s
-        self.frame_plan = self.producer._plan(engine.runner.kv_caches[0][0].element_size())
+        self.frame_plan = self.producer.frame_plan(engine.runner.kv_caches[0][0].element_size())
         self.max_snapshot_bytes = max_snapshot_bytes
         self.peer_idle_s = PEER_IDLE_S
         self._results: queue.SimpleQueue[HandoffResult] = queue.SimpleQueue()

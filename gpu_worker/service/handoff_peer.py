@@ -94,7 +94,9 @@ class PeerSender(threading.Thread):
         finally:
             if isinstance(arg, BlockSnapshot):
                 self.owner.snapshot_done(arg)
-            self.owner.unstop(rid)       # a stop that came later queued a cancel job
+            # every stop also queues a job for rid (its cancel, or its skipped finish) that ends
+            # what this job left open
+            self.owner.unstop(rid)
 
     def _cancelled(self, rid: str) -> bool:
         return self.owner.cancelled(rid)

@@ -39,6 +39,7 @@ class StreamingPair:
         self.out: list = []
         self.events: list[tuple] = []          # ("p_step", n) / ("d_holds", rid, blocks) / ("first_token", rid)
         self.streamed: dict[str, int] = {}     # blocks handed to the sender while prefilling
+        self.over_budget: list[str] = []       # requests the sender streamed no more of
 
     def submit(self, rid: str, ids: list[int], params: SamplingParams) -> None:
         self.out += self.d.run([AwaitKV(request_id=rid, epoch=1, n=params.n, reply_addr="gw", detok_addr="dt")])
@@ -54,9 +55,12 @@ class StreamingPair:
                 self.events += [("first_token", s.request_id) for s in env.msg.seqs
                                 if s.token_ids and not any(e == ("first_token", s.request_id) for e in self.events)]
         self.out += out
-        for rid, to, first, ids in self.p.take_stream_blocks():
-            assert self.sender.stream(rid, to, first, ids)
-            self.streamed[rid] = first + len(ids)
+        for rid, to, first, ids in self.p.take_stream_blocks():   # as EngineThread._hand_off
+            if self.sender.stream(rid, to, first, ids):
+                self.streamed[rid] = first + len(ids)
+            else:
+                self.p.stop_streaming(rid)
+                self.over_budget.append(rid)
         hand_off_round(self.p, self.sender, self.out)
 
     def d_round(self) -> None:
@@ -132,6 +136,19 @@ def test_streaming_off_sends_everything_after_the_first_token(llama):
         pair.drive()
         assert not pair.streamed and pair.tokens()[("a", 0)] == run_single(
             engine(llama), [("a", prompt(70, 1), greedy(4))])[("a", 0)]
+        assert clean(pair.p) and clean(pair.d)
+    finally:
+        pair.close()
+
+
+def test_past_the_snapshot_budget_the_rest_goes_after_the_first_token(llama):
+    pair = StreamingPair(llama)
+    pair.sender.max_snapshot_bytes = 0         # no copy may wait: nothing streams
+    try:
+        pair.submit("a", prompt(70, 1), greedy(4))
+        pair.drive()
+        assert pair.over_budget == ["a"] and not pair.streamed
+        assert pair.tokens()[("a", 0)] == run_single(engine(llama), [("a", prompt(70, 1), greedy(4))])[("a", 0)]
         assert clean(pair.p) and clean(pair.d)
     finally:
         pair.close()
