@@ -19,10 +19,12 @@ Sections (each guarded: one failure is recorded and the next section runs):
             length, and vLLM's peer run's 16,384), offline throughput on the
             1,000 ShareGPT-like requests of vLLM's peer run (bench/offline_bench.py: the same
             lengths, greedy by default)
-  kv_transfer (not in the default run) a prefill engine and a decode engine on one device (half
-            the engine's memory each): per prompt length of the scale, P's prefill time and the
-            KV hand-off's (gpu_worker/kv_transfer, in one process: device -> host frames ->
-            checksums -> device), its bytes and GB/s
+  kv_transfer (not in the default run) a prefill worker's core and a decode worker's core on one
+            device (half the engine's memory each, each on its own thread) joined by the services'
+            hand-off over loopback: at 2k/8k/32k prompt tokens (the 8B shape), per path (zmq
+            frames after the first token, zmq frames streamed during the prefill, NIXL's READ
+            when nixl is installed): P's prefill, the transfer after its first token (bytes,
+            GB/s), and the overlap (P's first token -> D's first decode token)
   kv_tiers  (not in the default run) KV tiers (gpu_worker/kv_tiers): D2H and H2D bandwidth of the tier
             path against a pinned copy of the same bytes in the same run; time to first token
             per turn of a multi-turn chat whose users' histories exceed the device pool, with
@@ -41,6 +43,7 @@ import argparse
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -832,52 +835,138 @@ def section_sustained(args, deadline) -> None:
 
 
 def section_kv_transfer(args, deadline) -> None:
-    import random
-
+    """A prefill worker's core (P) and a decode worker's core (D) in one process, each on a thread
+    of its own as their engine threads run, on one device (half the engine's memory each), joined
+    by the services' hand-off (gpu_worker/service/handoff.py) over loopback sockets: per prompt
+    length and path (zmq frames after the first token, zmq frames streamed while P prefills,
+    NIXL's READ), P's prefill, the transfer after P's first token (its bytes, GB/s), and the
+    overlap: P's first token -> D's first decode token."""
     from gpu_worker.config import EngineConfig
     from gpu_worker.engine import Engine
-    from gpu_worker.kv_transfer.connector import EngineKVConsumer, EngineKVProducer
-    from gpu_worker.kv_transfer.local import hand_off
-    from services.protocol.sampling import SamplingParams
 
     sc: EngineScale = args.scale
-    sizes = dict(model=str(ensure_model(args)), max_num_seqs=8, max_model_len=sc.max_model_len,
+    lens = {"full": (2048, 8192, 32768), "quick": (512, 2048)}.get(args.engine_scale, (128,))
+    sizes = dict(model=str(ensure_model(args)), max_num_seqs=8, max_model_len=max(sc.max_model_len, max(lens) + 64),
                  max_num_batched_tokens=sc.max_num_batched_tokens)
     if SMOKE:
+        sizes["max_num_batched_tokens"] = 32       # several chunks: the streaming path
         make = lambda: Engine(EngineConfig(**sizes, device="cpu", dtype="float32", attention_backend="torch",
                                            num_gpu_blocks=1024))
     else:
         make = lambda: Engine(EngineConfig(**sizes, gpu_memory_utilization=args.gpu_mem / 2, dtype="bfloat16",
                                            attention_backend=args.attention_backend))
+    try:
+        import nixl._api  # noqa: F401
+        paths = ("zmq", "zmq_streamed", "nixl")
+    except ImportError:
+        paths = ("zmq", "zmq_streamed")
+        row("kv_transfer", "nixl", "skipped (the nixl package is not installed)")
     p, d = make(), make()
-    producer, consumer = EngineKVProducer(p), EngineKVConsumer(d)
-    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
     rng = random.Random(0)
-    for k, L in enumerate(sc.prefill_lens):
-        if deadline.left() < 30:
-            row("kv_transfer", f"L={L}", "skipped (time)")
-            continue
-        rid = f"kv{k}"
-        p.add_request(rid, _prompt(rng, L, p.vocab_size), SamplingParams(max_tokens=4, temperature=0.0,
-                                                                          ignore_eos=True), export_kv=True)
-        sync()
-        t = time.perf_counter()
-        while rid not in p.exported:
-            p.step()
-        sync()
-        prefill_s = time.perf_counter() - t
-        sent = producer.bytes_sent
-        t = time.perf_counter()
-        answer = hand_off(producer, consumer, rid)
-        sync()
-        handoff_s = time.perf_counter() - t
-        nbytes = producer.bytes_sent - sent
-        _drain(d)
-        row("kv_transfer", f"hand-off L={L}", 1e3 * handoff_s, "ms",
-            f"{nbytes / 1e6:.1f} MB, {nbytes / handoff_s / 1e9:.2f} GB/s; prefill on P {1e3 * prefill_s:.1f} ms "
-            f"(hand-off = {100 * handoff_s / prefill_s:.0f}% of it); {type(answer).__name__}")
+    for path in paths:       # first connections (NIXL: agent metadata, UCX endpoints) are not timed
+        _pd_handoff(p, d, path, f"warm-{path}", _prompt(rng, 2 * p.config.block_size, p.vocab_size), deadline)
+    for k, L in enumerate(lens):
+        for path in paths:
+            if deadline.left() < 30:
+                row("kv_transfer", f"{path} L={L}", "skipped (time)")
+                continue
+            r = _pd_handoff(p, d, path, f"kv{k}-{path}", _prompt(rng, L, p.vocab_size), deadline)
+            gbps = r["bytes"] / r["transfer_s"] / 1e9 if r["transfer_s"] > 0 else 0.0
+            row("kv_transfer", f"{path} L={L} transfer after the first token", 1e3 * r["transfer_s"], "ms",
+                f"{r['bytes'] / 1e6:.2f} MB, {gbps:.3f} GB/s; prefill on P {1e3 * r['prefill_s']:.1f} ms "
+                f"(transfer = {100 * r['transfer_s'] / r['prefill_s']:.0f}% of it); {r['streamed']} blocks "
+                f"streamed during the prefill; {r['outcome']}")
+            row("kv_transfer", f"{path} L={L} first token -> D's first decode token", 1e3 * r["overlap_s"], "ms")
     p.close()
     d.close()
+
+
+def _pd_handoff(p_engine, d_engine, path: str, rid: str, prompt: list[int], deadline) -> dict:
+    """One request through P and D (see section_kv_transfer); times by perf_counter, the device
+    synchronized where a thread reads its results (the cores' own step outputs)."""
+    import queue as queue_mod
+    import threading
+
+    from gpu_worker.service.core import WorkerCore
+    from gpu_worker.service.handoff import DecodeReceiver, PrefillSender
+    from services.protocol.messages import AwaitKV, Dispatch, StepOutput
+    from services.protocol.sampling import SamplingParams
+    from services.security.curve import Plane
+
+    nixl = path == "nixl"
+    agents = []
+    if nixl:
+        from gpu_worker.kv_transfer.nixl_transport import NixlKVAgent
+        agents = [NixlKVAgent(p_engine, f"p-{rid}"), NixlKVAgent(d_engine, f"d-{rid}")]
+    p = WorkerCore(p_engine, "p", 1)
+    p.hands_off, p.streams_kv = True, path == "zmq_streamed"
+    sender = PrefillSender(p_engine, Plane.insecure(), 60.0, nixl_agent=agents[0] if nixl else None)
+    d = WorkerCore(d_engine, "d", 1)
+    rx = DecodeReceiver(d_engine, Plane.insecure(), "127.0.0.1", 0, 60.0, nixl_agent=agents[1] if nixl else None)
+    d.imports = rx.imports
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    d_inbox: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    d_inbox.put(AwaitKV(request_id=rid, epoch=1, n=1, reply_addr="gw", detok_addr="dt"))
+    times: dict[str, float] = {}
+    stop = threading.Event()
+
+    def tokens_of(out) -> bool:
+        return any(isinstance(e.msg, StepOutput) and any(s.request_id == rid and s.token_ids for s in e.msg.seqs)
+                   for e in out)
+
+    def d_thread() -> None:
+        while not stop.is_set():
+            inbox = []
+            while not d_inbox.empty():
+                inbox.append(d_inbox.get())
+            rx.poll()
+            d.adopt_imports()
+            if tokens_of(d.run(inbox)) and "d_first" not in times:
+                times["d_first"] = time.perf_counter()
+            if not d.has_work():
+                time.sleep(0.0002)
+
+    worker = threading.Thread(target=d_thread, daemon=True)
+    worker.start()
+    out: list = []
+    streamed = 0
+    inbox = [Dispatch(request_id=rid, epoch=1, prompt_token_ids=prompt, params=params, reply_addr="gw",
+                      detok_addr="dt", handoff_to=rx.endpoint.address)]
+    outcome = "no answer"
+    t0 = time.perf_counter()
+    while deadline.left() > 5 and (rid in p.requests or "d_first" not in times):
+        step, inbox = p.run(inbox), []
+        if tokens_of(step) and "p_first" not in times:
+            times["p_first"] = time.perf_counter()
+        for srid, to, first, ids in p.take_stream_blocks():
+            if sender.stream(srid, to, first, ids):
+                streamed += len(ids)
+            else:
+                p.stop_streaming(srid)
+        todo, cancel = p.take_handoffs()
+        for crid, to in cancel:
+            sender.cancel(crid, to)
+        for hrid, to in todo:
+            sender.submit(hrid, to)
+        for result in sender.take_results():
+            outcome = "ack" if result.ok else result.reason
+            times.setdefault("acked", time.perf_counter())
+            p.handoff_done(result.request_id, result.ok, result.reason, out, decode_here=result.refused_for_room)
+        if not p.has_work():
+            time.sleep(0.0002)
+    stop.set()
+    worker.join(10)
+    while d.has_work() or d.requests:      # the rest of the decode, on this thread now
+        d.run([])
+    sender.close()
+    rx.close()
+    layout = sender.producer.layout
+    per_block = 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim * \
+        p_engine.runner.kv_caches[0][0].element_size()
+    p_first = times.get("p_first", t0)
+    return {"prefill_s": p_first - t0, "transfer_s": times.get("acked", p_first) - p_first,
+            "overlap_s": times.get("d_first", p_first) - p_first, "streamed": streamed, "outcome": outcome,
+            "bytes": -(-len(prompt) // layout.block_size) * per_block}
 
 
 # ============================================================================ kv_tiers

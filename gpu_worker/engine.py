@@ -99,7 +99,7 @@ class Engine:
         self._prepare_gpu()
         self.requests: dict[str, Request] = {}
         self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
-        self._importing: dict[str, tuple[Sequence, list[tuple[int, int, float]]]] = {}  # KV arriving
+        self._importing: dict[str, tuple[Sequence, list[tuple[int, int, float]] | None]] = {}  # KV arriving
         self._arrivals = 0
         self._seed_rng = random.Random(config.seed)  # seeds of requests that give none
         self._inflight: _InFlight | None = None       # async_scheduling: the launched step
@@ -511,13 +511,32 @@ class Engine:
                 self.block_manager.free(seq)
         return True
 
+    def prefilled_blocks(self, request_id: str) -> list[int]:
+        """An export_kv request whose prompt is still being computed: the ids of its prompt's
+        leading full blocks that the steps so far computed, in table order (their KV is final:
+        later chunks write after them; on a GPU, work queued after the step reads them after it).
+        [] once its prefill ended, or for any other request. The prefill worker streams these to
+        the decode engine while the next chunks run."""
+        request = self.requests.get(request_id)
+        if request is None or not request.export_kv or len(request.seqs) != 1:
+            return []
+        seq = request.seqs[0]
+        if seq.status is not SequenceStatus.RUNNING:     # waiting, or preempted: nothing computed
+            return []
+        return seq.block_table[:min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.config.block_size]
+
     def keep_export(self, request_id: str) -> bool:
         """Decode an exported request here after all (no decode engine could take it): its
         samples held for the hand-off rejoin the batch with the KV and first tokens they hold, as
-        if their KV had just arrived, and draw what they would have drawn. False if unknown."""
+        if their KV had just arrived, and draw what they would have drawn; one still prefilling
+        just goes on as a request of this engine. False if unknown."""
         request = self.exported.pop(request_id, None)
         if request is None:
-            return False
+            live = self.requests.get(request_id)
+            if live is None or not live.export_kv:
+                return False
+            live.export_kv = False             # still prefilling: it simply goes on here
+            return True
         request.export_kv = False
         for seq in request.seqs:
             if seq.finish_reason == HANDOFF:
@@ -527,23 +546,20 @@ class Engine:
         return True
 
     def import_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                         seed: int, samples: list[tuple[int, int, float]], priority: int = 0,
+                         seed: int, samples: list[tuple[int, int, float]] | None, priority: int = 0,
                          cache_salt: str = "", num_cached_tokens: int = 0) -> Sequence | None:
         """Reserve blocks for a request prefilled on another engine, whose samples (index, first
-        token, its cumulative logprob) go on here. The returned sequence's block table covers the
-        prompt: its leading blocks that this engine's prefix cache already holds are reused
-        (block_table[:num_computed_tokens // block_size]), the rest await the KV. None (nothing
-        reserved) when the pool lacks free blocks now. Raises RequestError like add_request."""
+        token, its cumulative logprob) go on here; None: the other engine is still prefilling
+        (its blocks stream in meanwhile) and the samples come with admit_imported. The returned
+        sequence's block table covers the prompt: its leading blocks that this engine's prefix
+        cache already holds are reused (block_table[:num_computed_tokens // block_size]), the
+        rest await the KV. None (nothing reserved) when the pool lacks free blocks now. Raises
+        RequestError like add_request."""
         prompt = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
         if request_id in self.exported:
             raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
-        indices = [i for i, _, _ in samples]
-        if not samples or len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
-            raise RequestError(f"invalid samples: distinct sample indices in [0, {params.n}) expected")
-        if any(_as_token_ids([t], self.vocab_size) is None for _, t, _ in samples) or not all(
-                isinstance(lp, float) for _, _, lp in samples):
-            raise RequestError(f"invalid samples: first tokens must be integers in [0, {self.vocab_size}), "
-                               "logprobs floats")
+        if samples is not None:
+            self._check_samples(params, samples)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise RequestError("invalid seed: must be an integer")
         max_tokens = self.max_model_len - len(prompt)
@@ -552,7 +568,7 @@ class Engine:
         stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals, seed,
                           max_tokens, stop_ids=stop_ids)
-        seq = Sequence(request, min(indices), list(prompt), len(prompt))
+        seq = Sequence(request, min(i for i, _, _ in samples) if samples else 0, list(prompt), len(prompt))
         bm = self.block_manager
         hits = bm.lookup_full_blocks(seq)
         if not bm.allocate_prefill(seq, hits, len(prompt) - len(hits) * bm.block_size):
@@ -562,17 +578,34 @@ class Engine:
         self._arrivals += 1
         request.num_cached_tokens = num_cached_tokens
         self.requests[request_id] = request
-        self._importing[request_id] = (seq, sorted(samples))
+        self._importing[request_id] = (seq, sorted(samples) if samples is not None else None)
         return seq
 
-    def admit_imported(self, request_id: str) -> None:
+    def _check_samples(self, params: SamplingParams, samples: list[tuple[int, int, float]]) -> None:
+        indices = [i for i, _, _ in samples]
+        if not samples or len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
+            raise RequestError(f"invalid samples: distinct sample indices in [0, {params.n}) expected")
+        if any(_as_token_ids([t], self.vocab_size) is None for _, t, _ in samples) or not all(
+                isinstance(lp, float) for _, _, lp in samples):
+            raise RequestError(f"invalid samples: first tokens must be integers in [0, {self.vocab_size}), "
+                               "logprobs floats")
+
+    def admit_imported(self, request_id: str, samples: list[tuple[int, int, float]] | None = None) -> None:
         """Every block of an imported request holds its KV now: its samples join the batch as if
-        this engine had prefilled the prompt, and its full blocks join the prefix cache."""
-        seq, samples = self._importing.pop(request_id)
+        this engine had prefilled the prompt, and its full blocks join the prefix cache. `samples`:
+        those import_prefilled did not have yet (raises RequestError when invalid; the request
+        stays importing, for abort_request)."""
+        seq, held = self._importing[request_id]
+        if held is None:
+            if samples is None:
+                raise RequestError("invalid samples: the first tokens of a streamed import are missing")
+            self._check_samples(seq.request.params, samples)
+            held = sorted(samples)
+        del self._importing[request_id]
         request = seq.request
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.register_computed_blocks(seq)
-        going_on = {i: (token, logprob) for i, token, logprob in samples}
+        going_on = {i: (token, logprob) for i, token, logprob in held}
         for index in range(request.n):
             if index not in going_on:          # ended on the prefill engine, or aborted since
                 request.seqs.append(Sequence(request, index, list(seq.token_ids), seq.num_prompt_tokens,
@@ -608,8 +641,9 @@ class Engine:
                 del self.exported[request_id]
             return
         seq, samples = self._importing[request_id]
-        samples[:] = [s for s in samples if index not in (None, s[0])]
-        if not samples:
+        if samples is not None:                # known: one sample may leave alone
+            samples[:] = [s for s in samples if index not in (None, s[0])]
+        if not samples and (samples is not None or index is None):
             self._importing.pop(request_id)
             self.block_manager.free(seq)
             del self.requests[request_id]

@@ -39,7 +39,7 @@ import msgspec
 
 from scheduler_svc.conversations import ConversationTable
 from scheduler_svc.prefix_hints import PREFIX_INDEX, PrefixHints
-from scheduler_svc.routing import Scorer, WorkerView, conversation_worker, least_loaded, route, same_layout
+from scheduler_svc.routing import Scorer, WorkerView, conversation_worker, least_loaded, pairable, route, same_layout
 from services import metrics
 from services.envelope import Envelope
 from services.protocol.kv_events import MatchResponse
@@ -305,7 +305,7 @@ class SchedulerCore:
                 self._check_pairable(view)
             else:  # keep our in-flight set; refresh what the record says
                 cur.draining, cur.addr, cur.role = view.draining, view.addr, view.role
-                cur.kv_addr, cur.kv_layout = view.kv_addr, view.kv_layout
+                cur.kv_addr, cur.kv_layout, cur.kv_transport = view.kv_addr, view.kv_layout, view.kv_transport
                 cur.max_num_seqs, cur.max_model_len = view.max_num_seqs, view.max_model_len
                 cur.prefix_query_tokens, cur.prefix_hit_tokens = view.prefix_query_tokens, view.prefix_hit_tokens
         return out + self.dispatch()
@@ -315,7 +315,13 @@ class SchedulerCore:
         paired (its KV would be garbage there): say so once, when it joins."""
         other = {"prefill": "decode", "decode": "prefill"}.get(w.role)
         peers = [p for p in self.workers.values() if p.role == other]
-        if other is None or not peers or any(same_layout(w, p) for p in peers):
+        if other is None or not peers or any(pairable(w, p) for p in peers):
+            return
+        alike = [p for p in peers if same_layout(w, p)]
+        if alike:
+            log.error("worker %s (%s) moves KV with --kv-transport %s, which no %s worker of its KV layout "
+                      "uses (theirs: %s); it will not be paired with any", w.id, w.role, w.kv_transport, other,
+                      alike[0].kv_transport)
             return
         log.error("worker %s (%s) has a KV layout no %s worker shares; it will not be paired with any: %s "
                   "(theirs: %s)", w.id, w.role, other, w.kv_layout, peers[0].kv_layout)

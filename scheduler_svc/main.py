@@ -55,6 +55,7 @@ def view_of(r: ServiceRecord) -> WorkerView:
                       total_blocks=int(load.get("total_blocks", 0)), model_id=str(info.get("model_id", "")),
                       block_size=int(info.get("block_size", 16)), kv_addr=str(r.addrs.get("kv", "")),
                       kv_layout=info.get("kv_layout") if isinstance(info.get("kv_layout"), dict) else None,
+                      kv_transport=str(info.get("kv_transport", "zmq")),
                       prefix_query_tokens=int(load.get("prefix_query_tokens", 0)),
                       prefix_hit_tokens=int(load.get("prefix_hit_tokens", 0)))
 

@@ -24,7 +24,7 @@ Prefill/decode pools (route()): the request goes to the best whole-request worke
 chosen runs it alone when fewer than `min_prefill_tokens` of its prompt are not already cached on
 D (a short prompt, or a conversation whose history D holds: moving the KV would cost more than
 computing it there); otherwise the best prefill worker whose KV layout equals D's prefills it and
-hands the KV to D. Workers whose layouts differ are never paired.
+hands the KV to D. Workers whose layouts or KV transports differ are never paired.
 
 Conversations (`conversation_worker`): a request whose Submit names a conversation goes to the worker
 that ran its last turn (the history's KV is there, in some tier), unless that worker is gone,
@@ -68,6 +68,7 @@ class WorkerView:
     prefix_hit_tokens: int = 0
     kv_addr: str = ""                 # decode role: its KV-transfer socket (`tcp://host:port#worker`)
     kv_layout: dict | None = None     # model id, block size, KV dtype, layers, KV heads, head dim, TP size
+    kv_transport: str = "zmq"         # how its KV moves (--kv-transport): zmq frames or NIXL reads
     dispatched: int = 0               # requests this scheduler sent it
     inflight: set[str] = field(default_factory=set)  # requests we dispatched and that did not end
 
@@ -185,6 +186,11 @@ def same_layout(a: WorkerView, b: WorkerView) -> bool:
     return a.kv_layout is not None and a.kv_layout == b.kv_layout
 
 
+def pairable(a: WorkerView, b: WorkerView) -> bool:
+    """Their KV can move between them: the same layout, and the same transport."""
+    return same_layout(a, b) and a.kv_transport == b.kv_transport
+
+
 def uncached_tokens(worker: WorkerView, prompt_tokens: int, hint: Any = None) -> int:
     """Prompt tokens `worker` would compute: all but the GPU blocks the index says it holds."""
     if not isinstance(hint, MatchResponse) or not hint.block_size:
@@ -220,7 +226,7 @@ def route(whole: list[WorkerView], prefill: list[WorkerView], request: Submit, s
         return Route(worker, None, "decode_short")
     if uncached_tokens(worker, prompt_tokens, hint) < min_prefill_tokens:
         return Route(worker, None, "decode_cached")
-    partners = [p for p in prefill if same_layout(p, worker)]
+    partners = [p for p in prefill if pairable(p, worker)]
     if not partners or not worker.kv_addr:
         return Route(worker, None, "decode_unpaired")
     return Route(worker, pick(partners, request, scorer, hint), "pd")

@@ -174,7 +174,11 @@ HANDOFFS = _worker(Counter("kvmesh_worker_kv_handoffs", "KV hand-offs this prefi
                            "the request was aborted on the prefill worker mid-send)", ["outcome"]))
 HANDOFF_BYTES = _worker(Counter("kvmesh_worker_kv_handoff_bytes", "KV bytes this prefill worker sent to decode workers"))
 HANDOFF_SECONDS = _worker(Histogram("kvmesh_worker_kv_handoff_seconds", "One hand-off on the prefill worker: "
-                                    "Offer sent to the decode worker's Ack (or the failure)", buckets=_LAT))
+                                    "first token drawn (Offer sent) to the decode worker's Ack (or the failure)",
+                                    buckets=_LAT))
+HANDOFF_STREAMED_BLOCKS = _worker(Counter("kvmesh_worker_kv_handoff_streamed_blocks", "KV blocks this prefill "
+                                          "worker sent while their prompt was still prefilling (the rest go "
+                                          "after the first token)"))
 HANDOFF_EXPIRIES = _worker(Counter("kvmesh_worker_kv_handoff_expiries", "Hand-offs whose lease lapsed "
                                    "(--handoff-lease-ms without progress): the blocks held for them were freed"))
 WORKER_REJOINS = _worker(Counter("kvmesh_worker_lease_rejoins", "Times this worker's lease lapsed (a pause or "

@@ -52,7 +52,7 @@ class KVProducer(abc.ABC):
     def offer(self, request_id: str) -> Offer | None: ...
 
     @abc.abstractmethod
-    def frames(self, accept: Accept) -> Iterator[tuple[BlockFrame, memoryview]]: ...
+    def frames(self, accept: Accept, start_block: int = 0, seq_no: int = 0) -> Iterator[tuple[BlockFrame, memoryview]]: ...
 
     @abc.abstractmethod
     def done(self, request_id: str) -> Done: ...
@@ -95,6 +95,31 @@ def _frame_plan(layout: KVLayout, itemsize: int, max_frame_bytes: int) -> tuple[
     return layers, max(1, max_frame_bytes // (layers * per_layer_block))
 
 
+def block_frames(accept: Accept, layout: KVLayout, src_table: list[int], b_start: int, b_end: int,
+                 gather, plan: tuple[int, int], seq_no: int) -> Iterator[tuple[BlockFrame, memoryview]]:
+    """Frames of the table's blocks [b_start, b_end) as `accept` maps them to D's ids, numbered
+    from seq_no; gather(b0, b1, l0, l1) gives the KV of blocks [b0, b1) and layers [l0, l1) as a
+    (layers, 2, blocks, block_size, kv heads, head dim) tensor, or None to stop (aborted).
+
+        table    | D's prefix hits | ... sent earlier ... | b_start ........ b_end |
+                 0            first_block                           one frame: <= plan[1] blocks
+    """
+    layers_per, blocks_per = plan
+    for b0 in range(b_start, b_end, blocks_per):
+        b1 = min(b0 + blocks_per, b_end)
+        dst = accept.dst_block_ids[b0 - accept.first_block:b1 - accept.first_block]
+        for l0 in range(0, layout.num_layers, layers_per):
+            l1 = min(l0 + layers_per, layout.num_layers)
+            kv = gather(b0, b1, l0, l1)
+            if kv is None:
+                return
+            payload = memoryview(kv.contiguous().view(torch.uint8).cpu().numpy()).cast("B")
+            yield BlockFrame(request_id=accept.request_id, seq_no=seq_no, layer_start=l0, layer_end=l1,
+                             block_start=b0, src_block_ids=src_table[b0:b1], dst_block_ids=dst,
+                             dtype=layout.kv_dtype, shape=list(kv.shape), checksum=checksum(payload)), payload
+            seq_no += 1
+
+
 class EngineKVProducer(KVProducer):
     def __init__(self, engine, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.engine = engine
@@ -108,6 +133,10 @@ class EngineKVProducer(KVProducer):
         request = self.engine.exported.get(request_id)
         return [] if request is None else [s for s in request.seqs if s.finish_reason == HANDOFF]
 
+    def first_tokens(self, request_id: str) -> list[SampleStart]:
+        """The first token of each sample an exported request hands off ([] if none)."""
+        return [SampleStart(s.index, s.token_ids[-1], s.cumulative_logprob) for s in self._handoff_seqs(request_id)]
+
     def offer(self, request_id: str) -> Offer | None:
         """None unless the request finished its prefill here with samples to hand off."""
         seqs = self._handoff_seqs(request_id)
@@ -119,11 +148,13 @@ class EngineKVProducer(KVProducer):
         return Offer(request_id=request_id, layout=self.layout, prompt_token_ids=request.prompt_token_ids,
                      params=request.params, seed=request.seed, priority=request.priority,
                      cache_salt=request.cache_salt, num_cached_tokens=request.num_cached_tokens,
-                     samples=[SampleStart(s.index, s.token_ids[-1], s.cumulative_logprob) for s in seqs],
+                     samples=self.first_tokens(request_id),
                      block_hashes=hashes, num_blocks=len(seq.block_table), src_block_ids=list(seq.block_table))
 
-    def frames(self, accept: Accept) -> Iterator[tuple[BlockFrame, memoryview]]:
-        """Raises KVLayoutMismatch before any frame when D's layout differs."""
+    def frames(self, accept: Accept, start_block: int = 0, seq_no: int = 0) -> Iterator[tuple[BlockFrame, memoryview]]:
+        """The frames of the blocks from max(start_block, accept.first_block) on, read in place from
+        the held blocks of an exported request, numbered from seq_no. Raises KVLayoutMismatch
+        before any frame when D's layout differs."""
         check_compatible(self.layout, accept.layout)
         seqs = self._handoff_seqs(accept.request_id)
         if not seqs:
@@ -132,27 +163,27 @@ class EngineKVProducer(KVProducer):
         if not 0 <= accept.first_block <= len(table) or len(accept.dst_block_ids) != len(table) - accept.first_block:
             raise ValueError(f"Accept for {accept.request_id!r} does not match its block table")
         caches = self.engine.runner.kv_caches
-        layers_per, blocks_per = _frame_plan(self.layout, caches[0][0].element_size(), self.max_frame_bytes)
-        seq_no = 0
-        for b0 in range(accept.first_block, len(table), blocks_per):
-            src = table[b0:b0 + blocks_per]
-            dst = accept.dst_block_ids[b0 - accept.first_block:b0 - accept.first_block + len(src)]
-            index = torch.tensor(src, device=caches[0][0].device)
-            for l0 in range(0, self.layout.num_layers, layers_per):
-                if accept.request_id not in self.engine.exported:   # aborted on P meanwhile: its
-                    return                                          # blocks may hold others' KV now
-                l1 = min(l0 + layers_per, self.layout.num_layers)
-                kv = torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)))
-                                  for k, v in caches[l0:l1]])
-                payload = memoryview(kv.contiguous().view(torch.uint8).cpu().numpy()).cast("B")
-                yield BlockFrame(request_id=accept.request_id, seq_no=seq_no, layer_start=l0, layer_end=l1,
-                                 block_start=b0, src_block_ids=src, dst_block_ids=dst,
-                                 dtype=self.layout.kv_dtype, shape=list(kv.shape),
-                                 checksum=checksum(payload)), payload
-                seq_no += 1
-                self.bytes_sent += len(payload)
-            self.blocks_sent += len(src)
+        device = caches[0][0].device
+
+        def gather(b0: int, b1: int, l0: int, l1: int) -> torch.Tensor | None:
+            if accept.request_id not in self.engine.exported:   # aborted on P meanwhile: its
+                return None                                     # blocks may hold others' KV now
+            index = torch.tensor(table[b0:b1], device=device)
+            return torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)))
+                                for k, v in caches[l0:l1]])     # (layers, 2, blocks, bs, kv heads, head dim)
+
+        frames = block_frames(accept, self.layout, table, max(start_block, accept.first_block), len(table),
+                              gather, self.frame_plan(caches[0][0].element_size()), seq_no)
+        for frame, payload in frames:
+            self.bytes_sent += len(payload)
+            seq_no = frame.seq_no + 1
+            yield frame, payload
+        self.blocks_sent += len(table) - max(start_block, accept.first_block)
         self._sent[accept.request_id] = seq_no
+
+    def frame_plan(self, itemsize: int) -> tuple[int, int]:
+        """(layers, blocks) per frame for a cache of this item size."""
+        return _frame_plan(self.layout, itemsize, self.max_frame_bytes)
 
     def done(self, request_id: str) -> Done:
         return Done(request_id, self._sent.pop(request_id, 0))
@@ -168,7 +199,8 @@ class _Receiving:
     table: list[int]            # D's block table of the request
     first_block: int            # blocks before it were prefix hits on D
     covered: torch.Tensor       # (layers, blocks) bool: which layer of which block arrived
-    next_seq: int = 0
+    streamed: bool = False      # the Offer came while P prefilled: Done carries the first tokens
+    seen: set[int] = field(default_factory=set)      # frames' seq_no (any order, no repeats)
     last_progress: float = field(default_factory=time.monotonic)
 
 
@@ -196,7 +228,7 @@ class EngineKVConsumer(KVConsumer):
         try:
             seq = self.engine.import_prefilled(
                 offer.request_id, offer.prompt_token_ids, offer.params, seed=offer.seed,
-                samples=[(s.index, s.token_id, s.cumulative_logprob) for s in offer.samples],
+                samples=_samples(offer.samples) if offer.samples else None,
                 priority=offer.priority, cache_salt=offer.cache_salt, num_cached_tokens=offer.num_cached_tokens)
         except RequestError as e:
             return Refuse(offer.request_id, str(e))
@@ -205,7 +237,8 @@ class EngineKVConsumer(KVConsumer):
         first = seq.num_computed_tokens // bs
         self._rx[offer.request_id] = _Receiving(
             list(seq.block_table), first,
-            torch.zeros((self.layout.num_layers, len(seq.block_table) - first), dtype=torch.bool))
+            torch.zeros((self.layout.num_layers, len(seq.block_table) - first), dtype=torch.bool),
+            streamed=not offer.samples)
         return Accept(offer.request_id, self.layout, first, seq.block_table[first:])
 
     def receive(self, frame: BlockFrame, payload: bytes | memoryview) -> Fail | None:
@@ -230,17 +263,17 @@ class EngineKVConsumer(KVConsumer):
             v.index_copy_(0, dst, kv[i, 1])
         b0 = frame.block_start - rx.first_block
         rx.covered[frame.layer_start:frame.layer_end, b0:b0 + len(frame.dst_block_ids)] = True
-        rx.next_seq += 1
+        rx.seen.add(frame.seq_no)
         rx.last_progress = time.monotonic()
         if frame.layer_end == self.layout.num_layers:
             self.blocks_received += len(frame.dst_block_ids)
         return None
 
     def _check(self, frame: BlockFrame, payload: bytes | memoryview, rx: _Receiving) -> str:
-        """'' when the frame is the next one of its request and fits it exactly, else why not."""
+        """'' when the frame is a new one of its request and fits it exactly, else why not."""
         lay, n = self.layout, len(frame.dst_block_ids)
-        if frame.seq_no != rx.next_seq:
-            return f"frame {frame.seq_no} out of order (expected {rx.next_seq})"
+        if frame.seq_no in rx.seen or not 0 <= frame.seq_no < rx.covered.numel():
+            return f"frame {frame.seq_no} repeated or out of range"
         if not 0 <= frame.layer_start < frame.layer_end <= lay.num_layers:
             return f"layer range [{frame.layer_start}, {frame.layer_end}) out of bounds"
         if n == 0 or not rx.first_block <= frame.block_start or frame.block_start + n > len(rx.table):
@@ -276,10 +309,13 @@ class EngineKVConsumer(KVConsumer):
         if rx is None or not self.engine.is_importing(done.request_id):
             self._rx.pop(done.request_id, None)
             return Fail(done.request_id, "no transfer in progress for it")
-        if done.num_frames != rx.next_seq or not bool(rx.covered.all()):
-            return self._drop(done.request_id, f"incomplete: {rx.next_seq} of {done.num_frames} frames", fail=True)
+        if done.num_frames != len(rx.seen) or not bool(rx.covered.all()):
+            return self._drop(done.request_id, f"incomplete: {len(rx.seen)} of {done.num_frames} frames", fail=True)
+        try:
+            self.engine.admit_imported(done.request_id, _samples(done.samples) if rx.streamed else None)
+        except RequestError as e:        # a streamed request's first tokens are missing or invalid
+            return self._drop(done.request_id, str(e), fail=True)
         del self._rx[done.request_id]
-        self.engine.admit_imported(done.request_id)
         return Ack(done.request_id)
 
     def expire(self, idle_s: float) -> list[str]:
@@ -303,3 +339,7 @@ class EngineKVConsumer(KVConsumer):
         if fail:
             self.abort(request_id)
         return Fail(request_id, reason)
+
+
+def _samples(samples: list[SampleStart]) -> list[tuple[int, int, float]]:
+    return [(s.index, s.token_id, s.cumulative_logprob) for s in samples]

@@ -1,7 +1,9 @@
 """The messages of one KV hand-off (msgspec msgpack; never pickle).
 
     P -> D  Offer       the request, its first token(s), the chained hashes of its full prompt
-                        blocks and P's KV layout
+                        blocks and P's KV layout. Streamed (no first tokens yet): sent while P
+                        still prefills, its frames follow chunk by chunk, the first tokens come
+                        with Done
     D -> P  Accept      D's layout and the blocks P must send: from `first_block` on (the ones
                         before are prefix hits on D), with D's block id for each
          or Refuse      layout mismatch, invalid request, no free blocks: nothing moves
@@ -11,10 +13,13 @@
                         head_dim), `checksum` = xxh3-128 of the payload (catches corruption
                         and framing bugs, ~10x blake2b's speed; integrity against an attacker is
                         the authenticated plane's job)
-    P -> D  Done        every frame is sent (`num_frames` of them)
+    P -> D  Done        every frame is sent (`num_frames` of them; in any order before it); a
+                        streamed Offer's first tokens
     D -> P  Ack         D holds every block and decodes: P may release its blocks
          or Fail        D dropped the request (bad frame, abort): P releases its blocks
     either  Abort       the other side stops and frees the request's blocks
+    P -> D  NixlSource  (NIXL transport) P's agent: metadata and cache addresses, before its Offers;
+                        D then reads the blocks itself (no BlockFrame, no Done) and answers Ack/Fail
 """
 from __future__ import annotations
 
@@ -40,13 +45,14 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
-    samples: list[SampleStart]
+    samples: list[SampleStart]      # [] when streamed: P still prefills, Done carries them
     block_hashes: list[bytes]       # full prompt blocks, chained (services/prefix_hash.py)
     num_blocks: int                 # blocks of the prompt (full ones + a partial last one)
     src_block_ids: list[int] = []   # P's block table: what a reading transport (NIXL) reads
     priority: int = 0
     cache_salt: str = ""
     num_cached_tokens: int = 0
+    nixl_source: str = ""           # NIXL transport: the agent D reads the blocks from (NixlSource)
 
 
 class Accept(msgspec.Struct, tag="accept", frozen=True):
@@ -63,7 +69,7 @@ class Refuse(msgspec.Struct, tag="refuse", frozen=True):
 
 class BlockFrame(msgspec.Struct, tag="blocks", frozen=True):
     request_id: str
-    seq_no: int                     # 0, 1, 2... per request: a gap or a repeat fails it
+    seq_no: int                     # 0, 1, 2... per request, any order: a repeat fails it
     layer_start: int
     layer_end: int
     block_start: int                # index in the sequence's block table
@@ -77,6 +83,7 @@ class BlockFrame(msgspec.Struct, tag="blocks", frozen=True):
 class Done(msgspec.Struct, tag="done", frozen=True):
     request_id: str
     num_frames: int
+    samples: list[SampleStart] = []     # a streamed Offer's first tokens (it had none)
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
@@ -92,7 +99,11 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     request_id: str
 
 
-Message = Offer | Accept | Refuse | BlockFrame | Done | Ack | Fail | Abort
+class NixlSource(msgspec.Struct, tag="nixl_source", frozen=True):
+    peer: bytes                     # nixl_transport.NixlPeer, msgpack (bounded by MAX_HEADER_BYTES)
+
+
+Message = Offer | Accept | Refuse | BlockFrame | Done | Ack | Fail | Abort | NixlSource
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

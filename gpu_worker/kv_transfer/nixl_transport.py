@@ -77,7 +77,11 @@ class NixlKVReader:
         self._peers: dict[str, NixlPeer] = {}
 
     def connect(self, peer: NixlPeer) -> None:
-        """Raises KVLayoutMismatch (before any byte moves) when the source's layout differs."""
+        """Raises KVLayoutMismatch (before any byte moves) when the source's layout differs. A
+        source already connected with the same metadata is left as it is."""
+        known = self._peers.get(peer.name)
+        if known is not None and known.metadata == peer.metadata:
+            return
         check_compatible(self.agent.layout, peer.layout)
         if len(peer.base_addrs) != len(self.agent.caches) or peer.block_bytes != self.agent.block_bytes:
             raise ValueError("the source's KV cache tensors do not match this engine's")
@@ -110,3 +114,15 @@ class NixlKVReader:
         if not self.consumer.written_directly(rid):
             return Fail(rid, "no transfer in progress for it")
         return self.consumer.complete(Done(rid, 0))
+
+
+def encode_peer(peer: NixlPeer) -> bytes:
+    return msgspec.msgpack.encode(peer)
+
+
+def decode_peer(data: bytes) -> NixlPeer:
+    """Raises ValueError on anything that is not one well-formed NixlPeer."""
+    try:
+        return msgspec.msgpack.decode(data, type=NixlPeer)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"malformed NIXL source: {e}") from None

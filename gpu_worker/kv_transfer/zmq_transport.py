@@ -30,7 +30,7 @@ import zmq
 from gpu_worker.kv_transfer.connector import DEFAULT_MAX_FRAME_BYTES, EngineKVConsumer, KVProducer
 from gpu_worker.kv_transfer.layout import KVLayoutMismatch
 from gpu_worker.kv_transfer.messages import (MAX_HEADER_BYTES, Abort, Accept, Ack, BlockFrame, Done,
-                                             Fail, Offer, Refuse, decode, encode)
+                                             Fail, NixlSource, Offer, Refuse, decode, encode)
 from gpu_worker.kv_transfer.rate_limit import RateLimitedLog
 from services.security.curve import Plane, split_role
 
@@ -58,6 +58,7 @@ class KVReceiverEndpoint:
         self.address = f"tcp://{host}:{self.port}"
         self._dropped = RateLimitedLog(log)
         self.messages_dropped = 0
+        self.nixl_reader = None      # nixl_transport.NixlKVReader: D reads the blocks of NIXL offers
 
     @property
     def socket(self) -> zmq.Socket:
@@ -88,7 +89,12 @@ class KVReceiverEndpoint:
             self._dropped.warning("kv transfer: dropped a malformed message: %s", e)
             return
         if isinstance(msg, Offer):
-            self._reply(peer, self.consumer.accept(msg))
+            answer = self.consumer.accept(msg)
+            self._reply(peer, answer)
+            if msg.nixl_source and isinstance(answer, Accept):
+                self._reply(peer, self._read(msg, answer))
+        elif isinstance(msg, NixlSource):
+            self._connect_source(msg)
         elif isinstance(msg, BlockFrame):
             failed = self.consumer.receive(msg, rest[1].buffer)
             if failed is not None:
@@ -100,6 +106,24 @@ class KVReceiverEndpoint:
         else:
             self.messages_dropped += 1
             self._dropped.warning("kv transfer: dropped an unexpected %s", type(msg).__name__)
+
+    def _read(self, offer: Offer, accept: Accept) -> Ack | Fail:
+        """A NIXL offer: D reads the blocks it lacks from P's agent itself (no frames), then admits."""
+        if self.nixl_reader is None:
+            self.consumer.abort(offer.request_id)
+            return Fail(offer.request_id, "this decode worker does not read KV with NIXL (--kv-transport)")
+        return self.nixl_reader.pull(offer.nixl_source, offer, accept, timeout_s=self.idle_timeout_s)
+
+    def _connect_source(self, msg: NixlSource) -> None:
+        if self.nixl_reader is None:
+            self._dropped.warning("kv transfer: dropped a NIXL source (this worker does not read with NIXL)")
+            return
+        from gpu_worker.kv_transfer.nixl_transport import decode_peer
+        try:
+            self.nixl_reader.connect(decode_peer(msg.peer))
+        except ValueError as e:          # malformed, or a layout or cache shape that differs
+            self.messages_dropped += 1
+            self._dropped.warning("kv transfer: refused a NIXL source: %s", e)
 
     def _reply(self, peer: bytes, msg) -> None:
         try:

@@ -73,6 +73,7 @@ class _Req:
     handoff_to: str = ""                 # prefill worker: the decode worker that gets the KV
     exported: bool = False               # prefill worker: some sample goes on at the decode worker
     handed: set[int] = field(default_factory=set)   # prefill worker: those samples
+    streamed: int = 0                    # prefill worker: leading blocks given to the sender while prefilling
 
 
 class WorkerCore:
@@ -99,6 +100,10 @@ class WorkerCore:
         self._sending: set[str] = set()
         self._stops: list[str] = []
         self.hands_off = False                         # prefill worker: the shell runs hand-offs
+        self.streams_kv = False                        # ... and streams blocks while prompts prefill
+        self._prefilling: dict[str, _Req] = {}         # hand-offs still prefilling, streaming on
+        self._stream_blocks: list[tuple[str, str, int, list[int]]] = []   # (rid, D, first block, ids)
+        self._streaming: set[str] = set()              # streamed to the sender, not yet submitted
         self.imports: Any = None                       # decode worker: handoff.AwaitedImports
         self.awaiting: dict[str, _Req] = {}            # decode worker: announced, KV not yet here
 
@@ -148,8 +153,9 @@ class WorkerCore:
         self._unscheduled.clear()
         self._finished.clear()
         self._first_tokens.clear()
-        self._handoffs.clear()
-        self._cancels.clear()
+        self._handoffs.clear()       # the old epoch's cancels still tell their decode workers
+        self._prefilling.clear()
+        self._stream_blocks.clear()
         self.epoch = epoch
         return len(dropped)
 
@@ -180,6 +186,8 @@ class WorkerCore:
         req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received, handoff_to=handoff_to,
                    prompt_tokens=len(msg.prompt_token_ids))
         self.requests[msg.request_id] = req
+        if handoff_to and self.streams_kv:
+            self._prefilling[msg.request_id] = req
         if self._sees_scheduling:
             self._unscheduled[msg.request_id] = req
         self.num_requests += 1
@@ -205,7 +213,10 @@ class WorkerCore:
             self._stops.append(rid)
         else:
             self.engine.abort_request(rid)
-            if any(h[0] == rid for h in self._handoffs):     # ready, not yet handed to the sender
+            self._prefilling.pop(rid, None)
+            # blocks streamed while it prefilled, or ready and not yet handed to the sender: D drops it
+            if rid in self._streaming or any(h[0] == rid for h in self._handoffs):
+                self._streaming.discard(rid)
                 self._handoffs = [h for h in self._handoffs if h[0] != rid]
                 self._cancels.append((rid, self.requests[rid].handoff_to))
 
@@ -241,6 +252,8 @@ class WorkerCore:
         out.append(Envelope(req.detok_addr, Abort(request_id=msg.request_id, reason=msg.reason)))
 
     def _step(self, out: list[Envelope]) -> None:
+        if self._stream_blocks:              # not taken after the last step (output held): this
+            self._untake_stream_blocks()     # step may free or reuse those blocks; retake later
         t0 = time.perf_counter()
         try:
             deltas: list[SequenceDelta] = self.engine.step()
@@ -253,6 +266,8 @@ class WorkerCore:
         self.num_steps += 1
         if self._unscheduled:
             self._note_scheduled(t0)
+        if self._prefilling:
+            self._note_prefilled()
         if not deltas:
             return
         per_dest: dict[str, list[SeqTokens]] = {}
@@ -283,6 +298,7 @@ class WorkerCore:
 
     def _prefill_ended(self, rid: str, req: _Req) -> None:
         """Every sample of rid has drawn its last token here, or its first before a hand-off."""
+        self._prefilling.pop(rid, None)
         if req.exported:
             self._handoffs.append((rid, req.handoff_to))   # stays in `requests` until handoff_done
             return
@@ -290,6 +306,7 @@ class WorkerCore:
         del self.requests[rid]
         self._finished.append(rid)
         if req.handoff_to:                    # every sample ended at its first token
+            self._streaming.discard(rid)
             self._cancels.append((rid, req.handoff_to))
 
     # ---- prefill/decode hand-off ------------------------------------------------------------
@@ -299,7 +316,36 @@ class WorkerCore:
         todo, cancel = self._handoffs, self._cancels
         self._handoffs, self._cancels = [], []
         self._sending.update(rid for rid, _ in todo)
+        self._streaming.difference_update(rid for rid, _ in todo)
         return todo, cancel
+
+    def _note_prefilled(self) -> None:
+        """Hand-offs whose prompt the last step computed more full blocks of (engine.prefilled_blocks):
+        those blocks are streamed while the next chunks run."""
+        for rid, req in self._prefilling.items():
+            ids = self.engine.prefilled_blocks(rid)
+            if len(ids) > req.streamed:
+                self._stream_blocks.append((rid, req.handoff_to, req.streamed, ids[req.streamed:]))
+                req.streamed = len(ids)
+
+    def _untake_stream_blocks(self) -> None:
+        for rid, _, first, _ in self._stream_blocks:
+            req = self._prefilling.get(rid)
+            if req is not None:
+                req.streamed = min(req.streamed, first)
+        self._stream_blocks.clear()
+
+    def take_stream_blocks(self) -> list[tuple[str, str, int, list[int]]]:
+        """(request id, decode worker, first block, block ids): blocks to stream now, copied by the
+        sender right away (the shell calls this after the step's output went out)."""
+        ready, self._stream_blocks = self._stream_blocks, []
+        self._streaming.update(rid for rid, *_ in ready)
+        return ready
+
+    def stop_streaming(self, rid: str) -> None:
+        """The sender streams no more of rid (its snapshot budget is spent): the rest goes after its
+        first token."""
+        self._prefilling.pop(rid, None)
 
     def take_stops(self) -> list[str]:
         """Requests aborted while their hand-off runs: the sender ends it (handoff_done follows)."""
@@ -311,6 +357,9 @@ class WorkerCore:
         """rid's hand-off ended: P's blocks are released here, on the engine thread. decode_here:
         the decode worker had no room for it, so this worker decodes it itself (it holds the KV
         and has streamed the first tokens): the client's stream goes on from here."""
+        if rid not in self._sending:          # its streaming ended while it still prefilled
+            self._stream_ended(rid, decode_here, out)
+            return
         self._sending.discard(rid)
         req = self.requests.get(rid)
         if not ok and decode_here and req is not None and self.engine.keep_export(rid):
@@ -329,6 +378,30 @@ class WorkerCore:
                 request_id=rid, status=503, code="worker_failed",
                 message="the request's hand-off to a decode worker failed; please retry")))
             out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="worker_failed")))
+
+    def _stream_ended(self, rid: str, decode_here: bool, out: list[Envelope]) -> None:
+        """The decode worker refused or failed rid's streamed blocks before its first token: with no
+        room there it simply goes on here, as a request of this worker; else its client gets a
+        RequestFailed, as for a hand-off that fails."""
+        if rid not in self._streaming:        # ended here meanwhile (aborted): nothing left to do
+            return
+        self._streaming.discard(rid)
+        self._prefilling.pop(rid, None)
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        if decode_here and self.engine.keep_export(rid):
+            log.info("request %s: its decode worker had no free KV blocks; running it here", rid)
+            req.handoff_to = ""
+            return
+        self.engine.abort_request(rid)
+        del self.requests[rid]
+        self._unscheduled.pop(rid, None)
+        self._finished.append(rid)
+        out.append(Envelope(req.reply_addr, RequestFailed(
+            request_id=rid, status=503, code="worker_failed",
+            message="the request's hand-off to a decode worker failed; please retry")))
+        out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="worker_failed")))
 
     def _await_kv(self, msg: AwaitKV, out: list[Envelope], received: float) -> None:
         if msg.epoch != self.epoch or self.imports is None or msg.request_id in self.requests:

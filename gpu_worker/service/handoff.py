@@ -1,13 +1,15 @@
 """A worker's side of the prefill/decode hand-off between processes (gpu_worker/kv_transfer/).
 
-    prefill worker (P)   PrefillSender: after the step that drew a request's first token has been
-                         sent to its detokenizer (TTFT never waits for the transfer), submit(rid,
-                         to) queues the hand-off for the sender thread, which runs it over the
-                         CURVE-wrapped ZMQ transport: Offer, frames, Done, the decode worker's
-                         Ack; the engine thread then releases P's blocks (its full blocks stay in
-                         its prefix cache). The hand-off's lease (--handoff-lease-ms)
-                         is renewed by every frame the decode worker takes; lapsed, P frees the
-                         blocks and tells D to drop the request.
+    prefill worker (P)   PrefillSender: while a request's prompt takes several chunks, stream()
+                         sends the blocks each chunk completed (a streamed Offer first); after the
+                         step that drew its first token has been sent to its detokenizer (TTFT
+                         never waits for the transfer), submit(rid, to) sends the rest, Done (with
+                         the first tokens) and waits for the decode worker's Ack, all on the
+                         thread of that decode worker (handoff_peer.PeerSender) over the
+                         CURVE-wrapped ZMQ transport; the engine thread then releases P's blocks
+                         (its full blocks stay in its prefix cache). The hand-off's lease
+                         (--handoff-lease-ms) is renewed by every frame the decode worker takes;
+                         lapsed, P frees the blocks and tells D to drop the request.
     decode worker (D)    AwaitedImports: the engine consumer, refusing offers of requests the
                          scheduler did not announce (AwaitKV). An announcement holds no KV block
                          (blocks are reserved when the Offer is accepted) and may wait as long as
@@ -15,8 +17,9 @@
                          lost) is forgotten after AWAIT_OFFER_MAX_S. It reports which requests it
                          admitted (they decode here now) and which it dropped.
 
-The engine is touched by the engine thread only: PrefillSender's thread reads the KV bytes of
-blocks the engine holds for it and changes nothing; D's receiver runs on D's engine thread.
+The engine is touched by the engine thread only: the peer threads read the KV bytes of blocks the
+engine holds for them, or of copies made for them, and change nothing; D's receiver runs on D's
+engine thread.
 """
 from __future__ import annotations
 
@@ -27,13 +30,19 @@ import time
 from typing import Any, NamedTuple
 
 from gpu_worker.kv_transfer.connector import NO_FREE_BLOCKS, EngineKVConsumer, EngineKVProducer
-from gpu_worker.kv_transfer.messages import Accept, Ack, Done, Fail, Offer, Refuse
-from gpu_worker.kv_transfer.zmq_transport import KVReceiverEndpoint, KVSenderEndpoint
+from gpu_worker.kv_transfer.messages import Accept, Ack, Done, Fail, NixlSource, Offer, Refuse
+from gpu_worker.kv_transfer.nixl_transport import encode_peer
+from gpu_worker.kv_transfer.streaming import streamed_offer, take_snapshot
+from gpu_worker.kv_transfer.zmq_transport import KVReceiverEndpoint
+from gpu_worker.service.handoff_peer import PeerSender
 from services import metrics
 from services.security.curve import Plane
 
 log = logging.getLogger("kvmesh.worker")
-MAX_PEERS = 256     # decode workers a prefill worker keeps a connection to (least recently used go)
+PEER_IDLE_S = 60.0  # a decode worker's sender thread (and its connection) ends after this long idle
+# KV copied for streaming (blocks a prefill chunk completed) waiting for the sender threads: past
+# this, a request streams no more and the rest of its blocks go after its first token
+MAX_SNAPSHOT_BYTES = 1 << 30
 # An announced request whose prefill worker neither offered nor cancelled it by then is forgotten:
 # P died (the scheduler re-runs it here, which replaces the announcement) or its cancel was lost.
 AWAIT_OFFER_MAX_S = 600.0
@@ -47,56 +56,94 @@ class HandoffResult(NamedTuple):
 
 
 class PrefillSender:
-    """P's hand-offs, run one after the other on a thread of their own, each to the decode worker
-    its Dispatch named, so that P's engine thread never waits for a decode worker (a silent one
-    holds a hand-off up to the whole lease).
+    """P's hand-offs, each run on the thread of the decode worker its Dispatch named
+    (handoff_peer.PeerSender: made on first use, ended when idle for peer_idle_s), so that P's
+    engine thread never waits for a decode worker, and a silent one holds only its own hand-offs
+    (each up to the lease).
 
-    Between the threads: submit()/cancel()/stop_sending() queue work from the engine thread;
-    take_results() hands back what ended. The request's blocks stay held in the engine
+    Between the threads: stream()/submit()/cancel()/stop_sending() queue work from the engine
+    thread; take_results() hands back what ended. A request's blocks stay held in the engine
     (`engine.exported`) from submit() until the engine thread reads the result and releases them
-    (WorkerCore.handoff_done): the sender thread only reads the KV of blocks no one else frees or
+    (WorkerCore.handoff_done): the peer threads only read the KV of blocks no one else frees or
     writes meanwhile (an exported request is out of the scheduler, so neither preemption nor a
     later step touches them, and its prompt's KV was complete when its first token was drawn),
-    and never changes the engine. The peers' sockets belong to the sender thread alone."""
+    and never change the engine. Blocks streamed earlier, while the request still prefilled, are
+    private copies (kv_transfer/streaming.py), at most max_snapshot_bytes of them waiting at once."""
 
-    def __init__(self, engine: Any, plane: Plane, lease_s: float) -> None:
+    def __init__(self, engine: Any, plane: Plane, lease_s: float,
+                 max_snapshot_bytes: int = MAX_SNAPSHOT_BYTES, nixl_agent: Any = None) -> None:
+        """nixl_agent: a nixl_transport.NixlKVAgent of the engine: decode workers read the blocks
+        from it (its metadata goes to each over the authenticated ZMQ socket) and no frame moves."""
         self.producer = EngineKVProducer(engine)
-        self.plane, self.lease_s = plane, lease_s
-        self._peers: dict[str, KVSenderEndpoint] = {}
-        self._jobs: queue.SimpleQueue[tuple[str, str, str] | None] = queue.SimpleQueue()
+        self.nixl_agent = nixl_agent
+        self.nixl_name = nixl_agent.name if nixl_agent is not None else ""
+        self.nixl_source = None if nixl_agent is None else NixlSource(encode_peer(nixl_agent.peer()))
+        self.engine, self.plane, self.lease_s = engine, plane, lease_s
+        self.frame_plan = self.producer.frame_plan(engine.runner.kv_caches[0][0].element_size())
+        self.max_snapshot_bytes = max_snapshot_bytes
+        self.peer_idle_s = PEER_IDLE_S
         self._results: queue.SimpleQueue[HandoffResult] = queue.SimpleQueue()
-        # between the threads, under the lock: hand-offs submitted and not begun; those of them
-        # aborted (the sender only tells D); running ones to end now (aborted on P)
-        self._stopped_lock = threading.Lock()
+        self._streaming: dict[str, str] = {}    # engine thread: request -> D, streamed, not yet submitted
+        # between the threads, under the lock: the peer threads; hand-offs submitted and not begun;
+        # those of them aborted (the peer only tells D); running ones to end now (aborted on P);
+        # the bytes of snapshots not yet sent
+        self._lock = threading.Lock()
+        self._peers: dict[str, PeerSender] = {}
         self._queued: set[str] = set()
         self._skipped: set[str] = set()
         self._stopped: set[str] = set()
+        self._snapshot_bytes = 0
         self._closing = False                 # close(): every running hand-off ends now
-        self._thread = threading.Thread(target=self._run, name="kv-handoff", daemon=True)
-        self._thread.start()
 
     # ---- engine thread -------------------------------------------------------------------
+    def stream(self, request_id: str, to: str, block_start: int, block_ids: list[int]) -> bool:
+        """Send blocks [block_start, block_start + len(block_ids)) of a request still prefilling
+        (right after the step that computed them). False when they are not sent (too many
+        snapshot bytes wait already): then stream nothing more of it; the rest goes with submit()."""
+        layout = self.producer.layout
+        per_block = 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim \
+            * self.engine.runner.kv_caches[0][0].element_size()
+        with self._lock:
+            if self._snapshot_bytes + per_block * len(block_ids) > self.max_snapshot_bytes:
+                return False
+        if request_id not in self._streaming:
+            offer = streamed_offer(self.engine, layout, request_id)
+            if offer is None:
+                return False
+            self._streaming[request_id] = to
+            self._put(to, ("open", request_id, offer))
+        snap = take_snapshot(self.engine, block_start, block_ids)
+        with self._lock:
+            self._snapshot_bytes += snap.nbytes
+        self._put(to, ("blocks", request_id, snap))
+        return True
+
     def submit(self, request_id: str, to: str) -> None:
         """Hand request_id's KV to the decode worker at `to`; its result comes from take_results()."""
-        with self._stopped_lock:
+        self._streaming.pop(request_id, None)
+        with self._lock:
             self._queued.add(request_id)
-        self._jobs.put(("send", request_id, to))
+        self._put(to, ("finish", request_id, None))
 
     def cancel(self, request_id: str, to: str) -> None:
-        """The request needs no hand-off after all (every sample ended on P): D stops awaiting it."""
-        self._jobs.put(("cancel", request_id, to))
+        """The request needs no hand-off after all (every sample ended on P, or it was aborted
+        while it prefilled): D stops awaiting it, or drops what was streamed."""
+        if self._streaming.pop(request_id, None) is not None:
+            with self._lock:                  # a peer thread waiting on its D for it stops now
+                self._stopped.add(request_id)
+        self._put(to, ("cancel", request_id, None))
 
     def stop_sending(self, request_id: str) -> bool:
         """End request_id's hand-off now (aborted on P); D is told to drop it. True when it had not
         begun: it never will, no result follows, and the caller frees the blocks now (a hand-off
         queued behind one that waits for a silent D must not wait too). False: it is running, its
         result (not ok) follows within WAIT_SLICE_S, then the engine thread frees the blocks."""
-        with self._stopped_lock:
+        with self._lock:
+            self._stopped.add(request_id)     # its stream, if one waits for D, ends too
             if request_id in self._queued:
                 self._queued.discard(request_id)
                 self._skipped.add(request_id)
                 return True
-            self._stopped.add(request_id)
             return False
 
     def take_results(self) -> list[HandoffResult]:
@@ -106,72 +153,86 @@ class PrefillSender:
                 result = self._results.get_nowait()
             except queue.Empty:
                 return out
-            with self._stopped_lock:        # a stop that came after its end
+            with self._lock:        # a stop that came after its end
                 self._stopped.discard(result.request_id)
+            self._streaming.pop(result.request_id, None)   # its stream, if any, ended with it
             out.append(result)
 
     def close(self) -> None:
-        self._jobs.put(None)
-        with self._stopped_lock:
+        with self._lock:
             self._closing = True
-        self._thread.join(timeout=self.lease_s + 5)
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.jobs.put(None)
+        for peer in peers:
+            peer.join(timeout=self.lease_s + 5)
+        if self.nixl_agent is not None:
+            self.nixl_agent.close()
 
-    # ---- sender thread -------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while (job := self._jobs.get()) is not None:
-                kind, rid, to = job
-                if kind == "send":
-                    with self._stopped_lock:
-                        skipped = rid in self._skipped
-                        self._skipped.discard(rid)
-                        self._queued.discard(rid)
-                    kind = "cancel" if skipped else kind    # aborted before it began
-                try:
-                    if kind == "cancel":
-                        self._peer(to).abort(rid)
-                    else:
-                        self._results.put(self._send(rid, to))
-                except Exception as exc:   # a bug here must not strand the request's blocks
-                    log.exception("kv hand-off of %s to %s failed", rid, to)
-                    if kind == "send":
-                        self._results.put(HandoffResult(rid, False, f"the hand-off failed: {exc}"))
-                finally:
-                    with self._stopped_lock:
-                        self._stopped.discard(rid)
-        finally:
-            for peer in self._peers.values():
-                peer.close()
-            self._peers.clear()
+    def _put(self, to: str, job: tuple[str, str, Any]) -> None:
+        with self._lock:                      # under the lock: an idle peer ending now is not given it
+            peer = self._peers.get(to)
+            if peer is None:
+                peer = self._peers[to] = PeerSender(self, to)
+                peer.start()
+            peer.jobs.put(job)
 
-    def _cancelled(self, request_id: str) -> bool:
-        with self._stopped_lock:
+    # ---- peer threads --------------------------------------------------------------------
+    def reap(self, peer: PeerSender) -> bool:
+        """An idle peer thread ends unless a job came for it meanwhile."""
+        with self._lock:
+            if not peer.jobs.empty():
+                return False
+            if self._peers.get(peer.address) is peer:
+                del self._peers[peer.address]
+            return True
+
+    def peers(self) -> list[str]:
+        with self._lock:
+            return list(self._peers)
+
+    def cancelled(self, request_id: str) -> bool:
+        with self._lock:
             return self._closing or request_id in self._stopped
 
-    def _peer(self, addr: str) -> KVSenderEndpoint:
-        peer = self._peers.pop(addr, None)
-        if peer is None:
-            if len(self._peers) >= MAX_PEERS:
-                self._peers.pop(next(iter(self._peers))).close()
-            peer = KVSenderEndpoint(self.producer, addr, plane=self.plane)
-        self._peers[addr] = peer       # most recently used last
-        return peer
+    def unstop(self, request_id: str) -> None:
+        with self._lock:
+            self._stopped.discard(request_id)
 
-    def _send(self, request_id: str, to: str) -> HandoffResult:
-        t0 = time.perf_counter()
-        peer = self._peer(to)
-        answer = peer.send(request_id, timeout_s=self.lease_s, release=False,
-                           cancelled=lambda: self._cancelled(request_id))
-        metrics.HANDOFF_SECONDS.observe(time.perf_counter() - t0)
-        metrics.HANDOFF_BYTES.inc(peer.bytes_sent)
+    def take_skipped(self, request_id: str) -> bool:
+        """The finish job of request_id begins: True if it was aborted while queued."""
+        with self._lock:
+            self._queued.discard(request_id)
+            if request_id in self._skipped:
+                self._skipped.discard(request_id)
+                return True
+            return False
+
+    def snapshot_done(self, snap: Any) -> None:
+        with self._lock:
+            self._snapshot_bytes -= snap.nbytes
+
+    def report_failure(self, request_id: str, reason: str) -> None:
+        self._results.put(HandoffResult(request_id, False, reason))
+
+    def report(self, request_id: str, to: str, answer: Any, bytes_sent: int, started: float | None,
+               reason: str = "") -> None:
+        """The end of a hand-off (or of its streaming before the first token), for the engine thread."""
+        metrics.HANDOFF_BYTES.inc(bytes_sent)
+        if started is not None:
+            metrics.HANDOFF_SECONDS.observe(time.perf_counter() - started)
         if isinstance(answer, Ack):
             metrics.HANDOFFS.labels("ack").inc()
-            return HandoffResult(request_id, True, "")
-        if self._cancelled(request_id):
+            self._results.put(HandoffResult(request_id, True, ""))
+            return
+        if self.cancelled(request_id):
             metrics.HANDOFFS.labels("abort").inc()
             log.info("kv hand-off of %s to %s ended: the request was aborted", request_id, to)
-            return HandoffResult(request_id, False, "the request was aborted on the prefill worker")
-        if answer is None:
+            self._results.put(HandoffResult(request_id, False, "the request was aborted on the prefill worker"))
+            return
+        if reason:
+            metrics.HANDOFFS.labels("fail").inc()
+        elif answer is None:
             metrics.HANDOFFS.labels("timeout").inc()
             metrics.HANDOFF_EXPIRIES.inc()
             reason = "the decode worker did not answer within the hand-off lease"
@@ -179,8 +240,8 @@ class PrefillSender:
             metrics.HANDOFFS.labels("refused" if isinstance(answer, Refuse) else "fail").inc()
             reason = f"the decode worker refused the KV: {answer.reason}"
         log.warning("kv hand-off of %s to %s failed: %s", request_id, to, reason)
-        return HandoffResult(request_id, False, reason,
-                             refused_for_room=isinstance(answer, Refuse) and answer.reason == NO_FREE_BLOCKS)
+        self._results.put(HandoffResult(request_id, False, reason, refused_for_room=isinstance(
+            answer, Refuse) and answer.reason == NO_FREE_BLOCKS))
 
 
 class AwaitedImports(EngineKVConsumer):
@@ -241,12 +302,19 @@ class AwaitedImports(EngineKVConsumer):
 
 
 class DecodeReceiver:
-    """D's bound KV-transfer socket (CURVE, worker role only) and its consumer."""
+    """D's bound KV-transfer socket (CURVE, worker role only) and its consumer; with a NIXL agent
+    (nixl_transport.NixlKVAgent of the engine) D reads the blocks of each accepted offer from the
+    prefill worker's agent itself."""
 
-    def __init__(self, engine: Any, plane: Plane, host: str, port: int, lease_s: float) -> None:
+    def __init__(self, engine: Any, plane: Plane, host: str, port: int, lease_s: float,
+                 nixl_agent: Any = None) -> None:
         self.imports = AwaitedImports(engine, lease_s)
         self.endpoint = KVReceiverEndpoint(self.imports, host, port, idle_timeout_s=lease_s,
                                            plane=plane if plane.secure else None)
+        self.nixl_agent = nixl_agent
+        if nixl_agent is not None:
+            from gpu_worker.kv_transfer.nixl_transport import NixlKVReader
+            self.endpoint.nixl_reader = NixlKVReader(self.imports, nixl_agent)
 
     def poll(self) -> int:
         handled = self.endpoint.poll(0)
@@ -255,3 +323,5 @@ class DecodeReceiver:
 
     def close(self) -> None:
         self.endpoint.close()
+        if self.nixl_agent is not None:
+            self.nixl_agent.close()

@@ -93,7 +93,7 @@ def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
             "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
             "vocab_size": int(engine.vocab_size), "null_model": cfg.null_model, "draining": False,
             "model_id": getattr(getattr(engine, "setup", None), "model_id", name),
-            "kv_layout": kv_layout(engine), "pid": os.getpid()}
+            "kv_layout": kv_layout(engine), "kv_transport": cfg.kv_transport, "pid": os.getpid()}
 
 
 def kv_layout(engine: Any) -> dict[str, Any] | None:
@@ -185,6 +185,9 @@ class EngineThread(threading.Thread):
         aborted, and free the blocks of those that ended; failures go out with the next step's
         output. Never waits for a decode worker."""
         sender = self.handoff_sender
+        for rid, to, first, ids in self.core.take_stream_blocks():   # before their finish, per D
+            if not sender.stream(rid, to, first, ids):
+                self.core.stop_streaming(rid)
         todo, cancel = self.core.take_handoffs()
         for rid, to in cancel:
             sender.cancel(rid, to)
@@ -269,6 +272,8 @@ class WorkerService:
             publisher.set_epoch(self.lease.epoch)
         self.core = WorkerCore(engine, self.worker_id, self.lease.epoch, inbox_addr=addrs["zmq"])
         self.core.hands_off = sender is not None
+        # NIXL reads the blocks in one READ once the prompt is done: nothing streams before it
+        self.core.streams_kv = sender is not None and self.cfg.kv_transport == "zmq"
         if kv_receiver is not None:
             self.core.imports = kv_receiver.imports
         await self._refresh_schedulers()
@@ -323,9 +328,15 @@ class WorkerService:
             return None, None
         from gpu_worker.service.handoff import DecodeReceiver, PrefillSender
         lease_s = cfg.handoff_lease_ms / 1000
+        nixl = self._nixl_agent(engine) if cfg.kv_transport == "nixl" else None
         if cfg.role == "prefill":
-            return PrefillSender(engine, self.plane, lease_s), None
-        return None, DecodeReceiver(engine, self.plane, cfg.host, cfg.kv_transfer_port, lease_s)
+            return PrefillSender(engine, self.plane, lease_s, nixl_agent=nixl), None
+        return None, DecodeReceiver(engine, self.plane, cfg.host, cfg.kv_transfer_port, lease_s, nixl_agent=nixl)
+
+    def _nixl_agent(self, engine: Any) -> Any:
+        """This engine's NIXL agent (its KV cache registered with NIXL's UCX backend)."""
+        from gpu_worker.kv_transfer.nixl_transport import NixlKVAgent
+        return NixlKVAgent(engine, f"{self.worker_id}-{uuid.uuid4().hex[:8]}")
 
     async def _drain(self) -> None:
         self.info["draining"] = True
@@ -409,5 +420,19 @@ def main(argv: list[str]) -> int:
     if not cfg.model and not cfg.null_model:
         log.error("--model (or KVMESH_MODEL) is required")
         return 2
+    if cfg.kv_transport == "nixl" and cfg.role != "mixed" and (missing := nixl_missing()):
+        log.error("--kv-transport nixl needs the `nixl` package (pip install nixl, or the kvmesh[nixl] extra), "
+                  "which this environment lacks (%s)", missing)
+        return 2
     plane = plane_or_exit(cfg, "worker")
     return run_async(WorkerService(cfg, plane).run())
+
+
+def nixl_missing() -> str:
+    """Why the optional `nixl` package cannot be used here ('' when it can), checked before the
+    model loads."""
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,8 +120,9 @@ def test_gpu_bench_engine_smoke(tmp_path):
 
 
 def test_gpu_bench_kv_transfer_smoke(tmp_path):
-    """bench/gpu_bench.py's kv_transfer section on the CPU: a hand-off per prefill length, each
-    acknowledged by the decode engine, with its bytes and P's prefill time."""
+    """bench/gpu_bench.py's kv_transfer section on the CPU: a hand-off per path (zmq frames after the
+    first token, zmq frames streamed during the prefill, NIXL where installed), each acknowledged by
+    the decode worker, with its bytes, P's prefill time and the overlap; the streamed path streams."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "bench/gpu_bench.py", "--smoke", "--sections", "kv_transfer"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -128,9 +130,12 @@ def test_gpu_bench_kv_transfer_smoke(tmp_path):
     res = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert not res["errors"], res["errors"]
     text = json.dumps(res)
-    for line in ("hand-off L=64", "hand-off L=256", "prefill on P"):
-        assert line in text, line
-    assert text.count("; Ack") == 2
+    paths = ["zmq", "zmq_streamed"] + (["nixl"] if "nixl L=128" in text else [])
+    for path in paths:
+        for line in (f"{path} L=128 transfer after the first token", f"{path} L=128 first token -> D's first decode"):
+            assert line in text, line
+    assert "prefill on P" in text and text.count("; ack") == len(paths)
+    assert re.search(r"zmq_streamed L=128 transfer[^;]*;[^;]*; [1-9]\d* blocks streamed during the prefill", text), text
 
 
 def test_plot_vs_vllm_from_stored_results(tmp_path):

@@ -57,6 +57,8 @@ def test_greedy_through_prefill_and_decode_matches_one_engine(pd, prompt):
     assert got == texts(pd.model, offline(pd.model, prompt, max_tokens=12, temperature=0))
     assert pd.route_count("pd") == before + 1
     assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoffs_total", 'outcome="ack"') >= 1
+    if len(prompt) > 2 * CHUNK:       # the first chunks' full blocks went to D while P prefilled the rest
+        assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoff_streamed_blocks_total") >= 2
 
 
 def test_short_prompt_runs_on_the_decode_worker_alone(pd):

@@ -21,10 +21,10 @@ def submit(rid: str, prompt_len: int) -> Submit:
                   params=SamplingParams(max_tokens=8, n=2), reply_addr=GW, detok_addr=DT)
 
 
-def worker(wid: str, role: str, layout: dict | None = LAYOUT, inflight: int = 0) -> WorkerView:
+def worker(wid: str, role: str, layout: dict | None = LAYOUT, inflight: int = 0, transport: str = "zmq") -> WorkerView:
     return WorkerView(id=wid, epoch=1, addr=f"tcp://{wid}:1#worker", role=role, max_num_seqs=8, max_model_len=4096,
                       kv_addr=f"tcp://{wid}:2#worker" if role == "decode" else "", kv_layout=layout,
-                      inflight={f"{wid}-{i}" for i in range(inflight)})
+                      inflight={f"{wid}-{i}" for i in range(inflight)}, kv_transport=transport)
 
 
 def core_with(*views: WorkerView) -> SchedulerCore:
@@ -82,6 +82,17 @@ def test_mismatched_layouts_are_never_paired(caplog):
     # a worker without a layout (the null engine) is never paired either
     core = core_with(worker("d", "decode", layout=None), worker("p", "prefill", layout=None))
     assert not messages(core.submit(submit("b", MIN + 100)), AwaitKV)
+
+
+def test_workers_of_different_kv_transports_are_never_paired(caplog):
+    with caplog.at_level(logging.ERROR, logger="kvmesh.scheduler"):
+        core = core_with(worker("d", "decode"), worker("p", "prefill", transport="nixl"))
+    assert "--kv-transport nixl, which no decode worker of its KV layout uses (theirs: zmq)" in caplog.text
+    [(addr, dispatch)] = messages(core.submit(submit("a", MIN + 100)), Dispatch)
+    assert addr == "tcp://d:1#worker" and dispatch.handoff_to == ""
+    core = core_with(worker("d", "decode", transport="nixl"), worker("p", "prefill", transport="nixl"))
+    [(addr, dispatch)] = messages(core.submit(submit("b", MIN + 100)), Dispatch)
+    assert addr == "tcp://p:1#worker" and dispatch.handoff_to == "tcp://d:2#worker"
 
 
 def test_mixed_workers_serve_beside_the_pools():

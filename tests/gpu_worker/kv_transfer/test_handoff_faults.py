@@ -130,7 +130,7 @@ CORRUPTIONS = {
     "checksum": lambda f, b: (f, _flip(b)),
     "truncated": lambda f, b: (f, bytes(b)[:-7]),
     "oversize": lambda f, b: (f, bytes(b) + bytes(4096)),
-    "out_of_order": lambda f, b: (msgspec.structs.replace(f, seq_no=f.seq_no + 1), b),
+    "repeated_seq_no": lambda f, b: (msgspec.structs.replace(f, seq_no=0), b),    # frames come in any order, once
     "misdirected": lambda f, b: (msgspec.structs.replace(f, dst_block_ids=[0]), b),
     "wrong_shape": lambda f, b: (msgspec.structs.replace(f, shape=list(reversed(f.shape))), b),
     "wrong_dtype": lambda f, b: (msgspec.structs.replace(f, dtype="bfloat16"), b),

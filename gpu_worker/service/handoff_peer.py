@@ -1,0 +1,213 @@
+"""One decode worker's hand-offs on a prefill worker: a thread per decode worker (D), so a D that
+stops answering holds only its own hand-offs, each up to the lease.
+
+Jobs come from the engine thread (handoff.PrefillSender), in order per D:
+
+    open(rid, offer)      a streamed Offer while P still prefills; D's Accept maps every block
+    blocks(rid, snapshot) frames of blocks a prefill chunk completed (streaming.BlockSnapshot)
+    finish(rid)           the first tokens are drawn: the blocks not sent yet (read in place from
+                          the exported request), Done, D's Ack; a request never opened gets the
+                          whole hand-off here (Offer with its first tokens, frames, Done)
+    cancel(rid)           no hand-off after all (aborted, or every sample ended on P): D drops it
+
+Exactly one result is reported per hand-off that began (ok, or why not); a streamed one that ends
+before its finish (D refused, failed or went silent) reports then, and its finish is skipped.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from gpu_worker.kv_transfer.layout import KVLayoutMismatch, check_compatible
+from gpu_worker.kv_transfer.messages import Accept, Ack, BlockFrame, Done, Offer, Refuse, encode
+from gpu_worker.kv_transfer.streaming import BlockSnapshot, SnapshotReader, snapshot_frames
+from gpu_worker.kv_transfer.zmq_peer import Answer, KVPeerChannel
+from services import metrics
+
+if TYPE_CHECKING:
+    from gpu_worker.service.handoff import PrefillSender
+
+log = logging.getLogger("kvmesh.worker")
+
+
+@dataclass
+class _Stream:
+    offer: Offer
+    accept: Accept | None = None
+    sent_upto: int = 0          # blocks [0, sent_upto) of the table are sent (or D's prefix hits)
+    seq_no: int = 0             # frames sent
+    bytes_sent: int = 0
+    finishing: bool = False     # the finish job runs: its result is the hand-off's
+
+
+class PeerSender(threading.Thread):
+    def __init__(self, owner: "PrefillSender", address: str) -> None:
+        super().__init__(name=f"kv-handoff-{address[-24:]}", daemon=True)
+        self.owner, self.address = owner, address
+        self.jobs: queue.SimpleQueue[tuple[str, str, Any] | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._ended: set[str] = set()            # streamed, reported before their finish came
+        self._reader = SnapshotReader()
+        self._channel: KVPeerChannel | None = None
+
+    # ---- the thread ----------------------------------------------------------------------
+    def run(self) -> None:
+        self._channel = KVPeerChannel(self.address, self.owner.plane if self.owner.plane.secure else None)
+        try:
+            while True:
+                try:
+                    job = self.jobs.get(timeout=self.owner.peer_idle_s)
+                except queue.Empty:
+                    if not self._streams and self.owner.reap(self):
+                        return
+                    continue
+                if job is None:
+                    return
+                self._do(*job)
+        finally:
+            for rid in list(self._streams):
+                self._channel.abort(rid)
+            self._channel.close()
+
+    def _do(self, kind: str, rid: str, arg: Any) -> None:
+        try:
+            if kind == "open":
+                self._open(rid, arg, finishing=False)
+            elif kind == "blocks":
+                self._blocks(rid, arg)
+            elif kind == "finish":
+                self._finish(rid)
+            else:
+                self._cancel(rid)
+        except Exception as exc:   # a bug here must not strand the request's blocks
+            log.exception("kv hand-off of %s to %s failed", rid, self.address)
+            if rid in self._streams:
+                self._end(rid, None, reason=f"the hand-off failed: {exc}")
+            elif kind == "finish" and rid not in self._ended:
+                self.owner.report_failure(rid, f"the hand-off failed: {exc}")
+        finally:
+            if isinstance(arg, BlockSnapshot):
+                self.owner.snapshot_done(arg)
+            # every stop also queues a job for rid (its cancel, or its skipped finish) that ends
+            # what this job left open
+            self.owner.unstop(rid)
+
+    def _cancelled(self, rid: str) -> bool:
+        return self.owner.cancelled(rid)
+
+    # ---- the jobs ------------------------------------------------------------------------
+    def _open(self, rid: str, offer: Offer | None, *, finishing: bool) -> bool:
+        """Offer, D's Accept (checked); False when the hand-off ended (reported). finishing: the
+        whole hand-off runs now (not streamed)."""
+        if offer is None:          # nothing to hand off (aborted meanwhile)
+            self._report(rid, None, None)
+            return False
+        if not finishing and self._cancelled(rid):    # aborted before its stream began: nothing
+            self._ended.add(rid)                      # to report; its finish or cancel follows
+            return False
+        channel = self._channel
+        self._streams[rid] = stream = _Stream(offer, finishing=finishing)
+        channel.open(rid)
+        deadline = time.monotonic() + self.owner.lease_s
+        cancelled = lambda: self._cancelled(rid)                       # noqa: E731
+        parts = [encode(offer)]
+        if self.owner.nixl_source is not None:    # D reads from our agent: it connects first (once)
+            parts = [encode(self.owner.nixl_source)]
+            offer = msgspec.structs.replace(offer, nixl_source=self.owner.nixl_name)
+            sent = channel.send(parts, deadline, cancelled)
+            parts = [encode(offer)] if sent else []
+        answer = channel.answer(rid, deadline, cancelled) if parts and channel.send(parts, deadline, cancelled) else None
+        if not isinstance(answer, Accept):
+            return self._end(rid, answer)
+        try:
+            check_compatible(self.owner.producer.layout, answer.layout)
+        except KVLayoutMismatch as e:          # D's layout differs: nothing was sent
+            return self._end(rid, Refuse(rid, str(e)))
+        if not 0 <= answer.first_block <= offer.num_blocks or len(answer.dst_block_ids) != offer.num_blocks - answer.first_block:
+            return self._end(rid, Refuse(rid, "the decode worker's Accept does not match the offer"))
+        stream.accept, stream.sent_upto = answer, answer.first_block
+        return True
+
+    def _blocks(self, rid: str, snap: BlockSnapshot) -> None:
+        stream = self._streams.get(rid)
+        if stream is None or stream.accept is None:    # ended: D refused or went silent
+            return
+        kv = self._reader.host(snap)
+        for frame, payload in snapshot_frames(stream.accept, self.owner.producer.layout, snap, kv,
+                                              self.owner.frame_plan, stream.seq_no):
+            if not self._send_frame(rid, stream, frame, payload):
+                return
+        metrics.HANDOFF_STREAMED_BLOCKS.inc(max(0, snap.block_end - max(stream.sent_upto, snap.block_start)))
+        stream.sent_upto = max(stream.sent_upto, snap.block_end)
+
+    def _finish(self, rid: str) -> None:
+        if self.owner.take_skipped(rid):       # aborted before it began: D stops awaiting it
+            self._cancel(rid)
+            return
+        if rid in self._ended:                 # its stream ended and was reported already
+            self._ended.discard(rid)
+            return
+        t0 = time.perf_counter()
+        producer = self.owner.producer
+        stream = self._streams.get(rid)
+        samples = []
+        if stream is None:
+            if not self._open(rid, producer.offer(rid), finishing=True):
+                return
+            stream = self._streams[rid]
+        else:
+            samples = producer.first_tokens(rid)
+        stream.finishing = True
+        deadline = time.monotonic() + self.owner.lease_s
+        cancelled = lambda: self._cancelled(rid)                       # noqa: E731
+        if self.owner.nixl_source is not None:    # D reads the blocks itself, then answers
+            self._end(rid, self._channel.answer(rid, deadline, cancelled), started=t0)
+            return
+        for frame, payload in producer.frames(stream.accept, stream.sent_upto, stream.seq_no):
+            if not self._send_frame(rid, stream, frame, payload):
+                return
+        deadline = time.monotonic() + self.owner.lease_s
+        done = Done(rid, stream.seq_no, samples)
+        answer = self._channel.answer(rid, deadline, cancelled) if self._channel.send(
+            [encode(done)], deadline, cancelled) else None
+        self._end(rid, answer, started=t0)
+
+    def _cancel(self, rid: str) -> None:
+        self._ended.discard(rid)
+        self._streams.pop(rid, None)
+        self._channel.close_request(rid)
+        self._channel.abort(rid)
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _send_frame(self, rid: str, stream: _Stream, frame: BlockFrame, payload: memoryview) -> bool:
+        """One frame; the lease is renewed by every frame D takes. False: the hand-off ended."""
+        cancelled = lambda: self._cancelled(rid)                       # noqa: E731
+        if cancelled() or not self._channel.send([encode(frame), payload], time.monotonic() + self.owner.lease_s,
+                                                 cancelled):
+            return self._end(rid, None)
+        stream.seq_no = frame.seq_no + 1
+        stream.bytes_sent += len(payload)
+        failed = self._channel.failed(rid)          # D gave up on it mid-stream?
+        return True if failed is None else self._end(rid, failed)
+
+    def _end(self, rid: str, answer: Answer | None, *, started: float | None = None, reason: str = "") -> bool:
+        """The hand-off of rid ends with D's answer (None: no answer, cancelled, or our failure);
+        D is told to drop it unless it acknowledged. Reports it; returns False."""
+        stream = self._streams.pop(rid, None)
+        self._channel.close_request(rid)
+        if not isinstance(answer, Ack):
+            self._channel.abort(rid)
+        if stream is not None and not stream.finishing:
+            self._ended.add(rid)
+        self._report(rid, answer, stream, started, reason)
+        return False
+
+    def _report(self, rid: str, answer: Any, stream: _Stream | None, started: float | None = None,
+                reason: str = "") -> None:
+        self.owner.report(rid, self.address, answer, stream.bytes_sent if stream else 0, started, reason)
