@@ -215,7 +215,8 @@ class SchedulerService:
                 if loop.time() - last_beat >= beat:
                     last_beat = loop.time()
                     await self._poll_prefix_index()
-                    await self.lease.renew({"queued": self.core.queue_depth, "inflight": self.core.num_inflight})
+                    await self.lease.renew({"queued": self.core.queue_depth, "inflight": self.core.num_inflight,
+                                            "inherited": self.core.num_inherited})
             except Exception as exc:  # Redis hiccup: keep the last known set, retry
                 log.warning("registry poll failed: %s", exc)
 
