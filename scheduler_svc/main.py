@@ -87,8 +87,9 @@ class SchedulerService:
         self.asking: set[asyncio.Task] = set()   # Match calls in flight (held: the loop keeps weak refs)
         self.senders: SenderPool = SenderPool(plane)
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        # a vanished record is kept for two heartbeats (Redis restart), then its worker is dead
-        self.membership = Membership(2 * cfg.heartbeat_ms / 1000)
+        # a vanished record is kept for two heartbeats, and for a lease after Redis lost its data
+        # (registry.Membership), then its worker is dead
+        self.membership = Membership(2 * cfg.heartbeat_ms / 1000, rejoin_s=cfg.lease_ms / 1000)
         self.labeled: dict[str, int] = {}   # worker ids with metric labels -> dispatches counted
         self.handlers = {Submit: self.core.submit, Abort: self.core.abort, WorkerStatus: self.core.worker_status}
 
@@ -181,7 +182,8 @@ class SchedulerService:
             log.info("prefix-cache index %s", target or "gone: routing by load only")
 
     async def _poll_workers(self) -> None:
-        records = self.membership.update(await self.registry.list("worker"), time.monotonic())
+        fresh = await self.registry.list("worker")
+        records = self.membership.update(fresh, time.monotonic(), self.registry.incarnation)
         views = [view_of(r) for r in records]
         before = self.core.worker_failures
         self._send(self.core.set_workers(views))
