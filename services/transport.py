@@ -89,7 +89,7 @@ _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, Type
 # A bound socket closes the connection of a peer that sends a larger frame. Far above any message of
 # the stack (a Submit of a 1M-token prompt is ~5 MB); a peer with a valid key still cannot make a
 # process buffer gigabytes.
-MAX_FRAME_BYTES = 64 << 20
+MAX_FRAME_BYTES = 16 << 20
 
 
 class _Inbox(Generic[T]):
