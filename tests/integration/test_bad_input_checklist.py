@@ -310,11 +310,19 @@ def test_a_wrong_method_is_405(st, witness, method, path):
 
 # ----------------------------------------------------------------------------- internal sockets
 
+def record_of(st, kind: str):
+    """The stack's record of `kind` (for gateways, this module's), read once."""
+    cache = st.setdefault("records", {})
+    if kind not in cache:
+        mine = (lambda r: r.id.startswith(f"gw-{st['gateway_pid']}-")) if kind == "gateway" else (lambda r: True)
+        cache[kind] = next(r for r in records(st["redis"], kind) if mine(r))
+    return cache[kind]
+
+
 def scrape_dropped(st, kind: str) -> dict[tuple[str, str], float]:
     """A service's kvmesh_dropped_frames_total samples: (socket, reason) -> count (a gateway serves
     its page on its HTTP port)."""
-    page = st["base"] + "/metrics" if kind == "gateway" else next(
-        r.addrs["metrics"] for r in records(st["redis"], kind) if "metrics" in r.addrs)
+    page = st["base"] + "/metrics" if kind == "gateway" else record_of(st, kind).addrs["metrics"]
     out = {}
     for line in httpx.get(page, timeout=5).text.splitlines():
         if line.startswith("kvmesh_dropped_frames_total{"):
@@ -325,9 +333,7 @@ def scrape_dropped(st, kind: str) -> dict[tuple[str, str], float]:
 
 
 def inbox_of(st, kind: str) -> str:
-    """The inbox of the stack's `kind` (for gateways, this module's)."""
-    mine = (lambda r: r.id.startswith(f"gw-{st['gateway_pid']}-")) if kind == "gateway" else (lambda r: True)
-    return next(r.addrs["zmq"] for r in records(st["redis"], kind) if "zmq" in r.addrs and mine(r))
+    return record_of(st, kind).addrs["zmq"]
 
 
 SP = SamplingParams(max_tokens=4)
@@ -417,7 +423,7 @@ def test_a_sender_without_a_key_of_the_stack_gets_nothing_through(st, witness, s
 
 
 def test_garbage_on_a_workers_snapshot_socket_is_answered_as_malformed(st, witness):
-    rec = next(r for r in records(st["redis"], "worker") if "kv_snapshot" in r.addrs)
+    rec = record_of(st, "worker")
     before = scrape_dropped(st, "worker").get(("snapshot requests", "malformed"), 0.0)
     sock = st["attacker"].socket(zmq.DEALER, "prefix-cache", "worker")
     sock.connect(rec.addrs["kv_snapshot"].split("#")[0])
@@ -443,20 +449,27 @@ def test_grpc_garbage_is_invalid_argument(st, witness):
         channel = grpc_channel(target, trust, server_role)
         try:
             rpc = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
-            t0 = time.perf_counter()
-            try:
-                await rpc(os.urandom(200), timeout=5)
-            except grpc.aio.AioRpcError as exc:
-                return exc.code(), time.perf_counter() - t0
-            return grpc.StatusCode.OK, time.perf_counter() - t0
+            answers = []
+            for _ in range(2):       # the second is timed: the first also opens the TLS connection
+                t0 = time.perf_counter()
+                try:
+                    await rpc(os.urandom(200), timeout=5)
+                    answers.append((grpc.StatusCode.OK, time.perf_counter() - t0))
+                except grpc.aio.AioRpcError as exc:
+                    answers.append((exc.code(), time.perf_counter() - t0))
+            return answers[-1]
         finally:
             await channel.close()
 
-    tok = records(st["redis"], "tokenizer")[0].addrs["grpc"]
-    idx = records(st["redis"], "prefix-cache")[0].addrs["grpc"]
-    for target, method, role, server in ((tok, "/kvmesh.Tokenizer/Tokenize", "gateway", "tokenizer"),
-                                         (idx, "/kvmesh.PrefixCache/Match", "scheduler", "prefix-cache")):
-        code, took = asyncio.run(call(target, method, role, server))
-        assert code is grpc.StatusCode.INVALID_ARGUMENT and took < ANSWER_S, (method, code, took)
-        code, _ = asyncio.run(call(target, method, "worker", server))
-        assert code is grpc.StatusCode.PERMISSION_DENIED, (method, code)
+    tok, idx = record_of(st, "tokenizer").addrs["grpc"], record_of(st, "prefix-cache").addrs["grpc"]
+    cases = [(tok, "/kvmesh.Tokenizer/Tokenize", "gateway", "tokenizer"),
+             (idx, "/kvmesh.PrefixCache/Match", "scheduler", "prefix-cache")]
+
+    async def all_calls() -> list[tuple[grpc.StatusCode, float]]:
+        return [await call(target, method, role, server) for target, method, caller, server in cases
+                for role in (caller, "worker")]
+
+    answers = asyncio.run(all_calls())
+    for (_, method, _, _), bad, refused in zip(cases, answers[::2], answers[1::2]):
+        assert bad[0] is grpc.StatusCode.INVALID_ARGUMENT and bad[1] < ANSWER_S, (method, bad)
+        assert refused[0] is grpc.StatusCode.PERMISSION_DENIED, (method, refused)
