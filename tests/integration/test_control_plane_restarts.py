@@ -26,6 +26,7 @@ from tests.integration.stack import FAST, INTERNAL, records, redis_and_procs, wa
 STEP_MS = "10"          # null engine: one token per 10 ms per stream
 LEASE_S = 1.5           # FAST's --lease-ms
 LONG = 400              # tokens of a stream that must outlive a restart (~4 s)
+LONGER = 1000           # ... that must outlive a scheduler's death, a lease and a new one's start (~10 s)
 
 
 def start_worker(procs, name: str, model: str) -> None:
@@ -61,7 +62,7 @@ def client(base: str) -> openai.OpenAI:
 class Stream(threading.Thread):
     """One streamed completion through the official client: its text, usage and any error."""
 
-    def __init__(self, st, base: str, i: int, max_tokens: int) -> None:
+    def __init__(self, st, base: str, i: int, max_tokens: int = LONG) -> None:
         super().__init__(daemon=True)
         self.http, self.model, self.i, self.max_tokens = client(base), st["model"], i, max_tokens
         self.text, self.tokens, self.error = "", 0, None
@@ -83,7 +84,7 @@ class Stream(threading.Thread):
             self.started.set()
 
 
-def run_streams(st, n: int, max_tokens: int) -> list[Stream]:
+def run_streams(st, n: int, max_tokens: int = LONG) -> list[Stream]:
     streams = [Stream(st, st["bases"][i % 2], i, max_tokens) for i in range(n)]
     for s in streams:
         s.start()
@@ -98,19 +99,21 @@ def finish(streams: list[Stream], timeout_s: float = 60) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(st) -> dict[int, str]:
-    """Each stream's text on the undisturbed stack (the null engine's tokens are deterministic)."""
-    streams = run_streams(st, 8, LONG)
+def reference(st) -> dict[tuple[int, int], str]:
+    """Each stream's text on the undisturbed stack, by (stream, max_tokens): the null engine's
+    tokens are deterministic. Both lengths at once (16 streams, all running together)."""
+    streams = run_streams(st, 8, LONG) + run_streams(st, 8, LONGER)
     finish(streams)
-    assert [s.error for s in streams] == [None] * 8 and {s.tokens for s in streams} == {LONG}
-    return {s.i: s.text for s in streams}
+    assert [s.error for s in streams] == [None] * 16
+    assert [s.tokens for s in streams] == [LONG] * 8 + [LONGER] * 8
+    return {(s.i, s.max_tokens): s.text for s in streams}
 
 
-def assert_intact(streams: list[Stream], reference: dict[int, str]) -> None:
+def assert_intact(streams: list[Stream], reference: dict[tuple[int, int], str]) -> None:
     """Every stream ended normally with exactly the undisturbed stream's text: nothing failed,
     duplicated, missing or reordered."""
     assert [(s.i, s.error) for s in streams if s.error] == []
-    assert [s.i for s in streams if s.tokens != LONG or s.text != reference[s.i]] == []
+    assert [s.i for s in streams if s.tokens != s.max_tokens or s.text != reference[(s.i, s.max_tokens)]] == []
 
 
 def worker_epochs(st) -> dict[str, int]:
@@ -122,7 +125,7 @@ def test_two_gateways_serve_at_once(st, reference):
     the gateway that sent it (the reference run went through both, alternating)."""
     gateways = records(st["redis"].client_url, "gateway")
     assert len(gateways) == 2 and len({g.addrs["zmq"] for g in gateways}) == 2
-    streams = run_streams(st, 8, LONG)
+    streams = run_streams(st, 8)
     finish(streams)
     assert_intact(streams, reference)
 
@@ -131,7 +134,7 @@ def test_streams_go_on_through_a_redis_restart_longer_than_a_lease(st, reference
     redis: EmbeddedRedis = st["redis"]
     epochs = worker_epochs(st)
     pids = {name: st["procs"].procs[name].pid for name in ("null-a", "null-b", "scheduler")}
-    streams = run_streams(st, 8, LONG)
+    streams = run_streams(st, 8)
     for s in streams:
         assert s.started.wait(30)
     slow = st["procs"].procs["null-b"]
@@ -154,7 +157,7 @@ def test_streams_go_on_through_a_redis_restart_longer_than_a_lease(st, reference
 
 def test_a_killed_scheduler_fails_no_stream_on_a_worker(st, reference):
     procs = st["procs"]
-    streams = run_streams(st, 8, LONG)
+    streams = run_streams(st, 8, LONGER)
     for s in streams:
         assert s.started.wait(30)
     procs.kill("scheduler")                        # SIGKILL: no goodbye, its record lingers a lease
