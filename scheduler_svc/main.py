@@ -22,6 +22,8 @@ import socket
 import time
 import uuid
 
+from redis.exceptions import RedisError
+
 from scheduler_svc.conversations import ConversationTable
 from scheduler_svc.core import Limits, SchedulerCore
 from scheduler_svc.prefix_hints import PREFIX_INDEX, PrefixHints, PrefixQuery
@@ -149,7 +151,10 @@ class SchedulerService:
             if isinstance(msg, Submit) and not self.core.has_eligible_worker:
                 # A worker may have registered since the last poll (the gateway can see it
                 # first): look once more before answering 503.
-                await self._poll_workers()
+                try:
+                    await self._poll_workers()
+                except (RedisError, OSError) as exc:   # Redis away: answer from what we know
+                    log.warning("registry poll failed: %s", exc)
             if isinstance(msg, Submit):
                 self._send(self.core.submit(msg, received_at=read_at))
             else:
