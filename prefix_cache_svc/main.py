@@ -34,7 +34,7 @@ from services.protocol.kv_events import (
     PREFIX_GRPC_SERVICE, KVEventBatch, MatchRequest, MatchResponse, Snapshot,
 )
 from services.redis_client import RedisAuth
-from services.registry import Registry
+from services.registry import Membership, Registry
 from services.security.curve import Plane, plane_or_exit
 from services.shell import run_until_signal
 from services.transport import Method, add_health, grpc_server, run_async, set_serving, unary_handler
@@ -58,6 +58,9 @@ class PrefixCacheService:
         self.core = PrefixCore(cfg.block_size, cfg.max_blocks or None)
         self.sub = EventSubscriber(plane)
         self.workers: dict[str, WorkerAddrs] = {}
+        # an expired record purges its worker at once; after Redis lost its data, each worker has a
+        # lease to register again before its blocks go (the index keeps what their snapshots said)
+        self.registered = Membership(0.0, rejoin_s=cfg.lease_ms / 1000)
         self.grpc_addr = ""
         self._fetching: set[str] = set()
         self._changed = asyncio.Event()
@@ -260,7 +263,8 @@ class PrefixCacheService:
 
     async def _discover(self) -> None:
         live: dict[str, WorkerAddrs] = {}
-        for rec in await self.registry.list("worker"):
+        fresh = await self.registry.list("worker")
+        for rec in self.registered.update(fresh, time.monotonic(), self.registry.incarnation):
             events, snapshot = rec.addrs.get("kv_events"), rec.addrs.get("kv_snapshot")
             if not events or not snapshot:
                 continue  # prefix caching off on that worker

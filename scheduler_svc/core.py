@@ -8,7 +8,9 @@
     abort(Abort)            queued: dropped, its gateway told (RequestFailed); dispatched: forwarded
                             to its worker (whose detokenizer tells the gateway)
     worker_status(status)   finished requests leave; load numbers refresh; queue drains (only a
-                            status of the worker's current epoch counts; others are ignored)
+                            status of the worker's current epoch counts; others are ignored); a
+                            heartbeat's `active` list names the requests an earlier scheduler
+                            dispatched there (a restart): they hold slots until they end
     set_workers(views)      the live set from Redis: a worker gone or restarted (new epoch) fails its
                             in-flight requests with a clear error (gateway) and frees detok state
 
@@ -171,7 +173,7 @@ class SchedulerCore:
         out: list[Envelope] = []
         factor = self.limits.worker_capacity_factor
         while self._queue:
-            room = [w for w in self._eligible() if len(w.inflight) < w.capacity(factor)]
+            room = [w for w in self._eligible() if w.holding < w.capacity(factor)]
             if not room:
                 break
             _, _, rid = heapq.heappop(self._queue)
@@ -179,7 +181,7 @@ class SchedulerCore:
             if req is None or req.worker_id is not None:
                 continue  # aborted while queued (lazy deletion)
             self._queued -= 1
-            prefill = [w for w in self._prefill_pool() if len(w.inflight) < w.capacity(factor)]
+            prefill = [w for w in self._prefill_pool() if w.holding < w.capacity(factor)]
             sticky = self._conversation_worker(req.submit, room)
             chosen = route(room, prefill, req.submit, self.scorer, req.hint, self.limits.pd_min_prefill_tokens,
                            sticky)
@@ -273,8 +275,11 @@ class SchedulerCore:
         w.free_blocks, w.cached_blocks, w.total_blocks = msg.free_blocks, msg.cached_blocks, msg.total_blocks
         for rid in msg.finished:
             self._leave(rid, w)
+        w.inherited.difference_update(msg.finished)
         if msg.active is not None:
             active, now = set(msg.active), self.clock()
+            # what an earlier scheduler sent it: it holds a slot until its end
+            w.inherited = {rid for rid in active if rid not in self.requests}
             for rid in [r for r in w.inflight if r not in active]:
                 if now - self.requests[rid].dispatched_at > self.RECONCILE_AFTER_S:
                     log.info("request %s left worker %s without a report; forgetting it", rid, w.id)
@@ -359,6 +364,11 @@ class SchedulerCore:
     @property
     def queue_depth(self) -> int:
         return self._queued
+
+    @property
+    def num_inherited(self) -> int:
+        """Requests workers hold that an earlier scheduler dispatched (after a restart)."""
+        return sum(len(w.inherited) for w in self.workers.values())
 
     @property
     def num_inflight(self) -> int:

@@ -22,6 +22,8 @@ import socket
 import time
 import uuid
 
+from redis.exceptions import RedisError
+
 from scheduler_svc.conversations import ConversationTable
 from scheduler_svc.core import Limits, SchedulerCore
 from scheduler_svc.prefix_hints import PREFIX_INDEX, PrefixHints, PrefixQuery
@@ -88,8 +90,9 @@ class SchedulerService:
         self.asking: set[asyncio.Task] = set()   # Match calls in flight (held: the loop keeps weak refs)
         self.senders: SenderPool = SenderPool(plane)
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        # a vanished record is kept for two heartbeats (Redis restart), then its worker is dead
-        self.membership = Membership(2 * cfg.heartbeat_ms / 1000)
+        # a vanished record is kept for two heartbeats, and for a lease after Redis lost its data
+        # (registry.Membership), then its worker is dead
+        self.membership = Membership(2 * cfg.heartbeat_ms / 1000, rejoin_s=cfg.lease_ms / 1000)
         self.labeled: dict[str, int] = {}   # worker ids with metric labels -> dispatches counted
         self.handlers = {Submit: self.core.submit, Abort: self.core.abort, WorkerStatus: self.core.worker_status}
 
@@ -149,7 +152,10 @@ class SchedulerService:
             if isinstance(msg, Submit) and not self.core.has_eligible_worker:
                 # A worker may have registered since the last poll (the gateway can see it
                 # first): look once more before answering 503.
-                await self._poll_workers()
+                try:
+                    await self._poll_workers()
+                except (RedisError, OSError) as exc:   # Redis away: answer from what we know
+                    log.warning("registry poll failed: %s", exc)
             if isinstance(msg, Submit):
                 self._send(self.core.submit(msg, received_at=read_at))
             else:
@@ -182,7 +188,8 @@ class SchedulerService:
             log.info("prefix-cache index %s", target or "gone: routing by load only")
 
     async def _poll_workers(self) -> None:
-        records = self.membership.update(await self.registry.list("worker"), time.monotonic())
+        fresh = await self.registry.list("worker")
+        records = self.membership.update(fresh, time.monotonic(), self.registry.incarnation)
         views = [view_of(r) for r in records]
         before = self.core.worker_failures
         self._send(self.core.set_workers(views))
@@ -216,7 +223,8 @@ class SchedulerService:
                 if loop.time() - last_beat >= beat:
                     last_beat = loop.time()
                     await self._poll_prefix_index()
-                    await self.lease.renew({"queued": self.core.queue_depth, "inflight": self.core.num_inflight})
+                    await self.lease.renew({"queued": self.core.queue_depth, "inflight": self.core.num_inflight,
+                                            "inherited": self.core.num_inherited})
             except Exception as exc:  # Redis hiccup: keep the last known set, retry
                 log.warning("registry poll failed: %s", exc)
 

@@ -71,6 +71,14 @@ class WorkerView:
     kv_transport: str = "zmq"         # how its KV moves (--kv-transport): zmq frames or NIXL reads
     dispatched: int = 0               # requests this scheduler sent it
     inflight: set[str] = field(default_factory=set)  # requests we dispatched and that did not end
+    # requests the worker holds that this scheduler never dispatched (an earlier scheduler's, before
+    # a restart): learnt from its heartbeat's `active` list, counted like ours until they end
+    inherited: set[str] = field(default_factory=set)
+
+    @property
+    def holding(self) -> int:
+        """Requests in flight on the worker as far as this scheduler knows: ours and inherited."""
+        return len(self.inflight) + len(self.inherited)
 
     def capacity(self, factor: float) -> int:
         return max(1, int(self.max_num_seqs * factor))
@@ -88,7 +96,7 @@ class Scorer(Protocol):
 
 def least_loaded(worker: WorkerView, request: Submit, hint: Any = None) -> float:
     """Fewest requests in flight relative to the worker's batch size; KV usage breaks ties."""
-    return len(worker.inflight) / max(worker.max_num_seqs, 1) + 0.1 * worker.kv_usage
+    return worker.holding / max(worker.max_num_seqs, 1) + 0.1 * worker.kv_usage
 
 
 def round_robin(worker: WorkerView, request: Submit, hint: Any = None) -> float:
@@ -141,7 +149,7 @@ class CacheAware:
         prompt_tokens = len(request.prompt_token_ids)
         hit = prefix_hit(worker.id, prompt_tokens, hint, w)
         seqs = max(1, worker.max_num_seqs)
-        inflight = len(worker.inflight)
+        inflight = worker.holding
         running = max(worker.running, min(inflight, seqs))
         waiting = max(worker.waiting, inflight - seqs)
         score = (-w.hit_weight * hit.hit + w.queue_weight * waiting / seqs
@@ -200,7 +208,7 @@ def uncached_tokens(worker: WorkerView, prompt_tokens: int, hint: Any = None) ->
 
 def load_of(worker: WorkerView) -> float:
     """Requests in flight on the worker (ours or its own report, whichever is larger) / max_num_seqs."""
-    return max(len(worker.inflight), worker.running + worker.waiting) / max(worker.max_num_seqs, 1)
+    return max(worker.holding, worker.running + worker.waiting) / max(worker.max_num_seqs, 1)
 
 
 def conversation_worker(whole: list[WorkerView], last_id: str | None, max_load: float) -> WorkerView | None:

@@ -212,6 +212,10 @@ TOKENIZE_SECONDS = _tokenizer(Histogram("kvmesh_tokenize_seconds", "Tokenize cal
 TOKENS_IN = _tokenizer(Counter("kvmesh_tokenized_tokens", "Prompt tokens produced by Tokenize"))
 DETOK_STREAMS = _tokenizer(Gauge("kvmesh_detok_streams", "Requests being detokenized"))
 STOP_HITS = _tokenizer(Counter("kvmesh_stop_string_hits", "Samples ended by a stop string"))
+DROPPED_FRAMES = shown_by(*SERVICES)(Counter(   # every service has internal sockets
+    "kvmesh_dropped_frames", "Frames an internal ZeroMQ socket dropped, by socket and reason: malformed (not "
+    "one message of the socket's types), version (another protocol version), role (a kind the sender's role "
+    "may not send there)", ["socket", "reason"]))
 DETOK_DROPPED_TOKENS = _detokenizer(Counter(
     "kvmesh_detok_dropped_tokens", "Generated tokens a detokenizer received but dropped, by reason: "
     "stale_epoch (from a worker incarnation older than one already seen), no_stream (for a request it "

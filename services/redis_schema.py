@@ -13,6 +13,12 @@
     kvmesh:svcs:{kind}         SET of ids ever registered of this kind (discovery index; members whose
                                record has expired are pruned by readers).
 
+    kvmesh:redis-incarnation   A random value set (NX) by every registration and renewal: the first
+                               writer after Redis lost its data (restart without persistence) sets a
+                               new one. Readers that see it change know every record vanished at once,
+                               none expired, and give each process a lease to write its record back
+                               (registry.Membership) instead of declaring it dead.
+
     kind: worker | tokenizer | scheduler | gateway | prefix-cache
 
 The prefix-cache service's block-ownership keys (block -> owners, worker -> blocks) are described
@@ -45,20 +51,24 @@ def index_key(kind: str) -> str:
     return f"{PREFIX}:svcs:{kind}"
 
 
+INCARNATION_KEY = f"{PREFIX}:redis-incarnation"
+
+
 # Script results (bulk strings).
 RENEWED, LAPSED, FENCED = b"renewed", b"lapsed", b"fenced"
 
-# KEYS: record, epoch counter, index. ARGV: epoch, value, lease ms, id.
+# KEYS: record, epoch counter, index, incarnation. ARGV: epoch, value, lease ms, id, writer's token.
 # Registration, right after INCR took the epoch: writes the record unless a newer start already
 # took the counter past it.
 CLAIM_LUA = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 'fenced' end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[4])
+redis.call('SET', KEYS[4], ARGV[5], 'NX')
 return 'renewed'
 """
 
-# KEYS: record, epoch counter, index. ARGV: epoch, value, lease ms, id.
+# KEYS: record, epoch counter, index, incarnation. ARGV: epoch, value, lease ms, id, writer's token.
 # A heartbeat. Renews only while this process's epoch is still the newest one ('fenced' if not)
 # and its record has not expired ('lapsed': readers may have seen it gone and failed its work, so
 # the process must rejoin with REJOIN_LUA, never resurrect the old epoch).
@@ -75,10 +85,12 @@ elseif redis.call('EXISTS', KEYS[1]) == 0 then
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[4])
+redis.call('SET', KEYS[4], ARGV[5], 'NX')
 return 'renewed'
 """
 
-# KEYS: record, epoch counter, index. ARGV: old epoch, value (carrying old epoch + 1), lease ms, id.
+# KEYS: record, epoch counter, index, incarnation. ARGV: old epoch, value (carrying old epoch + 1),
+# lease ms, id, writer's token.
 # A lapsed process takes the next epoch, unless a newer start already took it ('fenced').
 REJOIN_LUA = """
 local current = redis.call('GET', KEYS[2])
@@ -86,6 +98,7 @@ if current and current ~= ARGV[1] then return 'fenced' end
 redis.call('SET', KEYS[2], tonumber(ARGV[1]) + 1)
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[4])
+redis.call('SET', KEYS[4], ARGV[5], 'NX')
 return 'renewed'
 """
 

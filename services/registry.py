@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -104,8 +105,10 @@ class Lease:
         record.ts = time.time()
         return await script(
             keys=[keys.record_key(record.kind, record.id), keys.epoch_key(record.kind, record.id),
-                  keys.index_key(record.kind)],
-            args=[str(record.epoch if epoch is None else epoch), _enc.encode(record), self.lease_ms, record.id])
+                  keys.index_key(record.kind), keys.INCARNATION_KEY],
+            # a fresh value each time: only the first write after Redis lost its data sticks (NX)
+            args=[str(record.epoch if epoch is None else epoch), _enc.encode(record), self.lease_ms, record.id,
+                  secrets.token_hex(8)])
 
     async def release(self) -> None:
         r = self.record
@@ -121,6 +124,7 @@ class Registry:
         if not url:
             raise ValueError("a Redis URL is required (--redis-url / KVMESH_REDIS_URL)")
         self.redis = redis_client.connect(url, auth)
+        self.incarnation: bytes | None = None      # the incarnation the last list() read (None: unset)
         self.claim_script = self.redis.register_script(keys.CLAIM_LUA)
         self.renew_script = self.redis.register_script(keys.RENEW_LUA)
         self.rejoin_script = self.redis.register_script(keys.REJOIN_LUA)
@@ -146,7 +150,12 @@ class Registry:
         return lease
 
     async def list(self, kind: str) -> list[ServiceRecord]:
-        ids = sorted(m.decode() for m in await self.redis.smembers(keys.index_key(kind)))
+        """Live records of `kind`; also reads the Redis incarnation (`self.incarnation`)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.smembers(keys.index_key(kind))
+        pipe.get(keys.INCARNATION_KEY)
+        members, self.incarnation = await pipe.execute()
+        ids = sorted(m.decode() for m in members)
         if not ids:
             return []
         values = await self.redis.mget([keys.record_key(kind, i) for i in ids])
@@ -186,26 +195,44 @@ def list_records(redis_url: str, kind: str, auth: RedisAuth | None) -> list[Serv
 
 
 class Membership:
-    """The live set of one kind, with a grace period against a Redis restart.
+    """The live set of one kind, that survives a Redis restart.
 
-    A record missing from successful reads for less than `grace_s` is kept: after a restart
-    (empty, no persistence) every process re-registers on its next heartbeat. Failed reads
-    change nothing. A record that comes back with a new epoch replaces the old one at once.
+        m = Membership(grace_s=2 * heartbeat_s, rejoin_s=lease_s)
+        live = m.update(await registry.list(kind), time.monotonic(), registry.incarnation)
+
+    A record missing from successful reads for less than `grace_s` is kept. Failed reads change
+    nothing: the caller does not call update, and no time passes for a missing record (a lease
+    cannot lapse while Redis itself is unreachable, since nobody can see it lapse). When the Redis
+    incarnation changes (redis_schema: Redis lost its data, every record vanished at once, none
+    expired), each missing record is kept for `rejoin_s` more: every live process writes its record
+    back on its next heartbeat, and one that has not within a lease is dead. A record that comes
+    back with a new epoch replaces the old one at once.
     """
 
-    def __init__(self, grace_s: float) -> None:
-        self.grace_s = grace_s
+    def __init__(self, grace_s: float, rejoin_s: float = 0.0) -> None:
+        self.grace_s, self.rejoin_s = grace_s, rejoin_s
         self.records: dict[str, ServiceRecord] = {}
         self._missing_since: dict[str, float] = {}
+        self._incarnation: bytes | None = None
+        self._rejoin_until = float("-inf")       # Redis lost its data: no record is missed until then
+        self.redis_restarts = 0                  # incarnation changes seen
 
-    def update(self, fresh: list[ServiceRecord], now: float) -> list[ServiceRecord]:
+    def update(self, fresh: list[ServiceRecord], now: float, incarnation: bytes | None = None) -> list[ServiceRecord]:
+        if incarnation != self._incarnation:
+            if self._incarnation is not None or self.records:   # not the first read: Redis lost its data
+                self._rejoin_until = now + self.rejoin_s            # (the first writer's value extends it)
+            if self._incarnation is not None:
+                self.redis_restarts += 1
+                log.warning("Redis lost its data (restart); waiting up to %.1f s for every process to register "
+                            "again", self.rejoin_s)
+            self._incarnation = incarnation
         seen = {r.id for r in fresh}
         for r in fresh:
             self.records[r.id] = r
             self._missing_since.pop(r.id, None)
         for id_ in [i for i in self.records if i not in seen]:
             since = self._missing_since.setdefault(id_, now)
-            if now - since >= self.grace_s:
+            if now - since >= self.grace_s and now >= self._rejoin_until:
                 del self.records[id_]
                 del self._missing_since[id_]
         return list(self.records.values())

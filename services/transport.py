@@ -35,6 +35,7 @@ import zmq
 import zmq.asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services import metrics
 from services.logging import RateLimitedLog
 from services.protocol.messages import PROTOCOL_VERSION
 from services.security import tls
@@ -85,6 +86,10 @@ def _connect(sock: Any, addr: str, plane: Plane, server_role: str) -> str:
 
 
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError)
+# A bound socket closes the connection of a peer that sends a larger frame. Far above any message of
+# the stack (a Submit of a 1M-token prompt is ~5 MB); a peer with a valid key still cannot make a
+# process buffer gigabytes.
+MAX_FRAME_BYTES = 16 << 20
 
 
 class _Inbox(Generic[T]):
@@ -107,6 +112,7 @@ class _Inbox(Generic[T]):
     def accept(self, frames: list) -> T | None:
         """The message in `frames` (bytes, or zmq.Frame when secure), or None (counted, logged)."""
         if len(frames) != 1:
+            self._drop("malformed")
             self.malformed.warn("dropped a %d-part message", len(frames))
             return None
         frame = frames[0]
@@ -114,18 +120,24 @@ class _Inbox(Generic[T]):
         try:
             msg = self.decoder.decode(body)
         except _DECODE_ERRORS as exc:
+            self._drop("malformed")
             self.malformed.warn("dropped a malformed frame (%d bytes): %s", len(body), exc)
             return None
         if getattr(msg, "version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+            self._drop("version")
             self.malformed.warn("dropped a message of protocol version %s", msg.version)
             return None
         if self.plane.secure:
             role = self.plane.sender_role(frame)
             if role not in self.senders.get(type(msg), ()):
+                self._drop("role")
                 self.unauthorized.warn("refused a %s from role %s (it may not send that here)",
                                        type(msg).__name__, role or "none")
                 return None
         return msg
+
+    def _drop(self, reason: str) -> None:
+        metrics.DROPPED_FRAMES.labels(self.name, reason).inc()
 
 
 class _BoundPull(Generic[T]):
@@ -137,6 +149,7 @@ class _BoundPull(Generic[T]):
         self._inbox: _Inbox[T] = _Inbox(msg_type, name, plane, senders)
         self._sock = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         plane.serve(self._sock, self._inbox.roles)
         self.port = _bind(self._sock, host, port)
         self._copy = not plane.secure          # the sender's role is a property of the zmq.Frame
@@ -414,6 +427,7 @@ class Replier(Generic[Q, R]):
                  clients: Iterable[str]) -> None:
         self._decoder = msgspec.msgpack.Decoder(request_type)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         plane.serve(self._sock, clients)
         self.port = _bind(self._sock, host, port)
         self.name = name or str(request_type)
@@ -433,6 +447,7 @@ class Replier(Generic[Q, R]):
             try:
                 req = self._decoder.decode(payload)
             except _DECODE_ERRORS as exc:
+                metrics.DROPPED_FRAMES.labels(self.name, "malformed").inc()
                 self._malformed.warn("malformed request (%d bytes): %s", len(payload), exc)
                 reply = malformed()
             else:

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 
 from services import metrics
@@ -25,7 +26,7 @@ from services.config import TokenizerConfig, load_or_exit
 from services.logging import setup as setup_logging
 from services.protocol.messages import DetokInbox
 from services.redis_client import RedisAuth
-from services.registry import Registry
+from services.registry import Membership, Registry
 from services.security.curve import Plane, plane_or_exit, with_role
 from services.shell import run_until_signal
 from services.text.streams import STREAM_MAX_AGE_S
@@ -46,6 +47,8 @@ class TokenizerService:
         self.senders: SenderPool = SenderPool(plane)
         self.streams = DetokStreams(self.tok, self.senders)
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        # kept through a Redis restart, so a stop string's Abort still reaches the schedulers
+        self.schedulers = Membership(2 * cfg.heartbeat_ms / 1000, rejoin_s=cfg.lease_ms / 1000)
 
     async def run(self) -> int:
         cfg = self.cfg
@@ -82,8 +85,9 @@ class TokenizerService:
         return code
 
     async def _refresh_schedulers(self) -> None:
-        self.streams.scheduler_addrs = [r.addrs["zmq"] for r in await self.registry.list("scheduler")
-                                        if "zmq" in r.addrs]
+        fresh = await self.registry.list("scheduler")
+        records = self.schedulers.update(fresh, time.monotonic(), self.registry.incarnation)
+        self.streams.scheduler_addrs = sorted(r.addrs["zmq"] for r in records if "zmq" in r.addrs)
 
     async def _heartbeat_loop(self) -> None:
         core = self.streams.core

@@ -52,7 +52,7 @@ from services.logging import setup as setup_logging
 from services.model_names import path_aliases, served_names
 from services.protocol.messages import Abort, AwaitKV, Dispatch, WorkerInbox
 from services.redis_client import RedisAuth
-from services.registry import Lease, Registry
+from services.registry import Lease, Membership, Registry
 from services.security.curve import Plane, plane_or_exit, with_role
 from services.shell import arm_stop_deadline
 from services.transport import SenderPool, SyncReceiver, add_health, grpc_server, run_async, set_serving, tcp_addr
@@ -226,6 +226,8 @@ class WorkerService:
         self.stopping = asyncio.Event()
         self.senders: SenderPool = SenderPool(plane)   # loop thread only (heartbeat status)
         self.scheduler_addrs: list[str] = []
+        # kept through a Redis restart, so a step's finished reports still reach the schedulers
+        self.schedulers = Membership(2 * cfg.heartbeat_ms / 1000, rejoin_s=cfg.lease_ms / 1000)
 
     async def run(self) -> int:
         cfg, loop = self.cfg, asyncio.get_running_loop()
@@ -357,8 +359,9 @@ class WorkerService:
                 await asyncio.sleep(0.01)
 
     async def _refresh_schedulers(self) -> None:
-        records = await self.registry.list("scheduler")
-        addrs = [r.addrs["zmq"] for r in records if "zmq" in r.addrs]
+        fresh = await self.registry.list("scheduler")
+        records = self.schedulers.update(fresh, time.monotonic(), self.registry.incarnation)
+        addrs = sorted(r.addrs["zmq"] for r in records if "zmq" in r.addrs)
         if addrs != self.scheduler_addrs:
             self.scheduler_addrs = addrs
             if hasattr(self, "engine"):

@@ -141,7 +141,7 @@ class Backend:
         self.jobs: dict[int, Job] = {}
         self.registry = Registry(cfg.redis_url, RedisAuth.of(self.trust))
         self.discovery = Discovery(self.registry, cfg.heartbeat_ms, cfg.scheduler_addr,
-                                   with_tokenizers=not cfg.text_in_gateway)
+                                   with_tokenizers=not cfg.text_in_gateway, lease_ms=cfg.lease_ms)
         self.scheduler: Sender | None = None
         self.workers: SenderPool = SenderPool(plane)   # stop strings go to the worker directly
         self.worker_addrs: set[str] = set()            # those the pool has a socket for

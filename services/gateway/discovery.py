@@ -1,6 +1,7 @@
 """What the gateway finds in the registry (Redis), every heartbeat: the scheduler to submit to,
 the tokenizer services (when they make its text) and the workers ready to serve (its model
-catalog and readiness). A record missing for less than two heartbeats is kept (Redis restart)."""
+catalog and readiness). A record missing for less than two heartbeats is kept, and for a lease
+after Redis lost its data (registry.Membership)."""
 from __future__ import annotations
 
 import time
@@ -16,17 +17,21 @@ class Members(NamedTuple):
 
 
 class Discovery:
-    def __init__(self, registry: Registry, heartbeat_ms: int, scheduler_addr: str, with_tokenizers: bool) -> None:
+    def __init__(self, registry: Registry, heartbeat_ms: int, scheduler_addr: str, with_tokenizers: bool,
+                 lease_ms: int = 0) -> None:
         self.registry = registry
         self.fixed_scheduler = scheduler_addr     # --scheduler-addr: this one, not the registry's
         self.kinds = ("scheduler", "worker", *(("tokenizer",) if with_tokenizers else ()))
-        grace = 2 * heartbeat_ms / 1000           # vanished records kept this long (Redis restart)
-        self.members = {kind: Membership(grace) for kind in self.kinds}
+        grace = 2 * heartbeat_ms / 1000           # vanished records kept this long
+        self.members = {kind: Membership(grace, rejoin_s=lease_ms / 1000) for kind in self.kinds}
 
     async def read(self) -> Members:
         """Raises RedisError / OSError when the registry cannot be read."""
         now = time.monotonic()
-        live = {kind: self.members[kind].update(await self.registry.list(kind), now) for kind in self.kinds}
+        live = {}
+        for kind in self.kinds:
+            fresh = await self.registry.list(kind)
+            live[kind] = self.members[kind].update(fresh, now, self.registry.incarnation)
         scheduler = self.fixed_scheduler or next(
             (r.addrs["zmq"] for r in live["scheduler"] if "zmq" in r.addrs), "")
         workers = [w for w in live["worker"] if not w.info.get("draining")]

@@ -42,10 +42,11 @@ def tiny_model(tmp_path_factory) -> str:
 def stack(tiny_model, tmp_path_factory):
     port = free_port()
     with redis_and_procs(tmp_path_factory.mktemp("logs")) as (redis, procs):
-        procs.start("tokenizer", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", tiny_model)
-        procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "-1")
-        procs.start("prefix-cache", "prefix-cache", *FAST, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1")
-        procs.start_worker("worker-0", tiny_model)
+        # metrics pages: test_bad_input_checklist.py reads each inbox's dropped-frame counter
+        procs.start("tokenizer", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "0", "--model", tiny_model)
+        procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "0")
+        procs.start("prefix-cache", "prefix-cache", *FAST, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0")
+        procs.start_worker("worker-0", tiny_model, "--metrics-port", "0")
         procs.start("gateway", "gateway", *FAST, "--port", str(port), "--zmq-port", "0")
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, 180)

@@ -107,6 +107,17 @@ def test_no_worker_is_503(cp):
     assert r.status_code == 503 and "retry-after" in r.headers, r.text
     assert r.json()["error"]["code"] == "no_workers"
     assert httpx.get(cp["base"] + "/ready").status_code == 503
+    # with Redis away too, the scheduler cannot look for a worker once more: it answers from what
+    # it knows, and keeps running
+    redis: EmbeddedRedis = cp["redis"]
+    redis.stop()
+    try:
+        r = httpx.post(cp["base"] + "/v1/completions", json=body(cp, 1), timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers", r.text
+        time.sleep(0.3)
+        assert cp["procs"].procs["scheduler"].poll() is None
+    finally:
+        redis.start()
 
 
 def test_scheduler_death_fails_queued_requests_and_a_new_one_takes_over(cp):

@@ -158,3 +158,37 @@ async def test_client_breaker_retries_after_cooldown():
     await asyncio.sleep(0.06)
     assert not (await client.match("m", PROMPT)).available and client.failures == 2   # tried again
     await client.close()
+
+
+async def test_a_redis_restart_keeps_the_index_while_workers_register_again(redis_server):
+    """Redis lost its data (a restart without persistence): the index keeps each worker's blocks
+    for a lease while the worker writes its record back, instead of purging it as dead; a worker
+    that never comes back is purged once that lease has passed."""
+    svc = PrefixCacheService(config(redis_server.url), planes().index)
+    await svc.start()
+    try:
+        async with worker(redis_server.url, "w-keep") as (bm, alive):
+            bm.store_prompt(PROMPT, salt=SALT)
+            await eventually(lambda: _holds(svc, "w-keep"))
+            alive["renew"] = False                     # slow to register again after the restart
+            await svc.redis.flushall()
+            deadline = time.monotonic() + 0.8          # 8 discovery rounds, within the 1.5 s lease
+            while time.monotonic() < deadline:
+                assert svc.core.index.num_blocks_of("w-keep") == 5
+                await asyncio.sleep(0.05)
+            alive["renew"] = True
+            await eventually(lambda: _holds(svc, "w-keep"))
+            await asyncio.sleep(0.3)
+            assert svc.core.index.num_blocks_of("w-keep") == 5 and svc.registered.redis_restarts >= 1
+            alive["renew"] = False                     # now it dies: purged after its lease
+            await eventually(lambda: _gone(svc, "w-keep"), 5.0)
+    finally:
+        await svc.stop()
+
+
+async def _holds(svc, worker_id: str) -> bool:
+    return svc.core.index.num_blocks_of(worker_id) == 5 and worker_id in svc.workers
+
+
+async def _gone(svc, worker_id: str) -> bool:
+    return svc.core.index.num_blocks_of(worker_id) == 0

@@ -194,6 +194,28 @@ def test_lost_finished_reports_are_reconciled_from_heartbeats():
     assert set(core.requests) == {"b"} and core.workers["w1"].inflight == {"b"}
 
 
+def test_a_restarted_scheduler_counts_the_requests_workers_already_hold():
+    """A new scheduler learns from each worker's heartbeat the requests an earlier one dispatched:
+    they fill the worker's slots (no over-dispatch) until the worker reports them ended."""
+    core = SchedulerCore(Limits(worker_capacity_factor=1.0))
+    core.set_workers([worker("w1", seqs=2), worker("w2", seqs=2)])
+
+    def status(wid: str, active: list[str] | None = None, finished: tuple[str, ...] = ()) -> WorkerStatus:
+        return WorkerStatus(worker_id=wid, epoch=1, running=len(active or ()), waiting=0, free_blocks=10,
+                            cached_blocks=0, total_blocks=10, finished=list(finished), active=active)
+
+    core.worker_status(status("w1", ["old-1", "old-2"]))    # full with an earlier scheduler's work
+    core.worker_status(status("w2", ["old-3"]))
+    assert (core.workers["w1"].holding, core.workers["w2"].holding) == (2, 1)
+    assert kinds(core.submit(submit("a"))) == [("tcp://w2:1", "Dispatch"), (GW, "Admitted")]
+    assert kinds(core.submit(submit("b"))) == [(GW, "Admitted")]          # queued: no slot anywhere
+    assert core.num_inherited == 3
+    out = core.worker_status(status("w1", finished=("old-1",)))          # a step's report ends one
+    assert kinds(out) == [("tcp://w1:1", "Dispatch")] and core.requests["b"].worker_id == "w1"
+    core.worker_status(status("w2", ["a"]))                              # old-3 ended, its report lost
+    assert core.workers["w2"].inherited == set() and core.num_inherited == 1
+
+
 def test_cache_aware_scorer_prefers_the_prefix_holder_over_a_lighter_load():
     from scheduler_svc.routing import cache_aware
 

@@ -114,3 +114,40 @@ async def test_concurrent_renewals_of_a_lapsed_lease_rejoin_once(redis_url):
         assert lease.epoch == first + 1 and lease.rejoins == 1 and not lease.fenced
     finally:
         await reg.close()
+
+
+def test_membership_waits_a_lease_after_redis_lost_its_data():
+    """Every record vanishing at once with a new Redis incarnation is a restart, not deaths: each
+    gets `rejoin_s` to come back; without a change, the usual grace applies."""
+    from services.registry import Membership, ServiceRecord
+
+    m = Membership(grace_s=0.5, rejoin_s=3.0)
+    a, b = ServiceRecord(kind="worker", id="a", epoch=1), ServiceRecord(kind="worker", id="b", epoch=1)
+    assert len(m.update([a, b], 0.0, b"one")) == 2
+    assert len(m.update([], 1.0, None)) == 2 and m.redis_restarts == 1     # restarted, nobody back yet
+    assert len(m.update([a], 1.2, b"two")) == 2                             # a is back; b has until 4.2
+    assert len(m.update([a], 3.9, b"two")) == 2
+    assert [r.id for r in m.update([a], 4.3, b"two")] == ["a"]              # b never came back: dead
+    assert m.redis_restarts == 1
+    assert [r.id for r in m.update([], 5.0, b"two")] == ["a"]               # same incarnation: grace only
+    assert m.update([], 5.6, b"two") == []
+
+
+async def test_the_redis_incarnation_changes_when_redis_loses_its_data(redis_url):
+    reg = Registry(redis_url, None)
+    try:
+        await reg.redis.flushall()
+        lease = await reg.register("worker", "w-inc", addrs={}, info={}, lease_ms=5000)   # the first writer
+        await reg.list("worker")
+        before = reg.incarnation
+        assert before is not None
+        await reg.redis.flushall()                     # what a restart without persistence leaves
+        assert await reg.list("worker") == [] and reg.incarnation is None
+        assert await lease.renew()                     # the same process writes first again
+        assert [r.id for r in await reg.list("worker")] == ["w-inc"] and reg.incarnation not in (None, before)
+        after = reg.incarnation
+        assert await lease.renew()
+        await reg.list("worker")
+        assert reg.incarnation == after                # later writes keep it
+    finally:
+        await reg.close()
