@@ -15,7 +15,8 @@ job's deadline when a wait runs out (`expire`), and carries out what it answers:
 (Envelope(dest, msg): SCHEDULER or a worker's inbox address).
 
 When the gateway turns tokens into text itself (the local text path), `step` also takes the
-workers' StreamOpen / StepOutput / Abort and runs them through the text path's DetokCore; a stop
+workers' StreamOpen / StepOutput / Abort (and the scheduler's Migrate, whose Resume goes back to
+the scheduler that asked) and runs them through the text path's DetokCore; a stop
 string that ends a sample still running is told to its worker directly (StreamOpen names the
 worker's inbox) and to the scheduler, whose bookkeeping ends with it.
 
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple
 from services.envelope import SCHEDULER, Envelope
 from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
-    Abort, Admitted, Rejected, RequestFailed, StepOutput, StreamOpen, TextBatch, TextDelta, failure_of)
+    Abort, Admitted, Migrate, Rejected, RequestFailed, StepOutput, StreamOpen, TextBatch, TextDelta, failure_of)
 from services.text.streams import DetokCore
 
 
@@ -178,7 +179,7 @@ class GatewayCore:
         for msg in msgs:
             if isinstance(msg, TextBatch):
                 self._deltas(msg.deltas, now, out)
-            elif isinstance(msg, (StreamOpen, StepOutput, Abort)):
+            elif isinstance(msg, (StreamOpen, StepOutput, Abort, Migrate)):
                 self._text_stream(msg, now, out)
             elif (job := self.job_of.get(msg.request_id)) is None:
                 self.late_messages += 1
@@ -222,10 +223,13 @@ class GatewayCore:
                     job.phase = Phase.FINISHED
                     self._forget_requests(job)
 
-    def _text_stream(self, msg: StreamOpen | StepOutput | Abort, now: float, out: Outbox) -> None:
+    def _text_stream(self, msg: StreamOpen | StepOutput | Abort | Migrate, now: float, out: Outbox) -> None:
         """A worker's (or the scheduler's) message for the local text path's detokenizer."""
         if self.detok is None:
             self.late_messages += 1
+            return
+        if isinstance(msg, Migrate):             # the Resume goes to the scheduler's inbox it names
+            out.send += self.detok.migrate(msg)
             return
         if isinstance(msg, StreamOpen):
             if msg.request_id in self.job_of and msg.worker_addr:
