@@ -258,3 +258,31 @@ def test_sigterm_with_streams_in_flight_fails_no_request(chaos):
     live = {r.id for r in records(chaos["redis"], "worker")}
     assert "drainer" not in live
     wait_idle_and_whole(chaos["redis"], live)
+
+
+def test_a_stopping_gateway_lets_its_streams_finish_and_refuses_new_requests(chaos):
+    """SIGTERM on a gateway: /ready and new requests answer 503 at once, the stream in flight ends
+    whole within --shutdown-grace-s, and the process exits as soon as it has."""
+    procs, model, port = chaos["procs"], chaos["model"], free_port()
+    gateway = procs.start("gateway-stop", "gateway", *FAST, "--port", str(port), "--zmq-port", "0",
+                          "--shutdown-grace-s", "20")
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base, 60)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=60, max_retries=0)
+    whole = client.completions.create(model=model, prompt="stop me", max_tokens=100, temperature=0).choices[0].text
+    text, finish = "", None
+    stream = client.completions.create(model=model, prompt="stop me", max_tokens=100, temperature=0, stream=True)
+    for chunk in stream:                      # ~2 s of tokens: SIGTERM after the first
+        if not text and chunk.choices[0].text:
+            gateway.send_signal(signal.SIGTERM)
+            t_term = time.monotonic()
+            wait_for(lambda: httpx.get(base + "/ready", timeout=2).status_code == 503, 2, "/ready to answer 503")
+            refused = httpx.post(base + "/v1/completions", json={"model": model, "prompt": "late", "max_tokens": 2},
+                                 timeout=10)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutdown", refused.text
+        text += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+    assert (text, finish) == (whole, "length")
+    # uvicorn re-raises the SIGTERM it caught once its shutdown is done
+    assert procs.procs.pop("gateway-stop").wait(15) in (0, -signal.SIGTERM)
+    assert time.monotonic() - t_term < 15
