@@ -147,15 +147,16 @@ class Engine:
             raise RequestError(f"invalid resume_output: one token list per sample ({request.n}) expected")
         seqs = []
         for index, out in enumerate(outputs):
+            if index in ended:          # over: it holds no tokens or blocks here
+                seq = Sequence(request, index, list(prompt), len(prompt))
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                seqs.append(seq)
+                continue
             ids = _as_token_ids(out, self.vocab_size) if out else []
-            if ids is None or len(prompt) + len(ids) >= self.max_model_len or (
-                    index not in ended and len(ids) >= request.max_tokens):
+            if ids is None or len(prompt) + len(ids) >= self.max_model_len or len(ids) >= request.max_tokens:
                 raise RequestError(f"invalid resume_output: sample {index} has tokens outside [0, {self.vocab_size}) "
                                    "or no room left to generate")
-            seq = Sequence(request, index, prompt + ids, len(prompt))
-            if index in ended:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-            seqs.append(seq)
+            seqs.append(Sequence(request, index, prompt + ids, len(prompt)))
         if all(seq.status is SequenceStatus.FINISHED for seq in seqs):
             raise RequestError("invalid resume_ended: every sample has ended; nothing to resume")
         return seqs
