@@ -356,10 +356,10 @@ class WorkerCore:
             if self.awaiting.pop(rid, None) is not None:
                 self._finished.append(rid)
 
-    def hand_back(self) -> list[str]:
+    def hand_back(self) -> WorkerStatus:
         """Draining, out of time: stop every request held here and free its KV, without a word to
-        its detokenizer (its stream goes on at another worker). Returns their ids, for the scheduler
-        (WorkerStatus.handed_back), which moves each one."""
+        its detokenizer (its stream goes on at another worker). Returns the status that lists them
+        for the scheduler (`handed_back`), which moves each one."""
         handed = list(self.requests)
         for rid in handed:
             self._abort_in_engine(rid)
@@ -371,7 +371,7 @@ class WorkerCore:
         self.requests.clear()
         self.awaiting.clear()
         self._unscheduled.clear()
-        return handed
+        return self.status(self._take_finished(), handed_back=handed)
 
     def fail_all(self, message: str, out: list[Envelope]) -> None:
         for rid, req in list(self.requests.items()):

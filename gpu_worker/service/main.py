@@ -156,9 +156,9 @@ class EngineThread(threading.Thread):
                     self.core.fail_all(self.fail_message, held)
                     self.fail_message = None
                 if self.handing_back and (self.core.requests or self.core.awaiting):
-                    handed = self.core.hand_back()     # (and any dispatched here since: they move too)
-                    held.append(Envelope(SCHEDULER, self.core.status(self.core._take_finished(), handed_back=handed)))
-                    self.handed_back += len(handed)
+                    status = self.core.hand_back()     # (and any dispatched here since: they move too)
+                    held.append(Envelope(SCHEDULER, status))
+                    self.handed_back += len(status.handed_back)
                 # checked again after the step: a pause may have begun during it
                 if self.lease.held() and self.lease.epoch == self.core.epoch:
                     self._send(held)

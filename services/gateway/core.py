@@ -12,7 +12,8 @@ A job is one HTTP request: one internal request per prompt (`rids`), each with n
 (services/gateway/backend.py) feeds the core what its inbox reads (`step`), asks it to check a
 job's deadline when a wait runs out (`expire`), and carries out what it answers: `Outbox.deliver`
 (per job: JOB_ADMITTED, (prompt index, TextDelta) or an ApiError, in order) and `Outbox.send`
-(Envelope(dest, msg): SCHEDULER or a worker's inbox address).
+(Envelope(dest, msg): SCHEDULER, a worker's inbox address, or for a Resume the inbox of the
+scheduler that asked).
 
 When the gateway turns tokens into text itself (the local text path), `step` also takes the
 workers' StreamOpen / StepOutput / Abort (and the scheduler's Migrate, whose Resume goes back to

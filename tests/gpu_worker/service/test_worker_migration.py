@@ -47,9 +47,7 @@ def test_hand_back_frees_everything_silently_and_reports_the_requests():
     core = WorkerCore(NullEngine(vocab_size=1000, num_blocks=64), "w", 1)
     core.run([dispatch("a", max_tokens=100), dispatch("b", max_tokens=100)])
     assert core.engine.stats().num_free_blocks < 64
-    handed = core.hand_back()
-    assert sorted(handed) == ["a", "b"] and not core.requests and not core.has_work()
-    assert core.engine.stats().num_free_blocks == 64
-    status = core.status(handed_back=handed)
+    status = core.hand_back()
     assert sorted(status.handed_back) == ["a", "b"] and status.finished == []
+    assert not core.requests and not core.has_work() and core.engine.stats().num_free_blocks == 64
     assert [e for e in core.run([]) if e.dest != SCHEDULER] == []      # nothing to the detokenizer
