@@ -111,10 +111,14 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, priority: int = 0, cache_salt: str = "", export_kv: bool = False) -> None:
+                    *, priority: int = 0, cache_salt: str = "", export_kv: bool = False,
+                    resume_output: list[list[int]] | None = None, resume_ended: list[int] = ()) -> None:
         """Queue a request; raises RequestError naming the bad field (nothing is queued then).
         export_kv: prefill it and draw its first token(s) only; each sample that goes on finishes
-        with HANDOFF and its blocks stay held (`exported`) until release_export."""
+        with HANDOFF and its blocks stay held (`exported`) until release_export.
+        resume_output: a request that ran elsewhere up to these tokens (one list per sample; the
+        samples in resume_ended are over): each sample starts as prompt + its tokens, computed like
+        a preempted sequence, so its next draw, budget and penalties are those of that position."""
         prompt = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
         if request_id in self.exported:
             raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
@@ -125,10 +129,37 @@ class Engine:
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals,
                           seed, max_tokens, stop_ids=stop_ids, export_kv=export_kv)
         self._arrivals += 1
-        seq = Sequence(request, 0, list(prompt), len(prompt))
-        request.seqs.append(seq)
+        if resume_output:
+            seqs = self._resumed_samples(request, resume_output, resume_ended)
+        else:
+            seqs = [Sequence(request, 0, list(prompt), len(prompt))]
+        request.seqs += seqs
         self.requests[request_id] = request
-        self.scheduler.add(seq)
+        for seq in seqs:
+            if seq.status is SequenceStatus.WAITING:
+                self.scheduler.add(seq)
+
+    def _resumed_samples(self, request: Request, outputs: list[list[int]], ended: list[int]) -> list[Sequence]:
+        """Every sample of a resumed request, at its tokens so far: ended ones finished (they draw
+        nothing), the others waiting to compute prompt + tokens and draw on (no fork: each has its own)."""
+        prompt = request.prompt_token_ids
+        if len(outputs) != request.n or not all(0 <= i < request.n for i in ended):
+            raise RequestError(f"invalid resume_output: one token list per sample ({request.n}) expected")
+        seqs = []
+        for index, out in enumerate(outputs):
+            if index in ended:          # over: it holds no tokens or blocks here
+                seq = Sequence(request, index, list(prompt), len(prompt))
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                seqs.append(seq)
+                continue
+            ids = _as_token_ids(out, self.vocab_size) if out else []
+            if ids is None or len(prompt) + len(ids) >= self.max_model_len or len(ids) >= request.max_tokens:
+                raise RequestError(f"invalid resume_output: sample {index} has tokens outside [0, {self.vocab_size}) "
+                                   "or no room left to generate")
+            seqs.append(Sequence(request, index, prompt + ids, len(prompt)))
+        if all(seq.status is SequenceStatus.FINISHED for seq in seqs):
+            raise RequestError("invalid resume_ended: every sample has ended; nothing to resume")
+        return seqs
 
     def _validate(self, request_id: Any, prompt: Any, params: Any, priority: Any, cache_salt: Any) -> list[int]:
         """Raises RequestError naming the first bad field; returns the prompt as a list of plain ints."""

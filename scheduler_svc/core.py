@@ -11,8 +11,19 @@
                             status of the worker's current epoch counts; others are ignored); a
                             heartbeat's `active` list names the requests an earlier scheduler
                             dispatched there (a restart): they hold slots until they end
-    set_workers(views)      the live set from Redis: a worker gone or restarted (new epoch) fails its
-                            in-flight requests with a clear error (gateway) and frees detok state
+    set_workers(views)      the live set from Redis: a worker gone or restarted (new epoch) moves its
+                            in-flight requests elsewhere (migration, below)
+    resumed(Resume)         a moving request's detokenizer says where its stream stands: it is queued
+                            again, to continue on another worker from those tokens
+
+Migration: a request whose worker died (lease lapsed, replaced) or handed it back while draining
+(WorkerStatus.handed_back) continues elsewhere. Its detokenizer holds the tokens the client has, so
+the core asks it (Migrate, naming the worker left: its late tokens are dropped) and dispatches the
+answer (Resume) like a new request, but whole on one worker and carrying each sample's tokens
+(Dispatch.resume_output): the engine computes prompt + those as its prefix and samples on from the
+next position, with the same seed (a seeded request draws what it would have drawn where it was;
+an unseeded one draws on from the same tokens). A request moved --max-migrations times already, or
+with no worker left, fails as before: a RequestFailed to its gateway, an Abort to its detokenizer.
 
 Queue order: (priority, arrival), lower priority value first. Routing: routing.route(scorer, hint), the hint a prefix match
 (prefix_hints.py); a request of a known conversation goes to its last turn's worker while that one
@@ -46,7 +57,7 @@ from services import metrics
 from services.envelope import Envelope
 from services.protocol.kv_events import MatchResponse
 from services.protocol.messages import (
-    Abort, Admitted, AwaitKV, Dispatch, Rejected, RequestFailed, Submit, WorkerStatus, failure_of)
+    Abort, Admitted, AwaitKV, Dispatch, Migrate, Rejected, RequestFailed, Resume, Submit, WorkerStatus, failure_of)
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -59,6 +70,7 @@ class Limits:
     retry_after_s: int = 1
     pd_min_prefill_tokens: int = 256   # routing.route: fewer uncached prompt tokens run on D alone
     conversation_max_load: float = 1.0  # routing.conversation_worker: past this load a conversation moves
+    max_migrations: int = 3            # times a request may move to another worker mid-stream
 
 
 @dataclass
@@ -71,6 +83,9 @@ class _Req:
     prefill_id: str | None = None  # the prefill worker, until it reports the hand-off ended
     received_at: float = 0.0       # clock(): the Submit read off the socket (the shell's time, if given)
     dispatched_at: float = 0.0
+    migrations: int = 0            # times it moved to another worker mid-stream
+    moving: str = ""               # the migration reason while its detokenizer's Resume is awaited
+    resume: Resume | None = None   # where its stream stood when it last moved (dispatched with it)
 
 
 class SchedulerCore:
@@ -93,6 +108,7 @@ class SchedulerCore:
         self.rejections: dict[str, int] = {}
         self.worker_failures = 0
         self.prefill_retries = 0          # requests a dead prefill worker left, re-run on their decode worker
+        self.inbox_addr = ""              # this scheduler's inbox (the shell sets it): where Resumes come
 
     # ---- admission -----------------------------------------------------------------------
     def submit(self, msg: Submit, received_at: float | None = None) -> list[Envelope]:
@@ -181,7 +197,8 @@ class SchedulerCore:
             if req is None or req.worker_id is not None:
                 continue  # aborted while queued (lazy deletion)
             self._queued -= 1
-            prefill = [w for w in self._prefill_pool() if w.holding < w.capacity(factor)]
+            prefill = [] if req.resume is not None else [  # a moved stream goes on where its tokens are computed
+                w for w in self._prefill_pool() if w.holding < w.capacity(factor)]
             sticky = self._conversation_worker(req.submit, room)
             chosen = route(room, prefill, req.submit, self.scorer, req.hint, self.limits.pd_min_prefill_tokens,
                            sticky)
@@ -220,7 +237,8 @@ class SchedulerCore:
             out.append(Envelope(worker.addr, AwaitKV(request_id=rid, epoch=worker.epoch, n=s.params.n,
                                                      reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
         target = prefill or worker
-        out.append(Envelope(target.addr, _dispatch_of(rid, s, target, worker.kv_addr if prefill is not None else "")))
+        out.append(Envelope(target.addr, _dispatch_of(rid, s, target, worker.kv_addr if prefill is not None else "",
+                                                      resume=req.resume)))
         return out
 
     # ---- request end ---------------------------------------------------------------------
@@ -228,10 +246,16 @@ class SchedulerCore:
         req = self.requests.get(msg.request_id)
         if req is None:
             return []
+        if req.moving:                      # its detokenizer holds the stream: it lets go of it too
+            self._forget(msg.request_id)
+            return [Envelope(req.submit.reply_addr, failure_of(msg)), Envelope(req.submit.detok_addr, msg)]
         if req.worker_id is None:           # queued or matching: forget it (heap entry deleted lazily)
             self._queued -= 1
             self._forget(msg.request_id)
-            return [Envelope(req.submit.reply_addr, failure_of(msg))]   # its gateway ends the stream
+            out = [Envelope(req.submit.reply_addr, failure_of(msg))]   # its gateway ends the stream
+            if req.resume is not None:      # a moved stream: its detokenizer holds it
+                out.append(Envelope(req.submit.detok_addr, msg))
+            return out
         holders = (self.workers.get(req.prefill_id or ""), self.workers.get(req.worker_id))
         return [Envelope(w.addr, msg) for w in holders if w is not None]
 
@@ -276,6 +300,8 @@ class SchedulerCore:
         for rid in msg.finished:
             self._leave(rid, w)
         w.inherited.difference_update(msg.finished)
+        out = [env for rid in msg.handed_back if (req := self.requests.get(rid)) is not None
+               and w.id in (req.worker_id, req.prefill_id) for env in self._move(rid, req, w, "drain")]
         if msg.active is not None:
             active, now = set(msg.active), self.clock()
             # what an earlier scheduler sent it: it holds a slot until its end
@@ -284,7 +310,7 @@ class SchedulerCore:
                 if now - self.requests[rid].dispatched_at > self.RECONCILE_AFTER_S:
                     log.info("request %s left worker %s without a report; forgetting it", rid, w.id)
                     self._leave(rid, w)
-        return self.dispatch()
+        return out + self.dispatch()
 
     # ---- membership ----------------------------------------------------------------------
     def set_workers(self, views: list[WorkerView]) -> list[Envelope]:
@@ -334,7 +360,8 @@ class SchedulerCore:
     def _fail_worker(self, w: WorkerView, why: str, lost: set[str]) -> list[Envelope]:
         """`lost`: every worker gone in this update (a decode worker among them cannot take a re-run)."""
         self.worker_failures += 1
-        log.warning("worker %s epoch %d %s; failing %d in-flight requests", w.id, w.epoch, why, len(w.inflight))
+        log.warning("worker %s epoch %d %s; moving (or failing) its %d in-flight requests", w.id, w.epoch, why,
+                    len(w.inflight))
         out: list[Envelope] = []
         for rid in list(w.inflight):
             req = self.requests.get(rid)
@@ -349,16 +376,60 @@ class SchedulerCore:
                 log.warning("request %s: its prefill worker %s %s; re-running it on %s", rid, w.id, why, decoder.id)
                 out.append(Envelope(decoder.addr, _dispatch_of(rid, req.submit, decoder, "", resumes=True)))
                 continue
-            s = req.submit
-            other = self.workers.get(req.worker_id if req.prefill_id == w.id else req.prefill_id or "")
-            if other is not None:     # the other half of a hand-off: it frees what it holds
-                out.append(Envelope(other.addr, Abort(request_id=rid, reason="worker_failed")))
-            out.append(Envelope(s.reply_addr, RequestFailed(
-                request_id=rid, status=503, code="worker_failed",
-                message="the worker serving this request stopped; please retry")))
-            out.append(Envelope(s.detok_addr, Abort(request_id=rid, reason="worker_failed")))
-            self._forget(rid)
+            out += self._move(rid, req, w, "worker_died")
         return out
+
+    # ---- migration -----------------------------------------------------------------------
+    def _move(self, rid: str, req: _Req, w: WorkerView, reason: str) -> list[Envelope]:
+        """Worker w no longer runs rid (it died, or handed it back): ask its detokenizer where the
+        stream stands (resumed() goes on), or fail it when it may not move again."""
+        out: list[Envelope] = []
+        for wid in (req.worker_id, req.prefill_id):
+            if wid and (holder := self.workers.get(wid)):
+                holder.inflight.discard(rid)
+                if holder is not w:     # the other half of a hand-off: it frees what it holds
+                    out.append(Envelope(holder.addr, Abort(request_id=rid, reason="worker_failed")))
+        req.worker_id = req.prefill_id = None
+        if req.migrations >= self.limits.max_migrations:
+            return out + self._fail_moving(rid, req, reason)
+        req.moving = reason
+        log.info("request %s leaves worker %s (%s); asking its detokenizer where it stands", rid, w.id, reason)
+        return out + [Envelope(req.submit.detok_addr,
+                               Migrate(request_id=rid, worker_id=w.id, reply_addr=self.inbox_addr))]
+
+    def resumed(self, msg: Resume) -> list[Envelope]:
+        """The detokenizer's answer to a Migrate: requeue the request from where its stream stands.
+        A stream it does not hold never opened (the request runs from its start) or is over (that
+        run's text is dropped as late: the gateway ended the request already)."""
+        req = self.requests.get(msg.request_id)
+        if req is None or not req.moving:
+            return []
+        reason, req.moving = req.moving, ""
+        n = req.submit.params.n
+        if msg.known and len(set(msg.ended)) >= n:     # every sample ended meanwhile: nothing to run
+            self._forget(msg.request_id)
+            return []
+        if msg.known and len(msg.output_token_ids) != n:
+            log.warning("request %s: a Resume with %d samples for n=%d; failing it", msg.request_id,
+                        len(msg.output_token_ids), n)
+            return self._fail_moving(msg.request_id, req, reason)
+        if not self._eligible():
+            return self._fail_moving(msg.request_id, req, reason)
+        req.migrations += 1
+        req.hint = None                # the prefix match named the worker it left; routed by load
+        req.resume = msg if msg.known else Resume(request_id=msg.request_id, output_token_ids=[])
+        metrics.MIGRATIONS.labels(reason, "moved").inc()
+        self._queued += 1
+        self._enqueue(req)
+        return self.dispatch()
+
+    def _fail_moving(self, rid: str, req: _Req, reason: str) -> list[Envelope]:
+        metrics.MIGRATIONS.labels(reason, "failed").inc()
+        self._forget(rid)
+        s = req.submit
+        return [Envelope(s.reply_addr, RequestFailed(request_id=rid, status=503, code="worker_failed",
+                                                     message="the worker serving this request stopped; please retry")),
+                Envelope(s.detok_addr, Abort(request_id=rid, reason="worker_failed"))]
 
     # ---- introspection -------------------------------------------------------------------
     @property
@@ -375,7 +446,14 @@ class SchedulerCore:
         return len(self.requests) - self._queued
 
 
-def _dispatch_of(rid: str, s: Submit, worker: WorkerView, handoff_to: str, resumes: bool = False) -> Dispatch:
+def _dispatch_of(rid: str, s: Submit, worker: WorkerView, handoff_to: str, resumes: bool = False,
+                 resume: Resume | None = None) -> Dispatch:
+    """`resume`: where a moved stream stands (its detokenizer keeps it: `resumes`)."""
+    if resume is not None:
+        return Dispatch(request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
+                        priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr,
+                        detok_addr=s.detok_addr, resumes=True, resume_output=resume.output_token_ids,
+                        resume_ended=resume.ended)
     return Dispatch(request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
                     priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr,
                     handoff_to=handoff_to, resumes=resumes)

@@ -9,6 +9,8 @@ Handlers (everything this process accepts):
                                            PrefixClient, 50 ms deadline; no index or no answer: None)
     Abort         -> core.abort           (from gateways: disconnect; detokenizers: stop string)
     WorkerStatus  -> core.worker_status   (from workers, per finished step and per heartbeat)
+    Resume        -> core.resumed         (from detokenizers: where a stream moving off a stopped
+                                           worker stands)
     (Redis poll)  -> core.set_workers     (every heartbeat/2: joins, deaths, restarts, draining)
 
 SENDERS names the roles (CURVE keys) each message may come from; the inbox drops the rest.
@@ -32,7 +34,7 @@ from services import metrics
 from services.config import SchedulerConfig, load_or_exit
 from services.envelope import Envelope
 from services.logging import setup as setup_logging
-from services.protocol.messages import Abort, Dispatch, SchedulerInbox, Submit, WorkerStatus
+from services.protocol.messages import Abort, Dispatch, Resume, SchedulerInbox, Submit, WorkerStatus
 from services.redis_client import RedisAuth
 from services.registry import Membership, Registry, ServiceRecord
 from services.security.curve import Plane, plane_or_exit, with_role
@@ -44,7 +46,8 @@ from services.transport import Receiver, SenderPool, add_health, grpc_server, ru
 log = logging.getLogger("kvmesh.scheduler")
 # message -> the roles that may send it ("tokenizer": a detokenizer's stop string; a gateway with
 # --text-in-gateway sends its stop strings as the gateway role)
-SENDERS = {Submit: ("gateway",), Abort: ("gateway", "tokenizer"), WorkerStatus: ("worker",)}
+SENDERS = {Submit: ("gateway",), Abort: ("gateway", "tokenizer"), WorkerStatus: ("worker",),
+           Resume: ("gateway", "tokenizer")}
 
 
 def view_of(r: ServiceRecord) -> WorkerView:
@@ -82,7 +85,7 @@ class SchedulerService:
         self.plane = plane
         self.core = SchedulerCore(Limits(cfg.max_queue, cfg.max_tenant_inflight, cfg.worker_capacity_factor,
                                          cfg.retry_after_s, cfg.pd_min_prefill_tokens,
-                                         cfg.route_conversation_max_load),
+                                         cfg.route_conversation_max_load, cfg.max_migrations),
                                   scorer=make_scorer(cfg.routing, routing_weights(cfg)),
                                   prefix_hints=PrefixHints() if cfg.routing == "cache_aware" else None,
                                   conversations=conversation_table(cfg))
@@ -94,7 +97,8 @@ class SchedulerService:
         # (registry.Membership), then its worker is dead
         self.membership = Membership(2 * cfg.heartbeat_ms / 1000, rejoin_s=cfg.lease_ms / 1000)
         self.labeled: dict[str, int] = {}   # worker ids with metric labels -> dispatches counted
-        self.handlers = {Submit: self.core.submit, Abort: self.core.abort, WorkerStatus: self.core.worker_status}
+        self.handlers = {Submit: self.core.submit, Abort: self.core.abort, WorkerStatus: self.core.worker_status,
+                         Resume: self.core.resumed}
 
     async def run(self) -> int:
         cfg = self.cfg
@@ -107,6 +111,7 @@ class SchedulerService:
                                            plane=self.plane, senders=SENDERS)
         host = cfg.reachable_host()
         addrs = {"zmq": with_role(tcp_addr(host, self.receiver.port), "scheduler"), "grpc": f"{host}:{grpc_port}"}
+        self.core.inbox_addr = addrs["zmq"]
         if metrics_port > 0:
             addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
         self.registry = Registry(cfg.redis_url, RedisAuth.of(self.trust))

@@ -138,6 +138,9 @@ class GatewayConfig(ServiceConfig):
                                       "beyond: 408, closed.", above=0)
     max_connections: int = opt(4096, "Most open HTTP connections; a request on one beyond it gets a 503 and its "
                                      "connection is closed.", min=1)
+    shutdown_grace_s: float = opt(30.0, "On SIGTERM: /ready answers 503 at once, new requests get a 503, and the "
+                                        "requests in flight get this many seconds to finish before those left "
+                                        "end with an error.", min=0)
     tokenize_threads: int = opt(4, "Threads tokenizing long prompts (and detokenizing long id lists) off the event "
                                    "loop; more wait their turn.", min=1)
     tokenizer_addr: str = opt("", "host:port of tokenizer gRPC servers, comma-separated (default: from Redis).")
@@ -209,6 +212,9 @@ class SchedulerConfig(ServiceConfig):
                                           "than this many of its tokens are not already cached there (short "
                                           "prompts, or conversations whose history the decode worker holds); "
                                           "longer ones prefill on a prefill worker and hand their KV over.", min=0)
+    max_migrations: int = opt(3, "Times one request may move to another worker mid-stream (its worker died or "
+                                 "drained) and continue from the tokens already streamed; past it, or with no "
+                                 "worker left, the client gets an error. 0: never move.", min=0)
 
 
 @dataclass(frozen=True)
@@ -242,6 +248,9 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
     handoff_lease_ms: int = opt(5000, "Prefill/decode roles: a hand-off's lease in ms, renewed by each KV frame the "
                                       "decode worker takes; lapsed, the prefill worker frees the request's blocks "
                                       "and the decode worker forgets it.", min=100, max=600000)
+    drain_grace_s: float = opt(30.0, "On SIGTERM: no new requests are routed here and the running ones get this "
+                                     "many seconds to finish; the scheduler moves those left to other workers, "
+                                     "where they continue from the tokens already streamed.", min=0)
     null_model: bool = opt(False, "Skip the model: emit deterministic fake tokens (control-plane benchmarks only).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms (sets the token rate).", min=0)
     null_vocab_size: int = opt(32000, "Null model: vocabulary size of the fake tokens.", min=1)

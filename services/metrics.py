@@ -116,6 +116,14 @@ PD_ROUTES = _scheduler(Counter("kvmesh_scheduler_pd_routes", "Requests routed wh
                                "tokens), decode_unpaired (no prefill worker with room and D's KV layout), mixed "
                                "(a mixed worker), rerun (its prefill worker died: re-run on its decode worker)",
                                ["route"]))
+# why a request moved to another worker mid-stream, and how it ended: the label sets are fixed
+MIGRATION_REASONS = ("worker_died", "drain")
+MIGRATION_OUTCOMES = ("moved", "failed")
+MIGRATIONS = _scheduler(Counter("kvmesh_scheduler_migrations", "In-flight requests whose worker stopped, by reason "
+                                "(worker_died: lease lapsed or replaced; drain: handed back by a draining worker) "
+                                "and outcome (moved: continued on another worker from the tokens already streamed; "
+                                "failed: no worker left or --max-migrations reached, the client got an error)",
+                                ["reason", "outcome"]))
 SCHED_PREFIX_MATCH = _scheduler(Histogram("kvmesh_scheduler_prefix_match_seconds",
                                           "cache_aware routing over several workers: one submission's Match at the "
                                           "prefix-cache index plus its block hashing", buckets=_HOP))
@@ -219,7 +227,7 @@ DROPPED_FRAMES = shown_by(*SERVICES)(Counter(   # every service has internal soc
 DETOK_DROPPED_TOKENS = _detokenizer(Counter(
     "kvmesh_detok_dropped_tokens", "Generated tokens a detokenizer received but dropped, by reason: "
     "stale_epoch (from a worker incarnation older than one already seen), no_stream (for a request it "
-    "does not hold: ended, failed or aborted)", ["reason"]))
+    "does not hold: ended, failed or aborted), moved (from a worker its request has moved away from)", ["reason"]))
 DETOK_FIRST_TOKEN = _detokenizer(Histogram("kvmesh_detok_first_token_seconds",
                                            "A StepOutput carrying some request's first tokens, read off the "
                                            "detokenizer's socket, to its TextBatches handed to the gateways' sockets "

@@ -19,14 +19,16 @@ from __future__ import annotations
 import logging
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from services.config import GatewayConfig
 from services.embedded_redis import EmbeddedRedis, die_with_parent
 from services.restart_policy import GiveUp, RestartPolicy, describe_exit
 
 log = logging.getLogger("kvmesh.serve")
 CONFIG_REFUSED = 2        # load_or_exit's and the worker's exit code for a refused setting
-GATEWAY_STOP_S = 7.0      # the gateway drains its streams for up to 5 s (uvicorn's graceful shutdown)
+# the gateway lets its streams finish for up to --shutdown-grace-s (default), then ends those left
+GATEWAY_STOP_S = next(f.default for f in fields(GatewayConfig) if f.name == "shutdown_grace_s") + 2.0
 STOP_TIMEOUT_S = 10.0     # then everything else, together
 
 

@@ -1,7 +1,8 @@
-"""The tokenizer service's detokenizer streams: workers' StreamOpen / StepOutput / Abort off its
-ZMQ inbox into DetokCore (services/text/streams.py), and what it answers onto the sockets: text
-(TextBatch) or a RequestFailed to each request's gateway, and a stop string's Abort to the
-schedulers (which forward it to the sample's worker).
+"""The tokenizer service's detokenizer streams: workers' StreamOpen / StepOutput / Abort (and the
+scheduler's Abort / Migrate) off its ZMQ inbox into DetokCore (services/text/streams.py), and what
+it answers onto the sockets: text (TextBatch) or a RequestFailed to each request's gateway, a stop
+string's Abort to the schedulers (which forward it to the sample's worker), and a moving stream's
+Resume to the scheduler that asked.
 
 SENDERS names the roles (CURVE keys) each message may come from; the inbox drops the rest.
 """
@@ -12,14 +13,14 @@ import time
 from typing import Any
 
 from services import metrics
-from services.protocol.messages import Abort, StepOutput, StreamOpen
+from services.protocol.messages import Abort, Migrate, StepOutput, StreamOpen
 from services.envelope import SCHEDULER, Envelope
 from services.text.streams import DetokCore
 from services.transport import Receiver, SenderPool
 
 log = logging.getLogger("kvmesh.tokenizer")
-# message -> the roles that may send it (the scheduler aborts the streams of a worker that died)
-SENDERS = {StreamOpen: ("worker",), StepOutput: ("worker",), Abort: ("worker", "scheduler")}
+# message -> the roles that may send it (the scheduler aborts or moves the streams of a worker that stopped)
+SENDERS = {StreamOpen: ("worker",), StepOutput: ("worker",), Abort: ("worker", "scheduler"), Migrate: ("scheduler",)}
 
 
 class DetokStreams:
@@ -27,7 +28,8 @@ class DetokStreams:
         self.core = DetokCore(tok)
         self.senders = senders
         self.scheduler_addrs: list[str] = []     # the discovery loop keeps it current
-        self.handlers = {StreamOpen: self.core.open, StepOutput: self.core.step, Abort: self.core.abort}
+        self.handlers = {StreamOpen: self.core.open, StepOutput: self.core.step, Abort: self.core.abort,
+                         Migrate: self.core.migrate}
 
     async def run(self, receiver: Receiver) -> None:
         while True:

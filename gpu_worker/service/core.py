@@ -174,6 +174,10 @@ class WorkerCore:
             if handoff_to:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                         priority=msg.priority, cache_salt=msg.cache_salt, export_kv=True)
+            elif msg.resume_output:     # moved here mid-stream: it goes on after the tokens streamed
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                        priority=msg.priority, cache_salt=msg.cache_salt,
+                                        resume_output=msg.resume_output, resume_ended=msg.resume_ended)
             else:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                         priority=msg.priority, cache_salt=msg.cache_salt)
@@ -184,7 +188,7 @@ class WorkerCore:
             return
         metrics.WORKER_ADMIT.observe(time.perf_counter() - received)
         req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received, handoff_to=handoff_to,
-                   prompt_tokens=len(msg.prompt_token_ids))
+                   prompt_tokens=len(msg.prompt_token_ids), done=set(msg.resume_ended))
         self.requests[msg.request_id] = req
         if handoff_to and self.streams_kv:
             self._prefilling[msg.request_id] = req
@@ -425,6 +429,23 @@ class WorkerCore:
             if self.awaiting.pop(rid, None) is not None:
                 self._finished.append(rid)
 
+    def hand_back(self) -> WorkerStatus:
+        """Draining, out of time: stop every request held here and free its KV, without a word to
+        its detokenizer (its stream goes on at another worker). Returns the status that lists them
+        for the scheduler (`handed_back`), which moves each one."""
+        handed = list(self.requests)
+        for rid in handed:
+            self._abort_in_engine(rid)
+        for rid in self.awaiting:       # KV awaited from a prefill worker: that one ends the stream
+            self.imports.abort(rid)
+            self._finished.append(rid)
+        if self.imports is not None:
+            self.imports.take_dropped()
+        self.requests.clear()
+        self.awaiting.clear()
+        self._unscheduled.clear()
+        return self.status(self._take_finished(), handed_back=handed)
+
     def fail_all(self, message: str, out: list[Envelope]) -> None:
         for rid, req in list(self.requests.items()):
             self._abort_in_engine(rid)
@@ -467,14 +488,17 @@ class WorkerCore:
         table in one step under the GIL, where iterating the dict itself could see it change."""
         return sum(r.prompt_tokens for r in list(self.requests.values()) if r.first_token is None)
 
-    def status(self, finished: list[str] | None = None, with_active: bool = False) -> WorkerStatus:
-        """Load numbers; `finished` after steps; `with_active` (heartbeats) lists every request held."""
+    def status(self, finished: list[str] | None = None, with_active: bool = False,
+               handed_back: list[str] | None = None) -> WorkerStatus:
+        """Load numbers; `finished` after steps; `with_active` (heartbeats) lists every request held;
+        `handed_back`: hand_back()'s requests."""
         s = self.engine.stats()
         return WorkerStatus(worker_id=self.worker_id, epoch=self.epoch, running=s.num_running,
                             waiting=s.num_waiting, free_blocks=s.num_free_blocks,
                             cached_blocks=s.num_cached_blocks, total_blocks=s.num_total_blocks,
                             finished=finished or [],
-                            active=[*self.requests, *self.awaiting] if with_active else None)
+                            active=[*self.requests, *self.awaiting] if with_active else None,
+                            handed_back=handed_back or [])
 
 
 def _note_token(req: _Req, now: float) -> None:

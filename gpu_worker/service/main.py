@@ -15,8 +15,10 @@ renewed (nothing was lost: it sends and goes on) or a new epoch taken because th
 expired (the scheduler has failed the old epoch's requests: it drops them all, frees their KV
 blocks, discards the held output and serves as the new incarnation; the KV-event stream restarts
 in the new epoch and the prefix index resyncs it from a snapshot). SIGTERM drains: the
-record says `draining` (no new work is routed here), running requests finish (up to 30 s), then
-the lease is released.
+record says `draining` (no new work is routed here), running requests finish (up to
+--drain-grace-s), those left are handed back (stopped, their KV freed, listed in a WorkerStatus's
+`handed_back`: the scheduler moves each to another worker, where it continues from the tokens
+already streamed), then the lease is released.
 
 Roles (--role): a prefill worker queues each hand-off for its sender thread (handoff.PrefillSender)
 right after the step output carrying the request's first token went to its socket, and frees the
@@ -30,6 +32,7 @@ SENDERS names the roles (CURVE keys) each inbox message may come from; the inbox
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import json
 import os
@@ -57,8 +60,10 @@ from services.security.curve import Plane, plane_or_exit, with_role
 from services.shell import arm_stop_deadline
 from services.transport import SenderPool, SyncReceiver, add_health, grpc_server, run_async, set_serving, tcp_addr
 
-DRAIN_TIMEOUT_S = 30.0
-FAIL_ALL_TIMEOUT_S = 5.0  # after the drain timed out: for the engine thread to fail what is left
+# --drain-grace-s's default (the chart's terminationGracePeriodSeconds covers it with what follows)
+DRAIN_TIMEOUT_S = next(f.default for f in dataclasses.fields(WorkerConfig) if f.name == "drain_grace_s")
+FAIL_ALL_TIMEOUT_S = 5.0  # after the drain's grace: for the engine thread to hand back (or fail) what is left
+FLUSH_S = 0.3             # after that: for the sockets to write the last messages (they close without linger)
 STOP_DEADLINE_S = 20.0   # after the drain: engine join, lease release, freeing the device
 log = logging.getLogger("kvmesh.worker")
 # message -> the roles that may send it (a gateway that detokenizes stops a sample its stop string ended)
@@ -128,6 +133,8 @@ class EngineThread(threading.Thread):
         self.senders: SenderPool = SenderPool(plane)
         self.stop = threading.Event()
         self.fail_message: str | None = None        # set by the loop thread: fail all, then idle
+        self.handing_back = False                   # set by the loop thread (drain): hand back all, then idle
+        self.handed_back = 0                        # requests handed back so far
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -148,6 +155,10 @@ class EngineThread(threading.Thread):
                 if self.fail_message is not None:
                     self.core.fail_all(self.fail_message, held)
                     self.fail_message = None
+                if self.handing_back and (self.core.requests or self.core.awaiting):
+                    status = self.core.hand_back()     # (and any dispatched here since: they move too)
+                    held.append(Envelope(SCHEDULER, status))
+                    self.handed_back += len(status.handed_back)
                 # checked again after the step: a pause may have begun during it
                 if self.lease.held() and self.lease.epoch == self.core.epoch:
                     self._send(held)
@@ -347,16 +358,24 @@ class WorkerService:
             await self.lease.renew(self.core.load())
         except Exception:
             pass
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        deadline = time.monotonic() + self.cfg.drain_grace_s
         while (self.core.requests or self.core.awaiting) and time.monotonic() < deadline and self.engine.is_alive():
             await asyncio.sleep(0.05)
-        if self.core.requests and self.engine.is_alive():
-            log.warning("drain timed out; failing %d requests", len(self.core.requests))
+        if not (self.core.requests or self.core.awaiting) or not self.engine.is_alive():
+            return
+        # bounded: an engine thread holding its output for a lapsed lease never takes it up
+        deadline = time.monotonic() + FAIL_ALL_TIMEOUT_S
+        if self.scheduler_addrs:
+            log.info("drain grace over; handing %d requests back to the scheduler", len(self.core.requests))
+            self.engine.handing_back = True
+            while self.engine.handed_back == 0 and self.engine.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        else:                              # nobody to hand them to: their clients get an error
+            log.warning("drain grace over and no scheduler known; failing %d requests", len(self.core.requests))
             self.engine.fail_message = "the worker shut down"
-            # bounded: an engine thread holding its output for a lapsed lease never takes it up
-            deadline = time.monotonic() + FAIL_ALL_TIMEOUT_S
             while self.engine.fail_message is not None and self.engine.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
+        await asyncio.sleep(FLUSH_S)
 
     async def _refresh_schedulers(self) -> None:
         fresh = await self.registry.list("scheduler")

@@ -45,7 +45,11 @@ class NullEngine:
         self._used_blocks = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, priority: int = 0, cache_salt: str = "") -> None:
+                    *, priority: int = 0, cache_salt: str = "", resume_output: list[list[int]] | None = None,
+                    resume_ended: list[int] = ()) -> None:
+        """resume_output: as Engine's, a request that ran elsewhere: each sample not in resume_ended
+        goes on at the position after its tokens (a position's token does not depend on where it
+        is drawn)."""
         try:
             params.validate(self.vocab_size)
         except SamplingParamsError as exc:
@@ -58,6 +62,14 @@ class NullEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         samples = [_Sample(request_id, i, len(prompt_token_ids), max_tokens, params.logprobs is not None)
                    for i in range(params.n)]
+        if resume_output:
+            if len(resume_output) != params.n:
+                raise RequestError(f"invalid resume_output: one token list per sample ({params.n}) expected")
+            for s in samples:
+                s.generated = len(resume_output[s.index])
+            samples = [s for s in samples if s.index not in resume_ended and s.generated < max_tokens]
+            if not samples:
+                raise RequestError("invalid resume_ended: every sample has ended; nothing to resume")
         self.requests[request_id] = _NullRequest(samples)
 
     def abort_request(self, request_id: str, index: int | None = None) -> None:

@@ -139,6 +139,7 @@ class Backend:
         self.text: TextPath = text_path_of(cfg, plane)
         self.core = GatewayCore(cfg.admission_timeout_s, cfg.request_timeout_s, self.text.detok)
         self.jobs: dict[int, Job] = {}
+        self.stopping = False                     # SIGTERM: new requests get a 503 while these finish
         self.registry = Registry(cfg.redis_url, RedisAuth.of(self.trust))
         self.discovery = Discovery(self.registry, cfg.heartbeat_ms, cfg.scheduler_addr,
                                    with_tokenizers=not cfg.text_in_gateway, lease_ms=cfg.lease_ms)
@@ -215,6 +216,8 @@ class Backend:
     def not_ready_reason(self) -> str | None:
         """Why /ready answers 503, or None. Redis first: without it the stack cannot notice a
         worker that dies, so the last known members are not trusted for readiness."""
+        if self.stopping:
+            return "the gateway is shutting down"
         if self.redis_error:
             return "the registry (Redis) is unreachable"
         if not self.scheduler:
@@ -260,6 +263,9 @@ class Backend:
         else:
             replies = await asyncio.gather(*(self.text.tokenize(p) for p in prompts))
         metrics.GATEWAY_TOKENIZE.observe(time.monotonic() - t0)
+        if self.stopping:
+            raise ApiError(503, "the gateway is shutting down; retry on another one", type_="server_error",
+                           code="shutdown", retry_after=1)
         if self.scheduler is None:
             raise ApiError(503, "the scheduler is unavailable; retry later", type_="server_error",
                            code="scheduler_unavailable", retry_after=1)
@@ -279,6 +285,14 @@ class Backend:
             job.close()
             raise
         return job, [len(r.prompt_token_ids) for r in replies]
+
+    async def finish_inflight(self, grace_s: float) -> None:
+        """This gateway is stopping: refuse new requests (/ready says so at once) and give those in
+        flight up to grace_s to end on their own; fail_inflight ends what is left."""
+        self.stopping = True
+        deadline = time.monotonic() + grace_s
+        while self.jobs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def fail_inflight(self) -> None:
         """This gateway is stopping: end every request in flight with a 503 (streams: an error chunk

@@ -12,10 +12,12 @@ A job is one HTTP request: one internal request per prompt (`rids`), each with n
 (services/gateway/backend.py) feeds the core what its inbox reads (`step`), asks it to check a
 job's deadline when a wait runs out (`expire`), and carries out what it answers: `Outbox.deliver`
 (per job: JOB_ADMITTED, (prompt index, TextDelta) or an ApiError, in order) and `Outbox.send`
-(Envelope(dest, msg): SCHEDULER or a worker's inbox address).
+(Envelope(dest, msg): SCHEDULER, a worker's inbox address, or for a Resume the inbox of the
+scheduler that asked).
 
 When the gateway turns tokens into text itself (the local text path), `step` also takes the
-workers' StreamOpen / StepOutput / Abort and runs them through the text path's DetokCore; a stop
+workers' StreamOpen / StepOutput / Abort (and the scheduler's Migrate, whose Resume goes back to
+the scheduler that asked) and runs them through the text path's DetokCore; a stop
 string that ends a sample still running is told to its worker directly (StreamOpen names the
 worker's inbox) and to the scheduler, whose bookkeeping ends with it.
 
@@ -32,7 +34,7 @@ from typing import Any, NamedTuple
 from services.envelope import SCHEDULER, Envelope
 from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
-    Abort, Admitted, Rejected, RequestFailed, StepOutput, StreamOpen, TextBatch, TextDelta, failure_of)
+    Abort, Admitted, Migrate, Rejected, RequestFailed, StepOutput, StreamOpen, TextBatch, TextDelta, failure_of)
 from services.text.streams import DetokCore
 
 
@@ -178,7 +180,7 @@ class GatewayCore:
         for msg in msgs:
             if isinstance(msg, TextBatch):
                 self._deltas(msg.deltas, now, out)
-            elif isinstance(msg, (StreamOpen, StepOutput, Abort)):
+            elif isinstance(msg, (StreamOpen, StepOutput, Abort, Migrate)):
                 self._text_stream(msg, now, out)
             elif (job := self.job_of.get(msg.request_id)) is None:
                 self.late_messages += 1
@@ -222,10 +224,13 @@ class GatewayCore:
                     job.phase = Phase.FINISHED
                     self._forget_requests(job)
 
-    def _text_stream(self, msg: StreamOpen | StepOutput | Abort, now: float, out: Outbox) -> None:
+    def _text_stream(self, msg: StreamOpen | StepOutput | Abort | Migrate, now: float, out: Outbox) -> None:
         """A worker's (or the scheduler's) message for the local text path's detokenizer."""
         if self.detok is None:
             self.late_messages += 1
+            return
+        if isinstance(msg, Migrate):             # the Resume goes to the scheduler's inbox it names
+            out.send += self.detok.migrate(msg)
             return
         if isinstance(msg, StreamOpen):
             if msg.request_id in self.job_of and msg.worker_addr:

@@ -20,14 +20,19 @@ log = logging.getLogger("kvmesh.gateway")
 
 
 class _Server(uvicorn.Server):
-    """uvicorn that, when it stops, first ends every request in flight with an error (streams: an
-    error chunk and [DONE]); its graceful-shutdown timeout would otherwise cut them mid-stream."""
+    """uvicorn that, when it stops, first lets the requests in flight finish (up to
+    --shutdown-grace-s, while /ready answers 503 and new requests get a 503), then ends those left
+    with an error (streams: an error chunk and [DONE]); its own graceful-shutdown timeout would
+    otherwise cut them mid-stream."""
 
-    def __init__(self, config: uvicorn.Config, backend: Backend) -> None:
+    def __init__(self, config: uvicorn.Config, backend: Backend, grace_s: float) -> None:
         super().__init__(config)
-        self.backend = backend
+        self.backend, self.grace_s = backend, grace_s
 
     async def shutdown(self, sockets: list | None = None) -> None:
+        if self.backend.jobs:
+            log.info("stopping: %d requests in flight get up to %.0f s to finish", len(self.backend.jobs), self.grace_s)
+        await self.backend.finish_inflight(self.grace_s)
         self.backend.fail_inflight()
         await super().shutdown(sockets)
 
@@ -41,7 +46,7 @@ async def serve(cfg: GatewayConfig, plane: Plane) -> int:
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, loop="none", lifespan="off",
                             http=functools.partial(LimitedHttpProtocol, limits=limits))  # type: ignore[arg-type]
-    server = _Server(config, backend)
+    server = _Server(config, backend, cfg.shutdown_grace_s)
     announce = asyncio.create_task(_announce_once_listening(server, cfg, backend.reply_addr))
     try:
         await server.serve()

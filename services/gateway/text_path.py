@@ -22,7 +22,7 @@ import msgspec
 from services.gateway.schemas import ApiError
 from services.gateway.tokenizer_client import TokenizerClient, TokenizerRefused, unavailable
 from services.protocol.messages import (
-    Abort, DetokenizeReply, DetokenizeRequest, StepOutput, StreamOpen, TokenizeReply, TokenizeRequest)
+    Abort, DetokenizeReply, DetokenizeRequest, Migrate, StepOutput, StreamOpen, TokenizeReply, TokenizeRequest)
 from services.registry import ServiceRecord
 from services.security.bundle import Trust
 from services.text.streams import DetokCore
@@ -31,8 +31,9 @@ from services.text.requests import (
 
 
 # what LocalText adds to the gateway's inbox: message -> the roles that may send it (the
-# scheduler aborts the streams of a worker that died)
-LOCAL_TEXT_SENDERS = {StreamOpen: ("worker",), StepOutput: ("worker",), Abort: ("worker", "scheduler")}
+# scheduler aborts or moves the streams of a worker that stopped)
+LOCAL_TEXT_SENDERS = {StreamOpen: ("worker",), StepOutput: ("worker",), Abort: ("worker", "scheduler"),
+                      Migrate: ("scheduler",)}
 
 
 def prompt_error(req: TokenizeRequest, exc: TokenizeError) -> ApiError:

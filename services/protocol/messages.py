@@ -9,7 +9,9 @@ Frozen msgspec Structs, msgpack on the wire, one tag each and a `version`. Who s
                                                                               hands the KV to)
     scheduler --AwaitKV, Abort-----------------------------> decode worker  (the request's KV comes from a
                                                                               prefill worker)
-    scheduler --Abort--------------------------------------> detokenizer    (worker died)
+    scheduler --Abort, Migrate-----------------------------> detokenizer    (worker died or handed requests
+                                                                              back: fail, or move the stream)
+    detok     --Resume-------------------------------------> scheduler      (the tokens a moving stream has)
     worker    --StreamOpen, StepOutput, Abort--------------> detokenizer    (one connection: ordered; the
                                                                               gateway's inbox when it
                                                                               detokenizes itself)
@@ -30,6 +32,9 @@ from services.protocol.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
 MAX_CONVERSATION_KEY = 64            # Submit.conversation: a hex digest, never the client's text
+# a moving request's tokens (Dispatch.resume_output, Resume): per sample, at most a context's worth
+SampleOutputs = Annotated[list[Annotated[list[int], msgspec.Meta(max_length=1 << 20)]], msgspec.Meta(max_length=1024)]
+SampleIndices = Annotated[list[int], msgspec.Meta(max_length=1024)]
 
 
 class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
@@ -118,6 +123,11 @@ class Dispatch(Msg, tag="dispatch", kw_only=True):
     # the request's prefill worker died after it may have streamed first tokens: this worker runs it
     # whole again (same seed, so the same tokens) and its detokenizer skips what was streamed
     resumes: bool = False
+    # a request moved off a worker that stopped (Migrate/Resume): each sample's tokens already
+    # streamed, computed here as prefix and counted as output (budget, penalties, seeded draws
+    # continue at their positions); samples in resume_ended are over. Empty: a fresh request.
+    resume_output: SampleOutputs = []
+    resume_ended: SampleIndices = []
 
 
 class AwaitKV(Msg, tag="await_kv", kw_only=True):
@@ -183,6 +193,30 @@ class WorkerStatus(Msg, tag="wstatus", kw_only=True):
     total_blocks: int
     finished: list[str] = []         # requests that ended (any reason) since the last status
     active: list[str] | None = None  # heartbeat statuses: every request the worker holds (reconciliation)
+    # a draining worker's requests it stopped and freed unfinished: the scheduler moves each elsewhere
+    handed_back: list[str] = []
+
+
+# ----------------------------------------------------------------------------- migration
+
+
+class Migrate(Msg, tag="migrate", kw_only=True):
+    """Scheduler -> the request's detokenizer: its worker stopped (died, or handed it back while
+    draining). Answer with a Resume and take no more tokens of this request from that worker: the
+    stream goes on from the tokens the detokenizer has."""
+
+    request_id: str
+    worker_id: str                   # the worker it leaves
+    reply_addr: str                  # the scheduler's inbox
+
+
+class Resume(Msg, tag="resume", kw_only=True):
+    """Detokenizer -> scheduler: where a moving stream stands."""
+
+    request_id: str
+    output_token_ids: SampleOutputs     # per sample: the tokens its client has ([] for one not begun)
+    ended: SampleIndices = []           # samples that ended
+    known: bool = True                  # False: no such stream here (never opened, or already over)
 
 
 # ----------------------------------------------------------------------------- detokenizer -> gateway
@@ -253,8 +287,8 @@ class DetokenizeReply(Msg, tag="detokenized", kw_only=True):
 
 # ----------------------------------------------------------------------------- inbox unions
 
-SchedulerInbox = Union[Submit, Abort, WorkerStatus]
+SchedulerInbox = Union[Submit, Abort, WorkerStatus, Resume]
 WorkerInbox = Union[Dispatch, AwaitKV, Abort]
-DetokInbox = Union[StreamOpen, StepOutput, Abort]
+DetokInbox = Union[StreamOpen, StepOutput, Abort, Migrate]
 # a gateway with --text-in-gateway is its requests' detokenizer too: it takes DetokInbox's messages
-GatewayInbox = Union[Admitted, Rejected, RequestFailed, TextBatch, StreamOpen, StepOutput, Abort]
+GatewayInbox = Union[Admitted, Rejected, RequestFailed, TextBatch, StreamOpen, StepOutput, Abort, Migrate]

@@ -10,6 +10,9 @@ less); it lives in services/ because both import it.
                          skips as many leading tokens of each sample as it has seen
     step(StepOutput)     -> one TextBatch per gateway (all deltas of this step for it), and an
                             Abort(request, index) to the scheduler for every sample a stop string ended
+    migrate(Migrate)     its worker stopped and the scheduler moves it: -> a Resume with each sample's
+                         tokens so far (the next worker continues from them, so nothing is skipped);
+                         tokens of the request from the worker it left are dropped from then on
     abort(Abort)         forget the request (worker aborted it, or its worker died); when some of
                             its samples had not ended, a RequestFailed to its gateway, so the client's
                             stream ends with an error chunk and [DONE] instead of waiting for text
@@ -33,7 +36,7 @@ from typing import Any
 from services import metrics
 from services.envelope import SCHEDULER, Envelope
 from services.protocol.messages import (
-    Abort, SeqTokens, StepOutput, StreamOpen, TextBatch, TextDelta, TokenLogprobText, failure_of)
+    Abort, Migrate, Resume, SeqTokens, StepOutput, StreamOpen, TextBatch, TextDelta, TokenLogprobText, failure_of)
 from services.protocol.sampling import SamplingParams
 from services.text.detokenizer import IncrementalDetokenizer
 from services.text.stop_strings import StopStringMatcher
@@ -49,6 +52,7 @@ class _Sample:
     done: bool = False
     seen: int = 0          # tokens received for this sample (from its current worker)
     skip: int = 0          # leading tokens of a re-run that the client already has
+    token_ids: list[int] = field(default_factory=list)   # every token passed on: where a moved stream resumes
 
 
 @dataclass
@@ -58,6 +62,7 @@ class _Stream:
     prompt_tail: list[int]
     samples: dict[int, _Sample] = field(default_factory=dict)
     opened: float = field(default_factory=time.monotonic)
+    left: frozenset[str] = frozenset()   # workers the request moved away from: their late tokens are dropped
 
     @property
     def ended(self) -> bool:
@@ -93,7 +98,7 @@ class DetokCore:
         self.samples_started = 0   # samples whose first tokens a step carried (the shell times those steps)
         self._token_text: dict[int, tuple[str, list[int]]] = {}
         self.worker_epochs: dict[str, int] = {}   # worker id -> newest epoch seen
-        self.dropped_tokens = {"stale_epoch": 0, "no_stream": 0}
+        self.dropped_tokens = {"stale_epoch": 0, "no_stream": 0, "moved": 0}
 
     def open(self, msg: StreamOpen) -> list[Envelope]:
         stream = self.streams.get(msg.request_id)
@@ -103,6 +108,20 @@ class DetokCore:
             return []
         self.streams[msg.request_id] = _Stream(msg.reply_addr, msg.params, msg.prompt_tail)
         return []
+
+    def migrate(self, msg: Migrate) -> list[Envelope]:
+        stream = self.streams.get(msg.request_id)
+        if stream is None:
+            return [Envelope(msg.reply_addr, Resume(request_id=msg.request_id, output_token_ids=[], known=False))]
+        stream.left = stream.left | {msg.worker_id}
+        outputs: list[list[int]] = []
+        for index in range(stream.params.n):
+            sample = stream.samples.get(index)
+            if sample is not None:      # the next worker sends only what follows these
+                sample.skip = sample.seen = 0
+            outputs.append(list(sample.token_ids) if sample is not None else [])
+        ended = [i for i, sample in stream.samples.items() if sample.done]
+        return [Envelope(msg.reply_addr, Resume(request_id=msg.request_id, output_token_ids=outputs, ended=ended))]
 
     def abort(self, msg: Abort) -> list[Envelope]:
         stream = self.streams.pop(msg.request_id, None)
@@ -120,6 +139,9 @@ class DetokCore:
             stream = self.streams.get(seq.request_id)
             if stream is None:  # aborted or unknown: nobody waits for it
                 self._drop("no_stream", len(seq.token_ids))
+                continue
+            if stream.left and msg.worker_id in stream.left:   # sent before its worker stopped
+                self._drop("moved", len(seq.token_ids))
                 continue
             delta = self._advance(stream, seq, out)
             if delta is not None:
@@ -157,6 +179,7 @@ class DetokCore:
             seq = _skip_seen(sample, seq)
             if seq is None:
                 return None
+        sample.token_ids += seq.token_ids
         text = sample.detok.push(seq.token_ids)
         engine_finish = seq.finish_reason
         if engine_finish is not None:

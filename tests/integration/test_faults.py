@@ -20,7 +20,7 @@ def _totals(stack) -> dict[str, int]:
 NEW = "w1-late"   # sorts before "worker-0": least-loaded alone would break ties in its favour
 
 
-def test_second_worker_takes_load_then_a_killed_worker_fails_cleanly(stack):
+def test_second_worker_takes_load_then_a_killed_workers_stream_moves_to_the_survivor(stack):
     prompt = list(range(300, 400))                    # cached on worker-0 only (the only worker yet)
     client = stack.openai()
     client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=1)
@@ -53,17 +53,17 @@ def test_second_worker_takes_load_then_a_killed_worker_fails_cleanly(stack):
     assert after[NEW] > before.get(NEW, 0), (before, after)
     assert after["worker-0"] > before.get("worker-0", 0), (before, after)
 
-    # -- kill the worker serving a stream: the client gets an error chunk and [DONE], never a hang
+    # -- kill -9 the worker serving a stream: the stream goes on at the survivor from the tokens
+    #    already streamed (greedy: the same text as a run that never moved), never an error
     wait_for(lambda: all(w and w.load.get("requests") == 0 for w in (stack.worker("worker-0"), stack.worker(NEW))),
              10, "both workers idle (fresh load reports)")
-    body = {"model": stack.model_name, "prompt": "long " * 5, "max_tokens": 1500, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {"model": stack.model_name, "prompt": "long " * 5, "max_tokens": 300, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     events: list[str] = []
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=120) as http:
         with http.stream("POST", stack.base_url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
             victim = None
-            t_kill = None
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -74,13 +74,16 @@ def test_second_worker_takes_load_then_a_killed_worker_fails_cleanly(stack):
                     if busy:
                         victim = busy[0]
                         os.kill(victim.info["pid"], signal.SIGKILL)
-                        t_kill = time.monotonic()
     assert victim is not None
     assert events[-1] == "[DONE]"
-    err = json.loads(events[-2])
-    assert "error" in err and err["error"]["code"] == "worker_failed", err
-    assert time.monotonic() - t_kill < 10
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in c for c in chunks), chunks[-3:]
+    assert chunks[-1]["usage"]["completion_tokens"] == 300
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     stack.procs.procs.pop(victim.id).wait(10)
+    healthy = stack.openai().completions.create(model=stack.model_name, prompt="long " * 5, max_tokens=300,
+                                                temperature=0, extra_body={"ignore_eos": True})
+    assert text == healthy.choices[0].text
 
     # -- the next requests go to the survivor
     survivor = NEW if victim.id == "worker-0" else "worker-0"

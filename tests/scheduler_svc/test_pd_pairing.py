@@ -28,7 +28,8 @@ def worker(wid: str, role: str, layout: dict | None = LAYOUT, inflight: int = 0,
 
 
 def core_with(*views: WorkerView) -> SchedulerCore:
-    core = SchedulerCore(Limits(pd_min_prefill_tokens=MIN), scorer=cache_aware)
+    """Requests here never move to another worker (test_migration.py has those that do)."""
+    core = SchedulerCore(Limits(pd_min_prefill_tokens=MIN, max_migrations=0), scorer=cache_aware)
     core.set_workers(list(views))
     return core
 

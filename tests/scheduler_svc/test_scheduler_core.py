@@ -127,8 +127,8 @@ def test_abort_queued_and_running():
     assert [e.msg.request_id for e in out if isinstance(e.msg, Dispatch)] == ["next"]
 
 
-def test_dead_or_restarted_worker_fails_its_requests():
-    core = SchedulerCore()
+def test_dead_or_restarted_worker_fails_its_requests_that_may_not_move():
+    core = SchedulerCore(Limits(max_migrations=0))
     core.set_workers([worker("w1"), worker("w2")])
     core.submit(submit("a"))
     core.submit(submit("b"))
@@ -152,7 +152,7 @@ def test_a_stale_epochs_status_is_refused_and_dispatches_name_the_epoch():
     reports (finished lists, heartbeats listing what it held, load) must not touch the new one's
     requests, and each Dispatch names the incarnation it is meant for."""
     now = [0.0]
-    core = SchedulerCore(clock=lambda: now[0])
+    core = SchedulerCore(Limits(max_migrations=0), clock=lambda: now[0])
     core.set_workers([worker("w1", epoch=1)])
     core.submit(submit("old"))
     out = core.set_workers([worker("w1", epoch=2)])          # rejoined: "old" fails

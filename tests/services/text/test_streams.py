@@ -151,7 +151,7 @@ def test_a_stale_epochs_tokens_are_dropped_and_counted():
     assert texts(core.step(other)) == [(0, "!", None)]        # epochs are per worker
     gone = StepOutput(worker_id="w", epoch=2, step=1, seqs=[SeqTokens("failed", 0, ids("ab"))])
     assert core.step(gone) == []
-    assert core.dropped_tokens == {"stale_epoch": 3, "no_stream": 2}
+    assert core.dropped_tokens == {"stale_epoch": 3, "no_stream": 2, "moved": 0}
 
 
 def test_a_re_run_stream_skips_the_tokens_the_client_has():
@@ -174,3 +174,28 @@ def test_a_re_run_stream_skips_the_tokens_the_client_has():
     # a resumed open of a stream this detokenizer does not hold is a plain open
     core.open(StreamOpen(request_id="t", params=SamplingParams(), reply_addr="gw", num_prompt_tokens=3, resumes=True))
     assert texts(step(core, SeqTokens("t", 0, ids("x")))) == [(0, "x", None)]
+
+
+def test_a_moved_stream_resumes_from_its_tokens_and_drops_the_old_workers_late_ones():
+    """Its worker stopped: the scheduler's Migrate gets each sample's tokens (the next worker goes on
+    after them, so nothing is skipped), and tokens the old worker sent after that are dropped."""
+    from services.protocol.messages import Migrate, Resume
+    core = DetokCore(ToyTok())
+    open_(core, n=3, stop=["xyz"])
+    sent = texts(step(core, SeqTokens("r", 0, ids("hel")), SeqTokens("r", 1, ids("ab"), finish_reason="length")))
+    sent += texts(step(core, SeqTokens("r", 0, ids("lo x"))))            # "x" may start the stop string
+    [env] = core.migrate(Migrate(request_id="r", worker_id="w", reply_addr="sched"))
+    assert env.dest == "sched" and env.msg == Resume(request_id="r", output_token_ids=[ids("hello x"), ids("ab"), []],
+                                                     ended=[1])
+    assert texts(step(core, SeqTokens("r", 0, ids("q")))) == []           # late, from the worker it left
+    assert core.dropped_tokens["moved"] == 1
+    core.open(StreamOpen(request_id="r", params=SamplingParams(n=3, stop=["xyz"]), reply_addr="gw",
+                         num_prompt_tokens=3, resumes=True))
+    out = core.step(StepOutput(worker_id="w2", epoch=1, step=0, seqs=[
+        SeqTokens("r", 0, ids("yz"), finish_reason=None), SeqTokens("r", 2, ids("c"), finish_reason="length")]))
+    # the stop string spans the move: the held-back "x" and the new "yz" end sample 0
+    assert texts(out) == [(0, "", "stop"), (2, "c", "length")]
+    assert "".join(t for i, t, _ in sent if i == 0) == "hello "
+    # a stream it does not hold: known=False
+    [env] = core.migrate(Migrate(request_id="nope", worker_id="w", reply_addr="sched"))
+    assert env.msg.known is False and env.msg.output_token_ids == []
