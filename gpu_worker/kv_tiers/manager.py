@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 
 from gpu_worker.kv_tiers.block_mover import BlockMover
-from gpu_worker.kv_tiers.disk_tier import DISK_OVERHEAD, DiskBlock, DiskTier
+from gpu_worker.kv_tiers import tier_file
+from gpu_worker.kv_tiers.disk_tier import DiskBlock, DiskTier
 from gpu_worker.kv_tiers.host_tier import HostBlock, HostTier
 from gpu_worker.kv_tiers.load_policy import LoadPlan, LoadPolicy
 from gpu_worker.kv_tiers.tier_stats import TierStats
@@ -50,8 +51,9 @@ class KVTiers:
         self.layout = layout
         bb = self.mover.block_bytes
         self.host = HostTier(self.mover.host_blocks(cpu_bytes // bb)) if cpu_bytes >= bb else None
-        self.disk = (DiskTier(disk_dir, disk_bytes // (bb + DISK_OVERHEAD), layout, bb)
-                     if disk_dir and disk_bytes >= bb + DISK_OVERHEAD else None)
+        file_bytes = bb + tier_file.file_overhead(self.block_size)
+        self.disk = (DiskTier(disk_dir, disk_bytes // file_bytes, layout, bb)
+                     if disk_dir and disk_bytes >= file_bytes else None)
         self.policy = LoadPolicy(policy, bb, self.block_size)
         self.stats = TierStats()
         self._evicted: list[Evicted] = []
@@ -265,7 +267,7 @@ class KVTiers:
         self.policy.observe_copy("cpu", n * self.mover.block_bytes, time.perf_counter() - t)
         if self.disk is not None:                # one file written and read back, then deleted
             probe = b"\x00" * 16
-            self.disk.write(probe, DiskBlock(None, ()), bytearray(staged[0].reshape(-1).numpy()))
+            self.disk.write(probe, DiskBlock(None, (0,) * self.block_size), bytearray(staged[0].reshape(-1).numpy()))
             self.disk.drain()
             for num_bytes, seconds in self.disk.poll():     # a failed write turns the tier off here
                 self.policy.observe_copy("disk", num_bytes, seconds)
@@ -301,6 +303,7 @@ class KVTiers:
             "disk_blocks": len(self.disk) if self.disk is not None else 0,
             "disk_enabled": bool(self.disk is not None and self.disk.enabled),
             "disk_corrupt_files": self.disk.num_corrupt if self.disk is not None else 0,
+            "disk_restored_blocks": self.disk.num_restored if self.disk is not None else 0,
             "offloaded_blocks": dict(s.offloaded_blocks), "loaded_blocks": dict(s.loaded_blocks),
             "decisions": dict(s.decisions), "recomputed_tier_tokens": s.recomputed_tier_tokens,
             "load_shortfall_blocks": s.load_shortfall_blocks,
