@@ -83,7 +83,7 @@ class KVTiers:
             for num_bytes, seconds in self.mover.finished_copies():   # host <-> device, both ways
                 self.policy.observe_copy("cpu", num_bytes, seconds)
         if self.disk is not None and self.disk.enabled:
-            self._poll_disk()
+            self.poll_disk()
         if not self._evicted:
             return
         evicted, self._evicted = self._evicted, []
@@ -119,7 +119,7 @@ class KVTiers:
         self._removed(block_hash, "cpu")
         if self.disk is not None and self.disk.enabled and block_hash not in self.disk:
             self.mover.wait_offloaded(block.offloaded)
-            self._write_disk(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot])
+            self.write_disk(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot])
         return block.slot
 
     def _offload_to_disk(self, evicted: list[Evicted]) -> None:
@@ -128,9 +128,9 @@ class KVTiers:
             return
         staged = self.mover.offload_to_memory([e.block_id for e in fresh])   # (n, L, 2, bs, n_kv, hd * isz)
         for e, block in zip(fresh, staged):
-            self._write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block)
+            self.write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block)
 
-    def _write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor) -> None:
+    def write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor) -> None:
         """Queue a block's file; `data` (host bytes) is copied, so its slot may be reused at once."""
         disk = self.disk
         while disk.is_full():
@@ -139,7 +139,7 @@ class KVTiers:
         self.stats.offloaded_blocks["disk"] += 1
         self._stored(block_hash, block.parent, block.token_ids, "disk")
 
-    def _poll_disk(self) -> None:
+    def poll_disk(self) -> None:
         """Settle the disk tier's background writes: their times feed the bandwidth estimate, and
         a failed one (the tier turned itself off) removes every block it held."""
         for num_bytes, seconds in self.disk.poll():
@@ -275,7 +275,7 @@ class KVTiers:
                 self.disk.read(probe)
             self.disk.forget(probe)
             self.disk.drain()
-            self._poll_disk()
+            self.poll_disk()
 
     # ---- maintenance ---------------------------------------------------------------------
     def clear(self) -> None:

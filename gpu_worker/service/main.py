@@ -15,8 +15,9 @@ renewed (nothing was lost: it sends and goes on) or a new epoch taken because th
 expired (the scheduler has failed the old epoch's requests: it drops them all, frees their KV
 blocks, discards the held output and serves as the new incarnation; the KV-event stream restarts
 in the new epoch and the prefix index resyncs it from a snapshot). SIGTERM drains: the
-record says `draining` (no new work is routed here), running requests finish (up to 30 s), then
-the lease is released.
+record says `draining` (no new work is routed here), running requests finish (up to 30 s), an
+engine with a disk KV tier writes its cached KV there (up to 5 s: the next worker on the same
+directory starts warm), then the lease is released.
 
 Roles (--role): a prefill worker queues each hand-off for its sender thread (handoff.PrefillSender)
 right after the step output carrying the request's first token went to its socket, and frees the
@@ -38,8 +39,10 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -59,6 +62,7 @@ from services.transport import SenderPool, SyncReceiver, add_health, grpc_server
 
 DRAIN_TIMEOUT_S = 30.0
 FAIL_ALL_TIMEOUT_S = 5.0  # after the drain timed out: for the engine thread to fail what is left
+DRAIN_TO_DISK_S = 5.0    # then writing the cached KV to a disk tier (kvmesh serve stops a worker after 10 s)
 STOP_DEADLINE_S = 20.0   # after the drain: engine join, lease release, freeing the device
 log = logging.getLogger("kvmesh.worker")
 # message -> the roles that may send it (a gateway that detokenizes stops a sample its stop string ended)
@@ -129,11 +133,29 @@ class EngineThread(threading.Thread):
         self.stop = threading.Event()
         self.fail_message: str | None = None        # set by the loop thread: fail all, then idle
         self.error: BaseException | None = None
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()   # run between two steps
+
+    def call_between_steps(self, fn: Callable[[], Any]) -> Future:
+        """Run fn on this thread before its next step (the engine is not thread-safe); the future
+        holds its result."""
+        future: Future = Future()
+        self._calls.append((fn, future))
+        return future
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as exc:    # the caller decides; the engine goes on
+                future.set_exception(exc)
 
     def run(self) -> None:
         held: list[Envelope] = []    # output of steps that ended while the lease was in doubt
         try:
             while not self.stop.is_set():
+                if self._calls:
+                    self._run_calls()
                 if self.lease.epoch != self.core.epoch:
                     held = []        # the old incarnation's: its requests were failed
                     self._rejoin(self.lease.epoch)
@@ -344,6 +366,21 @@ class WorkerService:
             deadline = time.monotonic() + FAIL_ALL_TIMEOUT_S
             while self.engine.fail_message is not None and self.engine.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
+        await self._drain_kv_to_disk()
+
+    async def _drain_kv_to_disk(self) -> None:
+        """The engine's cached KV (device and host tier, newest first) goes to its disk tier before
+        the worker leaves (gpu_worker/kv_tiers/drain_to_disk.py), on the engine thread, bounded."""
+        tiers = getattr(self.core.engine, "kv_tiers", None)
+        if tiers is None or tiers.disk is None or not self.engine.is_alive():
+            return
+        from gpu_worker.kv_tiers.drain_to_disk import drain_to_disk
+        deadline = time.monotonic() + DRAIN_TO_DISK_S
+        future = self.engine.call_between_steps(lambda: drain_to_disk(tiers, deadline))
+        try:   # past the deadline only the writes already queued (at most 64 blocks) are waited for
+            await asyncio.wait_for(asyncio.wrap_future(future), DRAIN_TO_DISK_S + 5)
+        except Exception as exc:  # a slow or failing disk costs the next worker a warm start, no more
+            log.warning("draining the KV cache to disk failed: %r", exc)
 
     async def _refresh_schedulers(self) -> None:
         records = await self.registry.list("scheduler")
