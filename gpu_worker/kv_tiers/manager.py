@@ -3,7 +3,8 @@
     device LRU evicts a cached block --(flush: gather + D2H)--> host tier --(host LRU)--> disk tier
                                                                   |                        |
     admission: device prefix hit, then the next blocks found here -+-- load k (policy) ----+
-               -> stage (H2D / file read) -> flush -> scatter into the sequence's new blocks
+               -> begin_load: stage (H2D / file read) -> flush
+               ... a later schedule, once `ready` -> finish_load: scatter into the new blocks
 
 The block manager reports evictions (`on_evict`) while it hands blocks out; their KV is copied
 out in `flush`, which runs before anything can overwrite those blocks: at the end of every
@@ -40,6 +41,16 @@ class Evicted(NamedTuple):
     block_hash: bytes
     parent: bytes | None
     token_ids: tuple[int, ...]
+
+
+class PendingLoad(NamedTuple):
+    """A load under way: its blocks are staged (or being copied) towards the device."""
+    seq: Sequence
+    first: int                                # index of the first loaded block in seq's table
+    staged: torch.Tensor                      # (n, L, 2, bs, n_kv, hd * itemsize) on the device
+    copied: "torch.cuda.Event | None"         # the end of the copy into `staged` (None: done)
+    tiers: list[str]                          # the tier of each block
+    copy_s: float                             # host time spent staging (CPU copies' bandwidth)
 
 
 class KVTiers:
@@ -179,14 +190,14 @@ class KVTiers:
         self.stats.predicted_load_s.observe(plan.load_s)
         self.stats.predicted_recompute_s.observe(plan.recompute_s)
 
-    def load(self, seq: Sequence, first: int, num_blocks: int) -> int:
-        """Bring blocks first..first+num_blocks of seq back into its block table (already
-        allocated), advancing num_computed_tokens; returns how many came back (fewer when one
-        is gone or does not verify: the rest is computed). The loaded blocks join the device's
-        prefix cache when the scheduler registers them."""
+    def begin_load(self, seq: Sequence, first: int, num_blocks: int) -> PendingLoad | None:
+        """Start bringing blocks first..first+num_blocks of seq back into its block table (already
+        allocated): the sources are read and copied towards the device (CUDA: on the load stream,
+        while the batch goes on). None when none is found (one gone or not verifying ends the
+        run: the rest is computed). finish_load completes it once `ready`."""
         self._count_decision(seq)
         if not num_blocks:
-            return 0
+            return None
         sources, pending, tiers = self._read_sources(seq.block_hashes[first:first + num_blocks])
         self.stats.load_shortfall_blocks += num_blocks - len(sources)
         # Order matters: the sources are copied out first (the flush may reuse their host slots),
@@ -196,17 +207,27 @@ class KVTiers:
         copy_s = time.perf_counter() - t
         self.flush()
         if staged is None:
-            return 0
+            return None
+        return PendingLoad(seq, first, staged, self.mover.last_load, tiers, copy_s)
+
+    def ready(self, load: PendingLoad) -> bool:
+        """The load's copy towards the device is done (always, off CUDA); never waits."""
+        return load.copied is None or load.copied.query()
+
+    def finish_load(self, load: PendingLoad) -> int:
+        """Scatter a started load into its blocks (ordered after its copy), advancing the
+        sequence's num_computed_tokens; returns the blocks loaded. The loaded blocks join the
+        device's prefix cache when the engine registers the sequence's computed blocks."""
+        seq, n = load.seq, len(load.tiers)
         t = time.perf_counter()
-        self.mover.scatter(staged, seq.block_table[first:first + len(sources)])
-        if not self.mover.cuda and "disk" not in tiers:     # CUDA copies are timed on the device
-            copy_s += time.perf_counter() - t
-            self.policy.observe_copy("cpu", len(sources) * self.mover.block_bytes, copy_s)
-        for tier in tiers:
+        self.mover.scatter(load.staged, seq.block_table[load.first:load.first + n], load.copied)
+        if not self.mover.cuda and "disk" not in load.tiers:     # CUDA copies are timed on the device
+            self.policy.observe_copy("cpu", n * self.mover.block_bytes, load.copy_s + time.perf_counter() - t)
+        for tier in load.tiers:
             self.stats.loaded_blocks[tier] += 1
-        seq.num_computed_tokens += len(sources) * self.block_size
-        self.block_manager.prefix_hit_tokens += len(sources) * self.block_size
-        return len(sources)
+        seq.num_computed_tokens += n * self.block_size
+        self.block_manager.prefix_hit_tokens += n * self.block_size
+        return n
 
     def _read_sources(self, hashes: list[bytes]) -> tuple[list[torch.Tensor], list, list[str]]:
         sources, pending, tiers = [], [], []
