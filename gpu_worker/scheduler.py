@@ -145,7 +145,8 @@ class Scheduler:
                 self._preempt(victim, out)
             self.waiting.pop(0)
             if not self._load_lower_tiers(seq, len(hits), lower):
-                continue                           # in self.loading until its blocks arrive
+                slots += _seq_slots(seq)           # in self.loading until its blocks arrive: its
+                continue                           # slot is kept, it computes nothing this step
             if seq.index == 0 and seq.num_preemptions == 0:
                 seq.request.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
