@@ -77,3 +77,23 @@ def test_a_request_aborted_while_loading_frees_everything(llama, tmp_path):
     answer, cached = run(eng, "again", prompt)
     assert answer == hf.greedy(prompt, 4)[0] and cached >= 5 * 4
     check_all_tiers(eng)
+
+
+def test_a_loading_request_keeps_its_batch_slot(llama, tmp_path):
+    """max_num_seqs counts sequences that wait for their blocks: two turns that both load, beside
+    one running request, in a batch of 2: one loads, the other waits its turn."""
+    model_dir, hf = llama
+    eng = tiered_engine(model_dir, num_gpu_blocks=32, max_num_seqs=2, **TIERS)
+    prompt = _history_in_host_tier(eng)
+    other = tokens(9, 5)
+    outputs = {"other": _decoding(eng, "other", other, 6)}
+    eng.add_request("next-a", prompt, greedy(4))
+    eng.add_request("next-b", prompt, greedy(4))
+    for d in eng.step():
+        outputs.setdefault(d.request_id, []).extend(d.new_token_ids)
+    sched = eng.scheduler
+    assert len(sched.running) + len(sched.loading) == 2 and len(sched.waiting) == 1
+    _finish(eng, outputs)
+    assert outputs["next-a"] == outputs["next-b"] == hf.greedy(prompt, 4)[0]
+    assert outputs["other"] == hf.greedy(other, 6)[0]
+    check_all_tiers(eng)
