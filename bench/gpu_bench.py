@@ -28,8 +28,11 @@ Sections (each guarded: one failure is recorded and the next section runs):
   kv_tiers  (not in the default run) KV tiers (gpu_worker/kv_tiers): D2H and H2D bandwidth of the tier
             path against a pinned copy of the same bytes in the same run; time to first token
             per turn of a multi-turn chat whose users' histories exceed the device pool, with
-            kv_load_policy never (recompute) / always (load) / auto; decode step time while
-            every new block evicts (and offloads) a cached one, against an engine without tiers
+            kv_load_policy never (recompute) / always (load) / auto; drain to disk (GB/s) and
+            the restart's disk index scan (files/s); the next turn's TTFT after a 2k / 8k-token
+            history loaded against recomputed, and the decode step of a batch while a history
+            loads beside it (overlapped); decode step time while every new block evicts (and
+            offloads) a cached one, against an engine without tiers
   peers     Hugging Face transformers on the same weights, time-boxed: eager (sdpa), then batch-1
             decode with a static cache and torch.compile (transformers' own fast path)
 
@@ -1011,7 +1014,8 @@ def _tier_copy_bandwidth(eng, sync) -> None:
 
     # on a fresh engine: host slots 0..n-1 and device blocks 0..n-1 hold nothing yet
     d2h = timed(lambda: tiers.mover.offload(ids, tiers.host.data, ids))
-    h2d = timed(lambda: tiers.mover.scatter(tiers.mover.stage([tiers.host.data[i] for i in ids], [None] * n), ids))
+    h2d = timed(lambda: tiers.mover.scatter(tiers.mover.stage([tiers.host.data[i] for i in ids], [None] * n), ids,
+                                            tiers.mover.last_load))
     d2h_ceiling = timed(lambda: pinned.copy_(dev, non_blocking=True))
     h2d_ceiling = timed(lambda: dev.copy_(pinned, non_blocking=True))
     for name, t, ceiling in (("D2H", d2h, d2h_ceiling), ("H2D", h2d, h2d_ceiling)):
@@ -1080,6 +1084,97 @@ def _decode_step_ms(eng, sync, batch: int, steps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _history_sizes(sc: "EngineScale") -> tuple[int, ...]:
+    """History lengths of the one-chat TTFT rows (the 1B quick model's max_model_len is 4k)."""
+    return (64, 160) if SMOKE else (2048, 8192) if sc.model_size == "8b" else (2048,)
+
+
+def _history_turn(eng, sync, history: int, rng) -> tuple[float, float, float, int]:
+    """One chat whose `history`-token prompt was pushed out of the device pool (to the host tier,
+    by unrelated prompts as long that fill the pool), then its next turn (+64 tokens) beside a
+    batch of 8 decoding requests: (its time to first token in s, the batch's median plain decode
+    step in ms, the step that admitted the turn in ms: its load overlaps that step, the batch
+    goes on; the blocks loaded)."""
+    import statistics
+
+    from services.protocol.sampling import SamplingParams
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompt = _prompt(rng, history, eng.vocab_size)
+    fillers = eng.block_manager.num_blocks * eng.config.block_size // history + 1
+    for i in range(1 + fillers):
+        eng.add_request(f"h{history}-{i}", prompt if i == 0 else _prompt(rng, history, eng.vocab_size), greedy)
+        _drain(eng)
+    loaded = sum(eng.stats().extra.get("kv_tiers", {}).get("loaded_blocks", {}).values())
+    for i in range(8):
+        eng.add_request(f"d{history}-{i}", _prompt(rng, 32, eng.vocab_size),
+                        SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    steps = []
+    for _ in range(12):
+        sync()
+        t = time.perf_counter()
+        eng.step()
+        sync()
+        steps.append(time.perf_counter() - t)
+    eng.add_request(f"t{history}", prompt + _prompt(rng, 64, eng.vocab_size), greedy)
+    t0, admit_s, ttft = time.perf_counter(), None, None
+    while ttft is None and eng.has_unfinished_requests():
+        t = time.perf_counter()
+        deltas = eng.step()
+        sync()
+        admit_s = time.perf_counter() - t if admit_s is None else admit_s
+        if any(d.request_id == f"t{history}" for d in deltas):
+            ttft = time.perf_counter() - t0
+    _drain(eng)
+    loaded = sum(eng.stats().extra.get("kv_tiers", {}).get("loaded_blocks", {}).values()) - loaded
+    return ttft or float("nan"), 1e3 * statistics.median(steps[4:]), 1e3 * admit_s, loaded
+
+
+def _tier_history_rows(args, model_dir, sync, tiers: dict, deadline) -> None:
+    """Per history length: the next turn's TTFT loading the history (policy always) against
+    recomputing it (never), and the batch's decode step while the load is under way."""
+    import random
+
+    bs, sizes = 16, _history_sizes(args.scale)
+    pool = 2 * max(sizes) // bs + 64        # the turn and the batch beside it fit
+    ttft = {}
+    for policy in ("never", "always"):
+        if deadline.left() < 90:
+            row("kv_tiers", f"history TTFT policy={policy}", "skipped (time)")
+            return
+        eng = _tier_engine(args, model_dir, pool, kv_load_policy=policy,
+                           **dict(tiers, kv_offload_dir=os.path.join(tiers["kv_offload_dir"], policy)))
+        rng = random.Random(2)
+        for history in sizes:
+            ttft[policy, history], plain_ms, admit_ms, loaded = _history_turn(eng, sync, history, rng)
+            if policy == "always":
+                row("kv_tiers", f"decode step of 8 while a {history}-token history loads", admit_ms, "ms",
+                    f"plain decode step {plain_ms:.2f} ms; the load ({loaded} blocks) overlaps this step")
+        eng.close()
+        del eng
+        empty_cache()
+    for history in sizes:
+        row("kv_tiers", f"next-turn TTFT after a {history}-token history, recompute / load",
+            ttft["never", history] / ttft["always", history], "x",
+            f"load {1e3 * ttft['always', history]:.1f} ms, recompute {1e3 * ttft['never', history]:.1f} ms")
+
+
+def _tier_drain_and_scan(eng, directory: str) -> None:
+    """Drain to disk (the device's and host tier's cached blocks, as on SIGTERM) and the start-up
+    scan that rebuilds the disk index from those files."""
+    from gpu_worker.kv_tiers import disk_restore
+    from gpu_worker.kv_tiers.drain_to_disk import drain_to_disk
+    tiers = eng.kv_tiers
+    result = drain_to_disk(tiers, time.monotonic() + 60)
+    nbytes = result.written * tiers.mover.block_bytes
+    row("kv_tiers", "drain to disk", nbytes / max(result.seconds, 1e-9) / 1e9, "GB/s",
+        f"{result.written} blocks in {result.seconds:.2f} s, {result.left} left")
+    t = time.perf_counter()
+    found = disk_restore.scan(directory, tiers.layout, tiers.mover.block_bytes)
+    seconds = time.perf_counter() - t
+    row("kv_tiers", "restart: disk index scan", len(found.blocks) / max(seconds, 1e-9), "files/s",
+        f"{len(found.blocks)} files in {seconds:.2f} s (headers only), {found.dropped} dropped")
+
+
 def section_kv_tiers(args, deadline) -> None:
     """KV tiers (gpu_worker/kv_tiers): copy bandwidth against the pinned ceiling, multi-turn TTFT
     with tiers (policy always / auto) against recompute (never), decode step time with
@@ -1101,13 +1196,17 @@ def section_kv_tiers(args, deadline) -> None:
             if deadline.left() < 60:
                 row("kv_tiers", f"chat policy={policy}", "skipped (time)")
                 continue
-            eng = _tier_engine(args, model_dir, pool, kv_load_policy=policy, **tiers)
+            # a directory per engine: one would restore the previous one's files (the same chats)
+            directory = os.path.join(tmp, policy)
+            eng = _tier_engine(args, model_dir, pool, kv_load_policy=policy, **dict(tiers, kv_offload_dir=directory))
             if policy == "always":
                 _tier_copy_bandwidth(eng, sync)
             ttft[policy] = _tier_chat_ttft(eng, users, turns, per_turn, deadline)
             row("kv_tiers", f"chat TTFT per turn, policy={policy}", " ".join(f"{1e3 * t:.1f}" for t in ttft[policy]),
                 "ms", f"{users} users x {turns} turns, +{per_turn} tokens a turn, {pool}-block device pool; "
                 f"decisions {eng.stats().extra['kv_tiers']['decisions']}")
+            if policy == "auto":
+                _tier_drain_and_scan(eng, directory)
             eng.close()
             del eng
             empty_cache()
@@ -1118,6 +1217,10 @@ def section_kv_tiers(args, deadline) -> None:
         if "auto" in ttft and "never" in ttft and "always" in ttft:
             worst = max(a / min(n, l) for a, n, l in zip(ttft["auto"], ttft["never"], ttft["always"]))
             row("kv_tiers", "auto vs the better of always/never, worst turn", worst, "x", "target <= 1.05")
+    with tempfile.TemporaryDirectory(prefix="kvmesh-tiers-") as tmp:    # a fresh disk tier
+        _tier_history_rows(args, model_dir, sync, dict(tiers, kv_offload_dir=tmp), deadline)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-tiers-") as tmp:
+        tiers = dict(tiers, kv_offload_dir=tmp)
         if deadline.left() < 60:
             row("kv_tiers", "decode with offload", "skipped (time)")
             return

@@ -270,6 +270,11 @@ class BlockManager:
         """Every block the lower tiers hold, as (hash, parent, token_ids, tier)."""
         return self.lower_tiers.snapshot() if self.lower_tiers is not None else []
 
+    def blocks_newest_first(self) -> list[Block]:
+        """Every hashed block: those in use, then the cached ones most recently used first."""
+        used = [self.blocks[b] for b in self._by_hash.values() if self.blocks[b].ref_count]
+        return used + [self.blocks[b] for b in reversed(self._cached)]
+
     def cached_block_hashes(self) -> list[tuple[bytes, bytes | None, list[int]]]:
         """Snapshot of every hashed block (used or cached) as (hash, parent, token_ids), in the
         order they were stored, so a parent comes before its children."""

@@ -466,9 +466,9 @@ class Engine:
 
     def _stuck(self) -> bool:
         """Requests wait, yet nothing runs and no block will come back: blocks held for or awaited
-        from another engine (KV hand-off) do come back when it answers."""
+        from another engine (KV hand-off), or by a load from a lower KV tier, do come back."""
         return bool(self.scheduler.waiting and not self.scheduler.running and not self.exported
-                    and not self._importing)
+                    and not self._importing and not self.scheduler.loading)
 
     def _finish_reason_at(self, seq: Sequence, token_id: int, num_tokens: int) -> str | None:
         """_finish_reason for the token at index num_tokens - 1 of seq.token_ids."""

@@ -63,6 +63,17 @@ class KVEventPublisher:
         self.published = 0
         self.snapshots_served = 0
         block_manager.add_listener(self)
+        self._announce_held_blocks()
+
+    def _announce_held_blocks(self) -> None:
+        """The stream opens with the blocks the engine holds already (a disk tier restored at
+        start-up), so the index routes their prefixes here without asking for a snapshot."""
+        for h, parent, tokens in self.block_manager.cached_block_hashes():
+            self.on_stored(h, parent, tokens)
+        lower = getattr(self.block_manager, "lower_tier_block_hashes", None)
+        if lower is not None:
+            for h, parent, tokens, tier in lower():
+                self.on_stored(h, parent, tokens, tier)
 
     def set_epoch(self, epoch: int) -> None:
         """Adopt the registry lease's epoch (known only after registering this publisher's

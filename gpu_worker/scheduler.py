@@ -73,6 +73,8 @@ class Scheduler:
         self.running: list[Sequence] = []   # sorted by sort_key, hold blocks
         self.prefilled: list[Sequence] = []  # KV received from a prefill engine, hold blocks:
                                              # join running as batch slots free up
+        self.loading: list[Sequence] = []    # KV being loaded from a lower tier (TieredScheduler),
+                                             # hold blocks: join running when it has arrived
         self.num_preemptions = 0
 
     # ---- the loop ------------------------------------------------------------------------
@@ -119,7 +121,7 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
         bm = self.block_manager
-        slots = sum(_seq_slots(s) for s in self.running)
+        slots = sum(_seq_slots(s) for s in self.running) + sum(_seq_slots(s) for s in self.loading)
         free = self.max_num_seqs - slots
         if (self.running and free < min(self.admit_group, len(self.waiting))
                 and self.running[-1].sort_key < self.waiting[0].sort_key):
@@ -141,10 +143,12 @@ class Scheduler:
                 token_budget += self._unschedule(victim, out)
                 slots -= _seq_slots(victim)
                 self._preempt(victim, out)
-            self._load_lower_tiers(seq, len(hits), lower)
+            self.waiting.pop(0)
+            if not self._load_lower_tiers(seq, len(hits), lower):
+                slots += _seq_slots(seq)           # in self.loading until its blocks arrive: its
+                continue                           # slot is kept, it computes nothing this step
             if seq.index == 0 and seq.num_preemptions == 0:
                 seq.request.num_cached_tokens = seq.num_computed_tokens
-            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             out.scheduled.append(ScheduledSeq(seq, num_new))
@@ -157,9 +161,12 @@ class Scheduler:
         tier instead of computing them. No side effects: admission may still fail."""
         return 0
 
-    def _load_lower_tiers(self, seq: Sequence, first: int, num_blocks: int) -> None:
-        """seq holds its blocks now: load the planned ones, advancing num_computed_tokens. A
-        block that is gone by now is computed instead (this step's chunk then ends earlier)."""
+    def _load_lower_tiers(self, seq: Sequence, first: int, num_blocks: int) -> bool:
+        """seq holds its blocks now (out of the waiting queue): start loading the planned ones.
+        True: nothing to wait for, seq joins this step's batch; False: seq waits in
+        self.loading while the batch goes on (its blocks arrive, num_computed_tokens advances,
+        then it joins). A block that is gone by now is computed instead."""
+        return True
 
     def _victim(self, before: Sequence | None) -> Sequence | None:
         """The lowest-ranked running sequence ranked after `before` (None: any), to preempt. An
@@ -238,9 +245,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.prefilled:
             self.prefilled.remove(seq)
+        elif seq in self.loading:
+            self.loading.remove(seq)
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilled)
+        return bool(self.waiting or self.running or self.prefilled or self.loading)

@@ -101,9 +101,10 @@ class EngineArgs:
                                         "cached blocks the device evicts are copied there (asynchronously on "
                                         "CUDA) and loaded back on a prefix hit; 0: no host tier.", min=0, max=65536)
     kv_offload_dir: str | None = opt(None, "Engine: directory of a local-disk KV tier below the host tier (created "
-                                           "0700, one 0600 file per block with a checksummed header; block files "
-                                           "found there at start-up are deleted); none: no disk tier. Needs "
-                                           "kv_offload_disk_gb.", unset="", pattern=r".{1,4096}",
+                                           "0700, one 0600 file per block with a checksummed header; locked: one "
+                                           "engine per directory; the blocks a previous engine left there are "
+                                           "restored at start-up, and a draining worker writes its cached blocks "
+                                           "there); none: no disk tier. Needs kv_offload_disk_gb.", unset="", pattern=r".{1,4096}",
                                      expected="a directory path of 1 to 4096 characters")
     kv_offload_disk_gb: float = opt(0.0, "Engine: most GiB the disk tier's files take (with kv_offload_dir).",
                                     min=0, max=65536)

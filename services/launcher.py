@@ -95,7 +95,13 @@ def _gpu_count() -> int:
 def _engine_flags(cfg: ServeConfig) -> list[str]:
     """The worker flags that reproduce serve's engine fields (defaults are left out: the workers
     have the same served defaults); the model and the device are given per worker."""
-    return to_argv(ServedEngineArgs(**engine_args_of(cfg)), skip=("model", "device"))
+    return to_argv(ServedEngineArgs(**engine_args_of(cfg)), skip=("model", "device", "kv_offload_dir"))
+
+
+def _disk_tier_flags(cfg: ServeConfig, worker: str) -> list[str]:
+    """A directory of its own under --kv-offload-dir for each worker (one engine per directory),
+    named by its stable id, so a restarted worker finds the blocks it left."""
+    return ["--kv-offload-dir", str(Path(cfg.kv_offload_dir) / worker)] if cfg.kv_offload_dir else []
 
 
 def _scheduler_flags(cfg: ServeConfig) -> list[str]:
@@ -153,7 +159,8 @@ class Stack:
                 device = f"cuda:{i % gpus}" if gpus > 1 else cfg.device
                 # a restarted worker keeps its --worker-id: it registers again under a new epoch
                 args = [*common, *internal, "--metrics-port", "0", "--model", model, "--device", device,
-                        "--worker-id", f"{prefix}-{k}", "--role", role, *_engine_flags(cfg)]
+                        "--worker-id", f"{prefix}-{k}", "--role", role, *_engine_flags(cfg),
+                        *_disk_tier_flags(cfg, f"{prefix}-{k}")]
                 if cfg.served_model_name:
                     args += ["--served-model-name", ",".join(cfg.served_model_name)]
                 if cfg.null_model:

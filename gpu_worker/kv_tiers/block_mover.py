@@ -40,7 +40,7 @@ class BlockMover:
         self.cuda = self.device.type == "cuda"
         self._offload_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._last_load: torch.cuda.Event | None = None
+        self._last_load: torch.cuda.Event | None = None     # the end of the newest stage()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []   # CUDA: copies to time
 
     def _timing_start(self, stream) -> "torch.cuda.Event":
@@ -100,6 +100,11 @@ class BlockMover:
         if done is not None:
             done.synchronize()
 
+    @property
+    def last_load(self) -> "torch.cuda.Event | None":
+        """The event that ends the newest stage() (CUDA), None off CUDA (its copies are done)."""
+        return self._last_load
+
     def stage(self, sources: list[torch.Tensor], pending: list["torch.cuda.Event | None"]) -> torch.Tensor:
         """Host blocks -> one staging tensor on the device (n, L, 2, bs, n_kv, hd * itemsize): taken now, so
         the host copies may be dropped or overwritten afterwards. `pending`: the offload events
@@ -108,6 +113,7 @@ class BlockMover:
             return torch.stack(sources)
         staged = torch.empty((len(sources), *self.block_shape), dtype=torch.uint8, device=self.device)
         stream = self._load_stream
+        staged.record_stream(stream)    # a load dropped before its scatter frees it only after the copy
         stream.wait_stream(torch.cuda.current_stream(self.device))    # staging memory is free
         for event in pending:
             if event is not None:
@@ -121,8 +127,9 @@ class BlockMover:
             self._last_load = self._timing_end(start, stream, len(sources) * self.block_bytes)
         return staged
 
-    def scatter(self, staged: torch.Tensor, block_ids: list[int]) -> None:
-        """staging -> device blocks, ordered before whatever the step stream runs next."""
+    def scatter(self, staged: torch.Tensor, block_ids: list[int], copied: "torch.cuda.Event | None") -> None:
+        """staging -> device blocks, after `copied` (the end of its stage()), ordered before
+        whatever the step stream runs next."""
         if not self.cuda:            # row copies: CPU index_copy_ of bytes runs ~3x slower
             for layer, cache in enumerate(self.kv_caches):
                 for kv, tensor in enumerate(cache):
@@ -131,7 +138,7 @@ class BlockMover:
                     for i, block_id in enumerate(block_ids):
                         rows[block_id].copy_(src[i])
             return
-        torch.cuda.current_stream(self.device).wait_event(self._last_load)
+        torch.cuda.current_stream(self.device).wait_event(copied)
         idx = to_device(block_ids, self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, idx, staged[:, layer, 0])

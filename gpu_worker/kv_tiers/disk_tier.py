@@ -5,8 +5,10 @@
                                                     its final name (a crash leaves only .tmp)
 
 The index (hash -> parent, token ids) lives in memory, LRU first, bounded by `max_blocks`
-(the configured bytes over one file's largest size). At start-up the directory's block files are
-removed: their parents and tokens, which the KV events need, are not in the files.
+(the configured bytes over one file's largest size). At start-up the directory is locked (one
+engine per directory) and the index is rebuilt from the files a previous engine left
+(disk_restore.py: headers checked, the oldest beyond `max_blocks` deleted), so a restarted worker
+starts warm; its KV-event stream then opens with these blocks.
 
 Files are written and deleted by one background thread, in the order asked, so the engine's
 thread never waits for the disk: a block is in the index as soon as its write is queued, and
@@ -21,20 +23,16 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import stat
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
-from gpu_worker.kv_tiers import tier_file
+from gpu_worker.kv_tiers import disk_restore, tier_file
 from gpu_worker.kv_transfer.layout import KVLayout
 
 log = logging.getLogger("kvmesh.kv_tiers")
-
-DISK_OVERHEAD = 4 + tier_file.MAX_HEADER_BYTES      # a file's bytes beyond its payload, at most
-_BLOCK_FILE = re.compile(r"^[0-9a-f]{32}\.kvb(\.tmp)?$")
 
 
 class DiskBlock(NamedTuple):
@@ -56,10 +54,25 @@ class DiskTier:
         self._queued: OrderedDict[bytes, tuple[Future, bytearray]] = OrderedDict()   # writes not done
         self._copies: deque[tuple[int, float]] = deque(maxlen=256)   # (bytes, seconds) of file I/O
         _private_directory(directory)
-        for name in os.listdir(directory):
-            if _BLOCK_FILE.match(name):
-                os.unlink(os.path.join(directory, name))
+        self._lock = disk_restore.lock_directory(directory)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-kv-disk")
+        self.num_restored = self._restore()
+
+    def _restore(self) -> int:
+        """Index the blocks a previous engine left here, newest `max_blocks` (the rest deleted)."""
+        t = time.monotonic()
+        found = disk_restore.scan(self.directory, self.layout, self.payload_len)
+        self.num_corrupt += found.dropped
+        keep = found.blocks[-self.max_blocks:] if self.max_blocks else []
+        for block in found.blocks[:len(found.blocks) - len(keep)]:
+            _unlink_path(self._path(block.block_hash))
+        for block in keep:
+            self._blocks[block.block_hash] = DiskBlock(block.parent, block.token_ids)
+        if found.blocks or found.dropped:
+            log.info("KV disk tier %s: restored %d blocks in %.1f s (%d over its size deleted, %d files "
+                     "dropped)", self.directory, len(keep), time.monotonic() - t, len(found.blocks) - len(keep),
+                     found.dropped + found.unscanned)
+        return len(keep)
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._blocks
@@ -77,11 +90,11 @@ class DiskTier:
     def write(self, block_hash: bytes, block: DiskBlock, payload: bytearray) -> None:
         """Queue a block's file (the caller made room and hands over `payload`)."""
         self._blocks[block_hash] = block
-        self._queued[block_hash] = (self._writer.submit(self._write_file, block_hash, payload), payload)
+        self._queued[block_hash] = (self._writer.submit(self._write_file, block_hash, block, payload), payload)
         while len(self._queued) > self.max_queued:
             self._settle_oldest(wait=True)
 
-    def _write_file(self, block_hash: bytes, payload: bytearray) -> None:
+    def _write_file(self, block_hash: bytes, block: DiskBlock, payload: bytearray) -> None:
         """(writer thread) Raises OSError when the write fails."""
         path = self._path(block_hash)
         tmp = path + ".tmp"
@@ -89,7 +102,7 @@ class DiskTier:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
-                for part in tier_file.encode(block_hash, self.layout, payload):
+                for part in tier_file.encode(block_hash, self.layout, payload, block.parent, block.token_ids):
                     view = memoryview(part)
                     while view:
                         view = view[os.write(fd, view):]
@@ -144,7 +157,7 @@ class DiskTier:
         try:
             fd = os.open(self._path(block_hash), os.O_RDONLY | os.O_NOFOLLOW)
             try:
-                data = _read_at_most(fd, DISK_OVERHEAD + self.payload_len + 1)
+                data = _read_at_most(fd, tier_file.file_overhead(self.layout.block_size) + self.payload_len + 1)
             finally:
                 os.close(fd)
             payload = tier_file.decode(data, block_hash, self.layout, self.payload_len)
@@ -185,14 +198,17 @@ class DiskTier:
         return list(self._blocks.items())
 
     def close(self) -> None:
+        """Finish the queued writes, then let another engine have the directory."""
         self._writer.shutdown(wait=True)
+        self._lock.close()
 
     def check_integrity(self) -> None:
         """cached <= total; while on, every indexed block has its file (nothing else is ours)."""
         self.drain()
         assert len(self._blocks) <= self.max_blocks, f"disk tier: {len(self._blocks)} > {self.max_blocks}"
         if self.enabled:
-            on_disk = {n for n in os.listdir(self.directory) if _BLOCK_FILE.match(n)}
+            on_disk = {n for n in os.listdir(self.directory)
+                       if disk_restore.BLOCK_FILE.match(n) or disk_restore.PARTIAL_FILE.match(n)}
             assert on_disk == {h.hex() + ".kvb" for h in self._blocks}, "disk tier: files differ from the index"
 
 

@@ -3,7 +3,8 @@
     device LRU evicts a cached block --(flush: gather + D2H)--> host tier --(host LRU)--> disk tier
                                                                   |                        |
     admission: device prefix hit, then the next blocks found here -+-- load k (policy) ----+
-               -> stage (H2D / file read) -> flush -> scatter into the sequence's new blocks
+               -> begin_load: stage (H2D / file read) -> flush
+               ... a later schedule, once `ready` -> finish_load: scatter into the new blocks
 
 The block manager reports evictions (`on_evict`) while it hands blocks out; their KV is copied
 out in `flush`, which runs before anything can overwrite those blocks: at the end of every
@@ -20,7 +21,8 @@ from typing import NamedTuple
 import torch
 
 from gpu_worker.kv_tiers.block_mover import BlockMover
-from gpu_worker.kv_tiers.disk_tier import DISK_OVERHEAD, DiskBlock, DiskTier
+from gpu_worker.kv_tiers import tier_file
+from gpu_worker.kv_tiers.disk_tier import DiskBlock, DiskTier
 from gpu_worker.kv_tiers.host_tier import HostBlock, HostTier
 from gpu_worker.kv_tiers.load_policy import LoadPlan, LoadPolicy
 from gpu_worker.kv_tiers.tier_stats import TierStats
@@ -41,6 +43,16 @@ class Evicted(NamedTuple):
     token_ids: tuple[int, ...]
 
 
+class PendingLoad(NamedTuple):
+    """A load under way: its blocks are staged (or being copied) towards the device."""
+    seq: Sequence
+    first: int                                # index of the first loaded block in seq's table
+    staged: torch.Tensor                      # (n, L, 2, bs, n_kv, hd * itemsize) on the device
+    copied: "torch.cuda.Event | None"         # the end of the copy into `staged` (None: done)
+    tiers: list[str]                          # the tier of each block
+    copy_s: float                             # host time spent staging (CPU copies' bandwidth)
+
+
 class KVTiers:
     def __init__(self, block_manager, kv_caches, layout: KVLayout, *, cpu_bytes: int, disk_dir: str | None,
                  disk_bytes: int, policy: str) -> None:
@@ -50,8 +62,9 @@ class KVTiers:
         self.layout = layout
         bb = self.mover.block_bytes
         self.host = HostTier(self.mover.host_blocks(cpu_bytes // bb)) if cpu_bytes >= bb else None
-        self.disk = (DiskTier(disk_dir, disk_bytes // (bb + DISK_OVERHEAD), layout, bb)
-                     if disk_dir and disk_bytes >= bb + DISK_OVERHEAD else None)
+        file_bytes = bb + tier_file.file_overhead(self.block_size)
+        self.disk = (DiskTier(disk_dir, disk_bytes // file_bytes, layout, bb)
+                     if disk_dir and disk_bytes >= file_bytes else None)
         self.policy = LoadPolicy(policy, bb, self.block_size)
         self.stats = TierStats()
         self._evicted: list[Evicted] = []
@@ -81,7 +94,7 @@ class KVTiers:
             for num_bytes, seconds in self.mover.finished_copies():   # host <-> device, both ways
                 self.policy.observe_copy("cpu", num_bytes, seconds)
         if self.disk is not None and self.disk.enabled:
-            self._poll_disk()
+            self.poll_disk()
         if not self._evicted:
             return
         evicted, self._evicted = self._evicted, []
@@ -117,7 +130,7 @@ class KVTiers:
         self._removed(block_hash, "cpu")
         if self.disk is not None and self.disk.enabled and block_hash not in self.disk:
             self.mover.wait_offloaded(block.offloaded)
-            self._write_disk(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot])
+            self.write_disk(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot])
         return block.slot
 
     def _offload_to_disk(self, evicted: list[Evicted]) -> None:
@@ -126,9 +139,9 @@ class KVTiers:
             return
         staged = self.mover.offload_to_memory([e.block_id for e in fresh])   # (n, L, 2, bs, n_kv, hd * isz)
         for e, block in zip(fresh, staged):
-            self._write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block)
+            self.write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block)
 
-    def _write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor) -> None:
+    def write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor) -> None:
         """Queue a block's file; `data` (host bytes) is copied, so its slot may be reused at once."""
         disk = self.disk
         while disk.is_full():
@@ -137,7 +150,7 @@ class KVTiers:
         self.stats.offloaded_blocks["disk"] += 1
         self._stored(block_hash, block.parent, block.token_ids, "disk")
 
-    def _poll_disk(self) -> None:
+    def poll_disk(self) -> None:
         """Settle the disk tier's background writes: their times feed the bandwidth estimate, and
         a failed one (the tier turned itself off) removes every block it held."""
         for num_bytes, seconds in self.disk.poll():
@@ -177,14 +190,14 @@ class KVTiers:
         self.stats.predicted_load_s.observe(plan.load_s)
         self.stats.predicted_recompute_s.observe(plan.recompute_s)
 
-    def load(self, seq: Sequence, first: int, num_blocks: int) -> int:
-        """Bring blocks first..first+num_blocks of seq back into its block table (already
-        allocated), advancing num_computed_tokens; returns how many came back (fewer when one
-        is gone or does not verify: the rest is computed). The loaded blocks join the device's
-        prefix cache when the scheduler registers them."""
+    def begin_load(self, seq: Sequence, first: int, num_blocks: int) -> PendingLoad | None:
+        """Start bringing blocks first..first+num_blocks of seq back into its block table (already
+        allocated): the sources are read and copied towards the device (CUDA: on the load stream,
+        while the batch goes on). None when none is found (one gone or not verifying ends the
+        run: the rest is computed). finish_load completes it once `ready`."""
         self._count_decision(seq)
         if not num_blocks:
-            return 0
+            return None
         sources, pending, tiers = self._read_sources(seq.block_hashes[first:first + num_blocks])
         self.stats.load_shortfall_blocks += num_blocks - len(sources)
         # Order matters: the sources are copied out first (the flush may reuse their host slots),
@@ -194,17 +207,27 @@ class KVTiers:
         copy_s = time.perf_counter() - t
         self.flush()
         if staged is None:
-            return 0
+            return None
+        return PendingLoad(seq, first, staged, self.mover.last_load, tiers, copy_s)
+
+    def ready(self, load: PendingLoad) -> bool:
+        """The load's copy towards the device is done (always, off CUDA); never waits."""
+        return load.copied is None or load.copied.query()
+
+    def finish_load(self, load: PendingLoad) -> int:
+        """Scatter a started load into its blocks (ordered after its copy), advancing the
+        sequence's num_computed_tokens; returns the blocks loaded. The loaded blocks join the
+        device's prefix cache when the engine registers the sequence's computed blocks."""
+        seq, n = load.seq, len(load.tiers)
         t = time.perf_counter()
-        self.mover.scatter(staged, seq.block_table[first:first + len(sources)])
-        if not self.mover.cuda and "disk" not in tiers:     # CUDA copies are timed on the device
-            copy_s += time.perf_counter() - t
-            self.policy.observe_copy("cpu", len(sources) * self.mover.block_bytes, copy_s)
-        for tier in tiers:
+        self.mover.scatter(load.staged, seq.block_table[load.first:load.first + n], load.copied)
+        if not self.mover.cuda and "disk" not in load.tiers:     # CUDA copies are timed on the device
+            self.policy.observe_copy("cpu", n * self.mover.block_bytes, load.copy_s + time.perf_counter() - t)
+        for tier in load.tiers:
             self.stats.loaded_blocks[tier] += 1
-        seq.num_computed_tokens += len(sources) * self.block_size
-        self.block_manager.prefix_hit_tokens += len(sources) * self.block_size
-        return len(sources)
+        seq.num_computed_tokens += n * self.block_size
+        self.block_manager.prefix_hit_tokens += n * self.block_size
+        return n
 
     def _read_sources(self, hashes: list[bytes]) -> tuple[list[torch.Tensor], list, list[str]]:
         sources, pending, tiers = [], [], []
@@ -265,7 +288,7 @@ class KVTiers:
         self.policy.observe_copy("cpu", n * self.mover.block_bytes, time.perf_counter() - t)
         if self.disk is not None:                # one file written and read back, then deleted
             probe = b"\x00" * 16
-            self.disk.write(probe, DiskBlock(None, ()), bytearray(staged[0].reshape(-1).numpy()))
+            self.disk.write(probe, DiskBlock(None, (0,) * self.block_size), bytearray(staged[0].reshape(-1).numpy()))
             self.disk.drain()
             for num_bytes, seconds in self.disk.poll():     # a failed write turns the tier off here
                 self.policy.observe_copy("disk", num_bytes, seconds)
@@ -273,7 +296,7 @@ class KVTiers:
                 self.disk.read(probe)
             self.disk.forget(probe)
             self.disk.drain()
-            self._poll_disk()
+            self.poll_disk()
 
     # ---- maintenance ---------------------------------------------------------------------
     def clear(self) -> None:
@@ -301,6 +324,7 @@ class KVTiers:
             "disk_blocks": len(self.disk) if self.disk is not None else 0,
             "disk_enabled": bool(self.disk is not None and self.disk.enabled),
             "disk_corrupt_files": self.disk.num_corrupt if self.disk is not None else 0,
+            "disk_restored_blocks": self.disk.num_restored if self.disk is not None else 0,
             "offloaded_blocks": dict(s.offloaded_blocks), "loaded_blocks": dict(s.loaded_blocks),
             "decisions": dict(s.decisions), "recomputed_tier_tokens": s.recomputed_tier_tokens,
             "load_shortfall_blocks": s.load_shortfall_blocks,

@@ -18,7 +18,8 @@ in the new epoch and the prefix index resyncs it from a snapshot). SIGTERM drain
 record says `draining` (no new work is routed here), running requests finish (up to
 --drain-grace-s), those left are handed back (stopped, their KV freed, listed in a WorkerStatus's
 `handed_back`: the scheduler moves each to another worker, where it continues from the tokens
-already streamed), then the lease is released.
+already streamed), an engine with a disk KV tier writes its cached KV there (up to 5 s: the next
+worker on the same directory starts warm), then the lease is released.
 
 Roles (--role): a prefill worker queues each hand-off for its sender thread (handoff.PrefillSender)
 right after the step output carrying the request's first token went to its socket, and frees the
@@ -41,8 +42,10 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -64,6 +67,7 @@ from services.transport import SenderPool, SyncReceiver, add_health, grpc_server
 DRAIN_TIMEOUT_S = next(f.default for f in dataclasses.fields(WorkerConfig) if f.name == "drain_grace_s")
 FAIL_ALL_TIMEOUT_S = 5.0  # after the drain's grace: for the engine thread to hand back (or fail) what is left
 FLUSH_S = 0.3             # after that: for the sockets to write the last messages (they close without linger)
+DRAIN_TO_DISK_S = 5.0     # then writing the cached KV to a disk tier
 STOP_DEADLINE_S = 20.0   # after the drain: engine join, lease release, freeing the device
 log = logging.getLogger("kvmesh.worker")
 # message -> the roles that may send it (a gateway that detokenizes stops a sample its stop string ended)
@@ -136,11 +140,29 @@ class EngineThread(threading.Thread):
         self.handing_back = False                   # set by the loop thread (drain): hand back all, then idle
         self.handed_back = 0                        # requests handed back so far
         self.error: BaseException | None = None
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()   # run between two steps
+
+    def call_between_steps(self, fn: Callable[[], Any]) -> Future:
+        """Run fn on this thread before its next step (the engine is not thread-safe); the future
+        holds its result."""
+        future: Future = Future()
+        self._calls.append((fn, future))
+        return future
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as exc:    # the caller decides; the engine goes on
+                future.set_exception(exc)
 
     def run(self) -> None:
         held: list[Envelope] = []    # output of steps that ended while the lease was in doubt
         try:
             while not self.stop.is_set():
+                if self._calls:
+                    self._run_calls()
                 if self.lease.epoch != self.core.epoch:
                     held = []        # the old incarnation's: its requests were failed
                     self._rejoin(self.lease.epoch)
@@ -361,8 +383,13 @@ class WorkerService:
         deadline = time.monotonic() + self.cfg.drain_grace_s
         while (self.core.requests or self.core.awaiting) and time.monotonic() < deadline and self.engine.is_alive():
             await asyncio.sleep(0.05)
-        if not (self.core.requests or self.core.awaiting) or not self.engine.is_alive():
-            return
+        if (self.core.requests or self.core.awaiting) and self.engine.is_alive():
+            await self._hand_back_or_fail()
+        await self._drain_kv_to_disk()
+
+    async def _hand_back_or_fail(self) -> None:
+        """What the drain's grace did not finish goes back to the scheduler (which moves it), or,
+        with no scheduler known, ends with an error."""
         # bounded: an engine thread holding its output for a lapsed lease never takes it up
         deadline = time.monotonic() + FAIL_ALL_TIMEOUT_S
         if self.scheduler_addrs:
@@ -376,6 +403,20 @@ class WorkerService:
             while self.engine.fail_message is not None and self.engine.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         await asyncio.sleep(FLUSH_S)
+
+    async def _drain_kv_to_disk(self) -> None:
+        """The engine's cached KV (device and host tier, newest first) goes to its disk tier before
+        the worker leaves (gpu_worker/kv_tiers/drain_to_disk.py), on the engine thread, bounded."""
+        tiers = getattr(self.core.engine, "kv_tiers", None)
+        if tiers is None or tiers.disk is None or not self.engine.is_alive():
+            return
+        from gpu_worker.kv_tiers.drain_to_disk import drain_to_disk
+        deadline = time.monotonic() + DRAIN_TO_DISK_S
+        future = self.engine.call_between_steps(lambda: drain_to_disk(tiers, deadline))
+        try:   # past the deadline only the writes already queued (at most 64 blocks) are waited for
+            await asyncio.wait_for(asyncio.wrap_future(future), DRAIN_TO_DISK_S + 5)
+        except Exception as exc:  # a slow or failing disk costs the next worker a warm start, no more
+            log.warning("draining the KV cache to disk failed: %r", exc)
 
     async def _refresh_schedulers(self) -> None:
         fresh = await self.registry.list("scheduler")

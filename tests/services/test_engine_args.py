@@ -24,7 +24,7 @@ from gpu_worker.llm import LLM
 from gpu_worker.service.main import engine_config
 from services.config import ServeConfig, WorkerConfig, build_parser, env_name, flag_name, parse_config
 from services.engine_args import ENGINE_FIELDS, SERVED_DEFAULTS, EngineArgs, ServedEngineArgs
-from services.launcher import _engine_flags
+from services.launcher import _disk_tier_flags, _engine_flags
 from services.options import out_of_bounds
 from tests.helm.chart import CHART, RELEASE, containers, env_of, helm, run_helm  # noqa: F401 (helm: a fixture)
 
@@ -32,7 +32,7 @@ from tests.helm.chart import CHART, RELEASE, containers, env_of, helm, run_helm 
 NOT_FLAGS = {"tuning": "the KVMESH_* tuning variables (services/config.py's TUNING_ENV), read when "
                        "an EngineConfig is built"}
 # Engine fields `kvmesh serve` sets per worker itself rather than through _engine_flags.
-PER_WORKER = ("model", "device")
+PER_WORKER = ("model", "device", "kv_offload_dir")
 # Engine fields the Helm chart sets from values of its own, and why.
 HELM_SET = {"device": "worker.device: pods that request GPUs run on cuda",
             "tensor_parallel_size": "worker.gpus: one rank per GPU of the pod (set above 1 only)",
@@ -104,9 +104,11 @@ def test_every_engine_config_field_is_an_engine_arg_or_named_as_no_flag():
 def test_serve_flags_reach_the_workers_engine(samples):
     serve = parse_config(ServeConfig, _flags(samples), "kvmesh serve", env={})
     handed_on = _engine_flags(serve)
-    worker_argv = ["--model", serve.model, "--device", serve.device, *handed_on]
+    worker_argv = ["--model", serve.model, "--device", serve.device, *handed_on, *_disk_tier_flags(serve, "worker-0")]
     config = engine_config(parse_config(WorkerConfig, worker_argv, "kvmesh worker", env={}))
     for name, value in samples.items():
+        if name == "kv_offload_dir":             # one directory per worker, under serve's
+            value = f"{value}/worker-0"
         assert getattr(config, name) == value, name
     assert not {flag_name(name) for name in PER_WORKER} & set(handed_on)
 

@@ -1,7 +1,7 @@
 """`kvmesh serve` hands its engine settings to every worker it starts, under the worker's own
 flag names, and its routing to the scheduler."""
 from services.config import SchedulerConfig, ServeConfig, WorkerConfig, parse_config
-from services.launcher import _engine_flags, _scheduler_flags
+from services.launcher import _disk_tier_flags, _engine_flags, _scheduler_flags
 
 ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "dtype", "gpu_memory_utilization",
                  "quantization", "kv_cache_dtype", "async_scheduling", "attention_backend")
@@ -37,3 +37,11 @@ def test_serve_routing_fields_reach_the_scheduler():
     assert (scheduler.routing, scheduler.pd_min_prefill_tokens, scheduler.route_conversation_ttl_s) == (
         "least_loaded", 32, 0.0)
     assert ServeConfig().route_conversation_ttl_s == SchedulerConfig().route_conversation_ttl_s
+
+
+def test_each_worker_gets_a_disk_tier_directory_of_its_own():
+    serve = parse_config(ServeConfig, ["--kv-offload-dir", "/var/kv", "--kv-offload-disk-gb", "4"], "serve", env={})
+    dirs = [parse_config(WorkerConfig, [*_engine_flags(serve), *_disk_tier_flags(serve, w)], "worker",
+                         env={}).kv_offload_dir for w in ("worker-0", "worker-1")]
+    assert dirs == ["/var/kv/worker-0", "/var/kv/worker-1"]
+    assert _disk_tier_flags(ServeConfig(), "worker-0") == []

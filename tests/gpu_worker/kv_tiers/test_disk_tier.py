@@ -21,7 +21,7 @@ def test_queued_writes_read_back_and_land_on_disk(tmp_path):
     try:
         for i in range(6):
             h, payload = block(i)
-            disk.write(h, DiskBlock(None, (i,)), payload)
+            disk.write(h, DiskBlock(None, (i,) * 4), payload)
             assert len(disk._queued) <= 2                    # the writer's backlog stays bounded
             assert bytes(disk.read(h)) == bytes(payload)     # readable before it is on disk
         disk.forget(block(0)[0])                             # its delete runs after its write

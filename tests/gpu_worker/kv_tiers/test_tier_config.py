@@ -46,7 +46,7 @@ HASH = bytes(range(16))
 
 
 def _file(payload: bytes = b"x" * 64) -> bytes:
-    return b"".join(bytes(p) for p in tier_file.encode(HASH, LAYOUT, payload))
+    return b"".join(bytes(p) for p in tier_file.encode(HASH, LAYOUT, payload, None, range(16)))
 
 
 def test_a_valid_file_round_trips():
@@ -59,6 +59,8 @@ def test_a_valid_file_round_trips():
     (_file()[:-1] + b"y", HASH, LAYOUT, "checksum"),
     (_file(), bytes(16), LAYOUT, "another block"),
     (_file(), HASH, KVLayout("m", 16, "bfloat16", 2, 2, 8, 1), "foreign KV layout"),
+    (b"".join(bytes(p) for p in tier_file.encode(HASH, LAYOUT, b"x" * 64, None, range(3))), HASH, LAYOUT,
+     "token ids"),
     ((1 << 31).to_bytes(4, "little") + _file()[4:], HASH, LAYOUT, "header length"),
     (b"\x02\x00\x00\x00\x91\x01" + b"x" * 64, HASH, LAYOUT, "unreadable header"),
 ])

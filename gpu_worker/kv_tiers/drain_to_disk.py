@@ -1,0 +1,71 @@
+"""Drain to disk: a worker told to leave writes its hot KV to its disk tier, so the next worker on
+the same directory (the same pod restarted, the same volume) starts warm.
+
+    device blocks in use, then cached ones most recently used first  \\  skipped when already on
+    host-tier blocks most recently used first                          /  disk; at most the disk's
+                                                                         size; until the deadline
+
+Newest first, so a short grace keeps the blocks most likely to be asked for again. Device blocks
+are read in batches (one gather and device-to-host copy each); host blocks are written from
+their slots once their own offload copy is done. Runs on the engine's thread between steps.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+from gpu_worker.kv_tiers.disk_tier import DiskBlock
+from gpu_worker.kv_tiers.manager import KVTiers
+
+log = logging.getLogger("kvmesh.kv_tiers")
+
+_BATCH_BLOCKS = 32           # device blocks read per gather
+_PROGRESS_EVERY = 2_000      # blocks between two progress lines
+
+
+class DrainResult(NamedTuple):
+    written: int             # blocks queued and then settled on disk
+    left: int                # blocks not written: the deadline or the disk's size came first
+    seconds: float
+
+
+def drain_to_disk(tiers: KVTiers, deadline: float) -> DrainResult:
+    """Write the device's and the host tier's cached blocks to the disk tier, newest first, until
+    time.monotonic() passes `deadline`; waits for the writes. No disk tier: nothing to do."""
+    t0 = time.monotonic()
+    disk = tiers.disk
+    if disk is None or not disk.enabled:
+        return DrainResult(0, 0, 0.0)
+    device = [b for b in tiers.block_manager.blocks_newest_first() if b.hash not in disk]
+    host = [(h, b) for h, b in reversed(tiers.host.hashes()) if h not in disk] if tiers.host is not None else []
+    room = disk.max_blocks
+    written = 0
+    for start in range(0, min(len(device), room), _BATCH_BLOCKS):
+        if time.monotonic() >= deadline or not disk.enabled:
+            break
+        batch = device[start:min(start + _BATCH_BLOCKS, room)]
+        staged = tiers.mover.offload_to_memory([b.block_id for b in batch])   # (n, L, 2, bs, n_kv, hd * isz)
+        for block, data in zip(batch, staged):
+            tiers.write_disk(block.hash, DiskBlock(block.parent, block.token_ids), data)
+        written = _progress(written, len(batch), t0)
+    for block_hash, block in host[:max(room - written, 0)]:
+        if time.monotonic() >= deadline or not disk.enabled:
+            break
+        tiers.mover.wait_offloaded(block.offloaded)
+        tiers.write_disk(block_hash, DiskBlock(block.parent, block.token_ids), tiers.host.data[block.slot])
+        written = _progress(written, 1, t0)
+    disk.drain()
+    tiers.poll_disk()
+    if not disk.enabled:          # a write failed: the tier turned itself off and holds nothing
+        written = 0
+    result = DrainResult(written, len(device) + len(host) - written, time.monotonic() - t0)
+    log.info("KV drain to disk: wrote %d cached blocks in %.2f s (%d left: deadline or disk size)",
+             result.written, result.seconds, result.left)
+    return result
+
+
+def _progress(written: int, more: int, t0: float) -> int:
+    if (written + more) // _PROGRESS_EVERY > written // _PROGRESS_EVERY:
+        log.info("KV drain to disk: %d blocks written (%.1f s)", written + more, time.monotonic() - t0)
+    return written + more
