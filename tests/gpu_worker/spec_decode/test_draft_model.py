@@ -15,7 +15,7 @@ import torch
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from services.protocol.sampling import SamplingParams
-from tests.gpu_worker.engine.conftest import HFReference, tiny_models  # noqa: F401  (fixture)
+from tests.gpu_worker.engine.conftest import HFReference, _one_torch_thread, tiny_models  # noqa: F401  (fixtures)
 from tests.gpu_worker.engine.engine_fakes import assert_clean, collect
 from tests.gpu_worker.spec_decode.draft_models import draft_spec, near_copy, small_draft
 from tests.gpu_worker.spec_decode.spec_fakes import MAX_STEPS, prompt, repetitive
