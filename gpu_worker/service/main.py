@@ -223,6 +223,7 @@ class WorkerService:
         self.stopping = asyncio.Event()
         self.senders: SenderPool = SenderPool(plane)   # loop thread only (heartbeat status)
         self.scheduler_addrs: list[str] = []
+        self._spec_metrics = metrics.SpecDecodePublisher()
 
     async def run(self) -> int:
         cfg, loop = self.cfg, asyncio.get_running_loop()
@@ -394,13 +395,18 @@ class WorkerService:
         metrics.PREFIX_HIT_TOKENS.set(load["prefix_hit_tokens"])
 
     def _publish_tier_metrics(self) -> None:
-        """The KV tiers' gauges, for an engine that has tiers."""
+        """The KV tiers' gauges, for an engine that has tiers; the speculation counters, for an
+        engine that speculates."""
         try:
-            tiers = self.core.engine.stats().extra.get("kv_tiers")   # an engine with KV tiers
+            stats = self.core.engine.stats()
+            tiers = stats.extra.get("kv_tiers")   # an engine with KV tiers
         except RuntimeError:      # read while the engine thread runs: a dict changed size, next beat
             return
         if tiers is not None:
             metrics.publish_kv_tiers(tiers)
+        spec = stats.extra.get("spec_decode")
+        if spec is not None:
+            self._spec_metrics.publish(spec)
 
 
 def main(argv: list[str]) -> int:
