@@ -650,6 +650,8 @@ class Engine:
         t = time.perf_counter()
         if hasattr(self.runner, "warmup"):            # compile Triton's eager-step variants now,
             self.runner.warmup(cfg.max_num_seqs, min(cfg.max_num_batched_tokens, self.max_model_len))  # not mid-serving
+        if self.speculator is not None:               # a draft model's too (its shapes differ)
+            self.speculator.warmup(cfg.max_num_seqs, min(cfg.max_num_batched_tokens, self.max_model_len))
         self._warm_sampler()
         log.info("compiled the eager-step kernels in %.1f s", time.perf_counter() - t)
         if cfg.enforce_eager or not hasattr(self.runner, "capture_cuda_graphs"):

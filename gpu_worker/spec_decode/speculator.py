@@ -134,6 +134,10 @@ class Speculator:
         if self.draft is not None:
             self.draft.copy_blocks(src, dst)
 
+    def warmup(self, max_num_seqs: int, max_query_len: int) -> None:
+        if self.draft is not None:
+            self.draft.runner.warmup(max_num_seqs, max_query_len)
+
     def close(self) -> None:
         if self.draft is not None:
             self.draft.close()
