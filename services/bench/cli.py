@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -98,6 +99,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "(a kvmesh worker's; repeat for several workers); the server's own /metrics is scraped "
                         "too (vLLM's carries them). With counters, the report shows acceptance rate and mean "
                         "accepted length")
+    g.add_argument("--metrics-settle-s", type=float, default=1.5,
+                   help="with --metrics-url: seconds to wait after a run before scraping again (kvmesh workers "
+                        "publish their counters each heartbeat, 0.5 s by default)")
     g.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -145,6 +149,8 @@ class Plan:
             if value is not None and value < (0 if flag == "num_warmups" else 1):
                 name = "multi-turn-turns" if flag == "multi_turn_num_turns" else flag.replace("_", "-")
                 err(f"--{name} must be >= {0 if flag == 'num_warmups' else 1}, got {value}")
+        if not 0 <= args.metrics_settle_s <= 60:
+            err(f"--metrics-settle-s must be in [0, 60], got {args.metrics_settle_s}")
         if args.duration is not None and (args.duration <= 0 or (math.isinf(max(self.rates)) and not args.max_concurrency)):
             err("--duration needs a positive value and a finite --request-rate or a --max-concurrency")
         try:
@@ -231,6 +237,8 @@ def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> i
                         seed=args.seed + i, disable_tqdm=args.disable_tqdm)
         spec_before = _scrape_spec(plan, args)
         out = asyncio.run(run_benchmark(items, cfg, counter.count, on_warmup=_print_warmup))
+        if args.metrics_url:
+            time.sleep(args.metrics_settle_s)     # the workers' next heartbeat publishes the run
         spec = spec_metrics.run_stats(spec_before, _scrape_spec(plan, args))
         metrics = compute_metrics(out.results, out.duration, plan.computed_percentiles, plan.slos,
                                   count_tokens=counter.count, dataset_exact=True)

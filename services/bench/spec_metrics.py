@@ -18,6 +18,7 @@ import urllib.request
 PREFIXES = ("kvmesh_spec_decode_", "vllm:spec_decode_")
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 PER_POS = "num_accepted_tokens_per_pos"
+MAX_POSITIONS = 64                 # draft positions reported (servers speculate at most a few)
 MAX_METRICS_BYTES = 16 << 20       # a /metrics page larger than this is not read further
 
 
@@ -26,14 +27,16 @@ def _parse(text: str) -> dict:
     totals: dict = {name: 0.0 for name in COUNTERS}
     totals[PER_POS] = {}
     for family in text_string_to_metric_families(text):
-        short = next((family.name[len(p):] for p in PREFIXES if family.name.startswith(p)), None)
-        if short is None:
-            continue
-        for sample in family.samples:
-            if not sample.name.endswith("_total"):
-                continue                         # _created
+        for sample in family.samples:       # by sample name: exposition formats name families apart
+            prefix = next((p for p in PREFIXES if sample.name.startswith(p)), None)
+            if prefix is None or not sample.name.endswith("_total"):
+                continue                         # another metric, or a counter's _created
+            short = sample.name[len(prefix):-len("_total")]
             if short == PER_POS:
-                pos = int(sample.labels.get("position", "0"))
+                label = sample.labels.get("position", "")
+                if not (label.isdigit() and int(label) < MAX_POSITIONS):
+                    continue                     # not a draft position this report can show
+                pos = int(label)
                 totals[PER_POS][pos] = totals[PER_POS].get(pos, 0.0) + sample.value
             elif short in COUNTERS:
                 totals[short] += sample.value
