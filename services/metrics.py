@@ -180,8 +180,6 @@ HANDOFF_EXPIRIES = _worker(Counter("kvmesh_worker_kv_handoff_expiries", "Hand-of
 WORKER_REJOINS = _worker(Counter("kvmesh_worker_lease_rejoins", "Times this worker's lease lapsed (a pause or "
                                  "Redis outage past --lease-ms) and it rejoined with a new epoch, dropping "
                                  "every request of the old one"))
-# per request, where the worker's share of TTFT goes (vLLM's vllm:request_*_time_seconds); the
-# stages and their boundaries are drawn in gpu_worker/service/core.py
 # Speculative decoding (vLLM's names): counted from the engine's running totals at each heartbeat.
 # Labels are server-side: the configured method, and draft positions 0..num_speculative_tokens-1.
 SPEC_DRAFTS = _worker(Counter("kvmesh_spec_decode_num_drafts", "Speculative verifications: sequence-steps that "
@@ -212,6 +210,8 @@ class SpecDecodePublisher:
         self._last = stats
 
 
+# per request, where the worker's share of TTFT goes (vLLM's vllm:request_*_time_seconds); the
+# stages and their boundaries are drawn in gpu_worker/service/core.py
 WORKER_QUEUE = _worker(Histogram("kvmesh_worker_request_queue_seconds",
                                  "Dispatch received by the worker to the engine first scheduling any of its prompt "
                                  "tokens",

@@ -6,8 +6,9 @@
 ngram: prompt lookup (no model). draft_model: a smaller model with the target's tokenizer,
 loaded beside it (gpu_worker/spec_decode/draft_model.py); "draft_tensor_parallel_size" is
 accepted as vLLM spells it, and only 1. Unknown keys, wrong types and values out of bounds raise
-a ValueError naming the key (a draft directory that does not load fails when the engine starts). No torch here: every service's config embeds the
-field (services/engine_args.py), and a bad value fails at start-up in the process that reads it.
+a ValueError naming the key (a draft directory that does not load fails when the engine starts).
+No torch here: every service's config embeds the field (services/engine_args.py), and a bad
+value fails at start-up in the process that reads it.
 """
 from __future__ import annotations
 
