@@ -1,17 +1,24 @@
-"""N-gram speculative decoding against plain decoding: greedy decode tok/s at several batch sizes,
-with the acceptance actually reached, in two regimes (random weights make honest drafts rare):
+"""Speculative decoding against plain decoding: greedy decode tok/s over a ladder of batch sizes,
+with the acceptance actually reached, for each method in the regimes that bound it (random
+weights make honest drafts rare):
 
-    repeating   prompts that end in the model's own greedy output, which for random weights falls
-                into cycles: drafts from the context are often right (the upper-bound regime)
-    random      random-id prompts, prompt_lookup_min 1: drafts are proposed (a drawn id occurred
-                before) and almost never right (the overhead regime)
+    ngram/repeating          prompts ending in the model's own greedy output, which for random
+                             weights falls into cycles: drafts are often right (upper bound)
+    ngram/random             random-id prompts, prompt_lookup_min 1: drafts proposed, almost never
+                             right (overhead)
+    draft_model/self-draft   the target as its own draft: every draft right (upper bound)
+    draft_model/independent-draft   --draft-dir, e.g. a 1-layer model of the same family and
+                             tokenizer: drafts almost never right (overhead)
 
-    python bench/spec_decode_bench.py --model-dir /tmp/kvmesh-llama-1b          # H200
-    python bench/spec_decode_bench.py --smoke                                    # CPU, tiny model
+    python bench/spec_decode_bench.py --model-dir /tmp/kvmesh-llama-1b --draft-dir /tmp/llama-1layer   # H200
+    python bench/spec_decode_bench.py --smoke                     # CPU, tiny target and draft
 
-Each line: regime, batch, plain tok/s, speculative tok/s, their ratio, acceptance rate, mean
-accepted length. Speculation runs with async scheduling off; the plain engine runs both ways
-(--plain-async, default on: the served configuration it has to beat).
+Each line: method, regime, batch, plain tok/s, speculative tok/s, their ratio, acceptance rate,
+mean accepted length, tokens equal to plain decoding. The last line gives, per method and regime,
+the largest batch at which speculation still paid: the crossover that disable_by_batch_size
+(speculation off above it) is chosen from; speculation here never switches itself off.
+Speculation runs with async scheduling off; the plain engine runs both ways (--plain-async,
+default on: the served configuration it has to beat).
 """
 from __future__ import annotations
 
@@ -57,22 +64,62 @@ def run(eng: Engine, prompts: list[list[int]], out_len: int) -> tuple[float, lis
     return sum(map(len, outs.values())) / dt, [outs[f"r{i}"] for i in range(len(prompts))]
 
 
+def cases(args, prompts_by_regime: dict) -> list[tuple[str, str, list[list[int]], str]]:
+    """(method, regime, prompts, speculative_config) for every measured configuration."""
+    out = []
+    off = {"num_speculative_tokens": args.k, "disable_by_batch_size": max(args.batches)}   # never auto-off
+    if "ngram" in args.methods:
+        lookups = {"repeating": dict(prompt_lookup_min=2, prompt_lookup_max=5),
+                   "random": dict(prompt_lookup_min=1, prompt_lookup_max=3)}
+        for regime, lookup in lookups.items():
+            out.append(("ngram", regime, prompts_by_regime[regime],
+                        json.dumps({"method": "ngram", **off, **lookup})))
+    if "draft_model" in args.methods:
+        drafts = {"self-draft": args.model_dir}            # the target as its own draft: the upper bound
+        if args.draft_dir:
+            drafts["independent-draft"] = args.draft_dir   # random weights: acceptance ~0, the overhead
+        for regime, draft in drafts.items():
+            out.append(("draft_model", regime, prompts_by_regime["random"],
+                        json.dumps({"method": "draft_model", "model": draft, **off})))
+    return out
+
+
+def crossover(rows: list[dict]) -> dict[str, int | None]:
+    """Per method and regime: the largest batch measured at which speculation still pays
+    (speedup > 1), None when it pays at none: disable_by_batch_size is chosen from these."""
+    best: dict[str, int | None] = {}
+    for r in rows:
+        key = f"{r['method']}/{r['regime']}"
+        best.setdefault(key, None)
+        if r["speedup"] > 1.0 and (best[key] is None or r["batch"] > best[key]):
+            best[key] = r["batch"]
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default="")
-    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--draft-dir", default="", help="draft_model: an independent draft (same tokenizer), measured "
+                                                    "beside the target as its own draft")
+    ap.add_argument("--methods", default="ngram,draft_model", help="comma-separated: ngram, draft_model")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--out-len", type=int, default=256)
     ap.add_argument("--plain-async", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny random model, short outputs")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random target and draft, short outputs")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.methods = args.methods.split(",")
     if args.smoke:
-        args.batches, args.out_len = [1, 4], 32
+        args.batches, args.out_len = [1, 4], 16
+        tmp = Path(tempfile.mkdtemp())
         if not args.model_dir:
-            args.model_dir = str(Path(tempfile.mkdtemp()) / "tiny")
+            args.model_dir = str(tmp / "tiny")
             subprocess.run([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", "tiny",
                             args.model_dir], check=True, capture_output=True)
+        if not args.draft_dir:
+            from gpu_worker.make_model import make_model
+            args.draft_dir = str(make_model(tmp / "draft", arch="llama", size="tiny", seed=1, layers=1, progress=False))
     rng = random.Random(0)
     plain = engine(args, None, args.plain_async)
     vocab = plain.vocab_size
@@ -80,23 +127,26 @@ def main() -> None:
     _, cont = run(plain, seeds, args.out_len)              # the model's own greedy continuations
     regimes = {"repeating": [s + c for s, c in zip(seeds, cont)],
                "random": [[rng.randrange(300, vocab) for _ in range(128)] for _ in seeds]}
-    specs = {"repeating": dict(prompt_lookup_min=2, prompt_lookup_max=5),
-             "random": dict(prompt_lookup_min=1, prompt_lookup_max=3)}
-    for regime, prompts in regimes.items():
+    rows = []
+    for method, regime, prompts, spec in cases(args, regimes):
+        eng = engine(args, spec, False)
         for batch in args.batches:
-            spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
-                               "disable_by_batch_size": max(args.batches), **specs[regime]})
             base, want = run(plain, prompts[:batch], args.out_len)
-            eng = engine(args, spec, False)
+            before = dict(eng.stats().extra["spec_decode"])
             fast, got = run(eng, prompts[:batch], args.out_len)
             st = eng.stats().extra["spec_decode"]
-            eng.close()
-            print(json.dumps({"regime": regime, "batch": batch, "plain_tok_s": round(base, 1),
-                              "spec_tok_s": round(fast, 1), "speedup": round(fast / base, 3),
-                              "acceptance_rate": round(st["acceptance_rate"], 3),
-                              "mean_accepted_length": round(st["mean_accepted_length"], 3),
-                              "same_tokens": got == want}), flush=True)
+            proposed, accepted = st["proposed"] - before["proposed"], st["accepted"] - before["accepted"]
+            steps = st["verify_steps"] - before["verify_steps"]
+            row = {"method": method, "regime": regime, "batch": batch, "plain_tok_s": round(base, 1),
+                   "spec_tok_s": round(fast, 1), "speedup": round(fast / base, 3),
+                   "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+                   "mean_accepted_length": round(1 + accepted / steps, 3) if steps else 0.0,
+                   "same_tokens": got == want}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        eng.close()
     plain.close()
+    print(json.dumps({"largest_batch_that_pays": crossover(rows)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ Each step: schedule (scheduler.py) -> copy-on-write copies -> build the ForwardB
 (batch_builder.py) -> runner.forward -> sample (sampler.py) -> append tokens, publish full
 blocks to the prefix cache, finish what is done. Invalid requests raise RequestError naming
 the field and leave the engine serving the others. With speculative_config, a synchronous step
-first appends n-gram drafts that the same forward verifies (_speculative_step;
-gpu_worker/spec_decode/).
+first appends drafts (n-gram, or drawn by a draft model) that the same forward verifies
+(_speculative_step; gpu_worker/spec_decode/).
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResu
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 from gpu_worker.spec_decode import Speculator
+from gpu_worker.spec_decode.draft_model import DraftModel
+from gpu_worker.spec_decode.rejection import verify as rejection_verify
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
@@ -95,7 +97,9 @@ class Engine:
         self.sampler = Sampler()
         self.batch_builder = BatchBuilder(config.block_size, self.device)
         spec = config.speculative
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        draft = (DraftModel(setup.draft_runner, config.block_size, self.device)
+                 if setup.draft_runner is not None else None)
+        self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
         self._prepare_gpu()
         self.requests: dict[str, Request] = {}
         self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
@@ -217,6 +221,8 @@ class Engine:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self.speculator is not None:    # the draft model's weights and KV cache
+            self.speculator.close()
         if self.kv_tiers is not None:      # the disk tier's writer thread
             self.kv_tiers.close()
         if self._froze_gc:                 # the engine holds reference cycles: let them go
@@ -267,13 +273,14 @@ class Engine:
         """The part of a step both schedulings share: copy-on-write copies, the batch (its PENDING
         inputs taken on the device from `prev`'s draw), the forward, progress, forks, and what each
         sampling sequence draws with. The caller draws: at once (step) or queued (_launch)."""
-        if out.copies:
-            self.runner.copy_blocks([c.src for c in out.copies], [c.dst for c in out.copies])
+        self._copy_blocks(out)
         batch = self.batch_builder.build(out.scheduled)
         if prev is not None:
             self._take_pending_inputs(batch, out.scheduled, prev)
         sampling = [item for item in out.scheduled if item.samples]
         logits = self.runner.forward(batch)                          # (S, vocab)
+        if self.speculator is not None:           # a draft model writes its KV for the same tokens
+            self.speculator.follow(batch)
         if prev is None:              # every token is known: publish the blocks that filled up now
             bm, bs = self.block_manager, self.config.block_size
             for seq, num_new in out.scheduled:
@@ -290,11 +297,12 @@ class Engine:
     def _speculative_step(self, out: SchedulerOutput, drafts: dict[Sequence, list[int]]) -> list[SequenceDelta]:
         """A synchronous step in which the sequences of `drafts` verify their drafts: their
         draft positions get logits rows and draws of their own; the others step as usual."""
-        if out.copies:
-            self.runner.copy_blocks([c.src for c in out.copies], [c.dst for c in out.copies])
+        self._copy_blocks(out)
+        proposal = self.speculator.fill(drafts, self._sample_request_at)   # draft_model: draw the drafts
         batch = self.batch_builder.build(out.scheduled, [len(drafts.get(seq, ())) for seq, _ in out.scheduled])
         sampling = [item.seq for item in out.scheduled if item.samples]
         logits = self.runner.forward(batch)                          # (S + drafts, vocab)
+        self.speculator.follow(batch)
         bm, bs = self.block_manager, self.config.block_size
         for seq, num_new in out.scheduled:                           # drafts: after verification
             if seq not in drafts:
@@ -304,6 +312,7 @@ class Engine:
         plain: list[tuple[int, Sequence]] = []                       # (first row, seq)
         verifying: list[tuple[Sequence, list[int]]] = []
         requests: list[SampleRequest] = []
+        rejecting: dict[Sequence, list[SampleRequest]] = {}          # verified against the draft's q
         row = 0
         for seq in sampling:
             draft = drafts.get(seq)
@@ -315,20 +324,37 @@ class Engine:
                 continue
             verifying.append((seq, draft))
             base = seq.num_tokens - len(draft)
-            requests += [self._sample_request_at(row + j, seq, base + j) for j in range(len(draft) + 1)]
+            rows = [self._sample_request_at(row + j, seq, base + j) for j in range(len(draft) + 1)]
+            if proposal is not None and seq in proposal.q:
+                rejecting[seq] = rows
+            else:
+                requests += rows
             row += len(draft) + 1
         order = [self._sample_request(r, seq) for r, seq in plain]
         t = time.perf_counter()
         results = self.sampler(logits, order + requests)             # the draws and their host sync
+        sampled = dict(zip(rejecting, rejection_verify(
+            logits, [(drafts[seq], rows, proposal.q[seq]) for seq, rows in rejecting.items()]))) if rejecting else {}
         self.last_sync_s += time.perf_counter() - t
         deltas = [d for (_, seq), res in zip(plain, results) if (d := self._append(seq, res))]
         at = len(plain)
         for seq, draft in verifying:
-            drawn = results[at:at + len(draft) + 1]
-            at += len(draft) + 1
+            if seq in sampled:
+                drawn = sampled[seq].results
+            else:
+                drawn = results[at:at + len(draft) + 1]
+                at += len(draft) + 1
             if (d := self._accept(seq, draft, drawn)) is not None:
                 deltas.append(d)
         return deltas
+
+    def _copy_blocks(self, out: SchedulerOutput) -> None:
+        """Copy-on-write copies of the step, in the draft model's KV cache too."""
+        if out.copies:
+            src, dst = [c.src for c in out.copies], [c.dst for c in out.copies]
+            self.runner.copy_blocks(src, dst)
+            if self.speculator is not None:
+                self.speculator.copy_blocks(src, dst)
 
     def _sample_request_at(self, row: int, seq: Sequence, num_tokens: int) -> SampleRequest:
         """The draw after seq.token_ids[:num_tokens] (drafts before it included), as a plain
@@ -345,10 +371,7 @@ class Engine:
         accepted = 0
         while accepted < len(draft) and drawn[accepted].token_id == draft[accepted]:
             accepted += 1
-        stats = self.speculator.stats
-        stats.proposed += len(draft)
-        stats.accepted += accepted
-        stats.verify_steps += 1
+        self.speculator.stats.record(len(draft), accepted)
         base = seq.num_tokens - len(draft)
         del seq.token_ids[base:]
         request = seq.request
@@ -692,6 +715,8 @@ class Engine:
         t = time.perf_counter()
         if hasattr(self.runner, "warmup"):            # compile Triton's eager-step variants now,
             self.runner.warmup(cfg.max_num_seqs, min(cfg.max_num_batched_tokens, self.max_model_len))  # not mid-serving
+        if self.speculator is not None:               # a draft model's too (its shapes differ)
+            self.speculator.warmup(cfg.max_num_seqs, min(cfg.max_num_batched_tokens, self.max_model_len))
         self._warm_sampler()
         log.info("compiled the eager-step kernels in %.1f s", time.perf_counter() - t)
         if cfg.enforce_eager or not hasattr(self.runner, "capture_cuda_graphs"):
@@ -722,8 +747,7 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             extra={"num_requests": len(self.requests), "max_model_len": self.max_model_len,
                    "block_size": bm.block_size,
-                   **({"spec_decode": self.speculator.stats.as_dict(self.speculator.config.method)}
-                      if self.speculator is not None else {}),
+                   **({"spec_decode": self.speculator.stats_dict()} if self.speculator is not None else {}),
                    **({"kv_tiers": self.kv_tiers.stats_dict()} if self.kv_tiers is not None else {})})
 
     def reset_prefix_cache(self) -> bool:

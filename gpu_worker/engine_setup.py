@@ -9,6 +9,8 @@ the model runner and its KV cache.
                 max_num_seqs full-length sequences within cpu_kv_cache_bytes
     max_model_len  the model's max_position_embeddings, capped by KV capacity (and by
                 max_num_batched_tokens without chunked prefill); a larger explicit value errors
+    draft runner   speculative_config's draft_model: loaded beside the target before the KV
+                cache is sized; each block then holds both models' K/V (same block ids)
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class EngineSetup:
     model_id: str
     num_blocks: int
     max_model_len: int
+    draft_runner: Any = None     # speculative draft_model: its runner, KV cache allocated like the target's
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -98,11 +101,26 @@ def resolve_setup(config: EngineConfig, *, runner: Any = None, model_config: Any
     if not config.enable_chunked_prefill:
         wanted_len = _cap(config, wanted_len, config.max_num_batched_tokens,
                           "max_num_batched_tokens (chunked prefill is off, so a prompt must fit in one step)")
-    num_blocks = _num_blocks(config, runner, device, wanted_len)
+    draft = _load_draft(config, model_config, device, dtype, backend, wanted_len)
+    num_blocks = _num_blocks(config, runner, device, wanted_len, draft)
     max_model_len = _cap(config, wanted_len, num_blocks * config.block_size,
                          f"the KV cache capacity ({num_blocks} blocks x {config.block_size} tokens)")
     runner.allocate_kv_cache(num_blocks, config.block_size)
-    return EngineSetup(model_config, runner, device, dtype, backend, model_id, num_blocks, max_model_len)
+    if draft is not None:
+        draft.allocate_kv_cache(num_blocks, config.block_size)
+    return EngineSetup(model_config, runner, device, dtype, backend, model_id, num_blocks, max_model_len, draft)
+
+
+def _load_draft(config: EngineConfig, model_config: Any, device: torch.device, dtype: torch.dtype,
+                backend: str, max_model_len: int) -> Any:
+    """The draft model's runner when speculative_config asks for one, else None."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    from gpu_worker.spec_decode.draft_model import load_draft_runner
+    return load_draft_runner(spec.model, model_config, config.model, device=device, dtype=dtype,
+                             attention_backend=backend, kv_cache_dtype=_KV_CACHE_DTYPES[config.kv_cache_dtype],
+                             seed=config.seed, tuning=config.tuning, max_model_len=max_model_len)
 
 
 def _cap(config: EngineConfig, length: int, limit: int, what: str) -> int:
@@ -115,14 +133,17 @@ def _cap(config: EngineConfig, length: int, limit: int, what: str) -> int:
     return limit
 
 
-def _num_blocks(config: EngineConfig, runner: Any, device: torch.device, max_len: int) -> int:
+def _num_blocks(config: EngineConfig, runner: Any, device: torch.device, max_len: int, draft: Any) -> int:
     if config.num_gpu_blocks is not None:
         return config.num_gpu_blocks
+    target_bytes = int(runner.block_size_bytes(config.block_size))
+    block_bytes = target_bytes + (int(draft.block_size_bytes(config.block_size)) if draft is not None else 0)
     if device.type == "cuda":
         # size the profiling forward like the largest step the engine will run, and its draw
-        # like the largest batch of sequences
-        return int(runner.profile_num_blocks(config.block_size, config.gpu_memory_utilization,
-                                             config.max_num_batched_tokens, config.max_num_seqs))
+        # like the largest batch of sequences; the draft's weights are loaded, so they are counted
+        blocks = int(runner.profile_num_blocks(config.block_size, config.gpu_memory_utilization,
+                                               config.max_num_batched_tokens, config.max_num_seqs))
+        return max(1, blocks * target_bytes // block_bytes)    # a block holds both models' K/V
     per_seq = -(-max_len // config.block_size)
-    budget = max(1, config.cpu_kv_cache_bytes // max(1, int(runner.block_size_bytes(config.block_size))))
+    budget = max(1, config.cpu_kv_cache_bytes // max(1, block_bytes))
     return max(1, min(config.max_num_seqs * per_seq, budget))

@@ -192,6 +192,36 @@ HANDOFF_EXPIRIES = _worker(Counter("kvmesh_worker_kv_handoff_expiries", "Hand-of
 WORKER_REJOINS = _worker(Counter("kvmesh_worker_lease_rejoins", "Times this worker's lease lapsed (a pause or "
                                  "Redis outage past --lease-ms) and it rejoined with a new epoch, dropping "
                                  "every request of the old one"))
+# Speculative decoding (vLLM's names): counted from the engine's running totals at each heartbeat.
+# Labels are server-side: the configured method, and draft positions 0..num_speculative_tokens-1.
+SPEC_DRAFTS = _worker(Counter("kvmesh_spec_decode_num_drafts", "Speculative verifications: sequence-steps that "
+                              "verified at least one draft token", ["method"]))
+SPEC_DRAFT_TOKENS = _worker(Counter("kvmesh_spec_decode_num_draft_tokens", "Draft tokens verified", ["method"]))
+SPEC_ACCEPTED_TOKENS = _worker(Counter("kvmesh_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                       ["method"]))
+SPEC_ACCEPTED_PER_POS = _worker(Counter("kvmesh_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position (0: the first draft)",
+                                        ["method", "position"]))
+
+
+class SpecDecodePublisher:
+    """An engine's speculation totals (EngineStats.extra["spec_decode"]) -> the counters, by the
+    increase since the last call."""
+
+    def __init__(self) -> None:
+        self._last: dict = {}
+
+    def publish(self, stats: dict) -> None:
+        method, last = stats["method"], self._last
+        SPEC_DRAFTS.labels(method).inc(stats["verify_steps"] - last.get("verify_steps", 0))
+        SPEC_DRAFT_TOKENS.labels(method).inc(stats["proposed"] - last.get("proposed", 0))
+        SPEC_ACCEPTED_TOKENS.labels(method).inc(stats["accepted"] - last.get("accepted", 0))
+        before = last.get("accepted_per_pos", [])
+        for pos, total in enumerate(stats["accepted_per_pos"]):
+            SPEC_ACCEPTED_PER_POS.labels(method, str(pos)).inc(total - (before[pos] if pos < len(before) else 0))
+        self._last = stats
+
+
 # per request, where the worker's share of TTFT goes (vLLM's vllm:request_*_time_seconds); the
 # stages and their boundaries are drawn in gpu_worker/service/core.py
 WORKER_QUEUE = _worker(Histogram("kvmesh_worker_request_queue_seconds",

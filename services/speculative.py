@@ -1,10 +1,14 @@
 """SpeculativeConfig: `--speculative-config`, a JSON object as vLLM spells it, parsed and checked.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}
 
-Only the n-gram (prompt-lookup) method exists so far. Unknown keys, wrong types and values out
-of bounds raise a ValueError naming the key. No torch here: every service's config embeds the
-field (services/engine_args.py), and a bad value fails at start-up in the process that reads it.
+ngram: prompt lookup (no model). draft_model: a smaller model with the target's tokenizer,
+loaded beside it (gpu_worker/spec_decode/draft_model.py); "draft_tensor_parallel_size" is
+accepted as vLLM spells it, and only 1. Unknown keys, wrong types and values out of bounds raise
+a ValueError naming the key (a draft directory that does not load fails when the engine starts).
+No torch here: every service's config embeds the field (services/engine_args.py), and a bad
+value fails at start-up in the process that reads it.
 """
 from __future__ import annotations
 
@@ -12,10 +16,11 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 8
 MAX_LOOKUP = 64            # longest n-gram searched: bounds the proposer's per-step cost
 MAX_CONFIG_CHARS = 4096
+MAX_MODEL_PATH_CHARS = 1024
 # Sequences in a step above which speculation switches itself off: a guess on the safe side
 # (batched decode already keeps the GPU busy), not yet measured.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
@@ -28,10 +33,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2            # shortest n-gram matched
     prompt_lookup_max: int = 5            # longest n-gram matched (tried first)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE   # more running sequences: no drafts
+    model: str | None = None              # draft_model: the draft's model directory
+    draft_tensor_parallel_size: int = 1   # draft_model: only 1 (the draft runs on the target's device)
 
 
 _BOUNDS = {"num_speculative_tokens": (1, MAX_SPECULATIVE_TOKENS), "prompt_lookup_min": (1, MAX_LOOKUP),
-           "prompt_lookup_max": (1, MAX_LOOKUP), "disable_by_batch_size": (1, 1 << 20)}
+           "prompt_lookup_max": (1, MAX_LOOKUP), "disable_by_batch_size": (1, 1 << 20),
+           "draft_tensor_parallel_size": (1, 1)}
 
 
 def _bad(key: str, why: str) -> ValueError:
@@ -58,14 +66,28 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
         raise _bad("method", f"is required (one of: {', '.join(METHODS)})")
     if raw["method"] not in METHODS:
         raise _bad("method", f"must be one of: {', '.join(METHODS)} (got {raw['method']!r}); "
-                             "draft_model and mtp are not supported yet")
+                             "mtp is not supported yet")
     for key, (lo, hi) in _BOUNDS.items():
         if key in raw:
             value = raw[key]
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
                 raise _bad(key, f"must be an integer in [{lo}, {hi}], got {value!r}")
+    _check_model(raw)
     config = SpeculativeConfig(**raw)
     if config.prompt_lookup_min > config.prompt_lookup_max:
         raise _bad("prompt_lookup_min", f"({config.prompt_lookup_min}) must not exceed prompt_lookup_max "
                                         f"({config.prompt_lookup_max})")
     return config
+
+
+def _check_model(raw: dict) -> None:
+    """"model" goes with draft_model, and only with it."""
+    model = raw.get("model")
+    if raw["method"] != "draft_model":
+        if model is not None or "draft_tensor_parallel_size" in raw:
+            key = "model" if model is not None else "draft_tensor_parallel_size"
+            raise _bad(key, f"applies to method draft_model only (method is {raw['method']!r})")
+        return
+    if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_PATH_CHARS:
+        raise _bad("model", f"is required with draft_model: the draft's model directory, a string of 1 to "
+                            f"{MAX_MODEL_PATH_CHARS} characters")

@@ -261,6 +261,7 @@ class WorkerService:
         self.scheduler_addrs: list[str] = []
         # kept through a Redis restart, so a step's finished reports still reach the schedulers
         self.schedulers = Membership(2 * cfg.heartbeat_ms / 1000, rejoin_s=cfg.lease_ms / 1000)
+        self._spec_metrics = metrics.SpecDecodePublisher()
 
     async def run(self) -> int:
         cfg, loop = self.cfg, asyncio.get_running_loop()
@@ -468,13 +469,18 @@ class WorkerService:
         metrics.PREFIX_HIT_TOKENS.set(load["prefix_hit_tokens"])
 
     def _publish_tier_metrics(self) -> None:
-        """The KV tiers' gauges, for an engine that has tiers."""
+        """The KV tiers' gauges, for an engine that has tiers; the speculation counters, for an
+        engine that speculates."""
         try:
-            tiers = self.core.engine.stats().extra.get("kv_tiers")   # an engine with KV tiers
+            stats = self.core.engine.stats()
+            tiers = stats.extra.get("kv_tiers")   # an engine with KV tiers
         except RuntimeError:      # read while the engine thread runs: a dict changed size, next beat
             return
         if tiers is not None:
             metrics.publish_kv_tiers(tiers)
+        spec = stats.extra.get("spec_decode")
+        if spec is not None:
+            self._spec_metrics.publish(spec)
 
 
 def main(argv: list[str]) -> int:

@@ -21,13 +21,20 @@ on rejection s_j is distributed as p conditioned on s_j != d_j, i.e. norm(max(0,
 the rule of Leviathan et al. and Chen et al. for this q. Every emitted token is thus a draw from
 the target's processed distribution at its position (the same draw as without speculation, up
 to the rounding differences between a one-token and a multi-token forward).
+
+draft_model (draft_model.py) proposes with a smaller model instead: propose() appends
+placeholders (so that schedule() allocates slots for them), and once the step's blocks are
+final, fill() has the draft draw them. Greedy: the draft proposes its argmax; the verification
+above is exact. Sampling: the draft's q is no point mass, so such sequences verify by speculative
+sampling against q (rejection.py) instead of the equality test.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_worker.scheduler import SchedulerOutput
 from gpu_worker.sequence import Sequence
+from gpu_worker.spec_decode.draft_model import PLACEHOLDER, DraftModel, DraftProposal
 from gpu_worker.spec_decode.ngram import propose_ngram
 from services.speculative import SpeculativeConfig
 
@@ -37,27 +44,44 @@ class SpecStats:
     proposed: int = 0        # draft tokens verified
     accepted: int = 0        # of those, accepted
     verify_steps: int = 0    # sequence-steps that verified at least one draft
+    accepted_per_pos: list[int] = field(default_factory=list)   # [j]: drafts accepted at position j
 
-    def as_dict(self, method: str) -> dict:
+    def record(self, num_drafts: int, accepted: int) -> None:
+        """One sequence-step that verified num_drafts drafts and accepted the first `accepted`."""
+        self.proposed += num_drafts
+        self.accepted += accepted
+        self.verify_steps += 1
+        if accepted > len(self.accepted_per_pos):
+            self.accepted_per_pos += [0] * (accepted - len(self.accepted_per_pos))
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
+    def as_dict(self, method: str, num_speculative_tokens: int) -> dict:
         steps = max(self.verify_steps, 1)
+        per_pos = (self.accepted_per_pos + [0] * num_speculative_tokens)[:num_speculative_tokens]
         return {"method": method, "proposed": self.proposed, "accepted": self.accepted,
-                "verify_steps": self.verify_steps,
+                "verify_steps": self.verify_steps, "accepted_per_pos": per_pos,
                 "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
                 # tokens a verifying sequence gained per step: accepted drafts + the model's own
                 "mean_accepted_length": 1.0 + self.accepted / steps if self.verify_steps else 0.0}
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.draft = draft           # draft_model: the draft model; None: n-gram
         self.stats = SpecStats()
+
+    def stats_dict(self) -> dict:
+        return self.stats.as_dict(self.config.method, self.config.num_speculative_tokens)
 
     def propose(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
         """Append drafts to each eligible running sequence's token_ids; returns them by sequence.
         Eligible: caught up but for its last sampled token, past its first output token, not a
         prefill for another engine, not opted out (SamplingParams.speculative), with room for the drafts and one token more (max_tokens,
-        max_model_len). Nothing when more sequences run than disable_by_batch_size."""
+        max_model_len). Nothing when more sequences run than disable_by_batch_size. draft_model:
+        placeholders that fill() replaces."""
         cfg = self.config
         if len(running) > cfg.disable_by_batch_size:
             return {}
@@ -69,7 +93,10 @@ class Speculator:
                 continue
             room = min(cfg.num_speculative_tokens, request.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
-            draft = propose_ngram(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if self.draft is not None:
+                draft = [PLACEHOLDER] * max(room, 0)
+            else:
+                draft = propose_ngram(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             if draft:
                 seq.token_ids.extend(draft)
                 drafts[seq] = draft
@@ -90,3 +117,27 @@ class Speculator:
             if draft:
                 kept[seq] = draft
         return kept
+
+    def fill(self, drafts: dict[Sequence, list[int]], request_at) -> DraftProposal | None:
+        """draft_model: the draft model draws the scheduled drafts (after copy-on-write, before the
+        target's batch is built). None for n-gram drafts (already final)."""
+        if self.draft is None:
+            return None
+        return self.draft.propose(drafts, request_at)
+
+    # ---- the draft model's KV follows the target's (draft_model.py) -------------------------
+    def follow(self, batch) -> None:
+        if self.draft is not None:
+            self.draft.follow(batch)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        if self.draft is not None:
+            self.draft.copy_blocks(src, dst)
+
+    def warmup(self, max_num_seqs: int, max_query_len: int) -> None:
+        if self.draft is not None:
+            self.draft.runner.warmup(max_num_seqs, max_query_len)
+
+    def close(self) -> None:
+        if self.draft is not None:
+            self.draft.close()

@@ -7,10 +7,11 @@ import json
 import math
 import os
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
-from services.bench import mock_server
+from services.bench import mock_server, spec_metrics
 from services.bench.arrivals import parse_rates
 from services.bench.datasets import DatasetOptions, load_dataset, range_bounds
 from services.bench.metrics import (compute_metrics, parse_goodput, parse_percentile_metrics,
@@ -93,6 +94,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot-dir", default=None, help="write PNG plots here (default: --result-dir with --save-result)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     g.add_argument("--label", default=None, help="free text stored in the result")
+    g.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+                   help="a /metrics page to scrape before and after each run for speculative-decoding counters "
+                        "(a kvmesh worker's; repeat for several workers); the server's own /metrics is scraped "
+                        "too (vLLM's carries them). With counters, the report shows acceptance rate and mean "
+                        "accepted length")
+    g.add_argument("--metrics-settle-s", type=float, default=1.5,
+                   help="with --metrics-url: seconds to wait after a run before scraping again (kvmesh workers "
+                        "publish their counters each heartbeat, 0.5 s by default)")
     g.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -140,6 +149,8 @@ class Plan:
             if value is not None and value < (0 if flag == "num_warmups" else 1):
                 name = "multi-turn-turns" if flag == "multi_turn_num_turns" else flag.replace("_", "-")
                 err(f"--{name} must be >= {0 if flag == 'num_warmups' else 1}, got {value}")
+        if not 0 <= args.metrics_settle_s <= 60:
+            err(f"--metrics-settle-s must be in [0, 60], got {args.metrics_settle_s}")
         if args.duration is not None and (args.duration <= 0 or (math.isinf(max(self.rates)) and not args.max_concurrency)):
             err("--duration needs a positive value and a finite --request-rate or a --max-concurrency")
         try:
@@ -224,16 +235,23 @@ def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> i
                         ignore_eos=args.ignore_eos, temperature=args.temperature, extra_body=plan.extra_body,
                         request_timeout=args.request_timeout, think_time=args.multi_turn_think_time,
                         seed=args.seed + i, disable_tqdm=args.disable_tqdm)
+        spec_before = _scrape_spec(plan, args)
         out = asyncio.run(run_benchmark(items, cfg, counter.count, on_warmup=_print_warmup))
+        if args.metrics_url:
+            time.sleep(args.metrics_settle_s)     # the workers' next heartbeat publishes the run
+        spec = spec_metrics.run_stats(spec_before, _scrape_spec(plan, args))
         metrics = compute_metrics(out.results, out.duration, plan.computed_percentiles, plan.slos,
                                   count_tokens=counter.count, dataset_exact=True)
         print(format_table(metrics, plan.percentile_metrics, plan.percentiles, rate, args.max_concurrency))
         if metrics.ttft_by_turn:
             print(format_turn_table(metrics.ttft_by_turn))
+        if spec is not None:
+            print("\n".join(spec_metrics.format_lines(spec)))
         if not plan.chat:  # chat prompts carry the template's tokens on top of the dataset's count
             _note_length_mismatch(out.results, counter.name)
         meta = _meta(args, plan, model, rate, stamp, counter.name)
         result = result_dict(metrics, out.results, out.t0, meta, plan.computed_percentiles, plan.slos)
+        result.update(spec or {})
         stem = _stem(args, plan, model, rate, multi=len(plan.rates) > 1)
         if args.save_result:
             path = save_result(result, Path(args.result_dir) / f"{stem}.json")
@@ -245,6 +263,16 @@ def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> i
     if len(plan.rates) > 1:
         _finish_sweep(args, plan, model, sweep_points)
     return 0
+
+
+def _scrape_spec(plan: Plan, args) -> dict:
+    """Speculation counters of the server's /metrics (silent when it has none or no page) and of
+    each --metrics-url (a page that does not answer is named on stderr)."""
+    totals, failed = spec_metrics.scrape([plan.base_url + "/metrics", *args.metrics_url])
+    for url, why in failed:
+        if url in args.metrics_url:
+            print(f"kvmesh bench: --metrics-url {url}: {why}", file=sys.stderr)
+    return totals
 
 
 def _print_warmup(results) -> None:

@@ -24,7 +24,12 @@ def test_ngram_config_parses_with_defaults():
     ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 3}', "prompt_lookup_min"),
     ('{"method": "ngram", "prompt_lookup_max": 65}', "prompt_lookup_max"),
     ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size"),
-    ('{"method": "draft_model", "model": "/m"}', "'model'"),
+    ('{"method": "draft_model"}', "model"),
+    ('{"method": "draft_model", "model": ""}', "model"),
+    ('{"method": "draft_model", "model": 3}', "model"),
+    ('{"method": "draft_model", "model": "/m", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size"),
+    ('{"method": "ngram", "model": "/m"}', "model"),
+    ('{"method": "mtp"}', "method"),
     ('{"method": "eagle"}', "method"),
     ('{"num_speculative_tokens": 4}', "method"),
     ('{"method": "ngram", "typo": 1}', "'typo'"),
@@ -35,6 +40,16 @@ def test_bad_values_name_their_key(text, named):
     with pytest.raises(ValueError, match="invalid speculative_config") as e:
         parse_speculative_config(text)
     assert named in str(e.value)
+
+
+def test_draft_model_config_parses():
+    cfg = parse_speculative_config('{"method": "draft_model", "model": "/d", "num_speculative_tokens": 3, '
+                                   '"draft_tensor_parallel_size": 1}')
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens, cfg.draft_tensor_parallel_size) == \
+        ("draft_model", "/d", 3, 1)
+    with pytest.raises(ValueError, match="draft_model runs with tensor_parallel_size 1 only"):
+        EngineConfig(model="/m", speculative_config='{"method": "draft_model", "model": "/d"}',
+                     tensor_parallel_size=2)
 
 
 def test_engine_config_validates_and_refuses_async_scheduling():
