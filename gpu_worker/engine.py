@@ -10,7 +10,8 @@ Each step: schedule (scheduler.py) -> copy-on-write copies -> build the ForwardB
 blocks to the prefix cache, finish what is done. Invalid requests raise RequestError naming
 the field and leave the engine serving the others. With speculative_config, a synchronous step
 first appends n-gram drafts that the same forward verifies (_speculative_step;
-gpu_worker/spec_decode/).
+gpu_worker/spec_decode/). Constrained requests (SamplingParams.structured) compile their grammar
+off this thread while they prefill; their draws are masked by it (gpu_worker/structured/).
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResu
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 from gpu_worker.spec_decode import Speculator
+from gpu_worker.structured import GrammarCompilerPool, GrammarError, GrammarMask, build_grammar_mask
+from gpu_worker.structured.matchers import new_matcher
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ class _Forwarded(NamedTuple):
     logits: torch.Tensor                  # (S, vocab): one row per sampling sequence
     targets: list[tuple[int, Sequence]]   # (logits row, sequence); forks share their parent's row
     requests: list[SampleRequest]         # one per target
+    grammar: GrammarMask | None           # the constrained targets' token bitmask
 
 
 class _InFlight(NamedTuple):
@@ -97,6 +101,9 @@ class Engine:
         spec = config.speculative
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self._prepare_gpu()
+        self.grammars = GrammarCompilerPool(config.model, self.vocab_size, self.eos_token_ids)
+        self._constrained: set[str] = set()       # running requests with a grammar
+        self._failed: list[tuple[str, str]] = []  # (request id, error) of failed compiles, to take
         self.requests: dict[str, Request] = {}
         self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
         self._importing: dict[str, tuple[Sequence, list[tuple[int, int, float]]]] = {}  # KV arriving
@@ -125,10 +132,23 @@ class Engine:
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals,
                           seed, max_tokens, stop_ids=stop_ids, export_kv=export_kv)
         self._arrivals += 1
+        self._submit_grammar(request)
         seq = Sequence(request, 0, list(prompt), len(prompt))
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
+
+    def _submit_grammar(self, request: Request) -> None:
+        """Start compiling a constrained request's grammar: it compiles while the prompt prefills."""
+        if request.params.structured is not None:
+            request.grammar = self.grammars.submit(request.params.structured)
+            self._constrained.add(request.request_id)
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, error naming the field) of the requests ended since the last call
+        because their grammar failed to compile; they hold no blocks and produce no more deltas."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _validate(self, request_id: Any, prompt: Any, params: Any, priority: Any, cache_salt: Any) -> list[int]:
         """Raises RequestError naming the first bad field; returns the prompt as a list of plain ints."""
@@ -172,6 +192,7 @@ class Engine:
         if index is None:
             self.scheduler.abort(request)
             del self.requests[request_id]
+            self._constrained.discard(request_id)
             return
         request.dropped.add(index)
         seq = next((s for s in request.seqs if s.index == index), None)
@@ -186,6 +207,7 @@ class Engine:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        self.grammars.close()
         if self.kv_tiers is not None:      # the disk tier's writer thread
             self.kv_tiers.close()
         if self._froze_gc:                 # the engine holds reference cycles: let them go
@@ -228,7 +250,7 @@ class Engine:
             return self._speculative_step(out, drafts)
         fwd = self._forward(out, None)
         t = time.perf_counter()
-        results = self.sampler(fwd.logits, fwd.requests)             # the draw and its host sync
+        results = self.sampler(fwd.logits, fwd.requests, fwd.grammar)   # the draw and its host sync
         self.last_sync_s += time.perf_counter() - t
         return [d for (_, seq), res in zip(fwd.targets, results) if (d := self._append(seq, res))]
 
@@ -253,7 +275,8 @@ class Engine:
             for seq, num_new in out.scheduled:                       # once prev is settled
                 seq.num_computed_tokens += num_new
         targets = self._fork_targets(sampling)                       # (row, seq) per draw
-        return _Forwarded(logits, targets, [self._sample_request(row, seq) for row, seq in targets])
+        grammar = self._grammar_mask(targets) if self._constrained else None
+        return _Forwarded(logits, targets, [self._sample_request(row, seq) for row, seq in targets], grammar)
 
     # ---- speculative decoding (gpu_worker/spec_decode/speculator.py: the layout, why exact) ----
     def _speculative_step(self, out: SchedulerOutput, drafts: dict[Sequence, list[int]]) -> list[SequenceDelta]:
@@ -287,8 +310,9 @@ class Engine:
             requests += [self._sample_request_at(row + j, seq, base + j) for j in range(len(draft) + 1)]
             row += len(draft) + 1
         order = [self._sample_request(r, seq) for r, seq in plain]
+        grammar = self._grammar_mask(plain) if self._constrained else None   # never verifying rows
         t = time.perf_counter()
-        results = self.sampler(logits, order + requests)             # the draws and their host sync
+        results = self.sampler(logits, order + requests, grammar)    # the draws and their host sync
         self.last_sync_s += time.perf_counter() - t
         deltas = [d for (_, seq), res in zip(plain, results) if (d := self._append(seq, res))]
         at = len(plain)
@@ -360,8 +384,10 @@ class Engine:
     def _step_async(self) -> list[SequenceDelta]:
         prev, self._inflight = self._inflight, None
         deltas: list[SequenceDelta] = []
-        if prev is not None and any(_needs_output(s.params) for s in self.scheduler.running):
-            deltas, prev = self._settle(prev), None      # penalties read the tokens on the host
+        if prev is not None and (self._constrained or any(_needs_output(s.params) for s in self.scheduler.running)):
+            # penalties read the tokens on the host; a grammar's mask needs the matchers to have
+            # accepted the previous token: such batches step synchronously
+            deltas, prev = self._settle(prev), None
         out = self.scheduler.schedule()
         if not out.scheduled:
             if prev is None and not deltas and self._stuck():
@@ -381,7 +407,7 @@ class Engine:
         """_forward, then the draw queued on the device: each sampling sequence gets a PENDING
         placeholder that the next call's _settle replaces."""
         fwd = self._forward(out, prev)
-        pending = self.sampler.launch(fwd.logits, fwd.requests)
+        pending = self.sampler.launch(fwd.logits, fwd.requests, fwd.grammar)
         slots = []
         for _, seq in fwd.targets:
             seq.token_ids.append(PENDING)
@@ -417,6 +443,9 @@ class Engine:
         for (_, seq), slot, result in zip(launched.targets, launched.slots, results):
             if seq.status is SequenceStatus.FINISHED or seq.token_ids[slot] != PENDING:
                 continue                       # aborted, or ended by the previous token
+            if seq.request.grammar is not None and seq.request.grammar.error is not None:
+                self._fail_constrained(seq.request)
+                continue
             if seq.index in seq.request.dropped:
                 del seq.token_ids[slot:]
                 self.scheduler.abort_sequence(seq)
@@ -426,6 +455,8 @@ class Engine:
             if result.logprob is not None:
                 seq.cumulative_logprob += result.logprob.logprob
             reason = self._finish_reason_at(seq, result.token_id, slot + 1)
+            if seq.matcher is not None and self._grammar_ends(seq, result.token_id):
+                reason = reason or "stop"
             if reason is not None:
                 del seq.token_ids[slot + 1:]   # a later placeholder: its step is wasted
                 self.scheduler.finish(seq, reason)
@@ -481,10 +512,15 @@ class Engine:
             self.scheduler.abort_sequence(seq)
             self._forget_if_done(request)
             return None
+        if request.grammar is not None and request.grammar.error is not None:
+            self._fail_constrained(request)
+            return None
         seq.token_ids.append(result.token_id)
         if result.logprob is not None:
             seq.cumulative_logprob += result.logprob.logprob
         reason = self._finish_reason(seq, result.token_id)
+        if seq.matcher is not None and self._grammar_ends(seq, result.token_id):
+            reason = reason or "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._forget_if_done(request)
@@ -493,9 +529,46 @@ class Engine:
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         return self._finish_reason_at(seq, token_id, len(seq.token_ids))
 
+    # ---- constrained decoding (gpu_worker/structured) ---------------------------------------
+    def _grammar_mask(self, targets: list[tuple[int, Sequence]]) -> GrammarMask | None:
+        """The token bitmask of the constrained targets (their index in `targets` is their draw
+        row), None when none is. A sample's first draw makes its matcher: it waits for the
+        grammar's compile (GrammarJob.wait: up to the time limit); a failed compile leaves the
+        row unconstrained and the request is ended when its draw is applied (_fail_constrained)."""
+        matchers = []
+        for k, (_, seq) in enumerate(targets):
+            job = seq.request.grammar
+            if job is None or job.error is not None:
+                continue
+            if seq.matcher is None:
+                try:
+                    seq.matcher = new_matcher(job.wait(), seq.output_token_ids)
+                except GrammarError as exc:
+                    job.error = job.error or str(exc)
+                    continue
+            matchers.append((k, seq.matcher))
+        if not matchers:
+            return None
+        return build_grammar_mask(matchers, len(targets), self.vocab_size, self.device)
+
+    @staticmethod
+    def _grammar_ends(seq: Sequence, token_id: int) -> bool:
+        """Advance seq's matcher by its sampled token: True when the grammar is complete (or,
+        never with the mask applied, rejects the token)."""
+        return not seq.matcher.accept_token(token_id) or seq.matcher.is_terminated()
+
+    def _fail_constrained(self, request: Request) -> None:
+        """End a request whose grammar failed to compile: its blocks go back, take_failed reports it."""
+        if self.requests.get(request.request_id) is request:
+            self.scheduler.abort(request)
+            del self.requests[request.request_id]
+            self._constrained.discard(request.request_id)
+            self._failed.append((request.request_id, request.grammar.error))
+
     def _forget_if_done(self, request: Request) -> None:
         if request.finished:
             self.requests.pop(request.request_id, None)
+            self._constrained.discard(request.request_id)
             if any(s.finish_reason == HANDOFF for s in request.seqs):
                 self.exported[request.request_id] = request
 
@@ -560,6 +633,7 @@ class Engine:
         if self.kv_tiers is not None:          # blocks it evicted go down a tier before the KV lands
             self.kv_tiers.flush()
         self._arrivals += 1
+        self._submit_grammar(request)
         request.num_cached_tokens = num_cached_tokens
         self.requests[request_id] = request
         self._importing[request_id] = (seq, sorted(samples))
