@@ -275,7 +275,7 @@ class Engine:
             for seq, num_new in out.scheduled:                       # once prev is settled
                 seq.num_computed_tokens += num_new
         targets = self._fork_targets(sampling)                       # (row, seq) per draw
-        grammar = self._grammar_mask(targets) if self._constrained else None
+        grammar = self._grammar_mask([(seq, []) for _, seq in targets]) if self._constrained else None
         return _Forwarded(logits, targets, [self._sample_request(row, seq) for row, seq in targets], grammar)
 
     # ---- speculative decoding (gpu_worker/spec_decode/speculator.py: the layout, why exact) ----
@@ -310,7 +310,8 @@ class Engine:
             requests += [self._sample_request_at(row + j, seq, base + j) for j in range(len(draft) + 1)]
             row += len(draft) + 1
         order = [self._sample_request(r, seq) for r, seq in plain]
-        grammar = self._grammar_mask(plain) if self._constrained else None   # never verifying rows
+        grammar = (self._grammar_mask([(seq, []) for _, seq in plain] + verifying)   # draw rows' order
+                   if self._constrained else None)
         t = time.perf_counter()
         results = self.sampler(logits, order + requests, grammar)    # the draws and their host sync
         self.last_sync_s += time.perf_counter() - t
@@ -349,6 +350,9 @@ class Engine:
             self.scheduler.abort_sequence(seq)
             self._forget_if_done(request)
             return None
+        if request.grammar is not None and request.grammar.error is not None:
+            self._fail_constrained(request)
+            return None
         tokens, logprobs, reason = [], [], None
         for result in drawn[:accepted + 1]:
             seq.token_ids.append(result.token_id)
@@ -357,6 +361,8 @@ class Engine:
                 seq.cumulative_logprob += result.logprob.logprob
                 logprobs.append(result.logprob)
             reason = self._finish_reason(seq, result.token_id)
+            if seq.matcher is not None and self._grammar_ends(seq, result.token_id):
+                reason = reason or "stop"
             if reason is not None:
                 break
         # KV is final for the last token before the drafts and the accepted drafts (those kept
@@ -530,26 +536,30 @@ class Engine:
         return self._finish_reason_at(seq, token_id, len(seq.token_ids))
 
     # ---- constrained decoding (gpu_worker/structured) ---------------------------------------
-    def _grammar_mask(self, targets: list[tuple[int, Sequence]]) -> GrammarMask | None:
-        """The token bitmask of the constrained targets (their index in `targets` is their draw
-        row), None when none is. A sample's first draw makes its matcher: it waits for the
-        grammar's compile (GrammarJob.wait: up to the time limit); a failed compile leaves the
-        row unconstrained and the request is ended when its draw is applied (_fail_constrained)."""
-        matchers = []
-        for k, (_, seq) in enumerate(targets):
+    def _grammar_mask(self, draws: list[tuple[Sequence, list[int]]]) -> GrammarMask | None:
+        """The token bitmask of a step's constrained draws, None when none is. `draws`: each
+        drawing sequence with the drafts it verifies, in draw-row order (1 + len(drafts) rows
+        each). A sample's first draw makes its matcher: it waits for the grammar's compile
+        (GrammarJob.wait: up to the time limit); a failed compile leaves the rows unconstrained
+        and the request is ended when its draw is applied (_fail_constrained)."""
+        entries = []
+        row = 0
+        for seq, drafts in draws:
+            first, row = row, row + 1 + len(drafts)
             job = seq.request.grammar
             if job is None or job.error is not None:
                 continue
             if seq.matcher is None:
                 try:
-                    seq.matcher = new_matcher(job.wait(), seq.output_token_ids)
+                    seq.matcher = new_matcher(job.wait(), seq.token_ids[seq.num_prompt_tokens:
+                                                                         seq.num_tokens - len(drafts)])
                 except GrammarError as exc:
                     job.error = job.error or str(exc)
                     continue
-            matchers.append((k, seq.matcher))
-        if not matchers:
+            entries.append((first, seq.matcher, drafts))
+        if not entries:
             return None
-        return build_grammar_mask(matchers, len(targets), self.vocab_size, self.device)
+        return build_grammar_mask(entries, row, self.vocab_size, self.device)
 
     @staticmethod
     def _grammar_ends(seq: Sequence, token_id: int) -> bool:

@@ -56,8 +56,7 @@ class Speculator:
     def propose(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
         """Append drafts to each eligible running sequence's token_ids; returns them by sequence.
         Eligible: caught up but for its last sampled token, past its first output token, not a
-        prefill for another engine, not opted out (SamplingParams.speculative), not constrained by a
-        grammar (its draws are masked one token a step), with room for the drafts and one token more (max_tokens,
+        prefill for another engine, not opted out (SamplingParams.speculative), with room for the drafts and one token more (max_tokens,
         max_model_len). Nothing when more sequences run than disable_by_batch_size."""
         cfg = self.config
         if len(running) > cfg.disable_by_batch_size:
@@ -66,7 +65,7 @@ class Speculator:
         for seq in running:
             request = seq.request
             if (seq.num_new_tokens != 1 or seq.num_output_tokens < 1 or request.export_kv
-                    or not request.params.speculative or request.grammar is not None):
+                    or not request.params.speculative):
                 continue
             room = min(cfg.num_speculative_tokens, request.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)

@@ -169,3 +169,25 @@ def test_a_compile_past_the_time_limit_fails_the_request(tiny_llama):
                                "simplify it")]
     assert_blocks_back(engine)
     engine.close()
+
+
+def test_speculative_drafts_are_verified_under_the_grammar(tiny_llama, tokenizer):
+    """Constrained sequences speculate: each draft position is drawn under the mask after the
+    drafts before it, so outputs stay valid at temperature 1 and drafts are accepted."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                       "disable_by_batch_size": 64})
+    engine = make_engine(tiny_llama, speculative_config=spec)
+    picked = range(0, len(SCHEMAS), 3)
+    for i in picked:
+        engine.add_request(f"s{i}", PROMPTS[i % 3], SamplingParams(
+            temperature=1.0, seed=i, max_tokens=MAX_TOKENS, structured=StructuredOutput(json_schema=json.dumps(SCHEMAS[i]))))
+    out = run(engine)
+    for i in picked:
+        tokens, reason = out[(f"s{i}", 0)]
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        assert reason == "stop", (i, text)
+        jsonschema.validate(parse_json(text), SCHEMAS[i])
+    stats = engine.speculator.stats
+    assert stats.proposed > 0 and stats.accepted > 0, stats
+    assert_blocks_back(engine)
+    engine.close()
