@@ -449,7 +449,8 @@ class Engine:
         for (_, seq), slot, result in zip(launched.targets, launched.slots, results):
             if seq.status is SequenceStatus.FINISHED or seq.token_ids[slot] != PENDING:
                 continue                       # aborted, or ended by the previous token
-            if seq.request.grammar is not None and seq.request.grammar.error is not None:
+            constrained = (self._constrained or self._failed) and seq.request.grammar is not None
+            if constrained and seq.request.grammar.error is not None:
                 self._fail_constrained(seq.request)
                 continue
             if seq.index in seq.request.dropped:
@@ -461,7 +462,7 @@ class Engine:
             if result.logprob is not None:
                 seq.cumulative_logprob += result.logprob.logprob
             reason = self._finish_reason_at(seq, result.token_id, slot + 1)
-            if seq.matcher is not None and self._grammar_ends(seq, result.token_id):
+            if constrained and seq.matcher is not None and self._grammar_ends(seq, result.token_id):
                 reason = reason or "stop"
             if reason is not None:
                 del seq.token_ids[slot + 1:]   # a later placeholder: its step is wasted
@@ -518,14 +519,15 @@ class Engine:
             self.scheduler.abort_sequence(seq)
             self._forget_if_done(request)
             return None
-        if request.grammar is not None and request.grammar.error is not None:
+        constrained = (self._constrained or self._failed) and request.grammar is not None  # one test unconstrained
+        if constrained and request.grammar.error is not None:
             self._fail_constrained(request)
             return None
         seq.token_ids.append(result.token_id)
         if result.logprob is not None:
             seq.cumulative_logprob += result.logprob.logprob
         reason = self._finish_reason(seq, result.token_id)
-        if seq.matcher is not None and self._grammar_ends(seq, result.token_id):
+        if constrained and seq.matcher is not None and self._grammar_ends(seq, result.token_id):
             reason = reason or "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)

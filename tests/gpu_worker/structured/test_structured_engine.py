@@ -191,3 +191,17 @@ def test_speculative_drafts_are_verified_under_the_grammar(tiny_llama, tokenizer
     assert stats.proposed > 0 and stats.accepted > 0, stats
     assert_blocks_back(engine)
     engine.close()
+
+
+def test_offline_llm_generates_constrained_output_and_refuses_a_bad_grammar(tiny_llama):
+    from gpu_worker.llm import LLM
+    llm = LLM(model=tiny_llama, device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                            structured=StructuredOutput(json_schema=json.dumps(SCHEMAS[30])))
+    [out] = llm.generate(["give me JSON"], params, use_tqdm=False)
+    jsonschema.validate(parse_json(out.outputs[0].text), SCHEMAS[30])
+    with pytest.raises(ValueError, match="invalid grammar: "):
+        llm.generate(["x", "y"], SamplingParams(max_tokens=4, structured=StructuredOutput(grammar="root ::= (")),
+                     use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert_blocks_back(llm.llm_engine)
