@@ -609,6 +609,8 @@ class Engine:
                 seq.finish_reason = None
                 self.scheduler.add_prefilled(seq)
         self.requests[request_id] = request
+        if request.grammar is not None:        # its matchers go on from the first tokens
+            self._constrained.add(request_id)
         return True
 
     def import_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -699,6 +701,7 @@ class Engine:
             self._importing.pop(request_id)
             self.block_manager.free(seq)
             del self.requests[request_id]
+            self._constrained.discard(request_id)
 
     def _prepare_gpu(self) -> None:
         """CUDA + triton attention: compile the eager-step kernel variants, then (unless

@@ -205,3 +205,22 @@ def test_offline_llm_generates_constrained_output_and_refuses_a_bad_grammar(tiny
                      use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     assert_blocks_back(llm.llm_engine)
+
+
+def test_a_constrained_prefill_kept_after_a_failed_hand_off_goes_on_under_its_grammar(tiny_llama):
+    """export_kv draws the first token under the grammar; keep_export decodes the rest here,
+    still masked: the tokens equal an engine's that never prepared a hand-off."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                            structured=StructuredOutput(json_schema=json.dumps(SCHEMAS[33])))
+    plain = make_engine(tiny_llama)
+    plain.add_request("r", PROMPTS[0], params)
+    expected = run(plain)[("r", 0)]
+    plain.close()
+    engine = make_engine(tiny_llama)
+    engine.add_request("r", PROMPTS[0], params, export_kv=True)
+    first = run(engine)[("r", 0)]
+    assert engine.keep_export("r")
+    rest = run(engine)[("r", 0)]
+    assert (first[0] + rest[0], rest[1]) == expected
+    assert_blocks_back(engine)
+    engine.close()
