@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import logging
 import numbers
+import os
 import random
 import time
 from typing import Any, NamedTuple
@@ -34,7 +35,7 @@ from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResu
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 from gpu_worker.spec_decode import Speculator
-from gpu_worker.structured import GrammarCompilerPool, GrammarError, GrammarMask, build_grammar_mask
+from gpu_worker.structured import GrammarCompilerPool, GrammarError, GrammarMask, GrammarMaskBuilder
 from gpu_worker.structured.matchers import new_matcher
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 
@@ -102,6 +103,7 @@ class Engine:
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self._prepare_gpu()
         self.grammars = GrammarCompilerPool(config.model, self.vocab_size, self.eos_token_ids)
+        self.grammar_masks = GrammarMaskBuilder(self.vocab_size, self.device, max_threads=min(8, os.cpu_count() or 1))
         self._constrained: set[str] = set()       # running requests with a grammar
         self._failed: list[tuple[str, str]] = []  # (request id, error) of failed compiles, to take
         self.requests: dict[str, Request] = {}
@@ -561,7 +563,7 @@ class Engine:
             entries.append((first, seq.matcher, drafts))
         if not entries:
             return None
-        return build_grammar_mask(entries, row, self.vocab_size, self.device)
+        return self.grammar_masks.build(entries, row)
 
     @staticmethod
     def _grammar_ends(seq: Sequence, token_id: int) -> bool:

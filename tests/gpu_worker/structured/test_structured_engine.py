@@ -157,10 +157,10 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_request(tiny_llama, plain
 
 def test_a_compile_past_the_time_limit_fails_the_request(tiny_llama):
     engine = make_engine(tiny_llama)
-    engine.grammars.time_limit_s = 0.05
-    slow = {"enum": [f"value-{i}" for i in range(3000)]}     # ~0.5 s to compile on a laptop core
+    engine.grammars.time_limit_s = 0.01
+    slow = {"enum": [f"v{i}" for i in range(7000)]}     # ~1 s to compile on a loaded 2-core host
     engine.add_request("slow", PROMPTS[0], SamplingParams(max_tokens=8, structured=StructuredOutput(
-        json_schema=json.dumps(slow))))
+        json_schema=json.dumps(slow, separators=(",", ":")))))
     t = time.monotonic()
     run(engine)
     assert time.monotonic() - t < 5.0
