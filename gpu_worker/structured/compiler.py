@@ -15,14 +15,17 @@ and at most `max_workers` such compiles run at once.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
-from gpu_worker.structured.matchers import GrammarJob
+from gpu_worker.structured.matchers import GrammarError, GrammarJob
 from services.protocol.sampling import StructuredOutput
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_LIMIT_BYTES = 512 * 1024 * 1024
 DEFAULT_TIME_LIMIT_S = 10.0
@@ -76,9 +79,14 @@ class GrammarCompilerPool:
             if self._compiler is None:
                 import transformers
                 import xgrammar
-                tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+                try:
+                    tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
+                    info = xgrammar.TokenizerInfo.from_huggingface(
+                        tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+                except Exception:       # the client sees a plain reason, the log has the details
+                    log.exception("cannot build the grammar compiler from the model's tokenizer")
+                    raise GrammarError("constrained output is not available for this model: its tokenizer "
+                                       "could not be loaded") from None
                 self._compiler = xgrammar.GrammarCompiler(
                     info, max_threads=min(8, os.cpu_count() or 1), cache_limit_bytes=self.cache_limit_bytes)
             return self._compiler

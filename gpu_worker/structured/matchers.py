@@ -33,6 +33,8 @@ class GrammarJob:
             raise GrammarError(self.error)
         try:
             return self.future.result(timeout=max(0.0, self.deadline - time.monotonic()))
+        except GrammarError as exc:         # the compiler itself is unavailable
+            self.error = str(exc)
         except FutureTimeout:
             self.error = (f"invalid {self.field}: the constraint did not compile within the time limit; "
                           "simplify it")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 
-from gpu_worker.structured import GrammarCompilerPool
+from gpu_worker.structured import GrammarCompilerPool, GrammarError
 from services.protocol.sampling import StructuredOutput
 
 LIMIT = 256 * 1024
@@ -37,4 +37,18 @@ def test_a_cached_schema_compiles_once(tiny_llama):
     size = pool.cache_size_bytes()
     assert pool.submit(spec).wait().memory_size_bytes == first.memory_size_bytes
     assert pool.cache_size_bytes() == size       # a hit: nothing new cached
+    pool.close()
+
+
+def test_a_model_without_a_tokenizer_fails_constrained_requests_plainly(tmp_path):
+    pool = GrammarCompilerPool(str(tmp_path), 1024, [1])
+    job = pool.submit(StructuredOutput(regex="a"))
+    try:
+        job.wait()
+    except GrammarError as exc:
+        assert str(exc) == ("constrained output is not available for this model: its tokenizer could not be "
+                            "loaded")
+        assert str(tmp_path) not in str(exc)
+    else:
+        raise AssertionError("a compile without a tokenizer succeeded")
     pool.close()
