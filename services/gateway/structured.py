@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -33,9 +33,9 @@ CHECK_TIME_LIMIT_S = 1.0
 BACKENDS = (None, "xgrammar", "auto")
 
 _checker = ThreadPoolExecutor(2, thread_name_prefix="grammar-check")
-# xgrammar (and the torch it imports) loads in the background from the gateway's start: the
-# first check's time limit is for its grammar, not for an import of seconds
-_xgrammar_loaded = _checker.submit(importlib.import_module, "xgrammar")
+# xgrammar imports torch and transformers (~220 MB, seconds of CPU): a gateway loads it on its
+# first constrained request, off the event loop, and that request's time limit starts after it
+_xgrammar_loaded: Future | None = None
 
 
 class ConstraintError(ValueError):
@@ -212,6 +212,9 @@ async def check_constraint(spec: StructuredOutput, param: str) -> None:
     interrupted; the inline bounds keep such builds short)."""
     if spec.json_object or spec.choice is not None:
         return
+    global _xgrammar_loaded
+    if _xgrammar_loaded is None:
+        _xgrammar_loaded = _checker.submit(importlib.import_module, "xgrammar")
     await asyncio.wrap_future(_xgrammar_loaded)
     future = asyncio.get_running_loop().run_in_executor(_checker, _build_grammar, spec)
     try:
