@@ -33,6 +33,10 @@ Sections (each guarded: one failure is recorded and the next section runs):
             history loaded against recomputed, and the decode step of a batch while a history
             loads beside it (overlapped); decode step time while every new block evicts (and
             offloads) a cached one, against an engine without tiers
+  structured (not in the default run) constrained decoding (gpu_worker/structured): decode TPOT at
+            batch 1 and 64 with every sequence under a JSON schema (an array of 40 objects: long
+            instances) against the same batch unconstrained (ignore_eos, same prompts), and grammar
+            compile time p50/p99 over the tests' schema corpus, cold then cached
   peers     Hugging Face transformers on the same weights, time-boxed: eager (sdpa), then batch-1
             decode with a static cache and torch.compile (transformers' own fast path)
 
@@ -1239,9 +1243,87 @@ def section_kv_tiers(args, deadline) -> None:
 
 
 # ============================================================================ main
+def _tpot_ms(eng, sync, params_of, batch: int, steps: int) -> float:
+    """Median step time of `batch` sequences decoding with params_of(i), after their prefill and
+    first tokens (a constrained batch's compiles included there)."""
+    import random
+    import statistics
+    rng = random.Random(2)
+    for i in range(batch):
+        eng.add_request(f"tpot{i}", _prompt(rng, 64, eng.vocab_size), params_of(i))
+    for _ in range(4):
+        eng.step()
+    times = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        eng.step()
+        sync()
+        times.append(time.perf_counter() - t)
+    running = len(eng.scheduler.running)
+    for rid in list(eng.requests):
+        eng.abort_request(rid)
+    _drain(eng)
+    assert running == batch, f"only {running} of {batch} sequences ran through the timed steps"
+    return 1e3 * statistics.median(times)
+
+
+def section_structured(args, deadline) -> None:
+    """Constrained decoding: the token mask's cost per decode step, and grammar compile times."""
+    import statistics
+
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import Engine
+    from gpu_worker.structured import GrammarCompilerPool
+    from services.protocol.sampling import SamplingParams, StructuredOutput
+    from tests.gpu_worker.structured.schema_corpus import LONG_SCHEMA, SCHEMAS
+
+    sc: EngineScale = args.scale
+    model_dir = ensure_model(args)
+    sizes = dict(model=str(model_dir), max_num_seqs=max(64, sc.max_num_seqs), max_model_len=sc.max_model_len,
+                 max_num_batched_tokens=sc.max_num_batched_tokens, async_scheduling=args.async_scheduling)
+    if SMOKE:
+        cfg = EngineConfig(**sizes, device="cpu", dtype="float32", attention_backend="torch", num_gpu_blocks=1024)
+    else:
+        cfg = EngineConfig(**sizes, gpu_memory_utilization=args.gpu_mem, dtype="bfloat16",
+                           attention_backend=args.attention_backend)
+    eng = Engine(cfg)
+    eng.freeze_gc()
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+    steps = 8 if SMOKE else 64
+    schema = StructuredOutput(json_schema=json.dumps(LONG_SCHEMA))
+    plain = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 16)
+    constrained = SamplingParams(temperature=0.0, max_tokens=4096, structured=schema)
+    _tpot_ms(eng, sync, lambda i: plain, 4, 4)          # warm-up: the first steps' one-time costs
+    for batch in ((1, 4) if SMOKE else (1, 64)):
+        base = _tpot_ms(eng, sync, lambda i: plain, batch, steps)
+        masked = _tpot_ms(eng, sync, lambda i: constrained, batch, steps)
+        row("structured", f"TPOT batch {batch}: unconstrained", base, "ms")
+        row("structured", f"TPOT batch {batch}: JSON schema", masked, "ms",
+            f"{100 * (masked / base - 1):+.1f}% (async scheduling {cfg.async_scheduling}: constrained batches step "
+            "synchronously)")
+        if deadline.left() < 30:
+            break
+    eng.close()
+    pool = GrammarCompilerPool(str(model_dir), eng.vocab_size, eng.eos_token_ids)
+    t = time.perf_counter()
+    pool.compile(StructuredOutput(json_schema='{"type": "boolean"}'))
+    row("structured", "compiler build (tokenizer info) + first compile", 1e3 * (time.perf_counter() - t), "ms")
+    for kind in ("cold", "cached"):
+        times = []
+        for s in SCHEMAS:
+            t = time.perf_counter()
+            pool.compile(StructuredOutput(json_schema=json.dumps(s)))
+            times.append(1e3 * (time.perf_counter() - t))
+        times.sort()
+        row("structured", f"compile {kind}: p50 / p99 over {len(SCHEMAS)} schemas",
+            f"{statistics.median(times):.2f} / {times[min(len(times) - 1, int(0.99 * len(times)))]:.2f}", "ms")
+    pool.close()
+
+
 SECTIONS = {"ceilings": section_ceilings, "sustained": section_sustained, "kernels": section_kernels,
             "engine": section_engine, "peers": section_peers, "kv_transfer": section_kv_transfer,
-            "kv_tiers": section_kv_tiers}
+            "kv_tiers": section_kv_tiers, "structured": section_structured}
 
 
 def main(argv=None) -> int:

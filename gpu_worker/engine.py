@@ -10,13 +10,16 @@ Each step: schedule (scheduler.py) -> copy-on-write copies -> build the ForwardB
 blocks to the prefix cache, finish what is done. Invalid requests raise RequestError naming
 the field and leave the engine serving the others. With speculative_config, a synchronous step
 first appends drafts (n-gram, or drawn by a draft model) that the same forward verifies
-(_speculative_step; gpu_worker/spec_decode/).
+(_speculative_step; gpu_worker/spec_decode/). Constrained requests (SamplingParams.structured)
+compile their grammar off this thread while they prefill; their draws are masked by it
+(gpu_worker/structured/).
 """
 from __future__ import annotations
 
 import gc
 import logging
 import numbers
+import os
 import random
 import time
 from typing import Any, NamedTuple
@@ -35,6 +38,8 @@ from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 from gpu_worker.spec_decode import Speculator
 from gpu_worker.spec_decode.draft_model import DraftModel
 from gpu_worker.spec_decode.rejection import verify as rejection_verify
+from gpu_worker.structured import GrammarCompilerPool, GrammarError, GrammarMask, GrammarMaskBuilder
+from gpu_worker.structured.matchers import new_matcher
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
@@ -49,6 +54,7 @@ class _Forwarded(NamedTuple):
     logits: torch.Tensor                  # (S, vocab): one row per sampling sequence
     targets: list[tuple[int, Sequence]]   # (logits row, sequence); forks share their parent's row
     requests: list[SampleRequest]         # one per target
+    grammar: GrammarMask | None           # the constrained targets' token bitmask
 
 
 class _InFlight(NamedTuple):
@@ -101,6 +107,10 @@ class Engine:
                  if setup.draft_runner is not None else None)
         self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
         self._prepare_gpu()
+        self.grammars = GrammarCompilerPool(config.model, self.vocab_size, self.eos_token_ids)
+        self.grammar_masks = GrammarMaskBuilder(self.vocab_size, self.device, max_threads=min(8, os.cpu_count() or 1))
+        self._constrained: set[str] = set()       # running requests with a grammar
+        self._failed: list[tuple[str, str]] = []  # (request id, error) of failed compiles, to take
         self.requests: dict[str, Request] = {}
         self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
         self._importing: dict[str, tuple[Sequence, list[tuple[int, int, float]] | None]] = {}  # KV arriving
@@ -133,6 +143,7 @@ class Engine:
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals,
                           seed, max_tokens, stop_ids=stop_ids, export_kv=export_kv)
         self._arrivals += 1
+        self._submit_grammar(request)
         if resume_output:
             seqs = self._resumed_samples(request, resume_output, resume_ended)
         else:
@@ -164,6 +175,18 @@ class Engine:
         if all(seq.status is SequenceStatus.FINISHED for seq in seqs):
             raise RequestError("invalid resume_ended: every sample has ended; nothing to resume")
         return seqs
+
+    def _submit_grammar(self, request: Request) -> None:
+        """Start compiling a constrained request's grammar: it compiles while the prompt prefills."""
+        if request.params.structured is not None:
+            request.grammar = self.grammars.submit(request.params.structured)
+            self._constrained.add(request.request_id)
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, error naming the field) of the requests ended since the last call
+        because their grammar failed to compile; they hold no blocks and produce no more deltas."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _validate(self, request_id: Any, prompt: Any, params: Any, priority: Any, cache_salt: Any) -> list[int]:
         """Raises RequestError naming the first bad field; returns the prompt as a list of plain ints."""
@@ -207,6 +230,7 @@ class Engine:
         if index is None:
             self.scheduler.abort(request)
             del self.requests[request_id]
+            self._constrained.discard(request_id)
             return
         request.dropped.add(index)
         seq = next((s for s in request.seqs if s.index == index), None)
@@ -223,6 +247,7 @@ class Engine:
             close()
         if self.speculator is not None:    # the draft model's weights and KV cache
             self.speculator.close()
+        self.grammars.close()
         if self.kv_tiers is not None:      # the disk tier's writer thread
             self.kv_tiers.close()
         if self._froze_gc:                 # the engine holds reference cycles: let them go
@@ -265,7 +290,7 @@ class Engine:
             return self._speculative_step(out, drafts)
         fwd = self._forward(out, None)
         t = time.perf_counter()
-        results = self.sampler(fwd.logits, fwd.requests)             # the draw and its host sync
+        results = self.sampler(fwd.logits, fwd.requests, fwd.grammar)   # the draw and its host sync
         self.last_sync_s += time.perf_counter() - t
         return [d for (_, seq), res in zip(fwd.targets, results) if (d := self._append(seq, res))]
 
@@ -291,7 +316,8 @@ class Engine:
             for seq, num_new in out.scheduled:                       # once prev is settled
                 seq.num_computed_tokens += num_new
         targets = self._fork_targets(sampling)                       # (row, seq) per draw
-        return _Forwarded(logits, targets, [self._sample_request(row, seq) for row, seq in targets])
+        grammar = self._grammar_mask([(seq, []) for _, seq in targets]) if self._constrained else None
+        return _Forwarded(logits, targets, [self._sample_request(row, seq) for row, seq in targets], grammar)
 
     # ---- speculative decoding (gpu_worker/spec_decode/speculator.py: the layout, why exact) ----
     def _speculative_step(self, out: SchedulerOutput, drafts: dict[Sequence, list[int]]) -> list[SequenceDelta]:
@@ -325,14 +351,19 @@ class Engine:
             verifying.append((seq, draft))
             base = seq.num_tokens - len(draft)
             rows = [self._sample_request_at(row + j, seq, base + j) for j in range(len(draft) + 1)]
-            if proposal is not None and seq in proposal.q:
+            # a constrained draw keeps the point-mass rule: exact whatever the draft, and the
+            # draft's q knows no grammar mask
+            if proposal is not None and seq in proposal.q and seq.request.grammar is None:
                 rejecting[seq] = rows
             else:
                 requests += rows
             row += len(draft) + 1
         order = [self._sample_request(r, seq) for r, seq in plain]
+        grammar = (self._grammar_mask([(seq, []) for _, seq in plain]                # draw rows' order
+                                      + [(seq, d) for seq, d in verifying if seq not in rejecting])
+                   if self._constrained else None)
         t = time.perf_counter()
-        results = self.sampler(logits, order + requests)             # the draws and their host sync
+        results = self.sampler(logits, order + requests, grammar)    # the draws and their host sync
         sampled = dict(zip(rejecting, rejection_verify(
             logits, [(drafts[seq], rows, proposal.q[seq]) for seq, rows in rejecting.items()]))) if rejecting else {}
         self.last_sync_s += time.perf_counter() - t
@@ -379,6 +410,9 @@ class Engine:
             self.scheduler.abort_sequence(seq)
             self._forget_if_done(request)
             return None
+        if request.grammar is not None and request.grammar.error is not None:
+            self._fail_constrained(request)
+            return None
         tokens, logprobs, reason = [], [], None
         for result in drawn[:accepted + 1]:
             seq.token_ids.append(result.token_id)
@@ -387,6 +421,8 @@ class Engine:
                 seq.cumulative_logprob += result.logprob.logprob
                 logprobs.append(result.logprob)
             reason = self._finish_reason(seq, result.token_id)
+            if seq.matcher is not None and self._grammar_ends(seq, result.token_id):
+                reason = reason or "stop"
             if reason is not None:
                 break
         # KV is final for the last token before the drafts and the accepted drafts (those kept
@@ -414,8 +450,10 @@ class Engine:
     def _step_async(self) -> list[SequenceDelta]:
         prev, self._inflight = self._inflight, None
         deltas: list[SequenceDelta] = []
-        if prev is not None and any(_needs_output(s.params) for s in self.scheduler.running):
-            deltas, prev = self._settle(prev), None      # penalties read the tokens on the host
+        if prev is not None and (self._constrained or any(_needs_output(s.params) for s in self.scheduler.running)):
+            # penalties read the tokens on the host; a grammar's mask needs the matchers to have
+            # accepted the previous token: such batches step synchronously
+            deltas, prev = self._settle(prev), None
         out = self.scheduler.schedule()
         if not out.scheduled:
             if prev is None and not deltas and self._stuck():
@@ -435,7 +473,7 @@ class Engine:
         """_forward, then the draw queued on the device: each sampling sequence gets a PENDING
         placeholder that the next call's _settle replaces."""
         fwd = self._forward(out, prev)
-        pending = self.sampler.launch(fwd.logits, fwd.requests)
+        pending = self.sampler.launch(fwd.logits, fwd.requests, fwd.grammar)
         slots = []
         for _, seq in fwd.targets:
             seq.token_ids.append(PENDING)
@@ -471,6 +509,10 @@ class Engine:
         for (_, seq), slot, result in zip(launched.targets, launched.slots, results):
             if seq.status is SequenceStatus.FINISHED or seq.token_ids[slot] != PENDING:
                 continue                       # aborted, or ended by the previous token
+            constrained = (self._constrained or self._failed) and seq.request.grammar is not None
+            if constrained and seq.request.grammar.error is not None:
+                self._fail_constrained(seq.request)
+                continue
             if seq.index in seq.request.dropped:
                 del seq.token_ids[slot:]
                 self.scheduler.abort_sequence(seq)
@@ -480,6 +522,8 @@ class Engine:
             if result.logprob is not None:
                 seq.cumulative_logprob += result.logprob.logprob
             reason = self._finish_reason_at(seq, result.token_id, slot + 1)
+            if constrained and seq.matcher is not None and self._grammar_ends(seq, result.token_id):
+                reason = reason or "stop"
             if reason is not None:
                 del seq.token_ids[slot + 1:]   # a later placeholder: its step is wasted
                 self.scheduler.finish(seq, reason)
@@ -535,10 +579,16 @@ class Engine:
             self.scheduler.abort_sequence(seq)
             self._forget_if_done(request)
             return None
+        constrained = (self._constrained or self._failed) and request.grammar is not None  # one test unconstrained
+        if constrained and request.grammar.error is not None:
+            self._fail_constrained(request)
+            return None
         seq.token_ids.append(result.token_id)
         if result.logprob is not None:
             seq.cumulative_logprob += result.logprob.logprob
         reason = self._finish_reason(seq, result.token_id)
+        if constrained and seq.matcher is not None and self._grammar_ends(seq, result.token_id):
+            reason = reason or "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._forget_if_done(request)
@@ -547,9 +597,50 @@ class Engine:
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         return self._finish_reason_at(seq, token_id, len(seq.token_ids))
 
+    # ---- constrained decoding (gpu_worker/structured) ---------------------------------------
+    def _grammar_mask(self, draws: list[tuple[Sequence, list[int]]]) -> GrammarMask | None:
+        """The token bitmask of a step's constrained draws, None when none is. `draws`: each
+        drawing sequence with the drafts it verifies, in draw-row order (1 + len(drafts) rows
+        each). A sample's first draw makes its matcher: it waits for the grammar's compile
+        (GrammarJob.wait: up to the time limit); a failed compile leaves the rows unconstrained
+        and the request is ended when its draw is applied (_fail_constrained)."""
+        entries = []
+        row = 0
+        for seq, drafts in draws:
+            first, row = row, row + 1 + len(drafts)
+            job = seq.request.grammar
+            if job is None or job.error is not None:
+                continue
+            if seq.matcher is None:
+                try:
+                    seq.matcher = new_matcher(job.wait(), seq.token_ids[seq.num_prompt_tokens:
+                                                                         seq.num_tokens - len(drafts)])
+                except GrammarError as exc:
+                    job.error = job.error or str(exc)
+                    continue
+            entries.append((first, seq.matcher, drafts))
+        if not entries:
+            return None
+        return self.grammar_masks.build(entries, row)
+
+    @staticmethod
+    def _grammar_ends(seq: Sequence, token_id: int) -> bool:
+        """Advance seq's matcher by its sampled token: True when the grammar is complete (or,
+        never with the mask applied, rejects the token)."""
+        return not seq.matcher.accept_token(token_id) or seq.matcher.is_terminated()
+
+    def _fail_constrained(self, request: Request) -> None:
+        """End a request whose grammar failed to compile: its blocks go back, take_failed reports it."""
+        if self.requests.get(request.request_id) is request:
+            self.scheduler.abort(request)
+            del self.requests[request.request_id]
+            self._constrained.discard(request.request_id)
+            self._failed.append((request.request_id, request.grammar.error))
+
     def _forget_if_done(self, request: Request) -> None:
         if request.finished:
             self.requests.pop(request.request_id, None)
+            self._constrained.discard(request.request_id)
             if any(s.finish_reason == HANDOFF for s in request.seqs):
                 self.exported[request.request_id] = request
 
@@ -597,6 +688,8 @@ class Engine:
                 seq.finish_reason = None
                 self.scheduler.add_prefilled(seq)
         self.requests[request_id] = request
+        if request.grammar is not None:        # its matchers go on from the first tokens
+            self._constrained.add(request_id)
         return True
 
     def import_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -630,6 +723,7 @@ class Engine:
         if self.kv_tiers is not None:          # blocks it evicted go down a tier before the KV lands
             self.kv_tiers.flush()
         self._arrivals += 1
+        self._submit_grammar(request)
         request.num_cached_tokens = num_cached_tokens
         self.requests[request_id] = request
         self._importing[request_id] = (seq, sorted(samples) if samples is not None else None)
@@ -701,6 +795,7 @@ class Engine:
             self._importing.pop(request_id)
             self.block_manager.free(seq)
             del self.requests[request_id]
+            self._constrained.discard(request_id)
 
     def _prepare_gpu(self) -> None:
         """CUDA + triton attention: compile the eager-step kernel variants, then (unless

@@ -167,6 +167,11 @@ class LLM:
                         out.outputs = [_completion(s) for s in samples[delta.request_id]]
                         pending.discard(delta.request_id)
                         bar.update(1)
+                failed = self.llm_engine.take_failed()
+                if failed:                   # a grammar that did not compile: the call fails whole
+                    for rid in pending:
+                        self.llm_engine.abort_request(rid)
+                    raise ValueError(failed[0][1])
                 if pending and not self.llm_engine.has_unfinished_requests():
                     raise RuntimeError("the engine stopped with unfinished requests")
 

@@ -4,6 +4,8 @@ the logits' device, with one host sync per step (the `.tolist()` of the chosen i
 vLLM's order and semantics:
   1. logprobs are taken from the RAW model logits (log_softmax before any processing), and only
      for the rows that asked for them;
+  1b. grammar (constrained decoding, gpu_worker/structured): tokens a row's grammar disallows
+     get -inf, one op for the batch;
   2. min_tokens: EOS and stop_token_ids are masked until min_tokens outputs exist;
   2b. logit_bias: each listed token's bias is added to its logit (a -inf mask stays -inf);
   3. penalties: repetition over prompt + output (positive logits divided, negative multiplied),
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from gpu_worker.outputs import TokenLogprob
+from gpu_worker.structured.bitmask import GrammarMask, apply_grammar_mask
 from services.protocol.sampling import SamplingParams
 
 _SAMPLING_EPS = 1e-5
@@ -160,16 +163,20 @@ class PendingSample:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
-        """Draw and read back at once (nothing else is queued behind the draw: no staging)."""
-        return self._choose(logits, requests).results() if requests else []
+    def __call__(self, logits: torch.Tensor, requests: list[SampleRequest],
+                 grammar: GrammarMask | None = None) -> list[SampleResult]:
+        """Draw and read back at once (nothing else is queued behind the draw: no staging).
+        grammar: the constrained rows' token bitmask (rows index `requests`)."""
+        return self._choose(logits, requests, grammar).results() if requests else []
 
-    def launch(self, logits: torch.Tensor, requests: list[SampleRequest]) -> PendingSample:
+    def launch(self, logits: torch.Tensor, requests: list[SampleRequest],
+               grammar: GrammarMask | None = None) -> PendingSample:
         """Queue the whole draw on the logits' device, and the tokens' copy to the host behind
         it; nothing waits for the GPU here."""
-        return self._choose(logits, requests).stage()
+        return self._choose(logits, requests, grammar).stage()
 
-    def _choose(self, logits: torch.Tensor, requests: list[SampleRequest]) -> PendingSample:
+    def _choose(self, logits: torch.Tensor, requests: list[SampleRequest],
+                grammar: GrammarMask | None = None) -> PendingSample:
         dev = logits.device
         rows = [r.row for r in requests]
         # (R, V) in the logits' dtype: a bf16 head's logits (ModelRunner.forward) are cast to
@@ -186,8 +193,10 @@ class Sampler:
                   if r.params.min_tokens and r.stop_ids and _position(r) < r.params.min_tokens]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalized = [i for i, p in enumerate(params) if _needs_penalty(p)]
-        if masked or biased or penalized:
+        if masked or biased or penalized or grammar is not None:
             x = raw.to(torch.float32, copy=True)
+            if grammar is not None:         # raw (logprobs) stays the model's own distribution
+                apply_grammar_mask(x, grammar)
             if masked:
                 _mask_stop_ids(x, [requests[i] for i in masked], masked)
             if biased:                      # before the penalties, as vLLM and OpenAI apply it

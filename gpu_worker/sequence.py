@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.protocol.sampling import SamplingParams
 
@@ -46,6 +47,7 @@ class Request:
                                     # min_tokens, end the sequence when sampled
     export_kv: bool = False   # prefill here, draw the first token, then hold the blocks for a
                               # decode engine: the samples finish with HANDOFF
+    grammar: Any = None       # gpu_worker.structured.GrammarJob of a constrained request
 
     @property
     def n(self) -> int:
@@ -75,6 +77,8 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (when logprobs are asked)
+    matcher: Any = None              # xgrammar GrammarMatcher of a constrained sample, made at its
+                                     # first draw; a fork makes its own
 
     @property
     def request_id(self) -> str:

@@ -268,6 +268,7 @@ class WorkerCore:
         t1 = time.perf_counter()
         self.last_step_s = t1 - t0
         self.num_steps += 1
+        self._fail_constrained(out)
         if self._unscheduled:
             self._note_scheduled(t0)
         if self._prefilling:
@@ -299,6 +300,20 @@ class WorkerCore:
         for dest, seqs in per_dest.items():
             out.append(Envelope(dest, StepOutput(worker_id=self.worker_id, epoch=self.epoch,
                                                  step=self.num_steps, seqs=seqs)))
+
+    def _fail_constrained(self, out: list[Envelope]) -> None:
+        """Requests the engine ended because their grammar did not compile: a 400 naming the field
+        (no token was drawn for them), and their stream closed."""
+        take = getattr(self.engine, "take_failed", None)
+        for rid, message in take() if take is not None else ():
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            self._unscheduled.pop(rid, None)
+            self._finished.append(rid)
+            out.append(Envelope(req.reply_addr, RequestFailed(
+                request_id=rid, status=400, code="invalid_request", message=message)))
+            out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="invalid_request")))
 
     def _prefill_ended(self, rid: str, req: _Req) -> None:
         """Every sample of rid has drawn its last token here, or its first before a hand-off."""

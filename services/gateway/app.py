@@ -33,8 +33,8 @@ from services.gateway.conversation import conversation_key
 from services.gateway.render import Accumulator, ChunkWriter
 from services.protocol.kv_events import cache_salt_for
 from services.gateway.schemas import (
-    ApiError, ChatRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_prompt, client_request_id,
-    completion_prompts, decode, tokenize_request)
+    ApiError, ChatRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_prompt, check_request_constraint,
+    client_request_id, completion_prompts, decode, tokenize_request)
 from services.protocol.messages import DetokenizeRequest
 
 _json = msgspec.json.Encoder()
@@ -184,6 +184,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
                 prompts, params = completion_prompts(req, cfg.max_prompts)
             model = check_model(req.model)
             backend.check_vocab(model, params)
+            await check_request_constraint(req, params)
             conversation = conversation_key(tenant, req.user, req.conversation_id)
             job, prompt_lens = await backend.start(prompts, params, model=model, tenant=tenant,
                                                    priority=req.priority, cache_salt=salt(tenant, req.cache_salt),

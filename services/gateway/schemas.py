@@ -11,6 +11,8 @@ from typing import Any
 import msgspec
 
 from services.gateway.json_errors import explain
+from services.gateway.structured import (
+    ConstraintError, ConstraintFields, check_constraint, constraint_field, structured_output)
 from services.protocol.messages import ChatMessage, TokenizeRequest
 from services.protocol.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
@@ -63,11 +65,7 @@ class ChatMessageIn(msgspec.Struct):
     tool_call_id: str | None = None
 
 
-class ResponseFormat(msgspec.Struct):
-    type: str = "text"
-
-
-class _Common(msgspec.Struct, kw_only=True):
+class _Common(ConstraintFields, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -103,7 +101,6 @@ class ChatRequest(_Common, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
 
@@ -216,6 +213,10 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) 
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
     try:
+        constraint = structured_output(req)
+    except ConstraintError as exc:
+        raise bad(str(exc), exc.param) from None
+    try:
         params = SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
@@ -223,11 +224,21 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) 
             frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=_stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            logit_bias=_logit_bias(req.logit_bias))
+            logit_bias=_logit_bias(req.logit_bias), structured=constraint[0] if constraint else None)
         params.validate()
     except SamplingParamsError as exc:
         raise bad(str(exc), param_of(str(exc))) from None
     return params
+
+
+async def check_request_constraint(req: _Common, params: SamplingParams) -> None:
+    """The grammar check of a constrained request (services/gateway/structured.py), off the event loop."""
+    if params.structured is None:
+        return
+    try:
+        await check_constraint(params.structured, constraint_field(req))
+    except ConstraintError as exc:
+        raise bad(str(exc), exc.param) from None
 
 
 def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
@@ -248,8 +259,6 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
         raise bad("messages must not be empty", "messages")
     if len(req.messages) > max_messages:
         raise bad(f"at most {max_messages} messages per request", "messages")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad("only response_format type 'text' is supported", "response_format")
     if req.tool_choice not in _UNFORCED_TOOL_CHOICES:
         # a forced call needs output constrained to the tool's schema, which kvmesh cannot do yet;
         # answering with free text instead would look like success to the client

@@ -62,7 +62,7 @@ class Submit(Msg, tag="submit", kw_only=True):
 class Abort(Msg, tag="abort", kw_only=True):
     request_id: str
     index: int | None = None         # one sample (n > 1, e.g. its stop string matched); None: all
-    reason: str = "client"           # client | stop | worker_failed | timeout | shutdown
+    reason: str = "client"           # client | stop | worker_failed | timeout | shutdown | invalid_request
 
 
 # ----------------------------------------------------------------------------- scheduler -> gateway
@@ -93,6 +93,7 @@ _ABORT_ERRORS = {
     "worker_failed": (503, "worker_failed", "the worker serving this request stopped; please retry"),
     "timeout": (504, "timeout", "the request took too long and was stopped"),
     "shutdown": (503, "shutdown", "the service serving this request shut down; please retry"),
+    "invalid_request": (400, "invalid_request", "the request's output constraint could not be compiled"),
 }
 _ABORTED = (500, "aborted", "the request was stopped before it finished")
 

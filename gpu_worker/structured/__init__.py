@@ -1,0 +1,15 @@
+"""Constrained decoding with xgrammar: grammars compiled off the engine thread, one matcher per
+sequence, a token bitmask applied to the batch's logits before sampling.
+
+    compiler.py   GrammarCompilerPool: the tokenizer's xgrammar compiler, a thread pool, the
+                  byte-bounded cache, the time limit; submit() -> GrammarJob
+    matchers.py   GrammarJob (a compile in flight) and the per-sequence GrammarMatcher life cycle
+    bitmask.py    GrammarMaskBuilder -> GrammarMask: the host-filled int32 bitmask of a step's
+                  constrained rows, and its application to the logits in one op
+"""
+from gpu_worker.structured.bitmask import GrammarMask, GrammarMaskBuilder, apply_grammar_mask
+from gpu_worker.structured.compiler import GrammarCompilerPool
+from gpu_worker.structured.matchers import GrammarError, GrammarJob
+
+__all__ = ["GrammarCompilerPool", "GrammarError", "GrammarJob", "GrammarMask", "GrammarMaskBuilder",
+           "apply_grammar_mask"]
