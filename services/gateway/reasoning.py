@@ -25,15 +25,6 @@ class Split(NamedTuple):
     content: str | None
 
 
-def detect(template: str | dict | None, generation_prompt: str) -> str:
-    """--reasoning-parser auto: a template that writes `<think>` thinks; one whose generation prompt
-    (rendered for a one-message chat) ends inside the block starts the answer there."""
-    sources = [template] if isinstance(template, str) else list((template or {}).values())
-    if not any(START in s for s in sources):
-        return "none"
-    return "deepseek_r1" if generation_prompt.rstrip().endswith(START) else "qwen3"
-
-
 def split(parser: str, text: str) -> Split:
     stream = ReasoningStream(parser)
     a, b = stream.feed(text), stream.finish()

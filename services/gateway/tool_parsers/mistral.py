@@ -5,6 +5,8 @@ so the gateway keeps them for a request parsed with this format):
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}        (v11 and later)
 
 Text before the first `[TOOL_CALLS]` is content. An array holding an invalid call is text whole.
+Special tokens kept, the answer's end-of-sequence token `</s>` arrives as text too: at the very end
+of the answer it is dropped.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import re
 
 from services.gateway.tool_parsers.base import Call, Scan, ToolFormat, as_call, held_prefix, json_end, loads
 
-TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+TOOL_CALLS, ARGS, EOS = "[TOOL_CALLS]", "[ARGS]", "</s>"
 _NAME = re.compile(r"\s*([A-Za-z0-9_-]{1,64})")
 
 
@@ -23,7 +25,12 @@ class MistralFormat(ToolFormat):
         while True:
             j = text.find(TOOL_CALLS, i)
             if j < 0:
-                stop = len(text) if final else len(text) - held_prefix(text[i:], TOOL_CALLS)
+                tail = text[i:]
+                if final:
+                    pieces.append(tail[:-len(EOS)] if tail.endswith(EOS) else tail)
+                    return Scan(pieces, len(text))
+                held = len(EOS) if tail.endswith(EOS) else held_prefix(tail, EOS)
+                stop = len(text) - max(held_prefix(tail, TOOL_CALLS), held)
                 pieces.append(text[i:stop])
                 return Scan(pieces, stop)
             pieces.append(text[i:j])

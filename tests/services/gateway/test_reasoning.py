@@ -42,12 +42,6 @@ def test_split(parser, text, thought, content):
         assert streamed(parser, text, size) == (thought, content)
 
 
-def test_detect():
-    assert reasoning.detect("no thinking here", "<|im_start|>assistant\n") == "none"
-    assert reasoning.detect("{{ '<think>' }}", "<|im_start|>assistant\n") == "qwen3"
-    assert reasoning.detect("{{ '<think>' }}", "<|im_start|>assistant\n<think>\n") == "deepseek_r1"
-
-
 def test_tool_calls_after_reasoning():
     parsing = OutputParsing("qwen3", lambda: tool_format("hermes", frozenset({"get_time"})))
     text = ('<think>I need the time. <tool_call>{"name": "get_time", "arguments": {}}</tool_call> is how.</think>\n\n'

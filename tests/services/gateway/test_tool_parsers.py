@@ -7,7 +7,7 @@ import json
 import pytest
 
 from services.gateway.tool_parsers import (
-    NamedFormat, RequiredFormat, StreamingParser, detect, parse, tool_format)
+    NamedFormat, RequiredFormat, StreamingParser, parse, tool_format)
 
 TOOLS = frozenset({"get_weather", "get_time"})
 WEATHER = {"city": "Paris", "unit": "°C"}
@@ -103,6 +103,8 @@ MISTRAL_CASES = [
     ('[TOOL_CALLS]get_time[ARGS]{"a": ', '[TOOL_CALLS]get_time[ARGS]{"a": ', []),
     ('[TOOL_CALLS]get_time[ARGS][1][TOOL_CALLS]get_time[ARGS]{}', '[TOOL_CALLS]get_time[ARGS][1]', [("get_time", {})]),
     ("[TOOL_CALL is not the token", "[TOOL_CALL is not the token", []),
+    ('[TOOL_CALLS]get_time[ARGS]{}</s>', None, [("get_time", {})]),
+    ("Plain </s> answer.</s>", "Plain </s> answer.", []),
 ]
 
 
@@ -127,11 +129,3 @@ def test_call_ids_are_random_and_calls_bounded():
     calls = parse(tool_format("hermes", TOOLS), text).tool_calls
     assert len(calls) == 128 and len({c.id for c in calls}) == 128
     assert all(len(c.id) == 29 for c in calls)
-
-
-def test_detect():
-    assert detect("{{ '<tool_call>' }}", "llama") == "hermes"
-    assert detect({"default": "x", "tool_use": "[TOOL_CALLS]"}, "") == "mistral"
-    assert detect("plain", "qwen3") == "hermes"
-    assert detect("plain", "llama") == "llama3_json"
-    assert detect(None, "gpt2") == "none"
