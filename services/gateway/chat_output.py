@@ -17,7 +17,7 @@ from services.gateway.tool_parsers import StreamingParser, ToolCall, ToolCallDel
 
 @dataclass(frozen=True)
 class OutputParsing:
-    reasoning: str = "none"                                  # a reasoning.CHOICES parser, or "none"
+    reasoning: str = "none"                                  # qwen3, deepseek_r1 (reasoning.py) or none
     tool_format: Callable[[], ToolFormat] | None = None      # a fresh call scanner per answer; None: no calls
 
     @property

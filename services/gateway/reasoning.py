@@ -17,7 +17,6 @@ from typing import NamedTuple
 from services.gateway.tool_parsers.base import held_prefix
 
 START, END = "<think>", "</think>"
-CHOICES = ("auto", "qwen3", "deepseek_r1", "none")
 
 
 class Split(NamedTuple):

@@ -25,6 +25,7 @@ from services.protocol.messages import (
     Abort, DetokenizeReply, DetokenizeRequest, StepOutput, StreamOpen, TokenizeReply, TokenizeRequest)
 from services.registry import ServiceRecord
 from services.security.bundle import Trust
+from services.text.chat_formats import NO_FORMATS, ChatFormats, chat_formats
 from services.text.streams import DetokCore
 from services.text.requests import (
     PromptTooLong, TokenizeError, check_chars, detokenize_off_loop, prompt_chars, tokenize_off_loop)
@@ -65,6 +66,9 @@ class TextPath(Protocol):
     def not_ready_reason(self) -> str | None:
         """Why no text can be made now, or None."""
 
+    def formats(self) -> ChatFormats:
+        """The served model's tool-call syntax and reasoning block, read from its chat template."""
+
     def close(self) -> None: ...
 
 
@@ -73,6 +77,7 @@ class LocalText:
         from services.text.tokenizer import load_tokenizer
         self.tok = load_tokenizer(model_dir)
         self.detok: DetokCore | None = DetokCore(self.tok)
+        self._formats = chat_formats(self.tok)
         # long prompts and id lists: off the event loop, a bounded number at once
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
         self.inbox_addr = ""   # this gateway's inbox: the shell sets it once bound
@@ -102,6 +107,9 @@ class LocalText:
     def not_ready_reason(self) -> str | None:
         return None
 
+    def formats(self) -> ChatFormats:
+        return self._formats
+
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -113,6 +121,7 @@ class RemoteText:
         self.fixed_targets = fixed_targets    # --tokenizer-addr: these, not the registry's
         self.streams: set[str] = set()        # the services' detokenizer inboxes
         self.token_chars: int | None = None   # the services' longest token, in characters
+        self._formats = NO_FORMATS            # what the services read from the model's chat template
         if fixed_targets:
             self.client.set_targets(fixed_targets)
 
@@ -150,12 +159,19 @@ class RemoteText:
         self.streams = {r.addrs["zmq"] for r in tokenizers if "zmq" in r.addrs}
         # they serve one model; the largest is the safe bound should one differ
         self.token_chars = max((int(r.info.get("max_token_chars") or 0) for r in tokenizers), default=0) or None
+        if tokenizers:
+            info = tokenizers[0].info
+            self._formats = ChatFormats(str(info.get("tool_call_parser") or "none"),
+                                        str(info.get("reasoning_parser") or "none"))
 
     def detok_addrs(self) -> set[str]:
         return self.streams
 
     def not_ready_reason(self) -> str | None:
         return None if self.client.stubs and self.streams else "no tokenizer is registered"
+
+    def formats(self) -> ChatFormats:
+        return self._formats
 
     def close(self) -> None:
         pass

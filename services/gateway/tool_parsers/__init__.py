@@ -19,12 +19,11 @@ from services.gateway.tool_parsers.mistral import MistralFormat
 
 FORMATS: dict[str, type[ToolFormat]] = {"hermes": HermesFormat, "llama3_json": Llama3JsonFormat,
                                         "mistral": MistralFormat}
-CHOICES = ("auto", *FORMATS, "none")
 
 
 def tool_format(name: str, tool_names: frozenset[str]) -> ToolFormat:
     return FORMATS[name](tool_names)
 
 
-__all__ = ["CHOICES", "FORMATS", "NamedFormat", "Parsed", "RequiredFormat", "StreamStep", "StreamingParser",
+__all__ = ["FORMATS", "NamedFormat", "Parsed", "RequiredFormat", "StreamStep", "StreamingParser",
            "ToolCall", "ToolCallDelta", "ToolFormat", "parse", "tool_format"]
