@@ -159,8 +159,9 @@ class RemoteText:
         self.streams = {r.addrs["zmq"] for r in tokenizers if "zmq" in r.addrs}
         # they serve one model; the largest is the safe bound should one differ
         self.token_chars = max((int(r.info.get("max_token_chars") or 0) for r in tokenizers), default=0) or None
-        if tokenizers:
-            info = tokenizers[0].info
+        used = [r for r in tokenizers if not self.fixed_targets or r.addrs.get("grpc") in self.fixed_targets]
+        if used:   # they serve one model: any one's record says its formats
+            info = used[0].info
             self._formats = ChatFormats(str(info.get("tool_call_parser") or "none"),
                                         str(info.get("reasoning_parser") or "none"))
 
