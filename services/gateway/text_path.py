@@ -19,6 +19,7 @@ from typing import Protocol
 import grpc
 import msgspec
 
+from services.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 from services.gateway.schemas import ApiError
 from services.gateway.tokenizer_client import TokenizerClient, TokenizerRefused, unavailable
 from services.protocol.messages import (
@@ -162,8 +163,8 @@ class RemoteText:
         used = [r for r in tokenizers if not self.fixed_targets or r.addrs.get("grpc") in self.fixed_targets]
         if used:   # they serve one model: any one's record says its formats
             info = used[0].info
-            self._formats = ChatFormats(str(info.get("tool_call_parser") or "none"),
-                                        str(info.get("reasoning_parser") or "none"))
+            self._formats = ChatFormats(_known(info.get("tool_call_parser"), TOOL_CALL_PARSERS),
+                                        _known(info.get("reasoning_parser"), REASONING_PARSERS))
 
     def detok_addrs(self) -> set[str]:
         return self.streams
@@ -176,6 +177,11 @@ class RemoteText:
 
     def close(self) -> None:
         pass
+
+
+def _known(name: object, choices: tuple[str, ...]) -> str:
+    """A format a tokenizer service advertises, when this gateway knows it (else: none)."""
+    return name if isinstance(name, str) and name in choices and name != "auto" else "none"
 
 
 def bounded(req: TokenizeRequest, max_model_len: int) -> TokenizeRequest:
