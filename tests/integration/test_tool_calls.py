@@ -5,9 +5,9 @@ registry record).
 
 The model is the tiny random Qwen3 with a Qwen3-style template (templates/qwen3_tools.jinja:
 <tool_call> calls, <think> reasoning) and four vocabulary entries replaced by pieces of a thinking
-answer that calls a tool. logit_bias (100, 90, 80, 70) with the largest repetition penalty makes
-greedy decoding write the pieces in order, one per token: a real model writing a real call, split
-mid-tag and mid-arguments across tokens. Without the bias the random model writes text; with a
+answer that calls a tool, their output rows zeroed (logit 0 whatever the prompt). logit_bias (100,
+90, 80, 70) with the largest repetition penalty makes greedy decoding write the pieces in order,
+one per token: a real model writing a real call, split mid-tag and mid-arguments across tokens. Without the bias the random model writes text; with a
 forced tool_choice the worker's constrained decoding makes it write valid calls (skipped until the
 workers have it: gpu_worker.structured).
 """
@@ -31,10 +31,13 @@ TEMPLATE = Path(__file__).parent / "templates" / "qwen3_tools.jinja"
 PIECES = ["<think>Weather? I should call", " the tool.</think>\n\n",
           '<tool_call>\n{"name": "get_weather", "arguments": {"ci', 'ty": "Paris"}}\n</tool_call>']
 FIRST_ID = 1020   # the tiny model's vocabulary is 1,024 entries: the last four become the pieces
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+# bounded strings: a random model constrained to the schema would otherwise write until max_tokens
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {}, "additionalProperties": False}}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GRAMMAR = importlib.util.find_spec("gpu_worker.structured") is not None
 
@@ -49,6 +52,11 @@ def forced(pieces: int = 4) -> dict:
 def forge_model(src: Path, dst: Path) -> None:
     """A copy of `src` whose last vocabulary entries decode to PIECES, with the test template."""
     shutil.copytree(src, dst)
+    from safetensors.torch import load_file, save_file
+    weights = load_file(src / "model.safetensors")
+    head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"   # tied
+    weights[head][FIRST_ID:FIRST_ID + len(PIECES)] = 0      # (4, hidden): the pieces' logits are 0
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     tok = json.loads((src / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     by_id = {i: t for t, i in vocab.items()}
@@ -211,10 +219,11 @@ def test_bad_tools_are_400s_and_harm_nothing(client, tools, choice, param):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_choice_always_calls(client, choice, stream):
     for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
-        r = chat(client, tools=TOOLS, tool_choice=choice, max_tokens=64, stream=stream, **kw)
-        calls = assembled(r)["calls"].values() if stream else [
-            {"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
-        assert calls
+        r = chat(client, tools=TOOLS, tool_choice=choice, max_tokens=128, stream=stream, **kw)
+        got = assembled(r) if stream else r.choices[0]
+        calls = list(got["calls"].values()) if stream else [
+            {"name": c.function.name, "arguments": c.function.arguments} for c in got.message.tool_calls or []]
+        assert calls, got
         for call in calls:
             args = json.loads(call["arguments"])
             assert call["name"] in ("get_weather", "get_time") and isinstance(args, dict)
