@@ -88,4 +88,3 @@ class ReasoningStream:
             self.thought = True
             return Step(rest, "")
         return Step("", rest)
-

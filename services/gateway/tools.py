@@ -17,11 +17,11 @@ import re
 from functools import partial
 from typing import Any, NamedTuple
 
+import msgspec
+
 from services.gateway.chat_output import OutputParsing
 from services.gateway.schemas import bad
 from services.gateway.tool_parsers import NamedFormat, RequiredFormat, tool_format
-import msgspec
-
 from services.protocol.sampling import MAX_STRUCTURED_SPEC_BYTES, SamplingParams, StructuredOutput
 from services.text.chat_formats import ChatFormats
 
@@ -43,7 +43,7 @@ def check_tools(tools: list[dict] | None) -> dict[str, dict]:
         return {}
     if len(tools) > MAX_TOOLS:
         raise bad(f"at most {MAX_TOOLS} tools per request", "tools")
-    if len(json.dumps(tools)) > MAX_TOOLS_BYTES:
+    if _json_bytes(tools) > MAX_TOOLS_BYTES:
         raise bad(f"tools must have at most {MAX_TOOLS_BYTES} bytes of JSON in all", "tools")
     out: dict[str, dict] = {}
     for i, tool in enumerate(tools):
@@ -75,12 +75,19 @@ def _forced_name(tool_choice: Any) -> str | None:
     return fn["name"]
 
 
+def _json_bytes(value: Any) -> int:
+    """Size of `value` as JSON (ASCII); nesting too deep to serialize counts as too large."""
+    try:
+        return len(json.dumps(value))
+    except (ValueError, RecursionError):
+        return MAX_TOOLS_BYTES + 1
+
+
 def _schema(value: dict) -> StructuredOutput:
-    text = json.dumps(value)
-    if len(text.encode()) > MAX_STRUCTURED_SPEC_BYTES:
+    if _json_bytes(value) > MAX_STRUCTURED_SPEC_BYTES:
         raise bad(f"the tools' parameters make a schema over {MAX_STRUCTURED_SPEC_BYTES} bytes; offer fewer or "
                   "smaller tools to force a call", "tools")
-    return StructuredOutput(json_schema=text)
+    return StructuredOutput(json_schema=json.dumps(value))
 
 
 def required_schema(tools: dict[str, dict]) -> dict:

@@ -46,8 +46,13 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
         if not isinstance(key, str) or not _TEMPLATE_KWARG.fullmatch(key) or key in _RESERVED_KWARGS:
             raise TokenizeError(f"invalid chat_template_kwargs: {str(key)[:64]!r} is not a name a template may be "
                                 f"given (a letter, then letters, digits or _; not {', '.join(sorted(_RESERVED_KWARGS))})")
-    if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
-        raise TokenizeError(f"invalid chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON")
+    try:
+        size = len(json.dumps(kwargs))   # ASCII: characters are bytes
+    except (ValueError, RecursionError):
+        size = MAX_TEMPLATE_KWARGS_BYTES + 1
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise TokenizeError(f"invalid chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON "
+                            "(and nested only a little)")
 
 
 def tokenize(tok: Any, req: TokenizeRequest) -> list[int]:

@@ -83,28 +83,42 @@ def held_prefix(text: str, marker: str) -> int:
     return 0
 
 
-def json_end(text: str, start: int) -> int:
+class JsonEnd:
     """Index just past the JSON object or array opening at text[start], or -1 when it is not closed
-    yet. Brackets are counted outside strings only; the value is not checked here."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+    yet. Brackets are counted outside strings only; the value is not checked here.
+
+    A stream asks again about the same unclosed value each time more text arrived: the count
+    resumes where it stopped (checked by comparing the value's text so far, at C speed), so a long
+    value costs its length once instead of once per delta."""
+
+    def __init__(self) -> None:
+        self.seen = ""     # the unclosed value's text counted so far
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def __call__(self, text: str, start: int) -> int:
+        if not (self.seen and text.startswith(self.seen, start)):
+            self.seen, self.depth, self.in_string, self.escaped = "", 0, False, False
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        for i in range(start + len(self.seen), len(text)):
+            c = text[i]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif c == "\\":
+                    escaped = True
+                elif c == '"':
+                    in_string = False
             elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return -1
+                in_string = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    self.seen = ""
+                    return i + 1
+        self.seen, self.depth, self.in_string, self.escaped = text[start:], depth, in_string, escaped
+        return -1
 
 
 def loads(raw: str) -> Any:

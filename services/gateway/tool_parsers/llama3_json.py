@@ -9,7 +9,7 @@ after a call that is neither `;` nor another call.
 """
 from __future__ import annotations
 
-from services.gateway.tool_parsers.base import Call, Scan, ToolFormat, as_call, held_prefix, json_end, loads
+from services.gateway.tool_parsers.base import Call, Scan, ToolFormat, as_call, JsonEnd, held_prefix, loads
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -23,6 +23,7 @@ def _skip_space(text: str, i: int) -> int:
 class Llama3JsonFormat(ToolFormat):
     def __init__(self, tool_names: frozenset[str]) -> None:
         super().__init__(tool_names)
+        self.json_end = JsonEnd()
         self.state = "opening"    # opening -> call -> after (`;` -> call) ; anything else -> text
 
     def scan(self, text: str, start: int, final: bool) -> Scan:
@@ -46,7 +47,7 @@ class Llama3JsonFormat(ToolFormat):
                 continue
             if text[at] != "{":
                 break
-            end = json_end(text, at)
+            end = self.json_end(text, at)
             if end < 0 and not final:
                 return Scan(pieces, i)
             value = as_call(loads(text[at:end]), self.tool_names) if end > 0 else None

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import re
 
-from services.gateway.tool_parsers.base import Call, Scan, ToolFormat, as_call, held_prefix, json_end, loads
+from services.gateway.tool_parsers.base import Call, Scan, ToolFormat, as_call, JsonEnd, held_prefix, loads
 
 TOOL_CALLS, ARGS, EOS = "[TOOL_CALLS]", "[ARGS]", "</s>"
 _NAME = re.compile(r"\s*([A-Za-z0-9_-]{1,64})")
 
 
 class MistralFormat(ToolFormat):
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        super().__init__(tool_names)
+        self.json_end = JsonEnd()
+
     def scan(self, text: str, start: int, final: bool) -> Scan:
         pieces: list = []
         i = start
@@ -55,7 +59,7 @@ class MistralFormat(ToolFormat):
         if not rest:
             return (len(text), None) if final else (-1, None)
         if rest[0] == "[":
-            end = json_end(text, at)
+            end = self.json_end(text, at)
             if end < 0:
                 return (len(text), None) if final else (-1, None)
             items = loads(text[at:end])
@@ -78,7 +82,7 @@ class MistralFormat(ToolFormat):
             body += 1
         if body == len(text) or text[body] != "{":
             return (-1, None) if body == len(text) and not final else (len(text), None)
-        end = json_end(text, body)
+        end = self.json_end(text, body)
         if end < 0:
             return (len(text), None) if final else (-1, None)
         value = as_call({"name": m.group(1), "arguments": loads(text[body:end])}, self.tool_names)

@@ -3,6 +3,7 @@ and the stream fed one character at a time giving what the whole-text parse give
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -129,3 +130,19 @@ def test_call_ids_are_random_and_calls_bounded():
     calls = parse(tool_format("hermes", TOOLS), text).tool_calls
     assert len(calls) == 128 and len({c.id for c in calls}) == 128
     assert all(len(c.id) == 29 for c in calls)
+
+
+@pytest.mark.parametrize("name, opening", [("llama3_json", '{"name": "get_time", "parameters": {"s": "'),
+                                           ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"s": "'),
+                                           ("hermes", '<tool_call>{"name": "get_time", "arguments": {"s": "')])
+def test_a_long_unclosed_call_streams_in_linear_time(name, opening):
+    """An answer that opens a call and never closes it (a long JSON answer, say): each delta costs
+    its own length, not the whole held text again."""
+    parser = StreamingParser(tool_format(name, TOOLS))
+    start = time.perf_counter()
+    assert parser.feed(opening).content == ""
+    for _ in range(20_000):
+        assert parser.feed("x, y, [{}] ") == ("", [])
+    end = parser.finish()
+    assert end.content.startswith(opening) and len(end.content) == len(opening) + 20_000 * 11
+    assert time.perf_counter() - start < 10
