@@ -72,6 +72,9 @@ class Deprecated(NamedTuple):
 PORT = {"min": 1, "max": 65535}
 ANY_PORT = {"min": 0, "max": 65535}           # 0: any free port
 METRICS_PORT = {"min": -1, "max": 65535}      # 0: any free port, -1: off
+# the gateway's answer parsers (services/gateway/tool_parsers/, services/gateway/reasoning.py)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
+REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
 HEALTH_PORT_HELP = ("Plaintext gRPC port answering only grpc.health.v1, for Kubernetes probes (they hold no "
                     "client certificate for the mutual-TLS --port); -1: none, 0: any free port.")
 
@@ -149,6 +152,14 @@ class GatewayConfig(ServiceConfig):
                                        "--no-text-in-gateway: the tokenizer services do both.")
     model: str = opt("", "Model directory holding tokenizer.json (and its chat template), for --text-in-gateway.")
     scheduler_addr: str = opt("", "tcp://host:port of the scheduler (default: from Redis).")
+    tool_call_parser: str = opt("auto", "How chat answers' tool calls are read into `tool_calls`: hermes "
+                                        "(<tool_call>, Qwen), llama3_json (Llama 3.1/3.2), mistral ([TOOL_CALLS]), "
+                                        "none (answers stay text); auto: the model's, from its chat template and "
+                                        "model type.", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str = opt("auto", "How chat answers' <think> block becomes `reasoning_content`: qwen3 (when "
+                                        "the answer opens it), deepseek_r1 (the answer starts in it), none; auto: "
+                                        "from the chat template (none when it writes no <think>).",
+                                choices=REASONING_PARSERS)
 
     DEPRECATED: ClassVar[tuple[Deprecated, ...]] = (
         Deprecated("local_tokenizer", True, lambda v: {"text_in_gateway": "true", "model": v} if v else {}),
@@ -286,6 +297,10 @@ class ServeConfig(ServedEngineArgs):
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms.", min=0)
     prefix_cache: bool = opt(True, "Start the prefix-cache index service (when installed) where the scheduler asks "
                                    "it: cache_aware routing with more than one worker.")
+    tool_call_parser: str = opt("auto", "Gateway: how chat answers' tool calls are read (kvmesh gateway "
+                                        "--tool-call-parser).", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str = opt("auto", "Gateway: how chat answers' <think> block becomes reasoning_content "
+                                        "(kvmesh gateway --reasoning-parser).", choices=REASONING_PARSERS)
     text_in_gateway: bool = opt(True, "The gateway makes the text itself (tokenizes prompts, turns tokens into "
                                       "text: one hop less per request and per token) and no tokenizer service "
                                       "is started; --no-text-in-gateway starts one and routes both through it.")

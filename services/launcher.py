@@ -172,6 +172,7 @@ class Stack:
             gw += ["--text-in-gateway", "--model", model]
         if cfg.api_key:
             gw += ["--api-key", ",".join(cfg.api_key)]
+        gw += ["--tool-call-parser", cfg.tool_call_parser, "--reasoning-parser", cfg.reasoning_parser]
         self.spawn("gateway", "gateway", gw)
 
     def wait_ready(self, url: str, timeout_s: float, stop: list[bool]) -> bool:

@@ -29,6 +29,7 @@ from services.redis_client import RedisAuth
 from services.registry import Membership, Registry
 from services.security.curve import Plane, plane_or_exit, with_role
 from services.shell import run_until_signal
+from services.text.chat_formats import chat_formats
 from services.text.streams import STREAM_MAX_AGE_S
 from services.transport import Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr
 from tokenizer_svc.rpc import TokenizerRpc
@@ -67,7 +68,9 @@ class TokenizerService:
             addrs["metrics"] = f"http://{host}:{metrics_port}/metrics"
         self.registry = Registry(cfg.redis_url, RedisAuth.of(trust))
         # max_token_chars: gateways refuse a prompt that cannot fit before sending it (prompt_bounds.py)
-        info = {"vocab_size": self.tok.vocab_size, "max_token_chars": self.tok.max_token_chars or 0}
+        # and the model's answer formats, for gateways whose --tool-call-parser / --reasoning-parser is auto
+        info = {"vocab_size": self.tok.vocab_size, "max_token_chars": self.tok.max_token_chars or 0,
+                **chat_formats(self.tok)._asdict()}
         self.lease = await self.registry.register("tokenizer", self.id, addrs=addrs, info=info, lease_ms=cfg.lease_ms)
         await self._refresh_schedulers()
         await set_serving(health, True)

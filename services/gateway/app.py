@@ -30,11 +30,13 @@ from services import metrics
 from services.config import GatewayConfig
 from services.gateway.backend import Backend, Job
 from services.gateway.conversation import conversation_key
+from services.gateway.chat_output import PLAIN
 from services.gateway.render import Accumulator, ChunkWriter
 from services.protocol.kv_events import cache_salt_for
 from services.gateway.schemas import (
     ApiError, ChatRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_prompt, check_request_constraint,
-    client_request_id, completion_prompts, decode, tokenize_request)
+    client_request_id, completion_prompts, decode, thinking, tokenize_request)
+from services.gateway.tools import served_formats, tool_plan, with_plan
 from services.protocol.messages import DetokenizeRequest
 
 _json = msgspec.json.Encoder()
@@ -175,9 +177,13 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
             echo = client_request_id(request.headers.get("x-request-id"))
             tenant = tenant_of(request)
             body = await read_body(request)
+            parsing = PLAIN
             if kind == "chat":
                 req: Any = decode(ChatRequest, body)
                 prompt, params = chat_prompt(req, cfg.max_messages)
+                formats = served_formats(cfg.tool_call_parser, cfg.reasoning_parser, backend.text.formats())
+                plan = tool_plan(req.tools, req.tool_choice, formats, thinking(req))
+                params, parsing = with_plan(params, plan), plan.parsing
                 prompts = [prompt]
             else:
                 req = decode(CompletionRequest, body)
@@ -195,7 +201,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         metrics.REQUESTS.labels(route, "200").inc()
         metrics.GATEWAY_SUBMIT.observe(job.submitted - arrival)
         options = req.stream_options
-        acc = Accumulator(kind, model, params.n, len(prompts), prompt_lens, params.logprobs is not None)
+        acc = Accumulator(kind, model, params.n, len(prompts), prompt_lens, params.logprobs is not None, parsing)
         request_id = echo or acc.id
         if req.stream:
             writer = ChunkWriter(acc, bool(options and options.include_usage),

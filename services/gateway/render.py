@@ -1,6 +1,10 @@
 """OpenAI response shapes: whole responses (Accumulator) and SSE chunks (ChunkWriter).
 
 Choice index = prompt_index * n + sample_index (completions with several prompts, as OpenAI).
+A chat answer parsed for reasoning or tool calls (chat_output.py) carries `reasoning_content`
+and `tool_calls` beside `content`, whole or streamed (`delta.reasoning_content`, and per call a
+`delta.tool_calls` entry with its id, type and name, then one with its arguments), and ends with
+finish_reason "tool_calls" when it called a tool.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from services.gateway.chat_output import PLAIN, AnswerDelta, AnswerStream, OutputParsing, parse_answer
 from services.protocol.messages import TextDelta, TokenLogprobText
 
 _json = msgspec.json.Encoder()
@@ -24,12 +29,14 @@ class _Choice:
     tokens: int = 0
     logprobs: list[TokenLogprobText] = field(default_factory=list)
     text_offset: int = 0
+    answer: AnswerStream | None = None   # a streamed chat answer being parsed
 
 
 class Accumulator:
     def __init__(self, kind: str, model: str, n: int, num_prompts: int, prompt_lens: list[int],
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool, parsing: OutputParsing = PLAIN) -> None:
         self.kind, self.model, self.n = kind, model, n
+        self.parsing = parsing
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_lens = prompt_lens
@@ -75,15 +82,28 @@ class Accumulator:
                 "top_logprobs": [{a: lp for a, lp, _ in t.top} for t in items], "text_offset": offsets}
 
     # ---- whole response ------------------------------------------------------------------
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A chat choice's message and finish_reason. No tool_calls key when the model called no
+        tool (as OpenAI); reasoning_content only where a reasoning parser runs (as vLLM)."""
+        if not self.parsing.active:
+            return {"role": "assistant", "content": text, "refusal": None}, finish_reason
+        answer = parse_answer(self.parsing, text)
+        message: dict[str, Any] = {"role": "assistant", "content": answer.content, "refusal": None}
+        if self.parsing.reasoning != "none":
+            message["reasoning_content"] = answer.reasoning
+        if answer.tool_calls:
+            message["tool_calls"] = [call.as_dict() for call in answer.tool_calls]
+            finish_reason = "tool_calls" if finish_reason is not None else None
+        return message, finish_reason
     def response(self) -> dict[str, Any]:
         choices = []
         for i, c in enumerate(self.choices):
             text = "".join(c.parts)
             if self.kind == "chat":
                 lp = self.chat_logprobs(c.logprobs) if self.want_logprobs else None
-                # no tool_calls key: OpenAI leaves it out when the model called no tool
-                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                message, finish = self.message(text, c.finish_reason)
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish,
+                                "stop_reason": c.stop_reason})
             else:
                 c.text_offset = 0
                 lp = self.completion_logprobs(c, c.logprobs) if self.want_logprobs else None
@@ -131,12 +151,42 @@ class ChunkWriter:
         want_lp = self.acc.want_logprobs and d.logprobs is not None
         if self.acc.kind == "chat":
             lp = self.acc.chat_logprobs(d.logprobs) if want_lp else None  # type: ignore[arg-type]
+            if self.acc.parsing.active:
+                return self._parsed(i, choice, d, lp, finish, stop_reason)
             delta = {"content": d.text} if d.text else {}
             return self._chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish,
                                  "stop_reason": stop_reason}])
         lp = self.acc.completion_logprobs(choice, d.logprobs) if want_lp else None  # type: ignore[arg-type]
         return self._chunk([{"index": i, "text": d.text, "logprobs": lp, "finish_reason": finish,
                              "stop_reason": stop_reason}])
+
+    def _parsed(self, i: int, choice: _Choice, d: TextDelta, lp: Any, finish: str | None,
+                stop_reason: Any) -> bytes:
+        """The chunks of one delta of a parsed chat answer: its reasoning and content, then each
+        call's entries; logprobs on the first chunk, finish_reason on the last."""
+        if choice.answer is None:
+            choice.answer = AnswerStream(self.acc.parsing)
+        step = choice.answer.feed(d.text) if d.text else AnswerDelta("", "", [])
+        if finish is not None:
+            end = choice.answer.finish()
+            step = AnswerDelta(step.reasoning + end.reasoning, step.content + end.content,
+                               step.tool_calls + end.tool_calls)
+            if choice.answer.num_calls:
+                finish = "tool_calls"
+        head: dict[str, Any] = {}
+        if step.reasoning:
+            head["reasoning_content"] = step.reasoning
+        if step.content:
+            head["content"] = step.content
+        deltas = [head] if head or lp is not None else []
+        deltas += [{"tool_calls": [call.as_dict()]} for call in step.tool_calls]
+        if not deltas and finish is not None:
+            deltas = [{}]
+        last = len(deltas) - 1
+        return b"".join(self._chunk([{"index": i, "delta": delta, "logprobs": lp if k == 0 else None,
+                                      "finish_reason": finish if k == last else None,
+                                      "stop_reason": stop_reason if k == last else None}])
+                        for k, delta in enumerate(deltas))
 
     def finish(self) -> bytes:
         if not self.include_usage:

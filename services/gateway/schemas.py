@@ -15,13 +15,13 @@ from services.gateway.structured import (
     ConstraintError, ConstraintFields, check_constraint, constraint_field, structured_output)
 from services.protocol.messages import ChatMessage, TokenizeRequest
 from services.protocol.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from services.text.requests import TokenizeError, check_template_kwargs
 
 MAX_CACHE_SALT = 256
 MAX_PRIORITY = 1 << 31
 MAX_CHOICES = 128
 MAX_CLIENT_REQUEST_ID = 128
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]+")
-_UNFORCED_TOOL_CHOICES = (None, "auto", "none")
 
 
 class ApiError(Exception):
@@ -100,8 +100,9 @@ class ChatRequest(_Common, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
-    tool_choice: Any = None
+    tool_choice: Any = None          # checked with the tools: services/gateway/tools.py
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: template variables (enable_thinking...)
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -120,6 +121,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -143,7 +145,7 @@ def tokenize_request(body: TokenizeBody, max_messages: int) -> TokenizeRequest:
     if len(body.messages) > max_messages:
         raise bad(f"at most {max_messages} messages per request", "messages")
     return TokenizeRequest(messages=chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
-                           tools=body.tools)
+                           tools=body.tools, chat_template_kwargs=template_kwargs(body.chat_template_kwargs))
 
 
 def decode(cls: type, body: bytes) -> Any:
@@ -259,11 +261,6 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
         raise bad("messages must not be empty", "messages")
     if len(req.messages) > max_messages:
         raise bad(f"at most {max_messages} messages per request", "messages")
-    if req.tool_choice not in _UNFORCED_TOOL_CHOICES:
-        # a forced call needs output constrained to the tool's schema, which kvmesh cannot do yet;
-        # answering with free text instead would look like success to the client
-        raise bad("tool_choice must be 'auto' or 'none': forcing a tool call ('required' or a named "
-                  "function) is not supported", "tool_choice")
     check_streaming(req)
     messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
@@ -272,7 +269,20 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, logprobs)
     return TokenizeRequest(messages=messages, add_generation_prompt=req.add_generation_prompt,
-                           tools=req.tools), params
+                           tools=req.tools, chat_template_kwargs=template_kwargs(req.chat_template_kwargs)), params
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    try:
+        check_template_kwargs(kwargs)
+    except TokenizeError as exc:
+        raise bad(str(exc), "chat_template_kwargs") from None
+    return kwargs or None
+
+
+def thinking(req: ChatRequest) -> bool:
+    """False when the client told the template not to think (chat_template_kwargs.enable_thinking)."""
+    return (req.chat_template_kwargs or {}).get("enable_thinking") is not False
 
 
 def _is_int(x: Any) -> bool:

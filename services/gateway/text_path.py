@@ -19,12 +19,14 @@ from typing import Protocol
 import grpc
 import msgspec
 
+from services.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 from services.gateway.schemas import ApiError
 from services.gateway.tokenizer_client import TokenizerClient, TokenizerRefused, unavailable
 from services.protocol.messages import (
     Abort, DetokenizeReply, DetokenizeRequest, Migrate, StepOutput, StreamOpen, TokenizeReply, TokenizeRequest)
 from services.registry import ServiceRecord
 from services.security.bundle import Trust
+from services.text.chat_formats import NO_FORMATS, ChatFormats, chat_formats
 from services.text.streams import DetokCore
 from services.text.requests import (
     PromptTooLong, TokenizeError, check_chars, detokenize_off_loop, prompt_chars, tokenize_off_loop)
@@ -66,6 +68,9 @@ class TextPath(Protocol):
     def not_ready_reason(self) -> str | None:
         """Why no text can be made now, or None."""
 
+    def formats(self) -> ChatFormats:
+        """The served model's tool-call syntax and reasoning block, read from its chat template."""
+
     def close(self) -> None: ...
 
 
@@ -74,6 +79,7 @@ class LocalText:
         from services.text.tokenizer import load_tokenizer
         self.tok = load_tokenizer(model_dir)
         self.detok: DetokCore | None = DetokCore(self.tok)
+        self._formats = chat_formats(self.tok)
         # long prompts and id lists: off the event loop, a bounded number at once
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
         self.inbox_addr = ""   # this gateway's inbox: the shell sets it once bound
@@ -103,6 +109,9 @@ class LocalText:
     def not_ready_reason(self) -> str | None:
         return None
 
+    def formats(self) -> ChatFormats:
+        return self._formats
+
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -114,6 +123,7 @@ class RemoteText:
         self.fixed_targets = fixed_targets    # --tokenizer-addr: these, not the registry's
         self.streams: set[str] = set()        # the services' detokenizer inboxes
         self.token_chars: int | None = None   # the services' longest token, in characters
+        self._formats = NO_FORMATS            # what the services read from the model's chat template
         if fixed_targets:
             self.client.set_targets(fixed_targets)
 
@@ -151,6 +161,11 @@ class RemoteText:
         self.streams = {r.addrs["zmq"] for r in tokenizers if "zmq" in r.addrs}
         # they serve one model; the largest is the safe bound should one differ
         self.token_chars = max((int(r.info.get("max_token_chars") or 0) for r in tokenizers), default=0) or None
+        used = [r for r in tokenizers if not self.fixed_targets or r.addrs.get("grpc") in self.fixed_targets]
+        if used:   # they serve one model: any one's record says its formats
+            info = used[0].info
+            self._formats = ChatFormats(_known(info.get("tool_call_parser"), TOOL_CALL_PARSERS),
+                                        _known(info.get("reasoning_parser"), REASONING_PARSERS))
 
     def detok_addrs(self) -> set[str]:
         return self.streams
@@ -158,8 +173,16 @@ class RemoteText:
     def not_ready_reason(self) -> str | None:
         return None if self.client.stubs and self.streams else "no tokenizer is registered"
 
+    def formats(self) -> ChatFormats:
+        return self._formats
+
     def close(self) -> None:
         pass
+
+
+def _known(name: object, choices: tuple[str, ...]) -> str:
+    """A format a tokenizer service advertises, when this gateway knows it (else: none)."""
+    return name if isinstance(name, str) and name in choices and name != "auto" else "none"
 
 
 def bounded(req: TokenizeRequest, max_model_len: int) -> TokenizeRequest:

@@ -24,7 +24,7 @@ A request's id is assigned by the gateway and never comes from a client.
 """
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -267,6 +267,7 @@ class TokenizeRequest(Msg, tag="tokenize", kw_only=True):
     tools: list[dict] | None = None           # chat: tool schemas the template may render
     add_special_tokens: bool = True
     max_prompt_tokens: int = 0                # the model's context length: longer prompts are refused (0: none)
+    chat_template_kwargs: dict[str, Any] | None = None   # chat: extra template variables (enable_thinking...)
 
 
 class TokenizeReply(Msg, tag="tokenized", kw_only=True):

@@ -7,6 +7,8 @@ path. Raises TokenizeError with a client-facing message (the gateway answers 400
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from concurrent.futures import Executor
 from typing import Any
 
@@ -18,6 +20,12 @@ from services.text.prompt_bounds import TooManyTokens
 INLINE_CHARS = 4096  # prompt characters (tokenize)
 INLINE_IDS = 4096    # token ids (detokenize)
 MAX_DETOKENIZE_IDS = 1 << 20
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
+_TEMPLATE_KWARG = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+# what render_chat itself passes to a template: a client cannot replace them
+_RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "limits", "template",
+                              "template_name"})
 
 
 class TokenizeError(ValueError):
@@ -26,6 +34,25 @@ class TokenizeError(ValueError):
 
 class PromptTooLong(TokenizeError):
     """The prompt cannot fit the model's context (req.max_prompt_tokens), by its characters or tokens."""
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """chat_template_kwargs: a few named JSON values the template reads (enable_thinking...)."""
+    if not kwargs:
+        return
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise TokenizeError(f"invalid chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS} entries")
+    for key in kwargs:
+        if not isinstance(key, str) or not _TEMPLATE_KWARG.fullmatch(key) or key in _RESERVED_KWARGS:
+            raise TokenizeError(f"invalid chat_template_kwargs: {str(key)[:64]!r} is not a name a template may be "
+                                f"given (a letter, then letters, digits or _; not {', '.join(sorted(_RESERVED_KWARGS))})")
+    try:
+        size = len(json.dumps(kwargs))   # ASCII: characters are bytes
+    except (ValueError, RecursionError):
+        size = MAX_TEMPLATE_KWARGS_BYTES + 1
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise TokenizeError(f"invalid chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON "
+                            "(and nested only a little)")
 
 
 def tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
@@ -50,9 +77,10 @@ def _tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
         messages = [{k: v for k, v in (("role", m.role), ("content", m.content), ("name", m.name),
                                        ("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id))
                      if v is not None} for m in req.messages]
+        check_template_kwargs(req.chat_template_kwargs)
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                           tools=req.tools)
+                                           tools=req.tools, **(req.chat_template_kwargs or {}))
         except ChatTemplateError as exc:
             raise TokenizeError(str(exc)) from None
         # the template adds text around the messages (and may repeat them): bound what it made too

@@ -32,8 +32,11 @@ class TextTokenizer:
                  add_bos_token: bool | None = None, add_eos_token: bool | None = None,
                  chat_template: str | dict[str, str] | None = None,
                  extra_eos_token_ids: set[int] | None = None,
-                 chat_limits: ChatLimits = DEFAULT_LIMITS) -> None:
+                 chat_limits: ChatLimits = DEFAULT_LIMITS, model_type: str = "") -> None:
         self._tok = tokenizer
+        self.model_type = model_type
+        """config.json's model_type ("llama", "qwen3"...): how the model writes tool calls, where
+        its chat template does not say (services/text/chat_formats.py)."""
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         """Named special tokens as text: bos_token, eos_token, pad_token... (what templates see)."""
         self.chat_template = chat_template
@@ -150,11 +153,14 @@ def load_tokenizer(model_dir: str | Path, chat_limits: ChatLimits = DEFAULT_LIMI
     special = {name: tok for name in _SPECIAL_NAMES
                if (tok := _token_text(config.get(name))) is not None}
     template = _chat_template(root, config)
-    extra_eos = _eos_ids(_read_json(root / "generation_config.json")) | _eos_ids(_read_json(root / "config.json"))
+    model_config = _read_json(root / "config.json")
+    extra_eos = _eos_ids(_read_json(root / "generation_config.json")) | _eos_ids(model_config)
+    model_type = model_config.get("model_type")
     return TextTokenizer(tokenizer, special_tokens=special,
                          add_bos_token=_opt_bool(config, "add_bos_token"),
                          add_eos_token=_opt_bool(config, "add_eos_token"),
-                         chat_template=template, extra_eos_token_ids=extra_eos, chat_limits=chat_limits)
+                         chat_template=template, extra_eos_token_ids=extra_eos, chat_limits=chat_limits,
+                         model_type=model_type if isinstance(model_type, str) else "")
 
 
 def _read_json(path: Path) -> dict:

@@ -154,9 +154,9 @@ def test_other_malformed_json_keeps_the_decoder_message():
 
 @pytest.mark.parametrize("extra, param", [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"_x": 1}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {f"k{i}": i for i in range(33)}}, "chat_template_kwargs"),
 ])
 def test_refused_chat_options(extra, param):
     with pytest.raises(ApiError) as e:

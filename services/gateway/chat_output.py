@@ -1,0 +1,79 @@
+"""One chat answer's text, split into what the client reads: reasoning, content and tool calls.
+
+    answer text ──reasoning.py──► reasoning_content
+                        └──────► content ──tool_parsers──► content, tool_calls
+
+`OutputParsing` is what a request asked for (made once per request, services/gateway/tools.py);
+`parse_answer` reads a whole answer, `AnswerStream` the same answer delta by delta (one per choice).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from services.gateway import reasoning
+from services.gateway.tool_parsers import StreamingParser, ToolCall, ToolCallDelta, ToolFormat, parse
+
+
+@dataclass(frozen=True)
+class OutputParsing:
+    reasoning: str = "none"                                  # qwen3, deepseek_r1 (reasoning.py) or none
+    tool_format: Callable[[], ToolFormat] | None = None      # a fresh call scanner per answer; None: no calls
+
+    @property
+    def active(self) -> bool:
+        return self.reasoning != "none" or self.tool_format is not None
+
+
+PLAIN = OutputParsing()
+
+
+class Answer(NamedTuple):
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+class AnswerDelta(NamedTuple):
+    reasoning: str
+    content: str
+    tool_calls: list[ToolCallDelta]
+
+
+def parse_answer(parsing: OutputParsing, text: str) -> Answer:
+    thought, content = (None, text) if parsing.reasoning == "none" else reasoning.split(parsing.reasoning, text)
+    if parsing.tool_format is None or content is None:
+        return Answer(thought, content, [])
+    parsed = parse(parsing.tool_format(), content)
+    body = parsed.content
+    if thought is not None and not body:
+        body = None
+    return Answer(thought, body, parsed.tool_calls)
+
+
+class AnswerStream:
+    def __init__(self, parsing: OutputParsing) -> None:
+        self.thinking = None if parsing.reasoning == "none" else reasoning.ReasoningStream(parsing.reasoning)
+        self.calls = None if parsing.tool_format is None else StreamingParser(parsing.tool_format())
+
+    @property
+    def num_calls(self) -> int:
+        return self.calls.num_calls if self.calls is not None else 0
+
+    def feed(self, text: str) -> AnswerDelta:
+        step = self.thinking.feed(text) if self.thinking is not None else reasoning.Step("", text)
+        return self._content(step, self.calls.feed(step.content) if self.calls is not None else None)
+
+    def finish(self) -> AnswerDelta:
+        step = self.thinking.finish() if self.thinking is not None else reasoning.Step("", "")
+        if self.calls is None:
+            return self._content(step, None)
+        a = self.calls.feed(step.content)
+        b = self.calls.finish()
+        return AnswerDelta(step.reasoning, a.content + b.content, a.calls + b.calls)
+
+    @staticmethod
+    def _content(step: reasoning.Step, calls) -> AnswerDelta:
+        if calls is None:
+            return AnswerDelta(step.reasoning, step.content, [])
+        return AnswerDelta(step.reasoning, calls.content, calls.calls)

@@ -1,0 +1,234 @@
+"""What every tool-call format shares: the call types, the whole-text parse, the incremental parse.
+
+A format is a scanner over the generated text (after any reasoning): `scan(text, start, final)`
+reads text[start:] and returns the pieces it is sure of (plain text, or a complete call with its
+raw text) and where it stopped. It stops before anything that may still become a call (a partial
+`<tool_call>` tag, an unclosed call), which a later scan sees again with more text. The whole-text
+parse is one final scan; the streaming parser scans the unsure tail after each delta, so both
+produce the same pieces and a stream never shows a call the whole answer would not:
+
+    text:    "Sure. <tool_call>{...}</tool_call>  <tool_c"
+    pieces:  [text "Sure. "] [call {...}] [text "  "]        held: "<tool_c" (not final)
+
+A call whose body is not a valid call (bad JSON, a function the request did not offer, arguments
+that are not an object) is a text piece: the client gets it as content, never an error. Content is
+None when calls were parsed and nothing but whitespace was said besides them.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, NamedTuple
+
+MAX_CALLS = 128   # calls parsed from one answer; past it, the rest stays text
+
+
+class ToolCall(NamedTuple):
+    id: str
+    name: str
+    arguments: str   # a JSON object, serialized
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class ToolCallDelta(NamedTuple):
+    """One `delta.tool_calls` entry: the header (id, name, empty arguments) first, then arguments."""
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+    def as_dict(self) -> dict[str, Any]:
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class Parsed(NamedTuple):
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+class StreamStep(NamedTuple):
+    content: str
+    calls: list[ToolCallDelta]
+
+
+class Call(NamedTuple):
+    """A scanned call: its raw text, and (name, arguments object) when it is a valid call."""
+    raw: str
+    value: tuple[str, dict] | None
+
+
+Piece = str | Call   # plain text, or a call
+
+
+class Scan(NamedTuple):
+    pieces: list[Piece]
+    stop: int          # text[:stop] is covered by the pieces; the rest is not decided yet
+
+
+def new_call_id() -> str:
+    """Server-assigned, random: a client cannot predict or choose another request's call ids."""
+    return "call_" + secrets.token_hex(12)
+
+
+def held_prefix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `marker` (may become it)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class JsonEnd:
+    """Index just past the JSON object or array opening at text[start], or -1 when it is not closed
+    yet. Brackets are counted outside strings only; the value is not checked here.
+
+    A stream asks again about the same unclosed value each time more text arrived: the count
+    resumes where it stopped (checked by comparing the value's text so far, at C speed), so a long
+    value costs its length once instead of once per delta."""
+
+    def __init__(self) -> None:
+        self.seen = ""     # the unclosed value's text counted so far
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def __call__(self, text: str, start: int) -> int:
+        if not (self.seen and text.startswith(self.seen, start)):
+            self.seen, self.depth, self.in_string, self.escaped = "", 0, False, False
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        for i in range(start + len(self.seen), len(text)):
+            c = text[i]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif c == "\\":
+                    escaped = True
+                elif c == '"':
+                    in_string = False
+            elif c == '"':
+                in_string = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    self.seen = ""
+                    return i + 1
+        self.seen, self.depth, self.in_string, self.escaped = text[start:], depth, in_string, escaped
+        return -1
+
+
+def loads(raw: str) -> Any:
+    """JSON, or None when it is not JSON (NaN and Infinity are not JSON either)."""
+    def no_constant(name: str) -> Any:
+        raise ValueError(name)
+    try:
+        return json.loads(raw, parse_constant=no_constant)
+    except (ValueError, RecursionError):
+        return None
+
+
+def as_call(value: Any, tool_names: frozenset[str], name_key: str = "name",
+            args_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[str, dict] | None:
+    """(name, arguments) of a decoded call object, or None when it is not a valid call: the name
+    must be one of the request's tools and the arguments an object (a string holding a JSON object
+    is taken too, as some models write it)."""
+    if not isinstance(value, dict) or not isinstance(value.get(name_key), str):
+        return None
+    name = value[name_key]
+    if name not in tool_names:
+        return None
+    args = next((value[k] for k in args_keys if k in value), {})
+    if isinstance(args, str):
+        args = loads(args)
+    return (name, args) if isinstance(args, dict) else None
+
+
+def arguments_text(args: dict) -> str:
+    return json.dumps(args, ensure_ascii=False)
+
+
+class ToolFormat:
+    """A scanner of one model family's call syntax (one instance per answer: it may keep state)."""
+
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        self.tool_names = tool_names
+
+    def scan(self, text: str, start: int, final: bool) -> Scan:
+        raise NotImplementedError
+
+
+def _calls(pieces: list[Piece]) -> list[tuple[str, dict] | str]:
+    """Each piece as a call (name, args) or as text; calls past MAX_CALLS stay text."""
+    out: list[tuple[str, dict] | str] = []
+    calls = 0
+    for p in pieces:
+        if isinstance(p, Call) and p.value is not None and calls < MAX_CALLS:
+            calls += 1
+            out.append(p.value)
+        else:
+            out.append(p.raw if isinstance(p, Call) else p)
+    return out
+
+
+def parse(fmt: ToolFormat, text: str) -> Parsed:
+    """The whole answer's content and calls."""
+    parts = _calls(fmt.scan(text, 0, True).pieces)
+    calls = [ToolCall(new_call_id(), p[0], arguments_text(p[1])) for p in parts if isinstance(p, tuple)]
+    content = "".join(p for p in parts if isinstance(p, str))
+    if calls and not content.strip():
+        return Parsed(None, calls)
+    return Parsed(content, calls)
+
+
+class StreamingParser:
+    """The same parse, fed the answer delta by delta: content deltas and call deltas as soon as
+    they are certain. Whitespace is held while nothing else has been said, so that an answer of
+    calls alone streams no content (as its whole-text parse has none)."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
+        self.text = ""            # the part of the answer not scanned into pieces yet
+        self.stop = 0             # where the next scan starts (text before it was dropped)
+        self.num_calls = 0
+        self.said = False         # content other than whitespace was sent
+        self.held_space = ""      # whitespace content not sent yet (nothing else said so far)
+
+    def feed(self, delta: str) -> StreamStep:
+        self.text += delta
+        return self._scan(final=False)
+
+    def finish(self) -> StreamStep:
+        step = self._scan(final=True)
+        content = step.content
+        if self.held_space and not self.num_calls:
+            content, self.held_space = content + self.held_space, ""
+        return StreamStep(content, step.calls)
+
+    def _scan(self, final: bool) -> StreamStep:
+        scan = self.fmt.scan(self.text, self.stop, final)
+        self.text, self.stop = self.text[scan.stop:], 0   # scanned text is never read again
+        content: list[str] = []
+        calls: list[ToolCallDelta] = []
+        for piece in scan.pieces:
+            if isinstance(piece, Call) and piece.value is not None and self.num_calls < MAX_CALLS:
+                name, args = piece.value
+                calls.append(ToolCallDelta(self.num_calls, new_call_id(), name, ""))
+                calls.append(ToolCallDelta(self.num_calls, None, None, arguments_text(args)))
+                self.num_calls += 1
+            else:
+                content.append(self._content(piece.raw if isinstance(piece, Call) else piece))
+        return StreamStep("".join(content), calls)
+
+    def _content(self, text: str) -> str:
+        if self.said:
+            return text
+        if not text.strip():
+            self.held_space += text
+            return ""
+        self.said = True
+        text, self.held_space = self.held_space + text, ""
+        return text

@@ -1,0 +1,98 @@
+"""Parsed chat answers in responses: the whole answer's message (reasoning_content, content,
+tool_calls, finish_reason "tool_calls") and the SSE chunks of the same answer, which assembled by
+index give the same message."""
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import pytest
+
+from services.gateway.chat_output import OutputParsing
+from services.gateway.render import Accumulator, ChunkWriter
+from services.gateway.tool_parsers import tool_format
+from services.protocol.messages import TextDelta
+
+PARSING = OutputParsing("qwen3", partial(tool_format, "hermes", frozenset({"get_weather", "get_time"})))
+ANSWER = ('<think>The user wants the weather.</think>\n\nChecking.\n<tool_call>\n{"name": "get_weather", '
+          '"arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def whole(text: str, finish: str, parsing: OutputParsing = PARSING) -> dict:
+    acc = Accumulator("chat", "m", 1, 1, [4], want_logprobs=False, parsing=parsing)
+    acc.add(0, TextDelta("r", 0, text, 9, finish, None, 4, 0))
+    return acc.response()["choices"][0]
+
+
+def streamed(text: str, finish: str, size: int, parsing: OutputParsing = PARSING) -> tuple[dict, list[dict]]:
+    acc = Accumulator("chat", "m", 1, 1, [4], want_logprobs=False, parsing=parsing)
+    w = ChunkWriter(acc, include_usage=False)
+    data = w.start()
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    for k, piece in enumerate(pieces):
+        data += w.delta(0, TextDelta("r", 0, piece, 1, finish if k == len(pieces) - 1 else None, None, 4, 0))
+    chunks = [json.loads(line[6:]) for line in data.decode().split("\n\n") if line.startswith("data: ")]
+    message: dict = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    finishes = []
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        d = choice["delta"]
+        finishes.append(choice["finish_reason"])
+        message["content"] += d.get("content") or ""
+        message["reasoning_content"] += d.get("reasoning_content") or ""
+        for tc in d.get("tool_calls") or []:
+            entry = message["tool_calls"].setdefault(tc["index"], {"function": {"arguments": ""}})
+            if "id" in tc:
+                entry.update(id=tc["id"], type=tc["type"])
+                entry["function"]["name"] = tc["function"]["name"]
+            entry["function"]["arguments"] += tc["function"]["arguments"]
+    assert all(f is None for f in finishes[:-1])
+    return message | {"finish_reason": finishes[-1]}, chunks
+
+
+def calls_of(tool_calls) -> list:
+    return [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls]
+
+
+def test_whole_answer_with_reasoning_and_calls():
+    c = whole(ANSWER, "stop")
+    m = c["message"]
+    assert c["finish_reason"] == "tool_calls"
+    assert m["reasoning_content"] == "The user wants the weather." and m["content"] == "Checking.\n\n"
+    assert calls_of(m["tool_calls"]) == [("function", "get_weather", {"city": "Paris"}), ("function", "get_time", {})]
+    ids = [t["id"] for t in m["tool_calls"]]
+    assert all(i.startswith("call_") for i in ids) and len(set(ids)) == 2
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 1000])
+def test_streamed_answer_assembles_to_the_whole_one(size):
+    m, chunks = streamed(ANSWER, "stop", size)
+    w = whole(ANSWER, "stop")["message"]
+    assert m["finish_reason"] == "tool_calls"
+    assert m["reasoning_content"] == w["reasoning_content"] and m["content"] == w["content"]
+    assert calls_of(m["tool_calls"][i] for i in sorted(m["tool_calls"])) == calls_of(w["tool_calls"])
+    assert not any("<tool" in (ch["choices"][0]["delta"].get("content") or "") for ch in chunks)
+    headers = [tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls") or [] if "id" in tc]
+    assert [h["function"]["arguments"] for h in headers] == ["", ""]   # arguments follow the header
+
+
+def test_malformed_call_is_content_and_finish_unchanged():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    c = whole(text, "stop")
+    assert c["finish_reason"] == "stop" and c["message"]["content"] == text and "tool_calls" not in c["message"]
+    assert c["message"]["reasoning_content"] is None
+    m, _ = streamed(text, "stop", 2)
+    assert m["content"] == text and m["tool_calls"] == {} and m["finish_reason"] == "stop"
+
+
+def test_answer_cut_inside_the_reasoning():
+    c = whole("<think>still thinking", "length")
+    assert c["message"]["reasoning_content"] == "still thinking" and c["message"]["content"] is None
+    assert c["finish_reason"] == "length"
+    m, _ = streamed("<think>still thinking", "length", 4)
+    assert m["reasoning_content"] == "still thinking" and m["content"] == "" and m["finish_reason"] == "length"
+
+
+def test_plain_request_is_unchanged():
+    c = whole("<think>x</think>hi", "stop", OutputParsing())
+    assert c["message"] == {"role": "assistant", "content": "<think>x</think>hi", "refusal": None}

@@ -1,0 +1,148 @@
+"""Tool-call parsers on fixed model outputs: every format, malformed calls (text, never an error),
+and the stream fed one character at a time giving what the whole-text parse gives."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from services.gateway.tool_parsers import (
+    NamedFormat, RequiredFormat, StreamingParser, parse, tool_format)
+
+TOOLS = frozenset({"get_weather", "get_time"})
+WEATHER = {"city": "Paris", "unit": "°C"}
+
+
+def streamed(make, text: str, sizes=(1,)):
+    """The stream's content (None when calls and only space) and calls [(name, args)], fed in pieces."""
+    out = []
+    for size in sizes:
+        parser = StreamingParser(make())
+        content, calls = [], {}
+        steps = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
+        for step in steps:
+            content.append(step.content)
+            for d in step.calls:
+                entry = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                if d.id is not None:
+                    assert entry["id"] is None and d.id.startswith("call_")
+                    entry["id"], entry["name"] = d.id, d.name
+                entry["arguments"] += d.arguments
+        got = ("".join(content) if not calls or "".join(content).strip() else None,
+               [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())])
+        out.append(got)
+    assert all(o == out[0] for o in out)
+    return out[0]
+
+
+def whole(make, text: str):
+    parsed = parse(make(), text)
+    return parsed.content, [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
+
+
+def check(name_or_make, text: str, content, calls):
+    make = name_or_make if callable(name_or_make) else (lambda: tool_format(name_or_make, TOOLS))
+    expected = (content, calls)
+    assert whole(make, text) == expected
+    assert streamed(make, text, sizes=(1, 2, 3, 7, len(text) or 1)) == expected
+
+
+HERMES_CASES = [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>',
+     None, [("get_weather", WEATHER)]),
+    ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}</tool_call>\n'
+     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+     "Let me check.\n\n", [("get_weather", WEATHER), ("get_time", {})]),
+    ("No tools needed: 2 < 3 and <tool is not a tag.", "No tools needed: 2 < 3 and <tool is not a tag.", []),
+    # malformed: bad JSON, unknown function, arguments not an object, unclosed (cut by max_tokens)
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>',
+     '<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>', []),
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "get_time", "arguments": [1]}</tool_call> ok', '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call> ok', []),
+    ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_w',
+     '<tool_call>{"name": "get_w', [("get_time", {})]),
+    ('<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>', None, [("get_time", {"tz": "UTC"})]),
+    ('<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>', '<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>', []),
+    ("", "", []),
+    ("  \n", "  \n", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", HERMES_CASES)
+def test_hermes(text, content, calls):
+    check("hermes", text, content, calls)
+
+
+LLAMA_CASES = [
+    ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}', None, [("get_weather", WEATHER)]),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}; '
+     '{"name": "get_time", "parameters": {}}', None, [("get_weather", WEATHER), ("get_time", {})]),
+    ('{"name": "get_time", "arguments": {"s": "a } { \\" ]"}}', None, [("get_time", {"s": 'a } { " ]'})]),
+    ('{"name": "get_time", "parameters": {}} and then some words', " and then some words", [("get_time", {})]),
+    ("The weather is fine.", "The weather is fine.", []),
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ('{"name": "get_time", "parameters": {', '{"name": "get_time", "parameters": {', []),
+    ('{"name": "get_time", "parameters": {}}; {"name": "nope", "parameters": {}}', ' {"name": "nope", "parameters": {}}',
+     [("get_time", {})]),
+    ('<|python_', '<|python_', []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", LLAMA_CASES)
+def test_llama3_json(text, content, calls):
+    check("llama3_json", text, content, calls)
+
+
+MISTRAL_CASES = [
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}, '
+     '{"name": "get_time", "arguments": {}}]', None, [("get_weather", WEATHER), ("get_time", {})]),
+    ('Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "°C"}[TOOL_CALLS]get_time[ARGS]{}',
+     "Checking. ", [("get_weather", WEATHER), ("get_time", {})]),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {}}, {"name": "bad", "arguments": {}}]',
+     '[TOOL_CALLS][{"name": "get_weather", "arguments": {}}, {"name": "bad", "arguments": {}}]', []),
+    ('[TOOL_CALLS]get_time[ARGS]{"a": ', '[TOOL_CALLS]get_time[ARGS]{"a": ', []),
+    ('[TOOL_CALLS]get_time[ARGS][1][TOOL_CALLS]get_time[ARGS]{}', '[TOOL_CALLS]get_time[ARGS][1]', [("get_time", {})]),
+    ("[TOOL_CALL is not the token", "[TOOL_CALL is not the token", []),
+    ('[TOOL_CALLS]get_time[ARGS]{}</s>', None, [("get_time", {})]),
+    ("Plain </s> answer.</s>", "Plain </s> answer.", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", MISTRAL_CASES)
+def test_mistral(text, content, calls):
+    check("mistral", text, content, calls)
+
+
+def test_forced_formats():
+    required = lambda: RequiredFormat(TOOLS)   # noqa: E731
+    check(required, '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}, '
+                    '{"name": "get_time", "parameters": {}}]', None, [("get_weather", WEATHER), ("get_time", {})])
+    check(required, "[]", "[]", [])
+    check(required, '[{"name": "get_weather", "parameters": {"ci', '[{"name": "get_weather", "parameters": {"ci', [])
+    named = lambda: NamedFormat(TOOLS, "get_weather")   # noqa: E731
+    check(named, '{"city": "Paris", "unit": "°C"}', None, [("get_weather", WEATHER)])
+    check(named, 'random words', "random words", [])
+
+
+def test_call_ids_are_random_and_calls_bounded():
+    text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>' * 200
+    calls = parse(tool_format("hermes", TOOLS), text).tool_calls
+    assert len(calls) == 128 and len({c.id for c in calls}) == 128
+    assert all(len(c.id) == 29 for c in calls)
+
+
+@pytest.mark.parametrize("name, opening", [("llama3_json", '{"name": "get_time", "parameters": {"s": "'),
+                                           ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"s": "'),
+                                           ("hermes", '<tool_call>{"name": "get_time", "arguments": {"s": "')])
+def test_a_long_unclosed_call_streams_in_linear_time(name, opening):
+    """An answer that opens a call and never closes it (a long JSON answer, say): each delta costs
+    its own length, not the whole held text again."""
+    parser = StreamingParser(tool_format(name, TOOLS))
+    start = time.perf_counter()
+    assert parser.feed(opening).content == ""
+    for _ in range(20_000):
+        assert parser.feed("x, y, [{}] ") == ("", [])
+    end = parser.finish()
+    assert end.content.startswith(opening) and len(end.content) == len(opening) + 20_000 * 11
+    assert time.perf_counter() - start < 10
