@@ -71,7 +71,7 @@ VALUE_SETS: dict[str, dict] = {
                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}},
     },
 }
-CRD_GROUPS = ("monitoring.coreos.com/",)  # custom resources: no upstream schema to check against
+CRD_GROUPS = ("monitoring.coreos.com/", "keda.sh/")  # custom resources: no upstream schema to check against
 
 
 @functools.lru_cache(maxsize=1)
