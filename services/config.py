@@ -280,6 +280,9 @@ class ServeConfig(ServedEngineArgs):
     lease_ms: int = opt(3000, "Registry lease in ms (how fast a dead worker is noticed).", min=1)
     heartbeat_ms: int = opt(500, "Heartbeat period in ms.", min=1)
     ready_timeout_s: float = opt(300.0, "Seconds to wait for the stack to become ready.", above=0)
+    fleet_metrics_port: int = opt(0, "Port of the one page showing every local service's /metrics, each series "
+                                     "labelled with its service (and worker); on 127.0.0.1. 0: any free port "
+                                     "(printed once ready), -1: off.", **METRICS_PORT)
 
     DEPRECATED: ClassVar[tuple[Deprecated, ...]] = (
         Deprecated("tokenize_in_gateway", False, lambda v: {"text_in_gateway": v}),

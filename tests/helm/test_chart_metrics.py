@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import prefix_cache_svc.metrics  # noqa: F401  (registers the prefix-cache index's families)
 from services import metrics
+from services.metrics_catalog import catalog, series_names as catalog_series
 from services.planner.signals import QUERIES as PLANNER_QUERIES
 from tests.helm.promql import dashboard_queries, promql_metric_names
 from tests.helm.chart import CHART, FULLNAME, RELEASE, by_kind, helm, run_helm  # noqa: F401
@@ -163,13 +164,15 @@ KEDA_ALL = ["--set", "worker.keda.enabled=true", "--set", "worker.keda.serverAdd
 
 
 def all_exported_series() -> set[str]:
-    """Sample names on any kvmesh process's /metrics page."""
-    return set().union(*(exported_series(s) for s in metrics.SERVICES))
+    """Sample names on any kvmesh process's /metrics page (the prefix index's collector and the
+    fleet page's families included)."""
+    return set().union(*(exported_series(s) for s in metrics.SERVICES)) | catalog_series()
 
 
 def all_exported_names() -> set[str]:
     """Series names and the family names they belong to (a histogram's, a counter's without _total)."""
     families = {f.name for s in metrics.SERVICES for f in metrics.service_registry(s).collect()}
+    families |= {d.family for d in catalog()}
     return all_exported_series() | families
 
 
