@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import sys
 import threading
 import time
 
@@ -109,13 +110,22 @@ def _short(exc: Exception) -> str:
 def main(argv: list[str]) -> int:
     cfg = load_or_exit(PlannerConfig, argv, "kvmesh planner")
     setup_logging("planner", cfg.log_level)
-    from services.planner.kube import apps_api   # the kubernetes client: only this command needs it
+    # the kubernetes client: only this command needs it
+    from kubernetes.config import ConfigException
+
+    from services.planner.kube import apps_api
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    try:
+        scale = apps_api(cfg.kubeconfig, cfg.query_timeout_s)
+    except (ConfigException, OSError) as exc:
+        print(f"kvmesh planner: cannot load Kubernetes credentials ({_short(exc)}): give --kubeconfig, or run "
+              "in a pod with a ServiceAccount token", file=sys.stderr)
+        return 2
     port = metrics.serve_metrics(cfg.host, cfg.metrics_port, "planner")
     source = signal_source(cfg)
-    planner = Planner(cfg, source, apps_api(cfg.kubeconfig, cfg.query_timeout_s))
+    planner = Planner(cfg, source, scale)
     log.info("planner: scaling %s in namespace %s every %.3g s%s; metrics port %d",
              ", ".join(f"{pool} ({dep})" for pool, (dep, _) in planner.pools.items()), cfg.kube_namespace,
              cfg.interval_s, " (dry run)" if cfg.dry_run else "", port)

@@ -171,3 +171,12 @@ def test_scales_decode_from_the_pages_without_prometheus(kube, tmp_path):
             server.server_close()
     # 3x over the threshold asks for 8 more pods: max_step (2) gives 6, the maximum
     assert [body["spec"]["replicas"] for *_, body, _ in emu.patches] == [6]
+
+
+def test_missing_credentials_exit_with_a_message(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+    out = subprocess.run([sys.executable, "-m", "services.cli", "planner", "--decode-deployment", DECODE,
+                          "--kubeconfig", str(tmp_path / "missing"), "--prometheus-url", "http://127.0.0.1:9"],
+                         cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "kvmesh planner: cannot load Kubernetes credentials" in out.stderr and "Traceback" not in out.stderr
