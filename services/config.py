@@ -369,8 +369,6 @@ class PlannerConfig:
             if getattr(self, down) >= getattr(self, up):
                 raise ConfigError(f"{flag_name(down)} ({getattr(self, down)}) must be below {flag_name(up)} "
                                   f"({getattr(self, up)}): the gap between them keeps the pool from flapping")
-        if not self.prefill_deployment and not self.decode_deployment:
-            raise ConfigError("give --prefill-deployment, --decode-deployment or both: the planner scales nothing")
 
 
 @dataclass(frozen=True)

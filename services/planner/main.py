@@ -109,6 +109,10 @@ def _short(exc: Exception) -> str:
 
 def main(argv: list[str]) -> int:
     cfg = load_or_exit(PlannerConfig, argv, "kvmesh planner")
+    if not pool_policies(cfg):
+        print("kvmesh planner: give --prefill-deployment, --decode-deployment or both: it scales nothing",
+              file=sys.stderr)
+        return 2
     setup_logging("planner", cfg.log_level)
     # the kubernetes client: only this command needs it
     from kubernetes.config import ConfigException

@@ -5,8 +5,8 @@
     decode   itl_p90_s             p90 of the gateways' inter-token latency (what clients see)
              kv_usage              mean KV-cache usage of the decode pods (0..1)
 
-A latency quantile over a window with no request in it is 0 (nothing waited); a gauge with no
-pod behind it, or a source that did not answer, is None (unknown: the pool does not shrink).
+A latency quantile over a window with no request in it is 0 (nothing waited); a signal with no
+series behind it, or a source that did not answer, is None (unknown: the pool does not shrink).
 """
 from __future__ import annotations
 
@@ -41,9 +41,6 @@ SCRAPED: dict[str, tuple[str, str]] = {
     "kv_usage": ("decode", "kvmesh_kv_usage_ratio"),
 }
 
-Signals = Mapping[str, "float | None"]
-
-
 def query_text(signal: str, selectors: Mapping[str, str]) -> str:
     text = QUERIES[signal]
     for pool, matchers in selectors.items():
@@ -54,7 +51,7 @@ def query_text(signal: str, selectors: Mapping[str, str]) -> str:
 def _get(client: httpx.Client, url: str, **params: str) -> str:
     with client.stream("GET", url, params=params) as r:
         r.raise_for_status()
-        body = b""
+        body = bytearray()
         for chunk in r.iter_bytes():
             body += chunk
             if len(body) > MAX_BODY_BYTES:
@@ -76,15 +73,17 @@ class PrometheusSignals:
     def read(self, signal: str) -> float | None:
         try:
             answer = json.loads(_get(self.client, self.url, query=query_text(signal, self.selectors)))
-        except (httpx.HTTPError, ValueError) as exc:
+            if answer.get("status") != "success":
+                raise ValueError(str(answer.get("error", "no status"))[:200])
+            result = answer["data"]["result"]
+            if not result:
+                return None             # no series: nothing scraped there (yet), or a wrong selector
+            value = float(result[0]["value"][1])
+        except (httpx.HTTPError, ValueError, AttributeError, KeyError, IndexError, TypeError) as exc:
             log.warning("prometheus: %s failed: %s", signal, exc)
             return None
-        if answer.get("status") != "success":
-            log.warning("prometheus: %s: %s", signal, str(answer.get("error", "no status"))[:200])
-            return None
-        result = answer.get("data", {}).get("result") or []
-        value = float(result[0]["value"][1]) if result else math.nan
         if math.isnan(value):
+            # a quantile of a window without observations; a gauge's NaN says nothing
             return 0.0 if signal in LATENCIES else None
         return value
 
@@ -156,10 +155,10 @@ class ScrapedSignals:
             if before is None:
                 first_read = True
                 continue
+            # a restarted process counts from zero again: all of its count is new
+            restarted = now.get(math.inf, 0.0) < before.get(math.inf, 0.0)
             for le, count in now.items():
-                # a restarted process starts from zero: its whole count is new
-                grown = count - before.get(le, 0.0)
-                delta[le] = delta.get(le, 0.0) + (grown if grown >= 0 else count)
+                delta[le] = delta.get(le, 0.0) + (count if restarted else count - before.get(le, 0.0))
         if first_read:
             return None
         value = histogram_quantile(0.9, [Bucket(le, c) for le, c in delta.items()])

@@ -4,6 +4,7 @@ whole window of low signals, never leaves [min, max], and never shrinks on missi
 from __future__ import annotations
 
 import math
+import os
 
 from services.planner.decide import PoolPolicy, PoolState, Threshold, decide
 from services.planner.signals import Bucket, histogram_quantile
@@ -98,6 +99,13 @@ def test_bad_planner_flags_name_the_flag():
     assert "--kv-usage-down (0.9) must be below --kv-usage-up" in error("--decode-deployment", "d", "--kv-usage-down", "0.9")
     assert "--decode-min-replicas (5) is above --decode-max-replicas (2)" in error(
         "--decode-deployment", "d", "--decode-min-replicas", "5", "--decode-max-replicas", "2")
-    assert "scales nothing" in error()
     assert "--prometheus-url" in error("--decode-deployment", "d", "--prometheus-url", "file:///etc/passwd")
     assert "--decode-selector" in error("--decode-deployment", "d", "--decode-selector", 'a="b"}) or vector(1')
+
+
+def test_a_planner_with_no_deployment_says_so(capsys, monkeypatch):
+    from services.planner.main import main
+    for name in [n for n in os.environ if n.startswith("KVMESH_")]:
+        monkeypatch.delenv(name)
+    assert main(["--prometheus-url", "http://127.0.0.1:9"]) == 2
+    assert "give --prefill-deployment, --decode-deployment or both" in capsys.readouterr().err
