@@ -96,6 +96,8 @@ def test_the_rendered_environment_is_a_valid_planner_config(docs):
      "planner.enabled and workerPools.decode's HPA or KEDA ScaledObject both scale"),
     ({**PLANNER, "worker": {"keda": {"enabled": True, "serverAddress": "http://p:9090"}}},
      "planner.enabled and workerPools.prefill's HPA or KEDA ScaledObject both scale"),
+    ({"planner": {**PLANNER["planner"], "config": {"decode-max-replicas": 3}}},
+     "planner.config.decode-max-replicas is set by the chart"),
 ])
 def test_conflicts_fail_with_a_clear_message(helm, tmp_path, values, message):
     out = render(helm, values, tmp_path)
