@@ -24,9 +24,9 @@ import prefix_cache_svc.metrics  # noqa: F401  (registers the prefix-cache index
 from services import metrics
 from services.metrics_catalog import catalog, series_names as catalog_series
 from services.planner.signals import QUERIES as PLANNER_QUERIES
-from tests.helm.promql import dashboard_queries, promql_metric_names
 from tests.helm.chart import CHART, FULLNAME, RELEASE, by_kind, helm, run_helm  # noqa: F401
 from tests.helm.live_pod import start_pool_worker
+from tests.helm.promql import dashboard_queries, promql_metric_names
 from tests.helm.test_chart_probes_live import wait_serving
 from tests.integration.stack import redis_and_procs
 
