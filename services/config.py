@@ -308,6 +308,9 @@ class ServeConfig(ServedEngineArgs):
     lease_ms: int = opt(3000, "Registry lease in ms (how fast a dead worker is noticed).", min=1)
     heartbeat_ms: int = opt(500, "Heartbeat period in ms.", min=1)
     ready_timeout_s: float = opt(300.0, "Seconds to wait for the stack to become ready.", above=0)
+    fleet_metrics_port: int = opt(0, "Port of the one page showing every local service's /metrics, each series "
+                                     "labelled with its service (and worker); on 127.0.0.1. 0: any free port "
+                                     "(printed once ready), -1: off.", **METRICS_PORT)
 
     DEPRECATED: ClassVar[tuple[Deprecated, ...]] = (
         Deprecated("tokenize_in_gateway", False, lambda v: {"text_in_gateway": v}),
@@ -324,6 +327,78 @@ class ServeConfig(ServedEngineArgs):
             raise ConfigError("--workers=0 needs --prefill-workers and --decode-workers (some worker must serve)")
 
 
+_SELECTOR = {"pattern": r'[^{}\n]{0,512}', "expected": "label matchers without braces, at most 512 characters"}
+_HTTP_URL = {"pattern": r"(https?://[^\s]{1,2000})?", "expected": "an http:// or https:// URL"}
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """`kvmesh planner`: scales the prefill and decode Deployments from SLO signals (services/planner).
+    An up-threshold is passed when any signal is above it; a pool scales down only when every
+    signal has stayed under its down-threshold for --stabilization-window-s."""
+
+    prometheus_url: str = opt("", "Prometheus to query (its HTTP API, e.g. http://prometheus-operated:9090); "
+                                  "empty: scrape the --*-metrics-urls pages directly.", **_HTTP_URL)
+    prefill_selector: str = opt("", "PromQL label matchers of the prefill pool's series, e.g. "
+                                    "namespace=\"llm\",service=\"prod-kvmesh-prefill\".", **_SELECTOR)
+    decode_selector: str = opt("", "PromQL label matchers of the decode pool's series.", **_SELECTOR)
+    gateway_selector: str = opt("", "PromQL label matchers of the gateways' series (inter-token latency).",
+                                **_SELECTOR)
+    prefill_metrics_urls: list = opt([], "Without --prometheus-url: the prefill workers' /metrics URLs "
+                                         "(comma-separated).")
+    decode_metrics_urls: list = opt([], "Without --prometheus-url: the decode workers' /metrics URLs.")
+    gateway_metrics_urls: list = opt([], "Without --prometheus-url: the gateways' /metrics URLs.")
+    kube_namespace: str = opt("default", "Namespace of the Deployments.",
+                              pattern=r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", expected="a namespace name")
+    kubeconfig: str = opt("", "Kubeconfig file; empty: the pod's ServiceAccount inside a cluster, else "
+                              "~/.kube/config.")
+    prefill_deployment: str = opt("", "The prefill pool's Deployment; empty: the prefill pool is not scaled.",
+                                  pattern=r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?)?", expected="a Deployment name")
+    decode_deployment: str = opt("", "The decode pool's Deployment; empty: the decode pool is not scaled.",
+                                 pattern=r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?)?", expected="a Deployment name")
+    prefill_min_replicas: int = opt(1, "Fewest prefill pods.", min=0, max=1000)
+    prefill_max_replicas: int = opt(8, "Most prefill pods.", min=1, max=1000)
+    decode_min_replicas: int = opt(1, "Fewest decode pods.", min=0, max=1000)
+    decode_max_replicas: int = opt(8, "Most decode pods.", min=1, max=1000)
+    ttft_p90_up_s: float = opt(2.0, "Prefill: scale up while the prefill workers' TTFT p90 is above this.", above=0)
+    ttft_p90_down_s: float = opt(0.5, "Prefill: TTFT p90 under which the pool may shrink.", above=0)
+    pending_tokens_up: float = opt(16384.0, "Prefill: scale up while the prompt tokens per prefill pod with no "
+                                            "first token yet are above this.", above=0)
+    pending_tokens_down: float = opt(2048.0, "Prefill: pending prompt tokens per pod under which the pool may "
+                                             "shrink.", min=0)
+    itl_p90_up_s: float = opt(0.1, "Decode: scale up while the inter-token latency p90 is above this.", above=0)
+    itl_p90_down_s: float = opt(0.03, "Decode: inter-token latency p90 under which the pool may shrink.", above=0)
+    kv_usage_up: float = opt(0.85, "Decode: scale up while the decode pods' mean KV-cache usage is above this.",
+                             above=0, max=1)
+    kv_usage_down: float = opt(0.4, "Decode: mean KV usage under which the pool may shrink.", min=0, max=1)
+    interval_s: float = opt(15.0, "Seconds between two decisions.", min=0.05, max=3600)
+    stabilization_window_s: float = opt(300.0, "A pool shrinks only after its signals stayed low this long, and "
+                                               "no sooner than this after its last change.", min=0, max=86400)
+    scale_up_cooldown_s: float = opt(60.0, "Seconds between two scale-ups of a pool (new pods need time to load "
+                                           "and take load).", min=0, max=86400)
+    max_step: int = opt(2, "Most pods added at once (a scale-down removes one).", min=1, max=100)
+    dry_run: bool = opt(False, "Log what would be scaled; change nothing.")
+    query_timeout_s: float = opt(5.0, "Timeout of one Prometheus query, /metrics scrape or Kubernetes call.",
+                                 above=0, max=120)
+    host: str = opt("127.0.0.1", "Address the planner's own /metrics binds to.")
+    metrics_port: int = opt(9105, "Prometheus /metrics port of the planner (0: any free port, -1: off).",
+                            **METRICS_PORT)
+    log_level: str = opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        check_bind_host(self.host)
+        check_bounds(self)
+        for pool in ("prefill", "decode"):
+            lo, hi = getattr(self, f"{pool}_min_replicas"), getattr(self, f"{pool}_max_replicas")
+            if lo > hi:
+                raise ConfigError(f"--{pool}-min-replicas ({lo}) is above --{pool}-max-replicas ({hi})")
+        for up, down in (("ttft_p90_up_s", "ttft_p90_down_s"), ("pending_tokens_up", "pending_tokens_down"),
+                         ("itl_p90_up_s", "itl_p90_down_s"), ("kv_usage_up", "kv_usage_down")):
+            if getattr(self, down) >= getattr(self, up):
+                raise ConfigError(f"{flag_name(down)} ({getattr(self, down)}) must be below {flag_name(up)} "
+                                  f"({getattr(self, up)}): the gap between them keeps the pool from flapping")
+
+
 @dataclass(frozen=True)
 class KvmeshConfig:
     """The root: one section per service (the Helm chart's values mirror it)."""
@@ -333,6 +408,7 @@ class KvmeshConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 SECTIONS: tuple[type, ...] = tuple(f.default_factory for f in dataclasses.fields(KvmeshConfig))  # type: ignore[misc]

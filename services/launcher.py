@@ -11,7 +11,8 @@ Workers: --workers mixed ones (worker-0..), --prefill-workers (prefill-0..) and 
 (decode-0..) of the disaggregated pools.
 
 Refuses a busy --port before starting anything. Waits until the gateway's /ready answers and every
-worker is registered, then prints the URL and each service's /metrics page. A failure during
+worker is registered, then prints the URL, each service's /metrics page, and the one page that
+shows them all (--fleet-metrics-port, on loopback: services/fleet_metrics.py). A failure during
 start-up stops the stack (a bad model or flag would only fail again). From then on a service that
 exits on its own, whatever its code, is reported in one line and restarted with back-off, with the
 same flags (services.supervisor, services.restart_policy); one that crash-loops stops the stack
@@ -53,6 +54,7 @@ from pathlib import Path
 from services.config import ServeConfig, load_or_exit, reachable_host, to_argv
 from services.engine_args import ServedEngineArgs, engine_args_of
 from services.embedded_redis import EmbeddedRedis
+from services.fleet_metrics import Page, serve_fleet_metrics
 from services.redis_client import RedisAuth
 from services.registry import ServiceRecord, list_records
 from services.restart_policy import describe_exit
@@ -207,14 +209,19 @@ class Stack:
             log.debug("could not list %s records: %s", kind, exc)
             return []
 
-    def metrics_pages(self, url: str) -> list[tuple[str, str]]:
-        """(service, its /metrics URL) for every local service; the gateway's is on its own port."""
-        pages = [("gateway", f"{url}/metrics")]
+    def metrics_sources(self, url: str) -> list[Page]:
+        """Every local service's /metrics page, from the registry (a restarted service has a new
+        port); the gateway's is on its own port."""
+        pages = [Page("gateway", "", f"{url}/metrics")]
         for kind in ("tokenizer", "scheduler", "prefix-cache", "worker"):
             for r in sorted(self.records(kind), key=lambda r: r.id):
                 if "metrics" in r.addrs:
-                    pages.append((r.id if kind == "worker" else kind, r.addrs["metrics"]))
+                    pages.append(Page(kind, r.id if kind == "worker" else "", r.addrs["metrics"]))
         return pages
+
+    def metrics_pages(self, url: str) -> list[tuple[str, str]]:
+        """(service, its /metrics URL) for every local service: a worker by its id."""
+        return [(p.worker or p.service, p.url) for p in self.metrics_sources(url)]
 
     def supervise(self, stop: list[bool]) -> int:
         """Until Ctrl-C / SIGTERM (0) or a service that cannot be kept up (1)."""
@@ -244,10 +251,13 @@ def port_taken(host: str, port: int) -> str | None:
         return exc.strerror or str(exc)
 
 
-def print_banner(model: str, url: str, pages: list[tuple[str, str]]) -> None:
+def print_banner(model: str, url: str, pages: list[tuple[str, str]], fleet_port: int) -> None:
     width = max(len(name) for name, _ in pages)
-    lines = [f"kvmesh is serving {Path(model).name} at {url}/v1  (Ctrl-C to stop)",
-             "metrics (Prometheus; a restarted service logs its new port):",
+    lines = [f"kvmesh is serving {Path(model).name} at {url}/v1  (Ctrl-C to stop)"]
+    if fleet_port > 0:
+        lines.append(f"every service's metrics on one page: http://127.0.0.1:{fleet_port}/metrics  "
+                     "(labelled service=, worker=)")
+    lines += ["metrics (Prometheus; a restarted service logs its new port):",
              *(f"  {name:<{width}}  {page}" for name, page in pages)]
     print("\n".join(lines), flush=True)
 
@@ -258,6 +268,10 @@ def main(argv: list[str]) -> int:
     if (why := port_taken(cfg.host, cfg.port)) is not None:
         print(f"kvmesh serve: --port {cfg.port}: cannot listen on {cfg.host}:{cfg.port} ({why}); "
               "stop what uses it or choose another --port", file=sys.stderr)
+        return 2
+    if cfg.fleet_metrics_port > 0 and (why := port_taken("127.0.0.1", cfg.fleet_metrics_port)) is not None:
+        print(f"kvmesh serve: --fleet-metrics-port {cfg.fleet_metrics_port}: cannot listen on 127.0.0.1 ({why}); "
+              "choose another port, 0 for any free one, or -1 for none", file=sys.stderr)
         return 2
     model = ensure_model(cfg.model) if not (cfg.null_model and not cfg.model) else ensure_model("")
     stop: list[bool] = []
@@ -273,7 +287,9 @@ def main(argv: list[str]) -> int:
     try:
         stack.start(model)
         if stack.wait_ready(url, cfg.ready_timeout_s, stop):
-            print_banner(model, url, stack.metrics_pages(url))
+            # loopback only, whatever --host: the page shows every internal service's state
+            fleet_port = serve_fleet_metrics("127.0.0.1", cfg.fleet_metrics_port, lambda: stack.metrics_sources(url))
+            print_banner(model, url, stack.metrics_pages(url), fleet_port)
             code = stack.supervise(stop)
         elif stop:
             code = 0

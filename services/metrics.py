@@ -17,7 +17,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry,
 
 log = logging.getLogger("kvmesh.metrics")
 
-SERVICES = ("gateway", "scheduler", "worker", "tokenizer", "prefix-cache")
+SERVICES = ("gateway", "scheduler", "worker", "tokenizer", "prefix-cache", "planner")
 _FAMILIES: dict[str, set[str]] = {s: set() for s in SERVICES}   # service -> the family names it shows
 
 
@@ -262,6 +262,21 @@ DETOK_FIRST_TOKEN = _detokenizer(Histogram("kvmesh_detok_first_token_seconds",
                                            "A StepOutput carrying some request's first tokens, read off the "
                                            "detokenizer's socket, to its TextBatches handed to the gateways' sockets "
                                            "(a gateway with --text-in-gateway: to its requests)", buckets=_HOP))
+
+
+# ---- planner (services/planner; pool names are fixed: prefill, decode)
+_planner = shown_by("planner")
+PLANNER_REPLICAS = _planner(Gauge("kvmesh_planner_replicas", "Replicas of a pool's Deployment as last read",
+                                  ["pool"]))
+PLANNER_DESIRED = _planner(Gauge("kvmesh_planner_desired_replicas", "Replicas the planner last decided for a "
+                                 "pool (also in --dry-run, where nothing is changed)", ["pool"]))
+PLANNER_SIGNAL = _planner(Gauge("kvmesh_planner_signal", "The SLO signals a decision read, by pool and signal "
+                                "(ttft_p90_s, pending_prompt_tokens, itl_p90_s, kv_usage); NaN: not available",
+                                ["pool", "signal"]))
+PLANNER_SCALES = _planner(Counter("kvmesh_planner_scale_events", "Replica changes decided, by pool and direction "
+                                  "(up, down)", ["pool", "direction"]))
+PLANNER_ERRORS = _planner(Counter("kvmesh_planner_errors", "Failed reads or patches, by stage (signals, "
+                                  "kubernetes)", ["stage"]))
 
 
 class _ServiceView:

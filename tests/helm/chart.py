@@ -58,6 +58,16 @@ VALUE_SETS: dict[str, dict] = {
             "mixed": {"enabled": True},
         },
     },
+    # Every autoscaler and view the chart offers at once: the planner on prefill and decode, KEDA on
+    # the mixed pool, the dashboard and the ServiceMonitor.
+    "autoscalers": {
+        "planner": {"enabled": True, "prometheusUrl": "http://prometheus-operated.monitoring:9090",
+                    "config": {"stabilization-window-s": 600}},
+        "workerPools": {"mixed": {"enabled": True, "keda": {"enabled": True,
+                                                            "serverAddress": "http://prometheus-operated.monitoring:9090"}}},
+        "grafana": {"dashboards": {"enabled": True}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    },
     "everything": {
         "gateway": {"apiKey": {"existingSecret": "kvmesh-keys"}},
         "redis": {"persistence": {"enabled": True}},
@@ -71,7 +81,7 @@ VALUE_SETS: dict[str, dict] = {
                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}},
     },
 }
-CRD_GROUPS = ("monitoring.coreos.com/",)  # custom resources: no upstream schema to check against
+CRD_GROUPS = ("monitoring.coreos.com/", "keda.sh/")  # custom resources: no upstream schema to check against
 
 
 @functools.lru_cache(maxsize=1)

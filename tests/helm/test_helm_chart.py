@@ -18,7 +18,7 @@ from tests.helm.chart import (CHART, CRD_GROUPS, FULLNAME, RELEASE, VALUE_SETS, 
 
 
 @pytest.mark.parametrize("case", ["defaults", "pools", "pd-pools", "external-redis", "ingress-hpa-monitoring",
-                                  "insecure", "own-keys-hostpath", "everything"])
+                                  "insecure", "own-keys-hostpath", "everything", "autoscalers"])
 def test_lint_strict(helm, case, tmp_path):
     out = run_helm(helm, "lint", "--strict", str(CHART), values=VALUE_SETS[case], tmp=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -323,7 +323,7 @@ def test_config_checksum_follows_the_configmap(helm, tmp_path_factory):
     assert checksum("defaults") != checksum("everything")     # config.lease-ms changed it
 
 
-@pytest.mark.parametrize("case", ["everything", "pd-pools"])
+@pytest.mark.parametrize("case", ["everything", "pd-pools", "autoscalers"])
 def test_env_names_are_known_to_the_services(helm, case, tmp_path_factory):
     """Services refuse unknown KVMESH_* variables at start; the chart must set only real ones
     (the pools' default `engine` keys included)."""

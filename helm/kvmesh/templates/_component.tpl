@@ -18,7 +18,7 @@ Pods carry `kvmesh.io/service: <service>`, the label the NetworkPolicies and the
 {{- $root := .root }}
 {{- $v := .values }}
 {{- $portName := ternary "http" "grpc" .http }}
-{{- $autoscaled := and $v.autoscaling (dig "enabled" false $v.autoscaling) }}
+{{- $autoscaled := or (dig "autoscaling" "enabled" false $v) (dig "keda" "enabled" false $v) .plannerScaled }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -407,6 +407,62 @@ spec:
 {{- end }}
 
 {{/*
+A KEDA ScaledObject (keda.sh/v1alpha1) scaling a pool on one Prometheus query. KEDA makes an HPA
+of its own for the Deployment, so the pool's `autoscaling` HPA must be off: two controllers would
+fight over `replicas`. `<<pool>>` in the query becomes the label matchers of this pool's series as
+the chart's ServiceMonitor stores them (namespace and Service name).
+*/}}
+{{- define "kvmesh.scaledObject" -}}
+{{- $k := default (dict) .values.keda }}
+{{- if $k.enabled }}
+{{- $where := printf "workerPools.%s" .component }}
+{{- if dig "autoscaling" "enabled" false .values }}
+{{- fail (printf "%s: keda.enabled and autoscaling.enabled both scale this Deployment (KEDA makes its own HPA): turn one off, e.g. --set %s.autoscaling.enabled=false" $where $where) }}
+{{- end }}
+{{- if not $k.serverAddress }}
+{{- fail (printf "%s.keda.enabled needs keda.serverAddress: the Prometheus KEDA queries, e.g. http://prometheus-operated.monitoring:9090" $where) }}
+{{- end }}
+{{- $selector := printf "namespace=%q,service=%q" .root.Release.Namespace (include "kvmesh.componentName" .) }}
+apiVersion: keda.sh/v1alpha1
+kind: ScaledObject
+metadata:
+  name: {{ include "kvmesh.componentName" . }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "kvmesh.componentLabels" . | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "kvmesh.componentName" . }}
+  pollingInterval: {{ int $k.pollingInterval }}
+  cooldownPeriod: {{ int $k.cooldownPeriod }}
+  minReplicaCount: {{ int $k.minReplicaCount }}
+  maxReplicaCount: {{ int $k.maxReplicaCount }}
+  {{- with $k.behavior }}
+  advanced:
+    horizontalPodAutoscalerConfig:
+      behavior:
+        {{- toYaml . | nindent 8 }}
+  {{- end }}
+  triggers:
+    - type: prometheus
+      metricType: {{ $k.metricType }}
+      metadata:
+        serverAddress: {{ $k.serverAddress | quote }}
+        query: {{ $k.query | replace "<<pool>>" $selector | quote }}
+        threshold: {{ include "kvmesh.settingText" $k.threshold | quote }}
+        {{- if not (kindIs "invalid" $k.activationThreshold) }}
+        activationThreshold: {{ include "kvmesh.settingText" $k.activationThreshold | quote }}
+        {{- end }}
+      {{- with $k.authenticationRef }}
+      authenticationRef:
+        name: {{ . }}
+      {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
 Everything for one component, separated by `---`.
 */}}
 {{- define "kvmesh.component" -}}
@@ -418,6 +474,10 @@ Everything for one component, separated by `---`.
 {{ . }}
 {{- end }}
 {{- with (include "kvmesh.hpa" .) }}
+---
+{{ . }}
+{{- end }}
+{{- with (include "kvmesh.scaledObject" .) }}
 ---
 {{ . }}
 {{- end }}
