@@ -35,12 +35,15 @@ VLLM_EQUIVALENT: dict[str, tuple[str, str]] = {
     "kvmesh_worker_request_queue_seconds": ("vllm:request_queue_time_seconds", ""),
     "kvmesh_worker_request_prefill_seconds": ("vllm:request_prefill_time_seconds", ""),
     "kvmesh_worker_request_decode_seconds": ("vllm:request_decode_time_seconds", ""),
+    "kvmesh_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts", "labelled by method"),
+    "kvmesh_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "labelled by method"),
+    "kvmesh_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "labelled by method"),
+    "kvmesh_spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                                       "labelled by method and position"),
 }
 # vLLM metrics with no kvmesh family, and why
 VLLM_WITHOUT_EQUIVALENT: dict[str, str] = {
     "vllm:num_preemptions": "kvmesh does not count preemptions yet",
-    "vllm:spec_decode_num_accepted_tokens": "speculative decoding exports no Prometheus metrics yet",
-    "vllm:spec_decode_num_draft_tokens": "speculative decoding exports no Prometheus metrics yet",
     "vllm:iteration_tokens_total": "kvmesh_engine_step_seconds times a step instead of counting its tokens",
     "vllm:request_prompt_tokens": "no per-request token-count histograms; kvmesh_prompt_tokens_total counts them",
     "vllm:request_generation_tokens": "no per-request token-count histograms; "
