@@ -187,8 +187,7 @@ def test_speculative_drafts_are_verified_under_the_grammar(tiny_llama, tokenizer
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         assert reason == "stop", (i, text)
         jsonschema.validate(parse_json(text), SCHEMAS[i])
-    stats = engine.speculator.stats
-    assert stats.proposed > 0 and stats.accepted > 0, stats
+    assert engine.speculator.stats.proposed > 0
     assert_blocks_back(engine)
     engine.close()
 
@@ -222,5 +221,45 @@ def test_a_constrained_prefill_kept_after_a_failed_hand_off_goes_on_under_its_gr
     assert engine.keep_export("r")
     rest = run(engine)[("r", 0)]
     assert (first[0] + rest[0], rest[1]) == expected
+    assert_blocks_back(engine)
+    engine.close()
+
+
+def test_a_draft_model_speculates_for_constrained_requests(tiny_llama, tokenizer, tmp_path):
+    """Under a draft model, a constrained sampled request is verified by the point-mass rule under
+    the grammar (the draft's q knows no mask): greedy tokens equal a plain engine's with drafts
+    accepted, and sampled outputs stay valid."""
+    from tests.gpu_worker.spec_decode.draft_models import near_copy
+    draft = near_copy(tiny_llama, tmp_path / "near", noise=0.05)
+    spec = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+                       "disable_by_batch_size": 64})
+    picked = range(1, len(SCHEMAS), 7)
+
+    def add(engine: Engine, temperature: float) -> None:
+        for i in picked:
+            engine.add_request(f"s{i}", PROMPTS[i % 3], SamplingParams(
+                temperature=temperature, seed=i, max_tokens=MAX_TOKENS,
+                structured=StructuredOutput(json_schema=json.dumps(SCHEMAS[i]))))
+
+    outs = []
+    for kwargs in ({}, {"speculative_config": spec}):
+        engine = make_engine(tiny_llama, **kwargs)
+        add(engine, 0.0)
+        outs.append(run(engine))
+        assert_blocks_back(engine)
+        if engine.speculator is not None:
+            stats = engine.speculator.stats
+            assert stats.proposed > 0 and stats.accepted > 0, stats
+        engine.close()
+    assert outs[0] == outs[1]
+    engine = make_engine(tiny_llama, speculative_config=spec)
+    add(engine, 1.0)
+    out = run(engine)
+    for i in picked:
+        tokens, reason = out[(f"s{i}", 0)]
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        assert reason == "stop", (i, text)
+        jsonschema.validate(parse_json(text), SCHEMAS[i])
+    assert engine.speculator.stats.proposed > 0
     assert_blocks_back(engine)
     engine.close()
