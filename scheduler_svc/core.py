@@ -395,7 +395,8 @@ class SchedulerCore:
         req.moving = reason
         log.info("request %s leaves worker %s (%s); asking its detokenizer where it stands", rid, w.id, reason)
         return out + [Envelope(req.submit.detok_addr,
-                               Migrate(request_id=rid, worker_id=w.id, reply_addr=self.inbox_addr))]
+                               Migrate(request_id=rid, worker_id=w.id, reply_addr=self.inbox_addr,
+                                       worker_epoch=w.epoch))]
 
     def resumed(self, msg: Resume) -> list[Envelope]:
         """The detokenizer's answer to a Migrate: requeue the request from where its stream stands.

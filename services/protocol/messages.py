@@ -209,6 +209,8 @@ class Migrate(Msg, tag="migrate", kw_only=True):
     request_id: str
     worker_id: str                   # the worker it leaves
     reply_addr: str                  # the scheduler's inbox
+    worker_epoch: int = -1           # that worker's incarnation: a restart under the same id is a new
+                                     # worker whose tokens count (-1: every incarnation is left)
 
 
 class Resume(Msg, tag="resume", kw_only=True):

@@ -62,7 +62,8 @@ class _Stream:
     prompt_tail: list[int]
     samples: dict[int, _Sample] = field(default_factory=dict)
     opened: float = field(default_factory=time.monotonic)
-    left: frozenset[str] = frozenset()   # workers the request moved away from: their late tokens are dropped
+    # (worker id, epoch) the request moved away from (-1: every epoch): their late tokens are dropped
+    left: frozenset[tuple[str, int]] = frozenset()
 
     @property
     def ended(self) -> bool:
@@ -113,7 +114,7 @@ class DetokCore:
         stream = self.streams.get(msg.request_id)
         if stream is None:
             return [Envelope(msg.reply_addr, Resume(request_id=msg.request_id, output_token_ids=[], known=False))]
-        stream.left = stream.left | {msg.worker_id}
+        stream.left = stream.left | {(msg.worker_id, msg.worker_epoch)}
         outputs: list[list[int]] = []
         for index in range(stream.params.n):
             sample = stream.samples.get(index)
@@ -140,7 +141,8 @@ class DetokCore:
             if stream is None:  # aborted or unknown: nobody waits for it
                 self._drop("no_stream", len(seq.token_ids))
                 continue
-            if stream.left and msg.worker_id in stream.left:   # sent before its worker stopped
+            if stream.left and ((msg.worker_id, msg.epoch) in stream.left or (msg.worker_id, -1) in stream.left):
+                # sent before its worker stopped (a restart under the same id is another worker)
                 self._drop("moved", len(seq.token_ids))
                 continue
             delta = self._advance(stream, seq, out)

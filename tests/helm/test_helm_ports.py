@@ -50,7 +50,7 @@ def test_every_port_a_service_binds_is_fixed_and_declared(helm, case, tmp_path_f
         declared = {p["containerPort"] for p in c["ports"]}
         role = values.get("KVMESH_ROLE")
         for field in dataclasses.fields(CONFIG_OF[service]):
-            if not field.name.endswith("port"):
+            if not field.name.endswith("_port"):     # not kv_transport
                 continue
             env = f"KVMESH_{field.name.upper()}"
             if field.name in ROLE_PORTS and role not in ROLE_PORTS[field.name]:

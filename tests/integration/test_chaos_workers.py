@@ -219,17 +219,17 @@ def test_kill_9_and_sigterm_under_load_lose_and_corrupt_nothing(chaos):
 
 def test_sigterm_with_streams_in_flight_fails_no_request(chaos):
     """Through the gateway that makes its own text: a worker draining for 1 s while streams of 8 and
-    200 tokens run on it; those that fit end there, the others move to the last worker."""
+    400 tokens run on it; those that fit end there, the others move to the last worker."""
     procs, model = chaos["procs"], chaos["model"]
     null_worker(procs, "drainer", chaos["model_dir"], grace_s=1.0)
     wait_for(lambda: "drainer" in worker_records(chaos["redis"]), 60, "the drainer to register")
     client = openai.OpenAI(base_url=chaos["local"] + "/v1", api_key="none", timeout=60, max_retries=0)
     healthy = {m: client.completions.create(model=model, prompt="drain me", max_tokens=m, temperature=0).choices[0].text
-               for m in (8, 200)}
+               for m in (8, 400)}
     results: dict[int, dict] = {}
 
     def one(i: int) -> None:
-        max_tokens, out = (8, 200)[i % 2], {"text": "", "finish": None, "error": None}
+        max_tokens, out = (8, 400)[i % 2], {"text": "", "finish": None, "error": None}
         try:
             for chunk in client.completions.create(model=model, prompt="drain me", max_tokens=max_tokens,
                                                    temperature=0.7, seed=i, stream=True):
@@ -243,7 +243,7 @@ def test_sigterm_with_streams_in_flight_fails_no_request(chaos):
     for t in threads:
         t.start()
     wait_for(lambda: (worker_records(chaos["redis"]).get("drainer") or {}) and
-             worker_records(chaos["redis"])["drainer"].load.get("requests", 0) >= 4, 20,
+             worker_records(chaos["redis"])["drainer"].load.get("requests", 0) >= 2, 30,
              "streams to run on the drainer")
     before = scheduler_metric(chaos["scheduler_metrics"], "kvmesh_scheduler_migrations_total", reason="drain")
     procs.procs["drainer"].send_signal(signal.SIGTERM)
@@ -252,7 +252,7 @@ def test_sigterm_with_streams_in_flight_fails_no_request(chaos):
     assert procs.procs.pop("drainer").wait(30) == 0
     assert len(results) == 12 and not [r["error"] for r in results.values() if r["error"] is not None]
     for i, r in results.items():
-        assert r["finish"] == "length" and r["text"] == healthy[(8, 200)[i % 2]], (i, r)
+        assert r["finish"] == "length" and r["text"] == healthy[(8, 400)[i % 2]], (i, r)
     moved = scheduler_metric(chaos["scheduler_metrics"], "kvmesh_scheduler_migrations_total", reason="drain") - before
     assert moved > 0, "no stream outlived the grace: lengthen them"
     live = {r.id for r in records(chaos["redis"], "worker")}

@@ -135,8 +135,7 @@ def test_a_killed_or_drained_worker_is_restarted_while_the_other_keeps_serving(t
         assert len(results) == STREAMS, f"{STREAMS - len(results)} streams hung"
         outcomes = {i: _outcome(events) for i, (events, _) in results.items()}
         failed = [i for i, o in outcomes.items() if o == "failed"]
-        assert failed and len(failed) < STREAMS, outcomes   # the killed worker's streams, and only those
-        assert max(results[i][1] for i in failed) - t_kill < 15
+        assert not failed, outcomes       # the killed worker's streams moved on to the other worker
 
         # -- the stack stayed up, the worker is restarted under the same id, and new requests succeed
         assert serve.proc.poll() is None and serve.child(" gateway ") == gateway

@@ -199,3 +199,20 @@ def test_a_moved_stream_resumes_from_its_tokens_and_drops_the_old_workers_late_o
     # a stream it does not hold: known=False
     [env] = core.migrate(Migrate(request_id="nope", worker_id="w", reply_addr="sched"))
     assert env.msg.known is False and env.msg.output_token_ids == []
+
+
+def test_a_stream_moved_off_a_worker_takes_the_tokens_of_its_restart_under_the_same_id():
+    """kvmesh serve restarts a killed worker under the same id: the new incarnation (a newer epoch)
+    is another worker, and the moved stream may continue there; the old incarnation's late tokens
+    are still dropped."""
+    from services.protocol.messages import Migrate
+    core = DetokCore(ToyTok())
+    open_(core)
+    core.step(StepOutput(worker_id="w", epoch=1, step=0, seqs=[SeqTokens("r", 0, ids("ab"))]))
+    core.migrate(Migrate(request_id="r", worker_id="w", reply_addr="sched", worker_epoch=1))
+    assert texts(core.step(StepOutput(worker_id="w", epoch=1, step=1, seqs=[SeqTokens("r", 0, ids("q"))]))) == []
+    core.open(StreamOpen(request_id="r", params=SamplingParams(), reply_addr="gw", num_prompt_tokens=3,
+                         resumes=True))
+    out = core.step(StepOutput(worker_id="w", epoch=2, step=0, seqs=[SeqTokens("r", 0, ids("cd"))]))
+    assert texts(out) == [(0, "cd", None)]
+    assert core.dropped_tokens["moved"] == 1
