@@ -41,7 +41,11 @@ from services.prefix_hash import chain_hashes
 
 log = logging.getLogger("kvmesh.kv_transfer")
 
-DEFAULT_MAX_FRAME_BYTES = 64 << 20
+DEFAULT_MAX_FRAME_BYTES = 64 << 20     # the largest frame a consumer takes
+# The frames a producer makes. CURVE encrypts each ZMQ message in one piece on the sender's I/O
+# thread and decrypts it in one piece on the receiver's: frames of a few MiB keep both threads
+# busy at once (measured on loopback: 4 MiB frames move 128 MiB ~2x faster than 64 MiB ones).
+DEFAULT_FRAME_BYTES = 4 << 20
 NO_FREE_BLOCKS = "no free KV blocks"     # the Refuse of a consumer whose pool is full now
 
 
@@ -121,7 +125,7 @@ def block_frames(accept: Accept, layout: KVLayout, src_table: list[int], b_start
 
 
 class EngineKVProducer(KVProducer):
-    def __init__(self, engine, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(self, engine, max_frame_bytes: int = DEFAULT_FRAME_BYTES) -> None:
         self.engine = engine
         self.layout = _engine_layout(engine)
         self.max_frame_bytes = max_frame_bytes
