@@ -337,6 +337,10 @@ class EngineKVConsumer(KVConsumer):
         self._rx.pop(request_id, None)
         self.engine.abort_request(request_id)
 
+    def fail(self, request_id: str, reason: str) -> Fail:
+        """Drop a request whose KV cannot be received (its blocks freed) and say why."""
+        return self._drop(request_id, reason, fail=True)
+
     def _drop(self, request_id: str, reason: str, *, fail: bool) -> Fail:
         self.frames_dropped += 1
         self._dropped.warning("kv transfer: dropped a frame of request %r: %s", request_id[:64], reason)

@@ -116,6 +116,8 @@ class PeerSender(threading.Thread):
         channel.open(rid)
         deadline = time.monotonic() + self.owner.lease_s
         cancelled = lambda: self._cancelled(rid)                       # noqa: E731
+        if self.owner.shm_writer is not None:     # D answers whether it shares our host
+            offer = msgspec.structs.replace(offer, shm_host=self.owner.shm_host)
         parts = [encode(offer)]
         if self.owner.nixl_source is not None:    # D reads from our agent: it connects first (once)
             parts = [encode(self.owner.nixl_source)]
@@ -188,17 +190,29 @@ class PeerSender(threading.Thread):
     def _send_frame(self, rid: str, stream: _Stream, frame: BlockFrame, payload: memoryview) -> bool:
         """One frame; the lease is renewed by every frame D takes. False: the hand-off ended."""
         cancelled = lambda: self._cancelled(rid)                       # noqa: E731
-        if cancelled() or not self._channel.send([encode(frame), payload], time.monotonic() + self.owner.lease_s,
-                                                 cancelled):
+        parts = self._frame_parts(rid, stream, frame, payload)
+        if cancelled() or not self._channel.send(parts, time.monotonic() + self.owner.lease_s, cancelled):
             return self._end(rid, None)
         stream.seq_no = frame.seq_no + 1
         stream.bytes_sent += len(payload)
         failed = self._channel.failed(rid)          # D gave up on it mid-stream?
         return True if failed is None else self._end(rid, failed)
 
+    def _frame_parts(self, rid: str, stream: _Stream, frame: BlockFrame, payload: memoryview) -> list:
+        """[header, payload], or [header naming a shared-memory segment] when D shares our host
+        (its Accept said so) and P is under its segment bound."""
+        writer = self.owner.shm_writer
+        if writer is not None and stream.accept is not None and stream.accept.shm:
+            name = writer.write(rid, payload)
+            if name is not None:
+                return [encode(msgspec.structs.replace(frame, segment=name))]
+        return [encode(frame), payload]
+
     def _end(self, rid: str, answer: Answer | None, *, started: float | None = None, reason: str = "") -> bool:
         """The hand-off of rid ends with D's answer (None: no answer, cancelled, or our failure);
         D is told to drop it unless it acknowledged. Reports it; returns False."""
+        if self.owner.shm_writer is not None:      # the segments D did not take
+            self.owner.shm_writer.release(rid)
         stream = self._streams.pop(rid, None)
         self._channel.close_request(rid)
         if not isinstance(answer, Ack):
