@@ -205,6 +205,7 @@ class PeerSender(threading.Thread):
         if writer is not None and stream.accept is not None and stream.accept.shm:
             name = writer.write(rid, payload)
             if name is not None:
+                metrics.HANDOFF_SHM_FRAMES.inc()
                 return [encode(msgspec.structs.replace(frame, segment=name))]
         return [encode(frame), payload]
 
