@@ -29,6 +29,7 @@ import re
 import secrets
 import socket
 import stat
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -55,21 +56,23 @@ def _path(name: str) -> str:
 
 
 class SegmentWriter:
-    """P's segments, per request; thread-safe enough for one writer thread per decode worker
-    because each request is written by one thread and the byte count is only a bound."""
+    """P's segments, per request, shared by P's sender threads (one per decode worker)."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_SEGMENT_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._open: dict[str, list[tuple[str, int]]] = {}     # request -> (name, bytes) not yet unlinked by us
+        self._lock = threading.Lock()
+        self._open: dict[str, list[tuple[str, int]]] = {}     # request -> (name, bytes) D may not have taken
         self.segments_written = 0
         self.frames_inline = 0          # frames sent over ZMQ because the bound was reached
 
     def outstanding_bytes(self) -> int:
-        """Bytes in segments D has not taken yet (D unlinks what it maps)."""
-        total = 0
-        for segs in list(self._open.values()):
-            total += sum(n for name, n in segs if os.path.exists(os.path.join(SHM_DIR, name)))
-        return total
+        """Bytes in segments D has not taken yet (D unlinks what it maps); forgets the taken ones."""
+        with self._lock:
+            total = 0
+            for rid, segs in self._open.items():
+                segs[:] = [(name, n) for name, n in segs if os.path.exists(os.path.join(SHM_DIR, name))]
+                total += sum(n for _, n in segs)
+            return total
 
     def write(self, request_id: str, payload: memoryview) -> str | None:
         """A new segment holding payload, its name; None when P is at its bound (send inline)."""
@@ -78,7 +81,8 @@ class SegmentWriter:
             return None
         name = PREFIX + secrets.token_hex(16)
         fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        self._open.setdefault(request_id, []).append((name, len(payload)))
+        with self._lock:
+            self._open.setdefault(request_id, []).append((name, len(payload)))
         try:
             os.ftruncate(fd, len(payload))
             with mmap.mmap(fd, len(payload)) as m:
@@ -93,11 +97,15 @@ class SegmentWriter:
 
     def release(self, request_id: str) -> None:
         """The hand-off ended: unlink the segments D did not take."""
-        for name, _ in self._open.pop(request_id, []):
+        with self._lock:
+            segs = self._open.pop(request_id, [])
+        for name, _ in segs:
             _unlink(name)
 
     def release_all(self) -> None:
-        for rid in list(self._open):
+        with self._lock:
+            rids = list(self._open)
+        for rid in rids:
             self.release(rid)
 
 

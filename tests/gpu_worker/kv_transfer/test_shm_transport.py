@@ -26,14 +26,14 @@ def segments() -> set[str]:
     return set(glob.glob(os.path.join(shm.SHM_DIR, shm.PREFIX + "*")))
 
 
-def run_pair(llama, ids: dict, *, d_shm: bool, abort: str = "", max_tokens: int = 8):
+def run_pair(llama, ids: dict, *, d_shm: bool, abort: str = "", max_tokens: int = 8, writer=None):
     """Hand each prompt from P to D (abort `abort` while its KV arrives); (tokens, writer, p, d)."""
     p = WorkerCore(engine(llama, max_num_batched_tokens=64), "p", 1)
     p.hands_off = True
     d = WorkerCore(engine(llama), "d", 1)
     receiver = DecodeReceiver(d.engine, Plane.insecure(), "127.0.0.1", 0, lease_s=10.0, shm=d_shm)
     d.imports = receiver.imports
-    writer = shm.SegmentWriter()
+    writer = writer or shm.SegmentWriter()
     sender = PrefillSender(p.engine, Plane.insecure(), lease_s=10.0, shm_writer=writer)
     sender.producer.max_frame_bytes = 4096          # several frames (segments) per hand-off
     d_addr = receiver.endpoint.address + "#worker"
@@ -92,6 +92,29 @@ def test_a_decode_worker_without_shm_gets_inline_frames(llama):
     tokens, writer, p, d = run_pair(llama, ids, d_shm=False)
     assert tokens["a"] == run_single(engine(llama), [("a", ids["a"], greedy(8))])[("a", 0)]
     assert writer.segments_written == 0
+    assert clean(p) and clean(d)
+
+
+class HostileWriter(shm.SegmentWriter):
+    """Names, for request "evil", a path outside /dev/shm, then a segment of the wrong size."""
+
+    def write(self, request_id: str, payload: memoryview) -> str | None:
+        if request_id != "evil":
+            return super().write(request_id, payload)
+        self.evil = getattr(self, "evil", 0) + 1
+        return "../../etc/passwd" if self.evil == 1 else super().write(request_id, payload[:-8])
+
+
+@pytest.mark.parametrize("attempts", [1, 2], ids=["path", "short-segment"])
+def test_a_frame_naming_a_bad_segment_fails_only_its_request(llama, attempts):
+    before = segments()
+    writer = HostileWriter()
+    writer.evil = attempts - 1                       # its next frame: the path (1) or the short segment (2)
+    ids = {"evil": prompt(60, 45), "good": prompt(60, 46)}
+    tokens, writer, p, d = run_pair(llama, ids, d_shm=True, writer=writer)
+    assert tokens["good"] == run_single(engine(llama), [("good", ids["good"], greedy(8))])[("good", 0)]
+    assert len(tokens.get("evil", [])) < 8           # P's first token at most: D failed it
+    assert segments() == before                      # the short one unlinked by D, the rest by P
     assert clean(p) and clean(d)
 
 
