@@ -906,9 +906,9 @@ def _pd_handoff(p_engine, d_engine, path: str, rid: str, prompt: list[int], dead
     p = WorkerCore(p_engine, "p", 1)
     p.hands_off, p.streams_kv = True, path.endswith("_streamed")
     shm = path.startswith("shm")          # the payloads through /dev/shm (one host), the headers over ZMQ
-    from gpu_worker.kv_transfer.shm import SegmentWriter
+    from gpu_worker.kv_transfer.shm import DEFAULT_RING_BYTES
     sender = PrefillSender(p_engine, Plane.insecure(), 60.0, nixl_agent=agents[0] if nixl else None,
-                           shm_writer=SegmentWriter() if shm else None)
+                           shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0)
     d = WorkerCore(d_engine, "d", 1)
     rx = DecodeReceiver(d_engine, Plane.insecure(), "127.0.0.1", 0, 60.0, nixl_agent=agents[1] if nixl else None,
                         shm=shm)

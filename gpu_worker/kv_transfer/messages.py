@@ -14,7 +14,7 @@
                         and framing bugs, ~10x blake2b's speed; integrity against an attacker is
                         the authenticated plane's job)
                         With `segment` (same host, D's Accept said `shm`) there is no payload
-                        frame: the payload is in that shared-memory segment
+                        frame: the payload is in that shared-memory ring
     P -> D  Done        every frame is sent (`num_frames` of them; in any order before it); a
                         streamed Offer's first tokens
     D -> P  Ack         D holds every block and decodes: P may release its blocks
@@ -83,8 +83,9 @@ class BlockFrame(msgspec.Struct, tag="blocks", frozen=True):
     dtype: str
     shape: list[int]
     checksum: bytes
-    segment: str = ""               # the payload is in this shared-memory segment (kv_transfer/
-                                    # shm.py), not in a second ZMQ frame
+    segment: str = ""               # the payload is in this shared-memory ring (kv_transfer/shm.py),
+    segment_offset: int = 0         # at this offset, not in a second ZMQ frame; D then marks the
+    segment_end: int = 0            # ring consumed up to segment_end
 
 class Done(msgspec.Struct, tag="done", frozen=True):
     request_id: str

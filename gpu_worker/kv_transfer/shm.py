@@ -1,21 +1,28 @@
 """Same-host KV frames through POSIX shared memory: the payload skips the socket and CURVE.
 
-    P  SegmentWriter.parts(rid, frame, payload): the payload goes into a fresh segment
-       /dev/shm/kvmesh-kv-<32 random hex> (mode 0600, O_EXCL), and only the frame's header, naming
-       it, goes over the CURVE-authenticated ZMQ socket
-    D  read_segment(name, size): opens it (no symlinks; owned by this user, mode 0600, exactly the
-       expected size), maps it, unlinks it at once, and hands the mapping to the consumer's usual
-       checks and copy
+    P  SegmentRing (one per decode worker, on its sender thread): a segment
+       /dev/shm/kvmesh-kv-<32 random hex> (mode 0600, O_EXCL) used as a ring; place(payload)
+       copies a frame's payload in, and only the frame's header, naming the ring, the offset and
+       the ring position after it, goes over the CURVE-authenticated ZMQ socket
+    D  RingReader.read(name, offset, size, end): maps the ring the first time it is named (no
+       symlinks; owned by this user, mode 0600) and unlinks it at once, hands the bytes to the
+       consumer's usual checks and copy, then writes `end` into the ring's header: P may reuse
+       everything before it
 
-Why this is as safe as the frames: the name is random and travels only inside the encrypted,
-authenticated plane; the segment is readable by this user only (who could ptrace either process
-anyway); D accepts only names of our exact pattern (no path ever comes from the wire) and checks
-the payload's size, shape and checksum as for a frame. Segments never outlive a hand-off: D unlinks
-each as soon as it has mapped it, and P unlinks the ones D never took when the hand-off ends (Ack,
-Fail, lease, abort). P keeps at most `max_bytes` in segments D has not taken; past it, frames go
-inline over ZMQ (back-pressure without waiting). A P killed between creating a segment and D
-taking it leaves it until D's lease drops the request; kvmesh-kv-* files of dead processes can be
-removed by hand.
+    ring: | header: D's consumed position (u64) | payload bytes ...................... |
+          P writes at head (total bytes placed), never past D's position + capacity; a payload
+          that would wrap starts at the ring's beginning instead
+
+The ring is mapped once and reused, so its pages are faulted in once: fresh pages per frame cost
+more than the copy itself. Why this is as safe as the frames: the name is random and travels only
+inside the encrypted, authenticated plane; the segment is readable by this user only (who could
+ptrace either process anyway); D accepts only names of our exact pattern (no path ever comes from
+the wire), checks every offset and size against the ring, and checks the payload's size, shape and
+checksum as for an inline frame. Rings do not outlive their use: D unlinks one as soon as it has
+mapped it, P unlinks its own when its sender thread ends (idle, or the worker stops). A P killed
+before D first mapped its ring leaves that one file; kvmesh-kv-* files of dead workers can be
+removed by hand. A frame that does not fit the ring now goes inline over ZMQ (back-pressure that
+never waits).
 
 The host identity (hostname + kernel boot id) is what P offers and D compares: equal only for two
 processes of one kernel that also see the same hostname, i.e. not two pods (each has its own
@@ -29,14 +36,19 @@ import re
 import secrets
 import socket
 import stat
-import threading
+import struct
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 SHM_DIR = "/dev/shm"
 PREFIX = "kvmesh-kv-"
 _NAME = re.compile(r"kvmesh-kv-[0-9a-f]{32}")
-DEFAULT_MAX_SEGMENT_BYTES = 1 << 30     # P's segments not yet taken by D, all peers together
+HEADER_BYTES = 64                       # D's consumed position, alone on its cache line
+DEFAULT_RING_BYTES = 256 << 20          # per decode worker: a 1k-token 8B hand-off (128 MiB) twice
+MAX_RINGS = 64                          # rings D keeps mapped (one per prefill worker sending)
+MAX_RING_BYTES = 4 << 30
 
 
 def host_identity() -> str:
@@ -55,60 +67,6 @@ def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-class SegmentWriter:
-    """P's segments, per request, shared by P's sender threads (one per decode worker)."""
-
-    def __init__(self, max_bytes: int = DEFAULT_MAX_SEGMENT_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._open: dict[str, list[tuple[str, int]]] = {}     # request -> (name, bytes) D may not have taken
-        self.segments_written = 0
-        self.frames_inline = 0          # frames sent over ZMQ because the bound was reached
-
-    def outstanding_bytes(self) -> int:
-        """Bytes in segments D has not taken yet (D unlinks what it maps); forgets the taken ones."""
-        with self._lock:
-            total = 0
-            for rid, segs in self._open.items():
-                segs[:] = [(name, n) for name, n in segs if os.path.exists(os.path.join(SHM_DIR, name))]
-                total += sum(n for _, n in segs)
-            return total
-
-    def write(self, request_id: str, payload: memoryview) -> str | None:
-        """A new segment holding payload, its name; None when P is at its bound (send inline)."""
-        if self.outstanding_bytes() + len(payload) > self.max_bytes:
-            self.frames_inline += 1
-            return None
-        name = PREFIX + secrets.token_hex(16)
-        fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with self._lock:
-            self._open.setdefault(request_id, []).append((name, len(payload)))
-        try:
-            os.ftruncate(fd, len(payload))
-            with mmap.mmap(fd, len(payload)) as m:
-                m[:] = payload
-        except BaseException:
-            _unlink(name)
-            raise
-        finally:
-            os.close(fd)
-        self.segments_written += 1
-        return name
-
-    def release(self, request_id: str) -> None:
-        """The hand-off ended: unlink the segments D did not take."""
-        with self._lock:
-            segs = self._open.pop(request_id, [])
-        for name, _ in segs:
-            _unlink(name)
-
-    def release_all(self) -> None:
-        with self._lock:
-            rids = list(self._open)
-        for rid in rids:
-            self.release(rid)
-
-
 def _unlink(name: str) -> None:
     try:
         os.unlink(_path(name))
@@ -116,27 +74,105 @@ def _unlink(name: str) -> None:
         pass
 
 
-@contextmanager
-def read_segment(name: str, size: int) -> Iterator[memoryview]:
-    """D: the payload in segment `name` (unlinked before this yields); ValueError when the name,
-    owner, mode or size is not what a segment of ours has."""
-    fd = os.open(_path(name), os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        os.unlink(_path(name))
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600:
-            raise ValueError("KV segment with an unexpected owner or mode")
-        if st.st_size != size or size == 0:
-            raise ValueError(f"KV segment of {st.st_size} bytes, expected {size}")
-        m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    view = memoryview(m)
-    try:
-        yield view
-    finally:
-        view.release()
+class Placed(NamedTuple):
+    offset: int         # in the ring's payload area
+    end: int            # the ring position after this payload (D writes it back once done)
+
+
+class SegmentRing:
+    """P's ring towards one decode worker; used by that worker's sender thread only."""
+
+    def __init__(self, capacity: int = DEFAULT_RING_BYTES) -> None:
+        self.capacity = capacity
+        self.name = PREFIX + secrets.token_hex(16)
+        fd = os.open(_path(self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            m.close()
-        except BufferError:      # a tensor still views it: the mapping goes with the tensor
-            pass
+            os.ftruncate(fd, HEADER_BYTES + capacity)
+            self._map = mmap.mmap(fd, HEADER_BYTES + capacity)
+        except BaseException:
+            _unlink(self.name)
+            raise
+        finally:
+            os.close(fd)
+        self.head = 0                   # bytes placed so far (ring positions only grow)
+        self.frames_inline = 0          # payloads that did not fit: sent over ZMQ
+
+    def consumed(self) -> int:
+        return struct.unpack_from("<Q", self._map, 0)[0]
+
+    def place(self, payload: memoryview) -> Placed | None:
+        """Copy payload into the ring; None when it does not fit now (send it inline)."""
+        n = len(payload)
+        start = self.head
+        if start % self.capacity + n > self.capacity:      # would wrap: start at the beginning
+            start += self.capacity - start % self.capacity
+        end = start + n
+        if n == 0 or end - self.consumed() > self.capacity:
+            self.frames_inline += 1
+            return None
+        offset = start % self.capacity
+        self._map[HEADER_BYTES + offset:HEADER_BYTES + offset + n] = payload
+        self.head = end
+        return Placed(offset, end)
+
+    def close(self) -> None:
+        _unlink(self.name)
+        self._map.close()
+
+
+class RingReader:
+    """D's mapped rings, by name (at most MAX_RINGS; the least recently used is dropped)."""
+
+    def __init__(self) -> None:
+        self._rings: OrderedDict[str, mmap.mmap] = OrderedDict()
+
+    def _ring(self, name: str) -> mmap.mmap:
+        ring = self._rings.get(name)
+        if ring is not None:
+            self._rings.move_to_end(name)
+            return ring
+        fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            os.unlink(_path(name))
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600:
+                raise ValueError("KV segment with an unexpected owner or mode")
+            if not HEADER_BYTES < st.st_size <= HEADER_BYTES + MAX_RING_BYTES:
+                raise ValueError(f"KV segment of {st.st_size} bytes")
+            ring = mmap.mmap(fd, st.st_size)
+        finally:
+            os.close(fd)
+        self._rings[name] = ring
+        while len(self._rings) > MAX_RINGS:
+            _close(self._rings.popitem(last=False)[1])
+        return ring
+
+    @contextmanager
+    def read(self, name: str, offset: int, size: int, end: int) -> Iterator[memoryview]:
+        """The `size` payload bytes at `offset` of ring `name`; afterwards (whatever became of
+        them) the ring's consumed position is `end`. ValueError when the name, owner, mode or
+        range is not that of a ring of ours."""
+        ring = self._ring(name)
+        capacity = len(ring) - HEADER_BYTES
+        try:
+            if not (0 < size and 0 <= offset and offset + size <= capacity):
+                raise ValueError(f"{size} bytes at {offset} do not fit a ring of {capacity}")
+            view = memoryview(ring)[HEADER_BYTES + offset:HEADER_BYTES + offset + size]
+            try:
+                yield view
+            finally:
+                view.release()
+        finally:
+            if end > struct.unpack_from("<Q", ring, 0)[0]:      # positions only grow
+                struct.pack_into("<Q", ring, 0, end)
+
+    def close(self) -> None:
+        while self._rings:
+            _close(self._rings.popitem()[1])
+
+
+def _close(ring: mmap.mmap) -> None:
+    try:
+        ring.close()
+    except BufferError:      # a tensor still views it: the mapping goes with the tensor
+        pass

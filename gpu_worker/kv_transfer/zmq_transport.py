@@ -63,6 +63,8 @@ class KVReceiverEndpoint:
         self.messages_dropped = 0
         self.nixl_reader = None      # nixl_transport.NixlKVReader: D reads the blocks of NIXL offers
         self.shm_host = ""           # shm.host_identity() when same-host P may send shared-memory frames
+        self._rings = shm.RingReader()
+        self.shm_frames = 0          # frames whose payload came through a shared-memory ring
 
     @property
     def socket(self) -> zmq.Socket:
@@ -120,9 +122,10 @@ class KVReceiverEndpoint:
         of the frame's size, the request fails."""
         if not self.shm_host:
             return self.consumer.fail(frame.request_id, "shared-memory frame, but shm is off here")
-        size = _frame_bytes(frame)
         try:
-            with shm.read_segment(frame.segment, size) as payload:
+            with self._rings.read(frame.segment, frame.segment_offset, _frame_bytes(frame),
+                                  frame.segment_end) as payload:
+                self.shm_frames += 1
                 return self.consumer.receive(frame, payload)
         except (OSError, ValueError) as e:
             return self.consumer.fail(frame.request_id, f"shared-memory frame unreadable: {e}")
@@ -153,6 +156,7 @@ class KVReceiverEndpoint:
 
     def close(self) -> None:
         self._sock.close(0)
+        self._rings.close()
 
 
 class KVSenderEndpoint:

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 from gpu_worker.kv_transfer.connector import NO_FREE_BLOCKS, EngineKVConsumer, EngineKVProducer
 from gpu_worker.kv_transfer.messages import Accept, Ack, Done, Fail, NixlSource, Offer, Refuse
 from gpu_worker.kv_transfer.nixl_transport import encode_peer
-from gpu_worker.kv_transfer.shm import SegmentWriter, host_identity
+from gpu_worker.kv_transfer.shm import host_identity
 from gpu_worker.kv_transfer.streaming import streamed_offer, take_snapshot
 from gpu_worker.kv_transfer.zmq_transport import KVReceiverEndpoint
 from gpu_worker.service.handoff_peer import PeerSender
@@ -73,13 +73,14 @@ class PrefillSender:
 
     def __init__(self, engine: Any, plane: Plane, lease_s: float,
                  max_snapshot_bytes: int = MAX_SNAPSHOT_BYTES, nixl_agent: Any = None,
-                 shm_writer: SegmentWriter | None = None) -> None:
+                 shm_ring_bytes: int = 0) -> None:
         """nixl_agent: a nixl_transport.NixlKVAgent of the engine: decode workers read the blocks
         from it (its metadata goes to each over the authenticated ZMQ socket) and no frame moves.
-        shm_writer: frames to a decode worker on this host carry their payload in shared memory
-        (kv_transfer/shm.py) when it agrees; others get them inline."""
-        self.shm_writer = shm_writer
-        self.shm_host = host_identity() if shm_writer is not None else ""
+        shm_ring_bytes: frames to a decode worker on this host carry their payload in a shared-memory
+        ring of this size per decode worker (kv_transfer/shm.py) when it agrees; 0, or other
+        decode workers: inline."""
+        self.shm_ring_bytes = shm_ring_bytes
+        self.shm_host = host_identity() if shm_ring_bytes else ""
         self.producer = EngineKVProducer(engine)
         self.nixl_agent = nixl_agent
         self.nixl_name = nixl_agent.name if nixl_agent is not None else ""
@@ -172,8 +173,6 @@ class PrefillSender:
             peer.jobs.put(None)
         for peer in peers:
             peer.join(timeout=self.lease_s + 5)
-        if self.shm_writer is not None:           # segments of hand-offs cut short by the close
-            self.shm_writer.release_all()
         if self.nixl_agent is not None:
             self.nixl_agent.close()
 

@@ -26,6 +26,7 @@ import msgspec
 
 from gpu_worker.kv_transfer.layout import KVLayoutMismatch, check_compatible
 from gpu_worker.kv_transfer.messages import Accept, Ack, BlockFrame, Done, Offer, Refuse, encode
+from gpu_worker.kv_transfer.shm import SegmentRing
 from gpu_worker.kv_transfer.streaming import BlockSnapshot, SnapshotReader, snapshot_frames
 from gpu_worker.kv_transfer.zmq_peer import Answer, KVPeerChannel
 from services import metrics
@@ -55,6 +56,7 @@ class PeerSender(threading.Thread):
         self._ended: set[str] = set()            # streamed, reported before their finish came
         self._reader = SnapshotReader()
         self._channel: KVPeerChannel | None = None
+        self.ring: SegmentRing | None = None     # frames' payloads to a D on this host
 
     # ---- the thread ----------------------------------------------------------------------
     def run(self) -> None:
@@ -74,6 +76,8 @@ class PeerSender(threading.Thread):
             for rid in list(self._streams):
                 self._channel.abort(rid)
             self._channel.close()
+            if self.ring is not None:
+                self.ring.close()
 
     def _do(self, kind: str, rid: str, arg: Any) -> None:
         try:
@@ -116,7 +120,7 @@ class PeerSender(threading.Thread):
         channel.open(rid)
         deadline = time.monotonic() + self.owner.lease_s
         cancelled = lambda: self._cancelled(rid)                       # noqa: E731
-        if self.owner.shm_writer is not None:     # D answers whether it shares our host
+        if self.owner.shm_ring_bytes:             # D answers whether it shares our host
             offer = msgspec.structs.replace(offer, shm_host=self.owner.shm_host)
         parts = [encode(offer)]
         if self.owner.nixl_source is not None:    # D reads from our agent: it connects first (once)
@@ -201,19 +205,19 @@ class PeerSender(threading.Thread):
     def _frame_parts(self, rid: str, stream: _Stream, frame: BlockFrame, payload: memoryview) -> list:
         """[header, payload], or [header naming a shared-memory segment] when D shares our host
         (its Accept said so) and P is under its segment bound."""
-        writer = self.owner.shm_writer
-        if writer is not None and stream.accept is not None and stream.accept.shm:
-            name = writer.write(rid, payload)
-            if name is not None:
+        if self.owner.shm_ring_bytes and stream.accept is not None and stream.accept.shm:
+            if self.ring is None:
+                self.ring = SegmentRing(self.owner.shm_ring_bytes)
+            placed = self.ring.place(payload)
+            if placed is not None:
                 metrics.HANDOFF_SHM_FRAMES.inc()
-                return [encode(msgspec.structs.replace(frame, segment=name))]
+                return [encode(msgspec.structs.replace(frame, segment=self.ring.name, segment_offset=placed.offset,
+                                                       segment_end=placed.end))]
         return [encode(frame), payload]
 
     def _end(self, rid: str, answer: Answer | None, *, started: float | None = None, reason: str = "") -> bool:
         """The hand-off of rid ends with D's answer (None: no answer, cancelled, or our failure);
         D is told to drop it unless it acknowledged. Reports it; returns False."""
-        if self.owner.shm_writer is not None:      # the segments D did not take
-            self.owner.shm_writer.release(rid)
         stream = self._streams.pop(rid, None)
         self._channel.close_request(rid)
         if not isinstance(answer, Ack):

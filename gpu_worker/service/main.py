@@ -337,9 +337,9 @@ class WorkerService:
         nixl = self._nixl_agent(engine) if cfg.kv_transport == "nixl" else None
         shm = cfg.kv_transport in ("auto", "shm")
         if cfg.role == "prefill":
-            from gpu_worker.kv_transfer.shm import SegmentWriter
+            from gpu_worker.kv_transfer.shm import DEFAULT_RING_BYTES
             return PrefillSender(engine, self.plane, lease_s, nixl_agent=nixl,
-                                 shm_writer=SegmentWriter() if shm else None), None
+                                 shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0), None
         return None, DecodeReceiver(engine, self.plane, cfg.host, cfg.kv_transfer_port, lease_s, nixl_agent=nixl,
                                     shm=shm)
 

@@ -1,7 +1,8 @@
-"""Same-host hand-offs through shared memory (kv_transfer/shm.py): P's sender thread and D's
-receiver (the worker shells' code) over a real loopback socket, the payloads in /dev/shm. Tokens
-are one engine's; no KV block and no segment outlives a hand-off, whether it ends in an Ack, an
-abort mid-transfer, or a segment D never takes; a decode worker without shm gets inline frames."""
+"""Same-host hand-offs through a shared-memory ring (kv_transfer/shm.py): P's sender thread and
+D's receiver (the worker shells' code) over a real loopback socket, the payloads in /dev/shm.
+Tokens are one engine's; no KV block and no segment outlives the workers, whether a hand-off ends
+in an Ack, an abort mid-transfer, or a frame naming a bad ring; a decode worker without shm gets
+inline frames; a full ring sends inline instead of waiting."""
 from __future__ import annotations
 
 import glob
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from gpu_worker.kv_transfer import shm
+from gpu_worker.service import handoff_peer
 from gpu_worker.service.core import WorkerCore
 from gpu_worker.service.handoff import DecodeReceiver, PrefillSender
 from services.protocol.messages import Abort, AwaitKV, Dispatch
@@ -20,22 +22,22 @@ from tests.gpu_worker.service.test_prefill_sender import hand_off_round, llama  
 from tests.gpu_worker.service.test_worker_core_handoff import clean
 
 pytestmark = pytest.mark.skipif(not shm.host_identity(), reason="needs /dev/shm and a boot id")
+RING = 64 << 10          # a few frames of the tiny model: the ring wraps and fills
 
 
 def segments() -> set[str]:
     return set(glob.glob(os.path.join(shm.SHM_DIR, shm.PREFIX + "*")))
 
 
-def run_pair(llama, ids: dict, *, d_shm: bool, abort: str = "", max_tokens: int = 8, writer=None):
-    """Hand each prompt from P to D (abort `abort` while its KV arrives); (tokens, writer, p, d)."""
+def run_pair(llama, ids: dict, *, d_shm: bool, abort: str = "", max_tokens: int = 8):
+    """Hand each prompt from P to D (abort `abort` while its KV arrives); (tokens, D's receiver, p, d)."""
     p = WorkerCore(engine(llama, max_num_batched_tokens=64), "p", 1)
     p.hands_off = True
     d = WorkerCore(engine(llama), "d", 1)
     receiver = DecodeReceiver(d.engine, Plane.insecure(), "127.0.0.1", 0, lease_s=10.0, shm=d_shm)
     d.imports = receiver.imports
-    writer = writer or shm.SegmentWriter()
-    sender = PrefillSender(p.engine, Plane.insecure(), lease_s=10.0, shm_writer=writer)
-    sender.producer.max_frame_bytes = 4096          # several frames (segments) per hand-off
+    sender = PrefillSender(p.engine, Plane.insecure(), lease_s=10.0, shm_ring_bytes=RING)
+    sender.producer.max_frame_bytes = 4096          # several frames per hand-off
     d_addr = receiver.endpoint.address + "#worker"
     out: list = []
     try:
@@ -63,92 +65,111 @@ def run_pair(llama, ids: dict, *, d_shm: bool, abort: str = "", max_tokens: int 
     for env in out:
         for s in getattr(env.msg, "seqs", None) or []:
             tokens.setdefault(s.request_id, []).extend(s.token_ids)
-    return tokens, writer, p, d
+    return tokens, receiver.endpoint, p, d
 
 
 def test_same_host_handoffs_go_through_shared_memory_and_leave_nothing(llama):
     before = segments()
-    ids = {"a": prompt(150, 40), "b": prompt(90, 41)}
-    tokens, writer, p, d = run_pair(llama, ids, d_shm=True)
+    ids = {"a": prompt(150, 40), "b": prompt(90, 41), "c": prompt(200, 47)}
+    tokens, endpoint, p, d = run_pair(llama, ids, d_shm=True)
     want = run_single(engine(llama), [(rid, t, greedy(8)) for rid, t in ids.items()])
     assert {rid: tokens[rid] for rid in ids} == {rid: want[(rid, 0)] for rid in ids}
-    assert writer.segments_written > 2 and writer.frames_inline == 0
-    assert segments() == before                      # D unlinked each one it mapped
+    assert endpoint.shm_frames > 20                  # more than the ring holds at once: it wrapped
+    assert segments() == before                      # D unlinked the ring it mapped
     assert clean(p) and clean(d)
 
 
 def test_an_abort_mid_transfer_leaks_no_segment_and_no_block(llama):
     before = segments()
     ids = {"a": prompt(200, 42), "b": prompt(200, 43)}
-    tokens, writer, p, d = run_pair(llama, ids, d_shm=True, abort="a", max_tokens=12)
+    tokens, endpoint, p, d = run_pair(llama, ids, d_shm=True, abort="a", max_tokens=12)
     assert tokens["b"] == run_single(engine(llama), [("b", ids["b"], greedy(12))])[("b", 0)]
     assert len(tokens.get("a", [])) < 12
+    assert endpoint.shm_frames > 0
     assert segments() == before
     assert clean(p) and clean(d)
 
 
 def test_a_decode_worker_without_shm_gets_inline_frames(llama):
-    ids = {"a": prompt(70, 44)}
-    tokens, writer, p, d = run_pair(llama, ids, d_shm=False)
-    assert tokens["a"] == run_single(engine(llama), [("a", ids["a"], greedy(8))])[("a", 0)]
-    assert writer.segments_written == 0
-    assert clean(p) and clean(d)
-
-
-class HostileWriter(shm.SegmentWriter):
-    """Names, for request "evil", a path outside /dev/shm, then a segment of the wrong size."""
-
-    def write(self, request_id: str, payload: memoryview) -> str | None:
-        if request_id != "evil":
-            return super().write(request_id, payload)
-        self.evil = getattr(self, "evil", 0) + 1
-        return "../../etc/passwd" if self.evil == 1 else super().write(request_id, payload[:-8])
-
-
-@pytest.mark.parametrize("attempts", [1, 2], ids=["path", "short-segment"])
-def test_a_frame_naming_a_bad_segment_fails_only_its_request(llama, attempts):
     before = segments()
-    writer = HostileWriter()
-    writer.evil = attempts - 1                       # its next frame: the path (1) or the short segment (2)
-    ids = {"evil": prompt(60, 45), "good": prompt(60, 46)}
-    tokens, writer, p, d = run_pair(llama, ids, d_shm=True, writer=writer)
-    assert tokens["good"] == run_single(engine(llama), [("good", ids["good"], greedy(8))])[("good", 0)]
-    assert len(tokens.get("evil", [])) < 8           # P's first token at most: D failed it
-    assert segments() == before                      # the short one unlinked by D, the rest by P
+    ids = {"a": prompt(70, 44)}
+    tokens, endpoint, p, d = run_pair(llama, ids, d_shm=False)
+    assert tokens["a"] == run_single(engine(llama), [("a", ids["a"], greedy(8))])[("a", 0)]
+    assert endpoint.shm_frames == 0
+    assert segments() == before                      # no ring was even made
     assert clean(p) and clean(d)
 
 
-def test_segments_past_the_bound_go_inline_and_untaken_ones_are_unlinked_at_the_end():
-    writer = shm.SegmentWriter(max_bytes=3000)
-    first = writer.write("r", memoryview(b"x" * 2000))
-    assert first and os.path.exists(os.path.join(shm.SHM_DIR, first))
-    assert os.stat(os.path.join(shm.SHM_DIR, first)).st_mode & 0o777 == 0o600
-    assert writer.write("r", memoryview(b"y" * 2000)) is None and writer.frames_inline == 1
-    writer.release("r")                              # the hand-off ended, D never took it
-    assert not os.path.exists(os.path.join(shm.SHM_DIR, first))
+class OutOfRangeRing(shm.SegmentRing):
+    """Names offsets past its end."""
+
+    def place(self, payload):
+        placed = super().place(payload)
+        return placed and shm.Placed(self.capacity - 8, placed.end)
 
 
-def test_d_reads_only_its_own_segments_of_the_announced_size(tmp_path):
-    writer = shm.SegmentWriter()
-    name = writer.write("r", memoryview(b"k" * 64))
-    with pytest.raises(ValueError, match="expected 32"):
-        with shm.read_segment(name, 32):
-            pass
-    assert not os.path.exists(os.path.join(shm.SHM_DIR, name))     # unlinked even so
+class PathRing(shm.SegmentRing):
+    """Names a path outside /dev/shm instead of itself."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.real, self.name = self.name, "../../etc/passwd"
+
+    def close(self) -> None:
+        self.name = self.real
+        super().close()
+
+
+@pytest.mark.parametrize("ring", [OutOfRangeRing, PathRing], ids=["offset", "path"])
+def test_a_frame_naming_a_bad_ring_fails_only_its_request(llama, monkeypatch, ring):
+    before = segments()
+    monkeypatch.setattr(handoff_peer, "SegmentRing", ring)
+    ids = {"evil": prompt(60, 45)}
+    tokens, endpoint, p, d = run_pair(llama, ids, d_shm=True)
+    assert len(tokens.get("evil", [])) < 8           # P's first token at most: D failed it
+    assert endpoint.consumer.frames_dropped >= 1 and endpoint.shm_frames == 0
+    assert segments() == before
+    assert clean(p) and clean(d)
+
+
+def test_the_ring_wraps_sends_inline_when_full_and_is_unlinked_by_d_at_first_sight():
+    ring, reader = shm.SegmentRing(3000), shm.RingReader()
+    try:
+        assert os.stat(os.path.join(shm.SHM_DIR, ring.name)).st_mode & 0o777 == 0o600
+        a = ring.place(memoryview(b"a" * 2000))
+        assert a == shm.Placed(0, 2000)
+        assert ring.place(memoryview(b"b" * 2000)) is None and ring.frames_inline == 1   # D took nothing yet
+        with reader.read(ring.name, a.offset, 2000, a.end) as payload:
+            assert bytes(payload) == b"a" * 2000
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, ring.name))    # mapped: unlinked
+        b = ring.place(memoryview(b"b" * 2000))
+        assert b == shm.Placed(0, 5000)              # 2000 + 1000 skipped at the end + 2000
+        with reader.read(ring.name, b.offset, 2000, b.end) as payload:
+            assert bytes(payload) == b"b" * 2000
+        with pytest.raises(ValueError, match="do not fit"):
+            with reader.read(ring.name, 2500, 1000, 6000):
+                pass
+        assert ring.consumed() == 6000               # a bad frame still frees its room
+    finally:
+        ring.close()
+        reader.close()
+
+
+def test_d_maps_only_rings_of_ours():
+    reader = shm.RingReader()
     for bad in ("../../etc/passwd", "kvmesh-kv-" + "0" * 31, "kvmesh-kv-" + "g" * 32, ""):
         with pytest.raises(ValueError, match="not a KV segment name"):
-            with shm.read_segment(bad, 64):
+            with reader.read(bad, 0, 8, 8):
                 pass
-    name = writer.write("r", memoryview(b"v" * 64))
-    with shm.read_segment(name, 64) as payload:
-        assert bytes(payload) == b"v" * 64
-    # a segment others could read is refused: one made here by hand with mode 0644
-    path = os.path.join(shm.SHM_DIR, shm.PREFIX + "a" * 32)
+    path = os.path.join(shm.SHM_DIR, shm.PREFIX + "a" * 32)      # one others could read
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
     os.fchmod(fd, 0o644)
-    os.write(fd, b"z" * 64)
+    os.write(fd, b"z" * 128)
     os.close(fd)
     with pytest.raises(ValueError, match="owner or mode"):
-        with shm.read_segment(shm.PREFIX + "a" * 32, 64):
+        with reader.read(shm.PREFIX + "a" * 32, 0, 8, 8):
             pass
     assert not os.path.exists(path)
+    ring = shm.SegmentRing(1024)
+    ring.close()                                     # D never mapped it: P's close unlinks it
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, ring.name))
