@@ -80,14 +80,17 @@ class Placed(NamedTuple):
 
 
 class SegmentRing:
-    """P's ring towards one decode worker; used by that worker's sender thread only."""
+    """P's ring towards one decode worker; used by that worker's sender thread only. Raises
+    OSError when /dev/shm has no room for it."""
 
     def __init__(self, capacity: int = DEFAULT_RING_BYTES) -> None:
         self.capacity = capacity
         self.name = PREFIX + secrets.token_hex(16)
         fd = os.open(_path(self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, HEADER_BYTES + capacity)
+            # allocated now, not on first touch: a /dev/shm too small for it (a container's
+            # 64 MiB default) fails here with ENOSPC instead of a SIGBUS mid-copy later
+            os.posix_fallocate(fd, 0, HEADER_BYTES + capacity)
             self._map = mmap.mmap(fd, HEADER_BYTES + capacity)
         except BaseException:
             _unlink(self.name)

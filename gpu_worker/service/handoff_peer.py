@@ -57,6 +57,7 @@ class PeerSender(threading.Thread):
         self._reader = SnapshotReader()
         self._channel: KVPeerChannel | None = None
         self.ring: SegmentRing | None = None     # frames' payloads to a D on this host
+        self._no_ring = False                    # making the ring failed: frames go inline
 
     # ---- the thread ----------------------------------------------------------------------
     def run(self) -> None:
@@ -203,11 +204,17 @@ class PeerSender(threading.Thread):
         return True if failed is None else self._end(rid, failed)
 
     def _frame_parts(self, rid: str, stream: _Stream, frame: BlockFrame, payload: memoryview) -> list:
-        """[header, payload], or [header naming a shared-memory segment] when D shares our host
-        (its Accept said so) and P is under its segment bound."""
-        if self.owner.shm_ring_bytes and stream.accept is not None and stream.accept.shm:
+        """[header, payload], or [header naming the shared-memory ring that holds the payload]
+        when D shares our host (its Accept said so) and the payload fits the ring now."""
+        if self.owner.shm_ring_bytes and stream.accept is not None and stream.accept.shm and not self._no_ring:
             if self.ring is None:
-                self.ring = SegmentRing(self.owner.shm_ring_bytes)
+                try:
+                    self.ring = SegmentRing(self.owner.shm_ring_bytes)
+                except OSError as e:             # /dev/shm too small or absent: frames inline
+                    self._no_ring = True
+                    log.warning("kv transfer: no shared-memory ring of %d MiB for %s (%s); sending KV over "
+                                "the socket", self.owner.shm_ring_bytes >> 20, self.address, e)
+                    return [encode(frame), payload]
             placed = self.ring.place(payload)
             if placed is not None:
                 metrics.HANDOFF_SHM_FRAMES.inc()

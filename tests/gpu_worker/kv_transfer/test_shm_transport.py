@@ -173,3 +173,19 @@ def test_d_maps_only_rings_of_ours():
     ring = shm.SegmentRing(1024)
     ring.close()                                     # D never mapped it: P's close unlinks it
     assert not os.path.exists(os.path.join(shm.SHM_DIR, ring.name))
+
+
+class NoRoomRing(shm.SegmentRing):
+    """/dev/shm without room for a ring (a container's small default)."""
+
+    def __init__(self, capacity: int) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_no_room_for_a_ring_sends_the_frames_inline(llama, monkeypatch):
+    monkeypatch.setattr(handoff_peer, "SegmentRing", NoRoomRing)
+    ids = {"a": prompt(70, 48)}
+    tokens, endpoint, p, d = run_pair(llama, ids, d_shm=True)
+    assert tokens["a"] == run_single(engine(llama), [("a", ids["a"], greedy(8))])[("a", 0)]
+    assert endpoint.shm_frames == 0
+    assert clean(p) and clean(d)
