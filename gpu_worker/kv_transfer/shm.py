@@ -47,6 +47,7 @@ PREFIX = "kvmesh-kv-"
 _NAME = re.compile(r"kvmesh-kv-[0-9a-f]{32}")
 HEADER_BYTES = 64                       # D's consumed position, alone on its cache line
 DEFAULT_RING_BYTES = 256 << 20          # per decode worker: a 1k-token 8B hand-off (128 MiB) twice
+ALLOCATION_STEP = 16 << 20             # the ring's memory is allocated in steps as it first fills
 MAX_RINGS = 64                          # rings D keeps mapped (one per prefill worker sending)
 MAX_RING_BYTES = 4 << 30
 
@@ -81,22 +82,21 @@ class Placed(NamedTuple):
 
 class SegmentRing:
     """P's ring towards one decode worker; used by that worker's sender thread only. Raises
-    OSError when /dev/shm has no room for it."""
+    OSError when /dev/shm cannot hold even its header."""
 
     def __init__(self, capacity: int = DEFAULT_RING_BYTES) -> None:
         self.capacity = capacity
         self.name = PREFIX + secrets.token_hex(16)
-        fd = os.open(_path(self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self._fd = os.open(_path(self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            # allocated now, not on first touch: a /dev/shm too small for it (a container's
-            # 64 MiB default) fails here with ENOSPC instead of a SIGBUS mid-copy later
-            os.posix_fallocate(fd, 0, HEADER_BYTES + capacity)
-            self._map = mmap.mmap(fd, HEADER_BYTES + capacity)
+            os.posix_fallocate(self._fd, 0, HEADER_BYTES)
+            os.ftruncate(self._fd, HEADER_BYTES + capacity)
+            self._map = mmap.mmap(self._fd, HEADER_BYTES + capacity)
         except BaseException:
             _unlink(self.name)
+            os.close(self._fd)
             raise
-        finally:
-            os.close(fd)
+        self._allocated = 0             # payload bytes backed by memory (the rest is a sparse hole)
         self.head = 0                   # bytes placed so far (ring positions only grow)
         self.frames_inline = 0          # payloads that did not fit: sent over ZMQ
 
@@ -110,17 +110,32 @@ class SegmentRing:
         if start % self.capacity + n > self.capacity:      # would wrap: start at the beginning
             start += self.capacity - start % self.capacity
         end = start + n
-        if n == 0 or end - self.consumed() > self.capacity:
+        offset = start % self.capacity
+        if n == 0 or end - self.consumed() > self.capacity or not self._backed(offset + n):
             self.frames_inline += 1
             return None
-        offset = start % self.capacity
         self._map[HEADER_BYTES + offset:HEADER_BYTES + offset + n] = payload
         self.head = end
         return Placed(offset, end)
 
+    def _backed(self, upto: int) -> bool:
+        """Memory behind payload bytes [0, upto), allocated in steps as the ring first fills: a
+        /dev/shm without room (a container's 64 MiB default) answers ENOSPC here, where touching
+        a hole would raise SIGBUS. False when it has no room."""
+        if upto <= self._allocated:
+            return True
+        want = min(self.capacity, max(upto, self._allocated + ALLOCATION_STEP))
+        try:
+            os.posix_fallocate(self._fd, HEADER_BYTES + self._allocated, want - self._allocated)
+        except OSError:
+            return False
+        self._allocated = want
+        return True
+
     def close(self) -> None:
         _unlink(self.name)
         self._map.close()
+        os.close(self._fd)
 
 
 class RingReader:

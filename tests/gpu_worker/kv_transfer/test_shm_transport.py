@@ -189,3 +189,19 @@ def test_no_room_for_a_ring_sends_the_frames_inline(llama, monkeypatch):
     assert tokens["a"] == run_single(engine(llama), [("a", ids["a"], greedy(8))])[("a", 0)]
     assert endpoint.shm_frames == 0
     assert clean(p) and clean(d)
+
+
+def test_a_ring_that_cannot_grow_sends_inline_instead_of_faulting(monkeypatch):
+    real = os.posix_fallocate
+    ring = shm.SegmentRing(64 << 20)
+    try:
+        assert ring.place(memoryview(b"a" * 1000)) == shm.Placed(0, 1000)       # the first 16 MiB step
+
+        def full(fd, offset, length):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        assert ring.place(memoryview(b"b" * (20 << 20))) is None and ring.frames_inline == 1
+        assert ring.place(memoryview(b"c" * 1000)) == shm.Placed(1000, 2000)    # within what it has
+        monkeypatch.setattr(os, "posix_fallocate", real)
+    finally:
+        ring.close()
