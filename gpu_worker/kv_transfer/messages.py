@@ -64,7 +64,7 @@ class Accept(msgspec.Struct, tag="accept", frozen=True):
     layout: KVLayout
     first_block: int                # blocks before it are prefix hits on D: they do not move
     dst_block_ids: list[int]        # D's block for each of blocks first_block.. of the table
-    shm: bool = False               # D shares P's host: frames may name a shared-memory segment
+    shm: bool = False               # D shares P's host: frames may name P's shared-memory ring
 
 
 class Refuse(msgspec.Struct, tag="refuse", frozen=True):
@@ -86,6 +86,7 @@ class BlockFrame(msgspec.Struct, tag="blocks", frozen=True):
     segment: str = ""               # the payload is in this shared-memory ring (kv_transfer/shm.py),
     segment_offset: int = 0         # at this offset, not in a second ZMQ frame; D then marks the
     segment_end: int = 0            # ring consumed up to segment_end
+
 
 class Done(msgspec.Struct, tag="done", frozen=True):
     request_id: str
