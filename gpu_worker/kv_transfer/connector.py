@@ -173,8 +173,13 @@ class EngineKVProducer(KVProducer):
             if accept.request_id not in self.engine.exported:   # aborted on P meanwhile: its
                 return None                                     # blocks may hold others' KV now
             index = torch.tensor(table[b0:b1], device=device)
-            return torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)))
-                                for k, v in caches[l0:l1]])     # (layers, 2, blocks, bs, kv heads, head dim)
+            # one copy, straight into the frame's tensor (stacking the selections copies twice more)
+            kv = torch.empty((l1 - l0, 2, b1 - b0, *caches[0][0].shape[1:]), dtype=caches[0][0].dtype,
+                             device=device)          # (layers, 2, blocks, bs, kv heads, head dim)
+            for i, (k, v) in enumerate(caches[l0:l1]):
+                torch.index_select(k, 0, index, out=kv[i, 0])
+                torch.index_select(v, 0, index, out=kv[i, 1])
+            return kv
 
         frames = block_frames(accept, self.layout, table, max(start_block, accept.first_block), len(table),
                               gather, self.frame_plan(caches[0][0].element_size()), seq_no)
