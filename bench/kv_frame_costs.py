@@ -47,7 +47,10 @@ def main() -> None:
         nb = max(1, frame_bytes // (2 * LAYERS * BLOCK * KV_HEADS * HEAD_DIM * 2))
         for b0 in range(0, BLOCKS, nb):
             idx = torch.tensor(table[b0:b0 + nb], device=dev)
-            kv = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx))) for k, v in src])
+            kv = torch.empty((LAYERS, 2, len(idx), BLOCK, KV_HEADS, HEAD_DIM), dtype=dt, device=dev)
+            for i, (k, v) in enumerate(src):
+                torch.index_select(k, 0, idx, out=kv[i, 0])
+                torch.index_select(v, 0, idx, out=kv[i, 1])
             payload = memoryview(kv.contiguous().view(torch.uint8).cpu().numpy()).cast("B")
             yield idx, kv.shape, payload
 
