@@ -22,8 +22,9 @@ Sections (each guarded: one failure is recorded and the next section runs):
   kv_transfer (not in the default run) a prefill worker's core and a decode worker's core on one
             device (half the engine's memory each, each on its own thread) joined by the services'
             hand-off over loopback: at 2k/8k/32k prompt tokens (the 8B shape), per path (zmq
-            frames after the first token, zmq frames streamed during the prefill, NIXL's READ
-            when nixl is installed): P's prefill, the transfer after its first token (bytes,
+            frames after the first token, zmq frames streamed during the prefill, the same two
+            with the payloads in shared memory (shm, shm_streamed), NIXL's READ when nixl is
+            installed): P's prefill, the transfer after its first token (bytes,
             GB/s), and the overlap (P's first token -> D's first decode token)
   kv_tiers  (not in the default run) KV tiers (gpu_worker/kv_tiers): D2H and H2D bandwidth of the tier
             path against a pinned copy of the same bytes in the same run; time to first token
@@ -862,11 +863,15 @@ def section_kv_transfer(args, deadline) -> None:
     else:
         make = lambda: Engine(EngineConfig(**sizes, gpu_memory_utilization=args.gpu_mem / 2, dtype="bfloat16",
                                            attention_backend=args.attention_backend))
+    from gpu_worker.kv_transfer.shm import host_identity
+    paths = ("zmq", "zmq_streamed") + (("shm", "shm_streamed") if host_identity() else ())
+    if not host_identity():
+        row("kv_transfer", "shm", "skipped (no /dev/shm or boot id)")
+    row("kv_transfer", "cuda_ipc", "skipped (not implemented: shm stages through host memory)")
     try:
         import nixl._api  # noqa: F401
-        paths = ("zmq", "zmq_streamed", "nixl")
+        paths += ("nixl",)
     except ImportError:
-        paths = ("zmq", "zmq_streamed")
         row("kv_transfer", "nixl", "skipped (the nixl package is not installed)")
     p, d = make(), make()
     rng = random.Random(0)
@@ -906,10 +911,14 @@ def _pd_handoff(p_engine, d_engine, path: str, rid: str, prompt: list[int], dead
         from gpu_worker.kv_transfer.nixl_transport import NixlKVAgent
         agents = [NixlKVAgent(p_engine, f"p-{rid}"), NixlKVAgent(d_engine, f"d-{rid}")]
     p = WorkerCore(p_engine, "p", 1)
-    p.hands_off, p.streams_kv = True, path == "zmq_streamed"
-    sender = PrefillSender(p_engine, Plane.insecure(), 60.0, nixl_agent=agents[0] if nixl else None)
+    p.hands_off, p.streams_kv = True, path.endswith("_streamed")
+    shm = path.startswith("shm")          # the payloads through /dev/shm (one host), the headers over ZMQ
+    from gpu_worker.kv_transfer.shm import DEFAULT_RING_BYTES
+    sender = PrefillSender(p_engine, Plane.insecure(), 60.0, nixl_agent=agents[0] if nixl else None,
+                           shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0)
     d = WorkerCore(d_engine, "d", 1)
-    rx = DecodeReceiver(d_engine, Plane.insecure(), "127.0.0.1", 0, 60.0, nixl_agent=agents[1] if nixl else None)
+    rx = DecodeReceiver(d_engine, Plane.insecure(), "127.0.0.1", 0, 60.0, nixl_agent=agents[1] if nixl else None,
+                        shm=shm)
     d.imports = rx.imports
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     d_inbox: queue_mod.SimpleQueue = queue_mod.SimpleQueue()

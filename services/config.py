@@ -252,10 +252,12 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
                                 **ANY_PORT)
     kv_transfer_port: int = opt(0, "Decode role: port of the KV-transfer socket prefill workers send KV to "
                                    "(CURVE, worker role only; 0: any free port).", **ANY_PORT)
-    kv_transport: str = opt("zmq", "Prefill/decode roles: how KV moves between them: zmq (checked frames over the "
-                                   "CURVE socket) or nixl (the decode worker reads the prefill worker's blocks "
-                                   "through NIXL/UCX; needs the `nixl` package); a prefill and a decode worker "
-                                   "are paired only when theirs are the same.", choices=("zmq", "nixl"))
+    kv_transport: str = opt("auto", "Prefill/decode roles: how KV moves between them: zmq (checked frames over the "
+                                    "CURVE socket), shm (the same frames, their payload in POSIX shared memory when "
+                                    "the other worker runs on this host; zmq frames otherwise), auto (shm where both "
+                                    "allow it, else zmq) or nixl (the decode worker reads the prefill worker's "
+                                    "blocks through NIXL/UCX; needs the `nixl` package); nixl workers are paired "
+                                    "only with nixl workers.", choices=("auto", "zmq", "shm", "nixl"))
     handoff_lease_ms: int = opt(5000, "Prefill/decode roles: a hand-off's lease in ms, renewed by each KV frame the "
                                       "decode worker takes; lapsed, the prefill worker frees the request's blocks "
                                       "and the decode worker forgets it.", min=100, max=600000)

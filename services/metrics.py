@@ -187,6 +187,8 @@ HANDOFF_SECONDS = _worker(Histogram("kvmesh_worker_kv_handoff_seconds", "One han
 HANDOFF_STREAMED_BLOCKS = _worker(Counter("kvmesh_worker_kv_handoff_streamed_blocks", "KV blocks this prefill "
                                           "worker sent while their prompt was still prefilling (the rest go "
                                           "after the first token)"))
+HANDOFF_SHM_FRAMES = _worker(Counter("kvmesh_worker_kv_handoff_shm_frames", "KV frames this prefill worker sent "
+                                     "with their payload in shared memory (decode workers on this host)"))
 HANDOFF_EXPIRIES = _worker(Counter("kvmesh_worker_kv_handoff_expiries", "Hand-offs whose lease lapsed "
                                    "(--handoff-lease-ms without progress): the blocks held for them were freed"))
 WORKER_REJOINS = _worker(Counter("kvmesh_worker_lease_rejoins", "Times this worker's lease lapsed (a pause or "

@@ -13,6 +13,8 @@
                         head_dim), `checksum` = xxh3-128 of the payload (catches corruption
                         and framing bugs, ~10x blake2b's speed; integrity against an attacker is
                         the authenticated plane's job)
+                        With `segment` (same host, D's Accept said `shm`) there is no payload
+                        frame: the payload is in that shared-memory ring
     P -> D  Done        every frame is sent (`num_frames` of them; in any order before it); a
                         streamed Offer's first tokens
     D -> P  Ack         D holds every block and decodes: P may release its blocks
@@ -53,6 +55,8 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     cache_salt: str = ""
     num_cached_tokens: int = 0
     nixl_source: str = ""           # NIXL transport: the agent D reads the blocks from (NixlSource)
+    shm_host: str = ""              # P's host identity (shm.host_identity) when P may write its
+                                    # frames' payloads into shared memory
 
 
 class Accept(msgspec.Struct, tag="accept", frozen=True):
@@ -60,6 +64,7 @@ class Accept(msgspec.Struct, tag="accept", frozen=True):
     layout: KVLayout
     first_block: int                # blocks before it are prefix hits on D: they do not move
     dst_block_ids: list[int]        # D's block for each of blocks first_block.. of the table
+    shm: bool = False               # D shares P's host: frames may name P's shared-memory ring
 
 
 class Refuse(msgspec.Struct, tag="refuse", frozen=True):
@@ -78,6 +83,9 @@ class BlockFrame(msgspec.Struct, tag="blocks", frozen=True):
     dtype: str
     shape: list[int]
     checksum: bytes
+    segment: str = ""               # the payload is in this shared-memory ring (kv_transfer/shm.py),
+    segment_offset: int = 0         # at this offset, not in a second ZMQ frame; D then marks the
+    segment_end: int = 0            # ring consumed up to segment_end
 
 
 class Done(msgspec.Struct, tag="done", frozen=True):

@@ -31,7 +31,7 @@ class KVPeerChannel:
         self.address = address
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, send_hwm)     # frames queued for D: up to 64 x 64 MiB
+        self._sock.setsockopt(zmq.SNDHWM, send_hwm)     # frames queued for D: 64 x 4 MiB by default
         endpoint, _ = split_role(address)
         if plane is not None:
             plane.connect(self._sock, "worker")

@@ -25,8 +25,11 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
+import torch
 import zmq
 
+from gpu_worker.kv_transfer import shm
 from gpu_worker.kv_transfer.connector import DEFAULT_MAX_FRAME_BYTES, EngineKVConsumer, KVProducer
 from gpu_worker.kv_transfer.layout import KVLayoutMismatch
 from gpu_worker.kv_transfer.messages import (MAX_HEADER_BYTES, Abort, Accept, Ack, BlockFrame, Done,
@@ -59,6 +62,9 @@ class KVReceiverEndpoint:
         self._dropped = RateLimitedLog(log)
         self.messages_dropped = 0
         self.nixl_reader = None      # nixl_transport.NixlKVReader: D reads the blocks of NIXL offers
+        self.shm_host = ""           # shm.host_identity() when same-host P may send shared-memory frames
+        self._rings = shm.RingReader()
+        self.shm_frames = 0          # frames whose payload came through a shared-memory ring
 
     @property
     def socket(self) -> zmq.Socket:
@@ -82,7 +88,8 @@ class KVReceiverEndpoint:
             if not rest:
                 raise ValueError("empty message")
             msg = decode(rest[0].bytes)
-            if isinstance(msg, BlockFrame) != (len(rest) == 2) or len(rest) > 2:
+            inline = isinstance(msg, BlockFrame) and not msg.segment
+            if inline != (len(rest) == 2) or len(rest) > 2:
                 raise ValueError(f"{type(msg).__name__} with {len(rest) - 1} payload frames")
         except ValueError as e:
             self.messages_dropped += 1
@@ -90,13 +97,15 @@ class KVReceiverEndpoint:
             return
         if isinstance(msg, Offer):
             answer = self.consumer.accept(msg)
+            if isinstance(answer, Accept) and self.shm_host and msg.shm_host == self.shm_host:
+                answer = msgspec.structs.replace(answer, shm=True)
             self._reply(peer, answer)
             if msg.nixl_source and isinstance(answer, Accept):
                 self._reply(peer, self._read(msg, answer))
         elif isinstance(msg, NixlSource):
             self._connect_source(msg)
         elif isinstance(msg, BlockFrame):
-            failed = self.consumer.receive(msg, rest[1].buffer)
+            failed = self._receive_shared(msg) if msg.segment else self.consumer.receive(msg, rest[1].buffer)
             if failed is not None:
                 self._reply(peer, failed)
         elif isinstance(msg, Done):
@@ -106,6 +115,20 @@ class KVReceiverEndpoint:
         else:
             self.messages_dropped += 1
             self._dropped.warning("kv transfer: dropped an unexpected %s", type(msg).__name__)
+
+    def _receive_shared(self, frame: BlockFrame) -> Fail | None:
+        """A frame whose payload is in a shared-memory segment: mapped, unlinked, then checked and
+        copied like an inline one. Without shm on this side, or a segment that is not one of ours
+        of the frame's size, the request fails."""
+        if not self.shm_host:
+            return self.consumer.fail(frame.request_id, "shared-memory frame, but shm is off here")
+        try:
+            with self._rings.read(frame.segment, frame.segment_offset, _frame_bytes(frame),
+                                  frame.segment_end) as payload:
+                self.shm_frames += 1
+                return self.consumer.receive(frame, payload)
+        except (OSError, ValueError) as e:
+            return self.consumer.fail(frame.request_id, f"shared-memory frame unreadable: {e}")
 
     def _read(self, offer: Offer, accept: Accept) -> Ack | Fail:
         """A NIXL offer: D reads the blocks it lacks from P's agent itself (no frames), then admits."""
@@ -133,6 +156,7 @@ class KVReceiverEndpoint:
 
     def close(self) -> None:
         self._sock.close(0)
+        self._rings.close()
 
 
 class KVSenderEndpoint:
@@ -142,7 +166,7 @@ class KVSenderEndpoint:
         self.producer = producer
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, send_hwm)     # frames queued for D: up to 64 x 64 MiB
+        self._sock.setsockopt(zmq.SNDHWM, send_hwm)     # frames queued for D: 64 x 4 MiB by default
         endpoint, _ = split_role(address)
         if plane is not None:
             plane.connect(self._sock, "worker")
@@ -238,6 +262,17 @@ class KVSenderEndpoint:
 
     def close(self) -> None:
         self._sock.close(0)
+
+
+def _frame_bytes(frame: BlockFrame) -> int:
+    """The payload size a frame's header claims (its dtype and shape), 0 when they are invalid."""
+    dtype = getattr(torch, frame.dtype, None)
+    if not isinstance(dtype, torch.dtype) or not frame.shape or any(d < 0 for d in frame.shape):
+        return 0
+    n = dtype.itemsize
+    for d in frame.shape:
+        n *= d
+    return n if n <= DEFAULT_MAX_FRAME_BYTES else 0
 
 
 def _never() -> bool:

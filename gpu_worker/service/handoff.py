@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 from gpu_worker.kv_transfer.connector import NO_FREE_BLOCKS, EngineKVConsumer, EngineKVProducer
 from gpu_worker.kv_transfer.messages import Accept, Ack, Done, Fail, NixlSource, Offer, Refuse
 from gpu_worker.kv_transfer.nixl_transport import encode_peer
+from gpu_worker.kv_transfer.shm import host_identity
 from gpu_worker.kv_transfer.streaming import streamed_offer, take_snapshot
 from gpu_worker.kv_transfer.zmq_transport import KVReceiverEndpoint
 from gpu_worker.service.handoff_peer import PeerSender
@@ -71,9 +72,15 @@ class PrefillSender:
     private copies (kv_transfer/streaming.py), at most max_snapshot_bytes of them waiting at once."""
 
     def __init__(self, engine: Any, plane: Plane, lease_s: float,
-                 max_snapshot_bytes: int = MAX_SNAPSHOT_BYTES, nixl_agent: Any = None) -> None:
+                 max_snapshot_bytes: int = MAX_SNAPSHOT_BYTES, nixl_agent: Any = None,
+                 shm_ring_bytes: int = 0) -> None:
         """nixl_agent: a nixl_transport.NixlKVAgent of the engine: decode workers read the blocks
-        from it (its metadata goes to each over the authenticated ZMQ socket) and no frame moves."""
+        from it (its metadata goes to each over the authenticated ZMQ socket) and no frame moves.
+        shm_ring_bytes: frames to a decode worker on this host carry their payload in a shared-memory
+        ring of this size per decode worker (kv_transfer/shm.py) when it agrees; 0, or other
+        decode workers: inline."""
+        self.shm_ring_bytes = shm_ring_bytes
+        self.shm_host = host_identity() if shm_ring_bytes else ""
         self.producer = EngineKVProducer(engine)
         self.nixl_agent = nixl_agent
         self.nixl_name = nixl_agent.name if nixl_agent is not None else ""
@@ -307,10 +314,12 @@ class DecodeReceiver:
     prefill worker's agent itself."""
 
     def __init__(self, engine: Any, plane: Plane, host: str, port: int, lease_s: float,
-                 nixl_agent: Any = None) -> None:
+                 nixl_agent: Any = None, *, shm: bool = False) -> None:
+        """shm: a prefill worker on this host may put frames' payloads in shared memory."""
         self.imports = AwaitedImports(engine, lease_s)
         self.endpoint = KVReceiverEndpoint(self.imports, host, port, idle_timeout_s=lease_s,
                                            plane=plane if plane.secure else None)
+        self.endpoint.shm_host = host_identity() if shm else ""
         self.nixl_agent = nixl_agent
         if nixl_agent is not None:
             from gpu_worker.kv_transfer.nixl_transport import NixlKVReader

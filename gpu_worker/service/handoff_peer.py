@@ -26,6 +26,7 @@ import msgspec
 
 from gpu_worker.kv_transfer.layout import KVLayoutMismatch, check_compatible
 from gpu_worker.kv_transfer.messages import Accept, Ack, BlockFrame, Done, Offer, Refuse, encode
+from gpu_worker.kv_transfer.shm import SegmentRing
 from gpu_worker.kv_transfer.streaming import BlockSnapshot, SnapshotReader, snapshot_frames
 from gpu_worker.kv_transfer.zmq_peer import Answer, KVPeerChannel
 from services import metrics
@@ -55,6 +56,8 @@ class PeerSender(threading.Thread):
         self._ended: set[str] = set()            # streamed, reported before their finish came
         self._reader = SnapshotReader()
         self._channel: KVPeerChannel | None = None
+        self.ring: SegmentRing | None = None     # frames' payloads to a D on this host
+        self._no_ring = False                    # making the ring failed: frames go inline
 
     # ---- the thread ----------------------------------------------------------------------
     def run(self) -> None:
@@ -74,6 +77,8 @@ class PeerSender(threading.Thread):
             for rid in list(self._streams):
                 self._channel.abort(rid)
             self._channel.close()
+            if self.ring is not None:
+                self.ring.close()
 
     def _do(self, kind: str, rid: str, arg: Any) -> None:
         try:
@@ -116,6 +121,8 @@ class PeerSender(threading.Thread):
         channel.open(rid)
         deadline = time.monotonic() + self.owner.lease_s
         cancelled = lambda: self._cancelled(rid)                       # noqa: E731
+        if self.owner.shm_ring_bytes:             # D answers whether it shares our host
+            offer = msgspec.structs.replace(offer, shm_host=self.owner.shm_host)
         parts = [encode(offer)]
         if self.owner.nixl_source is not None:    # D reads from our agent: it connects first (once)
             parts = [encode(self.owner.nixl_source)]
@@ -188,13 +195,32 @@ class PeerSender(threading.Thread):
     def _send_frame(self, rid: str, stream: _Stream, frame: BlockFrame, payload: memoryview) -> bool:
         """One frame; the lease is renewed by every frame D takes. False: the hand-off ended."""
         cancelled = lambda: self._cancelled(rid)                       # noqa: E731
-        if cancelled() or not self._channel.send([encode(frame), payload], time.monotonic() + self.owner.lease_s,
-                                                 cancelled):
+        parts = self._frame_parts(rid, stream, frame, payload)
+        if cancelled() or not self._channel.send(parts, time.monotonic() + self.owner.lease_s, cancelled):
             return self._end(rid, None)
         stream.seq_no = frame.seq_no + 1
         stream.bytes_sent += len(payload)
         failed = self._channel.failed(rid)          # D gave up on it mid-stream?
         return True if failed is None else self._end(rid, failed)
+
+    def _frame_parts(self, rid: str, stream: _Stream, frame: BlockFrame, payload: memoryview) -> list:
+        """[header, payload], or [header naming the shared-memory ring that holds the payload]
+        when D shares our host (its Accept said so) and the payload fits the ring now."""
+        if self.owner.shm_ring_bytes and stream.accept is not None and stream.accept.shm and not self._no_ring:
+            if self.ring is None:
+                try:
+                    self.ring = SegmentRing(self.owner.shm_ring_bytes)
+                except OSError as e:             # /dev/shm too small or absent: frames inline
+                    self._no_ring = True
+                    log.warning("kv transfer: no shared-memory ring of %d MiB for %s (%s); sending KV over "
+                                "the socket", self.owner.shm_ring_bytes >> 20, self.address, e)
+                    return [encode(frame), payload]
+            placed = self.ring.place(payload)
+            if placed is not None:
+                metrics.HANDOFF_SHM_FRAMES.inc()
+                return [encode(msgspec.structs.replace(frame, segment=self.ring.name, segment_offset=placed.offset,
+                                                       segment_end=placed.end))]
+        return [encode(frame), payload]
 
     def _end(self, rid: str, answer: Answer | None, *, started: float | None = None, reason: str = "") -> bool:
         """The hand-off of rid ends with D's answer (None: no answer, cancelled, or our failure);

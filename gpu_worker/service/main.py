@@ -102,7 +102,13 @@ def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
             "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
             "vocab_size": int(engine.vocab_size), "null_model": cfg.null_model, "draining": False,
             "model_id": getattr(getattr(engine, "setup", None), "model_id", name),
-            "kv_layout": kv_layout(engine), "kv_transport": cfg.kv_transport, "pid": os.getpid()}
+            "kv_layout": kv_layout(engine), "kv_transport": kv_wire(cfg.kv_transport), "pid": os.getpid()}
+
+
+def kv_wire(kv_transport: str) -> str:
+    """What the scheduler pairs workers by: nixl reads, or frames (zmq, shm and auto agree on
+    shared memory per hand-off, so they mix)."""
+    return "nixl" if kv_transport == "nixl" else "zmq"
 
 
 def kv_layout(engine: Any) -> dict[str, Any] | None:
@@ -309,7 +315,7 @@ class WorkerService:
         self.core = WorkerCore(engine, self.worker_id, self.lease.epoch, inbox_addr=addrs["zmq"])
         self.core.hands_off = sender is not None
         # NIXL reads the blocks in one READ once the prompt is done: nothing streams before it
-        self.core.streams_kv = sender is not None and self.cfg.kv_transport == "zmq"
+        self.core.streams_kv = sender is not None and self.cfg.kv_transport != "nixl"
         if kv_receiver is not None:
             self.core.imports = kv_receiver.imports
         await self._refresh_schedulers()
@@ -365,9 +371,13 @@ class WorkerService:
         from gpu_worker.service.handoff import DecodeReceiver, PrefillSender
         lease_s = cfg.handoff_lease_ms / 1000
         nixl = self._nixl_agent(engine) if cfg.kv_transport == "nixl" else None
+        shm = cfg.kv_transport in ("auto", "shm")
         if cfg.role == "prefill":
-            return PrefillSender(engine, self.plane, lease_s, nixl_agent=nixl), None
-        return None, DecodeReceiver(engine, self.plane, cfg.host, cfg.kv_transfer_port, lease_s, nixl_agent=nixl)
+            from gpu_worker.kv_transfer.shm import DEFAULT_RING_BYTES
+            return PrefillSender(engine, self.plane, lease_s, nixl_agent=nixl,
+                                 shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0), None
+        return None, DecodeReceiver(engine, self.plane, cfg.host, cfg.kv_transfer_port, lease_s, nixl_agent=nixl,
+                                    shm=shm)
 
     def _nixl_agent(self, engine: Any) -> Any:
         """This engine's NIXL agent (its KV cache registered with NIXL's UCX backend)."""

@@ -2,6 +2,7 @@
 CURVE planes, a real Redis) serve what one engine serves, token for token, and leave no KV block held."""
 from __future__ import annotations
 
+import glob
 import time
 
 import pytest
@@ -52,13 +53,16 @@ LONG = [(7 * i + 3) % 1000 + 5 for i in range(4 * CHUNK + 5)]     # several pref
 
 @pytest.mark.parametrize("prompt", [LONG[:PD_MIN_PREFILL_TOKENS + 3], LONG], ids=["one-chunk-plus", "chunked"])
 def test_greedy_through_prefill_and_decode_matches_one_engine(pd, prompt):
-    before = pd.route_count("pd")
+    before, segments = pd.route_count("pd"), set(glob.glob("/dev/shm/kvmesh-kv-*"))
     got = served(pd, prompt, max_tokens=12, temperature=0)
     assert got == texts(pd.model, offline(pd.model, prompt, max_tokens=12, temperature=0))
     assert pd.route_count("pd") == before + 1
     assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoffs_total", 'outcome="ack"') >= 1
     if len(prompt) > 2 * CHUNK:       # the first chunks' full blocks went to D while P prefilled the rest
         assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoff_streamed_blocks_total") >= 2
+    # one host: the default --kv-transport auto put the payloads in shared memory, and D unlinked them
+    assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoff_shm_frames_total") >= 1
+    assert set(glob.glob("/dev/shm/kvmesh-kv-*")) <= segments
 
 
 def test_short_prompt_runs_on_the_decode_worker_alone(pd):

@@ -5,6 +5,7 @@ client's request in one stream. The decode worker is held mid-transfer with SIGS
 worker has streamed the first token and waits for it."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -51,7 +52,13 @@ def stream(pd, prompt, max_tokens: int, chunks_before_close: int | None = None,
     return text, events
 
 
+def shm_segments() -> set[str]:
+    """The hand-off's shared-memory segments (--kv-transport auto: P and D share this host)."""
+    return set(glob.glob("/dev/shm/kvmesh-kv-*"))
+
+
 def test_aborts_at_every_stage_free_both_sides_and_spare_other_requests(pd):
+    segments = shm_segments()
     keep = prompt_of(99)
     expected = texts(pd.model, offline(pd.model, keep, max_tokens=40, temperature=0))[0]
     kept: list[str] = []
@@ -68,6 +75,8 @@ def test_aborts_at_every_stage_free_both_sides_and_spare_other_requests(pd):
     assert kept == [expected]
     for worker in ("prefill-0", "decode-0"):
         wait_for(lambda: pd.no_blocks_held(worker), LEASE_MS / 1000 + 10, f"{worker} to hold no block")
+    assert pd.worker_metric("prefill-0", "kvmesh_worker_kv_handoff_shm_frames_total") >= 1
+    wait_for(lambda: shm_segments() <= segments, LEASE_MS / 1000 + 10, "no shared-memory segment left")
 
 
 def test_a_decode_worker_dead_mid_transfer_leaves_nothing_held_on_the_prefill_worker(pd):
