@@ -1070,7 +1070,6 @@ def _decode_step_ms(eng, sync, batch: int, steps: int) -> float:
     """Median step time of `batch` decoding sequences after filling the pool with cached blocks,
     so every block a sequence needs evicts one (offloaded when the engine has tiers)."""
     import random
-    import statistics
 
     from services.protocol.sampling import SamplingParams
     rng = random.Random(1)
@@ -1084,6 +1083,14 @@ def _decode_step_ms(eng, sync, batch: int, steps: int) -> float:
     for i in range(batch):
         eng.add_request(f"dec{i}", _prompt(rng, 64, eng.vocab_size),
                         SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    step_ms = _median_step_ms(eng, sync, steps)
+    _drain(eng)
+    return step_ms
+
+
+def _median_step_ms(eng, sync, steps: int) -> float:
+    """Median time of `steps` engine steps (device-synchronized), after 4 untimed ones."""
+    import statistics
     for _ in range(4):
         eng.step()
     times = []
@@ -1093,7 +1100,6 @@ def _decode_step_ms(eng, sync, batch: int, steps: int) -> float:
         eng.step()
         sync()
         times.append(time.perf_counter() - t)
-    _drain(eng)
     return 1e3 * statistics.median(times)
 
 
@@ -1256,25 +1262,16 @@ def _tpot_ms(eng, sync, params_of, batch: int, steps: int) -> float:
     """Median step time of `batch` sequences decoding with params_of(i), after their prefill and
     first tokens (a constrained batch's compiles included there)."""
     import random
-    import statistics
     rng = random.Random(2)
     for i in range(batch):
         eng.add_request(f"tpot{i}", _prompt(rng, 64, eng.vocab_size), params_of(i))
-    for _ in range(4):
-        eng.step()
-    times = []
-    for _ in range(steps):
-        sync()
-        t = time.perf_counter()
-        eng.step()
-        sync()
-        times.append(time.perf_counter() - t)
+    step_ms = _median_step_ms(eng, sync, steps)
     running = len(eng.scheduler.running)
     for rid in list(eng.requests):
         eng.abort_request(rid)
     _drain(eng)
     assert running == batch, f"only {running} of {batch} sequences ran through the timed steps"
-    return 1e3 * statistics.median(times)
+    return step_ms
 
 
 def section_structured(args, deadline) -> None:

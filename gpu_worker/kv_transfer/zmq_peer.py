@@ -18,8 +18,8 @@ from collections.abc import Callable
 import zmq
 
 from gpu_worker.kv_transfer.messages import Abort, Accept, Ack, Fail, Refuse, decode, encode
-from gpu_worker.kv_transfer.zmq_transport import WAIT_SLICE_S
-from services.security.curve import Plane, split_role
+from gpu_worker.kv_transfer.zmq_transport import WAIT_SLICE_S, dealer_to_decode_worker
+from services.security.curve import Plane
 
 log = logging.getLogger("kvmesh.kv_transfer")
 Answer = Accept | Refuse | Ack | Fail
@@ -29,13 +29,7 @@ class KVPeerChannel:
     def __init__(self, address: str, plane: Plane | None = None, send_hwm: int = 64) -> None:
         """`address`: `tcp://host:port`, or `tcp://host:port#worker` as a decode worker advertises it."""
         self.address = address
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, send_hwm)     # frames queued for D: 64 x 4 MiB by default
-        endpoint, _ = split_role(address)
-        if plane is not None:
-            plane.connect(self._sock, "worker")
-        self._sock.connect(endpoint)
+        self._sock = dealer_to_decode_worker(address, plane, send_hwm)
         self._answers: dict[str, list[Answer]] = {}    # per open request, in arrival order
 
     def open(self, request_id: str) -> None:

@@ -164,13 +164,7 @@ class KVSenderEndpoint:
                  plane: Plane | None = None) -> None:
         """`address`: `tcp://host:port`, or `tcp://host:port#worker` as a decode worker advertises it."""
         self.producer = producer
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, send_hwm)     # frames queued for D: 64 x 4 MiB by default
-        endpoint, _ = split_role(address)
-        if plane is not None:
-            plane.connect(self._sock, "worker")
-        self._sock.connect(endpoint)
+        self._sock = dealer_to_decode_worker(address, plane, send_hwm)
         self.bytes_sent = 0                             # payload bytes of the last send()
         self._cancelled: Callable[[], bool] = _never
 
@@ -262,6 +256,19 @@ class KVSenderEndpoint:
 
     def close(self) -> None:
         self._sock.close(0)
+
+
+def dealer_to_decode_worker(address: str, plane: Plane | None, send_hwm: int) -> zmq.Socket:
+    """A DEALER connected to a decode worker's KV socket (CURVE through `plane`; `address` may
+    carry the `#worker` role suffix D advertises)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, send_hwm)     # frames queued for D: 64 x 4 MiB by default
+    endpoint, _ = split_role(address)
+    if plane is not None:
+        plane.connect(sock, "worker")
+    sock.connect(endpoint)
+    return sock
 
 
 def _frame_bytes(frame: BlockFrame) -> int:
