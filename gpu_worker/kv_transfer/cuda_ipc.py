@@ -262,12 +262,13 @@ class CacheReader:
             mine.index_copy_(0, dst_index, theirs.index_select(0, src_index).to(device, non_blocking=True))
 
     def expire(self) -> None:
-        """Drop sources unused for idle_s, and reads whose request D no longer holds."""
-        now = time.monotonic()
-        for sid in [s for s, o in self._sources.items() if now - o.last_used > self.idle_s]:
-            del self._sources[sid]
+        """Drop reads whose request D no longer holds, then sources unused for idle_s (none that an
+        accepted request will read from)."""
         for rid in [r for r in self._reads if self.consumer.accepted_blocks(r) is None]:
             del self._reads[rid]
+        now, awaited = time.monotonic(), set(self._reads.values())
+        for sid in [s for s, o in self._sources.items() if now - o.last_used > self.idle_s and s not in awaited]:
+            del self._sources[sid]
 
     def sources(self) -> list[str]:
         return list(self._sources)
