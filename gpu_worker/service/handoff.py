@@ -114,7 +114,8 @@ class PrefillSender:
     def stream(self, request_id: str, to: str, block_start: int, block_ids: list[int]) -> bool:
         """Send blocks [block_start, block_start + len(block_ids)) of a request still prefilling
         (right after the step that computed them). False when they are not sent (too many
-        snapshot bytes wait already): then stream nothing more of it; the rest goes with submit()."""
+        snapshot bytes wait already, or that D reads our cache): then stream nothing more of it;
+        the rest goes with submit()."""
         layout, per_block = self.producer.layout, self.block_bytes
         with self._lock:          # a D that reads our cache reads it all at once, after the first token
             if to in self._readers or self._snapshot_bytes + per_block * len(block_ids) > self.max_snapshot_bytes:
