@@ -846,9 +846,10 @@ def section_kv_transfer(args, deadline) -> None:
     """A prefill worker's core (P) and a decode worker's core (D) in one process, each on a thread
     of its own as their engine threads run, on one device (half the engine's memory each), joined
     by the services' hand-off (gpu_worker/service/handoff.py) over loopback sockets: per prompt
-    length and path (zmq frames after the first token, zmq frames streamed while P prefills,
-    NIXL's READ), P's prefill, the transfer after P's first token (its bytes, GB/s), and the
-    overlap: P's first token -> D's first decode token."""
+    length and path (zmq frames after the first token, zmq frames streamed while P prefills, the
+    same through the shared-memory ring, D reading P's cache (cuda_ipc), NIXL's READ), P's
+    prefill, the transfer after P's first token (its bytes, GB/s), and the overlap: P's first
+    token -> D's first decode token; beside them the device-copy ceiling of cuda_ipc's copy."""
     from gpu_worker.config import EngineConfig
     from gpu_worker.engine import Engine
 
@@ -864,36 +865,65 @@ def section_kv_transfer(args, deadline) -> None:
         make = lambda: Engine(EngineConfig(**sizes, gpu_memory_utilization=args.gpu_mem / 2, dtype="bfloat16",
                                            attention_backend=args.attention_backend))
     from gpu_worker.kv_transfer.shm import host_identity
-    paths = ("zmq", "zmq_streamed") + (("shm", "shm_streamed") if host_identity() else ())
+    # cuda_ipc: D copies the blocks out of P's cache (device to device; a CPU cache through shared memory)
+    paths = ("zmq", "zmq_streamed") + (("shm", "shm_streamed", "cuda_ipc") if host_identity() else ())
     if not host_identity():
-        row("kv_transfer", "shm", "skipped (no /dev/shm or boot id)")
-    row("kv_transfer", "cuda_ipc", "skipped (not implemented: shm stages through host memory)")
+        row("kv_transfer", "shm and cuda_ipc", "skipped (no /dev/shm or boot id)")
     try:
         import nixl._api  # noqa: F401
         paths += ("nixl",)
     except ImportError:
         row("kv_transfer", "nixl", "skipped (the nixl package is not installed)")
     p, d = make(), make()
+    source = None
+    if "cuda_ipc" in paths:          # exported once, before P runs (a CPU cache moves into shared memory)
+        from gpu_worker.kv_transfer.cuda_ipc import export_cache
+        source = export_cache(p)
     rng = random.Random(0)
     for path in paths:       # first connections (NIXL: agent metadata, UCX endpoints) are not timed
-        _pd_handoff(p, d, path, f"warm-{path}", _prompt(rng, 2 * p.config.block_size, p.vocab_size), deadline)
+        _pd_handoff(p, d, path, f"warm-{path}", _prompt(rng, 2 * p.config.block_size, p.vocab_size), deadline,
+                    source)
     for k, L in enumerate(lens):
         for path in paths:
             if deadline.left() < 30:
                 row("kv_transfer", f"{path} L={L}", "skipped (time)")
                 continue
-            r = _pd_handoff(p, d, path, f"kv{k}-{path}", _prompt(rng, L, p.vocab_size), deadline)
+            r = _pd_handoff(p, d, path, f"kv{k}-{path}", _prompt(rng, L, p.vocab_size), deadline, source)
             gbps = r["bytes"] / r["transfer_s"] / 1e9 if r["transfer_s"] > 0 else 0.0
             row("kv_transfer", f"{path} L={L} transfer after the first token", 1e3 * r["transfer_s"], "ms",
                 f"{r['bytes'] / 1e6:.2f} MB, {gbps:.3f} GB/s; prefill on P {1e3 * r['prefill_s']:.1f} ms "
                 f"(transfer = {100 * r['transfer_s'] / r['prefill_s']:.0f}% of it); {r['streamed']} blocks "
                 f"streamed during the prefill; {r['outcome']}")
             row("kv_transfer", f"{path} L={L} first token -> D's first decode token", 1e3 * r["overlap_s"], "ms")
+        if "cuda_ipc" in paths and deadline.left() >= 30:
+            _device_copy_ceiling(p, d, L)
     p.close()
     d.close()
 
 
-def _pd_handoff(p_engine, d_engine, path: str, rid: str, prompt: list[int], deadline) -> dict:
+def _device_copy_ceiling(p_engine, d_engine, L: int) -> None:
+    """What cuda_ipc's copy is bounded by: the same gather + scatter of an L-token prompt's blocks
+    from P's cache into D's within one process (no IPC mapping, no protocol), best of 5."""
+    from gpu_worker.kv_transfer.layout import layout_of
+    lay, caches = layout_of(p_engine), list(zip(p_engine.runner.kv_caches, d_engine.runner.kv_caches))
+    n = -(-L // lay.block_size)
+    src = torch.arange(n, device=caches[0][0][0].device)
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        for (pk, pv), (dk, dv) in caches:
+            dk.index_copy_(0, src, pk.index_select(0, src))
+            dv.index_copy_(0, src, pv.index_select(0, src))
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    nbytes = n * 2 * lay.num_layers * lay.block_size * lay.num_kv_heads * lay.head_dim * caches[0][0][0].element_size()
+    row("kv_transfer", f"device copy ceiling L={L}", 1e3 * best, "ms",
+        f"{nbytes / 1e6:.2f} MB, {nbytes / best / 1e9:.3f} GB/s (gather + scatter in one process)")
+
+
+def _pd_handoff(p_engine, d_engine, path: str, rid: str, prompt: list[int], deadline, cache_source=None) -> dict:
     """One request through P and D (see section_kv_transfer); times by perf_counter, the device
     synchronized where a thread reads its results (the cores' own step outputs)."""
     import queue as queue_mod
@@ -914,11 +944,13 @@ def _pd_handoff(p_engine, d_engine, path: str, rid: str, prompt: list[int], dead
     p.hands_off, p.streams_kv = True, path.endswith("_streamed")
     shm = path.startswith("shm")          # the payloads through /dev/shm (one host), the headers over ZMQ
     from gpu_worker.kv_transfer.shm import DEFAULT_RING_BYTES
+    ipc = path == "cuda_ipc"              # D reads P's exported cache itself (no frames)
     sender = PrefillSender(p_engine, Plane.insecure(), 60.0, nixl_agent=agents[0] if nixl else None,
-                           shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0)
+                           shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0,
+                           cache_source=cache_source if ipc else None)
     d = WorkerCore(d_engine, "d", 1)
     rx = DecodeReceiver(d_engine, Plane.insecure(), "127.0.0.1", 0, 60.0, nixl_agent=agents[1] if nixl else None,
-                        shm=shm)
+                        shm=shm, cache_reads=ipc)
     d.imports = rx.imports
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     d_inbox: queue_mod.SimpleQueue = queue_mod.SimpleQueue()

@@ -254,10 +254,13 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
                                    "(CURVE, worker role only; 0: any free port).", **ANY_PORT)
     kv_transport: str = opt("auto", "Prefill/decode roles: how KV moves between them: zmq (checked frames over the "
                                     "CURVE socket), shm (the same frames, their payload in POSIX shared memory when "
-                                    "the other worker runs on this host; zmq frames otherwise), auto (shm where both "
-                                    "allow it, else zmq) or nixl (the decode worker reads the prefill worker's "
+                                    "the other worker runs on this host; zmq frames otherwise), cuda_ipc (a decode "
+                                    "worker on this host copies the blocks out of the prefill worker's cache: CUDA "
+                                    "IPC, device to device; a CPU cache through shared memory; shm/zmq frames "
+                                    "otherwise), auto (cuda_ipc where the prefill worker's cache is on a GPU, else "
+                                    "shm where both allow it, else zmq) or nixl (the decode worker reads the prefill worker's "
                                     "blocks through NIXL/UCX; needs the `nixl` package); nixl workers are paired "
-                                    "only with nixl workers.", choices=("auto", "zmq", "shm", "nixl"))
+                                    "only with nixl workers.", choices=("auto", "zmq", "shm", "cuda_ipc", "nixl"))
     handoff_lease_ms: int = opt(5000, "Prefill/decode roles: a hand-off's lease in ms, renewed by each KV frame the "
                                       "decode worker takes; lapsed, the prefill worker frees the request's blocks "
                                       "and the decode worker forgets it.", min=100, max=600000)

@@ -137,6 +137,11 @@ class EngineKVProducer(KVProducer):
         request = self.engine.exported.get(request_id)
         return [] if request is None else [s for s in request.seqs if s.finish_reason == HANDOFF]
 
+    def block_table(self, request_id: str) -> list[int] | None:
+        """P's block table of an exported request (None unless it hands off samples)."""
+        seqs = self._handoff_seqs(request_id)
+        return list(seqs[0].block_table) if seqs else None
+
     def first_tokens(self, request_id: str) -> list[SampleStart]:
         """The first token of each sample an exported request hands off ([] if none)."""
         return [SampleStart(s.index, s.token_ids[-1], s.cumulative_logprob) for s in self._handoff_seqs(request_id)]
@@ -302,6 +307,13 @@ class EngineKVConsumer(KVConsumer):
         if rx.covered[frame.layer_start:frame.layer_end, b0:b0 + n].any():
             return "frame repeats blocks already received"
         return ""
+
+    def accepted_blocks(self, request_id: str) -> list[int] | None:
+        """D's blocks an accepted request still awaits (its Accept's dst_block_ids); None if none."""
+        rx = self._rx.get(request_id)
+        if rx is None or not self.engine.is_importing(request_id):
+            return None
+        return rx.table[rx.first_block:]
 
     def written_directly(self, request_id: str) -> bool:
         """A transport that wrote the missing blocks itself (NIXL's READ) says so here, in place of

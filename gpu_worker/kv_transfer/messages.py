@@ -22,8 +22,16 @@
     either  Abort       the other side stops and frees the request's blocks
     P -> D  NixlSource  (NIXL transport) P's agent: metadata and cache addresses, before its Offers;
                         D then reads the blocks itself (no BlockFrame, no Done) and answers Ack/Fail
+
+Same-host cache reads (kv_transfer/cuda_ipc.py): the Offer carries P's `cache_source` (its KV
+cache tensors exported as CUDA IPC handles, or shared-memory files for a CPU cache); D answers
+`Accept.reads_cache` when it opened that source; then no BlockFrame moves: P's Done lists the
+source blocks D reads and how long P holds them, D copies them cache to cache and answers Ack.
+A D that cannot open the source accepts without `reads_cache` and the frames go as usual.
 """
 from __future__ import annotations
+
+from typing import Annotated
 
 import msgspec
 import xxhash
@@ -33,6 +41,34 @@ from services.protocol.sampling import SamplingParams
 
 MAX_HEADER_BYTES = 1 << 20          # an Offer of a 128k-token prompt is ~0.6 MB
 CHECKSUM_BYTES = 16
+
+
+MAX_CACHE_TENSORS = 1024             # K and V of up to 512 layers
+Handle = Annotated[bytes, msgspec.Meta(max_length=512)]
+
+
+class SharedTensor(msgspec.Struct, array_like=True, frozen=True):
+    """One KV cache tensor of P as another process on its host opens it (cuda_ipc.CacheSharing).
+    CUDA: torch's `_share_cuda_()` fields; CPU: a torch shared-memory file and its manager."""
+    handle: Handle                  # cudaIpcMemHandle | the file's name (/torch_<pid>_<n>_<n>)
+    storage_bytes: int
+    storage_offset_bytes: int       # CUDA: the storage's offset in its IPC allocation; CPU: 0
+    offset: int                     # the tensor's offset in its storage, in elements
+    ref_counter: Handle = b""       # CUDA: torch's ref-counter file; CPU: torch_shm_manager's socket
+    ref_counter_offset: int = 0
+    event: Handle = b""             # CUDA: the IPC event P recorded when it exported
+    event_sync: bool = False
+
+
+class CacheSource(msgspec.Struct, frozen=True):
+    """P's KV cache, exported once (cuda_ipc.export_cache); D opens it once per source_id."""
+    source_id: Annotated[str, msgspec.Meta(max_length=64)]     # random per export
+    kind: Annotated[str, msgspec.Meta(max_length=16)]          # "cuda_ipc" | "cpu_shm"
+    host: Annotated[str, msgspec.Meta(max_length=512)]         # shm.host_identity() of P
+    device: Annotated[str, msgspec.Meta(max_length=64)]        # the CUDA device's UUID, "cpu"
+    layout: KVLayout
+    num_blocks: int                 # of each cache tensor: (num_blocks, block_size, kv heads, head dim)
+    tensors: Annotated[list[SharedTensor], msgspec.Meta(max_length=MAX_CACHE_TENSORS)]  # K, V per layer
 
 
 class SampleStart(msgspec.Struct, array_like=True, frozen=True):
@@ -57,6 +93,7 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     nixl_source: str = ""           # NIXL transport: the agent D reads the blocks from (NixlSource)
     shm_host: str = ""              # P's host identity (shm.host_identity) when P may write its
                                     # frames' payloads into shared memory
+    cache_source: CacheSource | None = None   # D may read the blocks from P's cache (same host)
 
 
 class Accept(msgspec.Struct, tag="accept", frozen=True):
@@ -65,6 +102,7 @@ class Accept(msgspec.Struct, tag="accept", frozen=True):
     first_block: int                # blocks before it are prefix hits on D: they do not move
     dst_block_ids: list[int]        # D's block for each of blocks first_block.. of the table
     shm: bool = False               # D shares P's host: frames may name P's shared-memory ring
+    reads_cache: bool = False       # D opened the Offer's cache_source: it reads the blocks itself
 
 
 class Refuse(msgspec.Struct, tag="refuse", frozen=True):
@@ -92,6 +130,9 @@ class Done(msgspec.Struct, tag="done", frozen=True):
     request_id: str
     num_frames: int
     samples: list[SampleStart] = []     # a streamed Offer's first tokens (it had none)
+    src_block_ids: list[int] = []       # reads_cache: P's blocks [first_block, num_blocks) to read
+    hold_until: float = 0.0             # reads_cache: P keeps them until this time.monotonic() of
+                                        # the host (one clock: D shares P's boot), then may reuse them
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):

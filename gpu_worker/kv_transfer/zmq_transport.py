@@ -65,6 +65,7 @@ class KVReceiverEndpoint:
         self.shm_host = ""           # shm.host_identity() when same-host P may send shared-memory frames
         self._rings = shm.RingReader()
         self.shm_frames = 0          # frames whose payload came through a shared-memory ring
+        self.cache_reader = None     # cuda_ipc.CacheReader: D reads same-host P's cache itself
 
     @property
     def socket(self) -> zmq.Socket:
@@ -80,6 +81,8 @@ class KVReceiverEndpoint:
             self._handle(parts)
             handled += 1
         self.consumer.expire(self.idle_timeout_s)
+        if self.cache_reader is not None:
+            self.cache_reader.expire()
         return handled
 
     def _handle(self, parts: list) -> None:
@@ -99,6 +102,10 @@ class KVReceiverEndpoint:
             answer = self.consumer.accept(msg)
             if isinstance(answer, Accept) and self.shm_host and msg.shm_host == self.shm_host:
                 answer = msgspec.structs.replace(answer, shm=True)
+            if isinstance(answer, Accept) and msg.cache_source is not None and self.cache_reader is not None \
+                    and not self.cache_reader.open(msg.cache_source):
+                self.cache_reader.expect(msg.request_id, msg.cache_source.source_id)
+                answer = msgspec.structs.replace(answer, reads_cache=True)
             self._reply(peer, answer)
             if msg.nixl_source and isinstance(answer, Accept):
                 self._reply(peer, self._read(msg, answer))
@@ -109,7 +116,8 @@ class KVReceiverEndpoint:
             if failed is not None:
                 self._reply(peer, failed)
         elif isinstance(msg, Done):
-            self._reply(peer, self.consumer.complete(msg))
+            reads = self.cache_reader is not None and self.cache_reader.reading(msg.request_id)
+            self._reply(peer, self.cache_reader.read(msg) if reads else self.consumer.complete(msg))
         elif isinstance(msg, Abort):
             self.consumer.abort(msg.request_id)
         else:

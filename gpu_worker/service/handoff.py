@@ -30,7 +30,7 @@ import time
 from typing import Any, NamedTuple
 
 from gpu_worker.kv_transfer.connector import NO_FREE_BLOCKS, EngineKVConsumer, EngineKVProducer
-from gpu_worker.kv_transfer.messages import Accept, Ack, Done, Fail, NixlSource, Offer, Refuse
+from gpu_worker.kv_transfer.messages import Accept, Ack, CacheSource, Done, Fail, NixlSource, Offer, Refuse
 from gpu_worker.kv_transfer.nixl_transport import encode_peer
 from gpu_worker.kv_transfer.shm import host_identity
 from gpu_worker.kv_transfer.streaming import streamed_offer, take_snapshot
@@ -73,20 +73,27 @@ class PrefillSender:
 
     def __init__(self, engine: Any, plane: Plane, lease_s: float,
                  max_snapshot_bytes: int = MAX_SNAPSHOT_BYTES, nixl_agent: Any = None,
-                 shm_ring_bytes: int = 0) -> None:
+                 shm_ring_bytes: int = 0, cache_source: CacheSource | None = None) -> None:
         """nixl_agent: a nixl_transport.NixlKVAgent of the engine: decode workers read the blocks
         from it (its metadata goes to each over the authenticated ZMQ socket) and no frame moves.
         shm_ring_bytes: frames to a decode worker on this host carry their payload in a shared-memory
         ring of this size per decode worker (kv_transfer/shm.py) when it agrees; 0, or other
-        decode workers: inline."""
+        decode workers: inline.
+        cache_source: this engine's exported cache (cuda_ipc.export_cache), offered to every
+        decode worker: one on this host reads the blocks itself (no frames, and nothing streams to
+        it once it did); others get frames."""
         self.shm_ring_bytes = shm_ring_bytes
+        self.cache_source = cache_source
         self.shm_host = host_identity() if shm_ring_bytes else ""
         self.producer = EngineKVProducer(engine)
         self.nixl_agent = nixl_agent
         self.nixl_name = nixl_agent.name if nixl_agent is not None else ""
         self.nixl_source = None if nixl_agent is None else NixlSource(encode_peer(nixl_agent.peer()))
         self.engine, self.plane, self.lease_s = engine, plane, lease_s
-        self.frame_plan = self.producer.frame_plan(engine.runner.kv_caches[0][0].element_size())
+        itemsize = engine.runner.kv_caches[0][0].element_size()
+        self.frame_plan = self.producer.frame_plan(itemsize)
+        layout = self.producer.layout         # K and V of one block, all layers
+        self.block_bytes = 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
         self.max_snapshot_bytes = max_snapshot_bytes
         self.peer_idle_s = PEER_IDLE_S
         self._results: queue.SimpleQueue[HandoffResult] = queue.SimpleQueue()
@@ -100,18 +107,18 @@ class PrefillSender:
         self._skipped: set[str] = set()
         self._stopped: set[str] = set()
         self._snapshot_bytes = 0
+        self._readers: set[str] = set()       # decode workers whose last Accept read our cache
         self._closing = False                 # close(): every running hand-off ends now
 
     # ---- engine thread -------------------------------------------------------------------
     def stream(self, request_id: str, to: str, block_start: int, block_ids: list[int]) -> bool:
         """Send blocks [block_start, block_start + len(block_ids)) of a request still prefilling
         (right after the step that computed them). False when they are not sent (too many
-        snapshot bytes wait already): then stream nothing more of it; the rest goes with submit()."""
-        layout = self.producer.layout
-        per_block = 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim \
-            * self.engine.runner.kv_caches[0][0].element_size()
-        with self._lock:
-            if self._snapshot_bytes + per_block * len(block_ids) > self.max_snapshot_bytes:
+        snapshot bytes wait already, or that D reads our cache): then stream nothing more of it;
+        the rest goes with submit()."""
+        layout, per_block = self.producer.layout, self.block_bytes
+        with self._lock:          # a D that reads our cache reads it all at once, after the first token
+            if to in self._readers or self._snapshot_bytes + per_block * len(block_ids) > self.max_snapshot_bytes:
                 return False
         if request_id not in self._streaming:
             offer = streamed_offer(self.engine, layout, request_id)
@@ -201,6 +208,11 @@ class PrefillSender:
     def cancelled(self, request_id: str) -> bool:
         with self._lock:
             return self._closing or request_id in self._stopped
+
+    def note_reader(self, to: str, reads_cache: bool) -> None:
+        """The decode worker at `to` answered an Offer: does it read our cache?"""
+        with self._lock:
+            (self._readers.add if reads_cache else self._readers.discard)(to)
 
     def unstop(self, request_id: str) -> None:
         with self._lock:
@@ -314,12 +326,17 @@ class DecodeReceiver:
     prefill worker's agent itself."""
 
     def __init__(self, engine: Any, plane: Plane, host: str, port: int, lease_s: float,
-                 nixl_agent: Any = None, *, shm: bool = False) -> None:
-        """shm: a prefill worker on this host may put frames' payloads in shared memory."""
+                 nixl_agent: Any = None, *, shm: bool = False, cache_reads: bool = False) -> None:
+        """shm: a prefill worker on this host may put frames' payloads in shared memory.
+        cache_reads: this worker reads the blocks of a prefill worker on this host out of its
+        cache (kv_transfer/cuda_ipc.py) when it offers its cache."""
         self.imports = AwaitedImports(engine, lease_s)
         self.endpoint = KVReceiverEndpoint(self.imports, host, port, idle_timeout_s=lease_s,
                                            plane=plane if plane.secure else None)
         self.endpoint.shm_host = host_identity() if shm else ""
+        if cache_reads:
+            from gpu_worker.kv_transfer.cuda_ipc import CacheReader
+            self.endpoint.cache_reader = CacheReader(self.imports)
         self.nixl_agent = nixl_agent
         if nixl_agent is not None:
             from gpu_worker.kv_transfer.nixl_transport import NixlKVReader
@@ -332,5 +349,7 @@ class DecodeReceiver:
 
     def close(self) -> None:
         self.endpoint.close()
+        if self.endpoint.cache_reader is not None:
+            self.endpoint.cache_reader.close()
         if self.nixl_agent is not None:
             self.nixl_agent.close()

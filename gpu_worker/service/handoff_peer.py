@@ -123,6 +123,8 @@ class PeerSender(threading.Thread):
         cancelled = lambda: self._cancelled(rid)                       # noqa: E731
         if self.owner.shm_ring_bytes:             # D answers whether it shares our host
             offer = msgspec.structs.replace(offer, shm_host=self.owner.shm_host)
+        if self.owner.cache_source is not None:   # D answers whether it reads our cache itself
+            offer = msgspec.structs.replace(offer, cache_source=self.owner.cache_source)
         parts = [encode(offer)]
         if self.owner.nixl_source is not None:    # D reads from our agent: it connects first (once)
             parts = [encode(self.owner.nixl_source)]
@@ -139,11 +141,15 @@ class PeerSender(threading.Thread):
         if not 0 <= answer.first_block <= offer.num_blocks or len(answer.dst_block_ids) != offer.num_blocks - answer.first_block:
             return self._end(rid, Refuse(rid, "the decode worker's Accept does not match the offer"))
         stream.accept, stream.sent_upto = answer, answer.first_block
+        if self.owner.cache_source is not None:
+            self.owner.note_reader(self.address, answer.reads_cache)
         return True
 
     def _blocks(self, rid: str, snap: BlockSnapshot) -> None:
         stream = self._streams.get(rid)
         if stream is None or stream.accept is None:    # ended: D refused or went silent
+            return
+        if stream.accept.reads_cache:                  # D reads every block after the first token
             return
         kv = self._reader.host(snap)
         for frame, payload in snapshot_frames(stream.accept, self.owner.producer.layout, snap, kv,
@@ -176,6 +182,9 @@ class PeerSender(threading.Thread):
         if self.owner.nixl_source is not None:    # D reads the blocks itself, then answers
             self._end(rid, self._channel.answer(rid, deadline, cancelled), started=t0)
             return
+        if stream.accept.reads_cache:
+            self._end(rid, self._read_by_d(rid, stream, samples, deadline), started=t0)
+            return
         for frame, payload in producer.frames(stream.accept, stream.sent_upto, stream.seq_no):
             if not self._send_frame(rid, stream, frame, payload):
                 return
@@ -184,6 +193,20 @@ class PeerSender(threading.Thread):
         answer = self._channel.answer(rid, deadline, cancelled) if self._channel.send(
             [encode(done)], deadline, cancelled) else None
         self._end(rid, answer, started=t0)
+
+    def _read_by_d(self, rid: str, stream: _Stream, samples: list, deadline: float) -> Answer | None:
+        """Done naming our blocks D reads from our cache (held by the export until this returns).
+        Once Done is out D may be copying them at any moment up to `deadline`: no cancel stops
+        the wait for its answer (a few ms), or the blocks could be reused under its read."""
+        table = self.owner.producer.block_table(rid)
+        if table is None or len(table) != stream.offer.num_blocks:
+            return None
+        done = Done(rid, 0, samples, src_block_ids=table[stream.accept.first_block:], hold_until=deadline)
+        cancelled = lambda: self._cancelled(rid)                       # noqa: E731
+        if not self._channel.send([encode(done)], deadline, cancelled):
+            return None
+        stream.bytes_sent = (len(table) - stream.accept.first_block) * self.owner.block_bytes
+        return self._channel.answer(rid, deadline, _never)
 
     def _cancel(self, rid: str) -> None:
         self._ended.discard(rid)
@@ -237,3 +260,7 @@ class PeerSender(threading.Thread):
     def _report(self, rid: str, answer: Any, stream: _Stream | None, started: float | None = None,
                 reason: str = "") -> None:
         self.owner.report(rid, self.address, answer, stream.bytes_sent if stream else 0, started, reason)
+
+
+def _never() -> bool:
+    return False

@@ -106,8 +106,8 @@ def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
 
 
 def kv_wire(kv_transport: str) -> str:
-    """What the scheduler pairs workers by: nixl reads, or frames (zmq, shm and auto agree on
-    shared memory per hand-off, so they mix)."""
+    """What the scheduler pairs workers by: nixl reads, or frames (zmq, shm, cuda_ipc and auto agree
+    on shared memory and cache reads per hand-off, so they mix)."""
     return "nixl" if kv_transport == "nixl" else "zmq"
 
 
@@ -371,13 +371,34 @@ class WorkerService:
         from gpu_worker.service.handoff import DecodeReceiver, PrefillSender
         lease_s = cfg.handoff_lease_ms / 1000
         nixl = self._nixl_agent(engine) if cfg.kv_transport == "nixl" else None
-        shm = cfg.kv_transport in ("auto", "shm")
+        shm = cfg.kv_transport in ("auto", "shm", "cuda_ipc")      # the frames' path where D reads no cache
         if cfg.role == "prefill":
             from gpu_worker.kv_transfer.shm import DEFAULT_RING_BYTES
             return PrefillSender(engine, self.plane, lease_s, nixl_agent=nixl,
-                                 shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0), None
+                                 shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0,
+                                 cache_source=self._cache_source(engine)), None
         return None, DecodeReceiver(engine, self.plane, cfg.host, cfg.kv_transfer_port, lease_s, nixl_agent=nixl,
-                                    shm=shm)
+                                    shm=shm, cache_reads=cfg.kv_transport in ("auto", "cuda_ipc"))
+
+    def _cache_source(self, engine: Any) -> Any:
+        """This prefill engine's cache exported for same-host decode workers to read
+        (kv_transfer/cuda_ipc.py): with cuda_ipc, and with auto where the cache is on a GPU (a CPU
+        cache is moved into shared memory for it, which auto does not do). None: frames only."""
+        on_gpu = engine.runner.kv_caches[0][0].is_cuda
+        if not (self.cfg.kv_transport == "cuda_ipc" or (self.cfg.kv_transport == "auto" and on_gpu)):
+            return None
+        from gpu_worker.kv_transfer.cuda_ipc import export_cache
+        from gpu_worker.kv_transfer.shm import host_identity
+        if not host_identity():
+            log.warning("--kv-transport %s: no host identity (boot id, /dev/shm) here; KV goes as frames",
+                        self.cfg.kv_transport)
+            return None
+        try:
+            return export_cache(engine)
+        except (RuntimeError, ValueError, OSError) as exc:
+            log.warning("--kv-transport %s: cannot share the KV cache (%s); KV goes as frames",
+                        self.cfg.kv_transport, exc)
+            return None
 
     def _nixl_agent(self, engine: Any) -> Any:
         """This engine's NIXL agent (its KV cache registered with NIXL's UCX backend)."""

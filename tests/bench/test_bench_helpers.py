@@ -121,8 +121,10 @@ def test_gpu_bench_engine_smoke(tmp_path):
 
 def test_gpu_bench_kv_transfer_smoke(tmp_path):
     """bench/gpu_bench.py's kv_transfer section on the CPU: a hand-off per path (zmq frames after the
-    first token, zmq frames streamed during the prefill, NIXL where installed), each acknowledged by
-    the decode worker, with its bytes, P's prefill time and the overlap; the streamed path streams."""
+    first token, zmq frames streamed during the prefill, the same through the shared-memory ring,
+    D reading P's cache, NIXL where installed), each acknowledged by the decode worker, with its
+    bytes, P's prefill time and the overlap; the streamed paths stream, the cache read does not,
+    and the device-copy ceiling of that read is beside it."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "bench/gpu_bench.py", "--smoke", "--sections", "kv_transfer"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -130,12 +132,19 @@ def test_gpu_bench_kv_transfer_smoke(tmp_path):
     res = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert not res["errors"], res["errors"]
     text = json.dumps(res)
-    paths = ["zmq", "zmq_streamed"] + (["nixl"] if "nixl L=128" in text else [])
-    for path in paths:
-        for line in (f"{path} L=128 transfer after the first token", f"{path} L=128 first token -> D's first decode"):
-            assert line in text, line
-    assert "prefill on P" in text and text.count("; ack") == len(paths)
-    assert re.search(r"zmq_streamed L=128 transfer[^;]*;[^;]*; [1-9]\d* blocks streamed during the prefill", text), text
+    same_host = ["shm", "shm_streamed", "cuda_ipc"] if "shm L=128" in text else []
+    paths = ["zmq", "zmq_streamed"] + same_host + (["nixl"] if "nixl L=128" in text else [])
+    rows = res["sections"]["kv_transfer"]
+    transfers = {m.split(" L=")[0]: r["note"] for m, r in rows.items() if "transfer after" in m}
+    assert sorted(transfers) == sorted(paths)
+    for path, note in transfers.items():
+        assert "prefill on P" in note and note.endswith("; ack"), (path, note)
+        assert f"{path} L=128 first token -> D's first decode token" in rows
+    for path in ("zmq_streamed", "shm_streamed")[:1 + bool(same_host)]:
+        assert re.search(path + r" L=128 transfer[^;]*;[^;]*; [1-9]\d* blocks streamed during the prefill", text), path
+    if same_host:
+        assert re.search(r"cuda_ipc L=128 transfer[^;]*;[^;]*; 0 blocks streamed", text), text
+        assert "device copy ceiling L=128" in text
 
 
 def test_plot_vs_vllm_from_stored_results(tmp_path):
