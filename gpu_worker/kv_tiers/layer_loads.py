@@ -19,14 +19,15 @@ class LayerLoads:
     def __init__(self, mover: BlockMover, loads: list[PendingLoad]) -> None:
         self.mover = mover
         self.loads = loads
+        self.block_ids = [mover.block_index(load.block_ids) for load in loads]   # uploaded once
         self.num_layers = mover.block_shape[0]
         self.next_layer = 0               # layers below it are scattered (queued on the step stream)
 
     def before_layer(self, layer: int) -> None:
         """Scatter every load's blocks of the layers up to `layer` not scattered yet."""
         while self.next_layer <= min(layer, self.num_layers - 1):
-            for load in self.loads:
-                self.mover.scatter_layer(load.staged, load.block_ids, self.next_layer)
+            for load, block_ids in zip(self.loads, self.block_ids):
+                self.mover.scatter_layer(load.staged, block_ids, self.next_layer)
             self.next_layer += 1
 
     def finish(self) -> None:
