@@ -1059,8 +1059,7 @@ def _tier_copy_bandwidth(eng, sync) -> None:
 
     # on a fresh engine: host slots 0..n-1 and device blocks 0..n-1 hold nothing yet
     d2h = timed(lambda: tiers.mover.offload(ids, tiers.host.data, ids))
-    h2d = timed(lambda: tiers.mover.scatter(tiers.mover.stage([tiers.host.data[i] for i in ids], [None] * n), ids,
-                                            tiers.mover.last_load))
+    h2d = timed(lambda: tiers.mover.scatter(tiers.mover.stage([tiers.host.data[i] for i in ids], [None] * n), ids))
     d2h_ceiling = timed(lambda: pinned.copy_(dev, non_blocking=True))
     h2d_ceiling = timed(lambda: dev.copy_(pinned, non_blocking=True))
     for name, t, ceiling in (("D2H", d2h, d2h_ceiling), ("H2D", h2d, h2d_ceiling)):

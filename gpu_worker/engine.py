@@ -300,6 +300,7 @@ class Engine:
         sampling sequence draws with. The caller draws: at once (step) or queued (_launch)."""
         self._copy_blocks(out)
         batch = self.batch_builder.build(out.scheduled)
+        batch.layer_loads = out.layer_loads
         if prev is not None:
             self._take_pending_inputs(batch, out.scheduled, prev)
         sampling = [item for item in out.scheduled if item.samples]
@@ -326,6 +327,7 @@ class Engine:
         self._copy_blocks(out)
         proposal = self.speculator.fill(drafts, self._sample_request_at)   # draft_model: draw the drafts
         batch = self.batch_builder.build(out.scheduled, [len(drafts.get(seq, ())) for seq, _ in out.scheduled])
+        batch.layer_loads = out.layer_loads
         sampling = [item.seq for item in out.scheduled if item.samples]
         logits = self.runner.forward(batch)                          # (S + drafts, vocab)
         self.speculator.follow(batch)

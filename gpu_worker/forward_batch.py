@@ -39,6 +39,9 @@ class ForwardBatch:
     # Rows past query_start_loc[-1] are padding (a prefill CUDA graph's bucket): attention leaves
     # no unwritten memory in them (a NaN there would reach real rows through the next layer's V).
     padded_rows: bool = False
+    # Lower-tier loads this step's forward scatters layer by layer, each layer's just before it
+    # runs (gpu_worker/kv_tiers/layer_loads.py: before_layer(i), finish()); None: none.
+    layer_loads: object | None = None
 
     @property
     def num_tokens(self) -> int:

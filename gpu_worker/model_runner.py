@@ -323,12 +323,22 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("allocate_kv_cache must be called before forward")
         batch = self.prepare_inputs(batch)
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+        try:
+            return self._forward(batch)
+        finally:
+            if batch.layer_loads is not None:        # no step ends with a load half written
+                batch.layer_loads.finish()
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if (self.prefill_graphs is not None and self.prefill_graphs.can_run(batch)
+                and not self._lands_layer_by_layer(batch)):
+            self._finish_loads(batch)
             return self.prefill_graphs.run(batch)             # (1, V) float32 logits
         graphs = self.short_decode_graphs
         if graphs is None or batch.max_context_len > graphs.max_context_len or not graphs.can_run(batch):
             graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(batch):
+            self._finish_loads(batch)
             out = graphs.run(batch)                           # replayed graph
             if graphs.returns_logits(graphs.bucket(batch.num_seqs)):
                 if batch.logits_indices.shape[0] == out.shape[0]:
@@ -344,6 +354,20 @@ class ModelRunner:
         if batch.logits_indices.shape[0] == hidden.shape[0]:  # every row samples (decode): the
             return self._logits(hidden)                       # indices are 0..T-1, skip the gather
         return self._logits(hidden[batch.logits_indices])
+
+    def _lands_layer_by_layer(self, batch: ForwardBatch) -> bool:
+        """A step with lower-tier loads takes piecewise graphs over a prefill graph where both
+        serve it: their eager attentions let each layer wait for its own blocks only, where the
+        whole-step graph waits for the whole copy first."""
+        return (batch.layer_loads is not None and self.piecewise_graphs is not None
+                and self.piecewise_graphs.can_run(batch))
+
+    @staticmethod
+    def _finish_loads(batch: ForwardBatch) -> None:
+        """Before a whole-step CUDA graph, which has no per-layer hook: every layer of the step's
+        lower-tier loads lands first (eager and piecewise steps land them layer by layer)."""
+        if batch.layer_loads is not None:
+            batch.layer_loads.finish()
 
     def capture_cuda_graphs(self, max_batch_size: int, max_context_len: int) -> None:
         """Capture decode steps of up to `max_batch_size` sequences (after allocate_kv_cache);

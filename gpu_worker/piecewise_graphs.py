@@ -102,6 +102,8 @@ class PiecewiseGraphs:
     def _attention(self, i: int, batch: ForwardBatch) -> None:
         """Layer i's attention over the step's real rows, eagerly: its grids follow the batch."""
         t = batch.num_tokens
+        if batch.layer_loads is not None:           # layer i's loaded blocks land before it reads them
+            batch.layer_loads.before_layer(i)
         out = self.layers[i].self_attn.attend(self.q[:t], self.k[:t], self.v[:t], self.cached,
                                               self.kv_caches[i], batch)
         self.attn[:t].copy_(out)

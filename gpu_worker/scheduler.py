@@ -49,6 +49,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: list[BlockCopy] = field(default_factory=list)     # copy-on-write, before the forward
     preempted: list[Sequence] = field(default_factory=list)
+    # lower-tier loads the forward scatters layer by layer (gpu_worker/kv_tiers/layer_loads.py)
+    layer_loads: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -144,7 +146,8 @@ class Scheduler:
                 slots -= _seq_slots(victim)
                 self._preempt(victim, out)
             self.waiting.pop(0)
-            if not self._load_lower_tiers(seq, len(hits), lower):
+            step_tokens = self.max_num_batched_tokens - token_budget + num_new
+            if not self._load_lower_tiers(seq, len(hits), lower, step_tokens):
                 slots += _seq_slots(seq)           # in self.loading until its blocks arrive: its
                 continue                           # slot is kept, it computes nothing this step
             if seq.index == 0 and seq.num_preemptions == 0:
@@ -161,11 +164,13 @@ class Scheduler:
         tier instead of computing them. No side effects: admission may still fail."""
         return 0
 
-    def _load_lower_tiers(self, seq: Sequence, first: int, num_blocks: int) -> bool:
+    def _load_lower_tiers(self, seq: Sequence, first: int, num_blocks: int, step_tokens: int) -> bool:
         """seq holds its blocks now (out of the waiting queue): start loading the planned ones.
-        True: nothing to wait for, seq joins this step's batch; False: seq waits in
-        self.loading while the batch goes on (its blocks arrive, num_computed_tokens advances,
-        then it joins). A block that is gone by now is computed instead."""
+        True: seq joins this step's batch (nothing to load, or a load its forward finishes layer
+        by layer: num_computed_tokens advances now); False: seq waits in self.loading while the
+        batch goes on (its blocks arrive, num_computed_tokens advances, then it joins). A block
+        that is gone by now is computed instead. step_tokens: this step's tokens so far, seq's
+        included."""
         return True
 
     def _victim(self, before: Sequence | None) -> Sequence | None:

@@ -2,7 +2,8 @@
 
     manager.py      KVTiers: eviction -> host -> disk, plan/load on admission, events, stats
     scheduling.py   TieredScheduler: the scheduler's hook points wired to KVTiers
-    block_mover.py  device <-> host block copies (CUDA: streams of their own)
+    block_mover.py  device <-> host block copies (CUDA: streams of their own, loads in layer groups)
+    layer_loads.py  loads a step's forward lands layer by layer, each before its layer runs
     host_tier.py    the host slot pool and its LRU
     disk_tier.py    one checked file per block in a private directory
     tier_file.py    the file format (header, checksum) and its checks

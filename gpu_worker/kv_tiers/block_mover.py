@@ -10,8 +10,9 @@ offload:
 
     step stream     gather(evicted ids) -> staging   | forward may overwrite the blocks now
     offload stream            wait(step) -> staging D2H host slots (pinned) -> event per batch
-    load stream     H2D host blocks -> staging -> event; step stream waits for that event, then
-                    scatters staging into the destination blocks
+    load stream     H2D host blocks -> staging, layer group by layer group -> an event per group;
+                    the step stream waits for a group's event, then scatters its layers into the
+                    destination blocks (all at once, or layer by layer inside a forward)
 
 The gather is a device-to-device snapshot of the evicted blocks (a few microseconds per block):
 after it, the step may reuse them at once while the slow D2H drains in the background. A host
@@ -22,12 +23,15 @@ for the last load event), and is not read on the host (disk tier) before its D2H
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from gpu_worker.sampler import to_device
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]     # per layer: K, V (num_blocks, bs, n_kv, hd)
+_MIN_GROUP_COPY = 256 << 10     # bytes of one block's share of a layer group: smaller PCIe copies lose bandwidth
+_MAX_LOAD_COPIES = 4096         # host-to-device copies one load may launch (n blocks x groups)
 
 
 class BlockMover:
@@ -105,12 +109,28 @@ class BlockMover:
         """The event that ends the newest stage() (CUDA), None off CUDA (its copies are done)."""
         return self._last_load
 
-    def stage(self, sources: list[torch.Tensor], pending: list["torch.cuda.Event | None"]) -> torch.Tensor:
+    def layer_groups(self, num_blocks: int) -> int:
+        """Into how many groups of layers a load of num_blocks blocks is copied, each with an event
+        of its own (the forward's layer i waits for its group only): as many as there are layers,
+        but no copy under _MIN_GROUP_COPY bytes (small PCIe copies lose bandwidth) and at most
+        _MAX_LOAD_COPIES copies a load (each is a host-side launch)."""
+        num_layers = self.block_shape[0]
+        return max(1, min(num_layers, self.block_bytes // _MIN_GROUP_COPY, _MAX_LOAD_COPIES // max(1, num_blocks)))
+
+    def stage(self, sources: list[torch.Tensor], pending: list["torch.cuda.Event | None"],
+              groups: int = 1) -> "Staged":
         """Host blocks -> one staging tensor on the device (n, L, 2, bs, n_kv, hd * itemsize): taken now, so
         the host copies may be dropped or overwritten afterwards. `pending`: the offload events
-        the sources still wait for."""
+        the sources still wait for. The copy runs layer group by layer group, each group's end an
+        event (CUDA), so a forward may start on the first layers while the last ones still copy:
+
+            load stream   [group 0: layers 0..g-1 of every block] ev0 [group 1] ev1 ...
+            step stream             wait ev0, scatter + attend layers 0..g-1 | wait ev1 ...
+        """
+        num_layers = self.block_shape[0]
+        per_group = -(-num_layers // groups)                  # layers per group, the last may hold fewer
         if not self.cuda:
-            return torch.stack(sources)
+            return Staged(torch.stack(sources), [None] * groups, per_group)
         staged = torch.empty((len(sources), *self.block_shape), dtype=torch.uint8, device=self.device)
         stream = self._load_stream
         staged.record_stream(stream)    # a load dropped before its scatter frees it only after the copy
@@ -118,28 +138,60 @@ class BlockMover:
         for event in pending:
             if event is not None:
                 stream.wait_event(event)
+        # a pageable source (a file read) would make the copy sync the stream, and with it the
+        # step queued before: pinned first, a host memcpy
+        sources = [src if src.is_pinned() else src.pin_memory() for src in sources]
+        ready = []
         with torch.cuda.stream(stream):
             start = self._timing_start(stream)
-            for i, src in enumerate(sources):
-                # a pageable source (a file read) would make the copy sync the stream, and with
-                # it the step queued before: pinned first, a host memcpy
-                staged[i].copy_(src if src.is_pinned() else src.pin_memory(), non_blocking=True)
+            for first in range(0, num_layers, per_group):
+                layers = slice(first, first + per_group)      # a block's layers are its outer dim:
+                for i, src in enumerate(sources):             # one contiguous copy per block
+                    staged[i, layers].copy_(src[layers], non_blocking=True)
+                if first + per_group < num_layers:
+                    ready.append(torch.cuda.Event())
+                    ready[-1].record(stream)
             self._last_load = self._timing_end(start, stream, len(sources) * self.block_bytes)
-        return staged
+            ready.append(self._last_load)
+        return Staged(staged, ready, per_group)
 
-    def scatter(self, staged: torch.Tensor, block_ids: list[int], copied: "torch.cuda.Event | None") -> None:
-        """staging -> device blocks, after `copied` (the end of its stage()), ordered before
-        whatever the step stream runs next."""
+    def scatter(self, staged: "Staged", block_ids: list[int]) -> None:
+        """staging -> device blocks, every layer, ordered before whatever the step stream runs next."""
+        ids = self.block_index(block_ids)
+        for layer in range(self.block_shape[0]):
+            self.scatter_layer(staged, ids, layer)
+
+    def block_index(self, block_ids: list[int]) -> "list[int] | torch.Tensor":
+        """What scatter_layer takes for block_ids: on CUDA, the ids on the device (no host sync)."""
+        return to_device(block_ids, self.device) if self.cuda else block_ids
+
+    def scatter_layer(self, staged: "Staged", block_ids: "list[int] | torch.Tensor", layer: int) -> None:
+        """One layer of the staging -> its device blocks, after that layer's copy (the step stream
+        waits for its group's event on the device; the host never waits). block_ids: a list, or
+        on CUDA the ids already on the device (block_index), uploaded once for every layer."""
+        k, v = self.kv_caches[layer]
+        src = staged.data[:, layer]                           # (n, 2, bs, n_kv, hd * itemsize)
         if not self.cuda:            # row copies: CPU index_copy_ of bytes runs ~3x slower
-            for layer, cache in enumerate(self.kv_caches):
-                for kv, tensor in enumerate(cache):
-                    rows = tensor.view(tensor.shape[0], -1)         # (num_blocks, a layer's block bytes)
-                    src = staged[:, layer, kv].reshape(len(block_ids), -1)
-                    for i, block_id in enumerate(block_ids):
-                        rows[block_id].copy_(src[i])
+            for kv, tensor in enumerate((k, v)):
+                for i, block_id in enumerate(block_ids):
+                    tensor[block_id].copy_(src[i, kv])
             return
-        torch.cuda.current_stream(self.device).wait_event(copied)
-        idx = to_device(block_ids, self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k.index_copy_(0, idx, staged[:, layer, 0])
-            v.index_copy_(0, idx, staged[:, layer, 1])
+        torch.cuda.current_stream(self.device).wait_event(staged.event(layer))
+        idx = block_ids if isinstance(block_ids, torch.Tensor) else to_device(block_ids, self.device)
+        k.index_copy_(0, idx, src[:, 0])
+        v.index_copy_(0, idx, src[:, 1])
+
+
+class Staged(NamedTuple):
+    """Blocks on their way to the device: a staging tensor filled layer group by layer group."""
+    data: torch.Tensor                       # (n, L, 2, bs, n_kv, hd * itemsize) on the device
+    ready: list["torch.cuda.Event | None"]   # per layer group: its copy is done (None: done already)
+    per_group: int                           # layers per group
+
+    def event(self, layer: int) -> "torch.cuda.Event | None":
+        return self.ready[layer // self.per_group]
+
+    @property
+    def copied(self) -> "torch.cuda.Event | None":
+        """The end of the whole copy."""
+        return self.ready[-1]

@@ -11,6 +11,12 @@ and `auto` takes the k in 0..n with the least cost (the largest on a tie): all (
 all n, `never` none. Bandwidths are measured at start-up and then follow real copies; the
 prefill rate follows recent steps that were mostly prefill (tokens over the time between their
 starts); both are exponential moving averages. Until a step has been measured, `auto` loads.
+
+Where the load runs (`joins_step`): inside the step that admits the prompt, its forward waiting
+layer group by layer group for the copy (the prompt's first token a step sooner), when no other
+sequence runs (nobody else waits) or when the predicted load takes no longer than the step's
+predicted compute (tokens over the prefill rate: the forward hides the copy); else beside that
+step, the prompt joining a later one, so running requests never wait for another's load.
 """
 from __future__ import annotations
 
@@ -46,6 +52,12 @@ class LoadPolicy:
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
             self.prefill_rate = _ewma(self.prefill_rate, num_tokens / seconds)
+
+    def joins_step(self, load_s: float, step_tokens: int, others_running: bool) -> bool:
+        """Load inside this step (True) or beside it (False); see the module's docstring."""
+        if not others_running:
+            return True
+        return self.prefill_rate is not None and load_s <= step_tokens / self.prefill_rate
 
     def choose(self, tiers: list[str], num_uncached_tokens: int) -> LoadPlan:
         """`tiers`: the tier of each lower-tier block, in prompt order; num_uncached_tokens: the

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from gpu_worker.kv_tiers.block_mover import BlockMover
+from gpu_worker.kv_tiers.block_mover import BlockMover, Staged
 from gpu_worker.kv_tiers import tier_file
 from gpu_worker.kv_tiers.disk_tier import DiskBlock, DiskTier
 from gpu_worker.kv_tiers.host_tier import HostBlock, HostTier
@@ -47,10 +47,13 @@ class PendingLoad(NamedTuple):
     """A load under way: its blocks are staged (or being copied) towards the device."""
     seq: Sequence
     first: int                                # index of the first loaded block in seq's table
-    staged: torch.Tensor                      # (n, L, 2, bs, n_kv, hd * itemsize) on the device
-    copied: "torch.cuda.Event | None"         # the end of the copy into `staged` (None: done)
+    staged: Staged                            # (n, L, 2, bs, n_kv, hd * itemsize) on the device, per-group events
     tiers: list[str]                          # the tier of each block
     copy_s: float                             # host time spent staging (CPU copies' bandwidth)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.seq.block_table[self.first:self.first + len(self.tiers)]
 
 
 class KVTiers:
@@ -190,39 +193,61 @@ class KVTiers:
         self.stats.predicted_load_s.observe(plan.load_s)
         self.stats.predicted_recompute_s.observe(plan.recompute_s)
 
-    def begin_load(self, seq: Sequence, first: int, num_blocks: int) -> PendingLoad | None:
+    def joins_step(self, seq: Sequence, step_tokens: int, others_running: bool) -> bool:
+        """Whether seq's planned load runs inside this step, layer by layer under its forward
+        (LoadPolicy.joins_step), rather than beside it, seq joining a later step."""
+        planned = self._planned
+        load_s = planned[1].load_s if planned is not None and planned[0] is seq else 0.0
+        return self.policy.joins_step(load_s, step_tokens, others_running)
+
+    def begin_load(self, seq: Sequence, first: int, num_blocks: int, groups: int = 1) -> PendingLoad | None:
         """Start bringing blocks first..first+num_blocks of seq back into its block table (already
         allocated): the sources are read and copied towards the device (CUDA: on the load stream,
-        while the batch goes on). None when none is found (one gone or not verifying ends the
-        run: the rest is computed). finish_load completes it once `ready`."""
+        in `groups` layer groups, while the batch goes on). None when none is found (one gone or
+        not verifying ends the run: the rest is computed). Then either finish_load once `ready`,
+        or join_load and a forward that scatters it layer by layer (layer_loads.LayerLoads)."""
         self._count_decision(seq)
         if not num_blocks:
             return None
         sources, pending, tiers = self._read_sources(seq.block_hashes[first:first + num_blocks])
         self.stats.load_shortfall_blocks += num_blocks - len(sources)
         # Order matters: the sources are copied out first (the flush may reuse their host slots),
-        # then the blocks evicted for this sequence, which may be its destinations, go down a tier.
+        # then the blocks evicted for this sequence, which may be its destinations, go down a tier
+        # (the gather of the flush runs on the step stream, before any scatter of this load).
         t = time.perf_counter()
-        staged = self.mover.stage(sources, pending) if sources else None
+        staged = self.mover.stage(sources, pending, min(groups, self.mover.layer_groups(len(sources)))) \
+            if sources else None
         copy_s = time.perf_counter() - t
         self.flush()
         if staged is None:
             return None
-        return PendingLoad(seq, first, staged, self.mover.last_load, tiers, copy_s)
+        return PendingLoad(seq, first, staged, tiers, copy_s)
 
     def ready(self, load: PendingLoad) -> bool:
         """The load's copy towards the device is done (always, off CUDA); never waits."""
-        return load.copied is None or load.copied.query()
+        return load.staged.copied is None or load.staged.copied.query()
 
     def finish_load(self, load: PendingLoad) -> int:
         """Scatter a started load into its blocks (ordered after its copy), advancing the
         sequence's num_computed_tokens; returns the blocks loaded. The loaded blocks join the
         device's prefix cache when the engine registers the sequence's computed blocks."""
-        seq, n = load.seq, len(load.tiers)
         t = time.perf_counter()
-        self.mover.scatter(load.staged, seq.block_table[load.first:load.first + n], load.copied)
+        self.mover.scatter(load.staged, load.block_ids)
         if not self.mover.cuda and "disk" not in load.tiers:     # CUDA copies are timed on the device
+            n = len(load.tiers)
             self.policy.observe_copy("cpu", n * self.mover.block_bytes, load.copy_s + time.perf_counter() - t)
+        return self.join_load(load)
+
+    def join_layered(self, load: PendingLoad) -> int:
+        """join_load for a load whose scatter the step's forward does, layer by layer."""
+        if not self.mover.cuda and "disk" not in load.tiers:
+            self.policy.observe_copy("cpu", len(load.tiers) * self.mover.block_bytes, load.copy_s)
+        return self.join_load(load)
+
+    def join_load(self, load: PendingLoad) -> int:
+        """Count a load's blocks as computed: their KV is in the blocks, or will be before each
+        layer reads them (a forward scattering them layer by layer). Returns the blocks loaded."""
+        seq, n = load.seq, len(load.tiers)
         for tier in load.tiers:
             self.stats.loaded_blocks[tier] += 1
         seq.num_computed_tokens += n * self.block_size

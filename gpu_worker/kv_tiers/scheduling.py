@@ -3,19 +3,25 @@
     schedule():  step_began (the previous step's time -> prefill rate)
                  loads that arrived: scatter into their blocks, their sequences join running
                  base schedule, whose admission asks plan() and then begin_load() per sequence:
-                     a sequence with blocks to load waits in `loading`, its copy under way,
-                     while this step's batch runs without it
+                     joins_step: the sequence runs in this step, its load copied layer group by
+                       layer group and scattered by the forward before each layer (out.layer_loads)
+                     else: it waits in `loading`, its copy under way, while this step's batch
+                       runs without it
                  step_scheduled (evicted blocks go down a tier before the step writes)
 
-A load therefore overlaps at least the step that admitted it (on CUDA its H2D runs on the
-tiers' load stream beside that step's forward; a copy still running at the next schedule keeps
-its sequence waiting, never the batch). Off CUDA the copies are done at admission and the
-sequence joins at the next schedule.
+A load that joins its step overlaps the prompt's own forward: the prompt's first token comes a
+step sooner, and only the first layer group's copy is exposed (when nothing else runs, or when
+the copy is predicted to fit under the step's compute: LoadPolicy.joins_step). A load beside the
+step overlaps at least the step that admitted it (on CUDA its H2D runs on the tiers' load stream
+beside that step's forward; a copy still running at the next schedule keeps its sequence
+waiting, never the batch). Off CUDA the copies are done at admission, and the same decision and
+the same per-layer scatters run.
 """
 from __future__ import annotations
 
 import bisect
 
+from gpu_worker.kv_tiers.layer_loads import LayerLoads
 from gpu_worker.kv_tiers.manager import KVTiers, PendingLoad
 from gpu_worker.scheduler import Scheduler, SchedulerOutput, _seq_slots
 from gpu_worker.sequence import Sequence, SequenceStatus
@@ -26,12 +32,15 @@ class TieredScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.tiers = tiers
         self._loads: dict[int, PendingLoad] = {}      # id(seq) -> its load, for seqs in self.loading
+        self._joining: list[PendingLoad] = []         # loads this step's forward scatters, layer by layer
 
     def schedule(self) -> SchedulerOutput:
         self.tiers.step_began(bool(self.running))
         if self.loading:
             self._admit_loaded()
         out = super().schedule()
+        if self._joining:
+            out.layer_loads, self._joining = LayerLoads(self.tiers.mover, self._joining), []
         prefill = sum(n for _, n in out.scheduled if n > 1)      # a decode computes one token
         self.tiers.step_scheduled(out.num_tokens, prefill)
         return out
@@ -39,7 +48,13 @@ class TieredScheduler(Scheduler):
     def _lower_tier_blocks(self, seq: Sequence, first: int) -> int:
         return self.tiers.plan(seq, first).num_blocks
 
-    def _load_lower_tiers(self, seq: Sequence, first: int, num_blocks: int) -> bool:
+    def _load_lower_tiers(self, seq: Sequence, first: int, num_blocks: int, step_tokens: int) -> bool:
+        if self.tiers.joins_step(seq, step_tokens, bool(self.running)):
+            load = self.tiers.begin_load(seq, first, num_blocks, groups=self.tiers.mover.block_shape[0])
+            if load is not None:
+                self.tiers.join_layered(load)
+                self._joining.append(load)
+            return True
         load = self.tiers.begin_load(seq, first, num_blocks)
         if load is None:
             return True
@@ -65,4 +80,6 @@ class TieredScheduler(Scheduler):
 
     def _remove(self, seq: Sequence) -> None:
         self._loads.pop(id(seq), None)        # aborted while loading: its staging is dropped
+        # preempted in the schedule that admitted it: its blocks are freed, nothing may land there
+        self._joining = [load for load in self._joining if load.seq is not seq]
         super()._remove(seq)

@@ -266,6 +266,8 @@ class CausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None  # (T, H)
         layers = self.model.layers
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            if batch.layer_loads is not None:       # layer i's loaded blocks land before it reads them
+                batch.layer_loads.before_layer(i)
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, residual = layer(x, residual, positions, kv, batch, next_norm)
         if isinstance(residual, NormedStream):      # the last layer wrote the final norm

@@ -81,6 +81,17 @@ VALUE_SETS: dict[str, dict] = {
                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}},
     },
 }
+# The disk KV tier in both shapes: an emptyDir per pod (decode), a StatefulSet with a claim per
+# worker (prefill, autoscaled; mixed, scaled by KEDA).
+VALUE_SETS["kv-tier"] = {
+    "worker": {"kvOffload": {"disk": {"enabled": True, "persistent": True, "sizeGi": 200,
+                                      "storageClassName": "local-nvme"}},
+               "engine": {"kv-offload-cpu-gb": 32}},
+    "workerPools": {"prefill": {"replicas": 2, "autoscaling": {"enabled": True}},
+                    "decode": {"replicas": 3, "kvOffload": {"disk": {"persistent": False}}},
+                    "mixed": {"enabled": True, "keda": {"enabled": True,
+                                                        "serverAddress": "http://prometheus-operated.monitoring:9090"}}},
+}
 CRD_GROUPS = ("monitoring.coreos.com/", "keda.sh/")  # custom resources: no upstream schema to check against
 
 

@@ -18,7 +18,7 @@ from tests.helm.chart import (CHART, CRD_GROUPS, FULLNAME, RELEASE, VALUE_SETS, 
 
 
 @pytest.mark.parametrize("case", ["defaults", "pools", "pd-pools", "external-redis", "ingress-hpa-monitoring",
-                                  "insecure", "own-keys-hostpath", "everything", "autoscalers"])
+                                  "insecure", "own-keys-hostpath", "everything", "autoscalers", "kv-tier"])
 def test_lint_strict(helm, case, tmp_path):
     out = run_helm(helm, "lint", "--strict", str(CHART), values=VALUE_SETS[case], tmp=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr

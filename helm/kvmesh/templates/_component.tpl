@@ -9,6 +9,8 @@ Every component template calls these with a context dict:
   http       true for the HTTP gateway (HTTP probes on /health and /ready), false for gRPC services
   model      true to mount the model volume (tokenizer, workers, a gateway with textInGateway)
   role       worker role (prefill | decode | mixed), empty for other services
+  stateful   true for a worker pool with a persistent disk KV tier: a StatefulSet with a volume
+             claim per pod (kvOffload.disk.persistent), else a Deployment
 
 Pods carry `kvmesh.io/service: <service>`, the label the NetworkPolicies and the trust Secret
 (`<prefix>-trust-<service>`) go by: every worker pool is the worker role.
@@ -19,8 +21,9 @@ Pods carry `kvmesh.io/service: <service>`, the label the NetworkPolicies and the
 {{- $v := .values }}
 {{- $portName := ternary "http" "grpc" .http }}
 {{- $autoscaled := or (dig "autoscaling" "enabled" false $v) (dig "keda" "enabled" false $v) .plannerScaled }}
+{{- $disk := and .role (dig "kvOffload" "disk" "enabled" false $v) }}
 apiVersion: apps/v1
-kind: Deployment
+kind: {{ ternary "StatefulSet" "Deployment" (default false .stateful) }}
 metadata:
   name: {{ include "kvmesh.componentName" . }}
   namespace: {{ $root.Release.Namespace }}
@@ -34,9 +37,18 @@ spec:
   replicas: {{ $v.replicas }}
   {{- end }}
   revisionHistoryLimit: 5
+  {{- if .stateful }}
+  # the pool's headless Service; pods start and stop together, as a Deployment's do (a scale-down
+  # drains its pods at once, each within its grace period), and roll one at a time
+  serviceName: {{ include "kvmesh.componentName" . }}
+  podManagementPolicy: Parallel
+  updateStrategy:
+    type: RollingUpdate
+  {{- else }}
   {{- with $v.strategy }}
   strategy:
     {{- toYaml . | nindent 4 }}
+  {{- end }}
   {{- end }}
   selector:
     matchLabels:
@@ -174,6 +186,13 @@ spec:
             - name: KVMESH_KV_TRANSFER_PORT
               value: {{ $v.kvTransferPort | quote }}
             {{- end }}
+            {{- if $disk }}
+            # the tier's own directory inside the volume: the worker creates it 0700 and owns it
+            - name: KVMESH_KV_OFFLOAD_DIR
+              value: {{ printf "%s/kv-tier" (trimSuffix "/" $v.kvOffload.disk.mountPath) | quote }}
+            - name: KVMESH_KV_OFFLOAD_DISK_GB
+              value: {{ int $v.kvOffload.disk.sizeGi | quote }}
+            {{- end }}
             {{- if gt (int $v.gpus) 1 }}
             # One tensor-parallel rank per GPU of the pod.
             - name: KVMESH_TENSOR_PARALLEL_SIZE
@@ -221,6 +240,10 @@ spec:
             - name: dshm
               mountPath: /dev/shm
             {{- end }}
+            {{- if $disk }}
+            - name: kv-tier
+              mountPath: {{ $v.kvOffload.disk.mountPath }}
+            {{- end }}
             {{- with $v.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -237,6 +260,11 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $v.shmSizeLimit }}
+        {{- end }}
+        {{- if and $disk (not .stateful) }}
+        - name: kv-tier
+          emptyDir:
+            sizeLimit: {{ include "kvmesh.kvTierVolumeSize" $v.kvOffload.disk }}
         {{- end }}
         {{- with $v.extraVolumes }}
         {{- toYaml . | nindent 8 }}
@@ -257,6 +285,25 @@ spec:
       topologySpreadConstraints:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+  {{- if .stateful }}
+  {{- $d := $v.kvOffload.disk }}
+  # one claim per worker (<name>-kv-tier-<pod>), kept when the pool shrinks: a worker that comes
+  # back under its name finds its blocks
+  volumeClaimTemplates:
+    - metadata:
+        name: kv-tier
+        labels:
+          {{- include "kvmesh.componentSelectorLabels" . | nindent 10 }}
+      spec:
+        accessModes:
+          {{- toYaml $d.accessModes | nindent 10 }}
+        {{- with $d.storageClassName }}
+        storageClassName: {{ . }}
+        {{- end }}
+        resources:
+          requests:
+            storage: {{ include "kvmesh.kvTierVolumeSize" $d }}
+  {{- end }}
 {{- end }}
 
 {{/*
@@ -393,7 +440,7 @@ metadata:
 spec:
   scaleTargetRef:
     apiVersion: apps/v1
-    kind: Deployment
+    kind: {{ ternary "StatefulSet" "Deployment" (default false .stateful) }}
     name: {{ include "kvmesh.componentName" . }}
   minReplicas: {{ $hpa.minReplicas }}
   maxReplicas: {{ $hpa.maxReplicas }}
@@ -433,7 +480,7 @@ metadata:
 spec:
   scaleTargetRef:
     apiVersion: apps/v1
-    kind: Deployment
+    kind: {{ ternary "StatefulSet" "Deployment" (default false .stateful) }}
     name: {{ include "kvmesh.componentName" . }}
   pollingInterval: {{ int $k.pollingInterval }}
   cooldownPeriod: {{ int $k.cooldownPeriod }}

@@ -400,3 +400,32 @@ NetworkPolicy ports from a list of numbers, as JSON (callers `fromJsonArray` it)
 {{- range . }}{{ $out = append $out (dict "port" (int .) "protocol" "TCP") }}{{ end }}
 {{- toJson $out }}
 {{- end }}
+
+{{/*
+A worker pool's disk KV tier (kvOffload.disk): "true" when the pool is a StatefulSet (a claim per
+worker), else empty; fails on settings that cannot work together.
+*/}}
+{{- define "kvmesh.kvTierStateful" -}}
+{{- $d := .values.kvOffload.disk }}
+{{- if $d.enabled }}
+{{- if gt (int .values.gpus) 1 }}
+{{- fail (printf "workerPools.%s: kvOffload.disk.enabled needs gpus 1 (KV tiers do not run with tensor parallelism: --kv-offload-dir with --tensor-parallel-size > 1 is refused)" .pool) }}
+{{- end }}
+{{- range $key := list "kv-offload-dir" "kv-offload-disk-gb" }}
+{{- if hasKey (default (dict) $.values.engine) $key }}
+{{- fail (printf "workerPools.%s: engine.%s and kvOffload.disk both set the disk KV tier: use kvOffload.disk only" $.pool $key) }}
+{{- end }}
+{{- end }}
+{{- if and $d.persistent .plannerScaled }}
+{{- fail (printf "workerPools.%s.kvOffload.disk.persistent makes the pool a StatefulSet, which the planner (planner.enabled) does not scale: it patches Deployments. Turn one off" .pool) }}
+{{- end }}
+{{- if $d.persistent }}true{{ end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The disk KV tier's volume size: the tier's files plus 5% (headers, the lock file).
+*/}}
+{{- define "kvmesh.kvTierVolumeSize" -}}
+{{- $gi := int .sizeGi }}{{ add $gi (div (add $gi 19) 20) }}Gi
+{{- end }}

@@ -1,13 +1,20 @@
-"""Overlapped loads: a prompt whose history comes back from a lower tier waits for its blocks in
+"""Loads beside the step: a prompt whose history comes back from a lower tier, with a request
+running and a load predicted to take longer than the step's compute, waits for its blocks in
 `loading` while the batch goes on without it (a running request keeps producing tokens in that
 step), then joins; greedy tokens are transformers', an abort while loading frees everything, and
-no block leaks in any tier."""
+no block leaks in any tier. (Loads inside the step: test_layered_loads.py.)"""
 from __future__ import annotations
 
 from tests.gpu_worker.kv_tiers.conftest import (
     MAX_STEPS, check_all_tiers, greedy, push_out, run, tier_stats, tiered_engine, tokens)
 
-TIERS = dict(kv_offload_cpu_gb=0.001)
+TIERS = dict(kv_offload_cpu_gb=0.001, kv_load_policy="always")
+
+
+def _slow_loads(eng) -> None:
+    """The host tier predicted at 1 byte/s: a load cannot hide under a step (LoadPolicy.joins_step),
+    and `always` loads all the same."""
+    eng.kv_tiers.policy.bandwidth["cpu"] = 1.0
 
 
 def _history_in_host_tier(eng) -> list[int]:
@@ -43,6 +50,7 @@ def test_the_batch_runs_on_while_a_prompt_loads_its_history(llama, tmp_path):
     prompt = _history_in_host_tier(eng)
     other = tokens(9, 3)
     outputs = {"other": _decoding(eng, "other", other, 8)}
+    _slow_loads(eng)
     eng.add_request("next", prompt, greedy(4))
     deltas = eng.step()                                   # admits "next": its load starts
     assert [s.request.request_id for s in eng.scheduler.loading] == ["next"]
@@ -63,6 +71,7 @@ def test_a_request_aborted_while_loading_frees_everything(llama, tmp_path):
     prompt = _history_in_host_tier(eng)
     other = tokens(9, 4)
     outputs = {"other": _decoding(eng, "other", other, 6)}
+    _slow_loads(eng)
     eng.add_request("next", prompt, greedy(4))
     outputs["other"] += [t for d in eng.step() for t in d.new_token_ids]
     assert eng.scheduler.loading
@@ -87,6 +96,7 @@ def test_a_loading_request_keeps_its_batch_slot(llama, tmp_path):
     prompt = _history_in_host_tier(eng)
     other = tokens(9, 5)
     outputs = {"other": _decoding(eng, "other", other, 6)}
+    _slow_loads(eng)
     eng.add_request("next-a", prompt, greedy(4))
     eng.add_request("next-b", prompt, greedy(4))
     for d in eng.step():

@@ -25,6 +25,14 @@ def test_bad_tier_fields_are_named(kwargs, names):
         EngineConfig(model="m", **kwargs)
 
 
+@pytest.mark.parametrize("tier", [dict(kv_offload_cpu_gb=1.0), dict(kv_offload_dir="/tmp/x", kv_offload_disk_gb=1.0)])
+def test_tiers_with_tensor_parallel_are_refused_naming_both_flags(tier):
+    with pytest.raises(ValueError) as err:
+        EngineConfig(model="m", tensor_parallel_size=2, **tier)
+    flag = "--kv-offload-cpu-gb" if "kv_offload_cpu_gb" in tier else "--kv-offload-dir"
+    assert flag in str(err.value) and "--tensor-parallel-size" in str(err.value)
+
+
 def test_tiers_are_off_by_default():
     assert not EngineConfig(model="m").kv_offload_enabled
 
