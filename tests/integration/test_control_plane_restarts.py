@@ -5,9 +5,9 @@ undisturbed stack), one scheduler, one tokenizer, the embedded Redis.
     two gateways serve at once          each has its own inbox; replies reach the one that asked
     Redis restarts (down past a lease)  streams pause and go on; no worker is declared dead, not
                                         even one that registers again only most of a lease later
-    the scheduler is killed (-9)        streams already on workers finish; new requests get a
-                                        retryable 503 while it is gone; the new one counts the
-                                        requests the workers hold and serves
+    the scheduler is killed (-9)        streams already on workers finish; a request sent to it
+                                        completes through the new one, which adopts the requests
+                                        the workers hold (their gateways send them again) and serves
 """
 from __future__ import annotations
 
