@@ -15,6 +15,11 @@
                             in-flight requests elsewhere (migration, below)
     resumed(Resume)         a moving request's detokenizer says where its stream stands: it is queued
                             again, to continue on another worker from those tokens
+    submit(resubmitted)     a gateway whose scheduler stopped sends its live requests again (adopt):
+                            one a worker lists as held (`inherited`) is adopted there, so this core can
+                            move it should that worker die; one no worker holds (once every worker
+                            has listed what it holds) moves like a dead worker's request, from its
+                            stream's tokens (or from its start: it never reached a worker)
 
 Migration: a request whose worker died (lease lapsed, replaced) or handed it back while draining
 (WorkerStatus.handed_back) continues elsewhere. Its detokenizer holds the tokens the client has, so
@@ -109,10 +114,14 @@ class SchedulerCore:
         self.worker_failures = 0
         self.prefill_retries = 0          # requests a dead prefill worker left, re-run on their decode worker
         self.inbox_addr = ""              # this scheduler's inbox (the shell sets it): where Resumes come
+        # resubmitted requests no worker has listed yet, while some worker has not reported
+        self._unplaced: dict[str, tuple[Submit, float]] = {}
 
     # ---- admission -----------------------------------------------------------------------
     def submit(self, msg: Submit, received_at: float | None = None) -> list[Envelope]:
         """`received_at` (this core's clock) is when the shell read msg off its socket; default now."""
+        if msg.resubmitted:
+            return self._adopt(msg, self.clock() if received_at is None else received_at)
         rid = msg.request_id
         if rid in self.requests:
             return [self._reject(msg, 400, "duplicate_request", "request id already in use")]
@@ -132,8 +141,7 @@ class SchedulerCore:
                                  "too many concurrent requests for this API key; retry later")]
         if self._queued >= self.limits.max_queue:
             return [self._reject(msg, 429, "server_overloaded", "the server is overloaded; retry later")]
-        req = self.requests[rid] = _Req(msg, received_at=self.clock() if received_at is None else received_at)
-        self.tenant_inflight[msg.tenant] = self.tenant_inflight.get(msg.tenant, 0) + 1
+        req = self._register(msg, self.clock() if received_at is None else received_at)
         self._queued += 1                  # counted as queued from admission, its prefix match included
         admitted = Envelope(msg.reply_addr, Admitted(request_id=rid))
         # where is its prefix? ask first, when there is a choice to make: between workers, or
@@ -144,6 +152,46 @@ class SchedulerCore:
         self._enqueue(req)
         # the dispatch is on the request's critical path (first token); the admission reply is not
         return [*self.dispatch(), admitted]
+
+    def _register(self, msg: Submit, received_at: float) -> _Req:
+        req = self.requests[msg.request_id] = _Req(msg, received_at=received_at)
+        self.tenant_inflight[msg.tenant] = self.tenant_inflight.get(msg.tenant, 0) + 1
+        return req
+
+    # ---- adoption: requests an earlier scheduler held, sent again by their gateways ----------
+    def _adopt(self, msg: Submit, received_at: float) -> list[Envelope]:
+        """Admission was done by the scheduler that stopped: no limits are checked again. Until
+        every worker has listed what it holds, a request none lists waits (`_unplaced`): it may
+        be on one not heard from yet (a worker that never reports is gone within a lease)."""
+        rid = msg.request_id
+        admitted = Envelope(msg.reply_addr, Admitted(request_id=rid))
+        if rid in self.requests:                   # sent again before this core's answer arrived
+            return [admitted]
+        holders = [w for w in self.workers.values() if rid in w.inherited]
+        if not holders and not all(w.reported for w in self.workers.values()):
+            self._unplaced[rid] = (msg, received_at)
+            return []
+        req = self._register(msg, received_at)
+        if not holders:                            # its worker died, or it never reached one
+            log.info("request %s, sent again, runs on no worker; asking its detokenizer where it stands", rid)
+            req.moving = "resubmitted"
+            return [admitted, Envelope(msg.detok_addr, Migrate(request_id=rid, worker_id="",
+                                                               reply_addr=self.inbox_addr))]
+        prefill = next((w for w in holders if w.role == "prefill"), None)
+        worker = next((w for w in holders if w is not prefill), prefill)
+        req.worker_id, req.dispatched_at = worker.id, self.clock()
+        req.prefill_id = prefill.id if prefill is not None and prefill is not worker else None
+        for w in holders:
+            w.inherited.discard(rid)
+            w.inflight.add(rid)
+        return [admitted]
+
+    def _place_unplaced(self) -> list[Envelope]:
+        """Adopt (or move) the waiting resubmissions once every worker has listed what it holds."""
+        if not self._unplaced or not all(w.reported for w in self.workers.values()):
+            return []
+        waiting, self._unplaced = self._unplaced, {}
+        return [env for msg, at in waiting.values() for env in self._adopt(msg, at)]
 
     def prefix_matched(self, request_id: str, match: MatchResponse | None) -> list[Envelope]:
         """The prefix-cache index's answer to this core's PrefixQuery (None, or not `available`: no
@@ -245,6 +293,8 @@ class SchedulerCore:
     def abort(self, msg: Abort) -> list[Envelope]:
         req = self.requests.get(msg.request_id)
         if req is None:
+            if (waiting := self._unplaced.pop(msg.request_id, None)) is not None:
+                return [Envelope(waiting[0].reply_addr, failure_of(msg))]
             return []
         if req.moving:                      # its detokenizer holds the stream: it lets go of it too
             self._forget(msg.request_id)
@@ -306,11 +356,12 @@ class SchedulerCore:
             active, now = set(msg.active), self.clock()
             # what an earlier scheduler sent it: it holds a slot until its end
             w.inherited = {rid for rid in active if rid not in self.requests}
+            w.reported = True
             for rid in [r for r in w.inflight if r not in active]:
                 if now - self.requests[rid].dispatched_at > self.RECONCILE_AFTER_S:
                     log.info("request %s left worker %s without a report; forgetting it", rid, w.id)
                     self._leave(rid, w)
-        return out + self.dispatch()
+        return out + self._place_unplaced() + self.dispatch()
 
     # ---- membership ----------------------------------------------------------------------
     def set_workers(self, views: list[WorkerView]) -> list[Envelope]:
@@ -339,7 +390,7 @@ class SchedulerCore:
                 cur.kv_addr, cur.kv_layout, cur.kv_transport = view.kv_addr, view.kv_layout, view.kv_transport
                 cur.max_num_seqs, cur.max_model_len = view.max_num_seqs, view.max_model_len
                 cur.prefix_query_tokens, cur.prefix_hit_tokens = view.prefix_query_tokens, view.prefix_hit_tokens
-        return out + self.dispatch()
+        return out + self._place_unplaced() + self.dispatch()
 
     def _check_pairable(self, w: WorkerView) -> None:
         """A prefill or decode worker whose KV layout no worker of the other pool shares is never

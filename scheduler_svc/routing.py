@@ -74,6 +74,7 @@ class WorkerView:
     # requests the worker holds that this scheduler never dispatched (an earlier scheduler's, before
     # a restart): learnt from its heartbeat's `active` list, counted like ours until they end
     inherited: set[str] = field(default_factory=set)
+    reported: bool = False            # a heartbeat of its has listed what it holds (`inherited` is whole)
 
     @property
     def holding(self) -> int:

@@ -24,9 +24,11 @@ What a restart means for requests in flight:
                 error chunk then `[DONE]` in a stream) when the scheduler sees its lease lapse or
                 its id come back under a new epoch; the other workers keep serving, and the
                 restarted one (same --worker-id) takes new requests once registered.
-  scheduler     requests it still queued (no token yet) fail with a retryable 503
-                `scheduler_failed`; requests already on a worker finish (their tokens do not pass
-                through it); until the gateway has found the new one, new requests get that 503.
+  scheduler     no request fails: the gateway sends every live one to the restarted scheduler
+                (within --admission-timeout-s for one not yet admitted), which adopts those on a
+                worker and runs or moves the rest; requests already on a worker stream on (their
+                tokens do not pass through it); until the gateway has found the new one, new
+                requests get a retryable 503 `scheduler_unavailable`.
   tokenizer     (--no-text-in-gateway only) the streams whose text it makes fail with
                 `tokenizer_failed`; new requests wait for the restarted one.
   prefix-cache  optional: routing falls back to load alone until it is back; nothing fails.

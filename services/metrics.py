@@ -120,7 +120,8 @@ PD_ROUTES = _scheduler(Counter("kvmesh_scheduler_pd_routes", "Requests routed wh
 MIGRATION_REASONS = ("worker_died", "drain")
 MIGRATION_OUTCOMES = ("moved", "failed")
 MIGRATIONS = _scheduler(Counter("kvmesh_scheduler_migrations", "In-flight requests whose worker stopped, by reason "
-                                "(worker_died: lease lapsed or replaced; drain: handed back by a draining worker) "
+                                "(worker_died: lease lapsed or replaced; drain: handed back by a draining worker; "
+                                "resubmitted: sent again by its gateway after a scheduler restart, held by no worker) "
                                 "and outcome (moved: continued on another worker from the tokens already streamed; "
                                 "failed: no worker left or --max-migrations reached, the client got an error)",
                                 ["reason", "outcome"]))

@@ -11,7 +11,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from services.bench import mock_server, spec_metrics
+from services.bench import chaos, mock_server, spec_metrics
 from services.bench.arrivals import parse_rates
 from services.bench.datasets import DatasetOptions, load_dataset, range_bounds
 from services.bench.metrics import (compute_metrics, parse_goodput, parse_percentile_metrics,
@@ -107,13 +107,18 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh bench", description="Benchmark an OpenAI-compatible server.")
-    sub = p.add_subparsers(dest="command", metavar="{serve,mock-server}")
+    sub = p.add_subparsers(dest="command", metavar="{serve,mock-server,chaos}")
     serve = sub.add_parser("serve", help="run the serving benchmark (vLLM's `bench serve` flags)",
                            description="Serving benchmark with vLLM's metric definitions (see services/bench/README.md).")
     _serve_args(serve)
     serve.set_defaults(_parser=serve)  # flag errors print serve's usage
     mock = sub.add_parser("mock-server", help="run a scripted OpenAI-compatible server with known timing")
     mock_server.add_arguments(mock)
+    chaos_p = sub.add_parser("chaos", help="failover under load on a stack of its own: worker kill -9 and drain, "
+                                           "Redis and scheduler restarts; lost, corrupted and migrated requests",
+                             description=chaos.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    chaos.add_arguments(chaos_p)
+    chaos_p.set_defaults(_parser=chaos_p)
     return p
 
 
@@ -363,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "serve":
         return run_serve(args, args._parser)
+    if args.command == "chaos":
+        return chaos.main(args, args._parser)
     if args.command == "mock-server":
         mock_server.serve(mock_server.config_from_args(args), args.host, args.port)
         return 0

@@ -144,6 +144,7 @@ class Backend:
         self.discovery = Discovery(self.registry, cfg.heartbeat_ms, cfg.scheduler_addr,
                                    with_tokenizers=not cfg.text_in_gateway, lease_ms=cfg.lease_ms)
         self.scheduler: Sender | None = None
+        self.scheduler_key = ""                   # Members.scheduler_key of self.scheduler
         self.workers: SenderPool = SenderPool(plane)   # stop strings go to the worker directly
         self.worker_addrs: set[str] = set()            # those the pool has a socket for
         self.catalog = ModelCatalog()              # served models, their names and limits
@@ -184,6 +185,7 @@ class Backend:
             self.scheduler = None
         if sched and self.scheduler is None:
             self.scheduler = Sender(sched, plane=self.plane, server_role="scheduler")
+        self.scheduler_key = members.scheduler_key
         self.text.update(members.tokenizers)
         self.workers_ready = len(members.workers)
         self.catalog = ModelCatalog.of(w.info for w in members.workers)
@@ -191,7 +193,8 @@ class Backend:
         for addr in self.worker_addrs - live_workers:   # gone: their sockets too
             self.workers.drop(addr)
         self.worker_addrs &= live_workers
-        self.carry_out(self.core.orphans(sched, self.text.detok_addrs()))
+        self.carry_out(self.core.redrive(self.scheduler_key))
+        self.carry_out(self.core.orphans(self.text.detok_addrs()))
 
     async def _discovery_loop(self) -> None:
         while True:
@@ -248,8 +251,8 @@ class Backend:
             except SamplingParamsError as exc:
                 raise ApiError(400, str(exc), param=param_of(str(exc))) from None
 
-    def open_job(self, rids: list[str], n: int, detok_addrs: list[str], scheduler_addr: str) -> Job:
-        job = Job(self, self.core.submit(rids, n, scheduler_addr, detok_addrs, time.monotonic()))
+    def open_job(self, submits: list[Submit], n: int) -> Job:
+        job = Job(self, self.core.submit(submits, n, self.scheduler_key, time.monotonic()))
         self.jobs[job.core_job.id] = job
         return job
 
@@ -269,17 +272,16 @@ class Backend:
         if self.scheduler is None:
             raise ApiError(503, "the scheduler is unavailable; retry later", type_="server_error",
                            code="scheduler_unavailable", retry_after=1)
-        rids = [new_request_id() for _ in prompts]
+        now = time.time()
+        submits = [Submit(request_id=new_request_id(), tenant=tenant, prompt_token_ids=rep.prompt_token_ids,
+                          params=params, priority=priority, cache_salt=cache_salt, reply_addr=self.reply_addr,
+                          detok_addr=rep.detok_addr, arrival=now, conversation=conversation) for rep in replies]
         # stamped before the sends: were this process descheduled between a send and the stamp,
         # the upstream stage would miss time the scheduler and worker already spent
-        job = self.open_job(rids, params.n, [r.detok_addr for r in replies], self.scheduler.addr)
-        now = time.time()
+        job = self.open_job(submits, params.n)
         try:
-            for rid, rep in zip(rids, replies):
-                self.scheduler.send(Submit(
-                    request_id=rid, tenant=tenant, prompt_token_ids=rep.prompt_token_ids, params=params,
-                    priority=priority, cache_salt=cache_salt, reply_addr=self.reply_addr,
-                    detok_addr=rep.detok_addr, arrival=now, conversation=conversation))
+            for submit in submits:
+                self.scheduler.send(submit)
             await job.admitted()
         except BaseException:
             job.close()

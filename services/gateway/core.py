@@ -21,6 +21,13 @@ the scheduler that asked) and runs them through the text path's DetokCore; a sto
 string that ends a sample still running is told to its worker directly (StreamOpen names the
 worker's inbox) and to the scheduler, whose bookkeeping ends with it.
 
+The scheduler holds nothing a request needs to stream (tokens go worker -> detokenizer -> gateway),
+but a request it queued is lost with it, and only it can move a request whose worker dies. So when
+the registry names another scheduler (`redrive`), every live job's unfinished requests are sent to
+it again (Submit.resubmitted: it adopts those a worker holds and moves or starts the rest), at most
+MAX_SUBMITS times a job; with no scheduler registered a job waits, within its deadline (a job not
+yet admitted: admission_timeout_s from its first submit).
+
 Messages for a job that already ended (or that this gateway never made) are dropped and counted in
 `late_messages`; a StepOutput from an older epoch of a worker is dropped by the DetokCore.
 """
@@ -33,8 +40,11 @@ from typing import Any, NamedTuple
 
 from services.envelope import SCHEDULER, Envelope
 from services.gateway.schemas import ApiError, param_of
+import msgspec
+
 from services.protocol.messages import (
-    Abort, Admitted, Migrate, Rejected, RequestFailed, StepOutput, StreamOpen, TextBatch, TextDelta, failure_of)
+    Abort, Admitted, Migrate, Rejected, RequestFailed, StepOutput, StreamOpen, Submit, TextBatch, TextDelta,
+    failure_of)
 from services.text.streams import DetokCore
 
 
@@ -50,6 +60,7 @@ class Phase(enum.Enum):
 
 LIVE = (Phase.SUBMITTED, Phase.ADMITTED, Phase.STREAMING)
 JOB_ADMITTED = "admitted"   # delivered once, when the scheduler accepted every prompt of the job
+MAX_SUBMITS = 3             # a job's Submits go out at most this often (the first time and after scheduler restarts)
 
 
 class Delivery(NamedTuple):
@@ -69,7 +80,7 @@ class Job:
     id: int
     rids: list[str]
     n: int
-    scheduler_addr: str                  # the scheduler holding (queueing) these requests
+    scheduler_addr: str                  # the scheduler holding these requests (its address and registry id)
     detok_of: dict[str, str]             # request id -> the detokenizer streaming its text
     submitted_at: float
     deadline: float                      # admission deadline, then the progress deadline
@@ -79,6 +90,8 @@ class Job:
     first_read: float = 0.0              # when the first tokens' text was ready (the shell's clock; 0: not yet)
     tokens_seen: bool = False            # text with tokens arrived
     index: dict[str, int] = field(default_factory=dict)              # request id -> prompt index
+    submits: dict[str, Submit] = field(default_factory=dict)         # request id -> its Submit (to send again)
+    sends: int = 1                       # times its Submits went to a scheduler
 
     @property
     def progressed(self) -> bool:
@@ -108,12 +121,13 @@ class GatewayCore:
         self._ids = itertools.count(1)
 
     # ---- the client's side -----------------------------------------------------------------
-    def submit(self, rids: list[str], n: int, scheduler_addr: str, detok_addrs: list[str], now: float) -> Job:
-        """A job whose Submits the shell is about to send."""
-        job = Job(next(self._ids), list(rids), n, scheduler_addr, dict(zip(rids, detok_addrs)), now,
+    def submit(self, submits: list[Submit], n: int, scheduler_addr: str, now: float) -> Job:
+        """A job whose Submits the shell is about to send (one per prompt)."""
+        rids = [s.request_id for s in submits]
+        job = Job(next(self._ids), rids, n, scheduler_addr, {s.request_id: s.detok_addr for s in submits}, now,
                   now + self.admission_timeout_s, waiting=set(rids),
                   unfinished={(rid, j) for rid in rids for j in range(n)},
-                  index={rid: i for i, rid in enumerate(rids)})
+                  index={rid: i for i, rid in enumerate(rids)}, submits={s.request_id: s for s in submits})
         self.jobs[job.id] = job
         for rid in rids:
             self.job_of[rid] = job
@@ -155,19 +169,32 @@ class GatewayCore:
                                 failed="")
         return out
 
-    def orphans(self, scheduler_addr: str, live_detok_addrs: set[str]) -> Outbox:
-        """Fail jobs that can no longer finish instead of letting them wait request_timeout_s:
-        the scheduler holding them (queued, no text yet) is gone, or the detokenizer streaming a
-        request's text is."""
+    def redrive(self, scheduler_addr: str) -> Outbox:
+        """The registry names `scheduler_addr` ("": none): send every live job held by another one
+        to it again, or fail a job sent MAX_SUBMITS times already (a scheduler restarting in a loop)."""
         out = Outbox()
+        if not scheduler_addr:
+            return out
         for job in list(self.jobs.values()):
-            if job.phase not in LIVE:
+            if job.phase not in LIVE or job.scheduler_addr == scheduler_addr:
                 continue
-            if not job.progressed and job.scheduler_addr != scheduler_addr:
+            if job.sends >= MAX_SUBMITS:
                 self._on_failed(job, RequestFailed(
                     request_id=job.rids[0], status=503, code="scheduler_failed",
                     message="the scheduler holding this request stopped; please retry"), out, "client", failed="")
-            elif any(job.detok_of.get(rid, "") not in live_detok_addrs for rid, _ in job.unfinished):
+                continue
+            job.scheduler_addr, job.sends = scheduler_addr, job.sends + 1
+            unfinished = {rid for rid, _ in job.unfinished}
+            out.send += [Envelope(SCHEDULER, msgspec.structs.replace(job.submits[rid], resubmitted=True))
+                         for rid in job.rids if rid in unfinished]
+        return out
+
+    def orphans(self, live_detok_addrs: set[str]) -> Outbox:
+        """Fail jobs that can no longer finish instead of letting them wait request_timeout_s: the
+        detokenizer streaming a request's text is gone."""
+        out = Outbox()
+        for job in list(self.jobs.values()):
+            if job.phase in LIVE and any(job.detok_of.get(rid, "") not in live_detok_addrs for rid, _ in job.unfinished):
                 self._on_failed(job, RequestFailed(
                     request_id=job.rids[0], status=503, code="tokenizer_failed",
                     message="the service streaming this request's text stopped; please retry"), out, "client",

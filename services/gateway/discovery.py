@@ -12,6 +12,8 @@ from services.registry import Membership, Registry, ServiceRecord
 
 class Members(NamedTuple):
     scheduler_addr: str               # "" when none is registered
+    scheduler_key: str                # its address and registry record (id, epoch): a restart on the
+                                      # same address is another scheduler; "" when none
     tokenizers: list[ServiceRecord]
     workers: list[ServiceRecord]      # not draining
 
@@ -34,5 +36,7 @@ class Discovery:
             live[kind] = self.members[kind].update(fresh, now, self.registry.incarnation)
         scheduler = self.fixed_scheduler or next(
             (r.addrs["zmq"] for r in live["scheduler"] if "zmq" in r.addrs), "")
+        record = next((r for r in live["scheduler"] if r.addrs.get("zmq") == scheduler), None)
+        key = f"{scheduler}|{record.id}#{record.epoch}" if record is not None else scheduler
         workers = [w for w in live["worker"] if not w.info.get("draining")]
-        return Members(scheduler, live.get("tokenizer", []), workers)
+        return Members(scheduler, key, live.get("tokenizer", []), workers)

@@ -57,6 +57,9 @@ class Submit(Msg, tag="submit", kw_only=True):
     # the gateway's digest of (tenant, the client's `user` or `conversation_id`): the scheduler sends
     # the conversation's next turn where its last one ran; "" when the request named none
     conversation: Annotated[str, msgspec.Meta(max_length=MAX_CONVERSATION_KEY)] = ""
+    # sent again by its gateway because the scheduler it went to stopped: it may be running on a
+    # worker already (the new scheduler adopts it there) or nowhere (it moves, from its stream's tokens)
+    resubmitted: bool = False
 
 
 class Abort(Msg, tag="abort", kw_only=True):
@@ -207,7 +210,8 @@ class Migrate(Msg, tag="migrate", kw_only=True):
     stream goes on from the tokens the detokenizer has."""
 
     request_id: str
-    worker_id: str                   # the worker it leaves
+    worker_id: str                   # the worker it leaves ("": whichever streamed it last, for a
+                                     # scheduler that never knew where it ran)
     reply_addr: str                  # the scheduler's inbox
     worker_epoch: int = -1           # that worker's incarnation: a restart under the same id is a new
                                      # worker whose tokens count (-1: every incarnation is left)

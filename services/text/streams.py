@@ -13,6 +13,8 @@ less); it lives in services/ because both import it.
     migrate(Migrate)     its worker stopped and the scheduler moves it: -> a Resume with each sample's
                          tokens so far (the next worker continues from them, so nothing is skipped);
                          tokens of the request from the worker it left are dropped from then on
+                         (a Migrate naming no worker, from a scheduler that restarted: the worker
+                         that streamed it last)
     abort(Abort)         forget the request (worker aborted it, or its worker died); when some of
                             its samples had not ended, a RequestFailed to its gateway, so the client's
                             stream ends with an error chunk and [DONE] instead of waiting for text
@@ -64,6 +66,7 @@ class _Stream:
     opened: float = field(default_factory=time.monotonic)
     # (worker id, epoch) the request moved away from (-1: every epoch): their late tokens are dropped
     left: frozenset[tuple[str, int]] = frozenset()
+    source: tuple[str, int] | None = None   # (worker id, epoch) of the last tokens passed on
 
     @property
     def ended(self) -> bool:
@@ -114,7 +117,11 @@ class DetokCore:
         stream = self.streams.get(msg.request_id)
         if stream is None:
             return [Envelope(msg.reply_addr, Resume(request_id=msg.request_id, output_token_ids=[], known=False))]
-        stream.left = stream.left | {(msg.worker_id, msg.worker_epoch)}
+        # a scheduler that restarted does not know where the stream ran: the worker that streamed it
+        # last is the one it leaves (its late tokens, e.g. a last step racing its end, are dropped)
+        left = (msg.worker_id, msg.worker_epoch) if msg.worker_id else stream.source
+        if left is not None:
+            stream.left = stream.left | {left}
         outputs: list[list[int]] = []
         for index in range(stream.params.n):
             sample = stream.samples.get(index)
@@ -145,6 +152,7 @@ class DetokCore:
                 # sent before its worker stopped (a restart under the same id is another worker)
                 self._drop("moved", len(seq.token_ids))
                 continue
+            stream.source = (msg.worker_id, msg.epoch)
             delta = self._advance(stream, seq, out)
             if delta is not None:
                 per_gateway.setdefault(stream.reply_addr, []).append(delta)

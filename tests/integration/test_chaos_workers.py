@@ -219,20 +219,35 @@ def test_kill_9_and_sigterm_under_load_lose_and_corrupt_nothing(chaos):
 
 def test_sigterm_with_streams_in_flight_fails_no_request(chaos):
     """Through the gateway that makes its own text: a worker draining for 1 s while streams of 8 and
-    400 tokens run on it; those that fit end there, the others move to the last worker."""
-    procs, model = chaos["procs"], chaos["model"]
-    null_worker(procs, "drainer", chaos["model_dir"], grace_s=1.0)
-    wait_for(lambda: "drainer" in worker_records(chaos["redis"]), 60, "the drainer to register")
+    400 tokens run on it; those that fit end there, the others move to the workers left.
+
+    Every stream runs on the drainer, whatever the load elsewhere: they all name one conversation
+    (OpenAI `user`), which the scheduler keeps on the worker of its first turn, and that first turn
+    (the healthy reference) goes to the drainer because least_loaded breaks the tie between idle
+    workers by worker id ("a-drainer" sorts first). Routed by load alone, 12 streams over 3 to 5
+    workers left the drainer fewer than two long ones often enough to fail on slow machines."""
+    procs, model, drainer = chaos["procs"], chaos["model"], "a-drainer"
+    null_worker(procs, drainer, chaos["model_dir"], grace_s=1.0)
+    wait_for(lambda: drainer in worker_records(chaos["redis"]), 60, "the drainer to register")
+    wait_idle_and_whole(chaos["redis"], set(worker_records(chaos["redis"])))
+    # the scheduler polls the registry every heartbeat / 2: let it see the drainer before the first turn
+    wait_for(lambda: f'worker="{drainer}"' in httpx.get(chaos["scheduler_metrics"], timeout=5).text, 30,
+             "the scheduler to know the drainer")
     client = openai.OpenAI(base_url=chaos["local"] + "/v1", api_key="none", timeout=60, max_retries=0)
-    healthy = {m: client.completions.create(model=model, prompt="drain me", max_tokens=m, temperature=0).choices[0].text
+    before_dispatched = scheduler_metric(chaos["scheduler_metrics"], "kvmesh_scheduler_dispatched_total",
+                                         worker=drainer)
+    healthy = {m: client.completions.create(model=model, prompt="drain me", max_tokens=m, temperature=0,
+                                            user="drain").choices[0].text
                for m in (8, 400)}
+    dispatched = scheduler_metric(chaos["scheduler_metrics"], "kvmesh_scheduler_dispatched_total", worker=drainer)
+    assert dispatched - before_dispatched == 2, "the conversation's first turns did not run on the drainer"
     results: dict[int, dict] = {}
 
     def one(i: int) -> None:
         max_tokens, out = (8, 400)[i % 2], {"text": "", "finish": None, "error": None}
         try:
             for chunk in client.completions.create(model=model, prompt="drain me", max_tokens=max_tokens,
-                                                   temperature=0.7, seed=i, stream=True):
+                                                   temperature=0.7, seed=i, stream=True, user="drain"):
                 out["text"] += chunk.choices[0].text
                 out["finish"] = chunk.choices[0].finish_reason or out["finish"]
         except openai.APIError as exc:
@@ -242,21 +257,21 @@ def test_sigterm_with_streams_in_flight_fails_no_request(chaos):
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(12)]
     for t in threads:
         t.start()
-    wait_for(lambda: (worker_records(chaos["redis"]).get("drainer") or {}) and
-             worker_records(chaos["redis"])["drainer"].load.get("requests", 0) >= 2, 30,
-             "streams to run on the drainer")
+    # the 6 long streams (8 s each) are all there at some heartbeat of the drainer
+    wait_for(lambda: worker_records(chaos["redis"])[drainer].load.get("requests", 0) >= 6, 30,
+             "the long streams to run on the drainer")
     before = scheduler_metric(chaos["scheduler_metrics"], "kvmesh_scheduler_migrations_total", reason="drain")
-    procs.procs["drainer"].send_signal(signal.SIGTERM)
+    procs.procs[drainer].send_signal(signal.SIGTERM)
     for t in threads:
         t.join(60)
-    assert procs.procs.pop("drainer").wait(30) == 0
+    assert procs.procs.pop(drainer).wait(30) == 0
     assert len(results) == 12 and not [r["error"] for r in results.values() if r["error"] is not None]
     for i, r in results.items():
         assert r["finish"] == "length" and r["text"] == healthy[(8, 400)[i % 2]], (i, r)
     moved = scheduler_metric(chaos["scheduler_metrics"], "kvmesh_scheduler_migrations_total", reason="drain") - before
     assert moved > 0, "no stream outlived the grace: lengthen them"
     live = {r.id for r in records(chaos["redis"], "worker")}
-    assert "drainer" not in live
+    assert drainer not in live
     wait_idle_and_whole(chaos["redis"], live)
 
 

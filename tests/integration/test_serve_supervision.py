@@ -225,8 +225,8 @@ def test_a_killed_scheduler_or_gateway_comes_back_and_a_crash_loop_stops_the_sta
         first = serve.child(" scheduler ")
         os.kill(first, signal.SIGKILL)                                  # one exit: restarted
         wait_for(lambda: serve.child(" scheduler ") not in (None, first), 30, "the scheduler to restart")
-        # until the gateway has dropped the old scheduler's record, a request may still meet it and
-        # get a retryable 503 scheduler_failed: the stack serves again once one goes through
+        # a request that meets the old scheduler's record waits for the new one (its gateway sends
+        # it again); one sent while no scheduler is registered gets a retryable 503
         wait_for(lambda: _completes(serve, os.path.basename(tiny_model)), 60, "a request through the new scheduler",
                  interval=0.5)
 

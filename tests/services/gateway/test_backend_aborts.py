@@ -12,7 +12,7 @@ from gpu_worker.make_model import make_model
 from services.config import GatewayConfig
 from services.gateway.backend import Backend, Job
 from services.gateway.schemas import ApiError
-from services.protocol.messages import Abort, Admitted, StreamOpen
+from services.protocol.messages import Abort, Admitted, StreamOpen, Submit
 from services.protocol.sampling import SamplingParams
 from services.security.curve import Plane
 
@@ -30,6 +30,11 @@ def backend_of(model_dir: str, **cfg) -> Backend:
                                  insecure_internal_planes=True, **cfg), Plane.insecure())
 
 
+def submits(*rids: str) -> list[Submit]:
+    return [Submit(request_id=rid, tenant="t", prompt_token_ids=[1, 2], params=SamplingParams(), reply_addr=SELF,
+                   detok_addr=SELF) for rid in rids]
+
+
 async def failure(job: Job) -> ApiError:
     with pytest.raises(ApiError) as info:
         async for _ in job.batches():
@@ -39,7 +44,7 @@ async def failure(job: Job) -> ApiError:
 
 async def test_an_abort_for_a_stream_this_gateway_detokenizes_fails_its_request(model_dir):
     backend = backend_of(model_dir)
-    job = backend.open_job(["r1"], 1, [SELF], "sched")
+    job = backend.open_job(submits("r1"), 1)
     backend.carry_out(backend.core.step([
         Admitted(request_id="r1"),
         StreamOpen(request_id="r1", params=SamplingParams(), reply_addr=SELF, num_prompt_tokens=3),
@@ -54,7 +59,7 @@ async def test_an_abort_for_a_stream_this_gateway_detokenizes_fails_its_request(
 
 async def test_a_stopping_gateway_fails_every_request_in_flight(model_dir):
     backend = backend_of(model_dir)
-    jobs = [backend.open_job(["a", "b"], 1, [SELF] * 2, "sched"), backend.open_job(["c"], 2, [SELF], "sched")]
+    jobs = [backend.open_job(submits("a", "b"), 1), backend.open_job(submits("c"), 2)]
     backend.fail_inflight()
     for job in jobs:
         with pytest.raises(ApiError) as info:
@@ -66,7 +71,7 @@ async def test_a_stopping_gateway_fails_every_request_in_flight(model_dir):
 
 async def test_a_job_waits_only_until_its_deadline(model_dir):
     backend = backend_of(model_dir, admission_timeout_s=0.2)
-    job = backend.open_job(["r1"], 1, [SELF], "sched")
+    job = backend.open_job(submits("r1"), 1)
     t0 = time.monotonic()
     with pytest.raises(ApiError) as info:
         await job.admitted()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from services.gateway.core import JOB_ADMITTED, SCHEDULER, GatewayCore, Phase
 from services.gateway.schemas import ApiError
 from services.protocol.messages import (
-    Abort, Admitted, Rejected, RequestFailed, SeqTokens, StepOutput, StreamOpen, TextBatch, TextDelta)
+    Abort, Admitted, Rejected, RequestFailed, SeqTokens, StepOutput, StreamOpen, Submit, TextBatch, TextDelta)
 from services.protocol.sampling import SamplingParams
 from services.text.streams import DetokCore
 
@@ -32,8 +32,13 @@ def core_of(local_text: bool = False) -> GatewayCore:
     return GatewayCore(ADMIT_S, PROGRESS_S, DetokCore(ToyTok()) if local_text else None)
 
 
+SCHED = "tcp://sched#scheduler|s-1#1"
+
+
 def submit(core: GatewayCore, rids=("r1",), n=1, now=0.0, detok="tcp://tok#tokenizer"):
-    return core.submit(list(rids), n, "tcp://sched#scheduler", [detok] * len(rids), now)
+    submits = [Submit(request_id=rid, tenant="t", prompt_token_ids=[1, 2], params=SamplingParams(n=n),
+                      reply_addr=SELF, detok_addr=detok) for rid in rids]
+    return core.submit(submits, n, SCHED, now)
 
 
 def items(out, job_id=None):
@@ -193,16 +198,39 @@ def test_a_stop_string_is_told_to_the_worker_and_the_scheduler_and_spares_other_
     assert late.deliver == [] and late.send == []
 
 
-def test_requests_whose_scheduler_or_detokenizer_vanished_fail_at_once():
+def test_a_request_whose_detokenizer_vanished_fails_at_once():
     core = core_of()
-    queued = submit(core, rids=("q",))
     streaming = submit(core, rids=("s",))
     core.step([Admitted(request_id="s"), TextBatch(deltas=[delta("s", "a")])], 1.0)
-    out = core.orphans("tcp://new-sched#scheduler", {"tcp://tok#tokenizer"})
-    assert [(d.job_id, d.item.code) for d in out.deliver] == [(queued.id, "scheduler_failed")]
-    out = core.orphans("tcp://new-sched#scheduler", set())
+    assert core.orphans({"tcp://tok#tokenizer"}).deliver == []
+    out = core.orphans(set())
     assert [(d.job_id, d.item.code) for d in out.deliver] == [(streaming.id, "tokenizer_failed")]
     assert aborts(out) == [(SCHEDULER, "s", None, "client")]
+
+
+def resubmits(out) -> list[str]:
+    return sorted(e.msg.request_id for e in out.send if isinstance(e.msg, Submit) and e.msg.resubmitted)
+
+
+def test_live_requests_go_to_a_new_scheduler_again_a_bounded_number_of_times():
+    """Queued, admitted and streaming jobs wait while no scheduler is registered and are sent to the
+    next one (only their unfinished requests); a finished one is not; after MAX_SUBMITS sends a
+    job fails with scheduler_failed."""
+    core = core_of()
+    queued, admitted = submit(core, rids=("q",)), submit(core, rids=("a",))
+    streaming, done = submit(core, rids=("s1", "s2")), submit(core, rids=("d",))
+    core.step([Admitted(request_id=r) for r in ("a", "s1", "s2", "d")], 1.0)
+    core.step([TextBatch(deltas=[delta("s1", "x", finish="length"), delta("s2", "y"), delta("d", "z", finish="stop")])],
+              2.0)
+    assert core.redrive(SCHED).send == [] and core.redrive("").send == []   # same scheduler; none registered
+    out = core.redrive("tcp://sched#scheduler|s-2#1")   # restarted on the same address
+    assert resubmits(out) == ["a", "q", "s2"] and out.deliver == []
+    assert core.redrive("tcp://sched#scheduler|s-2#1").send == []           # sent once per scheduler
+    assert resubmits(core.redrive("tcp://other#scheduler|s-3#1")) == ["a", "q", "s2"]
+    out = core.redrive("tcp://sched#scheduler|s-4#1")                        # a third restart: no more
+    assert sorted((d.job_id, d.item.code) for d in out.deliver) == sorted(
+        (j.id, "scheduler_failed") for j in (queued, admitted, streaming))
+    assert queued.phase is Phase.REJECTED and streaming.phase is Phase.FAILED and done.phase is Phase.FINISHED
 
 
 def test_a_stopping_gateway_fails_every_live_request_with_a_503():

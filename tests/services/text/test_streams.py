@@ -216,3 +216,19 @@ def test_a_stream_moved_off_a_worker_takes_the_tokens_of_its_restart_under_the_s
     out = core.step(StepOutput(worker_id="w", epoch=2, step=0, seqs=[SeqTokens("r", 0, ids("cd"))]))
     assert texts(out) == [(0, "cd", None)]
     assert core.dropped_tokens["moved"] == 1
+
+
+def test_a_migrate_naming_no_worker_leaves_the_one_that_streamed_it_last():
+    """A restarted scheduler does not know where a resubmitted request ran: its Migrate names no
+    worker, and the worker whose tokens came last is the one left (a late step of it is dropped)."""
+    from services.protocol.messages import Migrate
+    core = DetokCore(ToyTok())
+    open_(core)
+    core.step(StepOutput(worker_id="w", epoch=3, step=0, seqs=[SeqTokens("r", 0, ids("ab"))]))
+    [env] = core.migrate(Migrate(request_id="r", worker_id="", reply_addr="sched"))
+    assert env.msg.output_token_ids == [ids("ab")]
+    assert texts(core.step(StepOutput(worker_id="w", epoch=3, step=1, seqs=[SeqTokens("r", 0, ids("q"))]))) == []
+    core.open(StreamOpen(request_id="r", params=SamplingParams(), reply_addr="gw", num_prompt_tokens=3,
+                         resumes=True))
+    out = core.step(StepOutput(worker_id="w2", epoch=1, step=0, seqs=[SeqTokens("r", 0, ids("cd"))]))
+    assert texts(out) == [(0, "cd", None)] and core.dropped_tokens["moved"] == 1
