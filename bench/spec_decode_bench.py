@@ -157,12 +157,14 @@ def main() -> None:
     ap.add_argument("--plain-async", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--refine", action=argparse.BooleanOptionalAction, default=True,
                     help="bisect between the last batch that paid and the first that did not")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random target and draft, short outputs")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random target and draft, short outputs, "
+                                                         "no bisection")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.methods = args.methods.split(",")
     if args.smoke:
         args.batches, args.out_len = [1, 4], 16
+        args.refine = False          # CPU numbers say nothing about the crossover; tests check refine()
         tmp = Path(tempfile.mkdtemp())
         if not args.model_dir:
             args.model_dir = str(tmp / "tiny")
