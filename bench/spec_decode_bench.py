@@ -14,11 +14,15 @@ weights make honest drafts rare):
     python bench/spec_decode_bench.py --smoke                     # CPU, tiny target and draft
 
 Each line: method, regime, batch, plain tok/s, speculative tok/s, their ratio, acceptance rate,
-mean accepted length, tokens equal to plain decoding. The last line gives, per method and regime,
-the largest batch at which speculation still paid: the crossover that disable_by_batch_size
-(speculation off above it) is chosen from; speculation here never switches itself off.
-Speculation runs with async scheduling off; the plain engine runs both ways (--plain-async,
-default on: the served configuration it has to beat).
+mean accepted length, tokens equal to plain decoding. After the ladder, each case is swept
+between the last batch that paid and the first that did not (bisection, to within 1/8 of the
+batch; those lines carry "refined": true). The last line gives, per method and regime, the
+largest batch up to which speculation paid at every batch measured (a lone win past a loss is
+noise), and the recommended `disable_by_batch_size` (speculation off above it): the n-gram
+upper-bound regime's crossover, the default method at its best; above it no n-gram draft can
+pay. Speculation here never switches itself off. Speculation runs with async scheduling off; the
+plain engine runs both ways (--plain-async, default on: the served configuration it has to
+beat). Prefix caching is off in both engines, so every run prefills its prompts cold.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,8 +46,10 @@ MAX_STEPS = 100_000
 
 
 def engine(args, spec: str | None, async_scheduling: bool) -> Engine:
+    # no prefix caching: the plain engine ran the seeds and their continuations (the repeating
+    # prompts) first, and cached prompts would make every later run of either engine cheaper
     common = dict(model=args.model_dir, max_num_seqs=max(args.batches), speculative_config=spec,
-                  async_scheduling=async_scheduling and spec is None)
+                  async_scheduling=async_scheduling and spec is None, enable_prefix_caching=False)
     if args.smoke:
         return Engine(EngineConfig(**common, device="cpu", dtype="float32", num_gpu_blocks=2048))
     return Engine(EngineConfig(**common, dtype="bfloat16", gpu_memory_utilization=0.85))
@@ -84,16 +91,58 @@ def cases(args, prompts_by_regime: dict) -> list[tuple[str, str, list[list[int]]
     return out
 
 
-def crossover(rows: list[dict]) -> dict[str, int | None]:
-    """Per method and regime: the largest batch measured at which speculation still pays
-    (speedup > 1), None when it pays at none: disable_by_batch_size is chosen from these."""
-    best: dict[str, int | None] = {}
-    for r in rows:
-        key = f"{r['method']}/{r['regime']}"
-        best.setdefault(key, None)
-        if r["speedup"] > 1.0 and (best[key] is None or r["batch"] > best[key]):
-            best[key] = r["batch"]
+UPPER_BOUND_CASES = ("ngram/repeating", "draft_model/self-draft")   # the recommendation's source, in order
+
+
+def last_paying(speedups: dict[int, float]) -> int | None:
+    """The largest batch b such that speculation paid (speedup > 1) at every measured batch up to
+    b; None when it lost at the smallest. disable_by_batch_size switches speculation off above a
+    batch, so this is the value to set."""
+    best = None
+    for batch in sorted(speedups):
+        if speedups[batch] <= 1.0:
+            break
+        best = batch
     return best
+
+
+def refine(speedups: dict[int, float], measure: Callable[[int], float]) -> None:
+    """Bisect between the last paying batch and the first losing one, measure(batch) -> speedup
+    at each batch tried (added to speedups), until they are within 1/8 of the batch."""
+    while (lo := last_paying(speedups)) is not None:
+        above = [b for b in sorted(speedups) if b > lo]
+        if not above or above[0] - lo <= max(1, lo // 8):
+            return
+        mid = (lo + above[0]) // 2
+        speedups[mid] = measure(mid)
+
+
+def crossover(rows: list[dict]) -> dict:
+    """Per method and regime, last_paying over its rows; and the recommended default."""
+    speedups: dict[str, dict[int, float]] = {}
+    for r in rows:
+        speedups.setdefault(f"{r['method']}/{r['regime']}", {})[r["batch"]] = r["speedup"]
+    per_case = {case: last_paying(s) for case, s in speedups.items()}
+    source = next((c for c in UPPER_BOUND_CASES if c in per_case), None)
+    return {"largest_batch_that_pays": per_case, "recommended_from": source,
+            # None: speculation paid at no batch, even at its best: recommend the smallest one
+            "recommended_disable_by_batch_size": None if source is None else per_case[source] or 1}
+
+
+def measure(plain: Engine, eng: Engine, case: tuple[str, str], prompts: list[list[int]], batch: int,
+            out_len: int) -> dict:
+    """One batch: plain decoding, then speculative decoding of the same prompts."""
+    base, want = run(plain, prompts[:batch], out_len)
+    before = dict(eng.stats().extra["spec_decode"])
+    fast, got = run(eng, prompts[:batch], out_len)
+    st = eng.stats().extra["spec_decode"]
+    proposed, accepted = st["proposed"] - before["proposed"], st["accepted"] - before["accepted"]
+    steps = st["verify_steps"] - before["verify_steps"]
+    return {"method": case[0], "regime": case[1], "batch": batch, "plain_tok_s": round(base, 1),
+            "spec_tok_s": round(fast, 1), "speedup": round(fast / base, 3),
+            "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+            "mean_accepted_length": round(1 + accepted / steps, 3) if steps else 0.0,
+            "same_tokens": got == want}
 
 
 def main() -> None:
@@ -106,12 +155,16 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--out-len", type=int, default=256)
     ap.add_argument("--plain-async", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random target and draft, short outputs")
+    ap.add_argument("--refine", action=argparse.BooleanOptionalAction, default=True,
+                    help="bisect between the last batch that paid and the first that did not")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random target and draft, short outputs, "
+                                                         "no bisection")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.methods = args.methods.split(",")
     if args.smoke:
         args.batches, args.out_len = [1, 4], 16
+        args.refine = False          # CPU numbers say nothing about the crossover; tests check refine()
         tmp = Path(tempfile.mkdtemp())
         if not args.model_dir:
             args.model_dir = str(tmp / "tiny")
@@ -128,25 +181,22 @@ def main() -> None:
     regimes = {"repeating": [s + c for s, c in zip(seeds, cont)],
                "random": [[rng.randrange(300, vocab) for _ in range(128)] for _ in seeds]}
     rows = []
+
+    def measured(row: dict) -> float:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        return row["speedup"]
+
     for method, regime, prompts, spec in cases(args, regimes):
         eng = engine(args, spec, False)
-        for batch in args.batches:
-            base, want = run(plain, prompts[:batch], args.out_len)
-            before = dict(eng.stats().extra["spec_decode"])
-            fast, got = run(eng, prompts[:batch], args.out_len)
-            st = eng.stats().extra["spec_decode"]
-            proposed, accepted = st["proposed"] - before["proposed"], st["accepted"] - before["accepted"]
-            steps = st["verify_steps"] - before["verify_steps"]
-            row = {"method": method, "regime": regime, "batch": batch, "plain_tok_s": round(base, 1),
-                   "spec_tok_s": round(fast, 1), "speedup": round(fast / base, 3),
-                   "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
-                   "mean_accepted_length": round(1 + accepted / steps, 3) if steps else 0.0,
-                   "same_tokens": got == want}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        speedups = {batch: measured(measure(plain, eng, (method, regime), prompts, batch, args.out_len))
+                    for batch in args.batches}
+        if args.refine:
+            refine(speedups, lambda batch: measured({
+                **measure(plain, eng, (method, regime), prompts, batch, args.out_len), "refined": True}))
         eng.close()
     plain.close()
-    print(json.dumps({"largest_batch_that_pays": crossover(rows)}), flush=True)
+    print(json.dumps(crossover(rows)), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ blocks to the prefix cache, finish what is done. Invalid requests raise RequestE
 the field and leave the engine serving the others. With speculative_config, a synchronous step
 first appends drafts (n-gram, or drawn by a draft model) that the same forward verifies
 (_speculative_step; gpu_worker/spec_decode/). Constrained requests (SamplingParams.structured)
-compile their grammar off this thread while they prefill; their draws are masked by it
+compile their grammar off this thread while they prefill, their first draw left out of the steps
+until it has compiled while the others step on; their draws are masked by it
 (gpu_worker/structured/).
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 from gpu_worker.spec_decode import Speculator
 from gpu_worker.spec_decode.draft_model import DraftModel
 from gpu_worker.spec_decode.rejection import verify as rejection_verify
-from gpu_worker.structured import GrammarCompilerPool, GrammarError, GrammarMask, GrammarMaskBuilder
+from gpu_worker.structured import (CompilingRequests, GrammarCompilerPool, GrammarError, GrammarMask,
+                                   GrammarMaskBuilder)
 from gpu_worker.structured.matchers import new_matcher
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 
@@ -110,6 +112,7 @@ class Engine:
         self.grammars = GrammarCompilerPool(config.model, self.vocab_size, self.eos_token_ids)
         self.grammar_masks = GrammarMaskBuilder(self.vocab_size, self.device, max_threads=min(8, os.cpu_count() or 1))
         self._constrained: set[str] = set()       # running requests with a grammar
+        self._compiling = CompilingRequests()     # ... of which those whose grammar is not ready
         self._failed: list[tuple[str, str]] = []  # (request id, error) of failed compiles, to take
         self.requests: dict[str, Request] = {}
         self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
@@ -181,6 +184,7 @@ class Engine:
         if request.params.structured is not None:
             request.grammar = self.grammars.submit(request.params.structured)
             self._constrained.add(request.request_id)
+            self._compiling.add(request)
 
     def take_failed(self) -> list[tuple[str, str]]:
         """(request id, error naming the field) of the requests ended since the last call
@@ -230,7 +234,7 @@ class Engine:
         if index is None:
             self.scheduler.abort(request)
             del self.requests[request_id]
-            self._constrained.discard(request_id)
+            self._forget_constrained(request_id)
             return
         request.dropped.add(index)
         seq = next((s for s in request.seqs if s.index == index), None)
@@ -273,6 +277,8 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
         self.last_sync_s = 0.0
+        if self._compiling:
+            self._settle_grammars()
         if self.async_scheduling:
             return self._step_async()
         if self._inflight is not None:        # async_scheduling was switched off: finish its step
@@ -283,8 +289,7 @@ class Engine:
         if drafts:
             drafts = self.speculator.fit(out, drafts)
         if not out.scheduled:
-            if self._stuck():
-                raise RuntimeError("engine stuck: a waiting request cannot be scheduled on an idle engine")
+            self._idle()
             return []
         if drafts:
             return self._speculative_step(out, drafts)
@@ -458,8 +463,8 @@ class Engine:
             deltas, prev = self._settle(prev), None
         out = self.scheduler.schedule()
         if not out.scheduled:
-            if prev is None and not deltas and self._stuck():
-                raise RuntimeError("engine stuck: a waiting request cannot be scheduled on an idle engine")
+            if prev is None and not deltas:
+                self._idle()
             return deltas + (self._settle(prev) if prev is not None else [])
         launched = self._launch(out, prev)
         if prev is not None:
@@ -533,6 +538,14 @@ class Engine:
             deltas.append(self._delta(seq, result, reason))
         return deltas
 
+    def _idle(self) -> None:
+        """Nothing was scheduled and nothing drew. Held draws wait for their compile: block for
+        it briefly (a caller's step loop must not spin); else raise when nothing can change."""
+        if self._compiling:
+            self._compiling.wait()
+        elif self._stuck():
+            raise RuntimeError("engine stuck: a waiting request cannot be scheduled on an idle engine")
+
     def _stuck(self) -> bool:
         """Requests wait, yet nothing runs and no block will come back: blocks held for or awaited
         from another engine (KV hand-off), or by a load from a lower KV tier, do come back."""
@@ -603,8 +616,8 @@ class Engine:
     def _grammar_mask(self, draws: list[tuple[Sequence, list[int]]]) -> GrammarMask | None:
         """The token bitmask of a step's constrained draws, None when none is. `draws`: each
         drawing sequence with the drafts it verifies, in draw-row order (1 + len(drafts) rows
-        each). A sample's first draw makes its matcher: it waits for the grammar's compile
-        (GrammarJob.wait: up to the time limit); a failed compile leaves the rows unconstrained
+        each). A sample's first draw makes its matcher from the compiled grammar (settled: the
+        scheduler holds a draw until then); a grammar that fails leaves the rows unconstrained
         and the request is ended when its draw is applied (_fail_constrained)."""
         entries = []
         row = 0
@@ -636,13 +649,24 @@ class Engine:
         if self.requests.get(request.request_id) is request:
             self.scheduler.abort(request)
             del self.requests[request.request_id]
-            self._constrained.discard(request.request_id)
+            self._forget_constrained(request.request_id)
             self._failed.append((request.request_id, request.grammar.error))
+
+    def _forget_constrained(self, request_id: str) -> None:
+        self._constrained.discard(request_id)
+        self._compiling.discard(request_id)
+
+    def _settle_grammars(self) -> None:
+        """Requests whose compile settled since the last step: the compiled ones draw from this
+        step on, the failed ones (a compile error, or the time limit passed) end now, before
+        their prompt costs more."""
+        for request in self._compiling.poll().failed:
+            self._fail_constrained(request)
 
     def _forget_if_done(self, request: Request) -> None:
         if request.finished:
             self.requests.pop(request.request_id, None)
-            self._constrained.discard(request.request_id)
+            self._forget_constrained(request.request_id)
             if any(s.finish_reason == HANDOFF for s in request.seqs):
                 self.exported[request.request_id] = request
 
@@ -797,7 +821,7 @@ class Engine:
             self._importing.pop(request_id)
             self.block_manager.free(seq)
             del self.requests[request_id]
-            self._constrained.discard(request_id)
+            self._forget_constrained(request_id)
 
     def _prepare_gpu(self) -> None:
         """CUDA + triton attention: compile the eager-step kernel variants, then (unless

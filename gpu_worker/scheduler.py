@@ -23,6 +23,12 @@ batch slots, waiting sequences are admitted only once `admit_group` slots are fr
 max_num_seqs / 8), not one by one as slots free up. A step that admits a prompt mixes prefill
 with decodes and runs eagerly, while pure-decode steps replay CUDA graphs; admitting in groups
 keeps most steps of a saturated engine pure decode. An engine with room admits at once.
+
+Held draws: a request whose draw must wait (Request.draw_waits: its grammar is compiling,
+gpu_worker/structured/compiling.py) computes every token but its last, so it draws nothing and
+holds up no one; a waiting one with only that token left is passed over, not head of line:
+
+    token_ids:  | computed ........... | chunk ...... | x |   x: scheduled once the draw may happen
 """
 from __future__ import annotations
 
@@ -90,7 +96,10 @@ class Scheduler:
         return out
 
     def _chunk(self, seq: Sequence, num_tokens: int, token_budget: int) -> int:
-        """Tokens seq computes this step: all of num_tokens, a chunk of it, or 0 (does not fit)."""
+        """Tokens seq computes this step: all of num_tokens, a chunk of it, or 0 (does not fit,
+        or only the token of a held draw is left)."""
+        if seq.request.draw_waits:          # the last token's logits would be drawn from: not yet
+            num_tokens -= 1
         if self.enable_chunked_prefill:
             return min(num_tokens, token_budget)
         return num_tokens if num_tokens <= token_budget else 0
@@ -129,13 +138,18 @@ class Scheduler:
                 and self.running[-1].sort_key < self.waiting[0].sort_key):
             return      # saturated: admit a group once enough slots are free (a waiting sequence
                         # that outranks a running one, e.g. a preempted one, is not held back)
-        while self.waiting and token_budget > 0:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and token_budget > 0:
+            seq = self.waiting[i]
             if slots + _seq_slots(seq) > self.max_num_seqs or seq in out.preempted:
                 break
             hits = bm.lookup_prefix(seq)
             lower = self._lower_tier_blocks(seq, len(hits))
-            num_new = self._chunk(seq, seq.num_tokens - (len(hits) + lower) * bm.block_size, token_budget)
+            todo = seq.num_tokens - (len(hits) + lower) * bm.block_size
+            if todo == 1 and seq.request.draw_waits:
+                i += 1                             # nothing to compute before its held draw
+                continue
+            num_new = self._chunk(seq, todo, token_budget)
             if num_new == 0:
                 break
             while not bm.allocate_prefill(seq, hits, num_new + lower * bm.block_size):
@@ -145,7 +159,7 @@ class Scheduler:
                 token_budget += self._unschedule(victim, out)
                 slots -= _seq_slots(victim)
                 self._preempt(victim, out)
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             step_tokens = self.max_num_batched_tokens - token_budget + num_new
             if not self._load_lower_tiers(seq, len(hits), lower, step_tokens):
                 slots += _seq_slots(seq)           # in self.loading until its blocks arrive: its

@@ -48,6 +48,8 @@ class Request:
     export_kv: bool = False   # prefill here, draw the first token, then hold the blocks for a
                               # decode engine: the samples finish with HANDOFF
     grammar: Any = None       # gpu_worker.structured.GrammarJob of a constrained request
+    draw_waits: bool = False  # its grammar is still compiling: the scheduler computes its sequences'
+                              # tokens but the last, so they draw nothing (structured/compiling.py)
 
     @property
     def n(self) -> int:

@@ -22,7 +22,8 @@ MAX_LOOKUP = 64            # longest n-gram searched: bounds the proposer's per-
 MAX_CONFIG_CHARS = 4096
 MAX_MODEL_PATH_CHARS = 1024
 # Sequences in a step above which speculation switches itself off: a guess on the safe side
-# (batched decode already keeps the GPU busy), not yet measured.
+# (batched decode already keeps the GPU busy) until bench/spec_decode_bench.py's crossover sweep
+# (its "recommended_disable_by_batch_size") has run on the H200.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 

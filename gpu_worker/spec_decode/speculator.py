@@ -79,8 +79,9 @@ class Speculator:
     def propose(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
         """Append drafts to each eligible running sequence's token_ids; returns them by sequence.
         Eligible: caught up but for its last sampled token, past its first output token, not a
-        prefill for another engine, not opted out (SamplingParams.speculative), with room for the drafts and one token more (max_tokens,
-        max_model_len). Nothing when more sequences run than disable_by_batch_size. draft_model:
+        prefill for another engine, not opted out (SamplingParams.speculative), its draws not held
+        (Request.draw_waits: an imported request whose grammar compiles), with room for the drafts
+        and one token more (max_tokens, max_model_len). Nothing when more sequences run than disable_by_batch_size. draft_model:
         placeholders that fill() replaces."""
         cfg = self.config
         if len(running) > cfg.disable_by_batch_size:
@@ -89,7 +90,7 @@ class Speculator:
         for seq in running:
             request = seq.request
             if (seq.num_new_tokens != 1 or seq.num_output_tokens < 1 or request.export_kv
-                    or not request.params.speculative):
+                    or not request.params.speculative or request.draw_waits):
                 continue
             room = min(cfg.num_speculative_tokens, request.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)

@@ -4,12 +4,15 @@ sequence, a token bitmask applied to the batch's logits before sampling.
     compiler.py   GrammarCompilerPool: the tokenizer's xgrammar compiler, a thread pool, the
                   byte-bounded cache, the time limit; submit() -> GrammarJob
     matchers.py   GrammarJob (a compile in flight) and the per-sequence GrammarMatcher life cycle
+    compiling.py  CompilingRequests: the requests whose first draw waits for their compile
+                  (vLLM's WAITING_FOR_FSM); the scheduler leaves those draws out of each step
     bitmask.py    GrammarMaskBuilder -> GrammarMask: the host-filled int32 bitmask of a step's
                   constrained rows, and its application to the logits in one op
 """
 from gpu_worker.structured.bitmask import GrammarMask, GrammarMaskBuilder, apply_grammar_mask
 from gpu_worker.structured.compiler import GrammarCompilerPool
+from gpu_worker.structured.compiling import CompilingRequests
 from gpu_worker.structured.matchers import GrammarError, GrammarJob
 
-__all__ = ["GrammarCompilerPool", "GrammarError", "GrammarJob", "GrammarMask", "GrammarMaskBuilder",
+__all__ = ["CompilingRequests", "GrammarCompilerPool", "GrammarError", "GrammarJob", "GrammarMask", "GrammarMaskBuilder",
            "apply_grammar_mask"]

@@ -10,8 +10,9 @@ evict one another instead of growing memory.
 Time limit: xgrammar's compile is C++ and cannot be interrupted. A compile is bounded by the
 gateway's limits on what reaches it (sizes, enum entries, nesting depth: services/gateway/
 structured.py) and by a deadline: a request whose grammar is not ready `time_limit_s` after
-submission fails (GrammarJob.wait); the compile itself runs on to its end on its pool thread,
-and at most `max_workers` such compiles run at once.
+submission fails (the engine finds the job settled with that error: compiling.py); the compile
+itself runs on to its end on its pool thread, and at most `max_workers` such compiles run at
+once. `compile` is the seam that runs on the pool (tests replace it to make a compile slow).
 """
 from __future__ import annotations
 

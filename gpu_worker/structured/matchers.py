@@ -1,9 +1,9 @@
 """A compile in flight (GrammarJob) and the per-sequence xgrammar GrammarMatcher.
 
 A constrained request's grammar compiles while its prompt is prefilled (the engine submits it at
-add_request). Its first draw needs the grammar: matcher_for() waits for the compile there, up to
-the job's deadline, holding up that one step; a request whose prompt takes longer to prefill
-than its grammar to compile never waits.
+add_request). Its first draw needs the grammar: until the job is settled (compiled, failed, or
+past its deadline) the scheduler leaves that draw out of every step (compiling.py), so wait()
+is only ever called on a settled job and returns at once.
 """
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ class GrammarJob:
         self.deadline = deadline
         self.field = field
         self.error: str | None = None   # set once the compile failed: the request ends with it
+
+    def settled(self) -> bool:
+        """True once wait() returns (or raises) at once: the compile ended or missed its deadline."""
+        return self.error is not None or self.future.done() or time.monotonic() >= self.deadline
 
     def wait(self) -> Any:
         """The CompiledGrammar; raises GrammarError when the compile failed or missed its deadline."""

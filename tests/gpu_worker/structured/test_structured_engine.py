@@ -15,7 +15,7 @@ from gpu_worker.engine import Engine
 from services.protocol.sampling import SamplingParams, StructuredOutput
 from tests.gpu_worker.structured.schema_corpus import SCHEMAS
 
-MAX_STEPS = 2_000
+MAX_STEPS = 20_000       # a step with nothing but held draws waits up to 5 ms for a compile
 MAX_TOKENS = 400          # far above any corpus schema's longest instance with these bounds
 PROMPTS = [[5, 6, 7, 8, 9], [11, 300, 42], [700, 3, 3, 9, 12, 13]]
 

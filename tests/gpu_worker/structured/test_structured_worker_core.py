@@ -8,7 +8,7 @@ from gpu_worker.service.core import WorkerCore
 from services.protocol.messages import Abort, Dispatch, RequestFailed, StepOutput
 from services.protocol.sampling import SamplingParams, StructuredOutput
 
-MAX_RUNS = 200
+MAX_RUNS = 20_000        # a run with nothing but held draws waits up to 5 ms for a compile
 
 
 def dispatch(rid: str, params: SamplingParams) -> Dispatch:
