@@ -13,14 +13,24 @@ structured.py) and by a deadline: a request whose grammar is not ready `time_lim
 submission fails (the engine finds the job settled with that error: compiling.py); the compile
 itself runs on to its end on its pool thread, and at most `max_workers` such compiles run at
 once. `compile` is the seam that runs on the pool (tests replace it to make a compile slow).
+
+Expected cache hits: the pool remembers (bounded) which constraints compiled here. A job for one
+of those is `expect_cached`: its compile is a lookup in xgrammar's cache (microseconds), so the
+engine does not hold the request's first draw out of the prefill step for it (compiling.py) and
+the constrained request's first token comes in the same step as an unconstrained one's; if
+xgrammar evicted it meanwhile, the draw waits for the recompile within the time limit.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import msgspec
 from typing import Any, Sequence
 
 from gpu_worker.structured.matchers import GrammarError, GrammarJob
@@ -30,6 +40,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_LIMIT_BYTES = 512 * 1024 * 1024
 DEFAULT_TIME_LIMIT_S = 10.0
+COMPILED_KEYS = 8192        # constraints remembered as compiled here (32-byte digests)
 
 
 class GrammarCompilerPool:
@@ -45,13 +56,28 @@ class GrammarCompilerPool:
         self._pool: ThreadPoolExecutor | None = None
         self._compiler: Any = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[bytes, None] = OrderedDict()   # digests of specs compiled here, LRU
 
     def submit(self, spec: StructuredOutput) -> GrammarJob:
         """Start compiling `spec` now; the job's wait() gives the grammar or raises GrammarError."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar-compile")
-        future: Future = self._pool.submit(self.compile, spec)
-        return GrammarJob(future, time.monotonic() + self.time_limit_s, _field_of(spec))
+        key = _digest(spec)
+        with self._lock:
+            expect_cached = key in self._compiled
+            if expect_cached:
+                self._compiled.move_to_end(key)
+        future: Future = self._pool.submit(self._compile_and_note, spec, key)
+        return GrammarJob(future, time.monotonic() + self.time_limit_s, _field_of(spec), expect_cached=expect_cached)
+
+    def _compile_and_note(self, spec: StructuredOutput, key: bytes) -> Any:
+        compiled = self.compile(spec)
+        with self._lock:
+            self._compiled[key] = None
+            self._compiled.move_to_end(key)
+            if len(self._compiled) > COMPILED_KEYS:
+                self._compiled.popitem(last=False)
+        return compiled
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The CompiledGrammar of spec (on the calling thread); raises what xgrammar raises."""
@@ -91,6 +117,10 @@ class GrammarCompilerPool:
                 self._compiler = xgrammar.GrammarCompiler(
                     info, max_threads=min(8, os.cpu_count() or 1), cache_limit_bytes=self.cache_limit_bytes)
             return self._compiler
+
+
+def _digest(spec: StructuredOutput) -> bytes:
+    return hashlib.blake2b(msgspec.msgpack.encode(spec), digest_size=32).digest()
 
 
 def _field_of(spec: StructuredOutput) -> str:

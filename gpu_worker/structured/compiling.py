@@ -42,7 +42,10 @@ class CompilingRequests:
         return len(self._requests)
 
     def add(self, request: Any) -> None:
-        """request.grammar was just submitted: hold its draws until the job settles."""
+        """request.grammar was just submitted: hold its draws until the job settles (a job that
+        is a cache lookup is not held: its draw waits the microseconds the lookup takes)."""
+        if request.grammar.expect_cached:
+            return
         request.draw_waits = True
         self._requests[request.request_id] = request
 

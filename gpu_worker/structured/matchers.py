@@ -3,7 +3,8 @@
 A constrained request's grammar compiles while its prompt is prefilled (the engine submits it at
 add_request). Its first draw needs the grammar: until the job is settled (compiled, failed, or
 past its deadline) the scheduler leaves that draw out of every step (compiling.py), so wait()
-is only ever called on a settled job and returns at once.
+returns at once; a job expected to be a cache hit (expect_cached) is not held, and its wait()
+is that lookup.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ class GrammarError(Exception):
 class GrammarJob:
     """One request's grammar: compiling on the pool, then compiled (or failed)."""
 
-    def __init__(self, future: Future, deadline: float, field: str) -> None:
+    def __init__(self, future: Future, deadline: float, field: str, *, expect_cached: bool = False) -> None:
         self.future = future
         self.deadline = deadline
         self.field = field
+        self.expect_cached = expect_cached   # compiled here before: the compile is a cache lookup
         self.error: str | None = None   # set once the compile failed: the request ends with it
 
     def settled(self) -> bool:

@@ -145,3 +145,20 @@ def test_a_prefill_for_another_engine_draws_its_first_token_once_compiled(tiny_l
     assert engine.release_export("json")
     assert_blocks_back(engine)
     engine.close()
+
+
+def test_a_constraint_compiled_before_draws_in_its_prefill_step(tiny_llama):
+    """A schema compiled here before is a cache lookup: its request is not held, so its first token
+    comes in the step that prefills its prompt, as an unconstrained request's does (a new schema's
+    comes one step later, after its compile)."""
+    engine = make_engine(tiny_llama)
+    engine.add_request("first", PROMPTS[0], constrained(5))
+    assert not engine.requests["first"].grammar.expect_cached and engine.requests["first"].draw_waits
+    run(engine)
+    engine.add_request("again", PROMPTS[1], constrained(5))
+    assert engine.requests["again"].grammar.expect_cached and not engine.requests["again"].draw_waits
+    assert "again" in step_counting(engine, 1, {})[0]
+    run(engine)
+    assert engine.take_failed() == []
+    assert_blocks_back(engine)
+    engine.close()
