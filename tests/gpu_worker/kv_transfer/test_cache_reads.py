@@ -5,6 +5,7 @@ code over a real loopback socket. Tokens are one engine's; nothing leaks on eith
 D reads, falls back to frames (a source it cannot open), or the request is aborted mid-read."""
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -16,6 +17,7 @@ from gpu_worker.kv_transfer.messages import Accept, CacheSource, Done, SharedTen
 from gpu_worker.kv_transfer.shm import host_identity
 from gpu_worker.service.core import WorkerCore
 from gpu_worker.service.handoff import DecodeReceiver, PrefillSender
+from gpu_worker.service.handoff_peer import PeerSender
 from services.protocol.messages import Abort, AwaitKV, Dispatch
 from services.security.curve import Plane
 from tests.gpu_worker.kv_transfer.conftest import engine, greedy, prompt, run_single
@@ -38,6 +40,15 @@ def run_pair(llama, ids: dict, *, source=None, abort: str = "", max_tokens: int 
     sender.producer.max_frame_bytes = 4096
     d_addr = receiver.endpoint.address + "#worker"
     out: list = []
+    # P's sender thread sends the aborted request's Done only once the Abort is in: else D could
+    # take Accept and Done in one poll and the abort would come after the read, not during it
+    abort_sent, read_by_d = threading.Event(), PeerSender._read_by_d
+
+    def held_read_by_d(self, rid, *args):
+        if rid == abort:
+            abort_sent.wait(timeout=60)
+        return read_by_d(self, rid, *args)
+    PeerSender._read_by_d = held_read_by_d
     try:
         for rid, toks in ids.items():
             out += d.run([AwaitKV(request_id=rid, epoch=1, n=1, reply_addr="gw", detok_addr="dt")])
@@ -54,9 +65,13 @@ def run_pair(llama, ids: dict, *, source=None, abort: str = "", max_tokens: int 
             receiver.poll()
             d.adopt_imports()
             out += d.run(inbox)
+            if inbox:
+                abort_sent.set()
             time.sleep(0.001)
         assert aborted, "the aborted request was never accepted for a read"
     finally:
+        abort_sent.set()
+        PeerSender._read_by_d = read_by_d
         sender.close()
         receiver.close()
     tokens: dict = {}
