@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from typing import NamedTuple
 
 import torch
 
@@ -111,6 +112,24 @@ def make_attention_backend(name: str, device: torch.device, cfg: ModelConfig,
         from gpu_worker.attention.triton_backend import TritonAttentionBackend  # lazy: needs triton
         return TritonAttentionBackend(sliding_window=cfg.sliding_window, tuning=tuning, **scales)
     raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch or triton")
+
+
+def copy_cache_blocks(kv_caches: list[KVCache], src: list[int], dst: list[int], device: torch.device) -> None:
+    """Blocks src[i] -> dst[i] in every (K, V) of `kv_caches` (same-length lists)."""
+    s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+    if device.type == "cuda":        # pinned + non-blocking: no wait for the stream
+        s, d = s.pin_memory(), d.pin_memory()
+    s, d = s.to(device, non_blocking=True), d.to(device, non_blocking=True)
+    for cache in (c for kv in kv_caches for c in kv):
+        if cache.dtype.itemsize == 1:     # fp8: copy the bytes (index_copy_ has no fp8 CPU kernel)
+            cache = cache.view(torch.uint8)
+        cache.index_copy_(0, d, cache.index_select(0, s))
+
+
+class TargetForward(NamedTuple):
+    """forward_with_prenorm's result."""
+    logits: torch.Tensor      # (S, V), as forward() returns them
+    prenorm: torch.Tensor     # (T, H): every row's residual stream before the final norm
 
 
 class ModelRunner:
@@ -222,14 +241,7 @@ class ModelRunner:
             return
         if len(src) != len(dst):
             raise ValueError("copy_blocks: src and dst must have the same length")
-        s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
-        if self.device.type == "cuda":        # pinned + non-blocking: no wait for the stream
-            s, d = s.pin_memory(), d.pin_memory()
-        s, d = s.to(self.device, non_blocking=True), d.to(self.device, non_blocking=True)
-        for cache in (c for kv in self.kv_caches for c in kv):
-            if cache.dtype.itemsize == 1:     # fp8: copy the bytes (index_copy_ has no fp8 CPU kernel)
-                cache = cache.view(torch.uint8)
-            cache.index_copy_(0, d, cache.index_select(0, s))
+        copy_cache_blocks(self.kv_caches, src, dst, self.device)
 
     def profile_num_blocks(self, block_size: int, gpu_memory_utilization: float,
                            max_num_batched_tokens: int = PROFILE_TOKENS, max_num_seqs: int = 0) -> int:
@@ -344,6 +356,19 @@ class ModelRunner:
         if batch.logits_indices.shape[0] == hidden.shape[0]:  # every row samples (decode): the
             return self._logits(hidden)                       # indices are 0..T-1, skip the gather
         return self._logits(hidden[batch.logits_indices])
+
+    @torch.inference_mode()
+    def forward_with_prenorm(self, batch: ForwardBatch) -> TargetForward:
+        """forward() that also returns the residual stream before the final norm, which a
+        multi-token-prediction module reads (gpu_worker/spec_decode/mtp.py). Always eager: the
+        whole-step and piecewise CUDA graphs keep that stream inside their pools."""
+        if not self.kv_caches:
+            raise RuntimeError("allocate_kv_cache must be called before forward")
+        batch = self.prepare_inputs(batch)
+        self._pin_decode_splits(batch)
+        hidden, prenorm = self.model.forward_with_prenorm(batch.input_ids, batch.positions, self.kv_caches, batch)
+        rows = hidden if batch.logits_indices.shape[0] == hidden.shape[0] else hidden[batch.logits_indices]
+        return TargetForward(self._logits(rows), prenorm)
 
     def capture_cuda_graphs(self, max_batch_size: int, max_context_len: int) -> None:
         """Capture decode steps of up to `max_batch_size` sequences (after allocate_kv_cache);
