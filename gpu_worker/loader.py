@@ -141,8 +141,8 @@ def copy_checkpoint(model_dir: str | Path, targets: dict, copy: Callable[[Any, s
     """The loop every loader runs: each checkpoint tensor that has a target goes through
     copy(open safetensors file, name, target) -> bytes read, under a LoadProgress titled `desc`.
     A tensor without a target must be one known to be unused (a tied model's lm_head.weight,
-    `skipped`: another rank's, names under `ignored_prefixes`: MTP layers), else the checkpoint is not this architecture's: ModelLoadError
-    naming a few."""
+    `skipped`: another rank's, names under `ignored_prefixes`: MTP layers), else the checkpoint
+    is not this architecture's: ModelLoadError naming a few."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)

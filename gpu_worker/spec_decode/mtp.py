@@ -141,16 +141,13 @@ class MtpProposer(ModelProposer):
                 views.append(_view(seq, first, n))
             keep.append((seq, r.start + kept - 1, r.row + kept - 1))
         if keep:
-            kept_rows = prenorm.index_select(0, torch.tensor([k[2] for k in keep], dtype=torch.long, device=prenorm.device))
-            for (seq, position, _), h in zip(keep, kept_rows):
+            index = torch.tensor([k[2] for k in keep], dtype=torch.long, device=prenorm.device)
+            for (seq, position, _), h in zip(keep, prenorm.index_select(0, index)):           # (K, H)
                 self.pending[seq] = _Pending(position, h)
         for seq in [s for s in self.pending if s.status is SequenceStatus.FINISHED]:
             del self.pending[seq]
         if views:
-            source = torch.cat([torch.stack(spent), prenorm]) if spent else prenorm          # (P + T, H)
-            index = [i if from_spent else len(spent) + i for from_spent, i in picks]
-            hidden = source.index_select(0, torch.tensor(index, dtype=torch.long, device=prenorm.device))     # (M, H)
-            self.runner.forward(self.builder.build(views), hidden)
+            self.runner.forward(self.builder.build(views), _gather(prenorm, spent, picks))
 
     def can_propose(self, seq: Sequence) -> bool:
         """Only with h of the position before its uncomputed token at hand."""
@@ -189,3 +186,16 @@ class MtpProposer(ModelProposer):
         self.pending.clear()
         self._step = None
         self.runner.close()
+
+
+def _gather(prenorm: torch.Tensor, spent: list[torch.Tensor], picks: list[tuple[bool, int]]) -> torch.Tensor:
+    """(M, H): row m is spent[i] or prenorm[i] as picks[m] = (from spent, i) says (no copy of
+    the whole step's states: a long prefill's are large)."""
+    dev = prenorm.device
+    hidden = prenorm.new_empty((len(picks), prenorm.shape[1]))                               # (M, H)
+    for pool, from_spent in ((prenorm, False), (torch.stack(spent) if spent else None, True)):
+        at = [m for m, (s, _) in enumerate(picks) if s == from_spent]
+        if at:
+            index = torch.tensor([picks[m][1] for m in at], dtype=torch.long, device=dev)
+            hidden.index_copy_(0, torch.tensor(at, dtype=torch.long, device=dev), pool.index_select(0, index))
+    return hidden

@@ -2,7 +2,7 @@
 (mtp_models.py): greedy tokens identical to decoding without speculation through batching,
 chunked prefill, prefix hits, n > 1 and preemption; every first draft equal to a recompute
 from scratch (so the MTP's own KV and pending rows stay right through all of those); an oracle
-MTP layer accepts every draft; aborts between verifications leak no block; exact block
+MTP layer accepts every draft (counted under method="mtp"); aborts between verifications leak no block; exact block
 accounting after every step; a model without MTP layers is refused at start; LLM(...) and
 `kvmesh generate` take the method."""
 from __future__ import annotations
@@ -104,6 +104,14 @@ def test_an_oracle_mtp_layer_accepts_every_draft(mtp_models):
     assert stats["verify_steps"] == 3 * 5
     assert stats["accepted"] == stats["proposed"] == 3 * 5 * K and stats["accepted_per_pos"] == [15] * K
     assert all(len(t) == steps for t in out.values())
+    # the worker's counters carry method="mtp" (gpu_worker/service/main.py publishes these stats)
+    from prometheus_client import REGISTRY
+
+    from services.metrics import SpecDecodePublisher
+    name, labels = "kvmesh_spec_decode_num_accepted_tokens_total", {"method": "mtp"}
+    before = REGISTRY.get_sample_value(name, labels) or 0.0
+    SpecDecodePublisher().publish(stats)
+    assert REGISTRY.get_sample_value(name, labels) - before == 3 * 5 * K
 
 
 def test_aborts_between_verifications_leak_nothing(mtp_models):
