@@ -36,8 +36,8 @@ from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResu
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 from gpu_worker.spec_decode import Speculator
-from gpu_worker.spec_decode.speculator import build_proposer
 from gpu_worker.spec_decode.rejection import verify as rejection_verify
+from gpu_worker.spec_decode.speculator import build_proposer
 from gpu_worker.structured import GrammarCompilerPool, GrammarError, GrammarMask, GrammarMaskBuilder
 from gpu_worker.structured.matchers import new_matcher
 from services.protocol.sampling import SamplingParams, SamplingParamsError
@@ -325,7 +325,7 @@ class Engine:
         """A synchronous step in which the sequences of `drafts` verify their drafts: their
         draft positions get logits rows and draws of their own; the others step as usual."""
         self._copy_blocks(out)
-        proposal = self.speculator.fill(drafts, self._sample_request_at)   # draft_model: draw the drafts
+        proposal = self.speculator.fill(drafts, self._sample_request_at)   # draft_model / mtp: draw the drafts
         batch = self.batch_builder.build(out.scheduled, [len(drafts.get(seq, ())) for seq, _ in out.scheduled])
         sampling = [item.seq for item in out.scheduled if item.samples]
         logits = self._target_forward(batch, out.scheduled)          # (S + drafts, vocab)
@@ -388,7 +388,7 @@ class Engine:
         return self.speculator.forward(self.runner, batch, scheduled)
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
-        """Copy-on-write copies of the step, in the draft model's KV cache too."""
+        """Copy-on-write copies of the step, in the draft model's (MTP layer's) KV cache too."""
         if out.copies:
             src, dst = [c.src for c in out.copies], [c.dst for c in out.copies]
             self.runner.copy_blocks(src, dst)
