@@ -53,7 +53,8 @@ def engine(args, spec: str | None, async_scheduling: bool, model_dir: str = "") 
                   async_scheduling=async_scheduling and spec is None)
     if args.smoke:
         return Engine(EngineConfig(**common, device="cpu", dtype="float32", num_gpu_blocks=2048))
-    return Engine(EngineConfig(**common, dtype="bfloat16", gpu_memory_utilization=0.85))
+    # two engines share the device at a time (the plain baseline and the speculative one)
+    return Engine(EngineConfig(**common, dtype="bfloat16", gpu_memory_utilization=0.42))
 
 
 def run(eng: Engine, prompts: list[list[int]], out_len: int) -> tuple[float, list[list[int]]]:
@@ -74,7 +75,8 @@ def run(eng: Engine, prompts: list[list[int]], out_len: int) -> tuple[float, lis
 
 def cases(args, prompts_by_regime: dict) -> list[tuple[str, str, list[list[int]], str, str]]:
     """(method, regime, prompts, speculative_config, model directory) for every measured
-    configuration."""
+    configuration; mtp/oracle, on a model of its own, comes last (main closes the plain engine
+    of --model-dir before it)."""
     out = []
     off = {"num_speculative_tokens": args.k, "disable_by_batch_size": max(args.batches)}   # never auto-off
     if "ngram" in args.methods:
@@ -150,8 +152,10 @@ def main() -> None:
                "random": [[rng.randrange(300, vocab) for _ in range(128)] for _ in seeds]}
     rows = []
     for method, regime, prompts, spec, model_dir in cases(args, regimes):
-        # another model (mtp/oracle): its own plain baseline, closed after its rows
-        base_eng = plain if model_dir == args.model_dir else engine(args, None, args.plain_async, model_dir)
+        if model_dir != args.model_dir and plain is not None:   # another model (mtp/oracle, the last
+            plain.close()                                        # case): its own plain baseline
+            plain = None
+        base_eng = plain or engine(args, None, args.plain_async, model_dir)
         eng = engine(args, spec, False, model_dir)
         for batch in args.batches:
             base, want = run(base_eng, prompts[:batch], args.out_len)
@@ -170,7 +174,8 @@ def main() -> None:
         eng.close()
         if base_eng is not plain:
             base_eng.close()
-    plain.close()
+    if plain is not None:
+        plain.close()
     print(json.dumps({"largest_batch_that_pays": crossover(rows)}), flush=True)
 
 

@@ -90,6 +90,8 @@ class MtpRunner:
     def close(self) -> None:
         self.kv_caches = []
         self.module = None
+        if self.device.type == "cuda":      # give the device memory back (as ModelRunner.close)
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
