@@ -126,6 +126,18 @@ def copy_cache_blocks(kv_caches: list[KVCache], src: list[int], dst: list[int], 
         cache.index_copy_(0, d, cache.index_select(0, s))
 
 
+def pin_decode_splits(attention: AttentionBackend, batch: ForwardBatch, n_kv: int, device: torch.device,
+                      tuning: KernelTuning) -> None:
+    """Eager steps on the triton backend: round the decode kernel's split count down to a
+    power of two. Split count is a compile-time constant of the kernel, so this bounds the
+    variants Triton ever compiles to six (warmup compiles them all ahead of time)."""
+    if not attention.pins_decode_splits or device.type != "cuda":
+        return
+    from gpu_worker.kernels.paged_decode_attention import choose_num_splits
+    splits = choose_num_splits(batch.num_seqs, n_kv, batch.max_context_len, device, tuning.decode_attention)
+    attention.decode_num_splits = 1 << (splits.bit_length() - 1)
+
+
 class TargetForward(NamedTuple):
     """forward_with_prenorm's result."""
     logits: torch.Tensor      # (S, V), as forward() returns them
@@ -448,16 +460,7 @@ class ModelRunner:
         self.piecewise_graphs = graphs
 
     def _pin_decode_splits(self, batch: ForwardBatch) -> None:
-        """Eager steps on the triton backend: round the decode kernel's split count down to a
-        power of two. Split count is a compile-time constant of the kernel, so this bounds the
-        variants Triton ever compiles to six (warmup compiles them all ahead of time)."""
-        if not self.attention.pins_decode_splits or self.device.type != "cuda":
-            return
-        from gpu_worker.kernels.paged_decode_attention import choose_num_splits
-        n_kv = self.kv_caches[0][0].shape[2]
-        splits = choose_num_splits(batch.num_seqs, n_kv, batch.max_context_len, self.device,
-                                   self.tuning.decode_attention)
-        self.attention.decode_num_splits = 1 << (splits.bit_length() - 1)
+        pin_decode_splits(self.attention, batch, self.kv_caches[0][0].shape[2], self.device, self.tuning)
 
     @torch.inference_mode()
     def warmup(self, max_num_seqs: int, max_query_len: int = 0) -> None:

@@ -17,7 +17,7 @@ import torch
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.loader import _copy, check_checkpoint
 from gpu_worker.model_config import ModelLoadError
-from gpu_worker.model_runner import copy_cache_blocks, make_attention_backend
+from gpu_worker.model_runner import copy_cache_blocks, make_attention_backend, pin_decode_splits
 from gpu_worker.models.decoder import KVCache
 from gpu_worker.models.mtp_module import SHARED_COPIES, MTPModule, mtp_prefix
 
@@ -99,6 +99,8 @@ class MtpRunner:
         target's pre-norm stream, or the previous chained step's g). Writes the layer's K/V at
         the rows' slots. -> g (T, H)."""
         batch = self.target.prepare_inputs(batch)
+        # the target's split-count classes, whose kernel variants its warmup compiled
+        pin_decode_splits(self.attention, batch, self.config.num_kv_heads, self.device, self.target.tuning)
         embeds = self.target.model.model.embed_tokens(batch.input_ids)                 # (T, H)
         return self.module(embeds, hidden, batch.positions, self.kv_caches[0], batch)
 
