@@ -9,9 +9,17 @@ weights make honest drafts rare):
     draft_model/self-draft   the target as its own draft: every draft right (upper bound)
     draft_model/independent-draft   --draft-dir, e.g. a 1-layer model of the same family and
                              tokenizer: drafts almost never right (overhead)
+    mtp/random-layer         the model's own MTP layer (--model-dir made with --mtp-layers 1),
+                             random: drafts almost never right (overhead)
+    mtp/oracle               --mtp-oracle-dir: a copy of --model-dir written by
+                             gpu_worker/mtp_oracle.py (a bigram target at full cost, the MTP layer
+                             its bigram): every draft right (upper bound), against plain decoding
+                             of that copy
 
     python bench/spec_decode_bench.py --model-dir /tmp/kvmesh-llama-1b --draft-dir /tmp/llama-1layer   # H200
-    python bench/spec_decode_bench.py --smoke                     # CPU, tiny target and draft
+    python bench/spec_decode_bench.py --methods mtp --model-dir /tmp/llama-8b-mtp \
+        --mtp-oracle-dir /tmp/llama-8b-mtp-oracle                 # H200; make-model --mtp-layers 1
+    python bench/spec_decode_bench.py --smoke                     # CPU, tiny target (with an MTP layer) and draft
 
 Each line: method, regime, batch, plain tok/s, speculative tok/s, their ratio, acceptance rate,
 mean accepted length, tokens equal to plain decoding. After the ladder, each case is swept
@@ -45,14 +53,15 @@ from services.protocol.sampling import SamplingParams  # noqa: E402
 MAX_STEPS = 100_000
 
 
-def engine(args, spec: str | None, async_scheduling: bool) -> Engine:
+def engine(args, spec: str | None, async_scheduling: bool, model_dir: str = "") -> Engine:
     # no prefix caching: the plain engine ran the seeds and their continuations (the repeating
     # prompts) first, and cached prompts would make every later run of either engine cheaper
-    common = dict(model=args.model_dir, max_num_seqs=max(args.batches), speculative_config=spec,
+    common = dict(model=model_dir or args.model_dir, max_num_seqs=max(args.batches), speculative_config=spec,
                   async_scheduling=async_scheduling and spec is None, enable_prefix_caching=False)
     if args.smoke:
         return Engine(EngineConfig(**common, device="cpu", dtype="float32", num_gpu_blocks=2048))
-    return Engine(EngineConfig(**common, dtype="bfloat16", gpu_memory_utilization=0.85))
+    # two engines share the device at a time (the plain baseline and the speculative one)
+    return Engine(EngineConfig(**common, dtype="bfloat16", gpu_memory_utilization=0.42))
 
 
 def run(eng: Engine, prompts: list[list[int]], out_len: int) -> tuple[float, list[list[int]]]:
@@ -71,8 +80,10 @@ def run(eng: Engine, prompts: list[list[int]], out_len: int) -> tuple[float, lis
     return sum(map(len, outs.values())) / dt, [outs[f"r{i}"] for i in range(len(prompts))]
 
 
-def cases(args, prompts_by_regime: dict) -> list[tuple[str, str, list[list[int]], str]]:
-    """(method, regime, prompts, speculative_config) for every measured configuration."""
+def cases(args, prompts_by_regime: dict) -> list[tuple[str, str, list[list[int]], str, str]]:
+    """(method, regime, prompts, speculative_config, model directory) for every measured
+    configuration; mtp/oracle, on a model of its own, comes last (main closes the plain engine
+    of --model-dir before it)."""
     out = []
     off = {"num_speculative_tokens": args.k, "disable_by_batch_size": max(args.batches)}   # never auto-off
     if "ngram" in args.methods:
@@ -80,14 +91,22 @@ def cases(args, prompts_by_regime: dict) -> list[tuple[str, str, list[list[int]]
                    "random": dict(prompt_lookup_min=1, prompt_lookup_max=3)}
         for regime, lookup in lookups.items():
             out.append(("ngram", regime, prompts_by_regime[regime],
-                        json.dumps({"method": "ngram", **off, **lookup})))
+                        json.dumps({"method": "ngram", **off, **lookup}), args.model_dir))
     if "draft_model" in args.methods:
         drafts = {"self-draft": args.model_dir}            # the target as its own draft: the upper bound
         if args.draft_dir:
             drafts["independent-draft"] = args.draft_dir   # random weights: acceptance ~0, the overhead
         for regime, draft in drafts.items():
             out.append(("draft_model", regime, prompts_by_regime["random"],
-                        json.dumps({"method": "draft_model", "model": draft, **off})))
+                        json.dumps({"method": "draft_model", "model": draft, **off}), args.model_dir))
+    if "mtp" in args.methods:
+        mtp = json.dumps({"method": "mtp", **off})
+        out.append(("mtp", "random-layer", prompts_by_regime["random"], mtp, args.model_dir))
+        if args.mtp_oracle_dir:
+            from gpu_worker.mtp_oracle import write_mtp_oracle
+            if not (Path(args.mtp_oracle_dir) / "config.json").exists():
+                write_mtp_oracle(args.model_dir, args.mtp_oracle_dir)
+            out.append(("mtp", "oracle", prompts_by_regime["random"], mtp, args.mtp_oracle_dir))
     return out
 
 
@@ -150,7 +169,9 @@ def main() -> None:
     ap.add_argument("--model-dir", default="")
     ap.add_argument("--draft-dir", default="", help="draft_model: an independent draft (same tokenizer), measured "
                                                     "beside the target as its own draft")
-    ap.add_argument("--methods", default="ngram,draft_model", help="comma-separated: ngram, draft_model")
+    ap.add_argument("--methods", default="ngram,draft_model", help="comma-separated: ngram, draft_model, mtp")
+    ap.add_argument("--mtp-oracle-dir", default="", help="mtp: where the oracle copy of --model-dir is (written "
+                                                         "there when missing): the upper-bound regime")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--out-len", type=int, default=256)
@@ -169,7 +190,9 @@ def main() -> None:
         if not args.model_dir:
             args.model_dir = str(tmp / "tiny")
             subprocess.run([sys.executable, "-m", "services.cli", "make-model", "--arch", "llama", "--size", "tiny",
-                            args.model_dir], check=True, capture_output=True)
+                            "--mtp-layers", "1", args.model_dir], check=True, capture_output=True)
+        if "mtp" in args.methods and not args.mtp_oracle_dir:
+            args.mtp_oracle_dir = str(tmp / "oracle")
         if not args.draft_dir:
             from gpu_worker.make_model import make_model
             args.draft_dir = str(make_model(tmp / "draft", arch="llama", size="tiny", seed=1, layers=1, progress=False))
@@ -187,15 +210,22 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         return row["speedup"]
 
-    for method, regime, prompts, spec in cases(args, regimes):
-        eng = engine(args, spec, False)
-        speedups = {batch: measured(measure(plain, eng, (method, regime), prompts, batch, args.out_len))
+    for method, regime, prompts, spec, model_dir in cases(args, regimes):
+        if model_dir != args.model_dir and plain is not None:   # another model (mtp/oracle, the last
+            plain.close()                                        # case): its own plain baseline
+            plain = None
+        base_eng = plain or engine(args, None, args.plain_async, model_dir)
+        eng = engine(args, spec, False, model_dir)
+        speedups = {batch: measured(measure(base_eng, eng, (method, regime), prompts, batch, args.out_len))
                     for batch in args.batches}
         if args.refine:
             refine(speedups, lambda batch: measured({
-                **measure(plain, eng, (method, regime), prompts, batch, args.out_len), "refined": True}))
+                **measure(base_eng, eng, (method, regime), prompts, batch, args.out_len), "refined": True}))
         eng.close()
-    plain.close()
+        if base_eng is not plain:
+            base_eng.close()
+    if plain is not None:
+        plain.close()
     print(json.dumps(crossover(rows)), flush=True)
 
 

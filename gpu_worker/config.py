@@ -102,8 +102,8 @@ class EngineConfig(EngineArgs):
         if spec is not None and self.async_scheduling:
             raise bad("speculative_config", "speculative decoding runs only with async_scheduling off "
                                             "(--no-async-scheduling; served engines default to it on)")
-        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
-            raise bad("speculative_config", "draft_model runs with tensor_parallel_size 1 only; use ngram "
+        if spec is not None and spec.method in ("draft_model", "mtp") and self.tensor_parallel_size > 1:
+            raise bad("speculative_config", f"{spec.method} runs with tensor_parallel_size 1 only; use ngram "
                                             "or tensor_parallel_size=1")
         if not isinstance(self.tuning, KernelTuning):
             raise bad("tuning", f"must be a gpu_worker.tuning.KernelTuning, got {type(self.tuning).__name__}")

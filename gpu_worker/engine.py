@@ -37,8 +37,8 @@ from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResu
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 from gpu_worker.spec_decode import Speculator
-from gpu_worker.spec_decode.draft_model import DraftModel
 from gpu_worker.spec_decode.rejection import verify as rejection_verify
+from gpu_worker.spec_decode.speculator import build_proposer
 from gpu_worker.structured import (CompilingRequests, GrammarCompilerPool, GrammarError, GrammarMask,
                                    GrammarMaskBuilder)
 from gpu_worker.structured.matchers import new_matcher
@@ -105,9 +105,9 @@ class Engine:
         self.sampler = Sampler()
         self.batch_builder = BatchBuilder(config.block_size, self.device)
         spec = config.speculative
-        draft = (DraftModel(setup.draft_runner, config.block_size, self.device)
-                 if setup.draft_runner is not None else None)
-        self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
+        self.speculator = (Speculator(spec, self.max_model_len,
+                                      build_proposer(spec, setup.draft_runner, config.block_size, self.device))
+                           if spec is not None else None)
         self._prepare_gpu()
         self.grammars = GrammarCompilerPool(config.model, self.vocab_size, self.eos_token_ids)
         self.grammar_masks = GrammarMaskBuilder(self.vocab_size, self.device, max_threads=min(8, os.cpu_count() or 1))
@@ -249,7 +249,7 @@ class Engine:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
-        if self.speculator is not None:    # the draft model's weights and KV cache
+        if self.speculator is not None:    # the draft model's / MTP layer's weights and KV cache
             self.speculator.close()
         self.grammars.close()
         if self.kv_tiers is not None:      # the disk tier's writer thread
@@ -297,7 +297,10 @@ class Engine:
         t = time.perf_counter()
         results = self.sampler(fwd.logits, fwd.requests, fwd.grammar)   # the draw and its host sync
         self.last_sync_s += time.perf_counter() - t
-        return [d for (_, seq), res in zip(fwd.targets, results) if (d := self._append(seq, res))]
+        deltas = [d for (_, seq), res in zip(fwd.targets, results) if (d := self._append(seq, res))]
+        if self.speculator is not None:           # mtp: its KV catches up on the step's final tokens
+            self.speculator.settle()
+        return deltas
 
     def _forward(self, out: SchedulerOutput, prev: _InFlight | None) -> _Forwarded:
         """The part of a step both schedulings share: copy-on-write copies, the batch (its PENDING
@@ -309,9 +312,7 @@ class Engine:
         if prev is not None:
             self._take_pending_inputs(batch, out.scheduled, prev)
         sampling = [item for item in out.scheduled if item.samples]
-        logits = self.runner.forward(batch)                          # (S, vocab)
-        if self.speculator is not None:           # a draft model writes its KV for the same tokens
-            self.speculator.follow(batch)
+        logits = self._target_forward(batch, out.scheduled)          # (S, vocab)
         if prev is None:              # every token is known: publish the blocks that filled up now
             bm, bs = self.block_manager, self.config.block_size
             for seq, num_new in out.scheduled:
@@ -330,12 +331,11 @@ class Engine:
         """A synchronous step in which the sequences of `drafts` verify their drafts: their
         draft positions get logits rows and draws of their own; the others step as usual."""
         self._copy_blocks(out)
-        proposal = self.speculator.fill(drafts, self._sample_request_at)   # draft_model: draw the drafts
+        proposal = self.speculator.fill(drafts, self._sample_request_at)   # draft_model / mtp: draw the drafts
         batch = self.batch_builder.build(out.scheduled, [len(drafts.get(seq, ())) for seq, _ in out.scheduled])
         batch.layer_loads = out.layer_loads
         sampling = [item.seq for item in out.scheduled if item.samples]
-        logits = self.runner.forward(batch)                          # (S + drafts, vocab)
-        self.speculator.follow(batch)
+        logits = self._target_forward(batch, out.scheduled)          # (S + drafts, vocab)
         bm, bs = self.block_manager, self.config.block_size
         for seq, num_new in out.scheduled:                           # drafts: after verification
             if seq not in drafts:
@@ -384,10 +384,18 @@ class Engine:
                 at += len(draft) + 1
             if (d := self._accept(seq, draft, drawn)) is not None:
                 deltas.append(d)
+        self.speculator.settle()
         return deltas
 
+    def _target_forward(self, batch, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """The model's forward of a step; with a proposer, through its hook (a draft model writes
+        its KV for the same tokens, mtp keeps the pre-norm states: speculator.py)."""
+        if self.speculator is None:
+            return self.runner.forward(batch)
+        return self.speculator.forward(self.runner, batch, scheduled)
+
     def _copy_blocks(self, out: SchedulerOutput) -> None:
-        """Copy-on-write copies of the step, in the draft model's KV cache too."""
+        """Copy-on-write copies of the step, in the draft model's (MTP layer's) KV cache too."""
         if out.copies:
             src, dst = [c.src for c in out.copies], [c.dst for c in out.copies]
             self.runner.copy_blocks(src, dst)
@@ -841,6 +849,9 @@ class Engine:
         self._warm_sampler()
         log.info("compiled the eager-step kernels in %.1f s", time.perf_counter() - t)
         if cfg.enforce_eager or not hasattr(self.runner, "capture_cuda_graphs"):
+            return
+        if self.speculator is not None and self.speculator.eager_target:   # mtp reads pre-norm states
+            log.info("speculative method %s: the model runs eager (no CUDA graphs)", self.speculator.config.method)
             return
         self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_bs, cfg.max_num_seqs), self.max_model_len)
         prefill_tokens = min(cfg.prefill_graph_max_tokens, cfg.max_num_batched_tokens, self.max_model_len - 1)

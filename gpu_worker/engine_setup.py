@@ -10,7 +10,8 @@ the model runner and its KV cache.
     max_model_len  the model's max_position_embeddings, capped by KV capacity (and by
                 max_num_batched_tokens without chunked prefill); a larger explicit value errors
     draft runner   speculative_config's draft_model: loaded beside the target before the KV
-                cache is sized; each block then holds both models' K/V (same block ids)
+                cache is sized; each block then holds both models' K/V (same block ids);
+                mtp: the model's own MTP layer (spec_decode/mtp_runner.py), its K/V likewise
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class EngineSetup:
     model_id: str
     num_blocks: int
     max_model_len: int
-    draft_runner: Any = None     # speculative draft_model: its runner, KV cache allocated like the target's
+    draft_runner: Any = None     # speculative draft_model's runner, or mtp's MtpRunner; KV cache allocated
+                                 # like the target's
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -101,7 +103,7 @@ def resolve_setup(config: EngineConfig, *, runner: Any = None, model_config: Any
     if not config.enable_chunked_prefill:
         wanted_len = _cap(config, wanted_len, config.max_num_batched_tokens,
                           "max_num_batched_tokens (chunked prefill is off, so a prompt must fit in one step)")
-    draft = _load_draft(config, model_config, device, dtype, backend, wanted_len)
+    draft = _load_draft(config, model_config, runner, device, dtype, backend, wanted_len)
     num_blocks = _num_blocks(config, runner, device, wanted_len, draft)
     max_model_len = _cap(config, wanted_len, num_blocks * config.block_size,
                          f"the KV cache capacity ({num_blocks} blocks x {config.block_size} tokens)")
@@ -111,10 +113,13 @@ def resolve_setup(config: EngineConfig, *, runner: Any = None, model_config: Any
     return EngineSetup(model_config, runner, device, dtype, backend, model_id, num_blocks, max_model_len, draft)
 
 
-def _load_draft(config: EngineConfig, model_config: Any, device: torch.device, dtype: torch.dtype,
+def _load_draft(config: EngineConfig, model_config: Any, runner: Any, device: torch.device, dtype: torch.dtype,
                 backend: str, max_model_len: int) -> Any:
-    """The draft model's runner when speculative_config asks for one, else None."""
+    """The draft model's runner, or the MTP layer's, when speculative_config asks for one, else None."""
     spec = config.speculative
+    if spec is not None and spec.method == "mtp":
+        from gpu_worker.spec_decode.mtp_runner import MtpRunner
+        return MtpRunner(runner, config.model)
     if spec is None or spec.method != "draft_model":
         return None
     from gpu_worker.spec_decode.draft_model import load_draft_runner
@@ -140,7 +145,8 @@ def _num_blocks(config: EngineConfig, runner: Any, device: torch.device, max_len
     block_bytes = target_bytes + (int(draft.block_size_bytes(config.block_size)) if draft is not None else 0)
     if device.type == "cuda":
         # size the profiling forward like the largest step the engine will run, and its draw
-        # like the largest batch of sequences; the draft's weights are loaded, so they are counted
+        # like the largest batch of sequences; the draft's (MTP layer's) weights are loaded, so
+        # they are counted
         blocks = int(runner.profile_num_blocks(config.block_size, config.gpu_memory_utilization,
                                                config.max_num_batched_tokens, config.max_num_seqs))
         return max(1, blocks * target_bytes // block_bytes)    # a block holds both models' K/V

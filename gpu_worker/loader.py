@@ -124,16 +124,25 @@ def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = True) 
         tensor = f.get_tensor(name)
         _copy(target, tensor, name)
         return tensor.numel() * tensor.element_size()
-    copy_checkpoint(model_dir, model.hf_weight_targets(), copy, progress=progress)
+    copy_checkpoint(model_dir, model.hf_weight_targets(), copy, progress=progress,
+                    ignored_prefixes=nextn_prefixes(model.cfg))
+
+
+def nextn_prefixes(cfg: Any) -> tuple[str, ...]:
+    """Checkpoint name prefixes of the multi-token-prediction layers (DeepSeek-V3 stores them as
+    layers num_layers.. of the decoder): the target never loads them; spec_decode/mtp_module.py does."""
+    first = cfg.num_layers
+    return tuple(f"model.layers.{first + i}." for i in range(getattr(cfg, "num_nextn_predict_layers", 0)))
 
 
 def copy_checkpoint(model_dir: str | Path, targets: dict, copy: Callable[[Any, str, Any], int], *,
-                    progress: bool, desc: str = "loading weights", skipped: Collection[str] = ()) -> None:
+                    progress: bool, desc: str = "loading weights", skipped: Collection[str] = (),
+                    ignored_prefixes: tuple[str, ...] = ()) -> None:
     """The loop every loader runs: each checkpoint tensor that has a target goes through
     copy(open safetensors file, name, target) -> bytes read, under a LoadProgress titled `desc`.
     A tensor without a target must be one known to be unused (a tied model's lm_head.weight,
-    `skipped`: another rank's), else the checkpoint is not this architecture's: ModelLoadError
-    naming a few."""
+    `skipped`: another rank's, names under `ignored_prefixes`: MTP layers), else the checkpoint
+    is not this architecture's: ModelLoadError naming a few."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
@@ -147,7 +156,8 @@ def copy_checkpoint(model_dir: str | Path, targets: dict, copy: Callable[[Any, s
                 for name in names:
                     target = targets.get(name)
                     if target is None:
-                        if not (name.endswith(_IGNORED_SUFFIXES) or name == "lm_head.weight" or name in skipped):
+                        if not (name.endswith(_IGNORED_SUFFIXES) or name == "lm_head.weight" or name in skipped
+                                or name.startswith(ignored_prefixes)):
                             unknown.append(name)
                         bar.update(0)
                         continue

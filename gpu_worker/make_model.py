@@ -2,6 +2,7 @@
 
     kvmesh make-model --arch llama --size 8b OUT_DIR      # exactly Llama-3.1-8B's shapes
     kvmesh make-model --arch qwen3_moe --size tiny OUT_DIR   # MoE: mixtral | qwen3_moe
+    kvmesh make-model --arch llama --size tiny --mtp-layers 1 OUT_DIR   # + a DeepSeek-style MTP layer
 
 No weights can be downloaded where kvmesh is tested and benchmarked, so every test, demo and
 GPU benchmark runs on these. The directory loads in both kvmesh and `transformers`:
@@ -15,6 +16,12 @@ token's own embedding (so greedy output depends on context and does not loop on 
 an lm_head giving logits of std ~4 (clear top-1 margins: greedy tokens agree across
 numerically different but correct kernels in fp32); norm weights 1 + noise (a norm that fails
 to load shows up in parity tests). Same seed, same size: byte-identical files on the CPU.
+
+--mtp-layers N appends N multi-token-prediction layers under DeepSeek-V3's names
+(model.layers.{L..L+N-1}.enorm / hnorm / eh_proj / shared_head.norm and a dense decoder layer;
+gpu_worker/models/mtp_module.py) and config.json's num_nextn_predict_layers, for speculative
+decoding's method mtp; transformers ignores them (unexpected keys), so parity tests still load.
+Drawn after every other tensor, so the rest of the model is the same as without them.
 """
 from __future__ import annotations
 
@@ -67,6 +74,7 @@ class Shape:
     moe_inter: int = 0                 # each expert's intermediate size
     norm_topk: bool = True             # qwen3_moe: renormalize top-k weights (Mixtral always does)
     mlp_only_layers: tuple[int, ...] = ()  # qwen3_moe: layers with a dense MLP instead
+    mtp_layers: int = 0                # DeepSeek-style multi-token-prediction layers after the decoder
 
 
 def _llama3_scaling(factor: float, original: int) -> dict:
@@ -192,6 +200,8 @@ def config_json(arch: str, shape: Shape, dtype: str) -> dict:
                    output_router_logits=False)
     if arch.startswith("qwen"):
         cfg["use_sliding_window"] = False
+    if shape.mtp_layers:
+        cfg["num_nextn_predict_layers"] = shape.mtp_layers
     return cfg
 
 
@@ -261,6 +271,24 @@ def _tensor_specs(arch: str, s: Shape) -> Iterator[tuple[str, tuple[int, ...], f
     yield "model.norm.weight", (s.hidden,), 1.0, NORM_NOISE
     if not s.tied:
         yield "lm_head.weight", (s.vocab, s.hidden), 0.0, LOGIT_STD * fan
+    for m in range(s.mtp_layers):
+        yield from _mtp_specs(arch, s, s.layers + m)
+
+
+def _mtp_specs(arch: str, s: Shape, index: int) -> Iterator[tuple[str, tuple[int, ...], float, float]]:
+    """One DeepSeek-V3-style MTP layer at decoder index `index`: the norms of the embedding and of
+    the hidden state, eh_proj (2H -> H), a dense decoder layer (the model's intermediate_size as
+    config.json states it), the head's norm."""
+    p = f"model.layers.{index}."
+    yield p + "enorm.weight", (s.hidden,), 1.0, NORM_NOISE
+    yield p + "hnorm.weight", (s.hidden,), 1.0, NORM_NOISE
+    yield p + "eh_proj.weight", (s.hidden, 2 * s.hidden), 0.0, 1 / math.sqrt(2 * s.hidden)
+    dense = replace(s, layers=1, mlp_only_layers=(0,), mtp_layers=0,
+                    intermediate=s.moe_inter if arch == "mixtral" else s.intermediate)
+    for name, dims, mean, std in _tensor_specs(arch, dense):
+        if name.startswith("model.layers.0."):
+            yield p + name.removeprefix("model.layers.0."), dims, mean, std
+    yield p + "shared_head.norm.weight", (s.hidden,), 1.0, NORM_NOISE
 
 
 def _expert_specs(p: str, names, s: Shape, branch: float) -> Iterator[tuple[str, tuple[int, ...], float, float]]:
@@ -369,10 +397,13 @@ def main(argv: list[str] | None = None) -> int:
                          "the rest are padding rows, as in many real models)")
     ap.add_argument("--device", default=None,
                     help="where random weights are drawn (default: cuda for 1b/8b if present, else cpu)")
+    ap.add_argument("--mtp-layers", type=int, default=0, choices=range(0, 9), metavar="N",
+                    help="append N DeepSeek-V3-style multi-token-prediction layers (0-8; for speculative "
+                         "decoding's method mtp)")
     ap.add_argument("out_dir", help="directory to write (created if missing)")
     args = ap.parse_args(argv)
     out = make_model(args.out_dir, args.arch, args.size, seed=args.seed, dtype=args.dtype,
-                     vocab_size=args.vocab_size, device=args.device)
+                     vocab_size=args.vocab_size, device=args.device, mtp_layers=args.mtp_layers)
     print(f"wrote {args.arch} {args.size} model to {out}")
     return 0
 

@@ -77,6 +77,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0   # each expert's intermediate size
     norm_topk_prob: bool = True      # renormalize the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse MoE block
+    # Multi-token-prediction modules after the decoder layers (DeepSeek-V3's
+    # num_nextn_predict_layers): checkpoint layers num_layers .. num_layers + this - 1, read only
+    # by speculative_config {"method": "mtp"} (gpu_worker/spec_decode/mtp.py).
+    num_nextn_predict_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -153,6 +157,7 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             sliding_window=int(sliding) if sliding else None,
             path=path,
+            num_nextn_predict_layers=_nextn_layers(raw, arch),
             **_moe_fields(raw, family, get),
         )
 
@@ -176,6 +181,17 @@ def _moe_fields(raw: dict[str, Any], family: str, get) -> dict[str, Any]:
         raise ModelLoadError(f"num_experts_per_tok ({top_k}) exceeds the number of experts ({experts})")
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
                 norm_topk_prob=renorm, moe_layers=sparse)
+
+
+MAX_NEXTN_LAYERS = 8
+
+
+def _nextn_layers(raw: dict[str, Any], arch: str) -> int:
+    value = raw.get("num_nextn_predict_layers") or 0
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_NEXTN_LAYERS:
+        raise ModelLoadError(f"{arch} config.json: 'num_nextn_predict_layers' must be an integer in "
+                             f"[0, {MAX_NEXTN_LAYERS}], got {value!r}")
+    return value
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from typing import NamedTuple
 
 import torch
 
@@ -111,6 +112,36 @@ def make_attention_backend(name: str, device: torch.device, cfg: ModelConfig,
         from gpu_worker.attention.triton_backend import TritonAttentionBackend  # lazy: needs triton
         return TritonAttentionBackend(sliding_window=cfg.sliding_window, tuning=tuning, **scales)
     raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch or triton")
+
+
+def copy_cache_blocks(kv_caches: list[KVCache], src: list[int], dst: list[int], device: torch.device) -> None:
+    """Blocks src[i] -> dst[i] in every (K, V) of `kv_caches` (same-length lists)."""
+    s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+    if device.type == "cuda":        # pinned + non-blocking: no wait for the stream
+        s, d = s.pin_memory(), d.pin_memory()
+    s, d = s.to(device, non_blocking=True), d.to(device, non_blocking=True)
+    for cache in (c for kv in kv_caches for c in kv):
+        if cache.dtype.itemsize == 1:     # fp8: copy the bytes (index_copy_ has no fp8 CPU kernel)
+            cache = cache.view(torch.uint8)
+        cache.index_copy_(0, d, cache.index_select(0, s))
+
+
+def pin_decode_splits(attention: AttentionBackend, batch: ForwardBatch, n_kv: int, device: torch.device,
+                      tuning: KernelTuning) -> None:
+    """Eager steps on the triton backend: round the decode kernel's split count down to a
+    power of two. Split count is a compile-time constant of the kernel, so this bounds the
+    variants Triton ever compiles to six (warmup compiles them all ahead of time)."""
+    if not attention.pins_decode_splits or device.type != "cuda":
+        return
+    from gpu_worker.kernels.paged_decode_attention import choose_num_splits
+    splits = choose_num_splits(batch.num_seqs, n_kv, batch.max_context_len, device, tuning.decode_attention)
+    attention.decode_num_splits = 1 << (splits.bit_length() - 1)
+
+
+class TargetForward(NamedTuple):
+    """forward_with_prenorm's result."""
+    logits: torch.Tensor      # (S, V), as forward() returns them
+    prenorm: torch.Tensor     # (T, H): every row's residual stream before the final norm
 
 
 class ModelRunner:
@@ -222,14 +253,7 @@ class ModelRunner:
             return
         if len(src) != len(dst):
             raise ValueError("copy_blocks: src and dst must have the same length")
-        s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
-        if self.device.type == "cuda":        # pinned + non-blocking: no wait for the stream
-            s, d = s.pin_memory(), d.pin_memory()
-        s, d = s.to(self.device, non_blocking=True), d.to(self.device, non_blocking=True)
-        for cache in (c for kv in self.kv_caches for c in kv):
-            if cache.dtype.itemsize == 1:     # fp8: copy the bytes (index_copy_ has no fp8 CPU kernel)
-                cache = cache.view(torch.uint8)
-            cache.index_copy_(0, d, cache.index_select(0, s))
+        copy_cache_blocks(self.kv_caches, src, dst, self.device)
 
     def profile_num_blocks(self, block_size: int, gpu_memory_utilization: float,
                            max_num_batched_tokens: int = PROFILE_TOKENS, max_num_seqs: int = 0) -> int:
@@ -369,6 +393,22 @@ class ModelRunner:
         if batch.layer_loads is not None:
             batch.layer_loads.finish()
 
+    @torch.inference_mode()
+    def forward_with_prenorm(self, batch: ForwardBatch) -> TargetForward:
+        """forward() that also returns the residual stream before the final norm, which a
+        multi-token-prediction module reads (gpu_worker/spec_decode/mtp.py). Always eager: the
+        whole-step and piecewise CUDA graphs keep that stream inside their pools."""
+        if not self.kv_caches:
+            raise RuntimeError("allocate_kv_cache must be called before forward")
+        batch = self.prepare_inputs(batch)
+        self._pin_decode_splits(batch)
+        try:                                  # eager: lower-tier loads land layer by layer
+            hidden, prenorm = self.model.forward_with_prenorm(batch.input_ids, batch.positions, self.kv_caches, batch)
+        finally:
+            self._finish_loads(batch)         # no step ends with a load half written
+        rows = hidden if batch.logits_indices.shape[0] == hidden.shape[0] else hidden[batch.logits_indices]
+        return TargetForward(self._logits(rows), prenorm)
+
     def capture_cuda_graphs(self, max_batch_size: int, max_context_len: int) -> None:
         """Capture decode steps of up to `max_batch_size` sequences (after allocate_kv_cache);
         forward then replays them for pure-decode batches. On CPU the same path runs eagerly."""
@@ -447,16 +487,7 @@ class ModelRunner:
         self.piecewise_graphs = graphs
 
     def _pin_decode_splits(self, batch: ForwardBatch) -> None:
-        """Eager steps on the triton backend: round the decode kernel's split count down to a
-        power of two. Split count is a compile-time constant of the kernel, so this bounds the
-        variants Triton ever compiles to six (warmup compiles them all ahead of time)."""
-        if not self.attention.pins_decode_splits or self.device.type != "cuda":
-            return
-        from gpu_worker.kernels.paged_decode_attention import choose_num_splits
-        n_kv = self.kv_caches[0][0].shape[2]
-        splits = choose_num_splits(batch.num_seqs, n_kv, batch.max_context_len, self.device,
-                                   self.tuning.decode_attention)
-        self.attention.decode_num_splits = 1 << (splits.bit_length() - 1)
+        pin_decode_splits(self.attention, batch, self.kv_caches[0][0].shape[2], self.device, self.tuning)
 
     @torch.inference_mode()
     def warmup(self, max_num_seqs: int, max_query_len: int = 0) -> None:

@@ -121,7 +121,9 @@ class EngineArgs:
                                                "\"prompt_lookup_max\": 5, \"disable_by_batch_size\": 8 (more "
                                                "running sequences: no drafts)} or {\"method\": \"draft_model\", "
                                                "\"model\": DIR (a smaller model with the same tokenizer), "
-                                               "\"num_speculative_tokens\": 4}; needs async_scheduling off; "
+                                               "\"num_speculative_tokens\": 4} or {\"method\": \"mtp\", "
+                                               "\"num_speculative_tokens\": 2} (the model's own "
+                                               "multi-token-prediction layer); needs async_scheduling off; "
                                                "none: off.", unset="", pattern=r"(?s).{1,4096}",
                                          expected="a JSON object of 1 to 4096 characters")
 

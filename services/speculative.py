@@ -2,9 +2,12 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}
+    {"method": "mtp", "num_speculative_tokens": 2}
 
 ngram: prompt lookup (no model). draft_model: a smaller model with the target's tokenizer,
-loaded beside it (gpu_worker/spec_decode/draft_model.py); "draft_tensor_parallel_size" is
+loaded beside it (gpu_worker/spec_decode/draft_model.py). mtp: the model's own
+multi-token-prediction layer (config.json num_nextn_predict_layers >= 1), chained
+num_speculative_tokens times (gpu_worker/spec_decode/mtp.py); "draft_tensor_parallel_size" is
 accepted as vLLM spells it, and only 1. Unknown keys, wrong types and values out of bounds raise
 a ValueError naming the key (a draft directory that does not load fails when the engine starts).
 No torch here: every service's config embeds the field (services/engine_args.py), and a bad
@@ -16,7 +19,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 MAX_SPECULATIVE_TOKENS = 8
 MAX_LOOKUP = 64            # longest n-gram searched: bounds the proposer's per-step cost
 MAX_CONFIG_CHARS = 4096
@@ -66,8 +69,7 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     if "method" not in raw:
         raise _bad("method", f"is required (one of: {', '.join(METHODS)})")
     if raw["method"] not in METHODS:
-        raise _bad("method", f"must be one of: {', '.join(METHODS)} (got {raw['method']!r}); "
-                             "mtp is not supported yet")
+        raise _bad("method", f"must be one of: {', '.join(METHODS)} (got {raw['method']!r})")
     for key, (lo, hi) in _BOUNDS.items():
         if key in raw:
             value = raw[key]

@@ -263,6 +263,12 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], batch: ForwardBatch) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, H) after the last norm."""
+        return self.forward_with_prenorm(input_ids, positions, kv_caches, batch)[0]
+
+    def forward_with_prenorm(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                             kv_caches: list[KVCache], batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (final hidden states after the last norm, the residual stream before it), (T, H)
+        each. The second is what a multi-token-prediction module reads (DeepSeek-V3's h_i)."""
         x, residual = self.model.embed_tokens(input_ids), None  # (T, H)
         layers = self.model.layers
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
@@ -271,8 +277,8 @@ class CausalLM(nn.Module):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, residual = layer(x, residual, positions, kv, batch, next_norm)
         if isinstance(residual, NormedStream):      # the last layer wrote the final norm
-            return x
-        return self.model.norm.add_forward(x, residual)[0]
+            return x, residual.stream
+        return self.model.norm.add_forward(x, residual)
 
     def use_fused_kernels(self, kernels) -> None:
         """Switch a built model's launchers (an A/B of benchmarks and tests: the model is built with
@@ -300,30 +306,36 @@ class CausalLM(nn.Module):
     def hf_weight_targets(self) -> dict[str, WeightTarget]:
         """Hugging Face tensor name -> the (slice of the) parameter it loads into."""
         cfg, targets = self.cfg, {}
-        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         targets["model.embed_tokens.weight"] = WeightTarget(self.model.embed_tokens.weight)
         targets["model.norm.weight"] = WeightTarget(self.model.norm.weight)
         if self.lm_head is not None:
             targets["lm_head.weight"] = WeightTarget(self.lm_head.weight)
         for i, layer in enumerate(self.model.layers):
-            p, attn = f"model.layers.{i}.", layer.self_attn
-            targets[p + "input_layernorm.weight"] = WeightTarget(layer.input_layernorm.weight)
-            targets[p + "post_attention_layernorm.weight"] = WeightTarget(layer.post_attention_layernorm.weight)
-            rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
-            for name, (a, b) in rows.items():
-                targets[p + f"self_attn.{name}.weight"] = WeightTarget(attn.qkv_proj.weight, a, b)
-                if cfg.qkv_bias:
-                    targets[p + f"self_attn.{name}.bias"] = WeightTarget(attn.qkv_proj.bias, a, b)
-            targets[p + "self_attn.o_proj.weight"] = WeightTarget(attn.o_proj.weight)
-            if cfg.o_proj_bias:
-                targets[p + "self_attn.o_proj.bias"] = WeightTarget(attn.o_proj.bias)
-            if cfg.qk_norm:
-                targets[p + "self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
-                targets[p + "self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
-            if isinstance(layer.mlp, SparseMoE):
-                targets.update(layer.mlp.hf_weight_targets(p, EXPERT_NAMES[cfg.family]))
-                continue
-            targets[p + "mlp.gate_proj.weight"] = WeightTarget(layer.mlp.gate_up_proj.weight, 0, inter)
-            targets[p + "mlp.up_proj.weight"] = WeightTarget(layer.mlp.gate_up_proj.weight, inter, 2 * inter)
-            targets[p + "mlp.down_proj.weight"] = WeightTarget(layer.mlp.down_proj.weight)
+            targets.update(layer_weight_targets(cfg, layer, f"model.layers.{i}."))
         return targets
+
+
+def layer_weight_targets(cfg: ModelConfig, layer: DecoderLayer, p: str) -> dict[str, WeightTarget]:
+    """Hugging Face tensor names of one decoder layer stored under prefix `p` -> its parameters."""
+    targets, attn = {}, layer.self_attn
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    targets[p + "input_layernorm.weight"] = WeightTarget(layer.input_layernorm.weight)
+    targets[p + "post_attention_layernorm.weight"] = WeightTarget(layer.post_attention_layernorm.weight)
+    rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    for name, (a, b) in rows.items():
+        targets[p + f"self_attn.{name}.weight"] = WeightTarget(attn.qkv_proj.weight, a, b)
+        if cfg.qkv_bias:
+            targets[p + f"self_attn.{name}.bias"] = WeightTarget(attn.qkv_proj.bias, a, b)
+    targets[p + "self_attn.o_proj.weight"] = WeightTarget(attn.o_proj.weight)
+    if cfg.o_proj_bias:
+        targets[p + "self_attn.o_proj.bias"] = WeightTarget(attn.o_proj.bias)
+    if cfg.qk_norm:
+        targets[p + "self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
+        targets[p + "self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
+    if isinstance(layer.mlp, SparseMoE):
+        targets.update(layer.mlp.hf_weight_targets(p, EXPERT_NAMES[cfg.family]))
+        return targets
+    targets[p + "mlp.gate_proj.weight"] = WeightTarget(layer.mlp.gate_up_proj.weight, 0, inter)
+    targets[p + "mlp.up_proj.weight"] = WeightTarget(layer.mlp.gate_up_proj.weight, inter, 2 * inter)
+    targets[p + "mlp.down_proj.weight"] = WeightTarget(layer.mlp.down_proj.weight)
+    return targets

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.attention.base import AttentionBackend
-from gpu_worker.loader import copy_checkpoint
+from gpu_worker.loader import copy_checkpoint, nextn_prefixes
 from gpu_worker.model_config import ModelConfig, ModelLoadError
 from gpu_worker.models.decoder import CausalLM
 from gpu_worker.models.moe import EXPERT_NAMES, SparseMoE
@@ -125,7 +125,8 @@ def load_sharded_weights(model: TPCausalLM, model_dir: str | Path, progress: boo
     def copy(f, name: str, target) -> int:
         return _copy_slice(target, f.get_slice(name), model.hf_shard(name), name)
     copy_checkpoint(model_dir, model.hf_weight_targets(), copy, progress=progress,
-                    desc=f"loading weights (rank {model.ctx.rank})", skipped=model.hf_skipped_names())
+                    desc=f"loading weights (rank {model.ctx.rank})", skipped=model.hf_skipped_names(),
+                    ignored_prefixes=nextn_prefixes(model.full_cfg))
 
 
 def _copy_slice(target, lazy, shard: Shard | None, name: str) -> int:

@@ -27,22 +27,17 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from gpu_worker.batch_builder import BatchBuilder
 from gpu_worker.forward_batch import ForwardBatch
-from gpu_worker.sampler import SampleRequest, Sampler
+from gpu_worker.sampler import Sampler
 from gpu_worker.sequence import Sequence
-from gpu_worker.spec_decode.rejection import draft_seed, processed_probs, wants_rejection
+from gpu_worker.spec_decode.proposer import DraftProposal, ModelProposer, RequestAt, draw_position
 
 log = logging.getLogger(__name__)
-
-# A draft position before the draft model has drawn its token: any valid id (the scheduler and
-# the block accounting never read token values past the computed tokens).
-PLACEHOLDER = 0
-
 
 class _DraftView(NamedTuple):
     """What BatchBuilder reads of a sequence, for one draft decode step of it."""
@@ -96,16 +91,16 @@ def load_draft_runner(draft_dir: str, target_config: Any, target_dir: str, *, de
     return runner
 
 
-class DraftProposal(NamedTuple):
-    """The draws of one propose(): per sequence that samples randomly, q_j for each draft."""
-    q: dict[Sequence, torch.Tensor]        # (k_seq, V) float32 probabilities, one row per draft
-
-
-class DraftModel:
+class DraftModel(ModelProposer):
     def __init__(self, runner: Any, block_size: int, device: torch.device) -> None:
         self.runner = runner
         self.builder = BatchBuilder(block_size, device)
         self.sampler = Sampler()
+
+    def forward(self, runner: Any, batch: ForwardBatch, scheduled: list) -> torch.Tensor:
+        logits = runner.forward(batch)
+        self.follow(batch)
+        return logits
 
     @torch.inference_mode()
     def follow(self, batch: ForwardBatch) -> None:
@@ -115,11 +110,13 @@ class DraftModel:
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self.runner.copy_blocks(src, dst)
 
+    def warmup(self, max_num_seqs: int, max_query_len: int) -> None:
+        self.runner.warmup(max_num_seqs, max_query_len)
+
     def close(self) -> None:
         self.runner.close()
 
-    def propose(self, drafts: dict[Sequence, list[int]],
-                request_at: Callable[[int, Sequence, int], SampleRequest]) -> DraftProposal:
+    def propose(self, drafts: dict[Sequence, list[int]], request_at: RequestAt) -> DraftProposal:
         """Draw every draft (placeholders in `drafts` and in the sequences' token_ids replaced).
         request_at(row, seq, num_tokens): the target's draw after token_ids[:num_tokens]."""
         q: dict[Sequence, list[torch.Tensor]] = {}
@@ -130,23 +127,5 @@ class DraftModel:
                 at = seq.num_tokens - len(draft) - 1 + j              # c + j: this step's input
                 views.append((_DraftView(seq.token_ids[:at + 1], at, seq.block_table), 1))
             logits = self.runner.forward(self.builder.build(views))   # (A, V)
-            requests = [request_at(i, seq, seq.num_tokens - len(draft) + j) for i, (seq, draft) in enumerate(active)]
-            draws = [r._replace(seed=draft_seed(r.seed), params=_no_logprobs(r.params)) for r in requests]
-            tokens = [res.token_id for res in self.sampler(logits, draws)]
-            random_rows = [i for i, r in enumerate(requests) if wants_rejection(r.params)]
-            if random_rows:
-                probs = processed_probs(logits, [requests[i] for i in random_rows])   # (R, V)
-                for k, i in enumerate(random_rows):
-                    q.setdefault(active[i][0], []).append(probs[k])
-            for (seq, draft), token in zip(active, tokens):
-                draft[j] = token
-                seq.token_ids[seq.num_tokens - len(draft) + j] = token
+            draw_position(self.sampler, logits, active, j, request_at, q)
         return DraftProposal({seq: torch.stack(rows) for seq, rows in q.items()})
-
-
-def _no_logprobs(params: Any) -> Any:
-    """The draft's own draw reports nothing: its logprobs are never shown."""
-    if params.logprobs is None:
-        return params
-    import msgspec
-    return msgspec.structs.replace(params, logprobs=None)

@@ -22,19 +22,23 @@ the rule of Leviathan et al. and Chen et al. for this q. Every emitted token is 
 the target's processed distribution at its position (the same draw as without speculation, up
 to the rounding differences between a one-token and a multi-token forward).
 
-draft_model (draft_model.py) proposes with a smaller model instead: propose() appends
-placeholders (so that schedule() allocates slots for them), and once the step's blocks are
-final, fill() has the draft draw them. Greedy: the draft proposes its argmax; the verification
-above is exact. Sampling: the draft's q is no point mass, so such sequences verify by speculative
-sampling against q (rejection.py) instead of the equality test.
+draft_model (draft_model.py) proposes with a smaller model instead, mtp (mtp.py) with the
+model's own multi-token-prediction module: propose() appends placeholders (so that schedule()
+allocates slots for them), and once the step's blocks are final, fill() has the proposer draw
+them. Greedy: the proposer proposes its argmax; the verification above is exact. Sampling: its
+q is no point mass, so such sequences verify by speculative sampling against q (rejection.py)
+instead of the equality test.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from gpu_worker.scheduler import SchedulerOutput
 from gpu_worker.sequence import Sequence
-from gpu_worker.spec_decode.draft_model import PLACEHOLDER, DraftModel, DraftProposal
+from gpu_worker.spec_decode.draft_model import DraftModel
+from gpu_worker.spec_decode.proposer import PLACEHOLDER, DraftProposal, ModelProposer
 from gpu_worker.spec_decode.ngram import propose_ngram
 from services.speculative import SpeculativeConfig
 
@@ -67,11 +71,16 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: ModelProposer | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.draft = draft           # draft_model: the draft model; None: n-gram
+        self.proposer = proposer     # draft_model / mtp: the model that draws; None: n-gram
         self.stats = SpecStats()
+
+    @property
+    def eager_target(self) -> bool:
+        """The target's forwards must stay out of CUDA graphs (mtp reads their pre-norm states)."""
+        return self.proposer is not None and self.proposer.eager_target
 
     def stats_dict(self) -> dict:
         return self.stats.as_dict(self.config.method, self.config.num_speculative_tokens)
@@ -81,8 +90,9 @@ class Speculator:
         Eligible: caught up but for its last sampled token, past its first output token, not a
         prefill for another engine, not opted out (SamplingParams.speculative), its draws not held
         (Request.draw_waits: an imported request whose grammar compiles), with room for the drafts
-        and one token more (max_tokens, max_model_len). Nothing when more sequences run than disable_by_batch_size. draft_model:
-        placeholders that fill() replaces."""
+        and one token more (max_tokens, max_model_len), and one the proposer can serve (mtp: its
+        pending row at hand). Nothing when more sequences run than disable_by_batch_size.
+        draft_model / mtp: placeholders that fill() replaces."""
         cfg = self.config
         if len(running) > cfg.disable_by_batch_size:
             return {}
@@ -94,10 +104,12 @@ class Speculator:
                 continue
             room = min(cfg.num_speculative_tokens, request.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
-            if self.draft is not None:
+            if self.proposer is None:
+                draft = propose_ngram(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            elif self.proposer.can_propose(seq):
                 draft = [PLACEHOLDER] * max(room, 0)
             else:
-                draft = propose_ngram(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                continue
             if draft:
                 seq.token_ids.extend(draft)
                 drafts[seq] = draft
@@ -120,25 +132,44 @@ class Speculator:
         return kept
 
     def fill(self, drafts: dict[Sequence, list[int]], request_at) -> DraftProposal | None:
-        """draft_model: the draft model draws the scheduled drafts (after copy-on-write, before the
-        target's batch is built). None for n-gram drafts (already final)."""
-        if self.draft is None:
+        """draft_model / mtp: the proposer draws the scheduled drafts (after copy-on-write, before
+        the target's batch is built). None for n-gram drafts (already final)."""
+        if self.proposer is None:
             return None
-        return self.draft.propose(drafts, request_at)
+        return self.proposer.propose(drafts, request_at)
 
-    # ---- the draft model's KV follows the target's (draft_model.py) -------------------------
-    def follow(self, batch) -> None:
-        if self.draft is not None:
-            self.draft.follow(batch)
+    # ---- hooks around every step of the target (proposer.py) ------------------------------
+    def forward(self, runner, batch, scheduled) -> torch.Tensor:
+        """The target's forward of a step -> logits (a draft model then writes its KV for the
+        same tokens; mtp keeps the pre-norm states for settle())."""
+        if self.proposer is None:
+            return runner.forward(batch)
+        return self.proposer.forward(runner, batch, scheduled)
+
+    def settle(self) -> None:
+        """After the step's tokens are final (mtp: its KV catches up)."""
+        if self.proposer is not None:
+            self.proposer.settle()
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        if self.draft is not None:
-            self.draft.copy_blocks(src, dst)
+        if self.proposer is not None:
+            self.proposer.copy_blocks(src, dst)
 
     def warmup(self, max_num_seqs: int, max_query_len: int) -> None:
-        if self.draft is not None:
-            self.draft.runner.warmup(max_num_seqs, max_query_len)
+        if self.proposer is not None:
+            self.proposer.warmup(max_num_seqs, max_query_len)
 
     def close(self) -> None:
-        if self.draft is not None:
-            self.draft.close()
+        if self.proposer is not None:
+            self.proposer.close()
+
+
+def build_proposer(config: SpeculativeConfig, runner, block_size: int, device) -> ModelProposer | None:
+    """The proposer over `runner` (EngineSetup.draft_runner: the draft's ModelRunner, or the
+    MtpRunner); None for n-gram."""
+    if runner is None:
+        return None
+    if config.method == "mtp":
+        from gpu_worker.spec_decode.mtp import MtpProposer
+        return MtpProposer(runner, block_size, device)
+    return DraftModel(runner, block_size, device)

@@ -69,6 +69,33 @@ def test_cli_main(tmp_path, capsys):
     assert "wrote mistral tiny" in capsys.readouterr().out
 
 
+def test_mtp_layers_deepseek_names_and_the_rest_unchanged(tmp_path, capsys):
+    """--mtp-layers: DeepSeek-V3's tensor names after the decoder's layers (a dense layer even for
+    MoE families), config.json's num_nextn_predict_layers, every other tensor as without them;
+    transformers and kvmesh's target load the directory and ignore the MTP layer."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert mm.main(["--arch", "qwen3_moe", "--mtp-layers", "1", str(tmp_path / "moe")]) == 0
+    moe = load_file(str(tmp_path / "moe" / "model.safetensors"))
+    assert {"model.layers.2.mlp.gate_proj.weight", "model.layers.2.shared_head.norm.weight"} <= set(moe)
+    capsys.readouterr()
+    plain = mm.make_model(tmp_path / "plain", "llama", "tiny", seed=3, progress=False)
+    with_mtp = str(mm.make_model(tmp_path / "mtp", "llama", "tiny", seed=3, progress=False, mtp_layers=1))
+    assert ModelConfig.from_dir(with_mtp).num_nextn_predict_layers == 1
+    a, b = load_file(str(plain / "model.safetensors")), load_file(with_mtp + "/model.safetensors")
+    extra = sorted(set(b) - set(a))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert extra[:4] == ["model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight",
+                         "model.layers.2.hnorm.weight", "model.layers.2.input_layernorm.weight"]
+    assert b["model.layers.2.eh_proj.weight"].shape == (64, 128)
+    hf = AutoModelForCausalLM.from_pretrained(with_mtp, dtype=torch.float32).eval()
+    seqs, _ = three_step_run(with_mtp, 1024)
+    with torch.no_grad():
+        refs = [hf(torch.tensor([s.tokens])).logits[0] for s in seqs]
+    assert_close(seqs, refs)
+
+
 @pytest.mark.parametrize("arch, start, turn_end", [
     ("llama", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n", "<|eot_id|>"),
     ("mistral", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n", "<|eot_id|>"),

@@ -29,7 +29,7 @@ def test_ngram_config_parses_with_defaults():
     ('{"method": "draft_model", "model": 3}', "model"),
     ('{"method": "draft_model", "model": "/m", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size"),
     ('{"method": "ngram", "model": "/m"}', "model"),
-    ('{"method": "mtp"}', "method"),
+    ('{"method": "mtp", "model": "/m"}', "model"),
     ('{"method": "eagle"}', "method"),
     ('{"num_speculative_tokens": 4}', "method"),
     ('{"method": "ngram", "typo": 1}', "'typo'"),
@@ -50,6 +50,13 @@ def test_draft_model_config_parses():
     with pytest.raises(ValueError, match="draft_model runs with tensor_parallel_size 1 only"):
         EngineConfig(model="/m", speculative_config='{"method": "draft_model", "model": "/d"}',
                      tensor_parallel_size=2)
+
+
+def test_mtp_config_parses_and_needs_one_device():
+    cfg = parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 2}')
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.model) == ("mtp", 2, None)
+    with pytest.raises(ValueError, match="mtp runs with tensor_parallel_size 1 only"):
+        EngineConfig(model="/m", speculative_config='{"method": "mtp"}', tensor_parallel_size=2)
 
 
 def test_engine_config_validates_and_refuses_async_scheduling():

@@ -1,0 +1,83 @@
+"""What a proposer with a model of its own (draft_model.py, mtp.py) plugs into the engine's step,
+and the draw of one draft position that both share.
+
+    engine step:  propose placeholders -> schedule -> copy_blocks -> propose() (draw the drafts)
+                  -> forward(runner, batch, scheduled) (the target's logits) -> sample / verify
+                  -> settle() (the step's tokens are final)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.sampler import SampleRequest, Sampler
+from gpu_worker.scheduler import ScheduledSeq
+from gpu_worker.sequence import Sequence
+from gpu_worker.spec_decode.rejection import draft_seed, processed_probs, wants_rejection
+
+# A draft position before the proposer has drawn its token: any valid id (the scheduler and the
+# block accounting never read token values past the computed tokens).
+PLACEHOLDER = 0
+
+RequestAt = Callable[[int, Sequence, int], SampleRequest]
+
+
+class DraftProposal(NamedTuple):
+    """The draws of one propose(): per sequence that samples randomly, q_j for each draft."""
+    q: dict[Sequence, torch.Tensor]        # (k_seq, V) float32 probabilities, one row per draft
+
+
+class ModelProposer:
+    """Defaults: the target's forward as it is, nothing to settle, every sequence may propose."""
+    eager_target = False      # True: the target's forwards must run outside CUDA graphs
+
+    def forward(self, runner: Any, batch: ForwardBatch, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """The target's forward of the step -> its logits rows."""
+        return runner.forward(batch)
+
+    def settle(self) -> None:
+        """After the step's tokens are appended or verified (drafts rolled back, finishes done)."""
+
+    def can_propose(self, seq: Sequence) -> bool:
+        return True
+
+    def propose(self, drafts: dict[Sequence, list[int]], request_at: RequestAt) -> DraftProposal:
+        raise NotImplementedError
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        raise NotImplementedError
+
+    def warmup(self, max_num_seqs: int, max_query_len: int) -> None:
+        """Compile the proposer's eager kernels before serving (CUDA)."""
+
+    def close(self) -> None:
+        """Free its device memory."""
+
+
+def draw_position(sampler: Sampler, logits: torch.Tensor, active: list[tuple[Sequence, list[int]]], j: int,
+                  request_at: RequestAt, q: dict[Sequence, list[torch.Tensor]]) -> None:
+    """Draft j of each (seq, draft) of `active` from its row of `logits` (A, V), processed with the
+    request's sampling parameters as the target's draw at that position is (its key salted
+    apart): written into the draft and into seq.token_ids; random samplers' rows of q_j are
+    appended to q[seq] (rejection.py verifies against them)."""
+    requests = [request_at(i, seq, seq.num_tokens - len(draft) + j) for i, (seq, draft) in enumerate(active)]
+    draws = [r._replace(seed=draft_seed(r.seed), params=_no_logprobs(r.params)) for r in requests]
+    tokens = [res.token_id for res in sampler(logits, draws)]
+    random_rows = [i for i, r in enumerate(requests) if wants_rejection(r.params)]
+    if random_rows:
+        probs = processed_probs(logits, [requests[i] for i in random_rows])   # (R, V)
+        for k, i in enumerate(random_rows):
+            q.setdefault(active[i][0], []).append(probs[k])
+    for (seq, draft), token in zip(active, tokens):
+        draft[j] = token
+        seq.token_ids[seq.num_tokens - len(draft) + j] = token
+
+
+def _no_logprobs(params: Any) -> Any:
+    """The draft's own draw reports nothing: its logprobs are never shown."""
+    if params.logprobs is None:
+        return params
+    import msgspec
+    return msgspec.structs.replace(params, logprobs=None)
