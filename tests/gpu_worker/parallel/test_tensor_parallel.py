@@ -68,10 +68,10 @@ def test_idle_longer_than_the_collective_timeout(models):
     import time
     model_dir = str(models["qwen3"])
     cfg = ModelConfig.from_dir(model_dir)
-    tp = TPModelRunner(cfg, model_dir, tensor_parallel_size=2, timeout_s=10)
+    tp = TPModelRunner(cfg, model_dir, tensor_parallel_size=2, timeout_s=5)
     try:
         first, _ = greedy_run(tp, PROMPTS[:1], 1)
-        time.sleep(12)
+        time.sleep(6)
         assert all(p.poll() is None for p in tp.children)
         again, _ = greedy_run(tp, PROMPTS[:1], 1)
     finally:
