@@ -257,8 +257,8 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
                                     "the other worker runs on this host; zmq frames otherwise), cuda_ipc (a decode "
                                     "worker on this host copies the blocks out of the prefill worker's cache: CUDA "
                                     "IPC, device to device; a CPU cache through shared memory; shm/zmq frames "
-                                    "otherwise), auto (cuda_ipc where the prefill worker's cache is on a GPU, else "
-                                    "shm where both allow it, else zmq) or nixl (the decode worker reads the prefill worker's "
+                                    "otherwise; opt-in until checked on a GPU), auto (shm where both allow it, else "
+                                    "zmq; a decode worker also reads a cuda_ipc prefill worker's cache) or nixl (the decode worker reads the prefill worker's "
                                     "blocks through NIXL/UCX; needs the `nixl` package); nixl workers are paired "
                                     "only with nixl workers.", choices=("auto", "zmq", "shm", "cuda_ipc", "nixl"))
     handoff_lease_ms: int = opt(5000, "Prefill/decode roles: a hand-off's lease in ms, renewed by each KV frame the "

@@ -382,10 +382,10 @@ class WorkerService:
 
     def _cache_source(self, engine: Any) -> Any:
         """This prefill engine's cache exported for same-host decode workers to read
-        (kv_transfer/cuda_ipc.py): with cuda_ipc, and with auto where the cache is on a GPU (a CPU
-        cache is moved into shared memory for it, which auto does not do). None: frames only."""
-        on_gpu = engine.runner.kv_caches[0][0].is_cuda
-        if not (self.cfg.kv_transport == "cuda_ipc" or (self.cfg.kv_transport == "auto" and on_gpu)):
+        (kv_transfer/cuda_ipc.py), with cuda_ipc only: the CUDA path has not run on a GPU yet, so
+        auto keeps to the frames (a decode worker under auto still reads a cuda_ipc prefill
+        worker's cache). A CPU cache is moved into shared memory for it. None: frames only."""
+        if self.cfg.kv_transport != "cuda_ipc":
             return None
         from gpu_worker.kv_transfer.cuda_ipc import export_cache
         from gpu_worker.kv_transfer.shm import host_identity
