@@ -1,4 +1,4 @@
-"""A 10-turn chat with OpenAI's `user` set, through `kvmesh serve --workers 2` with a host-memory KV
+"""A 6-turn chat with OpenAI's `user` set, through `kvmesh serve --workers 2` with a host-memory KV
 tier and a small device pool, driven by the official client: every turn after the first goes to the
 worker of the first, even while a request of no conversation keeps that worker the busier one
 (least_loaded would send the turn to the other); each turn's `cached_tokens` reports the history it
@@ -17,7 +17,7 @@ import pytest
 from tests.integration.serve_proc import Serve
 from tests.integration.test_serve_supervision import _metrics_pages
 
-TURNS = 10
+TURNS = 6
 REPLY_TOKENS = 8
 BLOCK = 16
 POOL_BLOCKS = 64
