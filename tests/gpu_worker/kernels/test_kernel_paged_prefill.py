@@ -134,9 +134,9 @@ def qkv_views(randn, T, n_heads, n_kv, head_dim):
 @pytest.mark.parametrize("pack,window", [(False, None), (True, None), (False, 24)])
 def test_tma_rows_of_the_qkv_output(randn, rel_err, pack, window):
     """This step's K/V through TMA descriptors over strided qkv rows: ragged prompts whose last
-    query tile runs into the next sequence's rows (17, 257) and past T (the last one), a decode
+    query tile runs into the next sequence's rows (17, 129) and past T (the last one), a decode
     row, an extension behind a cached prefix; the same output as the pointer loads."""
-    q_lens, ctx, n_kv, group, hd = [17, 257, 1, 40], [17, 257, 33, 300], 2, 4, 32
+    q_lens, ctx, n_kv, group, hd = [17, 129, 1, 40], [17, 129, 33, 160], 2, 4, 32
     k_cache, v_cache, tables = make_paged(randn, ctx, n_kv, hd, 16, share_prefix=True)
     q, k_new, v_new = qkv_views(randn, sum(q_lens), n_kv * group, n_kv, hd)
     assert ppa.tma_ok(k_new, v_new)
