@@ -17,9 +17,11 @@
                             again, to continue on another worker from those tokens
     submit(resubmitted)     a gateway whose scheduler stopped sends its live requests again (adopt):
                             one a worker lists as held (`inherited`) is adopted there, so this core can
-                            move it should that worker die; one no worker holds (once every worker
-                            has listed what it holds) moves like a dead worker's request, from its
-                            stream's tokens (or from its start: it never reached a worker)
+                            move it should that worker die (a hand-off onto both its prefill and its
+                            decode worker: unless a mixed worker holds it, adoption waits until every
+                            worker has listed what it holds); one no worker holds moves like a dead
+                            worker's request, from its stream's tokens (or from its start: it never
+                            reached a worker)
 
 Migration: a request whose worker died (lease lapsed, replaced) or handed it back while draining
 (WorkerStatus.handed_back) continues elsewhere. Its detokenizer holds the tokens the client has, so
@@ -41,14 +43,16 @@ request from then on: D had no room for its KV, and P decodes it itself). An Abo
 Such a request gets a seed when the client gave none, so any worker that computes it draws the same
 tokens. P gone with the request: D runs it whole (Dispatch.resumes: the client may have its first
 token already, and its detokenizer skips the tokens it has seen), so the client sees one stream; D
-gone: P is told to drop it (Abort) and the client gets the worker_failed error.
+gone: P is told to drop it without ending its stream (Abort, reason "moved") and the request moves
+like any other (or fails, when it may not move again). The seed fixed at pairing is a function of
+the request id (_pairing_seed), so a scheduler that adopts a hand-off after a restart knows it too.
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import logging
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -168,7 +172,9 @@ class SchedulerCore:
         if rid in self.requests:                   # sent again before this core's answer arrived
             return [admitted]
         holders = [w for w in self.workers.values() if rid in w.inherited]
-        if not holders and not all(w.reported for w in self.workers.values()):
+        # a hand-off is held by a prefill and a decode worker: adopted onto one half only, the other
+        # half's death would go unseen, so a request not on a mixed worker waits for every report
+        if not any(w.role == "mixed" for w in holders) and not all(w.reported for w in self.workers.values()):
             self._unplaced[rid] = (msg, received_at)
             return []
         req = self._register(msg, received_at)
@@ -181,6 +187,8 @@ class SchedulerCore:
         worker = next((w for w in holders if w is not prefill), prefill)
         req.worker_id, req.dispatched_at = worker.id, self.clock()
         req.prefill_id = prefill.id if prefill is not None and prefill is not worker else None
+        if req.prefill_id is not None and msg.params.seed is None:   # the seed P draws with (_pairing_seed)
+            req.submit = _with_seed(msg, _pairing_seed(rid))
         for w in holders:
             w.inherited.discard(rid)
             w.inflight.add(rid)
@@ -280,8 +288,7 @@ class SchedulerCore:
         if prefill is not None:
             req.prefill_id = prefill.id
             if s.params.seed is None:     # a re-run after P died must draw what P drew
-                s = req.submit = msgspec.structs.replace(
-                    s, params=msgspec.structs.replace(s.params, seed=secrets.randbits(63)))
+                s = req.submit = _with_seed(s, _pairing_seed(rid))
             out.append(Envelope(worker.addr, AwaitKV(request_id=rid, epoch=worker.epoch, n=s.params.n,
                                                      reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
         target = prefill or worker
@@ -438,8 +445,9 @@ class SchedulerCore:
         for wid in (req.worker_id, req.prefill_id):
             if wid and (holder := self.workers.get(wid)):
                 holder.inflight.discard(rid)
-                if holder is not w:     # the other half of a hand-off: it frees what it holds
-                    out.append(Envelope(holder.addr, Abort(request_id=rid, reason="worker_failed")))
+                if holder is not w:     # the other half of a hand-off frees what it holds, silently:
+                    # the stream goes on elsewhere, so its detokenizer must not end it
+                    out.append(Envelope(holder.addr, Abort(request_id=rid, reason="moved")))
         req.worker_id = req.prefill_id = None
         if req.migrations >= self.limits.max_migrations:
             return out + self._fail_moving(rid, req, reason)
@@ -496,6 +504,17 @@ class SchedulerCore:
     @property
     def num_inflight(self) -> int:
         return len(self.requests) - self._queued
+
+
+def _pairing_seed(rid: str) -> int:
+    """The seed of a paired request the client gave none: a function of its id (128 random bits,
+    made by the gateway), so a scheduler that restarts mid-hand-off fixes the seed its predecessor
+    fixed, and a re-run on D still draws what P drew."""
+    return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8, person=b"kvmesh-pd-seed").digest()) >> 1
+
+
+def _with_seed(s: Submit, seed: int) -> Submit:
+    return msgspec.structs.replace(s, params=msgspec.structs.replace(s.params, seed=seed))
 
 
 def _dispatch_of(rid: str, s: Submit, worker: WorkerView, handoff_to: str, resumes: bool = False,

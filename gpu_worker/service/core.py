@@ -253,7 +253,8 @@ class WorkerCore:
         del self.requests[msg.request_id]
         self._unscheduled.pop(msg.request_id, None)
         self._finished.append(msg.request_id)
-        out.append(Envelope(req.detok_addr, Abort(request_id=msg.request_id, reason=msg.reason)))
+        if msg.reason != "moved":        # "moved": its stream goes on at another worker; keep it open
+            out.append(Envelope(req.detok_addr, Abort(request_id=msg.request_id, reason=msg.reason)))
 
     def _step(self, out: list[Envelope]) -> None:
         if self._stream_blocks:              # not taken after the last step (output held): this

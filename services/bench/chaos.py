@@ -1,8 +1,9 @@
 """`kvmesh bench chaos`: failover measured. A stack of its own on this machine (embedded Redis, a
 scheduler, --workers null-model workers: fake tokens whose value at output position p is a function
-of the prompt's length, the sample and p, wherever it is drawn; a gateway that makes its own
-text), a steady streaming load of --requests seeded and greedy requests, and four faults at fixed
-points of it:
+of the prompt's length, the sample and p, wherever it is drawn; two gateways, one that makes its own
+text and one that streams it through a tokenizer service, each taking every other request), a
+steady streaming load of --requests seeded and greedy requests, and four faults at fixed points of
+it:
 
     20% of the requests done   kill -9 one worker
     35%                        SIGTERM another (drains: --drain-grace-s, then hands its requests back)
@@ -11,8 +12,8 @@ points of it:
 
 Then it counts, against the same requests run on the healthy stack first: lost (an error), corrupted
 (text, finish, usage or logprob count different: a token duplicated, missing or reordered), migrated
-(the schedulers' kvmesh_scheduler_migrations_total, summed over both), KV blocks still used and
-leases of stopped processes still registered once the load is over, and the added latency of a
+(the schedulers' kvmesh_scheduler_migrations_total, summed over both), the drained worker's exit
+status, KV blocks still used and leases of stopped processes still registered once the load is over, and the added latency of a
 moved request (a stream that waited past --moved-gap-s between two chunks) over the median healthy
 one, at p50 / p99. Prints the table and writes it with every count to --out (JSON).
 """
@@ -88,7 +89,7 @@ class Stack:
         self.trust = bundle.generate(work / "trust").root
         self.redis = EmbeddedRedis(password=bundle.Paths(self.trust).redis_password.read_text().strip()).start()
         self.procs: dict[str, subprocess.Popen] = {}
-        self.port, self.sched_metrics = free_port(), free_port()
+        self.ports, self.sched_metrics = (free_port(), free_port()), free_port()
         self.workers = [f"chaos-{i}" for i in range(args.workers)]
         # a Redis started again by the fault thread dies with that thread (PR_SET_PDEATHSIG acts per
         # thread): the thread waits for this before it ends, set when the stack stops
@@ -112,18 +113,24 @@ class Stack:
                        "--metrics-port", "-1", "--model", self.model, "--null-model", "--null-step-ms",
                        str(self.args.step_ms), "--max-num-seqs", "32", "--num-gpu-blocks", "2048", "--worker-id",
                        name, "--drain-grace-s", str(self.args.drain_grace_s))
-        self.start("gateway", "gateway", *FAST, "--port", str(self.port), "--zmq-port", "0", "--text-in-gateway",
-                   "--model", self.model)
-        wait_for(lambda: self.ready() and len(self.records("worker")) == len(self.workers), 180,
-                 "the stack to be ready")
+        self.start("tokenizer", "tokenizer", *FAST, "--host", "127.0.0.1", "--port", "0", "--zmq-port", "0",
+                   "--metrics-port", "-1", "--model", self.model)
+        self.start("gateway", "gateway", *FAST, "--port", str(self.ports[0]), "--zmq-port", "0",
+                   "--text-in-gateway", "--model", self.model)
+        self.start("gateway-tok", "gateway", *FAST, "--port", str(self.ports[1]), "--zmq-port", "0",
+                   "--no-text-in-gateway")
+        wait_for(lambda: all(map(self.ready, self.bases)) and len(self.records("worker")) == len(self.workers),
+                 180, "the stack to be ready")
 
     @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def bases(self) -> tuple[str, ...]:
+        """The gateway that makes its own text, then the one streaming through the tokenizer service."""
+        return tuple(f"http://127.0.0.1:{port}" for port in self.ports)
 
-    def ready(self) -> bool:
+    @staticmethod
+    def ready(base: str) -> bool:
         try:
-            return httpx.get(self.base + "/ready", timeout=2).status_code == 200
+            return httpx.get(base + "/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -307,13 +314,14 @@ def measure(stack: Stack, args: argparse.Namespace, model: str) -> dict:
 
     async def load() -> tuple[dict, list[dict]]:
         limits = httpx.Limits(max_connections=args.concurrency + 8)
-        async with httpx.AsyncClient(base_url=stack.base, timeout=120, limits=limits) as http:
-            refs = await references(http, model, bodies)
+        async with httpx.AsyncClient(base_url=stack.bases[0], timeout=120, limits=limits) as local, \
+                httpx.AsyncClient(base_url=stack.bases[1], timeout=120, limits=limits) as via_tokenizer:
+            refs = await references(local, model, bodies)
             gate = asyncio.Semaphore(args.concurrency)
 
             async def one(i: int) -> dict:
                 async with gate:
-                    result = await stream_one(http, model, bodies[i])
+                    result = await stream_one((local, via_tokenizer)[i % 2], model, bodies[i])
                     done.append(i)
                     return result
             results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(args.requests))),
@@ -328,6 +336,10 @@ def measure(stack: Stack, args: argparse.Namespace, model: str) -> dict:
     wall = time.monotonic() - t0
     wait_for(lambda: len(fired) == len(FAULTS), 30, "the faults to be injected")
     alive = set(stack.workers) - {stack.workers[1], stack.workers[2]}
+    try:                       # a drain ends in a clean exit (0), its requests handed back
+        drained_exit: int | None = stack.procs[stack.workers[2]].wait(30)
+    except subprocess.TimeoutExpired:
+        drained_exit = None
     leaked_blocks, leaked_leases = settle(stack, alive)
     moved: dict[str, float] = {}
     for counts in (*counted, stack.migrations()):
@@ -345,7 +357,7 @@ def measure(stack: Stack, args: argparse.Namespace, model: str) -> dict:
         "faults": sorted(fired), "lost": len(lost), "corrupted": len(bad),
         "migrated": {k.strip("{}"): v for k, v in sorted(moved.items())},
         "migrated_total": sum(v for k, v in moved.items() if 'outcome="moved"' in k),
-        "leaked_kv_blocks": leaked_blocks, "leaked_leases": leaked_leases,
+        "leaked_kv_blocks": leaked_blocks, "leaked_leases": leaked_leases, "drained_exit": drained_exit,
         "moved_requests": len(added),
         "added_latency_p50_ms": round(1000 * statistics.median(added), 1) if added else 0.0,
         "added_latency_p99_ms": round(1000 * added[min(len(added) - 1, int(0.99 * len(added)))], 1) if added else 0.0,

@@ -65,7 +65,7 @@ class Submit(Msg, tag="submit", kw_only=True):
 class Abort(Msg, tag="abort", kw_only=True):
     request_id: str
     index: int | None = None         # one sample (n > 1, e.g. its stop string matched); None: all
-    reason: str = "client"           # client | stop | worker_failed | timeout | shutdown | invalid_request
+    reason: str = "client"           # client | stop | worker_failed | timeout | shutdown | invalid_request | moved
 
 
 # ----------------------------------------------------------------------------- scheduler -> gateway

@@ -39,6 +39,16 @@ def test_abort_frees_and_tells_the_detokenizer():
     assert core.engine.stats().num_free_blocks == 64 and not core.has_work()
 
 
+def test_an_abort_for_a_moved_request_frees_it_without_ending_its_stream():
+    """The other half of a hand-off whose partner died: the stream goes on at another worker, so
+    the detokenizer must not hear an Abort (it would end the client's stream)."""
+    core = WorkerCore(NullEngine(vocab_size=1000, num_blocks=64), "w", 1)
+    core.run([dispatch("a", max_tokens=100)])
+    out = core.run([Abort(request_id="a", reason="moved")])
+    assert [(e.dest, type(e.msg).__name__) for e in out] == [(SCHEDULER, "WorkerStatus")]
+    assert out[0].msg.finished == ["a"] and core.engine.stats().num_free_blocks == 64 and not core.has_work()
+
+
 def test_abort_one_sample_keeps_the_other():
     core = WorkerCore(NullEngine(vocab_size=1000), "w", 1)
     core.run([dispatch("a", n=2, max_tokens=5)])
