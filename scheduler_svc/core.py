@@ -357,6 +357,8 @@ class SchedulerCore:
         for rid in msg.finished:
             self._leave(rid, w)
         w.inherited.difference_update(msg.finished)
+        if msg.handed_back:      # only a draining worker hands requests back: send it nothing more,
+            w.draining = True    # even before its registry record says so (the moves would come back)
         out = [env for rid in msg.handed_back if (req := self.requests.get(rid)) is not None
                and w.id in (req.worker_id, req.prefill_id) for env in self._move(rid, req, w, "drain")]
         if msg.active is not None:
@@ -393,7 +395,8 @@ class SchedulerCore:
                 self.workers[wid] = view
                 self._check_pairable(view)
             else:  # keep our in-flight set; refresh what the record says
-                cur.draining, cur.addr, cur.role = view.draining, view.addr, view.role
+                # draining ends only with the epoch: a record read before it said so does not undo it
+                cur.draining, cur.addr, cur.role = cur.draining or view.draining, view.addr, view.role
                 cur.kv_addr, cur.kv_layout, cur.kv_transport = view.kv_addr, view.kv_layout, view.kv_transport
                 cur.max_num_seqs, cur.max_model_len = view.max_num_seqs, view.max_model_len
                 cur.prefix_query_tokens, cur.prefix_hit_tokens = view.prefix_query_tokens, view.prefix_hit_tokens

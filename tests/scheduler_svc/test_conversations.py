@@ -21,8 +21,8 @@ def submit(rid: str, conversation: str = "", tenant: str = "t", prompt_len: int 
                   params=SamplingParams(max_tokens=4), reply_addr=GW, detok_addr=DT, conversation=conversation)
 
 
-def worker(wid: str, role: str = "mixed", seqs: int = 4) -> WorkerView:
-    return WorkerView(id=wid, epoch=1, addr=f"tcp://{wid}:1", role=role, max_num_seqs=seqs, max_model_len=4096,
+def worker(wid: str, role: str = "mixed", seqs: int = 4, epoch: int = 1) -> WorkerView:
+    return WorkerView(id=wid, epoch=epoch, addr=f"tcp://{wid}:1", role=role, max_num_seqs=seqs, max_model_len=4096,
                       kv_addr=f"tcp://{wid}:2#worker" if role == "decode" else "", kv_layout=LAYOUT)
 
 
@@ -119,7 +119,8 @@ def test_a_draining_or_gone_worker_lets_the_conversation_move():
     core.set_workers([draining, worker("w2")])
     assert dispatched_to(core.submit(submit("t2", CONV))) == "w2"
     finish(core, "w2", "t2")
-    core.set_workers([worker("w1"), worker("w3")])                           # w2 gone: its entry with it
+    # w2 gone, its entry with it; w1 restarted (draining ends only with its epoch)
+    core.set_workers([worker("w1", epoch=2), worker("w3")])
     assert core.conversations.lookup("t", CONV, core.clock()) is None
     assert dispatched_to(core.submit(submit("t3", CONV))) == "w1"
 

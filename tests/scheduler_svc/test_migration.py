@@ -97,6 +97,24 @@ def test_a_drained_request_moves_and_the_draining_worker_gets_nothing_new():
     assert addr == f"tcp://{other}:1"
 
 
+def test_a_hand_back_marks_its_worker_draining_before_its_record_says_so():
+    """The drain window can close before the scheduler reads the worker's `draining` record: the
+    moved request must not go back to the worker that handed it back (it would hand it back again,
+    each time one more migration, until the request fails), and a record read before the drain
+    began does not clear it."""
+    core = core_with(worker("w1"), worker("w2"))
+    core.submit(submit("a"))
+    on = core.requests["a"].worker_id
+    other = "w2" if on == "w1" else "w1"
+    core.worker_status(status(other))        # both idle again: least loaded would pick either
+    out = core.worker_status(status(on, handed_back=["a"]))
+    assert messages(out, Migrate) and core.workers[on].draining
+    core.set_workers([worker(on), worker(other)])                     # a stale record: not draining
+    assert core.workers[on].draining
+    [(addr, _)] = messages(core.resumed(Resume(request_id="a", output_token_ids=[[3, 4]])), Dispatch)
+    assert addr == f"tcp://{other}:1"
+
+
 def test_a_client_abort_while_moving_frees_the_request_and_its_stream():
     core = core_with(worker("w1"), worker("w2"))
     core.submit(submit("a"))
