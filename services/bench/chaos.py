@@ -14,8 +14,8 @@ Then it counts, against the same requests run on the healthy stack first: lost (
 (text, finish, usage or logprob count different: a token duplicated, missing or reordered), migrated
 (the schedulers' kvmesh_scheduler_migrations_total, summed over both), the drained worker's exit
 status, KV blocks still used and leases of stopped processes still registered once the load is over, and the added latency of a
-moved request (a stream that waited past --moved-gap-s between two chunks) over the median healthy
-one, at p50 / p99. Prints the table and writes it with every count to --out (JSON).
+stalled stream (one that waited past --moved-gap-s between two chunks: the moved ones, and those the
+Redis and scheduler restarts paused) over the median of the others, at p50 / p99. Prints the table and writes it with every count to --out (JSON).
 """
 from __future__ import annotations
 
@@ -353,12 +353,13 @@ def measure(stack: Stack, args: argparse.Namespace, model: str) -> dict:
     added = sorted(r["seconds"] - base for r in results if r["max_gap"] >= args.moved_gap_s and r["error"] is None)
     return {
         "requests": args.requests, "workers": args.workers, "concurrency": args.concurrency,
-        "step_ms": args.step_ms, "drain_grace_s": args.drain_grace_s, "wall_s": round(wall, 2),
+        "step_ms": args.step_ms, "drain_grace_s": args.drain_grace_s, "moved_gap_s": args.moved_gap_s,
+        "wall_s": round(wall, 2),
         "faults": sorted(fired), "lost": len(lost), "corrupted": len(bad),
         "migrated": {k.strip("{}"): v for k, v in sorted(moved.items())},
         "migrated_total": sum(v for k, v in moved.items() if 'outcome="moved"' in k),
         "leaked_kv_blocks": leaked_blocks, "leaked_leases": leaked_leases, "drained_exit": drained_exit,
-        "moved_requests": len(added),
+        "stalled_streams": len(added),
         "added_latency_p50_ms": round(1000 * statistics.median(added), 1) if added else 0.0,
         "added_latency_p99_ms": round(1000 * added[min(len(added) - 1, int(0.99 * len(added)))], 1) if added else 0.0,
         "lost_examples": [str(results[i]["error"]) for i in lost[:5]],
@@ -371,7 +372,7 @@ def table(res: dict) -> str:
     return (f"chaos: {res['requests']} streaming requests, {res['workers']} null-model workers "
             f"({res['step_ms']:g} ms/step), faults: {', '.join(res['faults'])}; {res['wall_s']:.1f} s\n"
             "| requests | lost | corrupted | migrated | leaked KV blocks / leases | "
-            "added latency of a moved request p50 / p99 |\n|---|---|---|---|---|---|\n"
+            f"added latency of a stalled stream (gap > {res['moved_gap_s']:g} s) p50 / p99 |\n|---|---|---|---|---|---|\n"
             f"| {res['requests']} | {res['lost']} | {res['corrupted']} | {res['migrated_total']:.0f} | "
             f"{res['leaked_kv_blocks']} / {res['leaked_leases']} | "
             f"{res['added_latency_p50_ms']:.0f} ms / {res['added_latency_p99_ms']:.0f} ms |")
