@@ -9,8 +9,9 @@ Each step: schedule (scheduler.py) -> copy-on-write copies -> build the ForwardB
 (batch_builder.py) -> runner.forward -> sample (sampler.py) -> append tokens, publish full
 blocks to the prefix cache, finish what is done. Invalid requests raise RequestError naming
 the field and leave the engine serving the others. With speculative_config, a synchronous step
-first appends drafts (n-gram, or drawn by a draft model) that the same forward verifies
-(_speculative_step; gpu_worker/spec_decode/). Constrained requests (SamplingParams.structured)
+first appends drafts (n-gram, or drawn by a draft model or MTP layer) that the same forward
+verifies (_speculative_step; gpu_worker/spec_decode/); under async scheduling a step that may
+propose settles the step in flight first, and one without drafts still launches ahead. Constrained requests (SamplingParams.structured)
 compile their grammar off this thread while they prefill, their first draw left out of the steps
 until it has compiled while the others step on; their draws are masked by it
 (gpu_worker/structured/).
