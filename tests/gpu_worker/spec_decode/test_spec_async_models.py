@@ -19,7 +19,7 @@ from services.protocol.sampling import SamplingParams
 from tests.gpu_worker.engine.engine_fakes import assert_clean
 from tests.gpu_worker.spec_decode.draft_models import draft_spec, near_copy
 from tests.gpu_worker.spec_decode.mtp_models import Recompute, mtp_spec, random_mtp, spy_first_drafts
-from tests.gpu_worker.spec_decode.spec_fakes import MAX_STEPS, prompt, repetitive
+from tests.gpu_worker.spec_decode.spec_fakes import MAX_STEPS, ngram, prompt, repetitive
 from tests.gpu_worker.spec_decode.test_draft_sampling import ALPHA
 from tests.gpu_worker.spec_decode.test_spec_sampling import chi_square_p
 from tests.gpu_worker.spec_decode.test_spec_async import drive, greedy, phases, spec_stats, spy_modes
@@ -40,7 +40,7 @@ def target(request, monkeypatch):
 def model_engine(model_dir: str, spec: str | None, **kw) -> Engine:
     """spec None: the same engine without speculation, synchronous."""
     return Engine(EngineConfig(model=model_dir, speculative_config=spec, async_scheduling=spec is not None,
-                               **_target, **kw))
+                               **{**_target, **kw}))
 
 
 def model_arrivals() -> dict[int, list]:
@@ -51,6 +51,18 @@ def model_arrivals() -> dict[int, list]:
 
 
 MODEL_KW = dict(max_num_batched_tokens=16, block_size=8)
+
+
+def test_ngram_across_both_kinds_of_step_matches_no_speculation(tiny_models):
+    """As served: async steps replay decode CUDA graphs (on the GPU), verifications run eager."""
+    model_dir = tiny_models["llama"]
+    kw = dict(num_gpu_blocks=128, **MODEL_KW, **({"enforce_eager": False, "cuda_graph_max_bs": 16}
+                                                 if _target["device"] == "cuda" else {}))
+    plain = drive(model_engine(model_dir, None, **kw), model_arrivals())
+    eng = model_engine(model_dir, ngram(k=4, lo=1, hi=3, disable_by_batch_size=2), **kw)
+    modes = spy_modes(eng)
+    assert drive(eng, model_arrivals()) == plain
+    assert phases(modes)[:4] == ["ahead", "spec", "ahead", "spec"] and spec_stats(eng)["accepted"] > 0
 
 
 def test_draft_equal_to_the_target_accepts_every_draft_across_async_steps(tiny_models):
@@ -102,9 +114,12 @@ def test_mtp_catch_up_over_async_steps_equals_a_recompute(mtp_models):
 
 
 def test_an_oracle_mtp_layer_accepts_every_draft_across_async_steps(mtp_models):
+    """... with c aborted while a step that holds it is in flight: no block and no pending row
+    left for it."""
     eng = model_engine(mtp_models["oracle"], mtp_spec(3, disable_by_batch_size=2), num_gpu_blocks=128, **MODEL_KW)
-    modes = spy_modes(eng)
-    drive(eng, model_arrivals())
+    modes, hits = spy_modes(eng), []
+    out = drive(eng, model_arrivals(), abort_at={8: ["c"]}, in_flight_aborts=hits)
+    assert hits == [(8, "c")] and len(out.get(("c", 0), [])) < 14 and len(out["a", 0]) == 40
     assert "async" in modes
     stats = spec_stats(eng)
     assert stats["accepted"] == stats["proposed"] > 0
