@@ -28,9 +28,10 @@ batch; those lines carry "refined": true). The last line gives, per method and r
 largest batch up to which speculation paid at every batch measured (a lone win past a loss is
 noise), and the recommended `disable_by_batch_size` (speculation off above it): the n-gram
 upper-bound regime's crossover, the default method at its best; above it no n-gram draft can
-pay. Speculation here never switches itself off. Speculation runs with async scheduling off; the
-plain engine runs both ways (--plain-async, default on: the served configuration it has to
-beat). Prefix caching is off in both engines, so every run prefills its prompts cold.
+pay. Speculation here never switches itself off. Both engines run with async scheduling as served
+(--plain-async, --spec-async, default on; the speculative engine's steps that verify drafts run
+synchronously, its steps without drafts one step ahead). Prefix caching is off in both engines,
+so every run prefills its prompts cold.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def engine(args, spec: str | None, async_scheduling: bool, model_dir: str = "") 
     # no prefix caching: the plain engine ran the seeds and their continuations (the repeating
     # prompts) first, and cached prompts would make every later run of either engine cheaper
     common = dict(model=model_dir or args.model_dir, max_num_seqs=max(args.batches), speculative_config=spec,
-                  async_scheduling=async_scheduling and spec is None, enable_prefix_caching=False)
+                  async_scheduling=async_scheduling, enable_prefix_caching=False)
     if args.smoke:
         return Engine(EngineConfig(**common, device="cpu", dtype="float32", num_gpu_blocks=2048))
     # two engines share the device at a time (the plain baseline and the speculative one)
@@ -176,6 +177,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--out-len", type=int, default=256)
     ap.add_argument("--plain-async", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--spec-async", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--refine", action=argparse.BooleanOptionalAction, default=True,
                     help="bisect between the last batch that paid and the first that did not")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random target and draft, short outputs, "
@@ -215,7 +217,7 @@ def main() -> None:
             plain.close()                                        # case): its own plain baseline
             plain = None
         base_eng = plain or engine(args, None, args.plain_async, model_dir)
-        eng = engine(args, spec, False, model_dir)
+        eng = engine(args, spec, args.spec_async, model_dir)
         speedups = {batch: measured(measure(base_eng, eng, (method, regime), prompts, batch, args.out_len))
                     for batch in args.batches}
         if args.refine:

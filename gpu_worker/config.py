@@ -99,9 +99,6 @@ class EngineConfig(EngineArgs):
             spec = self.speculative
         except ValueError as e:                    # names the bad key
             raise bad("speculative_config", str(e).removeprefix("invalid speculative_config: ")) from None
-        if spec is not None and self.async_scheduling:
-            raise bad("speculative_config", "speculative decoding runs only with async_scheduling off "
-                                            "(--no-async-scheduling; served engines default to it on)")
         if spec is not None and spec.method in ("draft_model", "mtp") and self.tensor_parallel_size > 1:
             raise bad("speculative_config", f"{spec.method} runs with tensor_parallel_size 1 only; use ngram "
                                             "or tensor_parallel_size=1")

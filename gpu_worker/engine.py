@@ -9,8 +9,9 @@ Each step: schedule (scheduler.py) -> copy-on-write copies -> build the ForwardB
 (batch_builder.py) -> runner.forward -> sample (sampler.py) -> append tokens, publish full
 blocks to the prefix cache, finish what is done. Invalid requests raise RequestError naming
 the field and leave the engine serving the others. With speculative_config, a synchronous step
-first appends drafts (n-gram, or drawn by a draft model) that the same forward verifies
-(_speculative_step; gpu_worker/spec_decode/). Constrained requests (SamplingParams.structured)
+first appends drafts (n-gram, or drawn by a draft model or MTP layer) that the same forward
+verifies (_speculative_step; gpu_worker/spec_decode/); under async scheduling a step that may
+propose settles the step in flight first, and one without drafts still launches ahead. Constrained requests (SamplingParams.structured)
 compile their grammar off this thread while they prefill, their first draw left out of the steps
 until it has compiled while the others step on; their draws are masked by it
 (gpu_worker/structured/).
@@ -462,18 +463,35 @@ class Engine:
     # At launch each sampling sequence gets a placeholder token (PENDING) that the next call
     # replaces with the token read back; the scheduler counts it like any token, the batch
     # builder's row for it is overwritten on the device from the previous step's token tensor.
+    #
+    # Speculation: drafts continue from the last sampled token, so a step that may propose settles
+    # the launched step first and, when drafts are scheduled, runs as a synchronous
+    # _speculative_step; a step without drafts launches one step ahead. A proposer's catch-up on
+    # a launched step (speculator.settle: mtp's KV reads each row's next token) runs once that
+    # step's own PENDING inputs are known, i.e. after the previous step is settled.
     def _step_async(self) -> list[SequenceDelta]:
         prev, self._inflight = self._inflight, None
         deltas: list[SequenceDelta] = []
-        if prev is not None and (self._constrained or any(_needs_output(s.params) for s in self.scheduler.running)):
+        if prev is not None and (self._constrained or any(_needs_output(s.params) for s in self.scheduler.running)
+                                 or self._may_speculate()):
             # penalties read the tokens on the host; a grammar's mask needs the matchers to have
-            # accepted the previous token: such batches step synchronously
+            # accepted the previous token; drafts need it too: such batches step synchronously
             deltas, prev = self._settle(prev), None
+        drafts = self.speculator.propose(self.scheduler.running) if self.speculator is not None and prev is None else None
         out = self.scheduler.schedule()
+        if drafts:
+            drafts = self.speculator.fit(out, drafts)
         if not out.scheduled:
             if prev is None and not deltas:
                 self._idle()
-            return deltas + (self._settle(prev) if prev is not None else [])
+            if prev is None:
+                return deltas
+            deltas = self._settle(prev)
+            if self.speculator is not None:   # mtp: forget the pending rows of what just ended
+                self.speculator.settle()
+            return deltas
+        if drafts:
+            return deltas + self._speculative_step(out, drafts)
         launched = self._launch(out, prev)
         if prev is not None:
             deltas = self._settle(prev)
@@ -481,8 +499,14 @@ class Engine:
             for seq, _ in out.scheduled:      # the tokens these blocks hold are all known now
                 if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens // bs > seq.num_registered_blocks:
                     bm.register_computed_blocks(seq)
+        if self.speculator is not None:       # every input of the launched step is known now
+            self.speculator.settle()
         self._inflight = launched
         return deltas
+
+    def _may_speculate(self) -> bool:
+        """Whether this step may propose drafts once the launched step's tokens are known."""
+        return self.speculator is not None and self.speculator.may_propose(self.scheduler.running, PENDING)
 
     def _launch(self, out: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
         """_forward, then the draw queued on the device: each sampling sequence gets a PENDING

@@ -123,7 +123,8 @@ class EngineArgs:
                                                "\"model\": DIR (a smaller model with the same tokenizer), "
                                                "\"num_speculative_tokens\": 4} or {\"method\": \"mtp\", "
                                                "\"num_speculative_tokens\": 2} (the model's own "
-                                               "multi-token-prediction layer); needs async_scheduling off; "
+                                               "multi-token-prediction layer); with async_scheduling, steps "
+                                               "that verify drafts run synchronously; "
                                                "none: off.", unset="", pattern=r"(?s).{1,4096}",
                                          expected="a JSON object of 1 to 4096 characters")
 

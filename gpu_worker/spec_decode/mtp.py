@@ -47,7 +47,7 @@ import torch
 
 from gpu_worker.batch_builder import BatchBuilder
 from gpu_worker.forward_batch import ForwardBatch
-from gpu_worker.sampler import Sampler
+from gpu_worker.sampler import Sampler, to_device
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import Sequence, SequenceStatus
 from gpu_worker.spec_decode.proposer import DraftProposal, ModelProposer, RequestAt, draw_position
@@ -115,8 +115,11 @@ class MtpProposer(ModelProposer):
         return out.logits
 
     def settle(self) -> None:
-        """The MTP catches up on the step's kept rows (module docstring); drops finished sequences."""
+        """The MTP catches up on the step's kept rows (module docstring); drops finished sequences
+        (also with no step to catch up on: async scheduling's last step ends them after its launch)."""
         if self._step is None:
+            for seq in [s for s in self.pending if s.status is SequenceStatus.FINISHED]:
+                del self.pending[seq]
             return
         prenorm, rows = self._step
         self._step = None
@@ -141,7 +144,8 @@ class MtpProposer(ModelProposer):
                 views.append(_view(seq, first, n))
             keep.append((seq, r.start + kept - 1, r.row + kept - 1))
         if keep:
-            index = torch.tensor([k[2] for k in keep], dtype=torch.long, device=prenorm.device)
+            # to_device: no host sync, so an async step's catch-up does not wait for its forward
+            index = to_device([k[2] for k in keep], prenorm.device)
             for (seq, position, _), h in zip(keep, prenorm.index_select(0, index)):           # (K, H)
                 self.pending[seq] = _Pending(position, h)
         for seq in [s for s in self.pending if s.status is SequenceStatus.FINISHED]:
@@ -196,6 +200,6 @@ def _gather(prenorm: torch.Tensor, spent: list[torch.Tensor], picks: list[tuple[
     for pool, from_spent in ((prenorm, False), (torch.stack(spent) if spent else None, True)):
         at = [m for m, (s, _) in enumerate(picks) if s == from_spent]
         if at:
-            index = torch.tensor([picks[m][1] for m in at], dtype=torch.long, device=dev)
-            hidden.index_copy_(0, torch.tensor(at, dtype=torch.long, device=dev), pool.index_select(0, index))
+            index = to_device([picks[m][1] for m in at], dev)
+            hidden.index_copy_(0, to_device(at, dev), pool.index_select(0, index))
     return hidden

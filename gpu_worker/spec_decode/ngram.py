@@ -43,3 +43,13 @@ def propose_ngram(tokens: list[int], k: int, lookup_min: int, lookup_max: int,
         return []
     i = int(ends[np.flatnonzero(length >= n)[-1]]) + 1                  # after its latest match
     return t[i:i + k].tolist()
+
+
+def ngram_may_match(known: list[int], lookup_min: int, window: int = SEARCH_WINDOW) -> bool:
+    """Whether propose_ngram(known + [t], ...) can find a match for some next token t not known
+    yet. A match of length n >= lookup_min ends at t; its first n - 1 tokens are the last n - 1
+    of `known`, so the last lookup_min - 1 of them must occur earlier in `known` with a token
+    after them (the one t must equal): that occurrence is a match of propose_ngram(known) of
+    exactly that length. Necessary, not sufficient; always True for lookup_min 1."""
+    m = lookup_min - 1
+    return m == 0 or (len(known) > m and bool(propose_ngram(known, 1, m, m, window)))

@@ -39,7 +39,7 @@ from gpu_worker.scheduler import SchedulerOutput
 from gpu_worker.sequence import Sequence
 from gpu_worker.spec_decode.draft_model import DraftModel
 from gpu_worker.spec_decode.proposer import PLACEHOLDER, DraftProposal, ModelProposer
-from gpu_worker.spec_decode.ngram import propose_ngram
+from gpu_worker.spec_decode.ngram import ngram_may_match, propose_ngram
 from services.speculative import SpeculativeConfig
 
 
@@ -98,22 +98,51 @@ class Speculator:
             return {}
         drafts: dict[Sequence, list[int]] = {}
         for seq in running:
-            request = seq.request
-            if (seq.num_new_tokens != 1 or seq.num_output_tokens < 1 or request.export_kv
-                    or not request.params.speculative or request.draw_waits):
+            room = self._room(seq)
+            if room == 0:
                 continue
-            room = min(cfg.num_speculative_tokens, request.max_tokens - seq.num_output_tokens - 1,
-                       self.max_model_len - seq.num_tokens - 1)
             if self.proposer is None:
                 draft = propose_ngram(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             elif self.proposer.can_propose(seq):
-                draft = [PLACEHOLDER] * max(room, 0)
+                draft = [PLACEHOLDER] * room
             else:
                 continue
             if draft:
                 seq.token_ids.extend(draft)
                 drafts[seq] = draft
         return drafts
+
+    def _room(self, seq: Sequence) -> int:
+        """How many drafts seq may take now (propose()'s eligibility); 0: none."""
+        request = seq.request
+        if (seq.num_new_tokens != 1 or seq.num_output_tokens < 1 or request.export_kv
+                or not request.params.speculative or request.draw_waits):
+            return 0
+        return max(0, min(self.config.num_speculative_tokens, request.max_tokens - seq.num_output_tokens - 1,
+                          self.max_model_len - seq.num_tokens - 1))
+
+    def may_propose(self, running: list[Sequence], pending: int) -> bool:
+        """Whether propose() could draft for any of `running` once the in-flight step's tokens
+        are known (async scheduling; their last token is still `pending` on the device): the
+        engine then settles that step first, since drafts continue from the last token. False
+        lets the step launch one step ahead. The same eligibility as propose(); n-gram: a match
+        of length >= prompt_lookup_min ending at the unknown token needs the known tokens'
+        last prompt_lookup_min - 1 to occur earlier, followed by a token (ngram_may_match)."""
+        cfg = self.config
+        if len(running) > cfg.disable_by_batch_size:
+            return False
+        for seq in running:
+            if self._room(seq) == 0:
+                continue
+            if self.proposer is not None:
+                if self.proposer.can_propose(seq):
+                    return True
+            elif seq.token_ids[-1] != pending:
+                if propose_ngram(seq.token_ids, 1, cfg.prompt_lookup_min, cfg.prompt_lookup_max):
+                    return True
+            elif ngram_may_match(seq.token_ids[:-1], cfg.prompt_lookup_min):
+                return True
+        return False
 
     @staticmethod
     def fit(out: SchedulerOutput, drafts: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:

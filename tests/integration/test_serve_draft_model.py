@@ -39,7 +39,7 @@ def test_draft_model_served_counted_and_benchmarked(tiny_model, tmp_path):
     want = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)]
     llm.llm_engine.close()
     spec = json.dumps({"method": "draft_model", "model": tiny_model, "num_speculative_tokens": K})
-    with serve(tiny_model, 1, tmp_path / "serve.log", "--no-async-scheduling", "--enforce-eager",
+    with serve(tiny_model, 1, tmp_path / "serve.log", "--enforce-eager",
                "--speculative-config", spec) as (base, redis_url):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
         model = Path(tiny_model).name

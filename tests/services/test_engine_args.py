@@ -70,14 +70,13 @@ SERVED = {**OFFLINE, **{name: d.default for name, d in SERVED_DEFAULTS.items()}}
 OFFLINE_SAMPLES = {name: _non_default(f, OFFLINE[name]) for name, f in FIELDS.items()}
 SERVED_SAMPLES = {name: _non_default(f, SERVED[name]) for name, f in FIELDS.items()}
 # Fields whose samples may not meet in one config (fp8 KV and KV tiers with tensor parallelism,
-# KV tiers without prefix caching, speculation with async scheduling): set in a round of their own.
-APART = ("kv_cache_dtype", "kv_offload_cpu_gb", "kv_offload_dir", "kv_offload_disk_gb", "kv_load_policy",
-         "speculative_config")
+# KV tiers without prefix caching): set in a round of their own.
+APART = ("kv_cache_dtype", "kv_offload_cpu_gb", "kv_offload_dir", "kv_offload_disk_gb", "kv_load_policy")
 
 
 def rounds(samples: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v for k, v in samples.items() if k not in APART},
-            {**{k: samples[k] for k in ("model", *APART)}, "async_scheduling": False}]
+            {k: samples[k] for k in ("model", *APART)}]
 
 
 def _as_text(value: Any) -> str:

@@ -1,9 +1,10 @@
-"""The n-gram proposer: the continuation of the latest earlier match of the longest suffix."""
+"""The n-gram proposer: the continuation of the latest earlier match of the longest suffix; and its
+test of whether any next token could give a match (async scheduling settles a step only then)."""
 from __future__ import annotations
 
 import random
 
-from gpu_worker.spec_decode.ngram import propose_ngram
+from gpu_worker.spec_decode.ngram import ngram_may_match, propose_ngram
 
 
 def test_longest_suffix_first_then_latest_match():
@@ -46,3 +47,21 @@ def test_matches_a_brute_force_search_on_random_sequences():
         k, lo = rng.randint(0, 5), rng.randint(1, 4)
         hi, window = rng.randint(lo, 6), rng.choice([2048, 10])
         assert propose_ngram(tokens, k, lo, hi, window) == (_brute_force(tokens, k, lo, hi, window) if k else [])
+
+
+def test_may_match_is_true_whenever_some_next_token_matches():
+    """Necessary: no next token gives drafts where ngram_may_match says no; and it says no often
+    enough to keep steps ahead (random sequences over a larger alphabet)."""
+    rng = random.Random(2)
+    said_no = 0
+    for _ in range(1500):                                      # bounded
+        alphabet = rng.randint(1, 12)
+        known = [rng.randrange(alphabet) for _ in range(rng.randint(0, 30))]
+        lo = rng.randint(1, 4)
+        hi, window = rng.randint(lo, 6), rng.choice([2048, 10])
+        could = any(propose_ngram(known + [t], 1, lo, hi, window) for t in range(alphabet))
+        may = ngram_may_match(known, lo, window)
+        assert may or not could, (known, lo, hi, window)
+        said_no += not may
+    assert said_no > 300
+    assert ngram_may_match([], 1) and not ngram_may_match([1, 2, 3], 2) and ngram_may_match([1, 2, 1], 2)
