@@ -81,6 +81,7 @@ def test_aborts_at_every_stage_free_both_sides_and_spare_other_requests(pd):
 
 def test_a_decode_worker_dead_mid_transfer_leaves_nothing_held_on_the_prefill_worker(pd):
     prompt = prompt_of(3)      # its first token is whole characters (a lone UTF-8 byte would be held back)
+    expected = texts(pd.model, offline(pd.model, prompt, max_tokens=50, temperature=0))[0]
     first = texts(pd.model, offline(pd.model, prompt, max_tokens=1, temperature=0))[0]
     assert first.isprintable() and first
     d_pid = pd.record("decode-0").info["pid"]
@@ -105,8 +106,15 @@ def test_a_decode_worker_dead_mid_transfer_leaves_nothing_held_on_the_prefill_wo
     assert sum(ended) == 1, ended
     client.join(60)
     text, events = outcome[0]
-    assert text == first, events               # the first token came from P, without waiting for D
-    assert "error" in events[-1]               # then the stream ended with an error, not a hang
+    assert text.startswith(first), events      # the first token came from P, without waiting for D
+    if "error" in events[-1]:
+        # P's hand-off lease ran out before the scheduler saw D's worker lease lapse: P failed the
+        # request itself, after the first token (an error, not a hang)
+        assert text == first, events
+    else:
+        # the scheduler saw D go first: P let go of its half quietly and the request moved on from
+        # the token the client had (to P, the one worker left), every token once
+        assert text == expected, events
 
 
 def test_a_prefill_worker_dead_mid_transfer_still_completes_the_request(pd):
