@@ -13,6 +13,7 @@ import torch
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from services.protocol.sampling import SamplingParams
+from tests.gpu_worker.devices import CPU_AND_CUDA
 
 STEPS = 32
 LOGPROB_ATOL = 1e-4   # fp32: observed differences are ~1e-6
@@ -31,9 +32,7 @@ TARGETS = {"cpu": dict(device="cpu"),
 _target = TARGETS["cpu"]
 
 
-@pytest.fixture(autouse=True, params=[pytest.param("cpu"),
-                                      pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-                                          not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.fixture(autouse=True, params=CPU_AND_CUDA)
 def target(request, monkeypatch):
     """Where engine() builds its engines for this test."""
     monkeypatch.setattr(f"{__name__}._target", TARGETS[request.param])

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
@@ -22,6 +21,7 @@ from gpu_worker.service.core import WorkerCore
 from gpu_worker.service.handoff import DecodeReceiver
 from services.protocol.messages import AwaitKV
 from services.security.curve import Plane
+from tests.gpu_worker.devices import CUDA
 from tests.gpu_worker.kv_transfer.conftest import greedy, prompt, run_single
 from tests.gpu_worker.kv_transfer.prefill_process import prefill_and_hand_off, prefill_engine
 from tests.gpu_worker.service.test_prefill_sender import llama  # noqa: F401  (fixture)
@@ -55,8 +55,7 @@ def awaiting(d: WorkerCore, prompts: dict) -> None:
         d.run([AwaitKV(request_id=rid, epoch=1, n=1, reply_addr="gw", detok_addr="dt")])
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_d_reads_a_prefill_process_cache_and_decodes_what_a_mixed_worker_does(llama, device):
     prompts = {"a": prompt(150, 70), "b": prompt(40, 71)}
     steps = 8

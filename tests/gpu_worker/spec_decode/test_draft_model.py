@@ -10,11 +10,11 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from services.protocol.sampling import SamplingParams
+from tests.gpu_worker.devices import CPU_AND_CUDA
 from tests.gpu_worker.engine.conftest import HFReference, _one_torch_thread, tiny_models  # noqa: F401  (fixtures)
 from tests.gpu_worker.engine.engine_fakes import assert_clean, collect
 from tests.gpu_worker.spec_decode.draft_models import draft_spec, near_copy, small_draft
@@ -61,9 +61,7 @@ TARGETS = {"cpu": dict(device="cpu"),
 _target = TARGETS["cpu"]
 
 
-@pytest.fixture(autouse=True, params=[pytest.param("cpu"),
-                                      pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-                                          not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.fixture(autouse=True, params=CPU_AND_CUDA)
 def target(request, monkeypatch):
     monkeypatch.setattr(f"{__name__}._target", TARGETS[request.param])
 

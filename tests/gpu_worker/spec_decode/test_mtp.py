@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from gpu_worker.mtp_oracle import write_mtp_oracle
 from services.protocol.sampling import SamplingParams
+from tests.gpu_worker.devices import CPU_AND_CUDA
 from tests.gpu_worker.engine.conftest import _one_torch_thread, tiny_models  # noqa: F401  (fixtures)
 from tests.gpu_worker.engine.engine_fakes import assert_clean
 from tests.gpu_worker.spec_decode.mtp_models import Recompute, mtp_spec, random_mtp, spy_first_drafts
@@ -39,9 +39,7 @@ TARGETS = {"cpu": dict(device="cpu"),
 _target = TARGETS["cpu"]
 
 
-@pytest.fixture(autouse=True, params=[pytest.param("cpu"),
-                                      pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-                                          not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.fixture(autouse=True, params=CPU_AND_CUDA)
 def target(request, monkeypatch):
     monkeypatch.setattr(f"{__name__}._target", TARGETS[request.param])
 

@@ -9,11 +9,11 @@ rate: about one run in 1,000 under equal distributions)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from gpu_worker.mtp_oracle import write_mtp_oracle
+from tests.gpu_worker.devices import CPU_AND_CUDA
 from tests.gpu_worker.engine.conftest import _one_torch_thread, tiny_models  # noqa: F401  (fixtures)
 from services.protocol.sampling import SamplingParams
 from tests.gpu_worker.engine.engine_fakes import assert_clean
@@ -30,9 +30,7 @@ TARGETS = {"cpu": dict(device="cpu"),
 _target = TARGETS["cpu"]
 
 
-@pytest.fixture(autouse=True, params=[pytest.param("cpu"),
-                                      pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-                                          not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.fixture(autouse=True, params=CPU_AND_CUDA)
 def target(request, monkeypatch):
     monkeypatch.setattr(f"{__name__}._target", TARGETS[request.param])
 

@@ -5,11 +5,11 @@ greedy decoding of random weights falls into cycles that n-gram drafts predict).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from services.protocol.sampling import SamplingParams
+from tests.gpu_worker.devices import CPU_AND_CUDA
 from tests.gpu_worker.engine.conftest import HFReference, arch_model, tiny_models  # noqa: F401  (fixtures)
 from tests.gpu_worker.engine.engine_fakes import assert_clean, collect
 from tests.gpu_worker.spec_decode.spec_fakes import MAX_STEPS, ngram, prompt, repetitive
@@ -42,9 +42,7 @@ TARGETS = {"cpu": dict(device="cpu"),
 _target = TARGETS["cpu"]
 
 
-@pytest.fixture(autouse=True, params=[pytest.param("cpu"),
-                                      pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-                                          not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.fixture(autouse=True, params=CPU_AND_CUDA)
 def target(request, monkeypatch):
     """Where spec_engine() builds its engines for this test."""
     monkeypatch.setattr(f"{__name__}._target", TARGETS[request.param])
