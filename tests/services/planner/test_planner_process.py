@@ -86,7 +86,9 @@ def test_scales_prefill_up_and_decode_down_from_prometheus(kube, tmp_path):
     decode = [(t, body["spec"]["replicas"]) for t, name, body, _ in emu.patches if name == DECODE]
     assert [r for _, r in prefill] == [3, 4]            # max step 2 from 1, then clamped at 4
     assert [r for _, r in decode] == [3, 2]             # one pod per window, down to the minimum
-    assert decode[1][0] - decode[0][0] >= 0.6 and prefill[1][0] - prefill[0][0] >= 0.3
+    # the windows run on the planner's clock, from its decisions; these are the emulator's receive
+    # times, each later than its decision by one HTTP round trip that varies (50 ms of slack)
+    assert decode[1][0] - decode[0][0] >= 0.6 - 0.05 and prefill[1][0] - prefill[0][0] >= 0.3 - 0.05
     assert {kind for *_, kind in emu.patches} == {"application/merge-patch+json"}
     assert any(f'{{namespace="{NS}",service="{PREFILL}"}}' in q for q in prom.queries)
     assert any('kvmesh_kv_usage_ratio{service="prod-kvmesh-decode"}' in q for q in prom.queries)
