@@ -29,9 +29,9 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
 
 import msgspec
-from typing import Any, Sequence
 
 from gpu_worker.structured.matchers import GrammarError, GrammarJob
 from services.protocol.sampling import StructuredOutput

@@ -38,10 +38,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from services.envelope import SCHEDULER, Envelope
-from services.gateway.schemas import ApiError, param_of
 import msgspec
 
+from services.envelope import SCHEDULER, Envelope
+from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
     Abort, Admitted, Migrate, Rejected, RequestFailed, StepOutput, StreamOpen, Submit, TextBatch, TextDelta,
     failure_of)
