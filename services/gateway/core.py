@@ -81,7 +81,6 @@ class Job:
     rids: list[str]
     n: int
     scheduler_addr: str                  # the scheduler holding these requests (its address and registry id)
-    detok_of: dict[str, str]             # request id -> the detokenizer streaming its text
     submitted_at: float
     deadline: float                      # admission deadline, then the progress deadline
     phase: Phase = Phase.SUBMITTED
@@ -90,7 +89,8 @@ class Job:
     first_read: float = 0.0              # when the first tokens' text was ready (the shell's clock; 0: not yet)
     tokens_seen: bool = False            # text with tokens arrived
     index: dict[str, int] = field(default_factory=dict)              # request id -> prompt index
-    submits: dict[str, Submit] = field(default_factory=dict)         # request id -> its Submit (to send again)
+    submits: dict[str, Submit] = field(default_factory=dict)         # request id -> its Submit (sent again;
+                                                                     # its detok_addr streams its text)
     sends: int = 1                       # times its Submits went to a scheduler
 
     @property
@@ -124,8 +124,7 @@ class GatewayCore:
     def submit(self, submits: list[Submit], n: int, scheduler_addr: str, now: float) -> Job:
         """A job whose Submits the shell is about to send (one per prompt)."""
         rids = [s.request_id for s in submits]
-        job = Job(next(self._ids), rids, n, scheduler_addr, {s.request_id: s.detok_addr for s in submits}, now,
-                  now + self.admission_timeout_s, waiting=set(rids),
+        job = Job(next(self._ids), rids, n, scheduler_addr, now, now + self.admission_timeout_s, waiting=set(rids),
                   unfinished={(rid, j) for rid in rids for j in range(n)},
                   index={rid: i for i, rid in enumerate(rids)}, submits={s.request_id: s for s in submits})
         self.jobs[job.id] = job
@@ -194,7 +193,8 @@ class GatewayCore:
         detokenizer streaming a request's text is gone."""
         out = Outbox()
         for job in list(self.jobs.values()):
-            if job.phase in LIVE and any(job.detok_of.get(rid, "") not in live_detok_addrs for rid, _ in job.unfinished):
+            if job.phase in LIVE and any(job.submits[rid].detok_addr not in live_detok_addrs
+                                           for rid, _ in job.unfinished):
                 self._on_failed(job, RequestFailed(
                     request_id=job.rids[0], status=503, code="tokenizer_failed",
                     message="the service streaming this request's text stopped; please retry"), out, "client",
