@@ -144,12 +144,10 @@ class Stack:
             text = httpx.get(f"http://127.0.0.1:{self.sched_metrics}/metrics", timeout=5).text
         except httpx.HTTPError:
             return {}
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("kvmesh_scheduler_migrations_total{"):
-                labels, value = line.rsplit(" ", 1)
-                out[labels[len("kvmesh_scheduler_migrations_total"):]] = float(value)
-        return out
+        from prometheus_client.parser import text_string_to_metric_families
+        return {"{" + ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())) + "}": sample.value
+                for family in text_string_to_metric_families(text) for sample in family.samples
+                if sample.name == "kvmesh_scheduler_migrations_total"}
 
     def stop(self) -> None:
         for proc in self.procs.values():
