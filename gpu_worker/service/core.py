@@ -106,6 +106,10 @@ class WorkerCore:
         self._streaming: set[str] = set()              # streamed to the sender, not yet submitted
         self.imports: Any = None                       # decode worker: handoff.AwaitedImports
         self.awaiting: dict[str, _Req] = {}            # decode worker: announced, KV not yet here
+        # this epoch's hand_back() requests, repeated in every heartbeat: the heartbeat travels on
+        # another socket, and one that reached the scheduler first without them in `active` would
+        # have it forget them, where `handed_back` has it move them (moving twice is a no-op)
+        self.handed_back: list[str] = []
 
     # ---- one iteration -------------------------------------------------------------------
     def run(self, inbox: list[Any], received: float | None = None) -> list[Envelope]:
@@ -156,6 +160,7 @@ class WorkerCore:
         self._handoffs.clear()       # the old epoch's cancels still tell their decode workers
         self._prefilling.clear()
         self._stream_blocks.clear()
+        self.handed_back = []
         self.epoch = epoch
         return len(dropped)
 
@@ -450,6 +455,8 @@ class WorkerCore:
         its detokenizer (its stream goes on at another worker). Returns the status that lists them
         for the scheduler (`handed_back`), which moves each one."""
         handed = list(self.requests)
+        # listed before they leave `requests`: a heartbeat built meanwhile names them one way or the other
+        self.handed_back = [*self.handed_back, *handed]   # a new list: the heartbeat thread reads it
         for rid in handed:
             self._abort_in_engine(rid)
         for rid in self.awaiting:       # KV awaited from a prefill worker: that one ends the stream
@@ -507,14 +514,14 @@ class WorkerCore:
     def status(self, finished: list[str] | None = None, with_active: bool = False,
                handed_back: list[str] | None = None) -> WorkerStatus:
         """Load numbers; `finished` after steps; `with_active` (heartbeats) lists every request held;
-        `handed_back`: hand_back()'s requests."""
+        `handed_back`: hand_back()'s requests (heartbeats repeat all of this epoch's)."""
         s = self.engine.stats()
         return WorkerStatus(worker_id=self.worker_id, epoch=self.epoch, running=s.num_running,
                             waiting=s.num_waiting, free_blocks=s.num_free_blocks,
                             cached_blocks=s.num_cached_blocks, total_blocks=s.num_total_blocks,
                             finished=finished or [],
                             active=[*self.requests, *self.awaiting] if with_active else None,
-                            handed_back=handed_back or [])
+                            handed_back=handed_back or (self.handed_back if with_active else []))
 
 
 def _note_token(req: _Req, now: float) -> None:

@@ -31,9 +31,9 @@ def messages(out, kind):
     return [(e.dest, e.msg) for e in out if isinstance(e.msg, kind)]
 
 
-def status(wid: str, *, finished=(), handed_back=()) -> WorkerStatus:
+def status(wid: str, *, finished=(), handed_back=(), active=None) -> WorkerStatus:
     return WorkerStatus(worker_id=wid, epoch=1, running=0, waiting=0, free_blocks=10, cached_blocks=0,
-                        total_blocks=10, finished=list(finished), handed_back=list(handed_back))
+                        total_blocks=10, finished=list(finished), handed_back=list(handed_back), active=active)
 
 
 def test_a_dead_workers_request_moves_on_from_the_tokens_its_detokenizer_has():
@@ -113,6 +113,25 @@ def test_a_hand_back_marks_its_worker_draining_before_its_record_says_so():
     assert core.workers[on].draining
     [(addr, _)] = messages(core.resumed(Resume(request_id="a", output_token_ids=[[3, 4]])), Dispatch)
     assert addr == f"tcp://{other}:1"
+
+
+def test_a_heartbeat_that_overtakes_the_hand_back_moves_the_request_once():
+    """The heartbeat and the step's status travel on two sockets: a heartbeat that no longer lists
+    a handed-back request in `active` names it in `handed_back`, so it moves instead of being
+    forgotten, and the step's status that follows moves nothing twice."""
+    clock = [0.0]
+    core = core_with(worker("w1"), worker("w2"))
+    core.clock = lambda: clock[0]
+    core.submit(submit("a"))
+    on = core.requests["a"].worker_id
+    clock[0] = core.RECONCILE_AFTER_S + 1
+    out = core.worker_status(status(on, active=[], handed_back=["a"]))
+    [(_, mig)] = messages(out, Migrate)
+    assert mig.worker_id == on and "a" in core.requests
+    assert not messages(core.worker_status(status(on, handed_back=["a"])), Migrate)
+    assert not messages(core.worker_status(status(on, active=[], handed_back=["a"])), Migrate)
+    [(addr, _)] = messages(core.resumed(Resume(request_id="a", output_token_ids=[[3]])), Dispatch)
+    assert addr != f"tcp://{on}:1"
 
 
 def test_a_client_abort_while_moving_frees_the_request_and_its_stream():

@@ -51,3 +51,9 @@ def test_hand_back_frees_everything_silently_and_reports_the_requests():
     assert sorted(status.handed_back) == ["a", "b"] and status.finished == []
     assert not core.requests and not core.has_work() and core.engine.stats().num_free_blocks == 64
     assert [e for e in core.run([]) if e.dest != SCHEDULER] == []      # nothing to the detokenizer
+    # every heartbeat names them again (it travels on another socket and may arrive first)
+    beat = core.status(with_active=True)
+    assert beat.active == [] and sorted(beat.handed_back) == ["a", "b"]
+    assert core.status().handed_back == []                            # a step's status does not
+    core.rejoin(2)                                                    # a new epoch hands back nothing
+    assert core.status(with_active=True).handed_back == []
