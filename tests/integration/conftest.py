@@ -49,5 +49,5 @@ def stack(tiny_model, tmp_path_factory):
         procs.start_worker("worker-0", tiny_model, "--metrics-port", "0")
         procs.start("gateway", "gateway", *FAST, "--port", str(port), "--zmq-port", "0")
         base = f"http://127.0.0.1:{port}"
-        wait_ready(base, 180)
+        wait_ready(base, 180, procs)
         yield Stack(procs, redis.client_url, tiny_model, Path(tiny_model).name, base)

@@ -73,7 +73,7 @@ def pd_stack(model: str, logs: Path, prefill_extra: tuple[str, ...] = (), decode
         procs.start_worker("decode-0", model, "--role", "decode", *handoff, *decode_extra)
         procs.start("gateway", "gateway", *FAST, "--port", str(port), "--zmq-port", "0")
         base = f"http://127.0.0.1:{port}"
-        wait_ready(base, 180)
+        wait_ready(base, 180, procs)
         stack = PDStack(procs, redis.client_url, model, base, f"http://127.0.0.1:{sched_metrics}/metrics")
         wait_for(lambda: metric(stack.scheduler_metrics, "kvmesh_scheduler_workers") == 2, 60,
                  "the scheduler to see both workers")

@@ -82,13 +82,25 @@ def wait_for(pred, timeout_s: float, what: str, interval: float = 0.1):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def wait_ready(base_url: str, timeout_s: float = 120) -> None:
+def wait_ready(base_url: str, timeout_s: float = 120, procs: Procs | None = None) -> None:
+    """Until the gateway's /ready answers 200. A timeout names its last answer (the 503's reason or
+    the connection error); with `procs`, a service that exited meanwhile fails it at once."""
+    last = ["no answer yet"]
+
     def ok() -> bool:
+        if procs is not None and (dead := {n: p.returncode for n, p in procs.procs.items() if p.poll() is not None}):
+            raise AssertionError(f"waiting for {base_url}/ready: services exited (name: exit code) {dead}")
         try:
-            return httpx.get(base_url + "/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
+            r = httpx.get(base_url + "/ready", timeout=2)
+        except httpx.HTTPError as exc:
+            last[0] = repr(exc)
             return False
-    wait_for(ok, timeout_s, f"{base_url}/ready")
+        last[0] = f"{r.status_code} {r.text[:300]}"
+        return r.status_code == 200
+    try:
+        wait_for(ok, timeout_s, f"{base_url}/ready")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; its last answer: {last[0]}") from None
 
 
 @contextlib.contextmanager

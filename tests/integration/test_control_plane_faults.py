@@ -125,8 +125,10 @@ def test_a_scheduler_killed_with_a_worker_fails_no_request_once_a_new_one_starts
     live requests to the next scheduler (Submit.resubmitted), which adopts those the live worker
     runs, moves the dead worker's from their tokens, and runs the ones the dead scheduler had
     queued and the one sent to it after its death. Every request ends 200 with the healthy text."""
-    # runs last: the worker was stopped by test_no_worker_is_503; bring two back
+    # two workers of its own (test_no_worker_is_503 stops the first one, when it ran before)
     procs = cp["procs"]
+    if "worker" in procs.procs:
+        procs.kill("worker", signal.SIGTERM)
     for name in ("worker-1", "worker-2"):
         procs.start(name, "worker", *FAST, *INTERNAL, "--metrics-port", "-1", "--model", cp["model_dir"],
                     "--null-model", "--null-step-ms", "20", "--max-num-seqs", "2", "--worker-id", f"null-{name[-1]}")
