@@ -809,9 +809,12 @@ class Engine:
             held = sorted(samples)
         del self._importing[request_id]
         request = seq.request
+        hit_tokens = seq.num_computed_tokens   # this engine's own prefix hits: not imported
         seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.register_computed_blocks(seq)
         going_on = {i: (token, logprob) for i, token, logprob in held}
+        if self.speculator is not None and going_on:   # a draft model's KV of the imported prompt
+            self.speculator.catch_up(seq, hit_tokens, self.config.max_num_batched_tokens)
+        self.block_manager.register_computed_blocks(seq)
         for index in range(request.n):
             if index not in going_on:          # ended on the prefill engine, or aborted since
                 request.seqs.append(Sequence(request, index, list(seq.token_ids), seq.num_prompt_tokens,
