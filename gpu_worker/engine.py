@@ -798,7 +798,8 @@ class Engine:
 
     def admit_imported(self, request_id: str, samples: list[tuple[int, int, float]] | None = None) -> None:
         """Every block of an imported request holds its KV now: its samples join the batch as if
-        this engine had prefilled the prompt, and its full blocks join the prefix cache. `samples`:
+        this engine had prefilled the prompt (a draft model first computes its own KV of the
+        prompt: the hand-off moves the target's only), and its full blocks join the prefix cache. `samples`:
         those import_prefilled did not have yet (raises RequestError when invalid; the request
         stays importing, for abort_request)."""
         seq, held = self._importing[request_id]
