@@ -8,7 +8,10 @@ either engine."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from gpu_worker.config import EngineConfig
+from gpu_worker.engine import Engine
 from gpu_worker.kv_transfer.local import hand_off
 from gpu_worker.kv_transfer.messages import Ack
 from tests.gpu_worker.engine.conftest import _one_torch_thread  # noqa: F401  (fixture)
@@ -108,3 +111,18 @@ def test_abort_of_an_imported_sequence_around_verification_leaks_no_block(mtp_mo
     spec = spec_of("draft_model", mtp_model)
     seen = [run_aborting(pd_engines(mtp_model, spec), requests, "a", k) for k in range(0, 24, 3)]
     assert any(s.get("in_flight") for s in seen) and any(s.get("verified") for s in seen), seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_draft_catch_up_on_cuda(mtp_model):
+    """The catch-up's forwards on the device (Triton kernels, fp32, eager), ordered with async steps."""
+    kw = dict(model=mtp_model, device="cuda", dtype="float32", attention_backend="triton", enforce_eager=True,
+              async_scheduling=True, num_gpu_blocks=64)
+    requests = [("a", repetitive(30, 5, 2), greedy(24)), ("b", SHARED, greedy(16))]
+    want = run_single(Engine(EngineConfig(**kw)), requests)
+    spec = spec_of("draft_model", mtp_model)
+    pd = PD(Engine(EngineConfig(**kw)), Engine(EngineConfig(speculative_config=spec, **kw)))
+    assert pd.run(requests) == want
+    stats = spec_stats(pd.d)
+    assert stats["accepted"] == stats["proposed"] > 0
