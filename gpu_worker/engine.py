@@ -798,7 +798,8 @@ class Engine:
 
     def admit_imported(self, request_id: str, samples: list[tuple[int, int, float]] | None = None) -> None:
         """Every block of an imported request holds its KV now: its samples join the batch as if
-        this engine had prefilled the prompt, and its full blocks join the prefix cache. `samples`:
+        this engine had prefilled the prompt (a draft model first computes its own KV of the
+        prompt: the hand-off moves the target's only), and its full blocks join the prefix cache. `samples`:
         those import_prefilled did not have yet (raises RequestError when invalid; the request
         stays importing, for abort_request)."""
         seq, held = self._importing[request_id]
@@ -809,9 +810,12 @@ class Engine:
             held = sorted(samples)
         del self._importing[request_id]
         request = seq.request
+        hit_tokens = seq.num_computed_tokens   # this engine's own prefix hits: not imported
         seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.register_computed_blocks(seq)
         going_on = {i: (token, logprob) for i, token, logprob in held}
+        if self.speculator is not None and going_on:   # a draft model's KV of the imported prompt
+            self.speculator.catch_up(seq, hit_tokens, self.config.max_num_batched_tokens)
+        self.block_manager.register_computed_blocks(seq)
         for index in range(request.n):
             if index not in going_on:          # ended on the prefill engine, or aborted since
                 request.seqs.append(Sequence(request, index, list(seq.token_ids), seq.num_prompt_tokens,

@@ -90,7 +90,14 @@ def build_engine(cfg: WorkerConfig) -> Any:
 def engine_config(cfg: WorkerConfig) -> Any:
     """The EngineConfig of the worker's engine fields (all of EngineArgs'; tuning from the env)."""
     from gpu_worker.config import EngineConfig
-    return EngineConfig(**engine_args_of(cfg))
+    args = engine_args_of(cfg)
+    if cfg.role == "prefill" and args["speculative_config"]:
+        # A prefill worker draws only each request's first token, so it would never propose: a
+        # draft model or MTP layer there would only hold memory and run beside every prefill.
+        # Speculation runs on the decode workers (`kvmesh serve` gives every pool the same flags).
+        log.info("--speculative-config is ignored on a prefill worker: speculation runs on the decode workers")
+        args["speculative_config"] = None
+    return EngineConfig(**args)
 
 
 def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:

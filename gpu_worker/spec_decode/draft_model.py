@@ -11,8 +11,10 @@ Two invariants keep the draft's KV true wherever the target's is:
     tokens, positions, slots), so the draft's KV holds exactly the tokens the target's does, a
     prefix-cache hit included (the block was written by both when it was computed);
   - copy_blocks: copy-on-write copies both caches.
-KV that arrives from outside (a P/D hand-off, a KV tier's load) holds the target's layers only:
-the draft's slots there are stale, which costs acceptance, never correctness (the target
+KV that arrives from outside holds the target's layers only. A P/D hand-off's prompt is caught
+up (catch_up: the draft prefills the imported positions over its own layers before the sequence
+first proposes, so an imported sequence accepts what it would on one engine); a KV tier's load is
+not: the draft's slots there stay stale, which costs acceptance, never correctness (the target
 verifies every draft).
 
 propose(): k autoregressive decode steps of the draft on the sequences' draft positions:
@@ -106,6 +108,18 @@ class DraftModel(ModelProposer):
     def follow(self, batch: ForwardBatch) -> None:
         """The draft writes its KV for the target's batch (its logits are not needed)."""
         self.runner.run_model(self.runner.prepare_inputs(batch))
+
+    def catch_up(self, seq: Sequence, first: int, chunk: int) -> None:
+        """The draft's KV for seq's imported positions first .. num_computed_tokens - 1:
+
+            token_ids:  | D's prefix hits (draft KV true) | imported (target KV only) | x |
+                        0                                first                    c
+            follow():                                     | chunk | chunk | ...  |   no logits
+        """
+        end = seq.num_computed_tokens
+        for start in range(first, end, chunk):
+            n = min(chunk, end - start)
+            self.follow(self.builder.build([(_DraftView(seq.token_ids[:start + n], start, seq.block_table), n)]))
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self.runner.copy_blocks(src, dst)

@@ -43,6 +43,11 @@ class ModelProposer:
     def can_propose(self, seq: Sequence) -> bool:
         return True
 
+    def catch_up(self, seq: Sequence, first: int, chunk: int) -> None:
+        """seq's computed positions first.. hold KV that arrived from another engine (a P/D
+        hand-off), which carries the target's layers only: the proposer computes its own KV
+        there (at most `chunk` tokens per forward) before seq first proposes. Default: nothing."""
+
     def propose(self, drafts: dict[Sequence, list[int]], request_at: RequestAt) -> DraftProposal:
         raise NotImplementedError
 

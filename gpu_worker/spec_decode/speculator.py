@@ -175,6 +175,11 @@ class Speculator:
             return runner.forward(batch)
         return self.proposer.forward(runner, batch, scheduled)
 
+    def catch_up(self, seq: Sequence, first: int, chunk: int) -> None:
+        """An imported sequence's positions first.. hold only the target's KV (proposer.py)."""
+        if self.proposer is not None:
+            self.proposer.catch_up(seq, first, chunk)
+
     def settle(self) -> None:
         """After the step's tokens are final (mtp: its KV catches up)."""
         if self.proposer is not None:
