@@ -30,7 +30,8 @@ class _Server(ThreadingHTTPServer):
 
 def _serve(handler: type[BaseHTTPRequestHandler]) -> _Server:
     server = _Server(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # a short poll: close() (shutdown) waits up to one poll interval
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return server
 
 
