@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("gpu_worker.service.main:main", "run one GPU worker (engine) service"),
     "generate": ("gpu_worker.cli_generate:main", "generate text offline with the engine"),
     "make-model": ("gpu_worker.make_model:main", "write a random-weight model directory"),
-    "planner": ("services.planner.main:main", "scale the prefill and decode Deployments from SLO signals"),
+    "planner": ("services.planner.main:main", "scale the prefill and decode pools from SLO signals"),
     "bench": ("services.bench.cli:main", "benchmark an OpenAI-compatible server"),
     "keys": ("services.security.keys_cli:main", "make the internal planes' keys (a directory or Kubernetes Secrets)"),
 }

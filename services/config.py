@@ -333,12 +333,15 @@ class ServeConfig(ServedEngineArgs):
 
 
 _SELECTOR = {"pattern": r'[^{}\n]{0,512}', "expected": "label matchers without braces, at most 512 characters"}
+_WORKLOAD = {"pattern": r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?)?",
+             "expected": "a Deployment or StatefulSet name"}
 _HTTP_URL = {"pattern": r"(https?://[^\s]{1,2000})?", "expected": "an http:// or https:// URL"}
 
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    """`kvmesh planner`: scales the prefill and decode Deployments from SLO signals (services/planner).
+    """`kvmesh planner`: scales the prefill and decode pools (Deployments or StatefulSets) from SLO
+    signals (services/planner).
     An up-threshold is passed when any signal is above it; a pool scales down only when every
     signal has stayed under its down-threshold for --stabilization-window-s."""
 
@@ -353,14 +356,18 @@ class PlannerConfig:
                                          "(comma-separated).")
     decode_metrics_urls: list = opt([], "Without --prometheus-url: the decode workers' /metrics URLs.")
     gateway_metrics_urls: list = opt([], "Without --prometheus-url: the gateways' /metrics URLs.")
-    kube_namespace: str = opt("default", "Namespace of the Deployments.",
+    kube_namespace: str = opt("default", "Namespace of the pools' Deployments or StatefulSets.",
                               pattern=r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", expected="a namespace name")
     kubeconfig: str = opt("", "Kubeconfig file; empty: the pod's ServiceAccount inside a cluster, else "
                               "~/.kube/config.")
-    prefill_deployment: str = opt("", "The prefill pool's Deployment; empty: the prefill pool is not scaled.",
-                                  pattern=r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?)?", expected="a Deployment name")
-    decode_deployment: str = opt("", "The decode pool's Deployment; empty: the decode pool is not scaled.",
-                                 pattern=r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?)?", expected="a Deployment name")
+    prefill_deployment: str = opt("", "The prefill pool's Deployment; empty: the prefill pool is not scaled "
+                                      "(unless --prefill-statefulset names it).", **_WORKLOAD)
+    decode_deployment: str = opt("", "The decode pool's Deployment; empty: the decode pool is not scaled "
+                                     "(unless --decode-statefulset names it).", **_WORKLOAD)
+    prefill_statefulset: str = opt("", "The prefill pool's StatefulSet (a pool with a persistent disk KV tier), "
+                                       "instead of --prefill-deployment.", **_WORKLOAD)
+    decode_statefulset: str = opt("", "The decode pool's StatefulSet, instead of --decode-deployment.",
+                                  **_WORKLOAD)
     prefill_min_replicas: int = opt(1, "Fewest prefill pods.", min=0, max=1000)
     prefill_max_replicas: int = opt(8, "Most prefill pods.", min=1, max=1000)
     decode_min_replicas: int = opt(1, "Fewest decode pods.", min=0, max=1000)
@@ -394,6 +401,9 @@ class PlannerConfig:
         check_bind_host(self.host)
         check_bounds(self)
         for pool in ("prefill", "decode"):
+            if getattr(self, f"{pool}_deployment") and getattr(self, f"{pool}_statefulset"):
+                raise ConfigError(f"--{pool}-deployment and --{pool}-statefulset both name the {pool} pool: "
+                                  "give the one its workers run as")
             lo, hi = getattr(self, f"{pool}_min_replicas"), getattr(self, f"{pool}_max_replicas")
             if lo > hi:
                 raise ConfigError(f"--{pool}-min-replicas ({lo}) is above --{pool}-max-replicas ({hi})")

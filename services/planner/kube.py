@@ -1,10 +1,22 @@
-"""A Deployment's replicas through its scale subresource, on the official `kubernetes` client.
-The planner's Role allows get and patch on deployments/scale and nothing else."""
+"""A pool's replicas through its workload's scale subresource, on the official `kubernetes` client:
+`deployments/{name}/scale` for a Deployment pool, `statefulsets/{name}/scale` for a StatefulSet
+pool (a persistent disk KV tier). The planner's Role allows get and patch on those and nothing else."""
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 from kubernetes import client, config
+
+KINDS = ("deployment", "statefulset")
+
+
+class Workload(NamedTuple):
+    kind: str     # one of KINDS
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}/{self.name}"      # as kubectl names it
 
 
 def apps_api(kubeconfig: str, timeout_s: float) -> "ScaleClient":
@@ -22,12 +34,16 @@ class ScaleClient:
     def __init__(self, api: client.AppsV1Api, timeout_s: float) -> None:
         self.api = api
         self.timeout_s = timeout_s
+        self.read = {"deployment": api.read_namespaced_deployment_scale,
+                     "statefulset": api.read_namespaced_stateful_set_scale}
+        self.patch = {"deployment": api.patch_namespaced_deployment_scale,
+                      "statefulset": api.patch_namespaced_stateful_set_scale}
 
-    def replicas(self, namespace: str, deployment: str) -> int:
-        scale = self.api.read_namespaced_deployment_scale(deployment, namespace, _request_timeout=self.timeout_s)
+    def replicas(self, namespace: str, workload: Workload) -> int:
+        scale = self.read[workload.kind](workload.name, namespace, _request_timeout=self.timeout_s)
         return int(scale.spec.replicas or 0)
 
-    def set_replicas(self, namespace: str, deployment: str, replicas: int) -> None:
-        self.api.patch_namespaced_deployment_scale(deployment, namespace, {"spec": {"replicas": replicas}},
-                                                   _content_type="application/merge-patch+json",
-                                                   _request_timeout=self.timeout_s)
+    def set_replicas(self, namespace: str, workload: Workload, replicas: int) -> None:
+        self.patch[workload.kind](workload.name, namespace, {"spec": {"replicas": replicas}},
+                                  _content_type="application/merge-patch+json",
+                                  _request_timeout=self.timeout_s)

@@ -1,6 +1,13 @@
-"""`kvmesh planner`: every --interval-s, read each pool's SLO signals and its Deployment's
-replicas, decide (services/planner/decide.py) and patch the scale subresource, or only log it
-with --dry-run. A failed read skips that pool for one round; nothing is patched on a guess.
+"""`kvmesh planner`: every --interval-s, read each pool's SLO signals and the replicas of its
+Deployment or StatefulSet, decide (services/planner/decide.py) and patch the scale subresource,
+or only log it with --dry-run. A failed read skips that pool for one round; nothing is patched on
+a guess.
+
+A scale-down only lowers `replicas`: Kubernetes picks the pods that leave (a StatefulSet its
+highest ordinals) and sends them SIGTERM, and each worker drains itself within its grace period
+(finishes or migrates its streams, writes its hot blocks to a disk tier). The planner shrinks a
+pool by one pod per --stabilization-window-s (300 s by default, longer than a worker's grace
+period), so one drain is over before the next begins.
 
     kvmesh planner --prometheus-url http://prometheus:9090 --kube-namespace llm \\
         --prefill-deployment prod-kvmesh-prefill --prefill-selector 'service="prod-kvmesh-prefill"' \\
@@ -20,13 +27,14 @@ from services import metrics
 from services.config import PlannerConfig, load_or_exit
 from services.logging import setup as setup_logging
 from services.planner.decide import Decision, PoolPolicy, PoolState, Threshold, decide
+from services.planner.kube import Workload
 from services.planner.signals import POOL_SIGNALS, PrometheusSignals, ScrapedSignals
 
 log = logging.getLogger("kvmesh.planner")
 
 
-def pool_policies(cfg: PlannerConfig) -> dict[str, tuple[str, PoolPolicy]]:
-    """pool -> (its Deployment, its policy), for the pools given a Deployment."""
+def pool_policies(cfg: PlannerConfig) -> dict[str, tuple[Workload, PoolPolicy]]:
+    """pool -> (its Deployment or StatefulSet, its policy), for the pools given one."""
     thresholds = {
         "prefill": (Threshold("ttft_p90_s", cfg.ttft_p90_up_s, cfg.ttft_p90_down_s),
                     Threshold("pending_prompt_tokens", cfg.pending_tokens_up, cfg.pending_tokens_down)),
@@ -35,12 +43,20 @@ def pool_policies(cfg: PlannerConfig) -> dict[str, tuple[str, PoolPolicy]]:
     }
     out = {}
     for pool in ("prefill", "decode"):
-        deployment = getattr(cfg, f"{pool}_deployment")
-        if deployment:
-            out[pool] = (deployment, PoolPolicy(pool, getattr(cfg, f"{pool}_min_replicas"),
+        workload = pool_workload(cfg, pool)
+        if workload:
+            out[pool] = (workload, PoolPolicy(pool, getattr(cfg, f"{pool}_min_replicas"),
                                                 getattr(cfg, f"{pool}_max_replicas"), thresholds[pool],
                                                 cfg.max_step, cfg.stabilization_window_s, cfg.scale_up_cooldown_s))
     return out
+
+
+def pool_workload(cfg: PlannerConfig, pool: str) -> Workload | None:
+    """The config refuses both names for one pool, so at most one is set."""
+    for kind in ("deployment", "statefulset"):
+        if name := getattr(cfg, f"{pool}_{kind}"):
+            return Workload(kind, name)
+    return None
 
 
 def signal_source(cfg: PlannerConfig) -> PrometheusSignals | ScrapedSignals:
@@ -67,40 +83,40 @@ class Planner:
         wanted = [s for pool in self.pools for s in POOL_SIGNALS[pool]]
         signals = self.source.read_all(wanted)
         decisions = []
-        for pool, (deployment, policy) in self.pools.items():
+        for pool, (workload, policy) in self.pools.items():
             for name in POOL_SIGNALS[pool]:
                 value = signals.get(name)
                 metrics.PLANNER_SIGNAL.labels(pool, name).set(math.nan if value is None else value)
             if any(signals.get(name) is None for name in POOL_SIGNALS[pool]):
                 metrics.PLANNER_ERRORS.labels("signals").inc()
             try:
-                current = self.scale.replicas(self.cfg.kube_namespace, deployment)
+                current = self.scale.replicas(self.cfg.kube_namespace, workload)
             except Exception as exc:   # the API server's answer, a timeout, a refused connection
                 metrics.PLANNER_ERRORS.labels("kubernetes").inc()
-                log.warning("%s: cannot read the scale of %s: %s", pool, deployment, _short(exc))
+                log.warning("%s: cannot read the scale of %s: %s", pool, workload, _short(exc))
                 continue
             metrics.PLANNER_REPLICAS.labels(pool).set(current)
             decision = decide(policy, self.states[pool], now, current, signals)
             metrics.PLANNER_DESIRED.labels(pool).set(decision.desired)
-            self.carry_out(deployment, decision)
+            self.carry_out(workload, decision)
             decisions.append(decision)
         return decisions
 
-    def carry_out(self, deployment: str, d: Decision) -> None:
+    def carry_out(self, workload: Workload, d: Decision) -> None:
         if d.direction == "hold":
             log.debug("%s: %d replicas, %s", d.pool, d.current, d.reason)
             return
         metrics.PLANNER_SCALES.labels(d.pool, d.direction).inc()
         if self.cfg.dry_run:
-            log.info("%s: dry run: would scale %s from %d to %d (%s)", d.pool, deployment, d.current, d.desired,
+            log.info("%s: dry run: would scale %s from %d to %d (%s)", d.pool, workload, d.current, d.desired,
                      d.reason)
             return
         try:
-            self.scale.set_replicas(self.cfg.kube_namespace, deployment, d.desired)
-            log.info("%s: scaled %s from %d to %d (%s)", d.pool, deployment, d.current, d.desired, d.reason)
+            self.scale.set_replicas(self.cfg.kube_namespace, workload, d.desired)
+            log.info("%s: scaled %s from %d to %d (%s)", d.pool, workload, d.current, d.desired, d.reason)
         except Exception as exc:
             metrics.PLANNER_ERRORS.labels("kubernetes").inc()
-            log.warning("%s: cannot scale %s to %d: %s", d.pool, deployment, d.desired, _short(exc))
+            log.warning("%s: cannot scale %s to %d: %s", d.pool, workload, d.desired, _short(exc))
 
 
 def _short(exc: Exception) -> str:
@@ -110,11 +126,10 @@ def _short(exc: Exception) -> str:
 def main(argv: list[str]) -> int:
     cfg = load_or_exit(PlannerConfig, argv, "kvmesh planner")
     if not pool_policies(cfg):
-        print("kvmesh planner: give --prefill-deployment, --decode-deployment or both: it scales nothing",
-              file=sys.stderr)
+        print("kvmesh planner: give --prefill-deployment (or --prefill-statefulset), --decode-deployment (or "
+              "--decode-statefulset) or both: it scales nothing", file=sys.stderr)
         return 2
     setup_logging("planner", cfg.log_level)
-    # the kubernetes client: only this command needs it
     from kubernetes.config import ConfigException
 
     from services.planner.kube import apps_api
@@ -131,7 +146,7 @@ def main(argv: list[str]) -> int:
     source = signal_source(cfg)
     planner = Planner(cfg, source, scale)
     log.info("planner: scaling %s in namespace %s every %.3g s%s; metrics port %d",
-             ", ".join(f"{pool} ({dep})" for pool, (dep, _) in planner.pools.items()), cfg.kube_namespace,
+             ", ".join(f"{pool} ({w})" for pool, (w, _) in planner.pools.items()), cfg.kube_namespace,
              cfg.interval_s, " (dry run)" if cfg.dry_run else "", port)
     try:
         while not stop.is_set():

@@ -1,7 +1,8 @@
 """The chart's `kvmesh planner` (planner.enabled): its manifests are valid Kubernetes objects, its
 Role may only get and patch the two pools' scale, the pools it scales leave `replicas` to it and
 have no other autoscaler, and a planner process started with exactly the environment the chart
-renders scales the pools of a Kubernetes API emulator."""
+renders scales the pools of a Kubernetes API emulator. A pool with a persistent disk KV tier is a
+StatefulSet: the planner is told so and its Role names `statefulsets/scale` for it."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,8 @@ import pytest
 import yaml
 
 from services.config import PlannerConfig, known_env_names, parse_config
+from services.planner.kube import apps_api
+from services.planner.main import Planner
 from tests.helm.chart import CHART, CRD_GROUPS, FULLNAME, RELEASE, by_kind, containers, env_of, helm, run_helm  # noqa: F401
 from tests.services.planner.kube_emulator import FakePrometheus, KubeEmulator
 
@@ -131,3 +134,54 @@ def test_a_planner_started_like_the_chart_pod_scales_the_pools(docs, tmp_path):
         emu.close()
     assert [b["spec"]["replicas"] for *_, b, _ in emu.patches] == [3, 4, 5]
     assert any(f'service="{FULLNAME}-decode"' in q for q in prom.queries)
+
+
+# The decode pool keeps its disk KV tier on a claim per worker: a StatefulSet the planner scales.
+PERSISTENT = {**PLANNER, "workerPools": {"decode": {"kvOffload": {"disk": {"enabled": True, "persistent": True}}}}}
+
+
+@pytest.fixture(scope="module")
+def sts_docs(helm, tmp_path_factory) -> list[dict]:
+    out = render(helm, PERSISTENT, tmp_path_factory.mktemp("planner-sts"))
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_a_persistent_pool_is_a_statefulset_the_planner_scales(sts_docs):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    version = kubernetes_validate.latest_version()
+    sts = by_kind(sts_docs, "StatefulSet")[f"{FULLNAME}-decode"]
+    assert f"{FULLNAME}-decode" not in by_kind(sts_docs, "Deployment")
+    assert "replicas" not in sts["spec"] and sts["spec"]["podManagementPolicy"] == "Parallel"
+    for doc in [sts, *(d for d in sts_docs if d["metadata"]["name"] == NAME)]:
+        kubernetes_validate.validate(doc, version, strict=True)
+    assert by_kind(sts_docs, "Role")[NAME]["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch"],
+         "resourceNames": [f"{FULLNAME}-prefill"]},
+        {"apiGroups": ["apps"], "resources": ["statefulsets/scale"], "verbs": ["get", "patch"],
+         "resourceNames": [f"{FULLNAME}-decode"]}]
+    env = planner_env(sts_docs)
+    assert env["KVMESH_DECODE_STATEFULSET"] == f"{FULLNAME}-decode" and "KVMESH_DECODE_DEPLOYMENT" not in env
+    assert env["KVMESH_PREFILL_DEPLOYMENT"] == f"{FULLNAME}-prefill"
+
+
+def test_a_planner_configured_like_the_chart_pod_scales_the_statefulset(sts_docs, tmp_path):
+    """In-process, on the rendered environment: the decode StatefulSet grows on high KV usage
+    through statefulsets/{name}/scale (a Deployment of that name does not exist in the emulator)."""
+    emu = KubeEmulator("llm", {f"{FULLNAME}-prefill": 1, f"{FULLNAME}-decode": 2},
+                       statefulsets=frozenset({f"{FULLNAME}-decode"}))
+    env = {k: v for k, v in planner_env(sts_docs).items() if k.startswith("KVMESH_")}
+    cfg = parse_config(PlannerConfig, [], "kvmesh planner", env={**env, "KVMESH_SCALE_UP_COOLDOWN_S": "0"})
+
+    class Busy:
+        def read_all(self, wanted):
+            return {"ttft_p90_s": 1.0, "pending_prompt_tokens": 4096.0, "itl_p90_s": 0.01, "kv_usage": 0.97}
+
+    try:
+        planner = Planner(cfg, Busy(), apps_api(str(emu.kubeconfig(tmp_path / "kubeconfig")), 5.0))
+        for now in range(4):
+            planner.tick(float(now))
+    finally:
+        emu.close()
+    assert emu.replicas == {f"{FULLNAME}-prefill": 1, f"{FULLNAME}-decode": 5}
+    assert [b["spec"]["replicas"] for *_, b, _ in emu.patches] == [3, 4, 5]

@@ -86,8 +86,6 @@ def test_the_tier_env_names_are_the_workers(helm, tmp_path_factory):
      "kvOffload.disk.enabled needs gpus 1"),
     (["--set", "worker.kvOffload.disk.enabled=true", "--set", "worker.engine.kv-offload-dir=/x"],
      "engine.kv-offload-dir and kvOffload.disk"),
-    (["--set", "worker.kvOffload.disk.enabled=true", "--set", "worker.kvOffload.disk.persistent=true",
-      "--set", "planner.enabled=true", "--set", "planner.prometheusUrl=http://p:9090"], "does not scale"),
     (["--set", "worker.kvOffload.disk.sizeGi=0"], "schema"),
     (["--set", "worker.kvOffload.disk.accessModes[0]=Sometimes"], "schema"),
     (["--set", "workerPools.decode.kvOffload.disk.nosuchkey=1"], "schema"),

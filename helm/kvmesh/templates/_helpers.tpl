@@ -416,9 +416,6 @@ worker), else empty; fails on settings that cannot work together.
 {{- fail (printf "workerPools.%s: engine.%s and kvOffload.disk both set the disk KV tier: use kvOffload.disk only" $.pool $key) }}
 {{- end }}
 {{- end }}
-{{- if and $d.persistent .plannerScaled }}
-{{- fail (printf "workerPools.%s.kvOffload.disk.persistent makes the pool a StatefulSet, which the planner (planner.enabled) does not scale: it patches Deployments. Turn one off" .pool) }}
-{{- end }}
 {{- if $d.persistent }}true{{ end }}
 {{- end }}
 {{- end }}

@@ -1,10 +1,11 @@
 """A Kubernetes API emulator and a Prometheus query endpoint for the planner's tests, both on
 127.0.0.1 (no API server runs here).
 
-The emulator serves what the official client calls for a Deployment's scale subresource:
-GET and PATCH /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale (JSON merge patch or
-strategic merge patch of spec.replicas), plus /version and the apps/v1 discovery document. It
-checks the bearer token the kubeconfig carries and records every PATCH.
+The emulator serves what the official client calls for a Deployment's or a StatefulSet's scale
+subresource: GET and PATCH /apis/apps/v1/namespaces/{ns}/{deployments|statefulsets}/{name}/scale
+(JSON merge patch or strategic merge patch of spec.replicas), plus /version and the apps/v1
+discovery document. A workload asked for under the other kind is not found, as on an API server.
+It checks the bearer token the kubeconfig carries and records every PATCH.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Callable
 
 import yaml
 
-SCALE_PATH = re.compile(r"^/apis/apps/v1/namespaces/([a-z0-9-]+)/deployments/([a-z0-9.-]+)/scale$")
+SCALE_PATH = re.compile(r"^/apis/apps/v1/namespaces/([a-z0-9-]+)/(deployments|statefulsets)/([a-z0-9.-]+)/scale$")
 PATCH_TYPES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
 TOKEN = "planner-test-token"
 
@@ -29,15 +30,17 @@ class _Server(ThreadingHTTPServer):
 
 def _serve(handler: type[BaseHTTPRequestHandler]) -> _Server:
     server = _Server(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # a short poll: close() (shutdown) waits up to one poll interval
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return server
 
 
 class KubeEmulator:
-    def __init__(self, namespace: str, replicas: dict[str, int]) -> None:
+    def __init__(self, namespace: str, replicas: dict[str, int], statefulsets: frozenset[str] = frozenset()) -> None:
         self.namespace = namespace
-        self.replicas = dict(replicas)          # deployment -> spec.replicas
-        self.patches: list[tuple[float, str, dict, str]] = []   # (time, deployment, body, content type)
+        self.replicas = dict(replicas)          # workload name -> spec.replicas
+        self.statefulsets = statefulsets        # the names of `replicas` that are StatefulSets, not Deployments
+        self.patches: list[tuple[float, str, dict, str]] = []   # (time, workload, body, content type)
         self.lock = threading.Lock()
         self.server = _serve(self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -88,9 +91,10 @@ class KubeEmulator:
                 if not m:
                     self.status(404, "NotFound", f"the server could not find the requested resource {self.path}")
                     return None
-                ns, name = m.groups()
-                if ns != emu.namespace or name not in emu.replicas:
-                    self.status(404, "NotFound", f'deployments.apps "{name}" not found')
+                ns, resource, name = m.groups()
+                kind = "statefulsets" if name in emu.statefulsets else "deployments"
+                if ns != emu.namespace or name not in emu.replicas or resource != kind:
+                    self.status(404, "NotFound", f'{resource}.apps "{name}" not found')
                     return None
                 return name
 
@@ -102,6 +106,10 @@ class KubeEmulator:
                         {"name": "deployments", "namespaced": True, "kind": "Deployment",
                          "verbs": ["get", "list", "patch"]},
                         {"name": "deployments/scale", "namespaced": True, "group": "autoscaling",
+                         "version": "v1", "kind": "Scale", "verbs": ["get", "patch", "update"]},
+                        {"name": "statefulsets", "namespaced": True, "kind": "StatefulSet",
+                         "verbs": ["get", "list", "patch"]},
+                        {"name": "statefulsets/scale", "namespaced": True, "group": "autoscaling",
                          "version": "v1", "kind": "Scale", "verbs": ["get", "patch", "update"]}]})
                 if (name := self.target()) is not None:
                     with emu.lock:

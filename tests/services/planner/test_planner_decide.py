@@ -108,4 +108,4 @@ def test_a_planner_with_no_deployment_says_so(capsys, monkeypatch):
     for name in [n for n in os.environ if n.startswith("KVMESH_")]:
         monkeypatch.delenv(name)
     assert main(["--prometheus-url", "http://127.0.0.1:9"]) == 2
-    assert "give --prefill-deployment, --decode-deployment or both" in capsys.readouterr().err
+    assert "give --prefill-deployment (or --prefill-statefulset), --decode-deployment" in capsys.readouterr().err

@@ -92,7 +92,7 @@ def test_scales_prefill_up_and_decode_down_from_prometheus(kube, tmp_path):
     assert {kind for *_, kind in emu.patches} == {"application/merge-patch+json"}
     assert any(f'{{namespace="{NS}",service="{PREFILL}"}}' in q for q in prom.queries)
     assert any('kvmesh_kv_usage_ratio{service="prod-kvmesh-decode"}' in q for q in prom.queries)
-    assert "scaled prod-kvmesh-prefill from 1 to 3" in log.read_text()
+    assert "scaled deployment/prod-kvmesh-prefill from 1 to 3" in log.read_text()
 
 
 def test_dry_run_changes_nothing(kube, tmp_path):
@@ -101,7 +101,7 @@ def test_dry_run_changes_nothing(kube, tmp_path):
     try:
         with planner(tmp_path, "--prometheus-url", prom.url, "--kubeconfig", str(kubeconfig),
                      "--decode-deployment", DECODE, "--dry-run", "--scale-up-cooldown-s", "0") as (proc, log):
-            wait_until(lambda: "dry run: would scale prod-kvmesh-decode from 4 to 5" in log.read_text(),
+            wait_until(lambda: "dry run: would scale deployment/prod-kvmesh-decode from 4 to 5" in log.read_text(),
                        proc, log, "a dry-run decision logged")
             time.sleep(0.5)
     finally:
@@ -118,7 +118,7 @@ def test_no_data_holds_and_a_missing_deployment_is_reported(kube, tmp_path):
         with planner(tmp_path, "--prometheus-url", prom.url, "--kubeconfig", str(kubeconfig),
                      "--decode-deployment", DECODE, "--prefill-deployment", "no-such-pool",
                      "--stabilization-window-s", "0") as (proc, log):
-            wait_until(lambda: "cannot read the scale of no-such-pool" in log.read_text(), proc, log,
+            wait_until(lambda: "cannot read the scale of deployment/no-such-pool" in log.read_text(), proc, log,
                        "the missing Deployment reported")
             time.sleep(0.5)
             assert proc.poll() is None
