@@ -265,6 +265,18 @@ DETOK_FIRST_TOKEN = _detokenizer(Histogram("kvmesh_detok_first_token_seconds",
                                            "A StepOutput carrying some request's first tokens, read off the "
                                            "detokenizer's socket, to its TextBatches handed to the gateways' sockets "
                                            "(a gateway with --text-in-gateway: to its requests)", buckets=_HOP))
+# a moved stream's outcome at its detokenizer, once known (a fixed set: never a client's value)
+DETOK_MIGRATION_OUTCOMES = ("resumed", "aborted", "not_held")
+DETOK_MIGRATIONS = _detokenizer(Counter(
+    "kvmesh_detok_migrations", "Streams the scheduler moved to another worker (Migrate), by outcome once "
+    "known: resumed (its new worker's first tokens came: kvmesh_detok_migration_stall_seconds observed the "
+    "wait), aborted (aborted, failed or expired before them: nothing observed), not_held (no such stream here: "
+    "it had ended, failed or never opened). A stream moved again before its new worker's first tokens counts "
+    "once", ["outcome"]))
+DETOK_MIGRATION_STALL = _detokenizer(Histogram(
+    "kvmesh_detok_migration_stall_seconds", "A moved stream's added latency, as its detokenizer reads it: "
+    "from the last tokens it passed on before the move (the Migrate itself when none) to the first tokens "
+    "from its new worker", buckets=_LAT))
 
 
 # ---- planner (services/planner; pool names are fixed: prefill, decode)

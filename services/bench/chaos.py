@@ -13,9 +13,13 @@ it:
 Then it counts, against the same requests run on the healthy stack first: lost (an error), corrupted
 (text, finish, usage or logprob count different: a token duplicated, missing or reordered), migrated
 (the schedulers' kvmesh_scheduler_migrations_total, summed over both), the drained worker's exit
-status, KV blocks still used and leases of stopped processes still registered once the load is over, and the added latency of a
-stalled stream (one that waited past --moved-gap-s between two chunks: the moved ones, and those the
-Redis and scheduler restarts paused) over the median of the others, at p50 / p99. Prints the table and writes it with every count to --out (JSON).
+status, KV blocks still used and leases of stopped processes still registered once the load is over,
+the added latency of a moved stream at p50 / p99 (exact: the wait from its last tokens before the
+move to the first from its new worker, as both detokenizers measured and logged it; chaos_stalls.py,
+which also reads their kvmesh_detok_migration_stall_seconds and checks the two agree), and the added
+latency of a stalled stream as the client saw it (one that waited past --moved-gap-s between two
+chunks: the moved ones, and those the Redis and scheduler restarts paused) over the median of the
+others. Prints the table and writes it with every count to --out (JSON).
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from services.bench import chaos_stalls
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--lease-ms", "1500", "--heartbeat-ms", "250"]
@@ -89,7 +95,7 @@ class Stack:
         self.trust = bundle.generate(work / "trust").root
         self.redis = EmbeddedRedis(password=bundle.Paths(self.trust).redis_password.read_text().strip()).start()
         self.procs: dict[str, subprocess.Popen] = {}
-        self.ports, self.sched_metrics = (free_port(), free_port()), free_port()
+        self.ports, self.sched_metrics, self.tok_metrics = (free_port(), free_port()), free_port(), free_port()
         self.workers = [f"chaos-{i}" for i in range(args.workers)]
         # a Redis started again by the fault thread dies with that thread (PR_SET_PDEATHSIG acts per
         # thread): the thread waits for this before it ends, set when the stack stops
@@ -114,7 +120,7 @@ class Stack:
                        str(self.args.step_ms), "--max-num-seqs", "32", "--num-gpu-blocks", "2048", "--worker-id",
                        name, "--drain-grace-s", str(self.args.drain_grace_s))
         self.start("tokenizer", "tokenizer", *FAST, "--host", "127.0.0.1", "--port", "0", "--zmq-port", "0",
-                   "--metrics-port", "-1", "--model", self.model)
+                   "--metrics-port", str(self.tok_metrics), "--model", self.model)
         self.start("gateway", "gateway", *FAST, "--port", str(self.ports[0]), "--zmq-port", "0",
                    "--text-in-gateway", "--model", self.model)
         self.start("gateway-tok", "gateway", *FAST, "--port", str(self.ports[1]), "--zmq-port", "0",
@@ -133,6 +139,13 @@ class Stack:
             return httpx.get(base + "/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
+
+    @property
+    def detokenizers(self) -> tuple[list[Path], list[str]]:
+        """The processes that detokenize (the gateway with --text-in-gateway, the tokenizer
+        service): their logs and /metrics pages."""
+        return ([self.work / "gateway.log", self.work / "tokenizer.log"],
+                [self.bases[0] + "/metrics", f"http://127.0.0.1:{self.tok_metrics}/metrics"])
 
     def records(self, kind: str) -> list:
         from services.registry import list_records
@@ -349,7 +362,7 @@ def measure(stack: Stack, args: argparse.Namespace, model: str) -> dict:
     healthy = [r["seconds"] for r in results if r["max_gap"] < args.moved_gap_s and r["error"] is None]
     base = statistics.median(healthy) if healthy else 0.0
     added = sorted(r["seconds"] - base for r in results if r["max_gap"] >= args.moved_gap_s and r["error"] is None)
-    return {
+    return chaos_stalls.summary(*stack.detokenizers) | {
         "requests": args.requests, "workers": args.workers, "concurrency": args.concurrency,
         "step_ms": args.step_ms, "drain_grace_s": args.drain_grace_s, "moved_gap_s": args.moved_gap_s,
         "wall_s": round(wall, 2),
@@ -367,13 +380,18 @@ def measure(stack: Stack, args: argparse.Namespace, model: str) -> dict:
 
 
 def table(res: dict) -> str:
+    moved = ", ".join(f"{k} {v}" for k, v in res["moved_streams"].items()) or "none"
     return (f"chaos: {res['requests']} streaming requests, {res['workers']} null-model workers "
             f"({res['step_ms']:g} ms/step), faults: {', '.join(res['faults'])}; {res['wall_s']:.1f} s\n"
             "| requests | lost | corrupted | migrated | leaked KV blocks / leases | "
-            f"added latency of a stalled stream (gap > {res['moved_gap_s']:g} s) p50 / p99 |\n|---|---|---|---|---|---|\n"
+            "added latency of a moved stream p50 / p99 | "
+            f"of a stalled stream (gap > {res['moved_gap_s']:g} s) p50 / p99 |\n|---|---|---|---|---|---|---|\n"
             f"| {res['requests']} | {res['lost']} | {res['corrupted']} | {res['migrated_total']:.0f} | "
             f"{res['leaked_kv_blocks']} / {res['leaked_leases']} | "
-            f"{res['added_latency_p50_ms']:.0f} ms / {res['added_latency_p99_ms']:.0f} ms |")
+            f"{res['moved_added_latency_p50_ms']:.0f} ms / {res['moved_added_latency_p99_ms']:.0f} ms | "
+            f"{res['added_latency_p50_ms']:.0f} ms / {res['added_latency_p99_ms']:.0f} ms |\n"
+            f"moved streams at the detokenizers: {moved}; their stall histogram's p50 / p99: "
+            f"{res['moved_added_latency_hist_p50_ms']:.0f} ms / {res['moved_added_latency_hist_p99_ms']:.0f} ms")
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

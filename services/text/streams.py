@@ -15,6 +15,7 @@ less); it lives in services/ because both import it.
                          tokens of the request from the worker it left are dropped from then on
                          (a Migrate naming no worker, from a scheduler that restarted: the worker
                          that streamed it last)
+                         (the wait it adds to the client's stream: "Moved streams' stall" below)
     abort(Abort)         forget the request (worker aborted it, or its worker died); when some of
                             its samples had not ended, a RequestFailed to its gateway, so the client's
                             stream ends with an error chunk and [DONE] instead of waiting for text
@@ -24,6 +25,14 @@ A StepOutput from an older epoch of a worker than one already seen is dropped wh
 incarnation's lease lapsed and its requests were failed. Tokens dropped, for that reason or because
 their stream is gone, are counted in `dropped_tokens` and kvmesh_detok_dropped_tokens_total.
 
+Moved streams' stall: a stream the scheduler moves waits from the last tokens it passed on before
+the Migrate (the Migrate itself when none) to the first tokens from its new worker; that wait is
+observed in kvmesh_detok_migration_stall_seconds and logged per request, and the stream counted in
+kvmesh_detok_migrations_total{outcome="resumed"}. A stream moved again before those tokens waits
+on from the first move (one stall, counted once); one aborted first (failed, client left, expired)
+observes nothing and counts as "aborted"; a Migrate for a stream not held (it ended meanwhile, or
+never opened) as "not_held". Times come from `clock` (monotonic; tests inject one).
+
 A sample ends when the engine says so (eos/stop token: "stop", "length", "abort") or when one of
 its stop strings appears in the text (then "stop", the text cut right before the stop string,
 and the abort frees the sample's KV on the worker). Tokens of an ended sample are ignored. A
@@ -31,7 +40,9 @@ and the abort frees the sample's KV on the worker). Tokens of an ended sample ar
 """
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +56,7 @@ from services.text.stop_strings import StopStringMatcher
 
 STREAM_MAX_AGE_S = 3600.0  # a stream whose end was lost is forgotten after this (expire())
 MAX_WORKERS_REMEMBERED = 4096  # newest epoch per worker id; past this, the first-seen ids go first
+log = logging.getLogger("kvmesh.detok")
 
 
 @dataclass
@@ -62,11 +74,13 @@ class _Stream:
     reply_addr: str
     params: SamplingParams
     prompt_tail: list[int]
+    opened: float
     samples: dict[int, _Sample] = field(default_factory=dict)
-    opened: float = field(default_factory=time.monotonic)
     # (worker id, epoch) the request moved away from (-1: every epoch): their late tokens are dropped
     left: frozenset[tuple[str, int]] = frozenset()
     source: tuple[str, int] | None = None   # (worker id, epoch) of the last tokens passed on
+    last_sent: float | None = None          # when tokens of it were last passed on
+    stalled_since: float | None = None      # moved: last_sent before the move (or the Migrate), until new tokens
 
     @property
     def ended(self) -> bool:
@@ -95,14 +109,16 @@ def _stop_token(seq: SeqTokens, params: SamplingParams) -> int | None:
 
 
 class DetokCore:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self.tok = tokenizer
+        self.clock = clock
         self.streams: dict[str, _Stream] = {}
         self.stop_hits = 0
         self.samples_started = 0   # samples whose first tokens a step carried (the shell times those steps)
         self._token_text: dict[int, tuple[str, list[int]]] = {}
         self.worker_epochs: dict[str, int] = {}   # worker id -> newest epoch seen
         self.dropped_tokens = {"stale_epoch": 0, "no_stream": 0, "moved": 0}
+        self.migrations = dict.fromkeys(metrics.DETOK_MIGRATION_OUTCOMES, 0)   # moved streams by outcome
 
     def open(self, msg: StreamOpen) -> list[Envelope]:
         stream = self.streams.get(msg.request_id)
@@ -110,13 +126,16 @@ class DetokCore:
             for sample in stream.samples.values():
                 sample.skip, sample.seen = sample.seen, 0
             return []
-        self.streams[msg.request_id] = _Stream(msg.reply_addr, msg.params, msg.prompt_tail)
+        self.streams[msg.request_id] = _Stream(msg.reply_addr, msg.params, msg.prompt_tail, self.clock())
         return []
 
     def migrate(self, msg: Migrate) -> list[Envelope]:
         stream = self.streams.get(msg.request_id)
         if stream is None:
+            self._moved("not_held")
             return [Envelope(msg.reply_addr, Resume(request_id=msg.request_id, output_token_ids=[], known=False))]
+        if stream.stalled_since is None:    # moved again before its new worker's first tokens: one wait
+            stream.stalled_since = stream.last_sent if stream.last_sent is not None else self.clock()
         # a scheduler that restarted does not know where the stream ran: the worker that streamed it
         # last is the one it leaves (its late tokens, e.g. a last step racing its end, are dropped)
         left = (msg.worker_id, msg.worker_epoch) if msg.worker_id else stream.source
@@ -133,6 +152,8 @@ class DetokCore:
 
     def abort(self, msg: Abort) -> list[Envelope]:
         stream = self.streams.pop(msg.request_id, None)
+        if stream is not None and stream.stalled_since is not None:
+            self._moved("aborted")
         if stream is None or stream.ended:
             return []
         return [Envelope(stream.reply_addr, failure_of(msg))]
@@ -143,6 +164,7 @@ class DetokCore:
             return []
         per_gateway: dict[str, list[TextDelta]] = {}
         out: list[Envelope] = []
+        now = self.clock()
         for seq in msg.seqs:
             stream = self.streams.get(seq.request_id)
             if stream is None:  # aborted or unknown: nobody waits for it
@@ -153,13 +175,30 @@ class DetokCore:
                 self._drop("moved", len(seq.token_ids))
                 continue
             stream.source = (msg.worker_id, msg.epoch)
+            if stream.stalled_since is not None and (seq.token_ids or seq.finish_reason):
+                self._resumed(seq.request_id, stream, now)
             delta = self._advance(stream, seq, out)
             if delta is not None:
+                stream.last_sent = now
                 per_gateway.setdefault(stream.reply_addr, []).append(delta)
             if stream.ended:
                 del self.streams[seq.request_id]
         out += [Envelope(addr, TextBatch(deltas=d)) for addr, d in per_gateway.items()]
         return out
+
+    def _resumed(self, request_id: str, stream: _Stream, now: float) -> None:
+        """A moved stream's first tokens from its new worker: the wait the move added is over."""
+        assert stream.stalled_since is not None
+        stall, stream.stalled_since = now - stream.stalled_since, None
+        metrics.DETOK_MIGRATION_STALL.observe(stall)
+        self._moved("resumed")
+        # one line per moved request (rare, like the scheduler's "leaves worker" line): kvmesh bench
+        # chaos reads these for exact quantiles
+        log.info("request %s resumed on its new worker after a stall of %.3f ms", request_id, 1000 * stall)
+
+    def _moved(self, outcome: str) -> None:
+        self.migrations[outcome] += 1
+        metrics.DETOK_MIGRATIONS.labels(outcome).inc()
 
     def _drop(self, reason: str, num_tokens: int) -> None:
         if num_tokens:
@@ -229,8 +268,9 @@ class DetokCore:
 
     def expire(self, max_age_s: float) -> int:
         """Forget streams older than max_age_s (their end was lost); returns how many."""
-        now = time.monotonic()
+        now = self.clock()
         old = [rid for rid, s in self.streams.items() if now - s.opened > max_age_s]
         for rid in old:
-            del self.streams[rid]
+            if self.streams.pop(rid).stalled_since is not None:
+                self._moved("aborted")
         return len(old)

@@ -11,7 +11,8 @@ from services import metrics
 from services.metrics import SERVICES, _FAMILIES, serve_metrics, service_registry
 
 # a gateway with --text-in-gateway detokenizes too: the only families two services share
-DETOKENIZER_FAMILIES = {"kvmesh_detok_first_token_seconds", "kvmesh_detok_dropped_tokens"}
+DETOKENIZER_FAMILIES = {"kvmesh_detok_first_token_seconds", "kvmesh_detok_dropped_tokens",
+                        "kvmesh_detok_migration_stall_seconds", "kvmesh_detok_migrations"}
 
 
 def families(text: str) -> set[str]:

@@ -2,7 +2,8 @@
 kill -9, a drain, a Redis restart and a scheduler restart (real processes: the behaviour measured is
 about processes), half through a gateway that makes its own text and half through the tokenizer
 service. None lost or corrupted, each fault's requests moved and none failed to, the drained worker
-exits cleanly, nothing leaked."""
+exits cleanly, nothing leaked; the moved streams' stalls, as the detokenizers log them and as
+their histograms hold them, agree."""
 from __future__ import annotations
 
 import json
@@ -26,6 +27,17 @@ def test_800_requests_through_every_fault_lose_and_corrupt_nothing(tmp_path, cap
     assert not any('outcome="failed"' in k and v for k, v in res["migrated"].items()), res
     assert res["drained_exit"] == 0
     assert "| 800 | 0 | 0 |" in capsys.readouterr().out
+    # the moved streams' stalls: the detokenizers' log lines (exact quantiles) and their histograms agree
+    resumed = res["moved_streams"].get("resumed", 0)
+    assert 0 < resumed == res["moved_stall_logged"] == res["moved_stall_observed"], res
+    assert abs(res["moved_stall_logged_sum_s"] - res["moved_stall_observed_sum_s"]) <= 0.002, res
+    p50, p99 = res["moved_added_latency_p50_ms"], res["moved_added_latency_p99_ms"]
+    assert 0 < p50 <= p99 <= res["moved_added_latency_max_ms"], res
+    bounds = [0.0] + [1000 * float(le) for le in res["stall_buckets"]]
+    for exact, hist in ((p50, res["moved_added_latency_hist_p50_ms"]), (p99, res["moved_added_latency_hist_p99_ms"])):
+        # histogram_quantile() lands in the bucket that holds the exact (nearest-rank) quantile
+        i = next(i for i in range(1, len(bounds)) if exact <= bounds[i] + 0.1)
+        assert bounds[i - 1] - 0.1 <= hist <= min(bounds[i], bounds[-2]) + 0.1, (exact, hist, res["stall_buckets"])
 
 
 def test_chaos_flags_are_checked(capsys):
