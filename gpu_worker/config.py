@@ -88,13 +88,6 @@ class EngineConfig(EngineArgs):
             raise bad("kv_offload_dir", "kv_offload_dir and kv_offload_disk_gb go together: give both or neither")
         if self.kv_offload_enabled and not self.enable_prefix_caching:
             raise bad("kv_offload_cpu_gb", "KV offload needs enable_prefix_caching (blocks are found by their hash)")
-        if self.kv_offload_enabled and self.tensor_parallel_size > 1:
-            # Each rank holds a shard of every block (its KV heads) and follows rank 0's steps; the
-            # tiers' copies, slots and files would have to run on every rank in the same order.
-            tier = "kv_offload_cpu_gb" if self.kv_offload_cpu_gb > 0 else "kv_offload_dir"
-            raise bad(tier, f"KV tiers (--{tier.replace('_', '-')}) do not run with tensor_parallel_size "
-                            f"{self.tensor_parallel_size} (--tensor-parallel-size): use --tensor-parallel-size 1, "
-                            "or no --kv-offload-cpu-gb and no --kv-offload-dir")
         try:
             spec = self.speculative
         except ValueError as e:                    # names the bad key

@@ -9,6 +9,7 @@
     tier_file.py    the file format (header, checksum) and its checks
     load_policy.py  load or recompute, per request
     tier_stats.py   counters and histograms
+    mirror.py       what the other tensor-parallel ranks repeat (gpu_worker/parallel/tp_tiers.py)
 """
 from __future__ import annotations
 
@@ -18,12 +19,19 @@ from gpu_worker.kv_tiers.scheduling import TieredScheduler
 
 def build_kv_tiers(engine) -> KVTiers:
     """The lower tiers an engine's config asks for (gpu_worker.engine.Engine, after its runner's
-    KV cache and block manager exist)."""
+    KV cache and block manager exist). With tensor parallelism the sizes are the whole worker's,
+    shared evenly by the ranks (each holds its shard of every block), and each rank's files go
+    to a subdirectory of its own (gpu_worker/parallel/tp_tiers.py)."""
     from gpu_worker.kv_transfer.layout import layout_of
     cfg = engine.config
+    tp, disk_dir, mirror = cfg.tensor_parallel_size, cfg.kv_offload_dir, None
+    if tp > 1:
+        from gpu_worker.parallel.tp_tiers import TPTierMirror, rank_dir
+        mirror = TPTierMirror(engine.runner, disk_dir)
+        disk_dir = rank_dir(disk_dir, 0) if disk_dir else None
     return KVTiers(engine.block_manager, engine.runner.kv_caches, layout_of(engine),
-                   cpu_bytes=int(cfg.kv_offload_cpu_gb * GIB), disk_dir=cfg.kv_offload_dir,
-                   disk_bytes=int(cfg.kv_offload_disk_gb * GIB), policy=cfg.kv_load_policy)
+                   cpu_bytes=int(cfg.kv_offload_cpu_gb * GIB) // tp, disk_dir=disk_dir,
+                   disk_bytes=int(cfg.kv_offload_disk_gb * GIB) // tp, policy=cfg.kv_load_policy, mirror=mirror)
 
 
 __all__ = ["KVTiers", "TieredScheduler", "build_kv_tiers"]

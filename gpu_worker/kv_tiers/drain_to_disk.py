@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from gpu_worker.kv_tiers.disk_tier import DiskBlock
 from gpu_worker.kv_tiers.manager import KVTiers
+from gpu_worker.kv_tiers.mirror import DEVICE_BLOCK, HOST_SLOT, BlockSource
 
 log = logging.getLogger("kvmesh.kv_tiers")
 
@@ -47,13 +48,15 @@ def drain_to_disk(tiers: KVTiers, deadline: float) -> DrainResult:
         batch = device[start:min(start + _BATCH_BLOCKS, room)]
         staged = tiers.mover.offload_to_memory([b.block_id for b in batch])   # (n, L, 2, bs, n_kv, hd * isz)
         for block, data in zip(batch, staged):
-            tiers.write_disk(block.hash, DiskBlock(block.parent, block.token_ids), data)
+            tiers.write_disk(block.hash, DiskBlock(block.parent, block.token_ids), data,
+                             BlockSource(DEVICE_BLOCK, block.block_id))
         written = _progress(written, len(batch), t0)
     for block_hash, block in host[:max(room - written, 0)]:
         if time.monotonic() >= deadline or not disk.enabled:
             break
         tiers.mover.wait_offloaded(block.offloaded)
-        tiers.write_disk(block_hash, DiskBlock(block.parent, block.token_ids), tiers.host.data[block.slot])
+        tiers.write_disk(block_hash, DiskBlock(block.parent, block.token_ids), tiers.host.data[block.slot],
+                         BlockSource(HOST_SLOT, block.slot))
         written = _progress(written, 1, t0)
     disk.drain()
     tiers.poll_disk()

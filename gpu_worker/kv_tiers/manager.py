@@ -25,6 +25,7 @@ from gpu_worker.kv_tiers import tier_file
 from gpu_worker.kv_tiers.disk_tier import DiskBlock, DiskTier
 from gpu_worker.kv_tiers.host_tier import HostBlock, HostTier
 from gpu_worker.kv_tiers.load_policy import LoadPlan, LoadPolicy
+from gpu_worker.kv_tiers.mirror import DEVICE_BLOCK, DISK_FILE, HOST_SLOT, BlockSource, TierMirror
 from gpu_worker.kv_tiers.tier_stats import TierStats
 from gpu_worker.kv_transfer.layout import KVLayout
 from gpu_worker.sequence import Sequence
@@ -50,6 +51,7 @@ class PendingLoad(NamedTuple):
     staged: Staged                            # (n, L, 2, bs, n_kv, hd * itemsize) on the device, per-group events
     tiers: list[str]                          # the tier of each block
     copy_s: float                             # host time spent staging (CPU copies' bandwidth)
+    mirror_id: int = -1                       # the load's id on the other tensor-parallel ranks
 
     @property
     def block_ids(self) -> list[int]:
@@ -58,7 +60,7 @@ class PendingLoad(NamedTuple):
 
 class KVTiers:
     def __init__(self, block_manager, kv_caches, layout: KVLayout, *, cpu_bytes: int, disk_dir: str | None,
-                 disk_bytes: int, policy: str) -> None:
+                 disk_bytes: int, policy: str, mirror: TierMirror | None = None) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.mover = BlockMover(kv_caches)
@@ -74,6 +76,8 @@ class KVTiers:
         self._planned: tuple[Sequence, LoadPlan, int] | None = None    # the last plan, until its load
         self._step_start: float | None = None
         self._step_tokens = 0
+        self.mirror = mirror if mirror is not None else TierMirror()
+        self.mirror.attach(self)            # before anything the other ranks must repeat
         self.measure_bandwidth()
         block_manager.attach_lower_tiers(self)
 
@@ -117,6 +121,7 @@ class KVTiers:
         slots = [self._host_slot() for _ in fresh]
         t = time.perf_counter()
         done = self.mover.offload([e.block_id for e in fresh], host.data, slots)
+        self.mirror.offload([e.block_id for e in fresh], slots)
         if done is None:
             self.policy.observe_copy("cpu", len(fresh) * self.mover.block_bytes, time.perf_counter() - t)
         for e, slot in zip(fresh, slots):
@@ -133,7 +138,8 @@ class KVTiers:
         self._removed(block_hash, "cpu")
         if self.disk is not None and self.disk.enabled and block_hash not in self.disk:
             self.mover.wait_offloaded(block.offloaded)
-            self.write_disk(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot])
+            self.write_disk(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot],
+                            BlockSource(HOST_SLOT, block.slot))
         return block.slot
 
     def _offload_to_disk(self, evicted: list[Evicted]) -> None:
@@ -142,14 +148,18 @@ class KVTiers:
             return
         staged = self.mover.offload_to_memory([e.block_id for e in fresh])   # (n, L, 2, bs, n_kv, hd * isz)
         for e, block in zip(fresh, staged):
-            self.write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block)
+            self.write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block, BlockSource(DEVICE_BLOCK, e.block_id))
 
-    def write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor) -> None:
-        """Queue a block's file; `data` (host bytes) is copied, so its slot may be reused at once."""
+    def write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor, source: BlockSource) -> None:
+        """Queue a block's file; `data` (host bytes, read from `source`) is copied, so its slot may
+        be reused at once."""
         disk = self.disk
         while disk.is_full():
-            self._removed(disk.pop_lru(), "disk")
+            gone = disk.pop_lru()
+            self.mirror.disk_forget(gone)
+            self._removed(gone, "disk")
         disk.write(block_hash, block, bytearray(data.reshape(-1).numpy()))
+        self.mirror.disk_write(source, block_hash, block)
         self.stats.offloaded_blocks["disk"] += 1
         self._stored(block_hash, block.parent, block.token_ids, "disk")
 
@@ -159,6 +169,7 @@ class KVTiers:
         for num_bytes, seconds in self.disk.poll():
             self.policy.observe_copy("disk", num_bytes, seconds)
         if not self.disk.enabled:
+            self.mirror.disk_clear()
             for block_hash in self.disk.clear():
                 self._removed(block_hash, "disk")
 
@@ -209,7 +220,12 @@ class KVTiers:
         self._count_decision(seq)
         if not num_blocks:
             return None
-        sources, pending, tiers = self._read_sources(seq.block_hashes[first:first + num_blocks])
+        sources, pending, tiers, where = self._read_sources(seq.block_hashes[first:first + num_blocks])
+        load_id, agreed = self.mirror.stage(where)
+        if agreed < len(sources):           # another rank lacks this block's file: it goes everywhere
+            if where[agreed].kind == DISK_FILE:             # (host slots are on every rank)
+                self._forget_disk(where[agreed].block_hash)
+            sources, pending, tiers = sources[:agreed], pending[:agreed], tiers[:agreed]
         self.stats.load_shortfall_blocks += num_blocks - len(sources)
         # Order matters: the sources are copied out first (the flush may reuse their host slots),
         # then the blocks evicted for this sequence, which may be its destinations, go down a tier
@@ -221,7 +237,7 @@ class KVTiers:
         self.flush()
         if staged is None:
             return None
-        return PendingLoad(seq, first, staged, tiers, copy_s)
+        return PendingLoad(seq, first, staged, tiers, copy_s, load_id)
 
     def ready(self, load: PendingLoad) -> bool:
         """The load's copy towards the device is done (always, off CUDA); never waits."""
@@ -232,11 +248,20 @@ class KVTiers:
         sequence's num_computed_tokens; returns the blocks loaded. The loaded blocks join the
         device's prefix cache when the engine registers the sequence's computed blocks."""
         t = time.perf_counter()
-        self.mover.scatter(load.staged, load.block_ids)
+        self.scatter(load)
         if not self.mover.cuda and "disk" not in load.tiers:     # CUDA copies are timed on the device
             n = len(load.tiers)
             self.policy.observe_copy("cpu", n * self.mover.block_bytes, load.copy_s + time.perf_counter() - t)
         return self.join_load(load)
+
+    def scatter(self, load: PendingLoad) -> None:
+        """A staged load -> its device blocks, every layer, on every rank."""
+        self.mover.scatter(load.staged, load.block_ids)
+        self.mirror.scatter(load.mirror_id, load.block_ids)
+
+    def drop_load(self, load: PendingLoad) -> None:
+        """A load that will not be scattered (its sequence left): its staging goes, on every rank."""
+        self.mirror.release(load.mirror_id)
 
     def join_layered(self, load: PendingLoad) -> int:
         """join_load for a load whose scatter the step's forward does, layer by layer."""
@@ -254,14 +279,15 @@ class KVTiers:
         self.block_manager.prefix_hit_tokens += n * self.block_size
         return n
 
-    def _read_sources(self, hashes: list[bytes]) -> tuple[list[torch.Tensor], list, list[str]]:
-        sources, pending, tiers = [], [], []
+    def _read_sources(self, hashes: list[bytes]) -> tuple[list[torch.Tensor], list, list[str], list[BlockSource]]:
+        sources, pending, tiers, where = [], [], [], []
         for block_hash in hashes:
             block = self.host.get(block_hash) if self.host is not None else None
             if block is not None:
                 sources.append(self.host.data[block.slot])
                 pending.append(block.offloaded)
                 tiers.append("cpu")
+                where.append(BlockSource(HOST_SLOT, block.slot))
                 continue
             payload = self._read_disk(block_hash)
             if payload is None:
@@ -269,7 +295,14 @@ class KVTiers:
             sources.append(payload)
             pending.append(None)
             tiers.append("disk")
-        return sources, pending, tiers
+            where.append(BlockSource(DISK_FILE, -1, block_hash))
+        return sources, pending, tiers, where
+
+    def _forget_disk(self, block_hash: bytes) -> None:
+        """A block's file is gone or did not verify (here or on another rank): forgotten everywhere."""
+        self.disk.forget(block_hash)
+        self.mirror.disk_forget(block_hash)
+        self._removed(block_hash, "disk")
 
     def _read_disk(self, block_hash: bytes) -> torch.Tensor | None:
         disk = self.disk
@@ -277,7 +310,7 @@ class KVTiers:
             return None
         payload = disk.read(block_hash)
         if payload is None:                      # did not verify: deleted
-            self._removed(block_hash, "disk")
+            self._forget_disk(block_hash)
             return None
         return torch.frombuffer(payload, dtype=torch.uint8).view(self.mover.block_shape)
 
@@ -331,6 +364,7 @@ class KVTiers:
             self.host.clear()
         if self.disk is not None:
             self.disk.clear()
+            self.mirror.disk_clear()
 
     def snapshot(self) -> list[tuple[bytes, bytes | None, list[int], str]]:
         """Every lower-tier block as (hash, parent, token_ids, tier)."""
@@ -369,3 +403,4 @@ class KVTiers:
             self.host.check_integrity()
         if self.disk is not None:
             self.disk.check_integrity()
+        self.mirror.check(self)

@@ -15,7 +15,9 @@ the copy is predicted to fit under the step's compute: LoadPolicy.joins_step). A
 step overlaps at least the step that admitted it (on CUDA its H2D runs on the tiers' load stream
 beside that step's forward; a copy still running at the next schedule keeps its sequence
 waiting, never the batch). Off CUDA the copies are done at admission, and the same decision and
-the same per-layer scatters run.
+the same per-layer scatters run. With tensor parallelism (TierMirror.layered_loads False) a load
+that joins its step lands whole after the schedule, before the forward, on every rank: the
+followers' forwards have no per-layer hooks.
 """
 from __future__ import annotations
 
@@ -39,10 +41,16 @@ class TieredScheduler(Scheduler):
         if self.loading:
             self._admit_loaded()
         out = super().schedule()
-        if self._joining:
-            out.layer_loads, self._joining = LayerLoads(self.tiers.mover, self._joining), []
+        landing: list[PendingLoad] = []
+        if self._joining and self.tiers.mirror.layered_loads:
+            out.layer_loads = LayerLoads(self.tiers.mover, self._joining)
+        else:                     # tensor parallel: the other ranks land their loads whole
+            landing = self._joining
+        self._joining = []
         prefill = sum(n for _, n in out.scheduled if n > 1)      # a decode computes one token
         self.tiers.step_scheduled(out.num_tokens, prefill)
+        for load in landing:      # after the flush: blocks evicted into its destinations went down first
+            self.tiers.scatter(load)
         return out
 
     def _lower_tier_blocks(self, seq: Sequence, first: int) -> int:
@@ -79,7 +87,12 @@ class TieredScheduler(Scheduler):
             slots += _seq_slots(seq)
 
     def _remove(self, seq: Sequence) -> None:
-        self._loads.pop(id(seq), None)        # aborted while loading: its staging is dropped
-        # preempted in the schedule that admitted it: its blocks are freed, nothing may land there
+        # aborted while loading, or preempted in the schedule that admitted it (its blocks are
+        # freed, nothing may land there): its staging is dropped
+        dropped = [load for load in self._joining if load.seq is seq]
+        if (load := self._loads.pop(id(seq), None)) is not None:
+            dropped.append(load)
         self._joining = [load for load in self._joining if load.seq is not seq]
+        for load in dropped:
+            self.tiers.drop_load(load)
         super()._remove(seq)

@@ -12,6 +12,8 @@ gloo always carries the small control messages.
     tp_runner.py      one rank's ModelRunner (its shard of weights and KV cache)
     tp_protocol.py    rank 0's commands to the followers, as int64 tensors
     tp_worker.py      the rank-0 driver (TPModelRunner) and the follower processes' loop
+    tp_tiers.py       KV tiers over the ranks: rank 0's mirror and the followers' slots and files
+    tp_tier_records.py  the tiers' operations as int64 records
 
 Entry point for the engine: `create_model_runner(...)` below.
 """

@@ -10,6 +10,15 @@ broadcast from rank 0 on the gloo control group (tensors only: nothing is pickle
     CAPTURE      [5, max_batch_size, max_context_len]        decode CUDA graphs, on every rank
     WARMUP       [6, max_num_seqs]                          compile kernel variants, on every rank
     SHUTDOWN     [9]
+    TIERS        [7, n]                                           + n int64 of KV tier records, replayed
+    TIER_INIT    [8, json_len, num_hashes]                        + TierInit (JSON bytes) | disk index
+                                                                    -> all ranks' MIN of each hash held
+    TIER_STAGE   [10, load_id, n]                                 + n sources (4 each) -> MIN staged
+    TIER_CHECK   [11, num_loads, num_hashes]                      + live load ids | disk index -> MIN ok
+
+Rank 0 queues the tiers' records as its tiers act and sends them as one TIERS command before its
+next command, so every rank runs them at the same place among the forward steps
+(gpu_worker/parallel/tp_tiers.py, tp_tier_records.py).
 """
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ import torch.distributed as dist
 from gpu_worker.forward_batch import ForwardBatch
 
 OP_FORWARD, OP_ALLOCATE_KV, OP_COPY_BLOCKS, OP_PROFILE, OP_CAPTURE, OP_WARMUP, OP_SHUTDOWN = 1, 2, 3, 4, 5, 6, 9
+OP_TIERS, OP_TIER_INIT, OP_TIER_STAGE, OP_TIER_CHECK = 7, 8, 10, 11
 HEADER_LEN = 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,3 +74,10 @@ def all_min(value: int, group) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
+
+
+def all_min_each(values: torch.Tensor, group) -> torch.Tensor:
+    """Elementwise MIN of an int64 vector over every rank."""
+    values = values.to(torch.int64).clone()
+    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
+    return values

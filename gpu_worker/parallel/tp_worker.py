@@ -8,7 +8,7 @@
       -> logits (S, V)                                      (logits dropped)
 
 Commands are int64 tensors only (no pickle): FORWARD, ALLOCATE_KV, COPY_BLOCKS, PROFILE,
-SHUTDOWN. A child that loses its parent exits; the driver checks its children are alive before
+SHUTDOWN, and the KV tiers' (tp_tiers.py): their records go out batched before the next command. A child that loses its parent exits; the driver checks its children are alive before
 every command, so a dead rank is an error rather than a hang.
 """
 from __future__ import annotations
@@ -31,8 +31,10 @@ from gpu_worker.model_config import ModelConfig
 from gpu_worker.parallel.state import (DEFAULT_TIMEOUT_S, NCCL_SAFE_ENV, connect_store, init_parallel,
                                        new_control_group, open_store, shutdown_parallel)
 from gpu_worker.parallel.tp_protocol import (DTYPES, HEADER_LEN, OP_ALLOCATE_KV, OP_CAPTURE, OP_COPY_BLOCKS,
-                                             OP_FORWARD, OP_PROFILE, OP_SHUTDOWN, OP_WARMUP, all_min, make_header, pack_batch,
-                                             payload_len, unpack_batch)
+                                             OP_FORWARD, OP_PROFILE, OP_SHUTDOWN, OP_TIER_CHECK, OP_TIER_INIT,
+                                             OP_TIER_STAGE, OP_TIERS, OP_WARMUP, all_min, all_min_each, make_header,
+                                             pack_batch, payload_len, unpack_batch)
+from gpu_worker.parallel.tp_tiers import follower_command
 from gpu_worker.parallel.tp_runner import TPRankRunner
 from gpu_worker.tuning import KernelTuning
 
@@ -51,6 +53,7 @@ class TPModelRunner:
         device = torch.device(device)
         devices = _rank_devices(device, n)
         self.world_size, self.children, self._closed, self._ready = n, [], False, False
+        self._tier_records: list[int] = []     # the KV tiers' records not sent yet (tp_tiers.py)
         store = open_store(n, timeout_s=timeout_s)
         dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
         for rank in range(1, n):
@@ -114,6 +117,20 @@ class TPModelRunner:
         return self.rank0.device
 
     @property
+    def kv_caches(self):
+        """Rank 0's shard of the KV cache (the KV tiers copy rank 0's; followers repeat on theirs)."""
+        return self.rank0.kv_caches
+
+    def queue_tier_records(self, records: list[int]) -> None:
+        """KV tier records (tp_tier_records.py), sent as one TIERS command before the next command."""
+        self._tier_records += records
+
+    def tier_command(self, header: torch.Tensor, payload: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+        """A KV tier command every rank answers: -> the MIN over the ranks of each value of `mine`."""
+        self._send(header, payload)
+        return all_min_each(mine, self.control)
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.rank0.dtype
 
@@ -172,6 +189,7 @@ class TPModelRunner:
         self._closed = True
         if self._ready and dist.is_initialized() and all(p.poll() is None for p in self.children):
             try:
+                self._send_tier_records()          # e.g. a drain to disk's writes
                 dist.broadcast(make_header(OP_SHUTDOWN), src=0, group=self.control)
             except RuntimeError:
                 pass
@@ -191,9 +209,17 @@ class TPModelRunner:
     # ---- internals ----------------------------------------------------------------------
     def _send(self, header: torch.Tensor, payload: torch.Tensor | None = None) -> None:
         self._check_children()
+        self._send_tier_records()
         dist.broadcast(header, src=0, group=self.control)
         if payload is not None:
             dist.broadcast(payload, src=0, group=self.control)
+
+    def _send_tier_records(self) -> None:
+        """The KV tiers' queued records go first: rank 0 ran them before what follows."""
+        if self._tier_records:
+            records, self._tier_records = torch.tensor(self._tier_records, dtype=torch.int64), []
+            dist.broadcast(make_header(OP_TIERS, len(records)), src=0, group=self.control)
+            dist.broadcast(records, src=0, group=self.control)
 
     def _check_children(self) -> None:
         if self._closed:
@@ -223,7 +249,22 @@ def _child_env() -> dict[str, str]:
 # ---- ranks 1..N-1 ---------------------------------------------------------------------------
 def follow(runner: TPRankRunner, control) -> None:
     """Execute rank 0's commands until SHUTDOWN."""
+    tiers: list = [None]            # the KV tiers' host slots and files, once TIER_INIT made them
+    try:
+        _follow(runner, control, tiers)
+    finally:
+        if tiers[0] is not None:
+            tiers[0].close()         # the disk tier's queued writes finish
+
+
+def _follow(runner: TPRankRunner, control, tiers: list) -> None:
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
+
+    def recv(n: int) -> torch.Tensor:
+        payload = torch.empty(n, dtype=torch.int64)
+        dist.broadcast(payload, src=0, group=control)
+        return payload
+
     while True:
         dist.broadcast(header, src=0, group=control)
         op = int(header[0])
@@ -245,6 +286,11 @@ def follow(runner: TPRankRunner, control) -> None:
         elif op == OP_PROFILE:
             all_min(runner.profile_num_blocks(int(header[1]), int(header[2]) / 1e6, int(header[3]), int(header[4])),
                     control)
+        elif op == OP_TIERS:
+            tiers[0].replay(recv(int(header[1])).tolist())
+        elif op in (OP_TIER_INIT, OP_TIER_STAGE, OP_TIER_CHECK):
+            tiers[0] = follower_command(tiers[0], op, header, recv, lambda t: all_min_each(t, control),
+                                        runner.kv_caches, runner.ctx.rank)
         elif op == OP_SHUTDOWN:
             return
         else:

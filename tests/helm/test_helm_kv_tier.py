@@ -82,8 +82,6 @@ def test_the_tier_env_names_are_the_workers(helm, tmp_path_factory):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--set", "worker.kvOffload.disk.enabled=true", "--set", "workerPools.decode.gpus=2"],
-     "kvOffload.disk.enabled needs gpus 1"),
     (["--set", "worker.kvOffload.disk.enabled=true", "--set", "worker.engine.kv-offload-dir=/x"],
      "engine.kv-offload-dir and kvOffload.disk"),
     (["--set", "worker.kvOffload.disk.sizeGi=0"], "schema"),

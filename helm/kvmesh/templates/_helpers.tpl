@@ -408,9 +408,6 @@ worker), else empty; fails on settings that cannot work together.
 {{- define "kvmesh.kvTierStateful" -}}
 {{- $d := .values.kvOffload.disk }}
 {{- if $d.enabled }}
-{{- if gt (int .values.gpus) 1 }}
-{{- fail (printf "workerPools.%s: kvOffload.disk.enabled needs gpus 1 (KV tiers do not run with tensor parallelism: --kv-offload-dir with --tensor-parallel-size > 1 is refused)" .pool) }}
-{{- end }}
 {{- range $key := list "kv-offload-dir" "kv-offload-disk-gb" }}
 {{- if hasKey (default (dict) $.values.engine) $key }}
 {{- fail (printf "workerPools.%s: engine.%s and kvOffload.disk both set the disk KV tier: use kvOffload.disk only" $.pool $key) }}

@@ -18,7 +18,6 @@ from gpu_worker.kv_transfer.layout import KVLayout
     (dict(kv_offload_dir="", kv_offload_disk_gb=1.0), "kv_offload_dir"),
     (dict(kv_load_policy="sometimes"), "kv_load_policy"),
     (dict(kv_offload_cpu_gb=1.0, enable_prefix_caching=False), "enable_prefix_caching"),
-    (dict(kv_offload_cpu_gb=1.0, tensor_parallel_size=2), "tensor_parallel_size"),
 ])
 def test_bad_tier_fields_are_named(kwargs, names):
     with pytest.raises(ValueError, match=names):
@@ -26,11 +25,10 @@ def test_bad_tier_fields_are_named(kwargs, names):
 
 
 @pytest.mark.parametrize("tier", [dict(kv_offload_cpu_gb=1.0), dict(kv_offload_dir="/tmp/x", kv_offload_disk_gb=1.0)])
-def test_tiers_with_tensor_parallel_are_refused_naming_both_flags(tier):
-    with pytest.raises(ValueError) as err:
-        EngineConfig(model="m", tensor_parallel_size=2, **tier)
-    flag = "--kv-offload-cpu-gb" if "kv_offload_cpu_gb" in tier else "--kv-offload-dir"
-    assert flag in str(err.value) and "--tensor-parallel-size" in str(err.value)
+def test_tiers_run_with_tensor_parallel(tier):
+    """Every rank repeats rank 0's tier copies (tests/gpu_worker/parallel/test_tp_tiers.py)."""
+    cfg = EngineConfig(model="m", tensor_parallel_size=2, **tier)
+    assert cfg.kv_offload_enabled and cfg.tensor_parallel_size == 2
 
 
 def test_tiers_are_off_by_default():

@@ -1,0 +1,141 @@
+"""The KV tiers' operations as int64 records, for rank 0's commands to the followers.
+
+A step's operations travel as one TIERS command (tp_protocol.py): a flat int64 payload of
+records, each its kind then its fields, replayed in order before the command that follows:
+
+    OFFLOAD     [1, n, block ids (n), slots (n)]
+    DISK_WRITE  [2, source kind, source index, hash (2), has parent, parent (2), n, token ids (n)]
+    DISK_FORGET [3, hash (2)]
+    DISK_CLEAR  [4]
+    SCATTER     [5, load id, n, block ids (n)]
+    RELEASE     [6, load id]
+
+A block hash (16 bytes) is two int64s. STAGE (sources of one load) is a command of its own,
+since every rank votes on how many blocks it staged:
+
+    STAGE payload   per source: [kind, slot or -1, hash (2)]
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import msgspec
+import torch
+
+from gpu_worker.kv_tiers.disk_tier import DiskBlock
+from gpu_worker.kv_tiers.mirror import DISK_FILE, BlockSource
+from gpu_worker.kv_transfer.layout import KVLayout
+
+OFFLOAD, DISK_WRITE, DISK_FORGET, DISK_CLEAR, SCATTER, RELEASE = 1, 2, 3, 4, 5, 6
+HASH_BYTES = 16
+_NO_HASH = [0, 0]
+
+
+def hash_ints(block_hash: bytes) -> list[int]:
+    if len(block_hash) != HASH_BYTES:
+        raise ValueError(f"a block hash is {HASH_BYTES} bytes, got {len(block_hash)}")
+    return [int.from_bytes(block_hash[:8], "little", signed=True), int.from_bytes(block_hash[8:], "little", signed=True)]
+
+
+def ints_hash(lo: int, hi: int) -> bytes:
+    return lo.to_bytes(8, "little", signed=True) + hi.to_bytes(8, "little", signed=True)
+
+
+# ---- rank 0: encode ------------------------------------------------------------------------
+def offload(block_ids: list[int], slots: list[int]) -> list[int]:
+    return [OFFLOAD, len(block_ids), *block_ids, *slots]
+
+
+def disk_write(source: BlockSource, block_hash: bytes, block: DiskBlock) -> list[int]:
+    parent = [1, *hash_ints(block.parent)] if block.parent is not None else [0, *_NO_HASH]
+    return [DISK_WRITE, source.kind, source.index, *hash_ints(block_hash), *parent,
+            len(block.token_ids), *block.token_ids]
+
+
+def disk_forget(block_hash: bytes) -> list[int]:
+    return [DISK_FORGET, *hash_ints(block_hash)]
+
+
+def disk_clear() -> list[int]:
+    return [DISK_CLEAR]
+
+
+def scatter(load_id: int, block_ids: list[int]) -> list[int]:
+    return [SCATTER, load_id, len(block_ids), *block_ids]
+
+
+def release(load_id: int) -> list[int]:
+    return [RELEASE, load_id]
+
+
+def stage_sources(sources: list[BlockSource]) -> torch.Tensor:
+    rows = [[s.kind, s.index, *(hash_ints(s.block_hash) if s.kind == DISK_FILE else _NO_HASH)] for s in sources]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1)
+
+
+# ---- followers: decode ---------------------------------------------------------------------
+class Record(NamedTuple):
+    kind: int
+    ids: list[int]                       # OFFLOAD / SCATTER: block ids
+    slots: list[int]                     # OFFLOAD: host slots
+    load_id: int                         # SCATTER / RELEASE
+    source: BlockSource | None           # DISK_WRITE
+    block_hash: bytes | None             # DISK_WRITE / DISK_FORGET
+    block: DiskBlock | None              # DISK_WRITE
+
+
+def decode(payload: list[int]) -> Iterator[Record]:
+    i = 0
+    while i < len(payload):
+        kind = payload[i]
+        if kind == OFFLOAD:
+            n = payload[i + 1]
+            yield Record(kind, payload[i + 2:i + 2 + n], payload[i + 2 + n:i + 2 + 2 * n], -1, None, None, None)
+            i += 2 + 2 * n
+        elif kind == DISK_WRITE:
+            src_kind, src_index, h0, h1, has_parent, p0, p1, n = payload[i + 1:i + 9]
+            parent = ints_hash(p0, p1) if has_parent else None
+            block = DiskBlock(parent, tuple(payload[i + 9:i + 9 + n]))
+            yield Record(kind, [], [], -1, BlockSource(src_kind, src_index), ints_hash(h0, h1), block)
+            i += 9 + n
+        elif kind == DISK_FORGET:
+            yield Record(kind, [], [], -1, None, ints_hash(payload[i + 1], payload[i + 2]), None)
+            i += 3
+        elif kind == DISK_CLEAR:
+            yield Record(kind, [], [], -1, None, None, None)
+            i += 1
+        elif kind == SCATTER:
+            n = payload[i + 2]
+            yield Record(kind, payload[i + 3:i + 3 + n], [], payload[i + 1], None, None, None)
+            i += 3 + n
+        elif kind == RELEASE:
+            yield Record(kind, [], [], payload[i + 1], None, None, None)
+            i += 2
+        else:
+            raise RuntimeError(f"unknown KV tier record {kind}")
+
+
+def decode_sources(payload: torch.Tensor) -> list[BlockSource]:
+    return [BlockSource(kind, index, ints_hash(h0, h1) if kind == DISK_FILE else None)
+            for kind, index, h0, h1 in payload.view(-1, 4).tolist()]
+
+
+class TierInit(msgspec.Struct, frozen=True, tag="tier_init"):
+    """What a follower needs to build its tiers: rank 0's sizes, so slots and files line up."""
+    version: int
+    host_slots: int
+    disk_dir: str | None                 # the disk tier's directory (each rank: a subdirectory)
+    disk_max_blocks: int
+    block_bytes: int                     # one block's bytes on one rank
+    layout: KVLayout
+
+    def encode(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(msgspec.json.encode(self)), dtype=torch.uint8).to(torch.int64)
+
+    @staticmethod
+    def decode(payload: torch.Tensor) -> "TierInit":
+        return msgspec.json.decode(bytes(payload.to(torch.uint8).tolist()), type=TierInit)
+
+
+TIER_INIT_VERSION = 1
