@@ -39,13 +39,20 @@ can take it (conversations.py, routing.conversation_worker).
 Prefill/decode pools: a request routed to a prefill worker P and a decode worker D gets an AwaitKV
 to D and a Dispatch naming D's KV socket to P; it is in flight on both until each reports it
 finished (P once the hand-off ended, D once decoding ended; D's report first means P holds the
-request from then on: D had no room for its KV, and P decodes it itself). An Abort goes to both.
+request from then on: D had no room for its KV, and P decodes it itself; so does P's `kept` report,
+a hand-off that failed otherwise, D perhaps dead: D is told to drop its half). An Abort goes to both.
 Such a request gets a seed when the client gave none, so any worker that computes it draws the same
 tokens. P gone with the request: D runs it whole (Dispatch.resumes: the client may have its first
 token already, and its detokenizer skips the tokens it has seen), so the client sees one stream; D
 gone: P is told to drop it without ending its stream (Abort, reason "moved") and the request moves
-like any other (or fails, when it may not move again). The seed fixed at pairing is a function of
-the request id (_pairing_seed), so a scheduler that adopts a hand-off after a restart knows it too.
+like any other (or fails, when it may not move again), its Migrate naming P too (P may have kept
+it and streamed on: the detokenizer drops what P sends after the Migrate). The seed fixed at
+pairing is a function of the request id (_pairing_seed), so a scheduler that adopts a hand-off
+after a restart knows it too.
+
+Runs: each dispatch gets a run number (`_Req.run`, Dispatch.run, AwaitKV.run: both halves of a
+hand-off share it); workers echo it in their reports, and a report of another run is ignored (the
+late "finished" of a half aborted with reason "moved" must not end the run sent back to that worker).
 """
 from __future__ import annotations
 
