@@ -999,7 +999,7 @@ def _pd_handoff(p_engine, d_engine, path: str, rid: str, prompt: list[int], dead
         for result in sender.take_results():
             outcome = "ack" if result.ok else result.reason
             times.setdefault("acked", time.perf_counter())
-            p.handoff_done(result.request_id, result.ok, result.reason, out, decode_here=result.refused_for_room)
+            p.handoff_done(result.request_id, result.ok, result.reason, out)
         if not p.has_work():
             time.sleep(0.0002)
     stop.set()

@@ -39,13 +39,20 @@ can take it (conversations.py, routing.conversation_worker).
 Prefill/decode pools: a request routed to a prefill worker P and a decode worker D gets an AwaitKV
 to D and a Dispatch naming D's KV socket to P; it is in flight on both until each reports it
 finished (P once the hand-off ended, D once decoding ended; D's report first means P holds the
-request from then on: D had no room for its KV, and P decodes it itself). An Abort goes to both.
+request from then on: D had no room for its KV, and P decodes it itself; so does P's `kept` report,
+a hand-off that failed otherwise, D perhaps dead: D is told to drop its half). An Abort goes to both.
 Such a request gets a seed when the client gave none, so any worker that computes it draws the same
 tokens. P gone with the request: D runs it whole (Dispatch.resumes: the client may have its first
 token already, and its detokenizer skips the tokens it has seen), so the client sees one stream; D
 gone: P is told to drop it without ending its stream (Abort, reason "moved") and the request moves
-like any other (or fails, when it may not move again). The seed fixed at pairing is a function of
-the request id (_pairing_seed), so a scheduler that adopts a hand-off after a restart knows it too.
+like any other (or fails, when it may not move again), its Migrate naming P too (P may have kept
+it and streamed on: the detokenizer drops what P sends after the Migrate). The seed fixed at
+pairing is a function of the request id (_pairing_seed), so a scheduler that adopts a hand-off
+after a restart knows it too.
+
+Runs: each dispatch gets a run number (`_Req.run`, Dispatch.run, AwaitKV.run: both halves of a
+hand-off share it); workers echo it in their reports, and a report of another run is ignored (the
+late "finished" of a half aborted with reason "moved" must not end the run sent back to that worker).
 """
 from __future__ import annotations
 
@@ -53,6 +60,7 @@ import hashlib
 import heapq
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -95,6 +103,7 @@ class _Req:
     migrations: int = 0            # times it moved to another worker mid-stream
     moving: str = ""               # the migration reason while its detokenizer's Resume is awaited
     resume: Resume | None = None   # where its stream stood when it last moved (dispatched with it)
+    run: int = 0                   # its current run (Dispatch.run): reports of another run are stale
 
 
 class SchedulerCore:
@@ -120,6 +129,9 @@ class SchedulerCore:
         self.inbox_addr = ""              # this scheduler's inbox (the shell sets it): where Resumes come
         # resubmitted requests no worker has listed yet, while some worker has not reported
         self._unplaced: dict[str, tuple[Submit, float]] = {}
+        # run numbers, one per dispatch: from a random start, so a scheduler that restarted does not
+        # reuse the numbers of its predecessor's runs (a late report of one must not match a new run)
+        self._runs = itertools.count(secrets.randbelow(1 << 62))
 
     # ---- admission -----------------------------------------------------------------------
     def submit(self, msg: Submit, received_at: float | None = None) -> list[Envelope]:
@@ -187,10 +199,11 @@ class SchedulerCore:
         worker = next((w for w in holders if w is not prefill), prefill)
         req.worker_id, req.dispatched_at = worker.id, self.clock()
         req.prefill_id = prefill.id if prefill is not None and prefill is not worker else None
+        req.run = worker.inherited[rid] or 0    # the run its holders report (both halves: the same)
         if req.prefill_id is not None and msg.params.seed is None:   # the seed P draws with (_pairing_seed)
             req.submit = _with_seed(msg, _pairing_seed(rid))
         for w in holders:
-            w.inherited.discard(rid)
+            w.inherited.pop(rid, None)
             w.inflight.add(rid)
         return [admitted]
 
@@ -274,7 +287,7 @@ class SchedulerCore:
 
     def _send_to(self, rid: str, req: _Req, worker: WorkerView, prefill: WorkerView | None) -> list[Envelope]:
         """`worker` runs the request whole, or decodes it after `prefill` handed it the KV."""
-        req.worker_id, req.dispatched_at = worker.id, self.clock()
+        req.worker_id, req.dispatched_at, req.run = worker.id, self.clock(), next(self._runs)
         s, out = req.submit, []
         if self.conversations is not None and s.conversation:   # the next turn finds its KV there
             self.conversations.record(s.tenant, s.conversation, worker.id, req.dispatched_at)
@@ -290,10 +303,10 @@ class SchedulerCore:
             if s.params.seed is None:     # a re-run after P died must draw what P drew
                 s = req.submit = _with_seed(s, _pairing_seed(rid))
             out.append(Envelope(worker.addr, AwaitKV(request_id=rid, epoch=worker.epoch, n=s.params.n,
-                                                     reply_addr=s.reply_addr, detok_addr=s.detok_addr)))
+                                                     reply_addr=s.reply_addr, detok_addr=s.detok_addr, run=req.run)))
         target = prefill or worker
         out.append(Envelope(target.addr, _dispatch_of(rid, s, target, worker.kv_addr if prefill is not None else "",
-                                                      resume=req.resume)))
+                                                      req.run, resume=req.resume)))
         return out
 
     # ---- request end ---------------------------------------------------------------------
@@ -330,10 +343,16 @@ class SchedulerCore:
             if wid and (w := self.workers.get(wid)):
                 w.inflight.discard(rid)
 
-    def _leave(self, rid: str, w: WorkerView) -> None:
-        """Worker w holds nothing of rid any more: a prefill worker's part ends, a request ends."""
+    def _leave(self, rid: str, w: WorkerView, run: int | None) -> None:
+        """Worker w holds nothing of rid's `run` any more (None: a worker that numbers no runs): a
+        prefill worker's part ends, a request ends. A report of another run is late: that run was
+        aborted (moved) and rid was sent back to w since, so it says nothing of the run there now."""
         req = self.requests.get(rid)
         if req is None:
+            return
+        if run is not None and run != req.run:
+            log.debug("request %s: worker %s's report of run %d is late (run %d now); ignored", rid, w.id, run,
+                      req.run)
             return
         if req.prefill_id == w.id:
             req.prefill_id = None
@@ -354,23 +373,43 @@ class SchedulerCore:
             return []
         w.running, w.waiting = msg.running, msg.waiting
         w.free_blocks, w.cached_blocks, w.total_blocks = msg.free_blocks, msg.cached_blocks, msg.total_blocks
-        for rid in msg.finished:
-            self._leave(rid, w)
-        w.inherited.difference_update(msg.finished)
+        for rid, run in _with_runs(msg.finished, msg.finished_runs):
+            self._leave(rid, w, run)
+            if rid in w.inherited and (run is None or w.inherited[rid] in (None, run)):
+                del w.inherited[rid]
+        out = [env for rid, run in _with_runs(msg.kept, msg.kept_runs) for env in self._kept(rid, run, w)]
         if msg.handed_back:      # only a draining worker hands requests back: send it nothing more,
             w.draining = True    # even before its registry record says so (the moves would come back)
-        out = [env for rid in msg.handed_back if (req := self.requests.get(rid)) is not None
-               and w.id in (req.worker_id, req.prefill_id) for env in self._move(rid, req, w, "drain")]
+        out += [env for rid in msg.handed_back if (req := self.requests.get(rid)) is not None
+                and w.id in (req.worker_id, req.prefill_id) for env in self._move(rid, req, w, "drain")]
         if msg.active is not None:
-            active, now = set(msg.active), self.clock()
+            active, now = dict(_with_runs(msg.active, msg.active_runs or [])), self.clock()
             # what an earlier scheduler sent it: it holds a slot until its end
-            w.inherited = {rid for rid in active if rid not in self.requests}
+            w.inherited = {rid: run for rid, run in active.items() if rid not in self.requests}
             w.reported = True
-            for rid in [r for r in w.inflight if r not in active]:
+            for rid in [r for r in w.inflight if not _holds(active, r, self.requests[r].run)]:
                 if now - self.requests[rid].dispatched_at > self.RECONCILE_AFTER_S:
                     log.info("request %s left worker %s without a report; forgetting it", rid, w.id)
-                    self._leave(rid, w)
+                    self._leave(rid, w, None)
         return out + self._place_unplaced() + self.dispatch()
+
+    def _kept(self, rid: str, run: int | None, p: WorkerView) -> list[Envelope]:
+        """Prefill worker p decodes rid itself: its hand-off failed (the decode worker had no room,
+        refused, failed, or went silent: dead, perhaps, before its lease lapsed here). p holds the
+        request alone from now on; the decode worker drops its half, quietly ("moved": the stream
+        goes on at p). Should the request have moved already (the decode worker's death seen first),
+        this report is late: the move stands, its Abort "moved" drops the request at p, and its
+        Migrate names p too, so the detokenizer drops what p streamed after it."""
+        req = self.requests.get(rid)
+        if req is None or req.prefill_id != p.id or (run is not None and run != req.run):
+            return []
+        decoder = self.workers.get(req.worker_id or "")
+        req.worker_id, req.prefill_id = p.id, None
+        log.info("request %s: its hand-off failed; prefill worker %s decodes it", rid, p.id)
+        if decoder is None:
+            return []
+        decoder.inflight.discard(rid)
+        return [Envelope(decoder.addr, Abort(request_id=rid, reason="moved"))]
 
     # ---- membership ----------------------------------------------------------------------
     def set_workers(self, views: list[WorkerView]) -> list[Envelope]:
@@ -435,7 +474,7 @@ class SchedulerCore:
                 self.prefill_retries += 1
                 metrics.PD_ROUTES.labels("rerun").inc()
                 log.warning("request %s: its prefill worker %s %s; re-running it on %s", rid, w.id, why, decoder.id)
-                out.append(Envelope(decoder.addr, _dispatch_of(rid, req.submit, decoder, "", resumes=True)))
+                out.append(Envelope(decoder.addr, _dispatch_of(rid, req.submit, decoder, "", req.run, resumes=True)))
                 continue
             out += self._move(rid, req, w, "worker_died")
         return out
@@ -445,20 +484,25 @@ class SchedulerCore:
         """Worker w no longer runs rid (it died, or handed it back): ask its detokenizer where the
         stream stands (resumed() goes on), or fail it when it may not move again."""
         out: list[Envelope] = []
+        other: WorkerView | None = None
         for wid in (req.worker_id, req.prefill_id):
             if wid and (holder := self.workers.get(wid)):
                 holder.inflight.discard(rid)
                 if holder is not w:     # the other half of a hand-off frees what it holds, silently:
                     # the stream goes on elsewhere, so its detokenizer must not end it
+                    other = holder
                     out.append(Envelope(holder.addr, Abort(request_id=rid, reason="moved")))
         req.worker_id = req.prefill_id = None
         if req.migrations >= self.limits.max_migrations:
             return out + self._fail_moving(rid, req, reason)
         req.moving = reason
         log.info("request %s leaves worker %s (%s); asking its detokenizer where it stands", rid, w.id, reason)
+        # the other half streams on until the Abort reaches it (a decode worker that had the KV, or
+        # a prefill worker that took its failed hand-off back): the detokenizer leaves it too
         return out + [Envelope(req.submit.detok_addr,
                                Migrate(request_id=rid, worker_id=w.id, reply_addr=self.inbox_addr,
-                                       worker_epoch=w.epoch))]
+                                       worker_epoch=w.epoch, also_worker_id=other.id if other else "",
+                                       also_worker_epoch=other.epoch if other else -1))]
 
     def resumed(self, msg: Resume) -> list[Envelope]:
         """The detokenizer's answer to a Migrate: requeue the request from where its stream stands.
@@ -520,14 +564,26 @@ def _with_seed(s: Submit, seed: int) -> Submit:
     return msgspec.structs.replace(s, params=msgspec.structs.replace(s.params, seed=seed))
 
 
-def _dispatch_of(rid: str, s: Submit, worker: WorkerView, handoff_to: str, resumes: bool = False,
+def _dispatch_of(rid: str, s: Submit, worker: WorkerView, handoff_to: str, run: int, resumes: bool = False,
                  resume: Resume | None = None) -> Dispatch:
     """`resume`: where a moved stream stands (its detokenizer keeps it: `resumes`)."""
     if resume is not None:
         return Dispatch(request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
                         priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr,
                         detok_addr=s.detok_addr, resumes=True, resume_output=resume.output_token_ids,
-                        resume_ended=resume.ended)
+                        resume_ended=resume.ended, run=run)
     return Dispatch(request_id=rid, epoch=worker.epoch, prompt_token_ids=s.prompt_token_ids, params=s.params,
                     priority=s.priority, cache_salt=s.cache_salt, reply_addr=s.reply_addr, detok_addr=s.detok_addr,
-                    handoff_to=handoff_to, resumes=resumes)
+                    handoff_to=handoff_to, resumes=resumes, run=run)
+
+
+def _with_runs(ids: list[str], runs: list[int]) -> list[tuple[str, int | None]]:
+    """A WorkerStatus list with its runs; a worker that numbers no runs sends none (None: any run)."""
+    if len(runs) != len(ids):
+        return [(rid, None) for rid in ids]
+    return list(zip(ids, runs))
+
+
+def _holds(active: dict[str, int | None], rid: str, run: int) -> bool:
+    """Does a heartbeat's active list name this run of rid?"""
+    return rid in active and active[rid] in (None, run)

@@ -72,8 +72,9 @@ class WorkerView:
     dispatched: int = 0               # requests this scheduler sent it
     inflight: set[str] = field(default_factory=set)  # requests we dispatched and that did not end
     # requests the worker holds that this scheduler never dispatched (an earlier scheduler's, before
-    # a restart): learnt from its heartbeat's `active` list, counted like ours until they end
-    inherited: set[str] = field(default_factory=set)
+    # a restart), with their run (None: the worker numbers none): learnt from its heartbeat's
+    # `active` list, counted like ours until they end
+    inherited: dict[str, int | None] = field(default_factory=dict)
     reported: bool = False            # a heartbeat of its has listed what it holds (`inherited` is whole)
 
     @property

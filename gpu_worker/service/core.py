@@ -38,10 +38,19 @@ Prefill/decode hand-off (the shell moves the KV, gpu_worker/service/handoff.py):
                      drawn -> the shell's sender thread moves the KV while this core steps on;
                      an abort meanwhile goes to the sender (take_stops) and the engine keeps the
                      blocks it reads -> handoff_done() frees them: D took the request (it leaves
-                     this worker), D had no room (it decodes here: the engine's keep_export),
-                     or not (its client gets a RequestFailed)
+                     this worker), or not (D had no room, refused, failed or went silent past
+                     the hand-off lease): it decodes here (the engine's keep_export), from the
+                     KV and first tokens it holds, and the next WorkerStatus lists it in `kept`
+                     (the scheduler drops the decode half; should it have moved the request
+                     first, its Abort "moved" drops it here too and the stream goes on elsewhere)
     decode worker    AwaitKV -> `awaiting` until the KV arrives -> adopt_imports(): admitted
                      requests decode and stream here; dropped ones leave
+
+Runs: every Dispatch and AwaitKV carries the scheduler's run number of the request (a move is a
+new run). Reports echo it (`finished_runs`, `active_runs`, `kept_runs`), so a late report of an
+aborted run is not read as one of a later run sent back here. A Dispatch of a request whose earlier
+run's blocks the hand-off sender still reads (aborted, not yet released) waits until they are
+released (`_deferred`), so the two runs never share the engine's request id.
 """
 from __future__ import annotations
 
@@ -65,6 +74,7 @@ class _Req:
     reply_addr: str
     n: int
     received: float                      # perf_counter() when the Dispatch was read off the socket
+    run: int = 0                         # Dispatch.run / AwaitKV.run: echoed in reports
     done: set[int] = field(default_factory=set)
     scheduled: float | None = None       # start of the step that first computed prompt tokens
     first_token: float | None = None     # end of the step that produced the first token
@@ -74,6 +84,14 @@ class _Req:
     exported: bool = False               # prefill worker: some sample goes on at the decode worker
     handed: set[int] = field(default_factory=set)   # prefill worker: those samples
     streamed: int = 0                    # prefill worker: leading blocks given to the sender while prefilling
+
+
+@dataclass
+class _Deferred:
+    """A Dispatch waiting for the blocks of an earlier run of its request to be released."""
+    dispatch: Dispatch
+    received: float
+    ended: set[int] = field(default_factory=set)   # samples aborted meanwhile (stop strings)
 
 
 class WorkerCore:
@@ -86,7 +104,10 @@ class WorkerCore:
         self.num_requests = 0       # accepted since start
         self.tokens_out = 0
         self.last_step_s = 0.0
-        self._finished: list[str] = []
+        self._finished: list[tuple[str, int]] = []    # (request id, run) ended since the last status
+        self._kept: list[tuple[str, int]] = []        # (request id, run) hand-offs taken back to decode here
+        # Dispatches of a request whose earlier run's blocks the sender still reads: run when released
+        self._deferred: dict[str, _Deferred] = {}
         # requests whose prompt the engine has not started: checked after every step, so the
         # cost per step is O(requests not yet scheduled). Only for engines that expose a
         # `requests` table (the real engine and the null engine do).
@@ -127,8 +148,8 @@ class WorkerCore:
                 self._abort(msg, out)
         if self.engine.has_unfinished_requests():
             self._step(out)
-        if self._finished:
-            out.append(Envelope(SCHEDULER, self.status(self._take_finished())))
+        if self._finished or self._kept:
+            out.append(Envelope(SCHEDULER, self.status(self._take_finished(), kept=self._take_kept())))
         return out
 
     def has_work(self) -> bool:
@@ -156,6 +177,8 @@ class WorkerCore:
         self.awaiting.clear()
         self._unscheduled.clear()
         self._finished.clear()
+        self._kept.clear()
+        self._deferred.clear()
         self._first_tokens.clear()
         self._handoffs.clear()       # the old epoch's cancels still tell their decode workers
         self._prefilling.clear()
@@ -174,6 +197,11 @@ class WorkerCore:
             return
         if msg.resumes and not self._take_over(msg.request_id):
             return
+        if msg.request_id in self._sending and msg.request_id not in self.requests:
+            # an earlier run of it, aborted, whose blocks the sender still reads: the engine still
+            # holds it under this id, so this run starts once handoff_done released them
+            self._deferred[msg.request_id] = _Deferred(msg, received)
+            return
         handoff_to = msg.handoff_to if self.hands_off else ""   # no sender here: run it whole
         try:
             if handoff_to:
@@ -189,10 +217,10 @@ class WorkerCore:
         except RequestError as exc:
             out.append(Envelope(msg.reply_addr, RequestFailed(
                 request_id=msg.request_id, status=400, code="invalid_request", message=str(exc))))
-            self._finished.append(msg.request_id)
+            self._finished.append((msg.request_id, msg.run))
             return
         metrics.WORKER_ADMIT.observe(time.perf_counter() - received)
-        req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received, handoff_to=handoff_to,
+        req = _Req(msg.detok_addr, msg.reply_addr, msg.params.n, received, run=msg.run, handoff_to=handoff_to,
                    prompt_tokens=len(msg.prompt_token_ids), done=set(msg.resume_ended))
         self.requests[msg.request_id] = req
         if handoff_to and self.streams_kv:
@@ -203,7 +231,7 @@ class WorkerCore:
         out.append(Envelope(msg.detok_addr, StreamOpen(
             request_id=msg.request_id, params=msg.params, reply_addr=msg.reply_addr,
             num_prompt_tokens=len(msg.prompt_token_ids), prompt_tail=msg.prompt_token_ids[-8:],
-            worker_addr=self.inbox_addr, resumes=msg.resumes)))
+            worker_addr=self.inbox_addr, resumes=msg.resumes, worker_id=self.worker_id, worker_epoch=self.epoch)))
 
     def _take_over(self, rid: str) -> bool:
         """A re-run of rid, whose prefill worker died: False when its KV arrived before that (it
@@ -231,15 +259,18 @@ class WorkerCore:
 
     def _abort(self, msg: Abort, out: list[Envelope]) -> None:
         req = self.requests.get(msg.request_id)
+        if req is None and msg.request_id in self._deferred:
+            self._abort_deferred(msg, out)
+            return
         if req is None and msg.request_id in self.awaiting:
             if msg.index is not None:          # one sample: it leaves the hand-off, if it has begun
                 self.engine.abort_request(msg.request_id, msg.index)
                 return
             # its KV has not arrived: free what is reserved; the prefill worker ends the stream
-            self.awaiting.pop(msg.request_id)
+            awaited = self.awaiting.pop(msg.request_id)
             self.imports.abort(msg.request_id)
             self.imports.take_dropped()
-            self._finished.append(msg.request_id)
+            self._finished.append((msg.request_id, awaited.run))
             return
         if req is None:
             return
@@ -257,7 +288,7 @@ class WorkerCore:
             _observe_decode(req)
         del self.requests[msg.request_id]
         self._unscheduled.pop(msg.request_id, None)
-        self._finished.append(msg.request_id)
+        self._finished.append((msg.request_id, req.run))
         if msg.reason != "moved":        # "moved": its stream goes on at another worker; keep it open
             out.append(Envelope(req.detok_addr, Abort(request_id=msg.request_id, reason=msg.reason)))
 
@@ -316,7 +347,7 @@ class WorkerCore:
             if req is None:
                 continue
             self._unscheduled.pop(rid, None)
-            self._finished.append(rid)
+            self._finished.append((rid, req.run))
             out.append(Envelope(req.reply_addr, RequestFailed(
                 request_id=rid, status=400, code="invalid_request", message=message)))
             out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="invalid_request")))
@@ -329,7 +360,7 @@ class WorkerCore:
             return
         _observe_decode(req)
         del self.requests[rid]
-        self._finished.append(rid)
+        self._finished.append((rid, req.run))
         if req.handoff_to:                    # every sample ended at its first token
             self._streaming.discard(rid)
             self._cancels.append((rid, req.handoff_to))
@@ -377,37 +408,41 @@ class WorkerCore:
         stops, self._stops = self._stops, []
         return stops
 
-    def handoff_done(self, rid: str, ok: bool, reason: str, out: list[Envelope],
-                     decode_here: bool = False) -> None:
-        """rid's hand-off ended: P's blocks are released here, on the engine thread. decode_here:
-        the decode worker had no room for it, so this worker decodes it itself (it holds the KV
-        and has streamed the first tokens): the client's stream goes on from here."""
+    def handoff_done(self, rid: str, ok: bool, reason: str, out: list[Envelope]) -> None:
+        """rid's hand-off ended, on the engine thread. ok: D holds it now, P's blocks are released.
+        Not ok (D had no room, refused, failed, or went silent past the lease: dead, perhaps, before
+        the scheduler noticed): this worker decodes it itself from the KV and first tokens it holds,
+        the cheapest continuation, and lists it in `kept` for the scheduler. A request aborted
+        meanwhile (its blocks were held for the sender) is released; so is one the engine cannot
+        keep, whose client then gets a RequestFailed."""
         if rid not in self._sending:          # its streaming ended while it still prefilled
-            self._stream_ended(rid, decode_here, out)
+            self._stream_ended(rid, reason, out)
             return
         self._sending.discard(rid)
         req = self.requests.get(rid)
-        if not ok and decode_here and req is not None and self.engine.keep_export(rid):
-            log.info("request %s: its decode worker had no free KV blocks; decoding it here", rid)
+        if not ok and req is not None and self.engine.keep_export(rid):
+            log.info("request %s: its hand-off failed (%s); decoding it here", rid, reason)
             req.done -= req.handed
             req.handed.clear()
             req.exported, req.handoff_to = False, ""
+            self._kept.append((rid, req.run))
             return
         self.engine.release_export(rid)
-        req = self.requests.pop(rid, None)
-        if req is None:
+        if req is None:                       # aborted while its blocks were read
+            self._start_deferred(rid, out)
             return
-        self._finished.append(rid)
+        del self.requests[rid]
+        self._finished.append((rid, req.run))
         if not ok:
             out.append(Envelope(req.reply_addr, RequestFailed(
                 request_id=rid, status=503, code="worker_failed",
                 message="the request's hand-off to a decode worker failed; please retry")))
             out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="worker_failed")))
 
-    def _stream_ended(self, rid: str, decode_here: bool, out: list[Envelope]) -> None:
-        """The decode worker refused or failed rid's streamed blocks before its first token: with no
-        room there it simply goes on here, as a request of this worker; else its client gets a
-        RequestFailed, as for a hand-off that fails."""
+    def _stream_ended(self, rid: str, reason: str, out: list[Envelope]) -> None:
+        """The decode worker refused or failed rid's streamed blocks before its first token: it
+        simply goes on here, as a request of this worker (listed in `kept`); should the engine not
+        keep it, its client gets a RequestFailed, as for a hand-off that fails."""
         if rid not in self._streaming:        # ended here meanwhile (aborted): nothing left to do
             return
         self._streaming.discard(rid)
@@ -415,26 +450,51 @@ class WorkerCore:
         req = self.requests.get(rid)
         if req is None:
             return
-        if decode_here and self.engine.keep_export(rid):
-            log.info("request %s: its decode worker had no free KV blocks; running it here", rid)
+        if self.engine.keep_export(rid):
+            log.info("request %s: its decode worker took no blocks (%s); running it here", rid, reason)
             req.handoff_to = ""
+            self._kept.append((rid, req.run))
             return
         self.engine.abort_request(rid)
         del self.requests[rid]
         self._unscheduled.pop(rid, None)
-        self._finished.append(rid)
+        self._finished.append((rid, req.run))
         out.append(Envelope(req.reply_addr, RequestFailed(
             request_id=rid, status=503, code="worker_failed",
             message="the request's hand-off to a decode worker failed; please retry")))
         out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="worker_failed")))
 
+    def _start_deferred(self, rid: str, out: list[Envelope]) -> None:
+        """rid's earlier run released its blocks: a later run that waited for that starts now,
+        with the sample aborts that came for it meanwhile."""
+        deferred = self._deferred.pop(rid, None)
+        if deferred is None:
+            return
+        self._dispatch(deferred.dispatch, out, deferred.received)
+        for index in sorted(deferred.ended):
+            if rid in self.requests:
+                self._abort(Abort(request_id=rid, index=index, reason="stop"), out)
+
+    def _abort_deferred(self, msg: Abort, out: list[Envelope]) -> None:
+        """An Abort for a run that waits for its earlier run's blocks (_deferred): one sample is
+        noted for its start; the whole request ends here, as a started one would."""
+        deferred = self._deferred[msg.request_id]
+        if msg.index is not None:
+            deferred.ended.add(msg.index)
+            if len(deferred.ended) < deferred.dispatch.params.n:
+                return
+        del self._deferred[msg.request_id]
+        self._finished.append((msg.request_id, deferred.dispatch.run))
+        if msg.reason != "moved":
+            out.append(Envelope(deferred.dispatch.detok_addr, Abort(request_id=msg.request_id, reason=msg.reason)))
+
     def _await_kv(self, msg: AwaitKV, out: list[Envelope], received: float) -> None:
         if msg.epoch != self.epoch or self.imports is None or msg.request_id in self.requests:
             log.info("refusing to await the KV of %s (epoch %d, serving epoch %d, role without a KV socket: %s)",
                      msg.request_id, msg.epoch, self.epoch, self.imports is None)
-            self._finished.append(msg.request_id)
+            self._finished.append((msg.request_id, msg.run))
             return
-        self.awaiting[msg.request_id] = _Req(msg.detok_addr, msg.reply_addr, msg.n, received)
+        self.awaiting[msg.request_id] = _Req(msg.detok_addr, msg.reply_addr, msg.n, received, run=msg.run)
         self.imports.await_request(msg.request_id)
         self.num_requests += 1
 
@@ -447,27 +507,28 @@ class WorkerCore:
                 req.first_token = req.last_token = now    # the first token came from the prefill worker
                 self.requests[rid] = req
         for rid in self.imports.take_dropped():
-            if self.awaiting.pop(rid, None) is not None:
-                self._finished.append(rid)
+            if (req := self.awaiting.pop(rid, None)) is not None:
+                self._finished.append((rid, req.run))
 
     def hand_back(self) -> WorkerStatus:
         """Draining, out of time: stop every request held here and free its KV, without a word to
         its detokenizer (its stream goes on at another worker). Returns the status that lists them
         for the scheduler (`handed_back`), which moves each one."""
-        handed = list(self.requests)
+        handed = [*self.requests, *self._deferred]
         # listed before they leave `requests`: a heartbeat built meanwhile names them one way or the other
         self.handed_back = [*self.handed_back, *handed]   # a new list: the heartbeat thread reads it
-        for rid in handed:
+        for rid in self.requests:
             self._abort_in_engine(rid)
-        for rid in self.awaiting:       # KV awaited from a prefill worker: that one ends the stream
+        self._deferred.clear()          # never started: nothing of theirs is in the engine
+        for rid, req in self.awaiting.items():   # KV awaited from a prefill worker: that one ends the stream
             self.imports.abort(rid)
-            self._finished.append(rid)
+            self._finished.append((rid, req.run))
         if self.imports is not None:
             self.imports.take_dropped()
         self.requests.clear()
         self.awaiting.clear()
         self._unscheduled.clear()
-        return self.status(self._take_finished(), handed_back=handed)
+        return self.status(self._take_finished(), handed_back=handed, kept=self._take_kept())
 
     def fail_all(self, message: str, out: list[Envelope]) -> None:
         for rid, req in list(self.requests.items()):
@@ -475,8 +536,15 @@ class WorkerCore:
             out.append(Envelope(req.reply_addr, RequestFailed(
                 request_id=rid, status=500, code="worker_error", message=message)))
             out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="worker_failed")))
-            self._finished.append(rid)
+            self._finished.append((rid, req.run))
+        for rid, deferred in self._deferred.items():
+            d = deferred.dispatch
+            out.append(Envelope(d.reply_addr, RequestFailed(request_id=rid, status=500, code="worker_error",
+                                                            message=message)))
+            out.append(Envelope(d.detok_addr, Abort(request_id=rid, reason="worker_failed")))
+            self._finished.append((rid, d.run))
         self.requests.clear()
+        self._deferred.clear()
         self._unscheduled.clear()
 
     # ---- request stage times --------------------------------------------------------------
@@ -492,15 +560,20 @@ class WorkerCore:
                 metrics.WORKER_QUEUE.observe(step_start - req.received)
 
     # ---- load ----------------------------------------------------------------------------
-    def _take_finished(self) -> list[str]:
+    def _take_finished(self) -> list[tuple[str, int]]:
         done, self._finished = self._finished, []
         return done
+
+    def _take_kept(self) -> list[tuple[str, int]]:
+        kept, self._kept = self._kept, []
+        return kept
 
     def load(self) -> dict[str, int]:
         s = self.engine.stats()
         return {"running": s.num_running, "waiting": s.num_waiting, "free_blocks": s.num_free_blocks,
                 "cached_blocks": s.num_cached_blocks, "total_blocks": s.num_total_blocks,
-                "requests": len(self.requests) + len(self.awaiting), "requests_total": self.num_requests,
+                "requests": len(self.requests) + len(self.awaiting) + len(self._deferred),
+                "requests_total": self.num_requests,
                 "tokens_out": self.tokens_out, "prefix_query_tokens": s.prefix_query_tokens,
                 "prefix_hit_tokens": s.prefix_hit_tokens, "pending_prompt_tokens": self.pending_prompt_tokens()}
 
@@ -511,16 +584,25 @@ class WorkerCore:
         table in one step under the GIL, where iterating the dict itself could see it change."""
         return sum(r.prompt_tokens for r in list(self.requests.values()) if r.first_token is None)
 
-    def status(self, finished: list[str] | None = None, with_active: bool = False,
-               handed_back: list[str] | None = None) -> WorkerStatus:
-        """Load numbers; `finished` after steps; `with_active` (heartbeats) lists every request held;
-        `handed_back`: hand_back()'s requests (heartbeats repeat all of this epoch's)."""
+    def status(self, finished: list[tuple[str, int]] | None = None, with_active: bool = False,
+               handed_back: list[str] | None = None, kept: list[tuple[str, int]] | None = None) -> WorkerStatus:
+        """Load numbers; `finished` and `kept`: (request, run) pairs after steps; `with_active`
+        (heartbeats) lists every request held, with its run; `handed_back`: hand_back()'s requests
+        (heartbeats repeat all of this epoch's)."""
         s = self.engine.stats()
+        finished, kept = finished or [], kept or []
+        active = active_runs = None
+        if with_active:                   # copied in one step each: the engine thread changes them
+            held = [*((rid, r.run) for rid, r in list(self.requests.items())),
+                    *((rid, r.run) for rid, r in list(self.awaiting.items())),
+                    *((rid, d.dispatch.run) for rid, d in list(self._deferred.items()))]
+            active, active_runs = [rid for rid, _ in held], [run for _, run in held]
         return WorkerStatus(worker_id=self.worker_id, epoch=self.epoch, running=s.num_running,
                             waiting=s.num_waiting, free_blocks=s.num_free_blocks,
                             cached_blocks=s.num_cached_blocks, total_blocks=s.num_total_blocks,
-                            finished=finished or [],
-                            active=[*self.requests, *self.awaiting] if with_active else None,
+                            finished=[rid for rid, _ in finished], finished_runs=[run for _, run in finished],
+                            active=active, active_runs=active_runs,
+                            kept=[rid for rid, _ in kept], kept_runs=[run for _, run in kept],
                             handed_back=handed_back or (self.handed_back if with_active else []))
 
 

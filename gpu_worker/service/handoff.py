@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, NamedTuple
 
-from gpu_worker.kv_transfer.connector import NO_FREE_BLOCKS, EngineKVConsumer, EngineKVProducer
+from gpu_worker.kv_transfer.connector import EngineKVConsumer, EngineKVProducer
 from gpu_worker.kv_transfer.messages import Accept, Ack, CacheSource, Done, Fail, NixlSource, Offer, Refuse
 from gpu_worker.kv_transfer.nixl_transport import encode_peer
 from gpu_worker.kv_transfer.shm import host_identity
@@ -52,8 +52,7 @@ AWAIT_OFFER_MAX_S = 600.0
 class HandoffResult(NamedTuple):
     request_id: str
     ok: bool          # the decode worker holds the request now
-    reason: str       # why not (empty when ok)
-    refused_for_room: bool = False   # D had no free KV blocks for it: P may decode it itself
+    reason: str       # why not (empty when ok): P decodes it itself (WorkerCore.handoff_done)
 
 
 class PrefillSender:
@@ -259,8 +258,7 @@ class PrefillSender:
             metrics.HANDOFFS.labels("refused" if isinstance(answer, Refuse) else "fail").inc()
             reason = f"the decode worker refused the KV: {answer.reason}"
         log.warning("kv hand-off of %s to %s failed: %s", request_id, to, reason)
-        self._results.put(HandoffResult(request_id, False, reason, refused_for_room=isinstance(
-            answer, Refuse) and answer.reason == NO_FREE_BLOCKS))
+        self._results.put(HandoffResult(request_id, False, reason))
 
 
 class AwaitedImports(EngineKVConsumer):

@@ -243,8 +243,7 @@ class EngineThread(threading.Thread):
             if sender.stop_sending(rid):          # had not begun: never will
                 self.core.handoff_done(rid, False, "aborted", out)
         for result in sender.take_results():
-            self.core.handoff_done(result.request_id, result.ok, result.reason, out,
-                                   decode_here=result.refused_for_room)
+            self.core.handoff_done(result.request_id, result.ok, result.reason, out)
 
     def _rejoin(self, epoch: int) -> None:
         old = self.core.epoch

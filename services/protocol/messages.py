@@ -35,6 +35,13 @@ MAX_CONVERSATION_KEY = 64            # Submit.conversation: a hex digest, never 
 # a moving request's tokens (Dispatch.resume_output, Resume): per sample, at most a context's worth
 SampleOutputs = Annotated[list[Annotated[list[int], msgspec.Meta(max_length=1 << 20)]], msgspec.Meta(max_length=1024)]
 SampleIndices = Annotated[list[int], msgspec.Meta(max_length=1024)]
+# a request's run: the scheduler numbers each dispatch of a request (a move is a new run; a re-run
+# of a hand-off's prefill half on its decode worker is the same run). Workers echo it in their
+# reports, so a late report of an earlier run on the same worker is told apart from the run now there.
+Run = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+MAX_REPORTED = 1 << 16                 # request ids one WorkerStatus list may carry
+ReportedIds = Annotated[list[str], msgspec.Meta(max_length=MAX_REPORTED)]
+ReportedRuns = Annotated[list[Run], msgspec.Meta(max_length=MAX_REPORTED)]
 
 
 class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
@@ -132,6 +139,7 @@ class Dispatch(Msg, tag="dispatch", kw_only=True):
     # continue at their positions); samples in resume_ended are over. Empty: a fresh request.
     resume_output: SampleOutputs = []
     resume_ended: SampleIndices = []
+    run: Run = 0                     # see `Run`; echoed in the worker's reports of this request
 
 
 class AwaitKV(Msg, tag="await_kv", kw_only=True):
@@ -143,6 +151,7 @@ class AwaitKV(Msg, tag="await_kv", kw_only=True):
     n: int                           # samples (the Offer carries the rest of the request)
     reply_addr: str
     detok_addr: str
+    run: Run = 0                     # the run of the prefill worker's Dispatch (`Run`)
 
 
 # ----------------------------------------------------------------------------- worker -> detokenizer
@@ -160,6 +169,10 @@ class StreamOpen(Msg, tag="open", kw_only=True):
     # a re-run of a stream whose first tokens came from a worker that died (Dispatch.resumes): the
     # detokenizer keeps the stream and drops as many leading tokens of each sample as it has seen
     resumes: bool = False
+    # the worker (id, epoch) that opens the stream: a moved stream that left it earlier takes its
+    # tokens again from here on (every late token of its earlier run came before, on this connection)
+    worker_id: str = ""
+    worker_epoch: int = -1
 
 
 class SeqTokens(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -195,10 +208,19 @@ class WorkerStatus(Msg, tag="wstatus", kw_only=True):
     free_blocks: int
     cached_blocks: int
     total_blocks: int
-    finished: list[str] = []         # requests that ended (any reason) since the last status
-    active: list[str] | None = None  # heartbeat statuses: every request the worker holds (reconciliation)
+    finished: ReportedIds = []       # requests that ended (any reason) since the last status
+    active: ReportedIds | None = None  # heartbeat statuses: every request the worker holds (reconciliation)
     # a draining worker's requests it stopped and freed unfinished: the scheduler moves each elsewhere
-    handed_back: list[str] = []
+    handed_back: ReportedIds = []
+    # the run (Dispatch.run / AwaitKV.run) of each entry of `finished` / `active`, in the same order;
+    # empty from a worker that does not number runs (then every report counts)
+    finished_runs: ReportedRuns = []
+    active_runs: ReportedRuns | None = None
+    # a prefill worker's hand-offs that failed (the decode worker refused, failed or went silent)
+    # and that it decodes itself, holding their KV and first tokens: the scheduler drops the decode
+    # half; `kept_runs` as `finished_runs`
+    kept: ReportedIds = []
+    kept_runs: ReportedRuns = []
 
 
 # ----------------------------------------------------------------------------- migration
@@ -215,6 +237,10 @@ class Migrate(Msg, tag="migrate", kw_only=True):
     reply_addr: str                  # the scheduler's inbox
     worker_epoch: int = -1           # that worker's incarnation: a restart under the same id is a new
                                      # worker whose tokens count (-1: every incarnation is left)
+    # the other half of a hand-off (told to drop the request, "moved"), left too: a prefill worker
+    # that took its hand-off back streams on until that Abort reaches it ("": none)
+    also_worker_id: str = ""
+    also_worker_epoch: int = -1
 
 
 class Resume(Msg, tag="resume", kw_only=True):

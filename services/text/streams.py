@@ -12,9 +12,10 @@ less); it lives in services/ because both import it.
                             Abort(request, index) to the scheduler for every sample a stop string ended
     migrate(Migrate)     its worker stopped and the scheduler moves it: -> a Resume with each sample's
                          tokens so far (the next worker continues from them, so nothing is skipped);
-                         tokens of the request from the worker it left are dropped from then on
-                         (a Migrate naming no worker, from a scheduler that restarted: the worker
-                         that streamed it last)
+                         tokens of the request from the worker it left (and from the other half
+                         of a hand-off it names) are dropped from then on, until a StreamOpen of a
+                         new run on that same worker (a Migrate naming no worker, from a
+                         scheduler that restarted: the worker that streamed it last)
                          (the wait it adds to the client's stream: "Moved streams' stall" below)
     abort(Abort)         forget the request (worker aborted it, or its worker died); when some of
                             its samples had not ended, a RequestFailed to its gateway, so the client's
@@ -125,6 +126,9 @@ class DetokCore:
         if msg.resumes and stream is not None:
             for sample in stream.samples.values():
                 sample.skip, sample.seen = sample.seen, 0
+            # a move back to a worker the stream left: its new run streams from here on (its old
+            # run's late tokens came before this, on the same connection)
+            stream.left = stream.left - {(msg.worker_id, msg.worker_epoch)}
             return []
         self.streams[msg.request_id] = _Stream(msg.reply_addr, msg.params, msg.prompt_tail, self.clock())
         return []
@@ -141,6 +145,8 @@ class DetokCore:
         left = (msg.worker_id, msg.worker_epoch) if msg.worker_id else stream.source
         if left is not None:
             stream.left = stream.left | {left}
+        if msg.also_worker_id:     # the other half of a hand-off, which may have streamed on
+            stream.left = stream.left | {(msg.also_worker_id, msg.also_worker_epoch)}
         outputs: list[list[int]] = []
         for index in range(stream.params.n):
             sample = stream.samples.get(index)

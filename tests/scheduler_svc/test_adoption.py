@@ -42,7 +42,7 @@ def fresh_core(*wids: str) -> SchedulerCore:
 def test_a_held_request_is_adopted_and_moves_when_its_worker_dies():
     core = fresh_core("w1", "w2")
     core.worker_status(heartbeat("w1", "held"))
-    assert core.workers["w1"].inherited == {"held"}
+    assert set(core.workers["w1"].inherited) == {"held"}
     assert kinds(core.submit(resubmit("held"))) == [(GW, "Admitted")]          # no second run
     assert core.requests["held"].worker_id == "w1" and core.workers["w1"].inflight == {"held"}
     assert not core.workers["w1"].inherited and core.num_inherited == 0

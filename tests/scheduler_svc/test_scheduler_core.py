@@ -213,7 +213,7 @@ def test_a_restarted_scheduler_counts_the_requests_workers_already_hold():
     out = core.worker_status(status("w1", finished=("old-1",)))          # a step's report ends one
     assert kinds(out) == [("tcp://w1:1", "Dispatch")] and core.requests["b"].worker_id == "w1"
     core.worker_status(status("w2", ["a"]))                              # old-3 ended, its report lost
-    assert core.workers["w2"].inherited == set() and core.num_inherited == 1
+    assert not core.workers["w2"].inherited and core.num_inherited == 1
 
 
 def test_cache_aware_scorer_prefers_the_prefix_holder_over_a_lighter_load():

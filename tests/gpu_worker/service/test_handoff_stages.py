@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-from gpu_worker.kv_transfer.connector import NO_FREE_BLOCKS, EngineKVProducer
+from gpu_worker.kv_transfer.connector import EngineKVProducer
 from gpu_worker.kv_transfer.local import hand_off
-from gpu_worker.kv_transfer.messages import Ack, Refuse
+from gpu_worker.kv_transfer.messages import Ack
 from gpu_worker.sequence import SequenceStatus
 from gpu_worker.service.core import WorkerCore
 from gpu_worker.service.handoff import AwaitedImports, DecodeReceiver, PrefillSender
@@ -20,7 +20,7 @@ from tests.gpu_worker.service.test_worker_core_handoff import D_ADDR, Pair, clea
 
 
 class LocalPair(Pair):
-    """Pair with engines of chosen sizes; a Refuse for want of room leaves the request on P."""
+    """Pair with engines of chosen sizes."""
 
     def __init__(self, model: str, p_kw: dict, d_kw: dict) -> None:
         self.p = WorkerCore(engine(model, **p_kw), "p", 1)
@@ -38,8 +38,7 @@ class LocalPair(Pair):
             todo, _ = self.p.take_handoffs()
             for rid, _to in todo:
                 answer = hand_off(self.producer, self.d.imports, rid)
-                no_room = isinstance(answer, Refuse) and answer.reason == NO_FREE_BLOCKS
-                self.p.handoff_done(rid, isinstance(answer, Ack), "", self.out, decode_here=no_room)
+                self.p.handoff_done(rid, isinstance(answer, Ack), "", self.out)
             self.d.adopt_imports()
             self.out += self.d.run([])
         raise AssertionError("the P/D run did not end")

@@ -12,7 +12,7 @@ import zmq
 
 from gpu_worker.service.core import WorkerCore
 from gpu_worker.service.handoff import PrefillSender
-from services.protocol.messages import Abort, Dispatch, RequestFailed, StepOutput
+from services.protocol.messages import Abort, Dispatch, RequestFailed, StepOutput, WorkerStatus
 from services.security.curve import Plane
 from tests.gpu_worker.kv_transfer.conftest import MAX_STEPS, engine, greedy, prompt, run_single
 from tests.gpu_worker.service.test_worker_core_handoff import clean
@@ -47,8 +47,7 @@ def hand_off_round(core: WorkerCore, sender: PrefillSender, out: list) -> None:
         if sender.stop_sending(rid):          # had not begun: never will
             core.handoff_done(rid, False, "aborted", out)
     for result in sender.take_results():
-        core.handoff_done(result.request_id, result.ok, result.reason, out,
-                          decode_here=result.refused_for_room)
+        core.handoff_done(result.request_id, result.ok, result.reason, out)
 
 
 def dispatch(rid: str, ids: list[int], steps: int, handoff_to: str = "") -> Dispatch:
@@ -121,21 +120,28 @@ def test_a_silent_decode_worker_stalls_neither_other_requests_nor_aborts(llama, 
         sender.close()
 
 
-def test_a_hand_off_that_outlives_its_lease_fails_its_request_and_frees_the_blocks(llama, silent_d):
+def test_a_hand_off_that_outlives_its_lease_is_decoded_on_p_one_stream_and_its_blocks_freed(llama, silent_d):
+    """D went silent (dead, perhaps, before the scheduler saw its lease lapse): P decodes the request
+    itself from the KV and first token it holds, every token the one a single engine draws, and
+    says so (`kept`) instead of failing it after its first token."""
     d_sock, d_addr = silent_d
     core = WorkerCore(engine(llama), "p", 1)
     core.hands_off = True
     sender = PrefillSender(core.engine, Plane.insecure(), lease_s=0.5)
-    out: list = []
+    ids, out = prompt(40, 3), []
     try:
-        out += core.run([dispatch("a", prompt(40, 3), 20, handoff_to=d_addr)])
+        out += core.run([msgspec.structs.replace(dispatch("a", ids, 20, handoff_to=d_addr), run=7)])
         deadline = time.monotonic() + 30
         while (core.requests or core._sending) and time.monotonic() < deadline:
             out += core.run([])
             hand_off_round(core, sender, out)
             time.sleep(0.01)
-        failed = [e.msg for e in out if isinstance(e.msg, RequestFailed)]
-        assert [f.code for f in failed] == ["worker_failed"] and clean(core)
+        got = [t for e in out if isinstance(e.msg, StepOutput) for s in e.msg.seqs for t in s.token_ids]
+        assert got == run_single(engine(llama), [("a", ids, greedy(20))])[("a", 0)]
+        statuses = [e.msg for e in out if isinstance(e.msg, WorkerStatus)]
+        assert [(rid, run) for s in statuses for rid, run in zip(s.kept, s.kept_runs)] == [("a", 7)]
+        assert [(rid, run) for s in statuses for rid, run in zip(s.finished, s.finished_runs)] == [("a", 7)]
+        assert not [e for e in out if isinstance(e.msg, (RequestFailed, Abort))] and clean(core)
         assert kinds(d_sock, 2) == ["offer", "abort"]
     finally:
         sender.close()

@@ -115,7 +115,9 @@ def test_aborts_free_both_cores_and_spare_other_requests(llama):
     assert clean(pair.p) and clean(pair.d)
 
 
-def test_a_failed_hand_off_fails_the_request_to_its_client(llama):
+def test_a_failed_hand_off_that_p_cannot_decode_fails_the_request_to_its_client(llama):
+    """P decodes a failed hand-off itself while it holds the KV (test_prefill_sender.py); with its
+    blocks gone the engine cannot keep it, and its client gets an error, not a hang."""
     pair = Pair(llama)
     pair.submit("a", prompt(30, 7), greedy(5))
     for _ in range(MAX_STEPS):
@@ -123,7 +125,7 @@ def test_a_failed_hand_off_fails_the_request_to_its_client(llama):
         todo, _ = pair.p.take_handoffs()
         if todo:
             break
-    pair.producer.release("a")                       # what the transport does when D never answers
+    pair.producer.release("a")                       # the KV P held is gone
     pair.p.handoff_done("a", False, "timeout", pair.out)
     failed = [e.msg for e in pair.out if isinstance(e.msg, RequestFailed)]
     assert [f.code for f in failed] == ["worker_failed"] and clean(pair.p)
@@ -154,3 +156,41 @@ def test_a_worker_that_cannot_hand_off_runs_the_request_whole(llama):
         out += core.run([])
     got = [t for e in out if isinstance(e.msg, StepOutput) for s in e.msg.seqs for t in s.token_ids]
     assert got == run_single(engine(llama), [("a", ids, greedy(4))])[("a", 0)] and clean(core)
+
+
+def test_a_run_sent_back_while_the_old_run_s_blocks_are_read_waits_for_them_and_reports_apart(llama):
+    """1 prefill + 1 decode worker, D dies mid-transfer: the scheduler aborts P's half ("moved") and
+    moves the request to P, the one worker left, as run 2, while P's sender still reads run 1's
+    blocks. Run 2 starts once they are released (never two engine requests under one id), goes on
+    from the token streamed, and every report names its run: run 1's end is not run 2's."""
+    ids, pair = prompt(30, 11), Pair(llama)
+    out = pair.p.run([Dispatch(request_id="a", epoch=1, prompt_token_ids=ids, params=greedy(6), reply_addr="gw",
+                               detok_addr="dt", handoff_to=D_ADDR, run=1)])
+    for _ in range(MAX_STEPS):
+        out += pair.p.run([])
+        todo, _ = pair.p.take_handoffs()
+        if todo:
+            break
+    assert todo == [("a", D_ADDR)]                   # its blocks are the sender's now
+    first = [t for e in out if isinstance(e.msg, StepOutput) for s in e.msg.seqs for t in s.token_ids]
+    out = pair.p.run([Abort(request_id="a", reason="moved"),
+                      Dispatch(request_id="a", epoch=1, prompt_token_ids=ids, params=greedy(6), reply_addr="gw",
+                               detok_addr="dt", resumes=True, resume_output=[first], run=2)])
+    assert not [e for e in out if isinstance(e.msg, (StreamOpen, StepOutput))]     # run 2 waits
+    [ended] = [e.msg for e in out if isinstance(e.msg, WorkerStatus)]
+    assert (ended.finished, ended.finished_runs) == (["a"], [1])
+    beat = pair.p.status(with_active=True)
+    assert (beat.active, beat.active_runs) == (["a"], [2])
+    assert pair.p.take_stops() == ["a"]
+    pair.p.handoff_done("a", False, "aborted", out)  # the sender let go: run 1's blocks are freed
+    [opened] = [e.msg for e in out if isinstance(e.msg, StreamOpen)]
+    assert opened.resumes and (opened.worker_id, opened.worker_epoch) == ("p", 1)
+    for _ in range(MAX_STEPS):
+        if not pair.p.has_work():
+            break
+        out += pair.p.run([])
+    rest = [t for e in out if isinstance(e.msg, StepOutput) for s in e.msg.seqs for t in s.token_ids]
+    assert first + rest == run_single(engine(llama), [("a", ids, greedy(6))])[("a", 0)]
+    reports = [(r, run) for e in out if isinstance(e.msg, WorkerStatus)
+               for r, run in zip(e.msg.finished, e.msg.finished_runs)]
+    assert reports == [("a", 1), ("a", 2)] and clean(pair.p)

@@ -232,3 +232,23 @@ def test_a_migrate_naming_no_worker_leaves_the_one_that_streamed_it_last():
                          resumes=True))
     out = core.step(StepOutput(worker_id="w2", epoch=1, step=0, seqs=[SeqTokens("r", 0, ids("cd"))]))
     assert texts(out) == [(0, "cd", None)] and core.dropped_tokens["moved"] == 1
+
+
+def test_a_moved_hand_off_leaves_both_halves_until_a_new_run_opens_on_one_of_them():
+    """The decode worker d died; its prefill worker p, which had taken the hand-off back, streams on
+    until the scheduler's Abort reaches it: the Migrate names p too, so p's late tokens are dropped.
+    The move then sends the request back to p (the one worker left): its new run's StreamOpen comes
+    after every late token of the old run on p's connection, so p's tokens count again from there."""
+    from services.protocol.messages import Migrate
+    core = DetokCore(ToyTok())
+    open_(core)
+    core.step(StepOutput(worker_id="p", epoch=1, step=0, seqs=[SeqTokens("r", 0, ids("ab"))]))
+    [env] = core.migrate(Migrate(request_id="r", worker_id="d", worker_epoch=1, reply_addr="sched",
+                                 also_worker_id="p", also_worker_epoch=1))
+    assert env.msg.output_token_ids == [ids("ab")]
+    assert texts(core.step(StepOutput(worker_id="p", epoch=1, step=1, seqs=[SeqTokens("r", 0, ids("q"))]))) == []
+    core.open(StreamOpen(request_id="r", params=SamplingParams(), reply_addr="gw", num_prompt_tokens=3,
+                         resumes=True, worker_id="p", worker_epoch=1))
+    out = core.step(StepOutput(worker_id="p", epoch=1, step=2, seqs=[SeqTokens("r", 0, ids("cd"))]))
+    assert texts(out) == [(0, "cd", None)] and core.dropped_tokens["moved"] == 1
+    assert texts(core.step(StepOutput(worker_id="d", epoch=1, step=9, seqs=[SeqTokens("r", 0, ids("z"))]))) == []
