@@ -124,7 +124,8 @@ def test_serve_gives_the_speculative_config_to_decode_workers_and_prefill_ones_i
     assert argv[argv.index("--speculative-config") + 1] == spec
     configs = {role: engine_config(parse_config(WorkerConfig, [*argv, "--role", role], "kvmesh worker", env={}))
                for role in ("prefill", "decode", "mixed")}
-    assert configs["prefill"].speculative is None if method == "ngram" else configs["prefill"].speculative.method == "mtp"
+    prefill = configs["prefill"].speculative
+    assert prefill is None if method == "ngram" else prefill.method == "mtp"
     assert configs["decode"].speculative.method == configs["mixed"].speculative.method == method
 
 
