@@ -280,6 +280,8 @@ class Engine:
         self.last_sync_s = 0.0
         if self._compiling:
             self._settle_grammars()
+        if self.speculator is not None:      # imported sequences draft from their first step here
+            self.scheduler.admit_prefilled()
         if self.async_scheduling:
             return self._step_async()
         if self._inflight is not None:        # async_scheduling was switched off: finish its step
@@ -726,7 +728,9 @@ class Engine:
         seq = request.seqs[0]
         if seq.status is not SequenceStatus.RUNNING:     # waiting, or preempted: nothing computed
             return []
-        return seq.block_table[:min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.config.block_size]
+        # mtp's layer moves too, and lags the target by one position (spec_decode/mtp.py)
+        final = seq.num_computed_tokens - (1 if self.speculator is not None and self.speculator.handoff_caches() else 0)
+        return seq.block_table[:min(final, seq.num_prompt_tokens) // self.config.block_size]
 
     def keep_export(self, request_id: str) -> bool:
         """Decode an exported request here after all (no decode engine could take it): its
@@ -745,6 +749,9 @@ class Engine:
             if seq.finish_reason == HANDOFF:
                 seq.finish_reason = None
                 self.scheduler.add_prefilled(seq)
+                if self.speculator is not None and request.handoff_hidden is not None:
+                    self.speculator.resume(seq, request.handoff_hidden)     # mtp: its pending row
+        request.handoff_hidden = None
         self.requests[request_id] = request
         if request.grammar is not None:        # its matchers go on from the first tokens
             self._constrained.add(request_id)
@@ -796,10 +803,13 @@ class Engine:
             raise RequestError(f"invalid samples: first tokens must be integers in [0, {self.vocab_size}), "
                                "logprobs floats")
 
-    def admit_imported(self, request_id: str, samples: list[tuple[int, int, float]] | None = None) -> None:
+    def admit_imported(self, request_id: str, samples: list[tuple[int, int, float]] | None = None,
+                       last_hidden: Any = None) -> None:
         """Every block of an imported request holds its KV now: its samples join the batch as if
         this engine had prefilled the prompt (a draft model first computes its own KV of the
-        prompt: the hand-off moves the target's only), and its full blocks join the prefix cache. `samples`:
+        prompt: the hand-off moves the target's only; mtp's layer comes with it, and
+        `last_hidden`, the prefill engine's last prompt hidden state (H,) on the host, lets it
+        draft from the first step), and its full blocks join the prefix cache. `samples`:
         those import_prefilled did not have yet (raises RequestError when invalid; the request
         stays importing, for abort_request)."""
         seq, held = self._importing[request_id]
@@ -808,6 +818,9 @@ class Engine:
                 raise RequestError("invalid samples: the first tokens of a streamed import are missing")
             self._check_samples(seq.request.params, samples)
             held = sorted(samples)
+        resume = None
+        if self.speculator is not None and last_hidden is not None:
+            resume = self.speculator.resume_state(last_hidden)
         del self._importing[request_id]
         request = seq.request
         hit_tokens = seq.num_computed_tokens   # this engine's own prefix hits: not imported
@@ -833,6 +846,8 @@ class Engine:
                 sample.token_ids.append(token)
                 sample.cumulative_logprob = logprob
                 self.scheduler.add_prefilled(sample)
+                if resume is not None:         # mtp: drafts from its first step
+                    self.speculator.resume(sample, resume)
 
     def is_importing(self, request_id: str) -> bool:
         """True while an imported request's blocks wait for their KV."""

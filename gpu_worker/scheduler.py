@@ -88,8 +88,7 @@ class Scheduler:
     # ---- the loop ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self.prefilled:
-            self._admit_prefilled()
+        self.admit_prefilled()
         token_budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, token_budget)
@@ -198,7 +197,11 @@ class Scheduler:
                 return seq
         return None
 
-    def _admit_prefilled(self) -> None:
+    def admit_prefilled(self) -> None:
+        """Imported sequences join running as batch slots allow (also before a step's drafts are
+        proposed, so that they draft at their first step here)."""
+        if not self.prefilled:
+            return
         slots = sum(_seq_slots(s) for s in self.running)
         while self.prefilled and slots < self.max_num_seqs:
             seq = self.prefilled.pop(0)

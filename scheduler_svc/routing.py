@@ -67,7 +67,7 @@ class WorkerView:
     prefix_query_tokens: int = 0      # engine counters, cumulative (registry load record)
     prefix_hit_tokens: int = 0
     kv_addr: str = ""                 # decode role: its KV-transfer socket (`tcp://host:port#worker`)
-    kv_layout: dict | None = None     # model id, block size, KV dtype, layers, KV heads, head dim, TP size
+    kv_layout: dict | None = None     # model id, block size, KV dtype, layers, KV heads, head dim, TP size, MTP layers
     kv_transport: str = "zmq"         # how its KV moves (--kv-transport): zmq frames or NIXL reads
     dispatched: int = 0               # requests this scheduler sent it
     inflight: set[str] = field(default_factory=set)  # requests we dispatched and that did not end

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_worker.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible, layout_of
-from gpu_worker.kv_transfer.messages import (Accept, Ack, BlockFrame, Done, Fail, Offer, Refuse,
+from gpu_worker.kv_transfer.layout import (KVLayout, KVLayoutMismatch, check_compatible, handoff_caches,
+                                           handoff_layout)
+from gpu_worker.kv_transfer.messages import (Accept, Ack, BlockFrame, Done, Fail, LastHidden, Offer, Refuse,
                                              SampleStart, checksum)
 from gpu_worker.kv_transfer.rate_limit import RateLimitedLog
 from gpu_worker.outputs import RequestError
@@ -89,13 +90,13 @@ class KVConsumer(abc.ABC):
 def _engine_layout(engine) -> KVLayout:
     if engine.config.tensor_parallel_size > 1:   # each rank's cache lives in its own process
         raise ValueError("KV transfer does not support tensor_parallel_size > 1 yet")
-    return layout_of(engine)
+    return handoff_layout(engine)
 
 
 def _frame_plan(layout: KVLayout, itemsize: int, max_frame_bytes: int) -> tuple[int, int]:
     """(layers, blocks) per frame: all layers of as many blocks as fit, else fewer layers."""
     per_layer_block = 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
-    layers = min(layout.num_layers, max(1, max_frame_bytes // per_layer_block))
+    layers = min(layout.layers, max(1, max_frame_bytes // per_layer_block))
     return layers, max(1, max_frame_bytes // (layers * per_layer_block))
 
 
@@ -112,8 +113,8 @@ def block_frames(accept: Accept, layout: KVLayout, src_table: list[int], b_start
     for b0 in range(b_start, b_end, blocks_per):
         b1 = min(b0 + blocks_per, b_end)
         dst = accept.dst_block_ids[b0 - accept.first_block:b1 - accept.first_block]
-        for l0 in range(0, layout.num_layers, layers_per):
-            l1 = min(l0 + layers_per, layout.num_layers)
+        for l0 in range(0, layout.layers, layers_per):
+            l1 = min(l0 + layers_per, layout.layers)
             kv = gather(b0, b1, l0, l1)
             if kv is None:
                 return
@@ -146,6 +147,16 @@ class EngineKVProducer(KVProducer):
         """The first token of each sample an exported request hands off ([] if none)."""
         return [SampleStart(s.index, s.token_ids[-1], s.cumulative_logprob) for s in self._handoff_seqs(request_id)]
 
+    def last_hidden(self, request_id: str) -> LastHidden | None:
+        """Method mtp: the target's hidden state at the last prompt position of an exported
+        request, which D's MTP layer drafts from at once (None without mtp, or if unknown)."""
+        request = self.engine.exported.get(request_id)
+        hidden = None if request is None else request.handoff_hidden       # (H,)
+        if hidden is None:
+            return None
+        data = hidden.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        return LastHidden(str(hidden.dtype).removeprefix("torch."), data)
+
     def offer(self, request_id: str) -> Offer | None:
         """None unless the request finished its prefill here with samples to hand off."""
         seqs = self._handoff_seqs(request_id)
@@ -157,7 +168,7 @@ class EngineKVProducer(KVProducer):
         return Offer(request_id=request_id, layout=self.layout, prompt_token_ids=request.prompt_token_ids,
                      params=request.params, seed=request.seed, priority=request.priority,
                      cache_salt=request.cache_salt, num_cached_tokens=request.num_cached_tokens,
-                     samples=self.first_tokens(request_id),
+                     samples=self.first_tokens(request_id), last_hidden=self.last_hidden(request_id),
                      block_hashes=hashes, num_blocks=len(seq.block_table), src_block_ids=list(seq.block_table))
 
     def frames(self, accept: Accept, start_block: int = 0, seq_no: int = 0) -> Iterator[tuple[BlockFrame, memoryview]]:
@@ -171,7 +182,7 @@ class EngineKVProducer(KVProducer):
         table = seqs[0].block_table
         if not 0 <= accept.first_block <= len(table) or len(accept.dst_block_ids) != len(table) - accept.first_block:
             raise ValueError(f"Accept for {accept.request_id!r} does not match its block table")
-        caches = self.engine.runner.kv_caches
+        caches = handoff_caches(self.engine)
         device = caches[0][0].device
 
         def gather(b0: int, b1: int, l0: int, l1: int) -> torch.Tensor | None:
@@ -200,7 +211,7 @@ class EngineKVProducer(KVProducer):
         return _frame_plan(self.layout, itemsize, self.max_frame_bytes)
 
     def done(self, request_id: str) -> Done:
-        return Done(request_id, self._sent.pop(request_id, 0))
+        return Done(request_id, self._sent.pop(request_id, 0), last_hidden=self.last_hidden(request_id))
 
     def release(self, request_id: str) -> bool:
         """Free P's blocks of the request (after D's Ack or Fail, or an abort on P)."""
@@ -214,6 +225,7 @@ class _Receiving:
     first_block: int            # blocks before it were prefix hits on D
     covered: torch.Tensor       # (layers, blocks) bool: which layer of which block arrived
     streamed: bool = False      # the Offer came while P prefilled: Done carries the first tokens
+    last_hidden: LastHidden | None = None     # the Offer's (mtp; else Done's)
     seen: set[int] = field(default_factory=set)      # frames' seq_no (any order, no repeats)
     last_progress: float = field(default_factory=time.monotonic)
 
@@ -251,8 +263,8 @@ class EngineKVConsumer(KVConsumer):
         first = seq.num_computed_tokens // bs
         self._rx[offer.request_id] = _Receiving(
             list(seq.block_table), first,
-            torch.zeros((self.layout.num_layers, len(seq.block_table) - first), dtype=torch.bool),
-            streamed=not offer.samples)
+            torch.zeros((self.layout.layers, len(seq.block_table) - first), dtype=torch.bool),
+            streamed=not offer.samples, last_hidden=offer.last_hidden)
         return Accept(offer.request_id, self.layout, first, seq.block_table[first:])
 
     def receive(self, frame: BlockFrame, payload: bytes | memoryview) -> Fail | None:
@@ -269,7 +281,7 @@ class EngineKVConsumer(KVConsumer):
             warnings.simplefilter("ignore", UserWarning)
             kv = torch.frombuffer(payload, dtype=torch.uint8)
         kv = kv.view(self._dtype).view(frame.shape)
-        caches = self.engine.runner.kv_caches
+        caches = handoff_caches(self.engine)
         dst = torch.tensor(frame.dst_block_ids, device=caches[0][0].device)
         kv = kv.to(caches[0][0].device)
         for i, (k, v) in enumerate(caches[frame.layer_start:frame.layer_end]):
@@ -279,7 +291,7 @@ class EngineKVConsumer(KVConsumer):
         rx.covered[frame.layer_start:frame.layer_end, b0:b0 + len(frame.dst_block_ids)] = True
         rx.seen.add(frame.seq_no)
         rx.last_progress = time.monotonic()
-        if frame.layer_end == self.layout.num_layers:
+        if frame.layer_end == self.layout.layers:
             self.blocks_received += len(frame.dst_block_ids)
         return None
 
@@ -288,7 +300,7 @@ class EngineKVConsumer(KVConsumer):
         lay, n = self.layout, len(frame.dst_block_ids)
         if frame.seq_no in rx.seen or not 0 <= frame.seq_no < rx.covered.numel():
             return f"frame {frame.seq_no} repeated or out of range"
-        if not 0 <= frame.layer_start < frame.layer_end <= lay.num_layers:
+        if not 0 <= frame.layer_start < frame.layer_end <= lay.layers:
             return f"layer range [{frame.layer_start}, {frame.layer_end}) out of bounds"
         if n == 0 or not rx.first_block <= frame.block_start or frame.block_start + n > len(rx.table):
             return "block range out of bounds"
@@ -333,8 +345,10 @@ class EngineKVConsumer(KVConsumer):
         if done.num_frames != len(rx.seen) or not bool(rx.covered.all()):
             return self._drop(done.request_id, f"incomplete: {len(rx.seen)} of {done.num_frames} frames", fail=True)
         try:
-            self.engine.admit_imported(done.request_id, _samples(done.samples) if rx.streamed else None)
-        except RequestError as e:        # a streamed request's first tokens are missing or invalid
+            # mtp without a last hidden state (an older P): drafts from its second step on
+            hidden = _hidden(done.last_hidden or rx.last_hidden) if self.layout.mtp_layers else None
+            self.engine.admit_imported(done.request_id, _samples(done.samples) if rx.streamed else None, hidden)
+        except RequestError as e:        # a streamed request's first tokens, or mtp's state, missing or invalid
             return self._drop(done.request_id, str(e), fail=True)
         del self._rx[done.request_id]
         return Ack(done.request_id)
@@ -364,6 +378,16 @@ class EngineKVConsumer(KVConsumer):
         if fail:
             self.abort(request_id)
         return Fail(request_id, reason)
+
+
+def _hidden(state: LastHidden | None) -> torch.Tensor | None:
+    """The (H,) host tensor of a LastHidden (its size and dtype checked by the engine's MTP)."""
+    if state is None:
+        return None
+    dtype = getattr(torch, state.dtype, None)
+    if not isinstance(dtype, torch.dtype) or dtype.is_complex or len(state.data) % dtype.itemsize:
+        raise RequestError(f"invalid last_hidden: {len(state.data)} bytes of dtype {state.dtype[:32]!r}")
+    return torch.frombuffer(bytearray(state.data), dtype=dtype)
 
 
 def _samples(samples: list[SampleStart]) -> list[tuple[int, int, float]]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_worker.kv_transfer.connector import EngineKVConsumer
-from gpu_worker.kv_transfer.layout import KVLayoutMismatch, check_compatible, layout_of
+from gpu_worker.kv_transfer.layout import KVLayoutMismatch, check_compatible, handoff_caches, handoff_layout
 from gpu_worker.kv_transfer.messages import MAX_CACHE_TENSORS, Ack, CacheSource, Done, Fail, SharedTensor
 from gpu_worker.kv_transfer.rate_limit import RateLimitedLog
 from gpu_worker.kv_transfer.shm import SHM_DIR, host_identity
@@ -143,12 +143,12 @@ def sharing_for(t: torch.Tensor) -> CacheSharing:
 
 def export_cache(engine) -> CacheSource:
     """P's cache, exported (before the engine thread runs: a CPU export moves the storage)."""
-    caches = [t for kv in engine.runner.kv_caches for t in kv]          # K, V per layer
+    caches = [t for kv in handoff_caches(engine) for t in kv]           # K, V per layer (MTP's last)
     if len(caches) > MAX_CACHE_TENSORS:
         raise ValueError(f"{len(caches)} cache tensors: more than a source carries ({MAX_CACHE_TENSORS})")
     sharing = sharing_for(caches[0])
     return CacheSource(source_id=secrets.token_hex(16), kind=sharing.kind, host=host_identity(),
-                       device=sharing.device_of(caches[0]), layout=layout_of(engine),
+                       device=sharing.device_of(caches[0]), layout=handoff_layout(engine),
                        num_blocks=int(caches[0].shape[0]), tensors=[sharing.export(t) for t in caches])
 
 
@@ -164,7 +164,7 @@ class CacheReader:
 
     def __init__(self, consumer: EngineKVConsumer, idle_s: float = SOURCE_IDLE_S) -> None:
         self.consumer = consumer
-        self.caches = [t for kv in consumer.engine.runner.kv_caches for t in kv]
+        self.caches = [t for kv in handoff_caches(consumer.engine) for t in kv]
         self.sharing = sharing_for(self.caches[0])
         self.host = host_identity()
         self.idle_s = idle_s
@@ -240,7 +240,7 @@ class CacheReader:
         self.blocks_read += len(src)
         if not self.consumer.written_directly(rid):
             return Fail(rid, "no transfer in progress for it")
-        return self.consumer.complete(Done(rid, 0, done.samples))
+        return self.consumer.complete(Done(rid, 0, done.samples, last_hidden=done.last_hidden))
 
     def _copy(self, sources: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
         """One gather (P's cache) + scatter (D's) per cache tensor; on a GPU on D's own stream,

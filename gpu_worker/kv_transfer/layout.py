@@ -8,10 +8,18 @@ class KVLayout(msgspec.Struct, frozen=True):
     model_id: str
     block_size: int
     kv_dtype: str           # torch dtype name, e.g. "float32", "bfloat16", "float8_e4m3fn"
-    num_layers: int
+    num_layers: int         # the target model's layers
     num_kv_heads: int
     head_dim: int
     tp_size: int
+    # Layers of paged KV a hand-off moves after the target's: the multi-token-prediction layer's
+    # (1 when the engine speculates with method mtp: spec_decode/mtp.py), else 0.
+    mtp_layers: int = 0
+
+    @property
+    def layers(self) -> int:
+        """The (K, V) pairs a hand-off moves per block: the target's layers, then the MTP layer's."""
+        return self.num_layers + self.mtp_layers
 
 
 class KVLayoutMismatch(ValueError):
@@ -19,7 +27,8 @@ class KVLayoutMismatch(ValueError):
 
 
 def layout_of(engine) -> KVLayout:
-    """The layout of an engine's KV cache (gpu_worker.engine.Engine)."""
+    """The layout of an engine's own KV cache (gpu_worker.engine.Engine): the target's layers
+    only (what a KV tier stores)."""
     k_cache = engine.runner.kv_caches[0][0]          # (num_blocks, block_size, n_kv, head_dim)
     return KVLayout(model_id=engine.setup.model_id, block_size=engine.config.block_size,
                     kv_dtype=str(k_cache.dtype).removeprefix("torch."),
@@ -27,9 +36,25 @@ def layout_of(engine) -> KVLayout:
                     head_dim=int(k_cache.shape[3]), tp_size=engine.config.tensor_parallel_size)
 
 
+def handoff_caches(engine) -> list:
+    """The (K, V) caches a P/D hand-off moves, in layout order: the target's layers, then the MTP
+    layer's (same block ids; the decode engine proposes from it at once: spec_decode/mtp.py)."""
+    extra = engine.speculator.handoff_caches() if engine.speculator is not None else []
+    return list(engine.runner.kv_caches) + extra
+
+
+def handoff_layout(engine) -> KVLayout:
+    """The layout a P/D hand-off moves (handoff_caches): both engines must carry the same."""
+    extra = engine.speculator.handoff_caches() if engine.speculator is not None else []
+    return msgspec.structs.replace(layout_of(engine), mtp_layers=len(extra))
+
+
 def check_compatible(mine: KVLayout, theirs: KVLayout) -> None:
     """Raises KVLayoutMismatch naming every field that differs."""
     diffs = [f"{f}: {getattr(mine, f)!r} here, {getattr(theirs, f)!r} there"
              for f in mine.__struct_fields__ if getattr(mine, f) != getattr(theirs, f)]
+    if mine.mtp_layers != theirs.mtp_layers:
+        diffs.append("the MTP layer's KV rides with the target's only when both engines run "
+                     'speculative_config {"method": "mtp"}: give the prefill and decode workers the same one')
     if diffs:
         raise KVLayoutMismatch("KV layouts differ, refusing the transfer (" + "; ".join(diffs) + ")")

@@ -17,6 +17,9 @@
                         frame: the payload is in that shared-memory ring
     P -> D  Done        every frame is sent (`num_frames` of them; in any order before it); a
                         streamed Offer's first tokens
+                        With method mtp (layout.mtp_layers == 1) the frames carry the MTP layer's
+                        KV as the layer after the target's, and the Offer (with its samples) or
+                        Done carries `last_hidden`: what D's MTP layer needs to draft at once
     D -> P  Ack         D holds every block and decodes: P may release its blocks
          or Fail        D dropped the request (bad frame, abort): P releases its blocks
     either  Abort       the other side stops and frees the request's blocks
@@ -71,6 +74,17 @@ class CacheSource(msgspec.Struct, frozen=True):
     tensors: Annotated[list[SharedTensor], msgspec.Meta(max_length=MAX_CACHE_TENSORS)]  # K, V per layer
 
 
+MAX_HIDDEN_BYTES = 1 << 18          # one hidden state of width 32768 in float64: above any model's
+
+
+class LastHidden(msgspec.Struct, array_like=True, frozen=True):
+    """The target's pre-norm hidden state at the last prompt position, raw bytes of one (H,)
+    tensor: with method mtp (layout.mtp_layers) the MTP layer's first draft on D reads it
+    (spec_decode/mtp.py), as it would have on an engine that prefilled the prompt itself."""
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]          # torch dtype name, e.g. "bfloat16"
+    data: Annotated[bytes, msgspec.Meta(max_length=MAX_HIDDEN_BYTES)]
+
+
 class SampleStart(msgspec.Struct, array_like=True, frozen=True):
     index: int
     token_id: int
@@ -94,6 +108,7 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     shm_host: str = ""              # P's host identity (shm.host_identity) when P may write its
                                     # frames' payloads into shared memory
     cache_source: CacheSource | None = None   # D may read the blocks from P's cache (same host)
+    last_hidden: LastHidden | None = None     # method mtp, with `samples` (else Done carries it)
 
 
 class Accept(msgspec.Struct, tag="accept", frozen=True):
@@ -133,6 +148,7 @@ class Done(msgspec.Struct, tag="done", frozen=True):
     src_block_ids: list[int] = []       # reads_cache: P's blocks [first_block, num_blocks) to read
     hold_until: float = 0.0             # reads_cache: P keeps them until this time.monotonic() of
                                         # the host (one clock: D shares P's boot), then may reuse them
+    last_hidden: LastHidden | None = None   # method mtp: the MTP layer's first input (LastHidden)
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):

@@ -18,7 +18,7 @@ import time
 import msgspec
 
 from gpu_worker.kv_transfer.connector import EngineKVConsumer
-from gpu_worker.kv_transfer.layout import KVLayout, check_compatible, layout_of
+from gpu_worker.kv_transfer.layout import KVLayout, check_compatible, handoff_caches, handoff_layout
 from gpu_worker.kv_transfer.messages import Accept, Ack, Done, Fail, Offer
 
 
@@ -43,8 +43,8 @@ class NixlKVAgent:
         UCX_NET_DEVICES gets it too, unless the environment already sets it."""
         from nixl._api import nixl_agent, nixl_agent_config   # optional dependency
         self.name = name
-        self.layout = layout_of(engine)
-        self.caches = [t for kv in engine.runner.kv_caches for t in kv]
+        self.layout = handoff_layout(engine)
+        self.caches = [t for kv in handoff_caches(engine) for t in kv]   # MTP's K, V last
         first = self.caches[0]
         self.mem_type = "VRAM" if first.is_cuda else "DRAM"
         self.device_id = (first.device.index or 0) if first.is_cuda else 0

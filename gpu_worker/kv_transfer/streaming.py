@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from gpu_worker.kv_transfer.connector import block_frames
-from gpu_worker.kv_transfer.layout import KVLayout
+from gpu_worker.kv_transfer.layout import KVLayout, handoff_caches
 from gpu_worker.kv_transfer.messages import Accept, BlockFrame, Offer
 from gpu_worker.sampler import to_device
 from services.prefix_hash import chain_hashes
@@ -68,7 +68,7 @@ def streamed_offer(engine: Any, layout: KVLayout, request_id: str) -> Offer | No
 def take_snapshot(engine: Any, block_start: int, src_block_ids: list[int]) -> BlockSnapshot:
     """Copy the KV of blocks src_block_ids (engine thread, right after the step that computed
     them): queued on the engine's stream on a GPU, at once on the CPU."""
-    caches = engine.runner.kv_caches
+    caches = handoff_caches(engine)                # the target's layers, then the MTP layer's
     index = to_device(src_block_ids, caches[0][0].device)     # no host sync: the step may still run
     k0 = caches[0][0]                              # (num_blocks, block_size, kv heads, head dim)
     kv = torch.empty((len(caches), 2, len(src_block_ids), *k0.shape[1:]), dtype=k0.dtype, device=k0.device)

@@ -92,7 +92,7 @@ class PrefillSender:
         itemsize = engine.runner.kv_caches[0][0].element_size()
         self.frame_plan = self.producer.frame_plan(itemsize)
         layout = self.producer.layout         # K and V of one block, all layers
-        self.block_bytes = 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
+        self.block_bytes = 2 * layout.layers * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
         self.max_snapshot_bytes = max_snapshot_bytes
         self.peer_idle_s = PEER_IDLE_S
         self._results: queue.SimpleQueue[HandoffResult] = queue.SimpleQueue()

@@ -189,7 +189,7 @@ class PeerSender(threading.Thread):
             if not self._send_frame(rid, stream, frame, payload):
                 return
         deadline = time.monotonic() + self.owner.lease_s
-        done = Done(rid, stream.seq_no, samples)
+        done = Done(rid, stream.seq_no, samples, last_hidden=producer.last_hidden(rid))
         answer = self._channel.answer(rid, deadline, cancelled) if self._channel.send(
             [encode(done)], deadline, cancelled) else None
         self._end(rid, answer, started=t0)
@@ -201,7 +201,8 @@ class PeerSender(threading.Thread):
         table = self.owner.producer.block_table(rid)
         if table is None or len(table) != stream.offer.num_blocks:
             return None
-        done = Done(rid, 0, samples, src_block_ids=table[stream.accept.first_block:], hold_until=deadline)
+        done = Done(rid, 0, samples, src_block_ids=table[stream.accept.first_block:], hold_until=deadline,
+                    last_hidden=self.owner.producer.last_hidden(rid))
         cancelled = lambda: self._cancelled(rid)                       # noqa: E731
         if not self._channel.send([encode(done)], deadline, cancelled):
             return None

@@ -91,13 +91,25 @@ def engine_config(cfg: WorkerConfig) -> Any:
     """The EngineConfig of the worker's engine fields (all of EngineArgs'; tuning from the env)."""
     from gpu_worker.config import EngineConfig
     args = engine_args_of(cfg)
-    if cfg.role == "prefill" and args["speculative_config"]:
-        # A prefill worker draws only each request's first token, so it would never propose: a
-        # draft model or MTP layer there would only hold memory and run beside every prefill.
-        # Speculation runs on the decode workers (`kvmesh serve` gives every pool the same flags).
+    if cfg.role == "prefill" and args["speculative_config"] and _spec_method(args["speculative_config"]) != "mtp":
+        # A prefill worker draws only each request's first token, so it never proposes: a draft
+        # model there would only hold memory and run beside every prefill (the decode worker
+        # catches its KV up itself). The MTP layer stays: its KV of the prompt needs the target's
+        # hidden states, which only this worker computes, and moves with the hand-off
+        # (spec_decode/mtp.py). Speculation runs on the decode workers (`kvmesh serve` gives every
+        # pool the same flags).
         log.info("--speculative-config is ignored on a prefill worker: speculation runs on the decode workers")
         args["speculative_config"] = None
     return EngineConfig(**args)
+
+
+def _spec_method(text: str) -> str | None:
+    """The method of a --speculative-config value; None when malformed (dropped like the others)."""
+    from services.speculative import parse_speculative_config
+    try:
+        return parse_speculative_config(text).method
+    except ValueError:
+        return None
 
 
 def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
@@ -124,8 +136,8 @@ def kv_layout(engine: Any) -> dict[str, Any] | None:
     if not hasattr(engine, "runner"):
         return None
     import msgspec
-    from gpu_worker.kv_transfer.layout import layout_of
-    return msgspec.structs.asdict(layout_of(engine))
+    from gpu_worker.kv_transfer.layout import handoff_layout
+    return msgspec.structs.asdict(handoff_layout(engine))
 
 
 class EngineThread(threading.Thread):

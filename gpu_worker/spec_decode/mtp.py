@@ -35,9 +35,20 @@ last slot's t_{i+1} is the token after the block, which the hash does not cover:
 that hits the block up to there reads its writer's next token there (or nothing, if the writer
 stopped first). Recomputing it would need the target's h at that position, which a prefix hit
 skips; the stale slot costs acceptance, never correctness (the target verifies every draft),
-and it is one key among the context's. The same holds for KV that arrives from outside (a P/D
-hand-off, a KV tier's load) and for a fork's first position: MTP slots stale until rewritten,
-and no pending row, so such a sequence proposes from its second computed step on.
+and it is one key among the context's. The same holds for KV that a KV tier loads and for a
+fork's first position: MTP slots stale until rewritten, and no pending row, so such a sequence
+proposes from its second computed step on.
+
+A P/D hand-off moves the MTP layer's KV with the target's (handoff_caches: one more layer under
+the same block ids; kv_transfer/layout.py). The prefill engine runs the MTP over its prompt as
+above (it never proposes: it draws only the first token); a sequence that finishes there with
+HANDOFF leaves its pending row (n-1, h_{n-1}) on its request (Request.handoff_hidden), which the
+hand-off carries; the decode engine resumes it as that sequence's pending row, so it proposes
+from its first decode step, as on one engine:
+
+    prefill engine:  MTP KV 0 ........ n-2 | h_{n-1} -> Offer/Done.last_hidden
+    decode engine:   MTP KV 0 ........ n-2 | pending (n-1, h_{n-1}): step 0 of its first
+                                             propose() writes n-1 with input t_n (the first token)
 """
 from __future__ import annotations
 
@@ -49,7 +60,8 @@ from gpu_worker.batch_builder import BatchBuilder
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.sampler import Sampler, to_device
 from gpu_worker.scheduler import ScheduledSeq
-from gpu_worker.sequence import Sequence, SequenceStatus
+from gpu_worker.outputs import RequestError
+from gpu_worker.sequence import HANDOFF, Sequence, SequenceStatus
 from gpu_worker.spec_decode.proposer import DraftProposal, ModelProposer, RequestAt, draw_position
 
 
@@ -118,8 +130,7 @@ class MtpProposer(ModelProposer):
         """The MTP catches up on the step's kept rows (module docstring); drops finished sequences
         (also with no step to catch up on: async scheduling's last step ends them after its launch)."""
         if self._step is None:
-            for seq in [s for s in self.pending if s.status is SequenceStatus.FINISHED]:
-                del self.pending[seq]
+            self._drop_finished()
             return
         prenorm, rows = self._step
         self._step = None
@@ -131,7 +142,8 @@ class MtpProposer(ModelProposer):
             seq = r.seq
             pending = self.pending.pop(seq, None)
             kept = min(seq.num_computed_tokens - r.start, r.count)
-            if seq.status is SequenceStatus.FINISHED or kept <= 0:
+            # a prefill that just ended for a hand-off still writes its prompt's MTP KV (module docstring)
+            if (seq.status is SequenceStatus.FINISHED and seq.finish_reason != HANDOFF) or kept <= 0:
                 continue
             first = r.start
             if pending is not None and pending.position == r.start - 1:
@@ -148,10 +160,17 @@ class MtpProposer(ModelProposer):
             index = to_device([k[2] for k in keep], prenorm.device)
             for (seq, position, _), h in zip(keep, prenorm.index_select(0, index)):           # (K, H)
                 self.pending[seq] = _Pending(position, h)
-        for seq in [s for s in self.pending if s.status is SequenceStatus.FINISHED]:
-            del self.pending[seq]
+        self._drop_finished()
         if views:
             self.runner.forward(self.builder.build(views), _gather(prenorm, spent, picks))
+
+    def _drop_finished(self) -> None:
+        """Forget finished sequences' pending rows; a prompt's last, of a sequence that finished
+        for a hand-off, goes with it (Request.handoff_hidden)."""
+        for seq in [s for s in self.pending if s.status is SequenceStatus.FINISHED]:
+            pending = self.pending.pop(seq)
+            if seq.finish_reason == HANDOFF and pending.position == seq.num_prompt_tokens - 1:
+                seq.request.handoff_hidden = pending.hidden
 
     def can_propose(self, seq: Sequence) -> bool:
         """Only with h of the position before its uncomputed token at hand."""
@@ -181,6 +200,24 @@ class MtpProposer(ModelProposer):
                 g = g.index_select(0, torch.tensor(alive, dtype=torch.long, device=g.device))
             hidden = g
         return DraftProposal({seq: torch.stack(rows) for seq, rows in q.items()})
+
+    # ---- a P/D hand-off (module docstring) --------------------------------------------------
+    def handoff_caches(self) -> list:
+        return list(self.runner.kv_caches)
+
+    def resume_state(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The prefill engine's h_{n-1} on this device; RequestError unless it is one (H,) row
+        of the model's dtype."""
+        target = self.runner.target
+        if hidden.dtype != target.dtype or tuple(hidden.shape) != (target.config.hidden_size,):
+            raise RequestError(f"invalid last_hidden: {str(hidden.dtype).removeprefix('torch.')}"
+                               f"{list(hidden.shape)} where the MTP layer reads "
+                               f"{str(target.dtype).removeprefix('torch.')}[{target.config.hidden_size}]")
+        return hidden.to(self.runner.device)
+
+    def resume(self, seq: Sequence, state: torch.Tensor) -> None:
+        """seq's MTP KV arrived up to position n-2: h_{n-1} is its pending row."""
+        self.pending[seq] = _Pending(seq.num_prompt_tokens - 1, state)
 
     # ---- the KV cache ---------------------------------------------------------------------
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

@@ -45,8 +45,24 @@ class ModelProposer:
 
     def catch_up(self, seq: Sequence, first: int, chunk: int) -> None:
         """seq's computed positions first.. hold KV that arrived from another engine (a P/D
-        hand-off), which carries the target's layers only: the proposer computes its own KV
-        there (at most `chunk` tokens per forward) before seq first proposes. Default: nothing."""
+        hand-off), which carries the target's layers only (but handoff_caches()): the proposer
+        computes its own KV there (at most `chunk` tokens per forward) before seq first
+        proposes. Default: nothing."""
+
+    # ---- a P/D hand-off (gpu_worker/kv_transfer/layout.py: handoff_caches) --------------------
+    def handoff_caches(self) -> list:
+        """The (K, V) caches of its own that a hand-off moves with the target's, under the same
+        block ids (mtp: its layer's, written on the prefill engine). Default: none."""
+        return []
+
+    def resume_state(self, hidden: torch.Tensor) -> Any:
+        """The prefill engine's last prompt hidden state (H,) on the host, checked and moved
+        for resume() (raises RequestError when it does not fit). Default: not needed, None."""
+        return None
+
+    def resume(self, seq: Sequence, state: Any) -> None:
+        """seq's prompt was prefilled elsewhere (with handoff_caches()): take up drafting from
+        its first step as if this engine had prefilled it. Default: nothing."""
 
     def propose(self, drafts: dict[Sequence, list[int]], request_at: RequestAt) -> DraftProposal:
         raise NotImplementedError

@@ -180,6 +180,19 @@ class Speculator:
         if self.proposer is not None:
             self.proposer.catch_up(seq, first, chunk)
 
+    def handoff_caches(self) -> list:
+        """The proposer's KV that a P/D hand-off moves with the target's (mtp's layer)."""
+        return self.proposer.handoff_caches() if self.proposer is not None else []
+
+    def resume_state(self, hidden):
+        """A hand-off's last prompt hidden state, checked (RequestError) for resume()."""
+        return self.proposer.resume_state(hidden) if self.proposer is not None else None
+
+    def resume(self, seq: Sequence, state) -> None:
+        """seq was prefilled elsewhere: mtp drafts from its first step (proposer.py)."""
+        if self.proposer is not None and state is not None:
+            self.proposer.resume(seq, state)
+
     def settle(self) -> None:
         """After the step's tokens are final (mtp: its KV catches up)."""
         if self.proposer is not None:

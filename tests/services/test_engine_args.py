@@ -112,18 +112,21 @@ def test_serve_flags_reach_the_workers_engine(samples):
     assert not {flag_name(name) for name in PER_WORKER} & set(handed_on)
 
 
-def test_serve_gives_the_speculative_config_to_decode_workers_and_prefill_ones_ignore_it():
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_serve_gives_the_speculative_config_to_decode_workers_and_prefill_ones_ignore_it(method):
     """Every pool gets serve's engine flags; a prefill worker draws first tokens only, so its
-    engine runs without a proposer while the decode worker's speculates."""
-    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    engine runs without a proposer while the decode worker's speculates; but with mtp, whose KV
+    of the prompt only the prefill worker can compute (it moves with the hand-off)."""
+    spec = f'{{"method": "{method}", "num_speculative_tokens": 3}}'
     serve = parse_config(ServeConfig, ["--prefill-workers", "1", "--decode-workers", "1",
                                        "--speculative-config", spec], "kvmesh serve", env={})
     argv = ["--model", "/m", *_engine_flags(serve)]
     assert argv[argv.index("--speculative-config") + 1] == spec
     configs = {role: engine_config(parse_config(WorkerConfig, [*argv, "--role", role], "kvmesh worker", env={}))
                for role in ("prefill", "decode", "mixed")}
-    assert configs["prefill"].speculative is None
-    assert configs["decode"].speculative.method == configs["mixed"].speculative.method == "ngram"
+    prefill = configs["prefill"].speculative
+    assert prefill is None if method == "ngram" else prefill.method == "mtp"
+    assert configs["decode"].speculative.method == configs["mixed"].speculative.method == method
 
 
 @pytest.mark.parametrize("source", ["flags", "env"])
