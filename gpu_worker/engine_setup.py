@@ -93,6 +93,7 @@ def resolve_setup(config: EngineConfig, *, runner: Any = None, model_config: Any
             digest.cancel()
             raise
         weights_digest = digest.result()
+        log.info("weights of %s: digest %s", config.model, weights_digest)
     else:
         assert model_config is not None, "a given runner needs its model_config"
         dtype = resolve_dtype(config, device, getattr(model_config, "torch_dtype", "float32"))
