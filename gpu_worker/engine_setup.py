@@ -9,6 +9,8 @@ the model runner and its KV cache.
                 max_num_seqs full-length sequences within cpu_kv_cache_bytes
     max_model_len  the model's max_position_embeddings, capped by KV capacity (and by
                 max_num_batched_tokens without chunked prefill); a larger explicit value errors
+    weights_digest  the checkpoint's content digest (weights_digest.py), hashed beside the load;
+                "" for a runner given in-process (tests), whose weights came from no files
     draft runner   speculative_config's draft_model: loaded beside the target before the KV
                 cache is sized; each block then holds both models' K/V (same block ids);
                 mtp: the model's own MTP layer (spec_decode/mtp_runner.py), its K/V likewise
@@ -45,6 +47,7 @@ class EngineSetup:
     max_model_len: int
     draft_runner: Any = None     # speculative draft_model's runner, or mtp's MtpRunner; KV cache allocated
                                  # like the target's
+    weights_digest: str = ""     # what KV tiers and P/D hand-offs check beyond the shape (kv_transfer/layout.py)
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -76,19 +79,21 @@ def resolve_backend(config: EngineConfig, device: torch.device) -> str:
 
 def resolve_setup(config: EngineConfig, *, runner: Any = None, model_config: Any = None) -> EngineSetup:
     device = resolve_device(config)
+    weights_digest = ""
     if runner is None:
         from gpu_worker.model_config import ModelConfig
-        from gpu_worker.parallel import create_model_runner
+        from gpu_worker.weights_digest import DigestJob
         model_config = ModelConfig.from_dir(config.model)
         dtype = resolve_dtype(config, device, model_config.torch_dtype)
         backend = resolve_backend(config, device)
-        runner = create_model_runner(model_config, config.model, device=str(device), dtype=dtype,
-                                     attention_backend=backend, seed=config.seed,
-                                     quantization=config.quantization,
-                                     kv_cache_dtype=_KV_CACHE_DTYPES[config.kv_cache_dtype],
-                                     tensor_parallel_size=config.tensor_parallel_size,
-                                     enable_expert_parallel=config.enable_expert_parallel,
-                                     tuning=config.tuning)
+        digest = DigestJob(config.model)      # beside the load, over the same files
+        try:
+            runner = _load_runner(config, model_config, device, dtype, backend)
+        except BaseException:
+            digest.cancel()
+            raise
+        weights_digest = digest.result()
+        log.info("weights of %s: digest %s", config.model, weights_digest)
     else:
         assert model_config is not None, "a given runner needs its model_config"
         dtype = resolve_dtype(config, device, getattr(model_config, "torch_dtype", "float32"))
@@ -110,7 +115,20 @@ def resolve_setup(config: EngineConfig, *, runner: Any = None, model_config: Any
     runner.allocate_kv_cache(num_blocks, config.block_size)
     if draft is not None:
         draft.allocate_kv_cache(num_blocks, config.block_size)
-    return EngineSetup(model_config, runner, device, dtype, backend, model_id, num_blocks, max_model_len, draft)
+    return EngineSetup(model_config, runner, device, dtype, backend, model_id, num_blocks, max_model_len, draft,
+                       weights_digest)
+
+
+def _load_runner(config: EngineConfig, model_config: Any, device: torch.device, dtype: torch.dtype,
+                 backend: str) -> Any:
+    from gpu_worker.parallel import create_model_runner
+    return create_model_runner(model_config, config.model, device=str(device), dtype=dtype,
+                               attention_backend=backend, seed=config.seed,
+                               quantization=config.quantization,
+                               kv_cache_dtype=_KV_CACHE_DTYPES[config.kv_cache_dtype],
+                               tensor_parallel_size=config.tensor_parallel_size,
+                               enable_expert_parallel=config.enable_expert_parallel,
+                               tuning=config.tuning)
 
 
 def _load_draft(config: EngineConfig, model_config: Any, runner: Any, device: torch.device, dtype: torch.dtype,

@@ -69,7 +69,8 @@ import msgspec
 
 from scheduler_svc.conversations import ConversationTable
 from scheduler_svc.prefix_hints import PREFIX_INDEX, PrefixHints
-from scheduler_svc.routing import Scorer, WorkerView, conversation_worker, least_loaded, pairable, route, same_layout
+from scheduler_svc.routing import (Scorer, WorkerView, conversation_worker, layout_differences, least_loaded, pairable,
+                                   route, same_layout)
 from services import metrics
 from services.envelope import Envelope
 from services.protocol.kv_events import MatchResponse
@@ -454,8 +455,11 @@ class SchedulerCore:
                       "uses (theirs: %s); it will not be paired with any", w.id, w.role, w.kv_transport, other,
                       alike[0].kv_transport)
             return
-        log.error("worker %s (%s) has a KV layout no %s worker shares; it will not be paired with any: %s "
-                  "(theirs: %s)", w.id, w.role, other, w.kv_layout, peers[0].kv_layout)
+        diffs = layout_differences(w, peers[0])
+        weights = " (it loads other weights than they do: a rolling upgrade pairs old with old, new with new)" \
+            if any(d.startswith("weights_digest:") for d in diffs) else ""
+        log.error("worker %s (%s) has a KV layout no %s worker shares; it will not be paired with any%s. It differs "
+                  "from %s's in %s", w.id, w.role, other, weights, peers[0].id, "; ".join(diffs))
 
     def _fail_worker(self, w: WorkerView, why: str, lost: set[str]) -> list[Envelope]:
         """`lost`: every worker gone in this update (a decode worker among them cannot take a re-run)."""

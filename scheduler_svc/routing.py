@@ -67,7 +67,8 @@ class WorkerView:
     prefix_query_tokens: int = 0      # engine counters, cumulative (registry load record)
     prefix_hit_tokens: int = 0
     kv_addr: str = ""                 # decode role: its KV-transfer socket (`tcp://host:port#worker`)
-    kv_layout: dict | None = None     # model id, block size, KV dtype, layers, KV heads, head dim, TP size, MTP layers
+    kv_layout: dict | None = None     # model id, block size, KV dtype, layers, KV heads, head dim, TP size, MTP
+                                      # layers, weights digest
     kv_transport: str = "zmq"         # how its KV moves (--kv-transport): zmq frames or NIXL reads
     dispatched: int = 0               # requests this scheduler sent it
     inflight: set[str] = field(default_factory=set)  # requests we dispatched and that did not end
@@ -192,8 +193,17 @@ class Route(NamedTuple):
 
 
 def same_layout(a: WorkerView, b: WorkerView) -> bool:
-    """Their KV blocks can be exchanged (gpu_worker/kv_transfer/layout.py's fields all equal)."""
+    """Their KV blocks can be exchanged (gpu_worker/kv_transfer/layout.py's fields all equal, the
+    weights' digest among them: a worker still on the old weights of a rolling upgrade pairs only
+    with others on the old weights)."""
     return a.kv_layout is not None and a.kv_layout == b.kv_layout
+
+
+def layout_differences(a: WorkerView, b: WorkerView) -> list[str]:
+    """The kv_layout fields whose values differ between two workers' records, by name."""
+    mine, theirs = a.kv_layout or {}, b.kv_layout or {}
+    return [f"{f}: {mine.get(f)!r} vs {theirs.get(f)!r}" for f in sorted(set(mine) | set(theirs))
+            if mine.get(f) != theirs.get(f)]
 
 
 def pairable(a: WorkerView, b: WorkerView) -> bool:

@@ -24,7 +24,8 @@
 The prefix-cache service's block-ownership keys (block -> owners, worker -> blocks) are described
 with their protocol in docs/kv_events.md; they are purged when a worker's record expires.
 A worker record's info carries `role` and `kv_layout` (the scheduler pairs prefill and decode
-workers whose layouts are equal); a decode worker's addrs carry `kv` (its KV-transfer socket).
+workers whose layouts are equal, the weights' digest included); a decode worker's addrs carry `kv`
+(its KV-transfer socket).
 
 No key per prefill/decode hand-off: its lease (--handoff-lease-ms) lives in the prefill worker,
 the only process that can free the blocks it holds, and renews with every frame the decode worker

@@ -5,7 +5,9 @@
                         directory is refused with an error naming kv_offload_dir
     <hash>.kvb          headers read (not payloads: the checksum is checked at each read) ->
                         kept when the header names the file's hash, this engine's exact layout
-                        and one block's token ids; deleted otherwise
+                        (its weights' digest included) and one block's token ids; deleted
+                        otherwise. Files of another layout or other weights (the model was
+                        upgraded under the same name) are logged in one line that counts them
     <hash>.kvb.tmp      a write cut short by a crash: deleted
 
 The scan is bounded in time (files past the budget are deleted unread: a cold block costs a
@@ -42,8 +44,9 @@ class RestoredBlock(NamedTuple):
 
 class ScanResult(NamedTuple):
     blocks: list[RestoredBlock]      # oldest first
-    dropped: int                     # files that did not verify, or torn writes: deleted
+    dropped: int                     # files that did not verify (foreign ones too), or torn writes: deleted
     unscanned: int                   # files past the time budget: deleted
+    foreign: int = 0                 # of `dropped`: sound files of another layout or other weights
 
 
 def lock_directory(directory: str) -> IO[bytes]:
@@ -71,6 +74,8 @@ def scan(directory: str, layout: KVLayout, payload_len: int, budget_s: float = S
     names = os.listdir(directory)
     blocks: list[RestoredBlock] = []
     dropped = unscanned = 0
+    foreign: list[tier_file.ForeignLayout] = []    # at most one per file version: the log line's examples
+    counts: dict[int, int] = {}                     # file version -> foreign files
     for i, name in enumerate(names):
         path = os.path.join(directory, name)
         if PARTIAL_FILE.match(name):
@@ -84,7 +89,12 @@ def scan(directory: str, layout: KVLayout, payload_len: int, budget_s: float = S
             _unlink(path)
             unscanned += 1
             continue
-        block = _read_block(path, bytes.fromhex(match.group(1)), layout, payload_len)
+        try:
+            block = _read_block(path, bytes.fromhex(match.group(1)), layout, payload_len)
+        except tier_file.ForeignLayout as e:   # not logged one by one: an upgrade leaves thousands
+            block, counts[e.version] = None, counts.get(e.version, 0) + 1
+            if counts[e.version] == 1:
+                foreign.append(e)
         if block is None:
             _unlink(path)
             dropped += 1
@@ -96,12 +106,29 @@ def scan(directory: str, layout: KVLayout, payload_len: int, budget_s: float = S
     if unscanned:
         log.warning("KV disk tier %s: the scan took over %.0f s; %d files past it were deleted",
                     directory, budget_s, unscanned)
+    if foreign:
+        log.warning("KV disk tier %s: deleted %d block files of another KV layout (%s)", directory,
+                    sum(counts.values()), "; ".join(_differences(layout, e, counts[e.version]) for e in foreign))
     blocks.sort(key=lambda b: b.mtime_ns)
-    return ScanResult(blocks, dropped, unscanned)
+    return ScanResult(blocks, dropped, unscanned, sum(counts.values()))
+
+
+def _differences(mine: KVLayout, first: tier_file.ForeignLayout, count: int) -> str:
+    """How the first foreign file of a file version differs, field by field; the cause when only the
+    weights' digest does (same model and shapes: the weights were upgraded)."""
+    if first.version != tier_file.VERSION:
+        return f"{count} of file format version {first.version}, this engine writes {tier_file.VERSION}"
+    theirs = first.layout
+    diffs = [f"{f}: {getattr(theirs, f)!r} there, {getattr(mine, f)!r} here"
+             for f in mine.__struct_fields__ if getattr(mine, f) != getattr(theirs, f)]
+    if len(diffs) == 1 and mine.weights_digest != theirs.weights_digest:
+        diffs.append("the model's weights changed since they were written: their KV is recomputed")
+    return f"{count} of this file format, the first differing in " + ", ".join(diffs)
 
 
 def _read_block(path: str, block_hash: bytes, layout: KVLayout, payload_len: int) -> RestoredBlock | None:
-    """A file's block, when its header and size are right (its payload is checked when read)."""
+    """A file's block, when its header and size are right (its payload is checked when read);
+    raises tier_file.ForeignLayout for a sound file of another layout."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
@@ -110,9 +137,13 @@ def _read_block(path: str, block_hash: bytes, layout: KVLayout, payload_len: int
             raw = os.pread(fd, header_len, tier_file.LEN_BYTES)
         finally:
             os.close(fd)
-        if len(raw) != header_len or info.st_size != tier_file.LEN_BYTES + header_len + payload_len:
+        if len(raw) != header_len:
             raise tier_file.TierFileError("torn file")
-        header = tier_file.decode_header(raw, block_hash, layout, payload_len)
+        header = tier_file.decode_header(raw, block_hash, layout, payload_len)   # a foreign file's size may differ
+        if info.st_size != tier_file.LEN_BYTES + header_len + payload_len:
+            raise tier_file.TierFileError("torn file")
+    except tier_file.ForeignLayout:
+        raise
     except (OSError, tier_file.TierFileError) as e:
         log.info("KV disk tier: dropped %s (%s)", os.path.basename(path), e)
         return None

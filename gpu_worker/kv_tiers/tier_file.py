@@ -8,10 +8,12 @@
                        in the layout's kv_dtype, C order
 
 A file is accepted only when the magic and version match, the header names the block hash the
-reader asked for and the reader's exact KV layout, holds one block's token ids, the payload is
-exactly `payload_len` bytes, and its xxh3-64 equals `checksum`. `decode_header` makes the checks
-that need no payload (a start-up scan reads only headers; the checksum is checked at the read). Anything else (a torn write, a flipped byte, a file of
-another model or engine) is a TierFileError: the caller drops the file and recomputes the block.
+reader asked for and the reader's exact KV layout (the weights' digest included), holds one
+block's token ids, the payload is exactly `payload_len` bytes, and its xxh3-64 equals `checksum`.
+`decode_header` makes the checks that need no payload (a start-up scan reads only headers; the
+checksum is checked at the read). Anything else (a torn write, a flipped byte, a file of another
+model, engine or weights) is a TierFileError (ForeignLayout for a sound file of another layout or
+format version): the caller drops the file and recomputes the block.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import xxhash
 from gpu_worker.kv_transfer.layout import KVLayout
 
 MAGIC = "kvmesh-kv-block"
-VERSION = 2
+VERSION = 3     # 3: the layout carries the weights' digest (2's files, of unknown weights, are dropped)
 _LEN = struct.Struct("<I")
 LEN_BYTES = _LEN.size
 
@@ -54,6 +56,15 @@ class TierFileError(ValueError):
     """The file is not a valid copy of the requested block for this engine's layout."""
 
 
+class ForeignLayout(TierFileError):
+    """A sound file of another engine's KV layout or weights, or of another version of this format
+    (not damage: a start-up scan counts these in one line)."""
+
+    def __init__(self, layout: KVLayout, version: int) -> None:
+        super().__init__(f"foreign KV layout {layout}" if version == VERSION else f"a version-{version} file")
+        self.layout, self.version = layout, version
+
+
 _decoder = msgspec.msgpack.Decoder(TierFileHeader)
 
 
@@ -81,12 +92,12 @@ def decode_header(raw: bytes | memoryview, block_hash: bytes, layout: KVLayout, 
         header = _decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise TierFileError(f"unreadable header: {e}") from None
-    if header.magic != MAGIC or header.version != VERSION:
-        raise TierFileError(f"not a version-{VERSION} kvmesh block file")
+    if header.magic != MAGIC:
+        raise TierFileError("not a kvmesh block file")
     if header.block_hash != block_hash:
         raise TierFileError("the file holds another block")
-    if header.layout != layout:
-        raise TierFileError(f"foreign KV layout {header.layout}")
+    if header.layout != layout or header.version != VERSION:
+        raise ForeignLayout(header.layout, header.version)
     if header.payload_len != payload_len:
         raise TierFileError(f"payload of {header.payload_len} bytes, expected {payload_len}")
     if len(header.token_ids) != layout.block_size or header.parent == block_hash:

@@ -1,5 +1,12 @@
-"""The KV layout of an engine: two engines exchange KV blocks only when theirs are equal."""
+"""The KV layout of an engine: two engines exchange KV blocks only when theirs are equal.
+
+Equal shapes are not enough: KV is a function of the weights, so the layout carries their content
+digest (gpu_worker/weights_digest.py). A fine-tune or a new revision served under the same name,
+with the same shapes, then neither restores an older engine's disk-tier files nor takes a hand-off
+from a worker still on the old weights (a rolling upgrade)."""
 from __future__ import annotations
+
+from typing import Annotated
 
 import msgspec
 
@@ -15,11 +22,18 @@ class KVLayout(msgspec.Struct, frozen=True):
     # Layers of paged KV a hand-off moves after the target's: the multi-token-prediction layer's
     # (1 when the engine speculates with method mtp: spec_decode/mtp.py), else 0.
     mtp_layers: int = 0
+    # xxh3-128 of the checkpoint's bytes and config.json; "" for an engine whose runner was given
+    # in-process (tests): no files, so nothing to identify
+    weights_digest: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
     @property
     def layers(self) -> int:
         """The (K, V) pairs a hand-off moves per block: the target's layers, then the MTP layer's."""
         return self.num_layers + self.mtp_layers
+
+
+WEIGHTS_HINT = ("the two engines load different weights (a rolling upgrade, or another fine-tune under the "
+                "same model name): KV moves only between engines of the same weights")
 
 
 class KVLayoutMismatch(ValueError):
@@ -33,7 +47,8 @@ def layout_of(engine) -> KVLayout:
     return KVLayout(model_id=engine.setup.model_id, block_size=engine.config.block_size,
                     kv_dtype=str(k_cache.dtype).removeprefix("torch."),
                     num_layers=len(engine.runner.kv_caches), num_kv_heads=int(k_cache.shape[2]),
-                    head_dim=int(k_cache.shape[3]), tp_size=engine.config.tensor_parallel_size)
+                    head_dim=int(k_cache.shape[3]), tp_size=engine.config.tensor_parallel_size,
+                    weights_digest=engine.setup.weights_digest)
 
 
 def handoff_caches(engine) -> list:
@@ -56,5 +71,7 @@ def check_compatible(mine: KVLayout, theirs: KVLayout) -> None:
     if mine.mtp_layers != theirs.mtp_layers:
         diffs.append("the MTP layer's KV rides with the target's only when both engines run "
                      'speculative_config {"method": "mtp"}: give the prefill and decode workers the same one')
+    if mine.weights_digest != theirs.weights_digest:
+        diffs.append(WEIGHTS_HINT)
     if diffs:
         raise KVLayoutMismatch("KV layouts differ, refusing the transfer (" + "; ".join(diffs) + ")")

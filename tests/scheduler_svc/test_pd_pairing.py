@@ -85,6 +85,23 @@ def test_mismatched_layouts_are_never_paired(caplog):
     assert not messages(core.submit(submit("b", MIN + 100)), AwaitKV)
 
 
+def test_a_rolling_upgrade_pairs_old_weights_with_old_and_new_with_new(caplog):
+    """Same name, same shapes, other weights: the prefill worker's KV would be wrong on the other."""
+    old, new = {**LAYOUT, "weights_digest": "0" * 32}, {**LAYOUT, "weights_digest": "f" * 32}
+    with caplog.at_level(logging.ERROR, logger="kvmesh.scheduler"):
+        core = core_with(worker("d-old", "decode", layout=old), worker("p-new", "prefill", layout=new))
+    assert "it loads other weights than they do" in caplog.text and "weights_digest: 'fff" in caplog.text
+    [(addr, dispatch)] = messages(core.submit(submit("a", MIN + 100)), Dispatch)
+    assert addr == "tcp://d-old:1#worker" and dispatch.handoff_to == ""        # computed on D itself
+    core.set_workers(list(core.workers.values()) + [worker("d-new", "decode", layout=new, inflight=7),
+                                                    worker("p-old", "prefill", layout=old, inflight=7)])
+    for rid in ("b", "c", "e", "f"):
+        out = core.submit(submit(rid, MIN + 100))
+        [(d_addr, _)] = messages(out, AwaitKV)
+        [(p_addr, _)] = messages(out, Dispatch)
+        assert (p_addr.split(":")[1], d_addr.split(":")[1]) in (("//p-new", "//d-new"), ("//p-old", "//d-old"))
+
+
 def test_workers_of_different_kv_transports_are_never_paired(caplog):
     with caplog.at_level(logging.ERROR, logger="kvmesh.scheduler"):
         core = core_with(worker("d", "decode"), worker("p", "prefill", transport="nixl"))

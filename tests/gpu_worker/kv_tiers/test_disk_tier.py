@@ -50,3 +50,27 @@ def test_an_unusable_directory_is_a_clear_error(tmp_path):
     link.symlink_to(tmp_path)
     with pytest.raises(ValueError, match="not a directory"):        # a symlink is not followed
         DiskTier(str(link), max_blocks=1, layout=LAYOUT, payload_len=PAYLOAD)
+
+
+def test_files_of_other_weights_or_format_versions_are_foreign_not_damaged(tmp_path, caplog):
+    """A restart after a weights upgrade, or on files of an older format, deletes them in one line."""
+    import logging
+
+    import msgspec
+
+    from gpu_worker.kv_tiers import disk_restore, tier_file
+    mine = msgspec.structs.replace(LAYOUT, weights_digest="a" * 32)
+    directory = tmp_path / "kv"
+    directory.mkdir()
+    for i in range(3):
+        h, payload = block(i)
+        (directory / f"{h.hex()}.kvb").write_bytes(b"".join(tier_file.encode(h, LAYOUT, payload, None, (i,) * 4)))
+    h, payload = block(3)
+    old = tier_file.TierFileHeader(tier_file.MAGIC, 2, h, mine, PAYLOAD, 0, None, [3] * 4)
+    header = msgspec.msgpack.encode(old)
+    (directory / f"{h.hex()}.kvb").write_bytes(tier_file._LEN.pack(len(header)) + header + bytes(payload))
+    with caplog.at_level(logging.INFO, logger="kvmesh.kv_tiers"):
+        found = disk_restore.scan(str(directory), mine, PAYLOAD)
+    assert (found.blocks, found.dropped, found.foreign) == ([], 4, 4) and not os.listdir(directory)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "deleted 4 block files of another KV layout" in line and "weights_digest" in line, line

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from gpu_worker.kv_transfer.connector import EngineKVConsumer, EngineKVProducer
+from gpu_worker.make_model import make_model
 from gpu_worker.kv_transfer.layout import KVLayoutMismatch
 from gpu_worker.kv_transfer.local import hand_off
 from gpu_worker.kv_transfer.messages import Accept, Ack, Done, Fail, Refuse
@@ -106,6 +107,21 @@ def test_a_layout_mismatch_is_refused_before_any_byte_moves(pd, llama, other, fi
     d.abort_request("r2")
     producer.release("r2")
     check_clean(p)
+    finish_bystander(d, llama)
+
+
+def test_other_weights_of_the_same_shape_and_name_are_refused(pd, llama, tmp_path):
+    """A rolling upgrade: D already serves a fine-tune under the same model id, P the old weights."""
+    p, d, producer, _ = pd
+    upgraded = engine(str(make_model(tmp_path / "llama", seed=1, progress=False)), model_id=p.setup.model_id)
+    consumer = EngineKVConsumer(upgraded)
+    assert msgspec.structs.replace(consumer.layout, weights_digest=producer.layout.weights_digest) == producer.layout
+    prefill_on(p, "r", prompt(40, 4))
+    answer = hand_off(producer, consumer, "r")
+    assert isinstance(answer, Refuse) and "weights_digest" in answer.reason and "different weights" in answer.reason
+    assert producer.bytes_sent == 0
+    check_clean(p)
+    check_clean(upgraded)
     finish_bystander(d, llama)
 
 
