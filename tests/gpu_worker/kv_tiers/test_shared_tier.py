@@ -9,6 +9,7 @@ import time
 
 import msgspec
 import pytest
+import torch
 
 from gpu_worker.kv_tiers import tier_file
 from gpu_worker.kv_tiers.disk_tier import DiskBlock
@@ -16,7 +17,7 @@ from gpu_worker.kv_tiers.drain_to_disk import drain_to_disk
 from gpu_worker.kv_tiers.shared_tier import SharedTier
 from gpu_worker.kv_transfer.layout import KVLayout
 from tests.gpu_worker.kv_tiers.conftest import (
-    BLOCK_SIZE, check_all_tiers, prompt_hashes, push_out, run, tier_stats, tiered_engine, tokens)
+    BLOCK_SIZE, chat, check_all_tiers, prompt_hashes, push_out, run, tier_stats, tiered_engine, tokens)
 
 LAYOUT = KVLayout("m", 4, "float32", 1, 1, 8, 1)
 PAYLOAD = 4096
@@ -159,3 +160,33 @@ def test_shared_tier_settings_are_checked(tmp_path, llama):
     a_file.write_text("x")
     with pytest.raises(ValueError, match="kv_offload_shared_dir: cannot use"):
         SharedTier(str(a_file), 1 << 20, LAYOUT, PAYLOAD)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_shared_tier_on_the_gpu(arch_model, tmp_path):
+    """The CUDA path (pinned host slots spilling to the shared directory, pageable file reads
+    pinned before their copy, a second engine on the same GPU loading them): transformers' tokens."""
+    model_dir, hf = arch_model
+    cuda = dict(device="cuda", dtype="float32", attention_backend="triton", cuda_graph_max_bs=16,
+                kv_offload_cpu_gb=6e-6, kv_offload_shared_dir=str(tmp_path / "shared"), kv_offload_shared_gb=SHARED_GB)
+    a = tiered_engine(model_dir, **cuda)
+    try:
+        turns = chat(a, 3)
+        for prompt, answer, _ in turns:
+            assert answer == hf.greedy(prompt, len(answer))[0]
+        assert tier_stats(a)["offloaded_blocks"]["shared"] > 0 and tier_stats(a)["loaded_blocks"]["shared"] > 0
+        drain_to_disk(a.kv_tiers, time.monotonic() + 30)
+        check_all_tiers(a)
+    finally:
+        a.close()
+    prompt, answer, _ = turns[-1]
+    prompt = prompt + answer + tokens(5, 9)
+    b = tiered_engine(model_dir, **cuda)
+    try:
+        reply, cached = run(b, "next", prompt)
+        assert reply == hf.greedy(prompt, len(reply))[0] and cached > 0
+        assert tier_stats(b)["loaded_blocks"]["shared"] > 0
+        check_all_tiers(b)
+    finally:
+        b.close()
