@@ -86,6 +86,11 @@ class EngineConfig(EngineArgs):
             raise bad("kv_cache_dtype", "'fp8' is not supported with tensor_parallel_size > 1 yet; use 'auto'")
         if (self.kv_offload_dir is None) != (self.kv_offload_disk_gb == 0.0):
             raise bad("kv_offload_dir", "kv_offload_dir and kv_offload_disk_gb go together: give both or neither")
+        if (self.kv_offload_shared_dir is None) != (self.kv_offload_shared_gb == 0.0):
+            raise bad("kv_offload_shared_dir", "kv_offload_shared_dir and kv_offload_shared_gb go together: give "
+                                               "both or neither")
+        if self.kv_offload_shared_dir is not None and self.tensor_parallel_size > 1:
+            raise bad("kv_offload_shared_dir", "the shared KV tier runs with tensor_parallel_size 1 only")
         if self.kv_offload_enabled and not self.enable_prefix_caching:
             raise bad("kv_offload_cpu_gb", "KV offload needs enable_prefix_caching (blocks are found by their hash)")
         try:
@@ -106,8 +111,8 @@ class EngineConfig(EngineArgs):
 
     @property
     def kv_offload_enabled(self) -> bool:
-        """True when the engine has a KV tier below the device (host memory or disk)."""
-        return self.kv_offload_cpu_gb > 0 or self.kv_offload_dir is not None
+        """True when the engine has a KV tier below the device (host memory, disk or shared)."""
+        return self.kv_offload_cpu_gb > 0 or self.kv_offload_dir is not None or self.kv_offload_shared_dir is not None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -142,7 +142,8 @@ PREFIX_QUERY_TOKENS = _worker(Gauge("kvmesh_prefix_cache_query_tokens",
 PREFIX_HIT_TOKENS = _worker(Gauge("kvmesh_prefix_cache_hit_tokens",
                                   "Prompt tokens found in the prefix cache (cumulative)"))
 # the engine's KV tiers (gpu_worker/kv_tiers; EngineStats.extra["kv_tiers"]), set every heartbeat
-KV_TIER_BLOCKS = _worker(Gauge("kvmesh_kv_tier_blocks", "KV blocks held in a lower tier", ["tier"]))
+KV_TIER_BLOCKS = _worker(Gauge("kvmesh_kv_tier_blocks", "KV blocks held in a lower tier (shared: the node's "
+                                "shared directory, every worker's blocks)", ["tier"]))
 KV_TIER_OFFLOADED = _worker(Gauge("kvmesh_kv_tier_offloaded_blocks",
                                   "KV blocks copied down into a lower tier (cumulative)", ["tier"]))
 KV_TIER_LOADED = _worker(Gauge("kvmesh_kv_tier_loaded_blocks",
@@ -155,13 +156,13 @@ KV_TIER_BANDWIDTH = _worker(Gauge("kvmesh_kv_tier_bandwidth_bytes_per_second",
 KV_TIER_PREFILL_RATE = _worker(Gauge("kvmesh_kv_tier_prefill_tokens_per_second",
                                      "The load policy's recent prefill rate estimate"))
 KV_TIER_CORRUPT = _worker(Gauge("kvmesh_kv_tier_corrupt_files",
-                                "Disk-tier files dropped because they did not verify (cumulative)"))
+                                "Disk- and shared-tier files dropped because they did not verify (cumulative)"))
 KV_TIER_DISK_ENABLED = _worker(Gauge("kvmesh_kv_tier_disk_enabled", "1 while the disk tier works, else 0"))
 
 
 def publish_kv_tiers(stats: dict) -> None:
     """An engine's KV-tier stats (EngineStats.extra["kv_tiers"]) -> the worker's gauges."""
-    for tier in ("cpu", "disk"):
+    for tier in ("cpu", "disk", "shared"):     # shared: the whole directory's files at the last scan
         KV_TIER_BLOCKS.labels(tier).set(stats[f"{tier}_blocks"])
         KV_TIER_OFFLOADED.labels(tier).set(stats["offloaded_blocks"][tier])
         KV_TIER_LOADED.labels(tier).set(stats["loaded_blocks"][tier])
@@ -169,7 +170,7 @@ def publish_kv_tiers(stats: dict) -> None:
     for decision, count in stats["decisions"].items():
         KV_TIER_DECISIONS.labels(decision).set(count)
     KV_TIER_PREFILL_RATE.set(stats["prefill_tokens_per_s"])
-    KV_TIER_CORRUPT.set(stats["disk_corrupt_files"])
+    KV_TIER_CORRUPT.set(stats["disk_corrupt_files"] + stats["shared_corrupt_files"])
     KV_TIER_DISK_ENABLED.set(int(stats["disk_enabled"]))
 
 

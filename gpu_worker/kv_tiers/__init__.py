@@ -1,4 +1,5 @@
-"""KV tiers below the device: host memory, then local disk; offload on eviction, reload on a hit.
+"""KV tiers below the device: host memory, then local disk, and a directory the node's workers
+share; offload on eviction, reload on a hit.
 
     manager.py      KVTiers: eviction -> host -> disk, plan/load on admission, events, stats
     scheduling.py   TieredScheduler: the scheduler's hook points wired to KVTiers
@@ -6,6 +7,7 @@
     layer_loads.py  loads a step's forward lands layer by layer, each before its layer runs
     host_tier.py    the host slot pool and its LRU
     disk_tier.py    one checked file per block in a private directory
+    shared_tier.py  the same files in a directory every worker on the node uses at once
     tier_file.py    the file format (header, checksum) and its checks
     load_policy.py  load or recompute, per request
     tier_stats.py   counters and histograms
@@ -31,7 +33,8 @@ def build_kv_tiers(engine) -> KVTiers:
         disk_dir = rank_dir(disk_dir, 0) if disk_dir else None
     return KVTiers(engine.block_manager, engine.runner.kv_caches, layout_of(engine),
                    cpu_bytes=int(cfg.kv_offload_cpu_gb * GIB) // tp, disk_dir=disk_dir,
-                   disk_bytes=int(cfg.kv_offload_disk_gb * GIB) // tp, policy=cfg.kv_load_policy, mirror=mirror)
+                   disk_bytes=int(cfg.kv_offload_disk_gb * GIB) // tp, policy=cfg.kv_load_policy, mirror=mirror,
+                   shared_dir=cfg.kv_offload_shared_dir, shared_bytes=int(cfg.kv_offload_shared_gb * GIB))
 
 
 __all__ = ["KVTiers", "TieredScheduler", "build_kv_tiers"]

@@ -53,7 +53,7 @@ class DiskTier:
         self._blocks: OrderedDict[bytes, DiskBlock] = OrderedDict()    # LRU first
         self._queued: OrderedDict[bytes, tuple[Future, bytearray]] = OrderedDict()   # writes not done
         self._copies: deque[tuple[int, float]] = deque(maxlen=256)   # (bytes, seconds) of file I/O
-        _private_directory(directory)
+        owned_directory(directory, "kv_offload_dir")
         self._lock = disk_restore.lock_directory(directory)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-kv-disk")
         self.num_restored = self._restore()
@@ -219,17 +219,18 @@ def _unlink_path(path: str) -> None:
         pass
 
 
-def _private_directory(directory: str) -> None:
-    """Create `directory` (0700) or check an existing one is ours; tighten it to 0700."""
+def owned_directory(directory: str, flag: str) -> None:
+    """Create `directory` (0700) or check an existing one is ours; tighten it to 0700. Errors
+    name the engine argument `flag` that gave it."""
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         info = os.stat(directory, follow_symlinks=False)
     except OSError as e:
-        raise ValueError(f"invalid engine argument kv_offload_dir: cannot use {directory!r} ({e.strerror})") from None
+        raise ValueError(f"invalid engine argument {flag}: cannot use {directory!r} ({e.strerror})") from None
     if not stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"invalid engine argument kv_offload_dir: {directory!r} is not a directory")
+        raise ValueError(f"invalid engine argument {flag}: {directory!r} is not a directory")
     if info.st_uid != os.getuid():
-        raise ValueError(f"invalid engine argument kv_offload_dir: {directory!r} belongs to another user")
+        raise ValueError(f"invalid engine argument {flag}: {directory!r} belongs to another user")
     if stat.S_IMODE(info.st_mode) != 0o700:
         os.chmod(directory, 0o700)
 

@@ -1,8 +1,10 @@
-"""Drain to disk: a worker told to leave writes its hot KV to its disk tier, so the next worker on
-the same directory (the same pod restarted, the same volume) starts warm.
+"""Drain to disk: a worker told to leave writes its hot KV to the node's shared tier, where any
+worker on the node finds it (a conversation moved to another worker loads its history), or without
+one to its own disk tier, so the next worker on the same directory (the same pod restarted, the
+same volume) starts warm.
 
     device blocks in use, then cached ones most recently used first  \\  skipped when already on
-    host-tier blocks most recently used first                          /  disk; at most the disk's
+    host-tier blocks most recently used first                          /  the tier; at most its
                                                                          size; until the deadline
 
 Newest first, so a short grace keeps the blocks most likely to be asked for again. Device blocks
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+import torch
 
 from gpu_worker.kv_tiers.disk_tier import DiskBlock
 from gpu_worker.kv_tiers.manager import KVTiers
@@ -32,40 +36,69 @@ class DrainResult(NamedTuple):
 
 
 def drain_to_disk(tiers: KVTiers, deadline: float) -> DrainResult:
-    """Write the device's and the host tier's cached blocks to the disk tier, newest first, until
-    time.monotonic() passes `deadline`; waits for the writes. No disk tier: nothing to do."""
+    """Write the device's and the host tier's cached blocks to the shared tier when the engine has
+    one (any worker on the node loads them, this one restarted too), else to its disk tier,
+    newest first, until time.monotonic() passes `deadline`; waits for the writes. Neither tier:
+    nothing to do."""
     t0 = time.monotonic()
-    disk = tiers.disk
-    if disk is None or not disk.enabled:
+    target = _target(tiers)
+    if target is None:
         return DrainResult(0, 0, 0.0)
-    device = [b for b in tiers.block_manager.blocks_newest_first() if b.hash not in disk]
-    host = [(h, b) for h, b in reversed(tiers.host.hashes()) if h not in disk] if tiers.host is not None else []
-    room = disk.max_blocks
+    device = [b for b in tiers.block_manager.blocks_newest_first() if not target.holds(b.hash)]
+    host = [(h, b) for h, b in reversed(tiers.host.hashes()) if not target.holds(h)] if tiers.host is not None else []
+    room = target.room
     written = 0
     for start in range(0, min(len(device), room), _BATCH_BLOCKS):
-        if time.monotonic() >= deadline or not disk.enabled:
+        if time.monotonic() >= deadline or not target.enabled():
             break
         batch = device[start:min(start + _BATCH_BLOCKS, room)]
         staged = tiers.mover.offload_to_memory([b.block_id for b in batch])   # (n, L, 2, bs, n_kv, hd * isz)
         for block, data in zip(batch, staged):
-            tiers.write_disk(block.hash, DiskBlock(block.parent, block.token_ids), data,
-                             BlockSource(DEVICE_BLOCK, block.block_id))
+            target.write(block.hash, DiskBlock(block.parent, block.token_ids), data,
+                         BlockSource(DEVICE_BLOCK, block.block_id))
         written = _progress(written, len(batch), t0)
     for block_hash, block in host[:max(room - written, 0)]:
-        if time.monotonic() >= deadline or not disk.enabled:
+        if time.monotonic() >= deadline or not target.enabled():
             break
         tiers.mover.wait_offloaded(block.offloaded)
-        tiers.write_disk(block_hash, DiskBlock(block.parent, block.token_ids), tiers.host.data[block.slot],
-                         BlockSource(HOST_SLOT, block.slot))
+        target.write(block_hash, DiskBlock(block.parent, block.token_ids), tiers.host.data[block.slot],
+                     BlockSource(HOST_SLOT, block.slot))
         written = _progress(written, 1, t0)
-    disk.drain()
-    tiers.poll_disk()
-    if not disk.enabled:          # a write failed: the tier turned itself off and holds nothing
+    if not target.settle():       # a write failed: the disk tier turned itself off and holds nothing
         written = 0
     result = DrainResult(written, len(device) + len(host) - written, time.monotonic() - t0)
-    log.info("KV drain to disk: wrote %d cached blocks in %.2f s (%d left: deadline or disk size)",
-             result.written, result.seconds, result.left)
+    log.info("KV drain to the %s tier: wrote %d cached blocks in %.2f s (%d left: deadline or size)",
+             target.name, result.written, result.seconds, result.left)
     return result
+
+
+class _Target(NamedTuple):
+    """Where a drain writes: the shared tier or the disk tier, behind one face."""
+    name: str
+    holds: Callable[[bytes], bool]
+    room: int                                 # blocks at most
+    write: Callable[[bytes, DiskBlock, torch.Tensor, BlockSource], None]
+    enabled: Callable[[], bool]
+    settle: Callable[[], bool]                # waits for the writes; False: the tier failed
+
+
+def _target(tiers: KVTiers) -> _Target | None:
+    shared, disk = tiers.shared, tiers.disk
+    if shared is not None:
+        def settle_shared() -> bool:
+            shared.drain()
+            return True
+        return _Target("shared", shared.holds, max(shared.max_bytes // shared.file_bytes, 0),
+                       lambda h, block, data, _source: tiers.write_shared(h, block, data), lambda: True,
+                       settle_shared)
+    if disk is None or not disk.enabled:
+        return None
+
+    def settle_disk() -> bool:
+        disk.drain()
+        tiers.poll_disk()
+        return disk.enabled
+    return _Target("disk", disk.__contains__, disk.max_blocks, tiers.write_disk, lambda: disk.enabled, settle_disk)
 
 
 def _progress(written: int, more: int, t0: float) -> int:

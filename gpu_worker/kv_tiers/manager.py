@@ -1,7 +1,8 @@
-"""KVTiers: the engine's prefix cache below the device, host memory then local disk.
+"""KVTiers: the engine's prefix cache below the device, host memory then local disk, and a
+directory shared by the node's workers.
 
     device LRU evicts a cached block --(flush: gather + D2H)--> host tier --(host LRU)--> disk tier
-                                                                  |                        |
+                                                                  |          (no disk: shared tier)
     admission: device prefix hit, then the next blocks found here -+-- load k (policy) ----+
                -> begin_load: stage (H2D / file read) -> flush
                ... a later schedule, once `ready` -> finish_load: scatter into the new blocks
@@ -15,6 +16,7 @@ is the same tokens of the same tenant. Every change of a tier is a KV event with
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import NamedTuple
 
@@ -26,6 +28,7 @@ from gpu_worker.kv_tiers.disk_tier import DiskBlock, DiskTier
 from gpu_worker.kv_tiers.host_tier import HostBlock, HostTier
 from gpu_worker.kv_tiers.load_policy import LoadPlan, LoadPolicy
 from gpu_worker.kv_tiers.mirror import DEVICE_BLOCK, DISK_FILE, HOST_SLOT, BlockSource, TierMirror
+from gpu_worker.kv_tiers.shared_tier import SharedTier
 from gpu_worker.kv_tiers.tier_stats import TierStats
 from gpu_worker.kv_transfer.layout import KVLayout
 from gpu_worker.sequence import Sequence
@@ -60,7 +63,8 @@ class PendingLoad(NamedTuple):
 
 class KVTiers:
     def __init__(self, block_manager, kv_caches, layout: KVLayout, *, cpu_bytes: int, disk_dir: str | None,
-                 disk_bytes: int, policy: str, mirror: TierMirror | None = None) -> None:
+                 disk_bytes: int, policy: str, mirror: TierMirror | None = None, shared_dir: str | None = None,
+                 shared_bytes: int = 0) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.mover = BlockMover(kv_caches)
@@ -70,6 +74,9 @@ class KVTiers:
         file_bytes = bb + tier_file.file_overhead(self.block_size)
         self.disk = (DiskTier(disk_dir, disk_bytes // file_bytes, layout, bb)
                      if disk_dir and disk_bytes >= file_bytes else None)
+        # the lowest tier: other workers' blocks to load, ours when they leave the private tiers
+        self.shared = (SharedTier(shared_dir, shared_bytes, layout, bb)
+                       if shared_dir and shared_bytes >= file_bytes else None)
         self.policy = LoadPolicy(policy, bb, self.block_size)
         self.stats = TierStats()
         self._evicted: list[Evicted] = []
@@ -102,20 +109,23 @@ class KVTiers:
                 self.policy.observe_copy("cpu", num_bytes, seconds)
         if self.disk is not None and self.disk.enabled:
             self.poll_disk()
+        if self.shared is not None:
+            for num_bytes, seconds in self.shared.poll():
+                self.policy.observe_copy("shared", num_bytes, seconds)
         if not self._evicted:
             return
         evicted, self._evicted = self._evicted, []
         if self.host is not None:
             self._offload_to_host(evicted)
-        elif self.disk is not None and self.disk.enabled:
-            self._offload_to_disk(evicted)
+        else:
+            self._offload_below_host(evicted)
 
     def _offload_to_host(self, evicted: list[Evicted]) -> None:
         host = self.host
         fresh = [e for e in evicted if host.get(e.block_hash) is None]     # get(): a held one is touched
         overflow, fresh = fresh[:-host.num_slots], fresh[-host.num_slots:]   # the most recently used fit
-        if overflow and self.disk is not None and self.disk.enabled:
-            self._offload_to_disk(overflow)                               # the rest skips the host tier
+        if overflow:
+            self._offload_below_host(overflow)                            # the rest skips the host tier
         if not fresh:
             return
         slots = [self._host_slot() for _ in fresh]
@@ -136,19 +146,43 @@ class KVTiers:
             return slot
         block_hash, block = self.host.pop_lru()
         self._removed(block_hash, "cpu")
-        if self.disk is not None and self.disk.enabled and block_hash not in self.disk:
+        if self._disk_on():
+            if block_hash not in self.disk:
+                self.mover.wait_offloaded(block.offloaded)
+                self.write_disk(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot],
+                                BlockSource(HOST_SLOT, block.slot))
+        elif self.shared is not None:
             self.mover.wait_offloaded(block.offloaded)
-            self.write_disk(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot],
-                            BlockSource(HOST_SLOT, block.slot))
+            self.write_shared(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot])
         return block.slot
 
-    def _offload_to_disk(self, evicted: list[Evicted]) -> None:
-        fresh = [e for e in evicted if e.block_hash not in self.disk]
+    def _disk_on(self) -> bool:
+        return self.disk is not None and self.disk.enabled
+
+    def _offload_below_host(self, evicted: list[Evicted]) -> None:
+        """Blocks the host tier cannot take go to the disk tier, or without one to the shared tier
+        (a private disk tier keeps its own LRU: the shared tier then gets what a drain writes)."""
+        if self._disk_on():
+            fresh = [e for e in evicted if e.block_hash not in self.disk]
+        elif self.shared is not None:
+            fresh = evicted                     # a block already there is skipped by the writer
+        else:
+            return
         if not fresh:
             return
         staged = self.mover.offload_to_memory([e.block_id for e in fresh])   # (n, L, 2, bs, n_kv, hd * isz)
         for e, block in zip(fresh, staged):
-            self.write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block, BlockSource(DEVICE_BLOCK, e.block_id))
+            if self._disk_on():
+                self.write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block,
+                                BlockSource(DEVICE_BLOCK, e.block_id))
+            else:
+                self.write_shared(e.block_hash, DiskBlock(e.parent, e.token_ids), block)
+
+    def write_shared(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor) -> None:
+        """Queue a block's file in the shared tier; `data` (host bytes) is copied. No KV event:
+        the block is no longer this worker's."""
+        self.shared.write(block_hash, block, bytearray(data.reshape(-1).numpy()))
+        self.stats.offloaded_blocks["shared"] += 1
 
     def write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor, source: BlockSource) -> None:
         """Queue a block's file; `data` (host bytes, read from `source`) is copied, so its slot may
@@ -184,6 +218,8 @@ class KVTiers:
                 tiers.append("cpu")
             elif self.disk is not None and block_hash in self.disk:
                 tiers.append("disk")
+            elif self.shared is not None and self.shared.holds(block_hash):   # a stat, past the private hits
+                tiers.append("shared")
             else:
                 break
         if not tiers:
@@ -249,7 +285,7 @@ class KVTiers:
         device's prefix cache when the engine registers the sequence's computed blocks."""
         t = time.perf_counter()
         self.scatter(load)
-        if not self.mover.cuda and "disk" not in load.tiers:     # CUDA copies are timed on the device
+        if not self.mover.cuda and set(load.tiers) == {"cpu"}:     # CUDA copies are timed on the device
             n = len(load.tiers)
             self.policy.observe_copy("cpu", n * self.mover.block_bytes, load.copy_s + time.perf_counter() - t)
         return self.join_load(load)
@@ -265,7 +301,7 @@ class KVTiers:
 
     def join_layered(self, load: PendingLoad) -> int:
         """join_load for a load whose scatter the step's forward does, layer by layer."""
-        if not self.mover.cuda and "disk" not in load.tiers:
+        if not self.mover.cuda and set(load.tiers) == {"cpu"}:
             self.policy.observe_copy("cpu", len(load.tiers) * self.mover.block_bytes, load.copy_s)
         return self.join_load(load)
 
@@ -289,12 +325,15 @@ class KVTiers:
                 tiers.append("cpu")
                 where.append(BlockSource(HOST_SLOT, block.slot))
                 continue
-            payload = self._read_disk(block_hash)
+            payload, tier = self._read_disk(block_hash), "disk"
+            if payload is None:
+                payload, tier = self._read_shared(block_hash), "shared"
             if payload is None:
                 break
             sources.append(payload)
             pending.append(None)
-            tiers.append("disk")
+            tiers.append(tier)
+            # (a shared file is named like a disk file; the tiers of several ranks refuse a shared one)
             where.append(BlockSource(DISK_FILE, -1, block_hash))
         return sources, pending, tiers, where
 
@@ -311,6 +350,13 @@ class KVTiers:
         payload = disk.read(block_hash)
         if payload is None:                      # did not verify: deleted
             self._forget_disk(block_hash)
+            return None
+        return torch.frombuffer(payload, dtype=torch.uint8).view(self.mover.block_shape)
+
+    def _read_shared(self, block_hash: bytes) -> torch.Tensor | None:
+        """A shared file gone or not verifying is a miss: the block is recomputed."""
+        payload = self.shared.read(block_hash) if self.shared is not None else None
+        if payload is None:
             return None
         return torch.frombuffer(payload, dtype=torch.uint8).view(self.mover.block_shape)
 
@@ -355,10 +401,20 @@ class KVTiers:
             self.disk.forget(probe)
             self.disk.drain()
             self.poll_disk()
+        if self.shared is not None:              # a probe of a name of its own: workers probe at once
+            probe = os.urandom(16)
+            self.shared.write(probe, DiskBlock(None, (0,) * self.block_size), bytearray(staged[0].reshape(-1).numpy()))
+            self.shared.drain()
+            self.shared.read(probe)
+            self.shared.forget(probe)
+            self.shared.drain()
+            for num_bytes, seconds in self.shared.poll():
+                self.policy.observe_copy("shared", num_bytes, seconds)
 
     # ---- maintenance ---------------------------------------------------------------------
     def clear(self) -> None:
-        """Forget every lower-tier block (the caller announces AllCleared for every tier)."""
+        """Forget every lower-tier block (the caller announces AllCleared for every tier). The
+        shared tier's files are every worker's: they stay."""
         self._evicted = []
         if self.host is not None:
             self.host.clear()
@@ -384,6 +440,10 @@ class KVTiers:
             "disk_enabled": bool(self.disk is not None and self.disk.enabled),
             "disk_corrupt_files": self.disk.num_corrupt if self.disk is not None else 0,
             "disk_restored_blocks": self.disk.num_restored if self.disk is not None else 0,
+            # the whole directory's files at the last scan (every worker's), not this worker's
+            "shared_blocks": self.shared.estimate.files if self.shared is not None else 0,
+            "shared_corrupt_files": self.shared.num_corrupt if self.shared is not None else 0,
+            "shared_write_errors": self.shared.num_write_errors if self.shared is not None else 0,
             "offloaded_blocks": dict(s.offloaded_blocks), "loaded_blocks": dict(s.loaded_blocks),
             "decisions": dict(s.decisions), "recomputed_tier_tokens": s.recomputed_tier_tokens,
             "load_shortfall_blocks": s.load_shortfall_blocks,
@@ -394,13 +454,17 @@ class KVTiers:
         }
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes and stop its thread."""
+        """Finish the disk and shared tiers' queued writes and stop their threads."""
         if self.disk is not None:
             self.disk.close()
+        if self.shared is not None:
+            self.shared.close()
 
     def check_integrity(self) -> None:
         if self.host is not None:
             self.host.check_integrity()
         if self.disk is not None:
             self.disk.check_integrity()
+        if self.shared is not None:
+            self.shared.check_integrity()
         self.mirror.check(self)

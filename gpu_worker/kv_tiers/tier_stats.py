@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 # seconds: 10 us .. 10 s, for the predicted load and recompute times of one admission
 SECONDS_BUCKETS = (1e-5, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 10.0)
 DECISIONS = ("load", "recompute", "split")
+TIERS = ("cpu", "disk", "shared")
 
 
 @dataclass
@@ -28,8 +29,8 @@ class Histogram:
 
 @dataclass
 class TierStats:
-    offloaded_blocks: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
-    loaded_blocks: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
+    offloaded_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    loaded_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DECISIONS, 0))
     recomputed_tier_tokens: int = 0      # tokens in a lower tier that the policy recomputed instead
     load_shortfall_blocks: int = 0       # planned loads that were gone or corrupt at load time

@@ -455,10 +455,10 @@ class WorkerService:
         await asyncio.sleep(FLUSH_S)
 
     async def _drain_kv_to_disk(self) -> None:
-        """The engine's cached KV (device and host tier, newest first) goes to its disk tier before
-        the worker leaves (gpu_worker/kv_tiers/drain_to_disk.py), on the engine thread, bounded."""
+        """The engine's cached KV (device and host tier, newest first) goes to the shared tier, or
+        its disk tier, before the worker leaves (gpu_worker/kv_tiers/drain_to_disk.py), on the engine thread, bounded."""
         tiers = getattr(self.core.engine, "kv_tiers", None)
-        if tiers is None or tiers.disk is None or not self.engine.is_alive():
+        if tiers is None or (tiers.disk is None and tiers.shared is None) or not self.engine.is_alive():
             return
         from gpu_worker.kv_tiers.drain_to_disk import drain_to_disk
         deadline = time.monotonic() + DRAIN_TO_DISK_S

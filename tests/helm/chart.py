@@ -82,15 +82,18 @@ VALUE_SETS: dict[str, dict] = {
     },
 }
 # The disk KV tier in both shapes: an emptyDir per pod (decode), a StatefulSet with a claim per
-# worker (prefill, autoscaled; mixed, scaled by KEDA).
+# worker (prefill, autoscaled; mixed, scaled by KEDA); the shared tier on a node directory (decode)
+# and on an existing claim (mixed).
 VALUE_SETS["kv-tier"] = {
     "worker": {"kvOffload": {"disk": {"enabled": True, "persistent": True, "sizeGi": 200,
                                       "storageClassName": "local-nvme"}},
                "engine": {"kv-offload-cpu-gb": 32}},
     "workerPools": {"prefill": {"replicas": 2, "autoscaling": {"enabled": True}},
-                    "decode": {"replicas": 3, "kvOffload": {"disk": {"persistent": False}}},
+                    "decode": {"replicas": 3, "kvOffload": {"disk": {"persistent": False},
+                                                            "shared": {"enabled": True, "sizeGi": 50}}},
                     "mixed": {"enabled": True, "keda": {"enabled": True,
-                                                        "serverAddress": "http://prometheus-operated.monitoring:9090"}}},
+                                                        "serverAddress": "http://prometheus-operated.monitoring:9090"},
+                              "kvOffload": {"shared": {"enabled": True, "existingClaim": "kv-shared"}}}},
 }
 CRD_GROUPS = ("monitoring.coreos.com/", "keda.sh/")  # custom resources: no upstream schema to check against
 

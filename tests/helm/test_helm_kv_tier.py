@@ -91,3 +91,33 @@ def test_the_tier_env_names_are_the_workers(helm, tmp_path_factory):
 def test_settings_that_cannot_work_are_refused(helm, args, message):
     out = run_helm(helm, "template", RELEASE, str(CHART), *args)
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_the_shared_tier_is_a_node_directory_or_an_existing_claim(helm, tmp_path_factory):
+    docs = render(helm, "kv-tier", tmp_path_factory)
+    decode = by_kind(docs, "Deployment")[f"{FULLNAME}-decode"]["spec"]["template"]["spec"]
+    mixed = by_kind(docs, "StatefulSet")[f"{FULLNAME}-mixed"]["spec"]["template"]["spec"]
+    for pod, volume in ((decode, {"hostPath": {"path": "/var/lib/kvmesh", "type": "Directory"}}),
+                        (mixed, {"persistentVolumeClaim": {"claimName": "kv-shared"}})):
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "kv-shared"]
+        assert {k: v for k, v in vol.items() if k != "name"} == volume
+        (c,) = pod["containers"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "kv-shared"]
+        env = env_of(c)
+        assert mount["mountPath"] == "/var/cache/kvmesh-shared"
+        assert env["KVMESH_KV_OFFLOAD_SHARED_DIR"]["value"] == "/var/cache/kvmesh-shared/kv-shared"
+    assert env_of(decode["containers"][0])["KVMESH_KV_OFFLOAD_SHARED_GB"]["value"] == "50"
+    prefill = by_kind(docs, "StatefulSet")[f"{FULLNAME}-prefill"]["spec"]["template"]["spec"]
+    assert "kv-shared" not in {v["name"] for v in prefill["volumes"]}       # off by default
+    assert "KVMESH_KV_OFFLOAD_SHARED_DIR" not in env_of(prefill["containers"][0])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "worker.kvOffload.shared.enabled=true", "--set", "worker.engine.kv-offload-shared-gb=3"],
+     "engine.kv-offload-shared-gb and kvOffload.shared"),
+    (["--set", "worker.kvOffload.shared.enabled=true", "--set", "worker.gpus=2"], "kvOffload.shared needs gpus 1"),
+    (["--set", "worker.kvOffload.shared.hostPath=relative"], "schema"),
+])
+def test_shared_tier_settings_that_cannot_work_are_refused(helm, args, message):
+    out = run_helm(helm, "template", RELEASE, str(CHART), *args)
+    assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]

@@ -71,7 +71,8 @@ OFFLINE_SAMPLES = {name: _non_default(f, OFFLINE[name]) for name, f in FIELDS.it
 SERVED_SAMPLES = {name: _non_default(f, SERVED[name]) for name, f in FIELDS.items()}
 # Fields whose samples may not meet in one config (fp8 KV and KV tiers with tensor parallelism,
 # KV tiers without prefix caching): set in a round of their own.
-APART = ("kv_cache_dtype", "kv_offload_cpu_gb", "kv_offload_dir", "kv_offload_disk_gb", "kv_load_policy")
+APART = ("kv_cache_dtype", "kv_offload_cpu_gb", "kv_offload_dir", "kv_offload_disk_gb", "kv_offload_shared_dir",
+         "kv_offload_shared_gb", "kv_load_policy")
 
 
 def rounds(samples: dict[str, Any]) -> list[dict[str, Any]]:

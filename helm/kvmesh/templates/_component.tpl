@@ -22,6 +22,7 @@ Pods carry `kvmesh.io/service: <service>`, the label the NetworkPolicies and the
 {{- $portName := ternary "http" "grpc" .http }}
 {{- $autoscaled := or (dig "autoscaling" "enabled" false $v) (dig "keda" "enabled" false $v) .plannerScaled }}
 {{- $disk := and .role (dig "kvOffload" "disk" "enabled" false $v) }}
+{{- $shared := and .role (include "kvmesh.kvSharedTier" (dict "values" $v "pool" .role)) }}
 apiVersion: apps/v1
 kind: {{ ternary "StatefulSet" "Deployment" (default false .stateful) }}
 metadata:
@@ -193,6 +194,13 @@ spec:
             - name: KVMESH_KV_OFFLOAD_DISK_GB
               value: {{ int $v.kvOffload.disk.sizeGi | quote }}
             {{- end }}
+            {{- if $shared }}
+            # a directory every worker on the node uses at once: each creates it 0700 if missing
+            - name: KVMESH_KV_OFFLOAD_SHARED_DIR
+              value: {{ printf "%s/kv-shared" (trimSuffix "/" $v.kvOffload.shared.mountPath) | quote }}
+            - name: KVMESH_KV_OFFLOAD_SHARED_GB
+              value: {{ int $v.kvOffload.shared.sizeGi | quote }}
+            {{- end }}
             {{- if gt (int $v.gpus) 1 }}
             # One tensor-parallel rank per GPU of the pod.
             - name: KVMESH_TENSOR_PARALLEL_SIZE
@@ -244,6 +252,10 @@ spec:
             - name: kv-tier
               mountPath: {{ $v.kvOffload.disk.mountPath }}
             {{- end }}
+            {{- if $shared }}
+            - name: kv-shared
+              mountPath: {{ $v.kvOffload.shared.mountPath }}
+            {{- end }}
             {{- with $v.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -265,6 +277,17 @@ spec:
         - name: kv-tier
           emptyDir:
             sizeLimit: {{ include "kvmesh.kvTierVolumeSize" $v.kvOffload.disk }}
+        {{- end }}
+        {{- if $shared }}
+        - name: kv-shared
+          {{- with $v.kvOffload.shared.existingClaim }}
+          persistentVolumeClaim:
+            claimName: {{ . }}
+          {{- else }}
+          hostPath:
+            path: {{ $v.kvOffload.shared.hostPath }}
+            type: Directory
+          {{- end }}
         {{- end }}
         {{- with $v.extraVolumes }}
         {{- toYaml . | nindent 8 }}

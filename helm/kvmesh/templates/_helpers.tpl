@@ -418,6 +418,25 @@ worker), else empty; fails on settings that cannot work together.
 {{- end }}
 
 {{/*
+A worker pool's shared KV tier (kvOffload.shared): "true" when on; fails on settings that cannot
+work together (the engine runs it with one GPU per pod only).
+*/}}
+{{- define "kvmesh.kvSharedTier" -}}
+{{- $s := dig "kvOffload" "shared" (dict) .values }}
+{{- if dig "enabled" false $s }}
+{{- range $key := list "kv-offload-shared-dir" "kv-offload-shared-gb" }}
+{{- if hasKey (default (dict) $.values.engine) $key }}
+{{- fail (printf "workerPools.%s: engine.%s and kvOffload.shared both set the shared KV tier: use kvOffload.shared only" $.pool $key) }}
+{{- end }}
+{{- end }}
+{{- if gt (int .values.gpus) 1 }}
+{{- fail (printf "workerPools.%s: kvOffload.shared needs gpus 1 (the shared KV tier runs without tensor parallelism)" $.pool) }}
+{{- end }}
+true
+{{- end }}
+{{- end }}
+
+{{/*
 The disk KV tier's volume size: the tier's files plus 5% (headers, the lock file).
 */}}
 {{- define "kvmesh.kvTierVolumeSize" -}}

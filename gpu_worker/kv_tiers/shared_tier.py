@@ -1,0 +1,240 @@
+"""The shared KV tier: a directory every worker on the node reads and writes at once, so a
+conversation that moves to another worker loads its history instead of recomputing it.
+
+    <dir>/ (0700, ours)
+      <layout key>/ (0700)       16 hex digits of xxh3-64 over the engine's KVLayout: engines of
+                                 another model or layout never meet on a block's name
+        <hash>.kvb (0600)        tier_file.py's format, written as <hash>.kvb.<pid>-<n>.tmp, then
+                                 renamed: a reader sees a whole file or none
+
+No lock and no index, since the files are other workers' as much as ours: a lookup is one stat
+of the block's name, a load reads the file and makes every check of tier_file.decode. A file that
+vanished (another writer's bound deleted it) is a miss; one that fails a check is deleted and is
+a miss too: the caller recomputes the block, a request never fails for this tier. Blocks here
+belong to no worker, so they are not KV events (the prefix index routes by the private tiers).
+
+Size: every writer bounds the whole directory. It estimates the bytes there from a scan plus its
+own writes since, and scans again when that estimate passes the bound, every SCAN_EVERY_S
+seconds, and every 1/16 of the bound's files it writes (at most SCAN_EVERY_WRITES); a scan counts
+at most SCAN_MAX_FILES files and, past the bound, deletes the oldest (mtime) until the directory
+is at 90% of it. Between two of a writer's scans the directory may pass the bound by what the
+other writers wrote since (each of them at most 1/16 of it before its own scan). Writers deleting
+the same file at once is fine (a missing file is skipped). Writes, deletes and scans run on one
+background thread.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import stat
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
+
+import msgspec
+import xxhash
+
+from gpu_worker.kv_tiers import tier_file
+from gpu_worker.kv_tiers.disk_tier import DiskBlock, _read_at_most, _unlink_path, owned_directory
+from gpu_worker.kv_transfer.layout import KVLayout
+
+log = logging.getLogger("kvmesh.kv_tiers")
+
+FLAG = "kv_offload_shared_dir"
+SCAN_EVERY_S = 10.0
+SCAN_EVERY_WRITES = 256
+SCAN_MAX_FILES = 50_000      # one scan's stats: a few tens of ms on a local disk
+STALE_TMP_S = 60.0           # a .tmp this old was left by a writer that died mid-write
+_LOW_WATER = 0.9             # a scan past the bound deletes down to this share of it
+_WARN_EVERY_S = 60.0
+
+
+class ScanResult(NamedTuple):
+    files: int
+    bytes: int
+    deleted: int
+
+
+class SharedTier:
+    def __init__(self, directory: str, max_bytes: int, layout: KVLayout, payload_len: int,
+                 max_queued: int = 64) -> None:
+        self.root = directory
+        self.max_bytes = max_bytes
+        self.layout = layout
+        self.payload_len = payload_len
+        self.file_bytes = payload_len + tier_file.file_overhead(layout.block_size)   # at most
+        self.max_queued = max_queued
+        self.scan_every_writes = max(1, min(SCAN_EVERY_WRITES, max_bytes // self.file_bytes // 16))
+        owned_directory(directory, FLAG)
+        key = xxhash.xxh3_64_hexdigest(msgspec.msgpack.encode(layout))
+        self.directory = os.path.join(directory, key)
+        owned_directory(self.directory, FLAG)
+        self.num_corrupt = 0            # files dropped because they did not verify
+        self.num_write_errors = 0
+        self.estimate = self._scan()    # the directory's files and bytes, at the last scan + our writes
+        self._writes_since_scan = 0
+        self._scanned_at = time.monotonic()
+        self._queued: dict[bytes, tuple[Future, bytearray]] = {}      # writes not done, oldest first
+        self._copies: list[tuple[int, float]] = []                    # (bytes, seconds) of file I/O
+        self._tmp_names = itertools.count()
+        self._warned_at = -_WARN_EVERY_S
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-kv-shared")
+
+    def _path(self, block_hash: bytes) -> str:
+        return os.path.join(self.directory, block_hash.hex() + ".kvb")
+
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether the block's file is there now (one stat; it may still vanish before the read)."""
+        return block_hash in self._queued or os.path.exists(self._path(block_hash))
+
+    # ---- writes (queued) -----------------------------------------------------------------
+    def write(self, block_hash: bytes, block: DiskBlock, payload: bytearray) -> None:
+        """Queue a block's file (`payload` is handed over); a file already there is kept."""
+        if block_hash in self._queued:
+            return
+        self._queued[block_hash] = (self._writer.submit(self._write_file, block_hash, block, payload), payload)
+        while len(self._queued) > self.max_queued:
+            self._settle(next(iter(self._queued)), wait=True)
+
+    def _write_file(self, block_hash: bytes, block: DiskBlock, payload: bytearray) -> None:
+        """(writer thread) The file, unless another worker wrote it already; then the bound."""
+        path = self._path(block_hash)
+        if not os.path.exists(path):
+            # a name of our own: two workers writing the same block never share a .tmp
+            tmp = f"{path}.{os.getpid()}-{next(self._tmp_names)}.tmp"
+            t = time.perf_counter()
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                parts = tier_file.encode(block_hash, self.layout, payload, block.parent, block.token_ids)
+                try:
+                    for part in parts:
+                        view = memoryview(part)
+                        while view:
+                            view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path)
+            except OSError:
+                _unlink_path(tmp)
+                raise
+            self._copies.append((len(payload), time.perf_counter() - t))
+            size = sum(len(part) for part in parts)
+            self.estimate = ScanResult(self.estimate.files + 1, self.estimate.bytes + size, 0)
+            self._writes_since_scan += 1
+        if (self._writes_since_scan >= self.scan_every_writes or self.estimate.bytes > self.max_bytes
+                or time.monotonic() - self._scanned_at >= SCAN_EVERY_S):
+            self.estimate = self._scan()
+
+    def _settle(self, block_hash: bytes, wait: bool) -> bool:
+        future, _ = self._queued[block_hash]
+        if not (wait or future.done()):
+            return False
+        del self._queued[block_hash]
+        error = future.exception()
+        if error is not None:           # a full disk: this block is not shared, the next may be
+            self.num_write_errors += 1
+            now = time.monotonic()
+            if now - self._warned_at >= _WARN_EVERY_S:
+                self._warned_at = now
+                log.warning("KV shared tier %s: writing a block failed (%s); such blocks are not shared",
+                            self.directory, error)
+        return True
+
+    def poll(self) -> list[tuple[int, float]]:
+        """Settle finished writes; the (bytes, seconds) of file reads and writes since the last call."""
+        for block_hash in list(self._queued):
+            if not self._settle(block_hash, wait=False):
+                break
+        copies, self._copies = self._copies, []
+        return copies
+
+    def drain(self) -> None:
+        """Wait until every queued write (and the scan after it) is done."""
+        self._writer.submit(lambda: None).result()
+        for block_hash in list(self._queued):
+            self._settle(block_hash, wait=True)
+
+    # ---- reads ---------------------------------------------------------------------------
+    def read(self, block_hash: bytes) -> memoryview | None:
+        """The verified payload of a block, or None: no file (never written, or deleted by a
+        bound), or one that does not verify (deleted here)."""
+        queued = self._queued.get(block_hash)
+        if queued is not None:                   # our own write, not settled yet: its bytes
+            return memoryview(queued[1])
+        path = self._path(block_hash)
+        t = time.perf_counter()
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            data = _read_at_most(fd, self.file_bytes + 1)
+            payload = tier_file.decode(data, block_hash, self.layout, self.payload_len)
+        except (OSError, tier_file.TierFileError) as e:
+            log.warning("KV shared tier: dropped block %s (%s); it will be recomputed", block_hash.hex(), e)
+            self.num_corrupt += 1
+            _unlink_path(path)
+            return None
+        finally:
+            os.close(fd)
+        self._copies.append((len(payload), time.perf_counter() - t))
+        return payload
+
+    def forget(self, block_hash: bytes) -> None:
+        """Delete a block's file (the bandwidth probe's), behind its own write."""
+        self._writer.submit(_unlink_path, self._path(block_hash))
+
+    # ---- the bound -----------------------------------------------------------------------
+    def _scan(self) -> ScanResult:
+        """Files and bytes under the root (every layout's), at most SCAN_MAX_FILES of them; the
+        oldest deleted when they pass the bound, and .tmp files a dead writer left."""
+        self._scanned_at, self._writes_since_scan = time.monotonic(), 0
+        now = time.time()
+        files: list[tuple[float, int, str]] = []          # (mtime, bytes, path)
+        try:
+            subdirs = [e.path for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return ScanResult(0, 0, 0)
+        for subdir in subdirs:
+            try:
+                entries = os.scandir(subdir)
+            except OSError:
+                continue
+            with entries:
+                for entry in entries:
+                    if len(files) >= SCAN_MAX_FILES:
+                        break
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:               # deleted by another writer meanwhile
+                        continue
+                    if not stat.S_ISREG(info.st_mode):
+                        continue
+                    if entry.name.endswith(".tmp"):
+                        if now - info.st_mtime > STALE_TMP_S:
+                            _unlink_path(entry.path)
+                        continue
+                    if entry.name.endswith(".kvb"):
+                        files.append((info.st_mtime, info.st_size, entry.path))
+        total = sum(size for _, size, _ in files)
+        deleted = 0
+        if total > self.max_bytes:
+            files.sort()
+            for _, size, path in files:
+                if total <= self.max_bytes * _LOW_WATER:
+                    break
+                _unlink_path(path)
+                total -= size
+                deleted += 1
+        return ScanResult(len(files) - deleted, total, deleted)
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+
+    def check_integrity(self) -> None:
+        """Every write settled; the estimate within the bound after a scan."""
+        self.drain()
+        assert not self._queued, "shared tier: unsettled writes"
+        self.estimate = self._writer.submit(self._scan).result()
+        assert self.estimate.bytes <= self.max_bytes, f"shared tier: {self.estimate} over {self.max_bytes} bytes"

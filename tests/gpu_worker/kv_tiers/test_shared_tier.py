@@ -1,0 +1,192 @@
+"""The shared tier: one directory that several engines use at once. A conversation one engine
+drained there is loaded by another with transformers' tokens; a file that is torn, flipped or of
+another layout is a miss, deleted and recomputed; two writers keep the directory's bound."""
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import msgspec
+import pytest
+import torch
+
+from gpu_worker.kv_tiers import tier_file
+from gpu_worker.kv_tiers.disk_tier import DiskBlock
+from gpu_worker.kv_tiers.drain_to_disk import drain_to_disk
+from gpu_worker.kv_tiers.shared_tier import SharedTier
+from gpu_worker.kv_transfer.layout import KVLayout
+from tests.gpu_worker.kv_tiers.conftest import (
+    BLOCK_SIZE, chat, check_all_tiers, prompt_hashes, push_out, run, tier_stats, tiered_engine, tokens)
+
+LAYOUT = KVLayout("m", 4, "float32", 1, 1, 8, 1)
+PAYLOAD = 4096
+SHARED_GB = 0.001
+
+
+def block(i: int) -> tuple[bytes, bytearray]:
+    return i.to_bytes(16, "little"), bytearray([i % 251]) * PAYLOAD
+
+
+def write(tier: SharedTier, i: int) -> bytes:
+    h, payload = block(i)
+    tier.write(h, DiskBlock(None, (i,) * 4), payload)
+    return h
+
+
+def total_bytes(root) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(root) for n in names)
+
+
+def test_a_drained_conversation_is_loaded_by_another_engine(llama, tmp_path):
+    model_dir, hf = llama
+    shared = dict(kv_offload_shared_dir=str(tmp_path / "shared"), kv_offload_shared_gb=SHARED_GB)
+    a = tiered_engine(model_dir, num_gpu_blocks=16, **shared)          # no host tier: evictions go to shared
+    b = tiered_engine(model_dir, **shared)                             # no lock: both at once
+    try:
+        history = tokens(30, 1)
+        answer, _ = run(a, "turn-0", history)
+        push_out(a, 1)                                                 # its history leaves the device
+        assert tier_stats(a)["offloaded_blocks"]["shared"] > 0
+        history = history + answer + tokens(5, 2)
+        answer, cached = run(a, "turn-1", history)                    # A loads its own evictions back
+        assert answer == hf.greedy(history, len(answer))[0] and cached > 0
+        assert tier_stats(a)["loaded_blocks"]["shared"] > 0
+        result = drain_to_disk(a.kv_tiers, time.monotonic() + 30)    # A leaves: its hot blocks to shared
+        assert result.written > 0 and result.left == 0, result
+        a.kv_tiers.shared.drain()
+        files = [n for _, _, names in os.walk(tmp_path / "shared") for n in names]
+        assert files and all(n.endswith(".kvb") for n in files)
+        assert all(stat.S_IMODE(os.stat(d).st_mode) == 0o700 for d, _, _ in os.walk(tmp_path / "shared"))
+
+        prompt = history + answer + tokens(5, 3)                       # the next turn lands on B
+        reply, cached = run(b, "turn-2", prompt)
+        assert reply == hf.greedy(prompt, len(reply))[0]
+        assert cached >= (len(history + answer) // BLOCK_SIZE) * BLOCK_SIZE - BLOCK_SIZE
+        assert tier_stats(b)["loaded_blocks"]["shared"] * BLOCK_SIZE == cached
+        check_all_tiers(a)
+        check_all_tiers(b)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_bad_shared_file_is_a_miss_and_the_block_is_recomputed(llama, tmp_path):
+    model_dir, hf = llama
+    shared = dict(kv_offload_shared_dir=str(tmp_path / "shared"), kv_offload_shared_gb=SHARED_GB)
+    a = tiered_engine(model_dir, **shared)
+    b = tiered_engine(model_dir, **shared)
+    try:
+        history = tokens(30, 4)
+        answer, _ = run(a, "turn-0", history)
+        drain_to_disk(a.kv_tiers, time.monotonic() + 30)
+        hashes = prompt_hashes(b, history)
+        path = b.kv_tiers.shared._path(hashes[3])                      # a byte flipped in block 3's payload
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+        prompt = history + answer + tokens(5, 5)
+        reply, cached = run(b, "turn-1", prompt)
+        assert reply == hf.greedy(prompt, len(reply))[0]
+        assert cached == 3 * BLOCK_SIZE                                # blocks 0..2 loaded, the rest computed
+        assert tier_stats(b)["shared_corrupt_files"] == 1 and not os.path.exists(path)
+        check_all_tiers(b)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_torn_flipped_and_foreign_files_are_deleted_misses(tmp_path):
+    tier = SharedTier(str(tmp_path / "shared"), 1 << 20, LAYOUT, PAYLOAD)
+    try:
+        torn, flipped, foreign, good = (write(tier, i) for i in range(4))
+        tier.drain()
+        with open(tier._path(torn), "r+b") as f:
+            f.truncate(100)
+        with open(tier._path(flipped), "r+b") as f:
+            f.seek(-7, os.SEEK_END)
+            f.write(b"\x00\x01")
+        other = msgspec.structs.replace(LAYOUT, model_id="another")
+        with open(tier._path(foreign), "wb") as f:
+            for part in tier_file.encode(foreign, other, block(2)[1], None, (2,) * 4):
+                f.write(part)
+        for h in (torn, flipped, foreign):
+            assert tier.holds(h) and tier.read(h) is None and not tier.holds(h)
+        assert tier.num_corrupt == 3
+        assert bytes(tier.read(good)) == bytes(block(3)[1])
+        assert tier.read(block(9)[0]) is None and tier.num_corrupt == 3    # never written: a plain miss
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
+def test_two_writers_keep_the_bound(tmp_path):
+    file_bytes = len(b"".join(bytes(p) for p in tier_file.encode(b"\0" * 16, LAYOUT, block(0)[1], None, (0,) * 4)))
+    bound = 10 * file_bytes
+    root = str(tmp_path / "shared")
+    a = SharedTier(root, bound, LAYOUT, PAYLOAD, max_queued=2)
+    b = SharedTier(root, bound, LAYOUT, PAYLOAD, max_queued=2)
+    try:
+        newest = []
+        for i in range(0, 60, 2):
+            newest = [write(a, i), write(b, i + 1)]
+            a.drain()
+            b.drain()
+            # each writer sees the other's files only at its scans; a bound of 10 files makes each
+            # scan after every write of its own (1/16 of the bound, at least one)
+            assert total_bytes(root) <= bound + a.file_bytes
+        a.check_integrity()                                  # a scan: within the bound
+        assert total_bytes(root) <= bound
+        assert all(a.read(h) is not None for h in newest)    # the oldest went, the newest stayed
+        b.check_integrity()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shared_tier_settings_are_checked(tmp_path, llama):
+    model_dir, _ = llama
+    from gpu_worker.config import EngineConfig
+    with pytest.raises(ValueError, match="kv_offload_shared_dir"):
+        EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path))          # without a size
+    with pytest.raises(ValueError, match="kv_offload_shared_dir"):
+        EngineConfig(model=model_dir, kv_offload_shared_gb=1.0)
+    with pytest.raises(ValueError, match="kv_offload_shared_dir: .*tensor_parallel_size"):
+        EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path), kv_offload_shared_gb=1.0,
+                     tensor_parallel_size=2)
+    a_file = tmp_path / "not-a-directory"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="kv_offload_shared_dir: cannot use"):
+        SharedTier(str(a_file), 1 << 20, LAYOUT, PAYLOAD)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_shared_tier_on_the_gpu(arch_model, tmp_path):
+    """The CUDA path (pinned host slots spilling to the shared directory, pageable file reads
+    pinned before their copy, a second engine on the same GPU loading them): transformers' tokens."""
+    model_dir, hf = arch_model
+    cuda = dict(device="cuda", dtype="float32", attention_backend="triton", cuda_graph_max_bs=16,
+                kv_offload_cpu_gb=6e-6, kv_offload_shared_dir=str(tmp_path / "shared"), kv_offload_shared_gb=SHARED_GB)
+    a = tiered_engine(model_dir, **cuda)
+    try:
+        turns = chat(a, 3)
+        for prompt, answer, _ in turns:
+            assert answer == hf.greedy(prompt, len(answer))[0]
+        assert tier_stats(a)["offloaded_blocks"]["shared"] > 0 and tier_stats(a)["loaded_blocks"]["shared"] > 0
+        drain_to_disk(a.kv_tiers, time.monotonic() + 30)
+        check_all_tiers(a)
+    finally:
+        a.close()
+    prompt, answer, _ = turns[-1]
+    prompt = prompt + answer + tokens(5, 9)
+    b = tiered_engine(model_dir, **cuda)
+    try:
+        reply, cached = run(b, "next", prompt)
+        assert reply == hf.greedy(prompt, len(reply))[0] and cached > 0
+        assert tier_stats(b)["loaded_blocks"]["shared"] > 0
+        check_all_tiers(b)
+    finally:
+        b.close()
