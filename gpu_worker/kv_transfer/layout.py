@@ -25,6 +25,9 @@ class KVLayout(msgspec.Struct, frozen=True):
     # xxh3-128 of the checkpoint's bytes and config.json; "" for an engine whose runner was given
     # in-process (tests): no files, so nothing to identify
     weights_digest: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    # what the weights compute in: the dtype, and the quantization when one is applied at load
+    # ("bfloat16", "bfloat16/fp8"): the same checkpoint run another way writes other KV
+    weights_numerics: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
     @property
     def layers(self) -> int:
@@ -33,7 +36,8 @@ class KVLayout(msgspec.Struct, frozen=True):
 
 
 WEIGHTS_HINT = ("the two engines load different weights (a rolling upgrade, or another fine-tune under the "
-                "same model name): KV moves only between engines of the same weights")
+                "same model name) or run them in another dtype or quantization: KV moves only between engines "
+                "that compute it alike")
 
 
 class KVLayoutMismatch(ValueError):
@@ -48,7 +52,14 @@ def layout_of(engine) -> KVLayout:
                     kv_dtype=str(k_cache.dtype).removeprefix("torch."),
                     num_layers=len(engine.runner.kv_caches), num_kv_heads=int(k_cache.shape[2]),
                     head_dim=int(k_cache.shape[3]), tp_size=engine.config.tensor_parallel_size,
-                    weights_digest=engine.setup.weights_digest)
+                    weights_digest=engine.setup.weights_digest, weights_numerics=numerics_of(engine))
+
+
+def numerics_of(engine) -> str:
+    """KVLayout.weights_numerics of an engine: its compute dtype, and its load-time quantization."""
+    dtype = str(engine.setup.dtype).removeprefix("torch.")
+    quantization = getattr(engine.config, "quantization", None)
+    return f"{dtype}/{quantization}" if quantization else dtype
 
 
 def handoff_caches(engine) -> list:
@@ -71,7 +82,7 @@ def check_compatible(mine: KVLayout, theirs: KVLayout) -> None:
     if mine.mtp_layers != theirs.mtp_layers:
         diffs.append("the MTP layer's KV rides with the target's only when both engines run "
                      'speculative_config {"method": "mtp"}: give the prefill and decode workers the same one')
-    if mine.weights_digest != theirs.weights_digest:
+    if mine.weights_digest != theirs.weights_digest or mine.weights_numerics != theirs.weights_numerics:
         diffs.append(WEIGHTS_HINT)
     if diffs:
         raise KVLayoutMismatch("KV layouts differ, refusing the transfer (" + "; ".join(diffs) + ")")

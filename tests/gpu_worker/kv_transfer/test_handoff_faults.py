@@ -87,7 +87,8 @@ def test_p_holds_its_blocks_until_d_acknowledges(pd, llama):
 
 
 @pytest.mark.parametrize("other,field", [(dict(block_size=32), "block_size"), (dict(kv_cache_dtype="fp8"), "kv_dtype"),
-                                         (dict(model_id="other"), "model_id")])
+                                         (dict(model_id="other"), "model_id"),
+                                         (dict(quantization="fp8"), "weights_numerics")])
 def test_a_layout_mismatch_is_refused_before_any_byte_moves(pd, llama, other, field):
     p, d, producer, _ = pd
     wrong = engine(llama, **other)
