@@ -97,21 +97,10 @@ class DiskTier:
     def _write_file(self, block_hash: bytes, block: DiskBlock, payload: bytearray) -> None:
         """(writer thread) Raises OSError when the write fails."""
         path = self._path(block_hash)
-        tmp = path + ".tmp"
         t = time.perf_counter()
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            try:
-                for part in tier_file.encode(block_hash, self.layout, payload, block.parent, block.token_ids):
-                    view = memoryview(part)
-                    while view:
-                        view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError:
-            _unlink_path(tmp)
-            raise
+        # one writer per directory (its lock): a .tmp left by a crash is simply overwritten
+        write_file(path, path + ".tmp", tier_file.encode(block_hash, self.layout, payload, block.parent,
+                                                         block.token_ids), exclusive=False)
         self._copies.append((len(payload), time.perf_counter() - t))
 
     def poll(self) -> list[tuple[int, float]]:
@@ -210,6 +199,27 @@ class DiskTier:
             on_disk = {n for n in os.listdir(self.directory)
                        if disk_restore.BLOCK_FILE.match(n) or disk_restore.PARTIAL_FILE.match(n)}
             assert on_disk == {h.hex() + ".kvb" for h in self._blocks}, "disk tier: files differ from the index"
+
+
+def write_file(path: str, tmp: str, parts: list, exclusive: bool) -> int:
+    """Write a tier file's parts to `tmp`, then rename it onto `path`: a reader sees the whole file
+    or none. `exclusive`: `tmp` must not exist (a name of the writer's own, in a directory others
+    write too). Returns the bytes written; raises OSError (the tmp file removed)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else os.O_TRUNC)
+    try:
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            for part in parts:
+                view = memoryview(part)
+                while view:
+                    view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        _unlink_path(tmp)
+        raise
+    return sum(len(part) for part in parts)
 
 
 def _unlink_path(path: str) -> None:

@@ -36,7 +36,7 @@ import msgspec
 import xxhash
 
 from gpu_worker.kv_tiers import tier_file
-from gpu_worker.kv_tiers.disk_tier import DiskBlock, _read_at_most, _unlink_path, owned_directory
+from gpu_worker.kv_tiers.disk_tier import DiskBlock, _read_at_most, _unlink_path, owned_directory, write_file
 from gpu_worker.kv_transfer.layout import KVLayout
 
 log = logging.getLogger("kvmesh.kv_tiers")
@@ -104,22 +104,9 @@ class SharedTier:
             # a name of our own: two workers writing the same block never share a .tmp
             tmp = f"{path}.{os.getpid()}-{next(self._tmp_names)}.tmp"
             t = time.perf_counter()
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                parts = tier_file.encode(block_hash, self.layout, payload, block.parent, block.token_ids)
-                try:
-                    for part in parts:
-                        view = memoryview(part)
-                        while view:
-                            view = view[os.write(fd, view):]
-                finally:
-                    os.close(fd)
-                os.replace(tmp, path)
-            except OSError:
-                _unlink_path(tmp)
-                raise
+            size = write_file(path, tmp, tier_file.encode(block_hash, self.layout, payload, block.parent,
+                                                          block.token_ids), exclusive=True)
             self._copies.append((len(payload), time.perf_counter() - t))
-            size = sum(len(part) for part in parts)
             self.estimate = ScanResult(self.estimate.files + 1, self.estimate.bytes + size, 0)
             self._writes_since_scan += 1
         if (self._writes_since_scan >= self.scan_every_writes or self.estimate.bytes > self.max_bytes
