@@ -5,7 +5,6 @@ in an Ack, an abort mid-transfer, or a frame naming a bad ring; a decode worker 
 inline frames; a full ring sends inline instead of waiting."""
 from __future__ import annotations
 
-import glob
 import os
 import time
 
@@ -25,8 +24,22 @@ pytestmark = pytest.mark.skipif(not shm.host_identity(), reason="needs /dev/shm 
 RING = 64 << 10          # a few frames of the tiny model: the ring wraps and fills
 
 
+_MADE: list[str] = []     # the rings this process made (other tests, other processes make theirs)
+
+
+@pytest.fixture(autouse=True)
+def _rings_made_here(monkeypatch):
+    make = shm.SegmentRing.__init__
+
+    def recording(self, *args, **kwargs):
+        make(self, *args, **kwargs)
+        _MADE.append(os.path.join(shm.SHM_DIR, self.name))
+    monkeypatch.setattr(shm.SegmentRing, "__init__", recording)
+
+
 def segments() -> set[str]:
-    return set(glob.glob(os.path.join(shm.SHM_DIR, shm.PREFIX + "*")))
+    """This process's rings still in /dev/shm (a parallel test's own are none of its business)."""
+    return {path for path in _MADE if os.path.exists(path)}
 
 
 def run_pair(llama, ids: dict, *, d_shm: bool, abort: str = "", max_tokens: int = 8):
@@ -46,16 +59,23 @@ def run_pair(llama, ids: dict, *, d_shm: bool, abort: str = "", max_tokens: int 
             out += p.run([Dispatch(request_id=rid, epoch=1, prompt_token_ids=toks, params=greedy(max_tokens),
                                    reply_addr="gw", detok_addr="dt", handoff_to=d_addr)])
         aborted = not abort
+        if abort:   # right after the first message of its transfer D handles (one poll may take them all)
+            handle = receiver.endpoint._handle
+
+            def handle_then_abort(parts):
+                nonlocal aborted
+                handle(parts)
+                if not aborted and d.engine.is_importing(abort):
+                    aborted = True
+                    out.extend(d.run([Abort(request_id=abort)]) + p.run([Abort(request_id=abort)]))
+            receiver.endpoint._handle = handle_then_abort
         deadline = time.monotonic() + 120
         while (p.requests or p._sending or d.requests or d.awaiting) and time.monotonic() < deadline:
-            inbox: list = []
-            if not aborted and d.engine.is_importing(abort):
-                inbox, aborted = [Abort(request_id=abort)], True
-            out += p.run(inbox)
+            out += p.run([])
             hand_off_round(p, sender, out)
             receiver.poll()
             d.adopt_imports()
-            out += d.run(inbox)
+            out += d.run([])
             time.sleep(0.001)
         assert aborted, "the aborted request's transfer was never seen in flight"
     finally:
