@@ -30,7 +30,9 @@ from tests.helm.chart import CHART, RELEASE, containers, env_of, helm, run_helm 
 
 # EngineConfig fields that are deliberately no flag, with the way they are set instead.
 NOT_FLAGS = {"tuning": "the KVMESH_* tuning variables (services/config.py's TUNING_ENV), read when "
-                       "an EngineConfig is built"}
+                       "an EngineConfig is built",
+             "kv_offload_shared_key": "a secret: the worker derives it from its --trust-dir (shared_tier_key)"}
+SHARED_KEY = bytes(range(32))          # what a worker's trust directory gives when the samples share a tier
 # Engine fields `kvmesh serve` sets per worker itself rather than through _engine_flags.
 PER_WORKER = ("model", "device", "kv_offload_dir")
 # Engine fields the Helm chart sets from values of its own, and why.
@@ -105,7 +107,7 @@ def test_serve_flags_reach_the_workers_engine(samples):
     serve = parse_config(ServeConfig, _flags(samples), "kvmesh serve", env={})
     handed_on = _engine_flags(serve)
     worker_argv = ["--model", serve.model, "--device", serve.device, *handed_on, *_disk_tier_flags(serve, "worker-0")]
-    config = engine_config(parse_config(WorkerConfig, worker_argv, "kvmesh worker", env={}))
+    config = engine_config(parse_config(WorkerConfig, worker_argv, "kvmesh worker", env={}), SHARED_KEY)
     for name, value in samples.items():
         if name == "kv_offload_dir":             # one directory per worker, under serve's
             value = f"{value}/worker-0"
@@ -138,7 +140,7 @@ def test_worker_flags_and_env_reach_the_engine(source, samples):
     else:
         env = {env_name(name): _as_text(value) for name, value in samples.items()}
         cfg = parse_config(WorkerConfig, [], "kvmesh worker", env=env)
-    config = engine_config(cfg)
+    config = engine_config(cfg, SHARED_KEY)
     for name, value in samples.items():
         assert getattr(config, name) == value, name
 
