@@ -105,8 +105,9 @@ class EngineConfig(EngineArgs):
         if self.kv_offload_shared_dir is not None:
             if self.kv_offload_shared_key is None:
                 raise bad("kv_offload_shared_dir", "the shared tier needs kv_offload_shared_key, the key that "
-                                                   "authenticates its files (kvmesh worker derives it from "
-                                                   "--trust-dir): other processes may write that directory")
+                                                   "authenticates its files (other processes may write that "
+                                                   "directory): kvmesh worker and serve derive it from the "
+                                                   "trust directory, LLM(...) takes it, kvmesh generate has none")
             key = self.kv_offload_shared_key
             # shared_file.check_key's bounds, not imported: this module stays free of torch
             if not isinstance(key, bytes) or not 32 <= len(key) <= 64:

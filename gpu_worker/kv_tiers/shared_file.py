@@ -16,7 +16,8 @@ HMAC-SHA256 rather than keyed BLAKE2b: on a 2 MiB payload it ran at ~1.5 GB/s ag
 ~0.7 GB/s on one core of an AMD EPYC (SHA extensions, which every x86 server CPU of the last years
 and Arm v8.2 have; OpenSSL through hashlib, which releases the GIL). It is paid on the writer thread
 for writes and inside the timed read for loads: the shared tier's measured bandwidth, which the
-load-or-recompute policy uses, already includes it.
+load-or-recompute policy uses, already includes it (a 2 MiB block's read from the page cache took
+~2 ms with the tag, ~0.15 ms without).
 """
 from __future__ import annotations
 

@@ -148,7 +148,8 @@ def test_worker_flags_and_env_reach_the_engine(source, samples):
 @pytest.mark.parametrize("samples", rounds(OFFLINE_SAMPLES))
 def test_generate_flags_reach_the_engine(samples):
     args = generate_parser().parse_args(["--model", "/m", "--prompt", "Hi", *_flags(samples)])
-    config = EngineConfig.from_kwargs(**_engine_args(args))
+    # kvmesh generate has no trust directory: its shared tier's key comes only through LLM(...)
+    config = EngineConfig.from_kwargs(**_engine_args(args), kv_offload_shared_key=SHARED_KEY)
     for name, value in samples.items():
         assert getattr(config, name) == value, name
 
@@ -158,7 +159,7 @@ def test_llm_takes_every_field_as_a_keyword(samples):
     params = inspect.signature(LLM.__init__).parameters
     assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     assert not (set(ENGINE_FIELDS) - {"model"}) & set(params), "an LLM parameter hides an engine field"
-    config = EngineConfig.from_kwargs(**{"model": "/m", **samples})
+    config = EngineConfig.from_kwargs(**{"model": "/m", **samples}, kv_offload_shared_key=SHARED_KEY)
     for name, value in samples.items():
         assert getattr(config, name) == value, name
 
@@ -185,7 +186,7 @@ def test_helm_worker_engine_reaches_the_engine(helm, tmp_path, samples):
     engine_env = {env_name(name) for name in ENGINE_FIELDS}
     for pod, container in _worker_pods(helm, values, tmp_path).items():
         env = {name: e["value"] for name, e in env_of(container).items() if name in engine_env}
-        config = engine_config(parse_config(WorkerConfig, [], "kvmesh worker", env=env))
+        config = engine_config(parse_config(WorkerConfig, [], "kvmesh worker", env=env), SHARED_KEY)
         for name, value in samples.items():
             assert getattr(config, name) == value, (pod, name)
 
