@@ -8,6 +8,10 @@ against the model and the device.
 `EngineConfig.tuning` (gpu_worker/tuning.py's KernelTuning) holds the kernel choices; its default
 is built at construction by `tuning_from_env`, the one place that reads the KVMESH_* tuning
 overrides (TUNING_ENV), so that benchmarks can A/B a serving stack without new flags.
+
+`EngineConfig.kv_offload_shared_key` is the MAC key of the shared KV tier's files: a secret, so no
+flag (argv is readable by every local user) and no repr; a worker derives it from its trust
+directory.
 """
 from __future__ import annotations
 
@@ -68,6 +72,13 @@ class EngineConfig(EngineArgs):
     path, PDL. No flag: the H200-measured defaults with the KVMESH_* overrides of the environment
     (tuning_from_env), read when the config is built."""
 
+    kv_offload_shared_key: bytes | None = field(default=None, repr=False)
+    """The shared KV tier's MAC key (32 to 64 bytes; gpu_worker/kv_tiers/shared_file.py), required
+    with kv_offload_shared_dir: every engine that shares the directory must hold it, and nothing
+    else may. A worker derives it from its trust directory's worker secret
+    (services/security/bundle.shared_kv_key); offline, pass secrets.token_bytes(32) kept as
+    privately as the directory. No flag: argv is readable by every local user."""
+
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"invalid engine argument {name}: {why}")
@@ -91,6 +102,16 @@ class EngineConfig(EngineArgs):
                                                "both or neither")
         if self.kv_offload_shared_dir is not None and self.tensor_parallel_size > 1:
             raise bad("kv_offload_shared_dir", "the shared KV tier runs with tensor_parallel_size 1 only")
+        if self.kv_offload_shared_dir is not None:
+            if self.kv_offload_shared_key is None:
+                raise bad("kv_offload_shared_dir", "the shared tier needs kv_offload_shared_key, the key that "
+                                                   "authenticates its files (other processes may write that "
+                                                   "directory): kvmesh worker and serve derive it from the "
+                                                   "trust directory, LLM(...) takes it, kvmesh generate has none")
+            key = self.kv_offload_shared_key
+            # shared_file.check_key's bounds, not imported: this module stays free of torch
+            if not isinstance(key, bytes) or not 32 <= len(key) <= 64:
+                raise bad("kv_offload_shared_key", "must be 32 to 64 bytes")
         if self.kv_offload_enabled and not self.enable_prefix_caching:
             raise bad("kv_offload_cpu_gb", "KV offload needs enable_prefix_caching (blocks are found by their hash)")
         try:

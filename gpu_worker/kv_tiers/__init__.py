@@ -8,6 +8,7 @@ share; offload on eviction, reload on a hit.
     host_tier.py    the host slot pool and its LRU
     disk_tier.py    one checked file per block in a private directory
     shared_tier.py  the same files in a directory every worker on the node uses at once
+    shared_file.py  its files: the tier-file format with a MAC keyed by the workers' trust material
     tier_file.py    the file format (header, checksum) and its checks
     load_policy.py  load or recompute, per request
     tier_stats.py   counters and histograms
@@ -34,7 +35,8 @@ def build_kv_tiers(engine) -> KVTiers:
     return KVTiers(engine.block_manager, engine.runner.kv_caches, layout_of(engine),
                    cpu_bytes=int(cfg.kv_offload_cpu_gb * GIB) // tp, disk_dir=disk_dir,
                    disk_bytes=int(cfg.kv_offload_disk_gb * GIB) // tp, policy=cfg.kv_load_policy, mirror=mirror,
-                   shared_dir=cfg.kv_offload_shared_dir, shared_bytes=int(cfg.kv_offload_shared_gb * GIB))
+                   shared_dir=cfg.kv_offload_shared_dir, shared_bytes=int(cfg.kv_offload_shared_gb * GIB),
+                   shared_key=cfg.kv_offload_shared_key)
 
 
 __all__ = ["KVTiers", "TieredScheduler", "build_kv_tiers"]

@@ -64,7 +64,7 @@ class PendingLoad(NamedTuple):
 class KVTiers:
     def __init__(self, block_manager, kv_caches, layout: KVLayout, *, cpu_bytes: int, disk_dir: str | None,
                  disk_bytes: int, policy: str, mirror: TierMirror | None = None, shared_dir: str | None = None,
-                 shared_bytes: int = 0) -> None:
+                 shared_bytes: int = 0, shared_key: bytes | None = None) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.mover = BlockMover(kv_caches)
@@ -75,7 +75,7 @@ class KVTiers:
         self.disk = (DiskTier(disk_dir, disk_bytes // file_bytes, layout, bb)
                      if disk_dir and disk_bytes >= file_bytes else None)
         # the lowest tier: other workers' blocks to load, ours when they leave the private tiers
-        self.shared = (SharedTier(shared_dir, shared_bytes, layout, bb)
+        self.shared = (SharedTier(shared_dir, shared_bytes, layout, bb, shared_key)
                        if shared_dir and shared_bytes >= file_bytes else None)
         self.policy = LoadPolicy(policy, bb, self.block_size)
         self.stats = TierStats()

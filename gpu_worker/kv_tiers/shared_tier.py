@@ -2,16 +2,21 @@
 conversation that moves to another worker loads its history instead of recomputing it.
 
     <dir>/ (0700, ours)
-      <layout key>/ (0700)       16 hex digits of xxh3-64 over the engine's KVLayout: engines of
-                                 another model or layout never meet on a block's name
-        <hash>.kvb (0600)        tier_file.py's format, written as <hash>.kvb.<pid>-<n>.tmp, then
-                                 renamed: a reader sees a whole file or none
+      <layout>-<key id>/ (0700)  16 hex digits of xxh3-64 over the engine's KVLayout, and 16 naming
+                                 the MAC key (shared_file.key_id): engines of another model, layout
+                                 or deployment never meet on a block's name
+        <hash>.kvb (0600)        shared_file.py's format (tier_file's, then a MAC), written as
+                                 <hash>.kvb.<pid>-<n>.tmp, then renamed: a reader sees a whole file
+                                 or none
 
 No lock and no index, since the files are other workers' as much as ours: a lookup is one stat
-of the block's name, a load reads the file and makes every check of tier_file.decode. A file that
-vanished (another writer's bound deleted it) is a miss; one that fails a check is deleted and is
-a miss too: the caller recomputes the block, a request never fails for this tier. Blocks here
-belong to no worker, so they are not KV events (the prefix index routes by the private tiers).
+of the block's name, a load reads the file and checks its MAC, then every check of
+tier_file.decode. Other processes may be able to write here (a pod mounting the same hostPath, one
+of the same uid), so the MAC, keyed by the workers' trust material, is what makes a file KV: one
+that vanished (another writer's bound deleted it) is a miss; one that fails the MAC or a check is
+deleted and is a miss too (one warning a minute): the caller recomputes the block, a request never
+fails for this tier. Blocks here belong to no worker, so they are not KV events (the prefix index
+routes by the private tiers).
 
 Size: every writer bounds the whole directory. It estimates the bytes there from a scan plus its
 own writes since, and scans again when that estimate passes the bound, every SCAN_EVERY_S
@@ -35,7 +40,7 @@ from typing import NamedTuple
 import msgspec
 import xxhash
 
-from gpu_worker.kv_tiers import tier_file
+from gpu_worker.kv_tiers import shared_file, tier_file
 from gpu_worker.kv_tiers.disk_tier import DiskBlock, _read_at_most, _unlink_path, owned_directory, write_file
 from gpu_worker.kv_transfer.layout import KVLayout
 
@@ -57,18 +62,20 @@ class ScanResult(NamedTuple):
 
 
 class SharedTier:
-    def __init__(self, directory: str, max_bytes: int, layout: KVLayout, payload_len: int,
+    def __init__(self, directory: str, max_bytes: int, layout: KVLayout, payload_len: int, key: bytes,
                  max_queued: int = 64) -> None:
+        shared_file.check_key(key)
         self.root = directory
+        self._key = key
         self.max_bytes = max_bytes
         self.layout = layout
         self.payload_len = payload_len
-        self.file_bytes = payload_len + tier_file.file_overhead(layout.block_size)   # at most
+        self.file_bytes = payload_len + tier_file.file_overhead(layout.block_size) + shared_file.MAC_BYTES  # at most
         self.max_queued = max_queued
         self.scan_every_writes = max(1, min(SCAN_EVERY_WRITES, max_bytes // self.file_bytes // 16))
         owned_directory(directory, FLAG)
-        key = xxhash.xxh3_64_hexdigest(msgspec.msgpack.encode(layout))
-        self.directory = os.path.join(directory, key)
+        name = f"{xxhash.xxh3_64_hexdigest(msgspec.msgpack.encode(layout))}-{shared_file.key_id(key)}"
+        self.directory = os.path.join(directory, name)
         owned_directory(self.directory, FLAG)
         self.num_corrupt = 0            # files dropped because they did not verify
         self.num_write_errors = 0
@@ -78,7 +85,8 @@ class SharedTier:
         self._queued: dict[bytes, tuple[Future, bytearray]] = {}      # writes not done, oldest first
         self._copies: list[tuple[int, float]] = []                    # (bytes, seconds) of file I/O
         self._tmp_names = itertools.count()
-        self._warned_at = -_WARN_EVERY_S
+        self._warned_at = -_WARN_EVERY_S          # write failures
+        self._dropped_warned_at = -_WARN_EVERY_S  # files that did not verify
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-kv-shared")
 
     def _path(self, block_hash: bytes) -> str:
@@ -104,8 +112,8 @@ class SharedTier:
             # a name of our own: two workers writing the same block never share a .tmp
             tmp = f"{path}.{os.getpid()}-{next(self._tmp_names)}.tmp"
             t = time.perf_counter()
-            size = write_file(path, tmp, tier_file.encode(block_hash, self.layout, payload, block.parent,
-                                                          block.token_ids), exclusive=True)
+            size = write_file(path, tmp, shared_file.encode(self._key, block_hash, self.layout, payload,
+                                                            block.parent, block.token_ids), exclusive=True)
             self._copies.append((len(payload), time.perf_counter() - t))
             self.estimate = ScanResult(self.estimate.files + 1, self.estimate.bytes + size, 0)
             self._writes_since_scan += 1
@@ -145,7 +153,8 @@ class SharedTier:
     # ---- reads ---------------------------------------------------------------------------
     def read(self, block_hash: bytes) -> memoryview | None:
         """The verified payload of a block, or None: no file (never written, or deleted by a
-        bound), or one that does not verify (deleted here)."""
+        bound), or one that does not verify (deleted here). The time taken, MAC included, is the
+        tier's read bandwidth."""
         queued = self._queued.get(block_hash)
         if queued is not None:                   # our own write, not settled yet: its bytes
             return memoryview(queued[1])
@@ -157,10 +166,14 @@ class SharedTier:
             return None
         try:
             data = _read_at_most(fd, self.file_bytes + 1)
-            payload = tier_file.decode(data, block_hash, self.layout, self.payload_len)
+            payload = shared_file.decode(self._key, data, block_hash, self.layout, self.payload_len)
         except (OSError, tier_file.TierFileError) as e:
-            log.warning("KV shared tier: dropped block %s (%s); it will be recomputed", block_hash.hex(), e)
             self.num_corrupt += 1
+            now = time.monotonic()
+            if now - self._dropped_warned_at >= _WARN_EVERY_S:
+                self._dropped_warned_at = now
+                log.warning("KV shared tier %s: dropped block %s (%s); it will be recomputed (%d files "
+                            "dropped so far)", self.directory, block_hash.hex(), e, self.num_corrupt)
             _unlink_path(path)
             return None
         finally:

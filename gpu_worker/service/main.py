@@ -59,6 +59,7 @@ from services.model_names import path_aliases, served_names
 from services.protocol.messages import Abort, AwaitKV, Dispatch, WorkerInbox
 from services.redis_client import RedisAuth
 from services.registry import Lease, Membership, Registry
+from services.security import bundle
 from services.security.curve import Plane, plane_or_exit, with_role
 from services.shell import arm_stop_deadline
 from services.transport import SenderPool, SyncReceiver, add_health, grpc_server, run_async, set_serving, tcp_addr
@@ -74,7 +75,20 @@ log = logging.getLogger("kvmesh.worker")
 SENDERS = {Dispatch: ("scheduler",), AwaitKV: ("scheduler",), Abort: ("scheduler", "gateway")}
 
 
-def build_engine(cfg: WorkerConfig) -> Any:
+def shared_tier_key(cfg: WorkerConfig, plane: Plane) -> bytes | None:
+    """The MAC key of the shared KV tier's files, derived from the worker's trust material (every
+    worker of the deployment holds the same); None without a shared tier. Raises ValueError naming
+    the flags where there is no trust material: never a shared tier without authentication."""
+    if not cfg.kv_offload_shared_dir:
+        return None
+    if plane.trust is None:
+        raise ValueError("--kv-offload-shared-dir is refused with --insecure-internal-planes: the shared tier's "
+                         "files are authenticated with a key derived from the worker's --trust-dir, and without "
+                         "it any process that can write that directory could plant KV that other requests read")
+    return bundle.shared_kv_key(plane.trust)
+
+
+def build_engine(cfg: WorkerConfig, shared_key: bytes | None = None) -> Any:
     if cfg.null_model:
         from gpu_worker.service.null_engine import NullEngine
         vocab = cfg.null_vocab_size
@@ -84,11 +98,12 @@ def build_engine(cfg: WorkerConfig) -> Any:
                           num_blocks=cfg.num_gpu_blocks or 65536, max_model_len=cfg.max_model_len or 4096,
                           step_ms=cfg.null_step_ms)
     from gpu_worker.engine import Engine
-    return Engine(engine_config(cfg))
+    return Engine(engine_config(cfg, shared_key))
 
 
-def engine_config(cfg: WorkerConfig) -> Any:
-    """The EngineConfig of the worker's engine fields (all of EngineArgs'; tuning from the env)."""
+def engine_config(cfg: WorkerConfig, shared_key: bytes | None = None) -> Any:
+    """The EngineConfig of the worker's engine fields (all of EngineArgs'; tuning from the env)
+    and the shared tier's key (shared_tier_key)."""
     from gpu_worker.config import EngineConfig
     args = engine_args_of(cfg)
     if cfg.role == "prefill" and args["speculative_config"] and _spec_method(args["speculative_config"]) != "mtp":
@@ -100,7 +115,7 @@ def engine_config(cfg: WorkerConfig) -> Any:
         # pool the same flags).
         log.info("--speculative-config is ignored on a prefill worker: speculation runs on the decode workers")
         args["speculative_config"] = None
-    return EngineConfig(**args)
+    return EngineConfig(**args, kv_offload_shared_key=shared_key)
 
 
 def _spec_method(text: str) -> str | None:
@@ -295,7 +310,7 @@ class WorkerService:
         await server.start()
         metrics_port = metrics.serve_metrics(cfg.host, cfg.metrics_port, "worker")
         try:
-            engine = await asyncio.to_thread(build_engine, cfg)
+            engine = await asyncio.to_thread(build_engine, cfg, shared_tier_key(cfg, self.plane))
         except (ValueError, FileNotFoundError) as exc:   # settings the model or this machine refuses
             log.error("cannot start the engine: %s", exc)
             log.debug("engine start-up", exc_info=True)

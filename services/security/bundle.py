@@ -10,6 +10,8 @@
 Roles are per service, not per process: every worker holds the worker key. A peer proves its role
 by holding the role's secret (the CURVE handshake, the TLS client certificate); what a role may
 send is checked by the receiver (services/security/curve.py names the sender's role per message).
+The worker secret also keys the MAC of the shared KV tier's files (`shared_kv_key`): every worker
+of a deployment, and nothing else, can write a block another worker accepts.
 
 `kvmesh serve` makes a fresh one in a private temporary folder at start (`generate`); on Kubernetes
 `kvmesh keys generate` makes one that the chart mounts from Secrets, a role's secret only into
@@ -18,6 +20,7 @@ that role's pods. Nothing here is ever sent on a socket.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import secrets
 from pathlib import Path
@@ -165,6 +168,16 @@ def load(root: str | os.PathLike, role: str) -> Trust:
     return Trust(role=role, curve_secret=_read(paths.curve_secret(role)), curve_public=_read(paths.curve_public(role)),
                  curve_peers=peers, redis_password=_read(paths.redis_password).decode(),
                  ca_cert=_read(paths.ca_cert), tls_cert=_read(paths.tls_cert(role)), tls_key=_read(paths.tls_key(role)))
+
+
+def shared_kv_key(trust: Trust) -> bytes:
+    """The key of the shared KV tier's file MAC (gpu_worker/kv_tiers/shared_file.py): keyed BLAKE2b
+    (a PRF) of the worker's CURVE secret, personalized so that it is no other use's key and reveals nothing
+    of the secret. Every worker of one trust directory derives the same 32 bytes."""
+    if trust.role != "worker":
+        raise TrustError(f"the shared KV tier's key is the worker role's, not {trust.role!r}'s")
+    return hashlib.blake2b(b"shared KV tier files", key=trust.curve_secret, digest_size=32,
+                           person=b"kvmesh-shared-kv").digest()
 
 
 def _mounted_secret(path: Path) -> bool:

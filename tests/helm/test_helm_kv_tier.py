@@ -93,6 +93,18 @@ def test_settings_that_cannot_work_are_refused(helm, args, message):
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
 
 
+def _shared_kv_key_source(pod_spec: dict) -> str:
+    """The Secret a worker derives its shared-tier MAC key from: the worker CURVE secret of the
+    trust volume mounted where KVMESH_TRUST_DIR points (services/security/bundle.shared_kv_key)."""
+    (trust,) = [v["secret"] for v in pod_spec["volumes"] if v["name"] == "trust"]
+    assert {"key": "curve-worker.secret", "path": "curve/worker.secret"} in trust["items"]
+    (c,) = pod_spec["containers"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "trust"]
+    assert env_of(c)["KVMESH_TRUST_DIR"]["value"] == mount["mountPath"]
+    assert "KVMESH_INSECURE_INTERNAL_PLANES" not in env_of(c)
+    return trust["secretName"]
+
+
 def test_the_shared_tier_is_a_node_directory_or_an_existing_claim(helm, tmp_path_factory):
     docs = render(helm, "kv-tier", tmp_path_factory)
     decode = by_kind(docs, "Deployment")[f"{FULLNAME}-decode"]["spec"]["template"]["spec"]
@@ -106,6 +118,7 @@ def test_the_shared_tier_is_a_node_directory_or_an_existing_claim(helm, tmp_path
         env = env_of(c)
         assert mount["mountPath"] == "/var/cache/kvmesh-shared"
         assert env["KVMESH_KV_OFFLOAD_SHARED_DIR"]["value"] == "/var/cache/kvmesh-shared/kv-shared"
+        assert _shared_kv_key_source(pod) == f"{FULLNAME}-trust-worker"      # one key for every pool
     assert env_of(decode["containers"][0])["KVMESH_KV_OFFLOAD_SHARED_GB"]["value"] == "50"
     prefill = by_kind(docs, "StatefulSet")[f"{FULLNAME}-prefill"]["spec"]["template"]["spec"]
     assert "kv-shared" not in {v["name"] for v in prefill["volumes"]}       # off by default
@@ -117,6 +130,8 @@ def test_the_shared_tier_is_a_node_directory_or_an_existing_claim(helm, tmp_path
      "engine.kv-offload-shared-gb and kvOffload.shared"),
     (["--set", "worker.kvOffload.shared.enabled=true", "--set", "worker.gpus=2"], "kvOffload.shared needs gpus 1"),
     (["--set", "worker.kvOffload.shared.hostPath=relative"], "schema"),
+    (["--set", "workerPools.decode.kvOffload.shared.enabled=true", "--set", "security.insecureInternalPlanes=true"],
+     "workerPools.decode: kvOffload.shared needs the trust Secrets"),
 ])
 def test_shared_tier_settings_that_cannot_work_are_refused(helm, args, message):
     out = run_helm(helm, "template", RELEASE, str(CHART), *args)

@@ -30,7 +30,9 @@ from tests.helm.chart import CHART, RELEASE, containers, env_of, helm, run_helm 
 
 # EngineConfig fields that are deliberately no flag, with the way they are set instead.
 NOT_FLAGS = {"tuning": "the KVMESH_* tuning variables (services/config.py's TUNING_ENV), read when "
-                       "an EngineConfig is built"}
+                       "an EngineConfig is built",
+             "kv_offload_shared_key": "a secret: the worker derives it from its --trust-dir (shared_tier_key)"}
+SHARED_KEY = bytes(range(32))          # what a worker's trust directory gives when the samples share a tier
 # Engine fields `kvmesh serve` sets per worker itself rather than through _engine_flags.
 PER_WORKER = ("model", "device", "kv_offload_dir")
 # Engine fields the Helm chart sets from values of its own, and why.
@@ -105,7 +107,7 @@ def test_serve_flags_reach_the_workers_engine(samples):
     serve = parse_config(ServeConfig, _flags(samples), "kvmesh serve", env={})
     handed_on = _engine_flags(serve)
     worker_argv = ["--model", serve.model, "--device", serve.device, *handed_on, *_disk_tier_flags(serve, "worker-0")]
-    config = engine_config(parse_config(WorkerConfig, worker_argv, "kvmesh worker", env={}))
+    config = engine_config(parse_config(WorkerConfig, worker_argv, "kvmesh worker", env={}), SHARED_KEY)
     for name, value in samples.items():
         if name == "kv_offload_dir":             # one directory per worker, under serve's
             value = f"{value}/worker-0"
@@ -138,7 +140,7 @@ def test_worker_flags_and_env_reach_the_engine(source, samples):
     else:
         env = {env_name(name): _as_text(value) for name, value in samples.items()}
         cfg = parse_config(WorkerConfig, [], "kvmesh worker", env=env)
-    config = engine_config(cfg)
+    config = engine_config(cfg, SHARED_KEY)
     for name, value in samples.items():
         assert getattr(config, name) == value, name
 
@@ -146,7 +148,8 @@ def test_worker_flags_and_env_reach_the_engine(source, samples):
 @pytest.mark.parametrize("samples", rounds(OFFLINE_SAMPLES))
 def test_generate_flags_reach_the_engine(samples):
     args = generate_parser().parse_args(["--model", "/m", "--prompt", "Hi", *_flags(samples)])
-    config = EngineConfig.from_kwargs(**_engine_args(args))
+    # kvmesh generate has no trust directory: its shared tier's key comes only through LLM(...)
+    config = EngineConfig.from_kwargs(**_engine_args(args), kv_offload_shared_key=SHARED_KEY)
     for name, value in samples.items():
         assert getattr(config, name) == value, name
 
@@ -156,7 +159,7 @@ def test_llm_takes_every_field_as_a_keyword(samples):
     params = inspect.signature(LLM.__init__).parameters
     assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     assert not (set(ENGINE_FIELDS) - {"model"}) & set(params), "an LLM parameter hides an engine field"
-    config = EngineConfig.from_kwargs(**{"model": "/m", **samples})
+    config = EngineConfig.from_kwargs(**{"model": "/m", **samples}, kv_offload_shared_key=SHARED_KEY)
     for name, value in samples.items():
         assert getattr(config, name) == value, name
 
@@ -183,7 +186,7 @@ def test_helm_worker_engine_reaches_the_engine(helm, tmp_path, samples):
     engine_env = {env_name(name) for name in ENGINE_FIELDS}
     for pod, container in _worker_pods(helm, values, tmp_path).items():
         env = {name: e["value"] for name, e in env_of(container).items() if name in engine_env}
-        config = engine_config(parse_config(WorkerConfig, [], "kvmesh worker", env=env))
+        config = engine_config(parse_config(WorkerConfig, [], "kvmesh worker", env=env), SHARED_KEY)
         for name, value in samples.items():
             assert getattr(config, name) == value, (pod, name)
 

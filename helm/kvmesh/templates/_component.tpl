@@ -22,7 +22,7 @@ Pods carry `kvmesh.io/service: <service>`, the label the NetworkPolicies and the
 {{- $portName := ternary "http" "grpc" .http }}
 {{- $autoscaled := or (dig "autoscaling" "enabled" false $v) (dig "keda" "enabled" false $v) .plannerScaled }}
 {{- $disk := and .role (dig "kvOffload" "disk" "enabled" false $v) }}
-{{- $shared := and .role (include "kvmesh.kvSharedTier" (dict "values" $v "pool" .role)) }}
+{{- $shared := and .role (include "kvmesh.kvSharedTier" (dict "values" $v "pool" .role "insecure" $root.Values.security.insecureInternalPlanes)) }}
 apiVersion: apps/v1
 kind: {{ ternary "StatefulSet" "Deployment" (default false .stateful) }}
 metadata:

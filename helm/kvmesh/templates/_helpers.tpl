@@ -419,7 +419,9 @@ worker), else empty; fails on settings that cannot work together.
 
 {{/*
 A worker pool's shared KV tier (kvOffload.shared): "true" when on; fails on settings that cannot
-work together (the engine runs it with one GPU per pod only).
+work together (the engine runs it with one GPU per pod only; its files' MAC key comes from the
+worker trust Secret, which every pool mounts, so not with security.insecureInternalPlanes).
+Call with (dict "values" $v "pool" <role> "insecure" <security.insecureInternalPlanes>).
 */}}
 {{- define "kvmesh.kvSharedTier" -}}
 {{- $s := dig "kvOffload" "shared" (dict) .values }}
@@ -431,6 +433,9 @@ work together (the engine runs it with one GPU per pod only).
 {{- end }}
 {{- if gt (int .values.gpus) 1 }}
 {{- fail (printf "workerPools.%s: kvOffload.shared needs gpus 1 (the shared KV tier runs without tensor parallelism)" $.pool) }}
+{{- end }}
+{{- if .insecure }}
+{{- fail (printf "workerPools.%s: kvOffload.shared needs the trust Secrets (its files are authenticated with a key derived from the worker's): unset security.insecureInternalPlanes" $.pool) }}
 {{- end }}
 true
 {{- end }}

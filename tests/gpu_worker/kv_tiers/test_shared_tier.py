@@ -1,6 +1,7 @@
 """The shared tier: one directory that several engines use at once. A conversation one engine
-drained there is loaded by another with transformers' tokens; a file that is torn, flipped or of
-another layout is a miss, deleted and recomputed; two writers keep the directory's bound."""
+drained there is loaded by another with transformers' tokens; a file that is torn, flipped, of
+another layout or forged (a valid checksum, not the deployment's MAC) is a miss, deleted and
+recomputed; two writers keep the directory's bound."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from gpu_worker.kv_tiers import tier_file
+from gpu_worker.kv_tiers import shared_file, tier_file
 from gpu_worker.kv_tiers.disk_tier import DiskBlock
 from gpu_worker.kv_tiers.drain_to_disk import drain_to_disk
 from gpu_worker.kv_tiers.shared_tier import SharedTier
@@ -22,6 +23,8 @@ from tests.gpu_worker.kv_tiers.conftest import (
 LAYOUT = KVLayout("m", 4, "float32", 1, 1, 8, 1)
 PAYLOAD = 4096
 SHARED_GB = 0.001
+KEY = bytes(range(32))                  # the deployment's key (a worker derives it from its trust dir)
+OTHER_KEY = bytes(range(1, 33))
 
 
 def block(i: int) -> tuple[bytes, bytearray]:
@@ -40,7 +43,8 @@ def total_bytes(root) -> int:
 
 def test_a_drained_conversation_is_loaded_by_another_engine(llama, tmp_path):
     model_dir, hf = llama
-    shared = dict(kv_offload_shared_dir=str(tmp_path / "shared"), kv_offload_shared_gb=SHARED_GB)
+    shared = dict(kv_offload_shared_dir=str(tmp_path / "shared"), kv_offload_shared_gb=SHARED_GB,
+                  kv_offload_shared_key=KEY)
     a = tiered_engine(model_dir, num_gpu_blocks=16, **shared)          # no host tier: evictions go to shared
     b = tiered_engine(model_dir, **shared)                             # no lock: both at once
     try:
@@ -71,9 +75,34 @@ def test_a_drained_conversation_is_loaded_by_another_engine(llama, tmp_path):
         b.close()
 
 
-def test_a_bad_shared_file_is_a_miss_and_the_block_is_recomputed(llama, tmp_path):
+def _flip_last_payload_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-shared_file.MAC_BYTES - 1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-shared_file.MAC_BYTES - 1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def _forge(tier: SharedTier, block_hash: bytes, key: bytes | None) -> None:
+    """Replace a good file by one a process without the deployment's key can make: the same header
+    (block hash, parent, token ids, layout), other KV with a valid xxh3, and no MAC or another key's."""
+    with open(tier._path(block_hash), "rb") as f:
+        data = f.read()
+    header_len = tier_file.header_length(data, tier.layout)
+    header = tier_file.decode_header(data[tier_file.LEN_BYTES:tier_file.LEN_BYTES + header_len], block_hash,
+                                     tier.layout, tier.payload_len)
+    payload = bytes(header.payload_len)                                # KV of the forger's choosing
+    args = (block_hash, tier.layout, payload, header.parent, header.token_ids)
+    parts = tier_file.encode(*args) if key is None else shared_file.encode(key, *args)
+    with open(tier._path(block_hash), "wb") as f:
+        f.write(b"".join(bytes(p) for p in parts))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "unsigned", "other key"])
+def test_a_bad_shared_file_is_a_miss_and_the_block_is_recomputed(llama, tmp_path, damage):
     model_dir, hf = llama
-    shared = dict(kv_offload_shared_dir=str(tmp_path / "shared"), kv_offload_shared_gb=SHARED_GB)
+    shared = dict(kv_offload_shared_dir=str(tmp_path / "shared"), kv_offload_shared_gb=SHARED_GB,
+                  kv_offload_shared_key=KEY)
     a = tiered_engine(model_dir, **shared)
     b = tiered_engine(model_dir, **shared)
     try:
@@ -81,12 +110,11 @@ def test_a_bad_shared_file_is_a_miss_and_the_block_is_recomputed(llama, tmp_path
         answer, _ = run(a, "turn-0", history)
         drain_to_disk(a.kv_tiers, time.monotonic() + 30)
         hashes = prompt_hashes(b, history)
-        path = b.kv_tiers.shared._path(hashes[3])                      # a byte flipped in block 3's payload
-        with open(path, "r+b") as f:
-            f.seek(-1, os.SEEK_END)
-            last = f.read(1)
-            f.seek(-1, os.SEEK_END)
-            f.write(bytes([last[0] ^ 0xFF]))
+        path = b.kv_tiers.shared._path(hashes[3])                      # block 3's file damaged or forged
+        if damage == "flipped":
+            _flip_last_payload_byte(path)
+        else:
+            _forge(b.kv_tiers.shared, hashes[3], None if damage == "unsigned" else OTHER_KEY)
         prompt = history + answer + tokens(5, 5)
         reply, cached = run(b, "turn-1", prompt)
         assert reply == hf.greedy(prompt, len(reply))[0]
@@ -99,7 +127,7 @@ def test_a_bad_shared_file_is_a_miss_and_the_block_is_recomputed(llama, tmp_path
 
 
 def test_torn_flipped_and_foreign_files_are_deleted_misses(tmp_path):
-    tier = SharedTier(str(tmp_path / "shared"), 1 << 20, LAYOUT, PAYLOAD)
+    tier = SharedTier(str(tmp_path / "shared"), 1 << 20, LAYOUT, PAYLOAD, KEY)
     try:
         torn, flipped, foreign, good = (write(tier, i) for i in range(4))
         tier.drain()
@@ -109,8 +137,8 @@ def test_torn_flipped_and_foreign_files_are_deleted_misses(tmp_path):
             f.seek(-7, os.SEEK_END)
             f.write(b"\x00\x01")
         other = msgspec.structs.replace(LAYOUT, model_id="another")
-        with open(tier._path(foreign), "wb") as f:
-            for part in tier_file.encode(foreign, other, block(2)[1], None, (2,) * 4):
+        with open(tier._path(foreign), "wb") as f:      # signed with the key: the layout check drops it
+            for part in shared_file.encode(KEY, foreign, other, block(2)[1], None, (2,) * 4):
                 f.write(part)
         for h in (torn, flipped, foreign):
             assert tier.holds(h) and tier.read(h) is None and not tier.holds(h)
@@ -123,11 +151,12 @@ def test_torn_flipped_and_foreign_files_are_deleted_misses(tmp_path):
 
 
 def test_two_writers_keep_the_bound(tmp_path):
-    file_bytes = len(b"".join(bytes(p) for p in tier_file.encode(b"\0" * 16, LAYOUT, block(0)[1], None, (0,) * 4)))
+    file_bytes = len(b"".join(bytes(p) for p in shared_file.encode(KEY, b"\0" * 16, LAYOUT, block(0)[1], None,
+                                                                   (0,) * 4)))
     bound = 10 * file_bytes
     root = str(tmp_path / "shared")
-    a = SharedTier(root, bound, LAYOUT, PAYLOAD, max_queued=2)
-    b = SharedTier(root, bound, LAYOUT, PAYLOAD, max_queued=2)
+    a = SharedTier(root, bound, LAYOUT, PAYLOAD, KEY, max_queued=2)
+    b = SharedTier(root, bound, LAYOUT, PAYLOAD, KEY, max_queued=2)
     try:
         newest = []
         for i in range(0, 60, 2):
@@ -155,11 +184,18 @@ def test_shared_tier_settings_are_checked(tmp_path, llama):
         EngineConfig(model=model_dir, kv_offload_shared_gb=1.0)
     with pytest.raises(ValueError, match="kv_offload_shared_dir: .*tensor_parallel_size"):
         EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path), kv_offload_shared_gb=1.0,
-                     tensor_parallel_size=2)
+                     tensor_parallel_size=2, kv_offload_shared_key=KEY)
+    with pytest.raises(ValueError, match="kv_offload_shared_dir: the shared tier needs kv_offload_shared_key"):
+        EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path), kv_offload_shared_gb=1.0)
+    with pytest.raises(ValueError, match="kv_offload_shared_key: must be 32 to 64 bytes"):
+        EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path), kv_offload_shared_gb=1.0,
+                     kv_offload_shared_key=b"short")
+    assert "kv_offload_shared_key" not in repr(EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path),
+                                                            kv_offload_shared_gb=1.0, kv_offload_shared_key=KEY))
     a_file = tmp_path / "not-a-directory"
     a_file.write_text("x")
     with pytest.raises(ValueError, match="kv_offload_shared_dir: cannot use"):
-        SharedTier(str(a_file), 1 << 20, LAYOUT, PAYLOAD)
+        SharedTier(str(a_file), 1 << 20, LAYOUT, PAYLOAD, KEY)
 
 
 @pytest.mark.gpu
@@ -169,7 +205,8 @@ def test_the_shared_tier_on_the_gpu(arch_model, tmp_path):
     pinned before their copy, a second engine on the same GPU loading them): transformers' tokens."""
     model_dir, hf = arch_model
     cuda = dict(device="cuda", dtype="float32", attention_backend="triton", cuda_graph_max_bs=16,
-                kv_offload_cpu_gb=6e-6, kv_offload_shared_dir=str(tmp_path / "shared"), kv_offload_shared_gb=SHARED_GB)
+                kv_offload_cpu_gb=6e-6, kv_offload_shared_dir=str(tmp_path / "shared"), kv_offload_shared_gb=SHARED_GB,
+                kv_offload_shared_key=KEY)
     a = tiered_engine(model_dir, **cuda)
     try:
         turns = chat(a, 3)
