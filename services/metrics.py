@@ -80,6 +80,10 @@ GATEWAY_UPSTREAM = _gateway(Histogram("kvmesh_gateway_upstream_first_token_secon
 GATEWAY_FIRST_WRITE = _gateway(Histogram("kvmesh_gateway_first_chunk_write_seconds",
                                          "Streamed requests: first text delta read off the inbox to its SSE chunk "
                                          "handed to the HTTP server", buckets=_HOP))
+GATEWAY_RESUBMIT_WAIT = _gateway(Histogram(
+    "kvmesh_gateway_resubmit_wait_seconds", "A request this gateway sent again to a restarted scheduler before its "
+    "first token: the client's wait from its Submit to that first token (one that had streamed is timed by its "
+    "detokenizer: kvmesh_detok_migration_stall_seconds)", buckets=_LAT))
 
 # ---- scheduler
 QUEUE_DEPTH = _scheduler(Gauge("kvmesh_scheduler_queue_depth", "Requests waiting in the global queue"))
@@ -267,13 +271,14 @@ DETOK_FIRST_TOKEN = _detokenizer(Histogram("kvmesh_detok_first_token_seconds",
                                            "detokenizer's socket, to its TextBatches handed to the gateways' sockets "
                                            "(a gateway with --text-in-gateway: to its requests)", buckets=_HOP))
 # a moved stream's outcome at its detokenizer, once known (a fixed set: never a client's value)
-DETOK_MIGRATION_OUTCOMES = ("resumed", "aborted", "not_held")
+DETOK_MIGRATION_OUTCOMES = ("resumed", "aborted", "not_held", "resent")
 DETOK_MIGRATIONS = _detokenizer(Counter(
     "kvmesh_detok_migrations", "Streams the scheduler moved to another worker (Migrate), by outcome once "
     "known: resumed (its new worker's first tokens came: kvmesh_detok_migration_stall_seconds observed the "
     "wait), aborted (aborted, failed or expired before them: nothing observed), not_held (no such stream here: "
-    "it had ended, failed or never opened). A stream moved again before its new worker's first tokens counts "
-    "once", ["outcome"]))
+    "it had ended, failed or never opened), resent (moved by a restarted scheduler before it passed on any token: "
+    "its gateway times that client's wait, kvmesh_gateway_resubmit_wait_seconds). A stream moved again before its "
+    "new worker's first tokens counts once", ["outcome"]))
 DETOK_MIGRATION_STALL = _detokenizer(Histogram(
     "kvmesh_detok_migration_stall_seconds", "A moved stream's added latency, as its detokenizer reads it: "
     "from the last tokens it passed on before the move (the Migrate itself when none) to the first tokens "

@@ -14,12 +14,14 @@ Then it counts, against the same requests run on the healthy stack first: lost (
 (text, finish, usage or logprob count different: a token duplicated, missing or reordered), migrated
 (the schedulers' kvmesh_scheduler_migrations_total, summed over both), the drained worker's exit
 status, KV blocks still used and leases of stopped processes still registered once the load is over,
-the added latency of a moved stream at p50 / p99 (exact: the wait from its last tokens before the
-move to the first from its new worker, as both detokenizers measured and logged it; chaos_stalls.py,
-which also reads their kvmesh_detok_migration_stall_seconds and checks the two agree), and the added
-latency of a stalled stream as the client saw it (one that waited past --moved-gap-s between two
-chunks: the moved ones, and those the Redis and scheduler restarts paused) over the median of the
-others. Prints the table and writes it with every count to --out (JSON).
+the added latency of a moved request at p50 / p99 over every moved request, with the split (exact,
+chaos_stalls.py: a resumed one's wait from its last tokens before the move to the first from its new
+worker, as its detokenizer logged it; a re-sent one's, sent again to the restarted scheduler before
+its first token, from its Submit to that token, as its gateway logged it; both also read from their
+histograms, which must agree), and the added latency of a stalled stream as the client saw it (one
+that waited past --moved-gap-s between two chunks: the moved ones, and those the Redis and scheduler
+restarts paused) over the median of the others. Prints the table and writes it with every count to
+--out (JSON).
 """
 from __future__ import annotations
 
@@ -141,11 +143,11 @@ class Stack:
             return False
 
     @property
-    def detokenizers(self) -> tuple[list[Path], list[str]]:
-        """The processes that detokenize (the gateway with --text-in-gateway, the tokenizer
-        service): their logs and /metrics pages."""
-        return ([self.work / "gateway.log", self.work / "tokenizer.log"],
-                [self.bases[0] + "/metrics", f"http://127.0.0.1:{self.tok_metrics}/metrics"])
+    def move_timers(self) -> tuple[list[Path], list[str]]:
+        """The processes that time moved requests (the detokenizers: the gateway with
+        --text-in-gateway and the tokenizer service; and both gateways): their logs and /metrics pages."""
+        return ([self.work / "gateway.log", self.work / "gateway-tok.log", self.work / "tokenizer.log"],
+                [*(base + "/metrics" for base in self.bases), f"http://127.0.0.1:{self.tok_metrics}/metrics"])
 
     def records(self, kind: str) -> list:
         from services.registry import list_records
@@ -362,7 +364,7 @@ def measure(stack: Stack, args: argparse.Namespace, model: str) -> dict:
     healthy = [r["seconds"] for r in results if r["max_gap"] < args.moved_gap_s and r["error"] is None]
     base = statistics.median(healthy) if healthy else 0.0
     added = sorted(r["seconds"] - base for r in results if r["max_gap"] >= args.moved_gap_s and r["error"] is None)
-    return chaos_stalls.summary(*stack.detokenizers) | {
+    return chaos_stalls.summary(*stack.move_timers) | {
         "requests": args.requests, "workers": args.workers, "concurrency": args.concurrency,
         "step_ms": args.step_ms, "drain_grace_s": args.drain_grace_s, "moved_gap_s": args.moved_gap_s,
         "wall_s": round(wall, 2),
@@ -384,14 +386,19 @@ def table(res: dict) -> str:
     return (f"chaos: {res['requests']} streaming requests, {res['workers']} null-model workers "
             f"({res['step_ms']:g} ms/step), faults: {', '.join(res['faults'])}; {res['wall_s']:.1f} s\n"
             "| requests | lost | corrupted | migrated | leaked KV blocks / leases | "
-            "added latency of a moved stream p50 / p99 | "
+            "added latency of a moved request p50 / p99 | "
             f"of a stalled stream (gap > {res['moved_gap_s']:g} s) p50 / p99 |\n|---|---|---|---|---|---|---|\n"
             f"| {res['requests']} | {res['lost']} | {res['corrupted']} | {res['migrated_total']:.0f} | "
             f"{res['leaked_kv_blocks']} / {res['leaked_leases']} | "
             f"{res['moved_added_latency_p50_ms']:.0f} ms / {res['moved_added_latency_p99_ms']:.0f} ms | "
             f"{res['added_latency_p50_ms']:.0f} ms / {res['added_latency_p99_ms']:.0f} ms |\n"
-            f"moved streams at the detokenizers: {moved}; their stall histogram's p50 / p99: "
-            f"{res['moved_added_latency_hist_p50_ms']:.0f} ms / {res['moved_added_latency_hist_p99_ms']:.0f} ms")
+            f"moved requests timed: {res['moved_timed']} ({res['moved_stall_logged']} resumed: "
+            f"{res['resumed_added_latency_p50_ms']:.0f} / {res['resumed_added_latency_p99_ms']:.0f} ms; "
+            f"{res['resent_wait_logged']} re-sent before their first token: "
+            f"{res['resent_added_latency_p50_ms']:.0f} / {res['resent_added_latency_p99_ms']:.0f} ms); "
+            f"the histograms' p50 / p99: {res['moved_added_latency_hist_p50_ms']:.0f} / "
+            f"{res['moved_added_latency_hist_p99_ms']:.0f} ms\n"
+            f"moved streams at the detokenizers: {moved}")
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -1,11 +1,18 @@
-"""`kvmesh bench chaos`: the moved streams' added latency as their detokenizers measured it.
+"""`kvmesh bench chaos`: the moved requests' added latency, as the processes that see it measured it.
 
-Two readings of the same waits, which must agree:
-- each detokenizer's log line per resumed stream ("request R resumed on its new worker after a
-  stall of X ms", services/text/streams.py): every wait, so the quantiles are exact (nearest rank);
-- the detokenizers' /metrics (kvmesh_detok_migration_stall_seconds, kvmesh_detok_migrations_total),
-  summed over them: the quantiles an operator's histogram_quantile() would give, from the buckets.
-The log lines' count must equal the histogram's, and their sum its sum (to the lines' rounding).
+A moved request is timed by one process, never two:
+- resumed: one that had streamed (or whose stream its detokenizer held), from the last tokens its
+  detokenizer passed on before the move to the first from its new worker (services/text/streams.py:
+  kvmesh_detok_migration_stall_seconds, a log line "request R resumed on its new worker after a
+  stall of X ms");
+- re-sent: one its gateway sent again to a restarted scheduler before its first token, from its
+  Submit to that first token (services/gateway/core.py: kvmesh_gateway_resubmit_wait_seconds, a log
+  line "request R, sent again before its first token, got it X ms after its submit").
+
+Each is read twice, and the two readings must agree: the log lines (every wait, so the quantiles are
+exact: nearest rank) and the /metrics pages summed over the processes (the quantiles an operator's
+histogram_quantile() would give, from the buckets). The lines' count must equal the histogram's, and
+their sum its sum (to the lines' rounding).
 """
 from __future__ import annotations
 
@@ -17,22 +24,24 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 STALL = "kvmesh_detok_migration_stall_seconds"
+RESENT = "kvmesh_gateway_resubmit_wait_seconds"
 OUTCOMES = "kvmesh_detok_migrations_total"
-LOG_LINE = re.compile(r"request \S+ resumed on its new worker after a stall of ([0-9.]+) ms")
+STALL_LINE = re.compile(r"request \S+ resumed on its new worker after a stall of ([0-9.]+) ms")
+RESENT_LINE = re.compile(r"request \S+, sent again before its first token, got it ([0-9.]+) ms after its submit")
 
 
-def logged_stalls(logs: list[Path]) -> list[float]:
-    """Every stall (seconds) the detokenizers logged, sorted."""
+def logged(logs: list[Path], line: re.Pattern) -> list[float]:
+    """Every wait (seconds) the processes logged in lines matching `line`, sorted."""
     found = []
     for path in logs:
         if path.exists():
-            found += [float(m.group(1)) / 1000 for m in LOG_LINE.finditer(path.read_text(errors="replace"))]
+            found += [float(m.group(1)) / 1000 for m in line.finditer(path.read_text(errors="replace"))]
     return sorted(found)
 
 
 def scrape(urls: list[str]) -> dict:
-    """parse() over the detokenizers' /metrics pages. A page that does not answer raises: the
-    figures would be short without a word."""
+    """parse() over the processes' /metrics pages. A page that does not answer raises: the figures
+    would be short without a word."""
     pages = []
     for url in urls:
         page = httpx.get(url, timeout=5)
@@ -41,23 +50,38 @@ def scrape(urls: list[str]) -> dict:
     return parse(pages)
 
 
+def _histogram() -> dict:
+    return {"buckets": {}, "count": 0.0, "sum": 0.0}
+
+
 def parse(pages: list[str]) -> dict:
-    """The stall histogram and outcome counts summed over Prometheus text pages:
-    {"buckets": {le: cumulative count}, "count", "sum", "outcomes": {outcome: count}}."""
-    buckets: dict[float, float] = {}
-    total = {"count": 0.0, "sum": 0.0}
+    """Both histograms and the detokenizers' outcome counts summed over Prometheus text pages:
+    {STALL: {"buckets": {le: cumulative count}, "count", "sum"}, RESENT: {...}, "outcomes": {outcome: count}}."""
+    hists = {STALL: _histogram(), RESENT: _histogram()}
     outcomes: dict[str, float] = {}
     for text in pages:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                if s.name == STALL + "_bucket":
-                    le = float(s.labels["le"])
+                base, _, part = s.name.rpartition("_")
+                if base in hists and part == "bucket":
+                    le, buckets = float(s.labels["le"]), hists[base]["buckets"]
                     buckets[le] = buckets.get(le, 0.0) + s.value
-                elif s.name in (STALL + "_count", STALL + "_sum"):
-                    total[s.name.rsplit("_", 1)[1]] += s.value
+                elif base in hists and part in ("count", "sum"):
+                    hists[base][part] += s.value
                 elif s.name == OUTCOMES:
                     outcomes[s.labels["outcome"]] = outcomes.get(s.labels["outcome"], 0.0) + s.value
-    return {"buckets": dict(sorted(buckets.items())), **total, "outcomes": outcomes}
+    for h in hists.values():
+        h["buckets"] = dict(sorted(h["buckets"].items()))
+    return {**hists, "outcomes": outcomes}
+
+
+def merged_buckets(*hists: dict) -> dict[float, float]:
+    """Cumulative buckets of several histograms with the same bounds (both use metrics._LAT), summed."""
+    out: dict[float, float] = {}
+    for h in hists:
+        for le, n in h["buckets"].items():
+            out[le] = out.get(le, 0.0) + n
+    return dict(sorted(out.items()))
 
 
 def nearest_rank(values: list[float], q: float) -> float:
@@ -83,22 +107,33 @@ def bucket_quantile(buckets: dict[float, float], q: float) -> float:
     return lower
 
 
-def summary(logs: list[Path], urls: list[str]) -> dict:
-    """The result's figures: exact p50/p99 from the log lines, the histogram's p50/p99, the counts
-    of both readings and the outcomes."""
-    stalls, hist = logged_stalls(logs), scrape(urls)
+def _ms(seconds: float) -> float:
+    return round(1000 * seconds, 1)
 
-    def ms(seconds: float) -> float:
-        return round(1000 * seconds, 1)
-    observed = hist["count"] > 0
+
+def _exact(prefix: str, waits: list[float]) -> dict:
+    """p50 / p99 / max of sorted waits (nearest rank), in ms; 0 with none."""
+    return {f"{prefix}_p50_ms": _ms(nearest_rank(waits, 0.5)) if waits else 0.0,
+            f"{prefix}_p99_ms": _ms(nearest_rank(waits, 0.99)) if waits else 0.0,
+            f"{prefix}_max_ms": _ms(waits[-1]) if waits else 0.0}
+
+
+def summary(logs: list[Path], urls: list[str]) -> dict:
+    """The result's figures: exact p50/p99 over every moved request (resumed and re-sent) and over
+    each kind, the histograms' p50/p99 over both, the counts and sums of both readings, the outcomes."""
+    stalls, resent, hist = logged(logs, STALL_LINE), logged(logs, RESENT_LINE), scrape(urls)
+    buckets = merged_buckets(hist[STALL], hist[RESENT])
+    observed = hist[STALL]["count"] + hist[RESENT]["count"] > 0
     return {
         "moved_streams": {k: int(v) for k, v in sorted(hist["outcomes"].items())},
-        "moved_stall_logged": len(stalls), "moved_stall_observed": int(hist["count"]),
-        "moved_stall_logged_sum_s": round(sum(stalls), 3), "moved_stall_observed_sum_s": round(hist["sum"], 3),
-        "moved_added_latency_p50_ms": ms(nearest_rank(stalls, 0.5)) if stalls else 0.0,
-        "moved_added_latency_p99_ms": ms(nearest_rank(stalls, 0.99)) if stalls else 0.0,
-        "moved_added_latency_max_ms": ms(stalls[-1]) if stalls else 0.0,
-        "moved_added_latency_hist_p50_ms": ms(bucket_quantile(hist["buckets"], 0.5)) if observed else 0.0,
-        "moved_added_latency_hist_p99_ms": ms(bucket_quantile(hist["buckets"], 0.99)) if observed else 0.0,
-        "stall_buckets": {str(le): int(n) for le, n in hist["buckets"].items()},
+        "moved_timed": len(stalls) + len(resent),
+        "moved_stall_logged": len(stalls), "moved_stall_observed": int(hist[STALL]["count"]),
+        "moved_stall_logged_sum_s": round(sum(stalls), 3), "moved_stall_observed_sum_s": round(hist[STALL]["sum"], 3),
+        "resent_wait_logged": len(resent), "resent_wait_observed": int(hist[RESENT]["count"]),
+        "resent_wait_logged_sum_s": round(sum(resent), 3), "resent_wait_observed_sum_s": round(hist[RESENT]["sum"], 3),
+        **_exact("moved_added_latency", sorted(stalls + resent)),
+        **_exact("resumed_added_latency", stalls), **_exact("resent_added_latency", resent),
+        "moved_added_latency_hist_p50_ms": _ms(bucket_quantile(buckets, 0.5)) if observed else 0.0,
+        "moved_added_latency_hist_p99_ms": _ms(bucket_quantile(buckets, 0.99)) if observed else 0.0,
+        "stall_buckets": {str(le): int(n) for le, n in buckets.items()},
     }

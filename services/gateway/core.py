@@ -28,6 +28,12 @@ it again (Submit.resubmitted: it adopts those a worker holds and moves or starts
 MAX_SUBMITS times a job; with no scheduler registered a job waits, within its deadline (a job not
 yet admitted: admission_timeout_s from its first submit).
 
+What a re-send costs the client: a request sent again before its first token (the scheduler that
+died had it queued, or its worker died with it) waits from its Submit to that first token, and only
+this core sees both ends on one clock: kvmesh_gateway_resubmit_wait_seconds and one INFO line per
+request. One that had streamed is its detokenizer's to time (services/text/streams.py: the wait from
+its last tokens), and the detokenizer leaves a re-sent stream that had passed nothing on to this one.
+
 Messages for a job that already ended (or that this gateway never made) are dropped and counted in
 `late_messages`; a StepOutput from an older epoch of a worker is dropped by the DetokCore.
 """
@@ -35,11 +41,13 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
 
+from services import metrics
 from services.envelope import SCHEDULER, Envelope
 from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
@@ -61,6 +69,7 @@ class Phase(enum.Enum):
 LIVE = (Phase.SUBMITTED, Phase.ADMITTED, Phase.STREAMING)
 JOB_ADMITTED = "admitted"   # delivered once, when the scheduler accepted every prompt of the job
 MAX_SUBMITS = 3             # a job's Submits go out at most this often (the first time and after scheduler restarts)
+log = logging.getLogger("kvmesh.gateway")
 
 
 class Delivery(NamedTuple):
@@ -92,6 +101,8 @@ class Job:
     submits: dict[str, Submit] = field(default_factory=dict)         # request id -> its Submit (sent again;
                                                                      # its detok_addr streams its text)
     sends: int = 1                       # times its Submits went to a scheduler
+    started: set[str] = field(default_factory=set)    # request ids whose first tokens (or end) came
+    resent_early: set[str] = field(default_factory=set)   # request ids sent again before that: timed then
 
     @property
     def progressed(self) -> bool:
@@ -184,6 +195,7 @@ class GatewayCore:
                 continue
             job.scheduler_addr, job.sends = scheduler_addr, job.sends + 1
             unfinished = {rid for rid, _ in job.unfinished}
+            job.resent_early |= unfinished - job.started
             out.send += [Envelope(SCHEDULER, msgspec.structs.replace(job.submits[rid], resubmitted=True))
                          for rid in job.rids if rid in unfinished]
         return out
@@ -242,6 +254,8 @@ class GatewayCore:
             if not job.tokens_seen and d.num_new_tokens:
                 job.tokens_seen = True
                 out.first_text.append(job)
+            if d.request_id not in job.started and (d.num_new_tokens or d.finish_reason is not None):
+                self._started(job, d.request_id, now)
             job.phase = Phase.STREAMING
             job.deadline = now + self.request_timeout_s
             out.deliver.append(Delivery(job.id, (job.index[d.request_id], d)))
@@ -250,6 +264,19 @@ class GatewayCore:
                 if not job.unfinished:
                     job.phase = Phase.FINISHED
                     self._forget_requests(job)
+
+    @staticmethod
+    def _started(job: Job, rid: str, now: float) -> None:
+        """The request's first tokens came: a request sent again before them has its wait timed."""
+        job.started.add(rid)
+        if rid in job.resent_early:
+            job.resent_early.discard(rid)
+            wait = now - job.submitted_at
+            metrics.GATEWAY_RESUBMIT_WAIT.observe(wait)
+            # one line per re-sent request (rare, like the detokenizer's per moved stream): kvmesh
+            # bench chaos reads these for exact quantiles
+            log.info("request %s, sent again before its first token, got it %.3f ms after its submit",
+                     rid, 1000 * wait)
 
     def _text_stream(self, msg: StreamOpen | StepOutput | Abort | Migrate, now: float, out: Outbox) -> None:
         """A worker's (or the scheduler's) message for the local text path's detokenizer."""

@@ -32,7 +32,11 @@ observed in kvmesh_detok_migration_stall_seconds and logged per request, and the
 kvmesh_detok_migrations_total{outcome="resumed"}. A stream moved again before those tokens waits
 on from the first move (one stall, counted once); one aborted first (failed, client left, expired)
 observes nothing and counts as "aborted"; a Migrate for a stream not held (it ended meanwhile, or
-never opened) as "not_held". Times come from `clock` (monotonic; tests inject one).
+never opened) as "not_held". A Migrate naming no worker (a restarted scheduler's, for a request its
+gateway sent again) for a stream that has passed nothing on observes nothing here and counts as
+"resent": the gateway re-sent it before its first token and times its client's whole wait from the
+Submit (kvmesh_gateway_resubmit_wait_seconds), so the two histograms never hold one wait twice.
+Times come from `clock` (monotonic; tests inject one).
 
 A sample ends when the engine says so (eos/stop token: "stop", "length", "abort") or when one of
 its stop strings appears in the text (then "stop", the text cut right before the stop string,
@@ -82,6 +86,12 @@ class _Stream:
     source: tuple[str, int] | None = None   # (worker id, epoch) of the last tokens passed on
     last_sent: float | None = None          # when tokens of it were last passed on
     stalled_since: float | None = None      # moved: last_sent before the move (or the Migrate), until new tokens
+    resent: bool = False                    # re-sent before any token passed on: its gateway times the wait
+
+    @property
+    def passed_on(self) -> bool:
+        """Some sample's tokens (or end) went to the gateway: the gateway's first token came."""
+        return any(s.token_ids or s.done for s in self.samples.values())
 
     @property
     def ended(self) -> bool:
@@ -138,7 +148,12 @@ class DetokCore:
         if stream is None:
             self._moved("not_held")
             return [Envelope(msg.reply_addr, Resume(request_id=msg.request_id, output_token_ids=[], known=False))]
-        if stream.stalled_since is None:    # moved again before its new worker's first tokens: one wait
+        if not stream.passed_on and (stream.resent or not msg.worker_id):
+            # re-sent by its gateway before its first token: the gateway times this wait, from the Submit
+            if not stream.resent:
+                self._moved("resent")
+            stream.stalled_since, stream.resent = None, True
+        elif stream.stalled_since is None:    # moved again before its new worker's first tokens: one wait
             stream.stalled_since = stream.last_sent if stream.last_sent is not None else self.clock()
         # a scheduler that restarted does not know where the stream ran: the worker that streamed it
         # last is the one it leaves (its late tokens, e.g. a last step racing its end, are dropped)

@@ -1,5 +1,6 @@
-"""kvmesh bench chaos's reading of the moved streams' stalls: the detokenizers' log lines (exact
-quantiles) and their /metrics pages (histogram quantiles, as Prometheus computes them)."""
+"""kvmesh bench chaos's reading of the moved requests' added latency: the detokenizers' and the
+gateways' log lines (exact quantiles) and their /metrics pages (histogram quantiles, as Prometheus
+computes them)."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +8,8 @@ import math
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from services.bench.chaos_stalls import bucket_quantile, logged_stalls, nearest_rank, parse
+from services.bench.chaos_stalls import (
+    RESENT, RESENT_LINE, STALL, STALL_LINE, bucket_quantile, logged, merged_buckets, nearest_rank, parse)
 
 
 def test_nearest_rank():
@@ -26,18 +28,25 @@ def test_bucket_quantile_interpolates_as_histogram_quantile():
 
 def test_pages_are_summed_and_log_lines_read(tmp_path):
     pages = []
-    for stalls, resumed in (([0.02, 0.3], 2), ([0.7], 1)):      # the tokenizer service and a gateway
-        registry = CollectorRegistry()
-        hist = Histogram("kvmesh_detok_migration_stall_seconds", "", buckets=(0.1, 0.5, 1), registry=registry)
+    for stalls, resumed, waits in (([0.02, 0.3], 2, [0.4]), ([0.7], 1, []), ([], 0, [2.0])):   # two detokenizers
+        registry = CollectorRegistry()                                                         # and a gateway
+        hist = Histogram(STALL, "", buckets=(0.1, 0.5, 1), registry=registry)
+        resent = Histogram(RESENT, "", buckets=(0.1, 0.5, 1), registry=registry)
         moved = Counter("kvmesh_detok_migrations", "", ["outcome"], registry=registry)
         for s in stalls:
             hist.observe(s)
-        moved.labels("resumed").inc(resumed)
-        moved.labels("aborted").inc()
+        for w in waits:
+            resent.observe(w)
+        if resumed:
+            moved.labels("resumed").inc(resumed)
+            moved.labels("aborted").inc()
         pages.append(generate_latest(registry).decode())
     got = parse(pages)
-    assert got["buckets"] == {0.1: 1.0, 0.5: 2.0, 1.0: 3.0, math.inf: 3.0}
-    assert (got["count"], round(got["sum"], 6)) == (3.0, 1.02)
+    assert got[STALL]["buckets"] == {0.1: 1.0, 0.5: 2.0, 1.0: 3.0, math.inf: 3.0}
+    assert (got[STALL]["count"], round(got[STALL]["sum"], 6)) == (3.0, 1.02)
+    assert got[RESENT]["buckets"] == {0.1: 0.0, 0.5: 1.0, 1.0: 1.0, math.inf: 2.0}
+    assert (got[RESENT]["count"], round(got[RESENT]["sum"], 6)) == (2.0, 2.4)
+    assert merged_buckets(got[STALL], got[RESENT]) == {0.1: 1.0, 0.5: 3.0, 1.0: 4.0, math.inf: 5.0}
     assert got["outcomes"] == {"resumed": 3.0, "aborted": 2.0}
 
 
@@ -60,4 +69,21 @@ def test_log_lines_are_the_detokenizers_own(tmp_path, caplog):
             core.step(StepOutput(worker_id="w2", epoch=1, step=0, seqs=[SeqTokens(rid, 0, [1])]))
     log = tmp_path / "tokenizer.log"
     log.write_text(caplog.text + "a line of something else\n")
-    assert [round(s, 6) for s in logged_stalls([log, tmp_path / "absent.log"])] == [0.0205, 0.3]
+    assert [round(s, 6) for s in logged([log, tmp_path / "absent.log"], STALL_LINE)] == [0.0205, 0.3]
+    assert logged([log], RESENT_LINE) == []
+
+
+def test_log_lines_are_the_gateways_own(tmp_path, caplog):
+    """The line a GatewayCore writes for a request re-sent before its first token, read back."""
+    from services.gateway.core import GatewayCore
+    from services.protocol.messages import Submit, TextBatch, TextDelta
+    from services.protocol.sampling import SamplingParams
+    core = GatewayCore(15.0, 600.0)
+    core.submit([Submit(request_id="g", tenant="t", prompt_token_ids=[1], params=SamplingParams(), reply_addr="gw",
+                        detok_addr="tok")], 1, "tcp://s#scheduler|s-1#1", 5.0)
+    core.redrive("tcp://s#scheduler|s-2#1")
+    with caplog.at_level(logging.INFO, logger="kvmesh.gateway"):
+        core.step([TextBatch(deltas=[TextDelta("g", 0, "x", 1, None)])], 7.0625)
+    log = tmp_path / "gateway.log"
+    log.write_text(caplog.text)
+    assert logged([log], RESENT_LINE) == [2.0625] and logged([log], STALL_LINE) == []
