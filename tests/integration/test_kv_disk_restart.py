@@ -40,7 +40,7 @@ def test_a_drained_worker_leaves_its_kv_on_disk_and_restarts_warm(tiny_model, tm
                  "worker-0's drain and exit")
         files = [n for n in os.listdir(own_dir) if n.endswith(".kvb")]
         assert len(files) >= 9, files                            # the prompt's full blocks at least
-        assert re.search(r"KV drain to disk: wrote \d+ cached blocks", serve.log())
+        assert re.search(r"KV drain to the disk tier: wrote \d+ cached blocks", serve.log())
 
         wait_for(lambda: (p := serve.child("--worker-id worker-0")) not in (None, drained)
                  and _worker_pid_in_registry(redis_url, "worker-0") == p, 90, "worker-0 to be back")
