@@ -23,20 +23,25 @@ from __future__ import annotations
 
 import bisect
 
+from gpu_worker.kv_tiers.file_loads import FileLoad
 from gpu_worker.kv_tiers.layer_loads import LayerLoads
 from gpu_worker.kv_tiers.manager import KVTiers, PendingLoad
 from gpu_worker.scheduler import Scheduler, SchedulerOutput, _seq_slots
 from gpu_worker.sequence import Sequence, SequenceStatus
+
+_IDLE_WAIT_S = 0.005      # an engine with only loads waiting for their files blocks this long per schedule
 
 
 class TieredScheduler(Scheduler):
     def __init__(self, tiers: KVTiers, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tiers = tiers
-        self._loads: dict[int, PendingLoad] = {}      # id(seq) -> its load, for seqs in self.loading
+        self._loads: dict[int, PendingLoad | FileLoad] = {}   # id(seq) -> its load, for seqs in self.loading
         self._joining: list[PendingLoad] = []         # loads this step's forward scatters, layer by layer
 
     def schedule(self) -> SchedulerOutput:
+        if self.loading and not self.running:    # nothing to run until a file read lands
+            self.tiers.wait_reads(_IDLE_WAIT_S)
         self.tiers.step_began(bool(self.running))
         if self.loading:
             self._admit_loaded()
@@ -63,7 +68,7 @@ class TieredScheduler(Scheduler):
                 self.tiers.join_layered(load)
                 self._joining.append(load)
             return True
-        load = self.tiers.begin_load(seq, first, num_blocks)
+        load = self.tiers.begin_load_beside(seq, first, num_blocks)
         if load is None:
             return True
         self._loads[id(seq)] = load
