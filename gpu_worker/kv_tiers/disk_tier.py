@@ -12,7 +12,9 @@ starts warm; its KV-event stream then opens with these blocks.
 
 Files are written and deleted by one background thread, in the order asked, so the engine's
 thread never waits for the disk: a block is in the index as soon as its write is queued, and
-reads of a block still queued come from the queued bytes. At most `max_queued` writes wait; a
+reads of a block still queued come from the queued bytes. Reads run on the caller's thread
+(`read`) or on the loads' reader threads (`read_file`, then `settle_read` on the engine's thread:
+only the latter touches the index). At most `max_queued` writes wait; a
 further one waits for the oldest (the only time the engine waits for this tier).
 
 Failures never fail a request: a file that does not verify is deleted and reported missing

@@ -5,6 +5,7 @@ directory shared by the node's workers.
                                                                   |          (no disk: shared tier)
     admission: device prefix hit, then the next blocks found here -+-- load k (policy) ----+
                -> begin_load: stage (H2D / file read) -> flush
+                  (beside running sequences, file blocks are read on reader threads: file_loads.py)
                ... a later schedule, once `ready` -> finish_load: scatter into the new blocks
 
 The block manager reports evictions (`on_evict`) while it hands blocks out; their KV is copied

@@ -5,7 +5,8 @@
                  base schedule, whose admission asks plan() and then begin_load() per sequence:
                      joins_step: the sequence runs in this step, its load copied layer group by
                        layer group and scattered by the forward before each layer (out.layer_loads)
-                     else: it waits in `loading`, its copy under way, while this step's batch
+                     else: it waits in `loading`, its copy under way (and its disk or shared
+                       files read on reader threads: file_loads.py), while this step's batch
                        runs without it
                  step_scheduled (evicted blocks go down a tier before the step writes)
 
@@ -15,7 +16,8 @@ the copy is predicted to fit under the step's compute: LoadPolicy.joins_step). A
 step overlaps at least the step that admitted it (on CUDA its H2D runs on the tiers' load stream
 beside that step's forward; a copy still running at the next schedule keeps its sequence
 waiting, never the batch). Off CUDA the copies are done at admission, and the same decision and
-the same per-layer scatters run. With tensor parallelism (TierMirror.layered_loads False) a load
+the same per-layer scatters run. A load with file blocks joins its step only when nothing else
+runs (nobody waits for its reads). With tensor parallelism (TierMirror.layered_loads False) a load
 that joins its step lands whole after the schedule, before the forward, on every rank: the
 followers' forwards have no per-layer hooks.
 """
