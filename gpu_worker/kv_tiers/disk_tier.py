@@ -12,7 +12,9 @@ starts warm; its KV-event stream then opens with these blocks.
 
 Files are written and deleted by one background thread, in the order asked, so the engine's
 thread never waits for the disk: a block is in the index as soon as its write is queued, and
-reads of a block still queued come from the queued bytes. At most `max_queued` writes wait; a
+reads of a block still queued come from the queued bytes. Reads run on the caller's thread
+(`read`) or on the loads' reader threads (`read_file`, then `settle_read` on the engine's thread:
+only the latter touches the index). At most `max_queued` writes wait; a
 further one waits for the oldest (the only time the engine waits for this tier).
 
 Failures never fail a request: a file that does not verify is deleted and reported missing
@@ -30,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from gpu_worker.kv_tiers import disk_restore, tier_file
+from gpu_worker.kv_tiers.file_reads import FileRead, read_block_file
 from gpu_worker.kv_transfer.layout import KVLayout
 
 log = logging.getLogger("kvmesh.kv_tiers")
@@ -138,26 +141,52 @@ class DiskTier:
         or its file does not verify (the file is deleted and the block forgotten)."""
         if block_hash not in self._blocks:
             return None
-        queued = self._queued.get(block_hash)
+        queued = self.queued_payload(block_hash)
         if queued is not None:                   # not settled yet: its bytes are still here
             self._blocks.move_to_end(block_hash)
-            return memoryview(queued[1])
-        t = time.perf_counter()
-        try:
-            fd = os.open(self._path(block_hash), os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                data = _read_at_most(fd, tier_file.file_overhead(self.layout.block_size) + self.payload_len + 1)
-            finally:
-                os.close(fd)
-            payload = tier_file.decode(data, block_hash, self.layout, self.payload_len)
-        except (OSError, tier_file.TierFileError) as e:
-            log.warning("KV disk tier: dropped block %s (%s); it will be recomputed", block_hash.hex(), e)
+            return queued
+        entry = self.entry(block_hash)
+        result = self.read_file(block_hash)
+        if result.payload is not None:
+            self._copies.append((len(result.payload), result.end - result.start))
+        return self.settle_read(block_hash, entry, result)
+
+    def entry(self, block_hash: bytes) -> DiskBlock | None:
+        """The index's entry of a block, marked most recently used (a load is about to read it):
+        a new object at each write, so settle_read can tell the block a read started on from one
+        evicted and written again meanwhile."""
+        if block_hash in self._blocks:
+            self._blocks.move_to_end(block_hash)
+        return self._blocks.get(block_hash)
+
+    def queued_payload(self, block_hash: bytes) -> memoryview | None:
+        """The bytes of a block whose write is still queued (its file may not exist yet)."""
+        queued = self._queued.get(block_hash)
+        return memoryview(queued[1]) if queued is not None else None
+
+    def read_file(self, block_hash: bytes) -> FileRead:
+        """(any thread) Read and verify a block's file; no tier state is touched."""
+        limit = tier_file.file_overhead(self.layout.block_size) + self.payload_len + 1
+        return read_block_file(self._path(block_hash), limit,
+                               lambda data: tier_file.decode(data, block_hash, self.layout, self.payload_len),
+                               (tier_file.TierFileError,))
+
+    def settle_read(self, block_hash: bytes, entry: DiskBlock | None, result: FileRead) -> memoryview | None:
+        """(engine thread) A read's outcome: a verified payload is returned (the block marked most
+        recently used if still held); a failed read of the block still indexed as `entry` (the
+        one the read started on) forgets it, counted and logged. A block evicted while it was
+        being read (its file deleted by the writer) is a miss and nothing else."""
+        held = entry is not None and self._blocks.get(block_hash) is entry
+        if result.payload is not None:
+            if held:
+                self._blocks.move_to_end(block_hash)
+            return result.payload
+        if held:
+            log.warning("KV disk tier: dropped block %s (%s); it will be recomputed", block_hash.hex(),
+                        result.error)
             self.num_corrupt += 1
             self.forget(block_hash)
-            return None
-        self._copies.append((len(payload), time.perf_counter() - t))
-        self._blocks.move_to_end(block_hash)
-        return payload
+        return None
 
     # ---- removal -------------------------------------------------------------------------
     def pop_lru(self) -> bytes:
@@ -243,14 +272,3 @@ def owned_directory(directory: str, flag: str) -> None:
         raise ValueError(f"invalid engine argument {flag}: {directory!r} belongs to another user")
     if stat.S_IMODE(info.st_mode) != 0o700:
         os.chmod(directory, 0o700)
-
-
-def _read_at_most(fd: int, limit: int) -> bytearray:
-    """Up to `limit` bytes of a file, in a writable buffer (torch.frombuffer views it in place)."""
-    data = bytearray()
-    while len(data) < limit:
-        chunk = os.read(fd, min(limit - len(data), 1 << 24))
-        if not chunk:
-            break
-        data += chunk
-    return data

@@ -5,6 +5,7 @@ directory shared by the node's workers.
                                                                   |          (no disk: shared tier)
     admission: device prefix hit, then the next blocks found here -+-- load k (policy) ----+
                -> begin_load: stage (H2D / file read) -> flush
+                  (beside running sequences, file blocks are read on reader threads: file_loads.py)
                ... a later schedule, once `ready` -> finish_load: scatter into the new blocks
 
 The block manager reports evictions (`on_evict`) while it hands blocks out; their KV is copied
@@ -25,6 +26,8 @@ import torch
 from gpu_worker.kv_tiers.block_mover import BlockMover, Staged
 from gpu_worker.kv_tiers import tier_file
 from gpu_worker.kv_tiers.disk_tier import DiskBlock, DiskTier
+from gpu_worker.kv_tiers.file_loads import FileLoad, FileLoads
+from gpu_worker.kv_tiers.file_reads import FileRead
 from gpu_worker.kv_tiers.host_tier import HostBlock, HostTier
 from gpu_worker.kv_tiers.load_policy import LoadPlan, LoadPolicy
 from gpu_worker.kv_tiers.mirror import DEVICE_BLOCK, DISK_FILE, HOST_SLOT, BlockSource, TierMirror
@@ -80,11 +83,14 @@ class KVTiers:
         self.policy = LoadPolicy(policy, bb, self.block_size)
         self.stats = TierStats()
         self._evicted: list[Evicted] = []
-        self._planned: tuple[Sequence, LoadPlan, int] | None = None    # the last plan, until its load
+        self._planned: tuple[Sequence, LoadPlan, list[str]] | None = None   # the last plan, until its load
         self._step_start: float | None = None
         self._step_tokens = 0
         self.mirror = mirror if mirror is not None else TierMirror()
         self.mirror.attach(self)            # before anything the other ranks must repeat
+        # loads beside the step read their files on reader threads (one rank: see file_loads.py)
+        self.file_loads = (FileLoads(self) if (self.disk is not None or self.shared is not None)
+                           and self.mirror.reads_files_beside else None)
         self.measure_bandwidth()
         block_manager.attach_lower_tiers(self)
 
@@ -112,6 +118,8 @@ class KVTiers:
         if self.shared is not None:
             for num_bytes, seconds in self.shared.poll():
                 self.policy.observe_copy("shared", num_bytes, seconds)
+        if self.file_loads is not None:
+            self.file_loads.reader.pump()
         if not self._evicted:
             return
         evicted, self._evicted = self._evicted, []
@@ -225,7 +233,7 @@ class KVTiers:
         if not tiers:
             return LoadPlan(0, 0.0, 0.0)
         plan = self.policy.choose(tiers, seq.num_tokens - first * self.block_size)
-        self._planned = (seq, plan, len(tiers))
+        self._planned = (seq, plan, tiers)
         return plan
 
     def _count_decision(self, seq: Sequence) -> None:
@@ -233,7 +241,8 @@ class KVTiers:
         planned, self._planned = self._planned, None
         if planned is None or planned[0] is not seq:
             return
-        _, plan, available = planned
+        _, plan, tiers = planned
+        available = len(tiers)
         decision = "recompute" if plan.num_blocks == 0 else "load" if plan.num_blocks == available else "split"
         self.stats.decisions[decision] += 1
         self.stats.recomputed_tier_tokens += (available - plan.num_blocks) * self.block_size
@@ -242,10 +251,15 @@ class KVTiers:
 
     def joins_step(self, seq: Sequence, step_tokens: int, others_running: bool) -> bool:
         """Whether seq's planned load runs inside this step, layer by layer under its forward
-        (LoadPolicy.joins_step), rather than beside it, seq joining a later step."""
+        (LoadPolicy.joins_step), rather than beside it, seq joining a later step. Beside running
+        sequences, a load with file blocks never joins: its files are read beside the steps."""
         planned = self._planned
-        load_s = planned[1].load_s if planned is not None and planned[0] is seq else 0.0
-        return self.policy.joins_step(load_s, step_tokens, others_running)
+        if planned is None or planned[0] is not seq:
+            return self.policy.joins_step(0.0, step_tokens, others_running)
+        _, plan, tiers = planned
+        if others_running and self.file_loads is not None and any(t != "cpu" for t in tiers[:plan.num_blocks]):
+            return False
+        return self.policy.joins_step(plan.load_s, step_tokens, others_running)
 
     def begin_load(self, seq: Sequence, first: int, num_blocks: int, groups: int = 1) -> PendingLoad | None:
         """Start bringing blocks first..first+num_blocks of seq back into its block table (already
@@ -260,7 +274,7 @@ class KVTiers:
         load_id, agreed = self.mirror.stage(where)
         if agreed < len(sources):           # another rank lacks this block's file: it goes everywhere
             if where[agreed].kind == DISK_FILE:             # (host slots are on every rank)
-                self._forget_disk(where[agreed].block_hash)
+                self.forget_disk(where[agreed].block_hash)
             sources, pending, tiers = sources[:agreed], pending[:agreed], tiers[:agreed]
         self.stats.load_shortfall_blocks += num_blocks - len(sources)
         # Order matters: the sources are copied out first (the flush may reuse their host slots),
@@ -275,14 +289,43 @@ class KVTiers:
             return None
         return PendingLoad(seq, first, staged, tiers, copy_s, load_id)
 
-    def ready(self, load: PendingLoad) -> bool:
-        """The load's copy towards the device is done (always, off CUDA); never waits."""
+    def begin_load_beside(self, seq: Sequence, first: int, num_blocks: int) -> PendingLoad | FileLoad | None:
+        """begin_load for a load that runs beside the step: one with disk or shared-tier blocks
+        reads their files on reader threads (file_loads.py) and is ready at a later schedule."""
+        hashes = seq.block_hashes[first:first + num_blocks]
+        if self.file_loads is None or not num_blocks or not self.file_loads.holds_files(hashes):
+            return self.begin_load(seq, first, num_blocks)
+        self._count_decision(seq)
+        return self.file_loads.begin(seq, first, hashes)
+
+    def ready(self, load: PendingLoad | FileLoad) -> bool:
+        """The load's reads and its copy towards the device are done (the copy always is, off
+        CUDA); never waits."""
+        if isinstance(load, FileLoad):
+            return self.file_loads.ready(load)
         return load.staged.copied is None or load.staged.copied.query()
 
-    def finish_load(self, load: PendingLoad) -> int:
+    def wait_reads(self, timeout_s: float) -> None:
+        """Block until a file read finishes or timeout_s passes: for an engine whose only work is
+        sequences waiting for their files (instead of spinning on empty steps)."""
+        if self.file_loads is not None:
+            self.file_loads.reader.wait_any(timeout_s)
+
+    def observe_reads(self, reads: list[tuple[str, FileRead]]) -> None:
+        """A load's file reads, timed on the reader threads: per tier, its bytes over the span from
+        the first read's start to the last one's end (the pool's reads overlap)."""
+        for tier in {t for t, _ in reads}:
+            timed = [r for t, r in reads if t == tier and r.end > r.start]     # queued bytes are not
+            if timed:
+                span = max(r.end for r in timed) - min(r.start for r in timed)
+                self.policy.observe_copy(tier, len(timed) * self.mover.block_bytes, span)
+
+    def finish_load(self, load: PendingLoad | FileLoad) -> int:
         """Scatter a started load into its blocks (ordered after its copy), advancing the
         sequence's num_computed_tokens; returns the blocks loaded. The loaded blocks join the
         device's prefix cache when the engine registers the sequence's computed blocks."""
+        if isinstance(load, FileLoad):
+            return self._join(load.seq, self.file_loads.finish(load))
         t = time.perf_counter()
         self.scatter(load)
         if not self.mover.cuda and set(load.tiers) == {"cpu"}:     # CUDA copies are timed on the device
@@ -295,9 +338,13 @@ class KVTiers:
         self.mover.scatter(load.staged, load.block_ids)
         self.mirror.scatter(load.mirror_id, load.block_ids)
 
-    def drop_load(self, load: PendingLoad) -> None:
-        """A load that will not be scattered (its sequence left): its staging goes, on every rank."""
-        self.mirror.release(load.mirror_id)
+    def drop_load(self, load: PendingLoad | FileLoad) -> None:
+        """A load that will not be scattered (its sequence left): its reads and staging go, on
+        every rank."""
+        if isinstance(load, FileLoad):
+            self.file_loads.drop(load)
+        else:
+            self.mirror.release(load.mirror_id)
 
     def join_layered(self, load: PendingLoad) -> int:
         """join_load for a load whose scatter the step's forward does, layer by layer."""
@@ -308,8 +355,11 @@ class KVTiers:
     def join_load(self, load: PendingLoad) -> int:
         """Count a load's blocks as computed: their KV is in the blocks, or will be before each
         layer reads them (a forward scattering them layer by layer). Returns the blocks loaded."""
-        seq, n = load.seq, len(load.tiers)
-        for tier in load.tiers:
+        return self._join(load.seq, load.tiers)
+
+    def _join(self, seq: Sequence, tiers: list[str]) -> int:
+        n = len(tiers)
+        for tier in tiers:
             self.stats.loaded_blocks[tier] += 1
         seq.num_computed_tokens += n * self.block_size
         self.block_manager.prefix_hit_tokens += n * self.block_size
@@ -337,7 +387,7 @@ class KVTiers:
             where.append(BlockSource(DISK_FILE, -1, block_hash))
         return sources, pending, tiers, where
 
-    def _forget_disk(self, block_hash: bytes) -> None:
+    def forget_disk(self, block_hash: bytes) -> None:
         """A block's file is gone or did not verify (here or on another rank): forgotten everywhere."""
         self.disk.forget(block_hash)
         self.mirror.disk_forget(block_hash)
@@ -349,7 +399,7 @@ class KVTiers:
             return None
         payload = disk.read(block_hash)
         if payload is None:                      # did not verify: deleted
-            self._forget_disk(block_hash)
+            self.forget_disk(block_hash)
             return None
         return torch.frombuffer(payload, dtype=torch.uint8).view(self.mover.block_shape)
 
@@ -455,6 +505,8 @@ class KVTiers:
 
     def close(self) -> None:
         """Finish the disk and shared tiers' queued writes and stop their threads."""
+        if self.file_loads is not None:
+            self.file_loads.close()
         if self.disk is not None:
             self.disk.close()
         if self.shared is not None:
@@ -467,4 +519,6 @@ class KVTiers:
             self.disk.check_integrity()
         if self.shared is not None:
             self.shared.check_integrity()
+        if self.file_loads is not None:
+            self.file_loads.check_integrity()
         self.mirror.check(self)

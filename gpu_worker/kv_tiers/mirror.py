@@ -36,6 +36,9 @@ class TierMirror:
 
     #: loads may land layer by layer inside the forward (layer_loads.py); False: whole, before it
     layered_loads = True
+    #: loads beside the step may read their files on reader threads (file_loads.py); False: every
+    #: rank reads its own files at admission, agreeing on what all of them read (stage)
+    reads_files_beside = True
 
     def attach(self, tiers: KVTiers) -> None:
         """Called once the tiers exist, before any other call."""

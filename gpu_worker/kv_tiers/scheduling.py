@@ -5,7 +5,8 @@
                  base schedule, whose admission asks plan() and then begin_load() per sequence:
                      joins_step: the sequence runs in this step, its load copied layer group by
                        layer group and scattered by the forward before each layer (out.layer_loads)
-                     else: it waits in `loading`, its copy under way, while this step's batch
+                     else: it waits in `loading`, its copy under way (and its disk or shared
+                       files read on reader threads: file_loads.py), while this step's batch
                        runs without it
                  step_scheduled (evicted blocks go down a tier before the step writes)
 
@@ -15,7 +16,8 @@ the copy is predicted to fit under the step's compute: LoadPolicy.joins_step). A
 step overlaps at least the step that admitted it (on CUDA its H2D runs on the tiers' load stream
 beside that step's forward; a copy still running at the next schedule keeps its sequence
 waiting, never the batch). Off CUDA the copies are done at admission, and the same decision and
-the same per-layer scatters run. With tensor parallelism (TierMirror.layered_loads False) a load
+the same per-layer scatters run. A load with file blocks joins its step only when nothing else
+runs (nobody waits for its reads). With tensor parallelism (TierMirror.layered_loads False) a load
 that joins its step lands whole after the schedule, before the forward, on every rank: the
 followers' forwards have no per-layer hooks.
 """
@@ -23,20 +25,25 @@ from __future__ import annotations
 
 import bisect
 
+from gpu_worker.kv_tiers.file_loads import FileLoad
 from gpu_worker.kv_tiers.layer_loads import LayerLoads
 from gpu_worker.kv_tiers.manager import KVTiers, PendingLoad
 from gpu_worker.scheduler import Scheduler, SchedulerOutput, _seq_slots
 from gpu_worker.sequence import Sequence, SequenceStatus
+
+_IDLE_WAIT_S = 0.005      # an engine with only loads waiting for their files blocks this long per schedule
 
 
 class TieredScheduler(Scheduler):
     def __init__(self, tiers: KVTiers, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tiers = tiers
-        self._loads: dict[int, PendingLoad] = {}      # id(seq) -> its load, for seqs in self.loading
+        self._loads: dict[int, PendingLoad | FileLoad] = {}   # id(seq) -> its load, for seqs in self.loading
         self._joining: list[PendingLoad] = []         # loads this step's forward scatters, layer by layer
 
     def schedule(self) -> SchedulerOutput:
+        if self.loading and not self.running:    # nothing to run until a file read lands
+            self.tiers.wait_reads(_IDLE_WAIT_S)
         self.tiers.step_began(bool(self.running))
         if self.loading:
             self._admit_loaded()
@@ -63,7 +70,7 @@ class TieredScheduler(Scheduler):
                 self.tiers.join_layered(load)
                 self._joining.append(load)
             return True
-        load = self.tiers.begin_load(seq, first, num_blocks)
+        load = self.tiers.begin_load_beside(seq, first, num_blocks)
         if load is None:
             return True
         self._loads[id(seq)] = load

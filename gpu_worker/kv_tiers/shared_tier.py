@@ -41,7 +41,8 @@ import msgspec
 import xxhash
 
 from gpu_worker.kv_tiers import shared_file, tier_file
-from gpu_worker.kv_tiers.disk_tier import DiskBlock, _read_at_most, _unlink_path, owned_directory, write_file
+from gpu_worker.kv_tiers.disk_tier import DiskBlock, _unlink_path, owned_directory, write_file
+from gpu_worker.kv_tiers.file_reads import FileRead, read_block_file
 from gpu_worker.kv_transfer.layout import KVLayout
 
 log = logging.getLogger("kvmesh.kv_tiers")
@@ -155,31 +156,44 @@ class SharedTier:
         """The verified payload of a block, or None: no file (never written, or deleted by a
         bound), or one that does not verify (deleted here). The time taken, MAC included, is the
         tier's read bandwidth."""
-        queued = self._queued.get(block_hash)
+        queued = self.queued_payload(block_hash)
         if queued is not None:                   # our own write, not settled yet: its bytes
-            return memoryview(queued[1])
+            return queued
+        result = self.read_file(block_hash)
+        if result.payload is not None:
+            self._copies.append((len(result.payload), result.end - result.start))
+        return self.settle_read(block_hash, result)
+
+    def queued_payload(self, block_hash: bytes) -> memoryview | None:
+        queued = self._queued.get(block_hash)
+        return memoryview(queued[1]) if queued is not None else None
+
+    def read_file(self, block_hash: bytes) -> FileRead:
+        """(any thread) Read and verify a block's file, deleting one that does not verify (other
+        workers may be reading it too: a missing file is a miss for them); no tier state is
+        touched."""
         path = self._path(block_hash)
-        t = time.perf_counter()
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            data = _read_at_most(fd, self.file_bytes + 1)
-            payload = shared_file.decode(self._key, data, block_hash, self.layout, self.payload_len)
-        except (OSError, tier_file.TierFileError) as e:
-            self.num_corrupt += 1
-            now = time.monotonic()
-            if now - self._dropped_warned_at >= _WARN_EVERY_S:
-                self._dropped_warned_at = now
-                log.warning("KV shared tier %s: dropped block %s (%s); it will be recomputed (%d files "
-                            "dropped so far)", self.directory, block_hash.hex(), e, self.num_corrupt)
+        result = read_block_file(
+            path, self.file_bytes + 1,
+            lambda data: shared_file.decode(self._key, data, block_hash, self.layout, self.payload_len),
+            (tier_file.TierFileError,))
+        if result.payload is None and not result.missing:
             _unlink_path(path)
-            return None
-        finally:
-            os.close(fd)
-        self._copies.append((len(payload), time.perf_counter() - t))
-        return payload
+        return result
+
+    def settle_read(self, block_hash: bytes, result: FileRead) -> memoryview | None:
+        """(engine thread) A read's payload, or None; a file that did not verify is counted and
+        logged (one warning a minute). A missing file (another writer's bound deleted it) is a
+        plain miss."""
+        if result.payload is not None or result.missing:
+            return result.payload
+        self.num_corrupt += 1
+        now = time.monotonic()
+        if now - self._dropped_warned_at >= _WARN_EVERY_S:
+            self._dropped_warned_at = now
+            log.warning("KV shared tier %s: dropped block %s (%s); it will be recomputed (%d files "
+                        "dropped so far)", self.directory, block_hash.hex(), result.error, self.num_corrupt)
+        return None
 
     def forget(self, block_hash: bytes) -> None:
         """Delete a block's file (the bandwidth probe's), behind its own write."""

@@ -35,6 +35,7 @@ def rank_dir(disk_dir: str, rank: int) -> str:
 class TPTierMirror(TierMirror):
     """Rank 0's side: records to the followers through the TPModelRunner's command channel."""
     layered_loads = False
+    reads_files_beside = False
 
     def __init__(self, runner, disk_dir: str | None) -> None:
         self.runner = runner                  # gpu_worker.parallel.tp_worker.TPModelRunner
