@@ -14,7 +14,9 @@ verifies (_speculative_step; gpu_worker/spec_decode/); under async scheduling a 
 propose settles the step in flight first, and one without drafts still launches ahead. Constrained requests (SamplingParams.structured)
 compile their grammar off this thread while they prefill, their first draw left out of the steps
 until it has compiled while the others step on; their draws are masked by it
-(gpu_worker/structured/).
+(gpu_worker/structured/). Under async scheduling a batch with constrained or penalised draws
+launches its forward ahead too and its draw once the previous step's tokens are read
+(_launch_split): the matchers and penalties need them on the host.
 """
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ def _as_token_ids(ids: list | tuple, vocab_size: int) -> list[int] | None:
 
 
 def _needs_output(params: SamplingParams) -> bool:
-    """Penalties read the generated tokens on the host."""
+    """Penalties read the generated tokens on the host (async scheduling: _launch_split)."""
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
@@ -498,6 +500,7 @@ class Engine:
         deltas: list[SequenceDelta] = []
         if prev is not None and self._may_speculate():    # drafts need the launched step's tokens
             deltas, prev = self._settle(prev), None
+        # a grammar's mask and penalties read the previous step's tokens on the host: the draw waits, not the forward
         split = prev is not None and (self._constrained or any(_needs_output(s.params) for s in self.scheduler.running))
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator is not None and prev is None else None
         out = self.scheduler.schedule()

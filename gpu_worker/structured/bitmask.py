@@ -30,8 +30,9 @@ class GrammarMask(NamedTuple):
 class GrammarMaskBuilder:
     """Fills a step's bitmask: the plain constrained rows in one multi-threaded xgrammar call
     (BatchGrammarMatcher), draft-verifying rows one matcher at a time (fill_draft_rows). The host
-    buffer (pinned on CUDA) is reused: the step that copied it has had its tokens read back before
-    the next mask is filled (constrained batches step synchronously), so the copy is done."""
+    buffer (pinned on CUDA) is reused: the next mask is filled only after the matchers accepted
+    the tokens of the step that copied it (under async scheduling too: Engine._launch_split reads
+    that step back first), and its tokens are read behind its draw, so the copy is done."""
 
     def __init__(self, vocab: int, device: torch.device, max_threads: int) -> None:
         self.vocab, self.device, self.max_threads = vocab, device, max_threads
