@@ -88,4 +88,7 @@ def fill_draft_rows(matcher: Any, drafts: list[int], host: torch.Tensor, row: in
 def apply_grammar_mask(x: torch.Tensor, mask: GrammarMask) -> None:
     """x (R, V) float logits: -inf where a constrained row's grammar disallows the token."""
     import xgrammar
-    xgrammar.apply_token_bitmask_inplace(x, mask.bitmask, vocab_size=x.shape[1], indices=mask.rows)
+    rows: list[int] | torch.Tensor = mask.rows
+    if x.is_cuda:   # pinned and non-blocking, as the bitmask: the draw is queued behind the forward
+        rows = torch.tensor(rows, dtype=torch.int32).pin_memory().to(x.device, non_blocking=True)
+    xgrammar.apply_token_bitmask_inplace(x, mask.bitmask, vocab_size=x.shape[1], indices=rows)
