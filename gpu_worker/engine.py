@@ -14,7 +14,9 @@ verifies (_speculative_step; gpu_worker/spec_decode/); under async scheduling a 
 propose settles the step in flight first, and one without drafts still launches ahead. Constrained requests (SamplingParams.structured)
 compile their grammar off this thread while they prefill, their first draw left out of the steps
 until it has compiled while the others step on; their draws are masked by it
-(gpu_worker/structured/).
+(gpu_worker/structured/). Under async scheduling a batch with constrained or penalised draws
+launches its forward ahead too and its draw once the previous step's tokens are read
+(_launch_split): the matchers and penalties need them on the host.
 """
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ def _as_token_ids(ids: list | tuple, vocab_size: int) -> list[int] | None:
 
 
 def _needs_output(params: SamplingParams) -> bool:
-    """Penalties read the generated tokens on the host."""
+    """Penalties read the generated tokens on the host (async scheduling: _launch_split)."""
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
@@ -122,6 +124,7 @@ class Engine:
         self._seed_rng = random.Random(config.seed)  # seeds of requests that give none
         self._inflight: _InFlight | None = None       # async_scheduling: the launched step
         self.async_scheduling = config.async_scheduling  # may be switched between steps
+        self.steps_ahead = 0   # async_scheduling: launched steps whose forward preceded the previous step's settle
         self._froze_gc = False
         # seconds the last step() spent reading sampled tokens back: the host sync (async scheduling:
         # waiting for the launched step's draw; sync scheduling: the draw and its read-back)
@@ -306,9 +309,15 @@ class Engine:
         return deltas
 
     def _forward(self, out: SchedulerOutput, prev: _InFlight | None) -> _Forwarded:
-        """The part of a step both schedulings share: copy-on-write copies, the batch (its PENDING
-        inputs taken on the device from `prev`'s draw), the forward, progress, forks, and what each
-        sampling sequence draws with. The caller draws: at once (step) or queued (_launch)."""
+        """The part of a step both schedulings share: the forward (_run_forward) and what each
+        sampling sequence draws with (_draws). The caller draws: at once (step) or queued (_launch)."""
+        return self._draws(*self._run_forward(out, prev))
+
+    def _run_forward(self, out: SchedulerOutput, prev: _InFlight | None
+                     ) -> tuple[torch.Tensor, list[tuple[int, Sequence]]]:
+        """Copy-on-write copies, the batch (its PENDING inputs taken on the device from `prev`'s
+        draw), the forward, progress and forks: the logits (S, vocab) and the (row, sequence) of
+        each draw."""
         self._copy_blocks(out)
         batch = self.batch_builder.build(out.scheduled)
         batch.layer_loads = out.layer_loads
@@ -325,7 +334,11 @@ class Engine:
         else:                         # a block may end in a PENDING token: _step_async publishes it
             for seq, num_new in out.scheduled:                       # once prev is settled
                 seq.num_computed_tokens += num_new
-        targets = self._fork_targets(sampling)                       # (row, seq) per draw
+        return logits, self._fork_targets(sampling)                  # (row, seq) per draw
+
+    def _draws(self, logits: torch.Tensor, targets: list[tuple[int, Sequence]]) -> _Forwarded:
+        """What each target draws with, from its tokens and matcher as they are now: its
+        SampleRequest, and the constrained targets' grammar mask."""
         grammar = self._grammar_mask([(seq, []) for _, seq in targets]) if self._constrained else None
         return _Forwarded(logits, targets, [self._sample_request(row, seq) for row, seq in targets], grammar)
 
@@ -466,6 +479,17 @@ class Engine:
     # replaces with the token read back; the scheduler counts it like any token, the batch
     # builder's row for it is overwritten on the device from the previous step's token tensor.
     #
+    # A draw that needs token N on the host (a grammar's mask: the matcher accepts N first;
+    # penalties: they count the output tokens) splits the launch (_launch_split): only the draw
+    # waits for the host, not the forward:
+    #
+    #   call k:  schedule N+1 | build | inputs <- N (device) | launch FORWARD N+1 | read N (matchers
+    #            accept N) | N+1's masks and penalty inputs on the host | launch DRAW N+1 | deltas N
+    #   GPU:     ... step N ... | forward N+1 ..................... | draw N+1
+    #
+    # so the host's read and mask filling overlap the forward; the GPU waits between the forward
+    # and the draw only for what outlasts the forward. A sequence that N ended draws nothing.
+    #
     # Speculation: drafts continue from the last sampled token, so a step that may propose settles
     # the launched step first and, when drafts are scheduled, runs as a synchronous
     # _speculative_step; a step without drafts launches one step ahead. A proposer's catch-up on
@@ -474,11 +498,10 @@ class Engine:
     def _step_async(self) -> list[SequenceDelta]:
         prev, self._inflight = self._inflight, None
         deltas: list[SequenceDelta] = []
-        if prev is not None and (self._constrained or any(_needs_output(s.params) for s in self.scheduler.running)
-                                 or self._may_speculate()):
-            # penalties read the tokens on the host; a grammar's mask needs the matchers to have
-            # accepted the previous token; drafts need it too: such batches step synchronously
+        if prev is not None and self._may_speculate():    # drafts need the launched step's tokens
             deltas, prev = self._settle(prev), None
+        # a grammar's mask and penalties read the previous step's tokens on the host: the draw waits, not the forward
+        split = prev is not None and (self._constrained or any(_needs_output(s.params) for s in self.scheduler.running))
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator is not None and prev is None else None
         out = self.scheduler.schedule()
         if drafts:
@@ -494,9 +517,14 @@ class Engine:
             return deltas
         if drafts:
             return deltas + self._speculative_step(out, drafts)
-        launched = self._launch(out, prev)
+        if split:
+            launched, deltas = self._launch_split(out, prev)
+        else:
+            launched = self._launch(out, prev)
+            if prev is not None:
+                deltas = self._settle(prev)
         if prev is not None:
-            deltas = self._settle(prev)
+            self.steps_ahead += 1
             bm, bs = self.block_manager, self.config.block_size
             for seq, _ in out.scheduled:      # the tokens these blocks hold are all known now
                 if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens // bs > seq.num_registered_blocks:
@@ -513,13 +541,26 @@ class Engine:
     def _launch(self, out: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
         """_forward, then the draw queued on the device: each sampling sequence gets a PENDING
         placeholder that the next call's _settle replaces."""
-        fwd = self._forward(out, prev)
+        return self._queue_draw(self._forward(out, prev))
+
+    def _queue_draw(self, fwd: _Forwarded) -> _InFlight:
         pending = self.sampler.launch(fwd.logits, fwd.requests, fwd.grammar)
         slots = []
         for _, seq in fwd.targets:
             seq.token_ids.append(PENDING)
             slots.append(len(seq.token_ids) - 1)
         return _InFlight(fwd.targets, slots, pending)
+
+    def _launch_split(self, out: SchedulerOutput, prev: _InFlight) -> tuple[_InFlight, list[SequenceDelta]]:
+        """The forward queued on the device before `prev` is settled, the draw after it (the
+        timeline above): the matchers have accepted prev's tokens and the penalties read them, as
+        a synchronous step's draw does. Returns the launched step and prev's deltas."""
+        logits, targets = self._run_forward(out, prev)
+        deltas = self._settle(prev)
+        # a sequence that prev's token ended (stop, length, its grammar complete), or a request
+        # ended since, draws nothing: a synchronous step would not have scheduled it
+        live = [(row, seq) for row, seq in targets if seq.status is not SequenceStatus.FINISHED]
+        return self._queue_draw(self._draws(logits, live)), deltas
 
     def _take_pending_inputs(self, batch, scheduled: list[ScheduledSeq], prev: "_InFlight") -> None:
         """input_ids rows whose token is still PENDING <- the previous step's sampled tokens."""
@@ -921,7 +962,7 @@ class Engine:
             prefix_query_tokens=bm.prefix_query_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             extra={"num_requests": len(self.requests), "max_model_len": self.max_model_len,
-                   "block_size": bm.block_size,
+                   "block_size": bm.block_size, "steps_ahead": self.steps_ahead,
                    **({"spec_decode": self.speculator.stats_dict()} if self.speculator is not None else {}),
                    **({"kv_tiers": self.kv_tiers.stats_dict()} if self.kv_tiers is not None else {})})
 

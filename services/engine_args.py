@@ -66,7 +66,8 @@ class EngineArgs:
                                      "prefills, replay graphs captured at start-up on CUDA with the triton backend).")
     async_scheduling: bool = opt(False, "Engine: schedule and launch step N+1 while step N runs on the GPU (its "
                                         "decode inputs are step N's sampled tokens, read on the device), hiding the "
-                                        "host's per-step work; steps of requests with penalties run one at a time.")
+                                        "host's per-step work; a draw that needs step N's tokens on the host (grammar, "
+                                        "penalties) is queued after step N+1's forward, once they are read.")
     # Past vLLM's 512 only for engines allowed more sequences: at 1,024 sequences, graphs up to
     # 1,024 rows made the ShareGPT-like run 2.2% faster than graphs up to 512 (H200), for ~3 s
     # more capture.

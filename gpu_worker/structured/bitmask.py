@@ -30,8 +30,9 @@ class GrammarMask(NamedTuple):
 class GrammarMaskBuilder:
     """Fills a step's bitmask: the plain constrained rows in one multi-threaded xgrammar call
     (BatchGrammarMatcher), draft-verifying rows one matcher at a time (fill_draft_rows). The host
-    buffer (pinned on CUDA) is reused: the step that copied it has had its tokens read back before
-    the next mask is filled (constrained batches step synchronously), so the copy is done."""
+    buffer (pinned on CUDA) is reused: the next mask is filled only after the matchers accepted
+    the tokens of the step that copied it (under async scheduling too: Engine._launch_split reads
+    that step back first), and its tokens are read behind its draw, so the copy is done."""
 
     def __init__(self, vocab: int, device: torch.device, max_threads: int) -> None:
         self.vocab, self.device, self.max_threads = vocab, device, max_threads
@@ -87,4 +88,7 @@ def fill_draft_rows(matcher: Any, drafts: list[int], host: torch.Tensor, row: in
 def apply_grammar_mask(x: torch.Tensor, mask: GrammarMask) -> None:
     """x (R, V) float logits: -inf where a constrained row's grammar disallows the token."""
     import xgrammar
-    xgrammar.apply_token_bitmask_inplace(x, mask.bitmask, vocab_size=x.shape[1], indices=mask.rows)
+    rows: list[int] | torch.Tensor = mask.rows
+    if x.is_cuda:   # pinned and non-blocking, as the bitmask: the draw is queued behind the forward
+        rows = torch.tensor(rows, dtype=torch.int32).pin_memory().to(x.device, non_blocking=True)
+    xgrammar.apply_token_bitmask_inplace(x, mask.bitmask, vocab_size=x.shape[1], indices=rows)

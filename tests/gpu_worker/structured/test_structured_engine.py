@@ -120,8 +120,9 @@ def test_regex_choice_and_grammar_outputs_match_with_several_samples(tiny_llama,
 
 @pytest.mark.parametrize("mode", ["async_scheduling", "speculative"])
 def test_async_scheduling_and_speculation_give_the_synchronous_tokens(tiny_llama, mode):
-    """Async scheduling steps synchronously while a constrained request runs; speculation never
-    drafts for one: greedy tokens equal those of a plain synchronous engine."""
+    """Async scheduling launches a constrained batch's forward one step ahead and its draw once the
+    matchers accepted the previous token; speculation verifies drafts under the mask: greedy
+    tokens equal those of a plain synchronous engine."""
     extra = ({"async_scheduling": True} if mode == "async_scheduling" else
              {"speculative_config": json.dumps({"method": "ngram", "num_speculative_tokens": 3,
                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 2})})
@@ -133,6 +134,8 @@ def test_async_scheduling_and_speculation_give_the_synchronous_tokens(tiny_llama
                 temperature=0.0, max_tokens=MAX_TOKENS, structured=StructuredOutput(json_schema=json.dumps(SCHEMAS[i]))))
         add_plain(engine)
         outs.append(run(engine))
+        if kwargs.get("async_scheduling"):     # the steps ran ahead, not after a settle
+            assert engine.steps_ahead >= 20
         assert_blocks_back(engine)
         engine.close()
     assert outs[0] == outs[1]
