@@ -87,3 +87,13 @@ def prompt_hashes(eng: Engine, prompt: list[int]) -> list[bytes]:
     """The chained hashes of the prompt's full blocks, as the engine computes them."""
     from services.prefix_hash import chain_hashes
     return chain_hashes(None, eng.block_manager.model_id, "", prompt, BLOCK_SIZE)
+
+
+def decoding(eng, request_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """Start a request and step until it has its first token (it decodes from then on)."""
+    eng.add_request(request_id, prompt, greedy(max_tokens))
+    for _ in range(MAX_STEPS):
+        out = [t for d in eng.step() if d.request_id == request_id for t in d.new_token_ids]
+        if out:
+            return out
+    raise AssertionError(f"{request_id} produced no token")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.gpu_worker.kv_tiers.conftest import (
-    MAX_STEPS, check_all_tiers, greedy, push_out, run, tier_stats, tiered_engine, tokens)
+    MAX_STEPS, check_all_tiers, decoding, greedy, push_out, run, tier_stats, tiered_engine, tokens)
 
 KEY = bytes(range(32))
 
@@ -52,15 +52,6 @@ def _engine_with_history(model_dir, tier: str, tmp_path, **kw):
     return eng, lower, history + answer + tokens(5, 2)
 
 
-def _decoding(eng, request_id: str, prompt: list[int], max_tokens: int) -> list[int]:
-    eng.add_request(request_id, prompt, greedy(max_tokens))
-    for _ in range(MAX_STEPS):
-        out = [t for d in eng.step() if d.request_id == request_id for t in d.new_token_ids]
-        if out:
-            return out
-    raise AssertionError(f"{request_id} produced no token")
-
-
 def _step(eng, outputs: dict[str, list[int]]) -> None:
     for d in eng.step():
         outputs.setdefault(d.request_id, []).extend(d.new_token_ids)
@@ -99,7 +90,7 @@ def _reads_beside(llama, tiers: str, tmp_path, monkeypatch, **kw):
         staged_pinned.append(all(s.is_pinned() for s in sources)), real_stage(sources, *a, **k))[1])
     tier = tiers.removeprefix("cpu+")
     other = tokens(9, 3)
-    outputs = {"other": _decoding(eng, "other", other, 8)}
+    outputs = {"other": decoding(eng, "other", other, 8)}
     latch = Latch(lower, monkeypatch)
     eng.kv_tiers.policy.bandwidth.pop(tier)         # measured again from the reads below
     try:
@@ -132,7 +123,7 @@ def test_an_abort_while_reading_frees_everything(llama, tmp_path, monkeypatch):
     model_dir, hf = llama
     eng, disk, prompt = _engine_with_history(model_dir, "disk", tmp_path)
     other = tokens(9, 4)
-    outputs = {"other": _decoding(eng, "other", other, 6)}
+    outputs = {"other": decoding(eng, "other", other, 6)}
     reader = eng.kv_tiers.file_loads.reader
     with monkeypatch.context() as patch:
         latch = Latch(disk, patch)
@@ -163,7 +154,7 @@ def test_a_file_gone_between_plan_and_read_ends_the_load_there(llama, how, tmp_p
     model_dir, hf = llama
     eng, disk, prompt = _engine_with_history(model_dir, "disk", tmp_path)
     other = tokens(9, 5)
-    outputs = {"other": _decoding(eng, "other", other, 6)}
+    outputs = {"other": decoding(eng, "other", other, 6)}
     latch = Latch(disk, monkeypatch)
     try:
         eng.add_request("next", prompt, greedy(4))

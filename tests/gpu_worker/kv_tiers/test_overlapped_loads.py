@@ -6,7 +6,7 @@ no block leaks in any tier. (Loads inside the step: test_layered_loads.py.)"""
 from __future__ import annotations
 
 from tests.gpu_worker.kv_tiers.conftest import (
-    MAX_STEPS, check_all_tiers, greedy, push_out, run, tier_stats, tiered_engine, tokens)
+    MAX_STEPS, check_all_tiers, decoding, greedy, push_out, run, tier_stats, tiered_engine, tokens)
 
 TIERS = dict(kv_offload_cpu_gb=0.001, kv_load_policy="always")
 
@@ -25,16 +25,6 @@ def _history_in_host_tier(eng) -> list[int]:
     return history + answer + tokens(5, 2)
 
 
-def _decoding(eng, request_id: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """Start a request and step until it has its first token (it decodes from then on)."""
-    eng.add_request(request_id, prompt, greedy(max_tokens))
-    for _ in range(MAX_STEPS):
-        out = [t for d in eng.step() if d.request_id == request_id for t in d.new_token_ids]
-        if out:
-            return out
-    raise AssertionError(f"{request_id} produced no token")
-
-
 def _finish(eng, outputs: dict[str, list[int]]) -> None:
     for _ in range(MAX_STEPS):
         if not eng.has_unfinished_requests():
@@ -49,7 +39,7 @@ def test_the_batch_runs_on_while_a_prompt_loads_its_history(llama, tmp_path):
     eng = tiered_engine(model_dir, num_gpu_blocks=32, **TIERS)
     prompt = _history_in_host_tier(eng)
     other = tokens(9, 3)
-    outputs = {"other": _decoding(eng, "other", other, 8)}
+    outputs = {"other": decoding(eng, "other", other, 8)}
     _slow_loads(eng)
     eng.add_request("next", prompt, greedy(4))
     deltas = eng.step()                                   # admits "next": its load starts
@@ -70,7 +60,7 @@ def test_a_request_aborted_while_loading_frees_everything(llama, tmp_path):
     eng = tiered_engine(model_dir, num_gpu_blocks=32, **TIERS)
     prompt = _history_in_host_tier(eng)
     other = tokens(9, 4)
-    outputs = {"other": _decoding(eng, "other", other, 6)}
+    outputs = {"other": decoding(eng, "other", other, 6)}
     _slow_loads(eng)
     eng.add_request("next", prompt, greedy(4))
     outputs["other"] += [t for d in eng.step() for t in d.new_token_ids]
@@ -95,7 +85,7 @@ def test_a_loading_request_keeps_its_batch_slot(llama, tmp_path):
     eng = tiered_engine(model_dir, num_gpu_blocks=32, max_num_seqs=2, **TIERS)
     prompt = _history_in_host_tier(eng)
     other = tokens(9, 5)
-    outputs = {"other": _decoding(eng, "other", other, 6)}
+    outputs = {"other": decoding(eng, "other", other, 6)}
     _slow_loads(eng)
     eng.add_request("next-a", prompt, greedy(4))
     eng.add_request("next-b", prompt, greedy(4))
