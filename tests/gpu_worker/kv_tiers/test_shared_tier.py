@@ -182,9 +182,6 @@ def test_shared_tier_settings_are_checked(tmp_path, llama):
         EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path))          # without a size
     with pytest.raises(ValueError, match="kv_offload_shared_dir"):
         EngineConfig(model=model_dir, kv_offload_shared_gb=1.0)
-    with pytest.raises(ValueError, match="kv_offload_shared_dir: .*tensor_parallel_size"):
-        EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path), kv_offload_shared_gb=1.0,
-                     tensor_parallel_size=2, kv_offload_shared_key=KEY)
     with pytest.raises(ValueError, match="kv_offload_shared_dir: the shared tier needs kv_offload_shared_key"):
         EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path), kv_offload_shared_gb=1.0)
     with pytest.raises(ValueError, match="kv_offload_shared_key: must be 32 to 64 bytes"):
