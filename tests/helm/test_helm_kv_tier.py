@@ -150,4 +150,5 @@ def test_the_shared_tier_runs_with_several_gpus_per_pod(helm):
     assert pods
     for pod in pods:
         env = env_of(pod["containers"][0])
-        assert env["KVMESH_KV_OFFLOAD_SHARED_GB"]["value"] == "40" and env["KVMESH_TENSOR_PARALLEL_SIZE"]["value"] == "2"
+        assert env["KVMESH_KV_OFFLOAD_SHARED_GB"]["value"] == "40"
+        assert env["KVMESH_TENSOR_PARALLEL_SIZE"]["value"] == "2"

@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+import torch
+
 from gpu_worker.kv_tiers.drain_to_disk import drain_to_disk
 from gpu_worker.make_model import make_model
 from tests.gpu_worker.kv_tiers.conftest import (BLOCK_SIZE, chat, check_all_tiers, prompt_hashes, push_out, run,
@@ -26,10 +29,22 @@ def _rank_files(root) -> dict[str, set[str]]:
 
 
 def test_tp2_engines_share_kv_rank_by_rank(tmp_path):
+    check_tp2_shared(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_tp2_engines_share_kv_rank_by_rank_on_cuda(tmp_path):
+    """The CUDA paths: each rank's D2H copies of its shard for the files, its loads' H2D copies."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    check_tp2_shared(tmp_path, "cuda")
+
+
+def check_tp2_shared(tmp_path, device: str) -> None:
     model_dir = str(make_model(tmp_path / "m", "qwen3", "tiny", seed=7, progress=False))
-    plain = tiered_engine(model_dir)
+    plain = tiered_engine(model_dir, device=device)
     root = tmp_path / "shared"
-    shared = dict(tensor_parallel_size=2, kv_offload_shared_dir=str(root), kv_offload_shared_gb=0.002,
+    shared = dict(device=device, tensor_parallel_size=2, kv_offload_shared_dir=str(root), kv_offload_shared_gb=0.002,
                   kv_offload_shared_key=KEY, kv_load_policy="always")
 
     # A: a small host tier demotes to the shared tier; then A drains (a worker told to leave)
@@ -75,7 +90,7 @@ def test_tp2_engines_share_kv_rank_by_rank(tmp_path):
         b.close()
 
     # TP=1 on the same directory: another layout, so none of the TP=2 shards
-    c = tiered_engine(model_dir, kv_offload_shared_dir=str(root), kv_offload_shared_gb=0.002,
+    c = tiered_engine(model_dir, device=device, kv_offload_shared_dir=str(root), kv_offload_shared_gb=0.002,
                       kv_offload_shared_key=KEY, kv_load_policy="always")
     try:
         assert run(c, "tp1", prompt) == (want, 0)
