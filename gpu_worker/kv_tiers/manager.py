@@ -492,7 +492,8 @@ class KVTiers:
             "disk_enabled": bool(self.disk is not None and self.disk.enabled),
             "disk_corrupt_files": self.disk.num_corrupt if self.disk is not None else 0,
             "disk_restored_blocks": self.disk.num_restored if self.disk is not None else 0,
-            # the whole directory's files at the last scan (every worker's), not this worker's
+            # the files at rank 0's last scan (every worker's, not this worker's: the whole directory,
+            # or with tensor parallelism rank 0's subdirectory); corrupt files: rank 0's
             "shared_blocks": self.shared.estimate.files if self.shared is not None else 0,
             "shared_corrupt_files": self.shared.num_corrupt if self.shared is not None else 0,
             "shared_write_errors": self.shared.num_write_errors if self.shared is not None else 0,
