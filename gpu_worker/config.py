@@ -100,8 +100,6 @@ class EngineConfig(EngineArgs):
         if (self.kv_offload_shared_dir is None) != (self.kv_offload_shared_gb == 0.0):
             raise bad("kv_offload_shared_dir", "kv_offload_shared_dir and kv_offload_shared_gb go together: give "
                                                "both or neither")
-        if self.kv_offload_shared_dir is not None and self.tensor_parallel_size > 1:
-            raise bad("kv_offload_shared_dir", "the shared KV tier runs with tensor_parallel_size 1 only")
         if self.kv_offload_shared_dir is not None:
             if self.kv_offload_shared_key is None:
                 raise bad("kv_offload_shared_dir", "the shared tier needs kv_offload_shared_key, the key that "

@@ -111,14 +111,17 @@ class EngineArgs:
                                     min=0, max=65536)
     kv_offload_shared_dir: str | None = opt(None, "Engine: directory of a KV tier every worker on the node reads "
                                                   "and writes at once (no lock; ours, 0700; a subdirectory per KV "
-                                                  "layout, one checked 0600 file per block): a prompt's prefix "
+                                                  "layout, and per rank with tensor parallelism; one checked 0600 "
+                                                  "file per block): a prompt's prefix "
                                                   "missing from this worker's tiers is loaded from there, a draining "
                                                   "worker writes its cached blocks there, and without "
                                                   "kv_offload_dir the host tier's evictions go there; none: no shared "
                                                   "tier. Needs kv_offload_shared_gb.", unset="", pattern=r".{1,4096}",
                                             expected="a directory path of 1 to 4096 characters")
     kv_offload_shared_gb: float = opt(0.0, "Engine: most GiB the shared tier's directory takes, kept by every "
-                                           "writer (with kv_offload_shared_dir).", min=0, max=65536)
+                                           "writer (with kv_offload_shared_dir); with tensor parallelism each "
+                                           "rank keeps its own subdirectory (its shard of every block) to "
+                                           "kv_offload_shared_gb / tensor_parallel_size.", min=0, max=65536)
     kv_load_policy: str = opt("auto", "Engine: a prompt whose prefix sits in a lower KV tier: auto (load or "
                                       "recompute, whichever the tiers' measured bandwidth and the recent prefill "
                                       "rate predict faster, or load the first blocks and compute the rest), "

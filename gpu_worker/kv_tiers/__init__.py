@@ -24,7 +24,8 @@ def build_kv_tiers(engine) -> KVTiers:
     """The lower tiers an engine's config asks for (gpu_worker.engine.Engine, after its runner's
     KV cache and block manager exist). With tensor parallelism the sizes are the whole worker's,
     shared evenly by the ranks (each holds its shard of every block), and each rank's files go
-    to a subdirectory of its own (gpu_worker/parallel/tp_tiers.py)."""
+    to a subdirectory of its own (gpu_worker/parallel/tp_tiers.py), the shared tier's too
+    (shared_tier.py: each rank bounds its subdirectory to its share)."""
     from gpu_worker.kv_transfer.layout import layout_of
     cfg = engine.config
     tp, disk_dir, mirror = cfg.tensor_parallel_size, cfg.kv_offload_dir, None
@@ -35,7 +36,7 @@ def build_kv_tiers(engine) -> KVTiers:
     return KVTiers(engine.block_manager, engine.runner.kv_caches, layout_of(engine),
                    cpu_bytes=int(cfg.kv_offload_cpu_gb * GIB) // tp, disk_dir=disk_dir,
                    disk_bytes=int(cfg.kv_offload_disk_gb * GIB) // tp, policy=cfg.kv_load_policy, mirror=mirror,
-                   shared_dir=cfg.kv_offload_shared_dir, shared_bytes=int(cfg.kv_offload_shared_gb * GIB),
+                   shared_dir=cfg.kv_offload_shared_dir, shared_bytes=int(cfg.kv_offload_shared_gb * GIB) // tp,
                    shared_key=cfg.kv_offload_shared_key)
 
 

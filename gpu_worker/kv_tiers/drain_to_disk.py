@@ -89,7 +89,7 @@ def _target(tiers: KVTiers) -> _Target | None:
             shared.drain()
             return True
         return _Target("shared", shared.holds, max(shared.max_bytes // shared.file_bytes, 0),
-                       lambda h, block, data, _source: tiers.write_shared(h, block, data), lambda: True,
+                       tiers.write_shared, lambda: True,
                        settle_shared)
     if disk is None or not disk.enabled:
         return None

@@ -30,7 +30,7 @@ from gpu_worker.kv_tiers.file_loads import FileLoad, FileLoads
 from gpu_worker.kv_tiers.file_reads import FileRead
 from gpu_worker.kv_tiers.host_tier import HostBlock, HostTier
 from gpu_worker.kv_tiers.load_policy import LoadPlan, LoadPolicy
-from gpu_worker.kv_tiers.mirror import DEVICE_BLOCK, DISK_FILE, HOST_SLOT, BlockSource, TierMirror
+from gpu_worker.kv_tiers.mirror import DEVICE_BLOCK, DISK_FILE, HOST_SLOT, SHARED_FILE, BlockSource, TierMirror
 from gpu_worker.kv_tiers.shared_tier import SharedTier
 from gpu_worker.kv_tiers.tier_stats import TierStats
 from gpu_worker.kv_transfer.layout import KVLayout
@@ -161,7 +161,8 @@ class KVTiers:
                                 BlockSource(HOST_SLOT, block.slot))
         elif self.shared is not None:
             self.mover.wait_offloaded(block.offloaded)
-            self.write_shared(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot])
+            self.write_shared(block_hash, DiskBlock(block.parent, block.token_ids), self.host.data[block.slot],
+                              BlockSource(HOST_SLOT, block.slot))
         return block.slot
 
     def _disk_on(self) -> bool:
@@ -184,12 +185,14 @@ class KVTiers:
                 self.write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block,
                                 BlockSource(DEVICE_BLOCK, e.block_id))
             else:
-                self.write_shared(e.block_hash, DiskBlock(e.parent, e.token_ids), block)
+                self.write_shared(e.block_hash, DiskBlock(e.parent, e.token_ids), block,
+                                  BlockSource(DEVICE_BLOCK, e.block_id))
 
-    def write_shared(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor) -> None:
-        """Queue a block's file in the shared tier; `data` (host bytes) is copied. No KV event:
-        the block is no longer this worker's."""
+    def write_shared(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor, source: BlockSource) -> None:
+        """Queue a block's file in the shared tier; `data` (host bytes, read from `source`) is
+        copied. No KV event: the block is no longer this worker's."""
         self.shared.write(block_hash, block, bytearray(data.reshape(-1).numpy()))
+        self.mirror.shared_write(source, block_hash, block)
         self.stats.offloaded_blocks["shared"] += 1
 
     def write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor, source: BlockSource) -> None:
@@ -273,8 +276,8 @@ class KVTiers:
         sources, pending, tiers, where = self._read_sources(seq.block_hashes[first:first + num_blocks])
         load_id, agreed = self.mirror.stage(where)
         if agreed < len(sources):           # another rank lacks this block's file: it goes everywhere
-            if where[agreed].kind == DISK_FILE:             # (host slots are on every rank)
-                self.forget_disk(where[agreed].block_hash)
+            if where[agreed].kind == DISK_FILE:             # (host slots are on every rank; a shared
+                self.forget_disk(where[agreed].block_hash)  # file is no one's: a miss, nothing more)
             sources, pending, tiers = sources[:agreed], pending[:agreed], tiers[:agreed]
         self.stats.load_shortfall_blocks += num_blocks - len(sources)
         # Order matters: the sources are copied out first (the flush may reuse their host slots),
@@ -375,16 +378,15 @@ class KVTiers:
                 tiers.append("cpu")
                 where.append(BlockSource(HOST_SLOT, block.slot))
                 continue
-            payload, tier = self._read_disk(block_hash), "disk"
+            payload, tier, kind = self._read_disk(block_hash), "disk", DISK_FILE
             if payload is None:
-                payload, tier = self._read_shared(block_hash), "shared"
+                payload, tier, kind = self._read_shared(block_hash), "shared", SHARED_FILE
             if payload is None:
                 break
             sources.append(payload)
             pending.append(None)
             tiers.append(tier)
-            # (a shared file is named like a disk file; the tiers of several ranks refuse a shared one)
-            where.append(BlockSource(DISK_FILE, -1, block_hash))
+            where.append(BlockSource(kind, -1, block_hash))
         return sources, pending, tiers, where
 
     def forget_disk(self, block_hash: bytes) -> None:
@@ -490,7 +492,8 @@ class KVTiers:
             "disk_enabled": bool(self.disk is not None and self.disk.enabled),
             "disk_corrupt_files": self.disk.num_corrupt if self.disk is not None else 0,
             "disk_restored_blocks": self.disk.num_restored if self.disk is not None else 0,
-            # the whole directory's files at the last scan (every worker's), not this worker's
+            # the files at rank 0's last scan (every worker's, not this worker's: the whole directory,
+            # or with tensor parallelism rank 0's subdirectory); corrupt files: rank 0's
             "shared_blocks": self.shared.estimate.files if self.shared is not None else 0,
             "shared_corrupt_files": self.shared.num_corrupt if self.shared is not None else 0,
             "shared_write_errors": self.shared.num_write_errors if self.shared is not None else 0,

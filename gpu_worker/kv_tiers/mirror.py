@@ -9,8 +9,11 @@ gpu_worker/parallel/tp_tiers.py's TPTierMirror sends each call to the followers.
     offload        device blocks -> host slots          (the flush of evicted blocks)
     disk_write     a host slot or a device block -> its block's file
     disk_forget    delete one block's file;  disk_clear: every file
-    stage          host slots / files -> a load's staging, agreed by every rank (a file may not
-                   verify on one of them: the load stops at the first block any rank lacks)
+    shared_write   a host slot or a device block -> its block's file in the shared tier (each
+                   rank: its own shard's subdirectory; a file already there is kept)
+    stage          host slots / files -> a load's staging, agreed by every rank (a file may be
+                   missing or not verify on one of them: the load stops at the first block any
+                   rank lacks)
     scatter        a staged load -> its device blocks;  release: a load dropped before that
 """
 from __future__ import annotations
@@ -21,12 +24,14 @@ if TYPE_CHECKING:
     from gpu_worker.kv_tiers.disk_tier import DiskBlock
     from gpu_worker.kv_tiers.manager import KVTiers
 
-HOST_SLOT, DEVICE_BLOCK, DISK_FILE = 0, 1, 2
+HOST_SLOT, DEVICE_BLOCK, DISK_FILE, SHARED_FILE = 0, 1, 2, 3
+FILE_KINDS = (DISK_FILE, SHARED_FILE)
 
 
 class BlockSource(NamedTuple):
-    """Where a block's bytes are read from: a host slot, a device block, or its file."""
-    kind: int                 # HOST_SLOT | DEVICE_BLOCK | DISK_FILE
+    """Where a block's bytes are read from: a host slot, a device block, or its file (disk
+    tier or shared tier)."""
+    kind: int                 # HOST_SLOT | DEVICE_BLOCK | DISK_FILE | SHARED_FILE
     index: int                # the slot or the block id (-1 for a file)
     block_hash: bytes | None = None     # a file's block
 
@@ -50,6 +55,9 @@ class TierMirror:
         pass
 
     def disk_forget(self, block_hash: bytes) -> None:
+        pass
+
+    def shared_write(self, source: BlockSource, block_hash: bytes, block: DiskBlock) -> None:
         pass
 
     def disk_clear(self) -> None:

@@ -8,6 +8,9 @@ conversation that moves to another worker loads its history instead of recomputi
         <hash>.kvb (0600)        shared_file.py's format (tier_file's, then a MAC), written as
                                  <hash>.kvb.<pid>-<n>.tmp, then renamed: a reader sees a whole file
                                  or none
+      <layout>-<key id>-rank<r>/ a tensor-parallel engine's rank r: its shard of every block (the
+                                 layout carries tp_size, so engines of another TP size never meet
+                                 these files; rank r of one TP=2 engine shares with rank r of another)
 
 No lock and no index, since the files are other workers' as much as ours: a lookup is one stat
 of the block's name, a load reads the file and checks its MAC, then every check of
@@ -18,7 +21,9 @@ deleted and is a miss too (one warning a minute): the caller recomputes the bloc
 fails for this tier. Blocks here belong to no worker, so they are not KV events (the prefix index
 routes by the private tiers).
 
-Size: every writer bounds the whole directory. It estimates the bytes there from a scan plus its
+Size: every writer of a one-rank engine bounds the whole directory (every subdirectory above);
+each rank of a tensor-parallel engine bounds its own subdirectory, to its share of the bound (the
+caller splits it, as it splits the disk tier's). It estimates the bytes there from a scan plus its
 own writes since, and scans again when that estimate passes the bound, every SCAN_EVERY_S
 seconds, and every 1/16 of the bound's files it writes (at most SCAN_EVERY_WRITES); a scan counts
 at most SCAN_MAX_FILES files and, past the bound, deletes the oldest (mtime) until the directory
@@ -64,10 +69,10 @@ class ScanResult(NamedTuple):
 
 class SharedTier:
     def __init__(self, directory: str, max_bytes: int, layout: KVLayout, payload_len: int, key: bytes,
-                 max_queued: int = 64) -> None:
+                 max_queued: int = 64, rank: int = 0) -> None:
         shared_file.check_key(key)
         self.root = directory
-        self._key = key
+        self.key = key                  # a secret: never logged (nor is this object's repr)
         self.max_bytes = max_bytes
         self.layout = layout
         self.payload_len = payload_len
@@ -76,6 +81,10 @@ class SharedTier:
         self.scan_every_writes = max(1, min(SCAN_EVERY_WRITES, max_bytes // self.file_bytes // 16))
         owned_directory(directory, FLAG)
         name = f"{xxhash.xxh3_64_hexdigest(msgspec.msgpack.encode(layout))}-{shared_file.key_id(key)}"
+        # a rank bounds only its own shard's files: its siblings bound theirs
+        self.own_subdir_only = layout.tp_size > 1
+        if self.own_subdir_only:
+            name += f"-rank{rank}"
         self.directory = os.path.join(directory, name)
         owned_directory(self.directory, FLAG)
         self.num_corrupt = 0            # files dropped because they did not verify
@@ -113,7 +122,7 @@ class SharedTier:
             # a name of our own: two workers writing the same block never share a .tmp
             tmp = f"{path}.{os.getpid()}-{next(self._tmp_names)}.tmp"
             t = time.perf_counter()
-            size = write_file(path, tmp, shared_file.encode(self._key, block_hash, self.layout, payload,
+            size = write_file(path, tmp, shared_file.encode(self.key, block_hash, self.layout, payload,
                                                             block.parent, block.token_ids), exclusive=True)
             self._copies.append((len(payload), time.perf_counter() - t))
             self.estimate = ScanResult(self.estimate.files + 1, self.estimate.bytes + size, 0)
@@ -175,7 +184,7 @@ class SharedTier:
         path = self._path(block_hash)
         result = read_block_file(
             path, self.file_bytes + 1,
-            lambda data: shared_file.decode(self._key, data, block_hash, self.layout, self.payload_len),
+            lambda data: shared_file.decode(self.key, data, block_hash, self.layout, self.payload_len),
             (tier_file.TierFileError,))
         if result.payload is None and not result.missing:
             _unlink_path(path)
@@ -201,15 +210,19 @@ class SharedTier:
 
     # ---- the bound -----------------------------------------------------------------------
     def _scan(self) -> ScanResult:
-        """Files and bytes under the root (every layout's), at most SCAN_MAX_FILES of them; the
-        oldest deleted when they pass the bound, and .tmp files a dead writer left."""
+        """Files and bytes under the root (every layout's; a tensor-parallel rank: its own
+        subdirectory's), at most SCAN_MAX_FILES of them; the oldest deleted when they pass the
+        bound, and .tmp files a dead writer left."""
         self._scanned_at, self._writes_since_scan = time.monotonic(), 0
         now = time.time()
         files: list[tuple[float, int, str]] = []          # (mtime, bytes, path)
-        try:
-            subdirs = [e.path for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
-        except OSError:
-            return ScanResult(0, 0, 0)
+        if self.own_subdir_only:
+            subdirs = [self.directory]
+        else:
+            try:
+                subdirs = [e.path for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                return ScanResult(0, 0, 0)
         for subdir in subdirs:
             try:
                 entries = os.scandir(subdir)

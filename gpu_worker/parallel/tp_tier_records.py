@@ -9,11 +9,12 @@ records, each its kind then its fields, replayed in order before the command tha
     DISK_CLEAR  [4]
     SCATTER     [5, load id, n, block ids (n)]
     RELEASE     [6, load id]
+    SHARED_WRITE [7, as DISK_WRITE's fields]        (the shared tier's file of the block)
 
 A block hash (16 bytes) is two int64s. STAGE (sources of one load) is a command of its own,
 since every rank votes on how many blocks it staged:
 
-    STAGE payload   per source: [kind, slot or -1, hash (2)]
+    STAGE payload   per source: [kind, slot or -1, hash (2)]      (a hash for file kinds only)
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ import msgspec
 import torch
 
 from gpu_worker.kv_tiers.disk_tier import DiskBlock
-from gpu_worker.kv_tiers.mirror import DISK_FILE, BlockSource
+from gpu_worker.kv_tiers.mirror import FILE_KINDS, BlockSource
 from gpu_worker.kv_transfer.layout import KVLayout
 
-OFFLOAD, DISK_WRITE, DISK_FORGET, DISK_CLEAR, SCATTER, RELEASE = 1, 2, 3, 4, 5, 6
+OFFLOAD, DISK_WRITE, DISK_FORGET, DISK_CLEAR, SCATTER, RELEASE, SHARED_WRITE = 1, 2, 3, 4, 5, 6, 7
 HASH_BYTES = 16
 _NO_HASH = [0, 0]
 
@@ -47,10 +48,14 @@ def offload(block_ids: list[int], slots: list[int]) -> list[int]:
     return [OFFLOAD, len(block_ids), *block_ids, *slots]
 
 
-def disk_write(source: BlockSource, block_hash: bytes, block: DiskBlock) -> list[int]:
+def disk_write(source: BlockSource, block_hash: bytes, block: DiskBlock, kind: int = DISK_WRITE) -> list[int]:
     parent = [1, *hash_ints(block.parent)] if block.parent is not None else [0, *_NO_HASH]
-    return [DISK_WRITE, source.kind, source.index, *hash_ints(block_hash), *parent,
+    return [kind, source.kind, source.index, *hash_ints(block_hash), *parent,
             len(block.token_ids), *block.token_ids]
+
+
+def shared_write(source: BlockSource, block_hash: bytes, block: DiskBlock) -> list[int]:
+    return disk_write(source, block_hash, block, SHARED_WRITE)
 
 
 def disk_forget(block_hash: bytes) -> list[int]:
@@ -70,7 +75,7 @@ def release(load_id: int) -> list[int]:
 
 
 def stage_sources(sources: list[BlockSource]) -> torch.Tensor:
-    rows = [[s.kind, s.index, *(hash_ints(s.block_hash) if s.kind == DISK_FILE else _NO_HASH)] for s in sources]
+    rows = [[s.kind, s.index, *(hash_ints(s.block_hash) if s.kind in FILE_KINDS else _NO_HASH)] for s in sources]
     return torch.tensor(rows, dtype=torch.int64).reshape(-1)
 
 
@@ -80,9 +85,9 @@ class Record(NamedTuple):
     ids: list[int]                       # OFFLOAD / SCATTER: block ids
     slots: list[int]                     # OFFLOAD: host slots
     load_id: int                         # SCATTER / RELEASE
-    source: BlockSource | None           # DISK_WRITE
-    block_hash: bytes | None             # DISK_WRITE / DISK_FORGET
-    block: DiskBlock | None              # DISK_WRITE
+    source: BlockSource | None           # DISK_WRITE / SHARED_WRITE
+    block_hash: bytes | None             # DISK_WRITE / SHARED_WRITE / DISK_FORGET
+    block: DiskBlock | None              # DISK_WRITE / SHARED_WRITE
 
 
 def decode(payload: list[int]) -> Iterator[Record]:
@@ -93,7 +98,7 @@ def decode(payload: list[int]) -> Iterator[Record]:
             n = payload[i + 1]
             yield Record(kind, payload[i + 2:i + 2 + n], payload[i + 2 + n:i + 2 + 2 * n], -1, None, None, None)
             i += 2 + 2 * n
-        elif kind == DISK_WRITE:
+        elif kind in (DISK_WRITE, SHARED_WRITE):
             src_kind, src_index, h0, h1, has_parent, p0, p1, n = payload[i + 1:i + 9]
             parent = ints_hash(p0, p1) if has_parent else None
             block = DiskBlock(parent, tuple(payload[i + 9:i + 9 + n]))
@@ -117,18 +122,22 @@ def decode(payload: list[int]) -> Iterator[Record]:
 
 
 def decode_sources(payload: torch.Tensor) -> list[BlockSource]:
-    return [BlockSource(kind, index, ints_hash(h0, h1) if kind == DISK_FILE else None)
+    return [BlockSource(kind, index, ints_hash(h0, h1) if kind in FILE_KINDS else None)
             for kind, index, h0, h1 in payload.view(-1, 4).tolist()]
 
 
 class TierInit(msgspec.Struct, frozen=True, tag="tier_init"):
-    """What a follower needs to build its tiers: rank 0's sizes, so slots and files line up."""
+    """What a follower needs to build its tiers: rank 0's sizes, so slots and files line up.
+    The shared tier's key is not a field (a struct's repr shows every field): it follows this
+    in the TIER_INIT payload (tp_tiers.py)."""
     version: int
     host_slots: int
     disk_dir: str | None                 # the disk tier's directory (each rank: a subdirectory)
     disk_max_blocks: int
     block_bytes: int                     # one block's bytes on one rank
     layout: KVLayout
+    shared_dir: str | None = None        # the shared tier's root (each rank: a subdirectory of its own)
+    shared_max_bytes: int = 0            # each rank's bound: its share of kv_offload_shared_gb
 
     def encode(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(msgspec.json.encode(self)), dtype=torch.uint8).to(torch.int64)
@@ -138,4 +147,4 @@ class TierInit(msgspec.Struct, frozen=True, tag="tier_init"):
         return msgspec.json.decode(bytes(payload.to(torch.uint8).tolist()), type=TierInit)
 
 
-TIER_INIT_VERSION = 1
+TIER_INIT_VERSION = 2

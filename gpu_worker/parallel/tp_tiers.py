@@ -8,11 +8,18 @@
                                                         blocks staged: the load is cut there
       attach (start-up)    --TIER_INIT-->             same host slots, <dir>/rank<r>; the files
                                                         restored on every rank are kept, the rest
-                                                        deleted everywhere
+                                                        deleted everywhere; the shared tier's
+                                                        <layout>-<key id>-rank<r> and its key
 
 Every follower holds rank 0's number of host slots and the same file names in a directory of its
 own, so the block ids, slots and hashes of rank 0's records mean the same there. Loads land whole
 before the step on every rank (no per-layer hooks in the followers' forwards).
+
+The shared tier's files are every worker's, so only rank 0's lookup decides what a load tries; a
+file another engine's bound deleted, or that fails its MAC, on any rank ends the load at that
+block on every rank (the MIN), and nothing is forgotten. Followers get the tier's MAC key in the
+TIER_INIT payload, over the control group (the children's argv and environment are readable by
+other processes; their EngineConfig does not exist: they build from argv).
 """
 from __future__ import annotations
 
@@ -22,7 +29,8 @@ import torch
 
 from gpu_worker.kv_tiers.block_mover import BlockMover, Staged
 from gpu_worker.kv_tiers.disk_tier import DiskTier
-from gpu_worker.kv_tiers.mirror import DEVICE_BLOCK, DISK_FILE, HOST_SLOT, BlockSource, TierMirror
+from gpu_worker.kv_tiers.mirror import DEVICE_BLOCK, DISK_FILE, HOST_SLOT, SHARED_FILE, BlockSource, TierMirror
+from gpu_worker.kv_tiers.shared_tier import SharedTier
 from gpu_worker.parallel import tp_tier_records as rec
 from gpu_worker.parallel.tp_protocol import OP_TIER_CHECK, OP_TIER_INIT, OP_TIER_STAGE, make_header
 
@@ -45,13 +53,16 @@ class TPTierMirror(TierMirror):
 
     def attach(self, tiers) -> None:
         index = [h for h, _ in tiers.disk.hashes()] if tiers.disk is not None else []
+        shared = tiers.shared
         init = rec.TierInit(rec.TIER_INIT_VERSION, tiers.host.num_slots if tiers.host is not None else 0,
                             self.disk_dir if tiers.disk is not None else None,
                             tiers.disk.max_blocks if tiers.disk is not None else 0,
-                            tiers.mover.block_bytes, tiers.layout).encode()
+                            tiers.mover.block_bytes, tiers.layout, shared.root if shared is not None else None,
+                            shared.max_bytes if shared is not None else 0).encode()
         hashes = torch.tensor([x for h in index for x in rec.hash_ints(h)], dtype=torch.int64)
-        held = self.runner.tier_command(make_header(OP_TIER_INIT, len(init), len(index)),
-                                        torch.cat([init, hashes]), torch.ones(len(index), dtype=torch.int64))
+        key = torch.tensor(list(shared.key) if shared is not None else [], dtype=torch.int64)
+        held = self.runner.tier_command(make_header(OP_TIER_INIT, len(init), len(index), len(key)),
+                                        torch.cat([init, hashes, key]), torch.ones(len(index), dtype=torch.int64))
         for block_hash, everywhere in zip(index, held.tolist()):
             if not everywhere:                # restored here but not on every rank: recomputed
                 tiers.disk.forget(block_hash)
@@ -64,6 +75,9 @@ class TPTierMirror(TierMirror):
 
     def disk_forget(self, block_hash: bytes) -> None:
         self.runner.queue_tier_records(rec.disk_forget(block_hash))
+
+    def shared_write(self, source: BlockSource, block_hash: bytes, block) -> None:
+        self.runner.queue_tier_records(rec.shared_write(source, block_hash, block))
 
     def disk_clear(self) -> None:
         self.runner.queue_tier_records(rec.disk_clear())
@@ -100,7 +114,7 @@ class TPTierMirror(TierMirror):
 class FollowerTiers:
     """A follower's tiers: host slots and files only; every decision comes from rank 0."""
 
-    def __init__(self, kv_caches, init: rec.TierInit, rank: int) -> None:
+    def __init__(self, kv_caches, init: rec.TierInit, rank: int, shared_key: bytes) -> None:
         self.mover = BlockMover(kv_caches)
         if self.mover.block_bytes != init.block_bytes:
             raise RuntimeError(f"rank {rank}: a KV block is {self.mover.block_bytes} bytes here, "
@@ -109,6 +123,8 @@ class FollowerTiers:
         self.offloaded: dict[int, torch.cuda.Event | None] = {}     # host slot -> its last D2H copy
         self.disk = (DiskTier(rank_dir(init.disk_dir, rank), init.disk_max_blocks, init.layout, init.block_bytes)
                      if init.disk_dir else None)
+        self.shared = (SharedTier(init.shared_dir, init.shared_max_bytes, init.layout, init.block_bytes, shared_key,
+                                  rank=rank) if init.shared_dir else None)
         self.staged: dict[int, Staged] = {}                          # load id -> its staging
 
     def agree_index(self, index: list[bytes], everywhere: list[int]) -> None:
@@ -130,7 +146,10 @@ class FollowerTiers:
                 done = self.mover.offload(r.ids, self.host, r.slots)
                 self.offloaded.update((slot, done) for slot in r.slots)
             elif r.kind == rec.DISK_WRITE:
-                self._write(r.source, r.block_hash, r.block)
+                if self.disk.enabled:
+                    self.disk.write(r.block_hash, r.block, self._source_bytes(r.source))
+            elif r.kind == rec.SHARED_WRITE:
+                self.shared.write(r.block_hash, r.block, self._source_bytes(r.source))
             elif r.kind == rec.DISK_FORGET:
                 self.disk.forget(r.block_hash)
             elif r.kind == rec.DISK_CLEAR:
@@ -143,18 +162,19 @@ class FollowerTiers:
             self.disk.poll()
             if not self.disk.enabled:        # a write failed here: reads fail from now, loads recompute
                 self.disk.clear()
+        if self.shared is not None:
+            self.shared.poll()               # a failed write is counted there: that block is a miss
 
-    def _write(self, source: BlockSource, block_hash: bytes, block) -> None:
-        if not self.disk.enabled:
-            return
+    def _source_bytes(self, source: BlockSource) -> bytearray:
+        """A block's bytes for its file, copied out of its host slot or device block."""
         if source.kind == HOST_SLOT:
             self.mover.wait_offloaded(self.offloaded.get(source.index))
             data = self.host[source.index]
         elif source.kind == DEVICE_BLOCK:
             data = self.mover.offload_to_memory([source.index])[0]
         else:
-            raise RuntimeError(f"a disk write from source kind {source.kind}")
-        self.disk.write(block_hash, block, bytearray(data.reshape(-1).numpy()))
+            raise RuntimeError(f"a file write from source kind {source.kind}")
+        return bytearray(data.reshape(-1).numpy())
 
     def stage(self, load_id: int, sources: list[BlockSource]) -> int:
         """Read the load's sources up to the first one missing here; -> how many were read."""
@@ -164,8 +184,9 @@ class FollowerTiers:
                 data.append(self.host[s.index])
                 pending.append(self.offloaded.get(s.index))
                 continue
-            payload = self.disk.read(s.block_hash) if s.kind == DISK_FILE and self.disk is not None else None
-            if payload is None:
+            tier = self.disk if s.kind == DISK_FILE else self.shared if s.kind == SHARED_FILE else None
+            payload = tier.read(s.block_hash) if tier is not None else None
+            if payload is None:              # missing or not verifying here: the load ends here everywhere
                 break
             data.append(torch.frombuffer(payload, dtype=torch.uint8).view(self.mover.block_shape))
             pending.append(None)
@@ -182,6 +203,8 @@ class FollowerTiers:
     def check(self, live_loads: list[int], index: list[bytes]) -> bool:
         if set(self.staged) != set(live_loads):
             return False
+        if self.shared is not None:
+            self.shared.check_integrity()
         if self.disk is None or not self.disk.enabled:
             return True
         self.disk.check_integrity()
@@ -190,6 +213,8 @@ class FollowerTiers:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+        if self.shared is not None:
+            self.shared.close()
 
 
 def follower_command(tiers: FollowerTiers | None, op: int, header: torch.Tensor, recv, vote, kv_caches,
@@ -197,10 +222,11 @@ def follower_command(tiers: FollowerTiers | None, op: int, header: torch.Tensor,
     """Run one of the tier commands on a follower: recv(n) -> the next n-int64 payload, vote(t)
     -> the MIN of t over every rank. Returns the follower's tiers (made by TIER_INIT)."""
     if op == OP_TIER_INIT:
-        json_len, n = int(header[1]), int(header[2])
-        payload = recv(json_len + 2 * n)
-        tiers = FollowerTiers(kv_caches, rec.TierInit.decode(payload[:json_len]), rank)
-        index = [rec.ints_hash(lo, hi) for lo, hi in payload[json_len:].view(-1, 2).tolist()]
+        json_len, n, key_len = int(header[1]), int(header[2]), int(header[3])
+        payload = recv(json_len + 2 * n + key_len)
+        key = bytes(payload[json_len + 2 * n:].tolist())
+        tiers = FollowerTiers(kv_caches, rec.TierInit.decode(payload[:json_len]), rank, key)
+        index = [rec.ints_hash(lo, hi) for lo, hi in payload[json_len:json_len + 2 * n].view(-1, 2).tolist()]
         tiers.agree_index(index, vote(tiers.held(index)).tolist())
         return tiers
     if op == OP_TIER_STAGE:

@@ -5,6 +5,7 @@ through kubernetes-validate with the other value sets."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from tests.helm.chart import CHART, FULLNAME, RELEASE, by_kind, containers, env_of, helm, render, run_helm  # noqa: F401
 
@@ -128,7 +129,6 @@ def test_the_shared_tier_is_a_node_directory_or_an_existing_claim(helm, tmp_path
 @pytest.mark.parametrize("args, message", [
     (["--set", "worker.kvOffload.shared.enabled=true", "--set", "worker.engine.kv-offload-shared-gb=3"],
      "engine.kv-offload-shared-gb and kvOffload.shared"),
-    (["--set", "worker.kvOffload.shared.enabled=true", "--set", "worker.gpus=2"], "kvOffload.shared needs gpus 1"),
     (["--set", "worker.kvOffload.shared.hostPath=relative"], "schema"),
     (["--set", "workerPools.decode.kvOffload.shared.enabled=true", "--set", "security.insecureInternalPlanes=true"],
      "workerPools.decode: kvOffload.shared needs the trust Secrets"),
@@ -136,3 +136,19 @@ def test_the_shared_tier_is_a_node_directory_or_an_existing_claim(helm, tmp_path
 def test_shared_tier_settings_that_cannot_work_are_refused(helm, args, message):
     out = run_helm(helm, "template", RELEASE, str(CHART), *args)
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_the_shared_tier_runs_with_several_gpus_per_pod(helm):
+    """Each rank bounds its own subdirectory to sizeGi / gpus (the engine splits it): the pod gets
+    the pool's whole size, as with one GPU."""
+    out = run_helm(helm, "template", RELEASE, str(CHART), "--set", "worker.kvOffload.shared.enabled=true",
+                   "--set", "worker.kvOffload.shared.sizeGi=40", "--set", "worker.gpus=2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
+            and "kv-shared" in {v["name"] for v in d["spec"]["template"]["spec"].get("volumes", [])}]
+    assert pods
+    for pod in pods:
+        env = env_of(pod["containers"][0])
+        assert env["KVMESH_KV_OFFLOAD_SHARED_GB"]["value"] == "40"
+        assert env["KVMESH_TENSOR_PARALLEL_SIZE"]["value"] == "2"

@@ -419,8 +419,8 @@ worker), else empty; fails on settings that cannot work together.
 
 {{/*
 A worker pool's shared KV tier (kvOffload.shared): "true" when on; fails on settings that cannot
-work together (the engine runs it with one GPU per pod only; its files' MAC key comes from the
-worker trust Secret, which every pool mounts, so not with security.insecureInternalPlanes).
+work together (its files' MAC key comes from the worker trust Secret, which every pool mounts,
+so not with security.insecureInternalPlanes).
 Call with (dict "values" $v "pool" <role> "insecure" <security.insecureInternalPlanes>).
 */}}
 {{- define "kvmesh.kvSharedTier" -}}
@@ -430,9 +430,6 @@ Call with (dict "values" $v "pool" <role> "insecure" <security.insecureInternalP
 {{- if hasKey (default (dict) $.values.engine) $key }}
 {{- fail (printf "workerPools.%s: engine.%s and kvOffload.shared both set the shared KV tier: use kvOffload.shared only" $.pool $key) }}
 {{- end }}
-{{- end }}
-{{- if gt (int .values.gpus) 1 }}
-{{- fail (printf "workerPools.%s: kvOffload.shared needs gpus 1 (the shared KV tier runs without tensor parallelism)" $.pool) }}
 {{- end }}
 {{- if .insecure }}
 {{- fail (printf "workerPools.%s: kvOffload.shared needs the trust Secrets (its files are authenticated with a key derived from the worker's): unset security.insecureInternalPlanes" $.pool) }}

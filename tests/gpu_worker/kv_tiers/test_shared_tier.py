@@ -175,6 +175,35 @@ def test_two_writers_keep_the_bound(tmp_path):
         b.close()
 
 
+def test_a_tensor_parallel_rank_bounds_its_own_subdirectory(tmp_path):
+    """Rank r of a TP=2 layout writes to a subdirectory of its own and bounds only that one; a
+    one-rank engine on the same root bounds everything, the ranks' files included."""
+    root = str(tmp_path / "shared")
+    tp2 = msgspec.structs.replace(LAYOUT, tp_size=2)
+    file_bytes = len(b"".join(bytes(p) for p in shared_file.encode(KEY, b"\0" * 16, tp2, block(0)[1], None,
+                                                                   (0,) * 4)))
+    ranks = [SharedTier(root, 4 * file_bytes, tp2, PAYLOAD, KEY, rank=r) for r in (0, 1)]
+    try:
+        assert [os.path.basename(t.directory).rsplit("-", 1)[1] for t in ranks] == ["rank0", "rank1"]
+        for i in range(3):
+            write(ranks[1], i)
+        ranks[1].drain()
+        for i in range(3, 9):                       # rank 0's bound: 4 files, its own only
+            write(ranks[0], i)
+            ranks[0].drain()
+        ranks[0].check_integrity()
+        assert len(os.listdir(ranks[1].directory)) == 3 and len(os.listdir(ranks[0].directory)) <= 4
+        one = SharedTier(root, 2 * file_bytes, LAYOUT, PAYLOAD, KEY)   # scans every subdirectory
+        try:
+            one.check_integrity()
+            assert total_bytes(root) <= 2 * file_bytes
+        finally:
+            one.close()
+    finally:
+        for t in ranks:
+            t.close()
+
+
 def test_shared_tier_settings_are_checked(tmp_path, llama):
     model_dir, _ = llama
     from gpu_worker.config import EngineConfig
@@ -182,9 +211,6 @@ def test_shared_tier_settings_are_checked(tmp_path, llama):
         EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path))          # without a size
     with pytest.raises(ValueError, match="kv_offload_shared_dir"):
         EngineConfig(model=model_dir, kv_offload_shared_gb=1.0)
-    with pytest.raises(ValueError, match="kv_offload_shared_dir: .*tensor_parallel_size"):
-        EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path), kv_offload_shared_gb=1.0,
-                     tensor_parallel_size=2, kv_offload_shared_key=KEY)
     with pytest.raises(ValueError, match="kv_offload_shared_dir: the shared tier needs kv_offload_shared_key"):
         EngineConfig(model=model_dir, kv_offload_shared_dir=str(tmp_path), kv_offload_shared_gb=1.0)
     with pytest.raises(ValueError, match="kv_offload_shared_key: must be 32 to 64 bytes"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu_worker.kv_tiers.disk_tier import DiskBlock
-from gpu_worker.kv_tiers.mirror import DEVICE_BLOCK, DISK_FILE, HOST_SLOT, BlockSource
+from gpu_worker.kv_tiers.mirror import DEVICE_BLOCK, DISK_FILE, HOST_SLOT, SHARED_FILE, BlockSource
 from gpu_worker.make_model import make_model
 from gpu_worker.parallel import tp_tier_records as rec
 from tests.gpu_worker.kv_tiers.conftest import (check_all_tiers, chat, prompt_hashes, run, tier_stats,
@@ -21,15 +21,18 @@ def test_records_round_trip():
     h, p = bytes(range(16)), bytes(range(100, 116))
     payload = (rec.offload([3, 4], [0, 1]) + rec.disk_write(BlockSource(HOST_SLOT, 2), h, DiskBlock(p, (5, 6)))
                + rec.disk_write(BlockSource(DEVICE_BLOCK, 7), p, DiskBlock(None, (1,))) + rec.disk_forget(h)
-               + rec.disk_clear() + rec.scatter(9, [1, 2, 3]) + rec.release(9))
+               + rec.disk_clear() + rec.scatter(9, [1, 2, 3]) + rec.release(9)
+               + rec.shared_write(BlockSource(DEVICE_BLOCK, 8), h, DiskBlock(None, (4,))))
     got = list(rec.decode(payload))
     assert [r.kind for r in got] == [rec.OFFLOAD, rec.DISK_WRITE, rec.DISK_WRITE, rec.DISK_FORGET, rec.DISK_CLEAR,
-                                     rec.SCATTER, rec.RELEASE]
+                                     rec.SCATTER, rec.RELEASE, rec.SHARED_WRITE]
     assert got[0].ids == [3, 4] and got[0].slots == [0, 1]
     assert got[1].source == BlockSource(HOST_SLOT, 2) and got[1].block_hash == h and got[1].block == DiskBlock(p, (5, 6))
     assert got[2].block == DiskBlock(None, (1,)) and got[3].block_hash == h
     assert got[5].load_id == 9 and got[5].ids == [1, 2, 3] and got[6].load_id == 9
-    sources = [BlockSource(HOST_SLOT, 4), BlockSource(DISK_FILE, -1, h)]
+    assert got[7].source == BlockSource(DEVICE_BLOCK, 8) and got[7].block_hash == h
+    assert got[7].block == DiskBlock(None, (4,))
+    sources = [BlockSource(HOST_SLOT, 4), BlockSource(DISK_FILE, -1, h), BlockSource(SHARED_FILE, -1, p)]
     assert rec.decode_sources(rec.stage_sources(sources)) == sources
 
 
