@@ -374,11 +374,13 @@ class SchedulerCore:
             return []
         w.running, w.waiting = msg.running, msg.waiting
         w.free_blocks, w.cached_blocks, w.total_blocks = msg.free_blocks, msg.cached_blocks, msg.total_blocks
+        # kept before finished: a kept hand-off that ended in the next step is listed in both, and
+        # read the other way round its end would clear only the prefill half, leaving it on D
+        out = [env for rid, run in _with_runs(msg.kept, msg.kept_runs) for env in self._kept(rid, run, w)]
         for rid, run in _with_runs(msg.finished, msg.finished_runs):
             self._leave(rid, w, run)
             if rid in w.inherited and (run is None or w.inherited[rid] in (None, run)):
                 del w.inherited[rid]
-        out = [env for rid, run in _with_runs(msg.kept, msg.kept_runs) for env in self._kept(rid, run, w)]
         if msg.handed_back:      # only a draining worker hands requests back: send it nothing more,
             w.draining = True    # even before its registry record says so (the moves would come back)
         out += [env for rid in msg.handed_back if (req := self.requests.get(rid)) is not None

@@ -84,6 +84,7 @@ class _Req:
     exported: bool = False               # prefill worker: some sample goes on at the decode worker
     handed: set[int] = field(default_factory=set)   # prefill worker: those samples
     streamed: int = 0                    # prefill worker: leading blocks given to the sender while prefilling
+    stopped: set[int] = field(default_factory=set)   # samples aborted while the sender read its blocks
 
 
 @dataclass
@@ -277,7 +278,10 @@ class WorkerCore:
         if msg.index is None:
             self._abort_in_engine(msg.request_id)
         elif msg.request_id in self._sending:
-            return    # the sample's first token went out already; its blocks go on with the rest
+            # the sample's first token went out already; its blocks go on with the rest (D gets the
+            # Abort too), and should this worker keep the request after all, it ends then
+            req.stopped.add(msg.index)
+            return
         else:
             self.engine.abort_request(msg.request_id, msg.index)
         if msg.index is not None:
@@ -426,6 +430,9 @@ class WorkerCore:
             req.handed.clear()
             req.exported, req.handoff_to = False, ""
             self._kept.append((rid, req.run))
+            for index in sorted(req.stopped):  # else those samples would decode on, for nobody
+                if rid in self.requests:
+                    self._abort(Abort(request_id=rid, index=index, reason="stop"), out)
             return
         self.engine.release_export(rid)
         if req is None:                       # aborted while its blocks were read

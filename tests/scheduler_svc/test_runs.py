@@ -114,3 +114,12 @@ def test_reports_without_runs_count_as_before():
     core.worker_status(WorkerStatus(worker_id="d", epoch=1, running=0, waiting=0, free_blocks=10,
                                     cached_blocks=0, total_blocks=10, finished=["a"]))
     assert core.requests["a"].worker_id == "p"          # d let go first: p decodes it (D had no room)
+
+
+def test_a_kept_hand_off_that_ends_before_its_status_goes_out_is_forgotten_and_d_drops_its_half():
+    """p keeps the hand-off and the request ends in its next step: one status lists it as kept and
+    finished. Nothing of it stays on d (its slot, its awaited KV): d is told to drop its half."""
+    core, run = paired()
+    out = core.worker_status(status("p", finished={"a": run}, kept={"a": run}))
+    assert of(out, Abort) == [("tcp://d:1#worker", Abort(request_id="a", reason="moved"))]
+    assert "a" not in core.requests and not core.workers["p"].inflight and not core.workers["d"].inflight

@@ -194,3 +194,29 @@ def test_a_run_sent_back_while_the_old_run_s_blocks_are_read_waits_for_them_and_
     reports = [(r, run) for e in out if isinstance(e.msg, WorkerStatus)
                for r, run in zip(e.msg.finished, e.msg.finished_runs)]
     assert reports == [("a", 1), ("a", 2)] and clean(pair.p)
+
+
+def test_a_sample_stopped_while_its_hand_off_runs_stays_stopped_when_p_keeps_the_request(llama):
+    """A stop string ends sample 0 at its first token while the sender reads the blocks (the Abort
+    cannot reach the engine then); the hand-off fails and P decodes the request itself: sample 0
+    must not come back to life and decode to max_tokens for nobody."""
+    pair = Pair(llama)
+    params = greedy(8, n=2)
+    pair.out += pair.p.run([Dispatch(request_id="a", epoch=1, prompt_token_ids=prompt(30, 12), params=params,
+                                     reply_addr="gw", detok_addr="dt", handoff_to=D_ADDR, run=1)])
+    for _ in range(MAX_STEPS):
+        pair.out += pair.p.run([])
+        todo, _ = pair.p.take_handoffs()
+        if todo:
+            break
+    assert todo == [("a", D_ADDR)]
+    pair.out += pair.p.run([Abort(request_id="a", index=0, reason="stop")])
+    pair.p.handoff_done("a", False, "the decode worker did not answer within the hand-off lease", pair.out)
+    for _ in range(MAX_STEPS):
+        if not pair.p.requests:
+            break
+        pair.out += pair.p.run([])
+    got = pair.tokens()
+    assert len(got[("a", 0)]) == 1 and len(got[("a", 1)]) == 8
+    kept = [(r, run) for e in pair.out if isinstance(e.msg, WorkerStatus) for r, run in zip(e.msg.kept, e.msg.kept_runs)]
+    assert kept == [("a", 1)] and pair.finished("p") == ["a"] and clean(pair.p)
