@@ -6,7 +6,7 @@ conversation that moves to another worker loads its history instead of recomputi
                                  the MAC key (shared_file.key_id): engines of another model, layout
                                  or deployment never meet on a block's name
         <hash>.kvb (0600)        shared_file.py's format (tier_file's, then a MAC), written as
-                                 <hash>.kvb.<pid>-<n>.tmp, then renamed: a reader sees a whole file
+                                 <hash>.kvb.<random>.tmp, then renamed: a reader sees a whole file
                                  or none
       <layout>-<key id>-rank<r>/ a tensor-parallel engine's rank r: its shard of every block (the
                                  layout carries tp_size, so engines of another TP size never meet
@@ -34,7 +34,6 @@ background thread.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import stat
@@ -94,7 +93,6 @@ class SharedTier:
         self._scanned_at = time.monotonic()
         self._queued: dict[bytes, tuple[Future, bytearray]] = {}      # writes not done, oldest first
         self._copies: list[tuple[int, float]] = []                    # (bytes, seconds) of file I/O
-        self._tmp_names = itertools.count()
         self._warned_at = -_WARN_EVERY_S          # write failures
         self._dropped_warned_at = -_WARN_EVERY_S  # files that did not verify
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-kv-shared")
@@ -119,8 +117,9 @@ class SharedTier:
         """(writer thread) The file, unless another worker wrote it already; then the bound."""
         path = self._path(block_hash)
         if not os.path.exists(path):
-            # a name of our own: two workers writing the same block never share a .tmp
-            tmp = f"{path}.{os.getpid()}-{next(self._tmp_names)}.tmp"
+            # a name of our own: two workers writing the same block never share a .tmp (random,
+            # not a pid: workers in other pods have pid namespaces of their own)
+            tmp = f"{path}.{os.urandom(8).hex()}.tmp"
             t = time.perf_counter()
             size = write_file(path, tmp, shared_file.encode(self.key, block_hash, self.layout, payload,
                                                             block.parent, block.token_ids), exclusive=True)

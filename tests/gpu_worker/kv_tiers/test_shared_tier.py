@@ -253,3 +253,32 @@ def test_the_shared_tier_on_the_gpu(arch_model, tmp_path):
         check_all_tiers(b)
     finally:
         b.close()
+
+
+def test_a_writer_keeps_another_writers_tmp_file_and_still_writes(tmp_path):
+    """Workers in other pods (PID namespaces) share pids and each counts its tmp names from 0: a
+    name collision must neither delete the other writer's half-written file nor fail the write."""
+    tier = SharedTier(str(tmp_path / "shared"), 1 << 20, LAYOUT, PAYLOAD, KEY)
+    try:
+        h, payload = block(5)
+        others = [f"{tier._path(h)}.{os.getpid()}-{n}.tmp" for n in range(4)]   # mid-write elsewhere
+        for name in others:
+            with open(name, "wb") as f:
+                f.write(b"another writer's bytes")
+        write(tier, 5)
+        tier.drain()
+        assert tier.num_write_errors == 0
+        assert bytes(tier.read(h)) == bytes(payload)
+        assert all(os.path.exists(name) for name in others)
+    finally:
+        tier.close()
+
+
+def test_write_file_never_deletes_a_tmp_it_did_not_create(tmp_path):
+    from gpu_worker.kv_tiers.disk_tier import write_file
+    path, tmp = str(tmp_path / "f.kvb"), str(tmp_path / "f.kvb.x.tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"theirs")
+    with pytest.raises(FileExistsError):
+        write_file(path, tmp, [b"mine"], exclusive=True)
+    assert open(tmp, "rb").read() == b"theirs" and not os.path.exists(path)
