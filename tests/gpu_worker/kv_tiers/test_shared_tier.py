@@ -282,3 +282,42 @@ def test_write_file_never_deletes_a_tmp_it_did_not_create(tmp_path):
     with pytest.raises(FileExistsError):
         write_file(path, tmp, [b"mine"], exclusive=True)
     assert open(tmp, "rb").read() == b"theirs" and not os.path.exists(path)
+
+
+def test_the_bound_holds_past_the_scan_cap(tmp_path, monkeypatch):
+    """A bound of more files than one scan counts (a large node disk): scans still see enough of
+    the directory to keep it."""
+    from gpu_worker.kv_tiers import shared_tier
+    monkeypatch.setattr(shared_tier, "SCAN_MAX_FILES", 4)
+    file_bytes = len(b"".join(bytes(p) for p in shared_file.encode(KEY, b"\0" * 16, LAYOUT, block(0)[1], None,
+                                                                   (0,) * 4)))
+    bound = 10 * file_bytes                      # 10 files: more than a scan of 4 counts
+    root = str(tmp_path / "shared")
+    tier = SharedTier(root, bound, LAYOUT, PAYLOAD, KEY, max_queued=2)
+    try:
+        for i in range(40):
+            write(tier, i)
+            tier.drain()
+        tier.check_integrity()
+        assert total_bytes(root) <= bound
+    finally:
+        tier.close()
+
+
+def test_a_scan_that_reaches_its_cap_deletes_the_oldest_it_saw(tmp_path, monkeypatch):
+    """Many small files of another layout fill a scan's count before the bound's bytes: scans
+    thin them until one sees the whole directory."""
+    from gpu_worker.kv_tiers import shared_tier
+    monkeypatch.setattr(shared_tier, "SCAN_MAX_FILES", 4)
+    root = tmp_path / "shared"
+    foreign = root / "0123456789abcdef-0123456789abcdef"
+    foreign.mkdir(parents=True, mode=0o700)
+    for i in range(100):
+        (foreign / f"{i:032x}.kvb").write_bytes(b"x")
+    tier = SharedTier(str(root), 10 * (PAYLOAD + 2000), LAYOUT, PAYLOAD, KEY)
+    try:
+        for _ in range(40):                  # each scan deletes 10% of its cap: 100 files take ~35
+            tier.estimate = tier._writer.submit(tier._scan).result()
+        assert sum(len(names) for _, _, names in os.walk(root)) < tier.scan_max_files
+    finally:
+        tier.close()
