@@ -321,3 +321,24 @@ def test_a_scan_that_reaches_its_cap_deletes_the_oldest_it_saw(tmp_path, monkeyp
         assert sum(len(names) for _, _, names in os.walk(root)) < tier.scan_max_files
     finally:
         tier.close()
+
+
+def test_a_fifo_under_a_blocks_name_is_a_dropped_file_not_a_hung_reader(tmp_path):
+    """Another process of the user can plant a FIFO under a block's name: opening it for a read
+    must not block the reader (the engine's thread, or a reader thread) until someone writes."""
+    import threading
+    tier = SharedTier(str(tmp_path / "shared"), 1 << 20, LAYOUT, PAYLOAD, KEY)
+    h = block(7)[0]
+    os.mkfifo(tier._path(h), 0o600)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(tier.read(h)), daemon=True)
+    reader.start()
+    reader.join(5)
+    hung = reader.is_alive()
+    if hung:                                  # let it go: a writer's open releases the reader's
+        os.close(os.open(tier._path(h), os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5)
+    try:
+        assert not hung and got == [None] and tier.num_corrupt == 1 and not tier.holds(h)
+    finally:
+        tier.close()
