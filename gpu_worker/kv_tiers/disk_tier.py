@@ -233,10 +233,10 @@ class DiskTier:
 def write_file(path: str, tmp: str, parts: list, exclusive: bool) -> int:
     """Write a tier file's parts to `tmp`, then rename it onto `path`: a reader sees the whole file
     or none. `exclusive`: `tmp` must not exist (a name of the writer's own, in a directory others
-    write too). Returns the bytes written; raises OSError (the tmp file removed)."""
+    write too). Returns the bytes written; raises OSError (a tmp file this call created removed)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(tmp, flags, 0o600)     # not ours if this fails (exclusive: another writer's): kept
     try:
-        fd = os.open(tmp, flags, 0o600)
         try:
             for part in parts:
                 view = memoryview(part)

@@ -16,6 +16,7 @@ running finishes and its buffer is freed with the batch.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -42,10 +43,13 @@ def read_block_file(path: str, limit: int, decode: Callable[[bytearray], memoryv
     Touches no tier state: the caller settles the result on the engine's thread."""
     t = time.perf_counter()
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # non-blocking: a FIFO planted under the name would otherwise block the open until written
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:           # gone (deleted by a writer), or not a file we may open
         return FileRead(None, e.strerror or "cannot open", True, t, time.perf_counter())
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):     # a FIFO, a device: nothing a writer made
+            return FileRead(None, "not a regular file", False, t, time.perf_counter())
         payload = decode(read_at_most(fd, limit))
     except (OSError, *errors) as e:
         return FileRead(None, str(e), False, t, time.perf_counter())

@@ -6,7 +6,7 @@ conversation that moves to another worker loads its history instead of recomputi
                                  the MAC key (shared_file.key_id): engines of another model, layout
                                  or deployment never meet on a block's name
         <hash>.kvb (0600)        shared_file.py's format (tier_file's, then a MAC), written as
-                                 <hash>.kvb.<pid>-<n>.tmp, then renamed: a reader sees a whole file
+                                 <hash>.kvb.<random>.tmp, then renamed: a reader sees a whole file
                                  or none
       <layout>-<key id>-rank<r>/ a tensor-parallel engine's rank r: its shard of every block (the
                                  layout carries tp_size, so engines of another TP size never meet
@@ -26,15 +26,15 @@ each rank of a tensor-parallel engine bounds its own subdirectory, to its share 
 caller splits it, as it splits the disk tier's). It estimates the bytes there from a scan plus its
 own writes since, and scans again when that estimate passes the bound, every SCAN_EVERY_S
 seconds, and every 1/16 of the bound's files it writes (at most SCAN_EVERY_WRITES); a scan counts
-at most SCAN_MAX_FILES files and, past the bound, deletes the oldest (mtime) until the directory
-is at 90% of it. Between two of a writer's scans the directory may pass the bound by what the
-other writers wrote since (each of them at most 1/16 of it before its own scan). Writers deleting
-the same file at once is fine (a missing file is skipped). Writes, deletes and scans run on one
-background thread.
+at most twice the bound's files (at least SCAN_MAX_FILES) and, past the bound, deletes the oldest
+(mtime) until the directory is at 90% of it (one that reached that count also deletes down to 90%
+of it: the rest of the directory is seen by the next scans). Between two of a writer's scans the
+directory may pass the bound by what the other writers wrote since (each of them at most 1/16 of
+it before its own scan). Writers deleting the same file at once is fine (a missing file is
+skipped). Writes, deletes and scans run on one background thread.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import stat
@@ -79,6 +79,8 @@ class SharedTier:
         self.file_bytes = payload_len + tier_file.file_overhead(layout.block_size) + shared_file.MAC_BYTES  # at most
         self.max_queued = max_queued
         self.scan_every_writes = max(1, min(SCAN_EVERY_WRITES, max_bytes // self.file_bytes // 16))
+        # a scan that stopped short of the bound's own file count would never see the bound passed
+        self.scan_max_files = max(SCAN_MAX_FILES, 2 * (max_bytes // self.file_bytes))
         owned_directory(directory, FLAG)
         name = f"{xxhash.xxh3_64_hexdigest(msgspec.msgpack.encode(layout))}-{shared_file.key_id(key)}"
         # a rank bounds only its own shard's files: its siblings bound theirs
@@ -94,7 +96,6 @@ class SharedTier:
         self._scanned_at = time.monotonic()
         self._queued: dict[bytes, tuple[Future, bytearray]] = {}      # writes not done, oldest first
         self._copies: list[tuple[int, float]] = []                    # (bytes, seconds) of file I/O
-        self._tmp_names = itertools.count()
         self._warned_at = -_WARN_EVERY_S          # write failures
         self._dropped_warned_at = -_WARN_EVERY_S  # files that did not verify
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-kv-shared")
@@ -119,8 +120,9 @@ class SharedTier:
         """(writer thread) The file, unless another worker wrote it already; then the bound."""
         path = self._path(block_hash)
         if not os.path.exists(path):
-            # a name of our own: two workers writing the same block never share a .tmp
-            tmp = f"{path}.{os.getpid()}-{next(self._tmp_names)}.tmp"
+            # a name of our own: two workers writing the same block never share a .tmp (random,
+            # not a pid: workers in other pods have pid namespaces of their own)
+            tmp = f"{path}.{os.urandom(8).hex()}.tmp"
             t = time.perf_counter()
             size = write_file(path, tmp, shared_file.encode(self.key, block_hash, self.layout, payload,
                                                             block.parent, block.token_ids), exclusive=True)
@@ -211,7 +213,7 @@ class SharedTier:
     # ---- the bound -----------------------------------------------------------------------
     def _scan(self) -> ScanResult:
         """Files and bytes under the root (every layout's; a tensor-parallel rank: its own
-        subdirectory's), at most SCAN_MAX_FILES of them; the oldest deleted when they pass the
+        subdirectory's), at most scan_max_files of them; the oldest deleted when they pass the
         bound, and .tmp files a dead writer left."""
         self._scanned_at, self._writes_since_scan = time.monotonic(), 0
         now = time.time()
@@ -230,7 +232,7 @@ class SharedTier:
                 continue
             with entries:
                 for entry in entries:
-                    if len(files) >= SCAN_MAX_FILES:
+                    if len(files) >= self.scan_max_files:
                         break
                     try:
                         info = entry.stat(follow_symlinks=False)
@@ -246,10 +248,14 @@ class SharedTier:
                         files.append((info.st_mtime, info.st_size, entry.path))
         total = sum(size for _, size, _ in files)
         deleted = 0
-        if total > self.max_bytes:
+        # a scan that stopped at its cap saw part of the directory only (many smaller files of
+        # other layouts): it also deletes the oldest it saw down to 90% of the cap, so later scans
+        # see everything
+        max_files = self.scan_max_files * _LOW_WATER if len(files) >= self.scan_max_files else len(files)
+        if total > self.max_bytes or len(files) > max_files:
             files.sort()
             for _, size, path in files:
-                if total <= self.max_bytes * _LOW_WATER:
+                if total <= self.max_bytes * _LOW_WATER and len(files) - deleted <= max_files:
                     break
                 _unlink_path(path)
                 total -= size

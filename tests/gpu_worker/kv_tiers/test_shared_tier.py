@@ -253,3 +253,92 @@ def test_the_shared_tier_on_the_gpu(arch_model, tmp_path):
         check_all_tiers(b)
     finally:
         b.close()
+
+
+def test_a_writer_keeps_another_writers_tmp_file_and_still_writes(tmp_path):
+    """Workers in other pods (PID namespaces) share pids and each counts its tmp names from 0: a
+    name collision must neither delete the other writer's half-written file nor fail the write."""
+    tier = SharedTier(str(tmp_path / "shared"), 1 << 20, LAYOUT, PAYLOAD, KEY)
+    try:
+        h, payload = block(5)
+        others = [f"{tier._path(h)}.{os.getpid()}-{n}.tmp" for n in range(4)]   # mid-write elsewhere
+        for name in others:
+            with open(name, "wb") as f:
+                f.write(b"another writer's bytes")
+        write(tier, 5)
+        tier.drain()
+        assert tier.num_write_errors == 0
+        assert bytes(tier.read(h)) == bytes(payload)
+        assert all(os.path.exists(name) for name in others)
+    finally:
+        tier.close()
+
+
+def test_write_file_never_deletes_a_tmp_it_did_not_create(tmp_path):
+    from gpu_worker.kv_tiers.disk_tier import write_file
+    path, tmp = str(tmp_path / "f.kvb"), str(tmp_path / "f.kvb.x.tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"theirs")
+    with pytest.raises(FileExistsError):
+        write_file(path, tmp, [b"mine"], exclusive=True)
+    assert open(tmp, "rb").read() == b"theirs" and not os.path.exists(path)
+
+
+def test_the_bound_holds_past_the_scan_cap(tmp_path, monkeypatch):
+    """A bound of more files than one scan counts (a large node disk): scans still see enough of
+    the directory to keep it."""
+    from gpu_worker.kv_tiers import shared_tier
+    monkeypatch.setattr(shared_tier, "SCAN_MAX_FILES", 4)
+    file_bytes = len(b"".join(bytes(p) for p in shared_file.encode(KEY, b"\0" * 16, LAYOUT, block(0)[1], None,
+                                                                   (0,) * 4)))
+    bound = 10 * file_bytes                      # 10 files: more than a scan of 4 counts
+    root = str(tmp_path / "shared")
+    tier = SharedTier(root, bound, LAYOUT, PAYLOAD, KEY, max_queued=2)
+    try:
+        for i in range(40):
+            write(tier, i)
+            tier.drain()
+        tier.check_integrity()
+        assert total_bytes(root) <= bound
+    finally:
+        tier.close()
+
+
+def test_a_scan_that_reaches_its_cap_deletes_the_oldest_it_saw(tmp_path, monkeypatch):
+    """Many small files of another layout fill a scan's count before the bound's bytes: scans
+    thin them until one sees the whole directory."""
+    from gpu_worker.kv_tiers import shared_tier
+    monkeypatch.setattr(shared_tier, "SCAN_MAX_FILES", 4)
+    root = tmp_path / "shared"
+    foreign = root / "0123456789abcdef-0123456789abcdef"
+    foreign.mkdir(parents=True, mode=0o700)
+    for i in range(100):
+        (foreign / f"{i:032x}.kvb").write_bytes(b"x")
+    tier = SharedTier(str(root), 10 * (PAYLOAD + 2000), LAYOUT, PAYLOAD, KEY)
+    try:
+        for _ in range(40):                  # each scan deletes 10% of its cap: 100 files take ~35
+            tier.estimate = tier._writer.submit(tier._scan).result()
+        assert sum(len(names) for _, _, names in os.walk(root)) < tier.scan_max_files
+    finally:
+        tier.close()
+
+
+def test_a_fifo_under_a_blocks_name_is_a_dropped_file_not_a_hung_reader(tmp_path):
+    """Another process of the user can plant a FIFO under a block's name: opening it for a read
+    must not block the reader (the engine's thread, or a reader thread) until someone writes."""
+    import threading
+    tier = SharedTier(str(tmp_path / "shared"), 1 << 20, LAYOUT, PAYLOAD, KEY)
+    h = block(7)[0]
+    os.mkfifo(tier._path(h), 0o600)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(tier.read(h)), daemon=True)
+    reader.start()
+    reader.join(5)
+    hung = reader.is_alive()
+    if hung:                                  # let it go: a writer's open releases the reader's
+        os.close(os.open(tier._path(h), os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5)
+    try:
+        assert not hung and got == [None] and tier.num_corrupt == 1 and not tier.holds(h)
+    finally:
+        tier.close()
