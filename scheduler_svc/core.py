@@ -402,7 +402,8 @@ class SchedulerCore:
         request alone from now on; the decode worker drops its half, quietly ("moved": the stream
         goes on at p). Should the request have moved already (the decode worker's death seen first),
         this report is late: the move stands, its Abort "moved" drops the request at p, and its
-        Migrate names p too, so the detokenizer drops what p streamed after it."""
+        Migrate names p too, so the detokenizer drops what p streamed after it. The detokenizer
+        leaves the decode worker too (a Migrate without a Resume)."""
         req = self.requests.get(rid)
         if req is None or req.prefill_id != p.id or (run is not None and run != req.run):
             return []
@@ -412,7 +413,12 @@ class SchedulerCore:
         if decoder is None:
             return []
         decoder.inflight.discard(rid)
-        return [Envelope(decoder.addr, Abort(request_id=rid, reason="moved"))]
+        # the decoder may hold it after all (its Ack late past P's lease): whatever it streams
+        # before the Abort lands is dropped at the detokenizer, which leaves it now
+        leave = Migrate(request_id=rid, worker_id=decoder.id, worker_epoch=decoder.epoch,
+                        reply_addr=self.inbox_addr, resume=False)
+        return [Envelope(decoder.addr, Abort(request_id=rid, reason="moved")),
+                Envelope(req.submit.detok_addr, leave)]
 
     # ---- membership ----------------------------------------------------------------------
     def set_workers(self, views: list[WorkerView]) -> list[Envelope]:

@@ -241,6 +241,10 @@ class Migrate(Msg, tag="migrate", kw_only=True):
     # that took its hand-off back streams on until that Abort reaches it ("": none)
     also_worker_id: str = ""
     also_worker_epoch: int = -1
+    # False: no move, only "take no more tokens from worker_id" (a hand-off its prefill worker kept
+    # and decodes itself: the decode worker, told to drop it, may have admitted it and stream a
+    # step or two before that Abort lands); no Resume is sent back
+    resume: bool = True
 
 
 class Resume(Msg, tag="resume", kw_only=True):

@@ -16,7 +16,9 @@ less); it lives in services/ because both import it.
                          of a hand-off it names) are dropped from then on, until a StreamOpen of a
                          new run on that same worker (a Migrate naming no worker, from a
                          scheduler that restarted: the worker that streamed it last)
-                         (the wait it adds to the client's stream: "Moved streams' stall" below)
+                         (the wait it adds to the client's stream: "Moved streams' stall" below);
+                         one with resume=False only leaves that worker and answers nothing (a
+                         hand-off its prefill worker kept: the decode worker's late tokens)
     abort(Abort)         forget the request (worker aborted it, or its worker died); when some of
                             its samples had not ended, a RequestFailed to its gateway, so the client's
                             stream ends with an error chunk and [DONE] instead of waiting for text
@@ -145,6 +147,10 @@ class DetokCore:
 
     def migrate(self, msg: Migrate) -> list[Envelope]:
         stream = self.streams.get(msg.request_id)
+        if not msg.resume:      # no move: only leave that worker (a hand-off kept by its prefill worker)
+            if stream is not None and msg.worker_id:
+                stream.left = stream.left | {(msg.worker_id, msg.worker_epoch)}
+            return []
         if stream is None:
             self._moved("not_held")
             return [Envelope(msg.reply_addr, Resume(request_id=msg.request_id, output_token_ids=[], known=False))]

@@ -70,6 +70,9 @@ def test_a_kept_hand_off_leaves_the_request_to_p_and_the_decode_worker_s_death_c
     core, run = paired()
     out = core.worker_status(status("p", kept={"a": run}))
     assert of(out, Abort) == [("tcp://d:1#worker", Abort(request_id="a", reason="moved"))]   # d drops its half
+    # d may have admitted it after all (its Ack late): the detokenizer leaves d, no move, no Resume
+    [(_, leave)] = of(out, Migrate)
+    assert (leave.worker_id, leave.worker_epoch, leave.resume) == ("d", 1, False)
     req = core.requests["a"]
     assert (req.worker_id, req.prefill_id) == ("p", None) and not core.workers["d"].inflight
     out = core.set_workers([worker("p", "prefill")])                # d's lease lapses afterwards

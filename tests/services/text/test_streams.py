@@ -252,3 +252,19 @@ def test_a_moved_hand_off_leaves_both_halves_until_a_new_run_opens_on_one_of_the
     out = core.step(StepOutput(worker_id="p", epoch=1, step=2, seqs=[SeqTokens("r", 0, ids("cd"))]))
     assert texts(out) == [(0, "cd", None)] and core.dropped_tokens["moved"] == 1
     assert texts(core.step(StepOutput(worker_id="d", epoch=1, step=9, seqs=[SeqTokens("r", 0, ids("z"))]))) == []
+
+
+def test_a_kept_hand_off_drops_the_decode_worker_s_late_tokens_and_answers_nothing():
+    """p kept its failed hand-off and decodes it; d, told to drop it, may have admitted it after all
+    (its Ack came past p's lease): the scheduler's Migrate without a Resume leaves d, so whatever d
+    streams before its Abort lands never reaches the client, and p's tokens go on."""
+    from services.protocol.messages import Migrate
+    core = DetokCore(ToyTok())
+    open_(core)
+    core.step(StepOutput(worker_id="p", epoch=1, step=0, seqs=[SeqTokens("r", 0, ids("a"))]))
+    assert core.migrate(Migrate(request_id="r", worker_id="d", worker_epoch=1, reply_addr="sched",
+                                resume=False)) == []
+    assert texts(core.step(StepOutput(worker_id="d", epoch=1, step=1, seqs=[SeqTokens("r", 0, ids("b"))]))) == []
+    out = core.step(StepOutput(worker_id="p", epoch=1, step=1, seqs=[SeqTokens("r", 0, ids("b"))]))
+    assert texts(out) == [(0, "b", None)] and core.dropped_tokens["moved"] == 1
+    assert core.migrate(Migrate(request_id="gone", worker_id="d", reply_addr="sched", resume=False)) == []
