@@ -172,21 +172,16 @@ class KVTiers:
         """Blocks the host tier cannot take go to the disk tier, or without one to the shared tier
         (a private disk tier keeps its own LRU: the shared tier then gets what a drain writes)."""
         if self._disk_on():
-            fresh = [e for e in evicted if e.block_hash not in self.disk]
+            fresh, write = [e for e in evicted if e.block_hash not in self.disk], self.write_disk
         elif self.shared is not None:
-            fresh = evicted                     # a block already there is skipped by the writer
+            fresh, write = evicted, self.write_shared     # a block already there is skipped by the writer
         else:
             return
         if not fresh:
             return
         staged = self.mover.offload_to_memory([e.block_id for e in fresh])   # (n, L, 2, bs, n_kv, hd * isz)
         for e, block in zip(fresh, staged):
-            if self._disk_on():
-                self.write_disk(e.block_hash, DiskBlock(e.parent, e.token_ids), block,
-                                BlockSource(DEVICE_BLOCK, e.block_id))
-            else:
-                self.write_shared(e.block_hash, DiskBlock(e.parent, e.token_ids), block,
-                                  BlockSource(DEVICE_BLOCK, e.block_id))
+            write(e.block_hash, DiskBlock(e.parent, e.token_ids), block, BlockSource(DEVICE_BLOCK, e.block_id))
 
     def write_shared(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor, source: BlockSource) -> None:
         """Queue a block's file in the shared tier; `data` (host bytes, read from `source`) is
