@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.planner.signals import Bucket, histogram_quantile
+
 STALL = "kvmesh_detok_migration_stall_seconds"
 RESENT = "kvmesh_gateway_resubmit_wait_seconds"
 OUTCOMES = "kvmesh_detok_migrations_total"
@@ -90,21 +92,10 @@ def nearest_rank(values: list[float], q: float) -> float:
 
 
 def bucket_quantile(buckets: dict[float, float], q: float) -> float:
-    """Prometheus's histogram_quantile() over cumulative buckets {le: count} (le ascending, +Inf
-    last): the bucket holding rank q * count, interpolated linearly within it; in the +Inf bucket,
-    the highest finite bound. NaN with no observations."""
-    bounds = list(buckets)
-    count = buckets[bounds[-1]] if bounds else 0.0
-    if count == 0:
-        return math.nan
-    rank, lower, below = q * count, 0.0, 0.0
-    for le in bounds:
-        if buckets[le] >= rank:
-            if math.isinf(le):
-                return lower
-            return lower + (le - lower) * (rank - below) / (buckets[le] - below)
-        lower, below = le, buckets[le]
-    return lower
+    """Prometheus's histogram_quantile() over cumulative buckets {le: count} (the planner's, which
+    reads the same histograms); NaN with no observations."""
+    value = histogram_quantile(q, [Bucket(le, n) for le, n in buckets.items()])
+    return math.nan if value is None else value
 
 
 def _ms(seconds: float) -> float:
