@@ -26,15 +26,19 @@ def test_freeze_then_close_releases_the_engine():
     assert ref() is None, "a closed engine must be collectable"
 
 
-def test_close_without_freeze_leaves_others_frozen_heap_alone():
-    # One engine first: module state an engine makes lazily (and replaces, dropping what an earlier
-    # test left there) is made before the freeze, so no frozen object dies during the check below.
-    make_engine(max_len=64, block_size=4).close()
+def test_close_without_freeze_leaves_others_frozen_heap_alone(monkeypatch):
+    # The exact freeze count is not stable (a frozen object another module drops, e.g. a
+    # compiler's lazily replaced cache, leaves the permanent generation), so the check is that
+    # close() never unfreezes a heap it did not freeze, and that heap stays frozen.
+    unfreezes = []
+    real_unfreeze = gc.unfreeze
+    monkeypatch.setattr(gc, "unfreeze", lambda: unfreezes.append(1) or real_unfreeze())
     gc.freeze()                                      # someone else's freeze (e.g. the host app)
     try:
         frozen = gc.get_freeze_count()
         engine = make_engine(max_len=64, block_size=4)
         engine.close()
-        assert gc.get_freeze_count() == frozen
+        assert unfreezes == []
+        assert gc.get_freeze_count() > frozen // 2   # an unfreeze would leave 0
     finally:
-        gc.unfreeze()
+        real_unfreeze()
