@@ -8,6 +8,9 @@ One device call (H200, at most ~540 s) measures, on a random-weight Llama-3.1-8B
                   (targets <= 20 ms / <= 4.3 ms; vLLM 23.4 ms / 4.80 ms)
              c64  concurrency 64, 1024 in / 128 out: total tok/s, mean TTFT, TPOT, p99 ITL
                   (targets >= 35k tok/s, p99 ITL <= 50 ms; vLLM 30.6k tok/s, p99 ITL 189 ms)
+             ph   prefill-heavy, concurrency 64, 4096 in / 256 out (only when --single-runs names it):
+                  the same metrics as c64; beside pd's it shows whether decode steps still wait
+                  behind prefills
            after an unmeasured warm-up run on other random prompts (64 x 1024 in / 16 out).
   vllm     vLLM 0.26.0's own OpenAI server (bench/vllm_server.py: `--load-format dummy` on the same
            model directory, vLLM's serving defaults) on the same GPU, driven by the same client
@@ -121,6 +124,9 @@ class Scale:
     c64_out: int = 128
     c64_prompts: int = 640              # 10 waves of 64: ~21 s at 35k tok/s, ~37 s at 20k
     c64_conc: int = 64
+    ph_in: int = 4096
+    ph_out: int = 256
+    ph_prompts: int = 256               # ~1M prompt tokens: ~28 s of prefill at 38k tok/s, 4 waves of decode
     warm_in: int = 1024
     warm_out: int = 16
     warm_prompts: int = 64
@@ -139,6 +145,7 @@ class Scale:
     est_warmup: float = 20.0
     est_c1: float = 45.0
     est_c64: float = 50.0
+    est_ph: float = 80.0
     est_routing_run: float = 50.0
     est_stop: float = 25.0
     request_timeout: float = 300.0
@@ -146,10 +153,11 @@ class Scale:
 
 SMOKE_SCALE = Scale(model_size="tiny", device="cpu", num_gpu_blocks=1024,
                     c1_in=32, c1_out=8, c1_prompts=4, c64_in=64, c64_out=8, c64_prompts=12, c64_conc=4,
+                    ph_in=128, ph_out=8, ph_prompts=8,
                     warm_in=16, warm_out=4, warm_prompts=2,
                     gsp_groups=3, gsp_per_group=4, gsp_system=64, gsp_question=8, gsp_out=8, gsp_rate="inf",
                     gsp_conc=4, routing_warm_prompts=2,
-                    est_make_model=20, est_start_1=12, est_start_2=15, est_warmup=3, est_c1=4, est_c64=5,
+                    est_make_model=20, est_start_1=12, est_start_2=15, est_warmup=3, est_c1=4, est_c64=5, est_ph=5,
                     est_routing_run=5, est_stop=5, request_timeout=60.0)
 
 
@@ -481,7 +489,7 @@ def section_single(args, sc: Scale) -> None:
 
         def measure(key: str, label: str, cargs: list[str], budget_s: float) -> dict:
             run = measured_run(stack, label, cargs, sc, args.client_arg, budget_s)
-            if not args.smoke:
+            if not args.smoke and key in TARGETS:
                 run["targets"] = [{"metric": m, "op": op, "target": tgt, "vllm": v, "value": run.get(m),
                                    "met": _met(run.get(m), op, tgt)} for m, op, tgt, v in TARGETS[key]]
             return run
@@ -521,7 +529,8 @@ def single_runs(args, sc: Scale) -> list[tuple[str, float, list[str]]]:
     # distinct seeds: same-seed random prompts of two lengths would share a prefix (cache hits)
     runs = (("c1", sc.est_c1, random_args(sc.c1_in, sc.c1_out, args.c1_prompts or sc.c1_prompts, 1, 1)),
             ("c64", sc.est_c64, random_args(sc.c64_in, sc.c64_out, args.c64_prompts or sc.c64_prompts,
-                                            sc.c64_conc, 2)))
+                                            sc.c64_conc, 2)),
+            ("ph", sc.est_ph, random_args(sc.ph_in, sc.ph_out, args.ph_prompts or sc.ph_prompts, sc.c64_conc, 3)))
     return [r for r in runs if r[0] in args.single_runs]
 
 
@@ -628,14 +637,20 @@ def _f(value, fmt: str = "{:.1f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def run_titles(who: str, sc: dict) -> list[tuple[str, str]]:
+    """(run key, row title) of each run single, vllm and pd make, for the table."""
+    return [("c1", f"{who} c=1 {sc.get('c1_in')}/{sc.get('c1_out')}"),
+            ("c64", f"{who} c={sc.get('c64_conc')} {sc.get('c64_in')}/{sc.get('c64_out')}"),
+            ("ph", f"{who} c={sc.get('c64_conc')} {sc.get('ph_in')}/{sc.get('ph_out')}")]
+
+
 def table() -> str:
     lines = ["", "kvmesh serve benchmark (%s)" % RESULTS["env"].get("gpu", "?"),
              f"{'run':<22} {'metric':<26} {'value':>12}  note"]
     lines.append("-" * len(lines[-1]) + "-" * 30)
     single = RESULTS["sections"].get("single", {})
     sc = RESULTS.get("config", {}).get("scale", {})
-    for key, title in (("c1", f"single c=1 {sc.get('c1_in')}/{sc.get('c1_out')}"),
-                       ("c64", f"single c={sc.get('c64_conc')} {sc.get('c64_in')}/{sc.get('c64_out')}")):
+    for key, title in run_titles("single", sc):
         run = single.get(key)
         if not run:
             continue
@@ -657,11 +672,9 @@ def table() -> str:
         lines += _stage_lines(title, run)
         if run.get("failed"):
             lines.append(f"{title:<22} {'failed requests':<26} {run['failed']:>12}  {run.get('failure_reasons')}")
-    for key, title in (("c1", f"vllm c=1 {sc.get('c1_in')}/{sc.get('c1_out')}"),
-                       ("c64", f"vllm c={sc.get('c64_conc')} {sc.get('c64_in')}/{sc.get('c64_out')}")):
+    for key, title in run_titles("vllm", sc):
         lines += _vllm_lines(key, title, single.get(key), RESULTS["sections"].get("vllm", {}).get(key))
-    for key, title in (("c1", f"1P+1D c=1 {sc.get('c1_in')}/{sc.get('c1_out')}"),
-                       ("c64", f"1P+1D c={sc.get('c64_conc')} {sc.get('c64_in')}/{sc.get('c64_out')}")):
+    for key, title in run_titles("1P+1D", sc):
         run = RESULTS["sections"].get("pd", {}).get(key)
         if run:
             lines += _beside_lines(key, title, run, single.get(key), "single")
@@ -698,6 +711,7 @@ VLLM_METRICS = {"c1": (("median TTFT ms", "median_ttft_ms", False), ("median TPO
                  "c64": (("total tok/s", "total_token_throughput", True), ("mean TTFT ms", "mean_ttft_ms", False),
                          ("median TTFT ms", "median_ttft_ms", False), ("median TPOT ms", "median_tpot_ms", False),
                          ("p99 ITL ms", "p99_itl_ms", False))}
+VLLM_METRICS["ph"] = VLLM_METRICS["c64"]
 
 
 def _vllm_lines(key: str, title: str, ours: dict | None, theirs: dict | None) -> list[str]:
@@ -786,9 +800,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="model made once here and reused (default /tmp/kvmesh-llama-8b; smoke: /tmp/kvmesh-serve-bench-tiny)")
     ap.add_argument("--time-budget", type=float, default=520.0, help="seconds from start; later parts skip")
-    ap.add_argument("--single-runs", default="c1,c64", help="which single-worker runs: c1, c64")
+    ap.add_argument("--single-runs", default="c1,c64",
+                    help="which runs single, vllm and pd make: c1, c64, ph (prefill-heavy 4096 in / 256 out)")
     ap.add_argument("--c1-prompts", type=int, default=0, help="requests of the concurrency-1 run (default 48)")
     ap.add_argument("--c64-prompts", type=int, default=0, help="requests of the concurrency-64 run (default 640)")
+    ap.add_argument("--ph-prompts", type=int, default=0, help="requests of the prefill-heavy run (default 256)")
     ap.add_argument("--routing-modes", default="cache_aware,round_robin",
                     help="scheduler --routing values, one fresh 2-worker stack each")
     ap.add_argument("--routing-gpu-mem", type=float, default=0.42,

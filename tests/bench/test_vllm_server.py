@@ -69,7 +69,7 @@ def test_vllm_rows_give_kvmesh_over_vllm_with_the_better_direction():
 
 def test_the_vllm_section_makes_the_same_runs_as_single():
     class Args:
-        c1_prompts = c64_prompts = 0
+        c1_prompts = c64_prompts = ph_prompts = 0
         single_runs = ["c1", "c64"]
     runs = serve_bench.single_runs(Args, serve_bench.Scale())
     assert [k for k, _, _ in runs] == ["c1", "c64"]
@@ -77,3 +77,7 @@ def test_the_vllm_section_makes_the_same_runs_as_single():
     assert c64[c64.index("--random-input-len") + 1] == "1024" and c64[c64.index("--max-concurrency") + 1] == "64"
     Args.single_runs = ["c64"]
     assert [k for k, _, _ in serve_bench.single_runs(Args, serve_bench.Scale())] == ["c64"]
+    Args.single_runs = ["ph"]                       # prefill-heavy: 4096 in / 256 out, 64 in flight
+    (ph,) = [c for k, _, c in serve_bench.single_runs(Args, serve_bench.Scale()) if k == "ph"]
+    assert [ph[ph.index(f) + 1] for f in ("--random-input-len", "--random-output-len", "--max-concurrency")] == \
+        ["4096", "256", "64"]
