@@ -117,8 +117,11 @@ class EngineConfig(EngineArgs):
         except ValueError as e:                    # names the bad key
             raise bad("speculative_config", str(e).removeprefix("invalid speculative_config: ")) from None
         if spec is not None and spec.method in ("draft_model", "mtp") and self.tensor_parallel_size > 1:
-            raise bad("speculative_config", f"{spec.method} runs with tensor_parallel_size 1 only; use ngram "
-                                            "or tensor_parallel_size=1")
+            # the draft's / MTP layer's weights (an MoE MTP layer's experts too) live on one rank
+            ep = (", with or without enable_expert_parallel (the MTP layer's experts are not sharded)"
+                  if self.enable_expert_parallel and spec.method == "mtp" else "")
+            raise bad("speculative_config", f"{spec.method} runs with tensor_parallel_size 1 only{ep}; use "
+                                            "ngram or tensor_parallel_size=1")
         if not isinstance(self.tuning, KernelTuning):
             raise bad("tuning", f"must be a gpu_worker.tuning.KernelTuning, got {type(self.tuning).__name__}")
 

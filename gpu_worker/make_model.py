@@ -18,7 +18,8 @@ numerically different but correct kernels in fp32); norm weights 1 + noise (a no
 to load shows up in parity tests). Same seed, same size: byte-identical files on the CPU.
 
 --mtp-layers N appends N multi-token-prediction layers under DeepSeek-V3's names
-(model.layers.{L..L+N-1}.enorm / hnorm / eh_proj / shared_head.norm and a dense decoder layer;
+(model.layers.{L..L+N-1}.enorm / hnorm / eh_proj / shared_head.norm and a decoder layer whose MLP
+is MoE for mixtral and qwen3_moe, as a decoder layer's at that index would be;
 gpu_worker/models/mtp_module.py) and config.json's num_nextn_predict_layers, for speculative
 decoding's method mtp; transformers ignores them (unexpected keys), so parity tests still load.
 Drawn after every other tensor, so the rest of the model is the same as without them.
@@ -277,15 +278,18 @@ def _tensor_specs(arch: str, s: Shape) -> Iterator[tuple[str, tuple[int, ...], f
 
 def _mtp_specs(arch: str, s: Shape, index: int) -> Iterator[tuple[str, tuple[int, ...], float, float]]:
     """One DeepSeek-V3-style MTP layer at decoder index `index`: the norms of the embedding and of
-    the hidden state, eh_proj (2H -> H), a dense decoder layer (the model's intermediate_size as
-    config.json states it), the head's norm."""
+    the hidden state, eh_proj (2H -> H), a decoder layer, the head's norm. The layer's MLP is what
+    the family's rule gives index `index` (ModelConfig.mtp_moe_layers; make-model writes
+    decoder_sparse_step 1): MoE for mixtral and qwen3_moe unless `index` is in mlp_only_layers,
+    else dense of the model's intermediate_size as config.json states it."""
     p = f"model.layers.{index}."
     yield p + "enorm.weight", (s.hidden,), 1.0, NORM_NOISE
     yield p + "hnorm.weight", (s.hidden,), 1.0, NORM_NOISE
     yield p + "eh_proj.weight", (s.hidden, 2 * s.hidden), 0.0, 1 / math.sqrt(2 * s.hidden)
-    dense = replace(s, layers=1, mlp_only_layers=(0,), mtp_layers=0,
-                    intermediate=s.moe_inter if arch == "mixtral" else s.intermediate)
-    for name, dims, mean, std in _tensor_specs(arch, dense):
+    sparse = arch in MOE_ARCHS and index not in s.mlp_only_layers
+    one = replace(s, layers=1, mlp_only_layers=() if sparse else (0,), mtp_layers=0,
+                  intermediate=s.moe_inter if arch == "mixtral" else s.intermediate)
+    for name, dims, mean, std in _tensor_specs(arch, one):
         if name.startswith("model.layers.0."):
             yield p + name.removeprefix("model.layers.0."), dims, mean, std
     yield p + "shared_head.norm.weight", (s.hidden,), 1.0, NORM_NOISE

@@ -76,7 +76,10 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0   # each expert's intermediate size
     norm_topk_prob: bool = True      # renormalize the top-k routing weights to sum to 1
-    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse MoE block
+    moe_layers: tuple[int, ...] = ()  # decoder layers whose MLP is the sparse MoE block
+    # MTP layers (checkpoint indices num_layers..) whose MLP is sparse: the family's rule applied
+    # to that index, as DeepSeek-V3 and vLLM do (DeepSeek-V3's layer 61 is MoE)
+    mtp_moe_layers: tuple[int, ...] = ()
     # Multi-token-prediction modules after the decoder layers (DeepSeek-V3's
     # num_nextn_predict_layers): checkpoint layers num_layers .. num_layers + this - 1, read only
     # by speculative_config {"method": "mtp"} (gpu_worker/spec_decode/mtp.py).
@@ -85,6 +88,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def has_sparse_mlp(self, layer_idx: int) -> bool:
+        """Whether checkpoint layer `layer_idx` (a decoder layer, or an MTP layer past them) has
+        the sparse MoE MLP."""
+        return layer_idx in self.moe_layers or layer_idx in self.mtp_moe_layers
 
     @property
     def q_size(self) -> int:
@@ -140,6 +148,7 @@ class ModelConfig:
         attention_bias = bool(raw.get("attention_bias", False))
         rope_theta, rope_scaling = _parse_rope(raw, arch)
         sliding = raw.get("sliding_window") if family in ("mistral", "mixtral") else None
+        nextn = _nextn_layers(raw, arch)
         return cls(
             architecture=arch, family=family, hidden_size=hidden, num_layers=get("num_hidden_layers", int),
             num_heads=heads, num_kv_heads=kv_heads, head_dim=int(head_dim),
@@ -157,30 +166,32 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             sliding_window=int(sliding) if sliding else None,
             path=path,
-            num_nextn_predict_layers=_nextn_layers(raw, arch),
-            **_moe_fields(raw, family, get),
+            num_nextn_predict_layers=nextn,
+            **_moe_fields(raw, family, get, nextn),
         )
 
 
-def _moe_fields(raw: dict[str, Any], family: str, get) -> dict[str, Any]:
+def _moe_fields(raw: dict[str, Any], family: str, get, nextn: int) -> dict[str, Any]:
     """Mixtral: every layer sparse, experts as wide as intermediate_size, weights renormalized.
-    Qwen3-MoE: layer i sparse unless in mlp_only_layers or (i+1) % decoder_sparse_step != 0."""
+    Qwen3-MoE: layer i sparse unless in mlp_only_layers or (i+1) % decoder_sparse_step != 0.
+    The `nextn` MTP layers (indices layers..layers+nextn-1) follow the same rule at their index."""
     if family not in ("mixtral", "qwen3_moe"):
         return {}
     layers = get("num_hidden_layers", int)
     if family == "mixtral":
         experts, inter, renorm = get("num_local_experts", int), get("intermediate_size", int), True
-        sparse = tuple(range(layers))
+        sparse = tuple(range(layers + nextn))
     else:
         experts, inter = get("num_experts", int), get("moe_intermediate_size", int)
         renorm = bool(raw.get("norm_topk_prob", False))
         step, dense = int(raw.get("decoder_sparse_step") or 1), set(raw.get("mlp_only_layers") or [])
-        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        sparse = tuple(i for i in range(layers + nextn) if i not in dense and (i + 1) % step == 0)
     top_k = get("num_experts_per_tok", int)
     if top_k > experts:
         raise ModelLoadError(f"num_experts_per_tok ({top_k}) exceeds the number of experts ({experts})")
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
-                norm_topk_prob=renorm, moe_layers=sparse)
+                norm_topk_prob=renorm, moe_layers=tuple(i for i in sparse if i < layers),
+                mtp_moe_layers=tuple(i for i in sparse if i >= layers))
 
 
 MAX_NEXTN_LAYERS = 8

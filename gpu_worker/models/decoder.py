@@ -1,5 +1,6 @@
 """One decoder-only transformer for every supported family (Llama, Mistral, Qwen2, Qwen3, and the
-MoE families Mixtral and Qwen3-MoE, whose layers in `cfg.moe_layers` use models/moe.py's SparseMoE).
+MoE families Mixtral and Qwen3-MoE, whose layers in `cfg.moe_layers` use models/moe.py's SparseMoE;
+so does an MTP layer in `cfg.mtp_moe_layers`, models/mtp_module.py).
 
 The families differ only in flags of ModelConfig: q/k/v bias (Qwen2), per-head q/k RMSNorm
 (Qwen3), rope scaling (Llama 3.1), tied embeddings. The model runs over a ragged ForwardBatch:
@@ -148,7 +149,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.self_attn = Attention(cfg, rope, backend, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
-        if layer_idx in cfg.moe_layers:
+        if cfg.has_sparse_mlp(layer_idx):
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype)
         else:

@@ -7,13 +7,18 @@
     logits = lm_head(shared_head.norm(g_i))             predicts t_{i+2} (the target's lm_head)
 
 g_i (pre-norm) is also what the next chained step reads in place of h_i (vLLM's DeepSeek MTP
-proposer, one module reused for every draft). The layer is dense (a GatedMLP of the model's
-intermediate_size) whatever the target's MLPs are.
+proposer, one module reused for every draft). The layer's MLP is the one the target's family
+gives a decoder layer at index N (DeepSeek-V3's rule, which vLLM's deepseek_mtp.py follows: its
+layer 61 is MoE): Mixtral's and Qwen3-MoE's (unless mlp_only_layers / decoder_sparse_step make N
+dense) is the SparseMoE of models/moe.py, the same router and experts as the decoder's MoE layers
+(cfg.mtp_moe_layers); the dense families' is a GatedMLP of the model's intermediate_size.
 
 Checkpoint names, DeepSeek-V3's: the module is layer N = num_hidden_layers of the decoder,
 
     model.layers.{N}.enorm.weight  .hnorm.weight  .eh_proj.weight (H, 2H)
-    model.layers.{N}.input_layernorm / self_attn.* / post_attention_layernorm / mlp.*  (a decoder layer)
+    model.layers.{N}.input_layernorm / self_attn.* / post_attention_layernorm / mlp.*  (a decoder layer;
+        MoE: {block}.gate.weight and {block}.experts.{e}.{gate,up,down}.weight in the family's names,
+        block_sparse_moe / w1 w3 w2 for Mixtral, mlp / gate_proj up_proj down_proj for Qwen3-MoE)
     model.layers.{N}.shared_head.norm.weight
     model.layers.{N}.embed_tokens.weight, .shared_head.head.weight   (DeepSeek's copies of the
         target's embedding and lm_head: accepted and not read, the target's own are used)
@@ -50,7 +55,7 @@ class MTPModule(nn.Module):
         self.enorm = RMSNorm(h, eps, dtype, kernels)
         self.hnorm = RMSNorm(h, eps, dtype, kernels)
         self.eh_proj = nn.Linear(2 * h, h, bias=False, dtype=dtype)
-        # layer_idx past the decoder's: never one of cfg.moe_layers, so the MLP is dense
+        # layer_idx N, past the decoder's: its MLP is sparse iff N is in cfg.mtp_moe_layers
         self.layer = DecoderLayer(cfg, self.rope, backend, dtype, cfg.num_layers, tuning, kernels)
         self.head_norm = RMSNorm(h, eps, dtype, kernels)
 

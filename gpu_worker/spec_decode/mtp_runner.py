@@ -19,6 +19,7 @@ from gpu_worker.loader import _copy, check_checkpoint
 from gpu_worker.model_config import ModelLoadError
 from gpu_worker.model_runner import copy_cache_blocks, make_attention_backend, pin_decode_splits
 from gpu_worker.models.decoder import KVCache
+from gpu_worker.models.moe import SparseMoE
 from gpu_worker.models.mtp_module import SHARED_COPIES, MTPModule, mtp_prefix
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,9 @@ log = logging.getLogger(__name__)
 
 def _load(module: MTPModule, model_dir: str) -> None:
     """Copies the MTP layer's tensors; others of that layer (beyond DeepSeek's copies of the
-    shared embedding and head) mean a layer this module cannot run: ModelLoadError naming one."""
+    shared embedding and head) mean a layer this module cannot run: ModelLoadError naming one.
+    A missing one (a dense layer's mlp.* where the family's rule makes the layer MoE, or the
+    other way round) is check_checkpoint's ModelLoadError, naming it."""
     from safetensors import safe_open
 
     targets = module.hf_weight_targets()
@@ -45,9 +48,11 @@ def _load(module: MTPModule, model_dir: str) -> None:
                     elif not name.endswith(SHARED_COPIES):
                         unknown.append(name)
     if unknown:
+        # e.g. DeepSeek-V3's shared experts or routing bias: a layer unlike the family's decoder layer
+        mlp = "MoE" if isinstance(module.layer.mlp, SparseMoE) else "dense"
         raise ModelLoadError(f"{model_dir}: the multi-token-prediction layer holds {len(unknown)} tensor(s) "
-                             f"kvmesh's dense MTP layer does not use, e.g. {unknown[:3]}; method mtp cannot "
-                             "serve this checkpoint")
+                             f"kvmesh's MTP layer (a {module.cfg.family} decoder layer with a {mlp} MLP) "
+                             f"does not use, e.g. {unknown[:3]}; method mtp cannot serve this checkpoint")
 
 
 class MtpRunner:

@@ -70,15 +70,18 @@ def test_cli_main(tmp_path, capsys):
 
 
 def test_mtp_layers_deepseek_names_and_the_rest_unchanged(tmp_path, capsys):
-    """--mtp-layers: DeepSeek-V3's tensor names after the decoder's layers (a dense layer even for
-    MoE families), config.json's num_nextn_predict_layers, every other tensor as without them;
-    transformers and kvmesh's target load the directory and ignore the MTP layer."""
+    """--mtp-layers: DeepSeek-V3's tensor names after the decoder's layers (an MoE layer, in the
+    hub's expert names, for MoE families), config.json's num_nextn_predict_layers, every other
+    tensor as without them; transformers and kvmesh's target load the directory and ignore the
+    MTP layer."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     assert mm.main(["--arch", "qwen3_moe", "--mtp-layers", "1", str(tmp_path / "moe")]) == 0
     moe = load_file(str(tmp_path / "moe" / "model.safetensors"))
-    assert {"model.layers.2.mlp.gate_proj.weight", "model.layers.2.shared_head.norm.weight"} <= set(moe)
+    assert {"model.layers.2.mlp.gate.weight", "model.layers.2.mlp.experts.7.down_proj.weight",
+            "model.layers.2.shared_head.norm.weight"} <= set(moe)
+    assert "model.layers.2.mlp.gate_proj.weight" not in moe
     capsys.readouterr()
     plain = mm.make_model(tmp_path / "plain", "llama", "tiny", seed=3, progress=False)
     with_mtp = str(mm.make_model(tmp_path / "mtp", "llama", "tiny", seed=3, progress=False, mtp_layers=1))

@@ -57,6 +57,11 @@ def test_mtp_config_parses_and_needs_one_device():
     assert (cfg.method, cfg.num_speculative_tokens, cfg.model) == ("mtp", 2, None)
     with pytest.raises(ValueError, match="mtp runs with tensor_parallel_size 1 only"):
         EngineConfig(model="/m", speculative_config='{"method": "mtp"}', tensor_parallel_size=2)
+    # an MoE model's MTP layer is MoE, but its experts are not sharded: expert parallelism refused too
+    with pytest.raises(ValueError, match="mtp runs with tensor_parallel_size 1 only, with or without "
+                                         "enable_expert_parallel"):
+        EngineConfig(model="/m", speculative_config='{"method": "mtp"}', tensor_parallel_size=2,
+                     enable_expert_parallel=True)
 
 
 def test_engine_config_validates_and_takes_async_scheduling():
