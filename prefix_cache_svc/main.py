@@ -31,7 +31,7 @@ from services import metrics, redis_client
 from services.config import load_or_exit
 from services.logging import setup as setup_logging
 from services.protocol.kv_events import (
-    PREFIX_GRPC_SERVICE, KVEventBatch, MatchRequest, MatchResponse, Snapshot,
+    PREFIX_GRPC_SERVICE, SHARED_TIER_INFO, KVEventBatch, MatchRequest, MatchResponse, Snapshot, shared_tier_id,
 )
 from services.redis_client import RedisAuth
 from services.registry import Membership, Registry
@@ -263,6 +263,7 @@ class PrefixCacheService:
 
     async def _discover(self) -> None:
         live: dict[str, WorkerAddrs] = {}
+        readers: dict[str, str] = {}
         fresh = await self.registry.list("worker")
         for rec in self.registered.update(fresh, time.monotonic(), self.registry.incarnation):
             events, snapshot = rec.addrs.get("kv_events"), rec.addrs.get("kv_snapshot")
@@ -273,6 +274,10 @@ class PrefixCacheService:
                             rec.id, rec.info.get("block_size"), self.cfg.block_size)
                 continue
             live[rec.id] = WorkerAddrs(events, snapshot)
+            shared = shared_tier_id(rec.info.get(SHARED_TIER_INFO))
+            if shared is not None:
+                readers[rec.id] = shared
+        self.core.set_readers(readers)
         for worker_id, addrs in live.items():
             old = self.workers.get(worker_id)
             if old != addrs:
