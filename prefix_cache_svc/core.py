@@ -58,13 +58,17 @@ class ForgetWorker(NamedTuple):
     worker_id: str
 
 
+class ForgetShared(NamedTuple):
+    shared_id: str
+
+
 class Position(NamedTuple):
     worker_id: str
     epoch: int
     seq: int
 
 
-Change = Own | Disown | ClearTier | ForgetWorker | Position
+Change = Own | Disown | ClearTier | ForgetWorker | ForgetShared | Position
 
 
 class Outcome(enum.Enum):
@@ -311,6 +315,12 @@ class PrefixCore:
     def _forget_blocks(self, worker_id: str) -> int:
         held = self.index.remove_worker(worker_id)
         self._changes.append(ForgetWorker(worker_id))
+        return held
+
+    def remove_shared_tier(self, shared_id: str) -> int:
+        """No live worker has announced the store for a long time (its node is gone): forget its blocks."""
+        held = self.index.remove_shared_tier(shared_id)
+        self._changes.append(ForgetShared(shared_id))
         return held
 
     def restore_position(self, worker_id: str, epoch: int, seq: int) -> None:

@@ -18,7 +18,8 @@ Every write is idempotent (HSET/HDEL/SADD/SREM), so replaying a batch, or two in
 applying the same events, leaves the same records. Writes of one event batch go out in one
 pipeline. A worker whose registry lease expired is purged: its `w:` hashes are read, each block's
 owner member removed, and the worker's keys deleted. A shared tier's records are not any worker's:
-a worker's purge leaves them, and only removal events (a file dropped by some worker) delete them.
+a worker's purge leaves them: removal events (a file dropped by some worker) delete them, and a
+store no live worker announced for SHARED_UNREAD_S (prefix_cache_svc/main.py) is purged whole.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import logging
 
 import redis.asyncio as aioredis
 
-from prefix_cache_svc.core import ClearTier, Disown, ForgetWorker, Own, Position, PrefixCore
+from prefix_cache_svc.core import ClearTier, Disown, ForgetShared, ForgetWorker, Own, Position, PrefixCore
 from prefix_cache_svc.radix_index import TIER_BIT
 from services.protocol.kv_events import SHARED_TIER, TIERS
 
@@ -82,6 +83,11 @@ class OwnershipStore:
                     pipe.srem(WORKERS_KEY, change.worker_id)
                     pipe.hdel(POSITIONS_KEY, change.worker_id)
                     self._known.discard((WORKERS_KEY, change.worker_id))
+            elif isinstance(change, ForgetShared):
+                await pipe.execute()
+                await self._clear(pipe, change.shared_id, SHARED_TIER)
+                pipe.srem(SHARED_KEY, change.shared_id)
+                self._known.discard((SHARED_KEY, change.shared_id))
         self.writes += len(pipe)
         await pipe.execute()
 

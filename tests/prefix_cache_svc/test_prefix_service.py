@@ -15,6 +15,7 @@ from prefix_fakes import FakeBlockManager, planes
 from gpu_worker.kv_events import KVEventPublisher
 from services.prefix_client import PrefixClient
 from prefix_cache_svc.config import PrefixCacheConfig
+from prefix_cache_svc import main as prefix_main
 from prefix_cache_svc.main import PrefixCacheService
 from services.embedded_redis import EmbeddedRedis
 from services.protocol.kv_events import SHARED_TIER, SHARED_TIER_INFO, cache_salt_for
@@ -197,10 +198,11 @@ async def _gone(svc, worker_id: str) -> bool:
     return svc.core.index.num_blocks_of(worker_id) == 0
 
 
-async def test_workers_announcing_a_shared_store_are_credited_with_its_blocks(redis_server):
+async def test_workers_announcing_a_shared_store_are_credited_with_its_blocks(redis_server, monkeypatch):
     """The store id travels in the registry record; the shared blocks one worker reports are
     matched for every worker announcing the id (over gRPC), outlive that worker, and a worker with
-    another id gets nothing."""
+    another id gets nothing; a store no worker announces for SHARED_UNREAD_S is purged."""
+    monkeypatch.setattr(prefix_main, "SHARED_UNREAD_S", 1.0)
     store, other = "5" * 32, "6" * 32
     cfg = config(redis_server.url)
     svc = PrefixCacheService(cfg, planes().index)
@@ -225,6 +227,10 @@ async def test_workers_announcing_a_shared_store_are_credited_with_its_blocks(re
             alive1["renew"] = False                                        # w1 dies: the files stay
             await eventually(lambda: _equals(credited, {"w2": (0, 5)}))
             assert await svc.store.known_shared_tiers() == {store}
+            await asyncio.sleep(1.2)                                       # read all along: kept
+            assert svc.core.index.shared_tiers() == [store]
+        await eventually(lambda: _store_purged(svc))                      # every reader gone, then the wait
+        assert not [k async for k in svc.redis.scan_iter("kvmesh:pc:w:*")]
         svc.core.index.check_integrity()
     finally:
         await svc.stop()
@@ -239,3 +245,7 @@ async def _following(svc, workers):
     """Each worker's heartbeat has arrived and its stream is in sync; each one's store id is known."""
     return all(w in svc.core.streams and svc.core.streams[w].awaiting_since is None for w in workers) and \
         set(svc.core.readers) == set(workers)
+
+
+async def _store_purged(svc):
+    return not svc.core.index.shared_tiers() and not await svc.store.known_shared_tiers()

@@ -132,6 +132,12 @@ async def test_redis_records_the_store_and_a_restart_rebuilds_it(redis_server):
         await redis.flushdb()                                           # Redis lost everything: rewritten
         assert await OwnershipStore(redis, BS).rewrite(again) == 7
         assert await redis.smembers(SHARED_KEY) == {STORE.encode()}
+        assert again.remove_shared_tier(STORE) == 7                     # nobody announced it for long
+        await OwnershipStore(redis, BS).apply(again.drain_changes())
+        assert await redis.smembers(SHARED_KEY) == set() and not await redis.exists(worker_key(STORE, "shared"))
+        assert await OwnershipStore(redis, BS).owners(stored()[0].block_hash) == set()
+        assert credits(again) == {} and again.index.shared_tiers() == []
+        again.index.check_integrity()
     finally:
         await redis.aclose()
 
