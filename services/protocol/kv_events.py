@@ -217,7 +217,8 @@ MATCH_RESPONSE_DECODER = msgspec.msgpack.Decoder(MatchResponse)
 ENCODER = msgspec.msgpack.Encoder()
 
 __all__ = [
-    "KV_EVENTS_VERSION", "PREFIX_GRPC_SERVICE", "TIERS", "SHARED_TIER", "SHARED_TIER_INFO", "shared_tier_id", "Tier", "BlockStored", "BlockRemoved", "AllCleared", "KVEvent",
+    "KV_EVENTS_VERSION", "PREFIX_GRPC_SERVICE", "TIERS", "SHARED_TIER", "SHARED_TIER_INFO", "shared_tier_id", "Tier",
+    "BlockStored", "BlockRemoved", "AllCleared", "KVEvent",
     "KVEventBatch", "SnapshotRequest", "SnapshotBlock", "Snapshot", "MatchRequest", "WorkerMatch",
     "MatchResponse", "cache_salt_for", "pack_token_ids", "unpack_token_ids", "ENCODER", "KV_EVENT_BATCH_DECODER",
     "SNAPSHOT_REQUEST_DECODER", "SNAPSHOT_DECODER", "MATCH_REQUEST_DECODER", "MATCH_RESPONSE_DECODER",

@@ -114,6 +114,7 @@ def test_an_engines_shared_blocks_are_credited_to_every_worker_of_the_store(llam
         history = tokens(30, 1)
         run(a, "turn-0", history)
         push_out(a, 1)
+        a.kv_tiers.shared.drain()                                       # its files are written
         a.kv_tiers.flush()
         core = PrefixCore(BLOCK_SIZE)
         core.set_readers({"a": store, "b": store, "c": "f" * 32})       # c reads another store
