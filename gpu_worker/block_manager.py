@@ -25,7 +25,7 @@ from gpu_worker.sequence import Sequence
 class KVEventListener(Protocol):
     """Told about every change of the set of cached (hashed) blocks, in order. The block manager
     reports the device's blocks (tier "gpu", the default); lower KV tiers (gpu_worker/kv_tiers)
-    report theirs through the same listeners with tier "cpu" or "disk"."""
+    report theirs through the same listeners with tier "cpu", "disk" or "shared"."""
 
     def on_stored(self, block_hash: bytes, parent: bytes | None, token_ids: list[int]) -> None: ...
     def on_removed(self, block_hash: bytes) -> None: ...

@@ -13,6 +13,11 @@ Per-worker stream rules (docs/kv_events.md):
       S == s + 1                 in order                   -> apply
       S >  s + 1                 gap                        -> buffer, ask for a snapshot
     snapshot (E, S):  replace the worker's blocks with it, then apply buffered batches > S.
+
+Shared tier: an event with tier "shared" is about the node's shared KV directory, not the sending
+worker: it is applied, in stream order, to the shared-tier id the worker announces (set_readers,
+from its registry record), and outlives the worker. A worker's restart, snapshot or removal never
+touches shared blocks; a removal from any worker of that id drops the block.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from typing import NamedTuple
 
 from prefix_cache_svc.radix_index import TIER_BIT, RadixIndex, pack_tokens
 from services.protocol.kv_events import (
-    KV_EVENTS_VERSION, TIERS, AllCleared, BlockRemoved, BlockStored, KVEventBatch, MatchRequest,
+    KV_EVENTS_VERSION, SHARED_TIER, TIERS, AllCleared, BlockRemoved, BlockStored, KVEventBatch, MatchRequest,
     MatchResponse, Snapshot, cache_salt_for,
 )
 
@@ -31,7 +36,7 @@ MAX_PENDING = 4096  # batches buffered per worker while its snapshot is awaited
 
 # ---- ownership changes, written to Redis by the shell (store.py) in order -----------------
 class Own(NamedTuple):
-    worker_id: str
+    worker_id: str       # with tier "shared": the shared-tier id
     block_hash: bytes
     parent_hash: bytes | None
     tokens: bytes  # packed uint32
@@ -39,7 +44,7 @@ class Own(NamedTuple):
 
 
 class Disown(NamedTuple):
-    worker_id: str
+    worker_id: str       # with tier "shared": the shared-tier id
     block_hash: bytes
     tier: str
 
@@ -53,13 +58,17 @@ class ForgetWorker(NamedTuple):
     worker_id: str
 
 
+class ForgetShared(NamedTuple):
+    shared_id: str
+
+
 class Position(NamedTuple):
     worker_id: str
     epoch: int
     seq: int
 
 
-Change = Own | Disown | ClearTier | ForgetWorker | Position
+Change = Own | Disown | ClearTier | ForgetWorker | ForgetShared | Position
 
 
 class Outcome(enum.Enum):
@@ -99,6 +108,7 @@ class CoreStats:
     new_epochs: int = 0
     snapshots_applied: int = 0
     rejected: int = 0
+    shared_unannounced: int = 0    # shared-tier events from a worker that announces no shared tier
     checks: int = 0
     inconsistent: int = 0
     queries: int = 0
@@ -113,11 +123,17 @@ class PrefixCore:
         self.streams: dict[str, WorkerStream] = {}
         self.stats = CoreStats()
         self.last_report: ConsistencyReport | None = None
+        self.readers: dict[str, str] = {}     # live worker -> the shared-tier id it announces
         self._changes: list[Change] = []
 
     @property
     def block_size(self) -> int:
         return self.index.block_size
+
+    def set_readers(self, readers: dict[str, str]) -> None:
+        """The live workers that read a shared tier, by id (from the registry, every discovery)."""
+        self.readers = dict(readers)
+        self.index.set_readers(self.readers)
 
     def drain_changes(self) -> list[Change]:
         out, self._changes = self._changes, []
@@ -165,6 +181,12 @@ class PrefixCore:
         return Outcome.APPLIED
 
     def _apply_event(self, worker_id: str, event) -> None:
+        if isinstance(event, (BlockStored, BlockRemoved)) and event.tier == SHARED_TIER:
+            owner = self.readers.get(worker_id)
+            if owner is None:     # its record names no shared tier: nobody to credit
+                self.stats.shared_unannounced += 1
+                return
+            worker_id = owner
         if isinstance(event, BlockStored):
             try:
                 tokens = pack_tokens(event.token_ids)
@@ -177,7 +199,8 @@ class PrefixCore:
             self.index.remove(worker_id, event.block_hash, event.tier)
             # Redis is told even when the index had no copy (it may have been evicted from memory only).
             self._changes.append(Disown(worker_id, event.block_hash, event.tier))
-        elif isinstance(event, AllCleared):
+        elif isinstance(event, AllCleared) and event.tier != SHARED_TIER:
+            # (one worker cannot speak for the shared directory: its files are everyone's)
             self.index.clear(worker_id, event.tier)
             self._changes.append(ClearTier(worker_id, event.tier))
 
@@ -235,9 +258,7 @@ class PrefixCore:
 
     def _replace_blocks(self, snap: Snapshot) -> tuple[int, int]:
         """Make the index's copy of the worker equal the snapshot; returns (added, removed) copies."""
-        want: dict[bytes, int] = {}
-        for blk in snap.blocks:
-            want[blk.block_hash] = want.get(blk.block_hash, 0) | TIER_BIT[blk.tier]
+        want = _own_tiers(snap)
         have = self.index.blocks_of(snap.worker_id)
         removed = 0
         for h, tiers in have.items():
@@ -248,7 +269,7 @@ class PrefixCore:
                     removed += 1
         added = 0
         for blk in snap.blocks:
-            if not have.get(blk.block_hash, 0) & TIER_BIT[blk.tier]:
+            if blk.tier != SHARED_TIER and not have.get(blk.block_hash, 0) & TIER_BIT[blk.tier]:
                 self._apply_event(snap.worker_id, BlockStored(blk.block_hash, blk.parent_hash,
                                                                blk.token_ids, blk.tier))
                 added += 1
@@ -279,9 +300,7 @@ class PrefixCore:
 
     def compare(self, snap: Snapshot) -> ConsistencyReport:
         """Differences between a worker's snapshot and the index's view of that worker."""
-        want: dict[bytes, int] = {}
-        for blk in snap.blocks:
-            want[blk.block_hash] = want.get(blk.block_hash, 0) | TIER_BIT[blk.tier]
+        want = _own_tiers(snap)
         have = self.index.blocks_of(snap.worker_id)
         missing = sum(bin(t & ~have.get(h, 0)).count("1") for h, t in want.items())
         extra = sum(bin(t & ~want.get(h, 0)).count("1") for h, t in have.items())
@@ -296,6 +315,12 @@ class PrefixCore:
     def _forget_blocks(self, worker_id: str) -> int:
         held = self.index.remove_worker(worker_id)
         self._changes.append(ForgetWorker(worker_id))
+        return held
+
+    def remove_shared_tier(self, shared_id: str) -> int:
+        """No live worker has announced the store for a long time (its node is gone): forget its blocks."""
+        held = self.index.remove_shared_tier(shared_id)
+        self._changes.append(ForgetShared(shared_id))
         return held
 
     def restore_position(self, worker_id: str, epoch: int, seq: int) -> None:
@@ -317,6 +342,15 @@ class PrefixCore:
         s = self.stats
         s.queries += 1
         s.query_blocks += query_blocks
-        s.best_matched_blocks += workers[0].matched_blocks if workers else 0
+        s.best_matched_blocks += workers[0].any_blocks if workers else 0
         for m in workers:
-            s.worker_matched_blocks[m.worker_id] = s.worker_matched_blocks.get(m.worker_id, 0) + m.matched_blocks
+            s.worker_matched_blocks[m.worker_id] = s.worker_matched_blocks.get(m.worker_id, 0) + m.any_blocks
+
+
+def _own_tiers(snap: Snapshot) -> dict[bytes, int]:
+    """The worker's own tiers per block in a snapshot (a shared-tier block is nobody's own)."""
+    want: dict[bytes, int] = {}
+    for blk in snap.blocks:
+        if blk.tier != SHARED_TIER:
+            want[blk.block_hash] = want.get(blk.block_hash, 0) | TIER_BIT[blk.tier]
+    return want

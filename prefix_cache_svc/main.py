@@ -31,7 +31,7 @@ from services import metrics, redis_client
 from services.config import load_or_exit
 from services.logging import setup as setup_logging
 from services.protocol.kv_events import (
-    PREFIX_GRPC_SERVICE, KVEventBatch, MatchRequest, MatchResponse, Snapshot,
+    PREFIX_GRPC_SERVICE, SHARED_TIER_INFO, KVEventBatch, MatchRequest, MatchResponse, Snapshot, shared_tier_id,
 )
 from services.redis_client import RedisAuth
 from services.registry import Membership, Registry
@@ -44,6 +44,10 @@ SCHEDULER_ONLY = frozenset({"scheduler"})   # Match answers which workers hold a
 
 _MAX_UNWRITTEN = 1_000_000   # changes kept for Redis while it is unreachable
 _TICK_S = 0.25
+# a shared KV store no live worker announced this long is purged: long past a rolling restart or a
+# node's drain (its next worker announces the store again within seconds), so only a store whose
+# node or directory is gone for good loses its blocks
+SHARED_UNREAD_S = 3600.0
 
 
 class WorkerAddrs(NamedTuple):
@@ -68,6 +72,7 @@ class PrefixCacheService:
         self._tasks: list[asyncio.Task] = []          # the service's loops
         self._fetch_tasks: set[asyncio.Task] = set()  # snapshot requests in flight
         self._next_check = 0.0
+        self._unread_since: dict[str, float] = {}     # shared store id -> when no live worker announced it
         self._next_resync = 0.0
         self._check_store = False
         self._redis_ok = True
@@ -263,6 +268,7 @@ class PrefixCacheService:
 
     async def _discover(self) -> None:
         live: dict[str, WorkerAddrs] = {}
+        readers: dict[str, str] = {}
         fresh = await self.registry.list("worker")
         for rec in self.registered.update(fresh, time.monotonic(), self.registry.incarnation):
             events, snapshot = rec.addrs.get("kv_events"), rec.addrs.get("kv_snapshot")
@@ -273,6 +279,11 @@ class PrefixCacheService:
                             rec.id, rec.info.get("block_size"), self.cfg.block_size)
                 continue
             live[rec.id] = WorkerAddrs(events, snapshot)
+            shared = shared_tier_id(rec.info.get(SHARED_TIER_INFO))
+            if shared is not None:
+                readers[rec.id] = shared
+        self.core.set_readers(readers)
+        await self._forget_unread_stores(set(readers.values()), time.monotonic())
         for worker_id, addrs in live.items():
             old = self.workers.get(worker_id)
             if old != addrs:
@@ -284,6 +295,21 @@ class PrefixCacheService:
         known = set(self.workers) | set(self.core.index.workers()) | await self.store.known_workers()
         for worker_id in known - set(live):
             self._forget(worker_id)
+
+    async def _forget_unread_stores(self, announced: set[str], now: float) -> None:
+        """A shared store's blocks outlive its workers (the files stay for the next one on the node),
+        but not a store nobody announced for SHARED_UNREAD_S: its node or directory is gone."""
+        stores = set(self.core.index.shared_tiers()) | await self.store.known_shared_tiers()
+        for shared_id in stores - announced:
+            since = self._unread_since.setdefault(shared_id, now)
+            if now - since >= SHARED_UNREAD_S:
+                held = self.core.remove_shared_tier(shared_id)
+                del self._unread_since[shared_id]
+                log.info("shared KV store %s: no worker announced it for %.0f s; purged %d blocks",
+                         shared_id, SHARED_UNREAD_S, held)
+                self._changed.set()
+        for shared_id in announced:
+            self._unread_since.pop(shared_id, None)
 
     def _forget(self, worker_id: str) -> None:
         addrs = self.workers.pop(worker_id, None)

@@ -6,14 +6,19 @@ as integer bitmasks, mostly pointer chasing):
     by_hash : block_hash -> Node                     events name blocks by hash
     by_edge : parent_hash + packed tokens -> Node    a prompt follows child links by its tokens
     Node    : hash, key (= parent_hash + tokens, or tokens alone for a first block),
-              masks = (gpu, cpu, disk) int bitmasks (bit s: worker slot s holds it in that tier),
-              hot = the child stored or walked to last
+              masks = (gpu, cpu, disk, shared) int bitmasks (bit s: owner slot s holds it in that
+              tier; a worker's slot is set in the first three only, a shared-tier id's in the
+              last only), hot = the child stored or walked to last
 
     prompt   | blk0 | blk1 | blk2 | ... | partial |      (full blocks only; the tail is ignored)
     walk       H(blk0) -> by_hash[h0]
                node.hot if its key ends with blk1, else by_edge[h0 + blk1] -> node1
                ...                                     until a miss
     per worker: the walk ANDs the bitmasks; a worker's match ends where its bit drops out.
+
+Shared tier: a node's `shared` mask names shared-tier ids (kv_offload_shared_dir), not workers.
+A walk reads it through `readers` (set_readers: worker -> the id it announces), so a block in a
+shared tier counts for every worker that reads that tier, and for no other (match_walk.py).
 
 Only the first block is hashed on a token walk (its hash carries model id and tenant salt);
 every later step is verified on tokens by construction (a child's key is its parent's hash +
@@ -38,12 +43,14 @@ from typing import NamedTuple
 import msgspec
 
 from prefix_cache_svc.hashing import block_hash as compute_block_hash
-from services.protocol.kv_events import TIERS, WorkerMatch
+from prefix_cache_svc.match_walk import Walk
+from services.protocol.kv_events import SHARED_TIER, TIERS, WorkerMatch
 from services.protocol.kv_events import pack_token_ids as pack_tokens
 from services.protocol.kv_events import unpack_token_ids as unpack_tokens
 
-TIER_BIT = {"gpu": 1, "cpu": 2, "disk": 4}
-ALL_TIERS = 7
+TIER_BIT = {"gpu": 1, "cpu": 2, "disk": 4, SHARED_TIER: 8}
+WORKER_TIERS = 7   # a worker's own tiers
+ALL_TIERS = 15
 _EVICT_SCAN = 64  # nodes with children skipped per eviction before one is evicted anyway
 
 
@@ -54,7 +61,7 @@ class _Node(msgspec.Struct, gc=False):
 
     hash: bytes
     key: bytes                     # parent hash + packed tokens; packed tokens alone for a first block
-    masks: tuple = (0, 0, 0)       # (gpu, cpu, disk) worker bitmasks, interned: see RadixIndex._set_masks
+    masks: tuple = (0, 0, 0, 0)    # (gpu, cpu, disk, shared) owner bitmasks, interned: see RadixIndex._set_masks
     nchild: int = 0                # children inserted while this node existed (best effort)
     hot: "_Node | None" = None     # the child stored or walked to last: a walk tries it before by_edge
     # (a cycle of hot links would need a cycle of parent hashes: a blake2b preimage, or a worker
@@ -63,12 +70,12 @@ class _Node(msgspec.Struct, gc=False):
 
     @property
     def owners(self) -> int:
-        g, c, d = self.masks
-        return g | c | d
+        g, c, d, s = self.masks
+        return g | c | d | s
 
 
-_NO_OWNERS = (0, 0, 0)
-_TIER_INDEX = {1: 0, 2: 1, 4: 2}
+_NO_OWNERS = (0, 0, 0, 0)
+_TIER_INDEX = {1: 0, 2: 1, 4: 2, 8: 3}
 _MASK_POOL_LIMIT = 1 << 16
 
 
@@ -83,7 +90,7 @@ class IndexRecord(msgspec.Struct, array_like=True, frozen=True):
     block_hash: bytes
     parent_hash: bytes | None
     tokens: bytes                   # packed uint32
-    owners: list[tuple[str, int]]   # (worker_id, tier bitmask)
+    owners: list[tuple[str, int]]   # (worker_id, tier bitmask); (shared-tier id, TIER_BIT["shared"])
 
 
 class IndexSnapshot(msgspec.Struct, frozen=True):
@@ -99,6 +106,12 @@ class IndexStats(NamedTuple):
     rejected: int
 
 
+def _owner_key(owner: str, tier: str) -> str | tuple[str, str]:
+    """A slot's key: the worker id, or (SHARED_TIER, id) for a shared tier (a worker may be
+    called anything, so the two never share a namespace)."""
+    return (SHARED_TIER, owner) if tier == SHARED_TIER else owner
+
+
 class RadixIndex:
     def __init__(self, block_size: int, max_blocks: int | None = None) -> None:
         if block_size <= 0:
@@ -108,8 +121,10 @@ class RadixIndex:
         self._tok_bytes = 4 * block_size
         self._by_hash: dict[bytes, _Node] = {}
         self._by_edge: dict[bytes, _Node] = {}
-        self._slot_of: dict[str, int] = {}
-        self._worker_at: list[str | None] = []
+        self._slot_of: dict[str | tuple[str, str], int] = {}
+        self._worker_at: list[str | tuple[str, str] | None] = []   # slot -> owner key (_owner_key)
+        self._readers: dict[str, str] = {}           # worker id -> shared-tier id it reads
+        self._expand: dict[int, int] = {}            # shared mask -> its readers' slots (memo)
         self._blocks_of: list[set[bytes]] = []      # slot -> hashes it holds (any tier)
         self._fifo: deque[_Node] = deque()           # insertion order, for capacity eviction
         self._stale = 0                              # entries of unlinked nodes in _fifo
@@ -125,22 +140,43 @@ class RadixIndex:
         return block_hash in self._by_hash
 
     def workers(self) -> list[str]:
-        return [w for w in self._worker_at if w is not None]
+        """Workers with a slot (blocks in their own tiers, or a shared tier they read)."""
+        return [w for w in self._worker_at if isinstance(w, str)]
 
-    def num_blocks_of(self, worker_id: str) -> int:
-        slot = self._slot_of.get(worker_id)
+    def shared_tiers(self) -> list[str]:
+        """Shared-tier ids that hold blocks."""
+        return [k[1] for k in self._worker_at if isinstance(k, tuple)]
+
+    def num_blocks_of(self, worker_id: str, tier: str = "gpu") -> int:
+        """Blocks a worker holds (any tier of its own); with tier="shared": a shared tier's."""
+        slot = self._slot_of.get(_owner_key(worker_id, tier))
         return 0 if slot is None else len(self._blocks_of[slot])
 
     def stats(self) -> IndexStats:
         owned = sum(len(s) for s in self._blocks_of)
-        return IndexStats(len(self._by_hash), owned, len(self._slot_of), self.evictions, self.rejected)
+        return IndexStats(len(self._by_hash), owned, len(self.workers()), self.evictions, self.rejected)
 
-    def blocks_of(self, worker_id: str) -> dict[bytes, int]:
-        """Every block the worker holds -> tier bitmask (TIER_BIT)."""
-        slot = self._slot_of.get(worker_id)
+    def blocks_of(self, owner: str, tier: str = "gpu") -> dict[bytes, int]:
+        """Every block a worker holds -> tier bitmask (TIER_BIT); with tier="shared": a shared tier's."""
+        slot = self._slot_of.get(_owner_key(owner, tier))
         if slot is None:
             return {}
         return {h: _tiers_of(self._by_hash[h], slot) for h in self._blocks_of[slot]}
+
+    def set_readers(self, readers: dict[str, str]) -> None:
+        """Which live workers read which shared tier (worker id -> shared-tier id); a worker left
+        out reads none. A reader gets a slot even before it holds a block of its own: a new
+        worker on the node is credited with the shared tier at once."""
+        if readers == self._readers:
+            return
+        for worker_id in self._readers.keys() - readers.keys():
+            slot = self._slot_of.get(worker_id)
+            if slot is not None and not self._blocks_of[slot]:
+                self.remove_worker(worker_id)
+        self._readers = dict(readers)
+        for worker_id in readers:
+            self._slot(worker_id)
+        self._expand = {}
 
     def parent_and_tokens(self, block_hash: bytes) -> tuple[bytes | None, bytes]:
         """(parent hash or None, packed tokens) of an indexed block."""
@@ -167,7 +203,7 @@ class RadixIndex:
         elif node.key != key:
             self.rejected += 1
             return False
-        slot = self._slot(worker_id)
+        slot = self._slot(_owner_key(worker_id, tier))
         bit, t = 1 << slot, _TIER_INDEX[TIER_BIT[tier]]
         if node.masks[t] & bit:
             return False
@@ -178,8 +214,8 @@ class RadixIndex:
         return True
 
     def remove(self, worker_id: str, block_hash: bytes, tier: str = "gpu") -> bool:
-        """Forget the worker's copy of the block in `tier`. False when it had none."""
-        slot = self._slot_of.get(worker_id)
+        """Forget the worker's (or shared tier's) copy of the block in `tier`. False when it had none."""
+        slot = self._slot_of.get(_owner_key(worker_id, tier))
         node = self._by_hash.get(block_hash)
         if slot is None or node is None:
             return False
@@ -188,11 +224,12 @@ class RadixIndex:
         return dropped
 
     def clear(self, worker_id: str, tier: str | None = None) -> int:
-        """Forget the worker's blocks in `tier` (all tiers when None); returns copies dropped."""
-        slot = self._slot_of.get(worker_id)
+        """Forget the worker's blocks in `tier` (all its own tiers when None; "shared": every block
+        of the shared tier `worker_id` names); returns copies dropped."""
+        slot = self._slot_of.get(_owner_key(worker_id, tier or "gpu"))
         if slot is None:
             return 0
-        tier_bits = ALL_TIERS if tier is None else TIER_BIT[tier]
+        tier_bits = WORKER_TIERS if tier is None else TIER_BIT[tier]
         dropped = 0
         for h in list(self._blocks_of[slot]):
             dropped += self._drop(self._by_hash[h], slot, tier_bits)
@@ -200,29 +237,53 @@ class RadixIndex:
         return dropped
 
     def remove_worker(self, worker_id: str) -> int:
-        """Purge every block of the worker and free its slot; returns the blocks it held."""
-        slot = self._slot_of.get(worker_id)
+        """Purge every block of the worker and free its slot; returns the blocks it held. The
+        shared tier it read keeps its blocks (the files outlive the worker)."""
+        return self._free(worker_id, None)
+
+    def remove_shared_tier(self, shared_id: str) -> int:
+        """Purge every block of a shared tier and free its slot."""
+        return self._free((SHARED_TIER, shared_id), SHARED_TIER)
+
+    def _free(self, key, tier: str | None) -> int:
+        slot = self._slot_of.get(key)
         if slot is None:
             return 0
         held = len(self._blocks_of[slot])
-        self.clear(worker_id)
-        del self._slot_of[worker_id]
+        self.clear(key if tier is None else key[1], tier)
+        del self._slot_of[key]
         self._worker_at[slot] = None
+        self._expand = {}
+        if tier is None and key in self._readers:   # still a live reader: it keeps a slot
+            self._slot(key)
         return held
 
-    def _slot(self, worker_id: str) -> int:
-        slot = self._slot_of.get(worker_id)
+    def _slot(self, key) -> int:
+        slot = self._slot_of.get(key)
         if slot is not None:
             return slot
         try:
             slot = self._worker_at.index(None)
-            self._worker_at[slot] = worker_id
+            self._worker_at[slot] = key
         except ValueError:
             slot = len(self._worker_at)
-            self._worker_at.append(worker_id)
+            self._worker_at.append(key)
             self._blocks_of.append(set())
-        self._slot_of[worker_id] = slot
+        self._slot_of[key] = slot
+        self._expand = {}
         return slot
+
+    def _readers_of(self, shared_mask: int) -> int:
+        """The worker slots that read any shared tier in `shared_mask` (memoized per mask)."""
+        slots = self._expand.get(shared_mask)
+        if slots is None:
+            slots = 0
+            for worker_id, shared_id in self._readers.items():
+                tier_slot = self._slot_of.get((SHARED_TIER, shared_id))
+                if tier_slot is not None and shared_mask >> tier_slot & 1:
+                    slots |= 1 << self._slot_of[worker_id]
+            self._expand[shared_mask] = slots
+        return slots
 
     def _new_node(self, block_hash: bytes, key: bytes, parent_hash: bytes | None) -> _Node:
         if self.max_blocks is not None and len(self._by_hash) >= self.max_blocks:
@@ -255,15 +316,15 @@ class RadixIndex:
         return dropped
 
     def _set_masks(self, node: _Node, masks: list[int]) -> None:
-        """Store the (gpu, cpu, disk) masks as a shared tuple: equal masks are the same object,
+        """Store the (gpu, cpu, disk, shared) masks as one pooled tuple: equal masks are the same object,
         so a match walk notices a change of owners with one identity test per block."""
         key = tuple(masks)
-        shared = self._mask_pool.get(key)
-        if shared is None:
+        pooled = self._mask_pool.get(key)
+        if pooled is None:
             if len(self._mask_pool) >= _MASK_POOL_LIMIT:
                 self._mask_pool.clear()  # old nodes keep their tuples; walks just compare more
-            shared = self._mask_pool[key] = key
-        node.masks = shared
+            pooled = self._mask_pool[key] = key
+        node.masks = pooled
 
     def _unlink(self, node: _Node) -> None:
         del self._by_hash[node.hash]
@@ -323,7 +384,7 @@ class RadixIndex:
         node = self._by_hash.get(first)
         if node is None or node.key != tokens[:step]:
             return MatchResult(n, [])
-        walk = _Walk(node.masks)
+        walk = Walk(node.masks, self._readers_of)
         get = self._by_edge.get
         prev = node.masks
         end = n * step
@@ -354,7 +415,7 @@ class RadixIndex:
         node = self._by_hash.get(block_hashes[0])
         if node is None or node.key != tokens[:step]:
             return MatchResult(n, [])
-        walk = _Walk(node.masks)
+        walk = Walk(node.masks, self._readers_of)
         get = self._by_hash.get
         prev = node.masks
         length = m
@@ -379,8 +440,8 @@ class RadixIndex:
     def snapshot(self) -> IndexSnapshot:
         records = []
         for node in self._by_hash.values():
-            owners = [(w, tiers) for w in self.workers()
-                      if (tiers := _tiers_of(node, self._slot_of[w]))]
+            owners = [(k if isinstance(k, str) else k[1], tiers) for k in self._worker_at
+                      if k is not None and (tiers := _tiers_of(node, self._slot_of[k]))]
             parent = node.key[:-self._tok_bytes] or None
             records.append(IndexRecord(node.hash, parent, node.key[-self._tok_bytes:], owners))
         return IndexSnapshot(self.block_size, records)
@@ -390,12 +451,15 @@ class RadixIndex:
         index = cls(snap.block_size, max_blocks)
         for rec in snap.records:
             for worker_id, tiers in rec.owners:
-                for tier in TIERS:
+                for tier in (*TIERS, SHARED_TIER):
                     if tiers & TIER_BIT[tier]:
                         index.insert(worker_id, rec.block_hash, rec.parent_hash, rec.tokens, tier)
         return index
 
     # ---- checks ------------------------------------------------------------------------
+    def _shared_slots(self) -> int:
+        return sum(1 << s for s, k in enumerate(self._worker_at) if isinstance(k, tuple))
+
     def check_integrity(self) -> None:
         """Both maps agree, every node is owned, per-worker sets equal the bitmasks."""
         live = sum(1 << s for s, w in enumerate(self._worker_at) if w is not None)
@@ -412,6 +476,9 @@ class RadixIndex:
             if node.hot is not None:
                 assert node.hot.key[:16] == h and self._by_hash.get(node.hot.hash) is node.hot, \
                     f"block {h.hex()}: its hot child is not a live child"
+            g, c, d, s = node.masks
+            assert not (g | c | d) & self._shared_slots(), f"block {h.hex()}: a shared tier in a worker's tier"
+            assert not s & ~self._shared_slots(), f"block {h.hex()}: a worker in the shared tier's mask"
             for slot in range(len(counts)):
                 if node.owners >> slot & 1:
                     counts[slot] += 1
@@ -422,57 +489,13 @@ class RadixIndex:
             assert worker is None or self._slot_of[worker] == slot, "slot table inconsistent"
             assert worker is not None or not self._blocks_of[slot], "freed slot still holds blocks"
         assert len(self._slot_of) == sum(w is not None for w in self._worker_at)
+        assert all(w in self._slot_of for w in self._readers), "a reader of a shared tier has no slot"
         assert self.max_blocks is None or len(self._by_hash) <= self.max_blocks, "over capacity"
         unlinked = [n for n in self._fifo if self._by_hash.get(n.hash) is not n]
         assert not any(n.key for n in unlinked), "a block that left the index still holds its tokens"
         assert len(unlinked) == self._stale <= len(self._by_hash) + 1024, "eviction queue holds too many stale entries"
 
 
-class _Walk:
-    """Per-worker bookkeeping of a match walk: the running AND of owner masks per tier group.
-
-        alive[0]: workers holding every block so far on GPU
-        alive[1]: ... on GPU or CPU
-        alive[2]: ... on any tier
-    A worker's match in a group ends at the first block where its bit drops out.
-    """
-
-    __slots__ = ("alive", "ends")
-
-    def __init__(self, first_masks: tuple[int, int, int]) -> None:
-        g, c, d = first_masks
-        self.alive = [g, g | c, g | c | d]
-        self.ends: tuple[dict[int, int], ...] = ({}, {}, {})  # slot -> matched blocks
-
-    def advance(self, masks: tuple[int, int, int], i: int) -> bool:
-        """Block i has these owners: workers missing from it matched i blocks. False: none left."""
-        g, c, d = masks
-        now = (g, g | c, g | c | d)
-        alive = self.alive
-        for k in range(3):
-            if alive[k] & now[k] != alive[k]:
-                _record(self.ends[k], alive[k] & ~now[k], i)
-                alive[k] &= now[k]
-        return bool(alive[2])
-
-    def result(self, length: int, worker_at: list[str | None]) -> list[WorkerMatch]:
-        """Workers still alive after `length` blocks matched all of them."""
-        for k in range(3):
-            _record(self.ends[k], self.alive[k], length)
-        gpu, gpu_cpu, total = self.ends
-        out = [WorkerMatch(worker_at[slot], n, gpu.get(slot, 0), gpu_cpu.get(slot, 0))
-               for slot, n in total.items() if n > 0]
-        out.sort(key=lambda m: (-m.matched_blocks, -m.gpu_blocks, m.worker_id))
-        return out
-
-
-def _record(ends: dict[int, int], dropped: int, length: int) -> None:
-    while dropped:
-        low = dropped & -dropped
-        ends[low.bit_length() - 1] = length
-        dropped ^= low
-
-
 def _tiers_of(node: _Node, slot: int) -> int:
-    g, c, d = node.masks
-    return (g >> slot & 1) | (c >> slot & 1) << 1 | (d >> slot & 1) << 2
+    g, c, d, s = node.masks
+    return (g >> slot & 1) | (c >> slot & 1) << 1 | (d >> slot & 1) << 2 | (s >> slot & 1) << 3

@@ -5,6 +5,8 @@ Keys (prefix `kvmesh:pc:`; services/redis_schema.py points here):
     kvmesh:pc:block_size          STRING  tokens per block of every record below (a reload with
                                           another block size ignores the records)
     kvmesh:pc:workers             SET     worker ids that have ownership records
+    kvmesh:pc:shared              SET     shared-tier ids that have ownership records (tier
+                                          "shared": the id stands in for {worker} below)
     kvmesh:pc:pos                 HASH    worker id -> "epoch:seq" of the last applied KV event batch
     kvmesh:pc:w:{worker}:{tier}   HASH    worker -> blocks: block hash (16 raw bytes) ->
                                           parent hash (16 bytes, empty for a first block) + tokens
@@ -15,7 +17,9 @@ Keys (prefix `kvmesh:pc:`; services/redis_schema.py points here):
 Every write is idempotent (HSET/HDEL/SADD/SREM), so replaying a batch, or two index replicas
 applying the same events, leaves the same records. Writes of one event batch go out in one
 pipeline. A worker whose registry lease expired is purged: its `w:` hashes are read, each block's
-owner member removed, and the worker's keys deleted.
+owner member removed, and the worker's keys deleted. A shared tier's records are not any worker's:
+a worker's purge leaves them: removal events (a file dropped by some worker) delete them, and a
+store no live worker announced for SHARED_UNREAD_S (prefix_cache_svc/main.py) is purged whole.
 """
 from __future__ import annotations
 
@@ -23,9 +27,9 @@ import logging
 
 import redis.asyncio as aioredis
 
-from prefix_cache_svc.core import ClearTier, Disown, ForgetWorker, Own, Position, PrefixCore
+from prefix_cache_svc.core import ClearTier, Disown, ForgetShared, ForgetWorker, Own, Position, PrefixCore
 from prefix_cache_svc.radix_index import TIER_BIT
-from services.protocol.kv_events import TIERS
+from services.protocol.kv_events import SHARED_TIER, TIERS
 
 log = logging.getLogger("kvmesh.prefix_cache.store")
 
@@ -46,6 +50,7 @@ def owner_member(worker_id: str, tier: str) -> str:
 
 
 WORKERS_KEY = PREFIX + "workers"
+SHARED_KEY = PREFIX + "shared"
 POSITIONS_KEY = PREFIX + "pos"
 BLOCK_SIZE_KEY = PREFIX + "block_size"
 
@@ -54,7 +59,7 @@ class OwnershipStore:
     def __init__(self, redis: aioredis.Redis, block_size: int) -> None:
         self.redis = redis
         self.block_size = block_size
-        self._known: set[str] = set()  # workers already in WORKERS_KEY (saves a SADD per block)
+        self._known: set[tuple[str, str]] = set()  # (WORKERS_KEY or SHARED_KEY, id) added (saves a SADD per block)
         self.writes = 0
 
     async def apply(self, changes: list) -> None:
@@ -77,14 +82,20 @@ class OwnershipStore:
                 if isinstance(change, ForgetWorker):
                     pipe.srem(WORKERS_KEY, change.worker_id)
                     pipe.hdel(POSITIONS_KEY, change.worker_id)
-                    self._known.discard(change.worker_id)
+                    self._known.discard((WORKERS_KEY, change.worker_id))
+            elif isinstance(change, ForgetShared):
+                await pipe.execute()
+                await self._clear(pipe, change.shared_id, SHARED_TIER)
+                pipe.srem(SHARED_KEY, change.shared_id)
+                self._known.discard((SHARED_KEY, change.shared_id))
         self.writes += len(pipe)
         await pipe.execute()
 
     def _own(self, pipe, change: Own) -> None:
-        if change.worker_id not in self._known:
-            pipe.sadd(WORKERS_KEY, change.worker_id)
-            self._known.add(change.worker_id)
+        owners_key = SHARED_KEY if change.tier == SHARED_TIER else WORKERS_KEY
+        if (owners_key, change.worker_id) not in self._known:
+            pipe.sadd(owners_key, change.worker_id)
+            self._known.add((owners_key, change.worker_id))
         pipe.hset(worker_key(change.worker_id, change.tier), change.block_hash,
                   (change.parent_hash or b"") + change.tokens)
         pipe.sadd(block_key(change.block_hash), owner_member(change.worker_id, change.tier))
@@ -101,6 +112,9 @@ class OwnershipStore:
 
     async def known_workers(self) -> set[str]:
         return {m.decode() for m in await self.redis.smembers(WORKERS_KEY)}
+
+    async def known_shared_tiers(self) -> set[str]:
+        return {m.decode() for m in await self.redis.smembers(SHARED_KEY)}
 
     async def owners(self, block_hash: bytes) -> set[tuple[str, str]]:
         """(worker, tier) pairs holding the block, per Redis (for tools and tests)."""
@@ -124,8 +138,9 @@ class OwnershipStore:
         pipe.set(BLOCK_SIZE_KEY, self.block_size)
         self._known.clear()
         written = 0
-        for worker_id in core.index.workers():
-            for own in _owns_of(core, worker_id):
+        owners = [(w, None) for w in core.index.workers()] + [(s, SHARED_TIER) for s in core.index.shared_tiers()]
+        for owner, tier in owners:
+            for own in _owns_of(core, owner, tier):
                 self._own(pipe, own)
                 written += 1
                 if len(pipe) >= _SCAN_COUNT:
@@ -146,12 +161,14 @@ class OwnershipStore:
         await self.redis.set(BLOCK_SIZE_KEY, self.block_size)
         loaded = 0
         tok_bytes = 4 * self.block_size
-        for worker_id in sorted(await self.known_workers()):
-            self._known.add(worker_id)
-            for tier in TIERS:
-                async for block_hash, value in self.redis.hscan_iter(worker_key(worker_id, tier), count=_SCAN_COUNT):
+        owners = [(WORKERS_KEY, w, TIERS) for w in sorted(await self.known_workers())]
+        owners += [(SHARED_KEY, s, (SHARED_TIER,)) for s in sorted(await self.known_shared_tiers())]
+        for owners_key, owner, tiers in owners:
+            self._known.add((owners_key, owner))
+            for tier in tiers:
+                async for block_hash, value in self.redis.hscan_iter(worker_key(owner, tier), count=_SCAN_COUNT):
                     parent = value[:-tok_bytes] or None
-                    loaded += core.index.insert(worker_id, block_hash, parent, value[-tok_bytes:], tier)
+                    loaded += core.index.insert(owner, block_hash, parent, value[-tok_bytes:], tier)
         for worker_id, pos in (await self.redis.hgetall(POSITIONS_KEY)).items():
             epoch, _, seq = pos.decode().partition(":")
             core.restore_position(worker_id.decode(), int(epoch), int(seq))
@@ -159,9 +176,10 @@ class OwnershipStore:
         return loaded
 
 
-def _owns_of(core: PrefixCore, worker_id: str) -> list[Own]:
+def _owns_of(core: PrefixCore, owner: str, shared: str | None) -> list[Own]:
+    """A worker's records (shared None), or a shared tier's (shared "shared")."""
     index, out = core.index, []
-    for h, tiers in index.blocks_of(worker_id).items():
+    for h, tiers in index.blocks_of(owner, shared or "gpu").items():
         parent, tokens = index.parent_and_tokens(h)
-        out.extend(Own(worker_id, h, parent, tokens, tier) for tier in TIERS if tiers & TIER_BIT[tier])
+        out.extend(Own(owner, h, parent, tokens, tier) for tier in (*TIERS, SHARED_TIER) if tiers & TIER_BIT[tier])
     return out

@@ -69,7 +69,7 @@ def routing_weights(cfg: SchedulerConfig) -> RoutingWeights:
     return RoutingWeights(hit_weight=cfg.route_hit_weight, queue_weight=cfg.route_queue_weight,
                           running_weight=cfg.route_running_weight, kv_weight=cfg.route_kv_weight,
                           overflow_penalty=cfg.route_overflow_penalty, cpu_credit=cfg.route_cpu_credit,
-                          disk_credit=cfg.route_disk_credit)
+                          disk_credit=cfg.route_disk_credit, shared_credit=cfg.route_shared_credit)
 
 
 def conversation_table(cfg: SchedulerConfig) -> ConversationTable | None:

@@ -59,9 +59,13 @@ class RecentDispatches:
         have = {w.worker_id: w for w in match.workers} if match is not None and match.available else {}
         for wid, n in recent.items():
             old = have.get(wid)
-            have[wid] = WorkerMatch(wid, max(n, old.matched_blocks), max(n, old.gpu_blocks),
-                                    max(n, old.gpu_cpu_blocks)) if old else WorkerMatch(wid, n, n, n)
-        workers = sorted(have.values(), key=lambda w: (-w.matched_blocks, w.worker_id))
+            if old is None:
+                have[wid] = WorkerMatch(wid, n, n, n)
+                continue
+            total = max(n, old.matched_blocks)      # a shared-tier prefix past it still counts (at its credit)
+            have[wid] = WorkerMatch(wid, total, max(n, old.gpu_blocks), max(n, old.gpu_cpu_blocks),
+                                    old.shared_blocks if old.shared_blocks > total else 0)
+        workers = sorted(have.values(), key=lambda w: (-w.any_blocks, w.worker_id))
         return MatchResponse(block_size=block_size, query_blocks=len(block_hashes), workers=workers)
 
     def _expire(self, now: float) -> None:

@@ -6,9 +6,10 @@
 
         score = - hit_weight       * hit              hit: fraction of the prompt's blocks the worker
                                                            need not prefill: GPU blocks count fully,
-                                                           CPU/disk ones at cpu_credit/disk_credit
-                                                           (a reload is cheaper than a recompute, not
-                                                           free); the block of the last prompt token
+                                                           CPU/disk ones at cpu_credit/disk_credit,
+                                                           ones in a shared tier the worker reads at
+                                                           shared_credit (a reload is cheaper than a
+                                                           recompute, not free); the block of the last prompt token
                                                            never counts (the engine recomputes it)
                 + queue_weight     * waiting / max_num_seqs
                 + running_weight   * running / max_num_seqs
@@ -118,6 +119,7 @@ class RoutingWeights:
     overflow_penalty: float = 10.0
     cpu_credit: float = 0.8       # a CPU-tier block saves this fraction of its prefill
     disk_credit: float = 0.5
+    shared_credit: float = 0.3    # below disk: every read pays an HMAC, and another worker may delete the file
 
 
 class PrefixHit(NamedTuple):
@@ -136,8 +138,10 @@ def prefix_hit(worker_id: str, prompt_tokens: int, match: MatchResponse | None,
     bs = match.block_size
     prompt_blocks = max(1, -(-prompt_tokens // bs))
     cap = max(0, (prompt_tokens - 1) // bs)      # the block of the last prompt token is recomputed
-    gpu, gpu_cpu, total = (min(cap, n) for n in (wm.gpu_blocks, wm.gpu_cpu_blocks, wm.matched_blocks))
-    saved = gpu + weights.cpu_credit * (gpu_cpu - gpu) + weights.disk_credit * (total - gpu_cpu)
+    gpu, gpu_cpu, total, shared = (min(cap, n) for n in (wm.gpu_blocks, wm.gpu_cpu_blocks, wm.matched_blocks,
+                                                           wm.any_blocks))
+    saved = (gpu + weights.cpu_credit * (gpu_cpu - gpu) + weights.disk_credit * (total - gpu_cpu)
+             + weights.shared_credit * (shared - total))
     return PrefixHit(min(1.0, saved / prompt_blocks), gpu)
 
 

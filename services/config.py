@@ -212,6 +212,11 @@ class SchedulerConfig(ServiceConfig):
                                   min=0, max=1)
     route_disk_credit: float = opt(0.5, "cache_aware: a disk-tier block counts as this fraction of a GPU hit.",
                                    min=0, max=1)
+    route_shared_credit: float = opt(0.3, "cache_aware: a block in the node's shared KV tier "
+                                          "(--kv-offload-shared-dir) counts as this fraction of a GPU hit for "
+                                          "every worker reading that tier; below the disk tier's: each read "
+                                          "is also MAC-checked, and another worker may delete the file first.",
+                                     min=0, max=1)
     route_conversation_ttl_s: float = opt(600.0, "A request naming a conversation (OpenAI `user`, or the "
                                                  "`conversation_id` extension) goes to the worker that ran its last "
                                                  "turn within this many seconds, which holds its history's KV; "

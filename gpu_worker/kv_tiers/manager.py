@@ -118,6 +118,8 @@ class KVTiers:
         if self.shared is not None:
             for num_bytes, seconds in self.shared.poll():
                 self.policy.observe_copy("shared", num_bytes, seconds)
+            for block_hash in self.shared.take_gone():
+                self._removed(block_hash, "shared")
         if self.file_loads is not None:
             self.file_loads.reader.pump()
         if not self._evicted:
@@ -185,10 +187,12 @@ class KVTiers:
 
     def write_shared(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor, source: BlockSource) -> None:
         """Queue a block's file in the shared tier; `data` (host bytes, read from `source`) is
-        copied. No KV event: the block is no longer this worker's."""
+        copied. Its KV event has tier "shared": the prefix index files it under the store's id, not
+        this worker (a failed write is reported gone by a later flush)."""
         self.shared.write(block_hash, block, bytearray(data.reshape(-1).numpy()))
         self.mirror.shared_write(source, block_hash, block)
         self.stats.offloaded_blocks["shared"] += 1
+        self._stored(block_hash, block.parent, block.token_ids, "shared")
 
     def write_disk(self, block_hash: bytes, block: DiskBlock, data: torch.Tensor, source: BlockSource) -> None:
         """Queue a block's file; `data` (host bytes, read from `source`) is copied, so its slot may

@@ -18,8 +18,12 @@ tier_file.decode. Other processes may be able to write here (a pod mounting the 
 of the same uid), so the MAC, keyed by the workers' trust material, is what makes a file KV: one
 that vanished (another writer's bound deleted it) is a miss; one that fails the MAC or a check is
 deleted and is a miss too (one warning a minute): the caller recomputes the block, a request never
-fails for this tier. Blocks here belong to no worker, so they are not KV events (the prefix index
-routes by the private tiers).
+fails for this tier.
+
+Routing: blocks here belong to no worker. The subdirectory's store id (shared_store_id.py) names
+them; the worker announces it, and its KV events with tier "shared" report the blocks it writes
+here and the ones it finds gone (`take_gone`: deleted by its bound, missing or not verifying on a
+read, a failed write), which the prefix index files under that id (docs/kv_events.md).
 
 Size: every writer of a one-rank engine bounds the whole directory (every subdirectory above);
 each rank of a tensor-parallel engine bounds its own subdirectory, to its share of the bound (the
@@ -39,13 +43,14 @@ import logging
 import os
 import stat
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import msgspec
 import xxhash
 
-from gpu_worker.kv_tiers import shared_file, tier_file
+from gpu_worker.kv_tiers import shared_file, shared_store_id, tier_file
 from gpu_worker.kv_tiers.disk_tier import DiskBlock, _unlink_path, owned_directory, write_file
 from gpu_worker.kv_tiers.file_reads import FileRead, read_block_file
 from gpu_worker.kv_transfer.layout import KVLayout
@@ -56,6 +61,7 @@ FLAG = "kv_offload_shared_dir"
 SCAN_EVERY_S = 10.0
 SCAN_EVERY_WRITES = 256
 SCAN_MAX_FILES = 50_000      # one scan's stats: a few tens of ms on a local disk
+MAX_GONE = 65_536            # gone blocks kept until take_gone (routing hints: the oldest may drop)
 STALE_TMP_S = 60.0           # a .tmp this old was left by a writer that died mid-write
 _LOW_WATER = 0.9             # a scan past the bound deletes down to this share of it
 _WARN_EVERY_S = 60.0
@@ -89,6 +95,12 @@ class SharedTier:
             name += f"-rank{rank}"
         self.directory = os.path.join(directory, name)
         owned_directory(self.directory, FLAG)
+        # what the worker announces (None: no routing credit); rank 0's names a tensor-parallel engine's store
+        self.store_id = shared_store_id.store_id(self.directory, key) if rank == 0 else None
+        # blocks found gone, oldest first: appended by the writer thread's scans too (deque:
+        # thread-safe); bounded, as a rank that never takes them (a tensor-parallel follower) keeps
+        # the last ones only
+        self._gone: deque[bytes] = deque(maxlen=MAX_GONE)
         self.num_corrupt = 0            # files dropped because they did not verify
         self.num_write_errors = 0
         self.estimate = self._scan()    # the directory's files and bytes, at the last scan + our writes
@@ -140,6 +152,7 @@ class SharedTier:
         del self._queued[block_hash]
         error = future.exception()
         if error is not None:           # a full disk: this block is not shared, the next may be
+            self._gone.append(block_hash)
             self.num_write_errors += 1
             now = time.monotonic()
             if now - self._warned_at >= _WARN_EVERY_S:
@@ -196,8 +209,11 @@ class SharedTier:
         """(engine thread) A read's payload, or None; a file that did not verify is counted and
         logged (one warning a minute). A missing file (another writer's bound deleted it) is a
         plain miss."""
-        if result.payload is not None or result.missing:
+        if result.payload is not None:
             return result.payload
+        self._gone.append(block_hash)          # deleted by another writer, or just now by read_file
+        if result.missing:
+            return None
         self.num_corrupt += 1
         now = time.monotonic()
         if now - self._dropped_warned_at >= _WARN_EVERY_S:
@@ -205,6 +221,16 @@ class SharedTier:
             log.warning("KV shared tier %s: dropped block %s (%s); it will be recomputed (%d files "
                         "dropped so far)", self.directory, block_hash.hex(), result.error, self.num_corrupt)
         return None
+
+    def take_gone(self) -> list[bytes]:
+        """(engine thread) Blocks found gone since the last call that are still not here (a block
+        written again since keeps its place in the index)."""
+        gone = []
+        while self._gone:
+            block_hash = self._gone.popleft()
+            if not self.holds(block_hash):
+                gone.append(block_hash)
+        return gone
 
     def forget(self, block_hash: bytes) -> None:
         """Delete a block's file (the bandwidth probe's), behind its own write."""
@@ -260,6 +286,11 @@ class SharedTier:
                 _unlink_path(path)
                 total -= size
                 deleted += 1
+                if os.path.dirname(path) == self.directory:    # our store's: its id's readers lose it
+                    try:
+                        self._gone.append(bytes.fromhex(os.path.basename(path)[:-len(".kvb")]))
+                    except ValueError:
+                        pass
         return ScanResult(len(files) - deleted, total, deleted)
 
     def close(self) -> None:

@@ -57,6 +57,7 @@ from services.envelope import SCHEDULER, Envelope
 from services.logging import setup as setup_logging
 from services.model_names import path_aliases, served_names
 from services.protocol.messages import Abort, AwaitKV, Dispatch, WorkerInbox
+from services.protocol.kv_events import SHARED_TIER_INFO
 from services.redis_client import RedisAuth
 from services.registry import Lease, Membership, Registry
 from services.security import bundle
@@ -136,7 +137,16 @@ def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
             "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
             "vocab_size": int(engine.vocab_size), "null_model": cfg.null_model, "draining": False,
             "model_id": getattr(getattr(engine, "setup", None), "model_id", name),
-            "kv_layout": kv_layout(engine), "kv_transport": kv_wire(cfg.kv_transport), "pid": os.getpid()}
+            "kv_layout": kv_layout(engine), "kv_transport": kv_wire(cfg.kv_transport), "pid": os.getpid(),
+            **shared_tier_info(engine)}
+
+
+def shared_tier_info(engine: Any) -> dict[str, str]:
+    """The shared KV tier's store id, announced so the prefix index credits that tier's blocks to
+    every worker reading it (gpu_worker/kv_tiers/shared_store_id.py); none without one."""
+    shared = getattr(getattr(engine, "kv_tiers", None), "shared", None)
+    store_id = getattr(shared, "store_id", None)
+    return {SHARED_TIER_INFO: store_id} if store_id else {}
 
 
 def kv_wire(kv_transport: str) -> str:
@@ -477,7 +487,14 @@ class WorkerService:
             return
         from gpu_worker.kv_tiers.drain_to_disk import drain_to_disk
         deadline = time.monotonic() + DRAIN_TO_DISK_S
-        future = self.engine.call_between_steps(lambda: drain_to_disk(tiers, deadline))
+        publisher = self.engine.kv_publisher
+
+        def drain_and_announce() -> None:
+            drain_to_disk(tiers, deadline)
+            if publisher is not None:   # the shared tier's new blocks reach the index before the engine stops
+                publisher.flush()
+
+        future = self.engine.call_between_steps(drain_and_announce)
         try:   # past the deadline only the writes already queued (at most 64 blocks) are waited for
             await asyncio.wait_for(asyncio.wrap_future(future), DRAIN_TO_DISK_S + 5)
         except Exception as exc:  # a slow or failing disk costs the next worker a warm start, no more

@@ -26,8 +26,21 @@ import msgspec
 KV_EVENTS_VERSION = 1
 PREFIX_GRPC_SERVICE = "kvmesh.PrefixCache"  # gRPC service of prefix_cache_svc; method "Match"
 
-Tier = Literal["gpu", "cpu", "disk"]
-TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")  # fastest first
+Tier = Literal["gpu", "cpu", "disk", "shared"]
+TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")  # a worker's own tiers, fastest first
+# The node's shared KV tier (kv_offload_shared_dir): its blocks belong to the directory, not to the
+# worker whose batch reports them. The index files them under the shared-tier id the worker
+# announces (registry info SHARED_TIER_INFO) and credits them to every live worker announcing it.
+SHARED_TIER = "shared"
+SHARED_TIER_INFO = "kv_shared_tier"
+_SHARED_TIER_ID_CHARS = frozenset("0123456789abcdef")
+
+
+def shared_tier_id(value) -> str | None:
+    """A registry record's shared-tier id (32 lowercase hex digits), or None when absent or malformed."""
+    if isinstance(value, str) and len(value) == 32 and _SHARED_TIER_ID_CHARS.issuperset(value):
+        return value
+    return None
 
 
 class BlockStored(msgspec.Struct, tag="stored", frozen=True, array_like=True, gc=False):
@@ -122,13 +135,20 @@ class WorkerMatch(msgspec.Struct, frozen=True, array_like=True):
     """Longest matched prefix on one worker, in blocks, by the tiers that hold it.
 
     gpu_blocks <= gpu_cpu_blocks <= matched_blocks: the prefix held on GPU alone, on GPU or CPU,
-    and on any tier.
+    and on any of the worker's own tiers. `shared_blocks`: the prefix held on the worker's own
+    tiers or in the shared tier it reads (0 when that adds nothing to matched_blocks).
     """
 
     worker_id: str
     matched_blocks: int
     gpu_blocks: int
     gpu_cpu_blocks: int
+    shared_blocks: int = 0
+
+    @property
+    def any_blocks(self) -> int:
+        """The prefix the worker can load from anywhere: its own tiers or its shared tier."""
+        return max(self.matched_blocks, self.shared_blocks)
 
 
 class MatchResponse(msgspec.Struct, tag="match_resp", frozen=True, kw_only=True):
@@ -142,7 +162,7 @@ class MatchResponse(msgspec.Struct, tag="match_resp", frozen=True, kw_only=True)
 
     @property
     def best_blocks(self) -> int:
-        return max((w.matched_blocks for w in self.workers), default=0)
+        return max((w.any_blocks for w in self.workers), default=0)
 
     def blocks_for(self, worker_id: str) -> WorkerMatch | None:
         for w in self.workers:
@@ -197,7 +217,8 @@ MATCH_RESPONSE_DECODER = msgspec.msgpack.Decoder(MatchResponse)
 ENCODER = msgspec.msgpack.Encoder()
 
 __all__ = [
-    "KV_EVENTS_VERSION", "PREFIX_GRPC_SERVICE", "TIERS", "Tier", "BlockStored", "BlockRemoved", "AllCleared", "KVEvent",
+    "KV_EVENTS_VERSION", "PREFIX_GRPC_SERVICE", "TIERS", "SHARED_TIER", "SHARED_TIER_INFO", "shared_tier_id", "Tier",
+    "BlockStored", "BlockRemoved", "AllCleared", "KVEvent",
     "KVEventBatch", "SnapshotRequest", "SnapshotBlock", "Snapshot", "MatchRequest", "WorkerMatch",
     "MatchResponse", "cache_salt_for", "pack_token_ids", "unpack_token_ids", "ENCODER", "KV_EVENT_BATCH_DECODER",
     "SNAPSHOT_REQUEST_DECODER", "SNAPSHOT_DECODER", "MATCH_REQUEST_DECODER", "MATCH_RESPONSE_DECODER",

@@ -15,9 +15,10 @@ from prefix_fakes import FakeBlockManager, planes
 from gpu_worker.kv_events import KVEventPublisher
 from services.prefix_client import PrefixClient
 from prefix_cache_svc.config import PrefixCacheConfig
+from prefix_cache_svc import main as prefix_main
 from prefix_cache_svc.main import PrefixCacheService
 from services.embedded_redis import EmbeddedRedis
-from services.protocol.kv_events import cache_salt_for
+from services.protocol.kv_events import SHARED_TIER, SHARED_TIER_INFO, cache_salt_for
 from services.redis_client import RedisAuth
 from services.registry import Registry
 from services.security import bundle
@@ -62,12 +63,15 @@ async def eventually(check, timeout_s: float = 5.0):
 
 
 @contextlib.asynccontextmanager
-async def worker(redis_url: str, worker_id: str):
-    """A worker as the prefix index sees it: a registry lease naming its KV event addresses."""
+async def worker(redis_url: str, worker_id: str, info: dict | None = None, publisher: list | None = None):
+    """A worker as the prefix index sees it: a registry lease naming its KV event addresses
+    (`info`: more of its record; `publisher`: gets its KVEventPublisher)."""
     bm = FakeBlockManager(BS)
     pub = KVEventPublisher(bm, worker_id, plane=planes().worker, heartbeat_s=0.05)
+    if publisher is not None:
+        publisher.append(pub)
     reg = Registry(redis_url, auth())
-    lease = await reg.register("worker", worker_id, lease_ms=600, info={"block_size": BS},
+    lease = await reg.register("worker", worker_id, lease_ms=600, info={"block_size": BS, **(info or {})},
                                addrs={"kv_events": pub.events_addr, "kv_snapshot": pub.snapshot_addr})
     pub.set_epoch(lease.epoch)
     alive = {"renew": True}
@@ -192,3 +196,56 @@ async def _holds(svc, worker_id: str) -> bool:
 
 async def _gone(svc, worker_id: str) -> bool:
     return svc.core.index.num_blocks_of(worker_id) == 0
+
+
+async def test_workers_announcing_a_shared_store_are_credited_with_its_blocks(redis_server, monkeypatch):
+    """The store id travels in the registry record; the shared blocks one worker reports are
+    matched for every worker announcing the id (over gRPC), outlive that worker, and a worker with
+    another id gets nothing; a store no worker announces for SHARED_UNREAD_S is purged."""
+    monkeypatch.setattr(prefix_main, "SHARED_UNREAD_S", 1.0)
+    store, other = "5" * 32, "6" * 32
+    cfg = config(redis_server.url)
+    svc = PrefixCacheService(cfg, planes().index)
+    await svc.start()
+    client = PrefixClient(svc.grpc_addr, scheduler_trust(), timeout_s=2.0)
+    pubs: list = []
+    try:
+        async with worker(redis_server.url, "w1", {SHARED_TIER_INFO: store}, pubs) as (bm1, alive1), \
+                worker(redis_server.url, "w2", {SHARED_TIER_INFO: store}), \
+                worker(redis_server.url, "w3", {SHARED_TIER_INFO: other}):
+            await eventually(lambda: _following(svc, ("w1", "w2", "w3")))   # events from now on arrive
+            written = FakeBlockManager(BS)                                 # w1 wrote these files
+            written.store_prompt(PROMPT, salt=SALT)
+            for h, parent, tokens in written.cached_block_hashes():
+                pubs[0].on_stored(h, parent, tokens, SHARED_TIER)
+
+            async def credited():
+                m = await client.match("m", PROMPT + [0, 0], tenant_salt="tenant-a")
+                return {w.worker_id: (w.matched_blocks, w.any_blocks) for w in m.workers}
+
+            await eventually(lambda: _equals(credited, {"w1": (0, 5), "w2": (0, 5)}))
+            alive1["renew"] = False                                        # w1 dies: the files stay
+            await eventually(lambda: _equals(credited, {"w2": (0, 5)}))
+            assert await svc.store.known_shared_tiers() == {store}
+            await asyncio.sleep(1.2)                                       # read all along: kept
+            assert svc.core.index.shared_tiers() == [store]
+        await eventually(lambda: _store_purged(svc))                      # every reader gone, then the wait
+        assert not [k async for k in svc.redis.scan_iter("kvmesh:pc:w:*")]
+        svc.core.index.check_integrity()
+    finally:
+        await svc.stop()
+        await client.close()
+
+
+async def _equals(get, want):
+    return await get() == want
+
+
+async def _following(svc, workers):
+    """Each worker's heartbeat has arrived and its stream is in sync; each one's store id is known."""
+    return all(w in svc.core.streams and svc.core.streams[w].awaiting_since is None for w in workers) and \
+        set(svc.core.readers) == set(workers)
+
+
+async def _store_purged(svc):
+    return not svc.core.index.shared_tiers() and not await svc.store.known_shared_tiers()
