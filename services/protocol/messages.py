@@ -98,6 +98,14 @@ class RequestFailed(Msg, tag="failed", kw_only=True):
     message: str
 
 
+class Moved(Msg, tag="moved", kw_only=True):
+    """The request moved to another worker before its detokenizer saw it stream (its worker stopped
+    before it opened the stream): it starts again there, and only its gateway, which holds its
+    Submit's time, can time what that cost the client."""
+
+    request_id: str
+
+
 # why a request was aborted -> what its client is told (HTTP status, OpenAI error code, message)
 _ABORT_ERRORS = {
     "worker_failed": (503, "worker_failed", "the worker serving this request stopped; please retry"),
@@ -329,4 +337,4 @@ SchedulerInbox = Union[Submit, Abort, WorkerStatus, Resume]
 WorkerInbox = Union[Dispatch, AwaitKV, Abort]
 DetokInbox = Union[StreamOpen, StepOutput, Abort, Migrate]
 # a gateway with --text-in-gateway is its requests' detokenizer too: it takes DetokInbox's messages
-GatewayInbox = Union[Admitted, Rejected, RequestFailed, TextBatch, StreamOpen, StepOutput, Abort, Migrate]
+GatewayInbox = Union[Admitted, Rejected, RequestFailed, Moved, TextBatch, StreamOpen, StepOutput, Abort, Migrate]
