@@ -19,9 +19,9 @@ chaos_stalls.py: a resumed one's wait from its last tokens before the move to th
 worker, as its detokenizer logged it; a re-sent one's, sent again to the restarted scheduler before
 its first token, and one moved off a stopped worker before that worker opened its stream, from its
 Submit to that token, as its gateway logged it; all also read from their histograms, which must
-agree; the moves no process timed, and why), and the added latency of a stalled stream as the client saw it (one
-that waited past --moved-gap-s between two chunks: the moved ones, and those the Redis and scheduler
-restarts paused) over the median of the others. Prints the table and writes it with every count to
+agree; the moves no process timed, and why), and the added latency of a stalled stream as the
+client saw it (one that waited past --moved-gap-s between two chunks: the moved ones, and those the
+Redis and scheduler restarts paused) over the median of the others. Prints the table and writes it with every count to
 --out (JSON).
 """
 from __future__ import annotations
@@ -375,7 +375,8 @@ def measure(stack: Stack, args: argparse.Namespace, model: str) -> dict:
         "faults": sorted(fired), "lost": len(lost), "corrupted": len(bad),
         "migrated": {k.strip("{}"): v for k, v in sorted(moved.items())},
         "migrated_total": migrated_total,
-        "moved_untimed": chaos_stalls.untimed(migrated_total, timed["moved_timed"]),
+        **{f"moved_untimed{'' if k == 'total' else '_' + k}": v
+           for k, v in chaos_stalls.untimed(migrated_total, timed["moved_streams"], timed["moved_timed"]).items()},
         "leaked_kv_blocks": leaked_blocks, "leaked_leases": leaked_leases, "drained_exit": drained_exit,
         "stalled_streams": len(added),
         "added_latency_p50_ms": round(1000 * statistics.median(added), 1) if added else 0.0,
@@ -406,8 +407,9 @@ def table(res: dict) -> str:
             f"{res['moved_early_added_latency_p50_ms']:.0f} / {res['moved_early_added_latency_p99_ms']:.0f} ms); "
             f"the histograms' p50 / p99: {res['moved_added_latency_hist_p50_ms']:.0f} / "
             f"{res['moved_added_latency_hist_p99_ms']:.0f} ms\n"
-            + (f"{res['moved_untimed']} moves not timed: each moved a stream that had ended (the client waited "
-               "for nothing) or moved one again within one wait (timed once)\n" if res["moved_untimed"] else "")
+            + (f"{res['moved_untimed']} moves not timed: {res['moved_untimed_again']} moved a stream again within "
+               f"one wait (timed once), {res['moved_untimed_no_wait']} moved one that ended or was aborted before "
+               "its new worker's tokens (no wait)\n" if res["moved_untimed"] else "")
             + f"moved streams at the detokenizers: {moved}")
 
 

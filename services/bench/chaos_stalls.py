@@ -142,12 +142,19 @@ def summary(logs: list[Path], hist: dict) -> dict:
     }
 
 
-def untimed(migrated_moves: float, timed: int) -> int:
-    """Moves the schedulers counted that no process timed. A move is timed once per wait, so this is
-    what is left: a move of a stream that had ended before it (its worker died between its last
-    tokens and reporting it finished: the detokenizer no longer holds it, and its gateway has ended
-    the request, so the client waited for nothing), or a second move within one wait (moved again
-    before its new worker's first tokens, or re-sent while it moved: one wait, timed once). A Moved
-    that reached its gateway after the first tokens of its new run would be left here too: it is
-    sent ahead of the Dispatch, one hop against the three of those tokens."""
-    return max(int(round(migrated_moves)) - timed, 0)
+def untimed(migrated_moves: float, outcomes: dict[str, int], timed: int) -> dict[str, int]:
+    """Moves the schedulers counted that no process timed, by why (`outcomes`: the detokenizers'
+    kvmesh_detok_migrations_total, one per stream and wait):
+    again: a second move within one wait, counted once by its detokenizer (moved again before its
+        new worker's first tokens, or re-sent while it moved): that wait is timed once;
+    no_wait: a stream its detokenizer counted that no process timed: aborted before its new
+        worker's tokens (the client left, or it failed: nothing to wait for), or over before its move
+        (its worker died between its last tokens and reporting it finished; not_held, and its
+        gateway, which had ended the request, dropped the Moved). A Moved that reached its gateway
+        after the first tokens of its new run would count here too: it is sent ahead of the
+        Dispatch, one hop against the three of those tokens.
+    total: the moves less the timed waits (their sum, unless a request re-sent before its first
+        token was adopted where it ran: its gateway timed that wait, which no move caused)."""
+    moves, streams = int(round(migrated_moves)), sum(outcomes.values())
+    again, no_wait = max(moves - streams, 0), max(streams - timed, 0)
+    return {"total": max(moves - timed, 0), "again": again, "no_wait": no_wait}
