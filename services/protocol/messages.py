@@ -3,7 +3,9 @@
 Frozen msgspec Structs, msgpack on the wire, one tag each and a `version`. Who sends what:
 
     gateway   --Submit, Abort------------------------------> scheduler      (ZMQ PUSH/PULL)
-    scheduler --Admitted, Rejected, RequestFailed----------> gateway        (reply_addr)
+    scheduler --Admitted, Rejected, RequestFailed, Moved---> gateway        (reply_addr; Moved: a request
+                                                                              that runs again from its
+                                                                              start, for its wait's timer)
     scheduler --Dispatch, Abort----------------------------> worker         (a prefill worker's Dispatch
                                                                               names the decode worker it
                                                                               hands the KV to)
