@@ -28,6 +28,21 @@ One device call (H200, at most ~540 s) measures, on a random-weight Llama-3.1-8B
            fresh stack: TTFT mean/median/p99, req/s, total tok/s, prefix-cache hit rate (the
            usage's cached_tokens / prompt tokens) and how the requests and hits split per worker
            (the workers' engine counters in the Redis registry).
+  migration what a mid-decode move costs a client (issue #36): two workers sharing the GPU (each
+           at --routing-gpu-mem, KVMESH_DRAIN_GRACE_S=0), one streamed request at a time with a
+           --migration-contexts prompt (2k, then 8k random token ids, 1024 out, ignore_eos); once
+           it streams, the worker running it (its registry load) gets SIGTERM: it drains, hands the
+           request back, and the other worker continues it from the tokens streamed. The client's
+           gap across the move (the last chunk before it to the first after: of the gaps after the
+           signal, the one the detokenizer's stall, kvmesh_detok_migration_stall_seconds on the
+           gateway's /metrics, matches) less the median inter-chunk time before it, that stall,
+           and the new run's cached prompt tokens (usage), on a
+           fresh stack per --migration-modes: `shared` (--kv-offload-shared-dir: the draining
+           worker writes its cached blocks there, the new one loads the prompt's from there) and
+           `recompute` (no KV tier: the new worker prefills it again). kvmesh has no peer path for
+           a move (a drain hands requests back without their KV; only a prefill/decode hand-off
+           sends KV to a peer), so the tier stands for "reused". Between contexts it waits for
+           `kvmesh serve` to restart the drained worker (its start time is recorded).
 
 Around every measured run (c1, c64, each routing run) it scrapes the gateway's /metrics (its HTTP
 port) and every scheduler's, worker's and tokenizer's (the `metrics` address in its registry
@@ -51,6 +66,7 @@ Usage (repository root; services run as `python3 -m services.cli ...`, no `kvmes
     python3 bench/serve_bench.py                          # both sections, --time-budget 520
     python3 bench/serve_bench.py --sections single        # or routing; split across device calls
     python3 bench/serve_bench.py --sections routing --routing-modes round_robin
+    python3 bench/serve_bench.py --sections migration --time-budget 570   # or --migration-modes shared
     python3 bench/serve_bench.py --sections single,vllm --time-budget 560   # kvmesh, then vLLM's server
     KVMESH_ASYNC_SCHEDULING=1 python3 bench/serve_bench.py --sections single   # KVMESH_* pass through
     python3 bench/serve_bench.py --env KVMESH_MAX_NUM_BATCHED_TOKENS=4096      # same, per flag
@@ -65,10 +81,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import shutil
 import signal
+import statistics
 import struct
 import subprocess
 import sys
@@ -82,8 +100,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # run from anywhere in the repo
 
 from services.ports import free_port  # noqa: E402  (the gateway's port, bound later by the stack)
-from stage_metrics import breakdown_lines, scrape, stage_means  # noqa: E402  (bench/, this script's directory)
-from process_group import die_with_parent, kill_group, stop_group  # noqa: E402
+from stage_metrics import breakdown_lines, histograms, scrape, stage_means  # noqa: E402  (bench/: this directory)
+from process_group import die_with_parent, group_members, kill_group, stop_group  # noqa: E402
 from vllm_server import VllmServer, http_ok  # noqa: E402
 
 T0 = time.time()
@@ -138,6 +156,10 @@ class Scale:
     gsp_rate: str = "8"                 # requests/s (Poisson); 256 requests: ~32 s of arrivals
     gsp_conc: int = 64
     routing_warm_prompts: int = 32      # random 256-in / 16-out prompts spread over both workers
+    mig_contexts: str = "2048,8192"     # prompt tokens of the migration runs
+    mig_out: int = 1024                 # tokens each run asks for: ~6 s of decode, the move mid-way
+    mig_drain_after: int = 64           # tokens streamed before the drain
+    mig_shared_gb: float = 8.0          # the shared tier's bound (two 8k prompts: ~2 GiB of KV)
     # seconds, for the time-budget checks (replaced by measured start times once known)
     est_make_model: float = 150.0
     est_start_1: float = 150.0
@@ -147,6 +169,8 @@ class Scale:
     est_c64: float = 50.0
     est_ph: float = 80.0
     est_routing_run: float = 50.0
+    est_mig_run: float = 20.0           # one migration run: prefill, the move, the decode left
+    est_worker_restart: float = 90.0    # kvmesh serve restarting the drained worker (model load)
     est_stop: float = 25.0
     request_timeout: float = 300.0
 
@@ -156,9 +180,10 @@ SMOKE_SCALE = Scale(model_size="tiny", device="cpu", num_gpu_blocks=1024,
                     ph_in=128, ph_out=8, ph_prompts=8,
                     warm_in=16, warm_out=4, warm_prompts=2,
                     gsp_groups=3, gsp_per_group=4, gsp_system=64, gsp_question=8, gsp_out=8, gsp_rate="inf",
-                    gsp_conc=4, routing_warm_prompts=2,
+                    gsp_conc=4, routing_warm_prompts=2, mig_contexts="128,256", mig_out=384, mig_drain_after=8,
+                    mig_shared_gb=0.25,
                     est_make_model=20, est_start_1=12, est_start_2=15, est_warmup=3, est_c1=4, est_c64=5, est_ph=5,
-                    est_routing_run=5, est_stop=5, request_timeout=60.0)
+                    est_routing_run=5, est_mig_run=5, est_worker_restart=15, est_stop=5, request_timeout=60.0)
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -346,6 +371,12 @@ class ServeStack:
 
     def _http_ok(self, path: str) -> bool:
         return http_ok(self.url + path)
+
+    def page(self, path: str) -> str:
+        """GET the gateway's path (e.g. /metrics); raises unless it answers 200."""
+        import urllib.request
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return r.read().decode(errors="replace")
 
     def records(self, kind: str) -> list:
         from services.registry import list_records
@@ -632,6 +663,173 @@ def section_routing(args, sc: Scale) -> None:
             save()
 
 
+# ----------------------------------------------------------------------------- migration
+MIG_MODES = ("shared", "recompute")
+# the gateway's detokenizer (kvmesh serve's default: text in the gateway) times each moved stream
+MIG_STALL = "kvmesh_detok_migration_stall_seconds"
+
+
+def section_migration(args, sc: Scale) -> None:
+    """One fresh two-worker stack per --migration-modes; in each, one run per context (module docstring)."""
+    res = RESULTS["sections"].setdefault("migration", {})
+    res["peer"] = ("none: a drain hands its requests back without their KV (only a prefill/decode hand-off sends "
+                   "KV to a peer); the shared tier is the reuse path of a move")
+    contexts = [int(c) for c in (args.migration_contexts or sc.mig_contexts).split(",") if c.strip()]
+    vocab = MODEL_SHAPES[sc.model_size]["vocab_size"]
+    for mode in args.migration_modes:
+        part = f"migration/{mode}"
+        est = est_start(sc, 2) + sc.est_mig_run + sc.est_stop
+        if remaining() < est:
+            skip(part, f"{remaining():.0f} s left, ~{est:.0f} s needed")
+            continue
+        env = {**args.env, "KVMESH_DRAIN_GRACE_S": "0"}   # the move at once, mid-decode
+        if args.routing_gpu_mem:
+            env["KVMESH_GPU_MEMORY_UTILIZATION"] = str(args.routing_gpu_mem)
+        shared = Path(tempfile.mkdtemp(prefix="kvmesh-mig-shared-")) if mode == "shared" else None
+        flags = list(args.serve_flag) + (["--kv-offload-shared-dir", str(shared / "tier"),
+                                          "--kv-offload-shared-gb", str(sc.mig_shared_gb)] if shared else [])
+        stack = ServeStack(f"migration-{mode}", args.model_dir, 2, sc, env, args.log_level, flags)
+        r = res.setdefault(mode, {"stack": {"workers": 2, "device": sc.device, "env": env, "serve_flags": flags}})
+        try:
+            r["stack_start_s"] = STARTS[2] = round(stack.start(min(remaining() - sc.est_stop, args.ready_timeout)), 1)
+            save()
+            for i, ctx in enumerate(contexts):
+                key = f"ctx{ctx}"
+                est = (sc.est_worker_restart if i else 0.0) + sc.est_mig_run + sc.est_stop
+                if remaining() < est:
+                    skip(f"{part}/{key}", f"{remaining():.0f} s left, ~{est:.0f} s needed")
+                    continue
+                try:
+                    if i:
+                        r.setdefault("worker_restart_s", []).append(
+                            round(wait_for_workers(stack, remaining() - sc.est_mig_run - sc.est_stop), 1))
+                    r[key] = migrate_one(stack, ctx, sc, vocab, seed=1000 * (1 + MIG_MODES.index(mode)) + ctx)
+                except Exception as exc:
+                    record_error(f"{part}/{key}", exc)
+                save()
+        except Exception as exc:
+            record_error(part, exc)
+        finally:
+            stack.stop()
+            if shared is not None:
+                shutil.rmtree(shared, ignore_errors=True)
+            save()
+
+
+def wait_for_workers(stack: ServeStack, timeout_s: float) -> float:
+    """Seconds until two workers are registered and neither is draining (kvmesh serve restarts the
+    drained one under its id), plus a scheduler poll."""
+    t = time.time()
+    while time.time() - t < timeout_s:
+        if stack.proc is None or stack.proc.poll() is not None:
+            raise StackError(f"stack {stack.name} stopped (see serve_bench.log)")
+        live = [w for w in stack.records("worker") if not w.info.get("draining")]
+        if len(live) >= 2:
+            time.sleep(1.5)
+            return time.time() - t
+        time.sleep(0.5)
+    raise TimeoutError(f"the drained worker was not back within {timeout_s:.0f} s")
+
+
+def worker_pid(stack: ServeStack, worker_id: str) -> int:
+    """The pid of the stack's worker process started with --worker-id worker_id."""
+    for pid in group_members(stack.proc.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--worker-id" in argv and argv[argv.index(b"--worker-id") + 1:][:1] == [worker_id.encode()]:
+            return pid
+    raise StackError(f"no process of stack {stack.name} runs worker {worker_id}")
+
+
+def _stream(url: str, body: dict, timeout_s: float, chunks: list, done: dict) -> None:
+    """POST a streamed completion; each content chunk's arrival time into chunks, the usage and
+    finish reason (or the error) into done. urllib: the device's wheels have no httpx."""
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            for raw in resp:          # one SSE line as it arrives
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                if msg.get("error"):
+                    done["error"] = msg["error"]
+                for c in msg.get("choices") or []:
+                    if c.get("text"):
+                        chunks.append(time.perf_counter())
+                    if c.get("finish_reason"):
+                        done["finish_reason"] = c["finish_reason"]
+                if msg.get("usage"):
+                    done["usage"] = msg["usage"]
+    except urllib.error.HTTPError as exc:
+        done["error"] = f"HTTP {exc.code}: {exc.read()[:500]!r}"
+    except Exception as exc:
+        done["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def migrate_one(stack: ServeStack, ctx: int, sc: Scale, vocab: int, seed: int) -> dict:
+    """One request of ctx random prompt tokens, streamed; its worker drained once it streams; the
+    client's gap across the move and what the servers say of it."""
+    import random
+    import threading
+
+    rng = random.Random(seed)     # a prompt of its own: no prefix shared with another run's
+    model = json.loads(stack.page("/v1/models"))["data"][0]["id"]
+    body = {"model": model, "prompt": [rng.randrange(10, vocab - 10) for _ in range(ctx)], "max_tokens": sc.mig_out,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    stall0 = histograms(stack.url + "/metrics").get(MIG_STALL, (0.0, 0.0))
+    chunks: list[float] = []
+    done: dict = {}
+    say(f"migration {stack.name}: {ctx} prompt tokens, {sc.mig_out} out")
+    client = threading.Thread(target=_stream, args=(stack.url, body, sc.request_timeout, chunks, done), daemon=True)
+    client.start()
+    held_by, deadline = "", time.time() + sc.request_timeout
+    while time.time() < deadline and client.is_alive() and not held_by:
+        if len(chunks) >= sc.mig_drain_after:     # the worker running it, as its heartbeat says
+            held_by = next((w.id for w in stack.records("worker") if int(w.load.get("running", 0)) > 0), "")
+        time.sleep(0.05)
+    if not held_by:
+        client.join(5)
+        if "error" in done:
+            raise RuntimeError(f"the request failed before the drain: {done['error']}")
+        raise RuntimeError(f"the stream ended ({len(chunks)} chunks) before its worker was found; raise mig_out")
+    pid = worker_pid(stack, held_by)
+    signalled, before = time.perf_counter(), len(chunks)
+    os.kill(pid, signal.SIGTERM)
+    client.join(max(deadline - time.time(), 1.0))
+    if client.is_alive() or "error" in done:
+        raise RuntimeError(f"the moved stream did not finish cleanly: {done.get('error', 'timed out')}")
+    stall1 = histograms(stack.url + "/metrics").get(MIG_STALL, (0.0, 0.0))
+    stalls, stall_s = int(stall1[0] - stall0[0]), stall1[1] - stall0[1]
+    gaps = [b - a for a, b in zip(chunks, chunks[1:])]
+    itl = statistics.median(gaps[:before - 1]) if before > 1 else 0.0   # between the chunks before the drain
+    # the move, as the client saw it: of the gaps from the signal on, the one the detokenizer timed
+    # (its stall, from the last tokens before the move to the first after, is one of them plus the
+    # hop to the client). Neither the first wide gap (the drained worker streams a few more chunks,
+    # unevenly) nor the widest (on a busy host, a later hiccup: the drained worker restarting
+    # beside the one decoding) is that gap reliably.
+    after = [b - a for a, b in zip(chunks, chunks[1:]) if b >= signalled]
+    move = min(after, key=lambda g: abs(g - stall_s)) if after and stalls == 1 else max(after, default=math.nan)
+    usage = done.get("usage") or {}
+    out = {"prompt_tokens": ctx, "drained_worker": held_by, "chunks_before_drain": before,
+           "chunks": len(chunks), "completion_tokens": usage.get("completion_tokens"),
+           "finish_reason": done.get("finish_reason"),
+           "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+           "client_gap_ms": round(1000 * move, 1), "itl_before_ms": round(1000 * itl, 2),
+           "max_gap_after_ms": round(1000 * max(after, default=float("nan")), 1),
+           "extra_latency_ms": round(1000 * (move - itl), 1),
+           "detok_stalls": stalls, "detok_stall_ms": round(1000 * stall_s, 1)}
+    say(f"migration {stack.name} ctx {ctx}: gap {out['client_gap_ms']} ms (ITL before {out['itl_before_ms']} ms, "
+        f"detokenizer stall {out['detok_stall_ms']} ms), {out['completion_tokens']} tokens, "
+        f"{out['cached_tokens']} cached prompt tokens")
+    return out
+
+
 # ----------------------------------------------------------------------------- report
 def _f(value, fmt: str = "{:.1f}") -> str:
     return "-" if value is None else fmt.format(value)
@@ -697,6 +895,7 @@ def table() -> str:
         lines += _stage_lines(title, run)
         if run.get("failed"):
             lines.append(f"{title:<22} {'failed requests':<26} {run['failed']:>12}  {run.get('failure_reasons')}")
+    lines += _migration_lines(RESULTS["sections"].get("migration", {}))
     for part, why in RESULTS["skipped"].items():
         lines.append(f"{part:<22} {'skipped':<26} {'':>12}  {why}")
     for part, err in RESULTS["errors"].items():
@@ -739,6 +938,21 @@ def _beside_lines(key: str, title: str, run: dict, other: dict | None, other_nam
         lines.append(f"{title:<22} {name:<26} {_f(a, '{:.2f}'):>12}  {note}")
     if run.get("failed"):
         lines.append(f"{title:<22} {'failed requests':<26} {run['failed']:>12}  {run.get('failure_reasons')}")
+    return lines
+
+
+def _migration_lines(res: dict) -> list[str]:
+    """Per context, the move's extra latency with the KV from the shared tier beside recomputed."""
+    lines = []
+    for key in sorted({k for mode in MIG_MODES for k in res.get(mode, {}) if k.startswith("ctx")},
+                      key=lambda k: int(k[3:])):
+        for mode in MIG_MODES:
+            run = res.get(mode, {}).get(key)
+            if run:
+                lines.append(f"{'moved ' + key[3:] + ' ' + mode:<22} {'extra latency ms':<26} "
+                             f"{_f(run['extra_latency_ms']):>12}  gap {run['client_gap_ms']} - ITL "
+                             f"{run['itl_before_ms']}; detok stall {run['detok_stall_ms']} ms; cached prompt tokens "
+                             f"{run['cached_tokens']}; {run['completion_tokens']} tokens")
     return lines
 
 
@@ -795,7 +1009,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="single,routing",
                     help="comma-separated: single, vllm (vLLM's server, the same runs as single), pd (1 prefill + "
-                         "1 decode worker on the GPU, the same runs as single), routing")
+                         "1 decode worker on the GPU, the same runs as single), routing, migration (a request's "
+                         "added latency when its worker drains mid-decode)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny lengths: checks this script")
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="model made once here and reused (default /tmp/kvmesh-llama-8b; smoke: /tmp/kvmesh-serve-bench-tiny)")
@@ -808,7 +1023,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routing-modes", default="cache_aware,round_robin",
                     help="scheduler --routing values, one fresh 2-worker stack each")
     ap.add_argument("--routing-gpu-mem", type=float, default=0.42,
-                    help="KVMESH_GPU_MEMORY_UTILIZATION of each of the two workers, routing and pd (0: leave unset)")
+                    help="KVMESH_GPU_MEMORY_UTILIZATION of each of the two workers, routing, pd and migration "
+                         "(0: leave unset)")
+    ap.add_argument("--migration-modes", default="shared,recompute",
+                    help="where a moved request's KV comes from, one fresh 2-worker stack each: shared (the "
+                         "shared KV tier the drained worker writes), recompute (no tier)")
+    ap.add_argument("--migration-contexts", default="",
+                    help="comma-separated prompt tokens of the migration runs (default 2048,8192)")
     ap.add_argument("--single-gpu-mem", type=float, default=0.0,
                     help="KVMESH_GPU_MEMORY_UTILIZATION of the single worker (0: the stack's default)")
     ap.add_argument("--gsp-groups", type=int, default=0, help="shared-prefix groups (default 32)")
@@ -837,9 +1058,18 @@ def main(argv: list[str] | None = None) -> int:
     args.routing_modes = [m.strip() for m in args.routing_modes.split(",") if m.strip()]
     args.single_runs = [m.strip() for m in args.single_runs.split(",") if m.strip()]
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    bad = [s for s in sections if s not in ("single", "vllm", "pd", "routing")]
+    bad = [s for s in sections if s not in ("single", "vllm", "pd", "routing", "migration")]
     if bad:
-        ap.error(f"unknown section(s) {bad}; choose from single, vllm, pd, routing")
+        ap.error(f"unknown section(s) {bad}; choose from single, vllm, pd, routing, migration")
+    args.migration_modes = [m.strip() for m in args.migration_modes.split(",") if m.strip()]
+    if not args.migration_modes or any(m not in MIG_MODES for m in args.migration_modes):
+        ap.error(f"--migration-modes takes {', '.join(MIG_MODES)} (comma-separated), got {args.migration_modes}")
+    try:
+        contexts = [int(c) for c in args.migration_contexts.split(",") if c.strip()]
+    except ValueError:
+        contexts = [0]
+    if any(c < 16 for c in contexts):
+        ap.error(f"--migration-contexts takes prompt lengths of at least 16 tokens, got {args.migration_contexts!r}")
     DEADLINE = T0 + args.time_budget
     OUT = Path(os.environ.get("OUT", "./out"))
     OUT.mkdir(parents=True, exist_ok=True)
@@ -864,7 +1094,7 @@ def main(argv: list[str] | None = None) -> int:
             sections = []
             code = 1
         for name, fn in (("single", section_single), ("vllm", section_vllm), ("pd", section_pd),
-                         ("routing", section_routing)):
+                         ("routing", section_routing), ("migration", section_migration)):
             if name in sections:
                 try:
                     fn(args, sc)

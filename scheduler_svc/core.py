@@ -14,7 +14,8 @@
     set_workers(views)      the live set from Redis: a worker gone or restarted (new epoch) moves its
                             in-flight requests elsewhere (migration, below)
     resumed(Resume)         a moving request's detokenizer says where its stream stands: it is queued
-                            again, to continue on another worker from those tokens
+                            again, to continue on another worker from those tokens (a stream it
+                            never opened: from its start, and its gateway is told, Moved)
     submit(resubmitted)     a gateway whose scheduler stopped sends its live requests again (adopt):
                             one a worker lists as held (`inherited`) is adopted there, so this core can
                             move it should that worker die (a hand-off onto both its prefill and its
@@ -75,7 +76,8 @@ from services import metrics
 from services.envelope import Envelope
 from services.protocol.kv_events import MatchResponse
 from services.protocol.messages import (
-    Abort, Admitted, AwaitKV, Dispatch, Migrate, Rejected, RequestFailed, Resume, Submit, WorkerStatus, failure_of)
+    Abort, Admitted, AwaitKV, Dispatch, Migrate, Moved, Rejected, RequestFailed, Resume, Submit, WorkerStatus,
+    failure_of)
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -540,7 +542,13 @@ class SchedulerCore:
         metrics.MIGRATIONS.labels(reason, "moved").inc()
         self._queued += 1
         self._enqueue(req)
-        return self.dispatch()
+        # a stream never opened (dispatched to a worker that died before it ran it, e.g. within
+        # the lapsing lease) has no detokenizer state to time its wait from: its gateway times it
+        # from the Submit. A re-sent request's gateway knows already (it sent it again). Sent ahead
+        # of the Dispatch: one hop, where the first tokens take three and a step, so it comes first.
+        told = [] if msg.known or reason == "resubmitted" else [
+            Envelope(req.submit.reply_addr, Moved(request_id=msg.request_id))]
+        return told + self.dispatch()
 
     def _fail_moving(self, rid: str, req: _Req, reason: str) -> list[Envelope]:
         metrics.MIGRATIONS.labels(reason, "failed").inc()

@@ -82,8 +82,9 @@ GATEWAY_FIRST_WRITE = _gateway(Histogram("kvmesh_gateway_first_chunk_write_secon
                                          "handed to the HTTP server", buckets=_HOP))
 GATEWAY_RESUBMIT_WAIT = _gateway(Histogram(
     "kvmesh_gateway_resubmit_wait_seconds", "A request this gateway sent again to a restarted scheduler before its "
-    "first token: the client's wait from its Submit to that first token (one that had streamed is timed by its "
-    "detokenizer: kvmesh_detok_migration_stall_seconds)", buckets=_LAT))
+    "first token, or one the scheduler moved off a stopped worker before that worker opened its stream: the "
+    "client's wait from its Submit to that first token (one that had streamed is timed by its detokenizer: "
+    "kvmesh_detok_migration_stall_seconds)", buckets=_LAT))
 
 # ---- scheduler
 QUEUE_DEPTH = _scheduler(Gauge("kvmesh_scheduler_queue_depth", "Requests waiting in the global queue"))
@@ -276,7 +277,8 @@ DETOK_MIGRATIONS = _detokenizer(Counter(
     "kvmesh_detok_migrations", "Streams the scheduler moved to another worker (Migrate), by outcome once "
     "known: resumed (its new worker's first tokens came: kvmesh_detok_migration_stall_seconds observed the "
     "wait), aborted (aborted, failed or expired before them: nothing observed), not_held (no such stream here: "
-    "it had ended, failed or never opened), resent (moved by a restarted scheduler before it passed on any token: "
+    "it had ended, failed or never opened; one never opened is timed by its gateway, "
+    "kvmesh_gateway_resubmit_wait_seconds), resent (moved by a restarted scheduler before it passed on any token: "
     "its gateway times that client's wait, kvmesh_gateway_resubmit_wait_seconds). A stream moved again before its "
     "new worker's first tokens counts once", ["outcome"]))
 DETOK_MIGRATION_STALL = _detokenizer(Histogram(

@@ -17,10 +17,11 @@ status, KV blocks still used and leases of stopped processes still registered on
 the added latency of a moved request at p50 / p99 over every moved request, with the split (exact,
 chaos_stalls.py: a resumed one's wait from its last tokens before the move to the first from its new
 worker, as its detokenizer logged it; a re-sent one's, sent again to the restarted scheduler before
-its first token, from its Submit to that token, as its gateway logged it; both also read from their
-histograms, which must agree), and the added latency of a stalled stream as the client saw it (one
-that waited past --moved-gap-s between two chunks: the moved ones, and those the Redis and scheduler
-restarts paused) over the median of the others. Prints the table and writes it with every count to
+its first token, and one moved off a stopped worker before that worker opened its stream, from its
+Submit to that token, as its gateway logged it; all also read from their histograms, which must
+agree; the moves no process timed, and why), and the added latency of a stalled stream as the
+client saw it (one that waited past --moved-gap-s between two chunks: the moved ones, and those the
+Redis and scheduler restarts paused) over the median of the others. Prints the table and writes it with every count to
 --out (JSON).
 """
 from __future__ import annotations
@@ -364,13 +365,18 @@ def measure(stack: Stack, args: argparse.Namespace, model: str) -> dict:
     healthy = [r["seconds"] for r in results if r["max_gap"] < args.moved_gap_s and r["error"] is None]
     base = statistics.median(healthy) if healthy else 0.0
     added = sorted(r["seconds"] - base for r in results if r["max_gap"] >= args.moved_gap_s and r["error"] is None)
-    return chaos_stalls.summary(*stack.move_timers) | {
+    logs, pages = stack.move_timers
+    timed = chaos_stalls.summary(logs, chaos_stalls.scrape(pages))
+    migrated_total = sum(v for k, v in moved.items() if 'outcome="moved"' in k)
+    return timed | {
         "requests": args.requests, "workers": args.workers, "concurrency": args.concurrency,
         "step_ms": args.step_ms, "drain_grace_s": args.drain_grace_s, "moved_gap_s": args.moved_gap_s,
         "wall_s": round(wall, 2),
         "faults": sorted(fired), "lost": len(lost), "corrupted": len(bad),
         "migrated": {k.strip("{}"): v for k, v in sorted(moved.items())},
-        "migrated_total": sum(v for k, v in moved.items() if 'outcome="moved"' in k),
+        "migrated_total": migrated_total,
+        **{f"moved_untimed{'' if k == 'total' else '_' + k}": v
+           for k, v in chaos_stalls.untimed(migrated_total, timed["moved_streams"], timed["moved_timed"]).items()},
         "leaked_kv_blocks": leaked_blocks, "leaked_leases": leaked_leases, "drained_exit": drained_exit,
         "stalled_streams": len(added),
         "added_latency_p50_ms": round(1000 * statistics.median(added), 1) if added else 0.0,
@@ -392,13 +398,19 @@ def table(res: dict) -> str:
             f"{res['leaked_kv_blocks']} / {res['leaked_leases']} | "
             f"{res['moved_added_latency_p50_ms']:.0f} ms / {res['moved_added_latency_p99_ms']:.0f} ms | "
             f"{res['added_latency_p50_ms']:.0f} ms / {res['added_latency_p99_ms']:.0f} ms |\n"
-            f"moved requests timed: {res['moved_timed']} ({res['moved_stall_logged']} resumed: "
+            f"moved requests timed: {res['moved_timed']} of {res['migrated_total']:.0f} moves "
+            f"({res['moved_stall_logged']} resumed: "
             f"{res['resumed_added_latency_p50_ms']:.0f} / {res['resumed_added_latency_p99_ms']:.0f} ms; "
             f"{res['resent_wait_logged']} re-sent before their first token: "
-            f"{res['resent_added_latency_p50_ms']:.0f} / {res['resent_added_latency_p99_ms']:.0f} ms); "
+            f"{res['resent_added_latency_p50_ms']:.0f} / {res['resent_added_latency_p99_ms']:.0f} ms; "
+            f"{res['moved_early_logged']} moved before their worker opened their stream: "
+            f"{res['moved_early_added_latency_p50_ms']:.0f} / {res['moved_early_added_latency_p99_ms']:.0f} ms); "
             f"the histograms' p50 / p99: {res['moved_added_latency_hist_p50_ms']:.0f} / "
             f"{res['moved_added_latency_hist_p99_ms']:.0f} ms\n"
-            f"moved streams at the detokenizers: {moved}")
+            + (f"{res['moved_untimed']} moves not timed: {res['moved_untimed_again']} moved a stream again within "
+               f"one wait (timed once), {res['moved_untimed_no_wait']} moved one that ended or was aborted before "
+               "its new worker's tokens (no wait)\n" if res["moved_untimed"] else "")
+            + f"moved streams at the detokenizers: {moved}")
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

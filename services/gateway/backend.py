@@ -33,7 +33,7 @@ from services.gateway.models import ModelCatalog
 from services.gateway.schemas import ApiError, param_of
 from services.gateway.text_path import LOCAL_TEXT_SENDERS, LocalText, RemoteText, TextPath, bounded
 from services.protocol.messages import (
-    Admitted, DetokenizeReply, DetokenizeRequest, GatewayInbox, Rejected, RequestFailed, Submit, TextBatch,
+    Admitted, DetokenizeReply, DetokenizeRequest, GatewayInbox, Moved, Rejected, RequestFailed, Submit, TextBatch,
     TokenizeRequest)
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 from services.redis_client import RedisAuth
@@ -45,7 +45,7 @@ from services.transport import Receiver, Sender, SenderPool, tcp_addr
 log = logging.getLogger("kvmesh.gateway")
 
 # message -> the roles that may send it to any gateway's inbox
-SENDERS: dict[type, tuple[str, ...]] = {Admitted: ("scheduler",), Rejected: ("scheduler",),
+SENDERS: dict[type, tuple[str, ...]] = {Admitted: ("scheduler",), Rejected: ("scheduler",), Moved: ("scheduler",),
                                         RequestFailed: ("scheduler", "worker", "tokenizer"),
                                         TextBatch: ("tokenizer",)}
 

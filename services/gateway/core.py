@@ -28,11 +28,13 @@ it again (Submit.resubmitted: it adopts those a worker holds and moves or starts
 MAX_SUBMITS times a job; with no scheduler registered a job waits, within its deadline (a job not
 yet admitted: admission_timeout_s from its first submit).
 
-What a re-send costs the client: a request sent again before its first token (the scheduler that
-died had it queued, or its worker died with it) waits from its Submit to that first token, and only
-this core sees both ends on one clock: kvmesh_gateway_resubmit_wait_seconds and one INFO line per
-request. One that had streamed is its detokenizer's to time (services/text/streams.py: the wait from
-its last tokens), and the detokenizer leaves a re-sent stream that had passed nothing on to this one.
+What a move before the first token costs the client: a request sent again before its first token
+(the scheduler that died had it queued, or its worker died with it), or one the scheduler moved off a
+stopped worker before it opened its stream (Moved: dispatched to a worker that died before running
+it), waits from its Submit to that first token, and only this core sees both ends on one clock:
+kvmesh_gateway_resubmit_wait_seconds and one INFO line per request, naming which. One that had
+streamed is its detokenizer's to time (services/text/streams.py: the wait from its last tokens), and
+the detokenizer leaves a re-sent stream that had passed nothing on to this one.
 
 Messages for a job that already ended (or that this gateway never made) are dropped and counted in
 `late_messages`; a StepOutput from an older epoch of a worker is dropped by the DetokCore.
@@ -51,7 +53,7 @@ from services import metrics
 from services.envelope import SCHEDULER, Envelope
 from services.gateway.schemas import ApiError, param_of
 from services.protocol.messages import (
-    Abort, Admitted, Migrate, Rejected, RequestFailed, StepOutput, StreamOpen, Submit, TextBatch, TextDelta,
+    Abort, Admitted, Migrate, Moved, Rejected, RequestFailed, StepOutput, StreamOpen, Submit, TextBatch, TextDelta,
     failure_of)
 from services.text.streams import DetokCore
 
@@ -103,6 +105,7 @@ class Job:
     sends: int = 1                       # times its Submits went to a scheduler
     started: set[str] = field(default_factory=set)    # request ids whose first tokens (or end) came
     resent_early: set[str] = field(default_factory=set)   # request ids sent again before that: timed then
+    moved_early: set[str] = field(default_factory=set)    # request ids moved (Moved) before that: timed then
 
     @property
     def progressed(self) -> bool:
@@ -225,6 +228,9 @@ class GatewayCore:
                 self.late_messages += 1
             elif isinstance(msg, Admitted):
                 self._admitted(job, msg.request_id, now, out)
+            elif isinstance(msg, Moved):
+                if msg.request_id not in job.started:
+                    job.moved_early.add(msg.request_id)
             elif isinstance(msg, Rejected):
                 self._fail(job, Phase.REJECTED, ApiError(
                     msg.status, msg.message, type_=_error_type(msg.status), code=msg.code,
@@ -269,14 +275,17 @@ class GatewayCore:
     def _started(job: Job, rid: str, now: float) -> None:
         """The request's first tokens came: a request sent again before them has its wait timed."""
         job.started.add(rid)
-        if rid in job.resent_early:
-            job.resent_early.discard(rid)
-            wait = now - job.submitted_at
-            metrics.GATEWAY_RESUBMIT_WAIT.observe(wait)
-            # one line per re-sent request (rare, like the detokenizer's per moved stream): kvmesh
-            # bench chaos reads these for exact quantiles
-            log.info("request %s, sent again before its first token, got it %.3f ms after its submit",
-                     rid, 1000 * wait)
+        if rid not in job.resent_early and rid not in job.moved_early:
+            return
+        # sent again and moved too (a restart while it moved) is one wait, logged once as re-sent
+        how = "sent again" if rid in job.resent_early else "moved off its worker"
+        job.resent_early.discard(rid)
+        job.moved_early.discard(rid)
+        wait = now - job.submitted_at
+        metrics.GATEWAY_RESUBMIT_WAIT.observe(wait)
+        # one line per such request (rare, like the detokenizer's per moved stream): kvmesh bench
+        # chaos reads these for exact quantiles
+        log.info("request %s, %s before its first token, got it %.3f ms after its submit", rid, how, 1000 * wait)
 
     def _text_stream(self, msg: StreamOpen | StepOutput | Abort | Migrate, now: float, out: Outbox) -> None:
         """A worker's (or the scheduler's) message for the local text path's detokenizer."""

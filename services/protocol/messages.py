@@ -3,7 +3,9 @@
 Frozen msgspec Structs, msgpack on the wire, one tag each and a `version`. Who sends what:
 
     gateway   --Submit, Abort------------------------------> scheduler      (ZMQ PUSH/PULL)
-    scheduler --Admitted, Rejected, RequestFailed----------> gateway        (reply_addr)
+    scheduler --Admitted, Rejected, RequestFailed, Moved---> gateway        (reply_addr; Moved: a request
+                                                                              that runs again from its
+                                                                              start, for its wait's timer)
     scheduler --Dispatch, Abort----------------------------> worker         (a prefill worker's Dispatch
                                                                               names the decode worker it
                                                                               hands the KV to)
@@ -96,6 +98,14 @@ class RequestFailed(Msg, tag="failed", kw_only=True):
     status: int
     code: str
     message: str
+
+
+class Moved(Msg, tag="moved", kw_only=True):
+    """The request moved to another worker before its detokenizer saw it stream (its worker stopped
+    before it opened the stream): it starts again there, and only its gateway, which holds its
+    Submit's time, can time what that cost the client."""
+
+    request_id: str
 
 
 # why a request was aborted -> what its client is told (HTTP status, OpenAI error code, message)
@@ -329,4 +339,4 @@ SchedulerInbox = Union[Submit, Abort, WorkerStatus, Resume]
 WorkerInbox = Union[Dispatch, AwaitKV, Abort]
 DetokInbox = Union[StreamOpen, StepOutput, Abort, Migrate]
 # a gateway with --text-in-gateway is its requests' detokenizer too: it takes DetokInbox's messages
-GatewayInbox = Union[Admitted, Rejected, RequestFailed, TextBatch, StreamOpen, StepOutput, Abort, Migrate]
+GatewayInbox = Union[Admitted, Rejected, RequestFailed, Moved, TextBatch, StreamOpen, StepOutput, Abort, Migrate]

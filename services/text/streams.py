@@ -34,8 +34,10 @@ observed in kvmesh_detok_migration_stall_seconds and logged per request, and the
 kvmesh_detok_migrations_total{outcome="resumed"}. A stream moved again before those tokens waits
 on from the first move (one stall, counted once); one aborted first (failed, client left, expired)
 observes nothing and counts as "aborted"; a Migrate for a stream not held (it ended meanwhile, or
-never opened) as "not_held". A Migrate naming no worker (a restarted scheduler's, for a request its
-gateway sent again) for a stream that has passed nothing on observes nothing here and counts as
+never opened) as "not_held": the scheduler runs it again from its start and tells its gateway
+(Moved), which times a never-opened one's wait from the Submit, as a re-sent one's (an ended one's
+gateway has dropped the request). A Migrate naming no worker (a restarted scheduler's, for a request
+its gateway sent again) for a stream that has passed nothing on observes nothing here and counts as
 "resent": the gateway re-sent it before its first token and times its client's whole wait from the
 Submit (kvmesh_gateway_resubmit_wait_seconds), so the two histograms never hold one wait twice.
 Times come from `clock` (monotonic; tests inject one).

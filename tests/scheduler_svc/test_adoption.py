@@ -74,9 +74,10 @@ def test_a_request_that_never_reached_a_worker_runs_from_its_start():
     core.worker_status(heartbeat("w1"))
     out = core.submit(resubmit("queued"))
     assert kinds(out) == [(DT, "Migrate"), (GW, "Admitted")]
-    [dispatch] = [e.msg for e in core.resumed(Resume(request_id="queued", output_token_ids=[], known=False))
-                  if isinstance(e.msg, Dispatch)]
+    out = core.resumed(Resume(request_id="queued", output_token_ids=[], known=False))
+    [dispatch] = [e.msg for e in out if isinstance(e.msg, Dispatch)]
     assert dispatch.resume_output == [] and dispatch.prompt_token_ids == [1, 2, 3, 4]
+    assert kinds(out) == [("tcp://w1:1", "Dispatch")]   # no Moved: its gateway, which re-sent it, times it
     core.worker_status(heartbeat("w1", finished=["queued"]))
     assert not core.requests and not core.tenant_inflight
 

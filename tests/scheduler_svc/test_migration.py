@@ -4,7 +4,7 @@ from __future__ import annotations
 from scheduler_svc.core import Limits, SchedulerCore
 from scheduler_svc.routing import WorkerView
 from services.protocol.messages import (
-    Abort, Dispatch, Migrate, RequestFailed, Resume, Submit, WorkerStatus)
+    Abort, Dispatch, Migrate, Moved, RequestFailed, Resume, Submit, WorkerStatus)
 from services.protocol.sampling import SamplingParams
 
 GW, DT, ME = "tcp://gw:1", "tcp://detok:1", "tcp://sched:1"
@@ -147,8 +147,11 @@ def test_a_stream_the_detokenizer_does_not_hold_runs_from_its_start_and_an_ended
     core = core_with(worker("w1"), worker("w2"))
     core.submit(submit("a"))
     core.set_workers([w for w in (worker("w1"), worker("w2")) if w.id != core.requests["a"].worker_id])
-    [(_, rerun)] = messages(core.resumed(Resume(request_id="a", output_token_ids=[], known=False)), Dispatch)
+    out = core.resumed(Resume(request_id="a", output_token_ids=[], known=False))
+    [(_, rerun)] = messages(out, Dispatch)
     assert rerun.resumes and rerun.resume_output == []
+    # its gateway is told, ahead of the Dispatch, so that it times the client's wait from the Submit
+    assert [(e.dest, type(e.msg)) for e in out] == [(GW, Moved), (f"tcp://{core.requests['a'].worker_id}:1", Dispatch)]
     core = core_with(worker("w1"), worker("w2"))
     core.submit(submit("b", n=2))
     core.set_workers([w for w in (worker("w1"), worker("w2")) if w.id != core.requests["b"].worker_id])
@@ -172,3 +175,11 @@ def test_a_dead_decode_worker_frees_its_prefill_worker_and_moves_the_request():
         ("tcp://p:1", "Abort"), (DT, "Migrate")]
     [(addr, moved)] = messages(core.resumed(Resume(request_id="a", output_token_ids=[[9]])), Dispatch)
     assert addr == "tcp://m:1" and moved.handoff_to == ""     # a moved stream runs whole
+
+
+def test_a_stream_its_detokenizer_holds_is_timed_there_and_its_gateway_is_not_told():
+    core = core_with(worker("w1"), worker("w2"))
+    core.submit(submit("a"))
+    core.set_workers([w for w in (worker("w1"), worker("w2")) if w.id != core.requests["a"].worker_id])
+    out = core.resumed(Resume(request_id="a", output_token_ids=[[3, 4]]))
+    assert messages(out, Dispatch) and not messages(out, Moved)

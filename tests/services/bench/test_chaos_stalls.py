@@ -9,7 +9,8 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from services.bench.chaos_stalls import (
-    RESENT, RESENT_LINE, STALL, STALL_LINE, bucket_quantile, logged, merged_buckets, nearest_rank, parse)
+    MOVED_EARLY_LINE, RESENT, RESENT_LINE, STALL, STALL_LINE, bucket_quantile, logged, merged_buckets, nearest_rank,
+    parse, summary, untimed)
 
 
 def test_nearest_rank():
@@ -87,3 +88,39 @@ def test_log_lines_are_the_gateways_own(tmp_path, caplog):
     log = tmp_path / "gateway.log"
     log.write_text(caplog.text)
     assert logged([log], RESENT_LINE) == [2.0625] and logged([log], STALL_LINE) == []
+
+
+def test_every_kind_of_moved_request_is_counted_once_and_the_rest_named(tmp_path):
+    """Resumed (detokenizer), re-sent and moved-early (gateway: one histogram for both) waits, each
+    counted in its kind and in the total; the schedulers' moves beyond them are the untimed ones."""
+    registry = CollectorRegistry()
+    stall = Histogram(STALL, "", buckets=(0.1, 1, 5), registry=registry)
+    resent = Histogram(RESENT, "", buckets=(0.1, 1, 5), registry=registry)
+    Counter("kvmesh_detok_migrations", "", ["outcome"], registry=registry).labels("not_held").inc(3)
+    for s in (0.05, 2.0):
+        stall.observe(s)
+    for w in (1.5, 3.0, 0.8):
+        resent.observe(w)
+    log = tmp_path / "all.log"
+    log.write_text("request a resumed on its new worker after a stall of 50.000 ms\n"
+                   "request b resumed on its new worker after a stall of 2000.000 ms\n"
+                   "request c, sent again before its first token, got it 1500.000 ms after its submit\n"
+                   "request d, sent again before its first token, got it 3000.000 ms after its submit\n"
+                   "request e, moved off its worker before its first token, got it 800.000 ms after its submit\n")
+    assert logged([log], MOVED_EARLY_LINE) == [0.8] and len(logged([log], RESENT_LINE)) == 2
+    res = summary([log], parse([generate_latest(registry).decode()]))
+    assert (res["moved_timed"], res["moved_stall_logged"], res["resent_wait_logged"], res["moved_early_logged"]) == \
+        (5, 2, 2, 1)
+    assert res["gateway_wait_logged"] == res["gateway_wait_observed"] == 3
+    assert res["gateway_wait_logged_sum_s"] == res["gateway_wait_observed_sum_s"] == 5.3
+    assert res["stall_buckets"]["inf"] == res["moved_timed"]
+    assert (res["moved_added_latency_p50_ms"], res["moved_added_latency_max_ms"]) == (1500.0, 3000.0)
+    assert (res["moved_early_added_latency_p50_ms"], res["resent_added_latency_p99_ms"]) == (800.0, 3000.0)
+    assert res["moved_streams"] == {"not_held": 3}
+
+
+def test_the_moves_no_process_timed_are_split_by_why():
+    # 9 moves at the schedulers, 8 streams at the detokenizers (one moved twice in one wait), 6 timed:
+    # 2 streams with no wait (aborted before their new tokens, or over before the move)
+    assert untimed(9.0, {"resumed": 3, "not_held": 4, "aborted": 1}, 6) == {"total": 3, "again": 1, "no_wait": 2}
+    assert untimed(5.0, {"resumed": 2, "not_held": 3}, 5) == {"total": 0, "again": 0, "no_wait": 0}

@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 
 from services.gateway.core import GatewayCore
 from services.protocol.messages import (
-    Admitted, Migrate, RequestFailed, SeqTokens, StepOutput, StreamOpen, Submit, TextBatch, TextDelta)
+    Admitted, Migrate, Moved, RequestFailed, SeqTokens, StepOutput, StreamOpen, Submit, TextBatch, TextDelta)
 from services.protocol.sampling import SamplingParams
 from services.text.streams import DetokCore
 
@@ -101,3 +101,43 @@ def test_local_text_times_a_resent_stream_once_at_the_gateway():
     count, total = waits()
     assert count == waits0[0] + 1 and abs(total - waits0[1] - 3.0) < 1e-9
     assert job.phase.value == "finished"
+
+
+
+def test_a_request_moved_before_its_stream_opened_waits_from_its_submit(caplog):
+    """The scheduler moved it off a stopped worker that had not opened its stream (its detokenizer
+    held nothing: not_held) and said so (Moved): its wait is timed from the Submit; a Moved after
+    its first tokens (it had streamed) times nothing, and one for a request already over is late."""
+    core = core_of()
+    count0, sum0 = waits()
+    moved = submit(core, rids=("m",), now=20.0)
+    streamed = submit(core, rids=("s",), now=20.0)
+    submit(core, rids=("o",), now=20.0)
+    core.step([Admitted(request_id=r) for r in ("m", "s", "o")], 20.1)
+    core.step([TextBatch(deltas=[delta("s", "x"), delta("o", "y", finish="stop")])], 20.5)
+    late0 = core.late_messages
+    core.step([Moved(request_id="m"), Moved(request_id="s"), Moved(request_id="o")], 21.0)
+    assert core.late_messages == late0 + 1                  # "o" had ended: its gateway dropped it
+    with caplog.at_level(logging.INFO, logger="kvmesh.gateway"):
+        core.step([TextBatch(deltas=[delta("m", "", tokens=0)])], 21.5)      # no token yet
+        core.step([TextBatch(deltas=[delta("m", "z"), delta("s", "x")])], 22.25)
+        core.step([TextBatch(deltas=[delta("m", "z")])], 23.0)
+    count, total = waits()
+    assert count == count0 + 1 and abs(total - sum0 - 2.25) < 1e-9
+    assert caplog.text.count("before its first token") == 1
+    assert "request m, moved off its worker before its first token, got it 2250.000 ms after its submit" in caplog.text
+    assert (moved.moved_early, streamed.moved_early) == (set(), set())
+
+
+def test_a_request_moved_and_sent_again_before_its_first_token_is_one_wait(caplog):
+    core = core_of()
+    count0, sum0 = waits()
+    job = submit(core, rids=("b",), now=30.0)
+    core.step([Admitted(request_id="b"), Moved(request_id="b")], 30.5)
+    core.redrive(RESTARTED)                                 # the scheduler restarted while it moved
+    with caplog.at_level(logging.INFO, logger="kvmesh.gateway"):
+        core.step([TextBatch(deltas=[delta("b", "z")])], 31.5)
+    count, total = waits()
+    assert count == count0 + 1 and abs(total - sum0 - 1.5) < 1e-9
+    assert caplog.text.count("before its first token") == 1 and "request b, sent again" in caplog.text
+    assert (job.moved_early, job.resent_early) == (set(), set())
