@@ -152,7 +152,7 @@ class FileLoads:
                 tiers.forget_disk(lost)
         load.cut = file_index[agreed] if agreed < len(file_index) else len(load.tiers)
         tiers.stats.load_shortfall_blocks += len(load.tiers) - load.cut
-        kept = load.payloads[:agreed]
+        kept, load.payloads = load.payloads[:agreed], []     # the read buffers go with the staging
         load.file_tiers = [load.tiers[i] for i in file_index[:agreed]]
         if kept:
             shape = tiers.mover.block_shape
