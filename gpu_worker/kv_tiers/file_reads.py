@@ -143,11 +143,13 @@ class FileReader:
         self.in_flight_bytes -= batch.num_bytes
         self.pump()
 
-    def wait_any(self, timeout_s: float) -> None:
-        """Block until a started read finishes or timeout_s passes (an engine with nothing to run)."""
+    def wait_any(self, timeout_s: float) -> bool:
+        """Block until a started read finishes or timeout_s passes (an engine with nothing to run);
+        -> whether a read was running."""
         pending = [f for batch in self._started for f in batch.futures if not f.done()]
         if pending:
             wait(pending, timeout_s, return_when=FIRST_COMPLETED)
+        return bool(pending)
 
     @property
     def num_batches(self) -> int:

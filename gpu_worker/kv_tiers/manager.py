@@ -88,9 +88,8 @@ class KVTiers:
         self._step_tokens = 0
         self.mirror = mirror if mirror is not None else TierMirror()
         self.mirror.attach(self)            # before anything the other ranks must repeat
-        # loads beside the step read their files on reader threads (one rank: see file_loads.py)
-        self.file_loads = (FileLoads(self) if (self.disk is not None or self.shared is not None)
-                           and self.mirror.reads_files_beside else None)
+        # loads beside the step read their files on reader threads (every rank: file_loads.py)
+        self.file_loads = FileLoads(self) if self.disk is not None or self.shared is not None else None
         self.measure_bandwidth()
         block_manager.attach_lower_tiers(self)
 
@@ -310,8 +309,9 @@ class KVTiers:
     def wait_reads(self, timeout_s: float) -> None:
         """Block until a file read finishes or timeout_s passes: for an engine whose only work is
         sequences waiting for their files (instead of spinning on empty steps)."""
-        if self.file_loads is not None:
-            self.file_loads.reader.wait_any(timeout_s)
+        if self.file_loads is not None and not self.file_loads.reader.wait_any(timeout_s) \
+                and self.file_loads.awaiting_ranks:
+            time.sleep(timeout_s)         # read here, still read on another rank: no spin on the vote
 
     def observe_reads(self, reads: list[tuple[str, FileRead]]) -> None:
         """A load's file reads, timed on the reader threads: per tier, its bytes over the span from

@@ -14,6 +14,9 @@ gpu_worker/parallel/tp_tiers.py's TPTierMirror sends each call to the followers.
     stage          host slots / files -> a load's staging, agreed by every rank (a file may be
                    missing or not verify on one of them: the load stops at the first block any
                    rank lacks)
+    read_files     a load beside the step: host slots staged, file reads started on each rank's
+                   reader threads;  agree_read (later): the MIN over the ranks of the leading
+                   file blocks verified, once every rank's reads are done
     scatter        a staged load -> its device blocks;  release: a load dropped before that
 """
 from __future__ import annotations
@@ -41,9 +44,6 @@ class TierMirror:
 
     #: loads may land layer by layer inside the forward (layer_loads.py); False: whole, before it
     layered_loads = True
-    #: loads beside the step may read their files on reader threads (file_loads.py); False: every
-    #: rank reads its own files at admission, agreeing on what all of them read (stage)
-    reads_files_beside = True
 
     def attach(self, tiers: KVTiers) -> None:
         """Called once the tiers exist, before any other call."""
@@ -66,6 +66,16 @@ class TierMirror:
     def stage(self, sources: list[BlockSource]) -> tuple[int, int]:
         """-> (the load's id, how many of the sources every rank staged)."""
         return -1, len(sources)
+
+    def read_files(self, sources: list[BlockSource]) -> int:
+        """Every other rank stages the same host slots and starts reading the same files (its
+        own shard's) now; -> the load's id."""
+        return -1
+
+    def agree_read(self, load_id: int, verified: int) -> int:
+        """-> the leading file blocks every rank verified (the MIN of `verified`, this rank's),
+        or -1 while another rank's reads still run (ask again at a later schedule)."""
+        return verified
 
     def scatter(self, load_id: int, block_ids: list[int]) -> None:
         pass

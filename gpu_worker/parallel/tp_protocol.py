@@ -15,6 +15,8 @@ broadcast from rank 0 on the gloo control group (tensors only: nothing is pickle
                                                                     -> all ranks' MIN of each hash held
     TIER_STAGE   [10, load_id, n]                                 + n sources (4 each) -> MIN staged
     TIER_CHECK   [11, num_loads, num_hashes]                      + live load ids | disk index -> MIN ok
+    TIER_LAND    [12, load_id]                 -> MIN of the leading file blocks each rank verified
+                                                  (-1: a rank's reads still run; asked again later)
 
 Rank 0 queues the tiers' records as its tiers act and sends them as one TIERS command before its
 next command, so every rank runs them at the same place among the forward steps
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from gpu_worker.forward_batch import ForwardBatch
 
 OP_FORWARD, OP_ALLOCATE_KV, OP_COPY_BLOCKS, OP_PROFILE, OP_CAPTURE, OP_WARMUP, OP_SHUTDOWN = 1, 2, 3, 4, 5, 6, 9
-OP_TIERS, OP_TIER_INIT, OP_TIER_STAGE, OP_TIER_CHECK = 7, 8, 10, 11
+OP_TIERS, OP_TIER_INIT, OP_TIER_STAGE, OP_TIER_CHECK, OP_TIER_LAND = 7, 8, 10, 11, 12
 HEADER_LEN = 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -10,11 +10,16 @@ records, each its kind then its fields, replayed in order before the command tha
     SCATTER     [5, load id, n, block ids (n)]
     RELEASE     [6, load id]
     SHARED_WRITE [7, as DISK_WRITE's fields]        (the shared tier's file of the block)
+    READ_FILES  [8, load id, n, sources (4 each)]   (a load beside the step: stage its host slots,
+                                                     start its file reads on the reader threads)
 
 A block hash (16 bytes) is two int64s. STAGE (sources of one load) is a command of its own,
 since every rank votes on how many blocks it staged:
 
     STAGE payload   per source: [kind, slot or -1, hash (2)]      (a hash for file kinds only)
+
+READ_FILES needs no vote when it starts: the vote on what every rank read is the TIER_LAND
+command, at a later schedule (tp_file_reads.py).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from gpu_worker.kv_tiers.disk_tier import DiskBlock
 from gpu_worker.kv_tiers.mirror import FILE_KINDS, BlockSource
 from gpu_worker.kv_transfer.layout import KVLayout
 
-OFFLOAD, DISK_WRITE, DISK_FORGET, DISK_CLEAR, SCATTER, RELEASE, SHARED_WRITE = 1, 2, 3, 4, 5, 6, 7
+OFFLOAD, DISK_WRITE, DISK_FORGET, DISK_CLEAR, SCATTER, RELEASE, SHARED_WRITE, READ_FILES = 1, 2, 3, 4, 5, 6, 7, 8
 HASH_BYTES = 16
 _NO_HASH = [0, 0]
 
@@ -74,9 +79,17 @@ def release(load_id: int) -> list[int]:
     return [RELEASE, load_id]
 
 
+def read_files(load_id: int, sources: list[BlockSource]) -> list[int]:
+    return [READ_FILES, load_id, len(sources), *_source_ints(sources)]
+
+
+def _source_ints(sources: list[BlockSource]) -> list[int]:
+    return [x for s in sources
+            for x in (s.kind, s.index, *(hash_ints(s.block_hash) if s.kind in FILE_KINDS else _NO_HASH))]
+
+
 def stage_sources(sources: list[BlockSource]) -> torch.Tensor:
-    rows = [[s.kind, s.index, *(hash_ints(s.block_hash) if s.kind in FILE_KINDS else _NO_HASH)] for s in sources]
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1)
+    return torch.tensor(_source_ints(sources), dtype=torch.int64)
 
 
 # ---- followers: decode ---------------------------------------------------------------------
@@ -88,6 +101,7 @@ class Record(NamedTuple):
     source: BlockSource | None           # DISK_WRITE / SHARED_WRITE
     block_hash: bytes | None             # DISK_WRITE / SHARED_WRITE / DISK_FORGET
     block: DiskBlock | None              # DISK_WRITE / SHARED_WRITE
+    sources: list[BlockSource] | None = None     # READ_FILES
 
 
 def decode(payload: list[int]) -> Iterator[Record]:
@@ -117,13 +131,22 @@ def decode(payload: list[int]) -> Iterator[Record]:
         elif kind == RELEASE:
             yield Record(kind, [], [], payload[i + 1], None, None, None)
             i += 2
+        elif kind == READ_FILES:
+            n = payload[i + 2]
+            sources = _decode_sources(payload[i + 3:i + 3 + 4 * n])
+            yield Record(kind, [], [], payload[i + 1], None, None, None, sources)
+            i += 3 + 4 * n
         else:
             raise RuntimeError(f"unknown KV tier record {kind}")
 
 
 def decode_sources(payload: torch.Tensor) -> list[BlockSource]:
+    return _decode_sources(payload.tolist())
+
+
+def _decode_sources(ints: list[int]) -> list[BlockSource]:
     return [BlockSource(kind, index, ints_hash(h0, h1) if kind in FILE_KINDS else None)
-            for kind, index, h0, h1 in payload.view(-1, 4).tolist()]
+            for kind, index, h0, h1 in zip(ints[0::4], ints[1::4], ints[2::4], ints[3::4])]
 
 
 class TierInit(msgspec.Struct, frozen=True, tag="tier_init"):

@@ -5,7 +5,12 @@
       offload / disk_write / forget / scatter ...      (queued) --TIERS, before rank 0's next
                                                         command--> replay, in order
       stage(sources)       --TIER_STAGE, at once-->    read slots / files -> staging; MIN of the
-                                                        blocks staged: the load is cut there
+                                                        blocks staged: the load is cut there (a
+                                                        load that joins its step)
+      read_files(sources)  (queued) --READ_FILES-->    host slots -> staging, file reads started on
+                                                        reader threads (a load beside the step)
+      agree_read (later)   --TIER_LAND-->              MIN of the file blocks verified, -1 while a
+                                                        rank reads (tp_file_reads.py)
       attach (start-up)    --TIER_INIT-->             same host slots, <dir>/rank<r>; the files
                                                         restored on every rank are kept, the rest
                                                         deleted everywhere; the shared tier's
@@ -13,7 +18,8 @@
 
 Every follower holds rank 0's number of host slots and the same file names in a directory of its
 own, so the block ids, slots and hashes of rank 0's records mean the same there. Loads land whole
-before the step on every rank (no per-layer hooks in the followers' forwards).
+before the step on every rank (no per-layer hooks in the followers' forwards). Loads beside the
+step read their files on every rank's reader threads while the forwards go on, as with one rank.
 
 The shared tier's files are every worker's, so only rank 0's lookup decides what a load tries; a
 file another engine's bound deleted, or that fails its MAC, on any rank ends the load at that
@@ -32,7 +38,8 @@ from gpu_worker.kv_tiers.disk_tier import DiskTier
 from gpu_worker.kv_tiers.mirror import DEVICE_BLOCK, DISK_FILE, HOST_SLOT, SHARED_FILE, BlockSource, TierMirror
 from gpu_worker.kv_tiers.shared_tier import SharedTier
 from gpu_worker.parallel import tp_tier_records as rec
-from gpu_worker.parallel.tp_protocol import OP_TIER_CHECK, OP_TIER_INIT, OP_TIER_STAGE, make_header
+from gpu_worker.parallel.tp_file_reads import FollowerFileLoads, LandedRead
+from gpu_worker.parallel.tp_protocol import OP_TIER_CHECK, OP_TIER_INIT, OP_TIER_LAND, OP_TIER_STAGE, make_header
 
 
 def rank_dir(disk_dir: str, rank: int) -> str:
@@ -43,13 +50,12 @@ def rank_dir(disk_dir: str, rank: int) -> str:
 class TPTierMirror(TierMirror):
     """Rank 0's side: records to the followers through the TPModelRunner's command channel."""
     layered_loads = False
-    reads_files_beside = False
 
     def __init__(self, runner, disk_dir: str | None) -> None:
         self.runner = runner                  # gpu_worker.parallel.tp_worker.TPModelRunner
         self.disk_dir = disk_dir
         self._next_load = 0
-        self.live_loads: set[int] = set()     # staged on every rank, not scattered or released yet
+        self.live_loads: set[int] = set()     # staged or reading on every rank, not scattered or released yet
 
     def attach(self, tiers) -> None:
         index = [h for h, _ in tiers.disk.hashes()] if tiers.disk is not None else []
@@ -93,6 +99,16 @@ class TPTierMirror(TierMirror):
             self.live_loads.add(load_id)
         return load_id, n
 
+    def read_files(self, sources: list[BlockSource]) -> int:
+        load_id, self._next_load = self._next_load, self._next_load + 1
+        self.live_loads.add(load_id)
+        self.runner.queue_tier_records(rec.read_files(load_id, sources))
+        return load_id
+
+    def agree_read(self, load_id: int, verified: int) -> int:
+        return int(self.runner.tier_command(make_header(OP_TIER_LAND, load_id), None,
+                                            torch.tensor([verified]))[0])
+
     def scatter(self, load_id: int, block_ids: list[int]) -> None:
         self.live_loads.discard(load_id)
         self.runner.queue_tier_records(rec.scatter(load_id, block_ids))
@@ -125,7 +141,9 @@ class FollowerTiers:
                      if init.disk_dir else None)
         self.shared = (SharedTier(init.shared_dir, init.shared_max_bytes, init.layout, init.block_bytes, shared_key,
                                   rank=rank) if init.shared_dir else None)
-        self.staged: dict[int, Staged] = {}                          # load id -> its staging
+        self.staged: dict[int, Staged | LandedRead] = {}             # load id -> its staging
+        self.file_loads = (FollowerFileLoads(self.mover, self.host, self.offloaded, self.disk, self.shared)
+                           if self.disk is not None or self.shared is not None else None)
 
     def agree_index(self, index: list[bytes], everywhere: list[int]) -> None:
         """Keep exactly the restored files every rank holds (rank 0 forgets the others too)."""
@@ -155,15 +173,25 @@ class FollowerTiers:
             elif r.kind == rec.DISK_CLEAR:
                 self.disk.clear()
             elif r.kind == rec.SCATTER:
-                self.mover.scatter(self.staged.pop(r.load_id), r.ids)
+                staged = self.staged.pop(r.load_id)
+                if isinstance(staged, LandedRead):
+                    staged.scatter(self.mover, r.ids)
+                else:
+                    self.mover.scatter(staged, r.ids)
             elif r.kind == rec.RELEASE:
                 self.staged.pop(r.load_id, None)
+                if self.file_loads is not None:
+                    self.file_loads.drop(r.load_id)
+            elif r.kind == rec.READ_FILES:
+                self.file_loads.begin(r.load_id, r.sources)
         if self.disk is not None and self.disk.enabled:
             self.disk.poll()
             if not self.disk.enabled:        # a write failed here: reads fail from now, loads recompute
                 self.disk.clear()
         if self.shared is not None:
             self.shared.poll()               # a failed write is counted there: that block is a miss
+        if self.file_loads is not None:
+            self.file_loads.reader.pump()    # batches queued for the budget start as others end
 
     def _source_bytes(self, source: BlockSource) -> bytearray:
         """A block's bytes for its file, copied out of its host slot or device block."""
@@ -201,8 +229,11 @@ class FollowerTiers:
             self.staged[load_id] = self.mover.stage(data[:agreed], pending[:agreed])
 
     def check(self, live_loads: list[int], index: list[bytes]) -> bool:
-        if set(self.staged) != set(live_loads):
+        reading = set(self.file_loads.reading) if self.file_loads is not None else set()
+        if set(self.staged) | reading != set(live_loads):
             return False
+        if self.file_loads is not None:
+            self.file_loads.check_integrity()
         if self.shared is not None:
             self.shared.check_integrity()
         if self.disk is None or not self.disk.enabled:
@@ -211,6 +242,8 @@ class FollowerTiers:
         return {h for h, _ in self.disk.hashes()} == set(index)
 
     def close(self) -> None:
+        if self.file_loads is not None:
+            self.file_loads.close()          # no reader thread outlives the rank
         if self.disk is not None:
             self.disk.close()
         if self.shared is not None:
@@ -232,6 +265,12 @@ def follower_command(tiers: FollowerTiers | None, op: int, header: torch.Tensor,
     if op == OP_TIER_STAGE:
         sources = rec.decode_sources(recv(4 * int(header[2])))
         tiers.agree_stage(int(vote(torch.tensor([tiers.stage(int(header[1]), sources)]))[0]))
+        return tiers
+    if op == OP_TIER_LAND:
+        load_id = int(header[1])
+        agreed = int(vote(torch.tensor([tiers.file_loads.verified(load_id)]))[0])
+        if agreed >= 0:
+            tiers.staged[load_id] = tiers.file_loads.land(load_id, agreed)
         return tiers
     if op == OP_TIER_CHECK:
         num_loads, n = int(header[1]), int(header[2])

@@ -32,8 +32,8 @@ from gpu_worker.parallel.state import (DEFAULT_TIMEOUT_S, NCCL_SAFE_ENV, connect
                                        new_control_group, open_store, shutdown_parallel)
 from gpu_worker.parallel.tp_protocol import (DTYPES, HEADER_LEN, OP_ALLOCATE_KV, OP_CAPTURE, OP_COPY_BLOCKS,
                                              OP_FORWARD, OP_PROFILE, OP_SHUTDOWN, OP_TIER_CHECK, OP_TIER_INIT,
-                                             OP_TIER_STAGE, OP_TIERS, OP_WARMUP, all_min, all_min_each, make_header,
-                                             pack_batch, payload_len, unpack_batch)
+                                             OP_TIER_LAND, OP_TIER_STAGE, OP_TIERS, OP_WARMUP, all_min, all_min_each,
+                                             make_header, pack_batch, payload_len, unpack_batch)
 from gpu_worker.parallel.tp_tiers import follower_command
 from gpu_worker.parallel.tp_runner import TPRankRunner
 from gpu_worker.tuning import KernelTuning
@@ -125,7 +125,7 @@ class TPModelRunner:
         """KV tier records (tp_tier_records.py), sent as one TIERS command before the next command."""
         self._tier_records += records
 
-    def tier_command(self, header: torch.Tensor, payload: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    def tier_command(self, header: torch.Tensor, payload: torch.Tensor | None, mine: torch.Tensor) -> torch.Tensor:
         """A KV tier command every rank answers: -> the MIN over the ranks of each value of `mine`."""
         self._send(header, payload)
         return all_min_each(mine, self.control)
@@ -288,7 +288,7 @@ def _follow(runner: TPRankRunner, control, tiers: list) -> None:
                     control)
         elif op == OP_TIERS:
             tiers[0].replay(recv(int(header[1])).tolist())
-        elif op in (OP_TIER_INIT, OP_TIER_STAGE, OP_TIER_CHECK):
+        elif op in (OP_TIER_INIT, OP_TIER_STAGE, OP_TIER_CHECK, OP_TIER_LAND):
             tiers[0] = follower_command(tiers[0], op, header, recv, lambda t: all_min_each(t, control),
                                         runner.kv_caches, runner.ctx.rank)
         elif op == OP_SHUTDOWN:

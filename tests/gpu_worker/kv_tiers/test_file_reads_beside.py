@@ -202,3 +202,37 @@ def test_the_reader_budget_starts_batches_in_order_and_drops_free_it():
     finally:
         gate.set()
         reader.close()
+
+
+def test_a_load_waits_while_another_rank_still_reads(llama, tmp_path, monkeypatch):
+    """Rank 0's side of the vote (file_loads.ready), another rank stood in for: it answers -1 (its
+    reads still run) at two schedules, then verified one file block less than this rank. The
+    load waits in `loading` meanwhile, the other request decodes, and the load is cut where the
+    ranks agree (the block after it forgotten, as when a follower lacks its file)."""
+    model_dir, hf = llama
+    eng, disk, prompt = _engine_with_history(model_dir, "disk", tmp_path)
+    other = tokens(9, 6)
+    outputs = {"other": decoding(eng, "other", other, 6)}
+    answers, asked = [-1, -1], []
+
+    def agree_read(load_id, verified):
+        asked.append(verified)
+        return answers.pop(0) if answers else verified - 1
+    monkeypatch.setattr(eng.kv_tiers.mirror, "agree_read", agree_read)
+    eng.add_request("next", prompt, greedy(4))
+    _step(eng, outputs)                                  # admitted: its reads start
+    [load] = eng.scheduler._loads.values()
+    for _ in range(MAX_STEPS):
+        before = len(outputs["other"])
+        _step(eng, outputs)
+        if len(asked) == 2:
+            break
+        assert len(outputs["other"]) == before + 1       # the batch goes on while the load waits
+    assert "next" not in outputs and [s.request.request_id for s in eng.scheduler.loading] == ["next"]
+    assert eng.kv_tiers.file_loads.awaiting_ranks == {id(load)}
+    _finish(eng, outputs)
+    assert outputs["next"] == hf.greedy(prompt, 4)[0] and outputs["other"] == hf.greedy(other, 6)[0]
+    assert load.cut == asked[-1] - 1 and load.hashes[load.cut] not in disk
+    assert tier_stats(eng)["loaded_blocks"]["disk"] == load.cut
+    assert not eng.kv_tiers.file_loads.awaiting_ranks
+    check_all_tiers(eng)

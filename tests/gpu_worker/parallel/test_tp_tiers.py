@@ -34,6 +34,9 @@ def test_records_round_trip():
     assert got[7].block == DiskBlock(None, (4,))
     sources = [BlockSource(HOST_SLOT, 4), BlockSource(DISK_FILE, -1, h), BlockSource(SHARED_FILE, -1, p)]
     assert rec.decode_sources(rec.stage_sources(sources)) == sources
+    [read, forget] = rec.decode(rec.read_files(3, sources) + rec.disk_forget(p))   # fields sized by n
+    assert read.kind == rec.READ_FILES and read.load_id == 3 and read.sources == sources
+    assert forget.block_hash == p
 
 
 def test_tp2_tiers_match_tp1_without_tiers(tmp_path):
