@@ -6,17 +6,19 @@
 #
 #   bash scripts/gpu_checks.sh tests        the gpu-marked tests (one GPU: TP tests skip); not kernels/ nor the
 #                                           grouped-GEMM test, whose folders turn Triton's interpreter on
-#   bash scripts/gpu_checks.sh transfer     P/D hand-off GB/s and latency (zmq, shm, cuda_ipc) and P/D serving TTFT
+#   bash scripts/gpu_checks.sh transfer     P/D hand-off GB/s and latency (zmq, shm, cuda_ipc) at 2k / 8k / 32k
+#   bash scripts/gpu_checks.sh pd           one P + one D sharing the GPU (cuda_ipc) beside one mixed worker:
+#                                           c=1, c=64 1024/128 and the prefill-heavy 4096/256 serving runs
 #   bash scripts/gpu_checks.sh tiers        KV tiers: H2D/D2H against the pinned ceiling, load vs recompute
 #   bash scripts/gpu_checks.sh structured   JSON-schema TPOT against unconstrained at batch 1 and 64, async and sync
 #   bash scripts/gpu_checks.sh spec         speculative decoding: ngram, draft_model, mtp (and its oracle)
 #   bash scripts/gpu_checks.sh engine       the engine lines (a regression check against BENCHMARKS.md)
 set -euo pipefail
-stage="${1:?stage: tests | transfer | tiers | structured | spec | engine}"
+stage="${1:?stage: tests | transfer | pd | tiers | structured | spec | engine}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-case "$stage" in tests|transfer|tiers|structured|spec|engine) ;;
-  *) echo "unknown stage '$stage' (tests | transfer | tiers | structured | spec | engine)" >&2; exit 2 ;;
+case "$stage" in tests|transfer|pd|tiers|structured|spec|engine) ;;
+  *) echo "unknown stage '$stage' (tests | transfer | pd | tiers | structured | spec | engine)" >&2; exit 2 ;;
 esac
 export OUT="${OUT:-/tmp/gpu_checks}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -32,9 +34,10 @@ case "$stage" in
     timeout -s TERM 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu_worker \
       --ignore tests/gpu_worker/kernels --ignore tests/gpu_worker/parallel/test_grouped_gemm_triton.py 2>&1 | tee "$log" ;;
   transfer)
-    timeout -s TERM 330 python3 bench/gpu_bench.py --sections kv_transfer --time-budget 300 2>&1 | tee "$log"
-    KVMESH_KV_TRANSPORT=cuda_ipc timeout -s TERM 250 python3 bench/serve_bench.py --sections pd \
-      --time-budget 230 2>&1 | tee -a "$log" ;;
+    timeout -s TERM 560 python3 bench/gpu_bench.py --sections kv_transfer --time-budget 530 2>&1 | tee "$log" ;;
+  pd)
+    KVMESH_KV_TRANSPORT=cuda_ipc timeout -s TERM 560 python3 bench/serve_bench.py --sections single,pd \
+      --single-runs c1,c64,ph --c64-prompts 320 --ph-prompts 192 --time-budget 540 2>&1 | tee "$log" ;;
   tiers)
     timeout -s TERM 560 python3 bench/gpu_bench.py --sections kv_tiers --time-budget 520 2>&1 | tee "$log" ;;
   structured)
