@@ -169,11 +169,12 @@ class RadixIndex:
         worker on the node is credited with the shared tier at once."""
         if readers == self._readers:
             return
-        for worker_id in self._readers.keys() - readers.keys():
+        # the new readers first: remove_worker re-slots a worker that is still a reader
+        left, self._readers = self._readers.keys() - readers.keys(), dict(readers)
+        for worker_id in left:
             slot = self._slot_of.get(worker_id)
             if slot is not None and not self._blocks_of[slot]:
                 self.remove_worker(worker_id)
-        self._readers = dict(readers)
         for worker_id in readers:
             self._slot(worker_id)
         self._expand = {}

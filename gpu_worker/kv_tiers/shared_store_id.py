@@ -13,17 +13,20 @@ another layout's subdirectory does not verify.
 
 Others may be able to write the directory (shared_tier.py). What they can do here only touches
 routing, never KV (each block file has its own MAC): a file that does not verify (planted, or
-damaged) makes the worker announce no id, with a warning naming it, and the shared tier is then
-used without routing credit; a valid file copied from another node's directory of the same
+damaged; or no regular file: a directory, a FIFO, opened without waiting for a writer) makes the
+worker announce no id, with a warning naming it, and the shared tier is then used without
+routing credit; a valid file copied from another node's directory of the same
 deployment would make routing credit this node's workers with that node's blocks, whose loads
 then miss and are recomputed. Neither is fixed by replacing the file here: two workers replacing
 it at once would announce different ids.
 """
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import os
+import stat
 
 from gpu_worker.kv_tiers.disk_tier import _unlink_path
 
@@ -59,14 +62,18 @@ def _create(path: str, key: bytes, subdir_name: str) -> None:
 def _read(path: str, key: bytes, subdir_name: str) -> str | None:
     """The id in `path` as 32 hex digits, or None (a warning) when the file does not verify."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # non-blocking: a FIFO planted under the name would otherwise hold the worker's start
+        # until someone writes it; a directory or a FIFO is no id file (checked before the read)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            data = os.read(fd, _FILE_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as e:
         log.warning("KV shared tier: cannot read %s (%s); the shared tier gets no routing credit", path, e.strerror)
         return None
-    try:
-        data = os.read(fd, _FILE_BYTES + 1)
-    finally:
-        os.close(fd)
     store_id, tag = data[:ID_BYTES], data[ID_BYTES:]
     if len(data) != _FILE_BYTES or not hmac.compare_digest(tag, _tag(key, store_id, subdir_name)):
         log.warning("KV shared tier: %s does not verify (damaged, or not written by this deployment); the "

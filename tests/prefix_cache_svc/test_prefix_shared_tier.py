@@ -71,6 +71,15 @@ def test_a_dead_worker_leaves_the_store_and_a_new_reader_is_credited_at_once():
     core.index.check_integrity()
 
 
+def test_a_reader_that_stops_announcing_with_no_block_of_its_own_loses_its_slot():
+    core = PrefixCore(BS)
+    core.set_readers({"w1": STORE, "w2": STORE})
+    core.on_batch(batch(0, stored("shared") + stored("gpu")[:2], "w2"), 0)
+    core.set_readers({})                      # both restarted without a shared tier, still live
+    assert core.index.workers() == ["w2"]     # w2 keeps its own blocks; w1 held nothing: no slot
+    core.index.check_integrity()
+
+
 def test_a_worker_cannot_clear_resync_or_speak_for_a_store_it_does_not_announce():
     core = PrefixCore(BS)
     core.set_readers({"w1": STORE, "w2": STORE})

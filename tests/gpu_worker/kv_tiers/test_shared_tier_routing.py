@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import msgspec
 
@@ -51,6 +52,31 @@ def test_workers_of_one_store_agree_on_its_id_and_no_other_store_shares_it(tmp_p
     finally:
         for t in tiers:
             t.close()
+
+
+def test_a_store_id_that_is_no_regular_file_gives_no_id_and_never_blocks(tmp_path):
+    """Whoever can write the directory may plant a directory or a FIFO as `store-id`: the worker
+    starts, announcing no id (a FIFO's open must not wait for a writer)."""
+    root = str(tmp_path / "shared")
+    tier = SharedTier(root, 1 << 20, LAYOUT, PAYLOAD, KEY)
+    tier.close()
+    path = os.path.join(tier.directory, shared_store_id.NAME)
+    os.unlink(path)
+    os.mkdir(path)
+    assert shared_store_id.store_id(tier.directory, KEY) is None
+    os.rmdir(path)
+    os.mkfifo(path)
+    answer: list = []
+    reader = threading.Thread(target=lambda: answer.append(shared_store_id.store_id(tier.directory, KEY)),
+                              daemon=True)
+    reader.start()
+    reader.join(5)
+    blocked = reader.is_alive()
+    if blocked:                                     # let the stuck open return before the test ends
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5)
+    assert not blocked and answer == [None]
+    SharedTier(root, 1 << 20, LAYOUT, PAYLOAD, KEY).close()     # the tier itself still starts
 
 
 def test_blocks_the_bound_deletes_or_a_read_misses_are_reported_gone(tmp_path):
