@@ -62,6 +62,7 @@ SCAN_EVERY_S = 10.0
 SCAN_EVERY_WRITES = 256
 SCAN_MAX_FILES = 50_000      # one scan's stats: a few tens of ms on a local disk
 MAX_GONE = 65_536            # gone blocks kept until take_gone (routing hints: the oldest may drop)
+GONE_PER_TAKE = 256          # one stat each on the engine thread: a bound's big deletion is reported over several flushes
 STALE_TMP_S = 60.0           # a .tmp this old was left by a writer that died mid-write
 _LOW_WATER = 0.9             # a scan past the bound deletes down to this share of it
 _WARN_EVERY_S = 60.0
@@ -222,11 +223,12 @@ class SharedTier:
                         "dropped so far)", self.directory, block_hash.hex(), result.error, self.num_corrupt)
         return None
 
-    def take_gone(self) -> list[bytes]:
+    def take_gone(self, limit: int = GONE_PER_TAKE) -> list[bytes]:
         """(engine thread) Blocks found gone since the last call that are still not here (a block
-        written again since keeps its place in the index)."""
+        written again since keeps its place in the index); at most `limit` checked, the rest at
+        later calls."""
         gone = []
-        while self._gone:
+        for _ in range(min(limit, len(self._gone))):
             block_hash = self._gone.popleft()
             if not self.holds(block_hash):
                 gone.append(block_hash)
