@@ -115,11 +115,7 @@ class BatchBuilder:
         # Table width rounded up to a multiple of 16: its row stride is a Triton kernel argument,
         # and Triton compiles a variant per divisibility class of an int argument.
         max_blocks = -(-max(len(t) for t in tables) // 16) * 16
-        table_arr = np.zeros((B, max_blocks), dtype=np.int64)           # (B, M), padded with 0
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=B)   # (B,) blocks per row
-        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
-        rows = np.repeat(np.arange(B), lens)
-        table_arr[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
+        table_arr = _table_rows(tables, max_blocks)                     # (B, M), padded with 0
         if T == B:                                                      # pure decode: one row each
             positions = c_lens
             seq_of_tok = np.arange(B)
@@ -206,6 +202,21 @@ class BatchBuilder:
             out = host.to(self.device, non_blocking=True)
         out.record_stream(compute)                    # freed only once the compute stream is done
         return out
+
+
+def _table_rows(tables: list[list[int]], width: int) -> np.ndarray:
+    """(len(tables), width) int64 block tables padded with 0. A list given several times (the
+    decode rows of one sequence) is flattened once and its row repeated."""
+    index: dict[int, int] = {}
+    owner = [index.setdefault(id(t), len(index)) for t in tables]      # row -> distinct table
+    distinct = tables if len(index) == len(tables) else list({id(t): t for t in tables}.values())
+    n = len(distinct)
+    out = np.zeros((n, width), dtype=np.int64)                          # (U, M)
+    lens = np.fromiter(map(len, distinct), dtype=np.int64, count=n)     # (U,) blocks per table
+    flat = np.fromiter(itertools.chain.from_iterable(distinct), dtype=np.int64, count=int(lens.sum()))
+    rows = np.repeat(np.arange(n), lens)
+    out[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
+    return out if n == len(tables) else out[np.asarray(owner)]          # (B, M)
 
 
 def _offsets(sizes: list[int], align: int) -> list[int]:
