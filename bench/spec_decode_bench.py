@@ -31,7 +31,11 @@ upper-bound regime's crossover, the default method at its best; above it no n-gr
 pay. Speculation here never switches itself off. Both engines run with async scheduling as served
 (--plain-async, --spec-async, default on; the speculative engine's steps that verify drafts run
 synchronously, its steps without drafts one step ahead). Prefix caching is off in both engines,
-so every run prefills its prompts cold.
+so every run prefills its prompts cold. Verification steps without a prefill chunk run as decode
+rows replaying the decode CUDA graphs (--verify-decode-rows, default on; off: every verification
+on the extend path, eager); --spec-eager captures no graphs for the speculative engine (with
+--no-verify-decode-rows, how mtp ran before its graphs kept the pre-norm states). Each line also
+counts the verification steps that ran as decode rows and on the extend path.
 """
 from __future__ import annotations
 
@@ -58,11 +62,14 @@ def engine(args, spec: str | None, async_scheduling: bool, model_dir: str = "") 
     # no prefix caching: the plain engine ran the seeds and their continuations (the repeating
     # prompts) first, and cached prompts would make every later run of either engine cheaper
     common = dict(model=model_dir or args.model_dir, max_num_seqs=max(args.batches), speculative_config=spec,
-                  async_scheduling=async_scheduling, enable_prefix_caching=False)
+                  async_scheduling=async_scheduling, enable_prefix_caching=False,
+                  enforce_eager=spec is not None and args.spec_eager)
     if args.smoke:
-        return Engine(EngineConfig(**common, device="cpu", dtype="float32", num_gpu_blocks=2048))
-    # two engines share the device at a time (the plain baseline and the speculative one)
-    return Engine(EngineConfig(**common, dtype="bfloat16", gpu_memory_utilization=0.42))
+        eng = Engine(EngineConfig(**common, device="cpu", dtype="float32", num_gpu_blocks=2048))
+    else:   # two engines share the device at a time (the plain baseline and the speculative one)
+        eng = Engine(EngineConfig(**common, dtype="bfloat16", gpu_memory_utilization=0.42))
+    eng.verify_as_decode_rows = args.verify_decode_rows
+    return eng
 
 
 def run(eng: Engine, prompts: list[list[int]], out_len: int) -> tuple[float, list[list[int]]]:
@@ -158,11 +165,12 @@ def measure(plain: Engine, eng: Engine, case: tuple[str, str], prompts: list[lis
     st = eng.stats().extra["spec_decode"]
     proposed, accepted = st["proposed"] - before["proposed"], st["accepted"] - before["accepted"]
     steps = st["verify_steps"] - before["verify_steps"]
+    forms = {form: st[form] - before[form] for form in ("decode_row_steps", "extend_steps")}
     return {"method": case[0], "regime": case[1], "batch": batch, "plain_tok_s": round(base, 1),
             "spec_tok_s": round(fast, 1), "speedup": round(fast / base, 3),
             "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
             "mean_accepted_length": round(1 + accepted / steps, 3) if steps else 0.0,
-            "same_tokens": got == want}
+            **forms, "same_tokens": got == want}
 
 
 def main() -> None:
@@ -178,6 +186,10 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=256)
     ap.add_argument("--plain-async", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--spec-async", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--verify-decode-rows", action=argparse.BooleanOptionalAction, default=True,
+                    help="verification steps without a prefill chunk as decode rows (decode CUDA graphs); "
+                         "off: the extend path")
+    ap.add_argument("--spec-eager", action="store_true", help="the speculative engine captures no CUDA graphs")
     ap.add_argument("--refine", action=argparse.BooleanOptionalAction, default=True,
                     help="bisect between the last batch that paid and the first that did not")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random target and draft, short outputs, "

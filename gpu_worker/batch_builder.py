@@ -24,16 +24,58 @@ behind it (two fewer operations between the two steps' kernels).
 
 block_tables is padded with block 0 to M = a multiple of 16 columns (never read: context_lens
 bounds every read).
+
+A verification step whose every sequence decodes or verifies (no prefill chunk) can also be
+built as decode rows (`build_decode_rows`): sequence s with c computed tokens and q = 1 + d
+query tokens becomes q one-token rows of its own, all reading s's block table:
+
+    sequence s:  | ... computed (c) ... | x d0 .. dd-1 |
+    row j:       token token_ids[c + j], position c + j, its own slot, context_len c + j + 1
+
+Each layer writes every row's K/V before it attends (the attention backends' contract), so row
+j sees rows < j: the same attention as the extend form, through the decode kernels, which lets
+the step replay a decode CUDA graph of B x (1 + d) rows. The logits rows are every row, in the
+extend form's order.
 """
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.scheduler import ScheduledSeq
+
+
+class _TokensUpTo:
+    """The first n tokens of a list, without copying it (what build() reads of a decode row)."""
+    __slots__ = ("tokens", "n")
+
+    def __init__(self, tokens: list[int], n: int) -> None:
+        self.tokens, self.n = tokens, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return self.tokens[i]
+
+
+class _DecodeRow(NamedTuple):
+    """Query token j of a sequence's chunk as a one-token sequence of its own (build_decode_rows)."""
+    token_ids: _TokensUpTo       # the sequence's tokens up to and including this row's
+    num_computed_tokens: int     # the row's position
+    block_table: list[int]       # the sequence's own
+
+
+def fits_decode_rows(scheduled: list[ScheduledSeq], num_drafts: list[int]) -> bool:
+    """Whether a verification step can run as decode rows: every scheduled sequence decodes (one
+    token) or verifies (its last token and its d drafts, d = num_drafts[i]) and samples; a
+    prefill chunk anywhere keeps the extend form (build with num_drafts)."""
+    return all(q == 1 + d and seq.num_computed_tokens + q == len(seq.token_ids)
+               for (seq, q), d in zip(scheduled, num_drafts))
 
 
 class BatchBuilder:
@@ -73,11 +115,7 @@ class BatchBuilder:
         # Table width rounded up to a multiple of 16: its row stride is a Triton kernel argument,
         # and Triton compiles a variant per divisibility class of an int argument.
         max_blocks = -(-max(len(t) for t in tables) // 16) * 16
-        table_arr = np.zeros((B, max_blocks), dtype=np.int64)           # (B, M), padded with 0
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=B)   # (B,) blocks per row
-        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
-        rows = np.repeat(np.arange(B), lens)
-        table_arr[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
+        table_arr = _table_rows(tables, max_blocks)                     # (B, M), padded with 0
         if T == B:                                                      # pure decode: one row each
             positions = c_lens
             seq_of_tok = np.arange(B)
@@ -130,6 +168,16 @@ class BatchBuilder:
             fresh_prefill=bool(((q_lens == 1) | (c_lens == 0)).all()),
         )
 
+    def build_decode_rows(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
+        """The step as one decode row per query token (module docstring); only for steps that
+        fits_decode_rows accepts. Its logits rows are all rows, as build(scheduled, num_drafts)
+        orders them."""
+        rows: list[tuple[_DecodeRow, int]] = []
+        for seq, q in scheduled:
+            c, tokens, table = seq.num_computed_tokens, seq.token_ids, seq.block_table
+            rows += [(_DecodeRow(_TokensUpTo(tokens, c + j + 1), c + j, table), 1) for j in range(q)]
+        return self.build(rows)
+
     def _stage(self, dtype: torch.dtype, n: int) -> np.ndarray:
         """A host buffer of n elements: a slice of this turn's pinned staging tensor on CUDA, a
         fresh array on the CPU (the batch's tensors then share its memory, so it is not reused)."""
@@ -154,6 +202,21 @@ class BatchBuilder:
             out = host.to(self.device, non_blocking=True)
         out.record_stream(compute)                    # freed only once the compute stream is done
         return out
+
+
+def _table_rows(tables: list[list[int]], width: int) -> np.ndarray:
+    """(len(tables), width) int64 block tables padded with 0. A list given several times (the
+    decode rows of one sequence) is flattened once and its row repeated."""
+    index: dict[int, int] = {}
+    owner = [index.setdefault(id(t), len(index)) for t in tables]      # row -> distinct table
+    distinct = tables if len(index) == len(tables) else list({id(t): t for t in tables}.values())
+    n = len(distinct)
+    out = np.zeros((n, width), dtype=np.int64)                          # (U, M)
+    lens = np.fromiter(map(len, distinct), dtype=np.int64, count=n)     # (U,) blocks per table
+    flat = np.fromiter(itertools.chain.from_iterable(distinct), dtype=np.int64, count=int(lens.sum()))
+    rows = np.repeat(np.arange(n), lens)
+    out[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
+    return out if n == len(tables) else out[np.asarray(owner)]          # (B, M)
 
 
 def _offsets(sizes: list[int], align: int) -> list[int]:

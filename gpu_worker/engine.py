@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gpu_worker.batch_builder import BatchBuilder
+from gpu_worker.batch_builder import BatchBuilder, fits_decode_rows
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.engine_setup import EngineSetup, resolve_setup
 from gpu_worker.kv_tiers import TieredScheduler, build_kv_tiers
@@ -124,6 +124,9 @@ class Engine:
         self._seed_rng = random.Random(config.seed)  # seeds of requests that give none
         self._inflight: _InFlight | None = None       # async_scheduling: the launched step
         self.async_scheduling = config.async_scheduling  # may be switched between steps
+        # speculation: verification steps without a prefill chunk run as decode rows (_verify_batch);
+        # False keeps every one on the extend path (an A/B switch for bench/spec_decode_bench.py)
+        self.verify_as_decode_rows = True
         self.steps_ahead = 0   # async_scheduling: launched steps whose forward preceded the previous step's settle
         self._froze_gc = False
         # seconds the last step() spent reading sampled tokens back: the host sync (async scheduling:
@@ -348,7 +351,7 @@ class Engine:
         draft positions get logits rows and draws of their own; the others step as usual."""
         self._copy_blocks(out)
         proposal = self.speculator.fill(drafts, self._sample_request_at)   # draft_model / mtp: draw the drafts
-        batch = self.batch_builder.build(out.scheduled, [len(drafts.get(seq, ())) for seq, _ in out.scheduled])
+        batch = self._verify_batch(out.scheduled, [len(drafts.get(seq, ())) for seq, _ in out.scheduled])
         batch.layer_loads = out.layer_loads
         sampling = [item.seq for item in out.scheduled if item.samples]
         logits = self._target_forward(batch, out.scheduled)          # (S + drafts, vocab)
@@ -402,6 +405,17 @@ class Engine:
                 deltas.append(d)
         self.speculator.settle()
         return deltas
+
+    def _verify_batch(self, scheduled: list[ScheduledSeq], num_drafts: list[int]):
+        """A verification step's batch: decode rows where no sequence prefills (they replay the
+        decode CUDA graphs: batch_builder.build_decode_rows), else the extend form, whose logits
+        rows are each sequence's last 1 + d. Both order the logits rows alike."""
+        stats = self.speculator.stats
+        if self.verify_as_decode_rows and fits_decode_rows(scheduled, num_drafts):
+            stats.decode_row_steps += 1
+            return self.batch_builder.build_decode_rows(scheduled)
+        stats.extend_steps += 1
+        return self.batch_builder.build(scheduled, num_drafts)
 
     def _target_forward(self, batch, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """The model's forward of a step; with a proposer, through its hook (a draft model writes
@@ -917,8 +931,10 @@ class Engine:
 
     def _prepare_gpu(self) -> None:
         """CUDA + triton attention: compile the eager-step kernel variants, then (unless
-        enforce_eager) capture decode CUDA graphs: a padded batch ladder up to cuda_graph_max_bs,
-        for contexts up to max_model_len; the runner replays them for pure-decode steps that fit;
+        enforce_eager) capture decode CUDA graphs: a padded batch ladder up to cuda_graph_max_bs
+        rows (_max_decode_rows: verification steps as decode rows count theirs), for contexts up to
+        max_model_len; the runner replays them for pure-decode steps that fit (mtp: graphs that keep
+        the pre-norm states, and nothing more);
         and prefill graphs for steps that prefill one prompt's up to prefill_graph_max_tokens
         remaining tokens; and piecewise graphs (everything but attention) for the other steps of up
         to piecewise_graph_max_tokens tokens."""
@@ -934,16 +950,28 @@ class Engine:
         log.info("compiled the eager-step kernels in %.1f s", time.perf_counter() - t)
         if cfg.enforce_eager or not hasattr(self.runner, "capture_cuda_graphs"):
             return
-        if self.speculator is not None and self.speculator.eager_target:   # mtp reads pre-norm states
-            log.info("speculative method %s: the model runs eager (no CUDA graphs)", self.speculator.config.method)
+        decode_rows = min(cfg.cuda_graph_max_bs, self._max_decode_rows())
+        if self.speculator is not None and self.speculator.reads_prenorm:   # mtp reads pre-norm states:
+            self.runner.capture_prenorm_cuda_graphs(decode_rows, self.max_model_len)   # the decode graphs
+            log.info("speculative method %s: decode graphs keep the pre-norm states; prefill and piecewise "
+                     "steps run eager", self.speculator.config.method)     # keep them; the others could not
             return
-        self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_bs, cfg.max_num_seqs), self.max_model_len)
+        self.runner.capture_cuda_graphs(decode_rows, self.max_model_len)
         prefill_tokens = min(cfg.prefill_graph_max_tokens, cfg.max_num_batched_tokens, self.max_model_len - 1)
         if prefill_tokens > 0 and hasattr(self.runner, "capture_prefill_graphs"):
             self.runner.capture_prefill_graphs(prefill_tokens, self.max_model_len)
         piecewise_tokens = min(cfg.piecewise_graph_max_tokens, cfg.max_num_batched_tokens)
         if piecewise_tokens > 0 and hasattr(self.runner, "capture_piecewise_graphs"):
             self.runner.capture_piecewise_graphs(piecewise_tokens)
+
+    def _max_decode_rows(self) -> int:
+        """The most rows a decode step can have: max_num_seqs, or with speculation a verification
+        step's up to disable_by_batch_size x (1 + num_speculative_tokens) if more."""
+        spec = self.config.speculative
+        if spec is None:
+            return self.config.max_num_seqs
+        verify_rows = min(spec.disable_by_batch_size, self.config.max_num_seqs) * (1 + spec.num_speculative_tokens)
+        return max(self.config.max_num_seqs, verify_rows)
 
     def _warm_sampler(self) -> None:
         """One greedy, one plain and one filtered draw: compiles the sampling kernel."""

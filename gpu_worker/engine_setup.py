@@ -14,10 +14,12 @@ the model runner and its KV cache.
     draft runner   speculative_config's draft_model: loaded beside the target before the KV
                 cache is sized; each block then holds both models' K/V (same block ids);
                 mtp: the model's own MTP layer (spec_decode/mtp_runner.py), its K/V likewise
+    tuning      config.tuning; with speculation, without the fused RoPE decode kernel (runner_tuning)
 """
 from __future__ import annotations
 
 import importlib.util
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +121,17 @@ def resolve_setup(config: EngineConfig, *, runner: Any = None, model_config: Any
                        weights_digest)
 
 
+def runner_tuning(config: EngineConfig) -> Any:
+    """The kernel tuning the runners get: config.tuning, with fuse_rope_decode off when the engine
+    speculates. Verification steps run as decode rows, several of one sequence in one step
+    (batch_builder.build_decode_rows), and the fused kernel writes each row's K/V inside the
+    attention launch, where a later row of the same sequence may read that slot before it is
+    written; unfused, every row's K/V is written by the kernel before attention."""
+    if config.speculative is None:
+        return config.tuning
+    return dataclasses.replace(config.tuning, fuse_rope_decode=False)
+
+
 def _load_runner(config: EngineConfig, model_config: Any, device: torch.device, dtype: torch.dtype,
                  backend: str) -> Any:
     from gpu_worker.parallel import create_model_runner
@@ -128,7 +141,7 @@ def _load_runner(config: EngineConfig, model_config: Any, device: torch.device, 
                                kv_cache_dtype=_KV_CACHE_DTYPES[config.kv_cache_dtype],
                                tensor_parallel_size=config.tensor_parallel_size,
                                enable_expert_parallel=config.enable_expert_parallel,
-                               tuning=config.tuning)
+                               tuning=runner_tuning(config))
 
 
 def _load_draft(config: EngineConfig, model_config: Any, runner: Any, device: torch.device, dtype: torch.dtype,
@@ -143,7 +156,7 @@ def _load_draft(config: EngineConfig, model_config: Any, runner: Any, device: to
     from gpu_worker.spec_decode.draft_model import load_draft_runner
     return load_draft_runner(spec.model, model_config, config.model, device=device, dtype=dtype,
                              attention_backend=backend, kv_cache_dtype=_KV_CACHE_DTYPES[config.kv_cache_dtype],
-                             seed=config.seed, tuning=config.tuning, max_model_len=max_model_len)
+                             seed=config.seed, tuning=runner_tuning(config), max_model_len=max_model_len)
 
 
 def _cap(config: EngineConfig, length: int, limit: int, what: str) -> int:

@@ -141,7 +141,9 @@ def pin_decode_splits(attention: AttentionBackend, batch: ForwardBatch, n_kv: in
 class TargetForward(NamedTuple):
     """forward_with_prenorm's result."""
     logits: torch.Tensor      # (S, V), as forward() returns them
-    prenorm: torch.Tensor     # (T, H): every row's residual stream before the final norm
+    prenorm: torch.Tensor     # (T, H): every row's residual stream before the final norm; from a
+                              # replayed graph a view of prenorm_rows, valid until the next replay
+                              # (as the graph's logits are): mtp's settle() reads it before then
 
 
 class ModelRunner:
@@ -185,6 +187,8 @@ class ModelRunner:
         self.short_decode_graphs = None   # the same for contexts <= SHORT_CONTEXT (CUDA only)
         self.prefill_graphs = None   # gpu_worker.prefill_graphs.PrefillGraphs once captured
         self.piecewise_graphs = None   # gpu_worker.piecewise_graphs.PiecewiseGraphs once captured
+        # (max rows, H): the decode graphs' pre-norm states, where capture_prenorm_cuda_graphs made them
+        self.prenorm_rows: torch.Tensor | None = None
 
     # Overridden by the tensor-parallel rank runner (gpu_worker/parallel/tp_runner.py).
     def _new_model(self, config: ModelConfig, dtype: torch.dtype) -> CausalLM:
@@ -229,6 +233,7 @@ class ModelRunner:
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = []  # free the old cache first
         self.decode_graphs = self.short_decode_graphs = self.prefill_graphs = None  # graphs use the old cache
+        self.prenorm_rows = None
         self.piecewise_graphs = None
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
@@ -242,6 +247,7 @@ class ModelRunner:
         again. Another engine made in the same process afterwards gets the memory back."""
         self.kv_caches = []
         self.decode_graphs = self.short_decode_graphs = self.prefill_graphs = self.piecewise_graphs = None
+        self.prenorm_rows = None
         self.model = None
         gc.collect()                    # graphs and modules can sit in reference cycles
         if self.device.type == "cuda":
@@ -358,26 +364,39 @@ class ModelRunner:
                 and not self._lands_layer_by_layer(batch)):
             self._finish_loads(batch)
             return self.prefill_graphs.run(batch)             # (1, V) float32 logits
-        graphs = self.short_decode_graphs
-        if graphs is None or batch.max_context_len > graphs.max_context_len or not graphs.can_run(batch):
-            graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(batch):
-            self._finish_loads(batch)
-            out = graphs.run(batch)                           # replayed graph
-            if graphs.returns_logits(graphs.bucket(batch.num_seqs)):
-                if batch.logits_indices.shape[0] == out.shape[0]:
-                    return out                                # (B, V) float32 logits
-                return out[batch.logits_indices]              # (S, V)
-            hidden = out                                      # (B, H)
-        elif self.piecewise_graphs is not None and self.piecewise_graphs.can_run(batch):
+        graphs = self._decode_graphs_for(batch)
+        if graphs is not None:
+            return self._replay_decode(graphs, batch)
+        if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(batch):
             self._pin_decode_splits(batch)
             hidden = self.piecewise_graphs.run(batch)         # (T, H): graphs around eager attention
         else:
             self._pin_decode_splits(batch)
             hidden = self.run_model(batch)                    # (T, H)
+        return self._head(hidden, batch)
+
+    def _head(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """(T, H) final hidden states -> (S, V) logits of the rows batch.logits_indices."""
         if batch.logits_indices.shape[0] == hidden.shape[0]:  # every row samples (decode): the
             return self._logits(hidden)                       # indices are 0..T-1, skip the gather
         return self._logits(hidden[batch.logits_indices])
+
+    def _decode_graphs_for(self, batch: ForwardBatch):
+        """The captured decode graphs that replay `batch` (the short-context set first), or None."""
+        graphs = self.short_decode_graphs
+        if graphs is None or batch.max_context_len > graphs.max_context_len or not graphs.can_run(batch):
+            graphs = self.decode_graphs
+        return graphs if graphs is not None and graphs.can_run(batch) else None
+
+    def _replay_decode(self, graphs, batch: ForwardBatch) -> torch.Tensor:
+        """Replay `graphs` (they can_run the batch) -> (S, V) logits."""
+        self._finish_loads(batch)
+        out = graphs.run(batch)                               # replayed graph
+        if not graphs.returns_logits(graphs.bucket(batch.num_seqs)):
+            return self._head(out, batch)                     # out: (B, H)
+        if batch.logits_indices.shape[0] == out.shape[0]:
+            return out                                        # (B, V) float32 logits
+        return out[batch.logits_indices]                      # (S, V)
 
     def _lands_layer_by_layer(self, batch: ForwardBatch) -> bool:
         """A step with lower-tier loads takes piecewise graphs over a prefill graph where both
@@ -396,11 +415,17 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_with_prenorm(self, batch: ForwardBatch) -> TargetForward:
         """forward() that also returns the residual stream before the final norm, which a
-        multi-token-prediction module reads (gpu_worker/spec_decode/mtp.py). Always eager: the
-        whole-step and piecewise CUDA graphs keep that stream inside their pools."""
+        multi-token-prediction module reads (gpu_worker/spec_decode/mtp.py). Decode steps (and
+        verification steps as decode rows) replay the decode graphs where they were captured by
+        capture_prenorm_cuda_graphs, which copy that stream into `prenorm_rows`; the rest run
+        eager (prefill and piecewise graphs keep the stream inside their pools)."""
         if not self.kv_caches:
             raise RuntimeError("allocate_kv_cache must be called before forward")
         batch = self.prepare_inputs(batch)
+        graphs = self._decode_graphs_for(batch) if self.prenorm_rows is not None else None
+        if graphs is not None:
+            logits = self._replay_decode(graphs, batch)
+            return TargetForward(logits, self.prenorm_rows[:batch.num_tokens])          # (B, H)
         self._pin_decode_splits(batch)
         try:                                  # eager: lower-tier loads land layer by layer
             hidden, prenorm = self.model.forward_with_prenorm(batch.input_ids, batch.positions, self.kv_caches, batch)
@@ -410,8 +435,26 @@ class ModelRunner:
         return TargetForward(self._logits(rows), prenorm)
 
     def capture_cuda_graphs(self, max_batch_size: int, max_context_len: int) -> None:
-        """Capture decode steps of up to `max_batch_size` sequences (after allocate_kv_cache);
+        """Capture decode steps of up to `max_batch_size` rows (after allocate_kv_cache);
         forward then replays them for pure-decode batches. On CPU the same path runs eagerly."""
+        self.prenorm_rows = None
+        self._capture_decode_graphs(self.run_model, max_batch_size, max_context_len)
+
+    def capture_prenorm_cuda_graphs(self, max_batch_size: int, max_context_len: int) -> None:
+        """capture_cuda_graphs whose graphs also write every row's residual stream before the final
+        norm into one static buffer, `prenorm_rows` (max_batch_size, H) in the model's dtype, so
+        that forward_with_prenorm replays them (mtp: every target forward keeps those states)."""
+        self.prenorm_rows = torch.zeros((max_batch_size, self.config.hidden_size), dtype=self.dtype,
+                                        device=self.device)
+        self._capture_decode_graphs(self._run_model_keeping_prenorm, max_batch_size, max_context_len)
+
+    def _run_model_keeping_prenorm(self, batch: ForwardBatch) -> torch.Tensor:
+        """run_model that also copies the pre-norm states into prenorm_rows[:T] (graph-capturable)."""
+        hidden, prenorm = self.model.forward_with_prenorm(batch.input_ids, batch.positions, self.kv_caches, batch)
+        self.prenorm_rows[:prenorm.shape[0]].copy_(prenorm)
+        return hidden                                                      # (T, H)
+
+    def _capture_decode_graphs(self, run_model, max_batch_size: int, max_context_len: int) -> None:
         from gpu_worker.cuda_graphs import DecodeGraphs
 
         if not self.kv_caches:
@@ -430,7 +473,7 @@ class ModelRunner:
         def capture(context_len: int, sizes: list[int] | None = None):
             # Block-table width: a multiple of 16, like the engine's batch builder pads it to.
             max_blocks = -(-context_len // (16 * self.block_size)) * 16
-            graphs = DecodeGraphs(self.run_model, device=self.device, max_batch_size=max_batch_size,
+            graphs = DecodeGraphs(run_model, device=self.device, max_batch_size=max_batch_size,
                                   max_blocks_per_seq=max_blocks, max_context_len=context_len, sizes=sizes,
                                   logits_fn=self.model.compute_logits, logits_max_bs=logits_max_bs,
                                   pdl=self.tuning.pdl)

@@ -72,7 +72,8 @@ class EngineArgs:
     # 1,024 rows made the ShareGPT-like run 2.2% faster than graphs up to 512 (H200), for ~3 s
     # more capture.
     cuda_graph_max_bs: int = opt(1024, "Engine: largest decode batch captured in a CUDA graph (capped by "
-                                       "max_num_seqs); larger decode batches run eagerly.", min=1)
+                                       "max_num_seqs, or by a speculative verification step's rows if more); "
+                                       "larger decode batches run eagerly.", min=1)
     prefill_graph_max_tokens: int = opt(1024, "Engine: a step whose only sequence prefills at most this many "
                                               "tokens replays a CUDA graph captured at start-up (sizes every 32 "
                                               "tokens; 0: none): the time to first token of a lone request.", min=0)

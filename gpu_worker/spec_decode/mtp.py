@@ -107,7 +107,7 @@ def _view(seq: Sequence, first: int, n: int) -> tuple[_MtpView, int]:
 
 
 class MtpProposer(ModelProposer):
-    eager_target = True       # the pre-norm states come from eager forwards (ModelRunner.forward_with_prenorm)
+    reads_prenorm = True      # the target's pre-norm states (ModelRunner.forward_with_prenorm)
 
     def __init__(self, runner: Any, block_size: int, device: torch.device) -> None:
         self.runner = runner                  # spec_decode/mtp_runner.py: MtpRunner

@@ -31,7 +31,9 @@ class DraftProposal(NamedTuple):
 
 class ModelProposer:
     """Defaults: the target's forward as it is, nothing to settle, every sequence may propose."""
-    eager_target = False      # True: the target's forwards must run outside CUDA graphs
+    # True: every target forward also returns its pre-norm states (ModelRunner.forward_with_prenorm),
+    # so the target captures decode graphs that keep them and no prefill or piecewise graphs
+    reads_prenorm = False
 
     def forward(self, runner: Any, batch: ForwardBatch, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """The target's forward of the step -> its logits rows."""

@@ -7,6 +7,10 @@ One speculative step of a decoding sequence with c computed tokens and last toke
     logits rows:                        | r0 r1 ..... rk   |      row j: the model after d<j
     draws:                                s0 s1 ..... sk          s_j drawn from row j
 
+The batch: where no prefill chunk shares the step, each verifying sequence's 1 + k query tokens
+are 1 + k decode rows of their own (batch_builder.build_decode_rows), which replay the decode
+CUDA graphs; else one extend chunk (build(..., num_drafts)). The logits rows are the same.
+
 a = the longest prefix with s_j == d_j. Kept: x, d0..da-1 (KV final: num_computed = c + 1 + a);
 appended: s0..sa (= d0..da-1, then the model's own token). Blocks past the computed tokens are
 freed; only then are full blocks registered in the prefix cache, so no draft's KV is published.
@@ -49,6 +53,9 @@ class SpecStats:
     accepted: int = 0        # of those, accepted
     verify_steps: int = 0    # sequence-steps that verified at least one draft
     accepted_per_pos: list[int] = field(default_factory=list)   # [j]: drafts accepted at position j
+    decode_row_steps: int = 0   # verification steps run as decode rows (batch_builder.build_decode_rows)
+    extend_steps: int = 0       # ... and on the extend path (a prefill chunk in the step, or
+                                # Engine.verify_as_decode_rows off)
 
     def record(self, num_drafts: int, accepted: int) -> None:
         """One sequence-step that verified num_drafts drafts and accepted the first `accepted`."""
@@ -65,6 +72,7 @@ class SpecStats:
         per_pos = (self.accepted_per_pos + [0] * num_speculative_tokens)[:num_speculative_tokens]
         return {"method": method, "proposed": self.proposed, "accepted": self.accepted,
                 "verify_steps": self.verify_steps, "accepted_per_pos": per_pos,
+                "decode_row_steps": self.decode_row_steps, "extend_steps": self.extend_steps,
                 "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
                 # tokens a verifying sequence gained per step: accepted drafts + the model's own
                 "mean_accepted_length": 1.0 + self.accepted / steps if self.verify_steps else 0.0}
@@ -78,9 +86,9 @@ class Speculator:
         self.stats = SpecStats()
 
     @property
-    def eager_target(self) -> bool:
-        """The target's forwards must stay out of CUDA graphs (mtp reads their pre-norm states)."""
-        return self.proposer is not None and self.proposer.eager_target
+    def reads_prenorm(self) -> bool:
+        """Every target forward keeps its pre-norm states (mtp): only graphs that keep them too."""
+        return self.proposer is not None and self.proposer.reads_prenorm
 
     def stats_dict(self) -> dict:
         return self.stats.as_dict(self.config.method, self.config.num_speculative_tokens)

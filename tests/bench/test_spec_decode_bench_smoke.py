@@ -25,6 +25,7 @@ def test_spec_decode_bench_smoke():
     assert [(f"{x['method']}/{x['regime']}", x["batch"]) for x in rows] == [(c, b) for c in cases for b in (1, 4)]
     assert all(x["same_tokens"] for x in rows)
     assert all(x["acceptance_rate"] == 1.0 for x in rows if x["regime"] == "self-draft")
+    assert all(x["decode_row_steps"] > 0 for x in rows if x["regime"] == "self-draft")   # verified as decode rows
     assert sorted(summary["largest_batch_that_pays"]) == sorted(cases)
     assert summary["recommended_from"] == "ngram/repeating"
     assert summary["recommended_disable_by_batch_size"] == (summary["largest_batch_that_pays"]["ngram/repeating"] or 1)

@@ -93,6 +93,7 @@ def test_batch_chunks_prefix_hits_and_forks_match_no_speculation(arch, tiny_mode
     assert eng.block_manager.prefix_hit_tokens >= 32       # d reused b's prompt blocks
     stats = spec(eng)
     assert 0 < stats["accepted"] < stats["proposed"]       # both accepted and rejected drafts
+    assert stats["decode_row_steps"] > 0 and stats["extend_steps"] > 0   # both verification forms
 
 
 def test_preemption_matches_transformers(drafts, tiny_models):

@@ -89,6 +89,7 @@ def test_batch_chunks_prefix_hits_forks_and_preemption_match_no_speculation(mtp_
     assert eng.block_manager.prefix_hit_tokens >= 32 and eng.stats().num_preemptions > 0
     stats = spec(eng)
     assert 0 < stats["accepted"] < stats["proposed"]       # both accepted and rejected drafts
+    assert stats["decode_row_steps"] > 0 and stats["extend_steps"] > 0   # both verification forms
 
 
 def test_an_oracle_mtp_layer_accepts_every_draft(mtp_models):
