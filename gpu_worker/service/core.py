@@ -46,6 +46,20 @@ Prefill/decode hand-off (the shell moves the KV, gpu_worker/service/handoff.py):
     decode worker    AwaitKV -> `awaiting` until the KV arrives -> adopt_imports(): admitted
                      requests decode and stream here; dropped ones leave
 
+Peer moves (a drain that moves requests with their KV; either role with both KV endpoints):
+
+    draining worker W   hand_back(): each plain decoding request (one sample, every token but the
+                        last computed) is held with its KV (engine.hold_for_move), listed in
+                        `kv_held` beside `handed_back`, for the hand-off lease -> MoveKV(rid, to)
+                        from the scheduler: its KV goes to that peer through the hand-off sender,
+                        if the client's tokens are the ones computed (else the peer is told to
+                        give up: cancel) -> handoff_done() releases the blocks. An Abort, or no
+                        MoveKV within the lease, releases them.
+    peer worker D       Dispatch(resume_output, kv_from): opens the stream (as any moved request)
+                        and awaits the KV like a decode worker; admitted, it decodes on from the
+                        received blocks; refused, failed, cancelled or not offered within the lease,
+                        it recomputes the request from resume_output (the Dispatch without kv_from).
+
 Runs: every Dispatch and AwaitKV carries the scheduler's run number of the request (a move is a
 new run). Reports echo it (`finished_runs`, `active_runs`, `kept_runs`), so a late report of an
 aborted run is not read as one of a later run sent back here. A Dispatch of a request whose earlier
@@ -56,6 +70,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import msgspec
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +80,7 @@ from gpu_worker.sequence import HANDOFF
 from services import metrics
 from services.envelope import SCHEDULER, Envelope
 from services.protocol.messages import (
-    Abort, AwaitKV, Dispatch, RequestFailed, SeqTokens, StepOutput, StreamOpen, WorkerStatus)
+    Abort, AwaitKV, Dispatch, MoveKV, RequestFailed, SeqTokens, StepOutput, StreamOpen, WorkerStatus)
 
 log = logging.getLogger("kvmesh.worker")
 
@@ -132,6 +148,10 @@ class WorkerCore:
         # another socket, and one that reached the scheduler first without them in `active` would
         # have it forget them, where `handed_back` has it move them (moving twice is a no-op)
         self.handed_back: list[str] = []
+        self.moves_kv = False                          # both KV endpoints: drains move KV to peers
+        self.move_lease_s = 5.0                        # --handoff-lease-ms: how long held KV waits
+        self.held: dict[str, float] = {}               # W: request -> monotonic() its held KV is freed
+        self._peer_moves: dict[str, Dispatch] = {}     # D: KV awaited from a drained worker
 
     # ---- one iteration -------------------------------------------------------------------
     def run(self, inbox: list[Any], received: float | None = None) -> list[Envelope]:
@@ -147,6 +167,10 @@ class WorkerCore:
                 self._await_kv(msg, out, received)
             elif isinstance(msg, Abort):
                 self._abort(msg, out)
+            elif isinstance(msg, MoveKV):
+                self._move_kv(msg)
+        if self.held:
+            self._expire_held()
         if self.engine.has_unfinished_requests():
             self._step(out)
         if self._finished or self._kept:
@@ -185,6 +209,10 @@ class WorkerCore:
         self._prefilling.clear()
         self._stream_blocks.clear()
         self.handed_back = []
+        for rid in self.held:
+            self.engine.release_export(rid)
+        self.held.clear()
+        self._peer_moves.clear()
         self.epoch = epoch
         return len(dropped)
 
@@ -204,6 +232,9 @@ class WorkerCore:
             self._deferred[msg.request_id] = _Deferred(msg, received)
             return
         handoff_to = msg.handoff_to if self.hands_off else ""   # no sender here: run it whole
+        if msg.kv_from and self.imports is not None and len(msg.resume_output) == 1 and msg.resume_output[0]:
+            self._await_peer(msg, out, received)
+            return
         try:
             if handoff_to:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
@@ -229,10 +260,80 @@ class WorkerCore:
         if self._sees_scheduling:
             self._unscheduled[msg.request_id] = req
         self.num_requests += 1
-        out.append(Envelope(msg.detok_addr, StreamOpen(
+        out.append(Envelope(msg.detok_addr, self._open(msg)))
+
+    def _open(self, msg: Dispatch) -> StreamOpen:
+        return StreamOpen(
             request_id=msg.request_id, params=msg.params, reply_addr=msg.reply_addr,
             num_prompt_tokens=len(msg.prompt_token_ids), prompt_tail=msg.prompt_token_ids[-8:],
-            worker_addr=self.inbox_addr, resumes=msg.resumes, worker_id=self.worker_id, worker_epoch=self.epoch)))
+            worker_addr=self.inbox_addr, resumes=msg.resumes, worker_id=self.worker_id, worker_epoch=self.epoch)
+
+    # ---- peer moves (module docstring) ------------------------------------------------------
+    def _await_peer(self, msg: Dispatch, out: list[Envelope], received: float) -> None:
+        """D: a moved request whose KV a drained worker sends: its stream is ours from now on."""
+        rid = msg.request_id
+        self.awaiting[rid] = _Req(msg.detok_addr, msg.reply_addr, 1, received, run=msg.run,
+                                  prompt_tokens=len(msg.prompt_token_ids))
+        self._peer_moves[rid] = msg
+        self.imports.await_request(rid, max_wait_s=2 * self.move_lease_s,
+                                   expect=([*msg.prompt_token_ids, *msg.resume_output[0]], len(msg.prompt_token_ids)))
+        self.num_requests += 1
+        out.append(Envelope(msg.detok_addr, self._open(msg)))
+
+    def _peer_admitted(self, rid: str) -> None:
+        msg = self._peer_moves.pop(rid, None)
+        if msg is not None:
+            metrics.PEER_MOVES.labels("peer").inc()
+            log.info("request %s: moved here from worker %s with its KV (%d tokens reused)", rid, msg.kv_from,
+                     len(msg.prompt_token_ids) + len(msg.resume_output[0]) - 1)
+
+    def _peer_fallback(self, rid: str, out: list[Envelope]) -> None:
+        """D: the KV did not come (refused, failed, cancelled, late): recompute from the tokens."""
+        msg = self._peer_moves.pop(rid)
+        req = self.awaiting.pop(rid)
+        metrics.PEER_MOVES.labels("recompute").inc()
+        log.info("request %s: no KV from worker %s; recomputing its %d tokens", rid, msg.kv_from,
+                 len(msg.prompt_token_ids) + len(msg.resume_output[0]))
+        try:
+            self.engine.add_request(rid, msg.prompt_token_ids, msg.params, priority=msg.priority,
+                                    cache_salt=msg.cache_salt, resume_output=msg.resume_output,
+                                    resume_ended=msg.resume_ended)
+        except RequestError as exc:
+            out.append(Envelope(msg.reply_addr, RequestFailed(
+                request_id=rid, status=400, code="invalid_request", message=str(exc))))
+            out.append(Envelope(msg.detok_addr, Abort(request_id=rid, reason="invalid_request")))
+            self._finished.append((rid, msg.run))
+            return
+        self.requests[rid] = req
+        if self._sees_scheduling:
+            self._unscheduled[rid] = req
+
+    def _move_kv(self, msg: MoveKV) -> None:
+        """W: send a held request's KV to the peer awaiting it, if the client's tokens are the ones
+        computed; else tell the peer to give up (it recomputes) and free the blocks."""
+        rid = msg.request_id
+        if msg.epoch != self.epoch or self.held.pop(rid, None) is None:
+            log.info("request %s: no KV held for a move (epoch %d, serving %d)", rid, msg.epoch, self.epoch)
+            return
+        output = self.engine.held_output(rid)
+        if output != msg.output_token_ids:
+            log.info("request %s: its client has other tokens than its held KV; the peer recomputes", rid)
+            self.engine.release_export(rid)
+            self._cancels.append((rid, msg.to))
+            return
+        log.info("request %s: sending its KV (%d output tokens) to %s", rid, len(output), msg.to)
+        self._handoffs.append((rid, msg.to))       # the sender's; handoff_done releases the blocks
+
+    def _expire_held(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, deadline in self.held.items() if now > deadline]:
+            del self.held[rid]
+            log.info("request %s: no move of its held KV within the lease; freeing it", rid)
+            self.engine.release_export(rid)
+
+    def has_moves(self) -> bool:
+        """W: KV still held for, or being sent to, a peer (the drain waits for it, bounded)."""
+        return bool(self.held or self._sending or self._handoffs)
 
     def _take_over(self, rid: str) -> bool:
         """A re-run of rid, whose prefill worker died: False when its KV arrived before that (it
@@ -260,6 +361,22 @@ class WorkerCore:
 
     def _abort(self, msg: Abort, out: list[Envelope]) -> None:
         req = self.requests.get(msg.request_id)
+        if req is None and msg.request_id in self.held:      # W: no move now; free the KV
+            del self.held[msg.request_id]
+            self.engine.release_export(msg.request_id)
+            return
+        if req is None and msg.request_id in self._sending and msg.request_id not in self._stops:
+            self._stops.append(msg.request_id)               # W, mid-move: the sender ends it
+            return
+        if req is None and msg.request_id in self._peer_moves:   # D: its stream is ours
+            self._peer_moves.pop(msg.request_id)
+            awaited = self.awaiting.pop(msg.request_id)
+            self.imports.abort(msg.request_id)
+            self.imports.take_dropped()
+            self._finished.append((msg.request_id, awaited.run))
+            if msg.reason != "moved":
+                out.append(Envelope(awaited.detok_addr, Abort(request_id=msg.request_id, reason=msg.reason)))
+            return
         if req is None and msg.request_id in self._deferred:
             self._abort_deferred(msg, out)
             return
@@ -314,6 +431,16 @@ class WorkerCore:
             self._note_scheduled(t0)
         if self._prefilling:
             self._note_prefilled()
+        self._emit(deltas, t1, out)
+
+    def settle(self, out: list[Envelope]) -> None:
+        """Before hand_back: the step async scheduling launched ends, and its tokens go out, so
+        that every running request's KV is final up to its last token (it may move with it)."""
+        settle = getattr(self.engine, "settle", None)       # the null engine has none
+        if settle is not None:
+            self._emit(settle(), time.perf_counter(), out)
+
+    def _emit(self, deltas: list[SequenceDelta], t1: float, out: list[Envelope]) -> None:
         if not deltas:
             return
         per_dest: dict[str, list[SeqTokens]] = {}
@@ -505,37 +632,51 @@ class WorkerCore:
         self.imports.await_request(msg.request_id)
         self.num_requests += 1
 
-    def adopt_imports(self) -> None:
-        """After the shell served the KV socket: requests admitted decode here from now on."""
+    def adopt_imports(self, out: list[Envelope] | None = None) -> None:
+        """After the shell served the KV socket: requests admitted decode here from now on; a peer
+        move whose KV did not come is recomputed here (its failure, if any, goes to `out`)."""
         now = time.perf_counter()
         for rid in self.imports.take_admitted():
             req = self.awaiting.pop(rid, None)
             if req is not None:
                 req.first_token = req.last_token = now    # the first token came from the prefill worker
                 self.requests[rid] = req
+                self._peer_admitted(rid)
         for rid in self.imports.take_dropped():
-            if (req := self.awaiting.pop(rid, None)) is not None:
+            if rid in self._peer_moves:
+                self._peer_fallback(rid, out if out is not None else [])
+            elif (req := self.awaiting.pop(rid, None)) is not None:
                 self._finished.append((rid, req.run))
 
     def hand_back(self) -> WorkerStatus:
         """Draining, out of time: stop every request held here and free its KV, without a word to
         its detokenizer (its stream goes on at another worker). Returns the status that lists them
         for the scheduler (`handed_back`), which moves each one."""
-        handed = [*self.requests, *self._deferred]
+        moved = [rid for rid in self._peer_moves if rid in self.awaiting]   # streams of ours, KV not here
+        handed = [*self.requests, *self._deferred, *moved]
         # listed before they leave `requests`: a heartbeat built meanwhile names them one way or the other
         self.handed_back = [*self.handed_back, *handed]   # a new list: the heartbeat thread reads it
+        held: list[str] = []
+        deadline = time.monotonic() + self.move_lease_s
         for rid in self.requests:
-            self._abort_in_engine(rid)
+            if self.moves_kv and rid not in self._sending and self.engine.hold_for_move(rid):
+                self.held[rid] = deadline              # its KV waits for a MoveKV, up to the lease
+                held.append(rid)
+            else:
+                self._abort_in_engine(rid)
         self._deferred.clear()          # never started: nothing of theirs is in the engine
         for rid, req in self.awaiting.items():   # KV awaited from a prefill worker: that one ends the stream
             self.imports.abort(rid)
-            self._finished.append((rid, req.run))
+            if rid not in self._peer_moves:
+                self._finished.append((rid, req.run))
+        self._peer_moves.clear()
         if self.imports is not None:
             self.imports.take_dropped()
         self.requests.clear()
         self.awaiting.clear()
         self._unscheduled.clear()
-        return self.status(self._take_finished(), handed_back=handed, kept=self._take_kept())
+        status = self.status(self._take_finished(), handed_back=handed, kept=self._take_kept())
+        return msgspec.structs.replace(status, kv_held=held) if held else status
 
     def fail_all(self, message: str, out: list[Envelope]) -> None:
         for rid, req in list(self.requests.items()):
