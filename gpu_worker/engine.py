@@ -883,7 +883,9 @@ class Engine:
             self.kv_tiers.flush()
         self._arrivals += 1
         self._submit_grammar(request)
-        request.num_cached_tokens = num_cached_tokens
+        # a moved request's prompt was computed elsewhere and arrives whole: its usage says cached, as
+        # a recomputed move's says for the prompt blocks its new engine found
+        request.num_cached_tokens = len(prompt) if num_output_tokens else num_cached_tokens
         self.requests[request_id] = request
         self._importing[request_id] = (seq, sorted(samples) if samples is not None else None)
         return seq

@@ -359,7 +359,7 @@ class WorkerService:
         self.core = WorkerCore(engine, self.worker_id, self.lease.epoch, inbox_addr=addrs["zmq"])
         self.core.hands_off = sender is not None and cfg.role == "prefill"
         # with both ends of the KV transfer, a drain moves running requests to peers with their KV
-        self.core.moves_kv = sender is not None and kv_receiver is not None
+        self.core.moves_kv = sender is not None and kv_receiver is not None and cfg.drain_kv_to_peers
         self.core.move_lease_s = cfg.handoff_lease_ms / 1000
         # NIXL reads the blocks in one READ once the prompt is done: nothing streams before it
         self.core.streams_kv = self.core.hands_off and self.cfg.kv_transport != "nixl"
@@ -419,7 +419,8 @@ class WorkerService:
             return None, None
         from gpu_worker.service.handoff import DecodeReceiver, PrefillSender
         lease_s = cfg.handoff_lease_ms / 1000
-        if cfg.role == "mixed" and (cfg.kv_transport == "nixl" or engine.config.tensor_parallel_size > 1):
+        if cfg.role == "mixed" and (cfg.kv_transport == "nixl" or engine.config.tensor_parallel_size > 1
+                                    or not cfg.drain_kv_to_peers):
             return None, None      # peer moves go as frames, one cache per process: recomputed instead
         nixl = self._nixl_agent(engine) if cfg.kv_transport == "nixl" else None
         shm = cfg.kv_transport in ("auto", "shm", "cuda_ipc")      # the frames' path where D reads no cache
