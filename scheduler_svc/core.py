@@ -52,9 +52,9 @@ pairing is a function of the request id (_pairing_seed), so a scheduler that ado
 after a restart knows it too.
 
 Peer moves: a draining worker that holds a handed-back request's KV (WorkerStatus.kv_held) lets it
-move with it. Once the detokenizer's Resume is in, the worker chosen for it (any live one with room:
-mixed or decode) gets the Dispatch with `kv_from`, if it has a KV socket and the holder's KV layout
-and transport (routing.pairable), and the holder a MoveKV naming it; the peer decodes on from the
+move with it. Once the detokenizer's Resume is in, the worker chosen for it (any live one with room)
+gets the Dispatch with `kv_from`, if it is of the holder's role and has a KV socket and the holder's
+KV layout and transport (routing.pairable), and the holder a MoveKV naming it; the peer decodes on from the
 received KV, or recomputes from the Resume's tokens when it does not come (its fallback, within
 the hand-off lease). Otherwise the holder is told to free the KV (Abort "moved") and the request is
 recomputed as any moved one.
@@ -590,7 +590,9 @@ class SchedulerCore:
     def _peer_move(self, rid: str, req: _Req, worker: WorkerView) -> Envelope | None:
         """The MoveKV that sends req's held KV to `worker`, when it can take it; None otherwise."""
         holder = self.workers.get(req.kv_from)
-        if holder is None or holder is worker or not worker.kv_addr or not pairable(holder, worker):
+        # within a pool only (mixed to mixed, decode to decode): what the chart's policy lets through
+        if (holder is None or holder is worker or holder.role != worker.role or not worker.kv_addr
+                or not pairable(holder, worker)):
             return None
         return Envelope(holder.addr, MoveKV(request_id=rid, epoch=holder.epoch, to=worker.kv_addr, run=req.run,
                                             output_token_ids=req.resume.output_token_ids[0]))
@@ -601,7 +603,7 @@ class SchedulerCore:
         s = req.submit
         return [Envelope(s.reply_addr, RequestFailed(request_id=rid, status=503, code="worker_failed",
                                                      message="the worker serving this request stopped; please retry")),
-                Envelope(s.detok_addr, Abort(request_id=rid, reason="worker_failed"))]
+                Envelope(s.detok_addr, Abort(request_id=rid, reason="worker_failed")), *self._release_kv(req)]
 
     # ---- introspection -------------------------------------------------------------------
     @property

@@ -255,8 +255,9 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
                                  "port; fix it where a firewall or NetworkPolicy names ports).", **ANY_PORT)
     kv_snapshot_port: int = opt(0, "Port answering the prefix-cache index's snapshot requests (0: any free port).",
                                 **ANY_PORT)
-    kv_transfer_port: int = opt(0, "Decode role: port of the KV-transfer socket prefill workers send KV to "
-                                   "(CURVE, worker role only; 0: any free port).", **ANY_PORT)
+    kv_transfer_port: int = opt(0, "Decode and mixed roles: port of the KV-transfer socket prefill workers, and "
+                                   "draining workers moving requests with their KV, send KV to (CURVE, worker role "
+                                   "only; 0: any free port).", **ANY_PORT)
     kv_transport: str = opt("auto", "Prefill/decode roles: how KV moves between them: zmq (checked frames over the "
                                     "CURVE socket), shm (the same frames, their payload in POSIX shared memory when "
                                     "the other worker runs on this host; zmq frames otherwise), cuda_ipc (a decode "

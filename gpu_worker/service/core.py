@@ -275,7 +275,7 @@ class WorkerCore:
         self.awaiting[rid] = _Req(msg.detok_addr, msg.reply_addr, 1, received, run=msg.run,
                                   prompt_tokens=len(msg.prompt_token_ids))
         self._peer_moves[rid] = msg
-        self.imports.await_request(rid, max_wait_s=2 * self.move_lease_s,
+        self.imports.await_request(rid, max_wait_s=self.move_lease_s,
                                    expect=([*msg.prompt_token_ids, *msg.resume_output[0]], len(msg.prompt_token_ids)))
         self.num_requests += 1
         out.append(Envelope(msg.detok_addr, self._open(msg)))
@@ -313,7 +313,10 @@ class WorkerCore:
         computed; else tell the peer to give up (it recomputes) and free the blocks."""
         rid = msg.request_id
         if msg.epoch != self.epoch or self.held.pop(rid, None) is None:
-            log.info("request %s: no KV held for a move (epoch %d, serving %d)", rid, msg.epoch, self.epoch)
+            # freed past the lease (or another incarnation's): the peer need not wait for it
+            log.info("request %s: no KV held for a move (epoch %d, serving %d); the peer recomputes it", rid,
+                     msg.epoch, self.epoch)
+            self._cancels.append((rid, msg.to))
             return
         output = self.engine.held_output(rid)
         if output != msg.output_token_ids:

@@ -18,14 +18,17 @@ in the new epoch and the prefix index resyncs it from a snapshot). SIGTERM drain
 record says `draining` (no new work is routed here), running requests finish (up to
 --drain-grace-s), those left are handed back (stopped, their KV freed, listed in a WorkerStatus's
 `handed_back`: the scheduler moves each to another worker, where it continues from the tokens
-already streamed), an engine with a disk KV tier writes its cached KV there (up to 5 s: the next
+already streamed; those held with their KV, `kv_held`, go there with it within the hand-off
+lease, which the drain waits for), an engine with a disk KV tier writes its cached KV there (up to 5 s: the next
 worker on the same directory starts warm), then the lease is released.
 
 Roles (--role): a prefill worker queues each hand-off for its sender thread (handoff.PrefillSender)
 right after the step output carrying the request's first token went to its socket, and frees the
 request's blocks when the sender reports the end (the engine thread never waits for a decode
 worker); a decode worker binds the KV-transfer socket (CURVE, worker role only; advertised as `kv` in its record) and serves it
-between steps, waiting on it and on its inbox together when idle. Every real engine advertises its
+between steps, waiting on it and on its inbox together when idle. A mixed or decode worker has
+both ends (--drain-kv-to-peers): a drain sends its decoding requests' KV to the peers the
+scheduler picks (MoveKV), and it takes theirs (WorkerCore, "Peer moves"). Every real engine advertises its
 KV layout (`kv_layout` in the record's info): the scheduler pairs only workers whose layouts are equal.
 
 SENDERS names the roles (CURVE keys) each inbox message may come from; the inbox drops the rest.

@@ -30,8 +30,8 @@ def _moves(outcome: str) -> float:
 class Move:
     """W (draining) and D, each a core with the shells' KV endpoints."""
 
-    def __init__(self, model: str, d_kw: dict | None = None, lease_s: float = 5.0) -> None:
-        self.w = WorkerCore(engine(model), "w", 1)
+    def __init__(self, model: str, d_kw: dict | None = None, lease_s: float = 5.0, w_kw: dict | None = None) -> None:
+        self.w = WorkerCore(engine(model, **(w_kw or {})), "w", 1)
         self.d = WorkerCore(engine(model, **(d_kw or {})), "d", 1)
         self.w_sender = PrefillSender(self.w.engine, Plane.insecure(), lease_s=lease_s)
         self.d_receiver = DecodeReceiver(self.d.engine, Plane.insecure(), "127.0.0.1", 0, lease_s=lease_s)
@@ -85,11 +85,13 @@ class Move:
         assert time.monotonic() < deadline, "the move did not end"
 
 
-@pytest.mark.parametrize("params", [greedy(24), SEEDED], ids=["greedy", "seeded"])
-def test_a_request_drained_mid_decode_goes_on_at_the_peer_with_its_kv(llama, params):
+@pytest.mark.parametrize("params, w_kw", [(greedy(24), {}), (SEEDED, {}), (greedy(24), {"async_scheduling": True})],
+                         ids=["greedy", "seeded", "greedy-async"])
+def test_a_request_drained_mid_decode_goes_on_at_the_peer_with_its_kv(llama, params, w_kw):
+    """With async scheduling, W's launched step settles first (its tokens go out) and then holds."""
     ids = prompt(45, 3)
     expected = run_single(engine(llama), [("r", ids, params)])[("r", 0)]
-    move, peer_before = Move(llama), _moves("peer")
+    move, peer_before = Move(llama, w_kw=w_kw), _moves("peer")
     try:
         streamed = move.start("r", ids, params, steps=7)
         assert move.held == ["r"] and 0 < len(streamed) < 24
@@ -129,6 +131,17 @@ def test_a_sender_that_never_sends_or_other_tokens_fall_back_within_the_lease(ll
         move.resume("r", ids, greedy(20), streamed)
         move.drive()                       # no MoveKV (W died): W frees, D recomputes, both in the lease
         assert move.tokens()["r"] == expected
+        assert clean(move.w) and clean(move.d) and not move.w.engine.exported
+    finally:
+        move.close()
+    move = Move(llama)
+    try:                       # W freed the KV past its lease before the MoveKV: the peer need not wait
+        streamed = move.start("r", ids, greedy(20), steps=5)
+        move.w.held["r"] = 0.0
+        move.resume("r", ids, greedy(20), streamed)
+        started = time.monotonic()
+        move.drive([MoveKV(request_id="r", epoch=1, to=move.d_addr, output_token_ids=streamed)])
+        assert move.tokens()["r"] == expected and time.monotonic() - started < 4.0   # not the 5 s lease
         assert clean(move.w) and clean(move.d) and not move.w.engine.exported
     finally:
         move.close()

@@ -11,17 +11,17 @@ from tests.scheduler_svc.test_migration import DT, core_with, messages, status, 
 LAYOUT = {"model_id": "m", "block_size": 16}
 
 
-def _view(wid: str, layout: dict, transport: str):
-    w = worker(wid)
+def _view(wid: str, layout: dict, transport: str, role: str = "mixed"):
+    w = worker(wid, role=role)
     w.kv_addr, w.kv_layout, w.kv_transport = f"tcp://{wid}:2#worker", dict(layout), transport
     return w
 
 
-def drained(peer_layout: dict = LAYOUT, n: int = 1):
+def drained(peer_layout: dict = LAYOUT, peer_role: str = "mixed"):
     """w1 runs "a", then drains holding its KV; the detokenizer has been asked."""
     core = core_with(_view("w1", LAYOUT, "zmq"))
-    core.submit(submit("a", n=n))
-    core.set_workers([_view("w1", LAYOUT, "zmq"), _view("w2", peer_layout, "zmq")])
+    core.submit(submit("a"))
+    core.set_workers([_view("w1", LAYOUT, "zmq"), _view("w2", peer_layout, "zmq", peer_role)])
     held = msgspec.structs.replace(status("w1", handed_back=["a"]), kv_held=["a"])
     out = core.worker_status(held)
     assert [m.request_id for _, m in messages(out, Migrate)] == ["a"]
@@ -40,12 +40,12 @@ def test_the_peer_awaits_the_kv_and_the_holder_sends_it_there():
     assert {a for a, _ in messages(core.abort(Abort(request_id="a")), Abort)} == {"tcp://w1:1", "tcp://w2:1"}
 
 
-def test_no_peer_with_the_layout_or_a_stream_a_move_does_not_fit_frees_the_kv():
-    core = drained(peer_layout={"model_id": "m", "block_size": 32})
-    out = core.resumed(Resume(request_id="a", output_token_ids=[[5, 6, 7]]))
-    [(_, d)] = messages(out, Dispatch)
-    assert d.kv_from == "" and not messages(out, MoveKV)
-    assert [(a, m.reason) for a, m in messages(out, Abort)] == [("tcp://w1:1", "moved")]
+def test_no_peer_with_the_layout_or_role_or_a_stream_a_move_does_not_fit_frees_the_kv():
+    for core in (drained(peer_layout={"model_id": "m", "block_size": 32}), drained(peer_role="decode")):
+        out = core.resumed(Resume(request_id="a", output_token_ids=[[5, 6, 7]]))
+        [(_, d)] = messages(out, Dispatch)
+        assert d.kv_from == "" and not messages(out, MoveKV)
+        assert [(a, m.reason) for a, m in messages(out, Abort)] == [("tcp://w1:1", "moved")]
     core = drained()
     out = core.resumed(Resume(request_id="a", output_token_ids=[[]]))     # no token streamed yet
     assert not messages(out, MoveKV) and [a for a, _ in messages(out, Abort)] == ["tcp://w1:1"]
