@@ -857,8 +857,10 @@ class Engine:
         """
         tokens = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
         if not isinstance(num_output_tokens, int) or not 0 <= num_output_tokens < len(tokens) or (
-                num_output_tokens and (params.n != 1 or params.structured is not None)):
-            raise RequestError("invalid num_output_tokens: a moved request has one sample, no grammar, and a prompt")
+                num_output_tokens and (params.n != 1 or params.structured is not None or self.speculator is not None)):
+            # (a draft model's KV of the moved output, and a grammar's state, are not built here)
+            raise RequestError("invalid num_output_tokens: a moved request has one sample, no grammar, and a "
+                               "prompt, and goes to an engine without speculative decoding")
         prompt = tokens[:len(tokens) - num_output_tokens]
         if request_id in self.exported:
             raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
@@ -870,7 +872,7 @@ class Engine:
         if params.max_tokens is not None:
             max_tokens = min(params.max_tokens, max_tokens)
         stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
-        if num_output_tokens + 1 >= max_tokens:
+        if num_output_tokens and num_output_tokens + 1 >= max_tokens:   # a move with nothing left to draw
             raise RequestError("invalid num_output_tokens: no room left to generate")
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals, seed,
                           max_tokens, stop_ids=stop_ids)
