@@ -117,6 +117,7 @@ class _Req:
     run: int = 0                   # its current run (Dispatch.run): reports of another run are stale
     moved_from: str = ""           # the worker it last left
     kv_from: str = ""              # a draining worker holding its KV for a peer move (WorkerStatus.kv_held)
+    drained: bool = False          # requeued after a drain's hand-back: its dispatch is counted (DRAIN_MOVES)
 
 
 class SchedulerCore:
@@ -320,14 +321,16 @@ class SchedulerCore:
         target = prefill or worker
         dispatch = _dispatch_of(rid, s, target, worker.kv_addr if prefill is not None else "", req.run,
                                 resume=req.resume)
-        if req.kv_from:           # a drained worker holds its KV: move it along, or free it
-            move = self._peer_move(rid, req, worker)
-            if move is None:
-                out += self._release_kv(req)
-            else:
-                log.info("request %s moves to worker %s with its KV from %s", rid, worker.id, req.kv_from)
-                dispatch = msgspec.structs.replace(dispatch, kv_from=req.kv_from)
-                out.append(move)
+        move = self._peer_move(rid, req, worker) if req.kv_from else None
+        if move is not None:      # a drained worker holds its KV: it goes along
+            log.info("request %s moves to worker %s with its KV from %s", rid, worker.id, req.kv_from)
+            dispatch = msgspec.structs.replace(dispatch, kv_from=req.kv_from)
+            out.append(move)
+        elif req.kv_from:         # ... or is freed
+            out += self._release_kv(req)
+        if req.drained:
+            metrics.DRAIN_MOVES.labels("peer" if move is not None else "recompute").inc()
+            req.drained = False
         out.append(Envelope(target.addr, dispatch))
         return out
 
@@ -568,6 +571,7 @@ class SchedulerCore:
         if not self._eligible():
             return self._fail_moving(msg.request_id, req, reason)
         req.migrations += 1
+        req.drained = reason == "drain"
         req.hint = None                # the prefix match named the worker it left; routed by load
         req.resume = msg if msg.known else Resume(request_id=msg.request_id, output_token_ids=[])
         metrics.MIGRATIONS.labels(reason, "moved").inc()

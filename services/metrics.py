@@ -130,6 +130,11 @@ MIGRATIONS = _scheduler(Counter("kvmesh_scheduler_migrations", "In-flight reques
                                 "and outcome (moved: continued on another worker from the tokens already streamed; "
                                 "failed: no worker left or --max-migrations reached, the client got an error)",
                                 ["reason", "outcome"]))
+DRAIN_MOVES = _scheduler(Counter("kvmesh_scheduler_drain_moves", "Requests a draining worker handed back, by how "
+                                 "they were dispatched again (peer: with their KV, which the draining worker sends "
+                                 "to the new one, kvmesh_worker_kv_moves_total there says whether it came; "
+                                 "recompute: without, no peer of the worker's role and KV layout took them, or "
+                                 "their KV was not held)", ["path"]))
 SCHED_PREFIX_MATCH = _scheduler(Histogram("kvmesh_scheduler_prefix_match_seconds",
                                           "cache_aware routing over several workers: one submission's Match at the "
                                           "prefix-cache index plus its block hashing", buckets=_HOP))

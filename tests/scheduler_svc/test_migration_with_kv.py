@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from services import metrics
 from services.protocol.messages import Abort, Dispatch, Migrate, MoveKV, Resume
 from tests.scheduler_svc.test_migration import DT, core_with, messages, status, submit, worker
 
@@ -28,9 +29,14 @@ def drained(peer_layout: dict = LAYOUT, peer_role: str = "mixed"):
     return core
 
 
+def _moves(path: str) -> float:
+    return metrics.DRAIN_MOVES.labels(path).collect()[0].samples[0].value
+
+
 def test_the_peer_awaits_the_kv_and_the_holder_sends_it_there():
-    core = drained()
+    core, before = drained(), _moves("peer")
     out = core.resumed(Resume(request_id="a", output_token_ids=[[5, 6, 7]]))
+    assert _moves("peer") == before + 1
     [(addr, d)] = messages(out, Dispatch)
     [(holder, move)] = messages(out, MoveKV)
     assert addr == "tcp://w2:1" and d.kv_from == "w1" and d.resume_output == [[5, 6, 7]]
@@ -42,7 +48,9 @@ def test_the_peer_awaits_the_kv_and_the_holder_sends_it_there():
 
 def test_no_peer_with_the_layout_or_role_or_a_stream_a_move_does_not_fit_frees_the_kv():
     for core in (drained(peer_layout={"model_id": "m", "block_size": 32}), drained(peer_role="decode")):
+        before = _moves("recompute")
         out = core.resumed(Resume(request_id="a", output_token_ids=[[5, 6, 7]]))
+        assert _moves("recompute") == before + 1
         [(_, d)] = messages(out, Dispatch)
         assert d.kv_from == "" and not messages(out, MoveKV)
         assert [(a, m.reason) for a, m in messages(out, Abort)] == [("tcp://w1:1", "moved")]
