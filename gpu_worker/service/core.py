@@ -46,19 +46,7 @@ Prefill/decode hand-off (the shell moves the KV, gpu_worker/service/handoff.py):
     decode worker    AwaitKV -> `awaiting` until the KV arrives -> adopt_imports(): admitted
                      requests decode and stream here; dropped ones leave
 
-Peer moves (a drain that moves requests with their KV; either role with both KV endpoints):
-
-    draining worker W   hand_back(): each plain decoding request (one sample, every token but the
-                        last computed) is held with its KV (engine.hold_for_move), listed in
-                        `kv_held` beside `handed_back`, for the hand-off lease -> MoveKV(rid, to)
-                        from the scheduler: its KV goes to that peer through the hand-off sender,
-                        if the client's tokens are the ones computed (else the peer is told to
-                        give up: cancel) -> handoff_done() releases the blocks. An Abort, or no
-                        MoveKV within the lease, releases them.
-    peer worker D       Dispatch(resume_output, kv_from): opens the stream (as any moved request)
-                        and awaits the KV like a decode worker; admitted, it decodes on from the
-                        received blocks; refused, failed, cancelled or not offered within the lease,
-                        it recomputes the request from resume_output (the Dispatch without kv_from).
+Peer moves (a drain that moves requests with their KV): peer_moves.py, whose methods this core has.
 
 Runs: every Dispatch and AwaitKV carries the scheduler's run number of the request (a move is a
 new run). Reports echo it (`finished_runs`, `active_runs`, `kept_runs`), so a late report of an
@@ -77,31 +65,14 @@ from typing import Any
 
 from gpu_worker.outputs import RequestError, SequenceDelta
 from gpu_worker.sequence import HANDOFF
+from gpu_worker.service.peer_moves import PeerMoves
 from services import metrics
 from services.envelope import SCHEDULER, Envelope
 from services.protocol.messages import (
     Abort, AwaitKV, Dispatch, MoveKV, RequestFailed, SeqTokens, StepOutput, StreamOpen, WorkerStatus)
+from gpu_worker.service.request_state import Req as _Req
 
 log = logging.getLogger("kvmesh.worker")
-
-@dataclass
-class _Req:
-    detok_addr: str
-    reply_addr: str
-    n: int
-    received: float                      # perf_counter() when the Dispatch was read off the socket
-    run: int = 0                         # Dispatch.run / AwaitKV.run: echoed in reports
-    done: set[int] = field(default_factory=set)
-    scheduled: float | None = None       # start of the step that first computed prompt tokens
-    first_token: float | None = None     # end of the step that produced the first token
-    last_token: float = 0.0              # end of the latest step that produced tokens
-    prompt_tokens: int = 0               # prompt tokens to prefill here: the backlog until the first token
-    handoff_to: str = ""                 # prefill worker: the decode worker that gets the KV
-    exported: bool = False               # prefill worker: some sample goes on at the decode worker
-    handed: set[int] = field(default_factory=set)   # prefill worker: those samples
-    streamed: int = 0                    # prefill worker: leading blocks given to the sender while prefilling
-    stopped: set[int] = field(default_factory=set)   # samples aborted while the sender read its blocks
-
 
 @dataclass
 class _Deferred:
@@ -111,7 +82,7 @@ class _Deferred:
     ended: set[int] = field(default_factory=set)   # samples aborted meanwhile (stop strings)
 
 
-class WorkerCore:
+class WorkerCore(PeerMoves):
     def __init__(self, engine: Any, worker_id: str, epoch: int, inbox_addr: str = "") -> None:
         self.engine = engine
         self.worker_id, self.epoch = worker_id, epoch
@@ -148,10 +119,7 @@ class WorkerCore:
         # another socket, and one that reached the scheduler first without them in `active` would
         # have it forget them, where `handed_back` has it move them (moving twice is a no-op)
         self.handed_back: list[str] = []
-        self.moves_kv = False                          # both KV endpoints: drains move KV to peers
-        self.move_lease_s = 5.0                        # --handoff-lease-ms: how long held KV waits
-        self.held: dict[str, float] = {}               # W: request -> monotonic() its held KV is freed
-        self._peer_moves: dict[str, Dispatch] = {}     # D: KV awaited from a drained worker
+        self._init_peer_moves()                        # peer_moves.py: a drain's moves with the KV
 
     # ---- one iteration -------------------------------------------------------------------
     def run(self, inbox: list[Any], received: float | None = None) -> list[Envelope]:
@@ -267,76 +235,6 @@ class WorkerCore:
             request_id=msg.request_id, params=msg.params, reply_addr=msg.reply_addr,
             num_prompt_tokens=len(msg.prompt_token_ids), prompt_tail=msg.prompt_token_ids[-8:],
             worker_addr=self.inbox_addr, resumes=msg.resumes, worker_id=self.worker_id, worker_epoch=self.epoch)
-
-    # ---- peer moves (module docstring) ------------------------------------------------------
-    def _await_peer(self, msg: Dispatch, out: list[Envelope], received: float) -> None:
-        """D: a moved request whose KV a drained worker sends: its stream is ours from now on."""
-        rid = msg.request_id
-        self.awaiting[rid] = _Req(msg.detok_addr, msg.reply_addr, 1, received, run=msg.run,
-                                  prompt_tokens=len(msg.prompt_token_ids))
-        self._peer_moves[rid] = msg
-        self.imports.await_request(rid, max_wait_s=self.move_lease_s,
-                                   expect=([*msg.prompt_token_ids, *msg.resume_output[0]], len(msg.prompt_token_ids)))
-        self.num_requests += 1
-        out.append(Envelope(msg.detok_addr, self._open(msg)))
-
-    def _peer_admitted(self, rid: str) -> None:
-        msg = self._peer_moves.pop(rid, None)
-        if msg is not None:
-            metrics.PEER_MOVES.labels("peer").inc()
-            log.info("request %s: moved here from worker %s with its KV (%d tokens reused)", rid, msg.kv_from,
-                     len(msg.prompt_token_ids) + len(msg.resume_output[0]) - 1)
-
-    def _peer_fallback(self, rid: str, out: list[Envelope]) -> None:
-        """D: the KV did not come (refused, failed, cancelled, late): recompute from the tokens."""
-        msg = self._peer_moves.pop(rid)
-        req = self.awaiting.pop(rid)
-        metrics.PEER_MOVES.labels("recompute").inc()
-        log.info("request %s: no KV from worker %s; recomputing its %d tokens", rid, msg.kv_from,
-                 len(msg.prompt_token_ids) + len(msg.resume_output[0]))
-        try:
-            self.engine.add_request(rid, msg.prompt_token_ids, msg.params, priority=msg.priority,
-                                    cache_salt=msg.cache_salt, resume_output=msg.resume_output,
-                                    resume_ended=msg.resume_ended)
-        except RequestError as exc:
-            out.append(Envelope(msg.reply_addr, RequestFailed(
-                request_id=rid, status=400, code="invalid_request", message=str(exc))))
-            out.append(Envelope(msg.detok_addr, Abort(request_id=rid, reason="invalid_request")))
-            self._finished.append((rid, msg.run))
-            return
-        self.requests[rid] = req
-        if self._sees_scheduling:
-            self._unscheduled[rid] = req
-
-    def _move_kv(self, msg: MoveKV) -> None:
-        """W: send a held request's KV to the peer awaiting it, if the client's tokens are the ones
-        computed; else tell the peer to give up (it recomputes) and free the blocks."""
-        rid = msg.request_id
-        if msg.epoch != self.epoch or self.held.pop(rid, None) is None:
-            # freed past the lease (or another incarnation's): the peer need not wait for it
-            log.info("request %s: no KV held for a move (epoch %d, serving %d); the peer recomputes it", rid,
-                     msg.epoch, self.epoch)
-            self._cancels.append((rid, msg.to))
-            return
-        output = self.engine.held_output(rid)
-        if output != msg.output_token_ids:
-            log.info("request %s: its client has other tokens than its held KV; the peer recomputes", rid)
-            self.engine.release_export(rid)
-            self._cancels.append((rid, msg.to))
-            return
-        log.info("request %s: sending its KV (%d output tokens) to %s", rid, len(output), msg.to)
-        self._handoffs.append((rid, msg.to))       # the sender's; handoff_done releases the blocks
-
-    def _expire_held(self) -> None:
-        now = time.monotonic()
-        for rid in [r for r, deadline in self.held.items() if now > deadline]:
-            del self.held[rid]
-            log.info("request %s: no move of its held KV within the lease; freeing it", rid)
-            self.engine.release_export(rid)
-
-    def has_moves(self) -> bool:
-        """W: KV still held for, or being sent to, a peer (the drain waits for it, bounded)."""
-        return bool(self.held or self._sending or self._handoffs)
 
     def _take_over(self, rid: str) -> bool:
         """A re-run of rid, whose prefill worker died: False when its KV arrived before that (it
