@@ -8,7 +8,10 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
+from gpu_worker.config import EngineConfig
+from gpu_worker.engine import Engine
 from gpu_worker.service.core import WorkerCore
 from gpu_worker.service.handoff import DecodeReceiver, PrefillSender
 from services import metrics
@@ -30,9 +33,10 @@ def _moves(outcome: str) -> float:
 class Move:
     """W (draining) and D, each a core with the shells' KV endpoints."""
 
-    def __init__(self, model: str, d_kw: dict | None = None, lease_s: float = 5.0, w_kw: dict | None = None) -> None:
-        self.w = WorkerCore(engine(model, **(w_kw or {})), "w", 1)
-        self.d = WorkerCore(engine(model, **(d_kw or {})), "d", 1)
+    def __init__(self, model: str, d_kw: dict | None = None, lease_s: float = 5.0, w_kw: dict | None = None,
+                 make=engine) -> None:
+        self.w = WorkerCore(make(model, **(w_kw or {})), "w", 1)
+        self.d = WorkerCore(make(model, **(d_kw or {})), "d", 1)
         self.w_sender = PrefillSender(self.w.engine, Plane.insecure(), lease_s=lease_s)
         self.d_receiver = DecodeReceiver(self.d.engine, Plane.insecure(), "127.0.0.1", 0, lease_s=lease_s)
         self.w.moves_kv, self.w.move_lease_s = True, lease_s
@@ -168,6 +172,31 @@ def test_an_abort_during_the_peer_hand_off_frees_both_sides(llama):
                    abort_when_importing="r")
         assert len(move.tokens()["r"]) == len(streamed)      # nothing after the abort
         assert any(isinstance(e.msg, Abort) and e.dest == "dt" for e in move.out)   # D ended the stream
+        assert clean(move.w) and clean(move.d) and not move.w.engine.exported
+    finally:
+        move.close()
+
+
+def _cuda_engine(model: str, **kw) -> Engine:
+    return Engine(EngineConfig(model=model, device="cuda", dtype="float32", num_gpu_blocks=64,
+                               async_scheduling=True, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("params", [greedy(24), SEEDED], ids=["greedy", "seeded"])
+def test_a_peer_move_between_two_gpu_engines_streams_one_engines_tokens(llama, params):
+    """The CUDA path: W settles its launched step, its frames are gathered from the device cache
+    and D writes them into its own; the tokens are those of one engine that never moved."""
+    ids = prompt(45, 3)
+    expected = run_single(_cuda_engine(llama), [("r", ids, params)])[("r", 0)]
+    move, peer_before = Move(llama, make=_cuda_engine), _moves("peer")
+    try:
+        streamed = move.start("r", ids, params, steps=7)
+        assert move.held == ["r"]
+        move.resume("r", ids, params, streamed)
+        move.drive([MoveKV(request_id="r", epoch=1, to=move.d_addr, output_token_ids=streamed)])
+        assert move.tokens()["r"] == expected and _moves("peer") == peer_before + 1
         assert clean(move.w) and clean(move.d) and not move.w.engine.exported
     finally:
         move.close()
