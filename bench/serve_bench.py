@@ -37,11 +37,12 @@ One device call (H200, at most ~540 s) measures, on a random-weight Llama-3.1-8B
            signal, the one the detokenizer's stall, kvmesh_detok_migration_stall_seconds on the
            gateway's /metrics, matches) less the median inter-chunk time before it, that stall,
            and the new run's cached prompt tokens (usage), on a
-           fresh stack per --migration-modes: `shared` (--kv-offload-shared-dir: the draining
-           worker writes its cached blocks there, the new one loads the prompt's from there) and
-           `recompute` (no KV tier: the new worker prefills it again). kvmesh has no peer path for
-           a move (a drain hands requests back without their KV; only a prefill/decode hand-off
-           sends KV to a peer), so the tier stands for "reused". Between contexts it waits for
+           fresh stack per --migration-modes: `peer` (the default stack: the draining worker sends
+           the request's KV, prompt and output so far, to the other worker through the hand-off,
+           shm ring on one host, and it decodes on), `shared` (KVMESH_DRAIN_KV_TO_PEERS=0 and
+           --kv-offload-shared-dir: the draining worker writes its cached blocks there, the new
+           one loads the prompt's from there) and `recompute` (neither: the new worker prefills it
+           again). Between contexts it waits for
            `kvmesh serve` to restart the drained worker (its start time is recorded).
 
 Around every measured run (c1, c64, each routing run) it scrapes the gateway's /metrics (its HTTP
@@ -664,7 +665,7 @@ def section_routing(args, sc: Scale) -> None:
 
 
 # ----------------------------------------------------------------------------- migration
-MIG_MODES = ("shared", "recompute")
+MIG_MODES = ("peer", "shared", "recompute")
 # the gateway's detokenizer (kvmesh serve's default: text in the gateway) times each moved stream
 MIG_STALL = "kvmesh_detok_migration_stall_seconds"
 
@@ -672,8 +673,6 @@ MIG_STALL = "kvmesh_detok_migration_stall_seconds"
 def section_migration(args, sc: Scale) -> None:
     """One fresh two-worker stack per --migration-modes; in each, one run per context (module docstring)."""
     res = RESULTS["sections"].setdefault("migration", {})
-    res["peer"] = ("none: a drain hands its requests back without their KV (only a prefill/decode hand-off sends "
-                   "KV to a peer); the shared tier is the reuse path of a move")
     contexts = [int(c) for c in (args.migration_contexts or sc.mig_contexts).split(",") if c.strip()]
     vocab = MODEL_SHAPES[sc.model_size]["vocab_size"]
     for mode in args.migration_modes:
@@ -683,6 +682,8 @@ def section_migration(args, sc: Scale) -> None:
             skip(part, f"{remaining():.0f} s left, ~{est:.0f} s needed")
             continue
         env = {**args.env, "KVMESH_DRAIN_GRACE_S": "0"}   # the move at once, mid-decode
+        if mode != "peer":                                # the KV from a tier, or none
+            env["KVMESH_DRAIN_KV_TO_PEERS"] = "0"
         if args.routing_gpu_mem:
             env["KVMESH_GPU_MEMORY_UTILIZATION"] = str(args.routing_gpu_mem)
         shared = Path(tempfile.mkdtemp(prefix="kvmesh-mig-shared-")) if mode == "shared" else None
@@ -942,7 +943,7 @@ def _beside_lines(key: str, title: str, run: dict, other: dict | None, other_nam
 
 
 def _migration_lines(res: dict) -> list[str]:
-    """Per context, the move's extra latency with the KV from the shared tier beside recomputed."""
+    """Per context, the move's extra latency with the KV from the peer, from the shared tier, recomputed."""
     lines = []
     for key in sorted({k for mode in MIG_MODES for k in res.get(mode, {}) if k.startswith("ctx")},
                       key=lambda k: int(k[3:])):
@@ -1025,9 +1026,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routing-gpu-mem", type=float, default=0.42,
                     help="KVMESH_GPU_MEMORY_UTILIZATION of each of the two workers, routing, pd and migration "
                          "(0: leave unset)")
-    ap.add_argument("--migration-modes", default="shared,recompute",
-                    help="where a moved request's KV comes from, one fresh 2-worker stack each: shared (the "
-                         "shared KV tier the drained worker writes), recompute (no tier)")
+    ap.add_argument("--migration-modes", default="peer,shared,recompute",
+                    help="where a moved request's KV comes from, one fresh 2-worker stack each: peer (the "
+                         "drained worker sends it), shared (the shared KV tier the drained worker writes), "
+                         "recompute (neither)")
     ap.add_argument("--migration-contexts", default="",
                     help="comma-separated prompt tokens of the migration runs (default 2048,8192)")
     ap.add_argument("--single-gpu-mem", type=float, default=0.0,

@@ -771,6 +771,46 @@ class Engine:
                 self.block_manager.free(seq)
         return True
 
+    def settle(self) -> list[SequenceDelta]:
+        """Finish the step async scheduling launched, if any, and return its deltas: afterwards
+        every running sequence's KV is final up to its last token (a drain holds them then)."""
+        if self._inflight is None:
+            return []
+        prev, self._inflight = self._inflight, None
+        return self._settle(prev)
+
+    def hold_for_move(self, request_id: str) -> bool:
+        """A draining engine's running request, to move with its KV (a peer move): it leaves the
+        batch and its blocks are held (`exported`, its sample finished with HANDOFF) until
+        release_export, like a prefill's export. Only a plain decoding request qualifies: one
+        sample, running, every token but the last computed, no grammar, no speculation, no step
+        in flight (settle() first). False: nothing changed (it is recomputed elsewhere instead).
+
+            token_ids   | prompt .......... | output ..... t |   t: drawn, not yet computed
+            KV held     |<------- num_tokens - 1 ------->|
+        """
+        request = self.requests.get(request_id)
+        if (request is None or request.n != 1 or len(request.seqs) != 1 or request.export_kv
+                or request.grammar is not None or self.speculator is not None or self._inflight is not None):
+            return False
+        seq = request.seqs[0]
+        bs = self.config.block_size
+        if (seq.status is not SequenceStatus.RUNNING or seq.num_new_tokens != 1 or seq.num_output_tokens < 1
+                or len(seq.block_table) != -(-seq.num_computed_tokens // bs)):
+            return False
+        self.scheduler.finish(seq, HANDOFF)      # out of the batch; its blocks stay held
+        del self.requests[request_id]
+        self._forget_constrained(request_id)
+        self.exported[request_id] = request
+        return True
+
+    def held_output(self, request_id: str) -> list[int] | None:
+        """The output tokens of a request held by hold_for_move (None if not held)."""
+        request = self.exported.get(request_id)
+        if request is None or request.export_kv or len(request.seqs) != 1:
+            return None
+        return request.seqs[0].output_token_ids
+
     def prefilled_blocks(self, request_id: str) -> list[int]:
         """An export_kv request whose prompt is still being computed: the ids of its prompt's
         leading full blocks that the steps so far computed, in table order (their KV is final:
@@ -814,15 +854,28 @@ class Engine:
 
     def import_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                          seed: int, samples: list[tuple[int, int, float]] | None, priority: int = 0,
-                         cache_salt: str = "", num_cached_tokens: int = 0) -> Sequence | None:
+                         cache_salt: str = "", num_cached_tokens: int = 0,
+                         num_output_tokens: int = 0) -> Sequence | None:
         """Reserve blocks for a request prefilled on another engine, whose samples (index, first
         token, its cumulative logprob) go on here; None: the other engine is still prefilling
         (its blocks stream in meanwhile) and the samples come with admit_imported. The returned
         sequence's block table covers the prompt: its leading blocks that this engine's prefix
         cache already holds are reused (block_table[:num_computed_tokens // block_size]), the
         rest await the KV. None (nothing reserved) when the pool lacks free blocks now. Raises
-        RequestError like add_request."""
-        prompt = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
+        RequestError like add_request. num_output_tokens: a peer move of a decoding request (one
+        sample): the last this many ids of prompt_token_ids are its output so far, computed like
+        the prompt but counted as output, so it goes on as if it had never moved.
+
+            prompt_token_ids | prompt ............ | output[:-1] |  + samples' token: output[-1]
+                             |<- num_prompt_tokens ->|<- num_output_tokens ->|
+        """
+        tokens = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
+        if not isinstance(num_output_tokens, int) or not 0 <= num_output_tokens < len(tokens) or (
+                num_output_tokens and (params.n != 1 or params.structured is not None or self.speculator is not None)):
+            # (a draft model's KV of the moved output, and a grammar's state, are not built here)
+            raise RequestError("invalid num_output_tokens: a moved request has one sample, no grammar, and a "
+                               "prompt, and goes to an engine without speculative decoding")
+        prompt = tokens[:len(tokens) - num_output_tokens]
         if request_id in self.exported:
             raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
         if samples is not None:
@@ -833,18 +886,22 @@ class Engine:
         if params.max_tokens is not None:
             max_tokens = min(params.max_tokens, max_tokens)
         stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
+        if num_output_tokens and num_output_tokens + 1 >= max_tokens:   # a move with nothing left to draw
+            raise RequestError("invalid num_output_tokens: no room left to generate")
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals, seed,
                           max_tokens, stop_ids=stop_ids)
-        seq = Sequence(request, min(i for i, _, _ in samples) if samples else 0, list(prompt), len(prompt))
+        seq = Sequence(request, min(i for i, _, _ in samples) if samples else 0, list(tokens), len(prompt))
         bm = self.block_manager
         hits = bm.lookup_full_blocks(seq)
-        if not bm.allocate_prefill(seq, hits, len(prompt) - len(hits) * bm.block_size):
+        if not bm.allocate_prefill(seq, hits, len(tokens) - len(hits) * bm.block_size):
             return None
         if self.kv_tiers is not None:          # blocks it evicted go down a tier before the KV lands
             self.kv_tiers.flush()
         self._arrivals += 1
         self._submit_grammar(request)
-        request.num_cached_tokens = num_cached_tokens
+        # a moved request's prompt was computed elsewhere and arrives whole: its usage says cached, as
+        # a recomputed move's says for the prompt blocks its new engine found
+        request.num_cached_tokens = len(prompt) if num_output_tokens else num_cached_tokens
         self.requests[request_id] = request
         self._importing[request_id] = (seq, sorted(samples) if samples is not None else None)
         return seq
@@ -879,7 +936,7 @@ class Engine:
         del self._importing[request_id]
         request = seq.request
         hit_tokens = seq.num_computed_tokens   # this engine's own prefix hits: not imported
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_tokens       # the prompt (and a moved request's output)
         going_on = {i: (token, logprob) for i, token, logprob in held}
         if self.speculator is not None and going_on:   # a draft model's KV of the imported prompt
             self.speculator.catch_up(seq, hit_tokens, self.config.max_num_batched_tokens)

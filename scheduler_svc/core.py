@@ -51,6 +51,14 @@ it and streamed on: the detokenizer drops what P sends after the Migrate). The s
 pairing is a function of the request id (_pairing_seed), so a scheduler that adopts a hand-off
 after a restart knows it too.
 
+Peer moves: a draining worker that holds a handed-back request's KV (WorkerStatus.kv_held) lets it
+move with it. Once the detokenizer's Resume is in, the worker chosen for it (any live one with room)
+gets the Dispatch with `kv_from`, if it is of the holder's role and has a KV socket and the holder's
+KV layout and transport (routing.pairable), and the holder a MoveKV naming it; the peer decodes on from the
+received KV, or recomputes from the Resume's tokens when it does not come (its fallback, within
+the hand-off lease). Otherwise the holder is told to free the KV (Abort "moved") and the request is
+recomputed as any moved one.
+
 Runs: each dispatch gets a run number (`_Req.run`, Dispatch.run, AwaitKV.run: both halves of a
 hand-off share it); workers echo it in their reports, and a report of another run is ignored (the
 late "finished" of a half aborted with reason "moved" must not end the run sent back to that worker).
@@ -76,7 +84,7 @@ from services import metrics
 from services.envelope import Envelope
 from services.protocol.kv_events import MatchResponse
 from services.protocol.messages import (
-    Abort, Admitted, AwaitKV, Dispatch, Migrate, Moved, Rejected, RequestFailed, Resume, Submit, WorkerStatus,
+    Abort, Admitted, AwaitKV, Dispatch, Migrate, MoveKV, Moved, Rejected, RequestFailed, Resume, Submit, WorkerStatus,
     failure_of)
 
 log = logging.getLogger("kvmesh.scheduler")
@@ -107,6 +115,9 @@ class _Req:
     moving: str = ""               # the migration reason while its detokenizer's Resume is awaited
     resume: Resume | None = None   # where its stream stood when it last moved (dispatched with it)
     run: int = 0                   # its current run (Dispatch.run): reports of another run are stale
+    moved_from: str = ""           # the worker it last left
+    kv_from: str = ""              # a draining worker holding its KV for a peer move (WorkerStatus.kv_held)
+    drained: bool = False          # requeued after a drain's hand-back: its dispatch is counted (DRAIN_MOVES)
 
 
 class SchedulerCore:
@@ -308,8 +319,19 @@ class SchedulerCore:
             out.append(Envelope(worker.addr, AwaitKV(request_id=rid, epoch=worker.epoch, n=s.params.n,
                                                      reply_addr=s.reply_addr, detok_addr=s.detok_addr, run=req.run)))
         target = prefill or worker
-        out.append(Envelope(target.addr, _dispatch_of(rid, s, target, worker.kv_addr if prefill is not None else "",
-                                                      req.run, resume=req.resume)))
+        dispatch = _dispatch_of(rid, s, target, worker.kv_addr if prefill is not None else "", req.run,
+                                resume=req.resume)
+        move = self._peer_move(rid, req, worker) if req.kv_from else None
+        if move is not None:      # a drained worker holds its KV: it goes along
+            log.info("request %s moves to worker %s with its KV from %s", rid, worker.id, req.kv_from)
+            dispatch = msgspec.structs.replace(dispatch, kv_from=req.kv_from)
+            out.append(move)
+        elif req.kv_from:         # ... or is freed
+            out += self._release_kv(req)
+        if req.drained:
+            metrics.DRAIN_MOVES.labels("peer" if move is not None else "recompute").inc()
+            req.drained = False
+        out.append(Envelope(target.addr, dispatch))
         return out
 
     # ---- request end ---------------------------------------------------------------------
@@ -321,15 +343,17 @@ class SchedulerCore:
             return []
         if req.moving:                      # its detokenizer holds the stream: it lets go of it too
             self._forget(msg.request_id)
-            return [Envelope(req.submit.reply_addr, failure_of(msg)), Envelope(req.submit.detok_addr, msg)]
+            return [Envelope(req.submit.reply_addr, failure_of(msg)), Envelope(req.submit.detok_addr, msg),
+                    *self._release_kv(req)]
         if req.worker_id is None:           # queued or matching: forget it (heap entry deleted lazily)
             self._queued -= 1
             self._forget(msg.request_id)
-            out = [Envelope(req.submit.reply_addr, failure_of(msg))]   # its gateway ends the stream
+            out = [Envelope(req.submit.reply_addr, failure_of(msg)), *self._release_kv(req)]   # its gateway ends the stream
             if req.resume is not None:      # a moved stream: its detokenizer holds it
                 out.append(Envelope(req.submit.detok_addr, msg))
             return out
-        holders = (self.workers.get(req.prefill_id or ""), self.workers.get(req.worker_id))
+        holders = (self.workers.get(req.prefill_id or ""), self.workers.get(req.worker_id),
+                   self.workers.get(req.kv_from))      # a peer move's sender: it stops and frees the KV
         return [Envelope(w.addr, msg) for w in holders if w is not None]
 
     def _forget(self, rid: str) -> None:
@@ -387,6 +411,12 @@ class SchedulerCore:
             w.draining = True    # even before its registry record says so (the moves would come back)
         out += [env for rid in msg.handed_back if (req := self.requests.get(rid)) is not None
                 and w.id in (req.worker_id, req.prefill_id) for env in self._move(rid, req, w, "drain")]
+        for rid in msg.kv_held:     # its KV waits at w for a peer (a heartbeat may have moved it first)
+            req = self.requests.get(rid)
+            if req is not None and req.moving and req.moved_from == w.id:
+                req.kv_from = w.id
+            else:
+                out.append(Envelope(w.addr, Abort(request_id=rid, reason="moved")))
         if msg.active is not None:
             active, now = dict(_with_runs(msg.active, msg.active_runs or [])), self.clock()
             # what an earlier scheduler sent it: it holds a slot until its end
@@ -507,6 +537,7 @@ class SchedulerCore:
                     other = holder
                     out.append(Envelope(holder.addr, Abort(request_id=rid, reason="moved")))
         req.worker_id = req.prefill_id = None
+        req.moved_from, req.kv_from = w.id, ""
         if req.migrations >= self.limits.max_migrations:
             return out + self._fail_moving(rid, req, reason)
         req.moving = reason
@@ -525,6 +556,9 @@ class SchedulerCore:
         req = self.requests.get(msg.request_id)
         if req is None or not req.moving:
             return []
+        if req.kv_from and not (msg.known and len(msg.output_token_ids) == 1 and msg.output_token_ids[0]
+                                and not msg.ended):
+            return [*self._release_kv(req), *self.resumed(msg)]     # not a stream a peer move fits
         reason, req.moving = req.moving, ""
         n = req.submit.params.n
         if msg.known and len(set(msg.ended)) >= n:     # every sample ended meanwhile: nothing to run
@@ -537,6 +571,7 @@ class SchedulerCore:
         if not self._eligible():
             return self._fail_moving(msg.request_id, req, reason)
         req.migrations += 1
+        req.drained = reason == "drain"
         req.hint = None                # the prefix match named the worker it left; routed by load
         req.resume = msg if msg.known else Resume(request_id=msg.request_id, output_token_ids=[])
         metrics.MIGRATIONS.labels(reason, "moved").inc()
@@ -550,13 +585,29 @@ class SchedulerCore:
             Envelope(req.submit.reply_addr, Moved(request_id=msg.request_id))]
         return told + self.dispatch()
 
+    def _release_kv(self, req: _Req) -> list[Envelope]:
+        """The draining worker holding req's KV frees it: the request is recomputed instead."""
+        holder, req.kv_from = self.workers.get(req.kv_from), ""
+        return [] if holder is None else [Envelope(holder.addr, Abort(request_id=req.submit.request_id,
+                                                                      reason="moved"))]
+
+    def _peer_move(self, rid: str, req: _Req, worker: WorkerView) -> Envelope | None:
+        """The MoveKV that sends req's held KV to `worker`, when it can take it; None otherwise."""
+        holder = self.workers.get(req.kv_from)
+        # within a pool only (mixed to mixed, decode to decode): what the chart's policy lets through
+        if (holder is None or holder is worker or holder.role != worker.role or not worker.kv_addr
+                or not pairable(holder, worker)):
+            return None
+        return Envelope(holder.addr, MoveKV(request_id=rid, epoch=holder.epoch, to=worker.kv_addr, run=req.run,
+                                            output_token_ids=req.resume.output_token_ids[0]))
+
     def _fail_moving(self, rid: str, req: _Req, reason: str) -> list[Envelope]:
         metrics.MIGRATIONS.labels(reason, "failed").inc()
         self._forget(rid)
         s = req.submit
         return [Envelope(s.reply_addr, RequestFailed(request_id=rid, status=503, code="worker_failed",
                                                      message="the worker serving this request stopped; please retry")),
-                Envelope(s.detok_addr, Abort(request_id=rid, reason="worker_failed"))]
+                Envelope(s.detok_addr, Abort(request_id=rid, reason="worker_failed")), *self._release_kv(req)]
 
     # ---- introspection -------------------------------------------------------------------
     @property

@@ -255,8 +255,9 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
                                  "port; fix it where a firewall or NetworkPolicy names ports).", **ANY_PORT)
     kv_snapshot_port: int = opt(0, "Port answering the prefix-cache index's snapshot requests (0: any free port).",
                                 **ANY_PORT)
-    kv_transfer_port: int = opt(0, "Decode role: port of the KV-transfer socket prefill workers send KV to "
-                                   "(CURVE, worker role only; 0: any free port).", **ANY_PORT)
+    kv_transfer_port: int = opt(0, "Decode and mixed roles: port of the KV-transfer socket prefill workers, and "
+                                   "draining workers moving requests with their KV, send KV to (CURVE, worker role "
+                                   "only; 0: any free port).", **ANY_PORT)
     kv_transport: str = opt("auto", "Prefill/decode roles: how KV moves between them: zmq (checked frames over the "
                                     "CURVE socket), shm (the same frames, their payload in POSIX shared memory when "
                                     "the other worker runs on this host; zmq frames otherwise), cuda_ipc (a decode "
@@ -272,6 +273,9 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
     drain_grace_s: float = opt(30.0, "On SIGTERM: no new requests are routed here and the running ones get this "
                                      "many seconds to finish; the scheduler moves those left to other workers, "
                                      "where they continue from the tokens already streamed.", min=0)
+    drain_kv_to_peers: bool = opt(True, "Mixed and decode roles: a drain moves each running request to another "
+                                        "worker with its KV (sent like a prefill/decode hand-off, within "
+                                        "--handoff-lease-ms) instead of having it recomputed there; off: recomputed.")
     null_model: bool = opt(False, "Skip the model: emit deterministic fake tokens (control-plane benchmarks only).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms (sets the token rate).", min=0)
     null_vocab_size: int = opt(32000, "Null model: vocabulary size of the fake tokens.", min=1)

@@ -130,6 +130,11 @@ MIGRATIONS = _scheduler(Counter("kvmesh_scheduler_migrations", "In-flight reques
                                 "and outcome (moved: continued on another worker from the tokens already streamed; "
                                 "failed: no worker left or --max-migrations reached, the client got an error)",
                                 ["reason", "outcome"]))
+DRAIN_MOVES = _scheduler(Counter("kvmesh_scheduler_drain_moves", "Requests a draining worker handed back, by how "
+                                 "they were dispatched again (peer: with their KV, which the draining worker sends "
+                                 "to the new one, kvmesh_worker_kv_moves_total there says whether it came; "
+                                 "recompute: without, no peer of the worker's role and KV layout took them, or "
+                                 "their KV was not held)", ["path"]))
 SCHED_PREFIX_MATCH = _scheduler(Histogram("kvmesh_scheduler_prefix_match_seconds",
                                           "cache_aware routing over several workers: one submission's Match at the "
                                           "prefix-cache index plus its block hashing", buckets=_HOP))
@@ -186,6 +191,11 @@ HANDOFFS = _worker(Counter("kvmesh_worker_kv_handoffs", "KV hand-offs this prefi
                            "(ack: the decode worker took the request; fail, refused, timeout: it did not, and the "
                            "prefill worker decodes the request itself from the KV it holds; abort: the request "
                            "was aborted on the prefill worker mid-send)", ["outcome"]))
+# a drained worker's request moved here with its KV (Dispatch.kv_from): how it went on (fixed names)
+PEER_MOVES = _worker(Counter("kvmesh_worker_kv_moves", "Requests a draining worker moved to this one with their KV, "
+                             "by outcome (peer: the KV arrived and the request decodes on from it; recompute: it "
+                             "did not, refused, failed or late, and this worker recomputes the request from the "
+                             "tokens already streamed)", ["outcome"]))
 HANDOFF_BYTES = _worker(Counter("kvmesh_worker_kv_handoff_bytes", "KV bytes this prefill worker sent to decode workers"))
 HANDOFF_SECONDS = _worker(Histogram("kvmesh_worker_kv_handoff_seconds", "One hand-off on the prefill worker: "
                                     "first token drawn (Offer sent) to the decode worker's Ack (or the failure)",

@@ -164,8 +164,12 @@ class EngineKVProducer(KVProducer):
             return None
         seq, request, bs = seqs[0], seqs[0].request, self.layout.block_size
         assert all(s.block_table == seq.block_table for s in seqs), "samples wrote past the prompt"
-        hashes = chain_hashes(None, self.layout.model_id, request.cache_salt, request.prompt_token_ids, bs)
-        return Offer(request_id=request_id, layout=self.layout, prompt_token_ids=request.prompt_token_ids,
+        # the tokens whose KV the blocks hold: a prefill's prompt, or a moved request's prompt and
+        # output but its last token (hold_for_move), which is then the sample's "first" token
+        tokens = seq.token_ids[:-1]
+        hashes = chain_hashes(None, self.layout.model_id, request.cache_salt, tokens, bs)
+        return Offer(request_id=request_id, layout=self.layout, prompt_token_ids=tokens,
+                     num_output_tokens=len(tokens) - seq.num_prompt_tokens,
                      params=request.params, seed=request.seed, priority=request.priority,
                      cache_salt=request.cache_salt, num_cached_tokens=request.num_cached_tokens,
                      samples=self.first_tokens(request_id), last_hidden=self.last_hidden(request_id),
@@ -255,7 +259,8 @@ class EngineKVConsumer(KVConsumer):
             seq = self.engine.import_prefilled(
                 offer.request_id, offer.prompt_token_ids, offer.params, seed=offer.seed,
                 samples=_samples(offer.samples) if offer.samples else None,
-                priority=offer.priority, cache_salt=offer.cache_salt, num_cached_tokens=offer.num_cached_tokens)
+                priority=offer.priority, cache_salt=offer.cache_salt, num_cached_tokens=offer.num_cached_tokens,
+                num_output_tokens=offer.num_output_tokens)
         except RequestError as e:
             return Refuse(offer.request_id, str(e))
         if seq is None:

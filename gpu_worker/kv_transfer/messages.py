@@ -109,6 +109,9 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
                                     # frames' payloads into shared memory
     cache_source: CacheSource | None = None   # D may read the blocks from P's cache (same host)
     last_hidden: LastHidden | None = None     # method mtp, with `samples` (else Done carries it)
+    # a peer move of a decoding request: the last this many of prompt_token_ids are tokens it
+    # generated (D counts them as output: budget, penalties, seeded positions); 0 for a prefill
+    num_output_tokens: int = 0
 
 
 class Accept(msgspec.Struct, tag="accept", frozen=True):

@@ -46,6 +46,8 @@ Prefill/decode hand-off (the shell moves the KV, gpu_worker/service/handoff.py):
     decode worker    AwaitKV -> `awaiting` until the KV arrives -> adopt_imports(): admitted
                      requests decode and stream here; dropped ones leave
 
+Peer moves (a drain that moves requests with their KV): peer_moves.py, whose methods this core has.
+
 Runs: every Dispatch and AwaitKV carries the scheduler's run number of the request (a move is a
 new run). Reports echo it (`finished_runs`, `active_runs`, `kept_runs`), so a late report of an
 aborted run is not read as one of a later run sent back here. A Dispatch of a request whose earlier
@@ -56,36 +58,21 @@ from __future__ import annotations
 
 import logging
 import time
+
+import msgspec
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_worker.outputs import RequestError, SequenceDelta
 from gpu_worker.sequence import HANDOFF
+from gpu_worker.service.peer_moves import PeerMoves
 from services import metrics
 from services.envelope import SCHEDULER, Envelope
 from services.protocol.messages import (
-    Abort, AwaitKV, Dispatch, RequestFailed, SeqTokens, StepOutput, StreamOpen, WorkerStatus)
+    Abort, AwaitKV, Dispatch, MoveKV, RequestFailed, SeqTokens, StepOutput, StreamOpen, WorkerStatus)
+from gpu_worker.service.request_state import Req as _Req
 
 log = logging.getLogger("kvmesh.worker")
-
-@dataclass
-class _Req:
-    detok_addr: str
-    reply_addr: str
-    n: int
-    received: float                      # perf_counter() when the Dispatch was read off the socket
-    run: int = 0                         # Dispatch.run / AwaitKV.run: echoed in reports
-    done: set[int] = field(default_factory=set)
-    scheduled: float | None = None       # start of the step that first computed prompt tokens
-    first_token: float | None = None     # end of the step that produced the first token
-    last_token: float = 0.0              # end of the latest step that produced tokens
-    prompt_tokens: int = 0               # prompt tokens to prefill here: the backlog until the first token
-    handoff_to: str = ""                 # prefill worker: the decode worker that gets the KV
-    exported: bool = False               # prefill worker: some sample goes on at the decode worker
-    handed: set[int] = field(default_factory=set)   # prefill worker: those samples
-    streamed: int = 0                    # prefill worker: leading blocks given to the sender while prefilling
-    stopped: set[int] = field(default_factory=set)   # samples aborted while the sender read its blocks
-
 
 @dataclass
 class _Deferred:
@@ -95,7 +82,7 @@ class _Deferred:
     ended: set[int] = field(default_factory=set)   # samples aborted meanwhile (stop strings)
 
 
-class WorkerCore:
+class WorkerCore(PeerMoves):
     def __init__(self, engine: Any, worker_id: str, epoch: int, inbox_addr: str = "") -> None:
         self.engine = engine
         self.worker_id, self.epoch = worker_id, epoch
@@ -132,6 +119,7 @@ class WorkerCore:
         # another socket, and one that reached the scheduler first without them in `active` would
         # have it forget them, where `handed_back` has it move them (moving twice is a no-op)
         self.handed_back: list[str] = []
+        self._init_peer_moves()                        # peer_moves.py: a drain's moves with the KV
 
     # ---- one iteration -------------------------------------------------------------------
     def run(self, inbox: list[Any], received: float | None = None) -> list[Envelope]:
@@ -147,6 +135,10 @@ class WorkerCore:
                 self._await_kv(msg, out, received)
             elif isinstance(msg, Abort):
                 self._abort(msg, out)
+            elif isinstance(msg, MoveKV):
+                self._move_kv(msg)
+        if self.held:
+            self._expire_held()
         if self.engine.has_unfinished_requests():
             self._step(out)
         if self._finished or self._kept:
@@ -185,6 +177,10 @@ class WorkerCore:
         self._prefilling.clear()
         self._stream_blocks.clear()
         self.handed_back = []
+        for rid in self.held:
+            self.engine.release_export(rid)
+        self.held.clear()
+        self._peer_moves.clear()
         self.epoch = epoch
         return len(dropped)
 
@@ -204,6 +200,9 @@ class WorkerCore:
             self._deferred[msg.request_id] = _Deferred(msg, received)
             return
         handoff_to = msg.handoff_to if self.hands_off else ""   # no sender here: run it whole
+        if msg.kv_from and self.imports is not None and len(msg.resume_output) == 1 and msg.resume_output[0]:
+            self._await_peer(msg, out, received)
+            return
         try:
             if handoff_to:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
@@ -229,10 +228,13 @@ class WorkerCore:
         if self._sees_scheduling:
             self._unscheduled[msg.request_id] = req
         self.num_requests += 1
-        out.append(Envelope(msg.detok_addr, StreamOpen(
+        out.append(Envelope(msg.detok_addr, self._open(msg)))
+
+    def _open(self, msg: Dispatch) -> StreamOpen:
+        return StreamOpen(
             request_id=msg.request_id, params=msg.params, reply_addr=msg.reply_addr,
             num_prompt_tokens=len(msg.prompt_token_ids), prompt_tail=msg.prompt_token_ids[-8:],
-            worker_addr=self.inbox_addr, resumes=msg.resumes, worker_id=self.worker_id, worker_epoch=self.epoch)))
+            worker_addr=self.inbox_addr, resumes=msg.resumes, worker_id=self.worker_id, worker_epoch=self.epoch)
 
     def _take_over(self, rid: str) -> bool:
         """A re-run of rid, whose prefill worker died: False when its KV arrived before that (it
@@ -260,6 +262,22 @@ class WorkerCore:
 
     def _abort(self, msg: Abort, out: list[Envelope]) -> None:
         req = self.requests.get(msg.request_id)
+        if req is None and msg.request_id in self.held:      # W: no move now; free the KV
+            del self.held[msg.request_id]
+            self.engine.release_export(msg.request_id)
+            return
+        if req is None and msg.request_id in self._sending and msg.request_id not in self._stops:
+            self._stops.append(msg.request_id)               # W, mid-move: the sender ends it
+            return
+        if req is None and msg.request_id in self._peer_moves:   # D: its stream is ours
+            self._peer_moves.pop(msg.request_id)
+            awaited = self.awaiting.pop(msg.request_id)
+            self.imports.abort(msg.request_id)
+            self.imports.take_dropped()
+            self._finished.append((msg.request_id, awaited.run))
+            if msg.reason != "moved":
+                out.append(Envelope(awaited.detok_addr, Abort(request_id=msg.request_id, reason=msg.reason)))
+            return
         if req is None and msg.request_id in self._deferred:
             self._abort_deferred(msg, out)
             return
@@ -314,6 +332,16 @@ class WorkerCore:
             self._note_scheduled(t0)
         if self._prefilling:
             self._note_prefilled()
+        self._emit(deltas, t1, out)
+
+    def settle(self, out: list[Envelope]) -> None:
+        """Before hand_back: the step async scheduling launched ends, and its tokens go out, so
+        that every running request's KV is final up to its last token (it may move with it)."""
+        settle = getattr(self.engine, "settle", None)       # the null engine has none
+        if settle is not None:
+            self._emit(settle(), time.perf_counter(), out)
+
+    def _emit(self, deltas: list[SequenceDelta], t1: float, out: list[Envelope]) -> None:
         if not deltas:
             return
         per_dest: dict[str, list[SeqTokens]] = {}
@@ -505,37 +533,51 @@ class WorkerCore:
         self.imports.await_request(msg.request_id)
         self.num_requests += 1
 
-    def adopt_imports(self) -> None:
-        """After the shell served the KV socket: requests admitted decode here from now on."""
+    def adopt_imports(self, out: list[Envelope] | None = None) -> None:
+        """After the shell served the KV socket: requests admitted decode here from now on; a peer
+        move whose KV did not come is recomputed here (its failure, if any, goes to `out`)."""
         now = time.perf_counter()
         for rid in self.imports.take_admitted():
             req = self.awaiting.pop(rid, None)
             if req is not None:
                 req.first_token = req.last_token = now    # the first token came from the prefill worker
                 self.requests[rid] = req
+                self._peer_admitted(rid)
         for rid in self.imports.take_dropped():
-            if (req := self.awaiting.pop(rid, None)) is not None:
+            if rid in self._peer_moves:
+                self._peer_fallback(rid, out if out is not None else [])
+            elif (req := self.awaiting.pop(rid, None)) is not None:
                 self._finished.append((rid, req.run))
 
     def hand_back(self) -> WorkerStatus:
         """Draining, out of time: stop every request held here and free its KV, without a word to
         its detokenizer (its stream goes on at another worker). Returns the status that lists them
         for the scheduler (`handed_back`), which moves each one."""
-        handed = [*self.requests, *self._deferred]
+        moved = [rid for rid in self._peer_moves if rid in self.awaiting]   # streams of ours, KV not here
+        handed = [*self.requests, *self._deferred, *moved]
         # listed before they leave `requests`: a heartbeat built meanwhile names them one way or the other
         self.handed_back = [*self.handed_back, *handed]   # a new list: the heartbeat thread reads it
+        held: list[str] = []
+        deadline = time.monotonic() + self.move_lease_s
         for rid in self.requests:
-            self._abort_in_engine(rid)
+            if self.moves_kv and rid not in self._sending and self.engine.hold_for_move(rid):
+                self.held[rid] = deadline              # its KV waits for a MoveKV, up to the lease
+                held.append(rid)
+            else:
+                self._abort_in_engine(rid)
         self._deferred.clear()          # never started: nothing of theirs is in the engine
         for rid, req in self.awaiting.items():   # KV awaited from a prefill worker: that one ends the stream
             self.imports.abort(rid)
-            self._finished.append((rid, req.run))
+            if rid not in self._peer_moves:
+                self._finished.append((rid, req.run))
+        self._peer_moves.clear()
         if self.imports is not None:
             self.imports.take_dropped()
         self.requests.clear()
         self.awaiting.clear()
         self._unscheduled.clear()
-        return self.status(self._take_finished(), handed_back=handed, kept=self._take_kept())
+        status = self.status(self._take_finished(), handed_back=handed, kept=self._take_kept())
+        return msgspec.structs.replace(status, kv_held=held) if held else status
 
     def fail_all(self, message: str, out: list[Envelope]) -> None:
         for rid, req in list(self.requests.items()):

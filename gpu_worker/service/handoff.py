@@ -267,16 +267,26 @@ class AwaitedImports(EngineKVConsumer):
     def __init__(self, engine: Any, lease_s: float) -> None:
         super().__init__(engine)
         self.lease_s = lease_s
-        self._awaited: dict[str, float] = {}     # request id -> monotonic() when announced
+        self._awaited: dict[str, float] = {}     # request id -> monotonic() past which it is forgotten
+        self._expected: dict[str, tuple[list[int], int]] = {}   # a peer move's tokens and prompt length
         self._admitted: list[str] = []
         self._forgotten: list[str] = []
 
-    def await_request(self, request_id: str) -> None:
-        self._awaited[request_id] = time.monotonic()
+    def await_request(self, request_id: str, max_wait_s: float = AWAIT_OFFER_MAX_S,
+                      expect: tuple[list[int], int] | None = None) -> None:
+        """expect: a peer move's (prompt + the tokens its client has, prompt length); an Offer of
+        other tokens is refused (its KV would be of another stream)."""
+        self._awaited[request_id] = time.monotonic() + max_wait_s
+        if expect is not None:
+            self._expected[request_id] = expect
 
     def accept(self, offer: Offer) -> Accept | Refuse:
         if offer.request_id not in self._awaited:
             return Refuse(offer.request_id, "this decode worker does not await the request")
+        if (expect := self._expected.get(offer.request_id)) is not None and not _offers(offer, *expect):
+            log.warning("kv hand-off of %s refused: the offered tokens are not the moved stream's", offer.request_id)
+            self._forget(offer.request_id)
+            return Refuse(offer.request_id, "the offered tokens are not the moved stream's")
         answer = super().accept(offer)
         if isinstance(answer, Refuse):
             log.warning("kv hand-off of %s refused: %s", offer.request_id, answer.reason)
@@ -286,6 +296,7 @@ class AwaitedImports(EngineKVConsumer):
     def complete(self, done: Done) -> Ack | Fail:
         answer = super().complete(done)
         if isinstance(answer, Ack) and self._awaited.pop(done.request_id, None) is not None:
+            self._expected.pop(done.request_id, None)
             self._admitted.append(done.request_id)
         elif not isinstance(answer, Ack):
             self._forget(done.request_id)
@@ -300,12 +311,12 @@ class AwaitedImports(EngineKVConsumer):
     def expire_awaited(self) -> None:
         """Announced requests whose offer never came (module docstring)."""
         now = time.monotonic()
-        for rid in [r for r, t in self._awaited.items()
-                    if now - t > AWAIT_OFFER_MAX_S and not self.engine.is_importing(r)]:
-            log.info("kv hand-off of %s: no offer in %.0f s; forgetting it", rid, AWAIT_OFFER_MAX_S)
+        for rid in [r for r, t in self._awaited.items() if now > t and not self.engine.is_importing(r)]:
+            log.info("kv hand-off of %s: no offer in time; forgetting it", rid)
             self._forget(rid)
 
     def _forget(self, request_id: str) -> None:
+        self._expected.pop(request_id, None)
         if self._awaited.pop(request_id, None) is not None:
             self._forgotten.append(request_id)
 
@@ -316,6 +327,12 @@ class AwaitedImports(EngineKVConsumer):
     def take_dropped(self) -> list[str]:
         out, self._forgotten = self._forgotten, []
         return out
+
+
+def _offers(offer: Offer, tokens: list[int], num_prompt: int) -> bool:
+    """Does a peer move's Offer carry exactly the moved stream: its prompt and output so far?"""
+    return (len(offer.samples) == 1 and len(offer.prompt_token_ids) - offer.num_output_tokens == num_prompt
+            and [*offer.prompt_token_ids, offer.samples[0].token_id] == tokens)
 
 
 class DecodeReceiver:

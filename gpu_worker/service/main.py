@@ -18,14 +18,17 @@ in the new epoch and the prefix index resyncs it from a snapshot). SIGTERM drain
 record says `draining` (no new work is routed here), running requests finish (up to
 --drain-grace-s), those left are handed back (stopped, their KV freed, listed in a WorkerStatus's
 `handed_back`: the scheduler moves each to another worker, where it continues from the tokens
-already streamed), an engine with a disk KV tier writes its cached KV there (up to 5 s: the next
+already streamed; those held with their KV, `kv_held`, go there with it within the hand-off
+lease, which the drain waits for), an engine with a disk KV tier writes its cached KV there (up to 5 s: the next
 worker on the same directory starts warm), then the lease is released.
 
 Roles (--role): a prefill worker queues each hand-off for its sender thread (handoff.PrefillSender)
 right after the step output carrying the request's first token went to its socket, and frees the
 request's blocks when the sender reports the end (the engine thread never waits for a decode
 worker); a decode worker binds the KV-transfer socket (CURVE, worker role only; advertised as `kv` in its record) and serves it
-between steps, waiting on it and on its inbox together when idle. Every real engine advertises its
+between steps, waiting on it and on its inbox together when idle. A mixed or decode worker has
+both ends (--drain-kv-to-peers): a drain sends its decoding requests' KV to the peers the
+scheduler picks (MoveKV), and it takes theirs (WorkerCore, "Peer moves"). Every real engine advertises its
 KV layout (`kv_layout` in the record's info): the scheduler pairs only workers whose layouts are equal.
 
 SENDERS names the roles (CURVE keys) each inbox message may come from; the inbox drops the rest.
@@ -56,7 +59,7 @@ from services.engine_args import engine_args_of
 from services.envelope import SCHEDULER, Envelope
 from services.logging import setup as setup_logging
 from services.model_names import path_aliases, served_names
-from services.protocol.messages import Abort, AwaitKV, Dispatch, WorkerInbox
+from services.protocol.messages import Abort, AwaitKV, Dispatch, MoveKV, WorkerInbox
 from services.protocol.kv_events import SHARED_TIER_INFO
 from services.redis_client import RedisAuth
 from services.registry import Lease, Membership, Registry
@@ -73,7 +76,7 @@ DRAIN_TO_DISK_S = 5.0     # then writing the cached KV to a disk tier
 STOP_DEADLINE_S = 20.0   # after the drain: engine join, lease release, freeing the device
 log = logging.getLogger("kvmesh.worker")
 # message -> the roles that may send it (a gateway that detokenizes stops a sample its stop string ended)
-SENDERS = {Dispatch: ("scheduler",), AwaitKV: ("scheduler",), Abort: ("scheduler", "gateway")}
+SENDERS = {Dispatch: ("scheduler",), AwaitKV: ("scheduler",), Abort: ("scheduler", "gateway"), MoveKV: ("scheduler",)}
 
 
 def shared_tier_key(cfg: WorkerConfig, plane: Plane) -> bytes | None:
@@ -223,11 +226,12 @@ class EngineThread(threading.Thread):
                 held += self.core.run(inbox, self.receiver.read_at if inbox else None)
                 if self.kv_receiver is not None:
                     self.kv_receiver.poll()
-                    self.core.adopt_imports()
+                    self.core.adopt_imports(held)
                 if self.fail_message is not None:
                     self.core.fail_all(self.fail_message, held)
                     self.fail_message = None
                 if self.handing_back and (self.core.requests or self.core.awaiting):
+                    self.core.settle(held)             # a launched step's tokens go out first
                     status = self.core.hand_back()     # (and any dispatched here since: they move too)
                     held.append(Envelope(SCHEDULER, status))
                     self.handed_back += len(status.handed_back)
@@ -356,9 +360,12 @@ class WorkerService:
         if publisher is not None:
             publisher.set_epoch(self.lease.epoch)
         self.core = WorkerCore(engine, self.worker_id, self.lease.epoch, inbox_addr=addrs["zmq"])
-        self.core.hands_off = sender is not None
+        self.core.hands_off = sender is not None and cfg.role == "prefill"
+        # with both ends of the KV transfer, a drain moves running requests to peers with their KV
+        self.core.moves_kv = sender is not None and kv_receiver is not None and cfg.drain_kv_to_peers
+        self.core.move_lease_s = cfg.handoff_lease_ms / 1000
         # NIXL reads the blocks in one READ once the prompt is done: nothing streams before it
-        self.core.streams_kv = sender is not None and self.cfg.kv_transport != "nixl"
+        self.core.streams_kv = self.core.hands_off and self.cfg.kv_transport != "nixl"
         if kv_receiver is not None:
             self.core.imports = kv_receiver.imports
         await self._refresh_schedulers()
@@ -406,22 +413,31 @@ class WorkerService:
                                 snapshot_port=self.cfg.kv_snapshot_port)
 
     def _handoff_endpoints(self, engine: Any) -> tuple[Any, Any]:
-        """(PrefillSender, DecodeReceiver) of this worker's role; None where the role has none. The
-        null engine holds no KV: it serves every role as a mixed worker."""
+        """(PrefillSender, DecodeReceiver) of this worker's role; None where the role has none. A
+        mixed worker has both (a drain moves its requests to peers with their KV, and it takes
+        theirs); so does a decode worker (a decode pod that leaves hands its sequences to another).
+        The null engine holds no KV: it serves every role as a mixed worker."""
         cfg = self.cfg
-        if cfg.role == "mixed" or not hasattr(engine, "runner"):
+        if not hasattr(engine, "runner"):
             return None, None
         from gpu_worker.service.handoff import DecodeReceiver, PrefillSender
         lease_s = cfg.handoff_lease_ms / 1000
+        if cfg.role == "mixed" and (cfg.kv_transport == "nixl" or engine.config.tensor_parallel_size > 1
+                                    or not cfg.drain_kv_to_peers):
+            return None, None      # peer moves go as frames, one cache per process: recomputed instead
         nixl = self._nixl_agent(engine) if cfg.kv_transport == "nixl" else None
         shm = cfg.kv_transport in ("auto", "shm", "cuda_ipc")      # the frames' path where D reads no cache
+        from gpu_worker.kv_transfer.shm import DEFAULT_RING_BYTES
         if cfg.role == "prefill":
-            from gpu_worker.kv_transfer.shm import DEFAULT_RING_BYTES
             return PrefillSender(engine, self.plane, lease_s, nixl_agent=nixl,
                                  shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0,
                                  cache_source=self._cache_source(engine)), None
-        return None, DecodeReceiver(engine, self.plane, cfg.host, cfg.kv_transfer_port, lease_s, nixl_agent=nixl,
-                                    shm=shm, cache_reads=cfg.kv_transport in ("auto", "cuda_ipc"))
+        receiver = DecodeReceiver(engine, self.plane, cfg.host, cfg.kv_transfer_port, lease_s, nixl_agent=nixl,
+                                  shm=shm, cache_reads=cfg.kv_transport in ("auto", "cuda_ipc"))
+        if nixl is not None:       # a drained decode worker's KV would need a NIXL source: recomputed
+            return None, receiver
+        # a drain's peer moves: frames (shm ring on one host), never this cache exported
+        return PrefillSender(engine, self.plane, lease_s, shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0), receiver
 
     def _cache_source(self, engine: Any) -> Any:
         """This prefill engine's cache exported for same-host decode workers to read
@@ -471,6 +487,10 @@ class WorkerService:
             log.info("drain grace over; handing %d requests back to the scheduler", len(self.core.requests))
             self.engine.handing_back = True
             while self.engine.handed_back == 0 and self.engine.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            # KV held for peers goes out (or is freed) within the hand-off lease; the sends end then
+            moves_end = time.monotonic() + 2 * self.cfg.handoff_lease_ms / 1000 + 1
+            while self.core.has_moves() and self.engine.is_alive() and time.monotonic() < moves_end:
                 await asyncio.sleep(0.01)
         else:                              # nobody to hand them to: their clients get an error
             log.warning("drain grace over and no scheduler known; failing %d requests", len(self.core.requests))

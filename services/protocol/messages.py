@@ -150,6 +150,10 @@ class Dispatch(Msg, tag="dispatch", kw_only=True):
     resume_output: SampleOutputs = []
     resume_ended: SampleIndices = []
     run: Run = 0                     # see `Run`; echoed in the worker's reports of this request
+    # a peer move (with resume_output, n = 1): the drained worker at this KV-transfer address's
+    # origin sends the KV of prompt + resume_output[:-1]; this worker awaits it for the hand-off
+    # lease and decodes on from it, else recomputes the request from resume_output as without it
+    kv_from: str = ""
 
 
 class AwaitKV(Msg, tag="await_kv", kw_only=True):
@@ -162,6 +166,19 @@ class AwaitKV(Msg, tag="await_kv", kw_only=True):
     reply_addr: str
     detok_addr: str
     run: Run = 0                     # the run of the prefill worker's Dispatch (`Run`)
+
+
+class MoveKV(Msg, tag="move_kv", kw_only=True):
+    """To a draining worker that holds a handed-back request's KV (WorkerStatus.kv_held): send it
+    to the worker at `to` (its KV-transfer address), which awaits it (Dispatch.kv_from). Sent only
+    when `output_token_ids` (the tokens the client has) are exactly the ones the KV was computed
+    for; the worker checks that again and otherwise cancels the hand-off (the peer recomputes)."""
+
+    request_id: str
+    epoch: int                       # the draining worker's incarnation
+    to: str                          # the peer's KV-transfer address (`tcp://host:port#worker`)
+    output_token_ids: Annotated[list[int], msgspec.Meta(max_length=1 << 20)]
+    run: Run = 0                     # the peer's run of the request
 
 
 # ----------------------------------------------------------------------------- worker -> detokenizer
@@ -231,6 +248,9 @@ class WorkerStatus(Msg, tag="wstatus", kw_only=True):
     # half; `kept_runs` as `finished_runs`
     kept: ReportedIds = []
     kept_runs: ReportedRuns = []
+    # those of `handed_back` whose KV the draining worker holds for a peer, for its hand-off lease:
+    # the scheduler may move them with their KV (MoveKV) instead of having them recomputed
+    kv_held: ReportedIds = []
 
 
 # ----------------------------------------------------------------------------- migration
@@ -336,7 +356,7 @@ class DetokenizeReply(Msg, tag="detokenized", kw_only=True):
 # ----------------------------------------------------------------------------- inbox unions
 
 SchedulerInbox = Union[Submit, Abort, WorkerStatus, Resume]
-WorkerInbox = Union[Dispatch, AwaitKV, Abort]
+WorkerInbox = Union[Dispatch, AwaitKV, Abort, MoveKV]
 DetokInbox = Union[StreamOpen, StepOutput, Abort, Migrate]
 # a gateway with --text-in-gateway is its requests' detokenizer too: it takes DetokInbox's messages
 GatewayInbox = Union[Admitted, Rejected, RequestFailed, Moved, TextBatch, StreamOpen, StepOutput, Abort, Migrate]

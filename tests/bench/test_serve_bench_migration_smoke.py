@@ -1,6 +1,7 @@
 """bench/serve_bench.py --smoke --sections migration: the H200 migration measurement's whole flow
-on the CPU with the tiny model, one mode (the shared tier: its flags, the tier directory), both
-contexts (so the wait for the drained worker's restart runs too).
+on the CPU with the tiny model, one mode (the shared tier: its flags, the tier directory, peer moves
+off), both contexts (so the wait for the drained worker's restart runs too). The `peer` mode is the
+default stack; its move through processes is tests/integration/test_drain_peer_move.py.
 
 Real processes (the measurement is about a worker process draining): `kvmesh serve` with two
 workers, a streamed request per context whose worker gets SIGTERM mid-decode; every token still
@@ -35,10 +36,11 @@ def test_serve_bench_migration_smoke(tmp_path):
     res = json.loads((out / "serve_bench.json").read_text())
     assert res["errors"] == {} and res["skipped"] == {}, res
     mig = res["sections"]["migration"]
-    assert "recompute" not in mig and mig["peer"].startswith("none")
+    assert "recompute" not in mig and "peer" not in mig
     shared = mig["shared"]
     assert "--kv-offload-shared-dir" in shared["stack"]["serve_flags"]
     assert shared["stack"]["env"]["KVMESH_DRAIN_GRACE_S"] == "0"
+    assert shared["stack"]["env"]["KVMESH_DRAIN_KV_TO_PEERS"] == "0"     # the KV from the tier, not the peer
     assert len(shared["worker_restart_s"]) == 1                     # the drained worker came back for 256
     for ctx in (128, 256):
         run = shared[f"ctx{ctx}"]

@@ -155,7 +155,8 @@ def test_pools_differ_in_engine_resources_probes_and_replicas(helm, tmp_path_fac
                                   "KVMESH_DTYPE": "bfloat16"}
     assert engine_env(mixed) == {"KVMESH_MAX_MODEL_LEN": "8192", "KVMESH_DTYPE": "bfloat16"}
     assert env_of(decode)["KVMESH_KV_TRANSFER_PORT"]["value"] == "5600"
-    assert "KVMESH_KV_TRANSFER_PORT" not in env_of(prefill) and "KVMESH_KV_TRANSFER_PORT" not in env_of(mixed)
+    assert "KVMESH_KV_TRANSFER_PORT" not in env_of(prefill)   # mixed pods bind one: a drain's peer moves
+    assert env_of(mixed)["KVMESH_KV_TRANSFER_PORT"]["value"] == "5563"
     assert prefill["resources"]["requests"]["cpu"] == "8" and prefill["resources"]["limits"]["memory"] == "64Gi"
     assert decode["resources"]["requests"]["cpu"] == "4" and decode["resources"]["limits"]["memory"] == "128Gi"
     assert (prefill["readinessProbe"]["periodSeconds"], prefill["readinessProbe"]["timeoutSeconds"]) == (2, 3)

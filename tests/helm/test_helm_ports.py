@@ -20,7 +20,7 @@ CONFIG_OF = {"gateway": GatewayConfig, "tokenizer": TokenizerConfig, "scheduler"
 GRPC_SERVICES = ("tokenizer", "scheduler", "prefix-cache", "worker")
 # Ports only some worker roles bind (WorkerConfig's help names the role): set and declared on
 # those pools' pods, absent elsewhere.
-ROLE_PORTS = {"kv_transfer_port": ("decode",)}
+ROLE_PORTS = {"kv_transfer_port": ("decode", "mixed")}
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 
 

@@ -74,7 +74,7 @@ EXPECTED_EDGES = {
     ("gateway", "scheduler", "zmq"), ("tokenizer", "scheduler", "zmq"), ("worker", "scheduler", "zmq"),
     ("scheduler", "prefix-cache", "grpc"),
     ("scheduler", "worker", "zmq"), ("prefix-cache", "worker", "kv-events"), ("prefix-cache", "worker", "kv-snapshot"),
-    ("worker", "worker", "kv-transfer"),   # prefill -> decode only: test_kv_transfer_port_takes_the_prefill_pool_only
+    ("worker", "worker", "kv-transfer"),   # prefill -> decode, and within a pool: test_kv_transfer_port_*
     *((role, "redis", "redis") for role in ROLES),
 }
 
@@ -122,17 +122,21 @@ def test_each_port_is_reachable_only_from_the_roles_that_use_it(helm, case, tmp_
 
 
 @pytest.mark.parametrize("case", ["defaults", "pd-pools", "everything"])
-def test_kv_transfer_port_takes_the_prefill_pool_only(helm, case, tmp_path_factory):
-    """The decode pool's KV-transfer port: prefill pods reach it, no other pod does (not the
-    scheduler, not a mixed or another decode pod), and no other pod declares such a port."""
+def test_kv_transfer_port_takes_the_prefill_pool_and_its_own_pool_only(helm, case, tmp_path_factory):
+    """The decode pool's KV-transfer port: prefill pods reach it (the hand-off), and decode pods
+    (a draining one moves its requests with their KV), no other pod (not the scheduler, not a
+    mixed pod); a mixed pool's takes mixed pods alone; no prefill pod declares such a port."""
     docs = render(helm, case, tmp_path_factory)
     policies = list(by_kind(docs, "NetworkPolicy").values())
     everyone = pods(docs)
     port = everyone["decode"]["ports"]["kv-transfer"]
     assert port == VALUE_SETS[case].get("workerPools", {}).get("decode", {}).get("kvTransferPort", 5563)
-    assert [c for c, p in everyone.items() if "kv-transfer" in p["ports"]] == ["decode"]
+    assert {c for c, p in everyone.items() if "kv-transfer" in p["ports"]} <= {"decode", "mixed"}
     reach = {c for c, src in everyone.items() if can_reach(policies, src, everyone["decode"], port)}
-    assert reach == {"prefill"}, case
+    assert reach == {"prefill", "decode"}, case
+    if "mixed" in everyone:
+        mixed_port = everyone["mixed"]["ports"]["kv-transfer"]
+        assert {c for c, src in everyone.items() if can_reach(policies, src, everyone["mixed"], mixed_port)} == {"mixed"}
 
 
 def test_no_rule_opens_every_port(helm, tmp_path_factory):

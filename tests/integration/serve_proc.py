@@ -14,11 +14,12 @@ BANNER = "kvmesh is serving"
 
 
 class Serve:
-    def __init__(self, tmp_path: Path, *args: str) -> None:
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        """env: KVMESH_* settings of its services (the test's own environment's are dropped)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / "serve.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}, **(env or {})}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", str(self.port),
                                           "--heartbeat-ms", "250", "--lease-ms", "1500", *args],

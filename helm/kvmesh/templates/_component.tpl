@@ -123,7 +123,7 @@ spec:
             - name: kv-snapshot
               containerPort: {{ $v.kvSnapshotPort }}
               protocol: TCP
-            {{- if eq .role "decode" }}
+            {{- if or (eq .role "decode") (eq .role "mixed") }}
             - name: kv-transfer
               containerPort: {{ $v.kvTransferPort }}
               protocol: TCP
@@ -183,7 +183,7 @@ spec:
               value: {{ $v.kvEventsPort | quote }}
             - name: KVMESH_KV_SNAPSHOT_PORT
               value: {{ $v.kvSnapshotPort | quote }}
-            {{- if eq .role "decode" }}
+            {{- if or (eq .role "decode") (eq .role "mixed") }}
             - name: KVMESH_KV_TRANSFER_PORT
               value: {{ $v.kvTransferPort | quote }}
             {{- end }}

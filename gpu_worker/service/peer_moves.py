@@ -1,0 +1,121 @@
+"""Peer moves: a drain that moves decoding requests to other workers with their KV, on the
+prefill/decode hand-off (handoff.py, kv_transfer/). WorkerCore has these methods; they use its
+engine, its request tables (`requests`, `awaiting`) and its hand-off queues (`_handoffs`,
+`_cancels`, `_sending`), and the state __init__ sets here.
+
+    draining worker W   hand_back(): each plain decoding request (one sample, every token but the
+                        last computed) is held with its KV (engine.hold_for_move), listed in
+                        `kv_held` beside `handed_back`, for the hand-off lease -> MoveKV(rid, to)
+                        from the scheduler: its KV goes to that peer through the hand-off sender,
+                        if the client's tokens are the ones computed (else the peer is told to
+                        give up: cancel) -> handoff_done() releases the blocks. An Abort, or no
+                        MoveKV within the lease, releases them.
+    peer worker D       Dispatch(resume_output, kv_from): opens the stream (as any moved request)
+                        and awaits the KV like a decode worker; admitted, it decodes on from the
+                        received blocks; refused, failed, cancelled or not offered within the lease,
+                        it recomputes the request from resume_output (the Dispatch without kv_from).
+
+Either role with both KV endpoints (mixed, decode) is both W and D; WorkerCore.hand_back() and
+adopt_imports() call in here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from gpu_worker.outputs import RequestError
+from gpu_worker.service.request_state import Req
+from services import metrics
+from services.envelope import Envelope
+from services.protocol.messages import Abort, Dispatch, MoveKV, RequestFailed
+
+log = logging.getLogger("kvmesh.worker")
+
+
+class PeerMoves:
+    """WorkerCore's part for peer moves (module docstring). Of the core it uses: the engine, its
+    epoch, `imports` (handoff.AwaitedImports), `requests` and `awaiting`, the hand-off queues
+    `_handoffs`, `_cancels` and `_sending`, the `_finished` reports and `_open` (a StreamOpen)."""
+
+    engine: Any
+    epoch: int
+    imports: Any
+    awaiting: dict[str, Req]
+    requests: dict[str, Req]
+
+    def _init_peer_moves(self) -> None:
+        self.moves_kv = False                          # both KV endpoints: drains move KV to peers
+        self.move_lease_s = 5.0                        # --handoff-lease-ms: how long held KV waits
+        self.held: dict[str, float] = {}               # W: request -> monotonic() its held KV is freed
+        self._peer_moves: dict[str, Dispatch] = {}     # D: KV awaited from a drained worker
+
+    def _await_peer(self, msg: Dispatch, out: list[Envelope], received: float) -> None:
+        """D: a moved request whose KV a drained worker sends: its stream is ours from now on."""
+        rid = msg.request_id
+        self.awaiting[rid] = Req(msg.detok_addr, msg.reply_addr, 1, received, run=msg.run,
+                                 prompt_tokens=len(msg.prompt_token_ids))
+        self._peer_moves[rid] = msg
+        self.imports.await_request(rid, max_wait_s=self.move_lease_s,
+                                   expect=([*msg.prompt_token_ids, *msg.resume_output[0]], len(msg.prompt_token_ids)))
+        self.num_requests += 1
+        out.append(Envelope(msg.detok_addr, self._open(msg)))
+
+    def _peer_admitted(self, rid: str) -> None:
+        msg = self._peer_moves.pop(rid, None)
+        if msg is not None:
+            metrics.PEER_MOVES.labels("peer").inc()
+            log.info("request %s: moved here from worker %s with its KV (%d tokens reused)", rid, msg.kv_from,
+                     len(msg.prompt_token_ids) + len(msg.resume_output[0]) - 1)
+
+    def _peer_fallback(self, rid: str, out: list[Envelope]) -> None:
+        """D: the KV did not come (refused, failed, cancelled, late): recompute from the tokens."""
+        msg = self._peer_moves.pop(rid)
+        req = self.awaiting.pop(rid)
+        metrics.PEER_MOVES.labels("recompute").inc()
+        log.info("request %s: no KV from worker %s; recomputing its %d tokens", rid, msg.kv_from,
+                 len(msg.prompt_token_ids) + len(msg.resume_output[0]))
+        try:
+            self.engine.add_request(rid, msg.prompt_token_ids, msg.params, priority=msg.priority,
+                                    cache_salt=msg.cache_salt, resume_output=msg.resume_output,
+                                    resume_ended=msg.resume_ended)
+        except RequestError as exc:
+            out.append(Envelope(msg.reply_addr, RequestFailed(
+                request_id=rid, status=400, code="invalid_request", message=str(exc))))
+            out.append(Envelope(msg.detok_addr, Abort(request_id=rid, reason="invalid_request")))
+            self._finished.append((rid, msg.run))
+            return
+        self.requests[rid] = req
+        if self._sees_scheduling:
+            self._unscheduled[rid] = req
+
+    def _move_kv(self, msg: MoveKV) -> None:
+        """W: send a held request's KV to the peer awaiting it, if the client's tokens are the ones
+        computed; else tell the peer to give up (it recomputes) and free the blocks."""
+        rid = msg.request_id
+        if msg.epoch != self.epoch or self.held.pop(rid, None) is None:
+            # freed past the lease (or another incarnation's): the peer need not wait for it
+            log.info("request %s: no KV held for a move (epoch %d, serving %d); the peer recomputes it", rid,
+                     msg.epoch, self.epoch)
+            self._cancels.append((rid, msg.to))
+            return
+        output = self.engine.held_output(rid)
+        if output != msg.output_token_ids:
+            log.info("request %s: its client has other tokens than its held KV; the peer recomputes", rid)
+            self.engine.release_export(rid)
+            self._cancels.append((rid, msg.to))
+            return
+        log.info("request %s: sending its KV (%d output tokens) to %s", rid, len(output), msg.to)
+        self._handoffs.append((rid, msg.to))       # the sender's; handoff_done releases the blocks
+
+    def _expire_held(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, deadline in self.held.items() if now > deadline]:
+            del self.held[rid]
+            log.info("request %s: no move of its held KV within the lease; freeing it", rid)
+            self.engine.release_export(rid)
+
+    def has_moves(self) -> bool:
+        """W: KV still held for, or being sent to, a peer (the drain waits for it, bounded)."""
+        return bool(self.held or self._sending or self._handoffs)
+
