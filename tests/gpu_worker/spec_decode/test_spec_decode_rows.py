@@ -194,7 +194,8 @@ def test_mtp_replays_decode_graphs_that_keep_the_prenorm_states(scheduling, targ
     """Every MTP row reads the target's pre-norm state h_i: first drafts equal to a recompute from
     scratch at every speculative step mean the graphs' states (plain decode steps' and
     verification rows') were right, through chunked prefill, prefix hits and preemption; async:
-    a launched step's states are read after the next step has replayed a graph."""
+    a launched step's states are read by settle() right after its launch, before the next
+    step's forward replays a graph over them."""
     kw = dict(max_num_batched_tokens=16, block_size=8, num_gpu_blocks=16, async_scheduling=scheduling == "async")
     plain = drain(graph_engine(target, mtp_model, None, **kw), _arrivals())
     eng = graph_engine(target, mtp_model, mtp_spec(3), **kw)
