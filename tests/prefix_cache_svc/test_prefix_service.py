@@ -126,7 +126,10 @@ async def test_service_end_to_end(redis_server):
 
             alive["renew"] = False                                         # the lease expires: purge
             await eventually(lambda: _purged(svc, client2))
-            assert await svc.store.known_workers() == set()
+
+            async def forgotten_in_redis():      # the purge reaches Redis at the writer's next tick
+                return await svc.store.known_workers() == set()
+            await eventually(forgotten_in_redis)
             await client2.close()
         svc.core.index.check_integrity()
     finally:
