@@ -847,9 +847,11 @@ def section_kv_transfer(args, deadline) -> None:
     of its own as their engine threads run, on one device (half the engine's memory each), joined
     by the services' hand-off (gpu_worker/service/handoff.py) over loopback sockets: per prompt
     length and path (zmq frames after the first token, zmq frames streamed while P prefills, the
-    same through the shared-memory ring, D reading P's cache (cuda_ipc), NIXL's READ), P's
-    prefill, the transfer after P's first token (its bytes, GB/s), and the overlap: P's first
-    token -> D's first decode token; beside them the device-copy ceiling of cuda_ipc's copy."""
+    same through the shared-memory ring, D reading P's cache (cuda_ipc: on the CPU only, see
+    below), NIXL's READ), P's prefill, the transfer after P's first token (its bytes, GB/s), and
+    the overlap: P's first token -> D's first decode token; beside them the device-copy ceiling
+    of cuda_ipc's copy. Both cores share one process's GIL with their sender and receiver threads,
+    so host paths here are slower than between two worker processes (serve_bench pd)."""
     from gpu_worker.config import EngineConfig
     from gpu_worker.engine import Engine
 
@@ -865,10 +867,19 @@ def section_kv_transfer(args, deadline) -> None:
         make = lambda: Engine(EngineConfig(**sizes, gpu_memory_utilization=args.gpu_mem / 2, dtype="bfloat16",
                                            attention_backend=args.attention_backend))
     from gpu_worker.kv_transfer.shm import host_identity
-    # cuda_ipc: D copies the blocks out of P's cache (device to device; a CPU cache through shared memory)
-    paths = ("zmq", "zmq_streamed") + (("shm", "shm_streamed", "cuda_ipc") if host_identity() else ())
+    # cuda_ipc: D copies the blocks out of P's cache (device to device; a CPU cache through shared memory).
+    # CUDA cannot open an IPC handle in the process that exported it, and P and D share this one, so on
+    # a GPU D would fall back to frames: the row would time frames under cuda_ipc's name. The device
+    # copy's ceiling is still measured; the path itself is timed between two processes (serve_bench pd).
+    on_gpu = not SMOKE and torch.cuda.is_available()
+    paths = ("zmq", "zmq_streamed") + (("shm", "shm_streamed") if host_identity() else ())
+    if host_identity() and not on_gpu:
+        paths += ("cuda_ipc",)
     if not host_identity():
         row("kv_transfer", "shm and cuda_ipc", "skipped (no /dev/shm or boot id)")
+    elif on_gpu:
+        row("kv_transfer", "cuda_ipc", "not timed here (one process cannot open its own CUDA IPC handles); "
+                                        "scripts/gpu_checks.sh pd times it between two processes")
     try:
         import nixl._api  # noqa: F401
         paths += ("nixl",)
@@ -895,7 +906,7 @@ def section_kv_transfer(args, deadline) -> None:
                 f"(transfer = {100 * r['transfer_s'] / r['prefill_s']:.0f}% of it); {r['streamed']} blocks "
                 f"streamed during the prefill; {r['outcome']}")
             row("kv_transfer", f"{path} L={L} first token -> D's first decode token", 1e3 * r["overlap_s"], "ms")
-        if "cuda_ipc" in paths and deadline.left() >= 30:
+        if host_identity() and deadline.left() >= 30:
             _device_copy_ceiling(p, d, L)
     p.close()
     d.close()
