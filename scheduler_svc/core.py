@@ -348,7 +348,8 @@ class SchedulerCore:
         if req.worker_id is None:           # queued or matching: forget it (heap entry deleted lazily)
             self._queued -= 1
             self._forget(msg.request_id)
-            out = [Envelope(req.submit.reply_addr, failure_of(msg)), *self._release_kv(req)]   # its gateway ends the stream
+            # its gateway ends the stream; a peer move's holder frees the KV
+            out = [Envelope(req.submit.reply_addr, failure_of(msg)), *self._release_kv(req)]
             if req.resume is not None:      # a moved stream: its detokenizer holds it
                 out.append(Envelope(req.submit.detok_addr, msg))
             return out

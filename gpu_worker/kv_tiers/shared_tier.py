@@ -62,7 +62,9 @@ SCAN_EVERY_S = 10.0
 SCAN_EVERY_WRITES = 256
 SCAN_MAX_FILES = 50_000      # one scan's stats: a few tens of ms on a local disk
 MAX_GONE = 65_536            # gone blocks kept until take_gone (routing hints: the oldest may drop)
-GONE_PER_TAKE = 256          # one stat each on the engine thread: a bound's big deletion is reported over several flushes
+# gone blocks checked per take_gone (one stat each, on the engine thread): a bound's big deletion
+# is reported over several flushes
+GONE_PER_TAKE = 256
 STALE_TMP_S = 60.0           # a .tmp this old was left by a writer that died mid-write
 _LOW_WATER = 0.9             # a scan past the bound deletes down to this share of it
 _WARN_EVERY_S = 60.0
