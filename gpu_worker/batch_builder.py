@@ -90,9 +90,12 @@ class BatchBuilder:
         self._turn = 0
         self._copy_stream = torch.cuda.Stream(self.device) if self.pinned else None
 
-    def build(self, scheduled: list[ScheduledSeq], num_drafts: list[int] | None = None) -> ForwardBatch:
+    def build(self, scheduled: list[ScheduledSeq], num_drafts: list[int] | None = None, *,
+              shared_tables: tuple[list[list[int]], np.ndarray] | None = None) -> ForwardBatch:
         """num_drafts: per scheduled sequence, the draft tokens at the end of its chunk whose
-        positions want logits too (speculative verification); None: only each last row."""
+        positions want logits too (speculative verification); None: only each last row.
+        shared_tables: (distinct block tables, row -> its table's index) where rows share tables
+        (build_decode_rows): each table is flattened once."""
         bs = self.block_size
         B = len(scheduled)
         q_lens = np.empty(B, dtype=np.int64)
@@ -115,7 +118,10 @@ class BatchBuilder:
         # Table width rounded up to a multiple of 16: its row stride is a Triton kernel argument,
         # and Triton compiles a variant per divisibility class of an int argument.
         max_blocks = -(-max(len(t) for t in tables) // 16) * 16
-        table_arr = _table_rows(tables, max_blocks)                     # (B, M), padded with 0
+        if shared_tables is None:
+            table_arr = _table_rows(tables, max_blocks)                 # (B, M), padded with 0
+        else:
+            table_arr = _table_rows(shared_tables[0], max_blocks)[shared_tables[1]]
         if T == B:                                                      # pure decode: one row each
             positions = c_lens
             seq_of_tok = np.arange(B)
@@ -173,10 +179,12 @@ class BatchBuilder:
         fits_decode_rows accepts. Its logits rows are all rows, as build(scheduled, num_drafts)
         orders them."""
         rows: list[tuple[_DecodeRow, int]] = []
-        for seq, q in scheduled:
+        owner: list[int] = []                     # row -> its sequence (and block table)
+        for s, (seq, q) in enumerate(scheduled):
             c, tokens, table = seq.num_computed_tokens, seq.token_ids, seq.block_table
             rows += [(_DecodeRow(_TokensUpTo(tokens, c + j + 1), c + j, table), 1) for j in range(q)]
-        return self.build(rows)
+            owner += [s] * q
+        return self.build(rows, shared_tables=([seq.block_table for seq, _ in scheduled], np.asarray(owner)))
 
     def _stage(self, dtype: torch.dtype, n: int) -> np.ndarray:
         """A host buffer of n elements: a slice of this turn's pinned staging tensor on CUDA, a
@@ -205,18 +213,14 @@ class BatchBuilder:
 
 
 def _table_rows(tables: list[list[int]], width: int) -> np.ndarray:
-    """(len(tables), width) int64 block tables padded with 0. A list given several times (the
-    decode rows of one sequence) is flattened once and its row repeated."""
-    index: dict[int, int] = {}
-    owner = [index.setdefault(id(t), len(index)) for t in tables]      # row -> distinct table
-    distinct = tables if len(index) == len(tables) else list({id(t): t for t in tables}.values())
-    n = len(distinct)
-    out = np.zeros((n, width), dtype=np.int64)                          # (U, M)
-    lens = np.fromiter(map(len, distinct), dtype=np.int64, count=n)     # (U,) blocks per table
-    flat = np.fromiter(itertools.chain.from_iterable(distinct), dtype=np.int64, count=int(lens.sum()))
+    """(len(tables), width) int64 block tables padded with 0."""
+    n = len(tables)
+    out = np.zeros((n, width), dtype=np.int64)
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)       # (n,) blocks per table
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
     rows = np.repeat(np.arange(n), lens)
     out[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
-    return out if n == len(tables) else out[np.asarray(owner)]          # (B, M)
+    return out
 
 
 def _offsets(sizes: list[int], align: int) -> list[int]:
