@@ -539,9 +539,7 @@ def section_pd(args, sc: Scale) -> None:
     est = est_start(sc, 2) + sc.est_warmup + sc.est_c1 + sc.est_stop
     if remaining() < est:
         return skip("pd", f"{remaining():.0f} s left, ~{est:.0f} s needed")
-    env = dict(args.env)
-    if args.routing_gpu_mem:
-        env["KVMESH_GPU_MEMORY_UTILIZATION"] = str(args.routing_gpu_mem)
+    env = two_worker_env(args, {})
     stack = ServeStack("pd", args.model_dir, 0, sc, env, args.log_level, args.serve_flag, prefill_decode=(1, 1))
     res["stack"] = {"prefill_workers": 1, "decode_workers": 1, "device": sc.device, "env": env,
                     "serve_flags": args.serve_flag}
@@ -554,6 +552,15 @@ def section_pd(args, sc: Scale) -> None:
     finally:
         stack.stop()
         save()
+
+
+def two_worker_env(args, extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a two-worker stack (pd, routing, migration): --env, `extra`, and each
+    worker's share of the GPU (--routing-gpu-mem; 0 leaves the stack's default)."""
+    env = {**args.env, **extra}
+    if args.routing_gpu_mem:
+        env["KVMESH_GPU_MEMORY_UTILIZATION"] = str(args.routing_gpu_mem)
+    return env
 
 
 def single_runs(args, sc: Scale) -> list[tuple[str, float, list[str]]]:
@@ -630,9 +637,7 @@ def section_routing(args, sc: Scale) -> None:
         if remaining() < est:
             skip(part, f"{remaining():.0f} s left, ~{est:.0f} s needed")
             continue
-        env = {**args.env, "KVMESH_ROUTING": mode}
-        if args.routing_gpu_mem:
-            env["KVMESH_GPU_MEMORY_UTILIZATION"] = str(args.routing_gpu_mem)
+        env = two_worker_env(args, {"KVMESH_ROUTING": mode})
         stack = ServeStack(f"routing-{mode}", args.model_dir, 2, sc, env, args.log_level, args.serve_flag)
         r = res.setdefault(mode, {"stack": {"workers": 2, "device": sc.device, "env": env,
                                             "serve_flags": args.serve_flag}})
@@ -681,11 +686,9 @@ def section_migration(args, sc: Scale) -> None:
         if remaining() < est:
             skip(part, f"{remaining():.0f} s left, ~{est:.0f} s needed")
             continue
-        env = {**args.env, "KVMESH_DRAIN_GRACE_S": "0"}   # the move at once, mid-decode
+        env = two_worker_env(args, {"KVMESH_DRAIN_GRACE_S": "0"})   # the move at once, mid-decode
         if mode != "peer":                                # the KV from a tier, or none
             env["KVMESH_DRAIN_KV_TO_PEERS"] = "0"
-        if args.routing_gpu_mem:
-            env["KVMESH_GPU_MEMORY_UTILIZATION"] = str(args.routing_gpu_mem)
         shared = Path(tempfile.mkdtemp(prefix="kvmesh-mig-shared-")) if mode == "shared" else None
         flags = list(args.serve_flag) + (["--kv-offload-shared-dir", str(shared / "tier"),
                                           "--kv-offload-shared-gb", str(sc.mig_shared_gb)] if shared else [])
