@@ -979,7 +979,7 @@ def _pd_handoff(p_engine, d_engine, path: str, rid: str, prompt: list[int], dead
             while not d_inbox.empty():
                 inbox.append(d_inbox.get())
             rx.poll()
-            d.adopt_imports()
+            d.adopt_imports([])
             if tokens_of(d.run(inbox)) and "d_first" not in times:
                 times["d_first"] = time.perf_counter()
             if not d.has_work():

@@ -533,7 +533,7 @@ class WorkerCore(PeerMoves):
         self.imports.await_request(msg.request_id)
         self.num_requests += 1
 
-    def adopt_imports(self, out: list[Envelope] | None = None) -> None:
+    def adopt_imports(self, out: list[Envelope]) -> None:
         """After the shell served the KV socket: requests admitted decode here from now on; a peer
         move whose KV did not come is recomputed here (its failure, if any, goes to `out`)."""
         now = time.perf_counter()
@@ -545,7 +545,7 @@ class WorkerCore(PeerMoves):
                 self._peer_admitted(rid)
         for rid in self.imports.take_dropped():
             if rid in self._peer_moves:
-                self._peer_fallback(rid, out if out is not None else [])
+                self._peer_fallback(rid, out)
             elif (req := self.awaiting.pop(rid, None)) is not None:
                 self._finished.append((rid, req.run))
 

@@ -63,7 +63,7 @@ def run_pair(llama, ids: dict, *, source=None, abort: str = "", max_tokens: int 
             out += p.run(inbox)
             hand_off_round(p, sender, out)
             receiver.poll()
-            d.adopt_imports()
+            d.adopt_imports([])
             out += d.run(inbox)
             if inbox:
                 abort_sent.set()

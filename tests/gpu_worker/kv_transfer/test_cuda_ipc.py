@@ -42,7 +42,7 @@ def decode_until(d: WorkerCore, receiver: DecodeReceiver, want: int, done=lambda
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (sum(len(t) for t in tokens.values()) >= want and done()):
         receiver.poll()
-        d.adopt_imports()
+        d.adopt_imports([])
         for env in d.run([]):
             for s in getattr(env.msg, "seqs", None) or []:
                 tokens.setdefault(s.request_id, []).extend(s.token_ids)

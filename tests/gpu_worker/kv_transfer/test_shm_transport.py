@@ -74,7 +74,7 @@ def run_pair(llama, ids: dict, *, d_shm: bool, abort: str = "", max_tokens: int 
             out += p.run([])
             hand_off_round(p, sender, out)
             receiver.poll()
-            d.adopt_imports()
+            d.adopt_imports([])
             out += d.run([])
             time.sleep(0.001)
         assert aborted, "the aborted request's transfer was never seen in flight"

@@ -39,7 +39,7 @@ class LocalPair(Pair):
             for rid, _to in todo:
                 answer = hand_off(self.producer, self.d.imports, rid)
                 self.p.handoff_done(rid, isinstance(answer, Ack), "", self.out)
-            self.d.adopt_imports()
+            self.d.adopt_imports([])
             self.out += self.d.run([])
         raise AssertionError("the P/D run did not end")
 
@@ -99,7 +99,7 @@ def test_aborting_one_request_mid_transfer_never_touches_the_other(llama):
             out += p.run(inbox)
             hand_off_round(p, sender, out)
             receiver.poll()
-            d.adopt_imports()
+            d.adopt_imports([])
             out += d.run(inbox)
             time.sleep(0.001)
         assert aborted, "A's transfer was never seen in flight"

@@ -66,7 +66,7 @@ class StreamingPair:
 
     def d_round(self) -> None:
         self.rx.poll()
-        self.d.adopt_imports()
+        self.d.adopt_imports([])
         self.out += self.d.run([])
 
     def received(self, rid: str) -> int:

@@ -52,7 +52,7 @@ def test_a_silent_decode_worker_delays_only_its_own_hand_offs(llama, silent_d):
             hand_off_round(p, sender, out)
             seen_peers.update(sender.peers())
             rx.poll()
-            d.adopt_imports()
+            d.adopt_imports([])
             out += d.run([])
             if "b" not in p.requests and "b" not in d.requests and "b" not in d.awaiting:
                 break

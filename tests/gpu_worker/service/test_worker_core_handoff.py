@@ -47,7 +47,7 @@ class Pair:
                 assert to == D_ADDR
                 answer = hand_off(self.producer, self.d.imports, rid)
                 self.p.handoff_done(rid, isinstance(answer, Ack), "", self.out)
-            self.d.adopt_imports()
+            self.d.adopt_imports([])
             self.out += self.d.run([])
         raise AssertionError("the P/D run did not end")
 
@@ -99,7 +99,7 @@ def test_a_request_that_ends_at_its_first_token_cancels_the_hand_off(llama):
     assert cancels == [("a", D_ADDR)]               # P's shell tells D to stop awaiting it
     assert pair.finished("p") == ["a"] and "a" in pair.d.awaiting
     pair.d.imports.abort("a")                       # what D's endpoint does with that Abort
-    pair.d.adopt_imports()
+    pair.d.adopt_imports([])
     assert clean(pair.p) and clean(pair.d)
 
 

@@ -71,7 +71,7 @@ def run_pair(model_dir: str, ids: dict, transport: str):
                     p.stop_streaming(rid)
             hand_off_round(p, sender, out)
             receiver.poll()
-            d.adopt_imports()
+            d.adopt_imports([])
             out += d.run([])
             time.sleep(0.001)
     finally:
