@@ -331,6 +331,9 @@ class SchedulerCore:
         if req.drained:
             metrics.DRAIN_MOVES.labels("peer" if move is not None else "recompute").inc()
             req.drained = False
+        if req.resume is not None:      # one line per moved request, as its "leaves worker" line
+            log.info("request %s resumes on worker %s epoch %d after %d tokens", rid, target.id, target.epoch,
+                     max((len(t) for t in req.resume.output_token_ids), default=0))
         out.append(Envelope(target.addr, dispatch))
         return out
 

@@ -33,8 +33,8 @@ from services.gateway.models import ModelCatalog
 from services.gateway.schemas import ApiError, param_of
 from services.gateway.text_path import LOCAL_TEXT_SENDERS, LocalText, RemoteText, TextPath, bounded
 from services.protocol.messages import (
-    Admitted, DetokenizeReply, DetokenizeRequest, GatewayInbox, Moved, Rejected, RequestFailed, Submit, TextBatch,
-    TokenizeRequest)
+    Admitted, DetokenizeReply, DetokenizeRequest, GatewayInbox, Moved, Rejected, RequestFailed, Resume, Submit,
+    TextBatch, TokenizeRequest)
 from services.protocol.sampling import SamplingParams, SamplingParamsError
 from services.redis_client import RedisAuth
 from services.registry import Registry
@@ -147,6 +147,10 @@ class Backend:
         self.scheduler_key = ""                   # Members.scheduler_key of self.scheduler
         self.workers: SenderPool = SenderPool(plane)   # stop strings go to the worker directly
         self.worker_addrs: set[str] = set()            # those the pool has a socket for
+        # Resumes (the local detokenizer's answers to Migrates) go to the scheduler inbox that asked:
+        # never through `workers`, whose sockets close with their worker's record, dropping a Resume
+        # still queued on a connection being made (the moved request would wait forever)
+        self.schedulers: SenderPool = SenderPool(plane)
         self.catalog = ModelCatalog()              # served models, their names and limits
         self.workers_ready = 0
         self.redis_error = ""                     # why the last registry read failed; "" when it worked
@@ -174,6 +178,7 @@ class Backend:
         if self.scheduler:
             self.scheduler.close()
         self.workers.close()
+        self.schedulers.close()
         self.text.close()
 
     # ---- discovery -----------------------------------------------------------------------
@@ -318,11 +323,14 @@ class Backend:
             if (job := self.jobs.get(job_id)) is not None:
                 job.queue.put_nowait(item)
         for dest, msg in out.send:
-            if dest != SCHEDULER:
+            if dest == SCHEDULER or (self.scheduler is not None and dest == self.scheduler.addr):
+                if self.scheduler is not None:
+                    self.scheduler.send(msg)
+            elif isinstance(msg, Resume):     # another scheduler's (one this gateway has not discovered yet)
+                self.schedulers.send(dest, msg)
+            else:
                 self.worker_addrs.add(dest)
                 self.workers.send(dest, msg)
-            elif self.scheduler is not None:
-                self.scheduler.send(msg)
 
     async def _recv_loop(self) -> None:
         detok = self.text.detok
