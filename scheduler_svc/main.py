@@ -97,6 +97,10 @@ class SchedulerService:
         # (registry.Membership), then its worker is dead
         self.membership = Membership(2 * cfg.heartbeat_ms / 1000, rejoin_s=cfg.lease_ms / 1000)
         self.labeled: dict[str, int] = {}   # worker ids with metric labels -> dispatches counted
+        # a Submit that finds no eligible worker polls too: one poll at a time, so a read taken
+        # before a restart is never applied after one taken since (the worker would flip back to
+        # its dead epoch, and its new incarnation's requests be moved off it)
+        self._polling = asyncio.Lock()
         self.handlers = {Submit: self.core.submit, Abort: self.core.abort, WorkerStatus: self.core.worker_status,
                          Resume: self.core.resumed}
 
@@ -193,6 +197,10 @@ class SchedulerService:
             log.info("prefix-cache index %s", target or "gone: routing by load only")
 
     async def _poll_workers(self) -> None:
+        async with self._polling:
+            await self._apply_poll()
+
+    async def _apply_poll(self) -> None:
         fresh = await self.registry.list("worker")
         records = self.membership.update(fresh, time.monotonic(), self.registry.incarnation)
         views = [view_of(r) for r in records]
