@@ -782,23 +782,28 @@ class Engine:
     def hold_for_move(self, request_id: str) -> bool:
         """A draining engine's running request, to move with its KV (a peer move): it leaves the
         batch and its blocks are held (`exported`, its sample finished with HANDOFF) until
-        release_export, like a prefill's export. Only a plain decoding request qualifies: one
-        sample, running, every token but the last computed, no grammar, no speculation, no step
-        in flight (settle() first). False: nothing changed (it is recomputed elsewhere instead).
+        release_export, like a prefill's export. A decoding request qualifies: one sample (n > 1
+        does not), running, every token but the last computed, no step in flight (settle()
+        first). A grammar's matcher stays behind (the peer rebuilds it from the output tokens);
+        with speculation, blocks past the computed tokens (slots of drafts) are freed first, so
+        only final KV is held, and the proposer hands off what the peer needs (mtp: its pending
+        row, as a prefill's export does; a draft model's KV stays, the peer computes its own).
+        False: nothing changed (it is recomputed elsewhere instead).
 
             token_ids   | prompt .......... | output ..... t |   t: drawn, not yet computed
-            KV held     |<------- num_tokens - 1 ------->|
+            KV held     |<------- num_tokens - 1 ------->|       blocks: ceil((num_tokens - 1) / bs)
         """
         request = self.requests.get(request_id)
         if (request is None or request.n != 1 or len(request.seqs) != 1 or request.export_kv
-                or request.grammar is not None or self.speculator is not None or self._inflight is not None):
+                or self._inflight is not None):
             return False
         seq = request.seqs[0]
-        bs = self.config.block_size
-        if (seq.status is not SequenceStatus.RUNNING or seq.num_new_tokens != 1 or seq.num_output_tokens < 1
-                or len(seq.block_table) != -(-seq.num_computed_tokens // bs)):
+        if seq.status is not SequenceStatus.RUNNING or seq.num_new_tokens != 1 or seq.num_output_tokens < 1:
             return False
-        self.scheduler.finish(seq, HANDOFF)      # out of the batch; its blocks stay held
+        self.block_manager.release_uncomputed(seq)   # lookahead slots: never sent as if valid
+        self.scheduler.finish(seq, HANDOFF)          # out of the batch; its blocks stay held
+        if self.speculator is not None:
+            self.speculator.hold(seq)
         del self.requests[request_id]
         self._forget_constrained(request_id)
         self.exported[request_id] = request
@@ -864,17 +869,16 @@ class Engine:
         rest await the KV. None (nothing reserved) when the pool lacks free blocks now. Raises
         RequestError like add_request. num_output_tokens: a peer move of a decoding request (one
         sample): the last this many ids of prompt_token_ids are its output so far, computed like
-        the prompt but counted as output, so it goes on as if it had never moved.
+        the prompt but counted as output, so it goes on as if it had never moved (a grammar's
+        matcher is made at its first draw and accepts that output first: _grammar_mask).
 
             prompt_token_ids | prompt ............ | output[:-1] |  + samples' token: output[-1]
                              |<- num_prompt_tokens ->|<- num_output_tokens ->|
         """
         tokens = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
         if not isinstance(num_output_tokens, int) or not 0 <= num_output_tokens < len(tokens) or (
-                num_output_tokens and (params.n != 1 or params.structured is not None or self.speculator is not None)):
-            # (a draft model's KV of the moved output, and a grammar's state, are not built here)
-            raise RequestError("invalid num_output_tokens: a moved request has one sample, no grammar, and a "
-                               "prompt, and goes to an engine without speculative decoding")
+                num_output_tokens and params.n != 1):
+            raise RequestError("invalid num_output_tokens: a moved request has one sample and a prompt")
         prompt = tokens[:len(tokens) - num_output_tokens]
         if request_id in self.exported:
             raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
@@ -919,11 +923,11 @@ class Engine:
                        last_hidden: Any = None) -> None:
         """Every block of an imported request holds its KV now: its samples join the batch as if
         this engine had prefilled the prompt (a draft model first computes its own KV of the
-        prompt: the hand-off moves the target's only; mtp's layer comes with it, and
-        `last_hidden`, the prefill engine's last prompt hidden state (H,) on the host, lets it
-        draft from the first step), and its full blocks join the prefix cache. `samples`:
-        those import_prefilled did not have yet (raises RequestError when invalid; the request
-        stays importing, for abort_request)."""
+        prompt, and of a moved request's output: the hand-off moves the target's only; mtp's
+        layer comes with it, and `last_hidden`, the other engine's hidden state (H,) on the host
+        at the last computed position, lets it draft from the first step), and its full blocks
+        join the prefix cache. `samples`: those import_prefilled did not have yet (raises
+        RequestError when invalid; the request stays importing, for abort_request)."""
         seq, held = self._importing[request_id]
         if held is None:
             if samples is None:

@@ -3,8 +3,9 @@ prefill/decode hand-off (handoff.py, kv_transfer/). WorkerCore has these methods
 engine, its request tables (`requests`, `awaiting`) and its hand-off queues (`_handoffs`,
 `_cancels`, `_sending`), and the state __init__ sets here.
 
-    draining worker W   hand_back(): each plain decoding request (one sample, every token but the
-                        last computed) is held with its KV (engine.hold_for_move), listed in
+    draining worker W   hand_back(): each decoding request (one sample, every token but the last
+                        computed; constrained or speculating too, only final KV: hold_for_move's
+                        docstring) is held with its KV (engine.hold_for_move), listed in
                         `kv_held` beside `handed_back`, for the hand-off lease -> MoveKV(rid, to)
                         from the scheduler: its KV goes to that peer through the hand-off sender,
                         if the client's tokens are the ones computed (else the peer is told to
@@ -12,8 +13,10 @@ engine, its request tables (`requests`, `awaiting`) and its hand-off queues (`_h
                         MoveKV within the lease, releases them.
     peer worker D       Dispatch(resume_output, kv_from): opens the stream (as any moved request)
                         and awaits the KV like a decode worker; admitted, it decodes on from the
-                        received blocks; refused, failed, cancelled or not offered within the lease,
-                        it recomputes the request from resume_output (the Dispatch without kv_from).
+                        received blocks (a grammar's matcher rebuilt from the output, a draft
+                        model's KV computed, MTP's pending row taken: admit_imported); refused,
+                        failed, cancelled or not offered within the lease, it recomputes the
+                        request from resume_output (the Dispatch without kv_from).
 
 Either role with both KV endpoints (mixed, decode) is both W and D; WorkerCore.hand_back() and
 adopt_imports() call in here.

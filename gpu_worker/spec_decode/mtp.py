@@ -49,6 +49,9 @@ from its first decode step, as on one engine:
     prefill engine:  MTP KV 0 ........ n-2 | h_{n-1} -> Offer/Done.last_hidden
     decode engine:   MTP KV 0 ........ n-2 | pending (n-1, h_{n-1}): step 0 of its first
                                              propose() writes n-1 with input t_n (the first token)
+
+A peer move of a decoding sequence (Engine.hold_for_move: hold()) goes the same way with n its
+computed tokens (prompt and output but the last token) in place of the prompt's.
 """
 from __future__ import annotations
 
@@ -168,9 +171,18 @@ class MtpProposer(ModelProposer):
         """Forget finished sequences' pending rows; a prompt's last, of a sequence that finished
         for a hand-off, goes with it (Request.handoff_hidden)."""
         for seq in [s for s in self.pending if s.status is SequenceStatus.FINISHED]:
-            pending = self.pending.pop(seq)
-            if seq.finish_reason == HANDOFF and pending.position == seq.num_prompt_tokens - 1:
-                seq.request.handoff_hidden = pending.hidden
+            if seq.finish_reason == HANDOFF:
+                self.hold(seq)
+            else:
+                del self.pending[seq]
+
+    def hold(self, seq: Sequence) -> None:
+        """seq finished for a hand-off (a prefill's, or a decoding request's peer move): the
+        pending row of its last computed position goes with it (Request.handoff_hidden), so the
+        peer writes the MTP KV there and drafts from its first step (resume)."""
+        pending = self.pending.pop(seq, None)
+        if pending is not None and pending.position == seq.num_computed_tokens - 1:
+            seq.request.handoff_hidden = pending.hidden
 
     def can_propose(self, seq: Sequence) -> bool:
         """Only with h of the position before its uncomputed token at hand."""
@@ -216,8 +228,9 @@ class MtpProposer(ModelProposer):
         return hidden.to(self.runner.device)
 
     def resume(self, seq: Sequence, state: torch.Tensor) -> None:
-        """seq's MTP KV arrived up to position n-2: h_{n-1} is its pending row."""
-        self.pending[seq] = _Pending(seq.num_prompt_tokens - 1, state)
+        """seq's MTP KV arrived up to position c-2 (c: its computed tokens, a prompt's or a moved
+        request's prompt and output but the last): h_{c-1} is its pending row."""
+        self.pending[seq] = _Pending(seq.num_computed_tokens - 1, state)
 
     # ---- the KV cache ---------------------------------------------------------------------
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

@@ -66,6 +66,12 @@ class ModelProposer:
         """seq's prompt was prefilled elsewhere (with handoff_caches()): take up drafting from
         its first step as if this engine had prefilled it. Default: nothing."""
 
+    def hold(self, seq: Sequence) -> None:
+        """seq, decoding, is held to move to a peer engine with its target's KV (and
+        handoff_caches()): leave what the peer needs to go on drafting on its request, as for a
+        prefill's hand-off; forget seq. Default: nothing (a draft model's own KV stays behind,
+        freed with the blocks; the peer computes its own: catch_up)."""
+
     def propose(self, drafts: dict[Sequence, list[int]], request_at: RequestAt) -> DraftProposal:
         raise NotImplementedError
 

@@ -201,6 +201,11 @@ class Speculator:
         if self.proposer is not None and state is not None:
             self.proposer.resume(seq, state)
 
+    def hold(self, seq: Sequence) -> None:
+        """seq just left the batch to move to a peer with its KV (Engine.hold_for_move)."""
+        if self.proposer is not None:
+            self.proposer.hold(seq)
+
     def settle(self) -> None:
         """After the step's tokens are final (mtp: its KV catches up)."""
         if self.proposer is not None:

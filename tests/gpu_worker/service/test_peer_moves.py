@@ -55,11 +55,15 @@ class Move:
                 got.setdefault(s.request_id, []).extend(s.token_ids)
         return got
 
-    def start(self, rid: str, ids: list[int], params: SamplingParams, steps: int) -> list[int]:
-        """Run rid on W for `steps` steps, then drain W: returns the tokens its client has."""
+    def start(self, rid: str, ids: list[int], params: SamplingParams, steps: int, min_tokens: int = 0) -> list[int]:
+        """Run rid on W for `steps` steps, and on until its client has min_tokens tokens (a grammar
+        compiling holds the first draws for a time), then drain W: returns the tokens its client has."""
         self.out += self.w.run([Dispatch(request_id=rid, epoch=1, prompt_token_ids=ids, params=params,
                                          reply_addr="gw", detok_addr="dt")])
         for _ in range(steps - 1):
+            self.out += self.w.run([])
+        deadline = time.monotonic() + 60
+        while len(self.tokens().get(rid, [])) < min_tokens and time.monotonic() < deadline:
             self.out += self.w.run([])
         self.w.settle(self.out)
         status = self.w.hand_back()
