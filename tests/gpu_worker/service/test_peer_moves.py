@@ -48,6 +48,14 @@ class Move:
         self.w_sender.close()
         self.d_receiver.close()
 
+    def slow_frames(self) -> None:
+        """W sends the KV in many small frames, 5 ms apart: D's import is seen in flight by a
+        driver loop however loaded the machine is (one poll could otherwise take every frame)."""
+        producer = self.w_sender.producer
+        producer.max_frame_bytes = 2048
+        frames = producer.frames
+        producer.frames = lambda *a: ((time.sleep(0.005), f)[1] for f in frames(*a))
+
     def tokens(self) -> dict[str, list[int]]:
         got: dict[str, list[int]] = {}
         for env in self.out:
@@ -168,7 +176,7 @@ def test_a_sender_that_never_sends_or_other_tokens_fall_back_within_the_lease(ll
 def test_an_abort_during_the_peer_hand_off_frees_both_sides(llama):
     ids = prompt(300, 7)
     move = Move(llama)
-    move.w_sender.producer.max_frame_bytes = 2048        # many frames: the import is seen in flight
+    move.slow_frames()
     try:
         streamed = move.start("r", ids, greedy(20), steps=3)
         move.resume("r", ids, greedy(20), streamed)

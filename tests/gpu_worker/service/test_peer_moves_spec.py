@@ -9,7 +9,6 @@ slots are freed, never sent."""
 from __future__ import annotations
 
 import json
-import time
 
 import msgspec
 import pytest
@@ -119,10 +118,7 @@ def test_an_abort_during_a_speculating_constrained_move_frees_both_sides(model):
     ids = prompt(300, 7)
     spec = {"speculative_config": draft_spec(model, 3)}
     move = Move(model, w_kw=spec, d_kw=spec)
-    producer = move.w_sender.producer
-    producer.max_frame_bytes = 2048                      # many frames, sent slowly: the import is seen in flight
-    frames = producer.frames
-    producer.frames = lambda *a: ((time.sleep(0.005), f)[1] for f in frames(*a))
+    move.slow_frames()
     try:
         streamed = move.start("r", ids, JSON, steps=3, min_tokens=3)
         move.resume("r", ids, JSON, streamed)
