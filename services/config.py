@@ -141,6 +141,10 @@ class GatewayConfig(ServiceConfig):
                                       "beyond: 408, closed.", above=0)
     max_connections: int = opt(4096, "Most open HTTP connections; a request on one beyond it gets a 503 and its "
                                      "connection is closed.", min=1)
+    keep_alive_timeout_s: float = opt(75.0, "Seconds an idle keep-alive connection stays open. Longer than the "
+                                            "idle expiry of clients (openai/httpx 5 s) and of load balancers in "
+                                            "front (AWS ALB 60 s; a GCP load balancer needs more than 600), so "
+                                            "none reuses a connection the gateway is closing.", above=0)
     shutdown_grace_s: float = opt(30.0, "On SIGTERM: /ready answers 503 at once, new requests get a 503, and the "
                                         "requests in flight get this many seconds to finish before those left "
                                         "end with an error.", min=0)

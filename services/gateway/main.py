@@ -44,7 +44,8 @@ async def serve(cfg: GatewayConfig, plane: Plane) -> int:
     limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections)
     ensure_fd_room(cfg.max_connections)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, loop="none", lifespan="off",
+                            timeout_graceful_shutdown=5, timeout_keep_alive=cfg.keep_alive_timeout_s,
+                            loop="none", lifespan="off",
                             http=functools.partial(LimitedHttpProtocol, limits=limits))  # type: ignore[arg-type]
     server = _Server(config, backend, cfg.shutdown_grace_s)
     announce = asyncio.create_task(_announce_once_listening(server, cfg, backend.reply_addr))

@@ -244,6 +244,37 @@ def test_oversized_headers_are_refused_with_431(gws):
     assert httpx.get(gws.urls["grpc"] + "/health", headers={"X-Pad": "p" * 8000}, timeout=10).status_code == 200
 
 
+def _health_on(s: socket.socket) -> bytes:
+    """One GET /health on an open keep-alive connection: the response's status line."""
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    out = b""
+    while b"\r\n\r\n" not in out or len(out.split(b"\r\n\r\n", 1)[1]) < _content_length(out):
+        chunk = s.recv(65536)
+        if not chunk:
+            raise AssertionError(f"the gateway closed the connection (got {out[:80]!r})")
+        out += chunk
+    return out.split(b"\r\n", 1)[0]
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 0
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_idle_expiry(gws):
+    """The openai client (httpx) reuses a connection idle up to 5 s: a gateway closing it at 5 s
+    (uvicorn's default) races that reuse and the client sees "Server disconnected"."""
+    s = socket.create_connection(gws.addr("grpc"), timeout=10)
+    try:
+        assert _health_on(s) == b"HTTP/1.1 200 OK"
+        time.sleep(6)
+        assert _health_on(s) == b"HTTP/1.1 200 OK"
+    finally:
+        s.close()
+
+
 def test_half_bodies_are_closed_after_the_body_timeout(gws):
     addr = gws.addr("grpc")
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
