@@ -15,14 +15,15 @@ worker is registered, then prints the URL, each service's /metrics page, and the
 shows them all (--fleet-metrics-port, on loopback: services/fleet_metrics.py). A failure during
 start-up stops the stack (a bad model or flag would only fail again). From then on a service that
 exits on its own, whatever its code, is reported in one line and restarted with back-off, with the
-same flags (services.supervisor, services.restart_policy); one that crash-loops stops the stack
-with the reason. Ctrl-C / SIGTERM stops everything, gateway first and Redis last, each step
+same flags (services.supervisor, services.restart_policy); a required service that crash-loops
+stops the stack with the reason, a worker that does is restarted every 10 s while the others serve. Ctrl-C / SIGTERM stops everything, gateway first and Redis last, each step
 bounded. Children get SIGTERM if this process dies (PR_SET_PDEATHSIG on Linux).
 
 What a restart means for requests in flight:
-  worker        its requests end with a `worker_failed` error (a 503 before the first token; an
-                error chunk then `[DONE]` in a stream) when the scheduler sees its lease lapse or
-                its id come back under a new epoch; the other workers keep serving, and the
+  worker        its requests move to the other workers when the scheduler sees its lease lapse
+                or its id come back under a new epoch, and go on from the tokens their clients
+                have (one stream, no token twice or missing); one that cannot move (no worker
+                left, --max-migrations reached) ends with a `worker_failed` error chunk. The
                 restarted one (same --worker-id) takes new requests once registered.
   scheduler     no request fails: the gateway sends every live one to the restarted scheduler
                 (within --admission-timeout-s for one not yet admitted), which adopts those on a
@@ -129,7 +130,8 @@ class Stack:
         # the Redis URL through the environment, not argv: it may carry a password, and any local
         # user can read a process's argv (its environment only the same user)
         env = {**os.environ, "KVMESH_REDIS_URL": self.redis_url}
-        self.sup.spawn(name, [sys.executable, "-m", "services.cli", service, *args], time.monotonic(), optional, env)
+        self.sup.spawn(name, [sys.executable, "-m", "services.cli", service, *args], time.monotonic(), optional, env,
+                       pooled=service == "worker")
 
     def start(self, model: str) -> None:
         cfg = self.cfg

@@ -11,6 +11,10 @@ stop) is reported in one line and started again with the same command after the 
 services.restart_policy. Exit code 2 is the services' "configuration refused" (a flag, or an engine
 setting the model cannot take): that will not heal, so it is never restarted. A crash loop or a
 refused configuration stops the stack with the reason, or, for an optional child, goes on without it.
+A worker (`pooled`: one of a pool the others keep serving) is never given up on for a crash loop: it
+is restarted every MAX_DELAY_S while it lasts, as Kubernetes backs off a crash-looping pod, so a
+request that kills its worker, or a burst of OOM kills, cannot stop the stack; its refused
+configuration stops the stack like any other's.
 
 The embedded Redis is watched the same way (`watch_redis`) and restarted on its own port.
 """
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field, fields
 
 from services.config import GatewayConfig
 from services.embedded_redis import EmbeddedRedis, die_with_parent
-from services.restart_policy import GiveUp, RestartPolicy, describe_exit
+from services.restart_policy import MAX_DELAY_S, GiveUp, RestartPolicy, describe_exit
 
 log = logging.getLogger("kvmesh.serve")
 CONFIG_REFUSED = 2        # load_or_exit's and the worker's exit code for a refused setting
@@ -38,6 +42,7 @@ class Child:
     cmd: list[str]
     optional: bool = False
     env: dict[str, str] | None = None     # the child's whole environment (None: this process's)
+    pooled: bool = False                  # a worker: a crash loop restarts it every MAX_DELAY_S
     proc: subprocess.Popen | None = None
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     restart_at: float | None = None       # set while the child waits out its back-off
@@ -45,7 +50,7 @@ class Child:
     @property
     def stop_rank(self) -> int:
         """Stop order: the gateway first (no new requests), then the workers, then what they use."""
-        return 0 if self.name == "gateway" else 1 if self.name.startswith("worker") else 2
+        return 0 if self.name == "gateway" else 1 if self.pooled else 2
 
 
 @dataclass
@@ -61,8 +66,8 @@ class Supervisor:
         self.redis: RedisWatch | None = None
 
     def spawn(self, name: str, cmd: list[str], now: float, optional: bool = False,
-              env: dict[str, str] | None = None) -> Child:
-        child = Child(name, cmd, optional, env)
+              env: dict[str, str] | None = None, pooled: bool = False) -> Child:
+        child = Child(name, cmd, optional, env, pooled)
         self.children.append(child)
         self._launch(child, now)
         return child
@@ -106,6 +111,11 @@ class Supervisor:
             decision = (GiveUp("its configuration was refused (see its log above)") if code == CONFIG_REFUSED
                         else child.policy.exited(now))
             what = f"{child.name} (pid {child.proc.pid}) exited with {describe_exit(code)}"
+            if isinstance(decision, GiveUp) and child.pooled and code != CONFIG_REFUSED:
+                log.error("%s: %s; restarting it every %.0f s while it lasts (the rest of its pool serves)",
+                          what, decision.reason, MAX_DELAY_S)
+                child.restart_at = now + MAX_DELAY_S
+                continue
             if isinstance(decision, GiveUp):
                 if not child.optional:
                     return f"{what}: {decision.reason}; stopping the stack"

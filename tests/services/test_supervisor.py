@@ -1,11 +1,15 @@
 """services.supervisor with real child processes (small Python programs): restarts with the same
-command, a refused configuration is never restarted, an optional crash-looper is dropped."""
+command, a refused configuration is never restarted, an optional crash-looper is dropped, a
+crash-looping worker is restarted on and on."""
 from __future__ import annotations
 
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from services import restart_policy, supervisor
 from services.restart_policy import CRASH_LOOP_EXITS
 from services.supervisor import Supervisor
 
@@ -46,7 +50,15 @@ def test_a_refused_configuration_stops_the_stack_without_a_restart(tmp_path):
         sup.stop()
 
 
-def test_a_crash_looping_optional_child_is_dropped_and_the_rest_keeps_running(tmp_path):
+@pytest.fixture
+def fast_backoff(monkeypatch):
+    """The back-off scaled down 50x (0.5 s -> 10 ms, 10 s -> 0.2 s): the same policy, quickly."""
+    monkeypatch.setattr(restart_policy, "FIRST_DELAY_S", 0.01)
+    monkeypatch.setattr(restart_policy, "MAX_DELAY_S", 0.2)
+    monkeypatch.setattr(supervisor, "MAX_DELAY_S", 0.2)
+
+
+def test_a_crash_looping_optional_child_is_dropped_and_the_rest_keeps_running(tmp_path, fast_backoff):
     runs, sup = tmp_path / "runs", Supervisor()
     sup.spawn("prefix-cache", _program(runs, 1), time.monotonic(), optional=True)
     steady = sup.spawn("tokenizer", [sys.executable, "-c", "import time; time.sleep(60)"], time.monotonic())
@@ -58,3 +70,25 @@ def test_a_crash_looping_optional_child_is_dropped_and_the_rest_keeps_running(tm
         t0 = time.monotonic()
         sup.stop()
         assert steady.proc.poll() is not None and time.monotonic() - t0 < 15
+
+
+def test_a_crash_looping_worker_is_restarted_on_and_on_and_never_stops_the_stack(tmp_path, fast_backoff):
+    runs, sup = tmp_path / "runs", Supervisor()
+    sup.spawn("decode-0", _program(runs, 1), time.monotonic(), pooled=True)
+    steady = sup.spawn("scheduler", [sys.executable, "-c", "import time; time.sleep(60)"], time.monotonic())
+    try:
+        reason = _tick_until(sup, lambda: runs.exists() and runs.read_text().count("run") >= CRASH_LOOP_EXITS + 3)
+        assert reason is None and steady.proc.poll() is None
+        assert any(c.name == "decode-0" for c in sup.children)
+    finally:
+        sup.stop()
+
+
+def test_a_worker_whose_configuration_is_refused_still_stops_the_stack(tmp_path):
+    runs, sup = tmp_path / "runs", Supervisor()
+    sup.spawn("worker-0", _program(runs, 2), time.monotonic(), pooled=True)
+    try:
+        reason = _tick_until(sup, lambda: False)
+        assert reason is not None and "configuration was refused" in reason and runs.read_text().count("run") == 1
+    finally:
+        sup.stop()
