@@ -16,8 +16,9 @@ shows them all (--fleet-metrics-port, on loopback: services/fleet_metrics.py). A
 start-up stops the stack (a bad model or flag would only fail again). From then on a service that
 exits on its own, whatever its code, is reported in one line and restarted with back-off, with the
 same flags (services.supervisor, services.restart_policy); a required service that crash-loops
-stops the stack with the reason, a worker that does is restarted every 10 s while the others serve. Ctrl-C / SIGTERM stops everything, gateway first and Redis last, each step
-bounded. Children get SIGTERM if this process dies (PR_SET_PDEATHSIG on Linux).
+stops the stack with the reason, a worker that does is restarted every 10 s while the others
+serve. Ctrl-C / SIGTERM stops everything, gateway first and Redis last, each step bounded.
+Children get SIGTERM if this process dies (PR_SET_PDEATHSIG on Linux).
 
 What a restart means for requests in flight:
   worker        its requests move to the other workers when the scheduler sees its lease lapse
