@@ -112,7 +112,7 @@ class Supervisor:
                         else child.policy.exited(now))
             what = f"{child.name} (pid {child.proc.pid}) exited with {describe_exit(code)}"
             if isinstance(decision, GiveUp) and child.pooled and code != CONFIG_REFUSED:
-                log.error("%s: %s; restarting it every %.0f s while it lasts (the rest of its pool serves)",
+                log.error("%s: %s; restarting it every %.0f s while it lasts (the other workers serve meanwhile)",
                           what, decision.reason, MAX_DELAY_S)
                 child.restart_at = now + MAX_DELAY_S
                 continue
