@@ -30,8 +30,10 @@ the core asks it (Migrate, naming the worker left: its late tokens are dropped) 
 answer (Resume) like a new request, but whole on one worker and carrying each sample's tokens
 (Dispatch.resume_output): the engine computes prompt + those as its prefix and samples on from the
 next position, with the same seed (a seeded request draws what it would have drawn where it was;
-an unseeded one draws on from the same tokens). A request moved --max-migrations times already, or
-with no worker left, fails as before: a RequestFailed to its gateway, an Abort to its detokenizer.
+an unseeded one draws on from the same tokens). A request moved --max-migrations times already
+fails: a RequestFailed to its gateway, an Abort to its detokenizer. One that finds no worker left
+waits in the queue up to --migration-wait-s for one to join (the last worker restarting: its
+stream pauses, then goes on), then fails the same way (expire_waits, on every registry poll).
 
 Queue order: (priority, arrival), lower priority value first. Routing: routing.route(scorer, hint), the hint a prefix match
 (prefix_hints.py); a request of a known conversation goes to its last turn's worker while that one
@@ -99,6 +101,7 @@ class Limits:
     pd_min_prefill_tokens: int = 256   # routing.route: fewer uncached prompt tokens run on D alone
     conversation_max_load: float = 1.0  # routing.conversation_worker: past this load a conversation moves
     max_migrations: int = 3            # times a request may move to another worker mid-stream
+    migration_wait_s: float = 60.0     # how long a moved request with no worker left waits for one
 
 
 @dataclass
@@ -143,6 +146,9 @@ class SchedulerCore:
         self.inbox_addr = ""              # this scheduler's inbox (the shell sets it): where Resumes come
         # resubmitted requests no worker has listed yet, while some worker has not reported
         self._unplaced: dict[str, tuple[Submit, float]] = {}
+        # moved requests queued while no worker could take them -> (when they fail: expire_waits, why
+        # they moved); counted as moved once dispatched
+        self._waiting: dict[str, tuple[float, str]] = {}
         # run numbers, one per dispatch: from a random start, so a scheduler that restarted does not
         # reuse the numbers of its predecessor's runs (a late report of one must not match a new run)
         self._runs = itertools.count(secrets.randbelow(1 << 62))
@@ -302,6 +308,8 @@ class SchedulerCore:
     def _send_to(self, rid: str, req: _Req, worker: WorkerView, prefill: WorkerView | None) -> list[Envelope]:
         """`worker` runs the request whole, or decodes it after `prefill` handed it the KV."""
         req.worker_id, req.dispatched_at, req.run = worker.id, self.clock(), next(self._runs)
+        if (waited := self._waiting.pop(rid, None)) is not None:    # a worker joined in time
+            metrics.MIGRATIONS.labels(waited[1], "moved").inc()
         s, out = req.submit, []
         if self.conversations is not None and s.conversation:   # the next turn finds its KV there
             self.conversations.record(s.tenant, s.conversation, worker.id, req.dispatched_at)
@@ -361,6 +369,7 @@ class SchedulerCore:
         return [Envelope(w.addr, msg) for w in holders if w is not None]
 
     def _forget(self, rid: str) -> None:
+        self._waiting.pop(rid, None)
         req = self.requests.pop(rid, None)
         if req is None:
             return
@@ -472,6 +481,7 @@ class SchedulerCore:
                 self.prefix_hints.forget_worker(wid)
             if self.conversations is not None:
                 self.conversations.forget_worker(wid)
+        out += self.expire_waits()
         for wid, view in fresh.items():
             cur = self.workers.get(wid)
             if cur is None:
@@ -573,12 +583,18 @@ class SchedulerCore:
                         len(msg.output_token_ids), n)
             return self._fail_moving(msg.request_id, req, reason)
         if not self._eligible():
-            return self._fail_moving(msg.request_id, req, reason)
+            wait_s = self.limits.migration_wait_s
+            if wait_s <= 0:
+                return self._fail_moving(msg.request_id, req, reason)
+            # the last worker is gone (restarting, perhaps): the stream pauses until one joins
+            self._waiting[msg.request_id] = (self.clock() + wait_s, reason)
+            log.warning("request %s: no worker can take it; it waits up to %.0f s for one", msg.request_id, wait_s)
         req.migrations += 1
         req.drained = reason == "drain"
         req.hint = None                # the prefix match named the worker it left; routed by load
         req.resume = msg if msg.known else Resume(request_id=msg.request_id, output_token_ids=[])
-        metrics.MIGRATIONS.labels(reason, "moved").inc()
+        if msg.request_id not in self._waiting:
+            metrics.MIGRATIONS.labels(reason, "moved").inc()
         self._queued += 1
         self._enqueue(req)
         # a stream never opened (dispatched to a worker that died before it ran it, e.g. within
@@ -588,6 +604,16 @@ class SchedulerCore:
         told = [] if msg.known or reason == "resubmitted" else [
             Envelope(req.submit.reply_addr, Moved(request_id=msg.request_id))]
         return told + self.dispatch()
+
+    def expire_waits(self) -> list[Envelope]:
+        """Fail the moved requests that waited --migration-wait-s for a worker in vain."""
+        now = self.clock()
+        out: list[Envelope] = []
+        for rid, (_, reason) in [(r, w) for r, w in self._waiting.items() if now >= w[0]]:
+            self._queued -= 1               # (its heap entry is dropped lazily)
+            log.warning("request %s: no worker joined within %.0f s; failing it", rid, self.limits.migration_wait_s)
+            out += self._fail_moving(rid, self.requests[rid], reason)
+        return out
 
     def _release_kv(self, req: _Req) -> list[Envelope]:
         """The draining worker holding req's KV frees it: the request is recomputed instead."""

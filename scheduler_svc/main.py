@@ -85,7 +85,7 @@ class SchedulerService:
         self.plane = plane
         self.core = SchedulerCore(Limits(cfg.max_queue, cfg.max_tenant_inflight, cfg.worker_capacity_factor,
                                          cfg.retry_after_s, cfg.pd_min_prefill_tokens,
-                                         cfg.route_conversation_max_load, cfg.max_migrations),
+                                         cfg.route_conversation_max_load, cfg.max_migrations, cfg.migration_wait_s),
                                   scorer=make_scorer(cfg.routing, routing_weights(cfg)),
                                   prefix_hints=PrefixHints() if cfg.routing == "cache_aware" else None,
                                   conversations=conversation_table(cfg))

@@ -233,8 +233,11 @@ class SchedulerConfig(ServiceConfig):
                                           "prompts, or conversations whose history the decode worker holds); "
                                           "longer ones prefill on a prefill worker and hand their KV over.", min=0)
     max_migrations: int = opt(3, "Times one request may move to another worker mid-stream (its worker died or "
-                                 "drained) and continue from the tokens already streamed; past it, or with no "
-                                 "worker left, the client gets an error. 0: never move.", min=0)
+                                 "drained) and continue from the tokens already streamed; past it the client "
+                                 "gets an error. 0: never move.", min=0)
+    migration_wait_s: float = opt(60.0, "A request moving off a stopped worker that finds no worker left waits "
+                                        "this long for one to join (the last one restarting: its stream pauses, "
+                                        "then goes on) before its client gets an error; 0: at once.", min=0)
 
 
 @dataclass(frozen=True)

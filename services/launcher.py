@@ -23,8 +23,9 @@ Children get SIGTERM if this process dies (PR_SET_PDEATHSIG on Linux).
 What a restart means for requests in flight:
   worker        its requests move to the other workers when the scheduler sees its lease lapse
                 or its id come back under a new epoch, and go on from the tokens their clients
-                have (one stream, no token twice or missing); one that cannot move (no worker
-                left, --max-migrations reached) ends with a `worker_failed` error chunk. The
+                have (one stream, no token twice or missing), waiting for it to come back when it
+                was the last one (--migration-wait-s); one that cannot move ends with a
+                `worker_failed` error chunk. The
                 restarted one (same --worker-id) takes new requests once registered.
   scheduler     no request fails: the gateway sends every live one to the restarted scheduler
                 (within --admission-timeout-s for one not yet admitted), which adopts those on a

@@ -128,7 +128,8 @@ MIGRATIONS = _scheduler(Counter("kvmesh_scheduler_migrations", "In-flight reques
                                 "(worker_died: lease lapsed or replaced; drain: handed back by a draining worker; "
                                 "resubmitted: sent again by its gateway after a scheduler restart, held by no worker) "
                                 "and outcome (moved: continued on another worker from the tokens already streamed; "
-                                "failed: no worker left or --max-migrations reached, the client got an error)",
+                                "failed: --max-migrations reached, or no worker joined within --migration-wait-s; "
+                                "the client got an error)",
                                 ["reason", "outcome"]))
 DRAIN_MOVES = _scheduler(Counter("kvmesh_scheduler_drain_moves", "Requests a draining worker handed back, by how "
                                  "they were dispatched again (peer: with their KV, which the draining worker sends "

@@ -146,6 +146,28 @@ def test_a_killed_or_drained_worker_is_restarted_while_the_other_keeps_serving(t
             r = client.completions.create(model=model, prompt=f"after {i}", max_tokens=4)
             assert r.choices[0].finish_reason in ("stop", "length")
 
+        # -- both workers killed at once: the streams wait for the restarted ones and go on
+        #    (--migration-wait-s), none fails
+        killed = {w: serve.child(f"--worker-id {w}") for w in ("worker-0", "worker-1")}
+        started, results = threading.Semaphore(0), {}
+        threads = [threading.Thread(target=_stream, args=(client, model, i, started, results), daemon=True)
+                   for i in range(STREAMS)]
+        for t in threads:
+            t.start()
+        for _ in range(STREAMS):
+            assert started.acquire(timeout=90), "not every stream started"
+        for pid in killed.values():
+            os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        for t in threads:
+            t.join(max(t_kill + 90 - time.monotonic(), 0.1))
+        assert len(results) == STREAMS, f"{STREAMS - len(results)} streams hung"
+        outcomes = {i: _outcome(events) for i, (events, _) in results.items()}
+        assert not [i for i, o in outcomes.items() if o == "failed"], outcomes
+        for w, pid in killed.items():
+            wait_for(lambda: (p := serve.child(f"--worker-id {w}")) not in (None, pid)
+                     and _worker_pid_in_registry(redis_url, w) == p, 90, f"{w} to be back")
+
         # -- SIGTERM drains worker-1 (code 0): also restarted, the stack stays up
         drained = serve.child("--worker-id worker-1")
         os.kill(drained, signal.SIGTERM)

@@ -32,7 +32,9 @@ def lease_stack(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("lease-logs")
     with redis_and_procs(logs) as (redis, procs):
         procs.start("tokenizer", "tokenizer", *FAST, *INTERNAL, "--metrics-port", "0", "--model", tiny_model)
-        procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "-1")
+        # --migration-wait-s 0: the paused worker's requests fail once its lease lapses, instead of
+        # waiting for a worker (the same one, rejoining): what reaches the clients is then fixed
+        procs.start("scheduler", "scheduler", *FAST, *INTERNAL, "--metrics-port", "-1", "--migration-wait-s", "0")
         procs.start("prefix-cache", "prefix-cache", *FAST, "--host", "127.0.0.1", "--port", "0",
                     "--metrics-port", "0")
         procs.start_worker(WORKER, tiny_model)

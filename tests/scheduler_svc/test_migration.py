@@ -20,8 +20,10 @@ def worker(wid: str, *, draining: bool = False, role: str = "mixed", epoch: int 
                       draining=draining)
 
 
-def core_with(*workers: WorkerView, max_migrations: int = 3) -> SchedulerCore:
-    core = SchedulerCore(Limits(max_migrations=max_migrations))
+def core_with(*workers: WorkerView, max_migrations: int = 3, migration_wait_s: float = 60.0,
+              clock=None) -> SchedulerCore:
+    core = SchedulerCore(Limits(max_migrations=max_migrations, migration_wait_s=migration_wait_s),
+                         **({"clock": clock} if clock else {}))
     core.inbox_addr = ME
     core.set_workers(list(workers))
     return core
@@ -68,13 +70,46 @@ def test_a_request_moved_max_migrations_times_or_with_no_worker_left_fails():
     [(gw, failed)] = messages(out, RequestFailed)
     assert gw == GW and failed.code == "worker_failed" and [d for d, _ in messages(out, Abort)] == [DT]
     assert not core.requests and not core.tenant_inflight
-    # no worker left when the Resume comes back: it fails then
-    core = core_with(worker("w1"))
+    # no worker left when the Resume comes back, and no wait for one (--migration-wait-s 0): it fails then
+    core = core_with(worker("w1"), migration_wait_s=0)
     core.submit(submit("b"))
     assert messages(core.set_workers([]), Migrate)
     out = core.resumed(Resume(request_id="b", output_token_ids=[[1, 2]]))
     assert [type(m).__name__ for _, m in messages(out, (RequestFailed, Abort))] == ["RequestFailed", "Abort"]
     assert not core.requests
+
+
+def test_a_moved_request_with_no_worker_left_waits_for_one_to_join_then_fails_past_the_wait():
+    now = [0.0]
+    core = core_with(worker("w1"), migration_wait_s=30, clock=lambda: now[0])
+    core.submit(submit("a"))
+    core.submit(submit("b"))
+    assert len(messages(core.set_workers([]), Migrate)) == 2           # the last worker died
+    for rid in ("a", "b"):
+        out = core.resumed(Resume(request_id=rid, output_token_ids=[[1, 2]]))
+        assert not messages(out, RequestFailed) and not messages(out, Dispatch)
+    assert core.queue_depth == 2
+    now[0] = 20.0
+    core.abort(Abort(request_id="b"))                                  # its client left meanwhile
+    out = core.set_workers([worker("w1", epoch=2)])                    # the worker is back, within the wait
+    [(addr, moved)] = messages(out, Dispatch)
+    assert addr == "tcp://w1:1" and moved.request_id == "a" and moved.resume_output == [[1, 2]]
+    assert core.queue_depth == 0 and not messages(out, RequestFailed)
+    core.worker_status(WorkerStatus(worker_id="w1", epoch=2, running=0, waiting=0, free_blocks=10, cached_blocks=0,
+                                    total_blocks=10, finished=["a"], finished_runs=[moved.run]))
+    assert not core.requests
+    # the next one waits in vain: past the wait, its client gets the error
+    core.submit(submit("c"))
+    assert messages(core.set_workers([]), Migrate)
+    core.resumed(Resume(request_id="c", output_token_ids=[[3]]))
+    now[0] = 49.0
+    assert not messages(core.set_workers([]), RequestFailed)
+    now[0] = 51.0
+    out = core.set_workers([])
+    [(gw, failed)] = messages(out, RequestFailed)
+    assert gw == GW and failed.code == "worker_failed" and [d for d, _ in messages(out, Abort)] == [DT]
+    assert not core.requests and core.queue_depth == 0 and not core.tenant_inflight
+    assert not messages(core.set_workers([worker("w1", epoch=3)]), Dispatch)    # nothing left to send
 
 
 def test_max_migrations_0_fails_at_once_as_before():
