@@ -164,6 +164,18 @@ def test_refused_chat_options(extra, param):
     assert e.value.status == 400 and e.value.param == param
 
 
+@pytest.mark.parametrize("extra, param", [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+])
+def test_chat_range_errors_name_the_field_the_client_sent(extra, param):
+    with pytest.raises(ApiError) as e:
+        chat_prompt(decode(ChatRequest, chat_body(**extra)), 10)
+    assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(f"invalid {param}: ")
+
+
 @pytest.mark.parametrize("choice", [None, "auto", "none"])
 def test_unforced_tool_choice_is_accepted(choice):
     chat_prompt(decode(ChatRequest, chat_body(tools=[{"type": "function", "function": {"name": "f"}}],
