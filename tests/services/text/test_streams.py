@@ -291,3 +291,14 @@ def test_the_stop_token_or_eos_that_ended_a_sample_is_not_text():
     assert (delta.text, delta.stop_reason, len(delta.logprobs)) == ("", ids(".")[0], 1)
     open_(core, rid="q", ignore_eos=True, skip_special_tokens=False)
     assert texts(step(core, SeqTokens("q", 0, ids("a!"), finish_reason="length"))) == [(0, "a!", "length")]
+
+
+def test_stop_strings_count_only_from_min_tokens_on():
+    """vLLM's min_tokens: a sample has at least min_tokens tokens; a stop string made before then
+    is text, one completed at or after it ends the sample (tokens of one step split at min_tokens)."""
+    core = DetokCore(ToyTok())
+    open_(core, n=3, stop=["b", "xy"], min_tokens=4)
+    out = step(core, SeqTokens("r", 0, ids("ab")), SeqTokens("r", 1, ids("abcb")), SeqTokens("r", 2, ids("abcx")))
+    assert texts(out) == [(0, "a", None), (1, "abc", "stop"), (2, "abc", None)]   # "b" held: an early stop
+    out = step(core, SeqTokens("r", 0, ids("cdb")), SeqTokens("r", 2, ids("y")))
+    assert texts(out) == [(0, "bcd", "stop"), (2, "", "stop")]
