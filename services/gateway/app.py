@@ -36,7 +36,7 @@ from services.protocol.kv_events import cache_salt_for
 from services.gateway.schemas import (
     ApiError, ChatRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_prompt, check_request_constraint,
     client_request_id, completion_prompts, decode, thinking, tokenize_request)
-from services.gateway.tools import served_formats, tool_plan, with_plan
+from services.gateway.tools import check_tools, served_formats, tool_plan, with_plan
 from services.protocol.messages import DetokenizeRequest
 
 _json = msgspec.json.Encoder()
@@ -230,6 +230,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
     async def tokenize_answer(request: Request) -> dict[str, Any]:
         tenant_of(request)
         body = decode(TokenizeBody, await read_body(request))
+        check_tools(body.tools)   # the bounds and shape a chat request's tools have
         model = served_model(body.model)
         # bounded like a completion's prompt: /tokenize never answers more ids than the model takes
         ids = await backend.token_ids(backend.bounded(tokenize_request(body, cfg.max_messages), model))

@@ -265,9 +265,19 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
     messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise bad(f"invalid top_logprobs: must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
+                  "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, logprobs)
+    try:
+        params = sampling_params(req, max_tokens, logprobs)
+    except ApiError as err:
+        if err.param == "max_tokens" and req.max_completion_tokens is not None:
+            # the value came from max_completion_tokens (OpenAI's newer name): name what the client sent
+            err.param, err.message = "max_completion_tokens", err.message.replace(
+                "max_tokens", "max_completion_tokens", 1)
+        raise
     return TokenizeRequest(messages=messages, add_generation_prompt=req.add_generation_prompt,
                            tools=req.tools, chat_template_kwargs=template_kwargs(req.chat_template_kwargs)), params
 

@@ -13,6 +13,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
+MAX_MAX_TOKENS = 2**63 - 1      # bounded only to fit the wire (msgpack ints); max_model_len bounds it in use
 MAX_LOGIT_BIAS = 1024            # token ids one request may bias
 MAX_ABS_LOGIT_BIAS = 100.0       # OpenAI's range: -100 bans a token, +100 all but forces it
 
@@ -104,8 +105,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
                 raise bad(name, f"must be in [-2, 2], got {value}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise bad("seed", f"must be in [0, 2**63-1], got {self.seed}")
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_MAX_TOKENS:
+            raise bad("max_tokens", f"must be in [1, 2**63-1], got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         if len(self.stop) > MAX_STOP_STRINGS:

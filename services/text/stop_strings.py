@@ -9,6 +9,9 @@ shows whether it is:
     emitted: "Hello world"
 
 On a match, the text before the earliest stop string is emitted and the matcher is finished.
+A match must end in the newest piece: held text never matches by itself, so text passed through
+`hold()` (made before min_tokens, when stop strings do not count yet) is never a stop, while a
+stop string it begins and a later piece ends is.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ class StopStringMatcher:
         if not self.stop:
             return StopResult(text, False)
         pending = self._held + text
-        hit = self._earliest_match(pending)
+        hit = self._earliest_match(pending, len(self._held))
         if hit is not None:
             index, stop = hit
             self.matched, self._held = stop, ""
@@ -51,15 +54,26 @@ class StopStringMatcher:
         self._held = pending[len(pending) - keep:] if keep else ""
         return StopResult(pending[:len(pending) - keep], False)
 
+    def hold(self, text: str) -> str:
+        """Text that cannot stop the sample yet (before min_tokens): the part now safe to send; a
+        tail that may begin a stop string stays held, so a later piece can complete it."""
+        if self.matched is not None:
+            return ""
+        pending = self._held + text
+        keep = self._partial_suffix_len(pending)
+        self._held = pending[len(pending) - keep:] if keep else ""
+        return pending[:len(pending) - keep]
+
     def flush(self) -> str:
         """The held-back text, at a natural end (eos, length): it turned out not to be a stop."""
         held, self._held = self._held, ""
         return "" if self.matched is not None else held
 
-    def _earliest_match(self, text: str) -> tuple[int, str] | None:
+    def _earliest_match(self, text: str, held: int) -> tuple[int, str] | None:
+        """The earliest stop string in `text` that ends past its first `held` characters."""
         best: tuple[int, str] | None = None
         for stop in self.stop:
-            i = text.find(stop)
+            i = text.find(stop, max(0, held - len(stop) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, stop)
         return best

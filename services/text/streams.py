@@ -42,9 +42,10 @@ its gateway sent again) for a stream that has passed nothing on observes nothing
 Submit (kvmesh_gateway_resubmit_wait_seconds), so the two histograms never hold one wait twice.
 Times come from `clock` (monotonic; tests inject one).
 
-A sample ends when the engine says so (eos/stop token: "stop", "length", "abort") or when one of
-its stop strings appears in the text (then "stop", the text cut right before the stop string,
-and the abort frees the sample's KV on the worker). Tokens of an ended sample are ignored. A
+A sample ends when the engine says so (eos/stop token: "stop", that token's text left out;
+"length", "abort") or when one of its stop strings appears in the text, from the sample's
+min_tokens-th token on as in vLLM (then "stop", the text cut right before the stop string, and
+the abort frees the sample's KV on the worker). Tokens of an ended sample are ignored. A
 "stop" carries its stop_reason: the stop string that matched or the stop token id sampled.
 """
 from __future__ import annotations
@@ -123,9 +124,20 @@ def _stop_token(seq: SeqTokens, params: SamplingParams) -> int | None:
     return None
 
 
+def _ends_on_stop_token(seq: SeqTokens, params: SamplingParams, eos_ids: frozenset[int]) -> bool:
+    """The sample ended on the EOS or stop_token_ids entry it sampled (not on a grammar's end, which
+    is "stop" on an ordinary token; not on an EOS that ignore_eos made ordinary)."""
+    if seq.finish_reason != "stop" or not seq.token_ids:
+        return False
+    last = seq.token_ids[-1]
+    return last in params.stop_token_ids or (not params.ignore_eos and last in eos_ids)
+
+
 class DetokCore:
     def __init__(self, tokenizer: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self.tok = tokenizer
+        # the ids the engine stops on besides stop_token_ids (TextTokenizer reads the same config files)
+        self.eos_ids: frozenset[int] = frozenset(getattr(tokenizer, "eos_token_ids", ()))
         self.clock = clock
         self.streams: dict[str, _Stream] = {}
         self.stop_hits = 0
@@ -257,13 +269,21 @@ class DetokCore:
             seq = _skip_seen(sample, seq)
             if seq is None:
                 return None
+        before = len(sample.token_ids)
         sample.token_ids += seq.token_ids
-        text = sample.detok.push(seq.token_ids)
+        # vLLM's: the EOS / stop token that ended the sample counts (usage, logprobs) but is not text,
+        # even with skip_special_tokens false
+        text_ids = seq.token_ids[:-1] if _ends_on_stop_token(seq, p, self.eos_ids) else seq.token_ids
+        # vLLM's min_tokens: stop strings count from the sample's min_tokens-th token on; the
+        # text of the tokens before it can only begin one
+        early = min(max(p.min_tokens - 1 - before, 0), len(text_ids))
+        held = sample.stops.hold(sample.detok.push(text_ids[:early])) if early else ""
+        text = sample.detok.push(text_ids[early:])
         engine_finish = seq.finish_reason
         if engine_finish is not None:
             text += sample.detok.flush()
         hit = sample.stops.push(text)
-        text, finish, stop_reason = hit.emit, engine_finish, _stop_token(seq, p)
+        text, finish, stop_reason = held + hit.emit, engine_finish, _stop_token(seq, p)
         if hit.stopped:
             finish, stop_reason = "stop", sample.stops.matched
             self.stop_hits += 1

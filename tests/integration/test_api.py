@@ -192,7 +192,7 @@ def test_bad_logit_bias_is_a_400_naming_it_before_any_stream(stack, bias, stream
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000_000}, 400, None),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 17}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 1000]}, 400, "stop"),
     ({"messages": []}, 400, "messages"),

@@ -185,7 +185,7 @@ BOUNDS = [
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, None),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 10_000}, "messages"),
-    ("chat/completions", {"top_logprobs": 21, "logprobs": True}, "logprobs"),
+    ("chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
 ]
 
 

@@ -5,8 +5,8 @@ so the gateway keeps them for a request parsed with this format):
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}        (v11 and later)
 
 Text before the first `[TOOL_CALLS]` is content. An array holding an invalid call is text whole.
-Special tokens kept, the answer's end-of-sequence token `</s>` arrives as text too: at the very end
-of the answer it is dropped.
+The EOS token that ends the answer is not text (services/text/streams.py leaves it out); a `</s>`
+written as text at the very end of the answer is dropped all the same.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from services.gateway.render import Accumulator, ChunkWriter
@@ -162,6 +163,32 @@ def test_refused_chat_options(extra, param):
     with pytest.raises(ApiError) as e:
         chat_prompt(decode(ChatRequest, chat_body(**extra)), 10)
     assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+])
+def test_chat_range_errors_name_the_field_the_client_sent(extra, param):
+    with pytest.raises(ApiError) as e:
+        chat_prompt(decode(ChatRequest, chat_body(**extra)), 10)
+    assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(f"invalid {param}: ")
+
+
+@pytest.mark.parametrize("route, field", [("chat", "max_tokens"), ("chat", "max_completion_tokens"),
+                                          ("completions", "max_tokens")])
+def test_a_max_tokens_past_64_bits_is_a_400_not_a_message_that_cannot_be_sent(route, field):
+    """The Submit carrying max_tokens is msgpack (64-bit ints at most): 2**64 made the send raise (a 500)."""
+    def params(value):
+        if route == "chat":
+            return chat_prompt(decode(ChatRequest, chat_body(**{field: value})), 10)[1]
+        return completion_prompts(decode(CompletionRequest, json.dumps({"prompt": "x", field: value}).encode()), 1)[1]
+    msgspec.msgpack.encode(params(2**63 - 1))     # the largest accepted one can be sent
+    with pytest.raises(ApiError) as e:
+        params(2**64)
+    assert e.value.status == 400 and e.value.param == field
 
 
 @pytest.mark.parametrize("choice", [None, "auto", "none"])

@@ -268,3 +268,37 @@ def test_a_kept_hand_off_drops_the_decode_worker_s_late_tokens_and_answers_nothi
     out = core.step(StepOutput(worker_id="p", epoch=1, step=1, seqs=[SeqTokens("r", 0, ids("b"))]))
     assert texts(out) == [(0, "b", None)] and core.dropped_tokens["moved"] == 1
     assert core.migrate(Migrate(request_id="gone", worker_id="d", reply_addr="sched", resume=False)) == []
+
+
+class EosTok(ToyTok):
+    eos_token_ids = frozenset(ids("!"))
+
+
+def test_the_stop_token_or_eos_that_ended_a_sample_is_not_text():
+    """vLLM's: the EOS or stop_token_ids entry that ended a sample is counted (and has logprobs) but
+    is not part of the text, whatever skip_special_tokens says. A sample a grammar ended ("stop" on
+    another token) and one with ignore_eos keep their last token's text."""
+    core = DetokCore(EosTok())
+    open_(core, n=4, stop_token_ids=ids("."), skip_special_tokens=False, logprobs=0)
+    out = step(core, SeqTokens("r", 0, ids("ab."), finish_reason="stop"),
+               SeqTokens("r", 1, ids("ab!"), finish_reason="stop"),
+               SeqTokens("r", 2, ids("abc"), finish_reason="stop"),
+               SeqTokens("r", 3, ids("a"), logprobs=[-1.0]))
+    assert texts(out) == [(0, "ab", "stop"), (1, "ab", "stop"), (2, "abc", "stop"), (3, "a", None)]
+    assert [d.num_new_tokens for e in out for d in e.msg.deltas] == [3, 3, 3, 1]
+    out = step(core, SeqTokens("r", 3, ids("."), logprobs=[-0.5], finish_reason="stop"))
+    [delta] = [d for e in out for d in e.msg.deltas]
+    assert (delta.text, delta.stop_reason, len(delta.logprobs)) == ("", ids(".")[0], 1)
+    open_(core, rid="q", ignore_eos=True, skip_special_tokens=False)
+    assert texts(step(core, SeqTokens("q", 0, ids("a!"), finish_reason="length"))) == [(0, "a!", "length")]
+
+
+def test_stop_strings_count_only_from_min_tokens_on():
+    """vLLM's min_tokens: a sample has at least min_tokens tokens; a stop string made before then
+    is text, one completed at or after it ends the sample (tokens of one step split at min_tokens)."""
+    core = DetokCore(ToyTok())
+    open_(core, n=3, stop=["b", "xy"], min_tokens=4)
+    out = step(core, SeqTokens("r", 0, ids("ab")), SeqTokens("r", 1, ids("abcb")), SeqTokens("r", 2, ids("abcx")))
+    assert texts(out) == [(0, "a", None), (1, "abc", "stop"), (2, "abc", None)]   # "b" held: an early stop
+    out = step(core, SeqTokens("r", 0, ids("cdb")), SeqTokens("r", 2, ids("y")))
+    assert texts(out) == [(0, "bcd", "stop"), (2, "", "stop")]

@@ -76,3 +76,16 @@ def test_random_against_reference(seed):
         chunks = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
         emitted, stopped, _ = run(stop, chunks)
         assert (emitted, stopped) == reference(stop, text), (stop, chunks)
+
+
+def test_held_text_is_never_a_match_but_a_stop_ending_after_it_is():
+    """hold(): text made before min_tokens (vLLM's: stop strings count from there on). It is sent
+    except a tail that may begin a stop string; later text completes a stop across the boundary."""
+    m = StopStringMatcher(["is", "abc"])
+    assert m.hold("this ab") == "this "          # "is" in there does not count; "ab" may begin "abc"
+    assert m.push("") == StopResult("", False)    # nothing new: nothing to match
+    assert m.push("cd") == StopResult("", True) and m.matched == "abc"
+    m = StopStringMatcher(["is"])
+    assert m.hold("xi") == "x" and m.push("s!") == StopResult("", True)
+    m = StopStringMatcher(["b", "abc"])
+    assert m.hold("ab") == "" and m.push("x") == StopResult("abx", False)   # the held "b" was early
