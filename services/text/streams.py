@@ -43,8 +43,8 @@ Submit (kvmesh_gateway_resubmit_wait_seconds), so the two histograms never hold 
 Times come from `clock` (monotonic; tests inject one).
 
 A sample ends when the engine says so (eos/stop token: "stop", that token's text left out;
-"length", "abort") or when one of its stop strings appears in the text, from the sample's
-min_tokens-th token on as in vLLM (then "stop", the text cut right before the stop string, and
+"length", "abort") or when one of its stop strings appears in the text, ending past the
+sample's min_tokens-th token as in vLLM (then "stop", the text cut right before the stop string, and
 the abort frees the sample's KV on the worker). Tokens of an ended sample are ignored. A
 "stop" carries its stop_reason: the stop string that matched or the stop token id sampled.
 """
@@ -274,9 +274,10 @@ class DetokCore:
         # vLLM's: the EOS / stop token that ended the sample counts (usage, logprobs) but is not text,
         # even with skip_special_tokens false
         text_ids = seq.token_ids[:-1] if _ends_on_stop_token(seq, p, self.eos_ids) else seq.token_ids
-        # vLLM's min_tokens: stop strings count from the sample's min_tokens-th token on; the
-        # text of the tokens before it can only begin one
-        early = min(max(p.min_tokens - 1 - before, 0), len(text_ids))
+        # vLLM's min_tokens: a stop string must end in the text of a token past the sample's
+        # min_tokens-th (as a stop token may only be sampled there); the text of the tokens up to
+        # it can only begin one
+        early = min(max(p.min_tokens - before, 0), len(text_ids))
         held = sample.stops.hold(sample.detok.push(text_ids[:early])) if early else ""
         text = sample.detok.push(text_ids[early:])
         engine_finish = seq.finish_reason

@@ -294,11 +294,13 @@ def test_the_stop_token_or_eos_that_ended_a_sample_is_not_text():
 
 
 def test_stop_strings_count_only_from_min_tokens_on():
-    """vLLM's min_tokens: a sample has at least min_tokens tokens; a stop string made before then
-    is text, one completed at or after it ends the sample (tokens of one step split at min_tokens)."""
+    """vLLM's min_tokens: a stop string ending in the text of the first min_tokens tokens is text;
+    one ending in a later token's ends the sample, also when an early token began it (tokens of
+    one step split at min_tokens)."""
     core = DetokCore(ToyTok())
     open_(core, n=3, stop=["b", "xy"], min_tokens=4)
     out = step(core, SeqTokens("r", 0, ids("ab")), SeqTokens("r", 1, ids("abcb")), SeqTokens("r", 2, ids("abcx")))
-    assert texts(out) == [(0, "a", None), (1, "abc", "stop"), (2, "abc", None)]   # "b" held: an early stop
-    out = step(core, SeqTokens("r", 0, ids("cdb")), SeqTokens("r", 2, ids("y")))
-    assert texts(out) == [(0, "bcd", "stop"), (2, "", "stop")]
+    # an early "b" is text (held a step, as any tail a stop string may begin); "x" may begin "xy"
+    assert texts(out) == [(0, "a", None), (1, "abc", None), (2, "abc", None)]
+    out = step(core, SeqTokens("r", 0, ids("cdb")), SeqTokens("r", 1, ids("b")), SeqTokens("r", 2, ids("y")))
+    assert texts(out) == [(0, "bcd", "stop"), (1, "b", "stop"), (2, "", "stop")]
