@@ -5,8 +5,9 @@
     outs = llm.generate(["Hello", "The sky is"], SamplingParams(temperature=0.0, max_tokens=32))
     outs[0].outputs[0].text
 
-Text is produced with the text helpers (incremental detokenizer, stop strings): a matched stop
-string ends that sample with finish_reason "stop" and is not part of the text.
+Text is made as the server makes it (services/text/sample_text.py): a matched stop string ends
+that sample with finish_reason "stop" and is not part of the text, nor is the EOS or stop token
+that ended it; stop strings count past min_tokens only.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from gpu_worker.outputs import SequenceDelta, TokenLogprob
 from services.protocol.sampling import SamplingParams
+from services.text.sample_text import stop_token_of
 
 PromptType = Union[str, Sequence[int], dict]
 
@@ -59,8 +61,8 @@ class RequestOutput:
 class _Sample:
     """Accumulates one sample's deltas into text and tokens."""
     index: int
-    detok: Any
-    matcher: Any
+    params: SamplingParams
+    text_of: Any                  # services.text.sample_text.SampleText (None without a tokenizer)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
@@ -140,15 +142,13 @@ class LLM:
         return None, list(item)
 
     def _new_sample(self, index: int, prompt_ids: list[int], p: SamplingParams) -> _Sample:
-        detok = matcher = None
+        text_of = None
         if self.tokenizer is not None:
-            from services.text.detokenizer import IncrementalDetokenizer
-            from services.text.stop_strings import StopStringMatcher
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=p.skip_special_tokens)
-            matcher = StopStringMatcher(p.stop)
+            from services.text.sample_text import SampleText
+            text_of = SampleText(self.tokenizer, prompt_ids, p, frozenset(self.llm_engine.eos_token_ids))
         elif p.stop:
             raise ValueError("stop strings need the tokenizer; use stop_token_ids instead")
-        sample = _Sample(index, detok, matcher)
+        sample = _Sample(index, p, text_of)
         if p.logprobs is not None:
             sample.logprobs, sample.cumulative = [], 0.0
         return sample
@@ -182,26 +182,17 @@ class LLM:
         for lp in delta.new_logprobs or []:
             s.logprobs.append(self._logprob_dict(lp))
             s.cumulative += lp.logprob
-        if s.detok is not None:
-            if self._push_text(s, s.detok.push(delta.new_token_ids)):
-                s.finish_reason, s.stop_reason = "stop", s.matcher.matched
-                self.llm_engine.abort_request(delta.request_id, index=s.index)
+        if s.text_of is not None:
+            piece, stopped = s.text_of.push(delta.new_token_ids, delta.finish_reason)
+            s.text += piece
+            if stopped:
+                s.finish_reason, s.stop_reason = "stop", s.text_of.matched
+                if delta.finish_reason is None:      # the engine is still generating it
+                    self.llm_engine.abort_request(delta.request_id, index=s.index)
                 return
         if delta.finish_reason is not None:
             s.finish_reason = delta.finish_reason
-            if delta.finish_reason == "stop" and delta.new_token_ids:
-                s.stop_reason = delta.new_token_ids[-1]
-            if s.detok is not None and self._push_text(s, s.detok.flush()):
-                s.finish_reason, s.stop_reason = "stop", s.matcher.matched
-            elif s.matcher is not None:
-                s.text += s.matcher.flush()
-
-    @staticmethod
-    def _push_text(s: _Sample, piece: str) -> bool:
-        """Append what the stop matcher releases; True when a stop string matched."""
-        result = s.matcher.push(piece)
-        s.text += result.emit
-        return result.stopped
+            s.stop_reason = stop_token_of(delta.new_token_ids, delta.finish_reason, s.params)
 
     def _logprob_dict(self, lp: TokenLogprob) -> dict[int, Logprob]:
         decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (lambda t: None)

@@ -4,7 +4,7 @@ Run by the tokenizer service (tokenizer_svc/streams.py) and, with --text-in-gate
 itself (services/gateway/core.py: workers then send it their tokens directly, one process hop
 less); it lives in services/ because both import it.
 
-    open(StreamOpen)     a request starts: one IncrementalDetokenizer + StopStringMatcher per sample;
+    open(StreamOpen)     a request starts: one SampleText (services/text/sample_text.py) per sample;
                          a re-run of a stream it holds (`resumes`: the worker that streamed its first
                          tokens died, another recomputes it with the same seed) keeps the stream and
                          skips as many leading tokens of each sample as it has seen
@@ -61,8 +61,7 @@ from services.envelope import SCHEDULER, Envelope
 from services.protocol.messages import (
     Abort, Migrate, Resume, SeqTokens, StepOutput, StreamOpen, TextBatch, TextDelta, TokenLogprobText, failure_of)
 from services.protocol.sampling import SamplingParams
-from services.text.detokenizer import IncrementalDetokenizer
-from services.text.stop_strings import StopStringMatcher
+from services.text.sample_text import SampleText, stop_token_of
 
 STREAM_MAX_AGE_S = 3600.0  # a stream whose end was lost is forgotten after this (expire())
 MAX_WORKERS_REMEMBERED = 4096  # newest epoch per worker id; past this, the first-seen ids go first
@@ -71,8 +70,7 @@ log = logging.getLogger("kvmesh.detok")
 
 @dataclass
 class _Sample:
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
+    text: SampleText
     done: bool = False
     seen: int = 0          # tokens received for this sample (from its current worker)
     skip: int = 0          # leading tokens of a re-run that the client already has
@@ -113,24 +111,6 @@ def _skip_seen(sample: _Sample, seq: SeqTokens) -> SeqTokens | None:
         return None
     return SeqTokens(seq.request_id, seq.index, seq.token_ids[n:], seq.logprobs and seq.logprobs[n:],
                      seq.top and seq.top[n:], seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens)
-
-
-def _stop_token(seq: SeqTokens, params: SamplingParams) -> int | None:
-    """The stop_token_ids entry that ended the sample: the engine ends a sample on the stop token
-    it sampled, the last of the step. An EOS token ends it the same way but is not a stop token
-    (None), unless the client listed it in stop_token_ids."""
-    if seq.finish_reason == "stop" and seq.token_ids and seq.token_ids[-1] in params.stop_token_ids:
-        return seq.token_ids[-1]
-    return None
-
-
-def _ends_on_stop_token(seq: SeqTokens, params: SamplingParams, eos_ids: frozenset[int]) -> bool:
-    """The sample ended on the EOS or stop_token_ids entry it sampled (not on a grammar's end, which
-    is "stop" on an ordinary token; not on an EOS that ignore_eos made ordinary)."""
-    if seq.finish_reason != "stop" or not seq.token_ids:
-        return False
-    last = seq.token_ids[-1]
-    return last in params.stop_token_ids or (not params.ignore_eos and last in eos_ids)
 
 
 class DetokCore:
@@ -259,8 +239,7 @@ class DetokCore:
         p = stream.params
         sample = stream.samples.get(seq.index)
         if sample is None:
-            sample = stream.samples[seq.index] = _Sample(
-                IncrementalDetokenizer(self.tok, stream.prompt_tail, p.skip_special_tokens), StopStringMatcher(p.stop))
+            sample = stream.samples[seq.index] = _Sample(SampleText(self.tok, stream.prompt_tail, p, self.eos_ids))
             self.samples_started += 1
         if sample.done:
             return None
@@ -269,29 +248,15 @@ class DetokCore:
             seq = _skip_seen(sample, seq)
             if seq is None:
                 return None
-        before = len(sample.token_ids)
         sample.token_ids += seq.token_ids
-        # vLLM's: the EOS / stop token that ended the sample counts (usage, logprobs) but is not text,
-        # even with skip_special_tokens false
-        text_ids = seq.token_ids[:-1] if _ends_on_stop_token(seq, p, self.eos_ids) else seq.token_ids
-        # vLLM's min_tokens: a stop string must end in the text of a token past the sample's
-        # min_tokens-th (as a stop token may only be sampled there); the text of the tokens up to
-        # it can only begin one
-        early = min(max(p.min_tokens - before, 0), len(text_ids))
-        held = sample.stops.hold(sample.detok.push(text_ids[:early])) if early else ""
-        text = sample.detok.push(text_ids[early:])
         engine_finish = seq.finish_reason
-        if engine_finish is not None:
-            text += sample.detok.flush()
-        hit = sample.stops.push(text)
-        text, finish, stop_reason = held + hit.emit, engine_finish, _stop_token(seq, p)
-        if hit.stopped:
-            finish, stop_reason = "stop", sample.stops.matched
+        text, stopped = sample.text.push(seq.token_ids, engine_finish)
+        finish, stop_reason = engine_finish, stop_token_of(seq.token_ids, engine_finish, p)
+        if stopped:
+            finish, stop_reason = "stop", sample.text.matched
             self.stop_hits += 1
             if engine_finish is None:  # the engine is still generating this sample: stop it
                 out.append(Envelope(SCHEDULER, Abort(request_id=seq.request_id, index=seq.index, reason="stop")))
-        elif engine_finish is not None:
-            text += sample.stops.flush()
         if finish is not None:
             sample.done = True
         logprobs = self._logprobs(seq) if p.logprobs is not None and seq.logprobs is not None else None

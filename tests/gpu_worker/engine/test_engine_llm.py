@@ -57,6 +57,27 @@ def test_stop_string_excluded_and_n_samples(llm):
     assert llm.llm_engine.block_manager.num_used_blocks == 0
 
 
+def test_the_stop_token_is_no_text_and_min_tokens_holds_off_stop_strings(llm):
+    """As the server's text (services/text/sample_text.py): the stop token that ended a sample
+    counts but is not text; a stop string counts only past the min_tokens-th token."""
+    tok = llm.get_tokenizer()
+    full = llm.generate("Hello world", GREEDY, use_tqdm=False)[0].outputs[0]
+    at = next(i for i in range(3, 12) if full.token_ids[i] not in full.token_ids[:i])
+    stop_id = full.token_ids[at]
+    out = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids[:at + 1] and (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    assert out.text == tok.decode(full.token_ids[:at])
+    # the text of token `at` as a stop string: ignored while min_tokens covers that token
+    stop = tok.decode(full.token_ids[:at + 1])[len(tok.decode(full.token_ids[:at])):]
+    first = full.text.index(stop)
+    ends_in = next(i for i in range(12) if len(tok.decode(full.token_ids[:i + 1])) >= first + len(stop))
+    held_off = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop],
+                                                          min_tokens=ends_in + 1), use_tqdm=False)[0].outputs[0]
+    assert held_off.text.startswith(full.text[:first + len(stop)])
+    llm.llm_engine.block_manager.check_integrity()
+
+
 def test_prefix_cache_reported(llm):
     prompt = "word " * 40
     llm.generate(prompt, GREEDY, use_tqdm=False)
