@@ -57,6 +57,24 @@ def _stream(client, model: str, i: int, started: threading.Semaphore, out: dict)
         out[i] = (events, time.monotonic())
 
 
+def _streams_through(client, model: str, pids: list[int], within_s: float) -> dict[int, str]:
+    """STREAMS streams; once every one is under way, SIGKILL `pids`: each stream's outcome."""
+    started, results = threading.Semaphore(0), {}
+    threads = [threading.Thread(target=_stream, args=(client, model, i, started, results), daemon=True)
+               for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    for _ in range(STREAMS):
+        assert started.acquire(timeout=90), "not every stream started"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    for t in threads:
+        t.join(max(t_kill + within_s - time.monotonic(), 0.1))
+    assert len(results) == STREAMS, f"{STREAMS - len(results)} streams hung"
+    return {i: _outcome(events) for i, (events, _) in results.items()}
+
+
 def _outcome(events: list[str]) -> str:
     assert events and events[-1] == "[DONE]", events[-3:]
     last = json.loads(events[-2])
@@ -121,21 +139,8 @@ def test_a_killed_or_drained_worker_is_restarted_while_the_other_keeps_serving(t
         gateway, victim = serve.child(" gateway "), serve.child("--worker-id worker-0")
         redis_url = _redis_url(serve)
         client = serve.openai()
-        started, results = threading.Semaphore(0), {}
-        threads = [threading.Thread(target=_stream, args=(client, model, i, started, results), daemon=True)
-                   for i in range(STREAMS)]
-        for t in threads:
-            t.start()
-        for _ in range(STREAMS):
-            assert started.acquire(timeout=90), "not every stream started"
-        os.kill(victim, signal.SIGKILL)
-        t_kill = time.monotonic()
-        for t in threads:
-            t.join(max(t_kill + 60 - time.monotonic(), 0.1))
-        assert len(results) == STREAMS, f"{STREAMS - len(results)} streams hung"
-        outcomes = {i: _outcome(events) for i, (events, _) in results.items()}
-        failed = [i for i, o in outcomes.items() if o == "failed"]
-        assert not failed, outcomes       # the killed worker's streams moved on to the other worker
+        outcomes = _streams_through(client, model, [victim], 60)
+        assert "failed" not in outcomes.values(), outcomes   # the killed worker's streams moved on to the other
 
         # -- the stack stayed up, the worker is restarted under the same id, and new requests succeed
         assert serve.proc.poll() is None and serve.child(" gateway ") == gateway
@@ -149,21 +154,8 @@ def test_a_killed_or_drained_worker_is_restarted_while_the_other_keeps_serving(t
         # -- both workers killed at once: the streams wait for the restarted ones and go on
         #    (--migration-wait-s), none fails
         killed = {w: serve.child(f"--worker-id {w}") for w in ("worker-0", "worker-1")}
-        started, results = threading.Semaphore(0), {}
-        threads = [threading.Thread(target=_stream, args=(client, model, i, started, results), daemon=True)
-                   for i in range(STREAMS)]
-        for t in threads:
-            t.start()
-        for _ in range(STREAMS):
-            assert started.acquire(timeout=90), "not every stream started"
-        for pid in killed.values():
-            os.kill(pid, signal.SIGKILL)
-        t_kill = time.monotonic()
-        for t in threads:
-            t.join(max(t_kill + 90 - time.monotonic(), 0.1))
-        assert len(results) == STREAMS, f"{STREAMS - len(results)} streams hung"
-        outcomes = {i: _outcome(events) for i, (events, _) in results.items()}
-        assert not [i for i, o in outcomes.items() if o == "failed"], outcomes
+        outcomes = _streams_through(client, model, list(killed.values()), 90)
+        assert "failed" not in outcomes.values(), outcomes
         for w, pid in killed.items():
             wait_for(lambda: (p := serve.child(f"--worker-id {w}")) not in (None, pid)
                      and _worker_pid_in_registry(redis_url, w) == p, 90, f"{w} to be back")
