@@ -78,8 +78,11 @@ class Accumulator:
         for t in items:
             offsets.append(c.text_offset)
             c.text_offset += len(t.token)
+        # the sampled token first, then the most likely ones: up to logprobs + 1 entries, as OpenAI's
+        # legacy completions and vLLM give them (logprobs=0: the sampled token alone)
         return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
-                "top_logprobs": [{a: lp for a, lp, _ in t.top} for t in items], "text_offset": offsets}
+                "top_logprobs": [{t.token: t.logprob, **{a: lp for a, lp, _ in t.top}} for t in items],
+                "text_offset": offsets}
 
     # ---- whole response ------------------------------------------------------------------
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:

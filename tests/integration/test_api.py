@@ -134,7 +134,8 @@ def test_logprobs(stack):
     c = stack.openai().completions.create(model=stack.model_name, prompt="abc", max_tokens=3, temperature=0,
                                           logprobs=2, extra_body={"ignore_eos": True})
     lp = c.choices[0].logprobs
-    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    assert all(top[tok] == pytest.approx(v) for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
     assert lp.text_offset[0] == 0
 
 

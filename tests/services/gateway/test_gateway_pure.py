@@ -101,7 +101,8 @@ def test_completion_logprob_offsets():
     [chunk] = sse(w.delta(1, delta(0, "abc", n=2, lp=lp)))
     assert chunk["choices"][0]["index"] == 1                       # prompt 1, sample 0
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [0, 2]
-    assert chunk["choices"][0]["logprobs"]["top_logprobs"] == [{"ab": -1.0}, {}]
+    # the sampled token is always there (OpenAI: up to logprobs + 1 entries)
+    assert chunk["choices"][0]["logprobs"]["top_logprobs"] == [{"ab": -1.0}, {"c": -2.0}]
 
 
 def test_stop_reason_in_whole_responses_and_no_empty_tool_calls():
