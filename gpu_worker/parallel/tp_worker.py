@@ -39,6 +39,10 @@ from gpu_worker.parallel.tp_runner import TPRankRunner
 from gpu_worker.tuning import KernelTuning
 
 log = logging.getLogger(__name__)
+# Starting a rank imports torch and the model code: on a loaded host that alone can outlast a short
+# collective timeout. A rank that dies while starting fails the wait at once (_check_children), so
+# a long bound here costs nothing but the wait for a rank that hangs.
+START_TIMEOUT_S = 120.0
 
 
 # ---- rank 0: the driver the engine holds ----------------------------------------------------
@@ -65,7 +69,7 @@ class TPModelRunner:
             self.children.append(subprocess.Popen(argv, env=_child_env()))
         atexit.register(self.close)
         try:
-            self._wait_joined(store, timeout_s)
+            self._wait_joined(store, max(timeout_s, START_TIMEOUT_S))
             self.ctx = init_parallel(0, n, devices[0], store, enable_expert_parallel, timeout_s)
             self.control = new_control_group()
             self.rank0 = self._build_rank0(config, model_dir, devices[0], dtype, attention_backend, seed, tuning)
