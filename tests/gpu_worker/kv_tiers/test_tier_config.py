@@ -1,13 +1,17 @@
-"""The tier fields of EngineConfig are bounded and name themselves when wrong; the policy's choice
+"""The tier fields of EngineConfig are bounded and name themselves when wrong, sizes too small
+for one block or too large for the machine included; the policy's choice
 follows its cost model; the file format rejects what is not exactly the block asked for."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gpu_worker.config import EngineConfig
-from gpu_worker.kv_tiers import tier_file
+from gpu_worker.kv_tiers import tier_file, tier_sizes
+from gpu_worker.kv_tiers.block_mover import BlockMover
 from gpu_worker.kv_tiers.load_policy import LoadPolicy
 from gpu_worker.kv_transfer.layout import KVLayout
+from tests.gpu_worker.kv_tiers.conftest import tiered_engine
 
 
 @pytest.mark.parametrize("kwargs, names", [
@@ -73,3 +77,31 @@ def test_a_valid_file_round_trips():
 def test_a_bad_file_is_refused(data, block_hash, layout, why):
     with pytest.raises(tier_file.TierFileError, match=why):
         tier_file.decode(data, block_hash, layout, 64)
+
+
+@pytest.mark.parametrize("tier, name", [
+    (dict(kv_offload_cpu_gb=1e-9), "kv_offload_cpu_gb"),
+    (dict(kv_offload_disk_gb=1e-9), "kv_offload_disk_gb"),
+    (dict(kv_offload_shared_gb=1e-9), "kv_offload_shared_gb"),
+])
+def test_a_tier_too_small_for_one_block_is_refused_by_name(llama, tmp_path, tier, name):
+    """A size below one block used to leave the tier silently absent (no directory, no warning)."""
+    if "kv_offload_disk_gb" in tier:
+        tier = dict(tier, kv_offload_dir=str(tmp_path / "kv"))
+    if "kv_offload_shared_gb" in tier:
+        tier = dict(tier, kv_offload_shared_dir=str(tmp_path / "shared"), kv_offload_shared_key=b"k" * 32)
+    with pytest.raises(ValueError, match=f"{name}: .*holds no KV block.*give at least"):
+        tiered_engine(llama[0], **tier)
+    assert not (tmp_path / "kv").exists() and not (tmp_path / "shared").exists()
+
+
+def test_a_host_tier_beyond_the_machine_is_refused_by_name(llama, monkeypatch):
+    """More than the machine's memory, or what the allocator refuses: a ValueError naming the
+    field (the worker exits 2 with it), not the allocator's RuntimeError from deep inside."""
+    monkeypatch.setattr(tier_sizes, "physical_memory_bytes", lambda: 1 << 30)
+    with pytest.raises(ValueError, match="kv_offload_cpu_gb: 2 GiB is more than this machine's memory"):
+        tiered_engine(llama[0], kv_offload_cpu_gb=2.0)
+    monkeypatch.setattr(tier_sizes, "physical_memory_bytes", lambda: None)
+    mover = BlockMover([(torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8))])
+    with pytest.raises(ValueError, match="kv_offload_cpu_gb: cannot allocate"):
+        mover.host_blocks(1 << 50)                    # 2^50 blocks of 512 bytes: past any address space
