@@ -14,6 +14,10 @@ from gpu_worker.kv_transfer.layout import KVLayout
 from tests.gpu_worker.kv_tiers.conftest import tiered_engine
 
 
+DISK = dict(kv_offload_disk_gb=1.0)
+SHARED = dict(kv_offload_shared_dir="/tmp/kv", kv_offload_shared_gb=1.0, kv_offload_shared_key=b"k" * 32)
+
+
 @pytest.mark.parametrize("kwargs, names", [
     (dict(kv_offload_cpu_gb=-1.0), "kv_offload_cpu_gb"),
     (dict(kv_offload_cpu_gb=1e9), "kv_offload_cpu_gb"),
@@ -22,6 +26,11 @@ from tests.gpu_worker.kv_tiers.conftest import tiered_engine
     (dict(kv_offload_dir="", kv_offload_disk_gb=1.0), "kv_offload_dir"),
     (dict(kv_load_policy="sometimes"), "kv_load_policy"),
     (dict(kv_offload_cpu_gb=1.0, enable_prefix_caching=False), "enable_prefix_caching"),
+    # the shared tier's bound scans its subdirectories: it would delete the private tier's files
+    (dict(DISK, kv_offload_dir="/tmp/kv", **SHARED), "kv_offload_shared_dir: .* and kv_offload_dir .* overlap"),
+    (dict(DISK, kv_offload_dir="/tmp/kv/worker-0", **SHARED), "kv_offload_shared_dir: .* and kv_offload_dir .* overlap"),
+    (dict(DISK, kv_offload_dir="/tmp/kv/../kv/./worker-0", **SHARED), "kv_offload_shared_dir: .* and kv_offload_dir .* overlap"),
+    (dict(DISK, kv_offload_dir="/tmp", **SHARED), "kv_offload_shared_dir: .* and kv_offload_dir .* overlap"),
 ])
 def test_bad_tier_fields_are_named(kwargs, names):
     with pytest.raises(ValueError, match=names):
@@ -33,6 +42,11 @@ def test_tiers_run_with_tensor_parallel(tier):
     """Every rank repeats rank 0's tier copies (tests/gpu_worker/parallel/test_tp_tiers.py)."""
     cfg = EngineConfig(model="m", tensor_parallel_size=2, **tier)
     assert cfg.kv_offload_enabled and cfg.tensor_parallel_size == 2
+
+
+def test_disk_and_shared_tiers_in_sibling_directories_are_accepted():
+    cfg = EngineConfig(model="m", kv_offload_dir="/tmp/kv-private/worker-0", **dict(DISK, **SHARED))
+    assert cfg.kv_offload_dir and cfg.kv_offload_shared_dir
 
 
 def test_tiers_are_off_by_default():
