@@ -119,3 +119,22 @@ def test_a_host_tier_beyond_the_machine_is_refused_by_name(llama, monkeypatch):
     mover = BlockMover([(torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8))])
     with pytest.raises(ValueError, match="kv_offload_cpu_gb: cannot allocate"):
         mover.host_blocks(1 << 50)                    # 2^50 blocks of 512 bytes: past any address space
+
+
+def test_a_file_tier_bound_beyond_its_filesystem_is_refused_by_name(llama, tmp_path, monkeypatch, caplog):
+    """Past the filesystem's size: refused naming the field; past its free space: one warning (the
+    disk fills before the bound, and a failing write turns the disk tier off)."""
+    size, free = tier_sizes.filesystem_bytes(str(tmp_path / "not" / "made" / "yet"))    # its nearest parent's
+    assert size >= free > 0
+    monkeypatch.setattr(tier_sizes, "filesystem_bytes", lambda d: (1 << 30, 1 << 29))   # 1 GiB, half free
+    with pytest.raises(ValueError, match="kv_offload_disk_gb: 2 GiB is more than the whole filesystem"):
+        tiered_engine(llama[0], kv_offload_dir=str(tmp_path / "kv"), kv_offload_disk_gb=2.0)
+    with pytest.raises(ValueError, match="kv_offload_shared_gb: 2 GiB is more than the whole filesystem"):
+        tiered_engine(llama[0], kv_offload_shared_dir=str(tmp_path / "sh"), kv_offload_shared_gb=2.0,
+                      kv_offload_shared_key=b"k" * 32)
+    with caplog.at_level("WARNING", logger="kvmesh.kv_tiers"):
+        eng = tiered_engine(llama[0], kv_offload_dir=str(tmp_path / "kv"), kv_offload_disk_gb=0.75)
+    assert eng.kv_tiers.disk is not None
+    assert [r.getMessage() for r in caplog.records if "GiB free" in r.getMessage()] == [
+        f"kv_offload_disk_gb=0.75 GiB is more than the 0.5 GiB free under {str(tmp_path / 'kv')!r}: the tier "
+        "will fill the disk before its bound (a failing write turns the disk tier off)"]
