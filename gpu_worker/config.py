@@ -100,6 +100,16 @@ class EngineConfig(EngineArgs):
         if (self.kv_offload_shared_dir is None) != (self.kv_offload_shared_gb == 0.0):
             raise bad("kv_offload_shared_dir", "kv_offload_shared_dir and kv_offload_shared_gb go together: give "
                                                "both or neither")
+        if self.kv_offload_shared_dir is not None and self.kv_offload_dir is not None:
+            # the shared tier's bound deletes the oldest block files in its directory's
+            # subdirectories (kvmesh serve's <dir>/worker-N among them), and the disk tier's
+            # directory is one engine's alone: they must not meet
+            shared, private = (os.path.realpath(p) for p in (self.kv_offload_shared_dir, self.kv_offload_dir))
+            if os.path.commonpath([shared, private]) in (shared, private):
+                raise bad("kv_offload_shared_dir", f"{self.kv_offload_shared_dir!r} and kv_offload_dir "
+                                                   f"{self.kv_offload_dir!r} overlap; give the shared and the "
+                                                   "private disk tier separate directories, neither inside the "
+                                                   "other")
         if self.kv_offload_shared_dir is not None:
             if self.kv_offload_shared_key is None:
                 raise bad("kv_offload_shared_dir", "the shared tier needs kv_offload_shared_key, the key that "

@@ -13,7 +13,8 @@ Workers: --workers mixed ones (worker-0..), --prefill-workers (prefill-0..) and 
 Refuses a busy --port before starting anything. Waits until the gateway's /ready answers and every
 worker is registered, then prints the URL, each service's /metrics page, and the one page that
 shows them all (--fleet-metrics-port, on loopback: services/fleet_metrics.py). A failure during
-start-up stops the stack (a bad model or flag would only fail again). From then on a service that
+start-up stops the stack (a bad model or flag would only fail again; serve exits 2 when the
+child refused its settings, 1 otherwise). From then on a service that
 exits on its own, whatever its code, is reported in one line and restarted with back-off, with the
 same flags (services.supervisor, services.restart_policy); a required service that crash-loops
 stops the stack with the reason, a worker that does is restarted every 10 s while the others
@@ -63,7 +64,7 @@ from services.fleet_metrics import Page, serve_fleet_metrics
 from services.redis_client import RedisAuth
 from services.registry import ServiceRecord, list_records
 from services.restart_policy import describe_exit
-from services.supervisor import Supervisor
+from services.supervisor import CONFIG_REFUSED, Supervisor
 from services.security import bundle
 from services.logging import setup as setup_logging
 
@@ -127,6 +128,7 @@ class Stack:
         self.trust_dir = Path(tempfile.mkdtemp(prefix="kvmesh-trust-"))
         self.trust = bundle.generate(self.trust_dir / "trust")
         self.redis_auth = RedisAuth.from_dir(self.trust.root)
+        self._startup_exit: int | None = None     # the code of the child whose exit ended start-up
 
     def spawn(self, name: str, service: str, args: list[str], optional: bool = False) -> None:
         # the Redis URL through the environment, not argv: it may carry a password, and any local
@@ -189,6 +191,7 @@ class Stack:
             if (exited := self.sup.exited_during_startup()) is not None:
                 child, code = exited
                 log.error("%s exited with %s during start-up", child.name, describe_exit(code))
+                self._startup_exit = code
                 return False
             try:
                 with urllib.request.urlopen(url + "/ready", timeout=2) as r:
@@ -201,6 +204,11 @@ class Stack:
         if not stop:
             log.error("the stack was not ready within %.0f s", timeout_s)
         return False
+
+    def startup_exit_code(self) -> int:
+        """serve's exit code for a start-up that failed: 2 when a child refused its settings (a
+        worker's tier directories or sizes, checked only once it knows its model), else 1."""
+        return CONFIG_REFUSED if self._startup_exit == CONFIG_REFUSED else 1
 
     @property
     def num_workers(self) -> int:
@@ -299,6 +307,8 @@ def main(argv: list[str]) -> int:
             code = stack.supervise(stop)
         elif stop:
             code = 0
+        else:
+            code = stack.startup_exit_code()
     finally:
         stack.stop()
     return code

@@ -12,12 +12,15 @@ share; offload on eviction, reload on a hit.
     tier_file.py    the file format (header, checksum) and its checks
     load_policy.py  load or recompute, per request
     tier_stats.py   counters and histograms
+    tier_sizes.py   the configured sizes checked against one block and the machine's memory
     mirror.py       what the other tensor-parallel ranks repeat (gpu_worker/parallel/tp_tiers.py)
 """
 from __future__ import annotations
 
+from gpu_worker.kv_tiers.block_mover import block_bytes_of
 from gpu_worker.kv_tiers.manager import GIB, KVTiers
 from gpu_worker.kv_tiers.scheduling import TieredScheduler
+from gpu_worker.kv_tiers.tier_sizes import check_tier_sizes
 
 
 def build_kv_tiers(engine) -> KVTiers:
@@ -28,6 +31,7 @@ def build_kv_tiers(engine) -> KVTiers:
     (shared_tier.py: each rank bounds its subdirectory to its share)."""
     from gpu_worker.kv_transfer.layout import layout_of
     cfg = engine.config
+    check_tier_sizes(cfg, block_bytes_of(engine.runner.kv_caches))   # before any allocation
     tp, disk_dir, mirror = cfg.tensor_parallel_size, cfg.kv_offload_dir, None
     if tp > 1:
         from gpu_worker.parallel.tp_tiers import TPTierMirror, rank_dir

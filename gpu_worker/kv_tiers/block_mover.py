@@ -34,6 +34,12 @@ _MIN_GROUP_COPY = 256 << 10     # bytes of one block's share of a layer group: s
 _MAX_LOAD_COPIES = 4096         # host-to-device copies one load may launch (n blocks x groups)
 
 
+def block_bytes_of(kv_caches: KVCaches) -> int:
+    """Bytes of one block's K and V over every layer: what a tier slot holds."""
+    k = kv_caches[0][0]                                     # (num_blocks, bs, n_kv, hd)
+    return 2 * len(kv_caches) * k[0].numel() * k.element_size()
+
+
 class BlockMover:
     def __init__(self, kv_caches: KVCaches) -> None:
         self.kv_caches = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in kv_caches]
@@ -68,7 +74,12 @@ class BlockMover:
 
     def host_blocks(self, num_blocks: int) -> torch.Tensor:
         """Host memory for num_blocks blocks (pinned on CUDA, so copies are asynchronous DMA)."""
-        return torch.empty((num_blocks, *self.block_shape), dtype=torch.uint8, pin_memory=self.cuda)
+        try:
+            return torch.empty((num_blocks, *self.block_shape), dtype=torch.uint8, pin_memory=self.cuda)
+        except RuntimeError as e:       # the allocator's (or the CUDA driver's) refusal, as a setting
+            raise ValueError(f"invalid engine argument kv_offload_cpu_gb: cannot allocate "
+                             f"{num_blocks * self.block_bytes / (1 << 30):.3g} GiB of host memory for the host "
+                             f"tier ({str(e).splitlines()[0][:200]}); give a smaller size") from None
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         idx = to_device(block_ids, self.device)          # no host sync

@@ -270,5 +270,9 @@ def owned_directory(directory: str, flag: str) -> None:
         raise ValueError(f"invalid engine argument {flag}: {directory!r} is not a directory")
     if info.st_uid != os.getuid():
         raise ValueError(f"invalid engine argument {flag}: {directory!r} belongs to another user")
+    if info.st_mode & stat.S_ISVTX:
+        # /tmp, /dev/shm: the chmod below would lock every other user out (root may always make it)
+        raise ValueError(f"invalid engine argument {flag}: {directory!r} is a shared temporary directory "
+                         "(sticky bit) that cannot be made private; give a directory of its own inside it")
     if stat.S_IMODE(info.st_mode) != 0o700:
         os.chmod(directory, 0o700)

@@ -1,7 +1,10 @@
 """`kvmesh serve` hands its engine settings to every worker it starts, under the worker's own
-flag names, and its routing to the scheduler."""
+flag names, and its routing to the scheduler; a worker's refused setting is serve's exit 2."""
+import sys
+import time
+
 from services.config import SchedulerConfig, ServeConfig, WorkerConfig, parse_config
-from services.launcher import _disk_tier_flags, _engine_flags, _scheduler_flags
+from services.launcher import Stack, _disk_tier_flags, _engine_flags, _scheduler_flags
 
 ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "dtype", "gpu_memory_utilization",
                  "quantization", "kv_cache_dtype", "async_scheduling", "attention_backend")
@@ -45,3 +48,19 @@ def test_each_worker_gets_a_disk_tier_directory_of_its_own():
                          env={}).kv_offload_dir for w in ("worker-0", "worker-1")]
     assert dirs == ["/var/kv/worker-0", "/var/kv/worker-1"]
     assert _disk_tier_flags(ServeConfig(), "worker-0") == []
+
+
+def test_a_worker_refusing_its_settings_at_start_up_makes_serve_exit_2():
+    """A tier setting only the worker can check (its directories overlap, a size below one block)
+    exits that worker with 2 during start-up; serve then stops with 2 too (a refused setting),
+    not 1 (a crash), and another start-up failure stays 1."""
+    stack = Stack(ServeConfig())
+    try:
+        for code, expected in ((2, 2), (3, 1)):
+            stack.sup.children.clear()
+            stack.sup.spawn("worker-0", [sys.executable, "-c", f"raise SystemExit({code})"], time.monotonic(),
+                            pooled=True)
+            assert not stack.wait_ready("http://127.0.0.1:9", 30, [])
+            assert stack.startup_exit_code() == expected
+    finally:
+        stack.stop()

@@ -52,6 +52,24 @@ def test_an_unusable_directory_is_a_clear_error(tmp_path):
         DiskTier(str(link), max_blocks=1, layout=LAYOUT, payload_len=PAYLOAD)
 
 
+def test_a_shared_temporary_directory_is_refused_not_made_private(tmp_path):
+    """`--kv-offload-dir /tmp` or `--kv-offload-shared-dir /dev/shm` (sticky, world-writable):
+    tightening it to 0700 would lock every other user out of it (as root nothing stops the chmod).
+    It is refused naming the field and left as it was; a directory of its own inside is fine."""
+    import pytest
+
+    from gpu_worker.kv_tiers.disk_tier import owned_directory
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    for flag in ("kv_offload_dir", "kv_offload_shared_dir"):
+        with pytest.raises(ValueError, match=f"{flag}: .* is a shared temporary directory .*a directory of its own"):
+            owned_directory(str(sticky), flag)
+        assert stat.S_IMODE(sticky.stat().st_mode) == 0o1777
+    owned_directory(str(sticky / "kv"), "kv_offload_dir")
+    assert stat.S_IMODE((sticky / "kv").stat().st_mode) == 0o700
+
+
 def test_files_of_other_weights_or_format_versions_are_foreign_not_damaged(tmp_path, caplog):
     """A restart after a weights upgrade, or on files of an older format, deletes them in one line."""
     import logging
