@@ -309,6 +309,9 @@ class ServeConfig(ServedEngineArgs):
                                       "name). The --model path is accepted too.")
     routing: str = opt("cache_aware", "Scheduler: how a worker is chosen (kvmesh scheduler --routing).",
                        choices=("cache_aware", "least_loaded", "round_robin"))
+    kv_transport: str = opt("auto", "Workers: how KV moves from prefill to decode workers, and a draining "
+                                    "worker's requests to their peers (kvmesh worker --kv-transport).",
+                            choices=("auto", "zmq", "shm", "cuda_ipc", "nixl"))
     pd_min_prefill_tokens: int = opt(256, "Scheduler: prompts with fewer uncached tokens skip the prefill pool "
                                           "(kvmesh scheduler --pd-min-prefill-tokens).", min=0)
     route_conversation_ttl_s: float = opt(600.0, "Scheduler: a conversation's next turn goes to the worker of its "

@@ -106,6 +106,11 @@ def _engine_flags(cfg: ServeConfig) -> list[str]:
     return to_argv(ServedEngineArgs(**engine_args_of(cfg)), skip=("model", "device", "kv_offload_dir"))
 
 
+def _pool_flags(cfg: ServeConfig) -> list[str]:
+    """The worker flags of serve's worker-only fields (how KV moves between workers)."""
+    return ["--kv-transport", cfg.kv_transport]
+
+
 def _disk_tier_flags(cfg: ServeConfig, worker: str) -> list[str]:
     """A directory of its own under --kv-offload-dir for each worker (one engine per directory),
     named by its stable id, so a restarted worker finds the blocks it left."""
@@ -169,7 +174,7 @@ class Stack:
                 device = f"cuda:{i % gpus}" if gpus > 1 else cfg.device
                 # a restarted worker keeps its --worker-id: it registers again under a new epoch
                 args = [*common, *internal, "--metrics-port", "0", "--model", model, "--device", device,
-                        "--worker-id", f"{prefix}-{k}", "--role", role, *_engine_flags(cfg),
+                        "--worker-id", f"{prefix}-{k}", "--role", role, *_pool_flags(cfg), *_engine_flags(cfg),
                         *_disk_tier_flags(cfg, f"{prefix}-{k}")]
                 if cfg.served_model_name:
                     args += ["--served-model-name", ",".join(cfg.served_model_name)]

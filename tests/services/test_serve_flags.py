@@ -4,7 +4,7 @@ import sys
 import time
 
 from services.config import SchedulerConfig, ServeConfig, WorkerConfig, parse_config
-from services.launcher import Stack, _disk_tier_flags, _engine_flags, _scheduler_flags
+from services.launcher import Stack, _disk_tier_flags, _engine_flags, _pool_flags, _scheduler_flags
 
 ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "dtype", "gpu_memory_utilization",
                  "quantization", "kv_cache_dtype", "async_scheduling", "attention_backend")
@@ -40,6 +40,13 @@ def test_serve_routing_fields_reach_the_scheduler():
     assert (scheduler.routing, scheduler.pd_min_prefill_tokens, scheduler.route_conversation_ttl_s) == (
         "least_loaded", 32, 0.0)
     assert ServeConfig().route_conversation_ttl_s == SchedulerConfig().route_conversation_ttl_s
+
+
+def test_serve_kv_transport_reaches_every_worker():
+    for transport in ("auto", "zmq", "shm", "cuda_ipc"):
+        serve = parse_config(ServeConfig, ["--kv-transport", transport], "serve", env={})
+        worker = parse_config(WorkerConfig, [*_pool_flags(serve), *_engine_flags(serve)], "worker", env={})
+        assert worker.kv_transport == transport
 
 
 def test_each_worker_gets_a_disk_tier_directory_of_its_own():
