@@ -481,7 +481,6 @@ class SchedulerCore:
                 self.prefix_hints.forget_worker(wid)
             if self.conversations is not None:
                 self.conversations.forget_worker(wid)
-        out += self.expire_waits()
         for wid, view in fresh.items():
             cur = self.workers.get(wid)
             if cur is None:
@@ -494,7 +493,8 @@ class SchedulerCore:
                 cur.kv_addr, cur.kv_layout, cur.kv_transport = view.kv_addr, view.kv_layout, view.kv_transport
                 cur.max_num_seqs, cur.max_model_len = view.max_num_seqs, view.max_model_len
                 cur.prefix_query_tokens, cur.prefix_hit_tokens = view.prefix_query_tokens, view.prefix_hit_tokens
-        return out + self._place_unplaced() + self.dispatch()
+        out += self._place_unplaced() + self.dispatch()
+        return out + self.expire_waits()      # after the dispatch: a worker that joined just now takes them
 
     def _check_pairable(self, w: WorkerView) -> None:
         """A prefill or decode worker whose KV layout no worker of the other pool shares is never

@@ -89,9 +89,9 @@ def test_a_moved_request_with_no_worker_left_waits_for_one_to_join_then_fails_pa
         out = core.resumed(Resume(request_id=rid, output_token_ids=[[1, 2]]))
         assert not messages(out, RequestFailed) and not messages(out, Dispatch)
     assert core.queue_depth == 2
-    now[0] = 20.0
-    core.abort(Abort(request_id="b"))                                  # its client left meanwhile
-    out = core.set_workers([worker("w1", epoch=2)])                    # the worker is back, within the wait
+    now[0] = 31.0                                                      # past the wait, as the worker comes back:
+    core.abort(Abort(request_id="b"))                                  # (b's client left meanwhile)
+    out = core.set_workers([worker("w1", epoch=2)])                    # it takes them first
     [(addr, moved)] = messages(out, Dispatch)
     assert addr == "tcp://w1:1" and moved.request_id == "a" and moved.resume_output == [[1, 2]]
     assert core.queue_depth == 0 and not messages(out, RequestFailed)
@@ -102,9 +102,9 @@ def test_a_moved_request_with_no_worker_left_waits_for_one_to_join_then_fails_pa
     core.submit(submit("c"))
     assert messages(core.set_workers([]), Migrate)
     core.resumed(Resume(request_id="c", output_token_ids=[[3]]))
-    now[0] = 49.0
+    now[0] = 60.0
     assert not messages(core.set_workers([]), RequestFailed)
-    now[0] = 51.0
+    now[0] = 62.0
     out = core.set_workers([])
     [(gw, failed)] = messages(out, RequestFailed)
     assert gw == GW and failed.code == "worker_failed" and [d for d, _ in messages(out, Abort)] == [DT]
