@@ -60,6 +60,13 @@ def check_bind_host(host: str) -> None:
                           "default; the pod IP on Kubernetes; 0.0.0.0 only to listen on every interface)")
 
 
+def check_lease(cfg: Any) -> None:
+    """A lease renewed by every heartbeat must outlive two lost ones, or a busy process is
+    forgotten (and its requests moved) while it is alive."""
+    if cfg.lease_ms < 3 * cfg.heartbeat_ms:
+        raise ConfigError(f"--lease-ms={cfg.lease_ms} must be at least 3 x --heartbeat-ms ({cfg.heartbeat_ms})")
+
+
 class Deprecated(NamedTuple):
     """An old field name still accepted as a flag and a KVMESH_* variable; each use logs one
     warning naming what replaces it."""
@@ -116,8 +123,7 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         check_bind_host(self.host)
         check_bounds(self)
-        if self.lease_ms < 3 * self.heartbeat_ms:
-            raise ConfigError(f"lease_ms ({self.lease_ms}) must be at least 3 x heartbeat_ms ({self.heartbeat_ms})")
+        check_lease(self)
 
 
 @dataclass(frozen=True)
@@ -344,6 +350,7 @@ class ServeConfig(ServedEngineArgs):
     def __post_init__(self) -> None:
         check_bind_host(self.host)
         check_bounds(self)
+        check_lease(self)        # serve hands both to every service: a bad pair fails here, not in a child
         if bool(self.prefill_workers) != bool(self.decode_workers):
             raise ConfigError("--prefill-workers and --decode-workers go together: a prefill worker hands its "
                               "KV to a decode worker (give both, or neither)")

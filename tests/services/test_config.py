@@ -29,7 +29,7 @@ def test_lists_and_bools():
     ({"KVMESH_PORT": "eighty"}, "KVMESH_PORT"),
     ({"KVMESH_ROLE": "boss"}, "mixed"),
     ({"KVMESH_NULL_MODEL": "maybe"}, "KVMESH_NULL_MODEL"),
-    ({"KVMESH_LEASE_MS": "100"}, "lease_ms"),
+    ({"KVMESH_LEASE_MS": "100"}, "--lease-ms=100 must be at least 3 x --heartbeat-ms"),
 ])
 def test_bad_env_fails_loudly(env, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -111,6 +111,8 @@ def test_every_external_variable_is_read_by_code():
     (ServeConfig, ["--prefill-workers", "1"], "--prefill-workers and --decode-workers go together"),
     (WorkerConfig, ["--redis-url", "redis://x", "--handoff-lease-ms", "10"], "--handoff-lease-ms=10 must be at least 100"),
     (ServeConfig, ["--port", "70000"], "--port=70000 must be at most 65535"),
+    # serve passes both to every service it starts: refused up front, not by a child mid-start
+    (ServeConfig, ["--lease-ms", "100", "--heartbeat-ms", "1000"], "--lease-ms=100 must be at least 3 x --heartbeat-ms"),
     (ServeConfig, ["--port", "0"], "--port=0 must be at least 1"),
     (ServeConfig, ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization=0.0 must be greater than 0"),
     (ServeConfig, ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 must be at most 1"),
