@@ -6,8 +6,8 @@ import re
 import pytest
 
 from services.config import (
-    ConfigError, GatewayConfig, SchedulerConfig, ServeConfig, WorkerConfig, build_parser, known_env_names,
-    parse_config, to_argv)
+    ConfigError, GatewayConfig, PlannerConfig, SchedulerConfig, ServeConfig, WorkerConfig, build_parser,
+    known_env_names, parse_config, to_argv)
 
 
 def test_precedence_flag_env_default():
@@ -113,6 +113,10 @@ def test_every_external_variable_is_read_by_code():
     (ServeConfig, ["--port", "70000"], "--port=70000 must be at most 65535"),
     # serve passes both to every service it starts: refused up front, not by a child mid-start
     (ServeConfig, ["--lease-ms", "100", "--heartbeat-ms", "1000"], "--lease-ms=100 must be at least 3 x --heartbeat-ms"),
+    # float() takes nan and inf, which pass every `value < min` comparison
+    (ServeConfig, ["--route-conversation-ttl-s", "nan"], "--route-conversation-ttl-s=nan must be a finite number"),
+    (ServeConfig, ["--null-step-ms", "inf"], "--null-step-ms=inf must be a finite number"),
+    (PlannerConfig, ["--scale-up-cooldown-s", "nan"], "--scale-up-cooldown-s=nan must be a finite number"),
     (ServeConfig, ["--port", "0"], "--port=0 must be at least 1"),
     (ServeConfig, ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization=0.0 must be greater than 0"),
     (ServeConfig, ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 must be at most 1"),
