@@ -77,11 +77,19 @@ def default_model_dir() -> Path:
     return base / "models" / f"llama-{DEFAULT_MODEL_SIZE}"
 
 
+def model_dir_problem(model: str) -> str | None:
+    """Why --model cannot be served (one line naming the flag), or None."""
+    if not Path(model).exists():
+        return f"--model {model}: the model directory does not exist"
+    if not (Path(model) / "config.json").is_file():
+        return f"--model {model}: not a model directory (no config.json); give a Hugging Face model directory"
+    return None
+
+
 def ensure_model(model: str) -> str:
-    """The model directory to serve; makes the built-in random model on first use."""
+    """The model directory to serve (main has checked a given one); makes the built-in random
+    model on first use."""
     if model:
-        if not (Path(model) / "config.json").is_file():
-            raise SystemExit(f"kvmesh serve: {model} is not a model directory (no config.json)")
         return model
     path = default_model_dir()
     if not (path / "config.json").is_file():
@@ -291,6 +299,9 @@ def main(argv: list[str]) -> int:
     if cfg.fleet_metrics_port > 0 and (why := port_taken("127.0.0.1", cfg.fleet_metrics_port)) is not None:
         print(f"kvmesh serve: --fleet-metrics-port {cfg.fleet_metrics_port}: cannot listen on 127.0.0.1 ({why}); "
               "choose another port, 0 for any free one, or -1 for none", file=sys.stderr)
+        return 2
+    if cfg.model and (error := model_dir_problem(cfg.model)) is not None:
+        print(f"kvmesh serve: {error}", file=sys.stderr)
         return 2
     model = ensure_model(cfg.model) if not (cfg.null_model and not cfg.model) else ensure_model("")
     stop: list[bool] = []
