@@ -453,6 +453,11 @@ spec:
 {{- define "kvmesh.hpa" -}}
 {{- $hpa := default (dict) .values.autoscaling }}
 {{- if $hpa.enabled }}
+{{- $where := ternary (printf "workerPools.%s" .component) .component (not (empty .role)) }}
+{{- /* the API server refuses min > max with a message that names no value */}}
+{{- if gt (int $hpa.minReplicas) (int $hpa.maxReplicas) }}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) is above maxReplicas (%d)" $where (int $hpa.minReplicas) (int $hpa.maxReplicas)) }}
+{{- end }}
 apiVersion: autoscaling/v2
 kind: HorizontalPodAutoscaler
 metadata:
@@ -491,6 +496,9 @@ the chart's ServiceMonitor stores them (namespace and Service name).
 {{- end }}
 {{- if not $k.serverAddress }}
 {{- fail (printf "%s.keda.enabled needs keda.serverAddress: the Prometheus KEDA queries, e.g. http://prometheus-operated.monitoring:9090" $where) }}
+{{- end }}
+{{- if gt (int $k.minReplicaCount) (int $k.maxReplicaCount) }}
+{{- fail (printf "%s.keda.minReplicaCount (%d) is above maxReplicaCount (%d)" $where (int $k.minReplicaCount) (int $k.maxReplicaCount)) }}
 {{- end }}
 {{- $selector := printf "namespace=%q,service=%q" .root.Release.Namespace (include "kvmesh.componentName" .) }}
 apiVersion: keda.sh/v1alpha1
