@@ -23,6 +23,20 @@ Pods carry `kvmesh.io/service: <service>`, the label the NetworkPolicies and the
 {{- $autoscaled := or (dig "autoscaling" "enabled" false $v) (dig "keda" "enabled" false $v) .plannerScaled }}
 {{- $disk := and .role (dig "kvOffload" "disk" "enabled" false $v) }}
 {{- $shared := and .role (include "kvmesh.kvSharedTier" (dict "values" $v "pool" .role "insecure" $root.Values.security.insecureInternalPlanes)) }}
+{{- /* the container's ports, as declared below: two alike would make its second bind fail in the pod */}}
+{{- $ports := list (int $v.port) }}
+{{- if not .http }}{{ $ports = concat $ports (list (int $v.healthPort) (int $root.Values.metrics.port)) }}{{ end }}
+{{- if not (kindIs "invalid" $v.zmqPort) }}{{ $ports = append $ports (int $v.zmqPort) }}{{ end }}
+{{- if .role }}{{ $ports = concat $ports (list (int $v.kvEventsPort) (int $v.kvSnapshotPort)) }}{{ end }}
+{{- if or (eq .role "decode") (eq .role "mixed") }}{{ $ports = append $ports (int $v.kvTransferPort) }}{{ end }}
+{{- range $v.extraPorts }}{{ $ports = append $ports (int .port) }}{{ end }}
+{{- $seen := list }}
+{{- range $port := $ports }}
+{{- if has $port $seen }}
+{{- fail (printf "%s binds port %d twice (its ports: %v): give each of its ports, metrics.port and extraPorts their own number" (ternary (printf "workerPools.%s" $.component) $.component (not (empty $.role))) $port $ports) }}
+{{- end }}
+{{- $seen = append $seen $port }}
+{{- end }}
 apiVersion: apps/v1
 kind: {{ ternary "StatefulSet" "Deployment" (default false .stateful) }}
 metadata:
