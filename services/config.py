@@ -76,6 +76,10 @@ class Deprecated(NamedTuple):
     means: Callable[[str], dict[str, str]]            # its value ("true"/"false" for a switch) -> new fields
 
 
+# redis-py reads these schemes only (any other raises inside the process); "": not given. The URL
+# may hold the Redis password: an error names the flag but does not echo the value (secret=).
+REDIS_URL = {"pattern": r"((redis|rediss|unix)://[^\s]{0,2000})?", "expected": "a redis://, rediss:// or unix:// URL",
+             "secret": True}
 PORT = {"min": 1, "max": 65535}
 ANY_PORT = {"min": 0, "max": 65535}           # 0: any free port
 METRICS_PORT = {"min": -1, "max": 65535}      # 0: any free port, -1: off
@@ -93,7 +97,8 @@ def check_bounds(cfg: Any) -> None:
         value = getattr(cfg, f.name)
         why = out_of_bounds(value, f.metadata)
         if why:
-            raise ConfigError(f"{flag_name(f.name)}={value!r} {why}")
+            shown = "" if f.metadata.get("secret") else f"={value!r}"
+            raise ConfigError(f"{flag_name(f.name)}{shown} {why}")
 
 
 # ----------------------------------------------------------------------------- service configs
@@ -103,7 +108,8 @@ def check_bounds(cfg: Any) -> None:
 class ServiceConfig:
     """Fields every service shares."""
 
-    redis_url: str = opt("", "Redis URL (redis://host:port/db) holding leases and the registry; required.")
+    redis_url: str = opt("", "Redis URL (redis://host:port/db) holding leases and the registry; required.",
+                         **REDIS_URL)
     host: str = opt("127.0.0.1", "Address every socket of this process binds to (0.0.0.0 only on purpose).")
     advertise_host: str = opt("", "Address other processes use to reach this one (pod IP); default: --host, "
                                   "or 127.0.0.1 when --host is 0.0.0.0.")
@@ -306,7 +312,7 @@ class ServeConfig(ServedEngineArgs):
                                min=0)
     decode_workers: int = opt(0, "Decode-role worker processes (disaggregated serving; needs --prefill-workers).",
                               min=0)
-    redis_url: str = opt("", "Use this Redis instead of starting an embedded one.")
+    redis_url: str = opt("", "Use this Redis instead of starting an embedded one.", **REDIS_URL)
     host: str = opt("127.0.0.1", "Bind address of the gateway (internal services always use loopback).")
     port: int = opt(8000, "HTTP port of the gateway.", **PORT)
     api_key: list = opt([], "Comma-separated API keys required by the gateway.")

@@ -117,6 +117,10 @@ def test_every_external_variable_is_read_by_code():
     (ServeConfig, ["--route-conversation-ttl-s", "nan"], "--route-conversation-ttl-s=nan must be a finite number"),
     (ServeConfig, ["--null-step-ms", "inf"], "--null-step-ms=inf must be a finite number"),
     (PlannerConfig, ["--scale-up-cooldown-s", "nan"], "--scale-up-cooldown-s=nan must be a finite number"),
+    # redis-py's URL parser would raise inside the process, as a traceback; the value (it may hold
+    # the password) is not echoed
+    (GatewayConfig, ["--redis-url", "notaurl"], "--redis-url must be a redis://, rediss:// or unix:// URL"),
+    (ServeConfig, ["--redis-url", ":pw@localhost:6379"], "--redis-url must be a redis://"),
     (ServeConfig, ["--port", "0"], "--port=0 must be at least 1"),
     (ServeConfig, ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization=0.0 must be greater than 0"),
     (ServeConfig, ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 must be at most 1"),
@@ -133,6 +137,13 @@ def test_every_external_variable_is_read_by_code():
 def test_out_of_range_values_name_their_flag(cls, argv, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         parse_config(cls, argv, "prog", env={})
+
+
+def test_a_bad_redis_url_is_not_echoed():
+    """Pods' logs keep the error; the URL in it may carry the Redis password."""
+    with pytest.raises(ConfigError) as exc:
+        parse_config(WorkerConfig, [], "prog", env={"KVMESH_REDIS_URL": ":hunter2@redis:6379"})
+    assert "hunter2" not in str(exc.value) and "--redis-url" in str(exc.value)
 
 
 def test_bounds_hold_for_env_values_and_code_too():
