@@ -362,6 +362,9 @@ class ServeConfig(ServedEngineArgs):
                               "KV to a decode worker (give both, or neither)")
         if not self.workers and not self.prefill_workers:
             raise ConfigError("--workers=0 needs --prefill-workers and --decode-workers (some worker must serve)")
+        if self.fleet_metrics_port == self.port:
+            raise ConfigError(f"--fleet-metrics-port={self.port} is also --port (the gateway's): give it another "
+                              "port, 0 for any free one, or -1 for none")
 
 
 _SELECTOR = {"pattern": r'[^{}\n]{0,512}', "expected": "label matchers without braces, at most 512 characters"}

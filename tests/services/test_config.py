@@ -113,6 +113,8 @@ def test_every_external_variable_is_read_by_code():
     (ServeConfig, ["--port", "70000"], "--port=70000 must be at most 65535"),
     # serve passes both to every service it starts: refused up front, not by a child mid-start
     (ServeConfig, ["--lease-ms", "100", "--heartbeat-ms", "1000"], "--lease-ms=100 must be at least 3 x --heartbeat-ms"),
+    # both listen on loopback: the fleet page's bind would fail once the whole stack is up
+    (ServeConfig, ["--port", "9000", "--fleet-metrics-port", "9000"], "--fleet-metrics-port=9000 is also --port"),
     # float() takes nan and inf, which pass every `value < min` comparison
     (ServeConfig, ["--route-conversation-ttl-s", "nan"], "--route-conversation-ttl-s=nan must be a finite number"),
     (ServeConfig, ["--null-step-ms", "inf"], "--null-step-ms=inf must be a finite number"),
