@@ -92,8 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     except SamplingParamsError as err:
         return _flag_error(ap, err)
 
+    from gpu_worker.config import tuning_from_env
     from gpu_worker.llm import LLM
     from gpu_worker.outputs import RequestError
+    try:
+        # read here, not by the engine's config, so that a bad KVMESH_* tuning value is reported as
+        # itself: the catch-all below would blame it on --model
+        engine_args["tuning"] = tuning_from_env()
+    except ValueError as err:
+        print(f"kvmesh generate: error: {err}", file=sys.stderr)
+        return 2
     try:
         llm = LLM(**engine_args)
     except (ValueError, OSError) as err:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -383,6 +384,31 @@ def make_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", see
     return out
 
 
+def _cli_problem(args: argparse.Namespace) -> str | None:
+    """A bad argument, named, before any weight is drawn: make_model itself would stop on it
+    with a traceback (or, for the directory, after drawing the weights)."""
+    least = len(SPECIAL_TOKENS) + 256
+    if args.vocab_size is not None and args.vocab_size < least:
+        return f"--vocab-size={args.vocab_size} must be at least {least} (the tokenizer's bytes and special tokens)"
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            return f"--device={args.device!r} is not a device: give cpu, cuda or cuda:N"
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return f"--device={args.device!r}: no CUDA device here (use cpu)"
+    out = Path(args.out_dir)
+    if out.exists() and not out.is_dir():
+        return f"out_dir {out} exists and is not a directory"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"out_dir {out} cannot be made ({exc.strerror or exc})"
+    if not os.access(out, os.W_OK):
+        return f"out_dir {out} is not writable"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvmesh make-model",
@@ -406,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                          "decoding's method mtp)")
     ap.add_argument("out_dir", help="directory to write (created if missing)")
     args = ap.parse_args(argv)
+    if (problem := _cli_problem(args)) is not None:
+        ap.error(problem)
     out = make_model(args.out_dir, args.arch, args.size, seed=args.seed, dtype=args.dtype,
                      vocab_size=args.vocab_size, device=args.device, mtp_layers=args.mtp_layers)
     print(f"wrote {args.arch} {args.size} model to {out}")

@@ -503,6 +503,12 @@ class SchedulerCore:
         peers = [p for p in self.workers.values() if p.role == other]
         if other is None or not peers or any(pairable(w, p) for p in peers):
             return
+        if w.kv_layout is None or all(p.kv_layout is None for p in peers):
+            # not a mismatch to fix: the null engine publishes no layout (layout_differences would be empty)
+            nothing = w if w.kv_layout is None else peers[0]
+            log.warning("worker %s (%s) is not paired with a %s worker: %s holds no KV to move (the null model), "
+                        "so the pools serve without hand-offs", w.id, w.role, other, nothing.id)
+            return
         alike = [p for p in peers if same_layout(w, p)]
         if alike:
             log.error("worker %s (%s) moves KV with --kv-transport %s, which no %s worker of its KV layout "

@@ -60,6 +60,13 @@ def check_bind_host(host: str) -> None:
                           "default; the pod IP on Kubernetes; 0.0.0.0 only to listen on every interface)")
 
 
+def check_lease(cfg: Any) -> None:
+    """A lease renewed by every heartbeat must outlive two lost ones, or a busy process is
+    forgotten (and its requests moved) while it is alive."""
+    if cfg.lease_ms < 3 * cfg.heartbeat_ms:
+        raise ConfigError(f"--lease-ms={cfg.lease_ms} must be at least 3 x --heartbeat-ms ({cfg.heartbeat_ms})")
+
+
 class Deprecated(NamedTuple):
     """An old field name still accepted as a flag and a KVMESH_* variable; each use logs one
     warning naming what replaces it."""
@@ -69,6 +76,10 @@ class Deprecated(NamedTuple):
     means: Callable[[str], dict[str, str]]            # its value ("true"/"false" for a switch) -> new fields
 
 
+# redis-py reads these schemes only (any other raises inside the process); "": not given. The URL
+# may hold the Redis password: an error names the flag but does not echo the value (secret=).
+REDIS_URL = {"pattern": r"((redis|rediss|unix)://[^\s]{0,2000})?", "expected": "a redis://, rediss:// or unix:// URL",
+             "secret": True}
 PORT = {"min": 1, "max": 65535}
 ANY_PORT = {"min": 0, "max": 65535}           # 0: any free port
 METRICS_PORT = {"min": -1, "max": 65535}      # 0: any free port, -1: off
@@ -86,7 +97,8 @@ def check_bounds(cfg: Any) -> None:
         value = getattr(cfg, f.name)
         why = out_of_bounds(value, f.metadata)
         if why:
-            raise ConfigError(f"{flag_name(f.name)}={value!r} {why}")
+            shown = "" if f.metadata.get("secret") else f"={value!r}"
+            raise ConfigError(f"{flag_name(f.name)}{shown} {why}")
 
 
 # ----------------------------------------------------------------------------- service configs
@@ -96,7 +108,8 @@ def check_bounds(cfg: Any) -> None:
 class ServiceConfig:
     """Fields every service shares."""
 
-    redis_url: str = opt("", "Redis URL (redis://host:port/db) holding leases and the registry; required.")
+    redis_url: str = opt("", "Redis URL (redis://host:port/db) holding leases and the registry; required.",
+                         **REDIS_URL)
     host: str = opt("127.0.0.1", "Address every socket of this process binds to (0.0.0.0 only on purpose).")
     advertise_host: str = opt("", "Address other processes use to reach this one (pod IP); default: --host, "
                                   "or 127.0.0.1 when --host is 0.0.0.0.")
@@ -116,8 +129,7 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         check_bind_host(self.host)
         check_bounds(self)
-        if self.lease_ms < 3 * self.heartbeat_ms:
-            raise ConfigError(f"lease_ms ({self.lease_ms}) must be at least 3 x heartbeat_ms ({self.heartbeat_ms})")
+        check_lease(self)
 
 
 @dataclass(frozen=True)
@@ -300,7 +312,7 @@ class ServeConfig(ServedEngineArgs):
                                min=0)
     decode_workers: int = opt(0, "Decode-role worker processes (disaggregated serving; needs --prefill-workers).",
                               min=0)
-    redis_url: str = opt("", "Use this Redis instead of starting an embedded one.")
+    redis_url: str = opt("", "Use this Redis instead of starting an embedded one.", **REDIS_URL)
     host: str = opt("127.0.0.1", "Bind address of the gateway (internal services always use loopback).")
     port: int = opt(8000, "HTTP port of the gateway.", **PORT)
     api_key: list = opt([], "Comma-separated API keys required by the gateway.")
@@ -344,11 +356,15 @@ class ServeConfig(ServedEngineArgs):
     def __post_init__(self) -> None:
         check_bind_host(self.host)
         check_bounds(self)
+        check_lease(self)        # serve hands both to every service: a bad pair fails here, not in a child
         if bool(self.prefill_workers) != bool(self.decode_workers):
             raise ConfigError("--prefill-workers and --decode-workers go together: a prefill worker hands its "
                               "KV to a decode worker (give both, or neither)")
         if not self.workers and not self.prefill_workers:
             raise ConfigError("--workers=0 needs --prefill-workers and --decode-workers (some worker must serve)")
+        if self.fleet_metrics_port == self.port:
+            raise ConfigError(f"--fleet-metrics-port={self.port} is also --port (the gateway's): give it another "
+                              "port, 0 for any free one, or -1 for none")
 
 
 _SELECTOR = {"pattern": r'[^{}\n]{0,512}', "expected": "label matchers without braces, at most 512 characters"}

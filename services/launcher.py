@@ -45,6 +45,7 @@ What a restart means for requests in flight:
 """
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
 import os
@@ -56,6 +57,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 from services.config import ServeConfig, load_or_exit, reachable_host, to_argv
 from services.engine_args import ServedEngineArgs, engine_args_of
@@ -77,11 +79,19 @@ def default_model_dir() -> Path:
     return base / "models" / f"llama-{DEFAULT_MODEL_SIZE}"
 
 
+def model_dir_problem(model: str) -> str | None:
+    """Why --model cannot be served (one line naming the flag), or None."""
+    if not Path(model).exists():
+        return f"--model {model}: the model directory does not exist"
+    if not (Path(model) / "config.json").is_file():
+        return f"--model {model}: not a model directory (no config.json); give a Hugging Face model directory"
+    return None
+
+
 def ensure_model(model: str) -> str:
-    """The model directory to serve; makes the built-in random model on first use."""
+    """The model directory to serve (main has checked a given one); makes the built-in random
+    model on first use."""
     if model:
-        if not (Path(model) / "config.json").is_file():
-            raise SystemExit(f"kvmesh serve: {model} is not a model directory (no config.json)")
         return model
     path = default_model_dir()
     if not (path / "config.json").is_file():
@@ -256,7 +266,14 @@ class Stack:
         shutil.rmtree(self.trust_dir, ignore_errors=True)
 
 
-def port_taken(host: str, port: int) -> str | None:
+class BindProblem(NamedTuple):
+    """Why host:port could not be bound, and whose fault that is."""
+
+    host_is_bad: bool     # no such name, or not an address of this machine: no port would do
+    why: str
+
+
+def port_taken(host: str, port: int) -> BindProblem | None:
     """Why the gateway could not bind host:port now, or None. Binds the way uvicorn does
     (SO_REUSEADDR), so a port in TIME_WAIT counts as free."""
     try:
@@ -266,8 +283,21 @@ def port_taken(host: str, port: int) -> str | None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
         return None
+    except socket.gaierror as exc:
+        return BindProblem(True, exc.strerror or str(exc))
     except OSError as exc:
-        return exc.strerror or str(exc)
+        return BindProblem(exc.errno == errno.EADDRNOTAVAIL, exc.strerror or str(exc))
+
+
+def gateway_bind_error(host: str, port: int) -> str | None:
+    """One line naming the flag at fault when the gateway cannot listen on host:port, or None."""
+    problem = port_taken(host, port)
+    if problem is None:
+        return None
+    if problem.host_is_bad:
+        return (f"--host {host}: cannot listen there ({problem.why}); give an address of this machine "
+                "(127.0.0.1, or 0.0.0.0 for every interface)")
+    return f"--port {port}: cannot listen on {host}:{port} ({problem.why}); stop what uses it or choose another --port"
 
 
 def print_banner(model: str, url: str, pages: list[tuple[str, str]], fleet_port: int) -> None:
@@ -284,13 +314,15 @@ def print_banner(model: str, url: str, pages: list[tuple[str, str]], fleet_port:
 def main(argv: list[str]) -> int:
     cfg = load_or_exit(ServeConfig, argv, "kvmesh serve")
     setup_logging("serve", cfg.log_level)
-    if (why := port_taken(cfg.host, cfg.port)) is not None:
-        print(f"kvmesh serve: --port {cfg.port}: cannot listen on {cfg.host}:{cfg.port} ({why}); "
-              "stop what uses it or choose another --port", file=sys.stderr)
+    if (error := gateway_bind_error(cfg.host, cfg.port)) is not None:
+        print(f"kvmesh serve: {error}", file=sys.stderr)
         return 2
-    if cfg.fleet_metrics_port > 0 and (why := port_taken("127.0.0.1", cfg.fleet_metrics_port)) is not None:
-        print(f"kvmesh serve: --fleet-metrics-port {cfg.fleet_metrics_port}: cannot listen on 127.0.0.1 ({why}); "
-              "choose another port, 0 for any free one, or -1 for none", file=sys.stderr)
+    if cfg.fleet_metrics_port > 0 and (taken := port_taken("127.0.0.1", cfg.fleet_metrics_port)) is not None:
+        print(f"kvmesh serve: --fleet-metrics-port {cfg.fleet_metrics_port}: cannot listen on 127.0.0.1 "
+              f"({taken.why}); choose another port, 0 for any free one, or -1 for none", file=sys.stderr)
+        return 2
+    if cfg.model and (error := model_dir_problem(cfg.model)) is not None:
+        print(f"kvmesh serve: {error}", file=sys.stderr)
         return 2
     model = ensure_model(cfg.model) if not (cfg.null_model and not cfg.model) else ensure_model("")
     stop: list[bool] = []

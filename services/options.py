@@ -6,6 +6,7 @@ flag tables and the checks of values set in code.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import field
 from typing import Any, Mapping
@@ -27,10 +28,13 @@ def is_unset(value: Any, meta: Mapping[str, Any]) -> bool:
 
 
 def out_of_bounds(value: Any, meta: Mapping[str, Any]) -> str | None:
-    """Why `value` breaks its field's choices / min / max / above / pattern, or None when it
-    keeps them (None, booleans and the unset value always do)."""
+    """Why `value` breaks its field's choices / min / max / above / pattern (or is not a finite
+    float), or None when it keeps them (None, booleans and the unset value always do)."""
     if isinstance(value, bool) or value is None or is_unset(value, meta):
         return None
+    # float() reads "nan" and "inf", and nan passes every comparison below: no field takes either
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
     if meta.get("choices") and value not in meta["choices"]:
         return "must be one of: " + ", ".join(c or "''" for c in meta["choices"])
     if "min" in meta and value < meta["min"]:

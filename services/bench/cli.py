@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import sys
 import time
 from datetime import datetime
@@ -162,6 +163,9 @@ class Plan:
             self.extra_body = json.loads(args.extra_body) if args.extra_body else None
         except json.JSONDecodeError as exc:
             err(f"--extra-body is not JSON: {exc}")
+        if args.base_url is not None and not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", args.base_url):
+            # httpx refuses it per request: the run would end with every request failed
+            err(f"--base-url {args.base_url!r}: give an http:// or https:// URL, e.g. http://127.0.0.1:8000")
         base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
         self.base_url = base[:-3] if base.endswith("/v1") and self.endpoint.startswith("/v1/") else base
         self.api_url = self.base_url + self.endpoint

@@ -178,7 +178,12 @@ def generate_dir(target: Path, force: bool) -> int:
     if target.exists() and not force:
         print(f"kvmesh keys generate: {target} exists; pass --force to replace its keys", file=sys.stderr)
         return 1
-    paths = bundle.generate(target)
+    try:
+        paths = bundle.generate(target)
+    except OSError as exc:       # a parent that is a file, a read-only filesystem, no permission
+        print(f"kvmesh keys generate: DIR {target} cannot be written ({exc.strerror or exc}); "
+              "give a directory this user can create", file=sys.stderr)
+        return 2
     print(f"kvmesh keys: wrote a trust directory for {', '.join(bundle.ROLES)} to {paths.root}")
     return 0
 

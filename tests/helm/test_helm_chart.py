@@ -68,6 +68,24 @@ def test_external_redis_needs_a_url(helm):
     assert "redis.url" in out.stderr
 
 
+@pytest.mark.parametrize("bad, message", [
+    (["--set", "gateway.autoscaling.enabled=true", "--set", "gateway.autoscaling.minReplicas=5",
+      "--set", "gateway.autoscaling.maxReplicas=2"], "gateway.autoscaling.minReplicas (5) is above maxReplicas (2)"),
+    (["--set", "workerPools.decode.autoscaling.enabled=true", "--set", "workerPools.decode.autoscaling.minReplicas=9"],
+     "workerPools.decode.autoscaling.minReplicas (9) is above maxReplicas (8)"),
+    (["--set", "workerPools.mixed.enabled=true", "--set", "workerPools.mixed.keda.enabled=true",
+      "--set", "workerPools.mixed.keda.serverAddress=http://p:9090", "--set", "workerPools.mixed.keda.minReplicaCount=9"],
+     "workerPools.mixed.keda.minReplicaCount (9) is above maxReplicaCount (8)"),
+    (["--set", "planner.enabled=true", "--set", "planner.prometheusUrl=http://p:9090",
+      "--set", "planner.decode.minReplicas=9"], "planner.decode.minReplicas (9) is above maxReplicas (8)"),
+])
+def test_replica_bounds_the_wrong_way_round_fail_at_template_time(helm, bad, message):
+    """The API server refuses an HPA whose minReplicas is above its maxReplicas (and the planner exits
+    on such bounds): the chart says which value, before anything is applied."""
+    out = run_helm(helm, "template", RELEASE, str(CHART), *bad)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
 # ----------------------------------------------------------------------------- structure
 
 

@@ -13,7 +13,8 @@ import yaml
 
 from prefix_cache_svc.config import PrefixCacheConfig
 from services.config import GatewayConfig, SchedulerConfig, TokenizerConfig, WorkerConfig
-from tests.helm.chart import FULLNAME, VALUE_SETS, by_kind, containers, env_of, helm, render  # noqa: F401
+from tests.helm.chart import (CHART, FULLNAME, VALUE_SETS, by_kind, containers, env_of, helm, render,  # noqa: F401
+                              run_helm)
 
 CONFIG_OF = {"gateway": GatewayConfig, "tokenizer": TokenizerConfig, "scheduler": SchedulerConfig,
              "prefix-cache": PrefixCacheConfig, "worker": WorkerConfig}
@@ -59,6 +60,17 @@ def test_every_port_a_service_binds_is_fixed_and_declared(helm, case, tmp_path_f
             assert env in values, f"{case}: {name} leaves --{field.name.replace('_', '-')} at its default"
             assert int(values[env]) > 0 and int(values[env]) in declared, (case, name, env, values[env])
         assert len(declared) == len(c["ports"]), f"{case}: {name} declares a port twice"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--set", "gateway.port=5560"], "gateway binds port 5560 twice"),                # its zmqPort
+    (["--set", "tokenizer.healthPort=50051"], "tokenizer binds port 50051 twice"),    # its gRPC port
+    (["--set", "workerPools.decode.kvTransferPort=9090"], "decode binds port 9090 twice"),  # metrics.port
+])
+def test_two_ports_of_one_pod_the_same_fail_at_template_time(helm, bad, message):
+    """The second bind fails inside the pod (a crash loop); the chart names the clash instead."""
+    out = run_helm(helm, "template", "prod", str(CHART), *bad)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("case", ["defaults", "strict-cni", "everything"])

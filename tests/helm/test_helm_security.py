@@ -308,6 +308,13 @@ def test_api_key_is_required_by_default_and_generated_once(helm, tmp_path_factor
     assert f"{FULLNAME}-api-key" not in by_kind(off, "Secret")
 
 
+def test_api_key_disabled_with_a_key_secret_is_refused(helm):
+    """Both set: the operator expects the Secret's keys to be required; the gateway would be open."""
+    out = run_helm(helm, "template", RELEASE, str(CHART), "--set", "gateway.apiKey.disabled=true",
+                   "--set", "gateway.apiKey.existingSecret=my-keys")
+    assert out.returncode != 0 and "gateway.apiKey.disabled" in out.stderr and "existingSecret" in out.stderr, out.stderr
+
+
 def test_notes_say_how_to_read_the_key(helm):
     out = run_helm(helm, "install", RELEASE, str(CHART), "--namespace", "llm", "--dry-run=client")
     assert out.returncode == 0, out.stderr

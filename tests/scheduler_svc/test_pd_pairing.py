@@ -195,3 +195,12 @@ def test_both_workers_of_a_pair_dead_fail_the_request():
     [(gw, failed)] = messages(out, RequestFailed)
     assert gw == GW and failed.code == "worker_failed" and not messages(out, Dispatch)
     assert "a" not in core.requests
+
+
+def test_unpaired_null_engines_are_explained_not_listed_as_empty_differences(caplog):
+    """`kvmesh serve --null-model` with prefill and decode pools: the null engine publishes no KV
+    layout, so the pools serve unpaired; the log says why instead of an empty list of differences."""
+    with caplog.at_level(logging.INFO, logger="kvmesh.scheduler"):
+        core_with(worker("d", "decode", layout=None), worker("p", "prefill", layout=None))
+    assert "holds no KV to move (the null model)" in caplog.text
+    assert "differs from" not in caplog.text

@@ -6,8 +6,8 @@ import re
 import pytest
 
 from services.config import (
-    ConfigError, GatewayConfig, SchedulerConfig, ServeConfig, WorkerConfig, build_parser, known_env_names,
-    parse_config, to_argv)
+    ConfigError, GatewayConfig, PlannerConfig, SchedulerConfig, ServeConfig, WorkerConfig, build_parser,
+    known_env_names, parse_config, to_argv)
 
 
 def test_precedence_flag_env_default():
@@ -29,7 +29,7 @@ def test_lists_and_bools():
     ({"KVMESH_PORT": "eighty"}, "KVMESH_PORT"),
     ({"KVMESH_ROLE": "boss"}, "mixed"),
     ({"KVMESH_NULL_MODEL": "maybe"}, "KVMESH_NULL_MODEL"),
-    ({"KVMESH_LEASE_MS": "100"}, "lease_ms"),
+    ({"KVMESH_LEASE_MS": "100"}, "--lease-ms=100 must be at least 3 x --heartbeat-ms"),
 ])
 def test_bad_env_fails_loudly(env, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -111,6 +111,18 @@ def test_every_external_variable_is_read_by_code():
     (ServeConfig, ["--prefill-workers", "1"], "--prefill-workers and --decode-workers go together"),
     (WorkerConfig, ["--redis-url", "redis://x", "--handoff-lease-ms", "10"], "--handoff-lease-ms=10 must be at least 100"),
     (ServeConfig, ["--port", "70000"], "--port=70000 must be at most 65535"),
+    # serve passes both to every service it starts: refused up front, not by a child mid-start
+    (ServeConfig, ["--lease-ms", "100", "--heartbeat-ms", "1000"], "--lease-ms=100 must be at least 3 x --heartbeat-ms"),
+    # both listen on loopback: the fleet page's bind would fail once the whole stack is up
+    (ServeConfig, ["--port", "9000", "--fleet-metrics-port", "9000"], "--fleet-metrics-port=9000 is also --port"),
+    # float() takes nan and inf, which pass every `value < min` comparison
+    (ServeConfig, ["--route-conversation-ttl-s", "nan"], "--route-conversation-ttl-s=nan must be a finite number"),
+    (ServeConfig, ["--null-step-ms", "inf"], "--null-step-ms=inf must be a finite number"),
+    (PlannerConfig, ["--scale-up-cooldown-s", "nan"], "--scale-up-cooldown-s=nan must be a finite number"),
+    # redis-py's URL parser would raise inside the process, as a traceback; the value (it may hold
+    # the password) is not echoed
+    (GatewayConfig, ["--redis-url", "notaurl"], "--redis-url must be a redis://, rediss:// or unix:// URL"),
+    (ServeConfig, ["--redis-url", ":pw@localhost:6379"], "--redis-url must be a redis://"),
     (ServeConfig, ["--port", "0"], "--port=0 must be at least 1"),
     (ServeConfig, ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization=0.0 must be greater than 0"),
     (ServeConfig, ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 must be at most 1"),
@@ -127,6 +139,13 @@ def test_every_external_variable_is_read_by_code():
 def test_out_of_range_values_name_their_flag(cls, argv, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         parse_config(cls, argv, "prog", env={})
+
+
+def test_a_bad_redis_url_is_not_echoed():
+    """Pods' logs keep the error; the URL in it may carry the Redis password."""
+    with pytest.raises(ConfigError) as exc:
+        parse_config(WorkerConfig, [], "prog", env={"KVMESH_REDIS_URL": ":hunter2@redis:6379"})
+    assert "hunter2" not in str(exc.value) and "--redis-url" in str(exc.value)
 
 
 def test_bounds_hold_for_env_values_and_code_too():

@@ -23,6 +23,20 @@ Pods carry `kvmesh.io/service: <service>`, the label the NetworkPolicies and the
 {{- $autoscaled := or (dig "autoscaling" "enabled" false $v) (dig "keda" "enabled" false $v) .plannerScaled }}
 {{- $disk := and .role (dig "kvOffload" "disk" "enabled" false $v) }}
 {{- $shared := and .role (include "kvmesh.kvSharedTier" (dict "values" $v "pool" .role "insecure" $root.Values.security.insecureInternalPlanes)) }}
+{{- /* the container's ports, as declared below: two alike would make its second bind fail in the pod */}}
+{{- $ports := list (int $v.port) }}
+{{- if not .http }}{{ $ports = concat $ports (list (int $v.healthPort) (int $root.Values.metrics.port)) }}{{ end }}
+{{- if not (kindIs "invalid" $v.zmqPort) }}{{ $ports = append $ports (int $v.zmqPort) }}{{ end }}
+{{- if .role }}{{ $ports = concat $ports (list (int $v.kvEventsPort) (int $v.kvSnapshotPort)) }}{{ end }}
+{{- if or (eq .role "decode") (eq .role "mixed") }}{{ $ports = append $ports (int $v.kvTransferPort) }}{{ end }}
+{{- range $v.extraPorts }}{{ $ports = append $ports (int .port) }}{{ end }}
+{{- $seen := list }}
+{{- range $port := $ports }}
+{{- if has $port $seen }}
+{{- fail (printf "%s binds port %d twice (its ports: %v): give each of its ports, metrics.port and extraPorts their own number" (ternary (printf "workerPools.%s" $.component) $.component (not (empty $.role))) $port $ports) }}
+{{- end }}
+{{- $seen = append $seen $port }}
+{{- end }}
 apiVersion: apps/v1
 kind: {{ ternary "StatefulSet" "Deployment" (default false .stateful) }}
 metadata:
@@ -453,6 +467,11 @@ spec:
 {{- define "kvmesh.hpa" -}}
 {{- $hpa := default (dict) .values.autoscaling }}
 {{- if $hpa.enabled }}
+{{- $where := ternary (printf "workerPools.%s" .component) .component (not (empty .role)) }}
+{{- /* the API server refuses min > max with a message that names no value */}}
+{{- if gt (int $hpa.minReplicas) (int $hpa.maxReplicas) }}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) is above maxReplicas (%d)" $where (int $hpa.minReplicas) (int $hpa.maxReplicas)) }}
+{{- end }}
 apiVersion: autoscaling/v2
 kind: HorizontalPodAutoscaler
 metadata:
@@ -491,6 +510,9 @@ the chart's ServiceMonitor stores them (namespace and Service name).
 {{- end }}
 {{- if not $k.serverAddress }}
 {{- fail (printf "%s.keda.enabled needs keda.serverAddress: the Prometheus KEDA queries, e.g. http://prometheus-operated.monitoring:9090" $where) }}
+{{- end }}
+{{- if gt (int $k.minReplicaCount) (int $k.maxReplicaCount) }}
+{{- fail (printf "%s.keda.minReplicaCount (%d) is above maxReplicaCount (%d)" $where (int $k.minReplicaCount) (int $k.maxReplicaCount)) }}
 {{- end }}
 {{- $selector := printf "namespace=%q,service=%q" .root.Release.Namespace (include "kvmesh.componentName" .) }}
 apiVersion: keda.sh/v1alpha1

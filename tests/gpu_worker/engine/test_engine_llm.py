@@ -124,3 +124,10 @@ def test_cli_errors_name_the_flag(tiny_models, capsys, argv, flag):
     assert rc == 2
     err = capsys.readouterr().err
     assert f"error: {flag}:" in err or f"error: {flag}=" in err, err
+
+
+def test_cli_bad_tuning_variable_is_named_not_blamed_on_model(tiny_models, capsys, monkeypatch):
+    monkeypatch.setenv("KVMESH_DECODE_GEMV_MAX_M", "x")
+    rc = generate_main(["--model", tiny_models["qwen2"], "--prompt", "Hi", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("kvmesh generate: error: KVMESH_DECODE_GEMV_MAX_M='x'"), err

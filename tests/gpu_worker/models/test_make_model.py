@@ -147,3 +147,18 @@ def test_large_vocab_tokenizer_decodes_every_id_to_text():
     assert big_tok.encode(text).ids == small_tok.encode(text).ids
     for i in (ASSET_VOCAB_SIZE, 100_000, 128255):
         assert big_tok.decode([i]) == f" t{i}"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--vocab-size", "-5", "{tmp}/m"], "--vocab-size"),
+    (["--device", "tpu9", "{tmp}/m"], "--device"),
+    (["{tmp}/file"], "out_dir"),                    # an existing file, not a directory
+    (["{tmp}/file/m"], "out_dir"),                  # its parent is a file: cannot be made
+])
+def test_cli_bad_values_exit_2_naming_the_argument(tmp_path, capsys, argv, needle):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        mm.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("kvmesh make-model: error: ") and needle in err

@@ -74,6 +74,7 @@ def test_chat_backend_with_default_model_and_api_key(mock_servers, tmp_path, cap
     (["--max-concurrency", "0"], "--max-concurrency"),
     (["--endpoint", "/v1/chat/completions", "--backend", "openai"], "--endpoint"),
     (["--bogus-flag"], "--bogus-flag"),
+    (["--base-url", "127.0.0.1:8000"], "--base-url"),     # else every request fails and the run exits 0
 ])
 def test_bad_flags_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:

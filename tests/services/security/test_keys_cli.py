@@ -172,6 +172,14 @@ def test_generate_writes_a_loadable_directory_and_refuses_to_overwrite(tmp_path)
     bundle.load(target, "worker")
 
 
+def test_generate_into_a_dir_that_cannot_be_made_is_one_line_exit_2(tmp_path, capsys):
+    from services.security.keys_cli import main
+    (tmp_path / "file").write_text("x")
+    assert main(["generate", str(tmp_path / "file" / "trust")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvmesh keys generate: DIR {tmp_path / 'file' / 'trust'}") and "\n" not in err
+
+
 # ----------------------------------------------------------------------------- k8s-secrets
 
 
