@@ -6,6 +6,7 @@ out of range are refused. Decoding is msgspec (typed, fast, with a recursion lim
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -207,13 +208,18 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None,
+                    named: Mapping[str, str] | None = None) -> SamplingParams:
+    """`named`: the request's own names of max_tokens and logprobs where they differ (a chat's
+    max_completion_tokens, top_logprobs): its errors name the field the client sent."""
+    named = named or {}
     if req.cache_salt is not None and len(req.cache_salt) > MAX_CACHE_SALT:
         raise bad(f"cache_salt must have at most {MAX_CACHE_SALT} characters", "cache_salt")
     if not -MAX_PRIORITY <= req.priority < MAX_PRIORITY:
         raise bad("priority must fit in a 32-bit signed integer", "priority")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+        field = named.get("logprobs", "logprobs")
+        raise bad(f"invalid {field}: must be between 0 and {MAX_LOGPROBS}, got {logprobs}", field)
     try:
         constraint = structured_output(req)
     except ConstraintError as exc:
@@ -229,7 +235,10 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) 
             logit_bias=_logit_bias(req.logit_bias), structured=constraint[0] if constraint else None)
         params.validate()
     except SamplingParamsError as exc:
-        raise bad(str(exc), param_of(str(exc))) from None
+        message, field = str(exc), param_of(str(exc))
+        if field in named:
+            message, field = message.replace(f"invalid {field}", f"invalid {named[field]}", 1), named[field]
+        raise bad(message, field) from None
     return params
 
 
@@ -265,19 +274,12 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
     messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-        raise bad(f"invalid top_logprobs: must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
-                  "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    try:
-        params = sampling_params(req, max_tokens, logprobs)
-    except ApiError as err:
-        if err.param == "max_tokens" and req.max_completion_tokens is not None:
-            # the value came from max_completion_tokens (OpenAI's newer name): name what the client sent
-            err.param, err.message = "max_completion_tokens", err.message.replace(
-                "max_tokens", "max_completion_tokens", 1)
-        raise
+    # OpenAI's chat names: max_completion_tokens (the newer one, when sent) and top_logprobs
+    named = {"logprobs": "top_logprobs",
+             **({"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {})}
+    params = sampling_params(req, max_tokens, logprobs, named)
     return TokenizeRequest(messages=messages, add_generation_prompt=req.add_generation_prompt,
                            tools=req.tools, chat_template_kwargs=template_kwargs(req.chat_template_kwargs)), params
 
