@@ -50,16 +50,15 @@ class StopStringMatcher:
             index, stop = hit
             self.matched, self._held = stop, ""
             return StopResult(pending[:index], True)
-        keep = self._partial_suffix_len(pending)
-        self._held = pending[len(pending) - keep:] if keep else ""
-        return StopResult(pending[:len(pending) - keep], False)
+        return StopResult(self._release(pending), False)
 
     def hold(self, text: str) -> str:
         """Text that cannot stop the sample yet (before min_tokens): the part now safe to send; a
         tail that may begin a stop string stays held, so a later piece can complete it."""
-        if self.matched is not None:
-            return ""
-        pending = self._held + text
+        return "" if self.matched is not None else self._release(self._held + text)
+
+    def _release(self, pending: str) -> str:
+        """pending but the tail that may begin a stop string, which is held."""
         keep = self._partial_suffix_len(pending)
         self._held = pending[len(pending) - keep:] if keep else ""
         return pending[:len(pending) - keep]
