@@ -22,7 +22,6 @@ for the last load event), and is not read on the host (disk tier) before its D2H
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -46,7 +45,7 @@ class BlockMover:
         k = self.kv_caches[0][0]                                # (num_blocks, bs, n_kv, hd * itemsize)
         self.device = k.device
         self.block_shape = (len(kv_caches), 2, *k.shape[1:])    # (L, 2, bs, n_kv, hd * itemsize)
-        self.block_bytes = math.prod(self.block_shape)
+        self.block_bytes = block_bytes_of(kv_caches)
         self.cuda = self.device.type == "cuda"
         self._offload_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if self.cuda else None
