@@ -885,6 +885,12 @@ def section_kv_transfer(args, deadline) -> None:
         paths += ("nixl",)
     except ImportError:
         row("kv_transfer", "nixl", "skipped (the nixl package is not installed)")
+    if args.kv_transfer_paths:       # e.g. nixl alone: the other paths were timed in another run
+        wanted = {x.strip() for x in args.kv_transfer_paths.split(",")}
+        paths = tuple(x for x in paths if x in wanted)
+        if not paths:
+            row("kv_transfer", "paths", f"skipped (none of {sorted(wanted)} runs here)")
+            return
     p, d = make(), make()
     source = None
     if "cuda_ipc" in paths:          # exported once, before P runs (a CPU cache moves into shared memory)
@@ -1397,6 +1403,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-compile-min-s", type=float, default=200.0,
                     help="seconds the budget must still hold for the transformers peer's static cache + "
                     "torch.compile decode (its compile and CUDA-graph capture take one to two minutes)")
+    ap.add_argument("--kv-transfer-paths", default="",
+                    help="kv_transfer: time only these comma-separated paths (zmq, zmq_streamed, shm, "
+                         "shm_streamed, cuda_ipc, nixl); default every path that runs here")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny sizes: test this script")
     args = ap.parse_args(argv)
     global DEV, SMOKE, TUNING

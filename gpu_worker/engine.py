@@ -32,7 +32,7 @@ import torch
 
 from gpu_worker.batch_builder import BatchBuilder, fits_decode_rows
 from gpu_worker.block_manager import BlockManager
-from gpu_worker.engine_setup import EngineSetup, resolve_setup
+from gpu_worker.engine_setup import EngineSetup, measuring_memory, resolve_setup
 from gpu_worker.kv_tiers import TieredScheduler, build_kv_tiers
 from gpu_worker.config import EngineConfig
 from gpu_worker.outputs import EngineStats, RequestError, SequenceDelta
@@ -90,28 +90,30 @@ class Engine:
     def __init__(self, config: EngineConfig, *, runner: Any = None, model_config: Any = None) -> None:
         """Loads the model from config.model, or uses a given `runner` + `model_config` (tests)."""
         self.config = config
-        setup: EngineSetup = resolve_setup(config, runner=runner, model_config=model_config)
-        self.setup = setup
-        self.model_config = setup.model_config
-        self.runner = setup.runner
-        self.device = setup.device
-        self.max_model_len = setup.max_model_len
-        self.vocab_size: int = int(self.runner.vocab_size)
-        self.eos_token_ids: tuple[int, ...] = tuple(self.model_config.eos_token_ids)
-        self.block_manager = BlockManager(setup.num_blocks, config.block_size, setup.model_id,
-                                          config.enable_prefix_caching)
-        scheduling = (self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                      config.enable_chunked_prefill)
-        self.kv_tiers = build_kv_tiers(self) if config.kv_offload_enabled else None
-        self.scheduler = (Scheduler(*scheduling) if self.kv_tiers is None
-                          else TieredScheduler(self.kv_tiers, *scheduling))
-        self.sampler = Sampler()
-        self.batch_builder = BatchBuilder(config.block_size, self.device)
-        spec = config.speculative
-        self.speculator = (Speculator(spec, self.max_model_len,
-                                      build_proposer(spec, setup.draft_runner, config.block_size, self.device))
-                           if spec is not None else None)
-        self._prepare_gpu()
+        # other kvmesh engines on this GPU wait until this one has measured and allocated its memory
+        with measuring_memory(config, runner):
+            setup: EngineSetup = resolve_setup(config, runner=runner, model_config=model_config)
+            self.setup = setup
+            self.model_config = setup.model_config
+            self.runner = setup.runner
+            self.device = setup.device
+            self.max_model_len = setup.max_model_len
+            self.vocab_size: int = int(self.runner.vocab_size)
+            self.eos_token_ids: tuple[int, ...] = tuple(self.model_config.eos_token_ids)
+            self.block_manager = BlockManager(setup.num_blocks, config.block_size, setup.model_id,
+                                              config.enable_prefix_caching)
+            scheduling = (self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                          config.enable_chunked_prefill)
+            self.kv_tiers = build_kv_tiers(self) if config.kv_offload_enabled else None
+            self.scheduler = (Scheduler(*scheduling) if self.kv_tiers is None
+                              else TieredScheduler(self.kv_tiers, *scheduling))
+            self.sampler = Sampler()
+            self.batch_builder = BatchBuilder(config.block_size, self.device)
+            spec = config.speculative
+            self.speculator = (Speculator(spec, self.max_model_len,
+                                          build_proposer(spec, setup.draft_runner, config.block_size, self.device))
+                               if spec is not None else None)
+            self._prepare_gpu()
         self.grammars = GrammarCompilerPool(config.model, self.vocab_size, self.eos_token_ids)
         self.grammar_masks = GrammarMaskBuilder(self.vocab_size, self.device, max_threads=min(8, os.cpu_count() or 1))
         self._constrained: set[str] = set()       # running requests with a grammar

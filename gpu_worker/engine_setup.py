@@ -5,8 +5,9 @@ the model runner and its KV cache.
     dtype       auto -> fp32 on CPU; on GPU the checkpoint's dtype, fp32 checkpoints in bf16
     backend     auto -> triton on GPU when its backend module exists, else torch
     kv_cache_dtype  auto -> the dtype above; fp8 -> float8_e4m3fn (half the bytes per block)
-    num_blocks  num_gpu_blocks, else profiled from GPU memory, else (CPU) enough for
-                max_num_seqs full-length sequences within cpu_kv_cache_bytes
+    num_blocks  num_gpu_blocks, else profiled from GPU memory (one kvmesh engine of a GPU at a
+                time: measuring_memory), else (CPU) enough for max_num_seqs full-length
+                sequences within cpu_kv_cache_bytes
     max_model_len  the model's max_position_embeddings, capped by KV capacity (and by
                 max_num_batched_tokens without chunked prefill); a larger explicit value errors
     weights_digest  the checkpoint's content digest (weights_digest.py), hashed beside the load;
@@ -18,8 +19,9 @@ the model runner and its KV cache.
 """
 from __future__ import annotations
 
-import importlib.util
+import contextlib
 import dataclasses
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,20 @@ def resolve_device(config: EngineConfig) -> torch.device:
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"invalid engine argument device: {config.device!r} but no CUDA GPU is visible; use device='cpu'")
     return torch.device(config.device)
+
+
+def measuring_memory(config: EngineConfig, runner: Any = None) -> contextlib.AbstractContextManager:
+    """For an engine that sizes its KV cache by measuring a CUDA device: that device's lock
+    (device_memory_lock.py), held by Engine from its weights' load to its CUDA graphs; else nothing."""
+    if runner is not None or config.num_gpu_blocks is not None:
+        return contextlib.nullcontext()
+    device = resolve_device(config)
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from gpu_worker.device_memory_lock import measuring_device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = "".join(c for c in str(torch.cuda.get_device_properties(index).uuid) if c.isalnum() or c == "-")
+    return measuring_device(uuid or f"index{index}")
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device, checkpoint_dtype: str) -> torch.dtype:

@@ -193,6 +193,8 @@ class CacheReader:
             return why
         self._sources[source.source_id] = _Opened(tensors, source.num_blocks)
         self.sources_opened += 1
+        log.info("kv transfer: reading prefill worker cache %s directly (%s, %d blocks)", source.source_id,
+                 type(self.sharing).__name__, source.num_blocks)
         while len(self._sources) > MAX_SOURCES:
             self._sources.popitem(last=False)
         return ""
