@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_LIMIT_BYTES = 512 * 1024 * 1024
 DEFAULT_TIME_LIMIT_S = 10.0
 COMPILED_KEYS = 8192        # constraints remembered as compiled here (32-byte digests)
+# transformers resolves its classes by lazy imports, which two threads must not run at once (one
+# GPU bench run failed its first compile with "Could not import module 'AutoTokenizer'"): every
+# pool of a process imports xgrammar (which imports transformers) and loads its tokenizer under
+# this one lock
+_TOKENIZER_LOAD = threading.Lock()
 
 
 class GrammarCompilerPool:
@@ -104,12 +109,13 @@ class GrammarCompilerPool:
     def _get_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
-                import transformers
-                import xgrammar
                 try:
-                    tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
-                    info = xgrammar.TokenizerInfo.from_huggingface(
-                        tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+                    with _TOKENIZER_LOAD:
+                        import transformers
+                        import xgrammar
+                        tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
+                        info = xgrammar.TokenizerInfo.from_huggingface(
+                            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
                 except Exception:       # the client sees a plain reason, the log has the details
                     log.exception("cannot build the grammar compiler from the model's tokenizer")
                     raise GrammarError("constrained output is not available for this model: its tokenizer "
