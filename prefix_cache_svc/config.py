@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.config import ANY_PORT, HEALTH_PORT_HELP, METRICS_PORT, ConfigError, ServiceConfig, opt, register_section
+from services.engine_args import BLOCK_SIZES
 
 
 @register_section
@@ -14,7 +15,7 @@ class PrefixCacheConfig(ServiceConfig):
     port: int = opt(50054, "gRPC port (Match + grpc.health.v1).", **ANY_PORT)
     health_port: int = opt(-1, HEALTH_PORT_HELP, **METRICS_PORT)
     metrics_port: int = opt(9104, "Prometheus /metrics port (0: any free port, -1: off).", **METRICS_PORT)
-    block_size: int = opt(16, "Tokens per KV block; must equal the workers' block size.")
+    block_size: int = opt(16, "Tokens per KV block; must equal the workers' block size.", choices=BLOCK_SIZES)
     max_blocks: int = opt(0, "Most blocks kept in memory (0: no limit); beyond it the oldest leaves "
                              "are dropped from the index, not from Redis.", min=0)
     snapshot_timeout_s: float = opt(2.0, "Seconds to wait for a worker's snapshot before asking again.", above=0)
@@ -27,7 +28,5 @@ class PrefixCacheConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {self.block_size}")
         if self.max_blocks < 0:
             raise ConfigError(f"max_blocks must be 0 (no limit) or positive, got {self.max_blocks}")

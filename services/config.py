@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Literal, Mapping, NamedTuple, TypeVar, Union
 
 from services.engine_args import ENGINE_FIELDS, ServedEngineArgs
-from services.options import opt, out_of_bounds  # opt: re-exported, every service declares its fields with it
+from services.options import choices_text, opt, out_of_bounds  # opt: re-exported, every service declares its fields with it
 
 ENV_PREFIX = "KVMESH_"
 # KVMESH_* variables read outside this config tree (left alone by the unknown-name check), each
@@ -86,6 +86,11 @@ METRICS_PORT = {"min": -1, "max": 65535}      # 0: any free port, -1: off
 # the gateway's answer parsers (services/gateway/tool_parsers/, services/gateway/reasoning.py)
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
+# An API key list given empty (`--api-key ''`, `--api-key "$UNSET"`, KVMESH_API_KEY=,) is refused,
+# not read as "no key": the gateway would serve anyone while its operator believed it locked. Keys
+# are secrets: errors name the flag, never the value.
+API_KEYS = {"nonempty": "an empty key is no key, and the gateway would serve anyone", "secret": True}
+SERVED_NAMES = {"unique": True}   # a name twice is a typo in the list, not a second name
 HEALTH_PORT_HELP = ("Plaintext gRPC port answering only grpc.health.v1, for Kubernetes probes (they hold no "
                     "client certificate for the mutual-TLS --port); -1: none, 0: any free port.")
 
@@ -139,7 +144,7 @@ class GatewayConfig(ServiceConfig):
     port: int = opt(8000, "HTTP port of the OpenAI-compatible API.", **PORT)
     zmq_port: int = opt(5560, "ZMQ port receiving text deltas and scheduler replies (0: any free port).", **ANY_PORT)
     api_key: list = opt([], "Comma-separated API keys; when set, every route except /health, /ready and "
-                            "/metrics needs `Authorization: Bearer <key>`.")
+                            "/metrics needs `Authorization: Bearer <key>`; given empty: an error.", **API_KEYS)
     max_body_bytes: int = opt(8 << 20, "Largest accepted request body in bytes.", min=1)
     max_prompts: int = opt(64, "Most prompts in one /v1/completions request.", min=1)
     max_messages: int = opt(1024, "Most messages in one chat request.", min=1)
@@ -259,7 +264,7 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
 
     served_model_name: list = opt([], "Comma-separated names clients use in `model`; the first is listed first "
                                       "by /v1/models and carried by responses (default: the model directory's "
-                                      "name). The --model path is accepted too.")
+                                      "name). The --model path is accepted too.", **SERVED_NAMES)
     role: str = opt("mixed", "Pool of this worker: mixed runs whole requests; prefill computes prompts and hands "
                              "their KV to a decode worker; decode binds a KV-transfer socket and decodes what "
                              "prefill workers hand it (and runs short prompts whole).",
@@ -315,10 +320,10 @@ class ServeConfig(ServedEngineArgs):
     redis_url: str = opt("", "Use this Redis instead of starting an embedded one.", **REDIS_URL)
     host: str = opt("127.0.0.1", "Bind address of the gateway (internal services always use loopback).")
     port: int = opt(8000, "HTTP port of the gateway.", **PORT)
-    api_key: list = opt([], "Comma-separated API keys required by the gateway.")
+    api_key: list = opt([], "Comma-separated API keys required by the gateway; given empty: an error.", **API_KEYS)
     served_model_name: list = opt([], "Comma-separated names clients use in `model`; the first is listed first "
                                       "by /v1/models and carried by responses (default: the model directory's "
-                                      "name). The --model path is accepted too.")
+                                      "name). The --model path is accepted too.", **SERVED_NAMES)
     routing: str = opt("cache_aware", "Scheduler: how a worker is chosen (kvmesh scheduler --routing).",
                        choices=("cache_aware", "least_loaded", "round_robin"))
     kv_transport: str = opt("auto", "Workers: how KV moves from prefill to decode workers, and a draining "
@@ -511,6 +516,8 @@ def _base_type(tp: Any) -> tuple[type, bool]:
 
 def _convert(f: dataclasses.Field, raw: str, source: str) -> Any:
     tp, optional = _base_type(f.type)
+    if tp is list:
+        return _convert_list(f, raw, source)
     try:
         if optional and raw.strip().lower() in ("", "none"):
             return None
@@ -521,15 +528,23 @@ def _convert(f: dataclasses.Field, raw: str, source: str) -> Any:
             if low in _FALSE:
                 return False
             raise ValueError("expected true/false")
-        if tp is list:
-            return [part.strip() for part in raw.split(",") if part.strip()]
         value = tp(raw)
     except ValueError as exc:
         raise ConfigError(f"{source}={raw!r} is not a valid {tp.__name__}: {exc}") from None
     choices = f.metadata.get("choices")
     if choices and value not in choices:
-        raise ConfigError(f"{source}={raw!r} must be one of: {', '.join(choices)}")
+        raise ConfigError(f"{source}={raw!r} must be one of: {choices_text(choices)}")
     return value
+
+
+def _convert_list(f: dataclasses.Field, raw: str, source: str) -> list[str]:
+    """Comma-separated items, blanks dropped. A nonempty= field given with no item at all is an
+    error: such a value is a mistake (an unset shell variable), never a request for the default."""
+    items = [part.strip() for part in raw.split(",") if part.strip()]
+    if not items and f.metadata.get("nonempty"):
+        raise ConfigError(f"{source}={raw!r} holds no item: give {flag_name(f.name)} / {env_name(f.name)} at "
+                          f"least one non-empty value, or leave both unset ({f.metadata['nonempty']})")
+    return items
 
 
 def check_env(env: Mapping[str, str]) -> None:
@@ -703,7 +718,7 @@ def flags_markdown(cls: type, without: type | tuple[type, ...] = ()) -> str:
             default = ",".join(map(str, default))
         text = f.metadata.get("help", "")
         if f.metadata.get("choices"):
-            text += " One of: " + ", ".join(c or "''" for c in f.metadata["choices"]) + "."
+            text += " One of: " + choices_text(f.metadata["choices"]) + "."
         text += _bounds_text(f.metadata)
         rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{default}` | {text} |")
     return "\n".join(rows)

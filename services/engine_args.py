@@ -26,6 +26,11 @@ from typing import Any, NamedTuple
 from services.options import opt
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
+# Tokens per KV block. The kernels find every token's row through the block table (slot =
+# block_table[pos // block_size] * block_size + pos % block_size), so any size computes right; the
+# sizes taken are the powers of two the engine is tested at (4 in its block-accounting tests, up to
+# vLLM's largest, 128, in tests/gpu_worker/engine/test_block_sizes.py), and an odd size is a typo.
+BLOCK_SIZES = (4, 8, 16, 32, 64, 128)
 DEVICE = {"pattern": r"auto|cpu|cuda(:[0-9]+)?", "expected": "auto, cpu, cuda or cuda:N"}
 
 
@@ -40,7 +45,8 @@ class EngineArgs:
     max_model_len: int | None = opt(None, "Engine: longest sequence (prompt + output) in tokens; none or 0: the "
                                           "model's max_position_embeddings, capped by the KV-cache capacity (and by "
                                           "max_num_batched_tokens when chunked prefill is off).", min=2, unset=0)
-    block_size: int = opt(16, "Engine: tokens per KV-cache block.", min=1)
+    block_size: int = opt(16, "Engine: tokens per KV-cache block (a prefix-cache service's --block-size must "
+                              "match).", choices=BLOCK_SIZES)
     enable_prefix_caching: bool = opt(True, "Engine: reuse KV blocks of identical prompt prefixes (same model, "
                                             "same cache_salt).")
     enable_chunked_prefill: bool = opt(True, "Engine: split long prompts into chunks that share steps with "

@@ -20,7 +20,8 @@ NULL_MODEL_NAME = "null-model"
 
 
 def served_names(served_model_name: list[str], model_path: str) -> list[str]:
-    """The names given (duplicates dropped, order kept), else the model directory's name."""
+    """The names given (order kept; the configs refuse a name twice, one twice from code counts
+    once), else the model directory's name."""
     if served_model_name:
         return list(dict.fromkeys(served_model_name))
     return [Path(model_path).name if model_path else NULL_MODEL_NAME]

@@ -16,7 +16,10 @@ def opt(default: Any, help: str, **meta: Any) -> Any:
     """A config field: its default and its --help text, plus what values it takes: choices=(...),
     min= / max= (inclusive), above= (exclusive lower bound), pattern= (a full-match regex, with
     expected= saying it in words), unset= (the value meaning "not set, choose for me", exempt from
-    the bounds: 0 for a count that defaults to the model's or the device's)."""
+    the bounds: 0 for a count that defaults to the model's or the device's). A list field takes
+    unique=True (no item twice) and nonempty= (why each item must be non-empty text, and why a
+    flag or variable that is given must hold one: `--api-key ''`, or an unset shell variable
+    expanded into it, is refused instead of read as the empty default)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})
@@ -32,11 +35,13 @@ def out_of_bounds(value: Any, meta: Mapping[str, Any]) -> str | None:
     float), or None when it keeps them (None, booleans and the unset value always do)."""
     if isinstance(value, bool) or value is None or is_unset(value, meta):
         return None
+    if isinstance(value, list):
+        return _list_out_of_bounds(value, meta)
     # float() reads "nan" and "inf", and nan passes every comparison below: no field takes either
     if isinstance(value, float) and not math.isfinite(value):
         return "must be a finite number"
     if meta.get("choices") and value not in meta["choices"]:
-        return "must be one of: " + ", ".join(c or "''" for c in meta["choices"])
+        return "must be one of: " + choices_text(meta["choices"])
     if "min" in meta and value < meta["min"]:
         return f"must be at least {meta['min']}"
     if "max" in meta and value > meta["max"]:
@@ -45,4 +50,21 @@ def out_of_bounds(value: Any, meta: Mapping[str, Any]) -> str | None:
         return f"must be greater than {meta['above']}"
     if "pattern" in meta and not re.fullmatch(meta["pattern"], str(value)):
         return f"must be {meta.get('expected') or 'a match of ' + meta['pattern']}"
+    return None
+
+
+def choices_text(choices: tuple) -> str:
+    """`choices` for a message or a docs table: "a, b, ''" (ints as numbers)."""
+    return ", ".join(str(c) if c != "" else "''" for c in choices)
+
+
+def _list_out_of_bounds(value: list, meta: Mapping[str, Any]) -> str | None:
+    if meta.get("nonempty") and any(not str(item).strip() for item in value):
+        return f"must not hold an empty item: {meta['nonempty']}"
+    if meta.get("unique"):
+        seen: set = set()
+        for item in value:
+            if item in seen:
+                return f"names {item!r} twice: give each once"
+            seen.add(item)
     return None

@@ -17,8 +17,8 @@ from services.bench.arrivals import parse_rates
 from services.bench.datasets import DatasetOptions, load_dataset, range_bounds
 from services.bench.metrics import (compute_metrics, parse_goodput, parse_percentile_metrics,
                                     parse_percentiles, time_series)
-from services.bench.report import (default_filename, format_table, format_turn_table, rate_label, result_dict,
-                                   save_result)
+from services.bench.report import (default_filename, failure_summary, format_table, format_turn_table, rate_label,
+                                   result_dict, save_result)
 from services.bench.runner import RunConfig, run_benchmark
 from services.bench.server_tokenizer import ServerTokenizer, ServerTokenizerError
 from services.bench.tokens import TokenCounter
@@ -234,6 +234,7 @@ def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> i
     num_requests = len(items) if every_item else args.num_prompts
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     sweep_points = []
+    nothing_measured = False       # some rate's run had every request fail: exit 1 (vLLM's warns only)
     for i, rate in enumerate(plan.rates):
         print(f"Traffic request rate: {rate_label(rate)}")
         print(f"Burstiness factor: {args.burstiness}{' (Poisson process)' if args.burstiness == 1 else ' (gamma)'}")
@@ -258,6 +259,10 @@ def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> i
             print("\n".join(spec_metrics.format_lines(spec)))
         if not plan.chat:  # chat prompts carry the template's tokens on top of the dataset's count
             _note_length_mismatch(out.results, counter.name)
+        failures = failure_summary(out.results)
+        if failures:
+            print(failures, file=sys.stderr)
+        nothing_measured |= bool(out.results) and metrics.completed == 0
         meta = _meta(args, plan, model, rate, stamp, counter.name)
         result = result_dict(metrics, out.results, out.t0, meta, plan.computed_percentiles, plan.slos)
         result.update(spec or {})
@@ -271,7 +276,7 @@ def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> i
             "median_tpot_ms", "p99_tpot_ms")}})
     if len(plan.rates) > 1:
         _finish_sweep(args, plan, model, sweep_points)
-    return 0
+    return 1 if nothing_measured else 0
 
 
 def _scrape_spec(plan: Plan, args) -> dict:

@@ -66,6 +66,20 @@ def format_table(m: BenchmarkMetrics, percentile_metrics: list[str], percentiles
     return "\n".join(lines)
 
 
+def failure_summary(results: list[RequestResult]) -> str | None:
+    """One line for stderr when requests failed: how many, and why the first one did (its reason
+    and the server's message, cut short); None when none failed. A run where every request failed
+    measured nothing: `kvmesh bench serve` then exits 1."""
+    failed = [r for r in results if not r.success]
+    if not failed:
+        return None
+    first = min(failed, key=lambda r: r.start_time)
+    why = " ".join((first.error or first.reason or "no reason given").split())   # one line, whatever the server sent
+    if len(failed) == len(results):
+        return f"kvmesh bench: all {len(results)} requests failed (the first: {why}); nothing was measured"
+    return f"kvmesh bench: WARNING: {len(failed)} of {len(results)} requests failed (the first: {why})"
+
+
 def format_turn_table(rows: list[TurnStats]) -> str:
     """Multi-turn: TTFT per turn index (how the growing history costs, or does not, when cached)."""
     head = f"{'turn':>4} {'requests':>8} {'prompt tok':>10} {'cached %':>8} {'mean TTFT':>10} {'med TTFT':>9} {'p99 TTFT':>9}"

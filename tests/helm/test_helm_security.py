@@ -315,6 +315,18 @@ def test_api_key_disabled_with_a_key_secret_is_refused(helm):
     assert out.returncode != 0 and "gateway.apiKey.disabled" in out.stderr and "existingSecret" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("values, where", [
+    (["gateway.config.api-key="], "gateway.config.api-key"),          # after the Secret's: it would win
+    (["gateway.apiKey.disabled=true", "config.api_key="], "config.api_key"),
+    (["gateway.extraEnv[0].name=KVMESH_API_KEY", "gateway.extraEnv[0].value="], "gateway.extraEnv"),
+])
+def test_an_api_key_set_outside_gateway_api_key_is_refused(helm, values, where):
+    """An empty KVMESH_API_KEY is no key: the gateway would serve anyone (it refuses one at start
+    too, but the render is where the operator is looking)."""
+    out = run_helm(helm, "template", RELEASE, str(CHART), *[a for v in values for a in ("--set", v)])
+    assert out.returncode != 0 and where in out.stderr and "gateway.apiKey" in out.stderr, out.stderr
+
+
 def test_notes_say_how_to_read_the_key(helm):
     out = run_helm(helm, "install", RELEASE, str(CHART), "--namespace", "llm", "--dry-run=client")
     assert out.returncode == 0, out.stderr

@@ -131,7 +131,10 @@ def test_every_external_variable_is_read_by_code():
     (ServeConfig, ["--device", "tpu"], "--device='tpu' must be auto, cpu, cuda or cuda:N"),
     (ServeConfig, ["--dtype", "int8"], "--dtype='int8' must be one of"),
     (WorkerConfig, ["--redis-url", "redis://x", "--metrics-port", "-2"], "--metrics-port=-2 must be at least -1"),
-    (WorkerConfig, ["--redis-url", "redis://x", "--block-size", "0"], "--block-size=0 must be at least 1"),
+    (WorkerConfig, ["--redis-url", "redis://x", "--block-size", "0"], "--block-size='0' must be one of: 4, 8, 16"),
+    (ServeConfig, ["--block-size", "7"], "--block-size='7' must be one of: 4, 8, 16, 32, 64, 128"),
+    (ServeConfig, ["--served-model-name", "a,b,a"], "--served-model-name=['a', 'b', 'a'] names 'a' twice"),
+    (WorkerConfig, ["--redis-url", "redis://x", "--served-model-name", "m, m"], "--served-model-name=['m', 'm'] names"),
     (WorkerConfig, ["--redis-url", "redis://x", "--device", "cuda:x"], "--device='cuda:x' must be"),
     (GatewayConfig, ["--redis-url", "redis://x", "--max-body-bytes", "0"], "--max-body-bytes=0 must be at least 1"),
     (SchedulerConfig, ["--redis-url", "redis://x", "--route-cpu-credit", "2"], "--route-cpu-credit=2.0 must be at most 1"),
@@ -139,6 +142,35 @@ def test_every_external_variable_is_read_by_code():
 def test_out_of_range_values_name_their_flag(cls, argv, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         parse_config(cls, argv, "prog", env={})
+
+
+@pytest.mark.parametrize("cls", [GatewayConfig, ServeConfig])
+@pytest.mark.parametrize("argv, env", [
+    (["--api-key", ""], {}),
+    (["--api-key", " , "], {}),            # `--api-key "$A,$B"` with both unset
+    ([], {"KVMESH_API_KEY": ""}),
+    ([], {"KVMESH_API_KEY": ","}),
+])
+def test_an_api_key_given_empty_is_refused_not_read_as_no_key(cls, argv, env):
+    """Read as "no key", the gateway would serve anyone while its operator believed it locked."""
+    with pytest.raises(ConfigError) as exc:
+        parse_config(cls, argv + ["--redis-url", "redis://x"] * (cls is GatewayConfig), "prog", env=env)
+    assert "--api-key / KVMESH_API_KEY" in str(exc.value) and "serve anyone" in str(exc.value)
+
+
+def test_an_empty_api_key_is_refused_from_code_too_and_never_echoed():
+    with pytest.raises(ConfigError, match="--api-key must not hold an empty item") as exc:
+        GatewayConfig(redis_url="redis://x", api_key=["sk-hunter2", " "])   # "" would match a missing header
+    assert "hunter2" not in str(exc.value)
+    assert GatewayConfig(redis_url="redis://x").api_key == []        # unset: no key, on purpose
+
+
+def test_kvmesh_serve_with_an_empty_api_key_exits_2_naming_the_flag(monkeypatch, capsys):
+    from services.config import load_or_exit
+    monkeypatch.setenv("KVMESH_API_KEY", ",")
+    with pytest.raises(SystemExit) as exc:
+        load_or_exit(ServeConfig, [], "kvmesh serve")
+    assert exc.value.code == 2 and "KVMESH_API_KEY=','" in capsys.readouterr().err
 
 
 def test_a_bad_redis_url_is_not_echoed():
@@ -167,4 +199,4 @@ def test_every_numeric_flag_has_bounds():
     for cls in SECTIONS:
         for f in dataclasses.fields(cls):
             if _base_type(f.type)[0] in (int, float) and f.name not in unbounded:
-                assert {"min", "max", "above"} & set(f.metadata), f"{cls.__name__}.{f.name} has no bounds"
+                assert {"min", "max", "above", "choices"} & set(f.metadata), f"{cls.__name__}.{f.name} has no bounds"

@@ -53,9 +53,26 @@ def test_chat_backend_with_default_model_and_api_key(mock_servers, tmp_path, cap
     with pytest.raises(SystemExit) as exc:
         kvmesh_main(args[:-4] + ["--api-key", "wrong"])
     assert "HTTP 401" in str(exc.value) and "--api-key" in str(exc.value) and "--tokenizer" in str(exc.value)
-    # ... and with a local tokenizer every request fails with 401, counted by reason.
-    assert kvmesh_main(args[:-4] + ["--api-key", "wrong", "--tokenizer", tiny_tokenizer]) == 0
-    assert "HTTP 401:" in capsys.readouterr().out
+    # ... and with a local tokenizer every request fails with 401, counted by reason: the run measured
+    # nothing, so it exits 1 with one line saying why (the JSON result keeps its shape).
+    capsys.readouterr()
+    assert kvmesh_main(args[:-4] + ["--api-key", "wrong", "--tokenizer", tiny_tokenizer]) == 1
+    out, err = capsys.readouterr()
+    assert "HTTP 401:" in out
+    (line,) = [x for x in err.splitlines() if "requests failed" in x]
+    assert line.startswith("kvmesh bench: all 4 requests failed (the first: HTTP 401: ") and "invalid API key" in line
+    (path,) = sorted(tmp_path.glob("openai-chat-infqps-mock-model-*.json"))[-1:]
+    failed = json.loads(path.read_text())
+    assert failed.keys() == result.keys() and failed["completed"] == 0 and failed["failed"] == 4
+
+
+def test_some_requests_failed_is_said_on_stderr_and_exits_0(mock_servers, tmp_path, capsys):
+    url = mock_servers.get("--ttft-ms", "5", "--itl-ms", "1", "--fail", "500:2")
+    rc = kvmesh_main(["bench", "serve", "--base-url", url, "--num-prompts", "4", "--random-input-len", "16",
+                      "--random-output-len", "2", "--max-concurrency", "1", "--disable-tqdm", "--no-plots"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "Failed requests:                         2" in out
+    assert "kvmesh bench: WARNING: 2 of 4 requests failed (the first: HTTP 500: " in err
 
 
 @pytest.mark.parametrize("argv, flag", [
