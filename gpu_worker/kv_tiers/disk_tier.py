@@ -110,11 +110,13 @@ class DiskTier:
         """The blocks the tier forgot by itself since the last call (a failed write, a file gone at
         the periodic check): the caller reports them removed."""
         dropped, self._dropped = self._dropped, []
-        return dropped
+        # one written again since (its new write queued) is held: nothing to report
+        return [h for h in dropped if h not in self._blocks]
 
     # ---- writes (queued) -----------------------------------------------------------------
     def write(self, block_hash: bytes, block: DiskBlock, payload: bytearray) -> None:
         """Queue a block's file (the caller made room, checked `writes_on`, and hands over `payload`)."""
+        self.backoff.resume()
         self._blocks[block_hash] = block
         self._queued[block_hash] = (self._writer.submit(self._write_file, block_hash, block, payload), payload,
                                     block)
@@ -228,7 +230,7 @@ class DiskTier:
                 self._blocks.move_to_end(block_hash)
             return result.payload
         if held and result.missing:             # deleted outside kvmesh: not damage
-            self._blocks.pop(block_hash)
+            self.forget(block_hash)             # (the name may hold what we cannot open: deleted)
             self._note_vanished(1)
         elif held:
             log.warning("KV disk tier: dropped block %s (%s); it will be recomputed", block_hash.hex(),
@@ -254,6 +256,7 @@ class DiskTier:
         for block_hash in gone:
             self._delete(block_hash)
         self._blocks.clear()
+        self._dropped.clear()
         return gone
 
     def _delete(self, block_hash: bytes) -> None:

@@ -41,14 +41,15 @@ class WriteBackoff:
         self._warned_at: float | None = None
 
     def writes_on(self) -> bool:
-        """Whether a block may be written now (turns writes back on once the back-off passed)."""
-        if self.off_until is None:
-            return True
-        if self.clock() < self.off_until:
-            return False
-        self.off_until, self.consecutive = None, 0
-        log.info("KV disk tier %s: trying writes again after a back-off", self.name)
-        return True
+        """Whether a block may be written now. Reads state only: the stats read it from the
+        heartbeat's thread."""
+        return self.off_until is None or self.clock() >= self.off_until
+
+    def resume(self) -> None:
+        """(the writing thread, before a write) Once the back-off passed, this write is a trial."""
+        if self.off_until is not None and self.clock() >= self.off_until:
+            self.off_until, self.consecutive = None, 0
+            log.info("KV disk tier %s: trying writes again after a back-off", self.name)
 
     def succeeded(self) -> None:
         self.consecutive = 0
@@ -59,7 +60,7 @@ class WriteBackoff:
         """A write failed (its block is dropped by the caller)."""
         self.num_errors += 1
         self.consecutive += 1
-        if self.off_until is not None:        # a write queued before the turn-off: already said
+        if self.off_until is not None:        # a write queued before the turn-off (or before resume)
             return
         now = self.clock()
         if getattr(error, "errno", None) in PERSISTENT_ERRNOS or self.consecutive >= MAX_CONSECUTIVE:

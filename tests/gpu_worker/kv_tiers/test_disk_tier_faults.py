@@ -65,6 +65,17 @@ def test_a_failed_write_drops_its_block_only(tier):
     tier.check_integrity()                                 # no file of the dropped block, nor a .tmp
 
 
+def test_a_block_written_again_after_its_failed_write_is_not_reported_gone(tier):
+    block_a_write(tier, 0)
+    h = write(tier, 0)
+    tier.drain()                                           # failed and dropped, not yet taken...
+    unblock(tier, 0)
+    write(tier, 0)                                         # ...when its block is written again
+    assert settle(tier) == [] and h in tier
+    assert bytes(tier.read(h)) == bytes(block(0)[1])
+    tier.check_integrity()
+
+
 def test_persistent_failures_turn_writes_off_then_back_on(tier, caplog):
     clock = tier.clock
     kept = write(tier, 0)
