@@ -283,6 +283,13 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def idle(self) -> None:
+        """Between steps while nothing runs (the worker's loop, every ~50 ms): the KV tiers'
+        background work settles (finished writes, the disk tier's check for files deleted
+        outside kvmesh), so their blocks and events stay true while no request comes."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.flush()
+
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
         self.last_sync_s = 0.0

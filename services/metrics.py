@@ -168,7 +168,9 @@ KV_TIER_PREFILL_RATE = _worker(Gauge("kvmesh_kv_tier_prefill_tokens_per_second",
                                      "The load policy's recent prefill rate estimate"))
 KV_TIER_CORRUPT = _worker(Gauge("kvmesh_kv_tier_corrupt_files",
                                 "Disk- and shared-tier files dropped because they did not verify (cumulative)"))
-KV_TIER_DISK_ENABLED = _worker(Gauge("kvmesh_kv_tier_disk_enabled", "1 while the disk tier works, else 0"))
+KV_TIER_DISK_ENABLED = _worker(Gauge("kvmesh_kv_tier_disk_enabled",
+                                     "1 while the disk tier takes writes; 0 for a back-off after persistent write "
+                                     "failures (its blocks on disk are still loaded; writes are retried)"))
 
 
 def publish_kv_tiers(stats: dict) -> None:

@@ -17,9 +17,13 @@ reads of a block still queued come from the queued bytes. Reads run on the calle
 only the latter touches the index). At most `max_queued` writes wait; a
 further one waits for the oldest (the only time the engine waits for this tier).
 
-Failures never fail a request: a file that does not verify is deleted and reported missing
-(the caller recomputes the block); a write that fails (disk full, directory gone) turns the
-whole tier off with one warning at the next `poll`, and the caller reports its blocks removed.
+Failures never fail a request, and cost only the blocks they touch (the caller takes them with
+`take_dropped` and reports them removed; each is recomputed when asked for):
+- a file that does not verify is deleted; one gone (deleted outside kvmesh) is forgotten, at its
+  read or at the periodic check of the index against the directory (disk_reconcile.py);
+- a write that fails drops its block (the writer removed its .tmp: no partial file stays);
+  persistent failure turns writes off for a back-off and then tries again (write_backoff.py),
+  while the blocks already on disk are still read.
 """
 from __future__ import annotations
 
@@ -29,10 +33,12 @@ import stat
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from gpu_worker.kv_tiers import disk_restore, tier_file
+from gpu_worker.kv_tiers.disk_reconcile import Reconciler
 from gpu_worker.kv_tiers.file_reads import FileRead, read_block_file
+from gpu_worker.kv_tiers.write_backoff import WARN_EVERY_S, WriteBackoff
 from gpu_worker.kv_transfer.layout import KVLayout
 
 log = logging.getLogger("kvmesh.kv_tiers")
@@ -45,16 +51,22 @@ class DiskBlock(NamedTuple):
 
 class DiskTier:
     def __init__(self, directory: str, max_blocks: int, layout: KVLayout, payload_len: int,
-                 max_queued: int = 64) -> None:
+                 max_queued: int = 64, clock: Callable[[], float] = time.monotonic) -> None:
         self.directory = directory
         self.max_blocks = max_blocks
         self.layout = layout
         self.payload_len = payload_len
         self.max_queued = max_queued
-        self.enabled = True
         self.num_corrupt = 0          # files dropped because they did not verify
+        self.num_vanished = 0         # indexed files found gone (deleted outside kvmesh)
+        self.clock = clock            # time.monotonic; the back-off and the periodic check read it
+        self.backoff = WriteBackoff(directory, lambda: self.clock())
+        self._reconciler = Reconciler(lambda: self.clock())
+        self._vanished_logged: tuple[float, int] | None = None     # (when, num_vanished then)
+        self._dropped: list[bytes] = []     # blocks forgotten by the tier itself, until take_dropped
         self._blocks: OrderedDict[bytes, DiskBlock] = OrderedDict()    # LRU first
-        self._queued: OrderedDict[bytes, tuple[Future, bytearray]] = OrderedDict()   # writes not done
+        # writes not settled: (its future, its bytes, the index entry it was queued for)
+        self._queued: OrderedDict[bytes, tuple[Future, bytearray, DiskBlock]] = OrderedDict()
         self._copies: deque[tuple[int, float]] = deque(maxlen=256)   # (bytes, seconds) of file I/O
         owned_directory(directory, "kv_offload_dir")
         self._lock = disk_restore.lock_directory(directory)
@@ -89,11 +101,25 @@ class DiskTier:
     def is_full(self) -> bool:
         return len(self._blocks) >= self.max_blocks
 
+    @property
+    def writes_on(self) -> bool:
+        """Whether blocks may be written now (off for a back-off after persistent failures)."""
+        return self.backoff.writes_on()
+
+    def take_dropped(self) -> list[bytes]:
+        """The blocks the tier forgot by itself since the last call (a failed write, a file gone at
+        the periodic check): the caller reports them removed."""
+        dropped, self._dropped = self._dropped, []
+        # one written again since (its new write queued) is held: nothing to report
+        return [h for h in dropped if h not in self._blocks]
+
     # ---- writes (queued) -----------------------------------------------------------------
     def write(self, block_hash: bytes, block: DiskBlock, payload: bytearray) -> None:
-        """Queue a block's file (the caller made room and hands over `payload`)."""
+        """Queue a block's file (the caller made room, checked `writes_on`, and hands over `payload`)."""
+        self.backoff.resume()
         self._blocks[block_hash] = block
-        self._queued[block_hash] = (self._writer.submit(self._write_file, block_hash, block, payload), payload)
+        self._queued[block_hash] = (self._writer.submit(self._write_file, block_hash, block, payload), payload,
+                                    block)
         while len(self._queued) > self.max_queued:
             self._settle_oldest(wait=True)
 
@@ -107,30 +133,52 @@ class DiskTier:
         self._copies.append((len(payload), time.perf_counter() - t))
 
     def poll(self) -> list[tuple[int, float]]:
-        """Settle finished writes; a failed one turns the tier off (one warning: the caller then
-        clears the tier). Returns the (bytes, seconds) of file reads and writes since the last call."""
+        """Settle finished writes (a failed one drops its block) and step the check of the index
+        against the directory. Returns the (bytes, seconds) of file reads and writes since the
+        last call."""
         while self._queued and self._settle_oldest(wait=False):
             pass
+        found = 0
+        for block_hash, entry in self._reconciler.step(self._blocks, self._queued, self._path, self._writer):
+            if self._blocks.get(block_hash) is entry and block_hash not in self._queued:
+                del self._blocks[block_hash]
+                self._dropped.append(block_hash)
+                found += 1
+        self._note_vanished(found)
         copies = list(self._copies)
         self._copies.clear()
         return copies
 
     def _settle_oldest(self, wait: bool) -> bool:
         """Retire the oldest queued write (waiting for it when `wait`); False when it is not done."""
-        block_hash, (future, _) = next(iter(self._queued.items()))
+        block_hash, (future, _, entry) = next(iter(self._queued.items()))
         if not (wait or future.done()):
             return False
         error = future.exception()
         del self._queued[block_hash]
-        if error is not None and self.enabled:
-            log.warning("KV disk tier %s turned off: writing a block failed (%s); blocks evicted from "
-                        "host memory are dropped from now on", self.directory, error)
-            self.enabled = False
+        if error is None:
+            self.backoff.succeeded()
+            return True
+        self.backoff.failed(error)
+        if self._blocks.get(block_hash) is entry:     # no file: the writer removed its .tmp
+            del self._blocks[block_hash]
+            self._dropped.append(block_hash)
         return True
+
+    def _note_vanished(self, found: int) -> None:
+        """Count files found gone; one line per WARN_EVERY_S at most (a cleaner may take thousands)."""
+        self.num_vanished += found
+        now = self.clock()
+        last = self._vanished_logged
+        if self.num_vanished > (last[1] if last else 0) and (last is None or now - last[0] >= WARN_EVERY_S):
+            log.warning("KV disk tier %s: %d indexed block files gone (deleted outside kvmesh?); their blocks "
+                        "are forgotten and recomputed when asked for", self.directory,
+                        self.num_vanished - (last[1] if last else 0))
+            self._vanished_logged = (now, self.num_vanished)
 
     def drain(self) -> None:
         """Wait until every queued write and delete is done, and retire the writes (a failed one
-        turns the tier off; poll() still returns their times)."""
+        drops its block; poll() still returns their times)."""
         self._writer.submit(lambda: None).result()
         while self._queued:
             self._settle_oldest(wait=True)
@@ -181,7 +229,10 @@ class DiskTier:
             if held:
                 self._blocks.move_to_end(block_hash)
             return result.payload
-        if held:
+        if held and result.missing:             # deleted outside kvmesh: not damage
+            self.forget(block_hash)             # (the name may hold what we cannot open: deleted)
+            self._note_vanished(1)
+        elif held:
             log.warning("KV disk tier: dropped block %s (%s); it will be recomputed", block_hash.hex(),
                         result.error)
             self.num_corrupt += 1
@@ -205,6 +256,7 @@ class DiskTier:
         for block_hash in gone:
             self._delete(block_hash)
         self._blocks.clear()
+        self._dropped.clear()
         return gone
 
     def _delete(self, block_hash: bytes) -> None:
@@ -221,13 +273,16 @@ class DiskTier:
         self._lock.close()
 
     def check_integrity(self) -> None:
-        """cached <= total; while on, every indexed block has its file (nothing else is ours)."""
+        """cached <= total; every indexed block has its file, and no other block file (nor a .tmp)
+        is there (files deleted outside kvmesh: only once a read or a check found them gone)."""
         self.drain()
         assert len(self._blocks) <= self.max_blocks, f"disk tier: {len(self._blocks)} > {self.max_blocks}"
-        if self.enabled:
-            on_disk = {n for n in os.listdir(self.directory)
-                       if disk_restore.BLOCK_FILE.match(n) or disk_restore.PARTIAL_FILE.match(n)}
-            assert on_disk == {h.hex() + ".kvb" for h in self._blocks}, "disk tier: files differ from the index"
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:               # removed outside kvmesh
+            names = []
+        on_disk = {n for n in names if disk_restore.BLOCK_FILE.match(n) or disk_restore.PARTIAL_FILE.match(n)}
+        assert on_disk == {h.hex() + ".kvb" for h in self._blocks}, "disk tier: files differ from the index"
 
 
 def write_file(path: str, tmp: str, parts: list, exclusive: bool) -> int:

@@ -64,8 +64,7 @@ def drain_to_disk(tiers: KVTiers, deadline: float) -> DrainResult:
         target.write(block_hash, DiskBlock(block.parent, block.token_ids), tiers.host.data[block.slot],
                      BlockSource(HOST_SLOT, block.slot))
         written = _progress(written, 1, t0)
-    if not target.settle():       # a write failed: the disk tier turned itself off and holds nothing
-        written = 0
+    written -= target.settle()    # the blocks whose write failed (dropped by the tier)
     result = DrainResult(written, len(device) + len(host) - written, time.monotonic() - t0)
     log.info("KV drain to the %s tier: wrote %d cached blocks in %.2f s (%d left: deadline or size)",
              target.name, result.written, result.seconds, result.left)
@@ -79,26 +78,28 @@ class _Target(NamedTuple):
     room: int                                 # blocks at most
     write: Callable[[bytes, DiskBlock, torch.Tensor, BlockSource], None]
     enabled: Callable[[], bool]
-    settle: Callable[[], bool]                # waits for the writes; False: the tier failed
+    settle: Callable[[], int]                 # waits for the writes; -> how many failed
 
 
 def _target(tiers: KVTiers) -> _Target | None:
     shared, disk = tiers.shared, tiers.disk
     if shared is not None:
-        def settle_shared() -> bool:
+        def settle_shared() -> int:       # a failed shared write is counted there (shared_write_errors)
             shared.drain()
-            return True
+            return 0
         return _Target("shared", shared.holds, max(shared.max_bytes // shared.file_bytes, 0),
                        tiers.write_shared, lambda: True,
                        settle_shared)
-    if disk is None or not disk.enabled:
+    if disk is None or not disk.writes_on:
         return None
+    errors = disk.backoff.num_errors
 
-    def settle_disk() -> bool:
+    def settle_disk() -> int:
         disk.drain()
         tiers.poll_disk()
-        return disk.enabled
-    return _Target("disk", disk.__contains__, disk.max_blocks, tiers.write_disk, lambda: disk.enabled, settle_disk)
+        return disk.backoff.num_errors - errors
+    return _Target("disk", disk.__contains__, disk.max_blocks, tiers.write_disk, lambda: disk.writes_on,
+                   settle_disk)
 
 
 def _progress(written: int, more: int, t0: float) -> int:

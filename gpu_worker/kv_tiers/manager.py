@@ -112,7 +112,7 @@ class KVTiers:
         if self.mover.cuda:
             for num_bytes, seconds in self.mover.finished_copies():   # host <-> device, both ways
                 self.policy.observe_copy("cpu", num_bytes, seconds)
-        if self.disk is not None and self.disk.enabled:
+        if self.disk is not None:
             self.poll_disk()
         if self.shared is not None:
             for num_bytes, seconds in self.shared.poll():
@@ -167,7 +167,7 @@ class KVTiers:
         return block.slot
 
     def _disk_on(self) -> bool:
-        return self.disk is not None and self.disk.enabled
+        return self.disk is not None and self.disk.writes_on
 
     def _offload_below_host(self, evicted: list[Evicted]) -> None:
         """Blocks the host tier cannot take go to the disk tier, or without one to the shared tier
@@ -206,15 +206,17 @@ class KVTiers:
         self.stats.offloaded_blocks["disk"] += 1
         self._stored(block_hash, block.parent, block.token_ids, "disk")
 
-    def poll_disk(self) -> None:
-        """Settle the disk tier's background writes: their times feed the bandwidth estimate, and
-        a failed one (the tier turned itself off) removes every block it held."""
+    def poll_disk(self) -> list[bytes]:
+        """Settle the disk tier's background writes (their times feed the bandwidth estimate) and
+        step its check of the directory; the blocks it dropped (a failed write, a file deleted
+        outside kvmesh) are forgotten on every rank and reported removed. Returns those blocks."""
         for num_bytes, seconds in self.disk.poll():
             self.policy.observe_copy("disk", num_bytes, seconds)
-        if not self.disk.enabled:
-            self.mirror.disk_clear()
-            for block_hash in self.disk.clear():
-                self._removed(block_hash, "disk")
+        dropped = self.disk.take_dropped()
+        for block_hash in dropped:
+            self.mirror.disk_forget(block_hash)
+            self._removed(block_hash, "disk")
+        return dropped
 
     # ---- reload --------------------------------------------------------------------------
     def plan(self, seq: Sequence, first: int) -> LoadPlan:
@@ -445,9 +447,10 @@ class KVTiers:
             probe = b"\x00" * 16
             self.disk.write(probe, DiskBlock(None, (0,) * self.block_size), bytearray(staged[0].reshape(-1).numpy()))
             self.disk.drain()
-            for num_bytes, seconds in self.disk.poll():     # a failed write turns the tier off here
+            for num_bytes, seconds in self.disk.poll():     # a failed write dropped the probe
                 self.policy.observe_copy("disk", num_bytes, seconds)
-            if self.disk.enabled:
+            self.disk.take_dropped()                        # the probe only: it was never announced
+            if probe in self.disk:
                 self.disk.read(probe)
             self.disk.forget(probe)
             self.disk.drain()
@@ -488,8 +491,11 @@ class KVTiers:
             "cpu_blocks": len(self.host) if self.host is not None else 0,
             "cpu_capacity_blocks": self.host.num_slots if self.host is not None else 0,
             "disk_blocks": len(self.disk) if self.disk is not None else 0,
-            "disk_enabled": bool(self.disk is not None and self.disk.enabled),
+            # writes on (off for a back-off after persistent write failures: blocks on disk still load)
+            "disk_enabled": bool(self.disk is not None and self.disk.writes_on),
             "disk_corrupt_files": self.disk.num_corrupt if self.disk is not None else 0,
+            "disk_write_errors": self.disk.backoff.num_errors if self.disk is not None else 0,
+            "disk_vanished_files": self.disk.num_vanished if self.disk is not None else 0,
             "disk_restored_blocks": self.disk.num_restored if self.disk is not None else 0,
             # the files at rank 0's last scan (every worker's, not this worker's: the whole directory,
             # or with tensor parallelism rank 0's subdirectory); corrupt files: rank 0's

@@ -41,8 +41,9 @@ def filesystem_bytes(directory: str) -> tuple[int, int] | None:
 
 def _check_file_tier(name: str, gib: float, directory: str) -> None:
     """A file tier's bound larger than its filesystem is refused; larger than the free space, a
-    warning: once the disk fills, a failing write turns the disk tier off (the shared tier's
-    writes fail one by one), rather than the bound's LRU keeping it within the disk."""
+    warning: once the disk fills, the disk tier's writes go off for back-offs (write_backoff.py;
+    the shared tier's writes fail one by one), rather than the bound's LRU keeping it within the
+    disk."""
     fs = filesystem_bytes(directory)
     if fs is None:
         return
@@ -52,7 +53,7 @@ def _check_file_tier(name: str, gib: float, directory: str) -> None:
                          "give a bound that fits the disk")
     if gib * GIB > free:
         log.warning("%s=%g GiB is more than the %.1f GiB free under %r: the tier will fill the disk before its "
-                    "bound (a failing write turns the disk tier off)", name, gib, free / GIB, directory)
+                    "bound (once it is full, writes fail and their blocks are recomputed)", name, gib, free / GIB, directory)
 
 
 def check_tier_sizes(cfg, block_bytes: int) -> None:

@@ -119,7 +119,7 @@ class TPTierMirror(TierMirror):
             self.runner.queue_tier_records(rec.release(load_id))
 
     def check(self, tiers) -> None:
-        index = [h for h, _ in tiers.disk.hashes()] if tiers.disk is not None and tiers.disk.enabled else []
+        index = [h for h, _ in tiers.disk.hashes()] if tiers.disk is not None else []
         payload = torch.tensor(sorted(self.live_loads) + [x for h in index for x in rec.hash_ints(h)],
                                dtype=torch.int64)
         ok = self.runner.tier_command(make_header(OP_TIER_CHECK, len(self.live_loads), len(index)), payload,
@@ -164,7 +164,7 @@ class FollowerTiers:
                 done = self.mover.offload(r.ids, self.host, r.slots)
                 self.offloaded.update((slot, done) for slot in r.slots)
             elif r.kind == rec.DISK_WRITE:
-                if self.disk.enabled:
+                if self.disk.writes_on:      # off here: a miss of this rank, cut by the loads' MIN
                     self.disk.write(r.block_hash, r.block, self._source_bytes(r.source))
             elif r.kind == rec.SHARED_WRITE:
                 self.shared.write(r.block_hash, r.block, self._source_bytes(r.source))
@@ -184,10 +184,11 @@ class FollowerTiers:
                     self.file_loads.drop(r.load_id)
             elif r.kind == rec.READ_FILES:
                 self.file_loads.begin(r.load_id, r.sources)
-        if self.disk is not None and self.disk.enabled:
+        if self.disk is not None:
             self.disk.poll()
-            if not self.disk.enabled:        # a write failed here: reads fail from now, loads recompute
-                self.disk.clear()
+            # a failed write or a vanished file here: a miss of this rank; a load that reaches it
+            # stops there on every rank and rank 0 forgets the block everywhere
+            self.disk.take_dropped()
         if self.shared is not None:
             self.shared.poll()               # a failed write is counted there: that block is a miss
         if self.file_loads is not None:
@@ -236,10 +237,11 @@ class FollowerTiers:
             self.file_loads.check_integrity()
         if self.shared is not None:
             self.shared.check_integrity()
-        if self.disk is None or not self.disk.enabled:
+        if self.disk is None:
             return True
         self.disk.check_integrity()
-        return {h for h, _ in self.disk.hashes()} == set(index)
+        # rank 0's blocks, less those this rank dropped by itself (a failed write, a vanished file)
+        return {h for h, _ in self.disk.hashes()} <= set(index)
 
     def close(self) -> None:
         if self.file_loads is not None:

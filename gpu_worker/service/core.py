@@ -141,6 +141,8 @@ class WorkerCore(PeerMoves):
             self._expire_held()
         if self.engine.has_unfinished_requests():
             self._step(out)
+        elif hasattr(self.engine, "idle"):     # the null engine has nothing to settle
+            self.engine.idle()
         if self._finished or self._kept:
             out.append(Envelope(SCHEDULER, self.status(self._take_finished(), kept=self._take_kept())))
         return out

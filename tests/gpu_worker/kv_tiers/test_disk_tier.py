@@ -26,7 +26,7 @@ def test_queued_writes_read_back_and_land_on_disk(tmp_path):
             assert bytes(disk.read(h)) == bytes(payload)     # readable before it is on disk
         disk.forget(block(0)[0])                             # its delete runs after its write
         disk.drain()
-        assert not disk._queued and disk.enabled
+        assert not disk._queued and disk.writes_on
         for i in range(1, 6):
             h, payload = block(i)
             assert bytes(disk.read(h)) == bytes(payload)     # now read from the file, verified

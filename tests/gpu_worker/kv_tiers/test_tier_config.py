@@ -123,7 +123,7 @@ def test_a_host_tier_beyond_the_machine_is_refused_by_name(llama, monkeypatch):
 
 def test_a_file_tier_bound_beyond_its_filesystem_is_refused_by_name(llama, tmp_path, monkeypatch, caplog):
     """Past the filesystem's size: refused naming the field; past its free space: one warning (the
-    disk fills before the bound, and a failing write turns the disk tier off)."""
+    disk fills before the bound, and its writes fail and are retried after back-offs)."""
     size, free = tier_sizes.filesystem_bytes(str(tmp_path / "not" / "made" / "yet"))    # its nearest parent's
     assert size >= free > 0
     monkeypatch.setattr(tier_sizes, "filesystem_bytes", lambda d: (1 << 30, 1 << 29))   # 1 GiB, half free
@@ -137,4 +137,4 @@ def test_a_file_tier_bound_beyond_its_filesystem_is_refused_by_name(llama, tmp_p
     assert eng.kv_tiers.disk is not None
     assert [r.getMessage() for r in caplog.records if "GiB free" in r.getMessage()] == [
         f"kv_offload_disk_gb=0.75 GiB is more than the 0.5 GiB free under {str(tmp_path / 'kv')!r}: the tier "
-        "will fill the disk before its bound (a failing write turns the disk tier off)"]
+        "will fill the disk before its bound (once it is full, writes fail and their blocks are recomputed)"]

@@ -1,9 +1,11 @@
 """Faults of the lower tiers never fail a request nor feed wrong KV: corrupt, truncated, foreign
-and other-layout files are dropped and recomputed; a disk that refuses writes turns the disk
-tier off with one warning; a directory removed mid-run does the same; a load racing with the
-eviction of its own source blocks still reads them. Every test ends with zero leaked blocks."""
+and other-layout files are dropped and recomputed; a failed write costs its block only, a disk
+that keeps refusing writes turns them off with one warning while its blocks still load, and the
+blocks of a directory removed mid-run leave the index; a load racing with the eviction of its own
+source blocks still reads them. Every test ends with zero leaked blocks."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -11,12 +13,15 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import msgspec
 import pytest
+from prometheus_client import REGISTRY
 
 from tests.gpu_worker.kv_tiers.conftest import check_all_tiers, chat, prompt_hashes, run, tier_stats, tiered_engine
-from gpu_worker.kv_tiers import tier_file
+from gpu_worker.kv_tiers import disk_reconcile, disk_tier, tier_file
+from services import metrics
 
 DISK = dict(kv_offload_disk_gb=0.001)
 
@@ -84,10 +89,87 @@ def test_block_files_are_private(llama, tmp_path):
     check_all_tiers(eng)
 
 
-def test_directory_removed_mid_run_turns_the_disk_tier_off(llama, tmp_path, caplog):
+class DiskEvents:
+    """The disk blocks the KV events announce (what the prefix index and the router believe)."""
+
+    def __init__(self, eng) -> None:
+        self.held: set[bytes] = {h for h, _ in eng.kv_tiers.disk.hashes()}
+        eng.block_manager.add_listener(self)
+
+    def on_stored(self, block_hash, parent, token_ids, tier="gpu") -> None:
+        if tier == "disk":
+            self.held.add(block_hash)
+
+    def on_removed(self, block_hash, tier="gpu") -> None:
+        if tier == "disk":
+            self.held.discard(block_hash)
+
+    def on_cleared(self) -> None:
+        self.held.clear()
+
+
+def fail_writes(monkeypatch, err: int, times: int | None = None) -> list[int]:
+    """The disk tier's next `times` writes (all: None) fail with `err`; -> a list of the failures."""
+    real, failed = disk_tier.write_file, []
+
+    def write_file(path, tmp, parts, exclusive):
+        if times is None or len(failed) < times:
+            failed.append(err)
+            raise OSError(err, os.strerror(err))
+        return real(path, tmp, parts, exclusive)
+    monkeypatch.setattr(disk_tier, "write_file", write_file)
+    return failed
+
+
+def test_one_failed_write_costs_its_block_and_the_disk_tier_goes_on(llama, tmp_path, monkeypatch):
+    model_dir, hf = llama
+    eng = tiered_engine(model_dir, kv_offload_dir=str(tmp_path / "kv"), **DISK)
+    events = DiskEvents(eng)
+
+    def one_eio(eng, turn, next_prompt):
+        if turn == 0:
+            fail_writes(monkeypatch, errno.EIO, times=1)
+
+    turns = chat(eng, 3, between=one_eio)
+    for prompt, answer, _ in turns:
+        assert answer == hf.greedy(prompt, len(answer))[0]
+    stats = tier_stats(eng)
+    assert stats["disk_enabled"] and stats["disk_write_errors"] == 1, stats
+    assert stats["disk_blocks"] == len(eng.kv_tiers.disk) > 0 and turns[2][2] > 0
+    eng.kv_tiers.disk.drain()
+    eng.kv_tiers.poll_disk()
+    assert events.held == {h for h, _ in eng.kv_tiers.disk.hashes()}    # the dropped block announced gone
+    check_all_tiers(eng)
+
+
+def test_blocks_on_disk_still_load_while_writes_are_off(llama, tmp_path, monkeypatch, caplog):
+    model_dir, hf = llama
+    eng = tiered_engine(model_dir, kv_offload_dir=str(tmp_path / "kv"), **DISK)
+    loaded = []
+
+    def full_disk(eng, turn, next_prompt):
+        if turn == 0:
+            fail_writes(monkeypatch, errno.ENOSPC)
+        loaded.append(tier_stats(eng)["loaded_blocks"]["disk"])
+
+    with caplog.at_level("WARNING", logger="kvmesh.kv_tiers"):
+        turns = chat(eng, 3, between=full_disk)
+    for prompt, answer, _ in turns:
+        assert answer == hf.greedy(prompt, len(answer))[0]
+    stats = tier_stats(eng)
+    assert not stats["disk_enabled"] and stats["disk_blocks"] > 0, stats
+    assert stats["loaded_blocks"]["disk"] > loaded[1] > 0       # the third turn loaded with writes off
+    assert sum("turned off" in r.getMessage() for r in caplog.records) == 1
+    metrics.publish_kv_tiers(stats)
+    assert REGISTRY.get_sample_value("kvmesh_kv_tier_disk_enabled") == 0
+    check_all_tiers(eng)
+
+
+def test_a_removed_directory_turns_writes_off_and_its_blocks_leave_the_index(llama, tmp_path, caplog):
     model_dir, hf = llama
     directory = tmp_path / "kv"
     eng = tiered_engine(model_dir, kv_offload_dir=str(directory), **DISK)
+    events = DiskEvents(eng)
 
     def remove(eng, turn, next_prompt):
         if turn == 0:
@@ -99,8 +181,17 @@ def test_directory_removed_mid_run_turns_the_disk_tier_off(llama, tmp_path, capl
     for prompt, answer, _ in turns:
         assert answer == hf.greedy(prompt, len(answer))[0]
     stats = tier_stats(eng)
-    assert not stats["disk_enabled"] and stats["disk_blocks"] == 0
+    assert not stats["disk_enabled"] and stats["disk_write_errors"] >= 3, stats
     assert sum("turned off" in r.getMessage() for r in caplog.records) == 1
+    disk = eng.kv_tiers.disk
+    assert len(disk) > 0                         # blocks no load asked for: still counted...
+    later = time.monotonic() + disk_reconcile.EVERY_S + 1
+    disk.clock = lambda: later
+    for _ in range(10):                          # ...until the periodic check's batches settle,
+        disk.drain()                             # also while no request runs
+        eng.idle()
+    stats = tier_stats(eng)
+    assert stats["disk_blocks"] == 0 and stats["disk_vanished_files"] > 0 and not events.held, stats
     check_all_tiers(eng)
 
 
@@ -118,9 +209,9 @@ _FULL_DISK = textwrap.dedent("""
 """)
 
 
-def test_a_disk_that_refuses_writes_leaves_no_disk_tier_and_one_warning(llama, tmp_path):
-    """A real failing write (the process's file-size limit: EFBIG, as ENOSPC would be): the host
-    tier keeps working, the requests all succeed with transformers' tokens."""
+def test_a_disk_that_refuses_writes_turns_disk_writes_off_with_one_warning(llama, tmp_path):
+    """A real failing write (the process's file-size limit: EFBIG, persistent as ENOSPC is): the
+    host tier keeps working, the requests all succeed with transformers' tokens."""
     model_dir, hf = llama
     here = os.path.dirname(__file__)
     script = _FULL_DISK.format(root=os.path.abspath(os.path.join(here, "../../..")),
