@@ -19,10 +19,20 @@ from services.gateway.tool_parsers import StreamingParser, ToolCall, ToolCallDel
 class OutputParsing:
     reasoning: str = "none"                                  # qwen3, deepseek_r1 (reasoning.py) or none
     tool_format: Callable[[], ToolFormat] | None = None      # a fresh call scanner per answer; None: no calls
+    # a forced tool_choice: the answer is nothing but calls, so an answer cut short is a call cut
+    # short and keeps its finish_reason ("length"); an unforced answer returns only complete calls
+    forced: bool = False
 
     @property
     def active(self) -> bool:
         return self.reasoning != "none" or self.tool_format is not None
+
+    def finish_with_calls(self, finish_reason: str | None) -> str | None:
+        """The finish_reason of an answer that returned calls: "tool_calls", except that a forced
+        answer that did not end on its own keeps its reason (OpenAI's and vLLM's "length")."""
+        if finish_reason is None or (self.forced and finish_reason != "stop"):
+            return finish_reason
+        return "tool_calls"
 
 
 PLAIN = OutputParsing()

@@ -4,7 +4,7 @@ Choice index = prompt_index * n + sample_index (completions with several prompts
 A chat answer parsed for reasoning or tool calls (chat_output.py) carries `reasoning_content`
 and `tool_calls` beside `content`, whole or streamed (`delta.reasoning_content`, and per call a
 `delta.tool_calls` entry with its id, type and name, then one with its arguments), and ends with
-finish_reason "tool_calls" when it called a tool.
+finish_reason "tool_calls" when it called a tool (a forced call cut by max_tokens keeps "length").
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class Accumulator:
             message["reasoning_content"] = answer.reasoning
         if answer.tool_calls:
             message["tool_calls"] = [call.as_dict() for call in answer.tool_calls]
-            finish_reason = "tool_calls" if finish_reason is not None else None
+            finish_reason = self.parsing.finish_with_calls(finish_reason)
         return message, finish_reason
     def response(self) -> dict[str, Any]:
         choices = []
@@ -175,7 +175,7 @@ class ChunkWriter:
             step = AnswerDelta(step.reasoning + end.reasoning, step.content + end.content,
                                step.tool_calls + end.tool_calls)
             if choice.answer.num_calls:
-                finish = "tool_calls"
+                finish = self.acc.parsing.finish_with_calls(finish)
         head: dict[str, Any] = {}
         if step.reasoning:
             head["reasoning_content"] = step.reasoning

@@ -110,14 +110,15 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any, formats: ChatFormats, 
     if not schemas:
         raise bad("tool_choice 'required' or a named function needs tools", "tool_choice")
     if tool_choice == "required":
-        return ToolPlan(OutputParsing("none", partial(RequiredFormat, names)), _schema(required_schema(schemas)), False)
+        return ToolPlan(OutputParsing("none", partial(RequiredFormat, names), forced=True), _schema(required_schema(schemas)), False)
     if isinstance(tool_choice, str):
         raise bad(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice[:40]!r}",
                   "tool_choice")
     name = _forced_name(tool_choice)
     if name not in schemas:
         raise bad(f"tool_choice names the function {name[:64]!r}, which is not among the tools", "tool_choice")
-    return ToolPlan(OutputParsing("none", partial(NamedFormat, names, name)), _schema(schemas[name]), False)
+    return ToolPlan(OutputParsing("none", partial(NamedFormat, names, name), forced=True), _schema(schemas[name]),
+                    False)
 
 
 def served_formats(tool_call_parser: str, reasoning_parser: str, model: ChatFormats) -> ChatFormats:

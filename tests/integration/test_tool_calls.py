@@ -174,6 +174,28 @@ def test_a_call_cut_by_max_tokens_is_text(client):
     assert got == {"content": PIECES[2], "reasoning": "Weather? I should call the tool.", "calls": {}, "finish": "length"}
 
 
+def test_a_forced_call_cut_by_max_tokens_is_a_call(client):
+    """tool_choice named or required, cut by max_tokens two tokens before the answer's end: the
+    openai client reads tool_calls whose last arguments end where the cut came (the same calls as
+    the whole answer's, as far as they go), finish_reason "length" and no content, streamed or not."""
+    def squeezed(calls) -> list:   # (name, arguments without whitespace) of each call
+        return [(c.function.name, "".join(c.function.arguments.split())) for c in calls]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        kw = {"tools": TOOLS, "tool_choice": choice, "temperature": 0}
+        full = chat(client, max_tokens=60, **kw)
+        assert full.choices[0].finish_reason == "tool_calls"
+        kw["max_tokens"] = full.usage.completion_tokens - 2
+        cut = chat(client, **kw).choices[0]
+        assert cut.finish_reason == "length" and cut.message.content is None and cut.message.tool_calls
+        whole, part = squeezed(full.choices[0].message.tool_calls), squeezed(cut.message.tool_calls)
+        assert whole[:len(part) - 1] == part[:-1]
+        assert part[-1][0] == whole[len(part) - 1][0] and whole[len(part) - 1][1].startswith(part[-1][1])
+        got = assembled(chat(client, stream=True, **kw))
+        assert got["finish"] == "length" and got["content"] == ""
+        assert [(c["name"], c["arguments"]) for _, c in sorted(got["calls"].items())] == [
+            (c.function.name, c.function.arguments) for c in cut.message.tool_calls]
+
+
 def test_auto_answers_with_text_or_valid_calls(client):
     for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
         whole = chat(client, tools=TOOLS, max_tokens=12, **kw).choices[0]

@@ -11,8 +11,9 @@ produce the same pieces and a stream never shows a call the whole answer would n
     pieces:  [text "Sure. "] [call {...}] [text "  "]        held: "<tool_c" (not final)
 
 A call whose body is not a valid call (bad JSON, a function the request did not offer, arguments
-that are not an object) is a text piece: the client gets it as content, never an error. Content is
-None when calls were parsed and nothing but whitespace was said besides them.
+that are not an object) is a text piece: the client gets it as content, never an error (a forced
+call cut by max_tokens is the exception: forced.py). Content is None when calls were parsed and
+nothing but whitespace was said besides them.
 """
 from __future__ import annotations
 
@@ -57,9 +58,10 @@ class StreamStep(NamedTuple):
 
 
 class Call(NamedTuple):
-    """A scanned call: its raw text, and (name, arguments object) when it is a valid call."""
+    """A scanned call: its raw text, and (name, arguments) when it is a call. The arguments are an
+    object, or the text of a forced call cut short (forced.py), passed on as written."""
     raw: str
-    value: tuple[str, dict] | None
+    value: tuple[str, dict | str] | None
 
 
 Piece = str | Call   # plain text, or a call
@@ -147,8 +149,8 @@ def as_call(value: Any, tool_names: frozenset[str], name_key: str = "name",
     return (name, args) if isinstance(args, dict) else None
 
 
-def arguments_text(args: dict) -> str:
-    return json.dumps(args, ensure_ascii=False)
+def arguments_text(args: dict | str) -> str:
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
 class ToolFormat:
@@ -161,9 +163,9 @@ class ToolFormat:
         raise NotImplementedError
 
 
-def _calls(pieces: list[Piece]) -> list[tuple[str, dict] | str]:
+def _calls(pieces: list[Piece]) -> list[tuple[str, dict | str] | str]:
     """Each piece as a call (name, args) or as text; calls past MAX_CALLS stay text."""
-    out: list[tuple[str, dict] | str] = []
+    out: list[tuple[str, dict | str] | str] = []
     calls = 0
     for p in pieces:
         if isinstance(p, Call) and p.value is not None and calls < MAX_CALLS:
@@ -179,7 +181,7 @@ def parse(fmt: ToolFormat, text: str) -> Parsed:
     parts = _calls(fmt.scan(text, 0, True).pieces)
     calls = [ToolCall(new_call_id(), p[0], arguments_text(p[1])) for p in parts if isinstance(p, tuple)]
     content = "".join(p for p in parts if isinstance(p, str))
-    if calls and not content.strip():
+    if (calls or not parts) and not content.strip():   # no parts: a forced answer cut before its first call
         return Parsed(None, calls)
     return Parsed(content, calls)
 

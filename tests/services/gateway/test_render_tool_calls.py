@@ -10,7 +10,7 @@ import pytest
 
 from services.gateway.chat_output import OutputParsing
 from services.gateway.render import Accumulator, ChunkWriter
-from services.gateway.tool_parsers import tool_format
+from services.gateway.tool_parsers import NamedFormat, RequiredFormat, tool_format
 from services.protocol.messages import TextDelta
 
 PARSING = OutputParsing("qwen3", partial(tool_format, "hermes", frozenset({"get_weather", "get_time"})))
@@ -96,3 +96,52 @@ def test_answer_cut_inside_the_reasoning():
 def test_plain_request_is_unchanged():
     c = whole("<think>x</think>hi", "stop", OutputParsing())
     assert c["message"] == {"role": "assistant", "content": "<think>x</think>hi", "refusal": None}
+
+
+NAMES = frozenset({"get_weather", "get_time"})
+NAMED = OutputParsing("none", partial(NamedFormat, NAMES, "get_weather"), forced=True)
+REQUIRED = OutputParsing("none", partial(RequiredFormat, NAMES), forced=True)
+
+
+def raw_calls(tool_calls) -> list:
+    return [(c["type"], c["function"]["name"], c["function"]["arguments"]) for c in tool_calls]
+
+
+@pytest.mark.parametrize("parsing, text, calls", [
+    (NAMED, '{"city": "Par', [("function", "get_weather", '{"city": "Par')]),
+    (REQUIRED, '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Pa',
+     [("function", "get_time", "{}"), ("function", "get_weather", '{"city": "Pa')]),
+])
+def test_a_forced_call_cut_by_max_tokens_is_a_call_with_finish_length(parsing, text, calls):
+    """What the openai client reads: tool_calls with the arguments as far as they go, no content,
+    finish_reason "length" (OpenAI's and vLLM's shape), whole and streamed alike."""
+    c = whole(text, "length", parsing)
+    assert c["finish_reason"] == "length" and c["message"]["content"] is None
+    assert raw_calls(c["message"]["tool_calls"]) == calls
+    m, chunks = streamed(text, "length", 3, parsing)
+    assert m["finish_reason"] == "length" and m["content"] == ""
+    assert raw_calls(m["tool_calls"][i] for i in sorted(m["tool_calls"])) == calls
+    assert all(ch["choices"][0]["delta"].get("content") in (None, "") for ch in chunks)
+
+
+def test_a_whole_forced_call_finishes_with_tool_calls():
+    c = whole('{"city": "Paris"}', "stop", NAMED)
+    assert c["finish_reason"] == "tool_calls" and calls_of(c["message"]["tool_calls"]) == [
+        ("function", "get_weather", {"city": "Paris"})]
+    assert streamed('{"city": "Paris"}', "stop", 5, NAMED)[0]["finish_reason"] == "tool_calls"
+
+
+def test_auto_answer_cut_by_max_tokens():
+    """auto: a call cut short is the model's own text (it may never have been a call), as content,
+    with finish_reason "length"; calls completed before the cut are returned ("tool_calls", as vLLM:
+    every returned call is whole)."""
+    cut = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    c = whole(cut, "length")
+    assert c["finish_reason"] == "length" and c["message"]["content"] == cut and "tool_calls" not in c["message"]
+    m, _ = streamed(cut, "length", 4)
+    assert m["content"] == cut and m["tool_calls"] == {} and m["finish_reason"] == "length"
+    after = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> Now the wea'
+    c = whole(after, "length")
+    assert c["finish_reason"] == "tool_calls" and calls_of(c["message"]["tool_calls"]) == [("function", "get_time", {})]
+    m, _ = streamed(after, "length", 4)
+    assert m["finish_reason"] == "tool_calls" and m["content"] == c["message"]["content"] == " Now the wea"

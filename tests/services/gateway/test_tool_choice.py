@@ -56,6 +56,7 @@ def test_a_choice_naming_no_tool_is_refused(choice):
 def test_auto_and_none():
     auto = tool_plan(TOOLS, "auto", QWEN, True)
     assert auto.structured is None and auto.parsing.reasoning == "qwen3" and not auto.keep_special_tokens
+    assert not auto.parsing.forced
     assert parse(auto.parsing.tool_format(), '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>').tool_calls
     none = tool_plan(TOOLS, "none", QWEN, True)
     assert none.parsing.tool_format is None and none.parsing.reasoning == "qwen3"
@@ -75,7 +76,7 @@ def test_required_is_a_schema_of_calls():
             jsonschema.validate(wrong, schema)
     calls = parse(plan.parsing.tool_format(), json.dumps(good)).tool_calls
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
-    assert plan.parsing.reasoning == "none"
+    assert plan.parsing.reasoning == "none" and plan.parsing.forced
 
 
 def test_a_named_function_is_its_parameters_schema():
@@ -83,6 +84,7 @@ def test_a_named_function_is_its_parameters_schema():
     assert json.loads(plan.structured.json_schema) == WEATHER
     calls = parse(plan.parsing.tool_format(), '{"city": "Oslo"}').tool_calls
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    assert plan.parsing.forced
 
 
 def test_with_plan():
