@@ -39,7 +39,10 @@ One device call (H200, at most ~540 s) measures, on a random-weight Llama-3.1-8B
            and the new run's cached prompt tokens (usage), on a
            fresh stack per --migration-modes: `peer` (the default stack: the draining worker sends
            the request's KV, prompt and output so far, to the other worker through the hand-off,
-           shm ring on one host, and it decodes on), `shared` (KVMESH_DRAIN_KV_TO_PEERS=0 and
+           shm ring on one host, and it decodes on, when that is predicted faster than a recompute:
+           gpu_worker/service/move_cost.py; else the other worker recomputes it), `peer_ipc` (the
+           same with --kv-transport cuda_ipc: the other worker reads the blocks out of the draining
+           worker's cache, device to device), `shared` (KVMESH_DRAIN_KV_TO_PEERS=0 and
            --kv-offload-shared-dir: the draining worker writes its cached blocks there, the new
            one loads the prompt's from there) and `recompute` (neither: the new worker prefills it
            again). Between contexts it waits for
@@ -670,7 +673,7 @@ def section_routing(args, sc: Scale) -> None:
 
 
 # ----------------------------------------------------------------------------- migration
-MIG_MODES = ("peer", "shared", "recompute")
+MIG_MODES = ("peer", "shared", "recompute", "peer_ipc")   # (the index seeds the prompts: new ones last)
 # the gateway's detokenizer (kvmesh serve's default: text in the gateway) times each moved stream
 MIG_STALL = "kvmesh_detok_migration_stall_seconds"
 
@@ -687,11 +690,13 @@ def section_migration(args, sc: Scale) -> None:
             skip(part, f"{remaining():.0f} s left, ~{est:.0f} s needed")
             continue
         env = two_worker_env(args, {"KVMESH_DRAIN_GRACE_S": "0"})   # the move at once, mid-decode
-        if mode != "peer":                                # the KV from a tier, or none
+        if not mode.startswith("peer"):                   # the KV from a tier, or none
             env["KVMESH_DRAIN_KV_TO_PEERS"] = "0"
         shared = Path(tempfile.mkdtemp(prefix="kvmesh-mig-shared-")) if mode == "shared" else None
         flags = list(args.serve_flag) + (["--kv-offload-shared-dir", str(shared / "tier"),
                                           "--kv-offload-shared-gb", str(sc.mig_shared_gb)] if shared else [])
+        if mode == "peer_ipc":                            # the peer reads the drained worker's cache
+            flags += ["--kv-transport", "cuda_ipc"]
         stack = ServeStack(f"migration-{mode}", args.model_dir, 2, sc, env, args.log_level, flags)
         r = res.setdefault(mode, {"stack": {"workers": 2, "device": sc.device, "env": env, "serve_flags": flags}})
         try:
@@ -1031,8 +1036,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(0: leave unset)")
     ap.add_argument("--migration-modes", default="peer,shared,recompute",
                     help="where a moved request's KV comes from, one fresh 2-worker stack each: peer (the "
-                         "drained worker sends it), shared (the shared KV tier the drained worker writes), "
-                         "recompute (neither)")
+                         "drained worker sends it, where that beats a recompute), peer_ipc (the same, the peer "
+                         "reading the drained worker's cache: --kv-transport cuda_ipc), shared (the shared KV "
+                         "tier the drained worker writes), recompute (neither)")
     ap.add_argument("--migration-contexts", default="",
                     help="comma-separated prompt tokens of the migration runs (default 2048,8192)")
     ap.add_argument("--single-gpu-mem", type=float, default=0.0,

@@ -67,6 +67,7 @@ class _InFlight(NamedTuple):
     targets: list[tuple[int, Sequence]]   # (logits row, sequence)
     slots: list[int]                      # index of each target's PENDING token in token_ids
     pending: PendingSample
+    step_no: int                          # SchedulerOutput.step_no: its read times it (prefill_rate.py)
 
 
 def _as_token_ids(ids: list | tuple, vocab_size: int) -> list[int] | None:
@@ -315,6 +316,8 @@ class Engine:
         t = time.perf_counter()
         results = self.sampler(fwd.logits, fwd.requests, fwd.grammar)   # the draw and its host sync
         self.last_sync_s += time.perf_counter() - t
+        if fwd.requests:                      # read back: the step is done on the device
+            self.scheduler.prefill_rate.read(out.step_no)
         deltas = [d for (_, seq), res in zip(fwd.targets, results) if (d := self._append(seq, res))]
         if self.speculator is not None:           # mtp: its KV catches up on the step's final tokens
             self.speculator.settle()
@@ -399,6 +402,8 @@ class Engine:
                    if self._constrained else None)
         t = time.perf_counter()
         results = self.sampler(logits, order + requests, grammar)    # the draws and their host sync
+        if order or requests:
+            self.scheduler.prefill_rate.read(out.step_no)
         sampled = dict(zip(rejecting, rejection_verify(
             logits, [(drafts[seq], rows, proposal.q[seq]) for seq, rows in rejecting.items()]))) if rejecting else {}
         self.last_sync_s += time.perf_counter() - t
@@ -564,15 +569,15 @@ class Engine:
     def _launch(self, out: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
         """_forward, then the draw queued on the device: each sampling sequence gets a PENDING
         placeholder that the next call's _settle replaces."""
-        return self._queue_draw(self._forward(out, prev))
+        return self._queue_draw(self._forward(out, prev), out.step_no)
 
-    def _queue_draw(self, fwd: _Forwarded) -> _InFlight:
+    def _queue_draw(self, fwd: _Forwarded, step_no: int) -> _InFlight:
         pending = self.sampler.launch(fwd.logits, fwd.requests, fwd.grammar)
         slots = []
         for _, seq in fwd.targets:
             seq.token_ids.append(PENDING)
             slots.append(len(seq.token_ids) - 1)
-        return _InFlight(fwd.targets, slots, pending)
+        return _InFlight(fwd.targets, slots, pending, step_no)
 
     def _launch_split(self, out: SchedulerOutput, prev: _InFlight) -> tuple[_InFlight, list[SequenceDelta]]:
         """The forward queued on the device before `prev` is settled, the draw after it (the
@@ -583,7 +588,7 @@ class Engine:
         # a sequence that prev's token ended (stop, length, its grammar complete), or a request
         # ended since, draws nothing: a synchronous step would not have scheduled it
         live = [(row, seq) for row, seq in targets if seq.status is not SequenceStatus.FINISHED]
-        return self._queue_draw(self._draws(logits, live)), deltas
+        return self._queue_draw(self._draws(logits, live), out.step_no), deltas
 
     def _take_pending_inputs(self, batch, scheduled: list[ScheduledSeq], prev: "_InFlight") -> None:
         """input_ids rows whose token is still PENDING <- the previous step's sampled tokens."""
@@ -610,6 +615,8 @@ class Engine:
         t = time.perf_counter()
         results = launched.pending.results()
         self.last_sync_s += time.perf_counter() - t
+        if launched.targets:                  # read back: the step is done on the device
+            self.scheduler.prefill_rate.read(launched.step_no)
         deltas = []
         for (_, seq), slot, result in zip(launched.targets, launched.slots, results):
             if seq.status is SequenceStatus.FINISHED or seq.token_ids[slot] != PENDING:

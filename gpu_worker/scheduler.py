@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gpu_worker.block_manager import BlockCopy, BlockManager
+from gpu_worker.prefill_rate import PrefillRate
 from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 
 
@@ -57,6 +58,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # lower-tier loads the forward scatters layer by layer (gpu_worker/kv_tiers/layer_loads.py)
     layer_loads: object | None = None
+    step_no: int = 0            # the prefill-rate meter's number of this step (0: not timed)
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +73,10 @@ def _seq_slots(seq: Sequence) -> int:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool,
-                 admit_group: int | None = None) -> None:
+                 admit_group: int | None = None, prefill_rate: PrefillRate | None = None) -> None:
         self.block_manager = block_manager
+        # measured from these steps; the KV tiers pass their load policy's (one estimate for both)
+        self.prefill_rate = PrefillRate() if prefill_rate is None else prefill_rate
         self.max_num_seqs = max_num_seqs
         self.admit_group = max(1, max_num_seqs // 8) if admit_group is None else max(1, admit_group)
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -87,6 +91,14 @@ class Scheduler:
 
     # ---- the loop ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.prefill_rate.step_began()
+        out = self._schedule_step()
+        prefill = sum(n for _, n in out.scheduled if n > 1)      # a decode computes one token
+        # the engine reads the step's tokens with this number: the step's time (prefill_rate.py)
+        out.step_no = self.prefill_rate.step_scheduled(out.num_tokens, prefill)
+        return out
+
+    def _schedule_step(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.admit_prefilled()
         token_budget = self._schedule_running(out, self.max_num_batched_tokens)

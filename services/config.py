@@ -282,10 +282,12 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
     kv_transfer_port: int = opt(0, "Decode and mixed roles: port of the KV-transfer socket prefill workers, and "
                                    "draining workers moving requests with their KV, send KV to (CURVE, worker role "
                                    "only; 0: any free port).", **ANY_PORT)
-    kv_transport: str = opt("auto", "Prefill/decode roles: how KV moves between them: zmq (checked frames over the "
+    kv_transport: str = opt("auto", "Prefill/decode roles, and a drain's moves to peers: how KV moves between "
+                                    "workers: zmq (checked frames over the "
                                     "CURVE socket), shm (the same frames, their payload in POSIX shared memory when "
                                     "the other worker runs on this host; zmq frames otherwise), cuda_ipc (a decode "
-                                    "worker on this host copies the blocks out of the prefill worker's cache: CUDA "
+                                    "worker, or a drained worker's peer, on this host copies the blocks out of the "
+                                    "sender's cache: CUDA "
                                     "IPC, device to device; a CPU cache through shared memory; shm/zmq frames "
                                     "otherwise; opt-in until checked on a GPU), auto (shm where both allow it, else "
                                     "zmq; a decode worker also reads a cuda_ipc prefill worker's cache) or nixl (the decode worker reads the prefill worker's "
@@ -299,7 +301,9 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
                                      "where they continue from the tokens already streamed.", min=0)
     drain_kv_to_peers: bool = opt(True, "Mixed and decode roles: a drain moves each running request to another "
                                         "worker with its KV (sent like a prefill/decode hand-off, within "
-                                        "--handoff-lease-ms) instead of having it recomputed there; off: recomputed.")
+                                        "--handoff-lease-ms) when the KV is predicted to arrive sooner than the "
+                                        "request would be recomputed there (measured transfer and prefill "
+                                        "rates), else has it recomputed; off: always recomputed.")
     null_model: bool = opt(False, "Skip the model: emit deterministic fake tokens (control-plane benchmarks only).")
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms (sets the token rate).", min=0)
     null_vocab_size: int = opt(32000, "Null model: vocabulary size of the fake tokens.", min=1)

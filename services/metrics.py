@@ -199,6 +199,14 @@ PEER_MOVES = _worker(Counter("kvmesh_worker_kv_moves", "Requests a draining work
                              "by outcome (peer: the KV arrived and the request decodes on from it; recompute: it "
                              "did not, refused, failed or late, and this worker recomputes the request from the "
                              "tokens already streamed)", ["outcome"]))
+DRAIN_WAYS = _worker(Counter("kvmesh_worker_drain_moves", "Running requests this draining worker handed back, by "
+                             "way (kv: held for a peer, which it sends their KV to; recompute: the peer recomputes "
+                             "them, as the predicted KV transfer took longer than the recompute, or their KV could "
+                             "not be held or moved)", ["way"]))
+KV_SEND_RATE = _worker(Gauge("kvmesh_worker_kv_send_bytes_per_second", "The measured rate of this worker's whole "
+                             "KV sends (hand-offs and drain moves: Offer to Ack), by path (cache: the peer read "
+                             "this worker's cache; shm: frames through shared memory; frames: ZMQ frames)",
+                             ["path"]))
 HANDOFF_BYTES = _worker(Counter("kvmesh_worker_kv_handoff_bytes", "KV bytes this prefill worker sent to decode workers"))
 HANDOFF_SECONDS = _worker(Histogram("kvmesh_worker_kv_handoff_seconds", "One hand-off on the prefill worker: "
                                     "first token drawn (Offer sent) to the decode worker's Ack (or the failure)",

@@ -22,18 +22,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from gpu_worker.prefill_rate import PrefillRate, ewma
+
 POLICIES = ("auto", "always", "never")
-_ALPHA = 0.2                   # weight of a new measurement in the moving averages
 
 
 class LoadPlan(NamedTuple):
     num_blocks: int            # blocks to load, from the first lower-tier block on
     load_s: float              # predicted time of loading them
     recompute_s: float         # predicted time of computing the rest of the prompt
-
-
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else (1 - _ALPHA) * old + _ALPHA * new
 
 
 class LoadPolicy:
@@ -43,15 +40,20 @@ class LoadPolicy:
         self.block_bytes = block_bytes
         self.block_size = block_size
         self.bandwidth: dict[str, float] = {}          # tier -> bytes per second
-        self.prefill_rate: float | None = None         # tokens per second
+        self.prefill = PrefillRate()                   # the engine's scheduler measures it
+
+    @property
+    def prefill_rate(self) -> float | None:
+        """Tokens per second; None until a step has been measured."""
+        return self.prefill.rate
+
+    @prefill_rate.setter
+    def prefill_rate(self, rate: float | None) -> None:
+        self.prefill.rate = rate
 
     def observe_copy(self, tier: str, num_bytes: int, seconds: float) -> None:
         if num_bytes > 0 and seconds > 0:
-            self.bandwidth[tier] = _ewma(self.bandwidth.get(tier), num_bytes / seconds)
-
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens > 0 and seconds > 0:
-            self.prefill_rate = _ewma(self.prefill_rate, num_tokens / seconds)
+            self.bandwidth[tier] = ewma(self.bandwidth.get(tier), num_bytes / seconds)
 
     def joins_step(self, load_s: float, step_tokens: int, others_running: bool) -> bool:
         """Load inside this step (True) or beside it (False); see the module's docstring."""

@@ -40,7 +40,6 @@ log = logging.getLogger("kvmesh.kv_tiers")
 
 GIB = 1 << 30
 _PROBE_BLOCKS = 4
-_MIN_PREFILL_SAMPLE = 32      # prompt tokens a step must compute to measure the prefill rate
 
 
 class Evicted(NamedTuple):
@@ -84,8 +83,6 @@ class KVTiers:
         self.stats = TierStats()
         self._evicted: list[Evicted] = []
         self._planned: tuple[Sequence, LoadPlan, list[str]] | None = None   # the last plan, until its load
-        self._step_start: float | None = None
-        self._step_tokens = 0
         self.mirror = mirror if mirror is not None else TierMirror()
         self.mirror.attach(self)            # before anything the other ranks must repeat
         # loads beside the step read their files on reader threads (every rank: file_loads.py)
@@ -414,19 +411,8 @@ class KVTiers:
         return torch.frombuffer(payload, dtype=torch.uint8).view(self.mover.block_shape)
 
     # ---- rates ---------------------------------------------------------------------------
-    def step_began(self, running: bool) -> None:
-        """Start of a schedule: the previous step took until now (when the engine did not idle).
-        Only steps that are mostly prefill measure the prefill rate (a decode token costs a whole
-        memory-bound pass: decode steps would make recomputing look far slower than it is)."""
-        now = time.perf_counter()
-        if running and self._step_start is not None and self._step_tokens:
-            self.policy.observe_step(self._step_tokens, now - self._step_start)
-        self._step_start = now
-
-    def step_scheduled(self, num_tokens: int, num_prefill_tokens: int) -> None:
+    def step_scheduled(self) -> None:
         """End of a schedule: offloads go out before the step overwrites anything."""
-        mostly_prefill = num_prefill_tokens >= max(_MIN_PREFILL_SAMPLE, num_tokens // 2)
-        self._step_tokens = num_tokens if mostly_prefill else 0
         self.flush()
 
     def measure_bandwidth(self) -> None:

@@ -1,6 +1,6 @@
 """The scheduler of an engine with lower KV tiers: the base loop plus the tiers' hook points.
 
-    schedule():  step_began (the previous step's time -> prefill rate)
+    _schedule_step() (inside Scheduler.schedule(), which times steps for the prefill rate):
                  loads that arrived: scatter into their blocks, their sequences join running
                  base schedule, whose admission asks plan() and then begin_load() per sequence:
                      joins_step: the sequence runs in this step, its load copied layer group by
@@ -36,26 +36,26 @@ _IDLE_WAIT_S = 0.005      # an engine with only loads waiting for their files bl
 
 class TieredScheduler(Scheduler):
     def __init__(self, tiers: KVTiers, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        # the policy prices recomputing with the rate this scheduler's steps measure
+        super().__init__(*args, prefill_rate=tiers.policy.prefill, **kwargs)
         self.tiers = tiers
         self._loads: dict[int, PendingLoad | FileLoad] = {}   # id(seq) -> its load, for seqs in self.loading
         self._joining: list[PendingLoad] = []         # loads this step's forward scatters, layer by layer
 
-    def schedule(self) -> SchedulerOutput:
+    def _schedule_step(self) -> SchedulerOutput:
         if self.loading and not self.running:    # nothing to run until a file read lands
             self.tiers.wait_reads(_IDLE_WAIT_S)
-        self.tiers.step_began(bool(self.running))
+            self.prefill_rate.step_began()       # the wait was idle time, not this step's
         if self.loading:
             self._admit_loaded()
-        out = super().schedule()
+        out = super()._schedule_step()
         landing: list[PendingLoad] = []
         if self._joining and self.tiers.mirror.layered_loads:
             out.layer_loads = LayerLoads(self.tiers.mover, self._joining)
         else:                     # tensor parallel: the other ranks land their loads whole
             landing = self._joining
         self._joining = []
-        prefill = sum(n for _, n in out.scheduled if n > 1)      # a decode computes one token
-        self.tiers.step_scheduled(out.num_tokens, prefill)
+        self.tiers.step_scheduled()
         for load in landing:      # after the flush: blocks evicted into its destinations went down first
             self.tiers.scatter(load)
         return out

@@ -562,11 +562,12 @@ class WorkerCore(PeerMoves):
         held: list[str] = []
         deadline = time.monotonic() + self.move_lease_s
         for rid in self.requests:
-            if self.moves_kv and rid not in self._sending and self.engine.hold_for_move(rid):
+            if self._hold_for_peer(rid):
                 self.held[rid] = deadline              # its KV waits for a MoveKV, up to the lease
                 held.append(rid)
             else:
                 self._abort_in_engine(rid)
+        self._log_drain_ways(len(held), len(self.requests) - len(held))
         self._deferred.clear()          # never started: nothing of theirs is in the engine
         for rid, req in self.awaiting.items():   # KV awaited from a prefill worker: that one ends the stream
             self.imports.abort(rid)

@@ -36,6 +36,7 @@ from gpu_worker.kv_transfer.shm import host_identity
 from gpu_worker.kv_transfer.streaming import streamed_offer, take_snapshot
 from gpu_worker.kv_transfer.zmq_transport import KVReceiverEndpoint
 from gpu_worker.service.handoff_peer import PeerSender
+from gpu_worker.service.move_cost import TransferRates
 from services import metrics
 from services.security.curve import Plane
 
@@ -95,6 +96,9 @@ class PrefillSender:
         self.block_bytes = 2 * layout.layers * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
         self.max_snapshot_bytes = max_snapshot_bytes
         self.peer_idle_s = PEER_IDLE_S
+        # measured by the peer threads; a drain prices its moves with them (move_cost.py)
+        self.rates = TransferRates("nixl" if nixl_agent is not None else "cache" if cache_source is not None
+                                   else "shm" if shm_ring_bytes else "frames")
         self._results: queue.SimpleQueue[HandoffResult] = queue.SimpleQueue()
         self._streaming: dict[str, str] = {}    # engine thread: request -> D, streamed, not yet submitted
         # between the threads, under the lock: the peer threads; hand-offs submitted and not begun;

@@ -45,6 +45,7 @@ class _Stream:
     seq_no: int = 0             # frames sent
     bytes_sent: int = 0
     finishing: bool = False     # the finish job runs: its result is the hand-off's
+    whole: bool = False         # opened by the finish job: nothing streamed before its clock began
 
 
 class PeerSender(threading.Thread):
@@ -117,7 +118,7 @@ class PeerSender(threading.Thread):
             self._ended.add(rid)                      # to report; its finish or cancel follows
             return False
         channel = self._channel
-        self._streams[rid] = stream = _Stream(offer, finishing=finishing)
+        self._streams[rid] = stream = _Stream(offer, finishing=finishing, whole=finishing)
         channel.open(rid)
         deadline = time.monotonic() + self.owner.lease_s
         cancelled = lambda: self._cancelled(rid)                       # noqa: E731
@@ -255,8 +256,21 @@ class PeerSender(threading.Thread):
             self._channel.abort(rid)
         if stream is not None and not stream.finishing:
             self._ended.add(rid)
+        if isinstance(answer, Ack) and stream is not None and stream.whole and started is not None:
+            # a whole send, Offer to Ack: the rate a drain prices its next peer move with
+            self.owner.rates.observe(self._path(stream), stream.bytes_sent, time.perf_counter() - started)
         self._report(rid, answer, stream, started, reason)
         return False
+
+    def _path(self, stream: _Stream) -> str:
+        """How the KV of an accepted stream went (move_cost.py's paths)."""
+        if self.owner.nixl_source is not None:
+            return "nixl"
+        if stream.accept is not None and stream.accept.reads_cache:
+            return "cache"
+        if self.ring is not None and stream.accept is not None and stream.accept.shm:
+            return "shm"
+        return "frames"
 
     def _report(self, rid: str, answer: Any, stream: _Stream | None, started: float | None = None,
                 reason: str = "") -> None:

@@ -53,6 +53,7 @@ from typing import Any, Callable
 import zmq
 
 from gpu_worker.service.core import WorkerCore
+from gpu_worker.service.move_cost import MoveCosts
 from services import metrics
 from services.config import WorkerConfig, load_or_exit
 from services.engine_args import engine_args_of
@@ -364,6 +365,9 @@ class WorkerService:
         # with both ends of the KV transfer, a drain moves running requests to peers with their KV
         self.core.moves_kv = sender is not None and kv_receiver is not None and cfg.drain_kv_to_peers
         self.core.move_lease_s = cfg.handoff_lease_ms / 1000
+        if self.core.moves_kv:     # each move priced against a recompute (gpu_worker/service/move_cost.py)
+            self.core.move_costs = MoveCosts(sender.rates, engine.scheduler.prefill_rate, sender.block_bytes,
+                                             sender.producer.layout.block_size)
         # NIXL reads the blocks in one READ once the prompt is done: nothing streams before it
         self.core.streams_kv = self.core.hands_off and self.cfg.kv_transport != "nixl"
         if kv_receiver is not None:
@@ -436,12 +440,15 @@ class WorkerService:
                                   shm=shm, cache_reads=cfg.kv_transport in ("auto", "cuda_ipc"))
         if nixl is not None:       # a drained decode worker's KV would need a NIXL source: recomputed
             return None, receiver
-        # a drain's peer moves: frames (shm ring on one host), never this cache exported
-        return PrefillSender(engine, self.plane, lease_s, shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0), receiver
+        # a drain's peer moves go as a hand-off does: a peer on this host reads this cache itself
+        # under cuda_ipc; frames otherwise (through the shm ring on one host)
+        return PrefillSender(engine, self.plane, lease_s, shm_ring_bytes=DEFAULT_RING_BYTES if shm else 0,
+                             cache_source=self._cache_source(engine)), receiver
 
     def _cache_source(self, engine: Any) -> Any:
-        """This prefill engine's cache exported for same-host decode workers to read
-        (kv_transfer/cuda_ipc.py), with cuda_ipc only: the CUDA path has not run on a GPU yet, so
+        """This engine's cache exported for workers on this host to read (kv_transfer/cuda_ipc.py):
+        a decode worker after a prefill worker's hand-off, a peer after a drain's move. With
+        cuda_ipc only: the CUDA path has not run on a GPU yet, so
         auto keeps to the frames (a decode worker under auto still reads a cuda_ipc prefill
         worker's cache). A CPU cache is moved into shared memory for it. None: frames only."""
         if self.cfg.kv_transport != "cuda_ipc":

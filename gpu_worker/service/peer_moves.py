@@ -5,7 +5,8 @@ engine, its request tables (`requests`, `awaiting`) and its hand-off queues (`_h
 
     draining worker W   hand_back(): each decoding request (one sample, every token but the last
                         computed; constrained or speculating too, only final KV: hold_for_move's
-                        docstring) is held with its KV (engine.hold_for_move), listed in
+                        docstring) whose KV is predicted to move faster than the peer would
+                        recompute it (move_cost.py) is held with its KV (engine.hold_for_move), listed in
                         `kv_held` beside `handed_back`, for the hand-off lease -> MoveKV(rid, to)
                         from the scheduler: its KV goes to that peer through the hand-off sender,
                         if the client's tokens are the ones computed (else the peer is told to
@@ -28,6 +29,7 @@ import time
 from typing import Any
 
 from gpu_worker.outputs import RequestError
+from gpu_worker.service.move_cost import MoveCosts
 from gpu_worker.service.request_state import Req
 from services import metrics
 from services.envelope import Envelope
@@ -52,6 +54,35 @@ class PeerMoves:
         self.move_lease_s = 5.0                        # --handoff-lease-ms: how long held KV waits
         self.held: dict[str, float] = {}               # W: request -> monotonic() its held KV is freed
         self._peer_moves: dict[str, Dispatch] = {}     # D: KV awaited from a drained worker
+        self.move_costs: MoveCosts | None = None       # W: None moves every request it can with its KV
+
+    def _hold_for_peer(self, rid: str) -> bool:
+        """W, handing back: hold rid's KV for a peer (True), or let the peer recompute it. Held
+        when moves are on, it is not being sent already, moving its KV is predicted to be the
+        faster way (move_cost.py) and the engine can hold it."""
+        if not self.moves_kv or rid in self._sending:
+            return False
+        ereq = self.engine.requests.get(rid)
+        if self.move_costs is not None and ereq is not None and ereq.seqs:
+            choice = self.move_costs.choose(ereq.seqs[0].num_computed_tokens)
+            if choice.way == "recompute":
+                log.debug("request %s: recomputed at the peer (KV %.1f ms, recompute %.1f ms)", rid,
+                          1e3 * choice.transfer_s, 1e3 * (choice.recompute_s or 0.0))
+                return False
+        return self.engine.hold_for_move(rid)
+
+    def _log_drain_ways(self, num_kv: int, num_recompute: int) -> None:
+        metrics.DRAIN_WAYS.labels("kv").inc(num_kv)
+        metrics.DRAIN_WAYS.labels("recompute").inc(num_recompute)
+        if num_kv + num_recompute == 0:
+            return
+        if not self.moves_kv:
+            log.info("drain: running requests handed back: %d, recomputed where they move (no KV moves: "
+                     "--drain-kv-to-peers off, or this worker cannot send KV)", num_recompute)
+            return
+        how = self.move_costs.describe() if self.move_costs is not None else "every one that can move"
+        log.info("drain: running requests handed back: %d move to peers with their KV, %d are recomputed "
+                 "there (%s)", num_kv, num_recompute, how)
 
     def _await_peer(self, msg: Dispatch, out: list[Envelope], received: float) -> None:
         """D: a moved request whose KV a drained worker sends: its stream is ours from now on."""

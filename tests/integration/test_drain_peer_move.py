@@ -75,6 +75,8 @@ def test_a_drained_stream_goes_on_at_the_peer_with_its_kv(serve):
     healthy = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                         extra_body={"ignore_eos": True})
     assert text == healthy.choices[0].text
+    # the draining worker priced the move: the tiny model's KV beats recomputing it (move_cost.py)
+    assert "handed back: 1 move to peers with their KV, 0 are recomputed" in serve.log()
     if RACED not in serve.log():
         assert "recomputing" not in serve.log()
     wait_for(lambda: all(not w.load.get("requests") for w in _workers(redis_url)), 10, "no request held")

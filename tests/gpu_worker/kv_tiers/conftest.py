@@ -26,6 +26,9 @@ def llama(tiny_models) -> tuple[str, HFReference]:
 
 def tiered_engine(model_dir: str, num_gpu_blocks: int = 24, **kw) -> Engine:
     kw.setdefault("device", "cpu")
+    # the tiers' mechanics, not the policy: on the CPU the tiny models recompute faster than they
+    # load, so `auto` recomputes as soon as a prompt's step has measured the prefill rate
+    kw.setdefault("kv_load_policy", "always")
     return Engine(EngineConfig(model=model_dir, num_gpu_blocks=num_gpu_blocks, block_size=BLOCK_SIZE, **kw))
 
 

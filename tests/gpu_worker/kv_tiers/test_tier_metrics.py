@@ -33,11 +33,14 @@ def test_only_prefill_steps_measure_the_prefill_rate(llama):
     far slower than it is and tilt auto towards loading."""
     model_dir, _ = llama
     eng = tiered_engine(model_dir, kv_offload_cpu_gb=0.001)
-    for _ in range(3):                      # decode-only steps of a batch of 64
-        eng.kv_tiers.step_began(running=True)
-        eng.kv_tiers.step_scheduled(64, 0)
-    eng.kv_tiers.step_began(running=True)
+    meter = eng.scheduler.prefill_rate      # the scheduler times the steps the policy prices
+    assert meter is eng.kv_tiers.policy.prefill
+    for _ in range(3):                      # decode-only steps of a batch of 64, each read
+        meter.step_began()
+        meter.read(meter.step_scheduled(64, 0))
     assert eng.kv_tiers.policy.prefill_rate is None
-    eng.kv_tiers.step_scheduled(64, 60)     # mostly prefill
-    eng.kv_tiers.step_began(running=True)
-    assert eng.kv_tiers.policy.prefill_rate > 0
+    meter.step_began()
+    chunk = meter.step_scheduled(64, 64)    # a prompt chunk that draws nothing: read with the next
+    meter.step_began()
+    meter.read(meter.step_scheduled(64, 60))    # mostly prefill
+    assert eng.kv_tiers.policy.prefill_rate > 0 and chunk > 0

@@ -82,7 +82,7 @@ def test_auto_policy_splits_when_the_tail_is_slow(llama, tmp_path):
     auto loads the host part and recomputes the rest (a partial reload): transformers' tokens."""
     model_dir, hf = llama
     eng = tiered_engine(model_dir, kv_offload_cpu_gb=6e-6,                     # 3 slots of 2 KiB
-                        kv_offload_dir=str(tmp_path / "kv"), kv_offload_disk_gb=0.001)
+                        kv_offload_dir=str(tmp_path / "kv"), kv_offload_disk_gb=0.001, kv_load_policy="auto")
     assert eng.kv_tiers.host.num_slots == 3
 
     def slow_disk(eng, turn, next_prompt):

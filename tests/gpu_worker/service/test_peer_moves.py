@@ -12,6 +12,7 @@ import torch
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
+from gpu_worker.kv_transfer.cuda_ipc import export_cache
 from gpu_worker.service.core import WorkerCore
 from gpu_worker.service.handoff import DecodeReceiver, PrefillSender
 from services import metrics
@@ -34,11 +35,15 @@ class Move:
     """W (draining) and D, each a core with the shells' KV endpoints."""
 
     def __init__(self, model: str, d_kw: dict | None = None, lease_s: float = 5.0, w_kw: dict | None = None,
-                 make=engine) -> None:
+                 make=engine, cache_reads: bool = False) -> None:
+        """cache_reads: D reads W's exported cache (--kv-transport cuda_ipc; a CPU cache through
+        shared memory) instead of taking frames."""
         self.w = WorkerCore(make(model, **(w_kw or {})), "w", 1)
         self.d = WorkerCore(make(model, **(d_kw or {})), "d", 1)
-        self.w_sender = PrefillSender(self.w.engine, Plane.insecure(), lease_s=lease_s)
-        self.d_receiver = DecodeReceiver(self.d.engine, Plane.insecure(), "127.0.0.1", 0, lease_s=lease_s)
+        source = export_cache(self.w.engine) if cache_reads else None
+        self.w_sender = PrefillSender(self.w.engine, Plane.insecure(), lease_s=lease_s, cache_source=source)
+        self.d_receiver = DecodeReceiver(self.d.engine, Plane.insecure(), "127.0.0.1", 0, lease_s=lease_s,
+                                         cache_reads=cache_reads)
         self.w.moves_kv, self.w.move_lease_s = True, lease_s
         self.d.imports, self.d.move_lease_s = self.d_receiver.imports, lease_s
         self.d_addr = self.d_receiver.endpoint.address + "#worker"
