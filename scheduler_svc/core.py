@@ -92,13 +92,13 @@ from services.protocol.messages import (
 log = logging.getLogger("kvmesh.scheduler")
 
 
-@dataclass(frozen=True)
-
 def live_outputs(msg: Resume) -> list[list[int]]:
     """The tokens of a moving stream's samples that have not ended."""
     ended = set(msg.ended)
     return [out for i, out in enumerate(msg.output_token_ids) if i not in ended]
 
+
+@dataclass(frozen=True)
 class Limits:
     max_queue: int = 4096
     max_tenant_inflight: int = 1024
