@@ -34,6 +34,7 @@ from gpu_worker.batch_builder import BatchBuilder, fits_decode_rows
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.engine_setup import EngineSetup, measuring_memory, resolve_setup
 from gpu_worker.kv_tiers import TieredScheduler, build_kv_tiers
+from gpu_worker.kv_transfer import group
 from gpu_worker.config import EngineConfig
 from gpu_worker.outputs import EngineStats, RequestError, SequenceDelta
 from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResult, to_device
@@ -123,6 +124,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
         self._importing: dict[str, tuple[Sequence, list[tuple[int, int, float]] | None]] = {}  # KV arriving
+        self._moved_groups: dict[str, list[Sequence]] = {}   # ... for every sample of an n > 1 peer move
         self._arrivals = 0
         self._seed_rng = random.Random(config.seed)  # seeds of requests that give none
         self._inflight: _InFlight | None = None       # async_scheduling: the launched step
@@ -797,40 +799,43 @@ class Engine:
 
     def hold_for_move(self, request_id: str) -> bool:
         """A draining engine's running request, to move with its KV (a peer move): it leaves the
-        batch and its blocks are held (`exported`, its sample finished with HANDOFF) until
-        release_export, like a prefill's export. A decoding request qualifies: one sample (n > 1
-        does not), running, every token but the last computed, no step in flight (settle()
-        first). A grammar's matcher stays behind (the peer rebuilds it from the output tokens);
-        with speculation, blocks past the computed tokens (slots of drafts) are freed first, so
-        only final KV is held, and the proposer hands off what the peer needs (mtp: its pending
-        row, as a prefill's export does; a draft model's KV stays, the peer computes its own).
+        batch and the blocks of each sample still going are held (`exported`, the sample finished
+        with HANDOFF) until release_export, like a prefill's export; samples that ended stay
+        ended. A decoding request qualifies: every sample still going running, every token of it
+        but the last computed, no step in flight (settle() first), n > 1 without speculation. A
+        grammar's matcher stays behind (the peer rebuilds it from the output tokens); with
+        speculation, blocks past the computed tokens (slots of drafts) are freed first, so only
+        final KV is held, and the proposer hands off what the peer needs (mtp: its pending row,
+        as a prefill's export does; a draft model's KV stays, the peer computes its own).
         False: nothing changed (it is recomputed elsewhere instead).
 
             token_ids   | prompt .......... | output ..... t |   t: drawn, not yet computed
             KV held     |<------- num_tokens - 1 ------->|       blocks: ceil((num_tokens - 1) / bs)
         """
         request = self.requests.get(request_id)
-        if (request is None or request.n != 1 or len(request.seqs) != 1 or request.export_kv
-                or self._inflight is not None):
+        if (request is None or request.needs_fork or request.export_kv or self._inflight is not None
+                or (request.n != 1 and self.speculator is not None)):   # drafts carry one sample's state
             return False
-        seq = request.seqs[0]
-        if seq.status is not SequenceStatus.RUNNING or seq.num_new_tokens != 1 or seq.num_output_tokens < 1:
+        live = [s for s in request.seqs if s.status is not SequenceStatus.FINISHED]
+        if not live or any(s.status is not SequenceStatus.RUNNING or s.num_new_tokens != 1
+                           or s.num_output_tokens < 1 for s in live):
             return False
-        self.block_manager.release_uncomputed(seq)   # lookahead slots: never sent as if valid
-        self.scheduler.finish(seq, HANDOFF)          # out of the batch; its blocks stay held
-        if self.speculator is not None:
-            self.speculator.hold(seq)
+        for seq in live:
+            self.block_manager.release_uncomputed(seq)   # lookahead slots: never sent as if valid
+            self.scheduler.finish(seq, HANDOFF)          # out of the batch; its blocks stay held
+            if self.speculator is not None:
+                self.speculator.hold(seq)
         del self.requests[request_id]
         self._forget_constrained(request_id)
         self.exported[request_id] = request
         return True
 
-    def held_output(self, request_id: str) -> list[int] | None:
-        """The output tokens of a request held by hold_for_move (None if not held)."""
+    def held_outputs(self, request_id: str) -> dict[int, list[int]] | None:
+        """Sample index -> output tokens of each sample held by hold_for_move (None if not held)."""
         request = self.exported.get(request_id)
-        if request is None or request.export_kv or len(request.seqs) != 1:
+        if request is None or request.export_kv:
             return None
-        return request.seqs[0].output_token_ids
+        return {s.index: s.output_token_ids for s in request.seqs if s.finish_reason == HANDOFF}
 
     def prefilled_blocks(self, request_id: str) -> list[int]:
         """An export_kv request whose prompt is still being computed: the ids of its prompt's
@@ -926,6 +931,73 @@ class Engine:
         self._importing[request_id] = (seq, sorted(samples) if samples is not None else None)
         return seq
 
+    def import_moved(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                     seed: int, samples: list[tuple[int, int, float]], outputs: dict[int, list[int]],
+                     num_shared_blocks: int, priority: int = 0, cache_salt: str = "") -> tuple[list[int], int] | None:
+        """Reserve blocks for a peer move of an n > 1 request (kv_transfer/group.py): each sample
+        in `samples` (index, its last token, cumulative logprob) goes on from the prompt plus its
+        `outputs` (its output but the last token, whose KV comes); the others have ended. Returns
+        (the group's transfer table, how many of its leading blocks this engine's prefix cache
+        held: they do not move), or None (nothing reserved) when the pool lacks free blocks now.
+        admit_imported rebuilds the group: the shared blocks shared, each sample at its position
+        (budget, penalties, seeded draws, cumulative logprob as if it had never moved)."""
+        prompt = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
+        if params.n < 2 or self.speculator is not None:
+            raise RequestError("invalid samples: a moved group has n > 1 and needs an engine without speculation")
+        if request_id in self.exported:
+            raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
+        self._check_samples(params, samples)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise RequestError("invalid seed: must be an integer")
+        max_tokens = self.max_model_len - len(prompt)
+        if params.max_tokens is not None:
+            max_tokens = min(params.max_tokens, max_tokens)
+        if sorted(outputs) != sorted(i for i, _, _ in samples) or any(
+                _as_token_ids(out, self.vocab_size) is None or len(out) + 1 >= max_tokens for out in outputs.values()):
+            raise RequestError("invalid samples: one output per moved sample, with room left to generate")
+        full_blocks = len(prompt) // self.config.block_size
+        if not isinstance(num_shared_blocks, int) or not 0 <= num_shared_blocks <= full_blocks:
+            raise RequestError("invalid num_shared_blocks: at most the prompt's full blocks")
+        stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
+        request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals, seed,
+                          max_tokens, stop_ids=stop_ids)
+        seqs = [Sequence(request, i, prompt + list(outputs[i]), len(prompt)) for i in sorted(outputs)]
+        hits = group.reserve(self.block_manager, seqs, num_shared_blocks)
+        if hits is None:
+            return None
+        if self.kv_tiers is not None:          # blocks it evicted go down a tier before the KV lands
+            self.kv_tiers.flush()
+        self._arrivals += 1
+        self._submit_grammar(request)
+        request.num_cached_tokens = len(prompt)      # computed elsewhere, as a one-sample move's
+        self.requests[request_id] = request
+        self._importing[request_id] = (seqs[0], sorted(samples))
+        self._moved_groups[request_id] = seqs
+        return group.flat_table(seqs, num_shared_blocks), hits
+
+    def _admit_group(self, request_id: str) -> None:
+        """admit_imported of a moved group: each sample still going joins the batch on its blocks;
+        one aborted meanwhile frees its own (the shared ones stay with the others)."""
+        seqs = self._moved_groups.pop(request_id)
+        _, held = self._importing.pop(request_id)
+        going_on = {i: (token, logprob) for i, token, logprob in held}
+        request = seqs[0].request
+        by_index = {s.index: s for s in seqs}
+        for index in range(request.n):
+            seq = by_index.get(index)
+            if seq is not None and index in going_on:
+                seq.num_computed_tokens = seq.num_tokens
+                self.block_manager.register_computed_blocks(seq)
+                token, seq.cumulative_logprob = going_on[index]
+                seq.token_ids.append(token)
+                self.scheduler.add_prefilled(seq)
+                request.seqs.append(seq)
+                continue
+            if seq is not None:
+                self.block_manager.free(seq)
+            request.seqs.append(Sequence(request, index, list(request.prompt_token_ids), len(request.prompt_token_ids),
+                                         status=SequenceStatus.FINISHED, finish_reason="stop"))
+
     def _check_samples(self, params: SamplingParams, samples: list[tuple[int, int, float]]) -> None:
         indices = [i for i, _, _ in samples]
         if not samples or len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
@@ -937,13 +1009,16 @@ class Engine:
 
     def admit_imported(self, request_id: str, samples: list[tuple[int, int, float]] | None = None,
                        last_hidden: Any = None) -> None:
-        """Every block of an imported request holds its KV now: its samples join the batch as if
-        this engine had prefilled the prompt (a draft model first computes its own KV of the
-        prompt, and of a moved request's output: the hand-off moves the target's only; mtp's
-        layer comes with it, and `last_hidden`, the other engine's hidden state (H,) on the host
-        at the last computed position, lets it draft from the first step), and its full blocks
-        join the prefix cache. `samples`: those import_prefilled did not have yet (raises
-        RequestError when invalid; the request stays importing, for abort_request)."""
+        """Every block of an imported request holds its KV now (a moved group's: _admit_group):
+        its samples join the batch as if this engine had prefilled the prompt (a draft model first
+        computes its own KV of the prompt, and of a moved request's output: the hand-off moves the
+        target's only; mtp's layer comes with it, and `last_hidden`, the other engine's hidden
+        state (H,) on the host at the last computed position, lets it draft from the first step),
+        and its full blocks join the prefix cache. `samples`: those import_prefilled did not have
+        yet (raises RequestError when invalid; the request stays importing, for abort_request)."""
+        if request_id in self._moved_groups:
+            self._admit_group(request_id)
+            return
         seq, held = self._importing[request_id]
         if held is None:
             if samples is None:
@@ -1002,7 +1077,8 @@ class Engine:
             samples[:] = [s for s in samples if index not in (None, s[0])]
         if not samples and (samples is not None or index is None):
             self._importing.pop(request_id)
-            self.block_manager.free(seq)
+            for held in self._moved_groups.pop(request_id, [seq]):     # a moved group: every sample's
+                self.block_manager.free(held)
             del self.requests[request_id]
             self._forget_constrained(request_id)
 

@@ -92,6 +92,12 @@ from services.protocol.messages import (
 log = logging.getLogger("kvmesh.scheduler")
 
 
+def live_outputs(msg: Resume) -> list[list[int]]:
+    """The tokens of a moving stream's samples that have not ended."""
+    ended = set(msg.ended)
+    return [out for i, out in enumerate(msg.output_token_ids) if i not in ended]
+
+
 @dataclass(frozen=True)
 class Limits:
     max_queue: int = 4096
@@ -576,11 +582,11 @@ class SchedulerCore:
         req = self.requests.get(msg.request_id)
         if req is None or not req.moving:
             return []
-        if req.kv_from and not (msg.known and len(msg.output_token_ids) == 1 and msg.output_token_ids[0]
-                                and not msg.ended):
+        n = req.submit.params.n
+        if req.kv_from and not (msg.known and len(msg.output_token_ids) == n and live_outputs(msg)
+                                and all(live_outputs(msg))):
             return [*self._release_kv(req), *self.resumed(msg)]     # not a stream a peer move fits
         reason, req.moving = req.moving, ""
-        n = req.submit.params.n
         if msg.known and len(set(msg.ended)) >= n:     # every sample ended meanwhile: nothing to run
             self._forget(msg.request_id)
             return []
@@ -634,8 +640,10 @@ class SchedulerCore:
         if (holder is None or holder is worker or holder.role != worker.role or not worker.kv_addr
                 or not pairable(holder, worker)):
             return None
+        outputs, several = req.resume.output_token_ids, req.submit.params.n > 1
         return Envelope(holder.addr, MoveKV(request_id=rid, epoch=holder.epoch, to=worker.kv_addr, run=req.run,
-                                            output_token_ids=req.resume.output_token_ids[0]))
+                                            output_token_ids=outputs[0], sample_outputs=outputs if several else [],
+                                            ended=list(req.resume.ended) if several else []))
 
     def _fail_moving(self, rid: str, req: _Req, reason: str) -> list[Envelope]:
         metrics.MIGRATIONS.labels(reason, "failed").inc()

@@ -4,6 +4,7 @@
     messages.py      the msgspec messages of one hand-off; block frames carry raw KV bytes
     connector.py     the connector interface (KVProducer on P, KVConsumer on D) and its
                      engine-backed implementation: which blocks move, where they land
+    group.py         a moved n > 1 request's samples as one transfer table (shared blocks once)
     local.py         both engines in one process: the hand-off as plain calls
     zmq_transport.py the plain ZMQ/TCP path (CPU runs, CI): P sends checked block frames
     shm.py           same-host frames: the payloads through a POSIX shared-memory ring

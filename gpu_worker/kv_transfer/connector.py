@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_worker.kv_transfer import group
 from gpu_worker.kv_transfer.layout import (KVLayout, KVLayoutMismatch, check_compatible, handoff_caches,
                                            handoff_layout)
-from gpu_worker.kv_transfer.messages import (Accept, Ack, BlockFrame, Done, Fail, LastHidden, Offer, Refuse,
-                                             SampleStart, checksum)
+from gpu_worker.kv_transfer.messages import (Accept, Ack, BlockFrame, Done, Fail, LastHidden, MovedOutput, Offer,
+                                             Refuse, SampleStart, checksum)
 from gpu_worker.kv_transfer.rate_limit import RateLimitedLog
 from gpu_worker.outputs import RequestError
 from gpu_worker.sequence import HANDOFF
@@ -139,9 +140,20 @@ class EngineKVProducer(KVProducer):
         return [] if request is None else [s for s in request.seqs if s.finish_reason == HANDOFF]
 
     def block_table(self, request_id: str) -> list[int] | None:
-        """P's block table of an exported request (None unless it hands off samples)."""
+        """P's blocks of an exported request in transfer order (None unless it hands off
+        samples): one table, or a moved group's (kv_transfer/group.py)."""
         seqs = self._handoff_seqs(request_id)
-        return list(seqs[0].block_table) if seqs else None
+        if not seqs:
+            return None
+        if self._is_group(seqs):
+            return group.flat_table(seqs, group.num_shared_blocks(seqs, self.layout.block_size))
+        return list(seqs[0].block_table)
+
+    @staticmethod
+    def _is_group(seqs) -> bool:
+        """A moved n > 1 request (hold_for_move): its samples wrote past the prompt, each its own
+        blocks. A prefill's samples all hold the prompt's table only."""
+        return seqs[0].request.n > 1 and not seqs[0].request.export_kv
 
     def first_tokens(self, request_id: str) -> list[SampleStart]:
         """The first token of each sample an exported request hands off ([] if none)."""
@@ -163,6 +175,8 @@ class EngineKVProducer(KVProducer):
         if not seqs:
             return None
         seq, request, bs = seqs[0], seqs[0].request, self.layout.block_size
+        if self._is_group(seqs):
+            return self._group_offer(request_id, seqs)
         assert all(s.block_table == seq.block_table for s in seqs), "samples wrote past the prompt"
         # the tokens whose KV the blocks hold: a prefill's prompt, or a moved request's prompt and
         # output but its last token (hold_for_move), which is then the sample's "first" token
@@ -175,15 +189,29 @@ class EngineKVProducer(KVProducer):
                      samples=self.first_tokens(request_id), last_hidden=self.last_hidden(request_id),
                      block_hashes=hashes, num_blocks=len(seq.block_table), src_block_ids=list(seq.block_table))
 
+    def _group_offer(self, request_id: str, seqs) -> Offer:
+        """The Offer of a moved n > 1 request: the prompt, each held sample's output (its last
+        token as its "first"), and the group's transfer table."""
+        request, bs = seqs[0].request, self.layout.block_size
+        shared = group.num_shared_blocks(seqs, bs)
+        table = group.flat_table(seqs, shared)
+        prompt = request.prompt_token_ids
+        return Offer(request_id=request_id, layout=self.layout, prompt_token_ids=list(prompt),
+                     params=request.params, seed=request.seed, priority=request.priority,
+                     cache_salt=request.cache_salt, num_cached_tokens=request.num_cached_tokens,
+                     samples=self.first_tokens(request_id),
+                     moved=[MovedOutput(s.index, s.output_token_ids[:-1]) for s in seqs],
+                     block_hashes=chain_hashes(None, self.layout.model_id, request.cache_salt, prompt, bs),
+                     num_blocks=len(table), src_block_ids=table, num_shared_blocks=shared)
+
     def frames(self, accept: Accept, start_block: int = 0, seq_no: int = 0) -> Iterator[tuple[BlockFrame, memoryview]]:
         """The frames of the blocks from max(start_block, accept.first_block) on, read in place from
         the held blocks of an exported request, numbered from seq_no. Raises KVLayoutMismatch
         before any frame when D's layout differs."""
         check_compatible(self.layout, accept.layout)
-        seqs = self._handoff_seqs(accept.request_id)
-        if not seqs:
+        table = self.block_table(accept.request_id)
+        if not table:
             return
-        table = seqs[0].block_table
         if not 0 <= accept.first_block <= len(table) or len(accept.dst_block_ids) != len(table) - accept.first_block:
             raise ValueError(f"Accept for {accept.request_id!r} does not match its block table")
         caches = handoff_caches(self.engine)
@@ -252,25 +280,38 @@ class EngineKVConsumer(KVConsumer):
             return Refuse(offer.request_id, str(e))
         bs = self.layout.block_size
         n = len(offer.prompt_token_ids)
-        if offer.num_blocks != -(-n // bs) or offer.block_hashes != chain_hashes(
+        blocks = -(-n // bs)
+        if offer.moved:         # a moved group: its transfer table (kv_transfer/group.py)
+            blocks = offer.num_shared_blocks + sum(
+                group.own_blocks(n + len(m.token_ids), offer.num_shared_blocks, bs) for m in offer.moved)
+        if offer.num_blocks != blocks or offer.block_hashes != chain_hashes(
                 None, self.layout.model_id, offer.cache_salt, offer.prompt_token_ids, bs):
             return Refuse(offer.request_id, "the offer's blocks do not match its prompt")
         try:
-            seq = self.engine.import_prefilled(
-                offer.request_id, offer.prompt_token_ids, offer.params, seed=offer.seed,
-                samples=_samples(offer.samples) if offer.samples else None,
-                priority=offer.priority, cache_salt=offer.cache_salt, num_cached_tokens=offer.num_cached_tokens,
-                num_output_tokens=offer.num_output_tokens)
+            reserved = self._reserve(offer)
         except RequestError as e:
             return Refuse(offer.request_id, str(e))
-        if seq is None:
+        if reserved is None:
             return Refuse(offer.request_id, NO_FREE_BLOCKS)
-        first = seq.num_computed_tokens // bs
+        table, first = reserved
         self._rx[offer.request_id] = _Receiving(
-            list(seq.block_table), first,
-            torch.zeros((self.layout.layers, len(seq.block_table) - first), dtype=torch.bool),
+            table, first, torch.zeros((self.layout.layers, len(table) - first), dtype=torch.bool),
             streamed=not offer.samples, last_hidden=offer.last_hidden)
-        return Accept(offer.request_id, self.layout, first, seq.block_table[first:])
+        return Accept(offer.request_id, self.layout, first, table[first:])
+
+    def _reserve(self, offer: Offer) -> tuple[list[int], int] | None:
+        """D's blocks for an Offer, in transfer order, and how many leading ones it had cached."""
+        if offer.moved:
+            return self.engine.import_moved(
+                offer.request_id, offer.prompt_token_ids, offer.params, seed=offer.seed,
+                samples=_samples(offer.samples), outputs={m.index: m.token_ids for m in offer.moved},
+                num_shared_blocks=offer.num_shared_blocks, priority=offer.priority, cache_salt=offer.cache_salt)
+        seq = self.engine.import_prefilled(
+            offer.request_id, offer.prompt_token_ids, offer.params, seed=offer.seed,
+            samples=_samples(offer.samples) if offer.samples else None,
+            priority=offer.priority, cache_salt=offer.cache_salt, num_cached_tokens=offer.num_cached_tokens,
+            num_output_tokens=offer.num_output_tokens)
+        return None if seq is None else (list(seq.block_table), seq.num_computed_tokens // self.layout.block_size)
 
     def receive(self, frame: BlockFrame, payload: bytes | memoryview) -> Fail | None:
         """Writes a frame's KV into D's blocks; an invalid frame drops it with a (rate-limited)

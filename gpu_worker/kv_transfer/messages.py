@@ -91,6 +91,13 @@ class SampleStart(msgspec.Struct, array_like=True, frozen=True):
     cumulative_logprob: float
 
 
+class MovedOutput(msgspec.Struct, array_like=True, frozen=True):
+    """A sample of a moved n > 1 request: its output whose KV moves (all but its last token,
+    which its SampleStart carries)."""
+    index: int
+    token_ids: list[int]
+
+
 class Offer(msgspec.Struct, tag="offer", frozen=True):
     request_id: str
     layout: KVLayout
@@ -112,6 +119,11 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     # a peer move of a decoding request: the last this many of prompt_token_ids are tokens it
     # generated (D counts them as output: budget, penalties, seeded positions); 0 for a prefill
     num_output_tokens: int = 0
+    # a peer move of an n > 1 request (kv_transfer/group.py): prompt_token_ids is the prompt, each
+    # sample in `samples` goes on from its `moved` output; the blocks are the group's transfer
+    # table (num_blocks of them), whose first num_shared_blocks every sample holds
+    moved: list[MovedOutput] = []
+    num_shared_blocks: int = 0
 
 
 class Accept(msgspec.Struct, tag="accept", frozen=True):

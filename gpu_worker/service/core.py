@@ -65,7 +65,7 @@ from typing import Any
 
 from gpu_worker.outputs import RequestError, SequenceDelta
 from gpu_worker.sequence import HANDOFF
-from gpu_worker.service.peer_moves import PeerMoves
+from gpu_worker.service.peer_moves import PeerMoves, peer_fits
 from services import metrics
 from services.envelope import SCHEDULER, Envelope
 from services.protocol.messages import (
@@ -202,7 +202,7 @@ class WorkerCore(PeerMoves):
             self._deferred[msg.request_id] = _Deferred(msg, received)
             return
         handoff_to = msg.handoff_to if self.hands_off else ""   # no sender here: run it whole
-        if msg.kv_from and self.imports is not None and len(msg.resume_output) == 1 and msg.resume_output[0]:
+        if msg.kv_from and self.imports is not None and peer_fits(msg):
             self._await_peer(msg, out, received)
             return
         try:

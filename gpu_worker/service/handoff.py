@@ -272,14 +272,14 @@ class AwaitedImports(EngineKVConsumer):
         super().__init__(engine)
         self.lease_s = lease_s
         self._awaited: dict[str, float] = {}     # request id -> monotonic() past which it is forgotten
-        self._expected: dict[str, tuple[list[int], int]] = {}   # a peer move's tokens and prompt length
+        self._expected: dict[str, tuple[list[int], dict[int, list[int]]]] = {}   # a peer move's prompt, samples' tokens
         self._admitted: list[str] = []
         self._forgotten: list[str] = []
 
     def await_request(self, request_id: str, max_wait_s: float = AWAIT_OFFER_MAX_S,
-                      expect: tuple[list[int], int] | None = None) -> None:
-        """expect: a peer move's (prompt + the tokens its client has, prompt length); an Offer of
-        other tokens is refused (its KV would be of another stream)."""
+                      expect: tuple[list[int], dict[int, list[int]]] | None = None) -> None:
+        """expect: a peer move's (prompt, sample index -> the tokens its client has, for each
+        sample not ended); an Offer of other tokens is refused (its KV would be of another stream)."""
         self._awaited[request_id] = time.monotonic() + max_wait_s
         if expect is not None:
             self._expected[request_id] = expect
@@ -333,10 +333,22 @@ class AwaitedImports(EngineKVConsumer):
         return out
 
 
-def _offers(offer: Offer, tokens: list[int], num_prompt: int) -> bool:
-    """Does a peer move's Offer carry exactly the moved stream: its prompt and output so far?"""
-    return (len(offer.samples) == 1 and len(offer.prompt_token_ids) - offer.num_output_tokens == num_prompt
-            and [*offer.prompt_token_ids, offer.samples[0].token_id] == tokens)
+def _offers(offer: Offer, prompt: list[int], outputs: dict[int, list[int]]) -> bool:
+    """Does a peer move's Offer carry exactly the moved stream: its prompt, and each sample still
+    going at its output so far (one sample: prompt_token_ids ends with its output but the last
+    token; n > 1: `moved` has each one's)?"""
+    num_prompt = len(offer.prompt_token_ids) - offer.num_output_tokens
+    if offer.prompt_token_ids[:num_prompt] != prompt:
+        return False
+    if offer.moved:
+        computed = {m.index: m.token_ids for m in offer.moved}
+    elif len(offer.samples) == 1:
+        computed = {offer.samples[0].index: offer.prompt_token_ids[num_prompt:]}
+    else:
+        return False
+    if len(computed) != len(offer.moved or offer.samples) or sorted(computed) != sorted(s.index for s in offer.samples):
+        return False
+    return {s.index: [*computed[s.index], s.token_id] for s in offer.samples} == outputs
 
 
 class DecodeReceiver:

@@ -84,8 +84,14 @@ class MoveCosts:
 
     def choose(self, num_tokens: int) -> MoveChoice:
         """num_tokens: the request's computed positions (their KV would move, or be recomputed)."""
-        num_bytes = -(-num_tokens // self.block_size) * self.block_bytes
-        return choose_way(num_tokens, num_bytes, self.rates.expected()[1], self.prefill.rate, self.margin)
+        return self.choose_blocks(num_tokens, -(-num_tokens // self.block_size))
+
+    def choose_blocks(self, num_tokens: int, num_blocks: int) -> MoveChoice:
+        """A request whose KV is num_blocks blocks and whose recompute is num_tokens tokens: an
+        n > 1 request's samples share their prompt's full blocks, which move once, while a
+        recompute computes every sample's prompt and output (kv_transfer/group.py)."""
+        return choose_way(num_tokens, num_blocks * self.block_bytes, self.rates.expected()[1], self.prefill.rate,
+                          self.margin)
 
     def describe(self) -> str:
         """The estimates, for the drain's log line."""

@@ -3,9 +3,10 @@ prefill/decode hand-off (handoff.py, kv_transfer/). WorkerCore has these methods
 engine, its request tables (`requests`, `awaiting`) and its hand-off queues (`_handoffs`,
 `_cancels`, `_sending`), and the state __init__ sets here.
 
-    draining worker W   hand_back(): each decoding request (one sample, every token but the last
-                        computed; constrained or speculating too, only final KV: hold_for_move's
-                        docstring) whose KV is predicted to move faster than the peer would
+    draining worker W   hand_back(): each decoding request (each sample still going running,
+                        every token but the last computed; n > 1 as one group, its shared prompt
+                        blocks once: kv_transfer/group.py; constrained or speculating too, only
+                        final KV: hold_for_move's docstring) whose KV is predicted to move faster than the peer would
                         recompute it (move_cost.py) is held with its KV (engine.hold_for_move), listed in
                         `kv_held` beside `handed_back`, for the hand-off lease -> MoveKV(rid, to)
                         from the scheduler: its KV goes to that peer through the hand-off sender,
@@ -28,7 +29,9 @@ import logging
 import time
 from typing import Any
 
+from gpu_worker.kv_transfer import group
 from gpu_worker.outputs import RequestError
+from gpu_worker.sequence import SequenceStatus
 from gpu_worker.service.move_cost import MoveCosts
 from gpu_worker.service.request_state import Req
 from services import metrics
@@ -63,8 +66,12 @@ class PeerMoves:
         if not self.moves_kv or rid in self._sending:
             return False
         ereq = self.engine.requests.get(rid)
-        if self.move_costs is not None and ereq is not None and ereq.seqs:
-            choice = self.move_costs.choose(ereq.seqs[0].num_computed_tokens)
+        live = [] if ereq is None else [q for q in ereq.seqs if q.status is not SequenceStatus.FINISHED]
+        if self.move_costs is not None and live:
+            # every sample's computed tokens are recomputed at the peer; its KV is the group's blocks
+            shared = group.num_shared_blocks(live, self.move_costs.block_size)
+            choice = self.move_costs.choose_blocks(sum(q.num_computed_tokens for q in live),
+                                                   len(group.flat_table(live, shared)))
             if choice.way == "recompute":
                 log.debug("request %s: recomputed at the peer (KV %.1f ms, recompute %.1f ms)", rid,
                           1e3 * choice.transfer_s, 1e3 * (choice.recompute_s or 0.0))
@@ -87,11 +94,11 @@ class PeerMoves:
     def _await_peer(self, msg: Dispatch, out: list[Envelope], received: float) -> None:
         """D: a moved request whose KV a drained worker sends: its stream is ours from now on."""
         rid = msg.request_id
-        self.awaiting[rid] = Req(msg.detok_addr, msg.reply_addr, 1, received, run=msg.run,
-                                 prompt_tokens=len(msg.prompt_token_ids))
+        self.awaiting[rid] = Req(msg.detok_addr, msg.reply_addr, msg.params.n, received, run=msg.run,
+                                 prompt_tokens=len(msg.prompt_token_ids), done=set(msg.resume_ended))
         self._peer_moves[rid] = msg
         self.imports.await_request(rid, max_wait_s=self.move_lease_s,
-                                   expect=([*msg.prompt_token_ids, *msg.resume_output[0]], len(msg.prompt_token_ids)))
+                                   expect=(list(msg.prompt_token_ids), _live(msg.resume_output, msg.resume_ended)))
         self.num_requests += 1
         out.append(Envelope(msg.detok_addr, self._open(msg)))
 
@@ -100,7 +107,7 @@ class PeerMoves:
         if msg is not None:
             metrics.PEER_MOVES.labels("peer").inc()
             log.info("request %s: moved here from worker %s with its KV (%d tokens reused)", rid, msg.kv_from,
-                     len(msg.prompt_token_ids) + len(msg.resume_output[0]) - 1)
+                     _num_tokens(msg) - 1)
 
     def _peer_fallback(self, rid: str, out: list[Envelope]) -> None:
         """D: the KV did not come (refused, failed, cancelled, late): recompute from the tokens."""
@@ -108,7 +115,7 @@ class PeerMoves:
         req = self.awaiting.pop(rid)
         metrics.PEER_MOVES.labels("recompute").inc()
         log.info("request %s: no KV from worker %s; recomputing its %d tokens", rid, msg.kv_from,
-                 len(msg.prompt_token_ids) + len(msg.resume_output[0]))
+                 _num_tokens(msg))
         try:
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, priority=msg.priority,
                                     cache_salt=msg.cache_salt, resume_output=msg.resume_output,
@@ -133,13 +140,14 @@ class PeerMoves:
                      msg.epoch, self.epoch)
             self._cancels.append((rid, msg.to))
             return
-        output = self.engine.held_output(rid)
-        if output != msg.output_token_ids:
+        held = self.engine.held_outputs(rid)
+        client = (_live(msg.sample_outputs, msg.ended) if msg.sample_outputs else {0: msg.output_token_ids})
+        if held != client:
             log.info("request %s: its client has other tokens than its held KV; the peer recomputes", rid)
             self.engine.release_export(rid)
             self._cancels.append((rid, msg.to))
             return
-        log.info("request %s: sending its KV (%d output tokens) to %s", rid, len(output), msg.to)
+        log.info("request %s: sending its KV (%d output tokens) to %s", rid, sum(map(len, held.values())), msg.to)
         self._handoffs.append((rid, msg.to))       # the sender's; handoff_done releases the blocks
 
     def _expire_held(self) -> None:
@@ -153,3 +161,19 @@ class PeerMoves:
         """W: KV still held for, or being sent to, a peer (the drain waits for it, bounded)."""
         return bool(self.held or self._sending or self._handoffs)
 
+
+
+def _live(outputs: list[list[int]], ended: list[int]) -> dict[int, list[int]]:
+    """Sample index -> the tokens its client has, of the samples that have not ended."""
+    return {i: list(out) for i, out in enumerate(outputs) if i not in set(ended)}
+
+
+def _num_tokens(msg: Dispatch) -> int:
+    """A moved request's tokens: its prompt and its live samples' output."""
+    return len(msg.prompt_token_ids) + sum(map(len, _live(msg.resume_output, msg.resume_ended).values()))
+
+
+def peer_fits(msg: Dispatch) -> bool:
+    """D: can a Dispatch with kv_from go on from KV: a sample still going, each with tokens."""
+    live = _live(msg.resume_output, msg.resume_ended)
+    return len(msg.resume_output) == msg.params.n and bool(live) and all(live.values())

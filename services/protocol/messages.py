@@ -150,9 +150,10 @@ class Dispatch(Msg, tag="dispatch", kw_only=True):
     resume_output: SampleOutputs = []
     resume_ended: SampleIndices = []
     run: Run = 0                     # see `Run`; echoed in the worker's reports of this request
-    # a peer move (with resume_output, n = 1): the drained worker at this KV-transfer address's
-    # origin sends the KV of prompt + resume_output[:-1]; this worker awaits it for the hand-off
-    # lease and decodes on from it, else recomputes the request from resume_output as without it
+    # a peer move (with resume_output, every sample not ended having tokens): the drained worker
+    # at this KV-transfer address's origin sends the KV of prompt + each such sample's tokens but
+    # its last; this worker awaits it for the hand-off lease and decodes on from it, else
+    # recomputes the request from resume_output as without it
     kv_from: str = ""
 
 
@@ -177,8 +178,11 @@ class MoveKV(Msg, tag="move_kv", kw_only=True):
     request_id: str
     epoch: int                       # the draining worker's incarnation
     to: str                          # the peer's KV-transfer address (`tcp://host:port#worker`)
-    output_token_ids: Annotated[list[int], msgspec.Meta(max_length=1 << 20)]
+    output_token_ids: Annotated[list[int], msgspec.Meta(max_length=1 << 20)]   # sample 0's
     run: Run = 0                     # the peer's run of the request
+    # n > 1: every sample's tokens its client has, and the samples that ended (Resume's)
+    sample_outputs: SampleOutputs = []
+    ended: SampleIndices = []
 
 
 # ----------------------------------------------------------------------------- worker -> detokenizer

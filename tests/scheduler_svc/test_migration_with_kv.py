@@ -18,10 +18,10 @@ def _view(wid: str, layout: dict, transport: str, role: str = "mixed"):
     return w
 
 
-def drained(peer_layout: dict = LAYOUT, peer_role: str = "mixed"):
+def drained(peer_layout: dict = LAYOUT, peer_role: str = "mixed", n: int = 1):
     """w1 runs "a", then drains holding its KV; the detokenizer has been asked."""
     core = core_with(_view("w1", LAYOUT, "zmq"))
-    core.submit(submit("a"))
+    core.submit(submit("a", n=n))
     core.set_workers([_view("w1", LAYOUT, "zmq"), _view("w2", peer_layout, "zmq", peer_role)])
     held = msgspec.structs.replace(status("w1", handed_back=["a"]), kv_held=["a"])
     out = core.worker_status(held)
@@ -44,6 +44,18 @@ def test_the_peer_awaits_the_kv_and_the_holder_sends_it_there():
     assert move.run == d.run and move.epoch == 1
     # an abort now reaches the peer and the holder (whose sender stops and frees the KV)
     assert {a for a, _ in messages(core.abort(Abort(request_id="a")), Abort)} == {"tcp://w1:1", "tcp://w2:1"}
+
+
+def test_an_n_request_moves_with_every_samples_tokens_and_the_ended_ones():
+    core = drained(n=3)
+    out = core.resumed(Resume(request_id="a", output_token_ids=[[5, 6], [8], [9, 4]], ended=[1]))
+    [(_, d)] = messages(out, Dispatch)
+    [(_, move)] = messages(out, MoveKV)
+    assert d.kv_from == "w1" and d.resume_ended == [1]
+    assert move.sample_outputs == [[5, 6], [8], [9, 4]] and move.ended == [1] and move.output_token_ids == [5, 6]
+    core = drained(n=2)                 # a sample still going without a token: recomputed
+    out = core.resumed(Resume(request_id="a", output_token_ids=[[5, 6], []]))
+    assert not messages(out, MoveKV) and messages(out, Dispatch)[0][1].kv_from == ""
 
 
 def test_no_peer_with_the_layout_or_role_or_a_stream_a_move_does_not_fit_frees_the_kv():
