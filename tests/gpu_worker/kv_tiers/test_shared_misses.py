@@ -5,7 +5,9 @@ through an engine, the index stops crediting the gone block and nothing else."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
+from gpu_worker.kv_events import KVEventPublisher
 from gpu_worker.kv_tiers import shared_misses
 from gpu_worker.kv_tiers.shared_misses import MAX_MISSES, MISS_GRACE_S, MISS_REPEAT_S, MISSES_PER_TAKE
 from gpu_worker.kv_tiers.shared_tier import SharedTier
@@ -122,6 +124,10 @@ def test_a_shared_removal_lost_in_a_gap_is_repaired_by_a_readers_miss(llama, tmp
         assert hashes[0] not in core.index.blocks_of(store, "shared")
         assert credited(kept_history) == {"a": (0, full), "b": (0, full)}   # files still there keep theirs
         assert core.stats.shared_repaired == 1
+        # the worker's publisher sends the same event the test's listener recorded
+        publisher = SimpleNamespace(_pending=[])
+        KVEventPublisher.on_missing(publisher, hashes[0], "shared")
+        assert publisher._pending == [BlockRemoved(hashes[0], "shared", missing=True)]
         core.index.check_integrity()
         b.kv_tiers.check_integrity()
     finally:
