@@ -25,10 +25,13 @@ from gpu_worker.sequence import Sequence
 class KVEventListener(Protocol):
     """Told about every change of the set of cached (hashed) blocks, in order. The block manager
     reports the device's blocks (tier "gpu", the default); lower KV tiers (gpu_worker/kv_tiers)
-    report theirs through the same listeners with tier "cpu", "disk" or "shared"."""
+    report theirs through the same listeners with tier "cpu", "disk" or "shared", and the shared
+    tier's lookups that found no file with on_missing (a hint: the index drops only a block it
+    credits)."""
 
     def on_stored(self, block_hash: bytes, parent: bytes | None, token_ids: list[int]) -> None: ...
     def on_removed(self, block_hash: bytes) -> None: ...
+    def on_missing(self, block_hash: bytes, tier: str) -> None: ...
     def on_cleared(self) -> None: ...
 
 

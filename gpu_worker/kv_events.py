@@ -96,6 +96,9 @@ class KVEventPublisher:
     def on_removed(self, block_hash: bytes, tier: str = "gpu") -> None:
         self._pending.append(BlockRemoved(block_hash, tier))
 
+    def on_missing(self, block_hash: bytes, tier: str) -> None:
+        self._pending.append(BlockRemoved(block_hash, tier, missing=True))
+
     def on_cleared(self, tier: str | None = None) -> None:
         self._pending.append(AllCleared(tier))
 

@@ -17,7 +17,9 @@ Per-worker stream rules (docs/kv_events.md):
 Shared tier: an event with tier "shared" is about the node's shared KV directory, not the sending
 worker: it is applied, in stream order, to the shared-tier id the worker announces (set_readers,
 from its registry record), and outlives the worker. A worker's restart, snapshot or removal never
-touches shared blocks; a removal from any worker of that id drops the block.
+touches shared blocks; a removal from any worker of that id drops the block. A gap can lose such
+a removal, so a worker also reports a lookup that found no file (`BlockRemoved.missing`): it drops
+the block where the index credits it, and is dropped (no Redis write) where it does not.
 """
 from __future__ import annotations
 
@@ -109,6 +111,8 @@ class CoreStats:
     snapshots_applied: int = 0
     rejected: int = 0
     shared_unannounced: int = 0    # shared-tier events from a worker that announces no shared tier
+    shared_missing: int = 0        # lookups that found no shared file, reported by a worker
+    shared_repaired: int = 0       # of those, blocks the index still credited (now dropped)
     checks: int = 0
     inconsistent: int = 0
     queries: int = 0
@@ -195,6 +199,8 @@ class PrefixCore:
                 return
             if self.index.insert(worker_id, event.block_hash, event.parent_hash, tokens, event.tier):
                 self._changes.append(Own(worker_id, event.block_hash, event.parent_hash, tokens, event.tier))
+        elif isinstance(event, BlockRemoved) and event.missing:
+            self._apply_missing(worker_id, event)
         elif isinstance(event, BlockRemoved):
             self.index.remove(worker_id, event.block_hash, event.tier)
             # Redis is told even when the index had no copy (it may have been evicted from memory only).
@@ -203,6 +209,17 @@ class PrefixCore:
             # (one worker cannot speak for the shared directory: its files are everyone's)
             self.index.clear(worker_id, event.tier)
             self._changes.append(ClearTier(worker_id, event.tier))
+
+    def _apply_missing(self, owner: str, event: BlockRemoved) -> None:
+        """A lookup that found no file: most are blocks never stored (a prompt's first new block),
+        so Redis hears only of a credit dropped. (A copy evicted from memory alone keeps its Redis
+        record: a restarted index reloads it, and the next miss drops it.)"""
+        if event.tier != SHARED_TIER:     # a worker's own tiers change by its removals alone
+            return
+        self.stats.shared_missing += 1
+        if self.index.remove(owner, event.block_hash, SHARED_TIER):
+            self.stats.shared_repaired += 1
+            self._changes.append(Disown(owner, event.block_hash, SHARED_TIER))
 
     def _gap(self, stream: WorkerStream, batch: KVEventBatch, now: float) -> Outcome:
         self.stats.gaps += 1

@@ -37,6 +37,8 @@ class CoreCollector:
             ("rejected", "Batches or snapshots refused (version, block size)", s.rejected + idx.rejected),
             ("consistency_checks", "Worker snapshots compared with the index", s.checks),
             ("inconsistent", "Consistency checks that found and repaired a difference", s.inconsistent),
+            ("shared_repaired", "Shared-tier credits dropped because a reader found the file missing",
+             s.shared_repaired),
             ("match_queries", "Match requests answered", s.queries),
             ("match_query_blocks", "Full blocks in Match requests", s.query_blocks),
             ("match_best_blocks", "Blocks matched on the best worker per Match request", s.best_matched_blocks),

@@ -99,6 +99,10 @@ class KVTiers:
         for listener in self.block_manager.listeners:
             listener.on_removed(block_hash, tier)
 
+    def _missing(self, block_hash: bytes) -> None:
+        for listener in self.block_manager.listeners:
+            listener.on_missing(block_hash, "shared")
+
     # ---- offload -------------------------------------------------------------------------
     def on_evict(self, block_id: int, block_hash: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> None:
         """The block manager is about to hand out a cached block: its KV is still there until flush."""
@@ -116,6 +120,8 @@ class KVTiers:
                 self.policy.observe_copy("shared", num_bytes, seconds)
             for block_hash in self.shared.take_gone():
                 self._removed(block_hash, "shared")
+            for block_hash in self.shared.take_missing():
+                self._missing(block_hash)
         if self.file_loads is not None:
             self.file_loads.reader.pump()
         if not self._evicted:
@@ -218,7 +224,8 @@ class KVTiers:
     # ---- reload --------------------------------------------------------------------------
     def plan(self, seq: Sequence, first: int) -> LoadPlan:
         """How many blocks of seq after its first `first` (the device's hit) to load; no side
-        effects. Never the block of the last prompt token: its logits are needed."""
+        effect but noting a shared-tier miss (the index may credit that file: it is reported if it
+        stays missing). Never the block of the last prompt token: its logits are needed."""
         limit = (seq.num_tokens - 1) // self.block_size
         tiers: list[str] = []
         for block_hash in seq.block_hashes[first:limit]:
@@ -229,6 +236,8 @@ class KVTiers:
             elif self.shared is not None and self.shared.holds(block_hash):   # a stat, past the private hits
                 tiers.append("shared")
             else:
+                if self.shared is not None:
+                    self.shared.note_miss(block_hash)
                 break
         if not tiers:
             return LoadPlan(0, 0.0, 0.0)

@@ -23,7 +23,9 @@ fails for this tier.
 Routing: blocks here belong to no worker. The subdirectory's store id (shared_store_id.py) names
 them; the worker announces it, and its KV events with tier "shared" report the blocks it writes
 here and the ones it finds gone (`take_gone`: deleted by its bound, missing or not verifying on a
-read, a failed write), which the prefix index files under that id (docs/kv_events.md).
+read, a failed write), which the prefix index files under that id (docs/kv_events.md), and the
+blocks a lookup found no file for (`note_miss`, `take_missing`: shared_misses.py), so that a
+removal lost in a gap of the event stream does not leave a stale credit.
 
 Size: every writer of a one-rank engine bounds the whole directory (every subdirectory above);
 each rank of a tensor-parallel engine bounds its own subdirectory, to its share of the bound (the
@@ -53,6 +55,7 @@ import xxhash
 from gpu_worker.kv_tiers import shared_file, shared_store_id, tier_file
 from gpu_worker.kv_tiers.disk_tier import DiskBlock, _unlink_path, owned_directory, write_file
 from gpu_worker.kv_tiers.file_reads import FileRead, read_block_file
+from gpu_worker.kv_tiers.shared_misses import SharedMisses
 from gpu_worker.kv_transfer.layout import KVLayout
 
 log = logging.getLogger("kvmesh.kv_tiers")
@@ -104,6 +107,7 @@ class SharedTier:
         # thread-safe); bounded, as a rank that never takes them (a tensor-parallel follower) keeps
         # the last ones only
         self._gone: deque[bytes] = deque(maxlen=MAX_GONE)
+        self._misses = SharedMisses()
         self.num_corrupt = 0            # files dropped because they did not verify
         self.num_write_errors = 0
         self.estimate = self._scan()    # the directory's files and bytes, at the last scan + our writes
@@ -236,6 +240,16 @@ class SharedTier:
                 gone.append(block_hash)
         return gone
 
+    def note_miss(self, block_hash: bytes, now: float | None = None) -> None:
+        """(engine thread) A lookup found no file for the block: reported by take_missing if it
+        stays missing (the index may credit it still). A store without an id has no credit to heal."""
+        if self.store_id is not None:
+            self._misses.note(block_hash, time.monotonic() if now is None else now)
+
+    def take_missing(self, now: float | None = None) -> list[bytes]:
+        """(engine thread) Noted misses still missing after their grace (shared_misses.py)."""
+        return self._misses.take(time.monotonic() if now is None else now, self.holds)
+
     def forget(self, block_hash: bytes) -> None:
         """Delete a block's file (the bandwidth probe's), behind its own write."""
         self._writer.submit(_unlink_path, self._path(block_hash))
@@ -304,5 +318,6 @@ class SharedTier:
         """Every write settled; the estimate within the bound after a scan."""
         self.drain()
         assert not self._queued, "shared tier: unsettled writes"
+        self._misses.check_integrity()
         self.estimate = self._writer.submit(self._scan).result()
         assert self.estimate.bytes <= self.max_bytes, f"shared tier: {self.estimate} over {self.max_bytes} bytes"

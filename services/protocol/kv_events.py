@@ -53,10 +53,18 @@ class BlockStored(msgspec.Struct, tag="stored", frozen=True, array_like=True, gc
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", frozen=True, array_like=True, gc=False):
-    """The worker no longer holds the block in `tier` (evicted, or moved: a Stored in the new tier follows)."""
+    """The worker no longer holds the block in `tier` (evicted, or moved: a Stored in the new tier follows).
+
+    `missing`: not a removal the worker made but a lookup that found no file (tier "shared" only:
+    a credit the index may hold from a removal lost in a gap); the index drops the block only if
+    it credits it there, and tells Redis only then. A trailing field of an array-like struct: an
+    older reader ignores it (and treats the event as a removal), a newer one reads an older
+    sender's events as `missing=False`, so the version stays.
+    """
 
     block_hash: bytes
     tier: Tier = "gpu"
+    missing: bool = False
 
 
 class AllCleared(msgspec.Struct, tag="cleared", frozen=True, array_like=True, gc=False):

@@ -3,6 +3,7 @@ worker announcing that id and to no other, removed by any reader's removal, kept
 dies or resyncs, written to and rebuilt from Redis; a moved conversation routes to a reader."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -14,8 +15,8 @@ from scheduler_svc.recent import RecentDispatches
 from scheduler_svc.routing import CacheAware, RoutingWeights, WorkerView, prefix_hit
 from services.embedded_redis import EmbeddedRedis
 from services.protocol.kv_events import (
-    AllCleared, BlockRemoved, BlockStored, KVEventBatch, MatchRequest, Snapshot, SnapshotBlock, pack_token_ids,
-    shared_tier_id,
+    ENCODER, KV_EVENT_BATCH_DECODER, AllCleared, BlockRemoved, BlockStored, KVEventBatch, MatchRequest, Snapshot,
+    SnapshotBlock, pack_token_ids, shared_tier_id,
 )
 from services.protocol.messages import Submit
 from services.protocol.sampling import SamplingParams
@@ -95,6 +96,47 @@ def test_a_worker_cannot_clear_resync_or_speak_for_a_store_it_does_not_announce(
     core.on_batch(batch(0, [BlockRemoved(stored()[0].block_hash, "shared")], "stranger"), 0)
     assert core.stats.shared_unannounced == 1 and credits(core)["w2"] == (0, 0, 8)
     core.index.check_integrity()
+
+
+def test_a_missing_report_drops_only_a_credited_shared_block_and_writes_redis_only_then():
+    """A removal lost in w1's gap left the store crediting a gone file; w2's lookup found none."""
+    core = PrefixCore(BS)
+    core.set_readers({"w1": STORE, "w2": STORE, "w3": OTHER})
+    core.on_batch(batch(0, stored("shared"), "w1"), 0)
+    core.on_batch(batch(0, stored("shared"), "w3"), 0)          # another node's store holds it too
+    core.on_batch(batch(0, stored("gpu")[:3], "w4"), 0)         # and a worker, on its own GPU
+    gone = stored()[2].block_hash
+    core.on_batch(batch(2, [BlockRemoved(gone, "shared")], "w1"), 0)     # seq 1 lost: a gap
+    core.on_snapshot(Snapshot(request_id="r", worker_id="w1", epoch=1, seq=2, block_size=BS))
+    core.drain_changes()
+    assert credits(core)["w2"] == (0, 0, 8)                    # the removal was in the gap
+    core.on_batch(batch(0, [BlockRemoved(gone, "shared", missing=True)], "w2"), 0)
+    assert credits(core) == {"w1": (0, 0, 2), "w2": (0, 0, 2), "w3": (0, 0, 8), "w4": (3, 3, 3)}
+    assert [c for c in core.drain_changes() if isinstance(c, Disown)] == [Disown(STORE, gone, "shared")]
+    # most misses are blocks never stored (a prompt's first new block): no Redis write for them,
+    # nor for the same miss reported again; a worker's own tiers are never touched by one
+    never = block_hash(None, MODEL, "", [9, 9, 9, 9])
+    core.on_batch(batch(1, [BlockRemoved(never, "shared", missing=True), BlockRemoved(gone, "shared", missing=True),
+                            BlockRemoved(stored()[0].block_hash, "gpu", missing=True)], "w2"), 0)
+    core.on_batch(batch(1, [BlockRemoved(stored()[0].block_hash, "shared", missing=True)], "w4"), 0)  # no store
+    assert not [c for c in core.drain_changes() if isinstance(c, Disown)]
+    assert credits(core)["w4"] == (3, 3, 3)
+    assert (core.stats.shared_missing, core.stats.shared_repaired) == (3, 1)
+    core.index.check_integrity()
+
+
+def test_a_missing_report_is_a_removal_to_an_older_reader_and_old_removals_decode():
+    """The flag is a trailing field of an array-like event: no version change in either direction."""
+    class OldBlockRemoved(msgspec.Struct, tag="removed", frozen=True, array_like=True):
+        block_hash: bytes
+        tier: str = "gpu"
+
+    new = BlockRemoved(b"h" * 16, "shared", missing=True)
+    assert msgspec.msgpack.decode(ENCODER.encode(new), type=OldBlockRemoved) == OldBlockRemoved(b"h" * 16, "shared")
+    old = KVEventBatch(worker_id="w", epoch=1, seq=0, ts=0.0, events=[])
+    wire = msgspec.msgpack.encode(msgspec.structs.asdict(old) | {"type": "kv_batch",
+                                                                  "events": [OldBlockRemoved(b"h" * 16, "shared")]})
+    assert KV_EVENT_BATCH_DECODER.decode(wire).events == [BlockRemoved(b"h" * 16, "shared", missing=False)]
 
 
 def test_index_snapshot_restores_the_store_separately_from_a_worker_of_the_same_name():

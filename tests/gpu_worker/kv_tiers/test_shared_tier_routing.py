@@ -119,6 +119,9 @@ class Events:
     def on_removed(self, block_hash, tier="gpu"):
         self.pending.append(BlockRemoved(block_hash, tier))
 
+    def on_missing(self, block_hash, tier):
+        self.pending.append(BlockRemoved(block_hash, tier, missing=True))
+
     def on_cleared(self, tier=None):
         raise AssertionError("not in this test")
 
