@@ -35,7 +35,9 @@ so every run prefills its prompts cold. Verification steps without a prefill chu
 rows replaying the decode CUDA graphs (--verify-decode-rows, default on; off: every verification
 on the extend path, eager); --spec-eager captures no graphs for the speculative engine (with
 --no-verify-decode-rows, how mtp ran before its graphs kept the pre-norm states). Each line also
-counts the verification steps that ran as decode rows and on the extend path.
+counts the verification steps that ran as decode rows and on the extend path, and the back-offs
+of sequences whose drafts kept failing with the sequence-steps they took drafts off for
+(speculative_config backoff_max_steps, default on; --no-backoff: 0, every eligible step drafts).
 """
 from __future__ import annotations
 
@@ -93,7 +95,8 @@ def cases(args, prompts_by_regime: dict) -> list[tuple[str, str, list[list[int]]
     configuration; mtp/oracle, on a model of its own, comes last (main closes the plain engine
     of --model-dir before it)."""
     out = []
-    off = {"num_speculative_tokens": args.k, "disable_by_batch_size": max(args.batches)}   # never auto-off
+    off = {"num_speculative_tokens": args.k, "disable_by_batch_size": max(args.batches),   # never auto-off
+           **({} if args.backoff else {"backoff_max_steps": 0})}
     if "ngram" in args.methods:
         lookups = {"repeating": dict(prompt_lookup_min=2, prompt_lookup_max=5),
                    "random": dict(prompt_lookup_min=1, prompt_lookup_max=3)}
@@ -165,12 +168,13 @@ def measure(plain: Engine, eng: Engine, case: tuple[str, str], prompts: list[lis
     st = eng.stats().extra["spec_decode"]
     proposed, accepted = st["proposed"] - before["proposed"], st["accepted"] - before["accepted"]
     steps = st["verify_steps"] - before["verify_steps"]
-    forms = {form: st[form] - before[form] for form in ("decode_row_steps", "extend_steps")}
+    counts = {key: st[key] - before[key] for key in ("decode_row_steps", "extend_steps", "backoffs",
+                                                     "backoff_steps")}
     return {"method": case[0], "regime": case[1], "batch": batch, "plain_tok_s": round(base, 1),
             "spec_tok_s": round(fast, 1), "speedup": round(fast / base, 3),
             "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
             "mean_accepted_length": round(1 + accepted / steps, 3) if steps else 0.0,
-            **forms, "same_tokens": got == want}
+            **counts, "same_tokens": got == want}
 
 
 def main() -> None:
@@ -189,6 +193,9 @@ def main() -> None:
     ap.add_argument("--verify-decode-rows", action=argparse.BooleanOptionalAction, default=True,
                     help="verification steps without a prefill chunk as decode rows (decode CUDA graphs); "
                          "off: the extend path")
+    ap.add_argument("--backoff", action=argparse.BooleanOptionalAction, default=True,
+                    help="sequences whose drafts keep failing back off (the engine's default); off: "
+                         "backoff_max_steps 0")
     ap.add_argument("--spec-eager", action="store_true", help="the speculative engine captures no CUDA graphs")
     ap.add_argument("--refine", action=argparse.BooleanOptionalAction, default=True,
                     help="bisect between the last batch that paid and the first that did not")

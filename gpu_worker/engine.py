@@ -11,7 +11,8 @@ blocks to the prefix cache, finish what is done. Invalid requests raise RequestE
 the field and leave the engine serving the others. With speculative_config, a synchronous step
 first appends drafts (n-gram, or drawn by a draft model or MTP layer) that the same forward
 verifies (_speculative_step; gpu_worker/spec_decode/); under async scheduling a step that may
-propose settles the step in flight first, and one without drafts still launches ahead. Constrained requests (SamplingParams.structured)
+propose settles the step in flight first, and one without drafts still launches ahead (a
+sequence whose drafts keep failing backs off, so its steps launch ahead: spec_decode/backoff.py). Constrained requests (SamplingParams.structured)
 compile their grammar off this thread while they prefill, their first draw left out of the steps
 until it has compiled while the others step on; their draws are masked by it
 (gpu_worker/structured/). Under async scheduling a batch with constrained or penalised draws
@@ -463,7 +464,7 @@ class Engine:
         accepted = 0
         while accepted < len(draft) and drawn[accepted].token_id == draft[accepted]:
             accepted += 1
-        self.speculator.stats.record(len(draft), accepted)
+        self.speculator.verified(seq, len(draft), accepted)     # stats; a back-off where drafts keep failing
         base = seq.num_tokens - len(draft)
         del seq.token_ids[base:]
         request = seq.request
@@ -522,7 +523,8 @@ class Engine:
     #
     # Speculation: drafts continue from the last sampled token, so a step that may propose settles
     # the launched step first and, when drafts are scheduled, runs as a synchronous
-    # _speculative_step; a step without drafts launches one step ahead. A proposer's catch-up on
+    # _speculative_step; a step without drafts launches one step ahead. A sequence backing off
+    # (spec_decode/backoff.py) makes no step settle for it. A proposer's catch-up on
     # a launched step (speculator.settle: mtp's KV reads each row's next token) runs once that
     # step's own PENDING inputs are known, i.e. after the previous step is settled.
     def _step_async(self) -> list[SequenceDelta]:

@@ -4,6 +4,11 @@
     {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}
     {"method": "mtp", "num_speculative_tokens": 2}
 
+Every method takes "disable_by_batch_size" (more running sequences: no drafts) and
+"backoff_max_steps" (a sequence whose drafts keep failing goes 1, 2, 4 ... up to this many steps
+without drafts, so that async scheduling keeps its step ahead: gpu_worker/spec_decode/backoff.py;
+0: never back off).
+
 ngram: prompt lookup (no model). draft_model: a smaller model with the target's tokenizer,
 loaded beside it (gpu_worker/spec_decode/draft_model.py). mtp: the model's own
 multi-token-prediction layer (config.json num_nextn_predict_layers >= 1), chained
@@ -28,6 +33,11 @@ MAX_MODEL_PATH_CHARS = 1024
 # (batched decode already keeps the GPU busy) until bench/spec_decode_bench.py's crossover sweep
 # (its "recommended_disable_by_batch_size") has run on the H200.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# The longest back-off of a sequence whose drafts keep failing: it then verifies about once per
+# 64 steps (a batch-1 cost near 1/64 of a verification step's), and a sequence that starts to
+# repeat waits at most 64 steps before it drafts again.
+DEFAULT_BACKOFF_MAX_STEPS = 64
+MAX_BACKOFF_STEPS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -37,12 +47,14 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2            # shortest n-gram matched
     prompt_lookup_max: int = 5            # longest n-gram matched (tried first)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE   # more running sequences: no drafts
+    backoff_max_steps: int = DEFAULT_BACKOFF_MAX_STEPS   # longest back-off of a failing sequence; 0: none
     model: str | None = None              # draft_model: the draft's model directory
     draft_tensor_parallel_size: int = 1   # draft_model: only 1 (the draft runs on the target's device)
 
 
 _BOUNDS = {"num_speculative_tokens": (1, MAX_SPECULATIVE_TOKENS), "prompt_lookup_min": (1, MAX_LOOKUP),
            "prompt_lookup_max": (1, MAX_LOOKUP), "disable_by_batch_size": (1, 1 << 20),
+           "backoff_max_steps": (0, MAX_BACKOFF_STEPS),
            "draft_tensor_parallel_size": (1, 1)}
 
 

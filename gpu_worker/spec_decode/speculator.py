@@ -32,6 +32,9 @@ allocates slots for them), and once the step's blocks are final, fill() has the 
 them. Greedy: the proposer proposes its argmax; the verification above is exact. Sampling: its
 q is no point mass, so such sequences verify by speculative sampling against q (rejection.py)
 instead of the equality test.
+
+A sequence whose drafts keep failing backs off for exponentially more steps (backoff.py), so
+that under async scheduling its steps launch ahead again.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ import torch
 
 from gpu_worker.scheduler import SchedulerOutput
 from gpu_worker.sequence import Sequence
+from gpu_worker.spec_decode.backoff import Backoff, BackedOff
 from gpu_worker.spec_decode.draft_model import DraftModel
 from gpu_worker.spec_decode.proposer import PLACEHOLDER, DraftProposal, ModelProposer
 from gpu_worker.spec_decode.ngram import ngram_may_match, propose_ngram
@@ -56,6 +60,9 @@ class SpecStats:
     decode_row_steps: int = 0   # verification steps run as decode rows (batch_builder.build_decode_rows)
     extend_steps: int = 0       # ... and on the extend path (a prefill chunk in the step, or
                                 # Engine.verify_as_decode_rows off)
+    backoffs: int = 0           # times a sequence backed off (backoff.py)
+    backoff_steps: int = 0      # sequence-steps those back-offs took drafts off for (fewer where
+                                # a sequence ended first)
 
     def record(self, num_drafts: int, accepted: int) -> None:
         """One sequence-step that verified num_drafts drafts and accepted the first `accepted`."""
@@ -73,6 +80,7 @@ class SpecStats:
         return {"method": method, "proposed": self.proposed, "accepted": self.accepted,
                 "verify_steps": self.verify_steps, "accepted_per_pos": per_pos,
                 "decode_row_steps": self.decode_row_steps, "extend_steps": self.extend_steps,
+                "backoffs": self.backoffs, "backoff_steps": self.backoff_steps,
                 "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
                 # tokens a verifying sequence gained per step: accepted drafts + the model's own
                 "mean_accepted_length": 1.0 + self.accepted / steps if self.verify_steps else 0.0}
@@ -84,6 +92,10 @@ class Speculator:
         self.max_model_len = max_model_len
         self.proposer = proposer     # draft_model / mtp: the model that draws; None: n-gram
         self.stats = SpecStats()
+        self.backoff = Backoff(config.backoff_max_steps)
+        # may_propose said yes, so the engine gave up the step ahead: the next propose() charges
+        # the sequences that find no draft (a miss) with a back-off
+        self._settled_for_drafts = False
 
     @property
     def reads_prenorm(self) -> bool:
@@ -99,9 +111,10 @@ class Speculator:
         prefill for another engine, not opted out (SamplingParams.speculative), its draws not held
         (Request.draw_waits: an imported request whose grammar compiles), with room for the drafts
         and one token more (max_tokens, max_model_len), and one the proposer can serve (mtp: its
-        pending row at hand). Nothing when more sequences run than disable_by_batch_size.
-        draft_model / mtp: placeholders that fill() replaces."""
+        pending row at hand), and not backing off (backoff.py). Nothing when more sequences run
+        than disable_by_batch_size. draft_model / mtp: placeholders that fill() replaces."""
         cfg = self.config
+        charge_misses, self._settled_for_drafts = self._settled_for_drafts, False
         if len(running) > cfg.disable_by_batch_size:
             return {}
         drafts: dict[Sequence, list[int]] = {}
@@ -111,6 +124,8 @@ class Speculator:
                 continue
             if self.proposer is None:
                 draft = propose_ngram(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                if not draft and charge_misses:
+                    self._backed_off(self.backoff.missed(seq))
             elif self.proposer.can_propose(seq):
                 draft = [PLACEHOLDER] * room
             else:
@@ -120,11 +135,23 @@ class Speculator:
                 drafts[seq] = draft
         return drafts
 
+    def verified(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
+        """seq verified its num_drafts drafts (still in token_ids) and accepted the first
+        `accepted`: the stats, and a back-off where its drafts keep failing."""
+        self.stats.record(num_drafts, accepted)
+        next_tokens = seq.num_tokens - num_drafts + accepted + 1     # x, the accepted, the model's own
+        self._backed_off(self.backoff.verified(seq, num_drafts, accepted, next_tokens))
+
+    def _backed_off(self, backed: BackedOff | None) -> None:
+        if backed is not None:
+            self.stats.backoffs += 1
+            self.stats.backoff_steps += backed.steps
+
     def _room(self, seq: Sequence) -> int:
         """How many drafts seq may take now (propose()'s eligibility); 0: none."""
         request = seq.request
         if (seq.num_new_tokens != 1 or seq.num_output_tokens < 1 or request.export_kv
-                or not request.params.speculative or request.draw_waits):
+                or not request.params.speculative or request.draw_waits or self.backoff.waiting(seq)):
             return 0
         return max(0, min(self.config.num_speculative_tokens, request.max_tokens - seq.num_output_tokens - 1,
                           self.max_model_len - seq.num_tokens - 1))
@@ -135,7 +162,12 @@ class Speculator:
         engine then settles that step first, since drafts continue from the last token. False
         lets the step launch one step ahead. The same eligibility as propose(); n-gram: a match
         of length >= prompt_lookup_min ending at the unknown token needs the known tokens'
-        last prompt_lookup_min - 1 to occur earlier, followed by a token (ngram_may_match)."""
+        last prompt_lookup_min - 1 to occur earlier, followed by a token (ngram_may_match). A
+        sequence backing off counts for nothing; True makes the next propose() charge misses."""
+        self._settled_for_drafts = self._may_propose(running, pending)
+        return self._settled_for_drafts
+
+    def _may_propose(self, running: list[Sequence], pending: int) -> bool:
         cfg = self.config
         if len(running) > cfg.disable_by_batch_size:
             return False

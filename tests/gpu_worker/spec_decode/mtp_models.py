@@ -26,8 +26,10 @@ def random_mtp(arch: str, out_dir: Path) -> str:
     return str(make_model(out_dir, arch=arch, size="tiny", mtp_layers=1, progress=False))
 
 
-def mtp_spec(k: int = 3, disable_by_batch_size: int = 64) -> str:
-    return json.dumps({"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": disable_by_batch_size})
+def mtp_spec(k: int = 3, disable_by_batch_size: int = 64, backoff_max_steps: int | None = None) -> str:
+    """None: the engine's default back-off; 0: every eligible step drafts, however often rejected."""
+    spec = {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": disable_by_batch_size}
+    return json.dumps(spec if backoff_max_steps is None else {**spec, "backoff_max_steps": backoff_max_steps})
 
 
 class Recompute:

@@ -45,9 +45,11 @@ def target(request, monkeypatch):
 
 
 def engine(model_dir: str, k: int | None = K, **kw) -> Engine:
-    """k None: the same engine without speculation."""
+    """k None: the same engine without speculation. No back-off: the random layer's drafts are
+    mostly rejected, and every step that may draft should verify (its KV checked each time)."""
     kw.setdefault("num_gpu_blocks", 128)
-    return Engine(EngineConfig(model=model_dir, speculative_config=mtp_spec(k) if k else None, **_target, **kw))
+    spec = mtp_spec(k, backoff_max_steps=0) if k else None
+    return Engine(EngineConfig(model=model_dir, speculative_config=spec, **_target, **kw))
 
 
 def spec(eng: Engine) -> dict:

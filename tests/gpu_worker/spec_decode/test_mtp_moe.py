@@ -44,9 +44,10 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
 
 
 def engine(model_dir: str, device: str, k: int | None = K, **kw) -> Engine:
-    """k None: the same engine without speculation."""
+    """k None: the same engine without speculation. No back-off: the random layer's drafts are
+    mostly rejected, and every step that may draft should verify (its KV checked each time)."""
     kw.setdefault("num_gpu_blocks", 128)
-    spec = mtp_spec(k) if k else None
+    spec = mtp_spec(k, backoff_max_steps=0) if k else None
     return Engine(EngineConfig(model=model_dir, speculative_config=spec, **TARGETS[device], **kw))
 
 

@@ -8,13 +8,16 @@ import sys
 import pytest
 
 from gpu_worker.config import EngineConfig
-from services.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig, parse_speculative_config
+from services.speculative import DEFAULT_BACKOFF_MAX_STEPS, DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig, parse_speculative_config
 
 
 def test_ngram_config_parses_with_defaults():
     cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert cfg == SpeculativeConfig("ngram", 3, 2, 4, DEFAULT_DISABLE_BY_BATCH_SIZE)
     assert parse_speculative_config(None) is None and parse_speculative_config("") is None
+    assert cfg.backoff_max_steps == DEFAULT_BACKOFF_MAX_STEPS > 0        # back-off on by default
+    off = parse_speculative_config('{"method": "draft_model", "model": "/m", "backoff_max_steps": 0}')
+    assert off.backoff_max_steps == 0
 
 
 @pytest.mark.parametrize("text, named", [
@@ -24,6 +27,9 @@ def test_ngram_config_parses_with_defaults():
     ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 3}', "prompt_lookup_min"),
     ('{"method": "ngram", "prompt_lookup_max": 65}', "prompt_lookup_max"),
     ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size"),
+    ('{"method": "ngram", "backoff_max_steps": -1}', "backoff_max_steps"),
+    ('{"method": "ngram", "backoff_max_steps": 65537}', "backoff_max_steps"),
+    ('{"method": "mtp", "backoff_max_steps": false}', "backoff_max_steps"),
     ('{"method": "draft_model"}', "model"),
     ('{"method": "draft_model", "model": ""}', "model"),
     ('{"method": "draft_model", "model": 3}', "model"),
