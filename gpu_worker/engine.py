@@ -903,20 +903,9 @@ class Engine:
                 num_output_tokens and params.n != 1):
             raise RequestError("invalid num_output_tokens: a moved request has one sample and a prompt")
         prompt = tokens[:len(tokens) - num_output_tokens]
-        if request_id in self.exported:
-            raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
-        if samples is not None:
-            self._check_samples(params, samples)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise RequestError("invalid seed: must be an integer")
-        max_tokens = self.max_model_len - len(prompt)
-        if params.max_tokens is not None:
-            max_tokens = min(params.max_tokens, max_tokens)
-        stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
-        if num_output_tokens and num_output_tokens + 1 >= max_tokens:   # a move with nothing left to draw
+        request = self._import_request(request_id, prompt, params, priority, cache_salt, seed, samples)
+        if num_output_tokens and num_output_tokens + 1 >= request.max_tokens:   # a move with nothing left to draw
             raise RequestError("invalid num_output_tokens: no room left to generate")
-        request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals, seed,
-                          max_tokens, stop_ids=stop_ids)
         seq = Sequence(request, min(i for i, _, _ in samples) if samples else 0, list(tokens), len(prompt))
         bm = self.block_manager
         hits = bm.lookup_full_blocks(seq)
@@ -946,23 +935,14 @@ class Engine:
         prompt = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
         if params.n < 2 or self.speculator is not None:
             raise RequestError("invalid samples: a moved group has n > 1 and needs an engine without speculation")
-        if request_id in self.exported:
-            raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
-        self._check_samples(params, samples)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise RequestError("invalid seed: must be an integer")
-        max_tokens = self.max_model_len - len(prompt)
-        if params.max_tokens is not None:
-            max_tokens = min(params.max_tokens, max_tokens)
+        request = self._import_request(request_id, prompt, params, priority, cache_salt, seed, samples)
         if sorted(outputs) != sorted(i for i, _, _ in samples) or any(
-                _as_token_ids(out, self.vocab_size) is None or len(out) + 1 >= max_tokens for out in outputs.values()):
+                _as_token_ids(out, self.vocab_size) is None or len(out) + 1 >= request.max_tokens
+                for out in outputs.values()):
             raise RequestError("invalid samples: one output per moved sample, with room left to generate")
         full_blocks = len(prompt) // self.config.block_size
         if not isinstance(num_shared_blocks, int) or not 0 <= num_shared_blocks <= full_blocks:
             raise RequestError("invalid num_shared_blocks: at most the prompt's full blocks")
-        stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
-        request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals, seed,
-                          max_tokens, stop_ids=stop_ids)
         seqs = [Sequence(request, i, prompt + list(outputs[i]), len(prompt)) for i in sorted(outputs)]
         hits = group.reserve(self.block_manager, seqs, num_shared_blocks)
         if hits is None:
@@ -999,6 +979,22 @@ class Engine:
                 self.block_manager.free(seq)
             request.seqs.append(Sequence(request, index, list(request.prompt_token_ids), len(request.prompt_token_ids),
                                          status=SequenceStatus.FINISHED, finish_reason="stop"))
+
+    def _import_request(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+                        cache_salt: str, seed: int, samples: list[tuple[int, int, float]] | None) -> Request:
+        """The Request of an import (a prefilled hand-off's or a peer move's), its checks shared."""
+        if request_id in self.exported:
+            raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
+        if samples is not None:
+            self._check_samples(params, samples)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise RequestError("invalid seed: must be an integer")
+        max_tokens = self.max_model_len - len(prompt)
+        if params.max_tokens is not None:
+            max_tokens = min(params.max_tokens, max_tokens)
+        stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
+        return Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals, seed,
+                       max_tokens, stop_ids=stop_ids)
 
     def _check_samples(self, params: SamplingParams, samples: list[tuple[int, int, float]]) -> None:
         indices = [i for i, _, _ in samples]
