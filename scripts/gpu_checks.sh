@@ -11,14 +11,17 @@
 #                                           c=1, c=64 1024/128 and the prefill-heavy 4096/256 serving runs
 #   bash scripts/gpu_checks.sh tiers        KV tiers: H2D/D2H against the pinned ceiling, load vs recompute
 #   bash scripts/gpu_checks.sh structured   JSON-schema TPOT against unconstrained at batch 1 and 64, async and sync
-#   bash scripts/gpu_checks.sh spec         speculative decoding: ngram, draft_model, mtp (and its oracle)
+#   bash scripts/gpu_checks.sh spec         speculative decoding at batch 1 / 8 / 64: ngram (and draft_model, the
+#                                           target as its own draft, where the GPU holds two 8B copies) on the 8B
+#                                           model; mtp and its oracle on a 1B model with an MTP layer
+#   bash scripts/gpu_checks.sh migration    a request moved mid-decode: with its KV (frames, cuda_ipc) or recomputed
 #   bash scripts/gpu_checks.sh engine       the engine lines (a regression check against BENCHMARKS.md)
 set -euo pipefail
-stage="${1:?stage: tests | transfer | pd | tiers | structured | spec | engine}"
+stage="${1:?stage: tests | transfer | pd | tiers | structured | spec | migration | engine}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-case "$stage" in tests|transfer|pd|tiers|structured|spec|engine) ;;
-  *) echo "unknown stage '$stage' (tests | transfer | pd | tiers | structured | spec | engine)" >&2; exit 2 ;;
+case "$stage" in tests|transfer|pd|tiers|structured|spec|migration|engine) ;;
+  *) echo "unknown stage '$stage' (tests | transfer | pd | tiers | structured | spec | migration | engine)" >&2; exit 2 ;;
 esac
 export OUT="${OUT:-/tmp/gpu_checks}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -45,7 +48,19 @@ case "$stage" in
     timeout -s TERM 270 python3 bench/gpu_bench.py --sections structured --sync-scheduling --time-budget 240 \
       2>&1 | tee -a "$log" ;;
   spec)
-    timeout -s TERM 560 python3 bench/spec_decode_bench.py --methods ngram,draft_model,mtp 2>&1 | tee "$log" ;;
+    M8=/tmp/kvmesh-llama-8b M1=/tmp/kvmesh-llama-1b-mtp
+    [ -f $M8/config.json ] || python3 -m services.cli make-model --arch llama --size 8b $M8
+    [ -f $M1/config.json ] || python3 -m services.cli make-model --arch llama --size 1b --mtp-layers 1 $M1
+    # two engines share the GPU at 0.42 each: a self-draft holds two copies of the 8B weights
+    methods=ngram; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] \
+      && methods=ngram,draft_model
+    timeout -s TERM 330 python3 bench/spec_decode_bench.py --model-dir $M8 --methods $methods --batches 1,8,64 \
+      2>&1 | tee "$log"
+    timeout -s TERM 200 python3 bench/spec_decode_bench.py --model-dir $M1 --methods mtp --mtp-oracle-dir $M1-oracle \
+      --batches 1,8,64 2>&1 | tee -a "$log" ;;
+  migration)
+    timeout -s TERM 560 python3 bench/serve_bench.py --sections migration --migration-modes peer,peer_ipc,recompute \
+      --time-budget 540 2>&1 | tee "$log" ;;
   engine)
     timeout -s TERM 560 python3 bench/gpu_bench.py --sections engine --time-budget 520 2>&1 | tee "$log" ;;
 esac
