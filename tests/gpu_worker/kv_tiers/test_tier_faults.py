@@ -128,6 +128,7 @@ def test_one_failed_write_costs_its_block_and_the_disk_tier_goes_on(llama, tmp_p
 
     def one_eio(eng, turn, next_prompt):
         if turn == 0:
+            eng.kv_tiers.disk.drain()   # the failing write is one of the next turn's, whatever the load
             fail_writes(monkeypatch, errno.EIO, times=1)
 
     turns = chat(eng, 3, between=one_eio)
@@ -148,6 +149,7 @@ def test_blocks_on_disk_still_load_while_writes_are_off(llama, tmp_path, monkeyp
     loaded = []
 
     def full_disk(eng, turn, next_prompt):
+        eng.kv_tiers.disk.drain()       # the writes queued so far land (or fail) before the disk fills
         if turn == 0:
             fail_writes(monkeypatch, errno.ENOSPC)
         loaded.append(tier_stats(eng)["loaded_blocks"]["disk"])
