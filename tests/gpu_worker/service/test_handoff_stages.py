@@ -81,7 +81,9 @@ def test_aborting_one_request_mid_transfer_never_touches_the_other(llama):
     receiver = DecodeReceiver(d.engine, Plane.insecure(), "127.0.0.1", 0, lease_s=10.0)
     d.imports = receiver.imports
     sender = PrefillSender(p.engine, Plane.insecure(), lease_s=10.0)
-    sender.producer.max_frame_bytes = 2048          # a frame per layer and a block or two
+    sender.producer.max_frame_bytes = 2048          # a frame per layer and a block or two,
+    frames = sender.producer.frames                 # 5 ms apart: A's import is seen in flight by this
+    sender.producer.frames = lambda *a: ((time.sleep(0.005), f)[1] for f in frames(*a))   # loop at any load
     d_addr = receiver.endpoint.address + "#worker"
     ids = {"a": prompt(200, 30), "b": prompt(200, 31)}
     out: list = []
