@@ -162,7 +162,6 @@ class PeerMoves:
         return bool(self.held or self._sending or self._handoffs)
 
 
-
 def _live(outputs: list[list[int]], ended: list[int]) -> dict[int, list[int]]:
     """Sample index -> the tokens its client has, of the samples that have not ended."""
     return {i: list(out) for i, out in enumerate(outputs) if i not in set(ended)}
