@@ -93,9 +93,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.prefill_rate.step_began()
         out = self._schedule_step()
-        prefill = sum(n for _, n in out.scheduled if n > 1)      # a decode computes one token
+        prefill = decodes = 0               # one pass over the batch: this runs every step
+        for _, n in out.scheduled:
+            if n > 1:
+                prefill += n
+            else:
+                decodes += 1                # a decode computes one token
         # the engine reads the step's tokens with this number: the step's time (prefill_rate.py)
-        out.step_no = self.prefill_rate.step_scheduled(out.num_tokens, prefill)
+        out.step_no = self.prefill_rate.step_scheduled(prefill + decodes, prefill)
         return out
 
     def _schedule_step(self) -> SchedulerOutput:
