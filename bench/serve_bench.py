@@ -104,7 +104,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # run from anywhere in the repo
 
 from services.ports import free_port  # noqa: E402  (the gateway's port, bound later by the stack)
-from stage_metrics import breakdown_lines, histograms, scrape, stage_means  # noqa: E402  (bench/: this directory)
+from stage_metrics import breakdown_lines, counter, histograms, scrape, stage_means  # noqa: E402  (bench/: this directory)
 from process_group import die_with_parent, group_members, kill_group, stop_group  # noqa: E402
 from vllm_server import VllmServer, http_ok  # noqa: E402
 
@@ -740,6 +740,13 @@ def wait_for_workers(stack: ServeStack, timeout_s: float) -> float:
     raise TimeoutError(f"the drained worker was not back within {timeout_s:.0f} s")
 
 
+def worker_tokens(stack: ServeStack) -> dict[str, float]:
+    """Tokens each worker has generated, from its own /metrics: live, where its registry record's
+    load lags by a heartbeat (long enough on a busy host for a short request to end unseen)."""
+    return {w.id: counter(w.addrs["metrics"], "kvmesh_worker_generated_tokens")
+            for w in stack.records("worker") if "metrics" in w.addrs}
+
+
 def worker_pid(stack: ServeStack, worker_id: str) -> int:
     """The pid of the stack's worker process started with --worker-id worker_id."""
     for pid in group_members(stack.proc.pid):
@@ -792,6 +799,7 @@ def migrate_one(stack: ServeStack, ctx: int, sc: Scale, vocab: int, seed: int) -
     body = {"model": model, "prompt": [rng.randrange(10, vocab - 10) for _ in range(ctx)], "max_tokens": sc.mig_out,
             "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     stall0 = histograms(stack.url + "/metrics").get(MIG_STALL, (0.0, 0.0))
+    tokens0 = worker_tokens(stack)
     chunks: list[float] = []
     done: dict = {}
     say(f"migration {stack.name}: {ctx} prompt tokens, {sc.mig_out} out")
@@ -799,9 +807,9 @@ def migrate_one(stack: ServeStack, ctx: int, sc: Scale, vocab: int, seed: int) -
     client.start()
     held_by, deadline = "", time.time() + sc.request_timeout
     while time.time() < deadline and client.is_alive() and not held_by:
-        if len(chunks) >= sc.mig_drain_after:     # the worker running it, as its heartbeat says
-            held_by = next((w.id for w in stack.records("worker") if int(w.load.get("running", 0)) > 0), "")
-        time.sleep(0.05)
+        if len(chunks) >= sc.mig_drain_after:     # the worker generating its tokens (the only request)
+            held_by = next((w for w, n in worker_tokens(stack).items() if n > tokens0.get(w, 0.0)), "")
+        time.sleep(0.01)
     if not held_by:
         client.join(5)
         if "error" in done:
@@ -813,6 +821,8 @@ def migrate_one(stack: ServeStack, ctx: int, sc: Scale, vocab: int, seed: int) -
     client.join(max(deadline - time.time(), 1.0))
     if client.is_alive() or "error" in done:
         raise RuntimeError(f"the moved stream did not finish cleanly: {done.get('error', 'timed out')}")
+    if before >= len(chunks):
+        raise RuntimeError(f"the stream ended ({len(chunks)} chunks) before the drain reached it; raise mig_out")
     stall1 = histograms(stack.url + "/metrics").get(MIG_STALL, (0.0, 0.0))
     stalls, stall_s = int(stall1[0] - stall0[0]), stall1[1] - stall0[1]
     gaps = [b - a for a, b in zip(chunks, chunks[1:])]

@@ -57,6 +57,18 @@ def histograms(url: str) -> dict[str, tuple[float, float]]:
     return out
 
 
+def counter(url: str, name: str) -> float:
+    """One unlabelled counter of one /metrics endpoint (0 when it is absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode(errors="replace")
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            return sum(s.value for s in family.samples if s.name == name + "_total" and not s.labels)
+    return 0.0
+
+
 def scrape(gateway_url: str, records: Callable[[str], list]) -> dict[str, dict[str, tuple[float, float]]]:
     """{"gateway" | "scheduler" | "worker" | "tokenizer": {histogram: (count, sum)}}, summed over each
     kind's processes (their registry records' `metrics` addresses). Raises when an endpoint does not

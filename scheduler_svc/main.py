@@ -194,6 +194,10 @@ class SchedulerService:
             old, self.prefix = self.prefix, (PrefixClient(target, self.trust, timeout_s=timeout_s) if target else None)
             if old is not None:
                 await old.close()
+            if self.prefix is not None:      # connected before the first Match needs it
+                task = asyncio.create_task(self.prefix.connect())
+                self.asking.add(task)
+                task.add_done_callback(self.asking.discard)
             log.info("prefix-cache index %s", target or "gone: routing by load only")
 
     async def _poll_workers(self) -> None:

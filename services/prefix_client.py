@@ -11,6 +11,7 @@ index outage costs each request nothing instead of a timeout.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -41,6 +42,17 @@ class PrefixClient:
             self._channel = grpc_channel(self.target, self.trust, "prefix-cache")
             self._stub = unary_stub(self._channel, PREFIX_GRPC_SERVICE, "Match", MatchResponse)
         return self._stub
+
+    async def connect(self, timeout_s: float = 10.0) -> bool:
+        """Open the channel (TCP and TLS) ahead of the first Match, whose short deadline would
+        otherwise have to cover the handshake too; False when the index did not answer in time."""
+        self._call()
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+            return True
+        except (asyncio.TimeoutError, grpc.RpcError) as exc:
+            log.warning("prefix index %s: no connection in %.0fs (%s)", self.target, timeout_s, type(exc).__name__)
+            return False
 
     async def match(self, model_id: str, token_ids, *, tenant_salt: str = "", cache_salt: str = "",
                     block_hashes: list[bytes] | None = None) -> MatchResponse:

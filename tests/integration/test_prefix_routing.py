@@ -32,6 +32,9 @@ def serve(model: str, workers: int, log_path, *flags: str):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     env["KVMESH_REDIS_URL"] = redis.client_url
+    # The index's answers are what this test measures: a deadline a busy 2-core host meets (at the
+    # 50 ms default, every Match timing out there routes by load alone, and the breaker keeps it so).
+    env["KVMESH_PREFIX_MATCH_TIMEOUT_MS"] = "2000"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", model, "--workers",
                                  str(workers), "--device", "cpu", "--num-gpu-blocks", "512", "--port", str(port),

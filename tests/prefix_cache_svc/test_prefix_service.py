@@ -97,6 +97,7 @@ async def test_service_end_to_end(redis_server):
     await svc.start()
     client = PrefixClient(svc.grpc_addr, scheduler_trust(), timeout_s=2.0)
     try:
+        assert await client.connect(5.0)       # TCP + TLS ahead of the first Match
         async with worker(redis_server.url, "w1") as (bm, alive):
             bm.store_prompt(PROMPT, salt=SALT)
 
@@ -160,6 +161,7 @@ async def test_client_breaker_retries_after_cooldown():
     from services.ports import free_port
 
     client = PrefixClient(f"127.0.0.1:{free_port()}", scheduler_trust(), timeout_s=0.1, cooldown_s=0.05)
+    assert not await client.connect(0.2)                                              # nobody listens
     assert not (await client.match("m", PROMPT)).available
     assert not (await client.match("m", PROMPT)).available and client.failures == 1   # breaker open
     await asyncio.sleep(0.06)
