@@ -126,6 +126,7 @@ class Engine:
         self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
         self._importing: dict[str, tuple[Sequence, list[tuple[int, int, float]] | None]] = {}  # KV arriving
         self._moved_groups: dict[str, list[Sequence]] = {}   # ... for every sample of an n > 1 peer move
+        self._group_hits: dict[str, int] = {}    # ... and its leading blocks this pool's cache held
         self._arrivals = 0
         self._seed_rng = random.Random(config.seed)  # seeds of requests that give none
         self._inflight: _InFlight | None = None       # async_scheduling: the launched step
@@ -804,7 +805,7 @@ class Engine:
         batch and the blocks of each sample still going are held (`exported`, the sample finished
         with HANDOFF) until release_export, like a prefill's export; samples that ended stay
         ended. A decoding request qualifies: every sample still going running, every token of it
-        but the last computed, no step in flight (settle() first), n > 1 without speculation. A
+        but the last computed, no step in flight (settle() first), n > 1 but under mtp. A
         grammar's matcher stays behind (the peer rebuilds it from the output tokens); with
         speculation, blocks past the computed tokens (slots of drafts) are freed first, so only
         final KV is held, and the proposer hands off what the peer needs (mtp: its pending row,
@@ -816,7 +817,7 @@ class Engine:
         """
         request = self.requests.get(request_id)
         if (request is None or request.needs_fork or request.export_kv or self._inflight is not None
-                or (request.n != 1 and self.speculator is not None)):   # drafts carry one sample's state
+                or (request.n != 1 and self._hands_off_draft_state)):
             return False
         live = [s for s in request.seqs if s.status is not SequenceStatus.FINISHED]
         if not live or any(s.status is not SequenceStatus.RUNNING or s.num_new_tokens != 1
@@ -931,10 +932,11 @@ class Engine:
         (the group's transfer table, how many of its leading blocks this engine's prefix cache
         held: they do not move), or None (nothing reserved) when the pool lacks free blocks now.
         admit_imported rebuilds the group: the shared blocks shared, each sample at its position
-        (budget, penalties, seeded draws, cumulative logprob as if it had never moved)."""
+        (budget, penalties, seeded draws, cumulative logprob as if it had never moved; a draft
+        model's KV computed over each sample's moved context)."""
         prompt = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
-        if params.n < 2 or self.speculator is not None:
-            raise RequestError("invalid samples: a moved group has n > 1 and needs an engine without speculation")
+        if params.n < 2 or self._hands_off_draft_state:
+            raise RequestError("invalid samples: a moved group has n > 1 and needs an engine without mtp")
         request = self._import_request(request_id, prompt, params, priority, cache_salt, seed, samples)
         if sorted(outputs) != sorted(i for i, _, _ in samples) or any(
                 _as_token_ids(out, self.vocab_size) is None or len(out) + 1 >= request.max_tokens
@@ -955,16 +957,25 @@ class Engine:
         self.requests[request_id] = request
         self._importing[request_id] = (seqs[0], sorted(samples))
         self._moved_groups[request_id] = seqs
+        self._group_hits[request_id] = hits
         return group.flat_table(seqs, num_shared_blocks), hits
 
     def _admit_group(self, request_id: str) -> None:
         """admit_imported of a moved group: each sample still going joins the batch on its blocks;
         one aborted meanwhile frees its own (the shared ones stay with the others)."""
         seqs = self._moved_groups.pop(request_id)
+        hits = self._group_hits.pop(request_id, 0)
         _, held = self._importing.pop(request_id)
         going_on = {i: (token, logprob) for i, token, logprob in held}
         request = seqs[0].request
         by_index = {s.index: s for s in seqs}
+        if self.speculator is not None:        # a draft model's KV of each live sample's context:
+            first = hits * self.config.block_size      # the shared blocks once (past this pool's own
+            for seq in seqs:                           # hits), then each sample's own blocks
+                if seq.index in going_on:
+                    own_from, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_tokens
+                    self.speculator.catch_up(seq, min(first, own_from), self.config.max_num_batched_tokens)
+                    first = own_from
         for index in range(request.n):
             seq = by_index.get(index)
             if seq is not None and index in going_on:
@@ -979,6 +990,13 @@ class Engine:
                 self.block_manager.free(seq)
             request.seqs.append(Sequence(request, index, list(request.prompt_token_ids), len(request.prompt_token_ids),
                                          status=SequenceStatus.FINISHED, finish_reason="stop"))
+
+    @property
+    def _hands_off_draft_state(self) -> bool:
+        """mtp: a moved sequence takes its pending row along (Request.handoff_hidden, one per
+        request), so an n > 1 request moves without its KV (recomputed). n-gram drafts need nothing;
+        a draft model's KV is computed on the receiver (catch_up)."""
+        return self.speculator is not None and bool(self.speculator.handoff_caches())
 
     def _import_request(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
                         cache_salt: str, seed: int, samples: list[tuple[int, int, float]] | None) -> Request:
@@ -1077,6 +1095,7 @@ class Engine:
             self._importing.pop(request_id)
             for held in self._moved_groups.pop(request_id, [seq]):     # a moved group: every sample's
                 self.block_manager.free(held)
+            self._group_hits.pop(request_id, None)
             del self.requests[request_id]
             self._forget_constrained(request_id)
 

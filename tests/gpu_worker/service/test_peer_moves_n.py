@@ -16,6 +16,9 @@ from tests.gpu_worker.kv_transfer.conftest import collect, engine, greedy, promp
 from tests.gpu_worker.service.test_peer_moves import Move, _cuda_engine, _moves
 from tests.gpu_worker.service.test_prefill_sender import llama  # noqa: F401  (fixture)
 from tests.gpu_worker.service.test_worker_core_handoff import clean
+from tests.gpu_worker.spec_decode.draft_models import draft_spec
+from tests.gpu_worker.spec_decode.spec_fakes import ngram
+from tests.gpu_worker.spec_decode.test_spec_async import spec_stats
 
 BS = 16
 
@@ -105,6 +108,33 @@ def test_every_sample_of_an_n_request_goes_on_at_the_peer_with_its_kv(llama, cas
         assert move.d_receiver.imports.blocks_received == shared + own
         assert len(tables) == 1 and len(tables[0]) == len(live)    # one group, each live sample in it
         assert all(t[:shared] == tables[0][0][:shared] for t in tables[0])   # the prompt's blocks shared
+        assert clean(move.w) and clean(move.d) and not move.w.engine.exported
+    finally:
+        move.close()
+
+
+@pytest.mark.parametrize("w_spec, d_spec", [("ngram", "draft_model"), ("draft_model", "draft_model")])
+def test_an_n_request_moves_between_speculating_engines(llama, w_spec, d_spec):
+    """n-gram drafts need nothing moved; a draft model on D computes its KV over each live sample's
+    context (the shared prompt blocks once): with the target as its own draft every draft D
+    proposes is accepted, and each sample streams one plain engine's greedy tokens."""
+    specs = {"ngram": ngram(k=3, lo=1, hi=3), "draft_model": draft_spec(llama, 3)}
+    ids, params = prompt(45, 3), greedy(24, n=2)
+    expected = run_single(engine(llama), [("r", ids, params)])
+
+    methods = iter([w_spec, d_spec])              # Move makes W's engine first, then D's
+
+    def make(model: str):
+        return engine(model, speculative_config=specs[next(methods)])
+
+    move, outputs, ended, kv = _move(llama, ids, params, steps=5, make=make)
+    try:
+        assert ended == []
+        move.drive([kv])
+        got = _per_sample(move)
+        assert all(got[i] == expected[("r", i)] for i in range(2))
+        stats = spec_stats(move.d.engine)
+        assert stats["proposed"] > 0 and stats["accepted"] == stats["proposed"]
         assert clean(move.w) and clean(move.d) and not move.w.engine.exported
     finally:
         move.close()

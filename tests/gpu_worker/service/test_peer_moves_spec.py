@@ -17,6 +17,7 @@ import torch
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from gpu_worker.kv_transfer.connector import EngineKVProducer
+from gpu_worker.outputs import RequestError
 from services.protocol.messages import Abort, MoveKV
 from services.protocol.sampling import SamplingParams, StructuredOutput
 from tests.gpu_worker.engine.conftest import _one_torch_thread  # noqa: F401  (fixture)
@@ -133,15 +134,11 @@ def test_an_abort_during_a_speculating_constrained_move_frees_both_sides(model):
 
 def test_a_held_sequences_lookahead_slots_are_freed_and_never_offered(model):
     """A sequence holding slots past its computed tokens (a verification's draft slots) when it is
-    held: they go back to the free list, the Offer names ceil((num_tokens - 1) / block_size) blocks.
-    A request of n > 1 samples is not held (it is recomputed elsewhere)."""
+    held: they go back to the free list, the Offer names ceil((num_tokens - 1) / block_size) blocks."""
     eng = engine(model, speculative_config=ngram(k=3, lo=1, hi=3))
     eng.add_request("r", repetitive(40, 5, 2), greedy(30))
-    eng.add_request("n2", prompt(20, 1), greedy(30, n=2))
     for _ in range(3):
         eng.step()
-    assert not eng.hold_for_move("n2")
-    eng.abort_request("n2")
     seq = eng.requests["r"].seqs[0]
     used = eng.block_manager.num_used_blocks
     assert eng.block_manager.allocate_slots(seq, 1 + 20) == []          # the next token + 20 drafts' slots
@@ -151,6 +148,24 @@ def test_a_held_sequences_lookahead_slots_are_freed_and_never_offered(model):
     offer = EngineKVProducer(eng).offer("r")
     assert offer.num_blocks == len(offer.src_block_ids) == -(-(seq.num_tokens - 1) // 16)
     assert eng.release_export("r")
+    check_clean(eng)
+
+
+def test_an_mtp_engine_neither_holds_nor_takes_an_n_request(model):
+    """MTP's pending row is one per request: an n > 1 request is recomputed at the peer, never
+    held, and an MTP engine refuses a moved group (kv_transfer/group.py) before reserving a block."""
+    eng = engine(model, speculative_config=mtp_spec(3))
+    ids = prompt(20, 1)
+    eng.add_request("n2", ids, greedy(30, n=2))
+    for _ in range(3):
+        eng.step()
+    assert not eng.hold_for_move("n2")
+    eng.abort_request("n2")
+    free = eng.block_manager.num_free_blocks
+    with pytest.raises(RequestError, match="without mtp"):
+        eng.import_moved("g", ids, greedy(30, n=2), seed=0, samples=[(0, 5, 0.0), (1, 6, 0.0)],
+                         outputs={0: [7], 1: [8]}, num_shared_blocks=1)
+    assert eng.block_manager.num_free_blocks == free and "g" not in eng.requests
     check_clean(eng)
 
 
