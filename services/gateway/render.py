@@ -3,7 +3,8 @@
 Choice index = prompt_index * n + sample_index (completions with several prompts, as OpenAI).
 A chat answer parsed for reasoning or tool calls (chat_output.py) carries `reasoning_content`
 and `tool_calls` beside `content`, whole or streamed (`delta.reasoning_content`, and per call a
-`delta.tool_calls` entry with its id, type and name, then one with its arguments), and ends with
+`delta.tool_calls` entry with its id, type and name, then its arguments: in one entry for a call
+the model wrote in its own syntax, in fragments as generated for a forced one), and ends with
 finish_reason "tool_calls" when it called a tool (a forced call cut by max_tokens keeps "length").
 """
 from __future__ import annotations

@@ -177,13 +177,20 @@ def test_a_call_cut_by_max_tokens_is_text(client):
 def test_a_forced_call_cut_by_max_tokens_is_a_call(client):
     """tool_choice named or required, cut by max_tokens two tokens before the answer's end: the
     openai client reads tool_calls whose last arguments end where the cut came (the same calls as
-    the whole answer's, as far as they go), finish_reason "length" and no content, streamed or not."""
-    def squeezed(calls) -> list:   # (name, arguments without whitespace) of each call
-        return [(c.function.name, "".join(c.function.arguments.split())) for c in calls]
+    the whole answer's, as far as they go: arguments are the text as written), finish_reason
+    "length" and no content, streamed or not. The whole answer streamed through the client's own
+    helper: argument fragments as they were generated, assembled into the same calls."""
+    def squeezed(calls) -> list:   # (name, arguments) of each call
+        return [(c.function.name, c.function.arguments) for c in calls]
     for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
         kw = {"tools": TOOLS, "tool_choice": choice, "temperature": 0}
         full = chat(client, max_tokens=60, **kw)
         assert full.choices[0].finish_reason == "tool_calls"
+        with client.chat.completions.stream(model=client.model_name, messages=ASK, max_tokens=60, **kw) as stream:
+            fragments = [e for e in stream if e.type == "tool_calls.function.arguments.delta" and e.arguments_delta]
+            final = stream.get_final_completion()
+        assert squeezed(final.choices[0].message.tool_calls) == squeezed(full.choices[0].message.tool_calls)
+        assert len(fragments) >= (2 if isinstance(choice, dict) else 1)   # get_weather's city is several tokens
         kw["max_tokens"] = full.usage.completion_tokens - 2
         cut = chat(client, **kw).choices[0]
         assert cut.finish_reason == "length" and cut.message.content is None and cut.message.tool_calls

@@ -14,6 +14,11 @@ A call whose body is not a valid call (bad JSON, a function the request did not 
 that are not an object) is a text piece: the client gets it as content, never an error (a forced
 call cut by max_tokens is the exception: forced.py). Content is None when calls were parsed and
 nothing but whitespace was said besides them.
+
+A forced answer (forced.py) is nothing but calls, so it need not wait for a call to be whole: its
+scanner gives a call's opening (`CallOpen`, the name) as soon as it is sure of it and the call's
+arguments as they come (`CallArgs`, each the new text only). The stream turns them into the
+header delta and argument deltas; the whole-text parse joins them, so both agree exactly.
 """
 from __future__ import annotations
 
@@ -64,7 +69,17 @@ class Call(NamedTuple):
     value: tuple[str, dict | str] | None
 
 
-Piece = str | Call   # plain text, or a call
+class CallOpen(NamedTuple):
+    """A call whose arguments follow as CallArgs pieces (forced.py: streamed as written)."""
+    name: str
+
+
+class CallArgs(NamedTuple):
+    """More of the last opened call's arguments."""
+    text: str
+
+
+Piece = str | Call | CallOpen | CallArgs   # plain text, a whole call, or a call in parts
 
 
 class Scan(NamedTuple):
@@ -163,27 +178,25 @@ class ToolFormat:
         raise NotImplementedError
 
 
-def _calls(pieces: list[Piece]) -> list[tuple[str, dict | str] | str]:
-    """Each piece as a call (name, args) or as text; calls past MAX_CALLS stay text."""
-    out: list[tuple[str, dict | str] | str] = []
-    calls = 0
-    for p in pieces:
-        if isinstance(p, Call) and p.value is not None and calls < MAX_CALLS:
-            calls += 1
-            out.append(p.value)
-        else:
-            out.append(p.raw if isinstance(p, Call) else p)
-    return out
-
-
 def parse(fmt: ToolFormat, text: str) -> Parsed:
-    """The whole answer's content and calls."""
-    parts = _calls(fmt.scan(text, 0, True).pieces)
-    calls = [ToolCall(new_call_id(), p[0], arguments_text(p[1])) for p in parts if isinstance(p, tuple)]
-    content = "".join(p for p in parts if isinstance(p, str))
-    if (calls or not parts) and not content.strip():   # no parts: a forced answer cut before its first call
-        return Parsed(None, calls)
-    return Parsed(content, calls)
+    """The whole answer's content and calls; calls past MAX_CALLS stay text."""
+    pieces = fmt.scan(text, 0, True).pieces
+    calls: list[list[str]] = []   # [name, arguments]
+    content: list[str] = []
+    for p in pieces:
+        if isinstance(p, CallOpen):   # a forced format opens at most MAX_CALLS calls
+            calls.append([p.name, ""])
+        elif isinstance(p, CallArgs):
+            calls[-1][1] += p.text
+        elif isinstance(p, Call) and p.value is not None and len(calls) < MAX_CALLS:
+            calls.append([p.value[0], arguments_text(p.value[1])])
+        else:
+            content.append(p.raw if isinstance(p, Call) else p)
+    tool_calls = [ToolCall(new_call_id(), name, args) for name, args in calls]
+    body = "".join(content)
+    if (calls or not pieces) and not body.strip():   # no pieces: a forced answer cut before its first call
+        return Parsed(None, tool_calls)
+    return Parsed(body, tool_calls)
 
 
 class StreamingParser:
@@ -216,7 +229,13 @@ class StreamingParser:
         content: list[str] = []
         calls: list[ToolCallDelta] = []
         for piece in scan.pieces:
-            if isinstance(piece, Call) and piece.value is not None and self.num_calls < MAX_CALLS:
+            if isinstance(piece, CallOpen):
+                calls.append(ToolCallDelta(self.num_calls, new_call_id(), piece.name, ""))
+                self.num_calls += 1
+            elif isinstance(piece, CallArgs):
+                if piece.text:
+                    calls.append(ToolCallDelta(self.num_calls - 1, None, None, piece.text))
+            elif isinstance(piece, Call) and piece.value is not None and self.num_calls < MAX_CALLS:
                 name, args = piece.value
                 calls.append(ToolCallDelta(self.num_calls, new_call_id(), name, ""))
                 calls.append(ToolCallDelta(self.num_calls, None, None, arguments_text(args)))

@@ -128,7 +128,13 @@ def test_a_whole_forced_call_finishes_with_tool_calls():
     c = whole('{"city": "Paris"}', "stop", NAMED)
     assert c["finish_reason"] == "tool_calls" and calls_of(c["message"]["tool_calls"]) == [
         ("function", "get_weather", {"city": "Paris"})]
-    assert streamed('{"city": "Paris"}', "stop", 5, NAMED)[0]["finish_reason"] == "tool_calls"
+    m, chunks = streamed('{"city": "Paris"}', "stop", 5, NAMED)
+    assert m["finish_reason"] == "tool_calls" and m["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    # the header and each delta's arguments go out with that delta, not at the answer's end
+    fragments = [ch["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] for ch in chunks
+                 if ch["choices"][0]["delta"].get("tool_calls")]
+    assert fragments == ["", '{"cit', 'y": "', "Paris", '"}']
+    assert chunks[-1]["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '"}'
 
 
 def test_auto_answer_cut_by_max_tokens():

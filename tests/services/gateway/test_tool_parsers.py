@@ -8,7 +8,7 @@ import time
 import pytest
 
 from services.gateway.tool_parsers import (
-    NamedFormat, RequiredFormat, StreamingParser, parse, tool_format)
+    StreamingParser, parse, tool_format)
 
 TOOLS = frozenset({"get_weather", "get_time"})
 WEATHER = {"city": "Paris", "unit": "°C"}
@@ -112,48 +112,6 @@ MISTRAL_CASES = [
 @pytest.mark.parametrize("text,content,calls", MISTRAL_CASES)
 def test_mistral(text, content, calls):
     check("mistral", text, content, calls)
-
-
-def test_forced_formats():
-    required = lambda: RequiredFormat(TOOLS)   # noqa: E731
-    check(required, '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}, '
-                    '{"name": "get_time", "parameters": {}}]', None, [("get_weather", WEATHER), ("get_time", {})])
-    check(required, "[]", "[]", [])   # whole JSON that is not calls (the schema forbids it): text
-    named = lambda: NamedFormat(TOOLS, "get_weather")   # noqa: E731
-    check(named, '{"city": "Paris", "unit": "°C"}', None, [("get_weather", WEATHER)])
-
-
-CUT_FORCED = [   # (tool_choice, answer cut by max_tokens, calls [(name, arguments text)])
-    ("get_weather", '{"city": "Par', [("get_weather", '{"city": "Par')]),
-    ("get_weather", "", [("get_weather", "")]),
-    ("get_weather", "random words", [("get_weather", "random words")]),   # not JSON: still the call
-    ("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"ci',
-     [("get_time", "{}"), ("get_weather", '{"ci')]),
-    ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}} , \n{"name": "get_time", "arguments": ',
-     [("get_weather", '{"city": "Paris"}'), ("get_time", "")]),
-    ("required", '[{"name": "get_time", "parameters": {}}, ', [("get_time", "{}")]),
-    ("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_we', [("get_time", "{}")]),
-    ("required", '[{"name": "get_ti', []),
-    ("required", '[{"name": "rm_rf", "parameters": {"x', []),
-    ("required", '[{"name": "get_time", "parameters": {"x": NaN}}, {"name": "get_time", "parameters": {"s": "}{',
-     [("get_time", '{"s": "}{')]),
-]
-
-
-@pytest.mark.parametrize("choice,text,calls", CUT_FORCED)
-def test_a_forced_answer_cut_short_is_calls_never_content(choice, text, calls):
-    """A forced call cut by max_tokens comes back as a call whose arguments are the text as far as
-    it goes (OpenAI's and vLLM's shape), the same whole and streamed; its JSON is never content."""
-    make = (lambda: RequiredFormat(TOOLS)) if choice == "required" else (lambda: NamedFormat(TOOLS, choice))
-    parsed = parse(make(), text)
-    assert parsed.content is None and [(c.name, c.arguments) for c in parsed.tool_calls] == calls
-    for size in (1, 4, len(text) or 1):
-        parser = StreamingParser(make())
-        steps = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
-        assert "".join(s.content for s in steps) == ""
-        deltas = [d for s in steps for d in s.calls]
-        assert [(h.name, a.arguments) for h, a in zip(deltas[::2], deltas[1::2])] == calls
-        assert all(h.id and not h.arguments for h in deltas[::2])
 
 
 def test_call_ids_are_random_and_calls_bounded():
