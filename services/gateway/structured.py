@@ -162,7 +162,17 @@ def _schema_text(schema: Any, param: str) -> str:
             raise ConstraintError("the schema is not valid JSON", param) from None
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError("the schema must be a JSON object", param)
-    _check_bounds(schema, param)
+    check_schema(schema, param)
+    text = json.dumps(schema, separators=(",", ":"))
+    if len(text.encode()) > MAX_STRUCTURED_SPEC_BYTES:
+        raise ConstraintError(f"the schema must have at most {MAX_STRUCTURED_SPEC_BYTES} bytes", param)
+    return text
+
+
+def check_schema(schema: Any, param: str) -> int:
+    """A JSON Schema (parsed) within the bounds and well-formed, or ConstraintError naming `param`;
+    its node count. Also what a forced tool_choice runs on the tools' parameters (tools.py)."""
+    nodes = _check_bounds(schema, param)
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
     try:
@@ -170,14 +180,11 @@ def _schema_text(schema: Any, param: str) -> str:
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "the root"
         raise ConstraintError(f"the schema is not a valid JSON Schema at {where}: {exc.message[:200]}", param) from None
-    text = json.dumps(schema, separators=(",", ":"))
-    if len(text.encode()) > MAX_STRUCTURED_SPEC_BYTES:
-        raise ConstraintError(f"the schema must have at most {MAX_STRUCTURED_SPEC_BYTES} bytes", param)
-    return text
+    return nodes
 
 
-def _check_bounds(schema: Any, param: str) -> None:
-    """Depth, node count and enum sizes, walked iteratively (no recursion to exhaust)."""
+def _check_bounds(schema: Any, param: str) -> int:
+    """Depth, node count and enum sizes, walked iteratively (no recursion to exhaust); the node count."""
     stack = [(schema, 1)]
     nodes = 0
     while stack:
@@ -194,6 +201,7 @@ def _check_bounds(schema: Any, param: str) -> None:
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
+    return nodes
 
 
 def _build_grammar(spec: StructuredOutput) -> None:
