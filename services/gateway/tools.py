@@ -21,7 +21,7 @@ import msgspec
 
 from services.gateway.chat_output import OutputParsing
 from services.gateway.schemas import bad
-from services.gateway.structured import MAX_SCHEMA_NODES, ConstraintError, check_schema
+from services.gateway.structured import MAX_SCHEMA_NODES, ConstraintError, check_bounds
 from services.gateway.tool_parsers import NamedFormat, RequiredFormat, tool_format
 from services.protocol.sampling import MAX_STRUCTURED_SPEC_BYTES, SamplingParams, StructuredOutput
 from services.text.chat_formats import ChatFormats
@@ -84,12 +84,13 @@ def _depth(value: Any) -> int:
 
 def _checked_schemas(tools: list[dict], schemas: dict[str, dict], names: list[str]) -> None:
     """The named tools' parameters within the bounds a response_format schema has (structured.py),
-    each and together: a forced choice compiles them into one grammar."""
+    each and together: a forced choice compiles them into one grammar (whose well-formedness
+    check_constraint checks off the event loop, naming tool_choice)."""
     index = {tool["function"]["name"]: i for i, tool in enumerate(tools)}
     nodes = 0
     for name in names:
         try:
-            nodes += check_schema(schemas[name], f"tools[{index[name]}].function.parameters")
+            nodes += check_bounds(schemas[name], f"tools[{index[name]}].function.parameters")
         except ConstraintError as exc:
             raise bad(str(exc), exc.param) from None
     if nodes > MAX_SCHEMA_NODES:

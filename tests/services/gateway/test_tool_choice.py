@@ -114,11 +114,9 @@ def _nested(depth: int) -> dict:
 # the bounds a response_format schema has (structured.py): a forced choice compiles the tools'
 # parameters into the same kind of grammar, so they must not be a way around them
 WIDE = {"type": "object", "properties": {f"p{i}": {"enum": list(range(50))} for i in range(300)}}
-BAD_TYPE = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
 
 
-@pytest.mark.parametrize("params, why", [(_nested(22), "nested too deeply"), (WIDE, "too large"),
-                                         (BAD_TYPE, "not a valid JSON Schema")])
+@pytest.mark.parametrize("params, why", [(_nested(22), "nested too deeply"), (WIDE, "too large")])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
 def test_a_forced_choice_bounds_the_tools_schemas(params, why, choice):
     tools = [{"type": "function", "function": {"name": "g"}},
@@ -129,7 +127,7 @@ def test_a_forced_choice_bounds_the_tools_schemas(params, why, choice):
 
 def test_required_bounds_the_schema_of_all_tools_together():
     # each tool's schema is within the bounds, their union (what `required` compiles) is not
-    part = {"type": "object", "properties": {f"p{i}": {} for i in range(700)}}
+    part = {"type": "object", "properties": {f"p{i}": {} for i in range(700)}}   # 8 x 700 values: > 5,000
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": part}} for i in range(8)]
     assert tool_plan(tools, {"type": "function", "function": {"name": "f0"}}, QWEN, True).structured is not None
     err = refused(tools, "required")
