@@ -8,10 +8,11 @@ Accepted (at most one of them per request; more is a 400 naming them):
     guided_json, guided_regex, guided_choice, guided_grammar  (vLLM's older names);
     guided_decoding_backend: "xgrammar" or "auto" (the only backend), else a 400
 
-Cheap checks run inline (sizes, nesting depth, node and enum-entry counts); then check_constraint
-checks JSON Schema well-formedness (Draft202012Validator.check_schema: slow, ~0.3 ms a node) on
-a worker thread and builds the xgrammar Grammar (no tokenizer needed: syntax, unsupported
-keywords, `$ref` chains without content) on a worker thread under CHECK_TIME_LIMIT_S. Recursive schemas whose `$ref`s reach
+Cheap checks run inline (sizes, nesting depth, node, enum-entry and optional-property counts);
+then check_constraint checks JSON Schema well-formedness (Draft202012Validator.check_schema:
+slow, ~0.3 ms a node) on a worker thread and builds the xgrammar Grammar (no tokenizer needed:
+syntax, unsupported keywords, `$ref` chains without content) on a worker thread under
+CHECK_TIME_LIMIT_S. Recursive schemas whose `$ref`s reach
 content are valid: xgrammar compiles recursion.
 """
 from __future__ import annotations
@@ -29,6 +30,9 @@ from services.protocol.sampling import MAX_STRUCTURED_SPEC_BYTES, SamplingParams
 MAX_SCHEMA_DEPTH = 24          # nesting of objects/arrays in a schema
 MAX_SCHEMA_NODES = 5_000       # objects, arrays and values in a schema
 MAX_ENUM_ENTRIES = 1_024       # entries of one enum; every enum together: MAX_SCHEMA_NODES
+# properties of one object not listed in its `required`: xgrammar's compile grows with their
+# square (any subset may appear, in order): 200 took 4 s with a 128k vocabulary, 64 about 0.6 s
+MAX_OPTIONAL_PROPERTIES = 64
 CHECK_TIME_LIMIT_S = 1.0
 BACKENDS = (None, "xgrammar", "auto")
 # the field holding a constraint's JSON Schema, by the field that set the constraint
@@ -199,10 +203,23 @@ def check_bounds(schema: Any, param: str) -> int:
             enum = node.get("enum")
             if isinstance(enum, list) and len(enum) > MAX_ENUM_ENTRIES:
                 raise ConstraintError(f"an enum may list at most {MAX_ENUM_ENTRIES} values, got {len(enum)}", param)
+            if _optional_properties(node) > MAX_OPTIONAL_PROPERTIES:
+                raise ConstraintError(f"an object may have at most {MAX_OPTIONAL_PROPERTIES} optional properties; "
+                                      "list the others in its `required`", param)
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
     return nodes
+
+
+def _optional_properties(node: dict) -> int:
+    """How many of an object schema's `properties` its `required` leaves out."""
+    props = node.get("properties")
+    if not isinstance(props, dict):
+        return 0
+    required = node.get("required")
+    named = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+    return sum(1 for name in props if name not in named)
 
 
 def _build_grammar(spec: StructuredOutput) -> None:

@@ -113,10 +113,15 @@ def _nested(depth: int) -> dict:
 
 # the bounds a response_format schema has (structured.py): a forced choice compiles the tools'
 # parameters into the same kind of grammar, so they must not be a way around them
-WIDE = {"type": "object", "properties": {f"p{i}": {"enum": list(range(50))} for i in range(300)}}
+WIDE = {"type": "object", "properties": {f"p{i}": {"enum": list(range(50))} for i in range(300)},
+        "required": [f"p{i}" for i in range(300)]}
 
 
-@pytest.mark.parametrize("params, why", [(_nested(22), "nested too deeply"), (WIDE, "too large")])
+OPTIONAL = {"type": "object", "properties": {f"p{i}": {} for i in range(100)}}
+
+
+@pytest.mark.parametrize("params, why", [(_nested(22), "nested too deeply"), (WIDE, "too large"),
+                                         (OPTIONAL, "optional properties")])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
 def test_a_forced_choice_bounds_the_tools_schemas(params, why, choice):
     tools = [{"type": "function", "function": {"name": "g"}},
@@ -127,7 +132,8 @@ def test_a_forced_choice_bounds_the_tools_schemas(params, why, choice):
 
 def test_required_bounds_the_schema_of_all_tools_together():
     # each tool's schema is within the bounds, their union (what `required` compiles) is not
-    part = {"type": "object", "properties": {f"p{i}": {} for i in range(700)}}   # 8 x 700 values: > 5,000
+    names = [f"p{i}" for i in range(350)]   # 8 x (350 properties + 350 required names): > 5,000 values
+    part = {"type": "object", "properties": {name: {} for name in names}, "required": names}
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": part}} for i in range(8)]
     assert tool_plan(tools, {"type": "function", "function": {"name": "f0"}}, QWEN, True).structured is not None
     err = refused(tools, "required")
