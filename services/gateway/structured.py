@@ -36,7 +36,8 @@ MAX_OPTIONAL_PROPERTIES = 64
 CHECK_TIME_LIMIT_S = 1.0
 BACKENDS = (None, "xgrammar", "auto")
 # the field holding a constraint's JSON Schema, by the field that set the constraint
-SCHEMA_PARAMS = {"response_format": "response_format.json_schema.schema", "structured_outputs": "structured_outputs.json"}
+SCHEMA_PARAMS = {"response_format": "response_format.json_schema.schema",
+                 "structured_outputs": "structured_outputs.json"}
 
 _checker = ThreadPoolExecutor(2, thread_name_prefix="grammar-check")
 # xgrammar imports torch and transformers (~220 MB, seconds of CPU): a gateway loads it on its
