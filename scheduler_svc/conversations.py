@@ -11,20 +11,24 @@ tenant's conversation can only ever be steered by requests of that tenant.
                                                       gone, draining or overloaded
     worker gone/restart -> forget_worker(worker)      its KV went with it
 
-Bounded: at most `max_entries`, the least recently used dropped first; an entry unused for ttl_s
-expires (the worker's tiers have likely evicted the history by then).
+Bounded: at most `max_entries`; when full, the tenant holding the most entries loses its least
+recently used one, so one API key naming a new conversation per request evicts its own entries,
+not every other key's (one tenant alone: plain LRU). An entry unused for ttl_s expires (the
+worker's tiers have likely evicted the history by then).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
-MAX_CONVERSATIONS = 100_000   # ~200 bytes an entry: ~20 MB at most
+MAX_CONVERSATIONS = 100_000   # ~300 bytes an entry (two ordered dicts): ~30 MB at most
 
 
 class ConversationTable:
     def __init__(self, ttl_s: float, max_entries: int = MAX_CONVERSATIONS) -> None:
         self.ttl_s, self.max_entries = ttl_s, max_entries
         self._last: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()  # key -> (worker, used at)
+        # each tenant's keys, least recently used first: whom a full table evicts from
+        self._of_tenant: dict[str, OrderedDict[tuple[str, str], None]] = {}
 
     def lookup(self, tenant: str, conversation: str, now: float) -> str | None:
         """The worker of the conversation's last turn, or None (unknown, or older than ttl_s)."""
@@ -33,7 +37,7 @@ class ConversationTable:
         if entry is None:
             return None
         if now - entry[1] > self.ttl_s:
-            del self._last[key]
+            self._drop(key)
             return None
         return entry[0]
 
@@ -41,13 +45,25 @@ class ConversationTable:
         key = (tenant, conversation)
         self._last[key] = (worker_id, now)
         self._last.move_to_end(key)
+        keys = self._of_tenant.setdefault(tenant, OrderedDict())
+        keys[key] = None
+        keys.move_to_end(key)
         while len(self._last) > self.max_entries:
-            self._last.popitem(last=False)
+            # tenants are API keys (a handful): the scan is short
+            largest = max(self._of_tenant.values(), key=len)
+            self._drop(next(iter(largest)))
         self._expire(now)
 
     def forget_worker(self, worker_id: str) -> None:
         for key in [k for k, (w, _) in self._last.items() if w == worker_id]:
-            del self._last[key]
+            self._drop(key)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        del self._last[key]
+        keys = self._of_tenant[key[0]]
+        del keys[key]
+        if not keys:
+            del self._of_tenant[key[0]]
 
     def _expire(self, now: float) -> None:
         """Drop the expired entries at the old end (the order is by last use), a few per call."""
@@ -57,7 +73,7 @@ class ConversationTable:
             key, (_, used) = next(iter(self._last.items()))
             if now - used <= self.ttl_s:
                 return
-            del self._last[key]
+            self._drop(key)
 
     def __len__(self) -> int:
         return len(self._last)

@@ -27,10 +27,12 @@ class OutputParsing:
     def active(self) -> bool:
         return self.reasoning != "none" or self.tool_format is not None
 
-    def finish_with_calls(self, finish_reason: str | None) -> str | None:
+    def finish_with_calls(self, finish_reason: str | None, stop_reason: str | int | None) -> str | None:
         """The finish_reason of an answer that returned calls: "tool_calls", except that a forced
-        answer that did not end on its own keeps its reason (OpenAI's and vLLM's "length")."""
-        if finish_reason is None or (self.forced and finish_reason != "stop"):
+        answer that did not end on its own keeps its reason (OpenAI's and vLLM's "length"; "stop"
+        when a stop string or stop token id cut its JSON: stop_reason names it)."""
+        ended_by_grammar = finish_reason == "stop" and stop_reason is None
+        if finish_reason is None or (self.forced and not ended_by_grammar):
             return finish_reason
         return "tool_calls"
 

@@ -5,7 +5,8 @@ A chat answer parsed for reasoning or tool calls (chat_output.py) carries `reaso
 and `tool_calls` beside `content`, whole or streamed (`delta.reasoning_content`, and per call a
 `delta.tool_calls` entry with its id, type and name, then its arguments: in one entry for a call
 the model wrote in its own syntax, in fragments as generated for a forced one), and ends with
-finish_reason "tool_calls" when it called a tool (a forced call cut by max_tokens keeps "length").
+finish_reason "tool_calls" when it called a tool (a forced call cut by max_tokens keeps "length",
+one cut by a stop string or stop token id keeps "stop").
 """
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ class Accumulator:
                 "text_offset": offsets}
 
     # ---- whole response ------------------------------------------------------------------
-    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    def message(self, text: str, finish_reason: str | None,
+                stop_reason: str | int | None = None) -> tuple[dict[str, Any], str | None]:
         """A chat choice's message and finish_reason. No tool_calls key when the model called no
         tool (as OpenAI); reasoning_content only where a reasoning parser runs (as vLLM)."""
         if not self.parsing.active:
@@ -97,7 +99,7 @@ class Accumulator:
             message["reasoning_content"] = answer.reasoning
         if answer.tool_calls:
             message["tool_calls"] = [call.as_dict() for call in answer.tool_calls]
-            finish_reason = self.parsing.finish_with_calls(finish_reason)
+            finish_reason = self.parsing.finish_with_calls(finish_reason, stop_reason)
         return message, finish_reason
     def response(self) -> dict[str, Any]:
         choices = []
@@ -105,7 +107,7 @@ class Accumulator:
             text = "".join(c.parts)
             if self.kind == "chat":
                 lp = self.chat_logprobs(c.logprobs) if self.want_logprobs else None
-                message, finish = self.message(text, c.finish_reason)
+                message, finish = self.message(text, c.finish_reason, c.stop_reason)
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish,
                                 "stop_reason": c.stop_reason})
             else:
@@ -176,7 +178,7 @@ class ChunkWriter:
             step = AnswerDelta(step.reasoning + end.reasoning, step.content + end.content,
                                step.tool_calls + end.tool_calls)
             if choice.answer.num_calls:
-                finish = self.acc.parsing.finish_with_calls(finish)
+                finish = self.acc.parsing.finish_with_calls(finish, stop_reason)
         head: dict[str, Any] = {}
         if step.reasoning:
             head["reasoning_content"] = step.reasoning

@@ -8,10 +8,11 @@ Accepted (at most one of them per request; more is a 400 naming them):
     guided_json, guided_regex, guided_choice, guided_grammar  (vLLM's older names);
     guided_decoding_backend: "xgrammar" or "auto" (the only backend), else a 400
 
-Cheap checks run inline (sizes, nesting depth, node and enum-entry counts, JSON Schema
-well-formedness with Draft202012Validator.check_schema); then check_constraint builds the
-xgrammar Grammar (no tokenizer needed: syntax, unsupported keywords, `$ref` chains without
-content) on a worker thread under CHECK_TIME_LIMIT_S. Recursive schemas whose `$ref`s reach
+Cheap checks run inline (sizes, nesting depth, node, enum-entry and optional-property counts);
+then check_constraint checks JSON Schema well-formedness (Draft202012Validator.check_schema:
+slow, ~0.3 ms a node) on a worker thread and builds the xgrammar Grammar (no tokenizer needed:
+syntax, unsupported keywords, `$ref` chains without content) on a worker thread under
+CHECK_TIME_LIMIT_S. Recursive schemas whose `$ref`s reach
 content are valid: xgrammar compiles recursion.
 """
 from __future__ import annotations
@@ -29,8 +30,14 @@ from services.protocol.sampling import MAX_STRUCTURED_SPEC_BYTES, SamplingParams
 MAX_SCHEMA_DEPTH = 24          # nesting of objects/arrays in a schema
 MAX_SCHEMA_NODES = 5_000       # objects, arrays and values in a schema
 MAX_ENUM_ENTRIES = 1_024       # entries of one enum; every enum together: MAX_SCHEMA_NODES
+# properties of one object not listed in its `required`: xgrammar's compile grows with their
+# square (any subset may appear, in order): 200 took 4 s with a 128k vocabulary, 64 about 0.6 s
+MAX_OPTIONAL_PROPERTIES = 64
 CHECK_TIME_LIMIT_S = 1.0
 BACKENDS = (None, "xgrammar", "auto")
+# the field holding a constraint's JSON Schema, by the field that set the constraint
+SCHEMA_PARAMS = {"response_format": "response_format.json_schema.schema",
+                 "structured_outputs": "structured_outputs.json"}
 
 _checker = ThreadPoolExecutor(2, thread_name_prefix="grammar-check")
 # xgrammar imports torch and transformers (~220 MB, seconds of CPU): a gateway loads it on its
@@ -162,22 +169,28 @@ def _schema_text(schema: Any, param: str) -> str:
             raise ConstraintError("the schema is not valid JSON", param) from None
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError("the schema must be a JSON object", param)
-    _check_bounds(schema, param)
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import SchemaError
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
-        where = "/".join(str(p) for p in exc.path) or "the root"
-        raise ConstraintError(f"the schema is not a valid JSON Schema at {where}: {exc.message[:200]}", param) from None
+    check_bounds(schema, param)   # well-formedness: check_constraint, off the event loop
     text = json.dumps(schema, separators=(",", ":"))
     if len(text.encode()) > MAX_STRUCTURED_SPEC_BYTES:
         raise ConstraintError(f"the schema must have at most {MAX_STRUCTURED_SPEC_BYTES} bytes", param)
     return text
 
 
-def _check_bounds(schema: Any, param: str) -> None:
-    """Depth, node count and enum sizes, walked iteratively (no recursion to exhaust)."""
+def _check_valid(schema_text: str, param: str) -> None:
+    """Draft 2020-12 well-formedness. jsonschema spends ~0.3 ms a node on it (1.5 s at
+    MAX_SCHEMA_NODES), so it runs on the checker pool, never on the event loop."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+    try:
+        Draft202012Validator.check_schema(json.loads(schema_text))
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "the root"
+        raise ConstraintError(f"the schema is not a valid JSON Schema at {where}: {exc.message[:200]}", param) from None
+
+
+def check_bounds(schema: Any, param: str) -> int:
+    """Depth, node count and enum sizes, walked iteratively (no recursion to exhaust); the node
+    count. Also what a forced tool_choice runs on the tools' parameters (tools.py)."""
     stack = [(schema, 1)]
     nodes = 0
     while stack:
@@ -191,9 +204,23 @@ def _check_bounds(schema: Any, param: str) -> None:
             enum = node.get("enum")
             if isinstance(enum, list) and len(enum) > MAX_ENUM_ENTRIES:
                 raise ConstraintError(f"an enum may list at most {MAX_ENUM_ENTRIES} values, got {len(enum)}", param)
+            if _optional_properties(node) > MAX_OPTIONAL_PROPERTIES:
+                raise ConstraintError(f"an object may have at most {MAX_OPTIONAL_PROPERTIES} optional properties; "
+                                      "list the others in its `required`", param)
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
+    return nodes
+
+
+def _optional_properties(node: dict) -> int:
+    """How many of an object schema's `properties` its `required` leaves out."""
+    props = node.get("properties")
+    if not isinstance(props, dict):
+        return 0
+    required = node.get("required")
+    named = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+    return sum(1 for name in props if name not in named)
 
 
 def _build_grammar(spec: StructuredOutput) -> None:
@@ -212,11 +239,14 @@ async def check_constraint(spec: StructuredOutput, param: str) -> None:
     interrupted; the inline bounds keep such builds short)."""
     if spec.json_object or spec.choice is not None:
         return
+    loop = asyncio.get_running_loop()
+    if spec.json_schema is not None:   # bounded by check_bounds: no time limit needed
+        await loop.run_in_executor(_checker, _check_valid, spec.json_schema, SCHEMA_PARAMS.get(param, param))
     global _xgrammar_loaded
     if _xgrammar_loaded is None:
         _xgrammar_loaded = _checker.submit(importlib.import_module, "xgrammar")
     await asyncio.wrap_future(_xgrammar_loaded)
-    future = asyncio.get_running_loop().run_in_executor(_checker, _build_grammar, spec)
+    future = loop.run_in_executor(_checker, _build_grammar, spec)
     try:
         await asyncio.wait_for(future, CHECK_TIME_LIMIT_S)
     except asyncio.TimeoutError:

@@ -21,9 +21,11 @@ import msgspec
 
 from services.gateway.chat_output import OutputParsing
 from services.gateway.schemas import bad
+from services.gateway.structured import MAX_SCHEMA_NODES, ConstraintError, check_bounds
 from services.gateway.tool_parsers import NamedFormat, RequiredFormat, tool_format
 from services.protocol.sampling import MAX_STRUCTURED_SPEC_BYTES, SamplingParams, StructuredOutput
 from services.text.chat_formats import ChatFormats
+from services.text.chat_template import MAX_DATA_DEPTH
 
 MAX_TOOLS = 128
 MAX_TOOLS_BYTES = 256 * 1024      # all tools' JSON together
@@ -55,6 +57,8 @@ def check_tools(tools: list[dict] | None) -> dict[str, dict]:
             raise bad("function names must be 1 to 64 characters of a-z A-Z 0-9 _ -", f"tools[{i}].function.name")
         if name in out:
             raise bad(f"two tools are named {name!r}", f"tools[{i}].function.name")
+        if _depth(tool) > MAX_DATA_DEPTH:   # the template sandbox would refuse it, naming no tool
+            raise bad(f"a tool is nested too deeply: at most {MAX_DATA_DEPTH} levels", f"tools[{i}]")
         if not isinstance(fn.get("description", ""), str):
             raise bad("a function's description must be a string", f"tools[{i}].function.description")
         params = fn.get("parameters", _EMPTY_PARAMETERS)
@@ -63,6 +67,35 @@ def check_tools(tools: list[dict] | None) -> dict[str, dict]:
                       f"tools[{i}].function.parameters")
         out[name] = params
     return out
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value (a scalar: 1), walked iteratively."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return deepest
+
+
+def _checked_schemas(tools: list[dict], schemas: dict[str, dict], names: list[str]) -> None:
+    """The named tools' parameters within the bounds a response_format schema has (structured.py),
+    each and together: a forced choice compiles them into one grammar (whose well-formedness
+    check_constraint checks off the event loop, naming tool_choice)."""
+    index = {tool["function"]["name"]: i for i, tool in enumerate(tools)}
+    nodes = 0
+    for name in names:
+        try:
+            nodes += check_bounds(schemas[name], f"tools[{index[name]}].function.parameters")
+        except ConstraintError as exc:
+            raise bad(str(exc), exc.param) from None
+    if nodes > MAX_SCHEMA_NODES:
+        raise bad(f"the tools' parameters are too large to force a call: at most {MAX_SCHEMA_NODES} values "
+                  "in all; offer fewer or smaller tools", "tools")
 
 
 def _forced_name(tool_choice: Any) -> str | None:
@@ -110,6 +143,7 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any, formats: ChatFormats, 
     if not schemas:
         raise bad("tool_choice 'required' or a named function needs tools", "tool_choice")
     if tool_choice == "required":
+        _checked_schemas(tools or [], schemas, list(schemas))
         return ToolPlan(OutputParsing("none", partial(RequiredFormat, names), forced=True), _schema(required_schema(schemas)), False)
     if isinstance(tool_choice, str):
         raise bad(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice[:40]!r}",
@@ -117,6 +151,7 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any, formats: ChatFormats, 
     name = _forced_name(tool_choice)
     if name not in schemas:
         raise bad(f"tool_choice names the function {name[:64]!r}, which is not among the tools", "tool_choice")
+    _checked_schemas(tools or [], schemas, [name])
     return ToolPlan(OutputParsing("none", partial(NamedFormat, names, name), forced=True), _schema(schemas[name]),
                     False)
 

@@ -34,6 +34,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_DATA_DEPTH = 32   # nesting of the messages, tools and variables a template is given
 
 
 class ChatTemplateError(ValueError):
@@ -393,7 +394,7 @@ def _content_chars(content: Any, i: int) -> int:
 
 def _plain(value: Any, depth: int = 0) -> Any:
     """Rebuild a value from plain JSON types (what the sandbox may safely see)."""
-    if depth > 32:
+    if depth > MAX_DATA_DEPTH:
         raise ChatTemplateError("message data is nested too deeply")
     if value is None or type(value) in (str, int, float, bool):
         return value

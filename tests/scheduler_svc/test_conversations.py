@@ -168,3 +168,21 @@ def test_the_table_exists_unless_round_robin_or_a_zero_ttl():
     assert conversation_table(SchedulerConfig(routing="least_loaded", route_conversation_ttl_s=5)).ttl_s == 5
     assert conversation_table(SchedulerConfig(routing="round_robin")) is None
     assert conversation_table(SchedulerConfig(route_conversation_ttl_s=0)) is None
+
+
+def test_a_tenant_past_its_share_evicts_its_own_conversations_not_another_tenants():
+    # one API key naming a new conversation per request must not push every other key's
+    # conversations out of the table (their next turns would lose their KV's worker)
+    table = ConversationTable(ttl_s=1e9, max_entries=10)
+    for i in range(3):
+        table.record("victim", f"v{i}", "w1", now=i)
+    for i in range(1000):
+        table.record("flood", f"f{i}", "w2", now=10 + i)
+    assert len(table) == 10
+    assert all(table.lookup("victim", f"v{i}", now=2000) == "w1" for i in range(3))
+    assert table.lookup("flood", "f999", now=2000) == "w2" and table.lookup("flood", "f0", now=2000) is None
+    table.forget_worker("w2")
+    assert len(table) == 3 and table.lookup("victim", "v0", now=2000) == "w1"
+    # one tenant alone keeps the whole table, least recently used first out
+    table.record("victim", "v3", "w1", now=2001)
+    assert len(table) == 4

@@ -18,19 +18,22 @@ ANSWER = ('<think>The user wants the weather.</think>\n\nChecking.\n<tool_call>\
           '"arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 
 
-def whole(text: str, finish: str, parsing: OutputParsing = PARSING) -> dict:
+def whole(text: str, finish: str, parsing: OutputParsing = PARSING, stop_reason: str | None = None) -> dict:
     acc = Accumulator("chat", "m", 1, 1, [4], want_logprobs=False, parsing=parsing)
-    acc.add(0, TextDelta("r", 0, text, 9, finish, None, 4, 0))
+    acc.add(0, TextDelta("r", 0, text, 9, finish, None, 4, 0, stop_reason=stop_reason))
     return acc.response()["choices"][0]
 
 
-def streamed(text: str, finish: str, size: int, parsing: OutputParsing = PARSING) -> tuple[dict, list[dict]]:
+def streamed(text: str, finish: str, size: int, parsing: OutputParsing = PARSING,
+             stop_reason: str | None = None) -> tuple[dict, list[dict]]:
     acc = Accumulator("chat", "m", 1, 1, [4], want_logprobs=False, parsing=parsing)
     w = ChunkWriter(acc, include_usage=False)
     data = w.start()
     pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
     for k, piece in enumerate(pieces):
-        data += w.delta(0, TextDelta("r", 0, piece, 1, finish if k == len(pieces) - 1 else None, None, 4, 0))
+        last = k == len(pieces) - 1
+        data += w.delta(0, TextDelta("r", 0, piece, 1, finish if last else None, None, 4, 0,
+                                     stop_reason=stop_reason if last else None))
     chunks = [json.loads(line[6:]) for line in data.decode().split("\n\n") if line.startswith("data: ")]
     message: dict = {"content": "", "reasoning_content": "", "tool_calls": {}}
     finishes = []
@@ -122,6 +125,20 @@ def test_a_forced_call_cut_by_max_tokens_is_a_call_with_finish_length(parsing, t
     assert m["finish_reason"] == "length" and m["content"] == ""
     assert raw_calls(m["tool_calls"][i] for i in sorted(m["tool_calls"])) == calls
     assert all(ch["choices"][0]["delta"].get("content") in (None, "") for ch in chunks)
+
+
+@pytest.mark.parametrize("stop_reason", [",", 13])
+def test_a_forced_call_cut_by_a_stop_keeps_finish_stop(stop_reason):
+    """A stop string (or stop token id) that ends a forced call mid-JSON is not the grammar's own
+    end: finish_reason stays "stop" (with its stop_reason), not "tool_calls", so a client does
+    not run a call with cut arguments."""
+    cut = '{"city": "Paris"'
+    c = whole(cut, "stop", NAMED, stop_reason)
+    assert (c["finish_reason"], c["stop_reason"]) == ("stop", stop_reason)
+    assert raw_calls(c["message"]["tool_calls"]) == [("function", "get_weather", cut)]
+    assert streamed(cut, "stop", 5, NAMED, stop_reason)[0]["finish_reason"] == "stop"
+    # an unforced answer's calls are whole by construction: "tool_calls" whatever ended it
+    assert whole(ANSWER + "\nDone", "stop", stop_reason=stop_reason)["finish_reason"] == "tool_calls"
 
 
 def test_a_whole_forced_call_finishes_with_tool_calls():

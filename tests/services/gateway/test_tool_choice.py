@@ -102,3 +102,45 @@ def test_served_formats():
     model = ChatFormats("hermes", "qwen3")
     assert served_formats("auto", "auto", model) == model
     assert served_formats("llama3_json", "none", model) == ChatFormats("llama3_json", "none")
+
+
+def _nested(depth: int) -> dict:
+    inner: dict = {}
+    for _ in range(depth):
+        inner = {"type": "array", "items": inner}
+    return {"type": "object", "properties": {"a": inner}}
+
+
+# the bounds a response_format schema has (structured.py): a forced choice compiles the tools'
+# parameters into the same kind of grammar, so they must not be a way around them
+WIDE = {"type": "object", "properties": {f"p{i}": {"enum": list(range(50))} for i in range(300)},
+        "required": [f"p{i}" for i in range(300)]}
+
+
+OPTIONAL = {"type": "object", "properties": {f"p{i}": {} for i in range(100)}}
+
+
+@pytest.mark.parametrize("params, why", [(_nested(22), "nested too deeply"), (WIDE, "too large"),
+                                         (OPTIONAL, "optional properties")])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_forced_choice_bounds_the_tools_schemas(params, why, choice):
+    tools = [{"type": "function", "function": {"name": "g"}},
+             {"type": "function", "function": {"name": "f", "parameters": params}}]
+    err = refused(tools, choice)
+    assert why in err.message and err.param == "tools[1].function.parameters"
+
+
+def test_required_bounds_the_schema_of_all_tools_together():
+    # each tool's schema is within the bounds, their union (what `required` compiles) is not
+    names = [f"p{i}" for i in range(350)]   # 8 x (350 properties + 350 required names): > 5,000 values
+    part = {"type": "object", "properties": {name: {} for name in names}, "required": names}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": part}} for i in range(8)]
+    assert tool_plan(tools, {"type": "function", "function": {"name": "f0"}}, QWEN, True).structured is not None
+    err = refused(tools, "required")
+    assert "too large" in err.message and err.param == "tools"
+
+
+def test_tools_nested_past_what_a_template_renders_name_the_tool():
+    # the template sandbox refuses data nested past its depth; that must name the tool, not messages
+    err = refused([{"type": "function", "function": {"name": "f", "parameters": _nested(40)}}], "auto")
+    assert "nested too deeply" in err.message and err.param == "tools[0]"

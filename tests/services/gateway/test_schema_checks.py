@@ -1,0 +1,60 @@
+"""A constraint's JSON Schema: bounds checked inline, well-formedness (slow in jsonschema) checked
+off the event loop, each a 400 naming the field that holds the schema."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from services.gateway.schemas import ChatRequest
+from services.gateway.structured import (
+    MAX_OPTIONAL_PROPERTIES, MAX_SCHEMA_NODES, ConstraintError, check_constraint, structured_output)
+
+
+def _request(**fields) -> ChatRequest:
+    return msgspec.convert({"messages": [{"role": "user", "content": "x"}], **fields}, ChatRequest)
+
+
+def _object(n: int, required: bool) -> dict:
+    props = {f"p{i}": {} for i in range(n)}
+    return {"type": "object", "properties": props, **({"required": list(props)} if required else {})}
+
+
+def test_a_large_schema_does_not_hold_the_event_loop():
+    # MAX_SCHEMA_NODES values: jsonschema's Draft 2020-12 check takes ~1.5 s of one core on it,
+    # which inline stalled every other request of the gateway; the inline bounds walk takes ms
+    schema = _object(MAX_SCHEMA_NODES // 2 - 100, required=True)   # a value per property, one per required
+    req = _request(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    t = time.perf_counter()
+    assert structured_output(req) is not None
+    assert time.perf_counter() - t < 0.3
+
+
+@pytest.mark.parametrize("fields, field, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}}, "response_format",
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": {"minLength": "x"}}}, "structured_outputs", "structured_outputs.json"),
+    ({"guided_json": {"required": 3}}, "guided_json", "guided_json"),
+])
+def test_a_malformed_schema_is_refused_off_the_event_loop_naming_its_field(fields, field, param):
+    spec, given = structured_output(_request(**fields))   # inline: the bounds only
+    assert given == field
+    with pytest.raises(ConstraintError) as e:
+        asyncio.run(check_constraint(spec, field))       # the well-formedness check, on a thread
+    assert "not a valid JSON Schema" in str(e.value) and e.value.param == param
+
+
+def test_optional_properties_are_bounded_per_object():
+    # xgrammar's compile grows with the square of an object's optional properties (any subset, in
+    # order): 200 cost 4 s with a 128k vocabulary, and such requests filled the workers' compile
+    # pools until other tenants' small schemas missed their deadline
+    def given(schema):
+        return structured_output(_request(response_format={"type": "json_schema", "json_schema": {"schema": schema}}))
+    assert given(_object(MAX_OPTIONAL_PROPERTIES, required=False)) is not None
+    assert given(_object(10 * MAX_OPTIONAL_PROPERTIES, required=True)) is not None
+    nested = {"type": "object", "properties": {"a": _object(MAX_OPTIONAL_PROPERTIES + 1, required=False)}}
+    with pytest.raises(ConstraintError) as e:
+        given(nested)
+    assert "optional properties" in str(e.value) and e.value.param == "response_format.json_schema.schema"
