@@ -107,8 +107,8 @@ class PeerMoves:
         is awaited: it leaves the import if that has begun, else it is ended once the request is
         admitted or recomputed (its KV still comes: W's Offer lists it). False: the whole request
         ends (no index, or that was its last sample going)."""
-        req = self.awaiting[msg.request_id]
-        if msg.index is None:
+        req = self.awaiting.get(msg.request_id)
+        if req is None or msg.index is None:
             return False
         req.done.add(msg.index)
         if len(req.done) >= req.n:
