@@ -291,7 +291,9 @@ class Engine:
     def idle(self) -> None:
         """Between steps while nothing runs (the worker's loop, every ~50 ms): the KV tiers'
         background work settles (finished writes, the disk tier's check for files deleted
-        outside kvmesh), so their blocks and events stay true while no request comes."""
+        outside kvmesh), so their blocks and events stay true while no request comes; the
+        prefill meter forgets steps never read (prefill_rate.py: they would time this wait)."""
+        self.scheduler.prefill_rate.idled()
         if self.kv_tiers is not None:
             self.kv_tiers.flush()
 
@@ -651,6 +653,7 @@ class Engine:
     def _idle(self) -> None:
         """Nothing was scheduled and nothing drew. Held draws wait for their compile: block for
         it briefly (a caller's step loop must not spin); else raise when nothing can change."""
+        self.scheduler.prefill_rate.idled()       # nothing in flight: unread steps would time the wait
         if self._compiling:
             self._compiling.wait()
         elif self._stuck():

@@ -9,7 +9,8 @@ next schedule comes before the step ran):
                                                                        the previous read) on
 
 Steps that draw nothing (a prompt chunk before its last) are read with the next one that does,
-their tokens and time summed. Only reads whose steps were mostly prefill measure the rate: a
+their tokens and time summed, unless the engine idles first (idled(): their time would count
+the wait; they measure nothing then). Only reads whose steps were mostly prefill measure the rate: a
 decode token costs a whole memory-bound pass, so decode steps would make recomputing a prompt
 look far slower than it is. The estimate is an exponential moving average.
 
@@ -62,6 +63,12 @@ class PrefillRate:
         self._step_no += 1
         self._unread.append(_Launched(self._step_no, self._start, num_tokens, num_prefill_tokens))
         return self._step_no
+
+    def idled(self) -> None:
+        """The engine waits with nothing in flight: the steps never read (their requests drew
+        nothing: aborted, or waiting for a grammar) are forgotten, as a later read would time
+        their tokens over the wait."""
+        self._unread.clear()
 
     def read(self, step_no: int) -> None:
         """The host has read step step_no's tokens: it and every step before it are done."""

@@ -272,6 +272,8 @@ class WorkerCore(PeerMoves):
             self._stops.append(msg.request_id)               # W, mid-move: the sender ends it
             return
         if req is None and msg.request_id in self._peer_moves:   # D: its stream is ours
+            if self._peer_sample_ended(msg):
+                return
             self._peer_moves.pop(msg.request_id)
             awaited = self.awaiting.pop(msg.request_id)
             self.imports.abort(msg.request_id)

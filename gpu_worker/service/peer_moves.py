@@ -102,12 +102,29 @@ class PeerMoves:
         self.num_requests += 1
         out.append(Envelope(msg.detok_addr, self._open(msg)))
 
+    def _peer_sample_ended(self, msg: Abort) -> bool:
+        """D: one sample of a moved n > 1 request ended by its client (a stop string) while its KV
+        is awaited: it leaves the import if that has begun, else it is ended once the request is
+        admitted or recomputed (its KV still comes: W's Offer lists it). False: the whole request
+        ends (no index, or that was its last sample going)."""
+        req = self.awaiting.get(msg.request_id)
+        if req is None or msg.index is None:
+            return False
+        req.done.add(msg.index)
+        if len(req.done) >= req.n:
+            return False
+        self.engine.abort_request(msg.request_id, msg.index)
+        return True
+
     def _peer_admitted(self, rid: str) -> None:
         msg = self._peer_moves.pop(rid, None)
         if msg is not None:
             metrics.PEER_MOVES.labels("peer").inc()
             log.info("request %s: moved here from worker %s with its KV (%d tokens reused)", rid, msg.kv_from,
                      _num_tokens(msg) - 1)
+            # samples stopped before their KV came: the Offer still carried them
+            for index in sorted(self.requests[rid].done - set(msg.resume_ended)):
+                self.engine.abort_request(rid, index)
 
     def _peer_fallback(self, rid: str, out: list[Envelope]) -> None:
         """D: the KV did not come (refused, failed, cancelled, late): recompute from the tokens."""
@@ -119,7 +136,7 @@ class PeerMoves:
         try:
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, priority=msg.priority,
                                     cache_salt=msg.cache_salt, resume_output=msg.resume_output,
-                                    resume_ended=msg.resume_ended)
+                                    resume_ended=sorted(req.done))    # resume_ended and samples stopped since
         except RequestError as exc:
             out.append(Envelope(msg.reply_addr, RequestFailed(
                 request_id=rid, status=400, code="invalid_request", message=str(exc))))

@@ -13,7 +13,8 @@ for it (Speculator.may_propose skips it), so those steps launch ahead as without
 A failure is
   - a verification that accepted no draft while the sequence's acceptance (accepted / proposed)
     over its last WINDOW verifications is below MIN_ACCEPTANCE, or
-  - a step that settled for drafts (may_propose said "maybe") in which it found none (a miss).
+  - a step that settled for its drafts (may_propose said "maybe" for it) in which it found none
+    (a miss; the others that found none cost nothing: the step settled for it).
 A verification that accepts a draft resets the schedule to 1. So a sequence whose drafts are
 accepted at MIN_ACCEPTANCE or more over its last WINDOW verifications never backs off; one whose
 drafts keep failing verifies about once per max_steps steps. Drafts are only skipped, never

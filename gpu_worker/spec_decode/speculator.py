@@ -93,9 +93,10 @@ class Speculator:
         self.proposer = proposer     # draft_model / mtp: the model that draws; None: n-gram
         self.stats = SpecStats()
         self.backoff = Backoff(config.backoff_max_steps)
-        # may_propose said yes, so the engine gave up the step ahead: the next propose() charges
-        # the sequences that find no draft (a miss) with a back-off
-        self._settled_for_drafts = False
+        # the sequence for which may_propose said yes (the engine gave up the step ahead for it):
+        # the next propose() charges it with a back-off if it finds no draft (a miss). Only it:
+        # may_propose stops at the first "maybe", and a sequence that could not draft cost nothing
+        self._settled_for: Sequence | None = None
 
     @property
     def reads_prenorm(self) -> bool:
@@ -114,7 +115,7 @@ class Speculator:
         pending row at hand), and not backing off (backoff.py). Nothing when more sequences run
         than disable_by_batch_size. draft_model / mtp: placeholders that fill() replaces."""
         cfg = self.config
-        charge_misses, self._settled_for_drafts = self._settled_for_drafts, False
+        settled_for, self._settled_for = self._settled_for, None
         if len(running) > cfg.disable_by_batch_size:
             return {}
         drafts: dict[Sequence, list[int]] = {}
@@ -124,7 +125,7 @@ class Speculator:
                 continue
             if self.proposer is None:
                 draft = propose_ngram(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-                if not draft and charge_misses:
+                if not draft and seq is settled_for:
                     self._backed_off(self.backoff.missed(seq))
             elif self.proposer.can_propose(seq):
                 draft = [PLACEHOLDER] * room
@@ -163,26 +164,28 @@ class Speculator:
         lets the step launch one step ahead. The same eligibility as propose(); n-gram: a match
         of length >= prompt_lookup_min ending at the unknown token needs the known tokens'
         last prompt_lookup_min - 1 to occur earlier, followed by a token (ngram_may_match). A
-        sequence backing off counts for nothing; True makes the next propose() charge misses."""
-        self._settled_for_drafts = self._may_propose(running, pending)
-        return self._settled_for_drafts
+        sequence backing off counts for nothing; True makes the next propose() charge the sequence
+        that said "maybe" with a miss if it finds no draft."""
+        self._settled_for = self._may_propose(running, pending)
+        return self._settled_for is not None
 
-    def _may_propose(self, running: list[Sequence], pending: int) -> bool:
+    def _may_propose(self, running: list[Sequence], pending: int) -> Sequence | None:
+        """The first of `running` that may draft (None: none may)."""
         cfg = self.config
         if len(running) > cfg.disable_by_batch_size:
-            return False
+            return None
         for seq in running:
             if self._room(seq) == 0:
                 continue
             if self.proposer is not None:
                 if self.proposer.can_propose(seq):
-                    return True
+                    return seq
             elif seq.token_ids[-1] != pending:
                 if propose_ngram(seq.token_ids, 1, cfg.prompt_lookup_min, cfg.prompt_lookup_max):
-                    return True
+                    return seq
             elif ngram_may_match(seq.token_ids[:-1], cfg.prompt_lookup_min):
-                return True
-        return False
+                return seq
+        return None
 
     @staticmethod
     def fit(out: SchedulerOutput, drafts: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:

@@ -50,3 +50,34 @@ def test_steps_that_draw_nothing_are_read_with_the_next(clock):
     assert _schedule(meter, clock, 0.2, 0, 0) == 0    # nothing scheduled: nothing to time
     meter.read(0)
     assert meter.rate == pytest.approx(10_000)
+
+
+def test_a_step_never_read_does_not_time_the_engines_idle_wait(monkeypatch):
+    """A prompt chunk whose request was aborted before it drew is never read by itself; once the
+    engine has idled (the worker's idle hook, or a step that scheduled nothing) the next read
+    must not count that chunk's tokens over the whole wait."""
+    from tests.gpu_worker.engine.engine_fakes import make_engine
+    from services.protocol.sampling import SamplingParams
+
+    now = [0.0]
+
+    def tick() -> float:
+        now[0] += 0.001
+        return now[0]
+
+    monkeypatch.setattr(prefill_rate.time, "perf_counter", tick)
+    for idle in ("worker", "engine"):
+        eng = make_engine(max_num_batched_tokens=32, enable_chunked_prefill=True)
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        eng.add_request("a", [3 + i % 40 for i in range(64)], params)
+        assert eng.step() == []                 # a's first chunk: 32 tokens, no draw
+        eng.abort_request("a")
+        if idle == "worker":
+            eng.idle()
+        else:
+            assert eng.step() == []             # nothing to schedule
+        now[0] += 100.0                         # idle
+        eng.add_request("b", [5 + i % 40 for i in range(40)], params)
+        eng.step()                              # b's prompt, 40 tokens in two chunks,
+        eng.step()                              # the second drawn and read
+        assert eng.scheduler.prefill_rate.rate > 1000, idle

@@ -89,13 +89,16 @@ class Move:
                                          reply_addr="gw", detok_addr="dt", resumes=True, resume_output=[streamed],
                                          run=2, kv_from="w")])
 
-    def drive(self, inbox_w: list | None = None, abort_when_importing: str = "") -> None:
+    def drive(self, inbox_w: list | None = None, abort_when_importing: str = "", abort_msg=None) -> None:
+        """abort_when_importing: the request aborted on both sides once D imports it (abort_msg:
+        D's Abort instead, W not told)."""
         inbox, deadline = list(inbox_w or []), time.monotonic() + 120
         while (self.d.requests or self.d.awaiting or self.w.has_moves()) and time.monotonic() < deadline:
             d_inbox: list = []
             if abort_when_importing and self.d.engine.is_importing(abort_when_importing):
-                inbox += [Abort(request_id=abort_when_importing)]
-                d_inbox, abort_when_importing = [Abort(request_id=abort_when_importing)], ""
+                if abort_msg is None:
+                    inbox += [Abort(request_id=abort_when_importing)]
+                d_inbox, abort_when_importing = [abort_msg or Abort(request_id=abort_when_importing)], ""
             self.out += self.w.run(inbox)
             inbox = []
             hand_off_round(self.w, self.w_sender, self.out)

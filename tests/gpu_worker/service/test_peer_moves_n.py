@@ -10,7 +10,7 @@ import torch
 
 from gpu_worker.service.move_cost import MoveCosts, TransferRates
 from gpu_worker.prefill_rate import PrefillRate
-from services.protocol.messages import Dispatch, MoveKV
+from services.protocol.messages import Abort, Dispatch, MoveKV
 from services.protocol.sampling import SamplingParams
 from tests.gpu_worker.kv_transfer.conftest import collect, engine, greedy, prompt, run_single
 from tests.gpu_worker.service.test_peer_moves import Move, _cuda_engine, _moves
@@ -197,5 +197,33 @@ def test_an_n_request_moves_between_two_gpu_engines_with_one_engines_tokens(llam
         got = _per_sample(move)
         assert all(got[i] == expected[("r", i)] for i in range(params.n) if i not in ended)
         assert clean(move.w) and clean(move.d) and not move.w.engine.exported
+    finally:
+        move.close()
+
+
+@pytest.mark.parametrize("when", ["before-offer", "importing", "recomputed"])
+def test_a_sample_stopped_at_the_peer_mid_move_ends_alone(llama, when):
+    """The client's stop of one sample reaches D (its stream's worker now) while the KV is
+    awaited: that sample ends, the others go on with one engine's tokens (with the KV, or
+    recomputed where W's KV does not come: its MoveKV names other tokens), nothing leaks."""
+    ids = prompt(300, 7) if when == "importing" else prompt(45, 3)   # long: the import is seen in flight
+    params = greedy(20, n=3)
+    expected = run_single(engine(llama), [("r", ids, params)])
+    move, outputs, ended, kv = _move(llama, ids, params, steps=3)
+    stop = Abort(request_id="r", index=2, reason="stop")
+    try:
+        if when != "importing":
+            move.out += move.d.run([stop])
+            other = [outputs[0][:-1], *outputs[1:]]
+            move.drive([kv if when == "before-offer" else msgspec.structs.replace(kv, sample_outputs=other)])
+        else:
+            move.slow_frames()
+            move.drive([kv], abort_when_importing="r", abort_msg=stop)
+        got = _per_sample(move)
+        assert got[0] == expected[("r", 0)] and got[1] == expected[("r", 1)]
+        assert got.get(2, []) == outputs[2]                     # nothing after its stop
+        assert not any(isinstance(e.msg, Abort) for e in move.out)   # the stream was not ended
+        assert clean(move.w) and clean(move.d) and not move.w.engine.exported
+        move.d.engine.block_manager.check_integrity()
     finally:
         move.close()

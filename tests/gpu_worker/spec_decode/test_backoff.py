@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 
-from gpu_worker.engine import Engine
+from gpu_worker.engine import PENDING, Engine
+from gpu_worker.sequence import Request, Sequence
 from gpu_worker.spec_decode.backoff import WINDOW, Backoff
+from gpu_worker.spec_decode.speculator import Speculator
+from services.speculative import parse_speculative_config
 from services.protocol.sampling import SamplingParams
 from tests.gpu_worker.engine.engine_fakes import VOCAB, assert_clean, collect, context_logits
 from tests.gpu_worker.spec_decode.spec_fakes import MAX_STEPS, fake_engine
@@ -133,3 +136,24 @@ def test_drafts_always_right_never_back_off():
     assert on["backoffs"] == 0 and on["acceptance_rate"] == 1.0
     counts = ("proposed", "accepted", "verify_steps")
     assert [on[c] for c in counts] == [off[c] for c in counts] and on["verify_steps"] > 5
+
+
+def test_a_miss_is_charged_to_the_sequence_that_made_the_step_settle_only():
+    """may_propose says "maybe" for A (its known tokens could continue a match); B could never
+    draft at that step. Both find no draft once the step settled: A pays a back-off, B does not
+    (it cost nothing)."""
+    spec = Speculator(parse_speculative_config(json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3})), 512, None)
+
+    def decoding(rid: str, prompt: list[int]) -> Sequence:
+        params = SamplingParams(temperature=0.0, max_tokens=64)
+        seq = Sequence(Request(rid, prompt, params, 0, "", 0, 0, 64), 0, [*prompt, PENDING], len(prompt))
+        seq.num_computed_tokens = seq.num_tokens - 1
+        return seq
+
+    a, b = decoding("a", [5, 6, 7, 5]), decoding("b", [10, 11, 12, 13])
+    assert spec.may_propose([a, b], PENDING)              # for a: "5" occurred before, followed by 6
+    a.token_ids[-1], b.token_ids[-1] = 9, 14              # the settled tokens: neither continues a match
+    assert spec.propose([a, b]) == {}
+    assert spec.backoff.waiting(a) and not spec.backoff.waiting(b)
+    assert spec.stats.backoffs == 1

@@ -60,7 +60,8 @@ def test_ngram_across_both_kinds_of_step_matches_no_speculation(tiny_models):
     eng = model_engine(model_dir, ngram(k=4, lo=1, hi=3, disable_by_batch_size=2), **kw)
     modes = spy_modes(eng)
     assert drive(eng, model_arrivals()) == plain
-    assert phases(modes)[:4] == ["ahead", "spec", "ahead", "spec"] and spec_stats(eng)["accepted"] > 0
+    # both kinds of step, the verifications where drafts pay (how many: the back-off's, backoff.py)
+    assert phases(modes)[:3] == ["ahead", "spec", "ahead"] and spec_stats(eng)["accepted"] > 0
 
 
 def test_draft_equal_to_the_target_accepts_every_draft_across_async_steps(tiny_models):
