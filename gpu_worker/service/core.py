@@ -239,11 +239,13 @@ class WorkerCore(PeerMoves):
             worker_addr=self.inbox_addr, resumes=msg.resumes, worker_id=self.worker_id, worker_epoch=self.epoch)
 
     def _take_over(self, rid: str) -> bool:
-        """A re-run of rid, whose prefill worker died: False when its KV arrived before that (it
-        decodes here already); else what was reserved for the KV is freed and it runs whole."""
+        """A re-run of rid, whose prefill worker (or a drained worker moving it here) died: False
+        when its KV arrived before that (it decodes here already); else what was reserved for the
+        KV is freed, an awaited peer move forgotten, and it runs whole."""
         if rid in self.requests:
             return False
         if self.awaiting.pop(rid, None) is not None:
+            self._peer_moves.pop(rid, None)
             self.imports.abort(rid)
             self.imports.take_dropped()
         return True

@@ -181,6 +181,31 @@ def test_a_sender_that_never_sends_or_other_tokens_fall_back_within_the_lease(ll
         move.close()
 
 
+def test_a_rerun_that_takes_over_an_awaited_move_forgets_the_move(llama):
+    """W dies before its MoveKV and the scheduler re-runs the request on D (a resumed Dispatch
+    without kv_from) while D still awaits the KV: D runs it from the tokens, the move is forgotten
+    (nothing of it left to fall back on), and a late Abort of the finished request is a no-op."""
+    ids = prompt(40, 8)
+    expected = run_single(engine(llama), [("r", ids, greedy(20))])[("r", 0)]
+    move = Move(llama)
+    try:
+        streamed = move.start("r", ids, greedy(20), steps=5)
+        move.resume("r", ids, greedy(20), streamed)
+        assert "r" in move.d.awaiting
+        move.out += move.d.run([Dispatch(request_id="r", epoch=1, prompt_token_ids=ids, params=greedy(20),
+                                         reply_addr="gw", detok_addr="dt", resumes=True, resume_output=[streamed],
+                                         run=3)])
+        assert "r" not in move.d.awaiting and not move.d._peer_moves
+        move.w.held.clear()                # W is gone: its held KV goes with it
+        move.w.engine.release_export("r")
+        move.drive()
+        assert move.tokens()["r"] == expected
+        move.out += move.d.run([Abort(request_id="r")])
+        assert clean(move.w) and clean(move.d)
+    finally:
+        move.close()
+
+
 def test_an_abort_during_the_peer_hand_off_frees_both_sides(llama):
     ids = prompt(300, 7)
     move = Move(llama)
