@@ -89,6 +89,9 @@ class _Common(ConstraintFields, kw_only=True):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    # kvmesh's: false decodes this request one token a step on a worker that speculates (vLLM has
+    # no per-request switch)
+    speculative: bool = True
     # OpenAI's end-user id, and an extension naming one conversation of it: either routes the
     # request where the conversation's last turn ran (conversation.py); never logged or a label
     user: str | None = None
@@ -232,7 +235,8 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None,
             frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=_stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            logit_bias=_logit_bias(req.logit_bias), structured=constraint[0] if constraint else None)
+            logit_bias=_logit_bias(req.logit_bias), structured=constraint[0] if constraint else None,
+            speculative=req.speculative)
         params.validate()
     except SamplingParamsError as exc:
         message, field = str(exc), param_of(str(exc))

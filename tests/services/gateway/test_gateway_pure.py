@@ -20,12 +20,16 @@ def test_chat_fields_map_to_sampling_params():
     req = decode(ChatRequest, chat_body(max_completion_tokens=7, max_tokens=99, temperature=0, top_p=0.5, n=3,
                                         stop="x", seed=5, logprobs=True, top_logprobs=4, presence_penalty=0.5,
                                         frequency_penalty=-0.5, top_k=10, min_p=0.1, repetition_penalty=1.1,
-                                        ignore_eos=True, min_tokens=2, user="u", store=False))
+                                        ignore_eos=True, min_tokens=2, user="u", store=False, speculative=False))
     prompt, p = chat_prompt(req, 10)
     assert prompt.messages[0].content == "hi" and prompt.add_generation_prompt
     assert (p.max_tokens, p.temperature, p.top_p, p.n, p.stop, p.seed, p.logprobs) == (7, 0, 0.5, 3, ["x"], 5, 4)
     assert (p.presence_penalty, p.frequency_penalty, p.top_k, p.min_p, p.ignore_eos, p.min_tokens) == (
         0.5, -0.5, 10, 0.1, True, 2)
+    assert not p.speculative and decode(ChatRequest, chat_body()).speculative     # on unless turned off
+    with pytest.raises(ApiError) as e:
+        decode(ChatRequest, chat_body(speculative="no"))
+    assert e.value.status == 400 and e.value.param == "speculative"
 
 
 def test_content_parts_are_joined_and_non_text_refused():
