@@ -53,9 +53,14 @@ class ScanResult(NamedTuple):
 
 def lock_directory(directory: str) -> IO[bytes]:
     """Hold the directory's lock (keep the returned file open for the engine's life); raises
-    ValueError naming kv_offload_dir when another engine holds it."""
+    ValueError naming kv_offload_dir when another engine holds it, or when the name holds
+    something that cannot be opened as our lock file."""
     path = os.path.join(directory, LOCK_NAME)
-    lock = open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "r+b")
+    try:
+        lock = open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "r+b")
+    except OSError as e:        # a symlink (never followed) or a directory planted under the name
+        raise ValueError(f"invalid engine argument kv_offload_dir: cannot lock {path!r} ({e.strerror}); "
+                         "remove it or give a directory of its own") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

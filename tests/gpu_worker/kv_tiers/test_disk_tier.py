@@ -122,3 +122,18 @@ def test_a_fifo_or_symlink_named_like_a_block_is_dropped_at_start_without_blocki
     [result] = found
     assert [b.block_hash for b in result.blocks] == [h] and result.dropped == 2
     assert sorted(os.listdir(directory)) == [f"{h.hex()}.kvb"] and target.read_bytes() == b"not a block"
+
+
+def test_a_lock_file_that_is_a_symlink_is_a_clear_error_naming_the_argument(tmp_path):
+    """`.lock` planted as a symlink (to /etc/passwd, say) is never followed; the engine's start
+    then fails with an error naming kv_offload_dir (it was a bare ELOOP OSError, which the worker
+    does not expect at start: a traceback instead of its "cannot start the engine" line)."""
+    import pytest
+    directory = tmp_path / "kv"
+    directory.mkdir(mode=0o700)
+    target = tmp_path / "passwd"
+    target.write_text("root:x:0:0")
+    (directory / ".lock").symlink_to(target)
+    with pytest.raises(ValueError, match="kv_offload_dir: cannot lock .*lock"):
+        DiskTier(str(directory), max_blocks=1, layout=LAYOUT, payload_len=PAYLOAD)
+    assert target.read_text() == "root:x:0:0"
