@@ -47,7 +47,7 @@ from gpu_worker.spec_decode.speculator import build_proposer
 from gpu_worker.structured import (CompilingRequests, GrammarCompilerPool, GrammarError, GrammarMask,
                                    GrammarMaskBuilder)
 from gpu_worker.structured.matchers import new_matcher
-from services.protocol.sampling import SamplingParams, SamplingParamsError
+from services.protocol.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
 
@@ -1008,8 +1008,9 @@ class Engine:
             raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
         if samples is not None:
             self._check_samples(params, samples)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise RequestError("invalid seed: must be an integer")
+        # the sampler's keys take [0, 2**63-1] only (a request's own seed is checked there too)
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+            raise RequestError(f"invalid seed: must be an integer in [0, {MAX_SEED}]")
         max_tokens = self.max_model_len - len(prompt)
         if params.max_tokens is not None:
             max_tokens = min(params.max_tokens, max_tokens)

@@ -33,7 +33,7 @@ from scheduler_svc.routing import RoutingWeights, WorkerView, make_scorer
 from services import metrics
 from services.config import SchedulerConfig, load_or_exit
 from services.envelope import Envelope
-from services.logging import setup as setup_logging
+from services.logging import RateLimitedLog, setup as setup_logging
 from services.protocol.messages import Abort, Dispatch, Resume, SchedulerInbox, Submit, WorkerStatus
 from services.redis_client import RedisAuth
 from services.registry import Membership, Registry, ServiceRecord
@@ -63,6 +63,22 @@ def view_of(r: ServiceRecord) -> WorkerView:
                       kv_transport=str(info.get("kv_transport", "zmq")),
                       prefix_query_tokens=int(load.get("prefix_query_tokens", 0)),
                       prefix_hit_tokens=int(load.get("prefix_hit_tokens", 0)))
+
+
+_MALFORMED = RateLimitedLog(log, "worker records")
+
+
+def readable_views(records: list[ServiceRecord]) -> list[WorkerView]:
+    """The views of the records view_of can read; one with a field of the wrong type (written by
+    hand, or by another version) is left out like a record that does not decode (logged,
+    rate-limited): the others' routing and failover must not stop for it."""
+    views = []
+    for r in records:
+        try:
+            views.append(view_of(r))
+        except (ValueError, TypeError) as exc:
+            _MALFORMED.warn("ignoring worker %s: a malformed record (%s)", r.id[:64], exc)
+    return views
 
 
 def routing_weights(cfg: SchedulerConfig) -> RoutingWeights:
@@ -207,7 +223,7 @@ class SchedulerService:
     async def _apply_poll(self) -> None:
         fresh = await self.registry.list("worker")
         records = self.membership.update(fresh, time.monotonic(), self.registry.incarnation)
-        views = [view_of(r) for r in records]
+        views = readable_views(records)
         before = self.core.worker_failures
         self._send(self.core.set_workers(views))
         metrics.WORKER_FAILURES.inc(self.core.worker_failures - before)

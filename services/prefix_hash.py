@@ -27,7 +27,8 @@ def _packed_str(text: str) -> bytes:
 
 
 def block_hash(parent: bytes | None, model_id: str, cache_salt: str, tokens: Sequence[int]) -> bytes:
-    """16-byte digest of one full block chained from its parent block's digest (None for the first)."""
+    """16-byte digest of one full block chained from its parent block's digest (None for the first).
+    Raises ValueError for a token id outside [0, 2**32)."""
     if parent is not None and len(parent) != DIGEST_SIZE:
         raise ValueError(f"parent hash must be {DIGEST_SIZE} bytes, got {len(parent)}")
     h = hashlib.blake2b(digest_size=DIGEST_SIZE)
@@ -35,7 +36,10 @@ def block_hash(parent: bytes | None, model_id: str, cache_salt: str, tokens: Seq
     h.update(b"\x01" + parent if parent is not None else b"\x00")
     h.update(_packed_str(model_id))
     h.update(_packed_str(cache_salt))
-    h.update(struct.pack(f"<I{len(tokens)}I", len(tokens), *tokens))
+    try:
+        h.update(struct.pack(f"<I{len(tokens)}I", len(tokens), *tokens))
+    except struct.error:    # an id no vocabulary has (a peer's message): a ValueError callers handle
+        raise ValueError("token ids must be integers in [0, 2**32)") from None
     return h.digest()
 
 

@@ -155,7 +155,16 @@ class Registry:
         pipe.smembers(keys.index_key(kind))
         pipe.get(keys.INCARNATION_KEY)
         members, self.incarnation = await pipe.execute()
-        ids = sorted(m.decode() for m in members)
+        ids, unreadable = [], []
+        for m in members:
+            try:
+                ids.append(m.decode())
+            except UnicodeDecodeError:     # not an id any kvmesh process writes: it names no record
+                unreadable.append(m)
+        if unreadable:
+            log.warning("dropping %d malformed %s index members", len(unreadable), kind)
+            await self.redis.srem(keys.index_key(kind), *unreadable)
+        ids.sort()
         if not ids:
             return []
         values = await self.redis.mget([keys.record_key(kind, i) for i in ids])

@@ -6,7 +6,8 @@
     <hash>.kvb          headers read (not payloads: the checksum is checked at each read) ->
                         kept when the header names the file's hash, this engine's exact layout
                         (its weights' digest included) and one block's token ids; deleted
-                        otherwise. Files of another layout or other weights (the model was
+                        otherwise (anything but a regular file, a FIFO or a symlink planted
+                        under the name, is dropped without blocking or following it). Files of another layout or other weights (the model was
                         upgraded under the same name) are logged in one line that counts them
     <hash>.kvb.tmp      a write cut short by a crash: deleted
 
@@ -20,6 +21,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import time
 from typing import IO, NamedTuple
 
@@ -51,9 +53,14 @@ class ScanResult(NamedTuple):
 
 def lock_directory(directory: str) -> IO[bytes]:
     """Hold the directory's lock (keep the returned file open for the engine's life); raises
-    ValueError naming kv_offload_dir when another engine holds it."""
+    ValueError naming kv_offload_dir when another engine holds it, or when the name holds
+    something that cannot be opened as our lock file."""
     path = os.path.join(directory, LOCK_NAME)
-    lock = open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "r+b")
+    try:
+        lock = open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "r+b")
+    except OSError as e:        # a symlink (never followed) or a directory planted under the name
+        raise ValueError(f"invalid engine argument kv_offload_dir: cannot lock {path!r} ({e.strerror}); "
+                         "remove it or give a directory of its own") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -130,9 +137,12 @@ def _read_block(path: str, block_hash: bytes, layout: KVLayout, payload_len: int
     """A file's block, when its header and size are right (its payload is checked when read);
     raises tier_file.ForeignLayout for a sound file of another layout."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # non-blocking: a FIFO planted under a block's name would block the engine's start
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
             info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):      # a FIFO, a device, a directory: nothing we wrote
+                raise tier_file.TierFileError("not a regular file")
             header_len = tier_file.header_length(os.pread(fd, tier_file.LEN_BYTES, 0), layout)
             raw = os.pread(fd, header_len, tier_file.LEN_BYTES)
         finally:

@@ -284,8 +284,11 @@ class EngineKVConsumer(KVConsumer):
         if offer.moved:         # a moved group: its transfer table (kv_transfer/group.py)
             blocks = offer.num_shared_blocks + sum(
                 group.own_blocks(n + len(m.token_ids), offer.num_shared_blocks, bs) for m in offer.moved)
-        if offer.num_blocks != blocks or offer.block_hashes != chain_hashes(
-                None, self.layout.model_id, offer.cache_salt, offer.prompt_token_ids, bs):
+        try:
+            hashes = chain_hashes(None, self.layout.model_id, offer.cache_salt, offer.prompt_token_ids, bs)
+        except ValueError:      # ids no vocabulary has: import_prefilled would refuse them too
+            return Refuse(offer.request_id, "invalid prompt_token_ids: token ids outside [0, 2**32)")
+        if offer.num_blocks != blocks or offer.block_hashes != hashes:
             return Refuse(offer.request_id, "the offer's blocks do not match its prompt")
         try:
             reserved = self._reserve(offer)

@@ -24,7 +24,7 @@ class ModelCatalog:
     def of(cls, infos: Iterable[dict[str, Any]]) -> "ModelCatalog":
         # records of workers from before served_model_names carry only "model"
         entries = sorted(((_str_list(i.get("served_model_names")) or _str_list([i.get("model")]), i)
-                          for i in infos if i.get("model")), key=lambda entry: entry[0])
+                          for i in infos if i.get("model") and _numbers_readable(i)), key=lambda entry: entry[0])
         names: list[str] = []
         canonical: dict[str, str] = {}
         for served, info in entries:
@@ -41,6 +41,16 @@ class ModelCatalog:
 
     def resolve(self, name: str) -> str | None:
         return self.canonical.get(name)
+
+
+def _numbers_readable(info: dict[str, Any]) -> bool:
+    """Whether the catalog can read the record's numbers: a record with one of the wrong type
+    (written by hand, or by another version) is left out, not fatal to the whole discovery."""
+    try:
+        int(info.get("vocab_size") or 0), int(info.get("max_model_len") or 0)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _str_list(value: Any) -> list[str]:

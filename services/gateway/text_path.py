@@ -160,7 +160,7 @@ class RemoteText:
             self.client.set_targets([r.addrs["grpc"] for r in tokenizers if "grpc" in r.addrs])
         self.streams = {r.addrs["zmq"] for r in tokenizers if "zmq" in r.addrs}
         # they serve one model; the largest is the safe bound should one differ
-        self.token_chars = max((int(r.info.get("max_token_chars") or 0) for r in tokenizers), default=0) or None
+        self.token_chars = max((_int_or_zero(r.info.get("max_token_chars")) for r in tokenizers), default=0) or None
         used = [r for r in tokenizers if not self.fixed_targets or r.addrs.get("grpc") in self.fixed_targets]
         if used:   # they serve one model: any one's record says its formats
             info = used[0].info
@@ -178,6 +178,15 @@ class RemoteText:
 
     def close(self) -> None:
         pass
+
+
+def _int_or_zero(value: object) -> int:
+    """A record's number, 0 (unknown) when it has the wrong type: one malformed record must not
+    fail the gateway's whole discovery."""
+    try:
+        return int(value or 0)
+    except (ValueError, TypeError):
+        return 0
 
 
 def _known(name: object, choices: tuple[str, ...]) -> str:

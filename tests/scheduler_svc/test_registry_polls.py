@@ -41,3 +41,28 @@ async def test_a_stale_registry_read_never_overtakes_a_fresh_one():
     await stale
     assert service.core.workers["worker-0"].epoch == 2
     service.senders.close()
+
+
+class _Records:
+    incarnation = b"one Redis"
+
+    def __init__(self, records: list[ServiceRecord]) -> None:
+        self.records = records
+
+    async def list(self, kind: str) -> list[ServiceRecord]:
+        return self.records
+
+
+async def test_a_malformed_worker_record_is_ignored_not_fatal_to_the_poll():
+    """A record whose fields have the wrong types (written by hand, or by another version) raised
+    from view_of: every poll failed, so the scheduler stopped seeing workers come and go (no
+    failover), and a Submit that polled when no worker was eligible ended the receive loop."""
+    service = SchedulerService(SchedulerConfig(insecure_internal_planes=True), Plane.insecure())
+    bad = [ServiceRecord(kind="worker", id=f"bad-{i}", epoch=1, addrs={"zmq": "tcp://127.0.0.1:9100#worker"},
+                         info=info, load=load)
+           for i, (info, load) in enumerate([({"max_num_seqs": "many"}, {}), ({}, {"running": [1]}),
+                                             ({"block_size": None}, {})])]
+    service.registry = _Records([_record(1), *bad])
+    await service._poll_workers()
+    assert set(service.core.workers) == {"worker-0"}
+    service.senders.close()

@@ -151,3 +151,21 @@ async def test_the_redis_incarnation_changes_when_redis_loses_its_data(redis_url
         assert reg.incarnation == after                # later writes keep it
     finally:
         await reg.close()
+
+
+async def test_malformed_index_members_and_records_are_skipped(redis_url):
+    """What a local process with the password could leave in the discovery keys: an index member
+    that is not UTF-8 (its decode raised, so every list() of the kind failed and each service lost
+    all of its peers), a record of the wrong JSON shape. The live record is still listed, and the
+    index forgets the member that names no record."""
+    from services import redis_schema as keys
+    reg = Registry(redis_url, None)
+    try:
+        lease = await reg.register("tokenizer", "t-ok", addrs={}, info={}, lease_ms=5000)
+        await reg.redis.sadd(keys.index_key("tokenizer"), b"\xff\xfe", "t-bad")
+        await reg.redis.set(keys.record_key("tokenizer", "t-bad"), b'{"kind": 1, "id": [], "epoch": "x"}')
+        assert [r.id for r in await reg.list("tokenizer")] == ["t-ok"]
+        assert b"\xff\xfe" not in await reg.redis.smembers(keys.index_key("tokenizer"))
+        await lease.release()
+    finally:
+        await reg.close()

@@ -92,3 +92,48 @@ def test_files_of_other_weights_or_format_versions_are_foreign_not_damaged(tmp_p
     assert (found.blocks, found.dropped, found.foreign) == ([], 4, 4) and not os.listdir(directory)
     [line] = [r.getMessage() for r in caplog.records]
     assert "deleted 4 block files of another KV layout" in line and "weights_digest" in line, line
+
+
+def test_a_fifo_or_symlink_named_like_a_block_is_dropped_at_start_without_blocking(tmp_path):
+    """The start-up scan opened each `<hash>.kvb` without O_NONBLOCK: a FIFO planted under a
+    block's name blocked the engine's start until someone wrote to it. It is dropped now, as is a
+    symlink (never followed: its target is left alone), and the real blocks beside them restore."""
+    import threading
+
+    from gpu_worker.kv_tiers import disk_restore, tier_file
+    directory = tmp_path / "kv"
+    directory.mkdir(mode=0o700)
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"not a block")
+    fifo, link = directory / f"{block(1)[0].hex()}.kvb", directory / f"{block(2)[0].hex()}.kvb"
+    os.mkfifo(fifo, 0o600)
+    link.symlink_to(target)
+    h, payload = block(3)
+    (directory / f"{h.hex()}.kvb").write_bytes(b"".join(tier_file.encode(h, LAYOUT, payload, None, (3,) * 4)))
+    found: list = []
+    scan = threading.Thread(target=lambda: found.append(disk_restore.scan(str(directory), LAYOUT, PAYLOAD)),
+                            daemon=True)
+    scan.start()
+    scan.join(10)
+    if scan.is_alive():                  # release the blocked open before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        scan.join(10)
+        raise AssertionError("the scan blocked on a FIFO")
+    [result] = found
+    assert [b.block_hash for b in result.blocks] == [h] and result.dropped == 2
+    assert sorted(os.listdir(directory)) == [f"{h.hex()}.kvb"] and target.read_bytes() == b"not a block"
+
+
+def test_a_lock_file_that_is_a_symlink_is_a_clear_error_naming_the_argument(tmp_path):
+    """`.lock` planted as a symlink (to /etc/passwd, say) is never followed; the engine's start
+    then fails with an error naming kv_offload_dir (it was a bare ELOOP OSError, which the worker
+    does not expect at start: a traceback instead of its "cannot start the engine" line)."""
+    import pytest
+    directory = tmp_path / "kv"
+    directory.mkdir(mode=0o700)
+    target = tmp_path / "passwd"
+    target.write_text("root:x:0:0")
+    (directory / ".lock").symlink_to(target)
+    with pytest.raises(ValueError, match="kv_offload_dir: cannot lock .*lock"):
+        DiskTier(str(directory), max_blocks=1, layout=LAYOUT, payload_len=PAYLOAD)
+    assert target.read_text() == "root:x:0:0"

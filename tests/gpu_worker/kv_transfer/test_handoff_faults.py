@@ -137,6 +137,37 @@ def test_an_offer_whose_hashes_do_not_match_its_prompt_is_refused(pd, llama):
     finish_bystander(d, llama)
 
 
+@pytest.mark.parametrize("token_id", [-1, 2**40])
+def test_an_offer_of_token_ids_past_32_bits_is_refused(pd, llama, token_id):
+    """Hashing such a prompt failed inside accept() with struct.error, which no caller expects: it
+    ended D's engine thread (the worker) instead of refusing the offer."""
+    p, d, producer, consumer = pd
+    prefill_on(p, "r", prompt(40, 4))
+    offer = producer.offer("r")
+    forged = msgspec.structs.replace(offer, prompt_token_ids=[token_id] * len(offer.prompt_token_ids))
+    answer = consumer.accept(forged)
+    assert isinstance(answer, Refuse) and "prompt_token_ids" in answer.reason
+    assert not d.is_importing("r") and "r" not in d.requests
+    producer.release("r")
+    check_clean(p)
+    finish_bystander(d, llama)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64 - 1])
+def test_an_offer_whose_seed_is_outside_63_bits_is_refused(pd, llama, seed):
+    """A seed no request can have (SamplingParams allows [0, 2**63-1]) was accepted: the first
+    random draw of the imported request then raised OverflowError in the sampler's keys (-1) and
+    ended D's engine thread, every request on it with it."""
+    p, d, producer, consumer = pd
+    prefill_on(p, "r", prompt(40, 4))
+    answer = consumer.accept(msgspec.structs.replace(producer.offer("r"), seed=seed))
+    assert isinstance(answer, Refuse) and "seed" in answer.reason
+    assert not d.is_importing("r") and "r" not in d.requests
+    producer.release("r")
+    check_clean(p)
+    finish_bystander(d, llama)
+
+
 def _flip(b: bytes | memoryview) -> bytes:
     data = bytearray(b)
     data[len(data) // 2] ^= 0xFF

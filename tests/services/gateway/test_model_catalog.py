@@ -36,3 +36,22 @@ def test_catalog_served_names_win_over_path_aliases():
     cat = ModelCatalog.of([info(["m1"], ["m2"]), info(["m2"], ["/p"]), {"model": "old", "vocab_size": 5}, {}])
     assert cat.names == ["m1", "m2", "old"]
     assert (cat.resolve("m2"), cat.resolve("/p"), cat.resolve("old")) == ("m2", "m2", "old")
+
+
+def test_a_record_with_a_malformed_number_is_left_out_not_fatal():
+    """int() of a record's "vocab_size" or "max_model_len" raised for a value of the wrong type (a
+    record written by hand or by another version): every discovery of the gateway failed, so it
+    no longer followed its scheduler, tokenizers or workers. That record is left out now."""
+    cat = ModelCatalog.of([info(["a"]), {"model": "b", "vocab_size": "lots"}, {"model": "c", "max_model_len": [1]}])
+    assert cat.names == ["a"] and cat.resolve("b") is None and cat.max_model_lens == {"a": 64}
+
+
+async def test_a_tokenizer_record_with_a_malformed_max_token_chars_counts_as_unknown():
+    """The same for a tokenizer's record: its longest-token bound is unknown (0), the others' hold."""
+    from services.gateway.text_path import RemoteText
+    from services.registry import ServiceRecord
+    text = RemoteText(None, [])
+    records = [ServiceRecord(kind="tokenizer", id=f"t{i}", epoch=1, addrs={"zmq": f"tcp://127.0.0.1:{9200 + i}#tokenizer"},
+                             info={"max_token_chars": chars}) for i, chars in enumerate(["wide", [3], 12])]
+    text.update(records)
+    assert text.token_chars == 12 and len(text.streams) == 3
