@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import numbers
 import os
 import random
@@ -906,6 +907,8 @@ class Engine:
         if not isinstance(num_output_tokens, int) or not 0 <= num_output_tokens < len(tokens) or (
                 num_output_tokens and params.n != 1):
             raise RequestError("invalid num_output_tokens: a moved request has one sample and a prompt")
+        if not isinstance(num_cached_tokens, int) or not 0 <= num_cached_tokens <= len(tokens):
+            raise RequestError("invalid num_cached_tokens: at most the prompt's tokens")
         prompt = tokens[:len(tokens) - num_output_tokens]
         request = self._import_request(request_id, prompt, params, priority, cache_salt, seed, samples)
         if num_output_tokens and num_output_tokens + 1 >= request.max_tokens:   # a move with nothing left to draw
@@ -1023,9 +1026,9 @@ class Engine:
         if not samples or len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
             raise RequestError(f"invalid samples: distinct sample indices in [0, {params.n}) expected")
         if any(_as_token_ids([t], self.vocab_size) is None for _, t, _ in samples) or not all(
-                isinstance(lp, float) for _, _, lp in samples):
+                isinstance(lp, float) and (lp <= 0.0 or math.isclose(lp, 0.0, abs_tol=1e-3)) for _, _, lp in samples):
             raise RequestError(f"invalid samples: first tokens must be integers in [0, {self.vocab_size}), "
-                               "logprobs floats")
+                               "cumulative logprobs floats <= 0 (NaN is not)")
 
     def admit_imported(self, request_id: str, samples: list[tuple[int, int, float]] | None = None,
                        last_hidden: Any = None) -> None:

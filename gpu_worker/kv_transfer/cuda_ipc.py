@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 import os
 import re
 import secrets
@@ -232,6 +233,8 @@ class CacheReader:
         src = done.src_block_ids
         if len(src) != len(dst) or not all(0 <= b < source.num_blocks for b in src):
             return self.consumer.fail(rid, "source blocks do not match the accepted ones")
+        if not math.isfinite(done.hold_until):       # NaN would pass every lapse check below
+            return self.consumer.fail(rid, "invalid hold_until: not a finite time")
         if time.monotonic() > done.hold_until - HOLD_MARGIN_S:
             return self.consumer.fail(rid, "the prefill worker's hold on its blocks lapsed")
         if src:

@@ -5,6 +5,7 @@ code over a real loopback socket. Tokens are one engine's; nothing leaks on eith
 D reads, falls back to frames (a source it cannot open), or the request is aborted mid-read."""
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -134,7 +135,8 @@ def test_an_abort_mid_read_frees_both_sides(llama):
 
 def test_blocks_land_where_accept_mapped_them_and_a_lapsed_hold_is_refused(llama):
     """P's blocks src[i] -> D's dst[i], every layer, K and V; a Done whose hold has passed (P may
-    reuse its blocks) or that names other blocks fails the request on D, freeing its blocks."""
+    reuse its blocks), that names other blocks or no finite hold fails the request on D, freeing its
+    blocks."""
     p_eng, d_eng = engine(llama), engine(llama)
     for k, v in p_eng.runner.kv_caches:
         k.copy_(torch.randn_like(k))
@@ -151,7 +153,7 @@ def test_blocks_land_where_accept_mapped_them_and_a_lapsed_hold_is_refused(llama
     from gpu_worker.kv_transfer.connector import EngineKVProducer
     producer = EngineKVProducer(p_eng)
     outcomes = []
-    for i, (hold, src_len) in enumerate(((-1.0, 0), (10.0, -1), (10.0, 0))):
+    for i, (hold, src_len) in enumerate(((-1.0, 0), (10.0, -1), (math.nan, 0), (10.0, 0))):
         rid = f"r{i}"                                 # D's request: P's offer under another id
         rx.imports.await_request(rid)
         accept = rx.imports.accept(msgspec.structs.replace(producer.offer("r"), request_id=rid))
@@ -160,8 +162,9 @@ def test_blocks_land_where_accept_mapped_them_and_a_lapsed_hold_is_refused(llama
         table = producer.block_table("r")
         src = table[accept.first_block:len(table) + src_len]
         outcomes.append(reader.read(Done(rid, 0, src_block_ids=src, hold_until=time.monotonic() + hold)))
-    assert [type(o).__name__ for o in outcomes] == ["Fail", "Fail", "Ack"]
+    assert [type(o).__name__ for o in outcomes] == ["Fail", "Fail", "Fail", "Ack"]
     assert "hold" in outcomes[0].reason and "do not match" in outcomes[1].reason
+    assert "hold_until" in outcomes[2].reason             # NaN: it would pass every lapse check
     assert d_eng.block_manager.num_used_blocks == len(accept.dst_block_ids)     # the failed ones freed
     for (pk, pv), (dk, dv) in zip(p_eng.runner.kv_caches, d_eng.runner.kv_caches):
         assert torch.equal(dk[accept.dst_block_ids], pk[src]) and torch.equal(dv[accept.dst_block_ids], pv[src])

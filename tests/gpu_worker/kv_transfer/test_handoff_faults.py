@@ -168,6 +168,27 @@ def test_an_offer_whose_seed_is_outside_63_bits_is_refused(pd, llama, seed):
     finish_bystander(d, llama)
 
 
+@pytest.mark.parametrize("field, value", [("num_cached_tokens", -1), ("num_cached_tokens", 10**6),
+                                          ("cumulative_logprob", float("nan")), ("cumulative_logprob", float("inf"))])
+def test_an_offer_with_an_impossible_count_or_logprob_is_refused(pd, llama, field, value):
+    """Values no prefill engine sends: a cached count outside the prompt (the client's usage would
+    say it), a NaN or positive cumulative logprob (every later logprob of the sample with it)."""
+    p, d, producer, consumer = pd
+    prefill_on(p, "r", prompt(40, 4))
+    offer = producer.offer("r")
+    if field == "num_cached_tokens":
+        offer = msgspec.structs.replace(offer, num_cached_tokens=value)
+    else:
+        offer = msgspec.structs.replace(offer, samples=[msgspec.structs.replace(s, cumulative_logprob=value)
+                                                        for s in offer.samples])
+    answer = consumer.accept(offer)
+    assert isinstance(answer, Refuse) and field.split("_")[-1] in answer.reason, answer
+    assert not d.is_importing("r") and "r" not in d.requests
+    producer.release("r")
+    check_clean(p)
+    finish_bystander(d, llama)
+
+
 def _flip(b: bytes | memoryview) -> bytes:
     data = bytearray(b)
     data[len(data) // 2] ^= 0xFF
