@@ -16,5 +16,5 @@ from gpu_worker.structured.compiler import CompileBusy, GrammarCompilerPool
 from gpu_worker.structured.compiling import CompilingRequests
 from gpu_worker.structured.matchers import GrammarError, GrammarJob
 
-__all__ = ["CompileBusy", "CompilingRequests", "GrammarCompilerPool", "GrammarError", "GrammarJob", "GrammarMask", "GrammarMaskBuilder",
-           "apply_grammar_mask"]
+__all__ = ["CompileBusy", "CompilingRequests", "GrammarCompilerPool", "GrammarError", "GrammarJob", "GrammarMask",
+           "GrammarMaskBuilder", "apply_grammar_mask"]
