@@ -38,16 +38,17 @@ from gpu_worker.engine_setup import EngineSetup, measuring_memory, resolve_setup
 from gpu_worker.kv_tiers import TieredScheduler, build_kv_tiers
 from gpu_worker.kv_transfer import group
 from gpu_worker.config import EngineConfig
-from gpu_worker.outputs import EngineStats, RequestError, SequenceDelta
+from gpu_worker.outputs import EngineStats, RequestBusy, RequestError, SequenceDelta
 from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResult, to_device
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 from gpu_worker.spec_decode import Speculator
 from gpu_worker.spec_decode.rejection import verify as rejection_verify
 from gpu_worker.spec_decode.speculator import build_proposer
-from gpu_worker.structured import (CompilingRequests, GrammarCompilerPool, GrammarError, GrammarMask,
+from gpu_worker.structured import (CompileBusy, CompilingRequests, GrammarCompilerPool, GrammarError, GrammarMask,
                                    GrammarMaskBuilder)
 from gpu_worker.structured.matchers import new_matcher
+from services.protocol.kv_events import split_salt
 from services.protocol.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,11 @@ class Engine:
         prompt = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
         if request_id in self.exported:
             raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
+        if params.structured is not None:
+            try:
+                self.grammars.admit(params.structured, split_salt(cache_salt)[0])
+            except CompileBusy as exc:
+                raise RequestBusy(str(exc)) from None
         room = self.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -195,9 +201,11 @@ class Engine:
         return seqs
 
     def _submit_grammar(self, request: Request) -> None:
-        """Start compiling a constrained request's grammar: it compiles while the prompt prefills."""
+        """Start compiling a constrained request's grammar: it compiles while the prompt prefills,
+        fairly against other tenants' compiles (the tenant is the API key the gateway salted the
+        request with; a move or hand-off arriving here is never refused, its stream has begun)."""
         if request.params.structured is not None:
-            request.grammar = self.grammars.submit(request.params.structured)
+            request.grammar = self.grammars.submit(request.params.structured, split_salt(request.cache_salt)[0])
             self._constrained.add(request.request_id)
             self._compiling.add(request)
 

@@ -12,6 +12,11 @@ class RequestError(ValueError):
     """A single request is invalid (the message names the field); the engine keeps serving others."""
 
 
+class RequestBusy(RequestError):
+    """A single request is refused for now (its tenant is at a limit of this engine); a retry
+    later can succeed. The message says which limit."""
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int

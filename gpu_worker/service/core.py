@@ -63,7 +63,7 @@ import msgspec
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_worker.outputs import RequestError, SequenceDelta
+from gpu_worker.outputs import RequestBusy, RequestError, SequenceDelta
 from gpu_worker.sequence import HANDOFF
 from gpu_worker.service.peer_moves import PeerMoves, peer_fits
 from services import metrics
@@ -217,8 +217,9 @@ class WorkerCore(PeerMoves):
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                         priority=msg.priority, cache_salt=msg.cache_salt)
         except RequestError as exc:
+            status, code = (429, "rate_limit_exceeded") if isinstance(exc, RequestBusy) else (400, "invalid_request")
             out.append(Envelope(msg.reply_addr, RequestFailed(
-                request_id=msg.request_id, status=400, code="invalid_request", message=str(exc))))
+                request_id=msg.request_id, status=status, code=code, message=str(exc))))
             self._finished.append((msg.request_id, msg.run))
             return
         metrics.WORKER_ADMIT.observe(time.perf_counter() - received)

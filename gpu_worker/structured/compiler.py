@@ -1,24 +1,31 @@
 """GrammarCompilerPool: compiles a request's StructuredOutput into an xgrammar CompiledGrammar on
-a small thread pool, so the engine thread never compiles.
+a few threads shared fairly across tenants, so the engine thread never compiles.
 
 The xgrammar GrammarCompiler (over the model's tokenizer, with the model's vocabulary size
 including padding rows) is built once per engine, lazily, on the pool's first compile: an engine
 that never sees a constrained request never reads its tokenizer. Compiled grammars are cached by
-xgrammar under `cache_limit_bytes` (an LRU by memory_size_bytes): thousands of distinct schemas
-evict one another instead of growing memory.
+the pool under `cache_limit_bytes` (grammar_cache.py, an LRU by memory_size_bytes): thousands of
+distinct schemas evict one another instead of growing memory.
+
+Tenants: a compile runs on `max_workers` threads fed by a FairQueue (fair_queue.py): per tenant
+(the API key the gateway salted the request with: `split_salt(cache_salt)`), the thread that
+frees up serves the tenant with the fewest compiles running, so one key's flood of slow schemas
+delays another key's constraint by at most one compile. A tenant may have at most
+`max_per_tenant` compiles queued or running here; beyond, `admit` raises CompileBusy (the worker
+answers 429). The unsalted tenant "" (no API keys; offline LLM) is not capped: it is the only
+tenant there, with no one to starve.
 
 Time limit: xgrammar's compile is C++ and cannot be interrupted. A compile is bounded by the
 gateway's limits on what reaches it (sizes, enum entries, nesting depth: services/gateway/
-structured.py) and by a deadline: a request whose grammar is not ready `time_limit_s` after
-submission fails (the engine finds the job settled with that error: compiling.py); the compile
-itself runs on to its end on its pool thread, and at most `max_workers` such compiles run at
-once. `compile` is the seam that runs on the pool (tests replace it to make a compile slow).
+structured.py) and by a deadline: a request whose grammar is not ready `time_limit_s` after a
+thread started its compile fails (the engine finds the job settled with that error: compiling.py);
+time queued does not count. The compile itself runs on to its end on its thread, and at most
+`max_workers` such compiles run at once. `compile` is the seam that runs on the threads (tests
+replace it to make a compile slow).
 
-Expected cache hits: the pool remembers (bounded) which constraints compiled here. A job for one
-of those is `expect_cached`: its compile is a lookup in xgrammar's cache (microseconds), so the
-engine does not hold the request's first draw out of the prefill step for it (compiling.py) and
-the constrained request's first token comes in the same step as an unconstrained one's; if
-xgrammar evicted it meanwhile, the draw waits for the recompile within the time limit.
+Cache hits: a constraint in the cache gets a job settled at submission (expect_cached): it takes
+no thread and waits behind nothing, so the engine does not hold the request's first draw
+(compiling.py) and its first token comes in the same step as an unconstrained one's.
 """
 from __future__ import annotations
 
@@ -26,13 +33,13 @@ import hashlib
 import logging
 import os
 import threading
-import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Sequence
 
 import msgspec
 
+from gpu_worker.structured.fair_queue import FairQueue
+from gpu_worker.structured.grammar_cache import GrammarCache
 from gpu_worker.structured.matchers import GrammarError, GrammarJob
 from services.protocol.sampling import StructuredOutput
 
@@ -40,7 +47,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_LIMIT_BYTES = 512 * 1024 * 1024
 DEFAULT_TIME_LIMIT_S = 10.0
-COMPILED_KEYS = 8192        # constraints remembered as compiled here (32-byte digests)
+# compiles of one tenant queued or running on one worker: a burst of distinct schemas fits; a flood
+# is answered 429 rather than holding the worker's request slots (scheduler capacity) for minutes
+DEFAULT_MAX_PER_TENANT = 64
 # transformers resolves its classes by lazy imports, which two threads must not run at once (one
 # GPU bench run failed its first compile with "Could not import module 'AutoTokenizer'"): every
 # pool of a process imports xgrammar (which imports transformers) and loads its tokenizer under
@@ -48,40 +57,51 @@ COMPILED_KEYS = 8192        # constraints remembered as compiled here (32-byte d
 _TOKENIZER_LOAD = threading.Lock()
 
 
+class CompileBusy(Exception):
+    """The tenant has max_per_tenant compiles queued or running here; the message is safe to show."""
+
+
 class GrammarCompilerPool:
     def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int], *,
                  cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES,
-                 time_limit_s: float = DEFAULT_TIME_LIMIT_S, max_workers: int = 2) -> None:
+                 time_limit_s: float = DEFAULT_TIME_LIMIT_S, max_workers: int = 2,
+                 max_per_tenant: int = DEFAULT_MAX_PER_TENANT) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self.cache_limit_bytes = cache_limit_bytes
         self.time_limit_s = time_limit_s
-        self._max_workers = max_workers
-        self._pool: ThreadPoolExecutor | None = None
+        self.max_per_tenant = max_per_tenant
+        self.cache = GrammarCache(cache_limit_bytes)
+        self._queue = FairQueue(max_workers, "grammar-compile")
         self._compiler: Any = None
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[bytes, None] = OrderedDict()   # digests of specs compiled here, LRU
 
-    def submit(self, spec: StructuredOutput) -> GrammarJob:
-        """Start compiling `spec` now; the job's wait() gives the grammar or raises GrammarError."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar-compile")
+    def admit(self, spec: StructuredOutput, tenant: str) -> None:
+        """Raises CompileBusy when submitting spec for tenant now would pass its cap (a cached
+        constraint never does: it takes no thread)."""
+        if not tenant or self._queue.pending(tenant) < self.max_per_tenant:
+            return
+        if self.cache.get(_digest(spec)) is None:
+            raise CompileBusy(f"too many output constraints of this API key are compiling on this worker "
+                              f"(at most {self.max_per_tenant}); retry later or reuse schemas")
+
+    def submit(self, spec: StructuredOutput, tenant: str = "") -> GrammarJob:
+        """Start compiling `spec` for tenant (fairly against other tenants' compiles); the job's
+        wait() gives the grammar or raises GrammarError. Never refuses: call admit first."""
         key = _digest(spec)
-        with self._lock:
-            expect_cached = key in self._compiled
-            if expect_cached:
-                self._compiled.move_to_end(key)
-        future: Future = self._pool.submit(self._compile_and_note, spec, key)
-        return GrammarJob(future, time.monotonic() + self.time_limit_s, _field_of(spec), expect_cached=expect_cached)
+        future: Future = Future()
+        cached = self.cache.get(key)
+        if cached is not None:
+            future.set_result(cached)
+            return GrammarJob(future, _field_of(spec), expect_cached=True)
+        job = GrammarJob(future, _field_of(spec))
+        self._queue.put(tenant, future, lambda: self._compile_and_keep(job, spec, key))
+        return job
 
-    def _compile_and_note(self, spec: StructuredOutput, key: bytes) -> Any:
+    def _compile_and_keep(self, job: GrammarJob, spec: StructuredOutput, key: bytes) -> Any:
+        job.begin(self.time_limit_s)
         compiled = self.compile(spec)
-        with self._lock:
-            self._compiled[key] = None
-            self._compiled.move_to_end(key)
-            if len(self._compiled) > COMPILED_KEYS:
-                self._compiled.popitem(last=False)
+        self.cache.put(key, compiled)
         return compiled
 
     def compile(self, spec: StructuredOutput) -> Any:
@@ -99,12 +119,10 @@ class GrammarCompilerPool:
         return compiler.compile_grammar(spec.grammar)
 
     def cache_size_bytes(self) -> int:
-        return 0 if self._compiler is None else int(self._compiler.get_cache_size_bytes())
+        return self.cache.size_bytes
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._queue.close()
 
     def _get_compiler(self) -> Any:
         with self._lock:
@@ -120,8 +138,9 @@ class GrammarCompilerPool:
                     log.exception("cannot build the grammar compiler from the model's tokenizer")
                     raise GrammarError("constrained output is not available for this model: its tokenizer "
                                        "could not be loaded") from None
+                # no xgrammar cache: the pool's (grammar_cache.py) is the one that knows its hits
                 self._compiler = xgrammar.GrammarCompiler(
-                    info, max_threads=min(8, os.cpu_count() or 1), cache_limit_bytes=self.cache_limit_bytes)
+                    info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)
             return self._compiler
 
 

@@ -42,8 +42,8 @@ class CompilingRequests:
         return len(self._requests)
 
     def add(self, request: Any) -> None:
-        """request.grammar was just submitted: hold its draws until the job settles (a job that
-        is a cache lookup is not held: its draw waits the microseconds the lookup takes)."""
+        """request.grammar was just submitted: hold its draws until the job settles (a job found
+        in the cache is settled already and not held)."""
         if request.grammar.expect_cached:
             return
         request.draw_waits = True

@@ -3,15 +3,22 @@
 A constrained request's grammar compiles while its prompt is prefilled (the engine submits it at
 add_request). Its first draw needs the grammar: until the job is settled (compiled, failed, or
 past its deadline) the scheduler leaves that draw out of every step (compiling.py), so wait()
-returns at once; a job expected to be a cache hit (expect_cached) is not held, and its wait()
-is that lookup.
+returns at once; a job whose grammar was in the cache (expect_cached) is settled from the start.
+
+The time limit counts the compile, not the wait for a compile thread: a job's deadline is set when
+a thread starts it (begin), so a request queued behind other tenants' compiles is not failed for
+time it spent waiting (the fair queue bounds that wait: fair_queue.py).
 """
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
+
+
+_WAIT_SLICE_S = 0.05     # a blocking wait() re-reads the deadline this often (begin() may set it meanwhile)
 
 
 class GrammarError(Exception):
@@ -22,12 +29,16 @@ class GrammarError(Exception):
 class GrammarJob:
     """One request's grammar: compiling on the pool, then compiled (or failed)."""
 
-    def __init__(self, future: Future, deadline: float, field: str, *, expect_cached: bool = False) -> None:
+    def __init__(self, future: Future, field: str, *, expect_cached: bool = False) -> None:
         self.future = future
-        self.deadline = deadline
+        self.deadline = math.inf        # no limit while queued; begin() starts it
         self.field = field
-        self.expect_cached = expect_cached   # compiled here before: the compile is a cache lookup
+        self.expect_cached = expect_cached   # found in the cache: settled from the start
         self.error: str | None = None   # set once the compile failed: the request ends with it
+
+    def begin(self, time_limit_s: float) -> None:
+        """A compile thread starts this job now: it must end within time_limit_s (called on that thread)."""
+        self.deadline = time.monotonic() + time_limit_s
 
     def settled(self) -> bool:
         """True once wait() returns (or raises) at once: the compile ended or missed its deadline."""
@@ -38,7 +49,7 @@ class GrammarJob:
         if self.error is not None:
             raise GrammarError(self.error)
         try:
-            return self.future.result(timeout=max(0.0, self.deadline - time.monotonic()))
+            return self._result()
         except GrammarError as exc:         # the compiler itself is unavailable
             self.error = str(exc)
         except FutureTimeout:
@@ -48,6 +59,18 @@ class GrammarJob:
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             self.error = f"invalid {self.field}: it cannot be compiled: {_without_source_path(reason)[:300]}"
         raise GrammarError(self.error)
+
+    def _result(self) -> Any:
+        """The future's result, or FutureTimeout once the deadline passed; a job still queued has
+        no deadline yet, so this waits in slices until a thread has started it."""
+        while True:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0 and not self.future.done():
+                raise FutureTimeout()
+            try:
+                return self.future.result(timeout=max(0.0, min(remaining, _WAIT_SLICE_S)))
+            except FutureTimeout:
+                continue
 
 
 def new_matcher(compiled: Any, output_token_ids: list[int]) -> Any:
