@@ -317,18 +317,20 @@ class GatewayCore:
     # ---- ends ------------------------------------------------------------------------------
     def _on_failed(self, job: Job, msg: RequestFailed, out: Outbox, abort_reason: str,
                    failed: str | None = None) -> None:
-        """A RequestFailed for one of the job's requests: before admission a plain error (retry
-        after 1 s when the stack is unavailable), after it an error that ends the stream. The
+        """A RequestFailed for one of the job's requests: before admission a plain error, after it
+        an error that ends the stream (a plain error still when nothing was streamed). Retry after
+        1 s when the stack is unavailable (503) or busy (429: a worker's per-key compile cap). The
         failed request is not aborted (upstream ended it) unless `failed` says otherwise ("")."""
         failed = msg.request_id if failed is None else failed
+        retry_after = 1 if msg.status in (429, 503) else 0
         if job.phase is Phase.SUBMITTED:
             self._fail(job, Phase.REJECTED, ApiError(
                 msg.status, msg.message, type_=_error_type(msg.status), code=msg.code,
-                retry_after=1 if msg.status == 503 else 0, param=_param(msg.status, msg.message)),
+                retry_after=retry_after, param=_param(msg.status, msg.message)),
                 out, abort_reason, failed=failed)
         else:
             self._fail(job, Phase.FAILED, ApiError(
-                msg.status, msg.message, type_=_error_type(msg.status), code=msg.code,
+                msg.status, msg.message, type_=_error_type(msg.status), code=msg.code, retry_after=retry_after,
                 param=_param(msg.status, msg.message)), out, abort_reason, failed=failed)
 
     def _fail(self, job: Job, phase: Phase, err: ApiError, out: Outbox, abort_reason: str,

@@ -156,7 +156,13 @@ def test_a_workers_failure_reaches_the_client_through_either_text_path():
     remote.step([Admitted(request_id="r1"), TextBatch(deltas=[delta("r1", "a")])], 1.0)
     err = error_of(remote.step([RequestFailed(request_id="r1", status=503, code="worker_failed",
                                               message="the worker stopped")], 2.0))
-    assert (err.status, err.code) == (503, "worker_failed")
+    assert (err.status, err.code, err.retry_after) == (503, "worker_failed", 1)
+    busy = core_of()                 # a worker's per-key compile cap: the client may retry
+    submit(busy)
+    busy.step([Admitted(request_id="r1")], 1.0)
+    err = error_of(busy.step([RequestFailed(request_id="r1", status=429, code="rate_limit_exceeded",
+                                            message="too many output constraints")], 2.0))
+    assert (err.status, err.code, err.retry_after) == (429, "rate_limit_exceeded", 1)
     local = core_of(local_text=True)
     submit(local, detok=SELF)
     p = SamplingParams(max_tokens=8)
