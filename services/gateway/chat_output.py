@@ -20,7 +20,8 @@ class OutputParsing:
     reasoning: str = "none"                                  # qwen3, deepseek_r1 (reasoning.py) or none
     tool_format: Callable[[], ToolFormat] | None = None      # a fresh call scanner per answer; None: no calls
     # a forced tool_choice: the answer is nothing but calls, so an answer cut short is a call cut
-    # short and keeps its finish_reason ("length"); an unforced answer returns only complete calls
+    # short and keeps its finish_reason ("length"); an unforced answer with calls finishes with
+    # "tool_calls", cut or not (a call cut inside its arguments was streamed: tool_parsers/open_call.py)
     forced: bool = False
 
     @property

@@ -10,15 +10,21 @@ produce the same pieces and a stream never shows a call the whole answer would n
     text:    "Sure. <tool_call>{...}</tool_call>  <tool_c"
     pieces:  [text "Sure. "] [call {...}] [text "  "]        held: "<tool_c" (not final)
 
-A call whose body is not a valid call (bad JSON, a function the request did not offer, arguments
-that are not an object) is a text piece: the client gets it as content, never an error (a forced
-call cut by max_tokens is the exception: forced.py). Content is None when calls were parsed and
-nothing but whitespace was said besides them.
+A call read whole at its end whose body is not a valid call (bad JSON, a function the request did
+not offer, arguments that are not an object) is a text piece: the client gets it as content, never
+an error.
 
-A forced answer (forced.py) is nothing but calls, so it need not wait for a call to be whole: its
-scanner gives a call's opening (`CallOpen`, the name) as soon as it is sure of it and the call's
-arguments as they come (`CallArgs`, each the new text only). The stream turns them into the
-header delta and argument deltas; the whole-text parse joins them, so both agree exactly.
+A call need not wait to be whole: once a scanner is sure of a call's opening it gives it
+(`CallOpen`, the name) and then the call's arguments as they come (`CallArgs`, each the new text
+only). The stream turns them into the header delta and argument deltas; the whole-text parse joins
+them, so both agree exactly. What the rest of such a call turns out to be cannot take it back: its
+arguments are the text as written (not checked, not re-serialized), as far as the answer goes.
+
+    auto formats (open_call.py): opened at `{"name": "<an offered tool>", "arguments": {`; a call
+        written otherwise (arguments first, arguments as a string) is a whole `Call` at its end
+    forced.py: a forced answer is nothing but calls (a named one opens at once)
+
+Content is None when calls were parsed and nothing but whitespace was said besides them.
 """
 from __future__ import annotations
 
@@ -63,14 +69,15 @@ class StreamStep(NamedTuple):
 
 
 class Call(NamedTuple):
-    """A scanned call: its raw text, and (name, arguments) when it is a call. The arguments are an
-    object, or the text of a forced call cut short (forced.py), passed on as written."""
+    """A call read whole: its raw text, and (name, arguments) when it is a valid call (the arguments
+    an object, serialized by arguments_text)."""
     raw: str
     value: tuple[str, dict | str] | None
 
 
 class CallOpen(NamedTuple):
-    """A call whose arguments follow as CallArgs pieces (forced.py: streamed as written)."""
+    """A call whose arguments follow as CallArgs pieces, streamed as written. A scanner opens at
+    most MAX_CALLS calls in all (whole `Call`s counted)."""
     name: str
 
 
@@ -184,7 +191,7 @@ def parse(fmt: ToolFormat, text: str) -> Parsed:
     calls: list[list[str]] = []   # [name, arguments]
     content: list[str] = []
     for p in pieces:
-        if isinstance(p, CallOpen):   # a forced format opens at most MAX_CALLS calls
+        if isinstance(p, CallOpen):   # a scanner opens at most MAX_CALLS calls
             calls.append([p.name, ""])
         elif isinstance(p, CallArgs):
             calls[-1][1] += p.text
