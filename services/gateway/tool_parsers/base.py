@@ -3,7 +3,8 @@
 A format is a scanner over the generated text (after any reasoning): `scan(text, start, final)`
 reads text[start:] and returns the pieces it is sure of (plain text, or a complete call with its
 raw text) and where it stopped. It stops before anything that may still become a call (a partial
-`<tool_call>` tag, an unclosed call), which a later scan sees again with more text. The whole-text
+`<tool_call>` tag, a call's opening not complete yet, a call read whole that is not closed yet),
+which a later scan sees again with more text. The whole-text
 parse is one final scan; the streaming parser scans the unsure tail after each delta, so both
 produce the same pieces and a stream never shows a call the whole answer would not:
 
@@ -72,7 +73,7 @@ class Call(NamedTuple):
     """A call read whole: its raw text, and (name, arguments) when it is a valid call (the arguments
     an object, serialized by arguments_text)."""
     raw: str
-    value: tuple[str, dict | str] | None
+    value: tuple[str, dict] | None
 
 
 class CallOpen(NamedTuple):
