@@ -62,6 +62,7 @@ class ToolCallDelta(NamedTuple):
 class Parsed(NamedTuple):
     content: str | None
     tool_calls: list[ToolCall]
+    cut: bool = False    # the answer ended inside a call's arguments (ToolFormat.ended_in_call)
 
 
 class StreamStep(NamedTuple):
@@ -185,6 +186,11 @@ class ToolFormat:
     def scan(self, text: str, start: int, final: bool) -> Scan:
         raise NotImplementedError
 
+    def ended_in_call(self) -> bool:
+        """After the final scan: the answer ended inside an opened call's arguments (cut by
+        max_tokens, a stop string or EOS), so its arguments are not whole."""
+        return False
+
 
 def parse(fmt: ToolFormat, text: str) -> Parsed:
     """The whole answer's content and calls; calls past MAX_CALLS stay text."""
@@ -202,9 +208,10 @@ def parse(fmt: ToolFormat, text: str) -> Parsed:
             content.append(p.raw if isinstance(p, Call) else p)
     tool_calls = [ToolCall(new_call_id(), name, args) for name, args in calls]
     body = "".join(content)
+    cut = bool(calls) and fmt.ended_in_call()
     if (calls or not pieces) and not body.strip():   # no pieces: a forced answer cut before its first call
-        return Parsed(None, tool_calls)
-    return Parsed(body, tool_calls)
+        return Parsed(None, tool_calls, cut)
+    return Parsed(body, tool_calls, cut)
 
 
 class StreamingParser:
@@ -223,6 +230,11 @@ class StreamingParser:
     def feed(self, delta: str) -> StreamStep:
         self.text += delta
         return self._scan(final=False)
+
+    @property
+    def cut(self) -> bool:
+        """After finish(): the answer ended inside a call's arguments."""
+        return self.num_calls > 0 and self.fmt.ended_in_call()
 
     def finish(self) -> StreamStep:
         step = self._scan(final=True)

@@ -30,6 +30,9 @@ class HermesFormat(ToolFormat):
         self.closing = False                  # after them: the object's `}`, then END
         self.searched = 0   # a held call's text (from its tag) known to hold no END: not searched again
 
+    def ended_in_call(self) -> bool:
+        return self.args is not None
+
     def scan(self, text: str, start: int, final: bool) -> Scan:
         pieces: list[Piece] = []
         i = start

@@ -37,6 +37,9 @@ class Llama3JsonFormat(ToolFormat):
         # opening -> call (args -> closing) -> after (`;` -> call) ; anything else -> text
         self.state = "opening"
 
+    def ended_in_call(self) -> bool:
+        return self.args is not None
+
     def scan(self, text: str, start: int, final: bool) -> Scan:
         pieces: list[Piece] = []
         i = start

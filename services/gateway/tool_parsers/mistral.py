@@ -37,6 +37,9 @@ class MistralFormat(ToolFormat):
         self.in_list = False                  # the open call is an array's item
         self.closing = False                  # after an item's arguments: `}`, then `,` or `]`
 
+    def ended_in_call(self) -> bool:
+        return self.args is not None
+
     def scan(self, text: str, start: int, final: bool) -> Scan:
         pieces: list[Piece] = []
         i = start

@@ -170,8 +170,8 @@ def test_a_whole_forced_call_finishes_with_tool_calls():
 def test_auto_answer_cut_by_max_tokens():
     """auto: a call cut before its arguments opened is the model's own text (it may never have been
     a call), as content, with finish_reason "length"; one cut inside its arguments was streamed, so
-    it is a call with its arguments as far as they go, and every answer with calls finishes with
-    "tool_calls" (finish_with_calls)."""
+    it is a call with its arguments as far as they go, and the answer keeps "length" (the client
+    must not run it as whole); whole calls followed by cut text finish with "tool_calls"."""
     cut = 'Checking.\n<tool_call>\n{"name": "get_weather", "argu'
     c = whole(cut, "length")
     assert c["finish_reason"] == "length" and c["message"]["content"] == cut and "tool_calls" not in c["message"]
@@ -179,10 +179,10 @@ def test_auto_answer_cut_by_max_tokens():
     assert m["content"] == cut and m["tool_calls"] == {} and m["finish_reason"] == "length"
     cut += 'ments": {"ci'
     c = whole(cut, "length")
-    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == "Checking.\n"
+    assert c["finish_reason"] == "length" and c["message"]["content"] == "Checking.\n"
     assert raw_calls(c["message"]["tool_calls"]) == [("function", "get_weather", '{"ci')]
     m, _ = streamed(cut, "length", 4)
-    assert m["content"] == "Checking.\n" and m["finish_reason"] == "tool_calls"
+    assert m["content"] == "Checking.\n" and m["finish_reason"] == "length"
     assert raw_calls(m["tool_calls"].values()) == raw_calls(c["message"]["tool_calls"])
     after = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> Now the wea'
     c = whole(after, "length")
