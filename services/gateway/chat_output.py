@@ -20,19 +20,23 @@ class OutputParsing:
     reasoning: str = "none"                                  # qwen3, deepseek_r1 (reasoning.py) or none
     tool_format: Callable[[], ToolFormat] | None = None      # a fresh call scanner per answer; None: no calls
     # a forced tool_choice: the answer is nothing but calls, so an answer cut short is a call cut
-    # short and keeps its finish_reason ("length"); an unforced answer returns only complete calls
+    # short and keeps its finish_reason ("length"); an unforced answer with calls finishes with
+    # "tool_calls" unless it was cut inside a call's arguments (streamed: tool_parsers/open_call.py)
     forced: bool = False
 
     @property
     def active(self) -> bool:
         return self.reasoning != "none" or self.tool_format is not None
 
-    def finish_with_calls(self, finish_reason: str | None, stop_reason: str | int | None) -> str | None:
-        """The finish_reason of an answer that returned calls: "tool_calls", except that a forced
-        answer that did not end on its own keeps its reason (OpenAI's and vLLM's "length"; "stop"
-        when a stop string or stop token id cut its JSON: stop_reason names it)."""
+    def finish_with_calls(self, finish_reason: str | None, stop_reason: str | int | None,
+                          cut: bool = False) -> str | None:
+        """The finish_reason of an answer that returned calls: "tool_calls", except that an answer
+        whose last call is not whole keeps its reason, so a client sees that the call's arguments
+        may be cut short ("length"; "stop" when a stop string or stop token id cut it: stop_reason
+        names it): a forced answer that did not end on its own, or an unforced one that ended
+        inside a call's arguments (`cut`)."""
         ended_by_grammar = finish_reason == "stop" and stop_reason is None
-        if finish_reason is None or (self.forced and not ended_by_grammar):
+        if finish_reason is None or cut or (self.forced and not ended_by_grammar):
             return finish_reason
         return "tool_calls"
 
@@ -44,6 +48,7 @@ class Answer(NamedTuple):
     reasoning: str | None
     content: str | None
     tool_calls: list[ToolCall]
+    cut: bool = False        # it ended inside a call's arguments
 
 
 class AnswerDelta(NamedTuple):
@@ -60,7 +65,7 @@ def parse_answer(parsing: OutputParsing, text: str) -> Answer:
     body = parsed.content
     if thought is not None and not body:
         body = None
-    return Answer(thought, body, parsed.tool_calls)
+    return Answer(thought, body, parsed.tool_calls, parsed.cut)
 
 
 class AnswerStream:
@@ -71,6 +76,11 @@ class AnswerStream:
     @property
     def num_calls(self) -> int:
         return self.calls.num_calls if self.calls is not None else 0
+
+    @property
+    def cut(self) -> bool:
+        """After finish(): the answer ended inside a call's arguments."""
+        return self.calls is not None and self.calls.cut
 
     def feed(self, text: str) -> AnswerDelta:
         step = self.thinking.feed(text) if self.thinking is not None else reasoning.Step("", text)

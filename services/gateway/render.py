@@ -99,7 +99,7 @@ class Accumulator:
             message["reasoning_content"] = answer.reasoning
         if answer.tool_calls:
             message["tool_calls"] = [call.as_dict() for call in answer.tool_calls]
-            finish_reason = self.parsing.finish_with_calls(finish_reason, stop_reason)
+            finish_reason = self.parsing.finish_with_calls(finish_reason, stop_reason, answer.cut)
         return message, finish_reason
     def response(self) -> dict[str, Any]:
         choices = []
@@ -178,7 +178,7 @@ class ChunkWriter:
             step = AnswerDelta(step.reasoning + end.reasoning, step.content + end.content,
                                step.tool_calls + end.tool_calls)
             if choice.answer.num_calls:
-                finish = self.acc.parsing.finish_with_calls(finish, stop_reason)
+                finish = self.acc.parsing.finish_with_calls(finish, stop_reason, choice.answer.cut)
         head: dict[str, Any] = {}
         if step.reasoning:
             head["reasoning_content"] = step.reasoning

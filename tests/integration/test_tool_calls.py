@@ -154,8 +154,10 @@ def test_streamed_the_same_by_hand_and_by_the_clients_helper(client):
         events = [e.type for e in stream]
         final = stream.get_final_completion()
     [call] = final.choices[0].message.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')   # as written
     assert final.choices[0].finish_reason == "tool_calls" and "tool_calls.function.arguments.done" in events
+    # the call streamed as it was generated: its arguments in the two tokens' fragments
+    assert events.count("tool_calls.function.arguments.delta") >= 2
 
 
 def test_tool_choice_none_leaves_the_call_as_text(client):
@@ -165,13 +167,18 @@ def test_tool_choice_none_leaves_the_call_as_text(client):
     assert m.content == PIECES[2] + PIECES[3] and m.model_extra["reasoning_content"] == "Weather? I should call the tool."
 
 
-def test_a_call_cut_by_max_tokens_is_text(client):
+def test_an_auto_call_cut_inside_its_arguments_is_a_call(client):
+    """Cut by max_tokens after `{"name": "get_weather", "arguments": {"ci`: the call was streamed
+    from its arguments' `{` on, so it is a call with its arguments as far as they go, streamed or
+    not, and finish_reason stays "length" (its arguments are not whole); cut before that it would be
+    text (tests/services/gateway/test_render_tool_calls.py)."""
     kw = forced(3)
     r = chat(client, tools=TOOLS, **kw)
-    assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None
-    assert r.choices[0].message.content == PIECES[2]
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content is None
+    assert [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls] == [("get_weather", '{"ci')]
     got = assembled(chat(client, tools=TOOLS, stream=True, **kw))
-    assert got == {"content": PIECES[2], "reasoning": "Weather? I should call the tool.", "calls": {}, "finish": "length"}
+    assert got["finish"] == "length" and got["content"] == ""
+    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == [("get_weather", '{"ci')]
 
 
 def test_a_forced_call_cut_by_max_tokens_is_a_call(client):
@@ -207,9 +214,10 @@ def test_auto_answers_with_text_or_valid_calls(client):
     for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
         whole = chat(client, tools=TOOLS, max_tokens=12, **kw).choices[0]
         streamed = assembled(chat(client, tools=TOOLS, max_tokens=12, stream=True, **kw))
-        if whole.message.tool_calls:
-            assert whole.finish_reason == "tool_calls"
-            assert all(json.loads(c.function.arguments) is not None for c in whole.message.tool_calls)
+        if whole.message.tool_calls:   # its arguments as written (cut by max_tokens, maybe)
+            assert whole.finish_reason == streamed["finish"] == "tool_calls"
+            assert [(c["name"], c["arguments"]) for _, c in sorted(streamed["calls"].items())] == [
+                (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
         else:
             assert whole.finish_reason in ("stop", "length")
             assert streamed["content"] == (whole.message.content or "") and not streamed["calls"]

@@ -3,22 +3,29 @@
 A format is a scanner over the generated text (after any reasoning): `scan(text, start, final)`
 reads text[start:] and returns the pieces it is sure of (plain text, or a complete call with its
 raw text) and where it stopped. It stops before anything that may still become a call (a partial
-`<tool_call>` tag, an unclosed call), which a later scan sees again with more text. The whole-text
+`<tool_call>` tag, a call's opening not complete yet, a call read whole that is not closed yet),
+which a later scan sees again with more text. The whole-text
 parse is one final scan; the streaming parser scans the unsure tail after each delta, so both
 produce the same pieces and a stream never shows a call the whole answer would not:
 
     text:    "Sure. <tool_call>{...}</tool_call>  <tool_c"
     pieces:  [text "Sure. "] [call {...}] [text "  "]        held: "<tool_c" (not final)
 
-A call whose body is not a valid call (bad JSON, a function the request did not offer, arguments
-that are not an object) is a text piece: the client gets it as content, never an error (a forced
-call cut by max_tokens is the exception: forced.py). Content is None when calls were parsed and
-nothing but whitespace was said besides them.
+A call read whole at its end whose body is not a valid call (bad JSON, a function the request did
+not offer, arguments that are not an object) is a text piece: the client gets it as content, never
+an error.
 
-A forced answer (forced.py) is nothing but calls, so it need not wait for a call to be whole: its
-scanner gives a call's opening (`CallOpen`, the name) as soon as it is sure of it and the call's
-arguments as they come (`CallArgs`, each the new text only). The stream turns them into the
-header delta and argument deltas; the whole-text parse joins them, so both agree exactly.
+A call need not wait to be whole: once a scanner is sure of a call's opening it gives it
+(`CallOpen`, the name) and then the call's arguments as they come (`CallArgs`, each the new text
+only). The stream turns them into the header delta and argument deltas; the whole-text parse joins
+them, so both agree exactly. What the rest of such a call turns out to be cannot take it back: its
+arguments are the text as written (not checked, not re-serialized), as far as the answer goes.
+
+    auto formats (open_call.py): opened at `{"name": "<an offered tool>", "arguments": {`; a call
+        written otherwise (arguments first, arguments as a string) is a whole `Call` at its end
+    forced.py: a forced answer is nothing but calls (a named one opens at once)
+
+Content is None when calls were parsed and nothing but whitespace was said besides them.
 """
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ class ToolCallDelta(NamedTuple):
 class Parsed(NamedTuple):
     content: str | None
     tool_calls: list[ToolCall]
+    cut: bool = False    # the answer ended inside a call's arguments (ToolFormat.ended_in_call)
 
 
 class StreamStep(NamedTuple):
@@ -63,14 +71,15 @@ class StreamStep(NamedTuple):
 
 
 class Call(NamedTuple):
-    """A scanned call: its raw text, and (name, arguments) when it is a call. The arguments are an
-    object, or the text of a forced call cut short (forced.py), passed on as written."""
+    """A call read whole: its raw text, and (name, arguments) when it is a valid call (the arguments
+    an object, serialized by arguments_text)."""
     raw: str
-    value: tuple[str, dict | str] | None
+    value: tuple[str, dict] | None
 
 
 class CallOpen(NamedTuple):
-    """A call whose arguments follow as CallArgs pieces (forced.py: streamed as written)."""
+    """A call whose arguments follow as CallArgs pieces, streamed as written. A scanner opens at
+    most MAX_CALLS calls in all (whole `Call`s counted)."""
     name: str
 
 
@@ -177,6 +186,11 @@ class ToolFormat:
     def scan(self, text: str, start: int, final: bool) -> Scan:
         raise NotImplementedError
 
+    def ended_in_call(self) -> bool:
+        """After the final scan: the answer ended inside an opened call's arguments (cut by
+        max_tokens, a stop string or EOS), so its arguments are not whole."""
+        return False
+
 
 def parse(fmt: ToolFormat, text: str) -> Parsed:
     """The whole answer's content and calls; calls past MAX_CALLS stay text."""
@@ -184,7 +198,7 @@ def parse(fmt: ToolFormat, text: str) -> Parsed:
     calls: list[list[str]] = []   # [name, arguments]
     content: list[str] = []
     for p in pieces:
-        if isinstance(p, CallOpen):   # a forced format opens at most MAX_CALLS calls
+        if isinstance(p, CallOpen):   # a scanner opens at most MAX_CALLS calls
             calls.append([p.name, ""])
         elif isinstance(p, CallArgs):
             calls[-1][1] += p.text
@@ -194,9 +208,10 @@ def parse(fmt: ToolFormat, text: str) -> Parsed:
             content.append(p.raw if isinstance(p, Call) else p)
     tool_calls = [ToolCall(new_call_id(), name, args) for name, args in calls]
     body = "".join(content)
+    cut = bool(calls) and fmt.ended_in_call()
     if (calls or not pieces) and not body.strip():   # no pieces: a forced answer cut before its first call
-        return Parsed(None, tool_calls)
-    return Parsed(body, tool_calls)
+        return Parsed(None, tool_calls, cut)
+    return Parsed(body, tool_calls, cut)
 
 
 class StreamingParser:
@@ -215,6 +230,11 @@ class StreamingParser:
     def feed(self, delta: str) -> StreamStep:
         self.text += delta
         return self._scan(final=False)
+
+    @property
+    def cut(self) -> bool:
+        """After finish(): the answer ended inside a call's arguments."""
+        return self.num_calls > 0 and self.fmt.ended_in_call()
 
     def finish(self) -> StreamStep:
         step = self._scan(final=True)

@@ -45,40 +45,12 @@ import re
 
 from services.gateway.tool_parsers.base import (
     MAX_CALLS, CallArgs, CallOpen, Piece, Scan, ToolFormat, arguments_text, as_call, loads)
+from services.gateway.tool_parsers.open_call import JsonLexer
 
 # an item's opening as the schema orders it: its name, then its arguments' key (up to their value)
 _NAME = re.compile(r'\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"')
 _HEAD = re.compile(_NAME.pattern + r'\s*,\s*"(?:parameters|arguments)"\s*:\s*')
 _ARGS_KEYS = ("parameters", "arguments")
-
-
-class _Lexer:
-    """Bracket depth of JSON read one character at a time (brackets inside strings do not count).
-    The value is not checked: the grammar did that, and a cut answer is not JSON anyway."""
-    __slots__ = ("depth", "in_string", "escaped")
-
-    def __init__(self) -> None:
-        self.depth, self.in_string, self.escaped = 0, False, False
-
-    def read(self, c: str) -> bool:
-        """Take one character; True when it was a bracket outside strings (the depth changed)."""
-        if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif c == "\\":
-                self.escaped = True
-            elif c == '"':
-                self.in_string = False
-            return False
-        if c == '"':
-            self.in_string = True
-        elif c in "{[":
-            self.depth += 1
-            return True
-        elif c in "}]":
-            self.depth -= 1
-            return True
-        return False
 
 
 # where a required answer's reader is:
@@ -94,7 +66,7 @@ class RequiredFormat(ToolFormat):
     def __init__(self, tool_names: frozenset[str]) -> None:
         super().__init__(tool_names)
         self.state = OPEN
-        self.lex = _Lexer()
+        self.lex = JsonLexer()
         self.strings = 0             # strings closed in the current item while in HEAD
         self.item: list[str] = []    # the current item's text, but for its arguments (ARGS, TAIL)
         self.body: list[str] = []    # the answer, kept while it has made no call (then it may be text)
@@ -197,7 +169,7 @@ class NamedFormat(ToolFormat):
         self.opened = False
         self.started = False      # the arguments' first non-whitespace character was read
         self.closable = False     # they open an object (or array), which ends at its bracket
-        self.lex = _Lexer()
+        self.lex = JsonLexer()
         self.after: list[str] | None = None   # the text after the closed object
 
     def scan(self, text: str, start: int, final: bool) -> Scan:

@@ -4,15 +4,25 @@ so the gateway keeps them for a request parsed with this format):
     [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {...}]     (v3 tokenizers)
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}        (v11 and later)
 
-Text before the first `[TOOL_CALLS]` is content. An array holding an invalid call is text whole.
-The EOS token that ends the answer is not text (services/text/streams.py leaves it out); a `</s>`
+Text before the first `[TOOL_CALLS]` is content. The EOS token that ends the answer is not text (services/text/streams.py leaves it out); a `</s>`
 written as text at the very end of the answer is dropped all the same.
+
+A call streams as it is generated (open_call.py): once its header is read (`name[ARGS]{`, or an
+array item's `{"name": "<an offered tool>", "arguments": {`) the call is certain, and its
+arguments are the text up to their closing bracket, or to the end of the answer when it is cut
+first. In an array, the item's `}` after them is optional, then `,` and the next item or `]`: from
+the first thing that is none of these (an item that is not a call, text) the answer is text again,
+and the calls already read stay calls. An array whose first item is not written name first (or a
+`name[ARGS]` whose name is not offered) is read whole as before: calls when all its items are
+valid calls, else text whole.
 """
 from __future__ import annotations
 
 import re
 
-from services.gateway.tool_parsers.base import Call, Scan, ToolFormat, as_call, JsonEnd, held_prefix, loads
+from services.gateway.tool_parsers.base import (
+    MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, JsonEnd, held_prefix, loads)
+from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, header, literal, skip_space
 
 TOOL_CALLS, ARGS, EOS = "[TOOL_CALLS]", "[ARGS]", "</s>"
 _NAME = re.compile(r"\s*([A-Za-z0-9_-]{1,64})")
@@ -22,11 +32,30 @@ class MistralFormat(ToolFormat):
     def __init__(self, tool_names: frozenset[str]) -> None:
         super().__init__(tool_names)
         self.json_end = JsonEnd()
+        self.calls = 0
+        self.args: ArgsReader | None = None   # the open call's arguments, not closed yet
+        self.in_list = False                  # the open call is an array's item
+        self.closing = False                  # after an item's arguments: `}`, then `,` or `]`
+
+    def ended_in_call(self) -> bool:
+        return self.args is not None
 
     def scan(self, text: str, start: int, final: bool) -> Scan:
-        pieces: list = []
+        pieces: list[Piece] = []
         i = start
         while True:
+            if self.args is not None:
+                end = self.args.read(text, i)
+                pieces.append(CallArgs(text[i:end if end >= 0 else len(text)]))
+                if end < 0:
+                    return Scan(pieces, len(text))
+                i, self.args, self.closing = end, None, self.in_list
+            if self.closing:
+                end = self._next_item(text, i, final, pieces)
+                if end == MORE:
+                    return Scan(pieces, i)
+                i, self.closing = end, False
+                continue
             j = text.find(TOOL_CALLS, i)
             if j < 0:
                 tail = text[i:]
@@ -38,6 +67,12 @@ class MistralFormat(ToolFormat):
                 pieces.append(text[i:stop])
                 return Scan(pieces, stop)
             pieces.append(text[i:j])
+            at = self._open(text, j + len(TOOL_CALLS), final, pieces)
+            if at == MORE:
+                return Scan(pieces, j)
+            if at >= 0:
+                i = at
+                continue
             end, calls = self._calls(text, j + len(TOOL_CALLS), final)
             if end < 0:               # not complete yet
                 return Scan(pieces, j)
@@ -48,8 +83,61 @@ class MistralFormat(ToolFormat):
                     return Scan(pieces, j)
                 pieces.append(text[j:end])
             else:
-                pieces += calls
+                for call in calls:
+                    valid = self.calls < MAX_CALLS
+                    self.calls += valid
+                    pieces.append(call if valid else Call(call.raw, None))
             i = end
+
+    def _open(self, text: str, at: int, final: bool, pieces: list[Piece]) -> int:
+        """After a marker: the index of a streamed call's arguments (its CallOpen added), MORE to
+        wait, -1 when it is not one (read whole as before)."""
+        at = skip_space(text, at)
+        if at < len(text) and text[at] == "[":
+            head = header(text, at + 1)
+            self.in_list = True
+        else:
+            m = _NAME.match(text, at)
+            after = m.end() if m else -1
+            head = -1
+            if m and text.startswith(ARGS, after):
+                body = skip_space(text, after + len(ARGS))
+                head = MORE if body == len(text) else Header(m.group(1), body) if text[body] == "{" else -1
+            elif m and (len(text) - after < len(ARGS) and ARGS.startswith(text[after:])):
+                head = MORE
+            elif at == len(text):
+                head = MORE
+            self.in_list = False
+        if head == MORE:
+            return -1 if final else MORE
+        if isinstance(head, Header) and head.name in self.tool_names and self.calls < MAX_CALLS:
+            self.calls += 1
+            pieces.append(CallOpen(head.name))
+            self.args = ArgsReader()
+            return head.args
+        return -1
+
+    def _next_item(self, text: str, i: int, final: bool, pieces: list[Piece]) -> int:
+        """After an array item's arguments: where text resumes past the item's `}` and `,` or `]`
+        (a next item's arguments when it opens a streamed call), or at the first character that is
+        none of these; MORE to wait (the rest, at the end: dropped)."""
+        end, found = literal(text, i, ("}", ",", "]"))
+        if found == "}":
+            i = end
+            end, found = literal(text, i, (",", "]"))
+        if found == ",":
+            head = header(text, end)
+            if isinstance(head, Header) and head.name in self.tool_names and self.calls < MAX_CALLS:
+                self.calls += 1
+                pieces.append(CallOpen(head.name))
+                self.args = ArgsReader()
+                return head.args
+            if head == MORE and not final:
+                return MORE
+            return end   # an item that is not a call: text from it
+        if end == MORE:
+            return len(text) if final else MORE
+        return i if end == -1 else end
 
     def _calls(self, text: str, at: int, final: bool) -> tuple[int, list[Call] | None]:
         """(index past the calls, the calls or None when invalid) after a marker; (-1, None) while

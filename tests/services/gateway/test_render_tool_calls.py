@@ -80,12 +80,25 @@ def test_streamed_answer_assembles_to_the_whole_one(size):
 
 
 def test_malformed_call_is_content_and_finish_unchanged():
-    text = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    """A call not written name first is read whole at its end: text when it is not a valid call."""
+    text = '<tool_call>{"arguments": {"city": }, "name": "get_weather"}</tool_call>'
     c = whole(text, "stop")
     assert c["finish_reason"] == "stop" and c["message"]["content"] == text and "tool_calls" not in c["message"]
     assert c["message"]["reasoning_content"] is None
     m, _ = streamed(text, "stop", 2)
     assert m["content"] == text and m["tool_calls"] == {} and m["finish_reason"] == "stop"
+
+
+def test_bad_json_after_a_streamed_header_stays_the_call():
+    """Once `{"name": "<an offered tool>", "arguments": {` is read the call was streamed: it stays a
+    call, its arguments as written (not JSON here), whole and streamed alike."""
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call>'
+    c = whole(text, "stop")
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+    assert raw_calls(c["message"]["tool_calls"]) == [("function", "get_weather", '{"city": }')]
+    m, _ = streamed(text, "stop", 2)
+    assert m["finish_reason"] == "tool_calls" and m["content"] == ""
+    assert raw_calls(m["tool_calls"].values()) == raw_calls(c["message"]["tool_calls"])
 
 
 def test_answer_cut_inside_the_reasoning():
@@ -155,14 +168,22 @@ def test_a_whole_forced_call_finishes_with_tool_calls():
 
 
 def test_auto_answer_cut_by_max_tokens():
-    """auto: a call cut short is the model's own text (it may never have been a call), as content,
-    with finish_reason "length"; calls completed before the cut are returned ("tool_calls", as vLLM:
-    every returned call is whole)."""
-    cut = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    """auto: a call cut before its arguments opened is the model's own text (it may never have been
+    a call), as content, with finish_reason "length"; one cut inside its arguments was streamed, so
+    it is a call with its arguments as far as they go, and the answer keeps "length" (the client
+    must not run it as whole); whole calls followed by cut text finish with "tool_calls"."""
+    cut = 'Checking.\n<tool_call>\n{"name": "get_weather", "argu'
     c = whole(cut, "length")
     assert c["finish_reason"] == "length" and c["message"]["content"] == cut and "tool_calls" not in c["message"]
     m, _ = streamed(cut, "length", 4)
     assert m["content"] == cut and m["tool_calls"] == {} and m["finish_reason"] == "length"
+    cut += 'ments": {"ci'
+    c = whole(cut, "length")
+    assert c["finish_reason"] == "length" and c["message"]["content"] == "Checking.\n"
+    assert raw_calls(c["message"]["tool_calls"]) == [("function", "get_weather", '{"ci')]
+    m, _ = streamed(cut, "length", 4)
+    assert m["content"] == "Checking.\n" and m["finish_reason"] == "length"
+    assert raw_calls(m["tool_calls"].values()) == raw_calls(c["message"]["tool_calls"])
     after = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> Now the wea'
     c = whole(after, "length")
     assert c["finish_reason"] == "tool_calls" and calls_of(c["message"]["tool_calls"]) == [("function", "get_time", {})]

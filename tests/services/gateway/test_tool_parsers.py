@@ -55,15 +55,12 @@ HERMES_CASES = [
      '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
      "Let me check.\n\n", [("get_weather", WEATHER), ("get_time", {})]),
     ("No tools needed: 2 < 3 and <tool is not a tag.", "No tools needed: 2 < 3 and <tool is not a tag.", []),
-    # malformed: bad JSON, unknown function, arguments not an object, unclosed (cut by max_tokens)
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>',
-     '<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>', []),
+    # malformed before a call's arguments open (test_auto_tool_call_streaming.py has the rest)
     ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
     ('<tool_call>{"name": "get_time", "arguments": [1]}</tool_call> ok', '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call> ok', []),
     ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_w',
      '<tool_call>{"name": "get_w', [("get_time", {})]),
     ('<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>', None, [("get_time", {"tz": "UTC"})]),
-    ('<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>', '<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>', []),
     ("", "", []),
     ("  \n", "  \n", []),
 ]
@@ -82,7 +79,6 @@ LLAMA_CASES = [
     ('{"name": "get_time", "parameters": {}} and then some words', " and then some words", [("get_time", {})]),
     ("The weather is fine.", "The weather is fine.", []),
     ('{"answer": 42}', '{"answer": 42}', []),
-    ('{"name": "get_time", "parameters": {', '{"name": "get_time", "parameters": {', []),
     ('{"name": "get_time", "parameters": {}}; {"name": "nope", "parameters": {}}', ' {"name": "nope", "parameters": {}}',
      [("get_time", {})]),
     ('<|python_', '<|python_', []),
@@ -99,9 +95,8 @@ MISTRAL_CASES = [
      '{"name": "get_time", "arguments": {}}]', None, [("get_weather", WEATHER), ("get_time", {})]),
     ('Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "°C"}[TOOL_CALLS]get_time[ARGS]{}',
      "Checking. ", [("get_weather", WEATHER), ("get_time", {})]),
-    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {}}, {"name": "bad", "arguments": {}}]',
-     '[TOOL_CALLS][{"name": "get_weather", "arguments": {}}, {"name": "bad", "arguments": {}}]', []),
-    ('[TOOL_CALLS]get_time[ARGS]{"a": ', '[TOOL_CALLS]get_time[ARGS]{"a": ', []),
+    ('[TOOL_CALLS][{"arguments": {}, "name": "get_weather"}, {"name": "bad", "arguments": {}}]',
+     '[TOOL_CALLS][{"arguments": {}, "name": "get_weather"}, {"name": "bad", "arguments": {}}]', []),
     ('[TOOL_CALLS]get_time[ARGS][1][TOOL_CALLS]get_time[ARGS]{}', '[TOOL_CALLS]get_time[ARGS][1]', [("get_time", {})]),
     ("[TOOL_CALL is not the token", "[TOOL_CALL is not the token", []),
     ('[TOOL_CALLS]get_time[ARGS]{}</s>', None, [("get_time", {})]),
@@ -121,12 +116,13 @@ def test_call_ids_are_random_and_calls_bounded():
     assert all(len(c.id) == 29 for c in calls)
 
 
-@pytest.mark.parametrize("name, opening", [("llama3_json", '{"name": "get_time", "parameters": {"s": "'),
-                                           ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"s": "'),
-                                           ("hermes", '<tool_call>{"name": "get_time", "arguments": {"s": "')])
+@pytest.mark.parametrize("name, opening", [("llama3_json", '{"parameters": {"s": "'),
+                                           ("mistral", '[TOOL_CALLS][{"arguments": {"s": "'),
+                                           ("hermes", '<tool_call>{"arguments": {"s": "')])
 def test_a_long_unclosed_call_streams_in_linear_time(name, opening):
-    """An answer that opens a call and never closes it (a long JSON answer, say): each delta costs
-    its own length, not the whole held text again."""
+    """An answer that opens what may be a call, not name first (so it is held until it is whole),
+    and never closes it (a long JSON answer, say): each delta costs its own length, not the whole
+    held text again."""
     parser = StreamingParser(tool_format(name, TOOLS))
     start = time.perf_counter()
     assert parser.feed(opening).content == ""
