@@ -126,9 +126,12 @@ def test_a_chat_sticks_to_its_worker_and_reuses_its_history_from_the_host_tier(t
     # usage: each turn reuses (at least) the previous turn's prompt, to its last full block
     tier_lines = [line for line in workers[chat_worker].splitlines() if line.startswith("kvmesh_kv_tier_")
                   or line.startswith("kvmesh_prefix_cache") or "preempt" in line]
-    for (_, prev_prompt, _), (_, prompt, cached) in zip(turns, turns[1:]):
-        assert prev_prompt // BLOCK * BLOCK - BLOCK <= cached < prompt, (
-            [t[1:] for t in turns], sent, tier_lines, serve.log()[-4000:])
+    reused = [prev // BLOCK * BLOCK - BLOCK <= cached < prompt
+              for (_, prev, _), (_, prompt, cached) in zip(turns, turns[1:])]
+    if not all(reused):       # pytest cuts a long assertion message short: the whole story on stdout
+        print("turns (prompt, cached):", [t[1:] for t in turns], "\ndispatched:", sent,
+              "\n" + "\n".join(tier_lines), "\nserve log:\n" + serve.log()[-12000:])
+    assert all(reused), [t[1:] for t in turns]
     assert turns[0][2] == 0
     # tokens: the same replies as the chat on one worker without tiers
     assert [t[0] for t in turns] == [t[0] for t in baseline]
