@@ -167,11 +167,11 @@ class Engine:
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals,
                           seed, max_tokens, stop_ids=stop_ids, export_kv=export_kv)
         self._arrivals += 1
-        self._submit_grammar(request)
         if resume_output:
             seqs = self._resumed_samples(request, resume_output, resume_ended)
         else:
             seqs = [Sequence(request, 0, list(prompt), len(prompt))]
+        self._submit_grammar(request)     # once nothing can refuse it: a refused request queues no compile
         request.seqs += seqs
         self.requests[request_id] = request
         for seq in seqs:
