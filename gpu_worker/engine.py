@@ -155,7 +155,7 @@ class Engine:
         prompt = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
         if request_id in self.exported:
             raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
-        if params.structured is not None:
+        if params.structured is not None and not resume_output:   # a resumed request has streamed: never refused
             try:
                 self.grammars.admit(params.structured, split_salt(cache_salt)[0])
             except CompileBusy as exc:

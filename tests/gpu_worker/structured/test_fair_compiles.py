@@ -192,3 +192,17 @@ def test_a_refused_resume_leaves_no_compile_behind(tiny_llama):
     assert_blocks_back(engine)
     engine.close()
 
+
+def test_a_request_moved_here_mid_stream_is_not_refused_at_its_keys_cap(tiny_llama):
+    """A request moved here mid-stream (resume_output: a drain, or a peer move's recompute) has
+    streamed already: its key's compile cap does not refuse it (a 429 would end the stream)."""
+    engine, gate, _ = gated_engine(tiny_llama, 2)
+    salt = cache_salt_for("key0", "")
+    for i, regex in enumerate(("[a-z]{3}", "[0-9]{3}")):     # key0 at its cap
+        engine.add_request(f"r{i}", [5, 6, 7], constrained(regex), cache_salt=salt)
+    engine.add_request("moved", [5, 6, 7], constrained("[a-z]{3}"), cache_salt=salt, resume_output=[[8]])
+    assert "moved" in engine.requests
+    gate.set()
+    assert {("r0", 0), ("r1", 0)} <= set(run(engine))
+    assert_blocks_back(engine)
+    engine.close()
