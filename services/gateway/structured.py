@@ -186,6 +186,9 @@ def _check_valid(schema_text: str, param: str) -> None:
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "the root"
         raise ConstraintError(f"the schema is not a valid JSON Schema at {where}: {exc.message[:200]}", param) from None
+    except (RecursionError, OverflowError, ValueError):   # Python's re on a `pattern`: too deep, a repeat too large
+        raise ConstraintError("the schema is not a valid JSON Schema: it holds a pattern that cannot be read "
+                              "(nested too deeply, or a repeat count too large)", param) from None
 
 
 def check_bounds(schema: Any, param: str) -> int:

@@ -58,3 +58,14 @@ def test_optional_properties_are_bounded_per_object():
     with pytest.raises(ConstraintError) as e:
         given(nested)
     assert "optional properties" in str(e.value) and e.value.param == "response_format.json_schema.schema"
+
+
+@pytest.mark.parametrize("pattern", ["(" * 1500 + ")" * 1500, "a{99999999999999999999}"])
+def test_a_pattern_the_regex_check_cannot_read_is_a_400_not_a_500(pattern):
+    # jsonschema checks `pattern` with Python's re, which raises RecursionError on deep nesting and
+    # OverflowError on a huge repeat count rather than re.error (a SchemaError): neither may escape
+    spec, field = structured_output(_request(response_format={
+        "type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": pattern}}}))
+    with pytest.raises(ConstraintError) as e:
+        asyncio.run(check_constraint(spec, field))
+    assert "not a valid JSON Schema" in str(e.value) and e.value.param == "response_format.json_schema.schema"
