@@ -155,7 +155,7 @@ class Engine:
         prompt = self._validate(request_id, prompt_token_ids, params, priority, cache_salt)
         if request_id in self.exported:
             raise RequestError(f"invalid request_id: {request_id!r} still holds exported KV blocks")
-        if params.structured is not None:
+        if params.structured is not None and not resume_output:   # a resumed request has streamed: never refused
             try:
                 self.grammars.admit(params.structured, split_salt(cache_salt)[0])
             except CompileBusy as exc:
@@ -167,11 +167,11 @@ class Engine:
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals,
                           seed, max_tokens, stop_ids=stop_ids, export_kv=export_kv)
         self._arrivals += 1
-        self._submit_grammar(request)
         if resume_output:
             seqs = self._resumed_samples(request, resume_output, resume_ended)
         else:
             seqs = [Sequence(request, 0, list(prompt), len(prompt))]
+        self._submit_grammar(request)     # once nothing can refuse it: a refused request queues no compile
         request.seqs += seqs
         self.requests[request_id] = request
         for seq in seqs:

@@ -10,7 +10,7 @@ Accepted (at most one of them per request; more is a 400 naming them):
 
 Cheap checks run inline (sizes, nesting depth, node, enum-entry and optional-property counts);
 then check_constraint checks JSON Schema well-formedness (Draft202012Validator.check_schema:
-slow, ~0.3 ms a node) on a worker thread and builds the xgrammar Grammar (no tokenizer needed:
+slow, ~0.3 ms a node) on a thread of its own and builds the xgrammar Grammar (no tokenizer needed:
 syntax, unsupported keywords, `$ref` chains without content) on a worker thread under
 CHECK_TIME_LIMIT_S. Recursive schemas whose `$ref`s reach
 content are valid: xgrammar compiles recursion.
@@ -40,6 +40,9 @@ SCHEMA_PARAMS = {"response_format": "response_format.json_schema.schema",
                  "structured_outputs": "structured_outputs.json"}
 
 _checker = ThreadPoolExecutor(2, thread_name_prefix="grammar-check")
+# the well-formedness checks (no time limit, up to ~1.5 s each) have their own threads: on the
+# build threads, a build queued behind them spent its time limit waiting
+_validator = ThreadPoolExecutor(2, thread_name_prefix="schema-check")
 # xgrammar imports torch and transformers (~220 MB, seconds of CPU): a gateway loads it on its
 # first constrained request, off the event loop, and that request's time limit starts after it
 _xgrammar_loaded: Future | None = None
@@ -178,7 +181,7 @@ def _schema_text(schema: Any, param: str) -> str:
 
 def _check_valid(schema_text: str, param: str) -> None:
     """Draft 2020-12 well-formedness. jsonschema spends ~0.3 ms a node on it (1.5 s at
-    MAX_SCHEMA_NODES), so it runs on the checker pool, never on the event loop."""
+    MAX_SCHEMA_NODES), so it runs on its own threads, never on the event loop."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
     try:
@@ -186,6 +189,9 @@ def _check_valid(schema_text: str, param: str) -> None:
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "the root"
         raise ConstraintError(f"the schema is not a valid JSON Schema at {where}: {exc.message[:200]}", param) from None
+    except (RecursionError, OverflowError, ValueError):   # Python's re on a `pattern`: too deep, a repeat too large
+        raise ConstraintError("the schema is not a valid JSON Schema: it holds a pattern that cannot be read "
+                              "(nested too deeply, or a repeat count too large)", param) from None
 
 
 def check_bounds(schema: Any, param: str) -> int:
@@ -241,7 +247,7 @@ async def check_constraint(spec: StructuredOutput, param: str) -> None:
         return
     loop = asyncio.get_running_loop()
     if spec.json_schema is not None:   # bounded by check_bounds: no time limit needed
-        await loop.run_in_executor(_checker, _check_valid, spec.json_schema, SCHEMA_PARAMS.get(param, param))
+        await loop.run_in_executor(_validator, _check_valid, spec.json_schema, SCHEMA_PARAMS.get(param, param))
     global _xgrammar_loaded
     if _xgrammar_loaded is None:
         _xgrammar_loaded = _checker.submit(importlib.import_module, "xgrammar")

@@ -228,7 +228,11 @@ class StreamingParser:
         self.held_space = ""      # whitespace content not sent yet (nothing else said so far)
 
     def feed(self, delta: str) -> StreamStep:
-        self.text += delta
+        # appended while no other reference holds the text, so CPython grows it in place: a text
+        # held across deltas (a call not decided yet) is not copied whole at every delta
+        text, self.text = self.text, ""
+        text += delta
+        self.text = text
         return self._scan(final=False)
 
     @property

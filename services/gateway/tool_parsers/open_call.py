@@ -82,8 +82,8 @@ def literal(text: str, i: int, options: tuple[str, ...]) -> tuple[int, str]:
     for option in options:
         if text.startswith(option, i):
             return i + len(option), option
-    rest = text[i:]
-    if any(len(rest) < len(o) and o.startswith(rest) for o in options):
+    left = len(text) - i   # no text[i:] copy: a held call's text is read again at every delta
+    if any(left < len(o) and o.startswith(text[i:]) for o in options):
         return MORE, ""
     return -1, ""
 

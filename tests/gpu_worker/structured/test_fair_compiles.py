@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from gpu_worker.outputs import RequestBusy
+from gpu_worker.outputs import RequestBusy, RequestError
 from gpu_worker.service.core import WorkerCore
 from gpu_worker.structured import CompileBusy, GrammarCompilerPool, GrammarError
 from gpu_worker.structured.fair_queue import FairQueue
@@ -161,3 +161,48 @@ def test_the_engine_refuses_a_tenant_past_its_cap_with_a_429(tiny_llama):
     assert_blocks_back(engine)
     engine.close()
 
+
+
+
+
+def gated_engine(model: str, cap: int):
+    """An engine whose compiles wait for the returned gate; the regexes compiled are listed."""
+    engine = make_engine(model)
+    engine.grammars.max_per_tenant = cap
+    gate, compile_now, compiled = threading.Event(), engine.grammars.compile, []
+    engine.grammars.compile = lambda s: (gate.wait(timeout=60), compiled.append(s.regex), compile_now(s))[2]
+    return engine, gate, compiled
+
+
+def constrained(regex: str) -> SamplingParams:
+    return SamplingParams(max_tokens=3, temperature=0.0, structured=StructuredOutput(regex=regex))
+
+
+def test_a_refused_resume_leaves_no_compile_behind(tiny_llama):
+    """add_request refusing a resume (bad resume_output) queues nothing: no compile runs for it,
+    counts against its key's cap, or keeps the engine treating the id as constrained."""
+    engine, gate, compiled = gated_engine(tiny_llama, 1)
+    salt = cache_salt_for("key0", "")
+    with pytest.raises(RequestError, match="resume_output"):   # a token outside the vocabulary
+        engine.add_request("bad", [5, 6, 7], constrained("(yes|no)"), cache_salt=salt, resume_output=[[10 ** 9]])
+    assert engine.grammars._queue.pending("key0") == 0 and not engine._constrained
+    engine.add_request("r0", [5, 6, 7], constrained("[a-z]{3}"), cache_salt=salt)   # not refused: key0 has room
+    gate.set()
+    assert set(run(engine)) == {("r0", 0)} and compiled == ["[a-z]{3}"]
+    assert_blocks_back(engine)
+    engine.close()
+
+
+def test_a_request_moved_here_mid_stream_is_not_refused_at_its_keys_cap(tiny_llama):
+    """A request moved here mid-stream (resume_output: a drain, or a peer move's recompute) has
+    streamed already: its key's compile cap does not refuse it (a 429 would end the stream)."""
+    engine, gate, _ = gated_engine(tiny_llama, 2)
+    salt = cache_salt_for("key0", "")
+    for i, regex in enumerate(("[a-z]{3}", "[0-9]{3}")):     # key0 at its cap
+        engine.add_request(f"r{i}", [5, 6, 7], constrained(regex), cache_salt=salt)
+    engine.add_request("moved", [5, 6, 7], constrained("[a-z]{3}"), cache_salt=salt, resume_output=[[8]])
+    assert "moved" in engine.requests
+    gate.set()
+    assert {("r0", 0), ("r1", 0)} <= set(run(engine))
+    assert_blocks_back(engine)
+    engine.close()

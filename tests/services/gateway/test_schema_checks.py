@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Future
 
 import msgspec
 import pytest
@@ -58,3 +59,41 @@ def test_optional_properties_are_bounded_per_object():
     with pytest.raises(ConstraintError) as e:
         given(nested)
     assert "optional properties" in str(e.value) and e.value.param == "response_format.json_schema.schema"
+
+
+@pytest.mark.parametrize("pattern", ["(" * 1500 + ")" * 1500, "a{99999999999999999999}"])
+def test_a_pattern_the_regex_check_cannot_read_is_a_400_not_a_500(pattern):
+    # jsonschema checks `pattern` with Python's re, which raises RecursionError on deep nesting and
+    # OverflowError on a huge repeat count rather than re.error (a SchemaError): neither may escape
+    spec, field = structured_output(_request(response_format={
+        "type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": pattern}}}))
+    with pytest.raises(ConstraintError) as e:
+        asyncio.run(check_constraint(spec, field))
+    assert "not a valid JSON Schema" in str(e.value) and e.value.param == "response_format.json_schema.schema"
+
+
+def test_a_small_schemas_build_does_not_wait_behind_other_requests_schema_checks(monkeypatch):
+    # the well-formedness checks take up to ~1.5 s each and have no time limit; queued on the
+    # build threads, a tiny schema's build waited behind them and failed its build time limit
+    from services.gateway import structured
+    slow_s = 0.5
+    monkeypatch.setattr(structured, "CHECK_TIME_LIMIT_S", 0.3)
+    check_now = structured._check_valid
+    monkeypatch.setattr(structured, "_check_valid", lambda text, param: (
+        time.sleep(slow_s) if "slow" in text else None, check_now(text, param))[1])
+    monkeypatch.setattr(structured, "_build_grammar", lambda spec: None)   # xgrammar's build: instant here
+    loaded: Future = Future()
+    loaded.set_result(None)
+    monkeypatch.setattr(structured, "_xgrammar_loaded", loaded)
+
+    def spec(title: str):
+        return structured_output(_request(response_format={
+            "type": "json_schema", "json_schema": {"schema": {"type": "string", "title": title}}}))[0]
+
+    async def five_requests():
+        # two slow checks hold the threads; the small schema's check runs next and its build is
+        # queued after the two slow checks that follow it
+        specs = [spec("slow1"), spec("slow2"), spec("small"), spec("slow3"), spec("slow4")]
+        return await asyncio.gather(*(check_constraint(s, "response_format") for s in specs),
+                                    return_exceptions=True)
+    assert asyncio.run(five_requests()) == [None] * 5
