@@ -11,8 +11,10 @@ directory shared by the node's workers.
 The block manager reports evictions (`on_evict`) while it hands blocks out; their KV is copied
 out in `flush`, which runs before anything can overwrite those blocks: at the end of every
 schedule (before the step's copy-on-write copies and forward), before a load writes, and after a
-KV import reserves blocks. Hashes are the device's (services/prefix_hash.py), so a lower-tier hit
-is the same tokens of the same tenant. Every change of a tier is a KV event with its tier.
+KV import reserves blocks; and before each admission's plan the evictions alone go down
+(offload_evicted), so that the plan finds the blocks evicted earlier in that schedule. Hashes are
+the device's (services/prefix_hash.py), so a lower-tier hit is the same tokens of the same tenant.
+Every change of a tier is a KV event with its tier.
 """
 from __future__ import annotations
 
@@ -124,6 +126,11 @@ class KVTiers:
                 self._missing(block_hash)
         if self.file_loads is not None:
             self.file_loads.reader.pump()
+        self.offload_evicted()
+
+    def offload_evicted(self) -> None:
+        """flush's offload alone: the blocks evicted since the last flush go down a tier (their
+        KV is intact until the step's copy-on-write copies and forward, which follow the schedule)."""
         if not self._evicted:
             return
         evicted, self._evicted = self._evicted, []

@@ -61,6 +61,11 @@ class TieredScheduler(Scheduler):
         return out
 
     def _lower_tier_blocks(self, seq: Sequence, first: int) -> int:
+        # Blocks evicted earlier in this schedule (a running sequence's next block, an earlier
+        # admission) are in neither the device's hash map nor a tier until they go down: a
+        # prefix the device let go of in this very schedule would be computed again (a chat's
+        # whole history, where its first block went). They go down before the plan.
+        self.tiers.offload_evicted()
         return self.tiers.plan(seq, first).num_blocks
 
     def _load_lower_tiers(self, seq: Sequence, first: int, num_blocks: int, step_tokens: int) -> bool:
