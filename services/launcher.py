@@ -85,6 +85,10 @@ def model_dir_problem(model: str) -> str | None:
         return f"--model {model}: the model directory does not exist"
     if not (Path(model) / "config.json").is_file():
         return f"--model {model}: not a model directory (no config.json); give a Hugging Face model directory"
+    if not (Path(model) / "tokenizer.json").is_file():
+        # the gateway (or the tokenizer service) loads it; refused here, not by a child at start-up
+        return (f"--model {model}: no tokenizer.json; kvmesh needs the model's fast tokenizer (convert a slow one "
+                "with transformers' AutoTokenizer(...).save_pretrained())")
     return None
 
 

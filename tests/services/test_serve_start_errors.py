@@ -37,3 +37,12 @@ def test_host_that_is_not_this_machine_names_host_not_port(capsys):
     assert main(["--host", "192.0.2.1", "--port", str(_free_port())]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvmesh serve: --host 192.0.2.1") and "choose another --port" not in err
+
+
+def test_model_dir_without_a_tokenizer_names_the_flag(tmp_path, capsys):
+    """The gateway (or the tokenizer service) needs tokenizer.json: refused before the stack starts,
+    not by a gateway that exits during start-up."""
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["--model", str(tmp_path), "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvmesh serve: --model {tmp_path}: ") and "tokenizer.json" in err and "\n" not in err
