@@ -49,6 +49,8 @@ import errno
 import importlib.util
 import logging
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -59,7 +61,7 @@ import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
-from services.config import ServeConfig, load_or_exit, reachable_host, to_argv
+from services.config import ServeConfig, flag_name, load_or_exit, reachable_host, to_argv
 from services.engine_args import ServedEngineArgs, engine_args_of
 from services.embedded_redis import EmbeddedRedis
 from services.fleet_metrics import Page, serve_fleet_metrics
@@ -89,6 +91,27 @@ def model_dir_problem(model: str) -> str | None:
         # the gateway (or the tokenizer service) loads it; refused here, not by a child at start-up
         return (f"--model {model}: no tokenizer.json; kvmesh needs the model's fast tokenizer (convert a slow one "
                 "with transformers' AutoTokenizer(...).save_pretrained())")
+    return None
+
+
+def engine_settings_problem(cfg: ServeConfig) -> str | None:
+    """Why the workers would refuse serve's engine fields (one line naming the flag), from the
+    engine's checks that need no model: speculative_config's JSON, the tier flags that go together.
+    Run before anything starts; what needs the model or the machine (max_model_len, the tiers'
+    directories and sizes) the workers still check, and serve exits 2 when one refuses."""
+    if cfg.null_model:
+        return None                      # null-model workers build no engine
+    from gpu_worker.config import EngineConfig
+    fields = engine_args_of(cfg) | {"model": cfg.model or str(default_model_dir())}
+    if cfg.kv_offload_dir:      # as a worker gets it (_disk_tier_flags), for the overlap check
+        fields["kv_offload_dir"] = str(Path(cfg.kv_offload_dir) / "worker-0")
+    # the workers derive the shared tier's key from the trust directory; any key passes the check
+    key = secrets.token_bytes(32) if cfg.kv_offload_shared_dir else None
+    try:
+        EngineConfig(**fields, kv_offload_shared_key=key)
+    except ValueError as exc:
+        match = re.match(r"invalid engine argument (\w+): (.*)", str(exc), re.S)
+        return f"{flag_name(match[1])}: {match[2]}" if match else str(exc)
     return None
 
 
@@ -326,6 +349,9 @@ def main(argv: list[str]) -> int:
               f"({taken.why}); choose another port, 0 for any free one, or -1 for none", file=sys.stderr)
         return 2
     if cfg.model and (error := model_dir_problem(cfg.model)) is not None:
+        print(f"kvmesh serve: {error}", file=sys.stderr)
+        return 2
+    if (error := engine_settings_problem(cfg)) is not None:
         print(f"kvmesh serve: {error}", file=sys.stderr)
         return 2
     model = ensure_model(cfg.model) if not (cfg.null_model and not cfg.model) else ensure_model("")
