@@ -154,6 +154,12 @@ def _disk_tier_flags(cfg: ServeConfig, worker: str) -> list[str]:
     return ["--kv-offload-dir", str(Path(cfg.kv_offload_dir) / worker)] if cfg.kv_offload_dir else []
 
 
+def _prefix_cache_flags(cfg: ServeConfig) -> list[str]:
+    """The prefix-cache flags of serve's engine fields: the index ignores a worker whose blocks
+    are another size than its own."""
+    return ["--block-size", str(cfg.block_size)]
+
+
 def _scheduler_flags(cfg: ServeConfig) -> list[str]:
     """The scheduler flags of serve's routing fields."""
     return ["--routing", cfg.routing, "--pd-min-prefill-tokens", str(cfg.pd_min_prefill_tokens),
@@ -199,7 +205,8 @@ class Stack:
         index_asked = cfg.routing == "cache_aware" and cfg.workers + cfg.prefill_workers + cfg.decode_workers > 1
         if cfg.prefix_cache and index_asked and importlib.util.find_spec("prefix_cache_svc.main") is not None:
             self.spawn("prefix-cache", "prefix-cache", [*common, "--host", "127.0.0.1", "--port", "0",
-                                                        "--metrics-port", "0"], optional=True)
+                                                        "--metrics-port", "0", *_prefix_cache_flags(cfg)],
+                       optional=True)
         elif cfg.prefix_cache and index_asked:
             log.info("prefix-cache service not installed; running without the cluster prefix index")
         gpus = _gpu_count() if cfg.device in ("auto", "cuda") and not cfg.null_model else 0
