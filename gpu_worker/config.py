@@ -16,6 +16,7 @@ directory.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -85,6 +86,13 @@ class EngineConfig(EngineArgs):
 
         if not self.model:
             raise bad("model", "give the model directory")
+        spec = self.speculative_config
+        if isinstance(spec, Mapping):
+            # vLLM's LLM(speculative_config={...}) passes the object; the field holds its JSON, as
+            # a flag or a variable gives it (and as a worker's flag carries it)
+            object.__setattr__(self, "speculative_config", json.dumps(dict(spec), default=str))  # a Path model
+        elif spec is not None and not isinstance(spec, str):
+            raise bad("speculative_config", f"must be a JSON object (a dict, or its text), got {type(spec).__name__}")
         for f in dataclasses.fields(EngineArgs):
             value = getattr(self, f.name)
             if is_unset(value, f.metadata):        # 0 / "": the served configs' "not set"

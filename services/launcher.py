@@ -49,6 +49,8 @@ import errno
 import importlib.util
 import logging
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -59,7 +61,7 @@ import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
-from services.config import ServeConfig, load_or_exit, reachable_host, to_argv
+from services.config import ServeConfig, flag_name, load_or_exit, reachable_host, to_argv
 from services.engine_args import ServedEngineArgs, engine_args_of
 from services.embedded_redis import EmbeddedRedis
 from services.fleet_metrics import Page, serve_fleet_metrics
@@ -85,6 +87,31 @@ def model_dir_problem(model: str) -> str | None:
         return f"--model {model}: the model directory does not exist"
     if not (Path(model) / "config.json").is_file():
         return f"--model {model}: not a model directory (no config.json); give a Hugging Face model directory"
+    if not (Path(model) / "tokenizer.json").is_file():
+        # the gateway (or the tokenizer service) loads it; refused here, not by a child at start-up
+        return (f"--model {model}: no tokenizer.json; kvmesh needs the model's fast tokenizer (convert a slow one "
+                "with transformers' AutoTokenizer(...).save_pretrained())")
+    return None
+
+
+def engine_settings_problem(cfg: ServeConfig) -> str | None:
+    """Why the workers would refuse serve's engine fields (one line naming the flag), from the
+    engine's checks that need no model: speculative_config's JSON, the tier flags that go together.
+    Run before anything starts; what needs the model or the machine (max_model_len, the tiers'
+    directories and sizes) the workers still check, and serve exits 2 when one refuses."""
+    if cfg.null_model:
+        return None                      # null-model workers build no engine
+    from gpu_worker.config import EngineConfig
+    fields = engine_args_of(cfg) | {"model": cfg.model or str(default_model_dir())}
+    if cfg.kv_offload_dir:      # as a worker gets it (_disk_tier_flags), for the overlap check
+        fields["kv_offload_dir"] = str(Path(cfg.kv_offload_dir) / "worker-0")
+    # the workers derive the shared tier's key from the trust directory; any key passes the check
+    key = secrets.token_bytes(32) if cfg.kv_offload_shared_dir else None
+    try:
+        EngineConfig(**fields, kv_offload_shared_key=key)
+    except ValueError as exc:
+        match = re.match(r"invalid engine argument (\w+): (.*)", str(exc), re.S)
+        return f"{flag_name(match[1])}: {match[2]}" if match else str(exc)
     return None
 
 
@@ -125,6 +152,12 @@ def _disk_tier_flags(cfg: ServeConfig, worker: str) -> list[str]:
     """A directory of its own under --kv-offload-dir for each worker (one engine per directory),
     named by its stable id, so a restarted worker finds the blocks it left."""
     return ["--kv-offload-dir", str(Path(cfg.kv_offload_dir) / worker)] if cfg.kv_offload_dir else []
+
+
+def _prefix_cache_flags(cfg: ServeConfig) -> list[str]:
+    """The prefix-cache flags of serve's engine fields: the index ignores a worker whose blocks
+    are another size than its own."""
+    return ["--block-size", str(cfg.block_size)]
 
 
 def _scheduler_flags(cfg: ServeConfig) -> list[str]:
@@ -172,7 +205,8 @@ class Stack:
         index_asked = cfg.routing == "cache_aware" and cfg.workers + cfg.prefill_workers + cfg.decode_workers > 1
         if cfg.prefix_cache and index_asked and importlib.util.find_spec("prefix_cache_svc.main") is not None:
             self.spawn("prefix-cache", "prefix-cache", [*common, "--host", "127.0.0.1", "--port", "0",
-                                                        "--metrics-port", "0"], optional=True)
+                                                        "--metrics-port", "0", *_prefix_cache_flags(cfg)],
+                       optional=True)
         elif cfg.prefix_cache and index_asked:
             log.info("prefix-cache service not installed; running without the cluster prefix index")
         gpus = _gpu_count() if cfg.device in ("auto", "cuda") and not cfg.null_model else 0
@@ -322,6 +356,9 @@ def main(argv: list[str]) -> int:
               f"({taken.why}); choose another port, 0 for any free one, or -1 for none", file=sys.stderr)
         return 2
     if cfg.model and (error := model_dir_problem(cfg.model)) is not None:
+        print(f"kvmesh serve: {error}", file=sys.stderr)
+        return 2
+    if (error := engine_settings_problem(cfg)) is not None:
         print(f"kvmesh serve: {error}", file=sys.stderr)
         return 2
     model = ensure_model(cfg.model) if not (cfg.null_model and not cfg.model) else ensure_model("")

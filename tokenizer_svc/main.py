@@ -29,8 +29,10 @@ from services.redis_client import RedisAuth
 from services.registry import Membership, Registry
 from services.security.curve import Plane, plane_or_exit, with_role
 from services.shell import run_until_signal
+from services.supervisor import CONFIG_REFUSED
 from services.text.chat_formats import chat_formats
 from services.text.streams import STREAM_MAX_AGE_S
+from services.text.tokenizer import TokenizerError
 from services.transport import Receiver, SenderPool, add_health, grpc_server, run_async, set_serving, tcp_addr
 from tokenizer_svc.rpc import TokenizerRpc
 from tokenizer_svc.streams import SENDERS, DetokStreams
@@ -112,4 +114,9 @@ def main(argv: list[str]) -> int:
         log.error("--model (or KVMESH_MODEL) is required: the directory holding tokenizer.json")
         return 2
     plane = plane_or_exit(cfg, "tokenizer")
-    return run_async(TokenizerService(cfg, plane).run())
+    try:
+        service = TokenizerService(cfg, plane)
+    except TokenizerError as exc:
+        log.error("--model %s: %s", cfg.model, exc)
+        return CONFIG_REFUSED
+    return run_async(service.run())

@@ -123,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# (flag, bound, bound excluded): refused before the run starts, not a traceback once it has
+# (burstiness) nor a length the dataset would silently raise to 1 token
+_NUMBER_BOUNDS = (
+    ("burstiness", 0, True), ("request_timeout", 0, True), ("temperature", 0, False),
+    ("random_input_len", 1, False), ("random_output_len", 1, False), ("random_prefix_len", 0, False),
+    ("sharegpt_output_len", 1, False), ("custom_output_len", 1, False),
+    ("gsp_num_groups", 1, False), ("gsp_prompts_per_group", 1, False), ("gsp_system_prompt_len", 0, False),
+    ("gsp_question_len", 1, False), ("gsp_output_len", 1, False), ("multi_turn_think_time", 0, False),
+)
+
+
 class Plan:
     """Validated settings derived from the flags; each check names the flag that is wrong."""
 
@@ -155,6 +166,10 @@ class Plan:
             if value is not None and value < (0 if flag == "num_warmups" else 1):
                 name = "multi-turn-turns" if flag == "multi_turn_num_turns" else flag.replace("_", "-")
                 err(f"--{name} must be >= {0 if flag == 'num_warmups' else 1}, got {value}")
+        for flag, low, strict in _NUMBER_BOUNDS:
+            value = getattr(args, flag)
+            if value is not None and (value <= low if strict else value < low):
+                err(f"--{flag.replace('_', '-')} must be {'>' if strict else '>='} {low}, got {value}")
         if not 0 <= args.metrics_settle_s <= 60:
             err(f"--metrics-settle-s must be in [0, 60], got {args.metrics_settle_s}")
         if args.duration is not None and (args.duration <= 0 or (math.isinf(max(self.rates)) and not args.max_concurrency)):

@@ -71,7 +71,10 @@ class InFlight(NamedTuple):
 
 
 def parse_percentiles(text: str) -> list[float]:
-    values = [float(p) for p in text.split(",") if p.strip()]
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--metric-percentiles: expected numbers such as 50,90,99, got {text!r}") from None
     bad = [p for p in values if not 0 < p < 100]
     if bad or not values:
         raise ValueError(f"--metric-percentiles: each value must be in (0, 100), got {text!r}")

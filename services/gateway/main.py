@@ -14,6 +14,8 @@ from services.gateway.connections import ConnectionLimits, LimitedHttpProtocol, 
 from services.gateway.disconnects import LogDisconnects
 from services.logging import setup as setup_logging
 from services.security.curve import Plane, plane_or_exit
+from services.supervisor import CONFIG_REFUSED
+from services.text.tokenizer import TokenizerError
 from services.transport import run_async
 
 log = logging.getLogger("kvmesh.gateway")
@@ -68,7 +70,13 @@ def main(argv: list[str]) -> int:
     cfg = load_or_exit(GatewayConfig, argv, "kvmesh gateway")
     setup_logging("gateway", cfg.log_level)
     plane = plane_or_exit(cfg, "gateway")
-    return run_async(serve(cfg, plane))
+    try:
+        return run_async(serve(cfg, plane))
+    except TokenizerError as exc:
+        # only loading --model's tokenizer raises it (--text-in-gateway, before anything is bound):
+        # a refused setting, which `kvmesh serve` must not restart as a crash
+        log.error("--model %s: %s", cfg.model, exc)
+        return CONFIG_REFUSED
 
 
 if __name__ == "__main__":

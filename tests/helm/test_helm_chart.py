@@ -205,6 +205,13 @@ def test_no_container_gets_a_variable_twice(helm, tmp_path_factory):
     (["--set", "worker.config.max-num-seqs=64"], "engine settings belong in `engine`"),
     (["--set", "workerPools.prefill.config.max_num_batched_tokens=4096"], "engine settings belong in `engine`"),
     (["--set", "workerPools.decode.engine.tensor-parallel-size=2"], "set gpus instead"),
+    # the container's KVMESH_DEVICE twice, no telling which wins
+    (["--set", "worker.engine.device=cpu"], "set worker.device or workerPools.<pool>.device instead"),
+    # the workers would load another model than the one model.* downloads and the tokenizers read
+    (["--set", "workerPools.mixed.enabled=true", "--set", "workerPools.mixed.engine.model=/other"],
+     "set model.path instead"),
+    # the prefix-cache index ignores workers whose block size is not its own
+    (["--set", "workerPools.decode.engine.block-size=32"], "set config.block-size instead"),
 ])
 def test_engine_settings_have_one_place(helm, bad, message):
     out = run_helm(helm, "template", RELEASE, str(CHART), *bad)

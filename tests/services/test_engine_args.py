@@ -173,19 +173,47 @@ def _worker_pods(helm: str, values: dict, tmp_path: Path) -> dict[str, dict]:
     return pods
 
 
+def _worker_envs(helm: str, values: dict, tmp_path: Path) -> dict[str, dict[str, str]]:
+    """Each worker pool's environment as its container sees it: the shared ConfigMap (envFrom)
+    under the container's own `env`, which wins, as in Kubernetes."""
+    out = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", "llm", values=values, tmp=tmp_path)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    shared = next(d["data"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-config"))
+    envs = {}
+    for d in docs:
+        if d["kind"] == "Deployment" and containers(d)[0]["command"] == ["kvmesh", "worker"]:
+            names = [e["name"] for e in containers(d)[0]["env"]]
+            assert len(names) == len(set(names)), (d["metadata"]["name"], "a variable twice")
+            container_env = {n: e["value"] for n, e in env_of(containers(d)[0]).items() if "value" in e}
+            envs[d["metadata"]["name"]] = {**shared, **container_env}
+    assert envs
+    return envs
+
+
 @pytest.mark.parametrize("samples", rounds(SERVED_SAMPLES))
 def test_helm_worker_engine_reaches_the_engine(helm, tmp_path, samples):
     """`engine: {max-num-seqs: ..., ...}` with every engine field, in `worker` and in each pool (whose
     own map wins key by key): each becomes its KVMESH_* variable in every worker pool's container,
     and the worker's config parser turns the container's environment into the sampled values.
-    tensor-parallel-size, which the chart derives from `gpus`, goes through `worker.config`."""
-    engine = {flag_name(name)[2:]: value for name, value in samples.items() if name != "tensor_parallel_size"}
+    The fields the chart sets from values of its own, which `engine` refuses, go through those:
+    tensor-parallel-size through `worker.config` (the chart derives it from `gpus`), device through
+    `worker.device`, model through `model.path` and block-size through the top-level `config`,
+    which the prefix-cache index reads too."""
+    own = {"tensor_parallel_size", "device", "model", "block_size"}
+    engine = {flag_name(name)[2:]: value for name, value in samples.items() if name not in own}
     config = {flag_name(name)[2:]: value for name, value in samples.items() if name == "tensor_parallel_size"}
     values = {"worker": {"engine": engine, "config": config},
               "workerPools": {pool: {"engine": engine} for pool in ("prefill", "decode")}}
+    if "device" in samples:
+        values["worker"]["device"] = samples["device"]
+    if "model" in samples:
+        values["model"] = {"path": samples["model"]}
+    if "block_size" in samples:
+        values["config"] = {"block-size": samples["block_size"]}
     engine_env = {env_name(name) for name in ENGINE_FIELDS}
-    for pod, container in _worker_pods(helm, values, tmp_path).items():
-        env = {name: e["value"] for name, e in env_of(container).items() if name in engine_env}
+    for pod, pod_env in _worker_envs(helm, values, tmp_path).items():
+        env = {name: value for name, value in pod_env.items() if name in engine_env}
         config = engine_config(parse_config(WorkerConfig, [], "kvmesh worker", env=env), SHARED_KEY)
         for name, value in samples.items():
             assert getattr(config, name) == value, (pod, name)

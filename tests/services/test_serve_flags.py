@@ -4,7 +4,7 @@ import sys
 import time
 
 from services.config import SchedulerConfig, ServeConfig, WorkerConfig, parse_config
-from services.launcher import Stack, _disk_tier_flags, _engine_flags, _pool_flags, _scheduler_flags
+from services.launcher import Stack, _disk_tier_flags, _engine_flags, _pool_flags, _prefix_cache_flags, _scheduler_flags
 
 ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "dtype", "gpu_memory_utilization",
                  "quantization", "kv_cache_dtype", "async_scheduling", "attention_backend")
@@ -71,3 +71,14 @@ def test_a_worker_refusing_its_settings_at_start_up_makes_serve_exit_2():
             assert stack.startup_exit_code() == expected
     finally:
         stack.stop()
+
+
+def test_the_prefix_cache_index_gets_the_workers_block_size():
+    """The index ignores a worker whose block size is not its own: serve's --block-size must
+    reach the prefix-cache service too, or cache-aware routing runs without the index."""
+    from prefix_cache_svc.config import PrefixCacheConfig
+    for argv in ([], ["--block-size", "32"]):
+        serve = parse_config(ServeConfig, argv, "serve", env={})
+        worker = parse_config(WorkerConfig, _engine_flags(serve), "worker", env={})
+        index = parse_config(PrefixCacheConfig, _prefix_cache_flags(serve), "prefix-cache", env={})
+        assert index.block_size == worker.block_size == serve.block_size

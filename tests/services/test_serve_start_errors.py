@@ -37,3 +37,43 @@ def test_host_that_is_not_this_machine_names_host_not_port(capsys):
     assert main(["--host", "192.0.2.1", "--port", str(_free_port())]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvmesh serve: --host 192.0.2.1") and "choose another --port" not in err
+
+
+def test_model_dir_without_a_tokenizer_names_the_flag(tmp_path, capsys):
+    """The gateway (or the tokenizer service) needs tokenizer.json: refused before the stack starts,
+    not by a gateway that exits during start-up."""
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["--model", str(tmp_path), "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvmesh serve: --model {tmp_path}: ") and "tokenizer.json" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("argv, flag, why", [
+    (["--speculative-config", "{bad"], "--speculative-config", "not valid JSON"),
+    (["--speculative-config", '{"method": "eagle"}'], "--speculative-config", "method must be one of"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'], "--speculative-config", "[1, 8]"),
+    (["--kv-offload-dir", "KV"], "--kv-offload-dir", "go together"),
+    (["--kv-offload-shared-gb", "1"], "--kv-offload-shared-dir", "go together"),
+    (["--kv-offload-cpu-gb", "1", "--no-enable-prefix-caching"], "--kv-offload-cpu-gb", "enable_prefix_caching"),
+])
+def test_engine_settings_refused_before_anything_starts(argv, flag, why, tmp_path, capsys, monkeypatch):
+    """The engine's checks that need no model run in serve itself: one line naming the flag, not
+    a worker's log line after Redis, the scheduler and the workers have started."""
+    def started(*_a):
+        raise AssertionError("the stack started")
+    monkeypatch.setattr(launcher, "ensure_model", lambda model: started())
+    monkeypatch.setattr(launcher.Stack, "start", lambda self, model: started())
+    argv = [a.replace("KV", str(tmp_path / "kv")) for a in argv]
+    assert main([*argv, "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvmesh serve: {flag}: ") and why in err and "\n" not in err, err
+
+
+def test_shared_tier_inside_the_disk_tiers_parent_is_not_refused(tmp_path, monkeypatch):
+    """serve gives each worker <--kv-offload-dir>/<worker>: a shared tier beside those (in the
+    same parent) overlaps none of them, and the workers accept it."""
+    monkeypatch.setattr(launcher, "ensure_model", lambda model: (_ for _ in ()).throw(RuntimeError("checked")))
+    kv = tmp_path / "kv"
+    with pytest.raises(RuntimeError, match="checked"):
+        main(["--kv-offload-dir", str(kv), "--kv-offload-disk-gb", "1", "--kv-offload-shared-dir", str(kv / "shared"),
+              "--kv-offload-shared-gb", "1", "--port", str(_free_port())])

@@ -111,7 +111,9 @@ refuses: whole numbers are printed as integers.
 {{/*
 A worker pool's engine settings (`engine`, the pool's merged over `worker`'s) as KVMESH_* entries.
 The same setting in `config` too would give the container one variable twice, with no telling
-which wins: refused, as is `tensor-parallel-size`, which `gpus` sets.
+which wins: refused, as are the settings the chart sets elsewhere (`tensor-parallel-size` from
+`gpus`, `device`, `model` from model.path) and `block-size`, which every worker and the prefix-cache
+index must share (config.block-size).
 Call with (dict "values" <the pool's merged values> "pool" "decode").
 */}}
 {{- define "kvmesh.engineEnv" -}}
@@ -123,6 +125,12 @@ Call with (dict "values" <the pool's merged values> "pool" "decode").
 {{- $name := $key | replace "-" "_" | upper }}
 {{- if eq $name "TENSOR_PARALLEL_SIZE" }}
 {{- fail (printf "workerPools.%s: engine.tensor-parallel-size is set by `gpus` (one rank per GPU of the pod): set gpus instead" $.pool) }}
+{{- else if eq $name "DEVICE" }}
+{{- fail (printf "workerPools.%s: engine.device would give the container KVMESH_DEVICE twice (the chart sets it from `device`): set worker.device or workerPools.<pool>.device instead" $.pool) }}
+{{- else if eq $name "MODEL" }}
+{{- fail (printf "workerPools.%s: engine.model would make the workers load another model than the one model.* provides to every pod (and the tokenizers read): set model.path instead" $.pool) }}
+{{- else if eq $name "BLOCK_SIZE" }}
+{{- fail (printf "workerPools.%s: engine.block-size would differ from the prefix-cache index's, which ignores workers whose blocks are another size: set config.block-size instead (every service reads it)" $.pool) }}
 {{- end }}
 {{- if hasKey $envName $name }}
 {{- fail (printf "workerPools.%s gets %s from both `engine` and `config` (worker.* or workerPools.%s.*): engine settings belong in `engine` only" $.pool $key $.pool) }}

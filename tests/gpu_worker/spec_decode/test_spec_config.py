@@ -87,3 +87,15 @@ def test_cli_names_the_flag_and_key():
     assert proc.returncode != 0
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--speculative-config: invalid engine argument speculative_config: num_speculative_tokens" in proc.stderr
+
+
+def test_a_dict_is_taken_as_vllm_llm_takes_it():
+    """vLLM's LLM(speculative_config={...}) passes the object itself; the field keeps its JSON (what
+    a worker's flag carries), and a value of another type is an error naming the field."""
+    cfg = EngineConfig(model="/m", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert cfg.speculative.num_speculative_tokens == 3
+    assert isinstance(cfg.speculative_config, str)
+    with pytest.raises(ValueError, match="invalid engine argument speculative_config: method must be one of"):
+        EngineConfig(model="/m", speculative_config={"method": "eagle"})
+    with pytest.raises(ValueError, match="invalid engine argument speculative_config: .*JSON object"):
+        EngineConfig(model="/m", speculative_config=["ngram"])

@@ -92,12 +92,23 @@ def test_some_requests_failed_is_said_on_stderr_and_exits_0(mock_servers, tmp_pa
     (["--endpoint", "/v1/chat/completions", "--backend", "openai"], "--endpoint"),
     (["--bogus-flag"], "--bogus-flag"),
     (["--base-url", "127.0.0.1:8000"], "--base-url"),     # else every request fails and the run exits 0
+    (["--metric-percentiles", "p99"], "--metric-percentiles"),
+    # refused before the run starts, not a traceback once it has, nor a length silently made 1
+    (["--burstiness", "0"], "--burstiness"),
+    (["--random-input-len", "-5"], "--random-input-len"),
+    (["--random-output-len", "0"], "--random-output-len"),
+    (["--random-prefix-len", "-1"], "--random-prefix-len"),
+    (["--gsp-question-len", "0"], "--gsp-question-len"),
+    (["--sharegpt-output-len", "0"], "--sharegpt-output-len"),
+    (["--request-timeout", "0"], "--request-timeout"),
+    (["--multi-turn-think-time", "-1"], "--multi-turn-think-time"),
 ])
 def test_bad_flags_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--model", "m", *argv])
     assert exc.value.code == 2
-    assert flag in capsys.readouterr().err
+    # the error line itself: the usage above it names every flag
+    assert flag in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_missing_dataset_file_is_a_clear_error(capsys):
