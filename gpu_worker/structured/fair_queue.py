@@ -1,7 +1,7 @@
 """FairQueue: a few threads running tasks fairly across tenants (API keys), not first come first served.
 
 One tenant sending many distinct slow schemas at once must not hold every compile thread while
-another tenant's one-property schema waits behind them (a FIFO pool did: its compiles then missed
+another tenant's one-property schema waits behind them (as on a FIFO pool, where its compiles would miss
 their time limit). Each tenant has its own FIFO of queued tasks; a thread that frees up starts the
 head task of the tenant with the fewest tasks running now, ties going to the one served least
 recently (max-min fairness over the threads):
