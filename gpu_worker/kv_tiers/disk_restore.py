@@ -7,8 +7,9 @@
                         kept when the header names the file's hash, this engine's exact layout
                         (its weights' digest included) and one block's token ids; deleted
                         otherwise (anything but a regular file, a FIFO or a symlink planted
-                        under the name, is dropped without blocking or following it). Files of another layout or other weights (the model was
-                        upgraded under the same name) are logged in one line that counts them
+                        under the name, is dropped without blocking or following it). Files of
+                        another layout or other weights (the model was upgraded under the same
+                        name) are logged in one line that counts them
     <hash>.kvb.tmp      a write cut short by a crash: deleted
 
 The scan is bounded in time (files past the budget are deleted unread: a cold block costs a
