@@ -33,7 +33,7 @@ class HermesFormat(ToolFormat):
     def ended_in_call(self) -> bool:
         return self.args is not None
 
-    def scan(self, text: str, start: int, final: bool) -> Scan:
+    def read(self, text: str, start: int, final: bool) -> Scan:
         pieces: list[Piece] = []
         i = start
         while True:

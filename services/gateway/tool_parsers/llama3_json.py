@@ -16,7 +16,7 @@ optional, and anything else there is the first thing after the call. A call writ
 from __future__ import annotations
 
 from services.gateway.tool_parsers.base import (
-    MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, JsonEnd, held_prefix, loads)
+    MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, JsonEnd, loads)
 from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, header, literal
 
 PYTHON_TAG = "<|python_tag|>"
@@ -40,7 +40,10 @@ class Llama3JsonFormat(ToolFormat):
     def ended_in_call(self) -> bool:
         return self.args is not None
 
-    def scan(self, text: str, start: int, final: bool) -> Scan:
+    def rebase(self, stop: int, start: int) -> None:
+        self.json_end.rebase(stop, start)
+
+    def read(self, text: str, start: int, final: bool) -> Scan:
         pieces: list[Piece] = []
         i = start
         while self.state != "text":
@@ -59,7 +62,7 @@ class Llama3JsonFormat(ToolFormat):
             if self.state == "opening":
                 if text.startswith(PYTHON_TAG, at):
                     at = _skip_space(text, at + len(PYTHON_TAG))
-                elif at < len(text) and held_prefix(text[at:], PYTHON_TAG) == len(text) - at and not final:
+                elif len(text) - at < len(PYTHON_TAG) and PYTHON_TAG.startswith(text[at:]) and at < len(text) and not final:
                     return Scan(pieces, i)    # may be the tag, still arriving
             if at == len(text):               # only space so far
                 if not final:

@@ -36,11 +36,22 @@ class MistralFormat(ToolFormat):
         self.args: ArgsReader | None = None   # the open call's arguments, not closed yet
         self.in_list = False                  # the open call is an array's item
         self.closing = False                  # after an item's arguments: `}`, then `,` or `]`
+        # a marker held as text (read whole, not a valid call): no other marker in
+        # text[held + 12:searched]; the next scans take both as they are
+        self.held, self.searched = -1, 0
 
     def ended_in_call(self) -> bool:
         return self.args is not None
 
-    def scan(self, text: str, start: int, final: bool) -> Scan:
+    def rebase(self, stop: int, start: int) -> None:
+        self.json_end.rebase(stop, start)
+        shift = start - stop
+        if self.held >= stop:
+            self.held, self.searched = self.held + shift, self.searched + shift
+        else:
+            self.held = -1
+
+    def read(self, text: str, start: int, final: bool) -> Scan:
         pieces: list[Piece] = []
         i = start
         while True:
@@ -73,13 +84,20 @@ class MistralFormat(ToolFormat):
             if at >= 0:
                 i = at
                 continue
-            end, calls = self._calls(text, j + len(TOOL_CALLS), final)
+            if self.held == j:        # decided by the scans before: not a call, text from j
+                end, calls = j, None
+            else:
+                end, calls = self._calls(text, j + len(TOOL_CALLS), final)
             if end < 0:               # not complete yet
                 return Scan(pieces, j)
             if calls is None:         # not a valid call: text up to the next marker
-                nxt = text.find(TOOL_CALLS, j + len(TOOL_CALLS))
+                # a held one's text was searched up to `searched` by the scans before
+                from_ = self.searched if self.held == j else j + len(TOOL_CALLS)
+                nxt = text.find(TOOL_CALLS, from_)
                 end = len(text) if nxt < 0 else nxt
                 if nxt < 0 and not final:
+                    self.held = j
+                    self.searched = max(from_, len(text) - len(TOOL_CALLS) + 1)
                     return Scan(pieces, j)
                 pieces.append(text[j:end])
             else:
@@ -142,11 +160,11 @@ class MistralFormat(ToolFormat):
     def _calls(self, text: str, at: int, final: bool) -> tuple[int, list[Call] | None]:
         """(index past the calls, the calls or None when invalid) after a marker; (-1, None) while
         they may still be arriving."""
-        rest = text[at:].lstrip()
-        at = len(text) - len(rest)
-        if not rest:
+        while at < len(text) and text[at].isspace():   # as str.lstrip, without copying the held rest
+            at += 1
+        if at == len(text):
             return (len(text), None) if final else (-1, None)
-        if rest[0] == "[":
+        if text[at] == "[":
             end = self.json_end(text, at)
             if end < 0:
                 return (len(text), None) if final else (-1, None)
