@@ -253,7 +253,7 @@ class StreamingParser:
         self.stop = 0             # where the next scan starts (text before it was dropped)
         self.num_calls = 0
         self.said = False         # content other than whitespace was sent
-        self.held_space = ""      # whitespace content not sent yet (nothing else said so far)
+        self.held_space: list[str] = []   # whitespace content not sent yet (nothing else said so far)
 
     def feed(self, delta: str) -> StreamStep:
         # appended while no other reference holds the text, so CPython grows it in place: a text
@@ -272,7 +272,7 @@ class StreamingParser:
         step = self._scan(final=True)
         content = step.content
         if self.held_space and not self.num_calls:
-            content, self.held_space = content + self.held_space, ""
+            content, self.held_space = content + "".join(self.held_space), []
         return StreamStep(content, step.calls)
 
     def _scan(self, final: bool) -> StreamStep:
@@ -300,8 +300,9 @@ class StreamingParser:
         if self.said:
             return text
         if not text.strip():
-            self.held_space += text
+            self.held_space.append(text)   # a list: `+=` on an attribute copies the whole string
             return ""
         self.said = True
-        text, self.held_space = self.held_space + text, ""
+        self.held_space.append(text)
+        text, self.held_space = "".join(self.held_space), []
         return text
