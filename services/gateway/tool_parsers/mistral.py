@@ -22,7 +22,7 @@ import re
 
 from services.gateway.tool_parsers.base import (
     MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, JsonEnd, held_prefix, loads)
-from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, header, literal, skip_space
+from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, JsonLexer, header, literal, skip_space
 
 TOOL_CALLS, ARGS, EOS = "[TOOL_CALLS]", "[ARGS]", "</s>"
 _NAME = re.compile(r"\s*([A-Za-z0-9_-]{1,64})")
@@ -174,7 +174,11 @@ class MistralFormat(ToolFormat):
             values = [as_call(item, self.tool_names) for item in items]
             if any(v is None for v in values):
                 return end, None
-            return end, [Call(text[at:end] if n == 0 else "", v) for n, v in enumerate(values)]
+            raws = [text[at:end]] + [""] * (len(values) - 1)   # the first call's raw text is the array's
+            budget = MAX_CALLS - self.calls
+            if 0 < budget < len(values):   # calls past MAX_CALLS stay text: the array from the first of them
+                raws[budget] = text[_item(text, at, budget):end]
+            return end, [Call(raw, v) for raw, v in zip(raws, values)]
         m = _NAME.match(text, at)
         if m is None:
             return len(text), None
@@ -193,3 +197,15 @@ class MistralFormat(ToolFormat):
             return (len(text), None) if final else (-1, None)
         value = as_call({"name": m.group(1), "arguments": loads(text[body:end])}, self.tool_names)
         return end, None if value is None else [Call(text[at:end], value)]
+
+
+def _item(text: str, at: int, n: int) -> int:
+    """Index just past the comma before item n (from 1) of the whole JSON array opening at text[at]."""
+    lex = JsonLexer()
+    for i in range(at, len(text)):
+        lex.read(text[i])
+        if text[i] == "," and lex.depth == 1 and not lex.in_string:
+            n -= 1
+            if n == 0:
+                return i + 1
+    raise ValueError("the array has fewer items")   # _calls decoded it: it has them

@@ -9,6 +9,7 @@ import pytest
 
 from services.gateway.tool_parsers import (
     StreamingParser, parse, tool_format)
+from services.gateway.tool_parsers.base import MAX_CALLS
 
 TOOLS = frozenset({"get_weather", "get_time"})
 WEATHER = {"city": "Paris", "unit": "°C"}
@@ -164,3 +165,20 @@ def test_an_answer_of_whitespace_streams_in_linear_time():
     assert not any(parser.feed("\n" * 8) != ("", []) for _ in range(150_000))
     assert parser.finish() == ("\n" * 1_200_000, [])
     assert time.perf_counter() - start < 2.5
+
+
+def test_calls_past_the_bound_in_a_mistral_array_stay_text():
+    """An array read whole (its first item not name first) with more calls than MAX_CALLS: the calls
+    past it stay text, from the first of them to the array's end, at every split as whole."""
+    items = ['{"arguments": {"n": %d}, "name": "get_time"}' % n for n in range(MAX_CALLS + 3)]
+    text = "[TOOL_CALLS][" + ", ".join(items) + "]"
+    expected = (" " + ", ".join(items[MAX_CALLS:]) + "]", [("get_time", '{"n": %d}' % n) for n in range(MAX_CALLS)])
+    parsed = parse(tool_format("mistral", TOOLS), text)
+    assert (parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls]) == expected
+    for parts in (list(text), [text[:len(text) // 2], text[len(text) // 2:]]):
+        parser = StreamingParser(tool_format("mistral", TOOLS))
+        steps = [parser.feed(p) for p in parts] + [parser.finish()]
+        args: dict[int, str] = {}
+        for d in (d for s in steps for d in s.calls):
+            args[d.index] = args.get(d.index, "") + d.arguments
+        assert ("".join(s.content for s in steps), [("get_time", a) for _, a in sorted(args.items())]) == expected
