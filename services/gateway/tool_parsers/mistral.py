@@ -22,7 +22,7 @@ import re
 
 from services.gateway.tool_parsers.base import (
     MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, JsonEnd, held_prefix, loads)
-from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, JsonLexer, header, literal, skip_space
+from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, JsonLexer, Spaces, header, literal
 
 TOOL_CALLS, ARGS, EOS = "[TOOL_CALLS]", "[ARGS]", "</s>"
 _NAME = re.compile(r"\s*([A-Za-z0-9_-]{1,64})")
@@ -32,6 +32,7 @@ class MistralFormat(ToolFormat):
     def __init__(self, tool_names: frozenset[str]) -> None:
         super().__init__(tool_names)
         self.json_end = JsonEnd()
+        self.spaces, self.isspace = Spaces(), Spaces(isspace=True)
         self.calls = 0
         self.args: ArgsReader | None = None   # the open call's arguments, not closed yet
         self.in_list = False                  # the open call is an array's item
@@ -45,6 +46,8 @@ class MistralFormat(ToolFormat):
 
     def rebase(self, stop: int, start: int) -> None:
         self.json_end.rebase(stop, start)
+        self.spaces.rebase(stop, start)
+        self.isspace.rebase(stop, start)
         shift = start - stop
         if self.held >= stop:
             self.held, self.searched = self.held + shift, self.searched + shift
@@ -110,16 +113,16 @@ class MistralFormat(ToolFormat):
     def _open(self, text: str, at: int, final: bool, pieces: list[Piece]) -> int:
         """After a marker: the index of a streamed call's arguments (its CallOpen added), MORE to
         wait, -1 when it is not one (read whole as before)."""
-        at = skip_space(text, at)
+        at = self.spaces(text, at)
         if at < len(text) and text[at] == "[":
-            head = header(text, at + 1)
+            head = header(text, at + 1, self.spaces)
             self.in_list = True
         else:
             m = _NAME.match(text, at)
             after = m.end() if m else -1
             head = -1
             if m and text.startswith(ARGS, after):
-                body = skip_space(text, after + len(ARGS))
+                body = self.spaces(text, after + len(ARGS))
                 head = MORE if body == len(text) else Header(m.group(1), body) if text[body] == "{" else -1
             elif m and (len(text) - after < len(ARGS) and ARGS.startswith(text[after:])):
                 head = MORE
@@ -139,12 +142,12 @@ class MistralFormat(ToolFormat):
         """After an array item's arguments: where text resumes past the item's `}` and `,` or `]`
         (a next item's arguments when it opens a streamed call), or at the first character that is
         none of these; MORE to wait (the rest, at the end: dropped)."""
-        end, found = literal(text, i, ("}", ",", "]"))
+        end, found = literal(text, i, ("}", ",", "]"), self.spaces)
         if found == "}":
             i = end
-            end, found = literal(text, i, (",", "]"))
+            end, found = literal(text, i, (",", "]"), self.spaces)
         if found == ",":
-            head = header(text, end)
+            head = header(text, end, self.spaces)
             if isinstance(head, Header) and head.name in self.tool_names and self.calls < MAX_CALLS:
                 self.calls += 1
                 pieces.append(CallOpen(head.name))
@@ -160,8 +163,7 @@ class MistralFormat(ToolFormat):
     def _calls(self, text: str, at: int, final: bool) -> tuple[int, list[Call] | None]:
         """(index past the calls, the calls or None when invalid) after a marker; (-1, None) while
         they may still be arriving."""
-        while at < len(text) and text[at].isspace():   # as str.lstrip, without copying the held rest
-            at += 1
+        at = self.isspace(text, at)   # as str.lstrip, without copying the held rest
         if at == len(text):
             return (len(text), None) if final else (-1, None)
         if text[at] == "[":
@@ -188,8 +190,7 @@ class MistralFormat(ToolFormat):
         if not text.startswith(ARGS, after):
             return len(text), None
         body = after + len(ARGS)
-        while body < len(text) and text[body].isspace():
-            body += 1
+        body = self.isspace(text, body)
         if body == len(text) or text[body] != "{":
             return (-1, None) if body == len(text) and not final else (len(text), None)
         end = self.json_end(text, body)
