@@ -113,19 +113,35 @@ class JsonEnd:
     """Index just past the JSON object or array opening at text[start], or -1 when it is not closed
     yet. Brackets are counted outside strings only; the value is not checked here.
 
-    A stream asks again about the same unclosed value each time more text arrived: the count
-    resumes where it stopped (checked by comparing the value's text so far, at C speed), so a long
-    value costs its length once instead of once per delta."""
+    A stream asks again about the same held value each time more text arrived: the count resumes
+    where it stopped (the lexer's state is kept, keyed by the value's position), and a closed
+    value's end is remembered, so a long value costs its length once instead of once per delta.
+    The scanner calls `rebase` between scans (ToolFormat.scan), as its text is cut at each stop."""
 
     def __init__(self) -> None:
-        self.seen = ""     # the unclosed value's text counted so far
+        self.at = -1       # where the value counted so far opens (-1: none)
+        self.pos = 0       # text[at:pos] is counted
+        self.end = -1      # past its closing bracket, once found
         self.depth, self.in_string, self.escaped = 0, False, False
 
+    def rebase(self, stop: int, start: int) -> None:
+        """The previous scan stopped at `stop`; the next one's text starts there, at `start`."""
+        if self.at < stop:
+            self.at = -1
+            return
+        shift = start - stop
+        self.at, self.pos = self.at + shift, self.pos + shift
+        if self.end >= 0:
+            self.end += shift
+
     def __call__(self, text: str, start: int) -> int:
-        if not (self.seen and text.startswith(self.seen, start)):
-            self.seen, self.depth, self.in_string, self.escaped = "", 0, False, False
+        if start != self.at:
+            self.at, self.pos, self.end = start, start, -1
+            self.depth, self.in_string, self.escaped = 0, False, False
+        if self.end >= 0:
+            return self.end
         depth, in_string, escaped = self.depth, self.in_string, self.escaped
-        for i in range(start + len(self.seen), len(text)):
+        for i in range(self.pos, len(text)):
             c = text[i]
             if in_string:
                 if escaped:
@@ -141,9 +157,9 @@ class JsonEnd:
             elif c in "}]":
                 depth -= 1
                 if depth == 0:
-                    self.seen = ""
-                    return i + 1
-        self.seen, self.depth, self.in_string, self.escaped = text[start:], depth, in_string, escaped
+                    self.end = i + 1
+                    return self.end
+        self.pos, self.depth, self.in_string, self.escaped = len(text), depth, in_string, escaped
         return -1
 
 
@@ -182,9 +198,21 @@ class ToolFormat:
 
     def __init__(self, tool_names: frozenset[str]) -> None:
         self.tool_names = tool_names
+        self.stopped = 0   # where the previous scan stopped: the next scan's `start` is there
 
     def scan(self, text: str, start: int, final: bool) -> Scan:
+        self.rebase(self.stopped, start)
+        result = self.read(text, start, final)
+        self.stopped = result.stop
+        return result
+
+    def read(self, text: str, start: int, final: bool) -> Scan:
+        """One scan (`scan` keeps what the format learned about held text across scans)."""
         raise NotImplementedError
+
+    def rebase(self, stop: int, start: int) -> None:
+        """Positions the format keeps in held text move: the previous scan's text from `stop` is
+        this scan's text from `start` (with more after it); what was before `stop` is gone."""
 
     def ended_in_call(self) -> bool:
         """After the final scan: the answer ended inside an opened call's arguments (cut by
@@ -225,7 +253,7 @@ class StreamingParser:
         self.stop = 0             # where the next scan starts (text before it was dropped)
         self.num_calls = 0
         self.said = False         # content other than whitespace was sent
-        self.held_space = ""      # whitespace content not sent yet (nothing else said so far)
+        self.held_space: list[str] = []   # whitespace content not sent yet (nothing else said so far)
 
     def feed(self, delta: str) -> StreamStep:
         # appended while no other reference holds the text, so CPython grows it in place: a text
@@ -244,7 +272,7 @@ class StreamingParser:
         step = self._scan(final=True)
         content = step.content
         if self.held_space and not self.num_calls:
-            content, self.held_space = content + self.held_space, ""
+            content, self.held_space = content + "".join(self.held_space), []
         return StreamStep(content, step.calls)
 
     def _scan(self, final: bool) -> StreamStep:
@@ -272,8 +300,9 @@ class StreamingParser:
         if self.said:
             return text
         if not text.strip():
-            self.held_space += text
+            self.held_space.append(text)   # a list: `+=` on an attribute copies the whole string
             return ""
         self.said = True
-        text, self.held_space = self.held_space + text, ""
+        self.held_space.append(text)
+        text, self.held_space = "".join(self.held_space), []
         return text

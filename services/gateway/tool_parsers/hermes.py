@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from services.gateway.tool_parsers.base import (
     MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, held_prefix, loads)
-from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, header, literal
+from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, Spaces, header, literal
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -29,11 +29,15 @@ class HermesFormat(ToolFormat):
         self.args: ArgsReader | None = None   # the open call's arguments, not closed yet
         self.closing = False                  # after them: the object's `}`, then END
         self.searched = 0   # a held call's text (from its tag) known to hold no END: not searched again
+        self.spaces = Spaces()
+
+    def rebase(self, stop: int, start: int) -> None:
+        self.spaces.rebase(stop, start)
 
     def ended_in_call(self) -> bool:
         return self.args is not None
 
-    def scan(self, text: str, start: int, final: bool) -> Scan:
+    def read(self, text: str, start: int, final: bool) -> Scan:
         pieces: list[Piece] = []
         i = start
         while True:
@@ -54,7 +58,7 @@ class HermesFormat(ToolFormat):
                 pieces.append(text[i:stop])
                 return Scan(pieces, stop)
             pieces.append(text[i:j])
-            head = header(text, j + len(START))
+            head = header(text, j + len(START), self.spaces)
             if head == MORE and not final:
                 return Scan(pieces, j)
             if isinstance(head, Header) and head.name in self.tool_names and self.calls < MAX_CALLS:
@@ -75,13 +79,12 @@ class HermesFormat(ToolFormat):
             self.calls += value is not None
             pieces.append(Call(text[j:i], value))
 
-    @staticmethod
-    def _close(text: str, i: int, final: bool) -> int:
+    def _close(self, text: str, i: int, final: bool) -> int:
         """Where text resumes after a call's arguments: past the object's `}` and END, or at the
         first character that is neither; MORE to wait for more (the rest, at the end: dropped)."""
-        end, found = literal(text, i, ("}", END))
+        end, found = literal(text, i, ("}", END), self.spaces)
         if found == "}":
-            after, _ = literal(text, end, (END,))
+            after, _ = literal(text, end, (END,), self.spaces)
             end = end if after == -1 else after
         if end == MORE:
             return len(text) if final else MORE

@@ -16,22 +16,17 @@ optional, and anything else there is the first thing after the call. A call writ
 from __future__ import annotations
 
 from services.gateway.tool_parsers.base import (
-    MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, JsonEnd, held_prefix, loads)
-from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, header, literal
+    MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, JsonEnd, loads)
+from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, Spaces, header, literal
 
 PYTHON_TAG = "<|python_tag|>"
-
-
-def _skip_space(text: str, i: int) -> int:
-    while i < len(text) and text[i].isspace():
-        i += 1
-    return i
 
 
 class Llama3JsonFormat(ToolFormat):
     def __init__(self, tool_names: frozenset[str]) -> None:
         super().__init__(tool_names)
         self.json_end = JsonEnd()
+        self.spaces, self.isspace = Spaces(), Spaces(isspace=True)   # a held opening's whitespace
         self.calls = 0
         self.args: ArgsReader | None = None   # the open call's arguments, not closed yet
         # opening -> call (args -> closing) -> after (`;` -> call) ; anything else -> text
@@ -40,7 +35,12 @@ class Llama3JsonFormat(ToolFormat):
     def ended_in_call(self) -> bool:
         return self.args is not None
 
-    def scan(self, text: str, start: int, final: bool) -> Scan:
+    def rebase(self, stop: int, start: int) -> None:
+        self.json_end.rebase(stop, start)
+        self.spaces.rebase(stop, start)
+        self.isspace.rebase(stop, start)
+
+    def read(self, text: str, start: int, final: bool) -> Scan:
         pieces: list[Piece] = []
         i = start
         while self.state != "text":
@@ -51,15 +51,15 @@ class Llama3JsonFormat(ToolFormat):
                     return Scan(pieces, len(text))
                 i, self.args, self.state = end, None, "closing"
             if self.state == "closing":   # the object's `}`, if it is there
-                end, found = literal(text, i, ("}",))
+                end, found = literal(text, i, ("}",), self.spaces)
                 if end == MORE and not final:
                     return Scan(pieces, i)
                 i, self.state = (end if found else i), "after"
-            at = _skip_space(text, i)
+            at = self.isspace(text, i)
             if self.state == "opening":
                 if text.startswith(PYTHON_TAG, at):
-                    at = _skip_space(text, at + len(PYTHON_TAG))
-                elif at < len(text) and held_prefix(text[at:], PYTHON_TAG) == len(text) - at and not final:
+                    at = self.isspace(text, at + len(PYTHON_TAG))
+                elif len(text) - at < len(PYTHON_TAG) and PYTHON_TAG.startswith(text[at:]) and at < len(text) and not final:
                     return Scan(pieces, i)    # may be the tag, still arriving
             if at == len(text):               # only space so far
                 if not final:
@@ -72,7 +72,7 @@ class Llama3JsonFormat(ToolFormat):
                 continue
             if text[at] != "{":
                 break
-            head = header(text, at)
+            head = header(text, at, self.spaces)
             if head == MORE and not final:
                 return Scan(pieces, i)
             if isinstance(head, Header) and head.name in self.tool_names and self.calls < MAX_CALLS:

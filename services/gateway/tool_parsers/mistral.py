@@ -22,7 +22,7 @@ import re
 
 from services.gateway.tool_parsers.base import (
     MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, JsonEnd, held_prefix, loads)
-from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, header, literal, skip_space
+from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, JsonLexer, Spaces, header, literal
 
 TOOL_CALLS, ARGS, EOS = "[TOOL_CALLS]", "[ARGS]", "</s>"
 _NAME = re.compile(r"\s*([A-Za-z0-9_-]{1,64})")
@@ -32,15 +32,29 @@ class MistralFormat(ToolFormat):
     def __init__(self, tool_names: frozenset[str]) -> None:
         super().__init__(tool_names)
         self.json_end = JsonEnd()
+        self.spaces, self.isspace = Spaces(), Spaces(isspace=True)
         self.calls = 0
         self.args: ArgsReader | None = None   # the open call's arguments, not closed yet
         self.in_list = False                  # the open call is an array's item
         self.closing = False                  # after an item's arguments: `}`, then `,` or `]`
+        # a marker held as text (read whole, not a valid call): no other marker in
+        # text[held + 12:searched]; the next scans take both as they are
+        self.held, self.searched = -1, 0
 
     def ended_in_call(self) -> bool:
         return self.args is not None
 
-    def scan(self, text: str, start: int, final: bool) -> Scan:
+    def rebase(self, stop: int, start: int) -> None:
+        self.json_end.rebase(stop, start)
+        self.spaces.rebase(stop, start)
+        self.isspace.rebase(stop, start)
+        shift = start - stop
+        if self.held >= stop:
+            self.held, self.searched = self.held + shift, self.searched + shift
+        else:
+            self.held = -1
+
+    def read(self, text: str, start: int, final: bool) -> Scan:
         pieces: list[Piece] = []
         i = start
         while True:
@@ -73,13 +87,20 @@ class MistralFormat(ToolFormat):
             if at >= 0:
                 i = at
                 continue
-            end, calls = self._calls(text, j + len(TOOL_CALLS), final)
+            if self.held == j:        # decided by the scans before: not a call, text from j
+                end, calls = j, None
+            else:
+                end, calls = self._calls(text, j + len(TOOL_CALLS), final)
             if end < 0:               # not complete yet
                 return Scan(pieces, j)
             if calls is None:         # not a valid call: text up to the next marker
-                nxt = text.find(TOOL_CALLS, j + len(TOOL_CALLS))
+                # a held one's text was searched up to `searched` by the scans before
+                from_ = self.searched if self.held == j else j + len(TOOL_CALLS)
+                nxt = text.find(TOOL_CALLS, from_)
                 end = len(text) if nxt < 0 else nxt
                 if nxt < 0 and not final:
+                    self.held = j
+                    self.searched = max(from_, len(text) - len(TOOL_CALLS) + 1)
                     return Scan(pieces, j)
                 pieces.append(text[j:end])
             else:
@@ -92,16 +113,16 @@ class MistralFormat(ToolFormat):
     def _open(self, text: str, at: int, final: bool, pieces: list[Piece]) -> int:
         """After a marker: the index of a streamed call's arguments (its CallOpen added), MORE to
         wait, -1 when it is not one (read whole as before)."""
-        at = skip_space(text, at)
+        at = self.spaces(text, at)
         if at < len(text) and text[at] == "[":
-            head = header(text, at + 1)
+            head = header(text, at + 1, self.spaces)
             self.in_list = True
         else:
             m = _NAME.match(text, at)
             after = m.end() if m else -1
             head = -1
             if m and text.startswith(ARGS, after):
-                body = skip_space(text, after + len(ARGS))
+                body = self.spaces(text, after + len(ARGS))
                 head = MORE if body == len(text) else Header(m.group(1), body) if text[body] == "{" else -1
             elif m and (len(text) - after < len(ARGS) and ARGS.startswith(text[after:])):
                 head = MORE
@@ -121,12 +142,12 @@ class MistralFormat(ToolFormat):
         """After an array item's arguments: where text resumes past the item's `}` and `,` or `]`
         (a next item's arguments when it opens a streamed call), or at the first character that is
         none of these; MORE to wait (the rest, at the end: dropped)."""
-        end, found = literal(text, i, ("}", ",", "]"))
+        end, found = literal(text, i, ("}", ",", "]"), self.spaces)
         if found == "}":
             i = end
-            end, found = literal(text, i, (",", "]"))
+            end, found = literal(text, i, (",", "]"), self.spaces)
         if found == ",":
-            head = header(text, end)
+            head = header(text, end, self.spaces)
             if isinstance(head, Header) and head.name in self.tool_names and self.calls < MAX_CALLS:
                 self.calls += 1
                 pieces.append(CallOpen(head.name))
@@ -142,11 +163,10 @@ class MistralFormat(ToolFormat):
     def _calls(self, text: str, at: int, final: bool) -> tuple[int, list[Call] | None]:
         """(index past the calls, the calls or None when invalid) after a marker; (-1, None) while
         they may still be arriving."""
-        rest = text[at:].lstrip()
-        at = len(text) - len(rest)
-        if not rest:
+        at = self.isspace(text, at)   # as str.lstrip, without copying the held rest
+        if at == len(text):
             return (len(text), None) if final else (-1, None)
-        if rest[0] == "[":
+        if text[at] == "[":
             end = self.json_end(text, at)
             if end < 0:
                 return (len(text), None) if final else (-1, None)
@@ -156,7 +176,11 @@ class MistralFormat(ToolFormat):
             values = [as_call(item, self.tool_names) for item in items]
             if any(v is None for v in values):
                 return end, None
-            return end, [Call(text[at:end] if n == 0 else "", v) for n, v in enumerate(values)]
+            raws = [text[at:end]] + [""] * (len(values) - 1)   # the first call's raw text is the array's
+            budget = MAX_CALLS - self.calls
+            if 0 < budget < len(values):   # calls past MAX_CALLS stay text: the array from the first of them
+                raws[budget] = text[_item(text, at, budget):end]
+            return end, [Call(raw, v) for raw, v in zip(raws, values)]
         m = _NAME.match(text, at)
         if m is None:
             return len(text), None
@@ -166,8 +190,7 @@ class MistralFormat(ToolFormat):
         if not text.startswith(ARGS, after):
             return len(text), None
         body = after + len(ARGS)
-        while body < len(text) and text[body].isspace():
-            body += 1
+        body = self.isspace(text, body)
         if body == len(text) or text[body] != "{":
             return (-1, None) if body == len(text) and not final else (len(text), None)
         end = self.json_end(text, body)
@@ -175,3 +198,15 @@ class MistralFormat(ToolFormat):
             return (len(text), None) if final else (-1, None)
         value = as_call({"name": m.group(1), "arguments": loads(text[body:end])}, self.tool_names)
         return end, None if value is None else [Call(text[at:end], value)]
+
+
+def _item(text: str, at: int, n: int) -> int:
+    """Index just past the comma before item n (from 1) of the whole JSON array opening at text[at]."""
+    lex = JsonLexer()
+    for i in range(at, len(text)):
+        lex.read(text[i])
+        if text[i] == "," and lex.depth == 1 and not lex.in_string:
+            n -= 1
+            if n == 0:
+                return i + 1
+    raise ValueError("the array has fewer items")   # _calls decoded it: it has them

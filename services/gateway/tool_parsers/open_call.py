@@ -75,10 +75,37 @@ def skip_space(text: str, i: int) -> int:
     return i
 
 
-def literal(text: str, i: int, options: tuple[str, ...]) -> tuple[int, str]:
+class Spaces:
+    """skip_space over held text, each run of whitespace read once: a stream reads a held call's
+    opening again at every delta, and a model may write any amount of whitespace in it. The runs
+    found are kept by position (rebased between scans like base.JsonEnd); `isspace` skips what
+    str.isspace takes instead of SPACE."""
+
+    def __init__(self, isspace: bool = False) -> None:
+        self.isspace = isspace
+        self.runs: dict[int, int] = {}   # text[a:b] is whitespace
+
+    def rebase(self, stop: int, start: int) -> None:
+        if self.runs:
+            self.runs = {a - stop + start: b - stop + start for a, b in self.runs.items() if a >= stop}
+
+    def __call__(self, text: str, i: int) -> int:
+        j = self.runs.get(i, i)
+        if self.isspace:
+            while j < len(text) and text[j].isspace():
+                j += 1
+        else:
+            while j < len(text) and text[j] in SPACE:
+                j += 1
+        if j - i > 16:
+            self.runs[i] = j
+        return j
+
+
+def literal(text: str, i: int, options: tuple[str, ...], skip=skip_space) -> tuple[int, str]:
     """After whitespace at text[i:], one of `options`: (index past it, the option), (MORE, "") while
     the text so far may still become one, (-1, "") when it cannot."""
-    i = skip_space(text, i)
+    i = skip(text, i)
     for option in options:
         if text.startswith(option, i):
             return i + len(option), option
@@ -96,21 +123,21 @@ class Header(NamedTuple):
 _KEYS = ('"arguments"', '"parameters"')
 
 
-def header(text: str, i: int) -> Header | int:
+def header(text: str, i: int, skip=skip_space) -> Header | int:
     """The call object's header at text[i:] (after whitespace), name first as the templates write
     it: `{"name": "<name>", "arguments": {` ("parameters" too). MORE while the text so far is the
     start of one, -1 when it is not one (a call written otherwise is read whole at its end)."""
     name = ""
     for part in ("{", '"name"', ":", None, ",", _KEYS, ":"):
         if part is None:
-            at = skip_space(text, i)
+            at = skip(text, i)
             i = _name(text, at)
             name = text[at + 1:i - 1]
         else:
-            i, _ = literal(text, i, part if isinstance(part, tuple) else (part,))
+            i, _ = literal(text, i, part if isinstance(part, tuple) else (part,), skip)
         if i < 0:
             return i
-    at = skip_space(text, i)
+    at = skip(text, i)
     if at == len(text):
         return MORE
     return Header(name, at) if text[at] == "{" else -1

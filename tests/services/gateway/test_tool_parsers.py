@@ -9,6 +9,7 @@ import pytest
 
 from services.gateway.tool_parsers import (
     StreamingParser, parse, tool_format)
+from services.gateway.tool_parsers.base import MAX_CALLS
 
 TOOLS = frozenset({"get_weather", "get_time"})
 WEATHER = {"city": "Paris", "unit": "°C"}
@@ -131,3 +132,72 @@ def test_a_long_unclosed_call_streams_in_linear_time(name, opening):
     end = parser.finish()
     assert end.content.startswith(opening) and len(end.content) == len(opening) + 20_000 * 11
     assert time.perf_counter() - start < 10
+
+
+HELD = "x, }{ ][ \U0001f600" * 12_000   # 120k characters (4 bytes each, as a str holding an emoji stores them)
+HELD_CASES = {  # a value held until it closes (not name first, or a tool not offered), then more held text
+    "mistral array, arguments first": ("mistral", '[TOOL_CALLS][{"arguments": {"s": "' + HELD + '"}, "name": "get_time"}]'),
+    "mistral, a tool not offered": ("mistral", '[TOOL_CALLS]rm[ARGS]{"s": "' + HELD[:60_000] + '"} ' + HELD[:60_000]),
+    "llama3, arguments first": ("llama3_json", '{"parameters": {"s": "' + HELD + '"}, "name": "get_time"}'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HELD_CASES))
+def test_held_text_streams_in_linear_time(case):
+    """Held text is read once as it grows, not again (or copied) at every delta: 1-character deltas
+    cost ~1.3 s here per case (on a loaded machine); copied and compared at every delta, the first
+    two cases reached 2.5 s at 2/3 of the text; decoded again at every delta, the third at 1/2."""
+    name, text = HELD_CASES[case]
+    whole = parse(tool_format(name, TOOLS), text)
+    parser = StreamingParser(tool_format(name, TOOLS))
+    start = time.perf_counter()
+    steps = []
+    for k, c in enumerate(text):
+        steps.append(parser.feed(c))
+        assert k % 1000 or time.perf_counter() - start < 3, k   # headroom for a loaded CI core (fails early if not linear)
+    steps.append(parser.finish())
+    assert "".join(s.content for s in steps) == (whole.content or "")
+    assert [d.name for s in steps for d in s.calls if d.name] == [c.name for c in whole.tool_calls]
+
+
+def test_an_answer_of_whitespace_streams_in_linear_time():
+    """Whitespace is held while nothing else was said (parts kept, not one string grown by copying):
+    1.2M newlines in 8-character deltas ~0.5 s here, ~9 s copied at every delta."""
+    parser = StreamingParser(tool_format("hermes", TOOLS))
+    start = time.perf_counter()
+    assert not any(parser.feed("\n" * 8) != ("", []) for _ in range(150_000))
+    assert parser.finish() == ("\n" * 1_200_000, [])
+    assert time.perf_counter() - start < 2.5
+
+
+def test_calls_past_the_bound_in_a_mistral_array_stay_text():
+    """An array read whole (its first item not name first) with more calls than MAX_CALLS: the calls
+    past it stay text, from the first of them to the array's end, at every split as whole."""
+    items = ['{"arguments": {"n": %d}, "name": "get_time"}' % n for n in range(MAX_CALLS + 3)]
+    text = "[TOOL_CALLS][" + ", ".join(items) + "]"
+    expected = (" " + ", ".join(items[MAX_CALLS:]) + "]", [("get_time", '{"n": %d}' % n) for n in range(MAX_CALLS)])
+    parsed = parse(tool_format("mistral", TOOLS), text)
+    assert (parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls]) == expected
+    for parts in (list(text), [text[:len(text) // 2], text[len(text) // 2:]]):
+        parser = StreamingParser(tool_format("mistral", TOOLS))
+        steps = [parser.feed(p) for p in parts] + [parser.finish()]
+        args: dict[int, str] = {}
+        for d in (d for s in steps for d in s.calls):
+            args[d.index] = args.get(d.index, "") + d.arguments
+        assert ("".join(s.content for s in steps), [("get_time", a) for _, a in sorted(args.items())]) == expected
+
+
+@pytest.mark.parametrize("name, opening", [("hermes", "<tool_call>"), ("mistral", "[TOOL_CALLS]"),
+                                           ("llama3_json", ""), ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}')])
+def test_whitespace_in_a_held_opening_streams_in_linear_time(name, opening):
+    """A call's opening may hold any amount of whitespace, re-read by each scan while it is held:
+    each run is read once (60k spaces in 1-character deltas: ~0.3 s here; re-read at every delta,
+    20k took ~15 s)."""
+    text = opening + " " * 60_000 + "ok"
+    whole = parse(tool_format(name, TOOLS), text)
+    parser = StreamingParser(tool_format(name, TOOLS))
+    start = time.perf_counter()
+    steps = [parser.feed(c) for c in text] + [parser.finish()]
+    assert time.perf_counter() - start < 2
+    assert "".join(s.content for s in steps) == (whole.content or "")
+    assert [d.name for s in steps for d in s.calls if d.name] == [c.name for c in whole.tool_calls]
