@@ -16,26 +16,17 @@ as a string) is read whole at its `</tool_call>` as before: a call if valid, els
 from __future__ import annotations
 
 from services.gateway.tool_parsers.base import (
-    MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, held_prefix, loads)
-from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, Spaces, header, literal
+    MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, as_call, held_prefix, loads)
+from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, OpenCallFormat, header, literal
 
 START, END = "<tool_call>", "</tool_call>"
 
 
-class HermesFormat(ToolFormat):
+class HermesFormat(OpenCallFormat):
     def __init__(self, tool_names: frozenset[str]) -> None:
         super().__init__(tool_names)
-        self.calls = 0
-        self.args: ArgsReader | None = None   # the open call's arguments, not closed yet
         self.closing = False                  # after them: the object's `}`, then END
         self.searched = 0   # a held call's text (from its tag) known to hold no END: not searched again
-        self.spaces = Spaces()
-
-    def rebase(self, stop: int, start: int) -> None:
-        self.spaces.rebase(stop, start)
-
-    def ended_in_call(self) -> bool:
-        return self.args is not None
 
     def read(self, text: str, start: int, final: bool) -> Scan:
         pieces: list[Piece] = []

@@ -16,29 +16,17 @@ optional, and anything else there is the first thing after the call. A call writ
 from __future__ import annotations
 
 from services.gateway.tool_parsers.base import (
-    MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, JsonEnd, loads)
-from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, Spaces, header, literal
+    MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, as_call, loads)
+from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, OpenCallFormat, header, literal
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3JsonFormat(ToolFormat):
+class Llama3JsonFormat(OpenCallFormat):
     def __init__(self, tool_names: frozenset[str]) -> None:
         super().__init__(tool_names)
-        self.json_end = JsonEnd()
-        self.spaces, self.isspace = Spaces(), Spaces(isspace=True)   # a held opening's whitespace
-        self.calls = 0
-        self.args: ArgsReader | None = None   # the open call's arguments, not closed yet
         # opening -> call (args -> closing) -> after (`;` -> call) ; anything else -> text
         self.state = "opening"
-
-    def ended_in_call(self) -> bool:
-        return self.args is not None
-
-    def rebase(self, stop: int, start: int) -> None:
-        self.json_end.rebase(stop, start)
-        self.spaces.rebase(stop, start)
-        self.isspace.rebase(stop, start)
 
     def read(self, text: str, start: int, final: bool) -> Scan:
         pieces: list[Piece] = []

@@ -21,33 +21,24 @@ from __future__ import annotations
 import re
 
 from services.gateway.tool_parsers.base import (
-    MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, ToolFormat, as_call, JsonEnd, held_prefix, loads)
-from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, JsonLexer, Spaces, header, literal
+    MAX_CALLS, Call, CallArgs, CallOpen, Piece, Scan, as_call, held_prefix, loads)
+from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, JsonLexer, OpenCallFormat, header, literal
 
 TOOL_CALLS, ARGS, EOS = "[TOOL_CALLS]", "[ARGS]", "</s>"
 _NAME = re.compile(r"\s*([A-Za-z0-9_-]{1,64})")
 
 
-class MistralFormat(ToolFormat):
+class MistralFormat(OpenCallFormat):
     def __init__(self, tool_names: frozenset[str]) -> None:
         super().__init__(tool_names)
-        self.json_end = JsonEnd()
-        self.spaces, self.isspace = Spaces(), Spaces(isspace=True)
-        self.calls = 0
-        self.args: ArgsReader | None = None   # the open call's arguments, not closed yet
         self.in_list = False                  # the open call is an array's item
         self.closing = False                  # after an item's arguments: `}`, then `,` or `]`
         # a marker held as text (read whole, not a valid call): no other marker in
         # text[held + 12:searched]; the next scans take both as they are
         self.held, self.searched = -1, 0
 
-    def ended_in_call(self) -> bool:
-        return self.args is not None
-
     def rebase(self, stop: int, start: int) -> None:
-        self.json_end.rebase(stop, start)
-        self.spaces.rebase(stop, start)
-        self.isspace.rebase(stop, start)
+        super().rebase(stop, start)
         shift = start - stop
         if self.held >= stop:
             self.held, self.searched = self.held + shift, self.searched + shift

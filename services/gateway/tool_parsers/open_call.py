@@ -13,12 +13,15 @@ re-serialized (a stream cannot take back what it sent):
 `header` says whether text opens with a header, may still become one (the text so far is the
 start of one), or cannot; `ArgsReader` finds the arguments' closing bracket as the text arrives
 (brackets inside strings do not count; the JSON itself is not checked, so a model's bad JSON is
-passed on as written); `literal` reads the fixed syntax after them.
+passed on as written); `literal` reads the fixed syntax after them; `OpenCallFormat` is the
+state every such format keeps across scans.
 """
 from __future__ import annotations
 
 import string
 from typing import NamedTuple
+
+from services.gateway.tool_parsers.base import JsonEnd, ToolFormat
 
 NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-")   # as the tools checks allow
 SPACE = " \t\r\n"
@@ -156,3 +159,24 @@ def _name(text: str, i: int) -> int:
         if c not in NAME_CHARS:
             return -1
     return MORE if len(text) < i + 66 else -1
+
+
+class OpenCallFormat(ToolFormat):
+    """What every format that streams calls in its own syntax keeps across scans: the calls it
+    opened, the open call's arguments, and what it learned about held text (a JSON value's end,
+    whitespace runs: rebased between scans, ToolFormat.scan)."""
+
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        super().__init__(tool_names)
+        self.calls = 0
+        self.args: ArgsReader | None = None   # the open call's arguments, not closed yet
+        self.json_end = JsonEnd()
+        self.spaces, self.isspace = Spaces(), Spaces(isspace=True)   # a held opening's whitespace
+
+    def ended_in_call(self) -> bool:
+        return self.args is not None
+
+    def rebase(self, stop: int, start: int) -> None:
+        self.json_end.rebase(stop, start)
+        self.spaces.rebase(stop, start)
+        self.isspace.rebase(stop, start)
