@@ -352,11 +352,12 @@ class WorkerCore(PeerMoves):
         if not deltas:
             return
         per_dest: dict[str, list[SeqTokens]] = {}
+        tokens = 0
         for d in deltas:
             req = self.requests.get(d.request_id)
             if req is None:
                 continue
-            self.tokens_out += len(d.new_token_ids)
+            tokens += len(d.new_token_ids)
             handed = d.finish_reason == HANDOFF     # the sample goes on at the decode worker
             per_dest.setdefault(req.detok_addr, []).append(_seq_tokens(d, None if handed else d.finish_reason))
             if d.new_token_ids and req.first_token is None:
@@ -373,6 +374,9 @@ class WorkerCore(PeerMoves):
                     req.handed.add(d.index)
                 if len(req.done) >= req.n:
                     self._prefill_ended(d.request_id, req)
+        if tokens:      # live, once a step: a bench finds the worker that holds a stream by it
+            self.tokens_out += tokens
+            metrics.TOKENS_OUT.inc(tokens)
         for dest, seqs in per_dest.items():
             out.append(Envelope(dest, StepOutput(worker_id=self.worker_id, epoch=self.epoch,
                                                  step=self.num_steps, seqs=seqs)))

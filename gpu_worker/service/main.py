@@ -538,7 +538,6 @@ class WorkerService:
 
     async def _heartbeat_loop(self) -> None:
         period = self.cfg.heartbeat_ms / 1000
-        tokens_seen = 0
         while True:
             await asyncio.sleep(period)
             if not self.engine.is_alive():
@@ -548,8 +547,6 @@ class WorkerService:
                 load = self.core.load()   # read while the engine thread runs: counters only
             except RuntimeError:          # a container changed size under us: next beat
                 continue
-            metrics.TOKENS_OUT.inc(load["tokens_out"] - tokens_seen)
-            tokens_seen = load["tokens_out"]
             self._publish_metrics(load)
             self._publish_tier_metrics()
             try:
