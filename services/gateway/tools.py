@@ -132,7 +132,8 @@ def required_schema(tools: dict[str, dict]) -> dict:
 
 def tool_plan(tools: list[dict] | None, tool_choice: Any, formats: ChatFormats, thinking: bool) -> ToolPlan:
     """What to parse and constrain for this request. `formats`: the parsers the gateway uses (its
-    flags, or the model's where they say auto); `thinking`: the template was not told not to think."""
+    flags, or the model's where they say auto); `thinking`: the answer may start inside a reasoning
+    block (the template was not told not to think, and no constraint holds the answer from its first token)."""
     schemas = check_tools(tools)
     names = frozenset(schemas)
     reasoning = formats.reasoning_parser if thinking else _no_opened_block(formats.reasoning_parser)
