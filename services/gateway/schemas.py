@@ -264,8 +264,28 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
             if any(p.type != "text" or p.text is None for p in content):
                 raise bad("only text content parts are supported", f"messages[{i}].content")
             content = "".join(p.text or "" for p in content)
-        out.append(ChatMessage(role=m.role, content=content, name=m.name, tool_calls=m.tool_calls,
+        out.append(ChatMessage(role=m.role, content=content, name=m.name, tool_calls=_read_arguments(m.tool_calls, i),
                                tool_call_id=m.tool_call_id))
+    return out
+
+
+def _read_arguments(calls: list[dict] | None, i: int) -> list[dict] | None:
+    """A turn's tool_calls with each call's `arguments` JSON text read into its value, as vLLM gives
+    them to chat templates: they write `arguments | tojson`, which would quote a string twice."""
+    if not calls:
+        return calls
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            text = fn["arguments"]
+            try:   # msgspec, as the body: no NaN or Infinity, numbers in range
+                value = msgspec.json.decode(text) if text.strip() else {}
+            except (msgspec.DecodeError, RecursionError):
+                raise bad("a tool call's arguments must be JSON text (OpenAI's `arguments` string)",
+                          f"messages[{i}].tool_calls[{j}].function.arguments") from None
+            call = {**call, "function": {**fn, "arguments": value}}
+        out.append(call)
     return out
 
 

@@ -42,6 +42,30 @@ def test_content_parts_are_joined_and_non_text_refused():
     assert e.value.param == "messages[0].content"
 
 
+def _called(arguments) -> list[dict]:
+    return [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "content": "r", "tool_call_id": "c1"}]
+
+
+@pytest.mark.parametrize("arguments, value", [('{"city": "Paris"}', {"city": "Paris"}), ("", {}),
+                                              ({"city": "Rome"}, {"city": "Rome"})])
+def test_history_tool_call_arguments_reach_the_template_as_values(arguments, value):
+    """Templates write `arguments | tojson` (vLLM hands them the parsed value): OpenAI's JSON text
+    passed as it came was quoted twice in the prompt."""
+    prompt, _ = chat_prompt(decode(ChatRequest, chat_body(messages=_called(arguments))), 10)
+    assert prompt.messages[1].tool_calls[0]["function"] == {"name": "f", "arguments": value}
+    assert prompt.messages[1].tool_calls[0]["id"] == "c1" and prompt.messages[2].tool_call_id == "c1"
+
+
+@pytest.mark.parametrize("arguments", ["{city: Paris", '{"x": NaN}', "1e999", "[" * 5000])
+def test_history_tool_call_arguments_that_are_not_json_are_a_400_naming_them(arguments):
+    with pytest.raises(ApiError) as e:
+        chat_prompt(decode(ChatRequest, chat_body(messages=_called(arguments))), 10)
+    assert e.value.status == 400 and e.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
 @pytest.mark.parametrize("prompt, count", [("a", 1), (["a", "b"], 2), ([1, 2], 1), ([[1], [2, 3]], 2)])
 def test_completion_prompt_forms(prompt, count):
     req = decode(CompletionRequest, json.dumps({"model": "m", "prompt": prompt}).encode())
