@@ -23,6 +23,8 @@ class OutputParsing:
     # short and keeps its finish_reason ("length"); an unforced answer with calls finishes with
     # "tool_calls" unless it was cut inside a call's arguments (streamed: tool_parsers/open_call.py)
     forced: bool = False
+    # parallel_tool_calls false: 1, and calls past the first are dropped (vLLM's); None: all
+    max_calls: int | None = None
 
     @property
     def active(self) -> bool:

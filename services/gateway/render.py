@@ -98,7 +98,7 @@ class Accumulator:
         if self.parsing.reasoning != "none":
             message["reasoning_content"] = answer.reasoning
         if answer.tool_calls:
-            message["tool_calls"] = [call.as_dict() for call in answer.tool_calls]
+            message["tool_calls"] = [call.as_dict() for call in answer.tool_calls[:self.parsing.max_calls]]
             finish_reason = self.parsing.finish_with_calls(finish_reason, stop_reason, answer.cut)
         return message, finish_reason
     def response(self) -> dict[str, Any]:
@@ -185,7 +185,8 @@ class ChunkWriter:
         if step.content:
             head["content"] = step.content
         deltas = [head] if head or lp is not None else []
-        deltas += [{"tool_calls": [call.as_dict()]} for call in step.tool_calls]
+        limit = self.acc.parsing.max_calls
+        deltas += [{"tool_calls": [call.as_dict()]} for call in step.tool_calls if limit is None or call.index < limit]
         if not deltas and finish is not None:
             deltas = [{}]
         last = len(deltas) - 1

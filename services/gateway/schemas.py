@@ -105,6 +105,7 @@ class ChatRequest(_Common, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None          # checked with the tools: services/gateway/tools.py
+    parallel_tool_calls: bool = True  # false: at most one call an answer (OpenAI's)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: template variables (enable_thinking...)
 

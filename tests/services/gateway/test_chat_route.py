@@ -90,3 +90,20 @@ def test_an_unconstrained_answer_still_thinks_under_deepseek_r1():
     choice, streamed = chat(ScriptedBackend(["hmm</think>yes"]))
     assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == ("hmm", "yes")
     assert (streamed["reasoning_content"], streamed["content"]) == ("hmm", "yes")
+
+
+TOOLS = [{"type": "function", "function": {"name": name}} for name in ("get_time", "get_date")]
+TWO_CALLS = ('<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>\n'
+             '<tool_call>{"name": "get_date", "arguments": {}}</tool_call>')
+
+
+@pytest.mark.parametrize("parallel, calls", [(True, [("get_time", '{"tz": "UTC"}'), ("get_date", "{}")]),
+                                             (False, [("get_time", '{"tz": "UTC"}')])])
+def test_parallel_tool_calls_false_returns_the_first_call_only(parallel, calls):
+    """OpenAI's parallel_tool_calls: false means at most one call; vLLM drops the calls after the first."""
+    backend = ScriptedBackend([TWO_CALLS], formats=ChatFormats("hermes", "none"))
+    choice, streamed = chat(backend, tools=TOOLS, parallel_tool_calls=parallel)
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    assert whole == calls and choice["finish_reason"] == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == calls
+    assert streamed["finish_reason"] == "tool_calls"
