@@ -42,6 +42,11 @@ class OutputParsing:
             return finish_reason
         return "tool_calls"
 
+    def cut_in_kept_call(self, cut: bool, num_calls: int) -> bool:
+        """Whether the answer ended inside a call the client gets: with max_calls, a cut call past
+        it was dropped, and the calls returned are whole."""
+        return cut and (self.max_calls is None or num_calls <= self.max_calls)
+
 
 PLAIN = OutputParsing()
 

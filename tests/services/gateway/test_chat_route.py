@@ -107,3 +107,17 @@ def test_parallel_tool_calls_false_returns_the_first_call_only(parallel, calls):
     assert whole == calls and choice["finish_reason"] == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == calls
     assert streamed["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("parallel, calls, finish", [
+    (True, [("get_time", '{"tz": "UTC"}'), ("get_date", '{"d')], "length"),
+    (False, [("get_time", '{"tz": "UTC"}')], "tool_calls")])
+def test_a_call_cut_by_max_tokens_and_dropped_leaves_the_kept_call_whole(parallel, calls, finish):
+    """max_tokens cut the second call's arguments: "length" says a returned call may be cut short,
+    but with parallel_tool_calls false that call is dropped and the one returned is whole."""
+    cut = TWO_CALLS.split("\n")[0] + '\n<tool_call>{"name": "get_date", "arguments": {"d'
+    backend = ScriptedBackend([cut], finish="length", formats=ChatFormats("hermes", "none"))
+    choice, streamed = chat(backend, tools=TOOLS, parallel_tool_calls=parallel)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == calls
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == calls
+    assert choice["finish_reason"] == streamed["finish_reason"] == finish
