@@ -182,7 +182,10 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
                 req: Any = decode(ChatRequest, body)
                 prompt, params = chat_prompt(req, cfg.max_messages)
                 formats = served_formats(cfg.tool_call_parser, cfg.reasoning_parser, backend.text.formats())
-                plan = tool_plan(req.tools, req.tool_choice, formats, thinking(req))
+                # a constrained answer follows its grammar from the first token: it opens no block
+                # unless it writes one (deepseek_r1 would read all of it as reasoning)
+                plan = tool_plan(req.tools, req.tool_choice, formats, thinking(req) and params.structured is None,
+                                 max_calls=None if req.parallel_tool_calls else 1)
                 params, parsing = with_plan(params, plan), plan.parsing
                 prompts = [prompt]
             else:

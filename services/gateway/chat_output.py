@@ -23,6 +23,8 @@ class OutputParsing:
     # short and keeps its finish_reason ("length"); an unforced answer with calls finishes with
     # "tool_calls" unless it was cut inside a call's arguments (streamed: tool_parsers/open_call.py)
     forced: bool = False
+    # parallel_tool_calls false: 1, and calls past the first are dropped (vLLM's); None: all
+    max_calls: int | None = None
 
     @property
     def active(self) -> bool:
@@ -39,6 +41,11 @@ class OutputParsing:
         if finish_reason is None or cut or (self.forced and not ended_by_grammar):
             return finish_reason
         return "tool_calls"
+
+    def cut_in_kept_call(self, cut: bool, num_calls: int) -> bool:
+        """Whether the answer ended inside a call the client gets: with max_calls, a cut call past
+        it was dropped, and the calls returned are whole."""
+        return cut and (self.max_calls is None or num_calls <= self.max_calls)
 
 
 PLAIN = OutputParsing()

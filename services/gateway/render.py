@@ -98,8 +98,9 @@ class Accumulator:
         if self.parsing.reasoning != "none":
             message["reasoning_content"] = answer.reasoning
         if answer.tool_calls:
-            message["tool_calls"] = [call.as_dict() for call in answer.tool_calls]
-            finish_reason = self.parsing.finish_with_calls(finish_reason, stop_reason, answer.cut)
+            message["tool_calls"] = [call.as_dict() for call in answer.tool_calls[:self.parsing.max_calls]]
+            cut = self.parsing.cut_in_kept_call(answer.cut, len(answer.tool_calls))
+            finish_reason = self.parsing.finish_with_calls(finish_reason, stop_reason, cut)
         return message, finish_reason
     def response(self) -> dict[str, Any]:
         choices = []
@@ -178,14 +179,16 @@ class ChunkWriter:
             step = AnswerDelta(step.reasoning + end.reasoning, step.content + end.content,
                                step.tool_calls + end.tool_calls)
             if choice.answer.num_calls:
-                finish = self.acc.parsing.finish_with_calls(finish, stop_reason, choice.answer.cut)
+                cut = self.acc.parsing.cut_in_kept_call(choice.answer.cut, choice.answer.num_calls)
+                finish = self.acc.parsing.finish_with_calls(finish, stop_reason, cut)
         head: dict[str, Any] = {}
         if step.reasoning:
             head["reasoning_content"] = step.reasoning
         if step.content:
             head["content"] = step.content
         deltas = [head] if head or lp is not None else []
-        deltas += [{"tool_calls": [call.as_dict()]} for call in step.tool_calls]
+        limit = self.acc.parsing.max_calls
+        deltas += [{"tool_calls": [call.as_dict()]} for call in step.tool_calls if limit is None or call.index < limit]
         if not deltas and finish is not None:
             deltas = [{}]
         last = len(deltas) - 1

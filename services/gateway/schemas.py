@@ -96,6 +96,13 @@ class _Common(ConstraintFields, kw_only=True):
     # request where the conversation's last turn ran (conversation.py); never logged or a label
     user: str | None = None
     conversation_id: str | None = None
+    # vLLM extensions kvmesh does not implement: set, each is a 400 naming it (ignored, the answer
+    # would not be the one asked for); their off values (clients send defaults) pass
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -105,8 +112,11 @@ class ChatRequest(_Common, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None          # checked with the tools: services/gateway/tools.py
+    parallel_tool_calls: bool = True  # false: at most one call an answer (OpenAI's)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: template variables (enable_thinking...)
+    continue_final_message: bool = False    # vLLM's, not implemented: refused when true
+    echo: bool = False                      # vLLM's (the last message before the answer): refused
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -181,6 +191,18 @@ def client_request_id(value: str | None) -> str | None:
         raise bad(f"the X-Request-Id header must be 1 to {MAX_CLIENT_REQUEST_ID} characters of "
                   "A-Z a-z 0-9 . _ : / + = -", "X-Request-Id")
     return value
+
+
+_UNSUPPORTED = ("allowed_token_ids", "bad_words", "prompt_logprobs", "include_stop_str_in_output",
+                "truncate_prompt_tokens", "continue_final_message", "echo")
+
+
+def check_supported(req: _Common) -> None:
+    """A 400 naming the first vLLM extension the request sets that kvmesh does not implement."""
+    for name in _UNSUPPORTED:
+        value = getattr(req, name, None)
+        if not (value is None or value is False or value == []):
+            raise bad(f"{name} is not supported", name)
 
 
 def check_streaming(req: _Common) -> None:
@@ -264,8 +286,28 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
             if any(p.type != "text" or p.text is None for p in content):
                 raise bad("only text content parts are supported", f"messages[{i}].content")
             content = "".join(p.text or "" for p in content)
-        out.append(ChatMessage(role=m.role, content=content, name=m.name, tool_calls=m.tool_calls,
+        out.append(ChatMessage(role=m.role, content=content, name=m.name, tool_calls=_read_arguments(m.tool_calls, i),
                                tool_call_id=m.tool_call_id))
+    return out
+
+
+def _read_arguments(calls: list[dict] | None, i: int) -> list[dict] | None:
+    """A turn's tool_calls with each call's `arguments` JSON text read into its value, as vLLM gives
+    them to chat templates: they write `arguments | tojson`, which would quote a string twice."""
+    if not calls:
+        return calls
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            text = fn["arguments"]
+            try:   # msgspec, as the body: no NaN or Infinity, numbers in range
+                value = msgspec.json.decode(text) if text.strip() else {}
+            except (msgspec.DecodeError, RecursionError):
+                raise bad("a tool call's arguments must be JSON text (OpenAI's `arguments` string)",
+                          f"messages[{i}].tool_calls[{j}].function.arguments") from None
+            call = {**call, "function": {**fn, "arguments": value}}
+        out.append(call)
     return out
 
 
@@ -274,6 +316,7 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
         raise bad("messages must not be empty", "messages")
     if len(req.messages) > max_messages:
         raise bad(f"at most {max_messages} messages per request", "messages")
+    check_supported(req)
     check_streaming(req)
     messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
@@ -306,8 +349,7 @@ def _is_int(x: Any) -> bool:
 
 
 def completion_prompts(req: CompletionRequest, max_prompts: int) -> tuple[list[TokenizeRequest], SamplingParams]:
-    if req.echo:
-        raise bad("echo is not supported", "echo")
+    check_supported(req)
     if req.suffix:
         raise bad("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:

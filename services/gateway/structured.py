@@ -261,4 +261,5 @@ async def check_constraint(spec: StructuredOutput, param: str) -> None:
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         head, sep, tail = reason.partition(".cc:")
         reason = tail.split(": ", 1)[-1] if sep else reason
-        raise ConstraintError(f"invalid {param}: {reason[:300]}", param) from None
+        field = SCHEMA_PARAMS.get(param, param) if spec.json_schema is not None else param
+        raise ConstraintError(f"invalid {field}: {reason[:300]}", field) from None

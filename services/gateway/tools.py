@@ -123,28 +123,34 @@ def _schema(value: dict) -> StructuredOutput:
     return StructuredOutput(json_schema=json.dumps(value))
 
 
-def required_schema(tools: dict[str, dict]) -> dict:
-    """An array of one or more calls, each one tool's name with that tool's parameters."""
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+def required_schema(tools: dict[str, dict], max_calls: int | None = None) -> dict:
+    """An array of one or more calls (at most max_calls), each one tool's name with that tool's parameters."""
+    return {"type": "array", "minItems": 1, **({"maxItems": max_calls} if max_calls else {}), "items": {"anyOf": [
         {"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
          "required": ["name", "parameters"]} for name, params in tools.items()]}}
 
 
-def tool_plan(tools: list[dict] | None, tool_choice: Any, formats: ChatFormats, thinking: bool) -> ToolPlan:
+def tool_plan(tools: list[dict] | None, tool_choice: Any, formats: ChatFormats, thinking: bool,
+              max_calls: int | None = None) -> ToolPlan:
     """What to parse and constrain for this request. `formats`: the parsers the gateway uses (its
-    flags, or the model's where they say auto); `thinking`: the template was not told not to think."""
+    flags, or the model's where they say auto); `thinking`: the answer may start inside a reasoning
+    block (the template was not told not to think, and no constraint holds the answer from its first token);
+    `max_calls`: 1 for parallel_tool_calls false (a required answer's schema allows one call; an auto
+    answer's calls past it are dropped), None for any number."""
     schemas = check_tools(tools)
     names = frozenset(schemas)
     reasoning = formats.reasoning_parser if thinking else _no_opened_block(formats.reasoning_parser)
     if tool_choice in (None, "auto", "none"):
         parse_calls = bool(schemas) and tool_choice != "none" and formats.tool_call_parser != "none"
         fmt = partial(tool_format, formats.tool_call_parser, names) if parse_calls else None
-        return ToolPlan(OutputParsing(reasoning, fmt), None, parse_calls and formats.tool_call_parser == "mistral")
+        return ToolPlan(OutputParsing(reasoning, fmt, max_calls=max_calls), None,
+                        parse_calls and formats.tool_call_parser == "mistral")
     if not schemas:
         raise bad("tool_choice 'required' or a named function needs tools", "tool_choice")
     if tool_choice == "required":
         _checked_schemas(tools or [], schemas, list(schemas))
-        return ToolPlan(OutputParsing("none", partial(RequiredFormat, names), forced=True), _schema(required_schema(schemas)), False)
+        return ToolPlan(OutputParsing("none", partial(RequiredFormat, names), forced=True),
+                        _schema(required_schema(schemas, max_calls)), False)
     if isinstance(tool_choice, str):
         raise bad(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice[:40]!r}",
                   "tool_choice")

@@ -42,6 +42,30 @@ def test_content_parts_are_joined_and_non_text_refused():
     assert e.value.param == "messages[0].content"
 
 
+def _called(arguments) -> list[dict]:
+    return [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "content": "r", "tool_call_id": "c1"}]
+
+
+@pytest.mark.parametrize("arguments, value", [('{"city": "Paris"}', {"city": "Paris"}), ("", {}),
+                                              ({"city": "Rome"}, {"city": "Rome"})])
+def test_history_tool_call_arguments_reach_the_template_as_values(arguments, value):
+    """Templates write `arguments | tojson` (vLLM hands them the parsed value): OpenAI's JSON text
+    passed as it came was quoted twice in the prompt."""
+    prompt, _ = chat_prompt(decode(ChatRequest, chat_body(messages=_called(arguments))), 10)
+    assert prompt.messages[1].tool_calls[0]["function"] == {"name": "f", "arguments": value}
+    assert prompt.messages[1].tool_calls[0]["id"] == "c1" and prompt.messages[2].tool_call_id == "c1"
+
+
+@pytest.mark.parametrize("arguments", ["{city: Paris", '{"x": NaN}', "1e999", "[" * 5000])
+def test_history_tool_call_arguments_that_are_not_json_are_a_400_naming_them(arguments):
+    with pytest.raises(ApiError) as e:
+        chat_prompt(decode(ChatRequest, chat_body(messages=_called(arguments))), 10)
+    assert e.value.status == 400 and e.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
 @pytest.mark.parametrize("prompt, count", [("a", 1), (["a", "b"], 2), ([1, 2], 1), ([[1], [2, 3]], 2)])
 def test_completion_prompt_forms(prompt, count):
     req = decode(CompletionRequest, json.dumps({"model": "m", "prompt": prompt}).encode())
@@ -168,6 +192,34 @@ def test_refused_chat_options(extra, param):
     with pytest.raises(ApiError) as e:
         chat_prompt(decode(ChatRequest, chat_body(**extra)), 10)
     assert e.value.status == 400 and e.value.param == param
+
+
+UNSUPPORTED = [({"allowed_token_ids": [1, 2]}, "allowed_token_ids"), ({"bad_words": ["x"]}, "bad_words"),
+               ({"prompt_logprobs": 0}, "prompt_logprobs"), ({"include_stop_str_in_output": True},
+                                                              "include_stop_str_in_output"),
+               ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens")]
+OFF_VALUES = {"allowed_token_ids": None, "bad_words": [], "prompt_logprobs": None, "include_stop_str_in_output": False,
+              "truncate_prompt_tokens": None, "continue_final_message": False, "echo": False}
+
+
+@pytest.mark.parametrize("extra, param", UNSUPPORTED + [({"continue_final_message": True}, "continue_final_message"),
+                                                        ({"echo": True}, "echo")])
+def test_vllm_extensions_not_implemented_are_refused_on_chat_not_ignored(extra, param):
+    """Each changes vLLM's answer; ignored, the client would get an answer it did not ask for."""
+    with pytest.raises(ApiError) as e:
+        chat_prompt(decode(ChatRequest, chat_body(**extra)), 10)
+    assert e.value.status == 400 and e.value.param == param and "not supported" in e.value.message
+    chat_prompt(decode(ChatRequest, chat_body(**OFF_VALUES)), 10)   # the defaults clients send pass
+
+
+@pytest.mark.parametrize("extra, param", UNSUPPORTED + [({"echo": True}, "echo")])
+def test_vllm_extensions_not_implemented_are_refused_on_completions(extra, param):
+    body = json.dumps({"model": "m", "prompt": "p", **extra}).encode()
+    with pytest.raises(ApiError) as e:
+        completion_prompts(decode(CompletionRequest, body), 8)
+    assert e.value.status == 400 and e.value.param == param
+    off = {k: v for k, v in OFF_VALUES.items() if k != "continue_final_message"}
+    completion_prompts(decode(CompletionRequest, json.dumps({"model": "m", "prompt": "p", **off}).encode()), 8)
 
 
 @pytest.mark.parametrize("extra, param", [

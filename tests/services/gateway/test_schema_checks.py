@@ -47,6 +47,17 @@ def test_a_malformed_schema_is_refused_off_the_event_loop_naming_its_field(field
     assert "not a valid JSON Schema" in str(e.value) and e.value.param == param
 
 
+@pytest.mark.parametrize("schema", [False, {"$ref": "#/$defs/missing"}])
+def test_a_schema_xgrammar_cannot_build_is_refused_naming_the_schema_field(schema):
+    """Well-formed JSON Schema that no grammar comes of: the error names the field holding the
+    schema, as the well-formedness errors do (not the response_format object around it)."""
+    spec, field = structured_output(_request(response_format={"type": "json_schema", "json_schema": {"schema": schema}}))
+    with pytest.raises(ConstraintError) as e:
+        asyncio.run(check_constraint(spec, field))
+    assert e.value.param == "response_format.json_schema.schema"
+    assert str(e.value).startswith("invalid response_format.json_schema.schema: ")
+
+
 def test_optional_properties_are_bounded_per_object():
     # xgrammar's compile grows with the square of an object's optional properties (any subset, in
     # order): 200 cost 4 s with a 128k vocabulary, and such requests filled the workers' compile

@@ -79,6 +79,13 @@ def test_required_is_a_schema_of_calls():
     assert plan.parsing.reasoning == "none" and plan.parsing.forced
 
 
+def test_required_without_parallel_calls_is_a_schema_of_one_call():
+    schema = json.loads(tool_plan(TOOLS, "required", QWEN, True, max_calls=1).structured.json_schema)
+    jsonschema.validate([{"name": "get_time", "parameters": {}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {}}] * 2, schema)
+
+
 def test_a_named_function_is_its_parameters_schema():
     plan = tool_plan(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, QWEN, True)
     assert json.loads(plan.structured.json_schema) == WEATHER
