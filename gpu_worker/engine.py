@@ -37,7 +37,7 @@ from gpu_worker.engine_setup import EngineSetup, measuring_memory, resolve_setup
 from gpu_worker.kv_tiers import TieredScheduler, build_kv_tiers
 from gpu_worker.kv_transfer import group
 from gpu_worker.config import EngineConfig
-from gpu_worker.outputs import EngineStats, RequestBusy, RequestError, SequenceDelta
+from gpu_worker.outputs import EngineStats, FailedCompile, RequestBusy, RequestError, SequenceDelta
 from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResult, to_device
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
@@ -122,7 +122,7 @@ class Engine:
         self.grammar_masks = GrammarMaskBuilder(self.vocab_size, self.device, max_threads=min(8, os.cpu_count() or 1))
         self._constrained: set[str] = set()       # running requests with a grammar
         self._compiling = CompilingRequests()     # ... of which those whose grammar is not ready
-        self._failed: list[tuple[str, str]] = []  # (request id, error) of failed compiles, to take
+        self._failed: list[FailedCompile] = []    # failed compiles, to take
         self.requests: dict[str, Request] = {}
         self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
         self._importing: dict[str, tuple[Sequence, list[tuple[int, int, float]] | None]] = {}  # KV arriving
@@ -171,6 +171,8 @@ class Engine:
         else:
             seqs = [Sequence(request, 0, list(prompt), len(prompt))]
         self._submit_grammar(request)     # once nothing can refuse it: a refused request queues no compile
+        if request.grammar is not None and not resume_output:   # new: fails busy if no thread starts it soon
+            self.grammars.limit_queue_wait(request.grammar, split_salt(cache_salt)[0])
         request.seqs += seqs
         self.requests[request_id] = request
         for seq in seqs:
@@ -208,9 +210,9 @@ class Engine:
             self._constrained.add(request.request_id)
             self._compiling.add(request)
 
-    def take_failed(self) -> list[tuple[str, str]]:
-        """(request id, error naming the field) of the requests ended since the last call
-        because their grammar failed to compile; they hold no blocks and produce no more deltas."""
+    def take_failed(self) -> list[FailedCompile]:
+        """The requests ended since the last call because their grammar failed to compile (or
+        waited past its queue deadline: busy); they hold no blocks and produce no more deltas."""
         failed, self._failed = self._failed, []
         return failed
 
@@ -771,7 +773,7 @@ class Engine:
             self.scheduler.abort(request)
             del self.requests[request.request_id]
             self._forget_constrained(request.request_id)
-            self._failed.append((request.request_id, request.grammar.error))
+            self._failed.append(FailedCompile(request.request_id, request.grammar.error, request.grammar.busy))
 
     def _forget_constrained(self, request_id: str) -> None:
         self._constrained.discard(request_id)

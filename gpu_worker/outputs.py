@@ -6,6 +6,7 @@ offline `LLM` accumulates them into vLLM-shaped `RequestOutput`s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class RequestError(ValueError):
@@ -15,6 +16,13 @@ class RequestError(ValueError):
 class RequestBusy(RequestError):
     """A single request is refused for now (its tenant is at a limit of this engine); a retry
     later can succeed. The message says which limit."""
+
+
+class FailedCompile(NamedTuple):
+    """A request the engine ended because its grammar did not compile (Engine.take_failed)."""
+    request_id: str
+    message: str     # names the field; safe to show the client
+    busy: bool       # it waited past its queue deadline for a compile thread: a retry later may succeed
 
 
 @dataclass(frozen=True)

@@ -383,17 +383,19 @@ class WorkerCore(PeerMoves):
 
     def _fail_constrained(self, out: list[Envelope]) -> None:
         """Requests the engine ended because their grammar did not compile: a 400 naming the field
-        (no token was drawn for them), and their stream closed."""
+        (no token was drawn for them), or a 429 when it waited past its queue deadline for a
+        compile thread (as add_request's RequestBusy), and their stream closed."""
         take = getattr(self.engine, "take_failed", None)
-        for rid, message in take() if take is not None else ():
+        for rid, message, busy in take() if take is not None else ():
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
             self._unscheduled.pop(rid, None)
             self._finished.append((rid, req.run))
+            status, code = (429, "rate_limit_exceeded") if busy else (400, "invalid_request")
             out.append(Envelope(req.reply_addr, RequestFailed(
-                request_id=rid, status=400, code="invalid_request", message=message)))
-            out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason="invalid_request")))
+                request_id=rid, status=status, code=code, message=message)))
+            out.append(Envelope(req.detok_addr, Abort(request_id=rid, reason=code)))
 
     def _prefill_ended(self, rid: str, req: _Req) -> None:
         """Every sample of rid has drawn its last token here, or its first before a hand-off."""

@@ -2,7 +2,9 @@
 sequence, a token bitmask applied to the batch's logits before sampling.
 
     compiler.py   GrammarCompilerPool: the tokenizer's xgrammar compiler, the per-tenant cap,
-                  the time limit; admit() (CompileBusy past the cap), submit() -> GrammarJob
+                  the time limit, the queue-wait limit; admit() (CompileBusy past the cap),
+                  submit() -> GrammarJob, limit_queue_wait() (a new request's job fails busy
+                  when no thread starts it in time)
     fair_queue.py FairQueue: the compile threads, shared fairly across tenants
     grammar_cache.py  GrammarCache: compiled grammars by digest, bounded in bytes (LRU)
     matchers.py   GrammarJob (a compile in flight) and the per-sequence GrammarMatcher life cycle

@@ -20,7 +20,9 @@ gateway's limits on what reaches it (sizes, enum entries, nesting depth: service
 structured.py) and by a deadline: a request whose grammar is not ready `time_limit_s` after a
 thread started its compile fails (the engine finds the job settled with that error: compiling.py);
 time queued does not count. The compile itself runs on to its end on its thread, and at most
-`max_workers` such compiles run at once. `compile` is the seam that runs on the threads (tests
+`max_workers` such compiles run at once. Time queued has its own bound for a keyed tenant's new
+request (`limit_queue_wait`, `queue_wait_limit_s`): a job no thread started by then is cancelled
+and fails busy (the worker answers 429, like the cap; a retry later may find a thread). `compile` is the seam that runs on the threads (tests
 replace it to make a compile slow).
 
 Cache hits: a constraint in the cache gets a job settled at submission (expect_cached): it takes
@@ -50,6 +52,11 @@ DEFAULT_TIME_LIMIT_S = 10.0
 # compiles of one tenant queued or running on one worker: a burst of distinct schemas fits; a flood
 # is answered 429 rather than holding the worker's request slots (scheduler capacity) for minutes
 DEFAULT_MAX_PER_TENANT = 64
+# longest a keyed tenant's new request waits for a compile thread (behind its own compiles, or one
+# running compile of each other tenant) before it fails busy: twice the time limit, so a burst of
+# typical schemas (0.3-1.5 s each) compiles whole, and a flood's tail is answered 429 within
+# seconds instead of holding its requests (and their prompts' KV blocks) for minutes
+DEFAULT_QUEUE_WAIT_LIMIT_S = 2 * DEFAULT_TIME_LIMIT_S
 # transformers resolves its classes by lazy imports, which two threads must not run at once (one
 # GPU bench run failed its first compile with "Could not import module 'AutoTokenizer'"): every
 # pool of a process imports xgrammar (which imports transformers) and loads its tokenizer under
@@ -65,12 +72,14 @@ class GrammarCompilerPool:
     def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int], *,
                  cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES,
                  time_limit_s: float = DEFAULT_TIME_LIMIT_S, max_workers: int = 2,
-                 max_per_tenant: int = DEFAULT_MAX_PER_TENANT) -> None:
+                 max_per_tenant: int = DEFAULT_MAX_PER_TENANT,
+                 queue_wait_limit_s: float = DEFAULT_QUEUE_WAIT_LIMIT_S) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.time_limit_s = time_limit_s
         self.max_per_tenant = max_per_tenant
+        self.queue_wait_limit_s = queue_wait_limit_s
         self.cache = GrammarCache(cache_limit_bytes)
         self._queue = FairQueue(max_workers, "grammar-compile")
         self._compiler: Any = None
@@ -97,6 +106,12 @@ class GrammarCompilerPool:
         job = GrammarJob(future, _field_of(spec))
         self._queue.put(tenant, future, lambda: self._compile_and_keep(job, spec, key))
         return job
+
+    def limit_queue_wait(self, job: GrammarJob, tenant: str) -> None:
+        """A new request's job (one admit let in): no thread started within queue_wait_limit_s, it
+        fails busy. Like the cap, not for the unsalted tenant (no one to wait behind but itself)."""
+        if tenant and not job.expect_cached:
+            job.limit_queue_wait(self.queue_wait_limit_s)
 
     def _compile_and_keep(self, job: GrammarJob, spec: StructuredOutput, key: bytes) -> Any:
         job.begin(self.time_limit_s)

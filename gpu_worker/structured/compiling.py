@@ -8,7 +8,8 @@ prompt's prefill overlaps the compile, the rest of the batch keeps stepping, and
 blocks on a compile:
 
     step k   poll(): settled jobs leave; draw_waits cleared -> the draw joins this step's schedule
-                     failed ones (compile error, deadline passed) -> the engine ends them
+                     failed ones (compile error, deadline passed, no thread by the queue
+                     deadline: busy) -> the engine ends them
     step k   nothing else to run: wait() blocks until a compile ends, at most IDLE_WAIT_S, so a
              caller stepping in a loop neither spins nor keeps new requests waiting long
 """
@@ -28,7 +29,7 @@ IDLE_WAIT_S = 0.005
 
 class Settled(NamedTuple):
     ready: list[Any]     # Requests whose grammar compiled: they draw from now on
-    failed: list[Any]    # Requests whose compile failed or missed its deadline (job.error says why)
+    failed: list[Any]    # Requests whose compile failed or missed a deadline (job.error: why; job.busy: retryable)
 
 
 class CompilingRequests:
@@ -80,6 +81,6 @@ class CompilingRequests:
         jobs = [request.grammar for request in self._requests.values()]
         if not jobs:
             return
-        until_deadline = min(job.deadline for job in jobs) - time.monotonic()
+        until_deadline = min(job.wait_deadline() for job in jobs) - time.monotonic()
         wait_futures([job.future for job in jobs], timeout=max(0.0, min(timeout_s, until_deadline)),
                      return_when=FIRST_COMPLETED)

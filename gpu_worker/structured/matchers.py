@@ -7,7 +7,9 @@ returns at once; a job whose grammar was in the cache (expect_cached) is settled
 
 The time limit counts the compile, not the wait for a compile thread: a job's deadline is set when
 a thread starts it (begin), so a request queued behind other tenants' compiles is not failed for
-time it spent waiting (the fair queue bounds that wait: fair_queue.py).
+time it spent waiting (the fair queue bounds that wait: fair_queue.py). The wait behind its own
+tenant's compiles has a bound of its own (limit_queue_wait): a job no thread has started by then is
+cancelled and fails busy, a retry later may succeed (the worker answers 429).
 """
 from __future__ import annotations
 
@@ -32,17 +34,41 @@ class GrammarJob:
     def __init__(self, future: Future, field: str, *, expect_cached: bool = False) -> None:
         self.future = future
         self.deadline = math.inf        # no limit while queued; begin() starts it
+        self.queue_deadline = math.inf  # a thread must start it by then (limit_queue_wait)
         self.field = field
         self.expect_cached = expect_cached   # found in the cache: settled from the start
         self.error: str | None = None   # set once the compile failed: the request ends with it
+        self.busy = False               # it failed waiting for a thread, not compiling: retryable
+
+    def limit_queue_wait(self, limit_s: float) -> None:
+        """A thread must start this job within limit_s from now, or it fails busy (settled)."""
+        self.queue_deadline = time.monotonic() + limit_s
 
     def begin(self, time_limit_s: float) -> None:
         """A compile thread starts this job now: it must end within time_limit_s (called on that thread)."""
         self.deadline = time.monotonic() + time_limit_s
 
     def settled(self) -> bool:
-        """True once wait() returns (or raises) at once: the compile ended or missed its deadline."""
-        return self.error is not None or self.future.done() or time.monotonic() >= self.deadline
+        """True once wait() returns (or raises) at once: the compile ended or missed its deadline,
+        or no thread started it by its queue deadline (it is cancelled then: it never runs)."""
+        now = time.monotonic()
+        return (self.error is not None or self.future.done() or now >= self.deadline
+                or (now >= self.queue_deadline and self._expire_queued()))
+
+    def _expire_queued(self) -> bool:
+        """Cancel the job if no thread has started it: True then (it failed busy). A job a thread
+        started meanwhile runs on under its own deadline."""
+        if not self.future.cancel():
+            return False
+        self.busy = True
+        self.error = (f"{self.field}: the constraint waited too long for a compile thread behind this API key's "
+                      "other compiles on this worker; retry later or reuse schemas")
+        return True
+
+    def wait_deadline(self) -> float:
+        """When this job settles at the latest if nothing ends before: its deadline once started,
+        else its queue deadline."""
+        return self.deadline if self.deadline != math.inf else self.queue_deadline
 
     def wait(self) -> Any:
         """The CompiledGrammar; raises GrammarError when the compile failed or missed its deadline."""
@@ -62,8 +88,11 @@ class GrammarJob:
 
     def _result(self) -> Any:
         """The future's result, or FutureTimeout once the deadline passed; a job still queued has
-        no deadline yet, so this waits in slices until a thread has started it."""
+        no deadline yet, so this waits in slices until a thread has started it (or, past its
+        queue deadline, raises GrammarError busy)."""
         while True:
+            if time.monotonic() >= self.queue_deadline and self._expire_queued():
+                raise GrammarError(self.error)
             remaining = self.deadline - time.monotonic()
             if remaining <= 0 and not self.future.done():
                 raise FutureTimeout()

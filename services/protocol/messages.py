@@ -74,7 +74,8 @@ class Submit(Msg, tag="submit", kw_only=True):
 class Abort(Msg, tag="abort", kw_only=True):
     request_id: str
     index: int | None = None         # one sample (n > 1, e.g. its stop string matched); None: all
-    reason: str = "client"           # client | stop | worker_failed | timeout | shutdown | invalid_request | moved
+    # client | stop | worker_failed | timeout | shutdown | invalid_request | rate_limit_exceeded | moved
+    reason: str = "client"
 
 
 # ----------------------------------------------------------------------------- scheduler -> gateway
@@ -114,6 +115,9 @@ _ABORT_ERRORS = {
     "timeout": (504, "timeout", "the request took too long and was stopped"),
     "shutdown": (503, "shutdown", "the service serving this request shut down; please retry"),
     "invalid_request": (400, "invalid_request", "the request's output constraint could not be compiled"),
+    "rate_limit_exceeded": (429, "rate_limit_exceeded",
+                            "the request's output constraint waited too long to compile behind this API key's "
+                            "others; please retry"),
 }
 _ABORTED = (500, "aborted", "the request was stopped before it finished")
 

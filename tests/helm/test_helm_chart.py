@@ -218,6 +218,39 @@ def test_engine_settings_have_one_place(helm, bad, message):
     assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("bad, message", [
+    # a pool's own block size: the prefix-cache index ignores its blocks, hand-offs refuse them
+    (["--set", "workerPools.decode.config.block-size=32"], "workerPools.decode (worker.* under the pool's own): config.block-size"),
+    (["--set", "worker.config.block_size=32"], "config.block_size would differ from the rest of the fleet's block-size"),
+    (["--set", "workerPools.prefill.extraArgs[0]=--block-size=32"], "extraArgs --block-size=32"),
+    (["--set", "workerPools.decode.extraEnv[0].name=KVMESH_BLOCK_SIZE", "--set",
+      "workerPools.decode.extraEnv[0].value=32"], "extraEnv KVMESH_BLOCK_SIZE"),
+    (["--set", "prefixCache.config.block-size=32"], "prefixCache: config.block-size"),
+    (["--set", "gateway.extraArgs[0]=--model=/other"], "set model.path instead"),
+    # prefill and decode pools whose KV layouts differ, wherever a pool sets the field
+    (["--set", "workerPools.decode.engine.kv-cache-dtype=fp8"],
+     "workerPools.prefill and workerPools.decode get kv-cache-dtype auto and fp8"),
+    (["--set", "workerPools.prefill.config.dtype=float16"], "get dtype float16 and auto"),
+    (["--set", "workerPools.decode.extraArgs={--quantization,fp8}"], "set worker.engine.quantization for both"),
+    (["--set", "worker.extraArgs={--dtype=bfloat16}", "--set", "workerPools.decode.extraArgs={--enforce-eager}"],
+     "get dtype bfloat16 and auto"),
+])
+def test_fleet_settings_are_not_set_per_pod(helm, bad, message):
+    """A value every pod must share, set for one component or pool, fails the render naming it."""
+    out = run_helm(helm, "template", RELEASE, str(CHART), *bad)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_fleet_settings_set_once_render(helm):
+    """The same settings where they belong render, every pool with the fleet's value."""
+    out = run_helm(helm, "template", RELEASE, str(CHART), "--set", "config.block-size=32",
+                   "--set", "worker.engine.kv-cache-dtype=fp8", "--set", "workerPools.decode.extraEnv[0].name=KVMESH_KV_CACHE_DTYPE",
+                   "--set", "workerPools.decode.extraEnv[0].value=fp8", "--set", "workerPools.mixed.enabled=true",
+                   "--set", "workerPools.mixed.engine.kv-cache-dtype=auto")
+    assert out.returncode == 0, out.stderr
+    assert 'KVMESH_BLOCK_SIZE: "32"' in out.stdout
+
+
 def test_multi_gpu_pool_shards_the_model_over_its_gpus(helm, tmp_path_factory):
     deps = by_kind(render(helm, "pools", tmp_path_factory), "Deployment")
     (decode,) = containers(deps[f"{FULLNAME}-decode"])

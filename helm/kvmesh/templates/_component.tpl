@@ -30,6 +30,7 @@ Pods carry `kvmesh.io/service: <service>`, the label the NetworkPolicies and the
 {{- if .role }}{{ $ports = concat $ports (list (int $v.kvEventsPort) (int $v.kvSnapshotPort)) }}{{ end }}
 {{- if or (eq .role "decode") (eq .role "mixed") }}{{ $ports = append $ports (int $v.kvTransferPort) }}{{ end }}
 {{- range $v.extraPorts }}{{ $ports = append $ports (int .port) }}{{ end }}
+{{- include "kvmesh.fleetSettings" (dict "values" $v "where" (ternary (printf "workerPools.%s" .component) (.component | camelcase | untitle) (not (empty .role)))) }}
 {{- $seen := list }}
 {{- range $port := $ports }}
 {{- if has $port $seen }}

@@ -140,6 +140,79 @@ Call with (dict "values" <the pool's merged values> "pool" "decode").
 {{- end }}
 
 {{/*
+Settings one pod must not set for itself: every service and the prefix-cache index hash prompts
+in blocks of `config.block-size`, and every pod serves `model.path`. A component's `config`,
+`extraArgs` or `extraEnv` naming one would give that pod a value the rest of the fleet does not
+share: refused, naming where the value was set and where it belongs.
+Call with (dict "values" <the component's values> "where" "workerPools.decode").
+*/}}
+{{- define "kvmesh.fleetSettings" -}}
+{{- $where := ternary (printf "%s (worker.* under the pool's own)" .where) .where (hasPrefix "workerPools." .where) }}
+{{- range $key, $home := dict "block-size" "config.block-size (every service reads it)" "model" "model.path" }}
+{{- $env := printf "KVMESH_%s" ($key | replace "-" "_" | upper) }}
+{{- range $name, $_ := $.values.config }}
+{{- if eq (printf "KVMESH_%s" ($name | replace "-" "_" | replace "." "_" | upper)) $env }}
+{{- fail (printf "%s: config.%s would differ from the rest of the fleet's %s: set %s instead" $where $name $key $home) }}
+{{- end }}
+{{- end }}
+{{- range $arg := $.values.extraArgs }}
+{{- if eq (regexReplaceAll "=.*" (toString $arg) "") (printf "--%s" $key) }}
+{{- fail (printf "%s: extraArgs %s would differ from the rest of the fleet's %s: set %s instead" $where $arg $key $home) }}
+{{- end }}
+{{- end }}
+{{- range $entry := $.values.extraEnv }}
+{{- if eq (toString (get $entry "name")) $env }}
+{{- fail (printf "%s: extraEnv %s would differ from the rest of the fleet's %s: set %s instead" $where $env $key $home) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A worker pool's value of one engine setting as its container gets it: a flag in `extraArgs` over
+a variable in `extraEnv` over `config` over `engine`, else `default`.
+Call with (dict "values" <the pool's merged values> "key" "kv-cache-dtype" "default" "auto").
+*/}}
+{{- define "kvmesh.poolSetting" -}}
+{{- $env := printf "KVMESH_%s" (.key | replace "-" "_" | upper) }}
+{{- $value := .default }}
+{{- range $name, $v := .values.engine }}{{ if eq $name $.key }}{{ $value = $v }}{{ end }}{{ end }}
+{{- range $name, $v := .values.config }}
+{{- if eq (printf "KVMESH_%s" ($name | replace "-" "_" | replace "." "_" | upper)) $env }}{{ $value = $v }}{{ end }}
+{{- end }}
+{{- range $entry := .values.extraEnv }}
+{{- if eq (toString (get $entry "name")) $env }}{{ $value = get $entry "value" }}{{ end }}
+{{- end }}
+{{- $flag := printf "--%s" .key }}
+{{- $args := .values.extraArgs | default (list) }}
+{{- range $i, $arg := $args }}
+{{- if hasPrefix (printf "%s=" $flag) (toString $arg) }}{{ $value = trimPrefix (printf "%s=" $flag) (toString $arg) }}
+{{- else if and (eq (toString $arg) $flag) (lt (add1 $i) (len $args)) }}{{ $value = index $args (add1 $i) }}{{ end }}
+{{- end }}
+{{- include "kvmesh.settingText" $value }}
+{{- end }}
+
+{{/*
+The prefill and decode pools' KV layouts meet in every hand-off (gpu_worker/kv_transfer/layout.py):
+their KV dtype, weights dtype and quantization must be equal, or no prefill worker finds a decode
+worker to pair with (the scheduler pairs equal layouts only). Call with the root context.
+*/}}
+{{- define "kvmesh.handoffPools" -}}
+{{- $pools := .Values.workerPools }}
+{{- if and (dig "prefill" "enabled" false $pools) (dig "decode" "enabled" false $pools) }}
+{{- $prefill := mergeOverwrite (deepCopy .Values.worker) (deepCopy $pools.prefill) }}
+{{- $decode := mergeOverwrite (deepCopy .Values.worker) (deepCopy $pools.decode) }}
+{{- range $key, $default := dict "kv-cache-dtype" "auto" "dtype" "auto" "quantization" "none" }}
+{{- $p := include "kvmesh.poolSetting" (dict "values" $prefill "key" $key "default" $default) }}
+{{- $d := include "kvmesh.poolSetting" (dict "values" $decode "key" $key "default" $default) }}
+{{- if ne $p $d }}
+{{- fail (printf "workerPools.prefill and workerPools.decode get %s %s and %s (from engine, config, extraEnv or extraArgs, worker.* under each pool's own): a prefill worker hands KV only to a decode worker of its own KV layout; set worker.engine.%s for both" $key $p $d $key) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
 Name of the Secret the chart creates for an external Redis URL.
 */}}
 {{- define "kvmesh.secretName" -}}

@@ -4,8 +4,10 @@ so the gateway keeps them for a request parsed with this format):
     [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {...}]     (v3 tokenizers)
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}        (v11 and later)
 
-Text before the first `[TOOL_CALLS]` is content. The EOS token that ends the answer is not text (services/text/streams.py leaves it out); a `</s>`
-written as text at the very end of the answer is dropped all the same.
+Text before the first `[TOOL_CALLS]` is content. After a marker and after `[ARGS]`, any whitespace
+str.isspace takes (a no-break or ideographic space too) reads as a space; inside the JSON, JSON's
+own. The EOS token that ends the answer is not text (services/text/streams.py leaves it out); a
+`</s>` written as text at the very end of the answer is dropped all the same.
 
 A call streams as it is generated (open_call.py): once its header is read (`name[ARGS]{`, or an
 array item's `{"name": "<an offered tool>", "arguments": {`) the call is certain, and its
@@ -25,7 +27,7 @@ from services.gateway.tool_parsers.base import (
 from services.gateway.tool_parsers.open_call import MORE, ArgsReader, Header, JsonLexer, OpenCallFormat, header, literal
 
 TOOL_CALLS, ARGS, EOS = "[TOOL_CALLS]", "[ARGS]", "</s>"
-_NAME = re.compile(r"\s*([A-Za-z0-9_-]{1,64})")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")   # matched after the whitespace is skipped (Spaces keeps its runs)
 
 
 class MistralFormat(OpenCallFormat):
@@ -104,7 +106,7 @@ class MistralFormat(OpenCallFormat):
     def _open(self, text: str, at: int, final: bool, pieces: list[Piece]) -> int:
         """After a marker: the index of a streamed call's arguments (its CallOpen added), MORE to
         wait, -1 when it is not one (read whole as before)."""
-        at = self.spaces(text, at)
+        at = self.isspace(text, at)   # the whitespace _calls takes after a marker, each run read once
         if at < len(text) and text[at] == "[":
             head = header(text, at + 1, self.spaces)
             self.in_list = True
@@ -113,8 +115,8 @@ class MistralFormat(OpenCallFormat):
             after = m.end() if m else -1
             head = -1
             if m and text.startswith(ARGS, after):
-                body = self.spaces(text, after + len(ARGS))
-                head = MORE if body == len(text) else Header(m.group(1), body) if text[body] == "{" else -1
+                body = self.isspace(text, after + len(ARGS))
+                head = MORE if body == len(text) else Header(m.group(), body) if text[body] == "{" else -1
             elif m and (len(text) - after < len(ARGS) and ARGS.startswith(text[after:])):
                 head = MORE
             elif at == len(text):
@@ -187,7 +189,7 @@ class MistralFormat(OpenCallFormat):
         end = self.json_end(text, body)
         if end < 0:
             return (len(text), None) if final else (-1, None)
-        value = as_call({"name": m.group(1), "arguments": loads(text[body:end])}, self.tool_names)
+        value = as_call({"name": m.group(), "arguments": loads(text[body:end])}, self.tool_names)
         return end, None if value is None else [Call(text[at:end], value)]
 
 

@@ -98,7 +98,7 @@ def test_async_constrained_and_penalised_draws_give_the_synchronous_tokens(tiny_
             out, eligible, ahead = run_counting(engine, gate)
         finally:
             gate.set()
-        assert [rid for rid, _ in engine.take_failed()] == ["bad"]
+        assert [f.request_id for f in engine.take_failed()] == ["bad"]
         if speculative and async_scheduling:
             assert ahead >= 20 and engine.stats().extra["spec_decode"]["verify_steps"] > 0
         elif async_scheduling:    # every such step launched its forward before reading the last
@@ -136,7 +136,7 @@ def test_async_constrained_batch_on_cuda_gives_the_synchronous_tokens(tiny_llama
                                      cuda_graph_max_bs=32, async_scheduling=async_scheduling))
         add_mixed(engine)
         out = run(engine)
-        assert [rid for rid, _ in engine.take_failed()] == ["bad"]
+        assert [f.request_id for f in engine.take_failed()] == ["bad"]
         assert (engine.steps_ahead >= 20) == async_scheduling
         assert engine.block_manager.num_used_blocks == 0
         engine.block_manager.check_integrity()

@@ -17,7 +17,7 @@ from gpu_worker.service.core import WorkerCore
 from gpu_worker.structured import CompileBusy, GrammarCompilerPool, GrammarError
 from gpu_worker.structured.fair_queue import FairQueue
 from services.protocol.kv_events import cache_salt_for
-from services.protocol.messages import Dispatch, RequestFailed
+from services.protocol.messages import Abort, Dispatch, RequestFailed, failure_of
 from services.protocol.sampling import SamplingParams, StructuredOutput
 from tests.gpu_worker.structured.test_structured_engine import assert_blocks_back, make_engine, run
 
@@ -127,6 +127,66 @@ def test_a_tenant_past_its_cap_is_refused_and_others_are_not():
     gate.set()
     assert jobs[0].wait() is not None and jobs[1].wait() is not None
     pool.close()
+
+
+def test_a_compile_no_thread_starts_in_time_fails_busy_and_frees_its_place():
+    """Behind its own key's compiles (both threads held), a new request's compile that no thread
+    starts within the queue-wait limit settles busy and is cancelled: it never runs, and no longer
+    counts against the key's cap. A started compile is not failed by that limit, nor is an
+    unsalted tenant's (no cap, no limit) or a job with no limit set (a request moved here)."""
+    pool = GrammarCompilerPool("/nonexistent", 1024, [1], queue_wait_limit_s=0.2)
+    gate, started, ran = threading.Event(), [], []
+    pool.compile = lambda s: (started.append(s.regex), gate.wait(timeout=10), ran.append(s.regex), _Grammar())[3]
+    running = [pool.submit(spec("A", i), "key0") for i in (0, 1)]
+    for job in running:
+        pool.limit_queue_wait(job, "key0")
+    deadline = time.monotonic() + 10
+    while len(started) < 2 and time.monotonic() < deadline:   # both threads hold key0's compiles
+        time.sleep(0.001)
+    queued, moved = pool.submit(spec("A", 2), "key0"), pool.submit(spec("A", 3), "key0")
+    unsalted = pool.submit(spec("C", 0), "")
+    pool.limit_queue_wait(queued, "key0")
+    pool.limit_queue_wait(unsalted, "")
+    assert not queued.settled() and pool._queue.pending("key0") == 4
+    t = time.monotonic()
+    with pytest.raises(GrammarError, match="waited too long for a compile thread"):
+        queued.wait()                                 # a blocking wait ends at the queue deadline too
+    assert 0.1 < time.monotonic() - t < 5
+    assert queued.settled() and queued.busy and queued.future.cancelled()
+    assert not any(job.settled() for job in (*running, moved, unsalted))
+    assert pool._queue.pending("key0") == 3          # its place under the cap is free
+    gate.set()
+    assert all(job.wait() is not None for job in (*running, moved, unsalted))
+    assert sorted(ran) == ["A0", "A1", "A3", "C0"] and not any(j.busy for j in (*running, moved, unsalted))
+    pool.close()
+
+
+def test_the_worker_answers_a_compile_that_waited_too_long_with_a_429(tiny_llama):
+    """Through WorkerCore: key0's third constrained request waits behind its two compiles (both
+    threads) past the queue-wait limit: a 429 rate_limit_exceeded to the gateway, its stream closed
+    with the same code, its blocks back; the two others are served once their compiles end."""
+    engine, gate, compiled = gated_engine(tiny_llama, 64)
+    engine.grammars.queue_wait_limit_s = 0.3
+    core = WorkerCore(engine, "w", 1)
+    salt = cache_salt_for("key0", "")
+    out = core.run([Dispatch(request_id=f"r{i}", epoch=1, prompt_token_ids=[5, 6, 7], params=constrained(r),
+                             cache_salt=salt, reply_addr="gw", detok_addr="d")
+                    for i, r in enumerate(("[a-z]{3}", "[0-9]{3}", "(yes|no)"))])
+    deadline = time.monotonic() + 30
+    while not any(isinstance(e.msg, RequestFailed) for e in out) and time.monotonic() < deadline:
+        out += core.run([])
+    failed = [e.msg for e in out if isinstance(e.msg, RequestFailed)]
+    assert [(m.request_id, m.status, m.code) for m in failed] == [("r2", 429, "rate_limit_exceeded")]
+    assert "retry later" in failed[0].message
+    assert any(isinstance(e.msg, Abort) and e.msg.request_id == "r2" and e.msg.reason == "rate_limit_exceeded"
+               for e in out)
+    assert failure_of(Abort(request_id="r2", reason="rate_limit_exceeded")).status == 429
+    assert "r2" not in engine.requests and engine.grammars._queue.pending("key0") == 2
+    gate.set()
+    assert set(run(engine)) == {("r0", 0), ("r1", 0)} and sorted(compiled) == ["[0-9]{3}", "[a-z]{3}"]
+    assert engine.grammars._queue.pending("key0") == 0
+    assert_blocks_back(engine)
+    engine.close()
 
 
 def pool_digest(s: StructuredOutput) -> bytes:

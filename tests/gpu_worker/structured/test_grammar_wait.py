@@ -96,7 +96,7 @@ def test_a_held_compile_past_its_time_limit_ends_only_its_request(tiny_llama, pl
         engine.requests["json"].grammar.deadline = time.monotonic()    # its time limit passes now
         step_counting(engine, 1, out)
         assert engine.take_failed() == [("json", "invalid json_schema: the constraint did not compile within "
-                                                 "the time limit; simplify it")]
+                                                 "the time limit; simplify it", False)]
         assert "json" not in engine.requests
         rest = run(engine)
     finally:

@@ -148,7 +148,7 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_request(tiny_llama, plain
     add_plain(engine)
     out = run(engine)
     failed = engine.take_failed()
-    assert [rid for rid, _ in failed] == ["bad"]
+    assert [f.request_id for f in failed] == ["bad"]
     assert failed[0][1].startswith("invalid grammar: it cannot be compiled")
     assert ".cc" not in failed[0][1]
     assert not any(rid == "bad" for rid, _ in out)
@@ -169,7 +169,7 @@ def test_a_compile_past_the_time_limit_fails_the_request(tiny_llama):
     assert time.monotonic() - t < 5.0
     failed = engine.take_failed()
     assert failed == [("slow", "invalid json_schema: the constraint did not compile within the time limit; "
-                               "simplify it")]
+                               "simplify it", False)]   # not busy: a 400
     assert_blocks_back(engine)
     engine.close()
 

@@ -181,3 +181,32 @@ def test_held_openings_stream_as_they_parse_whole():
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 8))))
         assert stream(fmt, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]) == expected, text
         assert stream(fmt, list(text)) == expected, text
+
+
+UNICODE_SPACES = ["\u00a0", "\u2003", "\u3000", "\u00a0 \u3000"]   # str.isspace, not in JSON's own whitespace
+MISTRAL_SPACED = [   # {0}: after a marker, {1}: after [ARGS] or inside an array (JSON: ASCII only), {2}: after a call
+    '[TOOL_CALLS]{0}get_time[ARGS]{0}{{"a":1}}{2}[TOOL_CALLS]{0}get_weather[ARGS]{0}{{}}',
+    '[TOOL_CALLS]{0}[{1}{{"name": "get_time", "arguments": {{"a":1}}}}{1},{1}{{"name": "get_weather", "arguments": {{}}}}{1}]{2}',
+    'Ok.{2}[TOOL_CALLS]{0}[{{"arguments": {{"a":1}}, "name": "get_time"}}]{2}',
+    '[TOOL_CALLS]{0}rm[ARGS]{0}{{}}{2}[TOOL_CALLS]{0}get_time[ARGS]{0}{{"a":',
+    '[TOOL_CALLS]{0}get_time{2}',
+    '[TOOL_CALLS]{0}[{1}{{"name": "get_w',
+]
+
+
+@pytest.mark.parametrize("space", UNICODE_SPACES)
+@pytest.mark.parametrize("template", MISTRAL_SPACED)
+def test_unicode_whitespace_after_a_mistral_marker_reads_as_a_space(template, space):
+    """Whitespace that str.isspace takes (a no-break, em or ideographic space) where a Mistral
+    answer may hold any: streamed at every split and one character at a time, the parse is the whole
+    answer's, and it is the answer with a plain space there (a call streamed as written either way),
+    apart from the whitespace itself in content."""
+    text = template.format(space, " ", space)
+    parsed = parse(tool_format("mistral", TOOLS), text)
+    expected = (parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls])
+    plain = parse(tool_format("mistral", TOOLS), template.format(" ", " ", " "))
+    assert expected[1] == [(c.name, c.arguments) for c in plain.tool_calls]
+    assert (expected[0] or "").replace(space, " ") == (plain.content or "")
+    assert stream("mistral", list(text)) == expected
+    for k in range(len(text) + 1):
+        assert stream("mistral", [text[:k], text[k:]]) == expected, k
