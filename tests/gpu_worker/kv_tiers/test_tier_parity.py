@@ -1,12 +1,19 @@
 """Greedy parity with transformers after the history of a chat went to a lower KV tier and came
-back, on every architecture and tier combination; a 10-turn chat through the engine; the
+back, on every architecture and tier combination, and with speculation (n-gram, draft model, MTP)
+under preemption; a 10-turn chat through the engine; the
 load-or-recompute policies; integrity of every tier at the end."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from tests.gpu_worker.kv_tiers.conftest import check_all_tiers, chat, tier_stats, tiered_engine
+from gpu_worker.engine import Engine
+from services.protocol.sampling import SamplingParams
+from tests.gpu_worker.kv_tiers.conftest import MAX_STEPS, check_all_tiers, chat, tier_stats, tiered_engine
+from tests.gpu_worker.spec_decode.mtp_models import random_mtp
+from tests.gpu_worker.spec_decode.spec_fakes import repetitive
 
 TIER_CONFIGS = {
     "cpu": dict(kv_offload_cpu_gb=0.001),
@@ -145,3 +152,37 @@ def test_offload_and_reload_on_the_gpu(arch_model, async_scheduling, tmp_path):
     assert stats["loaded_blocks"]["cpu"] > 0 and stats["loaded_blocks"]["disk"] > 0, stats
     check_all_tiers(eng)
     eng.close()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
+def test_speculation_with_tiers_and_preemption_matches_one_plain_engine(method, tmp_path):
+    """Speculation on an engine whose history comes back from host memory and disk while a
+    small pool preempts (n = 2, async scheduling): the plain engine's greedy tokens, every block
+    of every tier back."""
+    model_dir = random_mtp("llama", tmp_path / "model")   # its own draft model, and its MTP layer
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+            "draft_model": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3},
+            "mtp": {"method": "mtp", "num_speculative_tokens": 2, "backoff_max_steps": 0}}[method]
+    plain = tiered_engine(model_dir, num_gpu_blocks=512)
+    eng = tiered_engine(model_dir, num_gpu_blocks=20, speculative_config=json.dumps(spec), async_scheduling=True,
+                        kv_offload_cpu_gb=1e-5, kv_offload_dir=str(tmp_path / "kv"), kv_offload_disk_gb=0.001)
+
+    def drive(e: Engine) -> dict:
+        out: dict = {}
+        for i in range(3):
+            e.add_request(f"r{i}", repetitive(22 + 5 * i, 3 + i, i), SamplingParams(temperature=0.0, max_tokens=16,
+                                                                                  ignore_eos=True, n=2))
+        for _ in range(MAX_STEPS):
+            if not e.has_unfinished_requests():
+                break
+            for d in e.step():
+                out.setdefault((d.request_id, d.index), []).extend(d.new_token_ids)
+        return out
+
+    want = drive(plain)
+    turns, got = chat(eng, 2), drive(eng)
+    assert [a for _, a, _ in turns] == [a for _, a, _ in chat(plain, 2)]
+    assert got == want
+    assert eng.stats().num_preemptions > 0 and eng.stats().extra["spec_decode"]["proposed"] > 0
+    assert sum(tier_stats(eng)["loaded_blocks"].values()) > 0
+    check_all_tiers(eng)
