@@ -308,6 +308,13 @@ class WorkerConfig(ServedEngineArgs, ServiceConfig):
     null_step_ms: float = opt(0.0, "Null model: sleep per engine step in ms (sets the token rate).", min=0)
     null_vocab_size: int = opt(32000, "Null model: vocabulary size of the fake tokens.", min=1)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.role != "mixed" and self.tensor_parallel_size > 1:
+            raise ConfigError(f"--role={self.role} with --tensor-parallel-size={self.tensor_parallel_size}: a "
+                              "hand-off moves KV out of and into one process's cache, a single GPU's; run "
+                              "prefill and decode workers with --tensor-parallel-size 1 (a mixed worker shards)")
+
 
 @dataclass(frozen=True)
 class ServeConfig(ServedEngineArgs):
@@ -369,6 +376,10 @@ class ServeConfig(ServedEngineArgs):
         if bool(self.prefill_workers) != bool(self.decode_workers):
             raise ConfigError("--prefill-workers and --decode-workers go together: a prefill worker hands its "
                               "KV to a decode worker (give both, or neither)")
+        if self.prefill_workers and self.tensor_parallel_size > 1:
+            raise ConfigError(f"--prefill-workers with --tensor-parallel-size={self.tensor_parallel_size}: a hand-off "
+                              "moves KV out of and into one process's cache, a single GPU's; disaggregated workers "
+                              "run with --tensor-parallel-size 1 (mixed --workers shard)")
         if not self.workers and not self.prefill_workers:
             raise ConfigError("--workers=0 needs --prefill-workers and --decode-workers (some worker must serve)")
         if self.fleet_metrics_port == self.port:

@@ -19,7 +19,7 @@ FULLNAME = f"{RELEASE}-kvmesh"
 # Value sets rendered and schema-checked; the key names the case in test ids.
 VALUE_SETS: dict[str, dict] = {
     "defaults": {},
-    "pools": {"workerPools": {"prefill": {"replicas": 2}, "decode": {"replicas": 4, "gpus": 2}}},
+    "pools": {"workerPools": {"prefill": {"replicas": 2}, "decode": {"replicas": 4}}},
     "external-redis": {"redis": {"enabled": False, "url": "redis://:secret@redis.example:6379/0"}},
     "external-redis-secret": {"redis": {"enabled": False, "existingSecret": "my-redis"}},
     "ingress-hpa-monitoring": {

@@ -101,8 +101,8 @@ def test_prefill_and_decode_are_separate_deployments(helm, tmp_path_factory):
         assert env_of(c)["KVMESH_ROLE"]["value"] == role
         # Selectors must not overlap, or scaling one pool would adopt the other's pods.
         assert dep["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == role
-    assert decode["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
-    assert prefill["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for dep in (prefill, decode):
+        assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     # Every service is its own Deployment + Service.
     services = by_kind(render(helm, "pools", tmp_path_factory), "Service")
     for comp in ("gateway", "tokenizer", "scheduler", "prefix-cache", "prefill", "decode"):
@@ -251,13 +251,24 @@ def test_fleet_settings_set_once_render(helm):
     assert 'KVMESH_BLOCK_SIZE: "32"' in out.stdout
 
 
-def test_multi_gpu_pool_shards_the_model_over_its_gpus(helm, tmp_path_factory):
-    deps = by_kind(render(helm, "pools", tmp_path_factory), "Deployment")
-    (decode,) = containers(deps[f"{FULLNAME}-decode"])
-    (prefill,) = containers(deps[f"{FULLNAME}-prefill"])
-    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 2
-    assert env_of(decode)["KVMESH_TENSOR_PARALLEL_SIZE"]["value"] == "2"
-    assert "KVMESH_TENSOR_PARALLEL_SIZE" not in env_of(prefill)
+def test_multi_gpu_pool_shards_the_model_over_its_gpus(helm):
+    out = run_helm(helm, "template", RELEASE, str(CHART), "--set", "workerPools.prefill.enabled=false",
+                   "--set", "workerPools.decode.enabled=false", "--set", "workerPools.mixed.enabled=true",
+                   "--set", "workerPools.mixed.gpus=2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    deps = by_kind([d for d in yaml.safe_load_all(out.stdout) if d], "Deployment")
+    (mixed,) = containers(deps[f"{FULLNAME}-mixed"])
+    assert mixed["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert env_of(mixed)["KVMESH_TENSOR_PARALLEL_SIZE"]["value"] == "2"
+
+
+@pytest.mark.parametrize("args", [["--set", "workerPools.decode.gpus=2"], ["--set", "worker.gpus=4"],
+                                  ["--set", "workerPools.prefill.gpus=2", "--set", "workerPools.decode.enabled=false"]])
+def test_a_prefill_or_decode_pool_of_several_gpus_is_refused(helm, args):
+    """A hand-off reads and writes one process's cache: a tensor-parallel prefill or decode worker
+    would refuse its role at start, so the chart refuses it at render, naming the pool."""
+    out = run_helm(helm, "template", RELEASE, str(CHART), *args)
+    assert out.returncode != 0 and "gpus=" in out.stderr and "mixed pool" in out.stderr, out.stderr[-2000:]
 
 
 def test_every_container_has_probes(helm, tmp_path_factory):

@@ -142,7 +142,9 @@ def test_the_shared_tier_runs_with_several_gpus_per_pod(helm):
     """Each rank bounds its own subdirectory to sizeGi / gpus (the engine splits it): the pod gets
     the pool's whole size, as with one GPU."""
     out = run_helm(helm, "template", RELEASE, str(CHART), "--set", "worker.kvOffload.shared.enabled=true",
-                   "--set", "worker.kvOffload.shared.sizeGi=40", "--set", "worker.gpus=2")
+                   "--set", "worker.kvOffload.shared.sizeGi=40", "--set", "worker.gpus=2",
+                   "--set", "workerPools.prefill.enabled=false", "--set", "workerPools.decode.enabled=false",
+                   "--set", "workerPools.mixed.enabled=true")
     assert out.returncode == 0, out.stderr[-2000:]
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")

@@ -109,6 +109,11 @@ def test_every_external_variable_is_read_by_code():
     (ServeConfig, ["--workers", "-1"], "--workers=-1 must be at least 0"),
     (ServeConfig, ["--workers", "0"], "--workers=0 needs --prefill-workers and --decode-workers"),
     (ServeConfig, ["--prefill-workers", "1"], "--prefill-workers and --decode-workers go together"),
+    # a hand-off moves one process's cache: refused before a model loads, not at the role's start
+    (ServeConfig, ["--prefill-workers", "1", "--decode-workers", "1", "--tensor-parallel-size", "2"],
+     "--prefill-workers with --tensor-parallel-size=2"),
+    (WorkerConfig, ["--redis-url", "redis://x", "--role", "decode", "--tensor-parallel-size", "2"],
+     "--role=decode with --tensor-parallel-size=2"),
     (WorkerConfig, ["--redis-url", "redis://x", "--handoff-lease-ms", "10"], "--handoff-lease-ms=10 must be at least 100"),
     (ServeConfig, ["--port", "70000"], "--port=70000 must be at most 65535"),
     # serve passes both to every service it starts: refused up front, not by a child mid-start

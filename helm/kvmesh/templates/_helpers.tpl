@@ -195,10 +195,18 @@ Call with (dict "values" <the pool's merged values> "key" "kv-cache-dtype" "defa
 {{/*
 The prefill and decode pools' KV layouts meet in every hand-off (gpu_worker/kv_transfer/layout.py):
 their KV dtype, weights dtype and quantization must be equal, or no prefill worker finds a decode
-worker to pair with (the scheduler pairs equal layouts only). Call with the root context.
+worker to pair with (the scheduler pairs equal layouts only); and a worker of either pool runs on
+one GPU (the transfer reads and writes one process's cache: a tensor-parallel worker would refuse
+its role at start). Call with the root context.
 */}}
 {{- define "kvmesh.handoffPools" -}}
 {{- $pools := .Values.workerPools }}
+{{- range $pool := list "prefill" "decode" }}
+{{- $merged := mergeOverwrite (deepCopy $.Values.worker) (deepCopy (get $pools $pool | default (dict))) }}
+{{- if and $merged.enabled (gt (int $merged.gpus) 1) }}
+{{- fail (printf "workerPools.%s.gpus=%v: a prefill or decode worker hands KV over from one cache, a single GPU's (tensor parallelism is the mixed pool's: workerPools.mixed.gpus)" $pool $merged.gpus) }}
+{{- end }}
+{{- end }}
 {{- if and (dig "prefill" "enabled" false $pools) (dig "decode" "enabled" false $pools) }}
 {{- $prefill := mergeOverwrite (deepCopy .Values.worker) (deepCopy $pools.prefill) }}
 {{- $decode := mergeOverwrite (deepCopy .Values.worker) (deepCopy $pools.decode) }}
