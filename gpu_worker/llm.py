@@ -7,7 +7,7 @@
 
 Text is made as the server makes it (services/text/sample_text.py): a matched stop string ends
 that sample with finish_reason "stop" and is not part of the text, nor is the EOS or stop token
-that ended it; stop strings count past min_tokens only.
+that ended it (both are, with include_stop_str_in_output); stop strings count past min_tokens only.
 """
 from __future__ import annotations
 

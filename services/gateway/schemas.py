@@ -87,6 +87,7 @@ class _Common(ConstraintFields, kw_only=True):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False   # the matched stop string stays in the text
     priority: int = 0
     cache_salt: str | None = None
     # kvmesh's: false decodes this request one token a step on a worker that speculates (vLLM has
@@ -101,7 +102,6 @@ class _Common(ConstraintFields, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
-    include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
 
 
@@ -193,8 +193,7 @@ def client_request_id(value: str | None) -> str | None:
     return value
 
 
-_UNSUPPORTED = ("allowed_token_ids", "bad_words", "prompt_logprobs", "include_stop_str_in_output",
-                "truncate_prompt_tokens", "continue_final_message", "echo")
+_UNSUPPORTED = ("allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens", "continue_final_message", "echo")
 
 
 def check_supported(req: _Common) -> None:
@@ -257,6 +256,7 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None,
             frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=_stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=_logit_bias(req.logit_bias), structured=constraint[0] if constraint else None,
             speculative=req.speculative)
         params.validate()

@@ -73,6 +73,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False   # the matched stop string (and stop token) stay in the text
     logit_bias: dict[int, float] = {}   # token id -> added to its logit before penalties and sampling
     speculative: bool = True     # False: never verify speculative drafts for this request (an engine
                                  # with speculative_config decodes it one token a step)

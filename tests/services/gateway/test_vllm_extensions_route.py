@@ -1,0 +1,59 @@
+"""vLLM's request extensions through the routes, in-process: what reaches the engine's
+SamplingParams and prompt, and the 400s that name a bad field."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from starlette.testclient import TestClient
+
+from services.config import GatewayConfig
+from services.gateway.app import create_app
+from services.protocol.messages import TextDelta
+from services.text.chat_formats import ChatFormats
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+class OneDelta:
+    submitted = first_read = 0.0
+
+    async def batches(self):
+        yield [(0, TextDelta(request_id="r", index=0, text="ok", num_new_tokens=1, finish_reason="stop"))]
+
+    def close(self) -> None:
+        pass
+
+
+class CapturingBackend:
+    """Records each started request's prompts and SamplingParams."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple] = []
+        self.catalog = SimpleNamespace(names=["m"], vocab_sizes={"m": 100}, max_model_lens={"m": 64},
+                                       resolve=lambda m: m)
+        self.text = SimpleNamespace(formats=lambda: ChatFormats("hermes", "none"))
+
+    def check_vocab(self, model, params) -> None:
+        params.validate(100)
+
+    async def start(self, prompts, params, **kwargs):
+        self.started.append((prompts, params))
+        return OneDelta(), [3]
+
+
+def post(route: str, **fields):
+    backend = CapturingBackend()
+    client = TestClient(create_app(GatewayConfig(), backend))
+    body = {"model": "m", **({"messages": HI} if route == "chat" else {"prompt": "p"}), **fields}
+    r = client.post(f"/v1/{'chat/completions' if route == 'chat' else 'completions'}", json=body)
+    return r, backend.started
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_include_stop_str_in_output_reaches_the_params(route):
+    r, started = post(route, include_stop_str_in_output=True, stop=["x"])
+    assert r.status_code == 200, r.text
+    assert started[0][1].include_stop_str_in_output and started[0][1].stop == ["x"]
+    r, started = post(route)
+    assert not started[0][1].include_stop_str_in_output
