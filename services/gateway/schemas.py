@@ -88,6 +88,8 @@ class _Common(ConstraintFields, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False   # the matched stop string stays in the text
+    allowed_token_ids: list[int] | None = None  # sampling masks every other token
+    bad_words: list[str] | None = None          # each word's last token is masked after the rest of it
     priority: int = 0
     cache_salt: str | None = None
     # kvmesh's: false decodes this request one token a step on a worker that speculates (vLLM has
@@ -99,8 +101,6 @@ class _Common(ConstraintFields, kw_only=True):
     conversation_id: str | None = None
     # vLLM extensions kvmesh does not implement: set, each is a 400 naming it (ignored, the answer
     # would not be the one asked for); their off values (clients send defaults) pass
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
 
@@ -193,7 +193,7 @@ def client_request_id(value: str | None) -> str | None:
     return value
 
 
-_UNSUPPORTED = ("allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens", "continue_final_message", "echo")
+_UNSUPPORTED = ("prompt_logprobs", "truncate_prompt_tokens", "continue_final_message", "echo")
 
 
 def check_supported(req: _Common) -> None:
@@ -257,6 +257,7 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None,
             min_tokens=req.min_tokens, stop=_stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            allowed_token_ids=req.allowed_token_ids, bad_words=list(req.bad_words or []),
             logit_bias=_logit_bias(req.logit_bias), structured=constraint[0] if constraint else None,
             speculative=req.speculative)
         params.validate()

@@ -29,7 +29,8 @@ from services.security.bundle import Trust
 from services.text.chat_formats import NO_FORMATS, ChatFormats, chat_formats
 from services.text.streams import DetokCore
 from services.text.requests import (
-    PromptTooLong, TokenizeError, check_chars, detokenize_off_loop, prompt_chars, tokenize_off_loop)
+    PromptTooLong, TokenizeError, bad_words_token_ids, check_chars, detokenize_off_loop, prompt_chars,
+    tokenize_off_loop)
 
 
 # what LocalText adds to the gateway's inbox: message -> the roles that may send it (the
@@ -85,8 +86,13 @@ class LocalText:
         self.inbox_addr = ""   # this gateway's inbox: the shell sets it once bound
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
-        return TokenizeReply(prompt_token_ids=await self.token_ids(req), detok_addr=self.inbox_addr,
-                             vocab_size=self.tok.vocab_size)
+        ids = await self.token_ids(req)
+        try:
+            bad = bad_words_token_ids(self.tok, req.bad_words) if req.bad_words else []
+        except TokenizeError as exc:
+            raise ApiError(400, str(exc), param="bad_words") from None
+        return TokenizeReply(prompt_token_ids=ids, detok_addr=self.inbox_addr, vocab_size=self.tok.vocab_size,
+                             bad_words_token_ids=bad)
 
     async def token_ids(self, req: TokenizeRequest) -> list[int]:
         try:

@@ -13,6 +13,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from services.protocol.messages import DetokenizeReply, DetokenizeRequest, TokenizeRequest
+from services.protocol.sampling import MAX_BAD_WORD_LEN, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from services.text.chat_template import ChatTemplateError
 from services.text.prompt_bounds import TooManyTokens
 
@@ -97,6 +98,23 @@ def _tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
     if not ids:
         raise TokenizeError("the prompt is empty")
     return ids
+
+
+def bad_words_token_ids(tok: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's SamplingParams.update_from_tokenizer: each bad word's ids as the text begins with it,
+    and with a leading space (as it appears mid-text) where that encodes to as many tokens with
+    another first token. The engine bans a sequence's last token once the output ends in the rest."""
+    if len(words) > MAX_BAD_WORDS or any(not w.strip() or len(w) > MAX_BAD_WORD_LEN for w in words):
+        raise TokenizeError(f"invalid bad_words: at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_LEN} characters")
+    out: list[list[int]] = []
+    for word in words:
+        bare = tok.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (bare, spaced) if len(spaced) == len(bare) and spaced[:1] != bare[:1] else (bare,):
+            if not 0 < len(ids) <= MAX_BAD_WORD_TOKENS:
+                raise TokenizeError(f"invalid bad_words: each word must encode to 1 to {MAX_BAD_WORD_TOKENS} tokens")
+            out.append(ids)
+    return out
 
 
 def prompt_chars(req: TokenizeRequest) -> int:

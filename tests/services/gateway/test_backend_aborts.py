@@ -78,3 +78,28 @@ async def test_a_job_waits_only_until_its_deadline(model_dir):
     assert (info.value.status, info.value.code) == (503, "scheduler_unavailable")
     assert 0.2 <= time.monotonic() - t0 < 5
     await backend.registry.close()
+
+
+async def test_bad_words_are_encoded_by_the_gateways_tokenizer_into_the_submit(model_dir):
+    """The Submit's SamplingParams carry bad_words_token_ids (the engine masks by them), encoded
+    with the first prompt by the tokenizer that encodes prompts."""
+    import asyncio
+
+    from services.protocol.messages import TokenizeRequest
+    from services.text.requests import bad_words_token_ids
+    backend = backend_of(model_dir)
+    sent: list = []
+    backend.scheduler = type("Sched", (), {"send": lambda self, m: sent.append(m)})()
+    params = SamplingParams(bad_words=["hello", "world"])
+    task = asyncio.create_task(backend.start([TokenizeRequest(prompt="a b"), TokenizeRequest(prompt="c")], params,
+                                             model="m", tenant="t", priority=0, cache_salt=""))
+    for _ in range(200):
+        if len(sent) == 2:
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    expected = bad_words_token_ids(backend.text.tok, ["hello", "world"])
+    assert expected and all(s.params.bad_words_token_ids == expected for s in sent) and len(sent) == 2
+    for job in list(backend.jobs.values()):
+        job.close()
+    await backend.registry.close()

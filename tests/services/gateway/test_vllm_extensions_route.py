@@ -9,6 +9,7 @@ from starlette.testclient import TestClient
 
 from services.config import GatewayConfig
 from services.gateway.app import create_app
+from services.gateway.backend import Backend
 from services.protocol.messages import TextDelta
 from services.text.chat_formats import ChatFormats
 
@@ -34,8 +35,7 @@ class CapturingBackend:
                                        resolve=lambda m: m)
         self.text = SimpleNamespace(formats=lambda: ChatFormats("hermes", "none"))
 
-    def check_vocab(self, model, params) -> None:
-        params.validate(100)
+    check_vocab = Backend.check_vocab    # the real one, over catalog.vocab_sizes
 
     async def start(self, prompts, params, **kwargs):
         self.started.append((prompts, params))
@@ -57,3 +57,22 @@ def test_include_stop_str_in_output_reaches_the_params(route):
     assert started[0][1].include_stop_str_in_output and started[0][1].stop == ["x"]
     r, started = post(route)
     assert not started[0][1].include_stop_str_in_output
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_allowed_token_ids_and_bad_words_reach_the_params(route):
+    r, started = post(route, allowed_token_ids=[1, 5], bad_words=["foo", " bar"])
+    assert r.status_code == 200, r.text
+    params = started[0][1]
+    assert params.allowed_token_ids == [1, 5] and params.bad_words == ["foo", " bar"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [100]}, "allowed_token_ids"),
+    ({"allowed_token_ids": list(range(4097))}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"bad_words": ["w"] * 65}, "bad_words"), ({"bad_words": [""]}, "bad_words"), ({"bad_words": ["x" * 257]}, "bad_words"),
+])
+def test_token_mask_fields_out_of_bounds_are_400s_naming_them(fields, param):
+    r, started = post("chat", **fields)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert not started
