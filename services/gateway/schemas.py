@@ -90,6 +90,7 @@ class _Common(ConstraintFields, kw_only=True):
     include_stop_str_in_output: bool = False   # the matched stop string stays in the text
     allowed_token_ids: list[int] | None = None  # sampling masks every other token
     bad_words: list[str] | None = None          # each word's last token is masked after the rest of it
+    truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens (-1: the context length)
     priority: int = 0
     cache_salt: str | None = None
     # kvmesh's: false decodes this request one token a step on a worker that speculates (vLLM has
@@ -102,7 +103,6 @@ class _Common(ConstraintFields, kw_only=True):
     # vLLM extensions kvmesh does not implement: set, each is a 400 naming it (ignored, the answer
     # would not be the one asked for); their off values (clients send defaults) pass
     prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -193,7 +193,8 @@ def client_request_id(value: str | None) -> str | None:
     return value
 
 
-_UNSUPPORTED = ("prompt_logprobs", "truncate_prompt_tokens", "continue_final_message", "echo")
+_UNSUPPORTED = ("prompt_logprobs", "continue_final_message", "echo")
+MAX_TRUNCATE_PROMPT_TOKENS = 2**31 - 1    # a context length bounds it in use (services/text/requests.py)
 
 
 def check_supported(req: _Common) -> None:
@@ -202,6 +203,18 @@ def check_supported(req: _Common) -> None:
         value = getattr(req, name, None)
         if not (value is None or value is False or value == []):
             raise bad(f"{name} is not supported", name)
+
+
+def truncation(req: _Common) -> int:
+    """truncate_prompt_tokens for the TokenizeRequest (0: none); past the context length the
+    tokenizer refuses it, naming the field."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return 0
+    if not (k == -1 or 1 <= k <= MAX_TRUNCATE_PROMPT_TOKENS):
+        raise bad(f"invalid truncate_prompt_tokens: must be -1 (the context length) or at least 1, got {k}",
+                  "truncate_prompt_tokens")
+    return k
 
 
 def check_streaming(req: _Common) -> None:
@@ -329,7 +342,8 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
              **({"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {})}
     params = sampling_params(req, max_tokens, logprobs, named)
     return TokenizeRequest(messages=messages, add_generation_prompt=req.add_generation_prompt,
-                           tools=req.tools, chat_template_kwargs=template_kwargs(req.chat_template_kwargs)), params
+                           tools=req.tools, chat_template_kwargs=template_kwargs(req.chat_template_kwargs),
+                           truncate_prompt_tokens=truncation(req)), params
 
 
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -357,14 +371,15 @@ def completion_prompts(req: CompletionRequest, max_prompts: int) -> tuple[list[T
         raise bad("best_of must equal n", "best_of")
     check_streaming(req)
     p = req.prompt
+    k = truncation(req)
     if isinstance(p, str):
-        prompts = [TokenizeRequest(prompt=p)]
+        prompts = [TokenizeRequest(prompt=p, truncate_prompt_tokens=k)]
     elif p and all(_is_int(x) for x in p):
-        prompts = [TokenizeRequest(prompt_token_ids=list(p))]
+        prompts = [TokenizeRequest(prompt_token_ids=list(p), truncate_prompt_tokens=k)]
     elif p and all(isinstance(x, str) for x in p):
-        prompts = [TokenizeRequest(prompt=x) for x in p]
+        prompts = [TokenizeRequest(prompt=x, truncate_prompt_tokens=k) for x in p]
     elif p and all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
-        prompts = [TokenizeRequest(prompt_token_ids=list(x)) for x in p]
+        prompts = [TokenizeRequest(prompt_token_ids=list(x), truncate_prompt_tokens=k) for x in p]
     else:
         raise bad("prompt must be a non-empty string, list of strings, or list of token ids", "prompt")
     if len(prompts) > max_prompts:

@@ -20,7 +20,7 @@ import grpc
 import msgspec
 
 from services.config import REASONING_PARSERS, TOOL_CALL_PARSERS
-from services.gateway.schemas import ApiError
+from services.gateway.schemas import ApiError, param_of
 from services.gateway.tokenizer_client import TokenizerClient, TokenizerRefused, unavailable
 from services.protocol.messages import (
     Abort, DetokenizeReply, DetokenizeRequest, Migrate, StepOutput, StreamOpen, TokenizeReply, TokenizeRequest)
@@ -41,7 +41,7 @@ LOCAL_TEXT_SENDERS = {StreamOpen: ("worker",), StepOutput: ("worker",), Abort: (
 
 def prompt_error(req: TokenizeRequest, exc: TokenizeError) -> ApiError:
     """A prompt the tokenizer refused, as a 400 naming the request's field."""
-    param = "messages" if req.messages is not None else "prompt"
+    param = param_of(str(exc)) or ("messages" if req.messages is not None else "prompt")
     code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
     return ApiError(400, str(exc), param=param, code=code)
 
@@ -137,7 +137,8 @@ class RemoteText:
         if not self.client.stubs:
             raise unavailable()
         try:   # the service checks too; here it costs no gRPC round trip of megabytes
-            check_chars(req, prompt_chars(req), self.token_chars)
+            if not req.truncate_prompt_tokens:
+                check_chars(req, prompt_chars(req), self.token_chars)
         except PromptTooLong as exc:
             raise prompt_error(req, exc) from None
         try:

@@ -343,6 +343,7 @@ class TokenizeRequest(Msg, tag="tokenize", kw_only=True):
     max_prompt_tokens: int = 0                # the model's context length: longer prompts are refused (0: none)
     chat_template_kwargs: dict[str, Any] | None = None   # chat: extra template variables (enable_thinking...)
     bad_words: list[str] = []                 # SamplingParams.bad_words: encoded into the reply's bad_words_token_ids
+    truncate_prompt_tokens: int = 0           # vLLM's: keep the prompt's last k tokens (-1: max_prompt_tokens; 0: all)
 
 
 class TokenizeReply(Msg, tag="tokenized", kw_only=True):

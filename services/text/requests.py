@@ -12,6 +12,8 @@ import re
 from concurrent.futures import Executor
 from typing import Any
 
+import msgspec
+
 from services.protocol.messages import DetokenizeReply, DetokenizeRequest, TokenizeRequest
 from services.protocol.sampling import MAX_BAD_WORD_LEN, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from services.text.chat_template import ChatTemplateError
@@ -57,6 +59,8 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
 
 
 def tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
+    if req.truncate_prompt_tokens:
+        return _truncated(tok, req)
     try:
         ids = _tokenize(tok, req)
     except TooManyTokens as exc:
@@ -67,6 +71,21 @@ def tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
         raise PromptTooLong(f"the prompt has {ids_count} tokens; this model's maximum context length is "
                             f"{req.max_prompt_tokens} tokens; shorten the prompt")
     return ids
+
+
+def _truncated(tok: Any, req: TokenizeRequest) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context length). It is
+    tokenized whole, however long (the request body bounds it), then cut on the left:
+
+        prompt ids   [ t0 t1 ... t(n-k-1) | t(n-k) ... t(n-1) ]
+                       dropped              kept: k tokens
+    """
+    k = req.max_prompt_tokens if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+    if k < -1 or (req.max_prompt_tokens and k > req.max_prompt_tokens):
+        raise TokenizeError(f"invalid truncate_prompt_tokens: must be -1 (the context length) or in [1, "
+                            f"{req.max_prompt_tokens or 'the context length'}], got {req.truncate_prompt_tokens}")
+    ids = _tokenize(tok, msgspec.structs.replace(req, max_prompt_tokens=0, truncate_prompt_tokens=0))
+    return ids[-k:] if k > 0 else ids
 
 
 def _tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
@@ -151,7 +170,8 @@ async def tokenize_off_loop(tok: Any, req: TokenizeRequest, executor: Executor |
     """tokenize, in `executor` (None: asyncio's default) unless the prompt is short (INLINE_CHARS);
     a prompt too long to fit is refused here, on the caller's loop, without tokenizing it."""
     chars = prompt_chars(req)
-    check_chars(req, chars, tok.max_token_chars)
+    if not req.truncate_prompt_tokens:      # a truncated prompt may be longer than fits
+        check_chars(req, chars, tok.max_token_chars)
     if chars <= INLINE_CHARS:
         return tokenize(tok, req)
     return await asyncio.get_running_loop().run_in_executor(executor, tokenize, tok, req)

@@ -194,8 +194,7 @@ def test_refused_chat_options(extra, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-UNSUPPORTED = [({"prompt_logprobs": 0}, "prompt_logprobs"),
-               ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens")]
+UNSUPPORTED = [({"prompt_logprobs": 0}, "prompt_logprobs")]
 OFF_VALUES = {"allowed_token_ids": None, "bad_words": [], "prompt_logprobs": None, "include_stop_str_in_output": False,
               "truncate_prompt_tokens": None, "continue_final_message": False, "echo": False}
 

@@ -76,3 +76,19 @@ def test_token_mask_fields_out_of_bounds_are_400s_naming_them(fields, param):
     r, started = post("chat", **fields)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert not started
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_truncate_prompt_tokens_reaches_the_tokenizer_request(route):
+    r, started = post(route, truncate_prompt_tokens=5)
+    assert r.status_code == 200, r.text
+    assert [p.truncate_prompt_tokens for p in started[0][0]] == [5]
+    r, started = post(route)
+    assert [p.truncate_prompt_tokens for p in started[0][0]] == [0]
+
+
+@pytest.mark.parametrize("value", [0, -2, 2**31])
+def test_truncate_prompt_tokens_out_of_range_is_a_400_naming_it(value):
+    r, started = post("completions", truncate_prompt_tokens=value)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    assert not started
