@@ -115,8 +115,8 @@ class ChatRequest(_Common, kw_only=True):
     parallel_tool_calls: bool = True  # false: at most one call an answer (OpenAI's)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: template variables (enable_thinking...)
-    continue_final_message: bool = False    # vLLM's, not implemented: refused when true
-    echo: bool = False                      # vLLM's (the last message before the answer): refused
+    continue_final_message: bool = False    # vLLM's: the last message rendered open, continued by the answer
+    echo: bool = False                      # vLLM's: the answer begins with the last message when of its role
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -193,7 +193,7 @@ def client_request_id(value: str | None) -> str | None:
     return value
 
 
-_UNSUPPORTED = ("prompt_logprobs", "continue_final_message", "echo")
+_UNSUPPORTED = ("prompt_logprobs",)
 MAX_TRUNCATE_PROMPT_TOKENS = 2**31 - 1    # a context length bounds it in use (services/text/requests.py)
 
 
@@ -341,9 +341,25 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
     named = {"logprobs": "top_logprobs",
              **({"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {})}
     params = sampling_params(req, max_tokens, logprobs, named)
+    if req.continue_final_message and req.add_generation_prompt:    # vLLM's rule
+        raise bad("cannot set both continue_final_message and add_generation_prompt to true; send "
+                  "add_generation_prompt: false to continue the last message", "continue_final_message")
     return TokenizeRequest(messages=messages, add_generation_prompt=req.add_generation_prompt,
                            tools=req.tools, chat_template_kwargs=template_kwargs(req.chat_template_kwargs),
-                           truncate_prompt_tokens=truncation(req)), params
+                           truncate_prompt_tokens=truncation(req),
+                           continue_final_message=req.continue_final_message), params
+
+
+def chat_echo(req: ChatRequest) -> str:
+    """vLLM's chat echo: the answer's role is the assistant's, or with add_generation_prompt false the
+    last message's; the last message's content when it has that role (text parts joined by lines)."""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    if not req.echo or last.role != role or not last.content:
+        return ""
+    if isinstance(last.content, list):
+        return "\n".join(p.text or "" for p in last.content)
+    return last.content
 
 
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -367,6 +383,8 @@ def completion_prompts(req: CompletionRequest, max_prompts: int) -> tuple[list[T
     check_supported(req)
     if req.suffix:
         raise bad("suffix is not supported", "suffix")
+    if req.echo:      # the prompt's text and, with logprobs, prompt_logprobs, which kvmesh does not make
+        raise bad("echo is not supported on completions", "echo")
     if req.best_of is not None and req.best_of != req.n:
         raise bad("best_of must equal n", "best_of")
     check_streaming(req)

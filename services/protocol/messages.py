@@ -344,6 +344,7 @@ class TokenizeRequest(Msg, tag="tokenize", kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None   # chat: extra template variables (enable_thinking...)
     bad_words: list[str] = []                 # SamplingParams.bad_words: encoded into the reply's bad_words_token_ids
     truncate_prompt_tokens: int = 0           # vLLM's: keep the prompt's last k tokens (-1: max_prompt_tokens; 0: all)
+    continue_final_message: bool = False      # chat: the rendered prompt ends right after the last message's content
 
 
 class TokenizeReply(Msg, tag="tokenized", kw_only=True):

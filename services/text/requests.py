@@ -103,6 +103,8 @@ def _tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
                                            tools=req.tools, **(req.chat_template_kwargs or {}))
         except ChatTemplateError as exc:
             raise TokenizeError(str(exc)) from None
+        if req.continue_final_message:
+            text = open_final_message(text, req.messages[-1].content or "")
         # the template adds text around the messages (and may repeat them): bound what it made too
         check_chars(req, len(text), tok.max_token_chars)
         # the template writes bos itself
@@ -134,6 +136,21 @@ def bad_words_token_ids(tok: Any, words: list[str]) -> list[list[int]]:
                 raise TokenizeError(f"invalid bad_words: each word must encode to 1 to {MAX_BAD_WORD_TOKENS} tokens")
             out.append(ids)
     return out
+
+
+def open_final_message(text: str, final: str) -> str:
+    """The rendered chat cut right after the last message's content (transformers' and vLLM's
+    continue_final_message), so the model continues that message instead of starting a turn:
+
+        <|user|>Hi<|end|><|assistant|>The answer is<|end|>
+                                      ^^^^^^^^^^^^^ final ^ cut here: no end-of-turn
+    """
+    for content in (final, final.strip()):
+        at = text.rfind(content)
+        if at >= 0:
+            return text[:at + len(content)]
+    raise TokenizeError("invalid continue_final_message: the final message does not appear in the chat the "
+                        "template rendered; send its content as plain text, or leave continue_final_message false")
 
 
 def prompt_chars(req: TokenizeRequest) -> int:

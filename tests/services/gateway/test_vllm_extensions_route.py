@@ -2,6 +2,7 @@
 SamplingParams and prompt, and the 400s that name a bad field."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -92,3 +93,42 @@ def test_truncate_prompt_tokens_out_of_range_is_a_400_naming_it(value):
     r, started = post("completions", truncate_prompt_tokens=value)
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
     assert not started
+
+
+def answers(fields: dict) -> tuple[str, str]:
+    """The whole answer's content and the streamed one's, assembled as a client does."""
+    client = TestClient(create_app(GatewayConfig(), CapturingBackend()))
+    body = {"model": "m", **fields}
+    whole = client.post("/v1/chat/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    streamed = ""
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed += "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+    return whole.json()["choices"][0]["message"]["content"], streamed
+
+
+OPEN = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer:"}]
+
+
+def test_continue_final_message_renders_the_last_message_open_and_needs_add_generation_prompt_false():
+    r, started = post("chat", messages=OPEN, continue_final_message=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    assert not started
+    r, started = post("chat", messages=OPEN, continue_final_message=True, add_generation_prompt=False)
+    assert r.status_code == 200, r.text
+    assert started[0][0][0].continue_final_message and not started[0][0][0].add_generation_prompt
+
+
+@pytest.mark.parametrize("fields, echoed", [
+    ({"messages": OPEN, "continue_final_message": True, "add_generation_prompt": False}, "The answer:"),
+    ({"messages": OPEN}, "The answer:"),                                       # the assistant's role
+    ({"messages": HI}, ""),                                                    # the last is the user's
+    ({"messages": HI, "add_generation_prompt": False}, "hi"),                  # its role is the answer's
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+      "add_generation_prompt": False}, "a\nb"),
+])
+def test_chat_echo_begins_the_answer_with_the_last_message_of_its_role(fields, echoed):
+    assert answers({**fields, "echo": True}) == (echoed + "ok", echoed + "ok")
+    assert answers(fields) == ("ok", "ok")
