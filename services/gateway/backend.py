@@ -274,6 +274,9 @@ class Backend:
         else:
             replies = await asyncio.gather(*(self.text.tokenize(p) for p in prompts))
         if params.bad_words:
+            if not replies[0].bad_words_token_ids:   # a tokenizer service older than bad_words
+                raise ApiError(503, "the tokenizer service cannot encode bad_words yet; retry later",
+                               type_="server_error", code="tokenizer_unavailable", retry_after=1)
             params = msgspec.structs.replace(params, bad_words_token_ids=replies[0].bad_words_token_ids)
             self.check_vocab(model, params)
         metrics.GATEWAY_TOKENIZE.observe(time.monotonic() - t0)

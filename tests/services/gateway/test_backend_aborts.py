@@ -103,3 +103,21 @@ async def test_bad_words_are_encoded_by_the_gateways_tokenizer_into_the_submit(m
     for job in list(backend.jobs.values()):
         job.close()
     await backend.registry.close()
+
+
+async def test_bad_words_a_tokenizer_did_not_encode_are_a_retryable_503_not_ignored(model_dir):
+    """A tokenizer service that predates bad_words answers without their ids: the words would not
+    be masked, so the request is refused before it is submitted."""
+    from services.protocol.messages import TokenizeReply, TokenizeRequest
+    backend = backend_of(model_dir)
+    sent: list = []
+    backend.scheduler = type("Sched", (), {"send": lambda self, m: sent.append(m)})()
+
+    async def old_tokenize(req):
+        return TokenizeReply(prompt_token_ids=[1, 2], detok_addr=SELF, vocab_size=100)
+    backend.text.tokenize = old_tokenize
+    with pytest.raises(ApiError) as info:
+        await backend.start([TokenizeRequest(prompt="a")], SamplingParams(bad_words=["x"]), model="m", tenant="t",
+                            priority=0, cache_salt="")
+    assert (info.value.status, info.value.code) == (503, "tokenizer_unavailable") and not sent
+    await backend.registry.close()
