@@ -38,7 +38,8 @@ from gpu_worker.kv_tiers import TieredScheduler, build_kv_tiers
 from gpu_worker.kv_transfer import group
 from gpu_worker.config import EngineConfig
 from gpu_worker.outputs import EngineStats, FailedCompile, RequestBusy, RequestError, SequenceDelta
-from gpu_worker.sampler import PendingSample, Sampler, SampleRequest, SampleResult, to_device
+from gpu_worker.sampler import (
+    PendingSample, Sampler, SampleRequest, SampleResult, needs_output_for_bad_words, to_device)
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from gpu_worker.sequence import HANDOFF, Request, Sequence, SequenceStatus
 from gpu_worker.spec_decode import Speculator
@@ -86,8 +87,10 @@ def _as_token_ids(ids: list | tuple, vocab_size: int) -> list[int] | None:
 
 
 def _needs_output(params: SamplingParams) -> bool:
-    """Penalties read the generated tokens on the host (async scheduling: _launch_split)."""
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    """Penalties and bad words of several tokens read the generated tokens on the host (async
+    scheduling: _launch_split)."""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or needs_output_for_bad_words(params))
 
 
 class Engine:
@@ -705,9 +708,8 @@ class Engine:
     def _sample_request(self, row: int, seq: Sequence) -> SampleRequest:
         request, params = seq.request, seq.request.params
         position = seq.num_output_tokens
-        # The output list is copied only for the rows that read it (penalties, min_tokens).
-        needs_output = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-                        or params.frequency_penalty != 0.0 or position < params.min_tokens)
+        # The output list is copied only for the rows that read it (penalties, bad words, min_tokens).
+        needs_output = _needs_output(params) or position < params.min_tokens
         return SampleRequest(row, params, request.seed, seq.index, request.prompt_token_ids,
                              seq.output_token_ids if needs_output else (), request.stop_ids, position)
 

@@ -7,7 +7,7 @@
 
 Text is made as the server makes it (services/text/sample_text.py): a matched stop string ends
 that sample with finish_reason "stop" and is not part of the text, nor is the EOS or stop token
-that ended it; stop strings count past min_tokens only.
+that ended it (both are, with include_stop_str_in_output); stop strings count past min_tokens only.
 """
 from __future__ import annotations
 
@@ -16,10 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import msgspec
+
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
 from gpu_worker.outputs import SequenceDelta, TokenLogprob
 from services.protocol.sampling import SamplingParams
+from services.text.requests import TokenizeError, bad_words_token_ids
 from services.text.sample_text import stop_token_of
 
 PromptType = Union[str, Sequence[int], dict]
@@ -105,6 +108,7 @@ class LLM:
         try:
             for i, (item, p) in enumerate(zip(items, params)):
                 text, ids = self._tokenize(item)
+                p = self._with_bad_words(p)
                 rid = str(next(self._ids))
                 self.llm_engine.add_request(rid, ids, p, priority=priority[i] if priority else 0)
                 outputs[rid] = RequestOutput(rid, text, ids, [])
@@ -140,6 +144,17 @@ class LLM:
                 raise ValueError("text prompts need the tokenizer; pass token ids or drop skip_tokenizer_init")
             return item, self.tokenizer.encode(item)
         return None, list(item)
+
+    def _with_bad_words(self, p: SamplingParams) -> SamplingParams:
+        """p with its bad_words encoded (vLLM's update_from_tokenizer), which the engine masks by."""
+        if not p.bad_words or p.bad_words_token_ids:
+            return p
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the tokenizer; do not pass skip_tokenizer_init=True")
+        try:
+            return msgspec.structs.replace(p, bad_words_token_ids=bad_words_token_ids(self.tokenizer, p.bad_words))
+        except TokenizeError as exc:
+            raise ValueError(str(exc)) from None
 
     def _new_sample(self, index: int, prompt_ids: list[int], p: SamplingParams) -> _Sample:
         text_of = None

@@ -6,6 +6,8 @@ vLLM's order and semantics:
      for the rows that asked for them;
   1b. grammar (constrained decoding, gpu_worker/structured): tokens a row's grammar disallows
      get -inf, one op for the batch;
+  1c. allowed_token_ids: every other token gets -inf; bad_words: a word's last token gets -inf
+     when the output ends in its other tokens (the host matches them: output ids are there);
   2. min_tokens: EOS and stop_token_ids are masked until min_tokens outputs exist;
   2b. logit_bias: each listed token's bias is added to its logit (a -inf mask stays -inf);
   3. penalties: repetition over prompt + output (positive logits divided, negative multiplied),
@@ -60,6 +62,25 @@ class SampleResult(NamedTuple):
 
 def _position(r: SampleRequest) -> int:
     return r.position if r.position >= 0 else len(r.output_token_ids)
+
+
+def needs_token_mask(p: SamplingParams) -> bool:
+    return p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
+
+
+def needs_output_for_bad_words(p: SamplingParams) -> bool:
+    """A bad word of several tokens is matched against the output on the host."""
+    return any(len(w) > 1 for w in p.bad_words_token_ids)
+
+
+def banned_words(output: list[int] | tuple[int, ...], words: list[list[int]]) -> list[int]:
+    """vLLM's bad words: the last token of each word whose other tokens end the output."""
+    banned = []
+    for word in words:
+        before = len(word) - 1
+        if before == 0 or (before <= len(output) and list(output[len(output) - before:]) == word[:-1]):
+            banned.append(word[-1])
+    return banned
 
 
 def _needs_penalty(p: SamplingParams) -> bool:
@@ -193,10 +214,13 @@ class Sampler:
                   if r.params.min_tokens and r.stop_ids and _position(r) < r.params.min_tokens]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalized = [i for i, p in enumerate(params) if _needs_penalty(p)]
-        if masked or biased or penalized or grammar is not None:
+        token_masked = any(needs_token_mask(p) for p in params)
+        if masked or biased or penalized or token_masked or grammar is not None:
             x = raw.to(torch.float32, copy=True)
             if grammar is not None:         # raw (logprobs) stays the model's own distribution
                 apply_grammar_mask(x, grammar)
+            if token_masked:
+                apply_token_masks(x, requests)
             if masked:
                 _mask_stop_ids(x, [requests[i] for i in masked], masked)
             if biased:                      # before the penalties, as vLLM and OpenAI apply it
@@ -271,6 +295,27 @@ def _mask_stop_ids(x: torch.Tensor, reqs: list[SampleRequest], rows: list[int]) 
     ri = [row for row, r in zip(rows, reqs) for _ in r.stop_ids]
     ci = [t for r in reqs for t in r.stop_ids]
     x[to_device(ri, x.device), to_device(ci, x.device)] = float("-inf")
+
+
+def apply_token_masks(x: torch.Tensor, reqs: list[SampleRequest]) -> None:
+    """allowed_token_ids and bad_words of rows 0..len(reqs)-1 of x (R, V): -inf on what they ban,
+    a few batched writes from host-built indices (no read back)."""
+    allowed = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids is not None]
+    if allowed:
+        banned = torch.zeros(x.shape, dtype=torch.bool, device=x.device)                 # (R, V)
+        banned[to_device(allowed, x.device)] = True
+        ri = [i for i in allowed for _ in reqs[i].params.allowed_token_ids]
+        ci = [t for i in allowed for t in reqs[i].params.allowed_token_ids]
+        banned[to_device(ri, x.device), to_device(ci, x.device)] = False
+        x.masked_fill_(banned, float("-inf"))
+    ri, ci = [], []
+    for i, r in enumerate(reqs):
+        if r.params.bad_words_token_ids:
+            words = banned_words(r.output_token_ids, r.params.bad_words_token_ids)
+            ri += [i] * len(words)
+            ci += words
+    if ci:
+        x[to_device(ri, x.device), to_device(ci, x.device)] = float("-inf")
 
 
 def _add_logit_bias(x: torch.Tensor, ps: list[SamplingParams], rows: list[int]) -> None:

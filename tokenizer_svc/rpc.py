@@ -18,7 +18,8 @@ import grpc
 from services import metrics
 from services.protocol.messages import DetokenizeReply, DetokenizeRequest, TokenizeReply, TokenizeRequest
 from services.security.bundle import Trust
-from services.text.requests import PromptTooLong, TokenizeError, detokenize_off_loop, tokenize_off_loop
+from services.text.requests import (
+    PromptTooLong, TokenizeError, bad_words_token_ids, detokenize_off_loop, tokenize_off_loop)
 from services.transport import Method, unary_handler
 
 GRPC_SERVICE = "kvmesh.Tokenizer"
@@ -35,13 +36,15 @@ class TokenizerRpc:
         t0 = time.perf_counter()
         try:
             ids = await tokenize_off_loop(self.tok, req, self.pool)
+            bad = bad_words_token_ids(self.tok, req.bad_words) if req.bad_words else []
         except PromptTooLong as exc:   # the gateway answers it as context_length_exceeded
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
         except TokenizeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         metrics.TOKENIZE_SECONDS.observe(time.perf_counter() - t0)
         metrics.TOKENS_IN.inc(len(ids))
-        return TokenizeReply(prompt_token_ids=ids, detok_addr=self.detok_addr, vocab_size=self.tok.vocab_size)
+        return TokenizeReply(prompt_token_ids=ids, detok_addr=self.detok_addr, vocab_size=self.tok.vocab_size,
+                             bad_words_token_ids=bad)
 
     async def detokenize(self, req: DetokenizeRequest, context: grpc.aio.ServicerContext) -> DetokenizeReply:
         try:

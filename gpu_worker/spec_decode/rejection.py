@@ -7,7 +7,7 @@ model's distribution q, verified against the target's distribution p:
 
 Every emitted token is then distributed exactly as a draw of p at its position. p and q are the
 PROCESSED distributions, each computed as the non-speculative sampler computes its draw's
-(gpu_worker/sampler.py): min_tokens mask, logit_bias, penalties over the output up to that
+(gpu_worker/sampler.py): allowed_token_ids and bad_words masks, min_tokens mask, logit_bias, penalties over the output up to that
 position, temperature, min_p, top_k, top_p, softmax. A rejected d_j has p_j(d_j) < q_j(d_j), so
 the residual gives it no mass: the residual draw never equals d_j, which is how the engine's
 _accept finds the first rejected position (the longest prefix where draw == draft).
@@ -26,7 +26,8 @@ import torch
 from gpu_worker.outputs import TokenLogprob
 from gpu_worker.sampler import (_SAMPLING_EPS, SampleRequest, SampleResult, _add_logit_bias, _apply_filters,
                                 _apply_penalties, _logprobs, _mask_stop_ids, _needs_penalty, _position,
-                                _to_device, draw_keys, gumbel_draw, hash_uniform, to_device)
+                                _to_device, apply_token_masks, draw_keys, gumbel_draw, hash_uniform,
+                                needs_token_mask, to_device)
 
 _MASK63 = (1 << 63) - 1
 # Salts that make the draft's draw, the acceptance test and the residual draw of a position use
@@ -50,6 +51,8 @@ def processed_probs(logits: torch.Tensor, requests: list[SampleRequest]) -> torc
     """(R, V) float32: the distribution each request's draw samples from (rows `r.row` of logits)."""
     dev = logits.device
     x = logits.index_select(0, to_device([r.row for r in requests], dev)).float()     # (R, V), a copy
+    if any(needs_token_mask(r.params) for r in requests):
+        apply_token_masks(x, requests)
     masked = [i for i, r in enumerate(requests)
               if r.params.min_tokens and r.stop_ids and _position(r) < r.params.min_tokens]
     if masked:

@@ -34,8 +34,8 @@ from services.gateway.chat_output import PLAIN
 from services.gateway.render import Accumulator, ChunkWriter
 from services.protocol.kv_events import cache_salt_for
 from services.gateway.schemas import (
-    ApiError, ChatRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_prompt, check_request_constraint,
-    client_request_id, completion_prompts, decode, thinking, tokenize_request)
+    ApiError, ChatRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_echo, chat_prompt,
+    check_request_constraint, client_request_id, completion_prompts, decode, thinking, tokenize_request)
 from services.gateway.tools import check_tools, served_formats, tool_plan, with_plan
 from services.protocol.messages import DetokenizeRequest
 
@@ -177,7 +177,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
             echo = client_request_id(request.headers.get("x-request-id"))
             tenant = tenant_of(request)
             body = await read_body(request)
-            parsing = PLAIN
+            parsing, echo_text = PLAIN, ""
             if kind == "chat":
                 req: Any = decode(ChatRequest, body)
                 prompt, params = chat_prompt(req, cfg.max_messages)
@@ -187,7 +187,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
                 plan = tool_plan(req.tools, req.tool_choice, formats, thinking(req) and params.structured is None,
                                  max_calls=None if req.parallel_tool_calls else 1)
                 params, parsing = with_plan(params, plan), plan.parsing
-                prompts = [prompt]
+                prompts, echo_text = [prompt], chat_echo(req)
             else:
                 req = decode(CompletionRequest, body)
                 prompts, params = completion_prompts(req, cfg.max_prompts)
@@ -204,7 +204,8 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         metrics.REQUESTS.labels(route, "200").inc()
         metrics.GATEWAY_SUBMIT.observe(job.submitted - arrival)
         options = req.stream_options
-        acc = Accumulator(kind, model, params.n, len(prompts), prompt_lens, params.logprobs is not None, parsing)
+        acc = Accumulator(kind, model, params.n, len(prompts), prompt_lens, params.logprobs is not None, parsing,
+                          echo_text)
         request_id = echo or acc.id
         if req.stream:
             writer = ChunkWriter(acc, bool(options and options.include_usage),

@@ -23,6 +23,7 @@ import secrets
 import time
 from typing import Any, AsyncIterator
 
+import msgspec
 from redis.exceptions import RedisError
 
 from services import metrics
@@ -266,10 +267,18 @@ class Backend:
         """Tokenize, submit and wait for admission. Returns the job and each prompt's token count."""
         t0 = time.monotonic()
         prompts = [self.bounded(p, model) for p in prompts]
+        if params.bad_words:    # encoded with the first prompt, by the same tokenizer
+            prompts[0] = msgspec.structs.replace(prompts[0], bad_words=params.bad_words)
         if len(prompts) == 1:   # the common case: no task per prompt
             replies = [await self.text.tokenize(prompts[0])]
         else:
             replies = await asyncio.gather(*(self.text.tokenize(p) for p in prompts))
+        if params.bad_words:
+            if not replies[0].bad_words_token_ids:   # a tokenizer service older than bad_words
+                raise ApiError(503, "the tokenizer service cannot encode bad_words yet; retry later",
+                               type_="server_error", code="tokenizer_unavailable", retry_after=1)
+            params = msgspec.structs.replace(params, bad_words_token_ids=replies[0].bad_words_token_ids)
+            self.check_vocab(model, params)
         metrics.GATEWAY_TOKENIZE.observe(time.monotonic() - t0)
         if self.stopping:
             raise ApiError(503, "the gateway is shutting down; retry on another one", type_="server_error",

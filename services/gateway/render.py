@@ -36,8 +36,9 @@ class _Choice:
 
 class Accumulator:
     def __init__(self, kind: str, model: str, n: int, num_prompts: int, prompt_lens: list[int],
-                 want_logprobs: bool, parsing: OutputParsing = PLAIN) -> None:
+                 want_logprobs: bool, parsing: OutputParsing = PLAIN, echo: str = "") -> None:
         self.kind, self.model, self.n = kind, model, n
+        self.echo = echo      # a chat's echo (schemas.chat_echo): each answer's content begins with it
         self.parsing = parsing
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -109,6 +110,8 @@ class Accumulator:
             if self.kind == "chat":
                 lp = self.chat_logprobs(c.logprobs) if self.want_logprobs else None
                 message, finish = self.message(text, c.finish_reason, c.stop_reason)
+                if self.echo:
+                    message["content"] = self.echo + (message["content"] or "")
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish,
                                 "stop_reason": c.stop_reason})
             else:
@@ -144,9 +147,10 @@ class ChunkWriter:
     def start(self) -> bytes:
         if self.acc.kind != "chat":
             return b""
-        return b"".join(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None, "stop_reason": None}])
-                        for i in range(len(self.acc.choices)))
+        deltas = [{"role": "assistant", "content": ""}] + ([{"content": self.acc.echo}] if self.acc.echo else [])
+        return b"".join(self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None,
+                                      "stop_reason": None}])
+                        for i in range(len(self.acc.choices)) for delta in deltas)
 
     def delta(self, prompt_index: int, d: TextDelta) -> bytes:
         i = self.acc.add(prompt_index, d)

@@ -87,6 +87,10 @@ class _Common(ConstraintFields, kw_only=True):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False   # the matched stop string stays in the text
+    allowed_token_ids: list[int] | None = None  # sampling masks every other token
+    bad_words: list[str] | None = None          # each word's last token is masked after the rest of it
+    truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens (-1: the context length)
     priority: int = 0
     cache_salt: str | None = None
     # kvmesh's: false decodes this request one token a step on a worker that speculates (vLLM has
@@ -98,11 +102,7 @@ class _Common(ConstraintFields, kw_only=True):
     conversation_id: str | None = None
     # vLLM extensions kvmesh does not implement: set, each is a 400 naming it (ignored, the answer
     # would not be the one asked for); their off values (clients send defaults) pass
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -115,8 +115,8 @@ class ChatRequest(_Common, kw_only=True):
     parallel_tool_calls: bool = True  # false: at most one call an answer (OpenAI's)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: template variables (enable_thinking...)
-    continue_final_message: bool = False    # vLLM's, not implemented: refused when true
-    echo: bool = False                      # vLLM's (the last message before the answer): refused
+    continue_final_message: bool = False    # vLLM's: the last message rendered open, continued by the answer
+    echo: bool = False                      # vLLM's: the answer begins with the last message when of its role
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -193,8 +193,8 @@ def client_request_id(value: str | None) -> str | None:
     return value
 
 
-_UNSUPPORTED = ("allowed_token_ids", "bad_words", "prompt_logprobs", "include_stop_str_in_output",
-                "truncate_prompt_tokens", "continue_final_message", "echo")
+_UNSUPPORTED = ("prompt_logprobs",)
+MAX_TRUNCATE_PROMPT_TOKENS = 2**31 - 1    # a context length bounds it in use (services/text/requests.py)
 
 
 def check_supported(req: _Common) -> None:
@@ -203,6 +203,18 @@ def check_supported(req: _Common) -> None:
         value = getattr(req, name, None)
         if not (value is None or value is False or value == []):
             raise bad(f"{name} is not supported", name)
+
+
+def truncation(req: _Common) -> int:
+    """truncate_prompt_tokens for the TokenizeRequest (0: none); past the context length the
+    tokenizer refuses it, naming the field."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return 0
+    if not (k == -1 or 1 <= k <= MAX_TRUNCATE_PROMPT_TOKENS):
+        raise bad(f"invalid truncate_prompt_tokens: must be -1 (the context length) or at least 1, got {k}",
+                  "truncate_prompt_tokens")
+    return k
 
 
 def check_streaming(req: _Common) -> None:
@@ -257,6 +269,8 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None,
             frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=_stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            allowed_token_ids=req.allowed_token_ids, bad_words=list(req.bad_words or []),
             logit_bias=_logit_bias(req.logit_bias), structured=constraint[0] if constraint else None,
             speculative=req.speculative)
         params.validate()
@@ -327,8 +341,25 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
     named = {"logprobs": "top_logprobs",
              **({"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {})}
     params = sampling_params(req, max_tokens, logprobs, named)
+    if req.continue_final_message and req.add_generation_prompt:    # vLLM's rule
+        raise bad("cannot set both continue_final_message and add_generation_prompt to true; send "
+                  "add_generation_prompt: false to continue the last message", "continue_final_message")
     return TokenizeRequest(messages=messages, add_generation_prompt=req.add_generation_prompt,
-                           tools=req.tools, chat_template_kwargs=template_kwargs(req.chat_template_kwargs)), params
+                           tools=req.tools, chat_template_kwargs=template_kwargs(req.chat_template_kwargs),
+                           truncate_prompt_tokens=truncation(req),
+                           continue_final_message=req.continue_final_message), params
+
+
+def chat_echo(req: ChatRequest) -> str:
+    """vLLM's chat echo: the answer's role is the assistant's, or with add_generation_prompt false the
+    last message's; the last message's content when it has that role (text parts joined by lines)."""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    if not req.echo or last.role != role or not last.content:
+        return ""
+    if isinstance(last.content, list):
+        return "\n".join(p.text or "" for p in last.content)
+    return last.content
 
 
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -352,18 +383,21 @@ def completion_prompts(req: CompletionRequest, max_prompts: int) -> tuple[list[T
     check_supported(req)
     if req.suffix:
         raise bad("suffix is not supported", "suffix")
+    if req.echo:      # the prompt's text and, with logprobs, prompt_logprobs, which kvmesh does not make
+        raise bad("echo is not supported on completions", "echo")
     if req.best_of is not None and req.best_of != req.n:
         raise bad("best_of must equal n", "best_of")
     check_streaming(req)
     p = req.prompt
+    k = truncation(req)
     if isinstance(p, str):
-        prompts = [TokenizeRequest(prompt=p)]
+        prompts = [TokenizeRequest(prompt=p, truncate_prompt_tokens=k)]
     elif p and all(_is_int(x) for x in p):
-        prompts = [TokenizeRequest(prompt_token_ids=list(p))]
+        prompts = [TokenizeRequest(prompt_token_ids=list(p), truncate_prompt_tokens=k)]
     elif p and all(isinstance(x, str) for x in p):
-        prompts = [TokenizeRequest(prompt=x) for x in p]
+        prompts = [TokenizeRequest(prompt=x, truncate_prompt_tokens=k) for x in p]
     elif p and all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
-        prompts = [TokenizeRequest(prompt_token_ids=list(x)) for x in p]
+        prompts = [TokenizeRequest(prompt_token_ids=list(x), truncate_prompt_tokens=k) for x in p]
     else:
         raise bad("prompt must be a non-empty string, list of strings, or list of token ids", "prompt")
     if len(prompts) > max_prompts:

@@ -20,7 +20,7 @@ import grpc
 import msgspec
 
 from services.config import REASONING_PARSERS, TOOL_CALL_PARSERS
-from services.gateway.schemas import ApiError
+from services.gateway.schemas import ApiError, param_of
 from services.gateway.tokenizer_client import TokenizerClient, TokenizerRefused, unavailable
 from services.protocol.messages import (
     Abort, DetokenizeReply, DetokenizeRequest, Migrate, StepOutput, StreamOpen, TokenizeReply, TokenizeRequest)
@@ -29,7 +29,8 @@ from services.security.bundle import Trust
 from services.text.chat_formats import NO_FORMATS, ChatFormats, chat_formats
 from services.text.streams import DetokCore
 from services.text.requests import (
-    PromptTooLong, TokenizeError, check_chars, detokenize_off_loop, prompt_chars, tokenize_off_loop)
+    PromptTooLong, TokenizeError, bad_words_token_ids, check_chars, detokenize_off_loop, prompt_chars,
+    tokenize_off_loop)
 
 
 # what LocalText adds to the gateway's inbox: message -> the roles that may send it (the
@@ -40,7 +41,7 @@ LOCAL_TEXT_SENDERS = {StreamOpen: ("worker",), StepOutput: ("worker",), Abort: (
 
 def prompt_error(req: TokenizeRequest, exc: TokenizeError) -> ApiError:
     """A prompt the tokenizer refused, as a 400 naming the request's field."""
-    param = "messages" if req.messages is not None else "prompt"
+    param = param_of(str(exc)) or ("messages" if req.messages is not None else "prompt")
     code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
     return ApiError(400, str(exc), param=param, code=code)
 
@@ -85,8 +86,13 @@ class LocalText:
         self.inbox_addr = ""   # this gateway's inbox: the shell sets it once bound
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
-        return TokenizeReply(prompt_token_ids=await self.token_ids(req), detok_addr=self.inbox_addr,
-                             vocab_size=self.tok.vocab_size)
+        ids = await self.token_ids(req)
+        try:
+            bad = bad_words_token_ids(self.tok, req.bad_words) if req.bad_words else []
+        except TokenizeError as exc:
+            raise ApiError(400, str(exc), param="bad_words") from None
+        return TokenizeReply(prompt_token_ids=ids, detok_addr=self.inbox_addr, vocab_size=self.tok.vocab_size,
+                             bad_words_token_ids=bad)
 
     async def token_ids(self, req: TokenizeRequest) -> list[int]:
         try:
@@ -131,7 +137,8 @@ class RemoteText:
         if not self.client.stubs:
             raise unavailable()
         try:   # the service checks too; here it costs no gRPC round trip of megabytes
-            check_chars(req, prompt_chars(req), self.token_chars)
+            if not req.truncate_prompt_tokens:
+                check_chars(req, prompt_chars(req), self.token_chars)
         except PromptTooLong as exc:
             raise prompt_error(req, exc) from None
         try:

@@ -342,12 +342,16 @@ class TokenizeRequest(Msg, tag="tokenize", kw_only=True):
     add_special_tokens: bool = True
     max_prompt_tokens: int = 0                # the model's context length: longer prompts are refused (0: none)
     chat_template_kwargs: dict[str, Any] | None = None   # chat: extra template variables (enable_thinking...)
+    bad_words: list[str] = []                 # SamplingParams.bad_words: encoded into the reply's bad_words_token_ids
+    truncate_prompt_tokens: int = 0           # vLLM's: keep the prompt's last k tokens (-1: max_prompt_tokens; 0: all)
+    continue_final_message: bool = False      # chat: the rendered prompt ends right after the last message's content
 
 
 class TokenizeReply(Msg, tag="tokenized", kw_only=True):
     prompt_token_ids: list[int]
     detok_addr: str                           # where this tokenizer process detokenizes streams
     vocab_size: int
+    bad_words_token_ids: list[list[int]] = []  # the request's bad_words, encoded (bad_words_token_ids())
 
 
 class DetokenizeRequest(Msg, tag="detokenize", kw_only=True):

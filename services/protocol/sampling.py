@@ -16,6 +16,10 @@ MAX_SEED = 2**63 - 1
 MAX_MAX_TOKENS = 2**63 - 1      # bounded only to fit the wire (msgpack ints); max_model_len bounds it in use
 MAX_LOGIT_BIAS = 1024            # token ids one request may bias
 MAX_ABS_LOGIT_BIAS = 100.0       # OpenAI's range: -100 bans a token, +100 all but forces it
+MAX_ALLOWED_TOKEN_IDS = 4096     # allowed_token_ids: the mask is rebuilt from them each step
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_LEN = 256           # characters of one bad word
+MAX_BAD_WORD_TOKENS = 4 * MAX_BAD_WORD_LEN + 1   # tokens of one: a byte a token, and a leading space
 
 
 MAX_STRUCTURED_SPEC_BYTES = 64 * 1024   # a schema, regex or grammar as sent on the wire
@@ -73,10 +77,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False   # the matched stop string (and stop token) stay in the text
     logit_bias: dict[int, float] = {}   # token id -> added to its logit before penalties and sampling
     speculative: bool = True     # False: never verify speculative drafts for this request (an engine
                                  # with speculative_config decodes it one token a step)
     structured: StructuredOutput | None = None   # constrained decoding (JSON schema, regex, ...)
+    allowed_token_ids: list[int] | None = None   # vLLM's: every other token gets -inf
+    bad_words: list[str] = []    # vLLM's: a word's last token is banned once the output ends in the rest
+    bad_words_token_ids: list[list[int]] = []   # bad_words as token sequences, set where text is
+                                 # tokenized (bad_words_token_ids() in services/text/requests.py); the
+                                 # engine masks by these
 
     @property
     def greedy(self) -> bool:
@@ -129,3 +139,27 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:    # NaN fails too
                 raise bad("logit_bias", f"biases must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], "
                                         f"got {bias} for token {token}")
+        self._validate_token_masks(vocab_size)
+
+    def _validate_token_masks(self, vocab_size: int | None) -> None:
+        """allowed_token_ids and bad_words (vLLM's: an empty allowed list is an error)."""
+        top = vocab_size or "vocab size"
+        if self.allowed_token_ids is not None:
+            if not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
+                raise SamplingParamsError(f"invalid allowed_token_ids: must list 1 to {MAX_ALLOWED_TOKEN_IDS} ids, "
+                                          f"got {len(self.allowed_token_ids)}")
+            if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in self.allowed_token_ids):
+                raise SamplingParamsError(f"invalid allowed_token_ids: ids must be in [0, {top})")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise SamplingParamsError(f"invalid bad_words: at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+        if any(not w.strip() or len(w) > MAX_BAD_WORD_LEN for w in self.bad_words):
+            raise SamplingParamsError(f"invalid bad_words: each word must have 1 to {MAX_BAD_WORD_LEN} characters "
+                                      "and not be only spaces")
+        if len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
+            raise SamplingParamsError(f"invalid bad_words: at most {MAX_BAD_WORDS} words")
+        for ids in self.bad_words_token_ids:
+            if not 0 < len(ids) <= MAX_BAD_WORD_TOKENS:
+                raise SamplingParamsError(f"invalid bad_words: each word must encode to 1 to {MAX_BAD_WORD_TOKENS} "
+                                          "tokens")
+            if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in ids):
+                raise SamplingParamsError(f"invalid bad_words: their token ids must be in [0, {top})")

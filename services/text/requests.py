@@ -12,7 +12,10 @@ import re
 from concurrent.futures import Executor
 from typing import Any
 
+import msgspec
+
 from services.protocol.messages import DetokenizeReply, DetokenizeRequest, TokenizeRequest
+from services.protocol.sampling import MAX_BAD_WORD_LEN, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from services.text.chat_template import ChatTemplateError
 from services.text.prompt_bounds import TooManyTokens
 
@@ -56,6 +59,8 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
 
 
 def tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
+    if req.truncate_prompt_tokens:
+        return _truncated(tok, req)
     try:
         ids = _tokenize(tok, req)
     except TooManyTokens as exc:
@@ -66,6 +71,21 @@ def tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
         raise PromptTooLong(f"the prompt has {ids_count} tokens; this model's maximum context length is "
                             f"{req.max_prompt_tokens} tokens; shorten the prompt")
     return ids
+
+
+def _truncated(tok: Any, req: TokenizeRequest) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context length). It is
+    tokenized whole, however long (the request body bounds it), then cut on the left:
+
+        prompt ids   [ t0 t1 ... t(n-k-1) | t(n-k) ... t(n-1) ]
+                       dropped              kept: k tokens
+    """
+    k = req.max_prompt_tokens if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+    if k < -1 or (req.max_prompt_tokens and k > req.max_prompt_tokens):
+        raise TokenizeError(f"invalid truncate_prompt_tokens: must be -1 (the context length) or in [1, "
+                            f"{req.max_prompt_tokens or 'the context length'}], got {req.truncate_prompt_tokens}")
+    ids = _tokenize(tok, msgspec.structs.replace(req, max_prompt_tokens=0, truncate_prompt_tokens=0))
+    return ids[-k:] if k > 0 else ids
 
 
 def _tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
@@ -83,6 +103,8 @@ def _tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
                                            tools=req.tools, **(req.chat_template_kwargs or {}))
         except ChatTemplateError as exc:
             raise TokenizeError(str(exc)) from None
+        if req.continue_final_message:
+            text = open_final_message(text, req.messages[-1].content or "")
         # the template adds text around the messages (and may repeat them): bound what it made too
         check_chars(req, len(text), tok.max_token_chars)
         # the template writes bos itself
@@ -97,6 +119,38 @@ def _tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
     if not ids:
         raise TokenizeError("the prompt is empty")
     return ids
+
+
+def bad_words_token_ids(tok: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's SamplingParams.update_from_tokenizer: each bad word's ids as the text begins with it,
+    and with a leading space (as it appears mid-text) where that encodes to as many tokens with
+    another first token. The engine bans a sequence's last token once the output ends in the rest."""
+    if len(words) > MAX_BAD_WORDS or any(not w.strip() or len(w) > MAX_BAD_WORD_LEN for w in words):
+        raise TokenizeError(f"invalid bad_words: at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_LEN} characters")
+    out: list[list[int]] = []
+    for word in words:
+        bare = tok.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (bare, spaced) if len(spaced) == len(bare) and spaced[:1] != bare[:1] else (bare,):
+            if not 0 < len(ids) <= MAX_BAD_WORD_TOKENS:
+                raise TokenizeError(f"invalid bad_words: each word must encode to 1 to {MAX_BAD_WORD_TOKENS} tokens")
+            out.append(ids)
+    return out
+
+
+def open_final_message(text: str, final: str) -> str:
+    """The rendered chat cut right after the last message's content (transformers' and vLLM's
+    continue_final_message), so the model continues that message instead of starting a turn:
+
+        <|user|>Hi<|end|><|assistant|>The answer is<|end|>
+                                      ^^^^^^^^^^^^^ final ^ cut here: no end-of-turn
+    """
+    for content in (final, final.strip()):
+        at = text.rfind(content)
+        if at >= 0:
+            return text[:at + len(content)]
+    raise TokenizeError("invalid continue_final_message: the final message does not appear in the chat the "
+                        "template rendered; send its content as plain text, or leave continue_final_message false")
 
 
 def prompt_chars(req: TokenizeRequest) -> int:
@@ -133,7 +187,8 @@ async def tokenize_off_loop(tok: Any, req: TokenizeRequest, executor: Executor |
     """tokenize, in `executor` (None: asyncio's default) unless the prompt is short (INLINE_CHARS);
     a prompt too long to fit is refused here, on the caller's loop, without tokenizing it."""
     chars = prompt_chars(req)
-    check_chars(req, chars, tok.max_token_chars)
+    if not req.truncate_prompt_tokens:      # a truncated prompt may be longer than fits
+        check_chars(req, chars, tok.max_token_chars)
     if chars <= INLINE_CHARS:
         return tokenize(tok, req)
     return await asyncio.get_running_loop().run_in_executor(executor, tokenize, tok, req)

@@ -12,6 +12,9 @@ a served answer and an offline one read the same.
   min_tokens-th (where a stop token may first be sampled); the text of the tokens up to it can
   only begin one. The text returned stops right before the stop string.
 - Text that may begin a stop string is held back until it cannot (or the sample ends).
+- include_stop_str_in_output (vLLM's): the text ends right after the stop string, nothing is
+  held back, and the stop or EOS token that ended the sample is text too (its own text: empty
+  for a special token under skip_special_tokens).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ class SampleText:
                  eos_ids: frozenset[int]) -> None:
         self.params, self.eos_ids = params, eos_ids
         self.detok = IncrementalDetokenizer(tokenizer, prompt_tail, params.skip_special_tokens)
-        self.stops = StopStringMatcher(params.stop)
+        self.stops = StopStringMatcher(params.stop, include_stop=params.include_stop_str_in_output)
         self.num_tokens = 0             # tokens pushed so far
 
     @property
@@ -61,7 +64,7 @@ class SampleText:
         return held + hit.emit + (self.stops.flush() if finish_reason is not None else ""), False
 
     def _ends_on_stop_token(self, token_ids: list[int], finish_reason: str | None) -> bool:
-        if finish_reason != "stop" or not token_ids:
+        if finish_reason != "stop" or not token_ids or self.params.include_stop_str_in_output:
             return False
         last = token_ids[-1]
         return last in self.params.stop_token_ids or (not self.params.ignore_eos and last in self.eos_ids)

@@ -12,6 +12,11 @@ On a match, the text before the earliest stop string is emitted and the matcher 
 A match must end in the newest piece: held text never matches by itself, so text passed through
 `hold()` (made before min_tokens, when stop strings do not count yet) is never a stop, while a
 stop string it begins and a later piece ends is.
+
+With `include_stop` (vLLM's include_stop_str_in_output) the stop string stays in the text and
+nothing is held back: each piece goes out whole, and on a match the text ends right after the
+stop string. The last characters already sent are kept (not held) so a stop string spanning
+pieces still matches.
 """
 from __future__ import annotations
 
@@ -28,10 +33,12 @@ class StopResult(NamedTuple):
 class StopStringMatcher:
     """`push(text) -> StopResult`; `flush()` returns the held-back tail at a natural end."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], *, include_stop: bool = False) -> None:
         self.stop = tuple(dict.fromkeys(s for s in stop if s))  # ignore empties, keep order
         self._max_hold = max((len(s) for s in self.stop), default=1) - 1
+        self._include = include_stop
         self._held = ""
+        self._sent = ""       # include_stop: the tail of the text sent, which a stop may begin in
         self.matched: str | None = None
         """The stop string that matched (for finish_reason / stop_reason), or None."""
 
@@ -44,6 +51,8 @@ class StopStringMatcher:
             return StopResult("", True)
         if not self.stop:
             return StopResult(text, False)
+        if self._include:
+            return self._push_kept(text)
         pending = self._held + text
         hit = self._earliest_match(pending, len(self._held))
         if hit is not None:
@@ -52,10 +61,29 @@ class StopStringMatcher:
             return StopResult(pending[:index], True)
         return StopResult(self._release(pending), False)
 
+    def _push_kept(self, text: str) -> StopResult:
+        """include_stop: all of `text`, or its part up to the end of the stop string it ends."""
+        seen = self._sent + text
+        hit = self._earliest_match(seen, len(self._sent))
+        if hit is not None:
+            index, stop = hit
+            self.matched = stop
+            return StopResult(text[:index + len(stop) - len(self._sent)], True)
+        self._keep_tail(seen)
+        return StopResult(text, False)
+
+    def _keep_tail(self, seen: str) -> None:
+        self._sent = seen[-self._max_hold:] if self._max_hold else ""
+
     def hold(self, text: str) -> str:
         """Text that cannot stop the sample yet (before min_tokens): the part now safe to send; a
         tail that may begin a stop string stays held, so a later piece can complete it."""
-        return "" if self.matched is not None else self._release(self._held + text)
+        if self.matched is not None:
+            return ""
+        if self._include:
+            self._keep_tail(self._sent + text)
+            return text
+        return self._release(self._held + text)
 
     def _release(self, pending: str) -> str:
         """pending but the tail that may begin a stop string, which is held."""

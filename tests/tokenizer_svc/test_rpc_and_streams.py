@@ -17,6 +17,7 @@ from services.protocol.messages import (
     TextBatch, TokenizeRequest)
 from services.protocol.sampling import SamplingParams
 from services.security.curve import Plane, with_role
+from services.text.requests import bad_words_token_ids
 from services.text.tokenizer import load_tokenizer
 from services.transport import Receiver, Sender, SenderPool, grpc_server, tcp_addr
 from tokenizer_svc.rpc import TokenizerRpc
@@ -42,7 +43,9 @@ async def test_tokenize_and_detokenize_over_grpc_with_their_errors_as_400s(tok):
     try:
         reply = await text.tokenize(TokenizeRequest(prompt="Hello world"))
         assert reply.prompt_token_ids == tok.encode("Hello world", add_special_tokens=True)
-        assert reply.detok_addr == rpc.detok_addr
+        assert reply.detok_addr == rpc.detok_addr and reply.bad_words_token_ids == []
+        reply = await text.tokenize(TokenizeRequest(prompt="Hello world", bad_words=["world"]))
+        assert reply.bad_words_token_ids == bad_words_token_ids(tok, ["world"]) != []
         back = await text.detokenize(DetokenizeRequest(token_ids=reply.prompt_token_ids, skip_special_tokens=True))
         assert back.text == "Hello world"
         with pytest.raises(ApiError) as info:

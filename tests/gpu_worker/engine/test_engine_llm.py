@@ -131,3 +131,24 @@ def test_cli_bad_tuning_variable_is_named_not_blamed_on_model(tiny_models, capsy
     rc = generate_main(["--model", tiny_models["qwen2"], "--prompt", "Hi", "--device", "cpu"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("kvmesh generate: error: KVMESH_DECODE_GEMV_MAX_M='x'"), err
+
+
+def test_allowed_token_ids_and_bad_words_offline(llm):
+    """vLLM's SamplingParams fields: greedy tokens keep to allowed_token_ids; a bad word (encoded
+    by the tokenizer, with and without a leading space) never appears in the text."""
+    tok = llm.get_tokenizer()
+    full = llm.generate("Hello world", GREEDY, use_tqdm=False)[0].outputs[0]
+    allowed = sorted(set(full.token_ids[1:]))[:3] + [5]
+    out = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                     allowed_token_ids=allowed), use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) <= set(allowed)
+    word = tok.decode(full.token_ids[2:4]).strip()
+    assert word and word in full.text
+    out = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                     bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    banned = [tok.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    assert not any(out.token_ids[i:i + len(b)] == b for b in banned for i in range(len(out.token_ids)))
+    assert out.token_ids[:2] == full.token_ids[:2] and out.token_ids != full.token_ids
+    with pytest.raises(RequestError, match="allowed_token_ids"):
+        llm.generate("a", SamplingParams(allowed_token_ids=[]), use_tqdm=False)
+    llm.llm_engine.block_manager.check_integrity()

@@ -148,3 +148,42 @@ def test_logit_bias_is_bounded(bias, needle):
     from services.protocol.sampling import SamplingParamsError
     with pytest.raises(SamplingParamsError, match=re.escape(needle)):
         SamplingParams(logit_bias=bias).validate(V)
+
+
+def test_allowed_token_ids_mask_every_other_token_per_row():
+    """vLLM's allowed_token_ids: greedy and drawn tokens come from the list; logprobs stay raw."""
+    x = torch.tensor([BASE, BASE, BASE], dtype=torch.float32)
+    rs = [req(0, temperature=0.0, allowed_token_ids=[3, 4]), req(1, temperature=0.0),
+          req(2, temperature=0.0, allowed_token_ids=[6], logprobs=0)]
+    got = Sampler()(x, rs)
+    assert [r.token_id for r in got] == [3, 1, 6]
+    assert got[2].logprob.logprob == pytest.approx(float(torch.log_softmax(torch.tensor(BASE), -1)[6]))
+    for seed in range(20):
+        assert one(BASE, temperature=1.0, seed=seed, allowed_token_ids=[0, 4, 5]).token_id in (0, 4, 5)
+
+
+def test_bad_words_ban_the_last_token_after_the_rest_of_the_word():
+    """vLLM's bad words: a one-token word is always banned; a longer one's last token only when
+    the output ends in its other tokens (the prompt does not count)."""
+    words = [[1], [7, 2]]
+    assert one(BASE, temperature=0.0, bad_words_token_ids=words).token_id == 2
+    assert one(BASE, temperature=0.0, bad_words_token_ids=words, out=[7]).token_id == 7   # 1 and 2 banned
+    assert one(BASE, temperature=0.0, bad_words_token_ids=words, out=[7, 0], prompt=[7]).token_id == 2
+    assert one(BASE, temperature=0.0, bad_words_token_ids=[[5, 6, 1]], out=[6]).token_id == 1   # too short
+    assert one(BASE, temperature=0.0, bad_words_token_ids=[[5, 6, 1]], out=[0, 5, 6]).token_id == 2
+    for seed in range(20):
+        assert one(BASE, temperature=1.0, seed=seed, bad_words_token_ids=words, out=[7]).token_id not in (1, 2)
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"allowed_token_ids": []}, "invalid allowed_token_ids: must list 1 to"),
+    ({"allowed_token_ids": [V]}, "invalid allowed_token_ids: ids must be in [0, 8)"),
+    ({"allowed_token_ids": list(range(4097))}, "invalid allowed_token_ids"),
+    ({"bad_words": ["  "]}, "invalid bad_words"), ({"bad_words": ["x" * 257]}, "invalid bad_words"),
+    ({"bad_words": ["x"] * 65}, "invalid bad_words: at most 64"),
+    ({"bad_words_token_ids": [[]]}, "invalid bad_words"), ({"bad_words_token_ids": [[V]]}, "invalid bad_words"),
+])
+def test_token_masks_are_bounded(fields, needle):
+    from services.protocol.sampling import SamplingParamsError
+    with pytest.raises(SamplingParamsError, match=re.escape(needle)):
+        SamplingParams(**fields).validate(V)

@@ -56,3 +56,29 @@ def test_sampled_distribution_with_a_draft_model_matches_without(tiny_models, tm
     assert 0 < stats["accepted"] < stats["proposed"]                     # both branches ran
     drafts_own, _ = draws(draft_dir, None, range(DRAWS))
     assert min(chi_square_p(plain[p], drafts_own[p]) for p in POSITIONS) < ALPHA / 2   # the test has power
+
+
+def test_a_draft_models_verified_draws_keep_to_allowed_token_ids_and_bad_words(tiny_models, tmp_path):
+    """Rejection sampling's p (and the draft's q) are masked as a plain draw is: no emitted token,
+    accepted draft or residual draw, is outside allowed_token_ids or a banned bad-word ending."""
+    model_dir = tiny_models["llama"]
+    draft_dir = near_copy(model_dir, tmp_path / "near", noise=0.3)
+    eng = Engine(EngineConfig(model=model_dir, device="cpu", num_gpu_blocks=256, max_num_seqs=64,
+                              speculative_config=draft_spec(draft_dir, k=4, disable_by_batch_size=64)))
+    ids = prompt(12, 7)
+    allowed = list(range(3, 40))
+    for s in range(24):
+        eng.add_request(f"a{s}", ids, SamplingParams(seed=s, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed))
+        eng.add_request(f"b{s}", ids, SamplingParams(seed=s, max_tokens=8, ignore_eos=True,
+                                                     bad_words_token_ids=[[t] for t in range(3, 40)]))
+    tokens: dict[str, list[int]] = {}
+    for _ in range(MAX_STEPS):
+        if not eng.has_unfinished_requests():
+            break
+        for d in eng.step():
+            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+    assert_clean(eng)
+    assert eng.stats().extra["spec_decode"]["accepted"] > 0
+    for rid, toks in tokens.items():
+        assert len(toks) == 8
+        assert all((3 <= t < 40) == rid.startswith("a") for t in toks), (rid, toks)

@@ -178,3 +178,31 @@ def test_aborting_one_sample_between_verifications_frees_only_its_blocks():
         collect(plain.step(), want)
     assert [out["n", i]["tokens"] for i in (0, 2)] == [want["n", i]["tokens"] for i in (0, 2)]
     assert len(out["n", 1]["tokens"]) < 60 and accepted(eng) > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_allowed_token_ids_and_bad_words_as_without_speculation(async_scheduling):
+    """The masks hold at every verified position (a draft's own tokens count as output for bad
+    words): greedy tokens are those of one plain engine, and random draws keep to the masks."""
+    reqs = {"allowed": dict(allowed_token_ids=[3, 6, 9]), "bad": dict(bad_words_token_ids=[[3, 6], [9]])}
+    outs = []
+    for spec in (None, ngram()):
+        eng = fake_engine(spec, async_scheduling=async_scheduling)
+        got: dict = {}
+        for rid, mask in reqs.items():
+            eng.add_request(rid, [3, 6, 3, 6, 3], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, **mask))
+            eng.add_request(rid + "-drawn", [3, 6, 3, 6, 3],
+                            SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True, **mask))
+        for _ in range(MAX_STEPS):
+            if not eng.has_unfinished_requests():
+                break
+            collect(eng.step(), got)
+        assert_clean(eng)
+        for rid in ("allowed", "allowed-drawn"):
+            assert set(got[rid, 0]["tokens"]) <= {3, 6, 9}
+        for rid in ("bad", "bad-drawn"):
+            toks = got[rid, 0]["tokens"]
+            assert 9 not in toks and all((a, b) != (3, 6) for a, b in zip(toks, toks[1:]))
+        outs.append((got["allowed", 0]["tokens"], got["bad", 0]["tokens"]))
+    assert outs[0] == outs[1]
+    assert accepted(eng) > 0

@@ -78,3 +78,46 @@ async def test_a_job_waits_only_until_its_deadline(model_dir):
     assert (info.value.status, info.value.code) == (503, "scheduler_unavailable")
     assert 0.2 <= time.monotonic() - t0 < 5
     await backend.registry.close()
+
+
+async def test_bad_words_are_encoded_by_the_gateways_tokenizer_into_the_submit(model_dir):
+    """The Submit's SamplingParams carry bad_words_token_ids (the engine masks by them), encoded
+    with the first prompt by the tokenizer that encodes prompts."""
+    import asyncio
+
+    from services.protocol.messages import TokenizeRequest
+    from services.text.requests import bad_words_token_ids
+    backend = backend_of(model_dir)
+    sent: list = []
+    backend.scheduler = type("Sched", (), {"send": lambda self, m: sent.append(m)})()
+    params = SamplingParams(bad_words=["hello", "world"])
+    task = asyncio.create_task(backend.start([TokenizeRequest(prompt="a b"), TokenizeRequest(prompt="c")], params,
+                                             model="m", tenant="t", priority=0, cache_salt=""))
+    for _ in range(200):
+        if len(sent) == 2:
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    expected = bad_words_token_ids(backend.text.tok, ["hello", "world"])
+    assert expected and all(s.params.bad_words_token_ids == expected for s in sent) and len(sent) == 2
+    for job in list(backend.jobs.values()):
+        job.close()
+    await backend.registry.close()
+
+
+async def test_bad_words_a_tokenizer_did_not_encode_are_a_retryable_503_not_ignored(model_dir):
+    """A tokenizer service that predates bad_words answers without their ids: the words would not
+    be masked, so the request is refused before it is submitted."""
+    from services.protocol.messages import TokenizeReply, TokenizeRequest
+    backend = backend_of(model_dir)
+    sent: list = []
+    backend.scheduler = type("Sched", (), {"send": lambda self, m: sent.append(m)})()
+
+    async def old_tokenize(req):
+        return TokenizeReply(prompt_token_ids=[1, 2], detok_addr=SELF, vocab_size=100)
+    backend.text.tokenize = old_tokenize
+    with pytest.raises(ApiError) as info:
+        await backend.start([TokenizeRequest(prompt="a")], SamplingParams(bad_words=["x"]), model="m", tenant="t",
+                            priority=0, cache_salt="")
+    assert (info.value.status, info.value.code) == (503, "tokenizer_unavailable") and not sent
+    await backend.registry.close()

@@ -304,3 +304,18 @@ def test_stop_strings_count_only_from_min_tokens_on():
     assert texts(out) == [(0, "a", None), (1, "abc", None), (2, "abc", None)]
     out = step(core, SeqTokens("r", 0, ids("cdb")), SeqTokens("r", 1, ids("b")), SeqTokens("r", 2, ids("y")))
     assert texts(out) == [(0, "bcd", "stop"), (1, "b", "stop"), (2, "", "stop")]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_token_in_the_text():
+    """vLLM's include_stop_str_in_output: the text runs to the end of the stop string (nothing is
+    held back while streaming) and the stop or EOS token that ended a sample is text too."""
+    core = DetokCore(EosTok())
+    open_(core, n=3, stop=["lo w"], stop_token_ids=ids("."), include_stop_str_in_output=True,
+          skip_special_tokens=False)
+    out = step(core, SeqTokens("r", 0, ids("hello")), SeqTokens("r", 1, ids("ab."), finish_reason="stop"),
+               SeqTokens("r", 2, ids("ab!"), finish_reason="stop"))
+    assert texts(out) == [(0, "hello", None), (1, "ab.", "stop"), (2, "ab!", "stop")]
+    out = step(core, SeqTokens("r", 0, ids(" worx")))
+    assert texts(out) == [(0, " w", "stop")]
+    aborts = [e for e in out if e.dest == SCHEDULER]
+    assert len(aborts) == 1 and aborts[0].msg.reason == "stop"

@@ -89,3 +89,50 @@ def test_held_text_is_never_a_match_but_a_stop_ending_after_it_is():
     assert m.hold("xi") == "x" and m.push("s!") == StopResult("", True)
     m = StopStringMatcher(["b", "abc"])
     assert m.hold("ab") == "" and m.push("x") == StopResult("abx", False)   # the held "b" was early
+
+
+def run_kept(stop, chunks):
+    """include_stop: each piece's text as pushed; the pieces before the one that stopped."""
+    m = StopStringMatcher(stop, include_stop=True)
+    out = []
+    for k, c in enumerate(chunks):
+        emit, stopped = m.push(c)
+        out.append(emit)
+        if stopped:
+            return out, m.matched, k
+    return out + [m.flush()], None, len(chunks)
+
+
+def test_include_stop_keeps_the_stop_string_and_holds_nothing_back():
+    """vLLM's include_stop_str_in_output: nothing is held (a piece goes out whole), the stop string
+    stays in the text, the text after it in the same piece does not."""
+    assert run_kept(["<|end|>"], ["Hello wor", "ld<|e", "nd|> tail"]) == (["Hello wor", "ld<|e", "nd|>"], "<|end|>", 2)
+    assert run_kept(["STOP"], ["S", "T", "O", "P", "x"]) == (["S", "T", "O", "P"], "STOP", 3)
+    assert run_kept(["xyz"], ["abx", "y", "q"]) == (["abx", "y", "q", ""], None, 3)
+    assert run_kept(["\n"], ["a\nb"]) == (["a\n"], "\n", 0)
+
+
+def test_include_stop_held_text_is_sent_and_still_begins_a_stop():
+    m = StopStringMatcher(["is", "abc"], include_stop=True)
+    assert m.hold("this ab") == "this ab"         # before min_tokens: sent whole, "is" does not count
+    assert m.push("cd") == StopResult("c", True) and m.matched == "abc"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_include_stop_random(seed):
+    rng = random.Random(seed)
+    alphabet = "ab<|>é😀"
+    for _ in range(300):
+        stop = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+        chunks = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+        out, matched, k = run_kept(stop, chunks)
+        emitted = "".join(out)
+        assert out[:k] == chunks[:k] and text.startswith(emitted), (stop, chunks)
+        assert (matched is not None) == any(s in text for s in stop), (stop, chunks)
+        if matched is not None:      # the first piece in which some stop string ends stops it
+            before = "".join(chunks[:k])
+            assert emitted.endswith(matched) and not any(s in before for s in stop), (stop, chunks)
+        else:
+            assert emitted == text
