@@ -13,7 +13,7 @@ import msgspec
 
 from services.gateway.json_errors import explain
 from services.gateway.structured import (
-    ConstraintError, ConstraintFields, check_constraint, constraint_field, structured_output)
+    ConstraintError, ConstraintFields, SchemaPart, check_constraint, constraint_field, structured_output)
 from services.protocol.messages import ChatMessage, TokenizeRequest
 from services.protocol.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from services.text.requests import TokenizeError, check_template_kwargs
@@ -282,12 +282,13 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None,
     return params
 
 
-async def check_request_constraint(req: _Common, params: SamplingParams) -> None:
-    """The grammar check of a constrained request (services/gateway/structured.py), off the event loop."""
+async def check_request_constraint(req: _Common, params: SamplingParams, parts: tuple[SchemaPart, ...] = ()) -> None:
+    """The grammar check of a constrained request (services/gateway/structured.py), off the event
+    loop; `parts`: the client's schemas a forced tool_choice built it from (ToolPlan.schema_parts)."""
     if params.structured is None:
         return
     try:
-        await check_constraint(params.structured, constraint_field(req))
+        await check_constraint(params.structured, constraint_field(req), parts)
     except ConstraintError as exc:
         raise bad(str(exc), exc.param) from None
 
