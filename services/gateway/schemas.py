@@ -116,6 +116,7 @@ class ChatRequest(_Common, kw_only=True):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: template variables (enable_thinking...)
     continue_final_message: bool = False    # vLLM's: the last message rendered open, continued by the answer
+    add_special_tokens: bool = False        # vLLM's: the tokenizer's bos/eos on top of the template's
     echo: bool = False                      # vLLM's: the answer begins with the last message when of its role
 
 
@@ -128,12 +129,14 @@ class CompletionRequest(_Common, kw_only=True):
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
-    """POST /tokenize (vLLM's): a completion prompt, or chat messages rendered with the template."""
+    """POST /tokenize (vLLM's): a completion prompt, or chat messages rendered with the template as
+    the chat route renders them (its fields, defaults and 400s)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None   # vLLM's defaults: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[dict] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
@@ -153,13 +156,23 @@ def tokenize_request(body: TokenizeBody, max_messages: int) -> TokenizeRequest:
     if (body.prompt is None) == (body.messages is None):
         raise bad("give exactly one of prompt or messages", "prompt")
     if body.messages is None:
-        return TokenizeRequest(prompt=body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeRequest(prompt=body.prompt, add_special_tokens=body.add_special_tokens is not False)
     if not body.messages:
         raise bad("messages must not be empty", "messages")
     if len(body.messages) > max_messages:
         raise bad(f"at most {max_messages} messages per request", "messages")
+    check_continuation(body.continue_final_message, body.add_generation_prompt)
     return TokenizeRequest(messages=chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
-                           tools=body.tools, chat_template_kwargs=template_kwargs(body.chat_template_kwargs))
+                           tools=body.tools, chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
+                           continue_final_message=body.continue_final_message,
+                           chat_special_tokens=bool(body.add_special_tokens))
+
+
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: the last message cannot be continued after a generation prompt opened a new one."""
+    if continue_final_message and add_generation_prompt:
+        raise bad("cannot set both continue_final_message and add_generation_prompt to true; send "
+                  "add_generation_prompt: false to continue the last message", "continue_final_message")
 
 
 def decode(cls: type, body: bytes) -> Any:
@@ -342,13 +355,12 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
     named = {"logprobs": "top_logprobs",
              **({"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {})}
     params = sampling_params(req, max_tokens, logprobs, named)
-    if req.continue_final_message and req.add_generation_prompt:    # vLLM's rule
-        raise bad("cannot set both continue_final_message and add_generation_prompt to true; send "
-                  "add_generation_prompt: false to continue the last message", "continue_final_message")
+    check_continuation(req.continue_final_message, req.add_generation_prompt)
     return TokenizeRequest(messages=messages, add_generation_prompt=req.add_generation_prompt,
                            tools=req.tools, chat_template_kwargs=template_kwargs(req.chat_template_kwargs),
                            truncate_prompt_tokens=truncation(req),
-                           continue_final_message=req.continue_final_message), params
+                           continue_final_message=req.continue_final_message,
+                           chat_special_tokens=req.add_special_tokens), params
 
 
 def chat_echo(req: ChatRequest) -> str:

@@ -132,3 +132,10 @@ def test_continue_final_message_renders_the_last_message_open_and_needs_add_gene
 def test_chat_echo_begins_the_answer_with_the_last_message_of_its_role(fields, echoed):
     assert answers({**fields, "echo": True}) == (echoed + "ok", echoed + "ok")
     assert answers(fields) == ("ok", "ok")
+
+
+def test_add_special_tokens_on_a_chat_reaches_the_tokenizer_request_default_false():
+    r, started = post("chat")
+    assert r.status_code == 200 and not started[0][0][0].chat_special_tokens, r.text
+    r, started = post("chat", add_special_tokens=True)
+    assert started[0][0][0].chat_special_tokens
