@@ -17,6 +17,7 @@ every process (gateway -> scheduler -> worker -> detokenizer).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import time
 from typing import Any, AsyncIterator
@@ -187,6 +188,8 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
                 plan = tool_plan(req.tools, req.tool_choice, formats, thinking(req) and params.structured is None,
                                  max_calls=None if req.parallel_tool_calls else 1)
                 params, parsing, schema_parts = with_plan(params, plan), plan.parsing, plan.schema_parts
+                if not req.include_reasoning:
+                    parsing = dataclasses.replace(parsing, include_reasoning=False)
                 prompts, echo_text = [prompt], chat_echo(req)
             else:
                 req = decode(CompletionRequest, body)

@@ -91,12 +91,13 @@ class Accumulator:
     def message(self, text: str, finish_reason: str | None,
                 stop_reason: str | int | None = None) -> tuple[dict[str, Any], str | None]:
         """A chat choice's message and finish_reason. No tool_calls key when the model called no
-        tool (as OpenAI); reasoning_content only where a reasoning parser runs (as vLLM)."""
+        tool (as OpenAI); reasoning_content only where a reasoning parser runs and the request did
+        not send include_reasoning: false (as vLLM)."""
         if not self.parsing.active:
             return {"role": "assistant", "content": text, "refusal": None}, finish_reason
         answer = parse_answer(self.parsing, text)
         message: dict[str, Any] = {"role": "assistant", "content": answer.content, "refusal": None}
-        if self.parsing.reasoning != "none":
+        if self.parsing.reasoning != "none" and self.parsing.include_reasoning:
             message["reasoning_content"] = answer.reasoning
         if answer.tool_calls:
             message["tool_calls"] = [call.as_dict() for call in answer.tool_calls[:self.parsing.max_calls]]
@@ -186,7 +187,7 @@ class ChunkWriter:
                 cut = self.acc.parsing.cut_in_kept_call(choice.answer.cut, choice.answer.num_calls)
                 finish = self.acc.parsing.finish_with_calls(finish, stop_reason, cut)
         head: dict[str, Any] = {}
-        if step.reasoning:
+        if step.reasoning and self.acc.parsing.include_reasoning:
             head["reasoning_content"] = step.reasoning
         if step.content:
             head["content"] = step.content

@@ -91,6 +91,7 @@ class _Common(ConstraintFields, kw_only=True):
     allowed_token_ids: list[int] | None = None  # sampling masks every other token
     bad_words: list[str] | None = None          # each word's last token is masked after the rest of it
     truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens (-1: the context length)
+    best_of: int | None = None                  # vLLM's: must equal n (kvmesh returns every sample)
     priority: int = 0
     cache_salt: str | None = None
     # kvmesh's: false decodes this request one token a step on a worker that speculates (vLLM has
@@ -118,13 +119,13 @@ class ChatRequest(_Common, kw_only=True):
     continue_final_message: bool = False    # vLLM's: the last message rendered open, continued by the answer
     add_special_tokens: bool = False        # vLLM's: the tokenizer's bos/eos on top of the template's
     echo: bool = False                      # vLLM's: the answer begins with the last message when of its role
+    include_reasoning: bool = True          # vLLM's: false answers without reasoning_content
 
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[Any]          # str, [str], [int] or [[int]]: checked in completion_prompts
     logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
 
@@ -216,6 +217,8 @@ def check_supported(req: _Common) -> None:
         value = getattr(req, name, None)
         if not (value is None or value is False or value == []):
             raise bad(f"{name} is not supported", name)
+    if req.best_of is not None and req.best_of != req.n:   # best_of > n would return the best n of more samples
+        raise bad("best_of must equal n", "best_of")
 
 
 def truncation(req: _Common) -> int:
@@ -398,8 +401,6 @@ def completion_prompts(req: CompletionRequest, max_prompts: int) -> tuple[list[T
         raise bad("suffix is not supported", "suffix")
     if req.echo:      # the prompt's text and, with logprobs, prompt_logprobs, which kvmesh does not make
         raise bad("echo is not supported on completions", "echo")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad("best_of must equal n", "best_of")
     check_streaming(req)
     p = req.prompt
     k = truncation(req)

@@ -6,7 +6,8 @@ Accepted (at most one of them per request; more is a 400 naming them):
                       "schema", "strict"}}  (OpenAI)
     structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}  (vLLM)
     guided_json, guided_regex, guided_choice, guided_grammar  (vLLM's older names);
-    guided_decoding_backend: "xgrammar" or "auto" (the only backend), else a 400
+    guided_decoding_backend: "xgrammar" or "auto" (the only backend), else a 400;
+    guided_whitespace_pattern: a 400 when set (xgrammar takes no whitespace pattern)
 
 Cheap checks run inline (sizes, nesting depth, node, enum-entry and optional-property counts);
 then check_constraint checks JSON Schema well-formedness (Draft202012Validator.check_schema:
@@ -93,6 +94,9 @@ class ConstraintFields(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's whitespace regex for guided_json: xgrammar's JSON Schema compile takes none (only
+    # any_whitespace and a whitespace count), so a value set is a 400 naming it
+    guided_whitespace_pattern: str | None = None
 
 
 def structured_output(req: ConstraintFields) -> tuple[StructuredOutput, str] | None:
@@ -101,6 +105,9 @@ def structured_output(req: ConstraintFields) -> tuple[StructuredOutput, str] | N
     if req.guided_decoding_backend not in BACKENDS:
         raise ConstraintError("guided_decoding_backend must be 'xgrammar' or 'auto' (the only backend)",
                               "guided_decoding_backend")
+    if req.guided_whitespace_pattern is not None:
+        raise ConstraintError("guided_whitespace_pattern is not supported: xgrammar (the only backend) compiles "
+                              "JSON schemas with its own whitespace rules; leave it out", "guided_whitespace_pattern")
     given = _given(req)
     if len(given) > 1:
         names = ", ".join(name for name, _ in given)

@@ -138,3 +138,10 @@ def test_a_forced_choice_over_a_bad_parameters_schema_names_the_tools_field(choi
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "tools[1].function.parameters", r.text
     assert where in error["message"] and "anyOf" not in error["message"] and "items" not in error["message"]
+
+
+def test_include_reasoning_false_drops_the_reasoning_whole_and_streamed():
+    """vLLM's include_reasoning: false answers without reasoning_content; the content is the same."""
+    choice, streamed = chat(ScriptedBackend(["hmm</think>yes"]), include_reasoning=False)
+    assert "reasoning_content" not in choice["message"] and choice["message"]["content"] == "yes"
+    assert streamed["reasoning_content"] is None and streamed["content"] == "yes"
