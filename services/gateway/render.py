@@ -129,11 +129,13 @@ class ChunkWriter:
     """SSE bytes for a streamed answer; feeds the same Accumulator (for usage).
 
     stream_options (vLLM's semantics): include_usage adds a last chunk with the usage and no
-    choices (the others carry `"usage": null`); continuous_usage_stats puts the usage so far in
-    every chunk (benchmark tools read it to count tokens per chunk)."""
+    choices (the others carry `"usage": null`); continuous_usage_stats with include_usage puts the
+    usage so far in every chunk (benchmark tools read it to count tokens per chunk); without
+    include_usage it adds nothing (vLLM's should_include_usage)."""
 
     def __init__(self, acc: Accumulator, include_usage: bool, continuous_usage: bool = False) -> None:
-        self.acc, self.include_usage, self.continuous_usage = acc, include_usage, continuous_usage
+        self.acc, self.include_usage = acc, include_usage
+        self.continuous_usage = include_usage and continuous_usage
         self.object = "chat.completion.chunk" if acc.kind == "chat" else "text_completion"
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
