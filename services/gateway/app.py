@@ -17,6 +17,7 @@ every process (gateway -> scheduler -> worker -> detokenizer).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import time
 from typing import Any, AsyncIterator
@@ -177,7 +178,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
             echo = client_request_id(request.headers.get("x-request-id"))
             tenant = tenant_of(request)
             body = await read_body(request)
-            parsing, echo_text = PLAIN, ""
+            parsing, echo_text, schema_parts = PLAIN, "", ()
             if kind == "chat":
                 req: Any = decode(ChatRequest, body)
                 prompt, params = chat_prompt(req, cfg.max_messages)
@@ -186,14 +187,16 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
                 # unless it writes one (deepseek_r1 would read all of it as reasoning)
                 plan = tool_plan(req.tools, req.tool_choice, formats, thinking(req) and params.structured is None,
                                  max_calls=None if req.parallel_tool_calls else 1)
-                params, parsing = with_plan(params, plan), plan.parsing
+                params, parsing, schema_parts = with_plan(params, plan), plan.parsing, plan.schema_parts
+                if not req.include_reasoning:
+                    parsing = dataclasses.replace(parsing, include_reasoning=False)
                 prompts, echo_text = [prompt], chat_echo(req)
             else:
                 req = decode(CompletionRequest, body)
                 prompts, params = completion_prompts(req, cfg.max_prompts)
             model = check_model(req.model)
             backend.check_vocab(model, params)
-            await check_request_constraint(req, params)
+            await check_request_constraint(req, params, schema_parts)
             conversation = conversation_key(tenant, req.user, req.conversation_id)
             job, prompt_lens = await backend.start(prompts, params, model=model, tenant=tenant,
                                                    priority=req.priority, cache_salt=salt(tenant, req.cache_salt),

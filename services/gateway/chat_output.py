@@ -25,6 +25,8 @@ class OutputParsing:
     forced: bool = False
     # parallel_tool_calls false: 1, and calls past the first are dropped (vLLM's); None: all
     max_calls: int | None = None
+    # include_reasoning false (vLLM's): the reasoning is split off as usual, then left out
+    include_reasoning: bool = True
 
     @property
     def active(self) -> bool:

@@ -91,12 +91,13 @@ class Accumulator:
     def message(self, text: str, finish_reason: str | None,
                 stop_reason: str | int | None = None) -> tuple[dict[str, Any], str | None]:
         """A chat choice's message and finish_reason. No tool_calls key when the model called no
-        tool (as OpenAI); reasoning_content only where a reasoning parser runs (as vLLM)."""
+        tool (as OpenAI); reasoning_content only where a reasoning parser runs and the request did
+        not send include_reasoning: false (as vLLM)."""
         if not self.parsing.active:
             return {"role": "assistant", "content": text, "refusal": None}, finish_reason
         answer = parse_answer(self.parsing, text)
         message: dict[str, Any] = {"role": "assistant", "content": answer.content, "refusal": None}
-        if self.parsing.reasoning != "none":
+        if self.parsing.reasoning != "none" and self.parsing.include_reasoning:
             message["reasoning_content"] = answer.reasoning
         if answer.tool_calls:
             message["tool_calls"] = [call.as_dict() for call in answer.tool_calls[:self.parsing.max_calls]]
@@ -128,11 +129,13 @@ class ChunkWriter:
     """SSE bytes for a streamed answer; feeds the same Accumulator (for usage).
 
     stream_options (vLLM's semantics): include_usage adds a last chunk with the usage and no
-    choices (the others carry `"usage": null`); continuous_usage_stats puts the usage so far in
-    every chunk (benchmark tools read it to count tokens per chunk)."""
+    choices (the others carry `"usage": null`); continuous_usage_stats with include_usage puts the
+    usage so far in every chunk (benchmark tools read it to count tokens per chunk); without
+    include_usage it adds nothing (vLLM's should_include_usage)."""
 
     def __init__(self, acc: Accumulator, include_usage: bool, continuous_usage: bool = False) -> None:
-        self.acc, self.include_usage, self.continuous_usage = acc, include_usage, continuous_usage
+        self.acc, self.include_usage = acc, include_usage
+        self.continuous_usage = include_usage and continuous_usage
         self.object = "chat.completion.chunk" if acc.kind == "chat" else "text_completion"
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
@@ -186,7 +189,7 @@ class ChunkWriter:
                 cut = self.acc.parsing.cut_in_kept_call(choice.answer.cut, choice.answer.num_calls)
                 finish = self.acc.parsing.finish_with_calls(finish, stop_reason, cut)
         head: dict[str, Any] = {}
-        if step.reasoning:
+        if step.reasoning and self.acc.parsing.include_reasoning:
             head["reasoning_content"] = step.reasoning
         if step.content:
             head["content"] = step.content

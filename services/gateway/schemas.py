@@ -13,7 +13,7 @@ import msgspec
 
 from services.gateway.json_errors import explain
 from services.gateway.structured import (
-    ConstraintError, ConstraintFields, check_constraint, constraint_field, structured_output)
+    ConstraintError, ConstraintFields, SchemaPart, check_constraint, constraint_field, structured_output)
 from services.protocol.messages import ChatMessage, TokenizeRequest
 from services.protocol.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from services.text.requests import TokenizeError, check_template_kwargs
@@ -91,6 +91,7 @@ class _Common(ConstraintFields, kw_only=True):
     allowed_token_ids: list[int] | None = None  # sampling masks every other token
     bad_words: list[str] | None = None          # each word's last token is masked after the rest of it
     truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens (-1: the context length)
+    best_of: int | None = None                  # vLLM's: must equal n (kvmesh returns every sample)
     priority: int = 0
     cache_salt: str | None = None
     # kvmesh's: false decodes this request one token a step on a worker that speculates (vLLM has
@@ -116,24 +117,27 @@ class ChatRequest(_Common, kw_only=True):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: template variables (enable_thinking...)
     continue_final_message: bool = False    # vLLM's: the last message rendered open, continued by the answer
+    add_special_tokens: bool = False        # vLLM's: the tokenizer's bos/eos on top of the template's
     echo: bool = False                      # vLLM's: the answer begins with the last message when of its role
+    include_reasoning: bool = True          # vLLM's: false answers without reasoning_content
 
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[Any]          # str, [str], [int] or [[int]]: checked in completion_prompts
     logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
-    """POST /tokenize (vLLM's): a completion prompt, or chat messages rendered with the template."""
+    """POST /tokenize (vLLM's): a completion prompt, or chat messages rendered with the template as
+    the chat route renders them (its fields, defaults and 400s)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None   # vLLM's defaults: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[dict] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
@@ -153,13 +157,23 @@ def tokenize_request(body: TokenizeBody, max_messages: int) -> TokenizeRequest:
     if (body.prompt is None) == (body.messages is None):
         raise bad("give exactly one of prompt or messages", "prompt")
     if body.messages is None:
-        return TokenizeRequest(prompt=body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeRequest(prompt=body.prompt, add_special_tokens=body.add_special_tokens is not False)
     if not body.messages:
         raise bad("messages must not be empty", "messages")
     if len(body.messages) > max_messages:
         raise bad(f"at most {max_messages} messages per request", "messages")
+    check_continuation(body.continue_final_message, body.add_generation_prompt)
     return TokenizeRequest(messages=chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
-                           tools=body.tools, chat_template_kwargs=template_kwargs(body.chat_template_kwargs))
+                           tools=body.tools, chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
+                           continue_final_message=body.continue_final_message,
+                           chat_special_tokens=bool(body.add_special_tokens))
+
+
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: the last message cannot be continued after a generation prompt opened a new one."""
+    if continue_final_message and add_generation_prompt:
+        raise bad("cannot set both continue_final_message and add_generation_prompt to true; send "
+                  "add_generation_prompt: false to continue the last message", "continue_final_message")
 
 
 def decode(cls: type, body: bytes) -> Any:
@@ -203,6 +217,8 @@ def check_supported(req: _Common) -> None:
         value = getattr(req, name, None)
         if not (value is None or value is False or value == []):
             raise bad(f"{name} is not supported", name)
+    if req.best_of is not None and req.best_of != req.n:   # best_of > n would return the best n of more samples
+        raise bad("best_of must equal n", "best_of")
 
 
 def truncation(req: _Common) -> int:
@@ -282,12 +298,13 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None,
     return params
 
 
-async def check_request_constraint(req: _Common, params: SamplingParams) -> None:
-    """The grammar check of a constrained request (services/gateway/structured.py), off the event loop."""
+async def check_request_constraint(req: _Common, params: SamplingParams, parts: tuple[SchemaPart, ...] = ()) -> None:
+    """The grammar check of a constrained request (services/gateway/structured.py), off the event
+    loop; `parts`: the client's schemas a forced tool_choice built it from (ToolPlan.schema_parts)."""
     if params.structured is None:
         return
     try:
-        await check_constraint(params.structured, constraint_field(req))
+        await check_constraint(params.structured, constraint_field(req), parts)
     except ConstraintError as exc:
         raise bad(str(exc), exc.param) from None
 
@@ -341,13 +358,12 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
     named = {"logprobs": "top_logprobs",
              **({"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {})}
     params = sampling_params(req, max_tokens, logprobs, named)
-    if req.continue_final_message and req.add_generation_prompt:    # vLLM's rule
-        raise bad("cannot set both continue_final_message and add_generation_prompt to true; send "
-                  "add_generation_prompt: false to continue the last message", "continue_final_message")
+    check_continuation(req.continue_final_message, req.add_generation_prompt)
     return TokenizeRequest(messages=messages, add_generation_prompt=req.add_generation_prompt,
                            tools=req.tools, chat_template_kwargs=template_kwargs(req.chat_template_kwargs),
                            truncate_prompt_tokens=truncation(req),
-                           continue_final_message=req.continue_final_message), params
+                           continue_final_message=req.continue_final_message,
+                           chat_special_tokens=req.add_special_tokens), params
 
 
 def chat_echo(req: ChatRequest) -> str:
@@ -385,8 +401,6 @@ def completion_prompts(req: CompletionRequest, max_prompts: int) -> tuple[list[T
         raise bad("suffix is not supported", "suffix")
     if req.echo:      # the prompt's text and, with logprobs, prompt_logprobs, which kvmesh does not make
         raise bad("echo is not supported on completions", "echo")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad("best_of must equal n", "best_of")
     check_streaming(req)
     p = req.prompt
     k = truncation(req)

@@ -6,7 +6,8 @@ Accepted (at most one of them per request; more is a 400 naming them):
                       "schema", "strict"}}  (OpenAI)
     structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}  (vLLM)
     guided_json, guided_regex, guided_choice, guided_grammar  (vLLM's older names);
-    guided_decoding_backend: "xgrammar" or "auto" (the only backend), else a 400
+    guided_decoding_backend: "xgrammar" or "auto" (the only backend), else a 400;
+    guided_whitespace_pattern: a 400 when set (xgrammar takes no whitespace pattern)
 
 Cheap checks run inline (sizes, nesting depth, node, enum-entry and optional-property counts);
 then check_constraint checks JSON Schema well-formedness (Draft202012Validator.check_schema:
@@ -20,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -56,6 +58,13 @@ class ConstraintError(ValueError):
         self.param = param
 
 
+class SchemaPart(NamedTuple):
+    """One client field's JSON Schema inside a constraint kvmesh builds from several (a forced
+    tool_choice's: services/gateway/tools.py); errors in it name that field, not the whole."""
+    field: str     # tools[2].function.parameters
+    schema: str    # its JSON text
+
+
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
     name: str = "response"
     schema: Any = None
@@ -85,6 +94,9 @@ class ConstraintFields(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's whitespace regex for guided_json: xgrammar's JSON Schema compile takes none (only
+    # any_whitespace and a whitespace count), so a value set is a 400 naming it
+    guided_whitespace_pattern: str | None = None
 
 
 def structured_output(req: ConstraintFields) -> tuple[StructuredOutput, str] | None:
@@ -93,6 +105,9 @@ def structured_output(req: ConstraintFields) -> tuple[StructuredOutput, str] | N
     if req.guided_decoding_backend not in BACKENDS:
         raise ConstraintError("guided_decoding_backend must be 'xgrammar' or 'auto' (the only backend)",
                               "guided_decoding_backend")
+    if req.guided_whitespace_pattern is not None:
+        raise ConstraintError("guided_whitespace_pattern is not supported: xgrammar (the only backend) compiles "
+                              "JSON schemas with its own whitespace rules; leave it out", "guided_whitespace_pattern")
     given = _given(req)
     if len(given) > 1:
         names = ", ".join(name for name, _ in given)
@@ -179,19 +194,22 @@ def _schema_text(schema: Any, param: str) -> str:
     return text
 
 
-def _check_valid(schema_text: str, param: str) -> None:
-    """Draft 2020-12 well-formedness. jsonschema spends ~0.3 ms a node on it (1.5 s at
-    MAX_SCHEMA_NODES), so it runs on its own threads, never on the event loop."""
+def _check_valid(parts: Sequence[SchemaPart]) -> None:
+    """Draft 2020-12 well-formedness of each part; the error names its field and the path within
+    it. jsonschema spends ~0.3 ms a node on it (1.5 s at MAX_SCHEMA_NODES), so it runs on its own
+    threads, never on the event loop."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
-    try:
-        Draft202012Validator.check_schema(json.loads(schema_text))
-    except SchemaError as exc:
-        where = "/".join(str(p) for p in exc.path) or "the root"
-        raise ConstraintError(f"the schema is not a valid JSON Schema at {where}: {exc.message[:200]}", param) from None
-    except (RecursionError, OverflowError, ValueError):   # Python's re on a `pattern`: too deep, a repeat too large
-        raise ConstraintError("the schema is not a valid JSON Schema: it holds a pattern that cannot be read "
-                              "(nested too deeply, or a repeat count too large)", param) from None
+    for param, schema_text in parts:
+        try:
+            Draft202012Validator.check_schema(json.loads(schema_text))
+        except SchemaError as exc:
+            where = "/".join(str(p) for p in exc.path) or "the root"
+            raise ConstraintError(f"the schema is not a valid JSON Schema at {where}: {exc.message[:200]}",
+                                  param) from None
+        except (RecursionError, OverflowError, ValueError):   # Python's re on a `pattern`: too deep, a repeat too large
+            raise ConstraintError("the schema is not a valid JSON Schema: it holds a pattern that cannot be read "
+                                  "(nested too deeply, or a repeat count too large)", param) from None
 
 
 def check_bounds(schema: Any, param: str) -> int:
@@ -239,15 +257,18 @@ def _build_grammar(spec: StructuredOutput) -> None:
         xgrammar.Grammar.from_ebnf(spec.grammar)
 
 
-async def check_constraint(spec: StructuredOutput, param: str) -> None:
+async def check_constraint(spec: StructuredOutput, param: str, parts: Sequence[SchemaPart] = ()) -> None:
     """Build spec's grammar (no tokenizer) off the event loop; ConstraintError when it does not
     build, or not within CHECK_TIME_LIMIT_S (the thread finishes on its own: xgrammar cannot be
-    interrupted; the inline bounds keep such builds short)."""
+    interrupted; the inline bounds keep such builds short). `parts`: the client's schemas a
+    JSON Schema constraint was built from (a forced tool_choice's), each checked and named on its
+    own; without them the schema is the client's, in the field `param` set."""
     if spec.json_object or spec.choice is not None:
         return
     loop = asyncio.get_running_loop()
     if spec.json_schema is not None:   # bounded by check_bounds: no time limit needed
-        await loop.run_in_executor(_validator, _check_valid, spec.json_schema, SCHEMA_PARAMS.get(param, param))
+        whole = [SchemaPart(SCHEMA_PARAMS.get(param, param), spec.json_schema)]
+        await loop.run_in_executor(_validator, _check_valid, parts or whole)
     global _xgrammar_loaded
     if _xgrammar_loaded is None:
         _xgrammar_loaded = _checker.submit(importlib.import_module, "xgrammar")
@@ -258,8 +279,34 @@ async def check_constraint(spec: StructuredOutput, param: str) -> None:
     except asyncio.TimeoutError:
         raise ConstraintError("the constraint is too complex to compile in time; simplify it", param) from None
     except Exception as exc:
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        head, sep, tail = reason.partition(".cc:")
-        reason = tail.split(": ", 1)[-1] if sep else reason
         field = SCHEMA_PARAMS.get(param, param) if spec.json_schema is not None else param
-        raise ConstraintError(f"invalid {field}: {reason[:300]}", field) from None
+        field, reason = await _failed_part(parts) or (field, _reason(exc))
+        raise ConstraintError(f"invalid {field}: {reason}", field) from None
+
+
+async def _failed_part(parts: Sequence[SchemaPart]) -> tuple[str, str] | None:
+    """The first part whose own grammar does not build, and why: a whole that did not build is
+    blamed on it (None when every part builds, or the search runs past CHECK_TIME_LIMIT_S)."""
+    if not parts:
+        return None
+    future = asyncio.get_running_loop().run_in_executor(_checker, _first_failed, parts)
+    try:
+        return await asyncio.wait_for(future, CHECK_TIME_LIMIT_S)
+    except asyncio.TimeoutError:
+        return None
+
+
+def _first_failed(parts: Sequence[SchemaPart]) -> tuple[str, str] | None:
+    for field, schema in parts:
+        try:
+            _build_grammar(StructuredOutput(json_schema=schema))
+        except Exception as exc:
+            return field, _reason(exc)
+    return None
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's error, without its C++ source location."""
+    reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    head, sep, tail = reason.partition(".cc:")
+    return (tail.split(": ", 1)[-1] if sep else reason)[:300]

@@ -21,7 +21,7 @@ import msgspec
 
 from services.gateway.chat_output import OutputParsing
 from services.gateway.schemas import bad
-from services.gateway.structured import MAX_SCHEMA_NODES, ConstraintError, check_bounds
+from services.gateway.structured import MAX_SCHEMA_NODES, ConstraintError, SchemaPart, check_bounds
 from services.gateway.tool_parsers import NamedFormat, RequiredFormat, tool_format
 from services.protocol.sampling import MAX_STRUCTURED_SPEC_BYTES, SamplingParams, StructuredOutput
 from services.text.chat_formats import ChatFormats
@@ -37,6 +37,9 @@ class ToolPlan(NamedTuple):
     parsing: OutputParsing
     structured: StructuredOutput | None     # the forced choice's schema
     keep_special_tokens: bool               # the call syntax is made of special tokens (Mistral's)
+    # the tools' parameters `structured` was built from, each with its field: check_constraint
+    # names a bad one (tools[i].function.parameters), not the schema built around them
+    schema_parts: tuple[SchemaPart, ...] = ()
 
 
 def check_tools(tools: list[dict] | None) -> dict[str, dict]:
@@ -82,20 +85,23 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def _checked_schemas(tools: list[dict], schemas: dict[str, dict], names: list[str]) -> None:
+def _checked_schemas(tools: list[dict], schemas: dict[str, dict], names: list[str]) -> tuple[SchemaPart, ...]:
     """The named tools' parameters within the bounds a response_format schema has (structured.py),
-    each and together: a forced choice compiles them into one grammar (whose well-formedness
-    check_constraint checks off the event loop, naming tool_choice)."""
+    each and together: a forced choice compiles them into one grammar. Each with its field, for
+    check_constraint's well-formedness and build checks off the event loop."""
     index = {tool["function"]["name"]: i for i, tool in enumerate(tools)}
-    nodes = 0
+    nodes, parts = 0, []
     for name in names:
+        field = f"tools[{index[name]}].function.parameters"
         try:
-            nodes += check_bounds(schemas[name], f"tools[{index[name]}].function.parameters")
+            nodes += check_bounds(schemas[name], field)
         except ConstraintError as exc:
             raise bad(str(exc), exc.param) from None
+        parts.append(SchemaPart(field, json.dumps(schemas[name])))
     if nodes > MAX_SCHEMA_NODES:
         raise bad(f"the tools' parameters are too large to force a call: at most {MAX_SCHEMA_NODES} values "
                   "in all; offer fewer or smaller tools", "tools")
+    return tuple(parts)
 
 
 def _forced_name(tool_choice: Any) -> str | None:
@@ -148,18 +154,18 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any, formats: ChatFormats, 
     if not schemas:
         raise bad("tool_choice 'required' or a named function needs tools", "tool_choice")
     if tool_choice == "required":
-        _checked_schemas(tools or [], schemas, list(schemas))
+        parts = _checked_schemas(tools or [], schemas, list(schemas))
         return ToolPlan(OutputParsing("none", partial(RequiredFormat, names), forced=True),
-                        _schema(required_schema(schemas, max_calls)), False)
+                        _schema(required_schema(schemas, max_calls)), False, parts)
     if isinstance(tool_choice, str):
         raise bad(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice[:40]!r}",
                   "tool_choice")
     name = _forced_name(tool_choice)
     if name not in schemas:
         raise bad(f"tool_choice names the function {name[:64]!r}, which is not among the tools", "tool_choice")
-    _checked_schemas(tools or [], schemas, [name])
+    parts = _checked_schemas(tools or [], schemas, [name])
     return ToolPlan(OutputParsing("none", partial(NamedFormat, names, name), forced=True), _schema(schemas[name]),
-                    False)
+                    False, parts)
 
 
 def served_formats(tool_call_parser: str, reasoning_parser: str, model: ChatFormats) -> ChatFormats:

@@ -339,12 +339,13 @@ class TokenizeRequest(Msg, tag="tokenize", kw_only=True):
     messages: list[ChatMessage] | None = None  # chat: rendered with the model's template
     add_generation_prompt: bool = True
     tools: list[dict] | None = None           # chat: tool schemas the template may render
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True           # plain prompts: bos/eos as the model's config asks
     max_prompt_tokens: int = 0                # the model's context length: longer prompts are refused (0: none)
     chat_template_kwargs: dict[str, Any] | None = None   # chat: extra template variables (enable_thinking...)
     bad_words: list[str] = []                 # SamplingParams.bad_words: encoded into the reply's bad_words_token_ids
     truncate_prompt_tokens: int = 0           # vLLM's: keep the prompt's last k tokens (-1: max_prompt_tokens; 0: all)
     continue_final_message: bool = False      # chat: the rendered prompt ends right after the last message's content
+    chat_special_tokens: bool = False         # chat: the tokenizer's bos/eos too, on top of the template's (vLLM's add_special_tokens)
 
 
 class TokenizeReply(Msg, tag="tokenized", kw_only=True):

@@ -107,8 +107,8 @@ def _tokenize(tok: Any, req: TokenizeRequest) -> list[int]:
             text = open_final_message(text, req.messages[-1].content or "")
         # the template adds text around the messages (and may repeat them): bound what it made too
         check_chars(req, len(text), tok.max_token_chars)
-        # the template writes bos itself
-        ids = tok.encode(text, add_special_tokens=False, max_tokens=req.max_prompt_tokens)
+        # the template writes bos itself; chat_special_tokens adds the tokenizer's on top (vLLM's)
+        ids = tok.encode(text, add_special_tokens=req.chat_special_tokens, max_tokens=req.max_prompt_tokens)
     elif req.prompt is not None:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens, max_tokens=req.max_prompt_tokens)
     else:

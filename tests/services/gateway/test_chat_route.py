@@ -121,3 +121,27 @@ def test_a_call_cut_by_max_tokens_and_dropped_leaves_the_kept_call_whole(paralle
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == calls
     assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == calls
     assert choice["finish_reason"] == streamed["finish_reason"] == finish
+
+
+NOT_JSON_SCHEMA = {"type": "object", "properties": {"x": {"type": "nope"}}}
+NO_GRAMMAR = {"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}   # valid, but nothing to build
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "bad"}}])
+@pytest.mark.parametrize("parameters, where", [(NOT_JSON_SCHEMA, "at properties/x/type: "), (NO_GRAMMAR, "")])
+def test_a_forced_choice_over_a_bad_parameters_schema_names_the_tools_field(choice, parameters, where):
+    """The 400 names the client's field and a path within it, not the schema kvmesh builds around
+    the tools for `required` (items/anyOf/1/properties/parameters/...)."""
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "bad", "parameters": parameters}}]
+    client = TestClient(create_app(GatewayConfig(), ScriptedBackend(["[]"])))
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": HI, "tools": tools, "tool_choice": choice})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "tools[1].function.parameters", r.text
+    assert where in error["message"] and "anyOf" not in error["message"] and "items" not in error["message"]
+
+
+def test_include_reasoning_false_drops_the_reasoning_whole_and_streamed():
+    """vLLM's include_reasoning: false answers without reasoning_content; the content is the same."""
+    choice, streamed = chat(ScriptedBackend(["hmm</think>yes"]), include_reasoning=False)
+    assert "reasoning_content" not in choice["message"] and choice["message"]["content"] == "yes"
+    assert streamed["reasoning_content"] is None and streamed["content"] == "yes"

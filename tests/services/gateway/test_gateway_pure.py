@@ -163,6 +163,14 @@ def test_continuous_usage_in_every_chunk():
     assert chunks[-1]["choices"] == []
 
 
+def test_continuous_usage_without_include_usage_sends_no_usage():
+    """vLLM's should_include_usage: continuous usage only with include_usage; alone, no usage at all."""
+    w = ChunkWriter(Accumulator("chat", "m", 1, 1, [3], want_logprobs=False), include_usage=False,
+                    continuous_usage=True)
+    chunks = sse(w.start() + w.delta(0, delta(0, "a")) + w.delta(0, delta(0, "bc", "length", n=2)) + w.finish())
+    assert len(chunks) == 3 and all("usage" not in c for c in chunks)
+
+
 @pytest.mark.parametrize("body, param, words", [
     (b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content", "surrogate"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature", "NaN"),

@@ -90,8 +90,8 @@ def test_a_small_schemas_build_does_not_wait_behind_other_requests_schema_checks
     slow_s = 0.5
     monkeypatch.setattr(structured, "CHECK_TIME_LIMIT_S", 0.3)
     check_now = structured._check_valid
-    monkeypatch.setattr(structured, "_check_valid", lambda text, param: (
-        time.sleep(slow_s) if "slow" in text else None, check_now(text, param))[1])
+    monkeypatch.setattr(structured, "_check_valid", lambda parts: (
+        time.sleep(slow_s) if "slow" in parts[0].schema else None, check_now(parts))[1])
     monkeypatch.setattr(structured, "_build_grammar", lambda spec: None)   # xgrammar's build: instant here
     loaded: Future = Future()
     loaded.set_result(None)

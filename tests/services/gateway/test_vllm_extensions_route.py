@@ -132,3 +132,30 @@ def test_continue_final_message_renders_the_last_message_open_and_needs_add_gene
 def test_chat_echo_begins_the_answer_with_the_last_message_of_its_role(fields, echoed):
     assert answers({**fields, "echo": True}) == (echoed + "ok", echoed + "ok")
     assert answers(fields) == ("ok", "ok")
+
+
+def test_add_special_tokens_on_a_chat_reaches_the_tokenizer_request_default_false():
+    r, started = post("chat")
+    assert r.status_code == 200 and not started[0][0][0].chat_special_tokens, r.text
+    r, started = post("chat", add_special_tokens=True)
+    assert started[0][0][0].chat_special_tokens
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_guided_whitespace_pattern_is_a_400_naming_it(route):
+    """xgrammar (the only backend) compiles JSON schemas with no whitespace pattern: set, the
+    answer would not be the one asked for."""
+    schema = {"type": "object"}
+    r, started = post(route, guided_json=schema, guided_whitespace_pattern=r"[ ]?")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_whitespace_pattern", r.text
+    assert not started
+    r, started = post(route, guided_json=schema, guided_whitespace_pattern=None)
+    assert r.status_code == 200, r.text
+
+
+def test_best_of_on_a_chat_must_equal_n():
+    r, started = post("chat", best_of=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+    assert not started
+    r, started = post("chat", best_of=2, n=2)
+    assert r.status_code == 200, r.text
