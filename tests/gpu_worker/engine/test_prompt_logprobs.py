@@ -163,3 +163,21 @@ def test_a_prompt_beside_verifying_drafts(llama):
     plain = engine(model_dir)
     plain.add_request("decoding", first, params(None, steps=24))
     assert out["decoding"] + rest[("decoding", 0)]["tokens"] == drain(plain)[("decoding", 0)]["tokens"]
+
+
+def test_a_prefill_worker_sends_them_with_the_first_token(llama):
+    """P/D: the prefill engine (export_kv) computes the prompt and streams them with its first
+    token; the decode engine, which imports the KV, has none to make."""
+    model_dir, hf = llama
+    ids = prompt(30, 8)
+    eng = engine(model_dir)
+    eng.add_request("pd", ids, params(), export_kv=True)
+    deltas = []
+    while not deltas:
+        deltas = eng.step()
+    [d] = deltas
+    assert d.finish_reason == "kv_handoff"
+    check(hf, ids, d.prompt_logprobs)
+    assert eng.release_export("pd")
+    eng.block_manager.check_integrity()
+    assert eng.block_manager.num_used_blocks == 0

@@ -338,3 +338,21 @@ def test_prompt_logprobs_get_their_tokens_text_through_the_wire():
     [delta] = [d for e in core.step(wire) if isinstance(e.msg, TextBatch) for d in e.msg.deltas]
     assert delta.prompt_logprobs == [PromptLogprobText(ids("h")[0], "h", None, None),
                                      PromptLogprobText(ids("i")[0], "i", -0.5, 2, [(ids("a")[0], "a", -0.25)])]
+
+
+def test_prompt_logprobs_are_bounded_on_the_wire():
+    import msgspec
+    import pytest
+
+    from services.protocol.messages import PromptTokenLogprob
+    from services.protocol.sampling import MAX_LOGPROBS, MAX_PROMPT_LOGPROBS_TOKENS
+
+    def wire(entries):
+        msg = StepOutput(worker_id="w", epoch=1, step=0, seqs=[SeqTokens("r", 0, [1], prompt_logprobs=entries)])
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=StepOutput)
+
+    wire([PromptTokenLogprob(1, -1.0, 1, [(2, -0.5)] * MAX_LOGPROBS)])
+    with pytest.raises(msgspec.ValidationError):
+        wire([PromptTokenLogprob(1, -1.0, 1, [(2, -0.5)] * (MAX_LOGPROBS + 1))])
+    with pytest.raises(msgspec.ValidationError):
+        wire([PromptTokenLogprob(1, None, None)] * (MAX_PROMPT_LOGPROBS_TOKENS + 1))
