@@ -184,12 +184,12 @@ class Engine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
-        if params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None and not resume_output:   # a resumed request streamed them
             self._check_prompt_logprobs(prompt)
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals,
                           seed, max_tokens, stop_ids=stop_ids, export_kv=export_kv)
         self._arrivals += 1
-        if params.prompt_logprobs is not None and not resume_output:   # a resumed request streamed them
+        if params.prompt_logprobs is not None and not resume_output:
             request.prompt_lp = PromptLogprobState(params.prompt_logprobs, prompt)
             self._prompt_lp.add(request)
         if resume_output:

@@ -136,10 +136,11 @@ def test_bounds_name_the_field(llama, monkeypatch):
     assert not eng.has_unfinished_requests()
 
 
-def test_a_resumed_request_makes_none(llama):
-    """Moved mid-stream (resume_output), it streamed them already."""
+def test_a_resumed_request_makes_none(llama, monkeypatch):
+    """Moved mid-stream (resume_output), it streamed them already: never refused for them either."""
     model_dir, _ = llama
     eng = engine(model_dir)
+    monkeypatch.setattr("gpu_worker.engine.MAX_PROMPT_LOGPROBS_TOKENS", 10)
     eng.add_request("moved", prompt(20, 5), params(), resume_output=[[7, 8]])
     assert drain(eng)[("moved", 0)]["prompt"] == []
 
