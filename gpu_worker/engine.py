@@ -38,6 +38,7 @@ from gpu_worker.kv_tiers import TieredScheduler, build_kv_tiers
 from gpu_worker.kv_transfer import group
 from gpu_worker.config import EngineConfig
 from gpu_worker.outputs import EngineStats, FailedCompile, RequestBusy, RequestError, SequenceDelta
+from gpu_worker.prompt_logprobs import PromptLogprobState, fill, plan_rows
 from gpu_worker.sampler import (
     PendingSample, Sampler, SampleRequest, SampleResult, needs_output_for_bad_words, to_device)
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -49,7 +50,7 @@ from gpu_worker.structured import (CompileBusy, CompilingRequests, GrammarCompil
                                    GrammarMaskBuilder)
 from gpu_worker.structured.matchers import new_matcher
 from services.protocol.kv_events import split_salt
-from services.protocol.sampling import MAX_SEED, SamplingParams, SamplingParamsError
+from services.protocol.sampling import MAX_PROMPT_LOGPROBS_TOKENS, MAX_SEED, SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,22 @@ class _Forwarded(NamedTuple):
     targets: list[tuple[int, Sequence]]   # (logits row, sequence); forks share their parent's row
     requests: list[SampleRequest]         # one per target
     grammar: GrammarMask | None           # the constrained targets' token bitmask
+
+
+class _KeepHidden:
+    """The runner as a step's forward sees it while prompt logprobs are computed (a proposer's
+    forward hook included): forward() runs eagerly and keeps every row's final hidden state."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.hidden = runner, None
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        out = self.runner.forward_keeping_hidden(batch)
+        self.hidden = out.hidden                                    # (T, H)
+        return out.logits                                           # (S, V)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
 
 
 class _InFlight(NamedTuple):
@@ -127,6 +144,7 @@ class Engine:
         self._compiling = CompilingRequests()     # ... of which those whose grammar is not ready
         self._failed: list[FailedCompile] = []    # failed compiles, to take
         self.requests: dict[str, Request] = {}
+        self._prompt_lp: set[Request] = set()     # requests whose prompt logprobs are not all made
         self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
         self._importing: dict[str, tuple[Sequence, list[tuple[int, int, float]] | None]] = {}  # KV arriving
         self._moved_groups: dict[str, list[Sequence]] = {}   # ... for every sample of an n > 1 peer move
@@ -166,9 +184,14 @@ class Engine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
+        if params.prompt_logprobs is not None and not resume_output:   # a resumed request streamed them
+            self._check_prompt_logprobs(prompt)
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals,
                           seed, max_tokens, stop_ids=stop_ids, export_kv=export_kv)
         self._arrivals += 1
+        if params.prompt_logprobs is not None and not resume_output:
+            request.prompt_lp = PromptLogprobState(params.prompt_logprobs, prompt)
+            self._prompt_lp.add(request)
         if resume_output:
             seqs = self._resumed_samples(request, resume_output, resume_ended)
         else:
@@ -181,6 +204,17 @@ class Engine:
         for seq in seqs:
             if seq.status is SequenceStatus.WAITING:
                 self.scheduler.add(seq)
+
+    def _check_prompt_logprobs(self, prompt: list[int]) -> None:
+        """Where this engine cannot make a request's prompt logprobs, a RequestError naming them."""
+        if len(prompt) > MAX_PROMPT_LOGPROBS_TOKENS:
+            raise RequestError(f"invalid prompt_logprobs: prompts of at most {MAX_PROMPT_LOGPROBS_TOKENS} tokens "
+                               f"may ask for them, this one has {len(prompt)}")
+        if not hasattr(self.runner, "forward_keeping_hidden"):
+            raise RequestError("invalid prompt_logprobs: this worker (tensor parallel) does not compute them")
+        spec = self.config.speculative
+        if spec is not None and spec.method == "mtp":
+            raise RequestError("invalid prompt_logprobs: this worker (mtp speculation) does not compute them")
 
     def _resumed_samples(self, request: Request, outputs: list[list[int]], ended: list[int]) -> list[Sequence]:
         """Every sample of a resumed request, at its tokens so far: ended ones finished (they draw
@@ -453,9 +487,21 @@ class Engine:
     def _target_forward(self, batch, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """The model's forward of a step; with a proposer, through its hook (a draft model writes
         its KV for the same tokens, mtp keeps the pre-norm states: speculator.py)."""
+        plans = self._prompt_rows(scheduled) if self._prompt_lp else None
+        runner = _KeepHidden(self.runner) if plans else self.runner
         if self.speculator is None:
-            return self.runner.forward(batch)
-        return self.speculator.forward(self.runner, batch, scheduled)
+            logits = runner.forward(batch)
+        else:
+            logits = self.speculator.forward(runner, batch, scheduled)
+        if plans:
+            fill(plans, runner.hidden, self.runner.full_logits)
+        return logits
+
+    def _prompt_rows(self, scheduled: list[ScheduledSeq]):
+        """This step's rows whose prompt logprobs are wanted (gpu_worker/prompt_logprobs.py); the
+        requests that have them all, or ended, leave the set."""
+        self._prompt_lp = {r for r in self._prompt_lp if not r.prompt_lp.done and self.requests.get(r.request_id) is r}
+        return plan_rows(scheduled) if self._prompt_lp else None
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
         """Copy-on-write copies of the step, in the draft model's (MTP layer's) KV cache too."""
@@ -692,7 +738,17 @@ class Engine:
             request_id=request.request_id, index=seq.index, new_token_ids=[result.token_id],
             new_logprobs=None if result.logprob is None else [result.logprob],
             finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens)
+            num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=self._take_prompt_logprobs(seq) if request.prompt_lp is not None else None)
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence):
+        """The prompt logprobs, once: on sample 0's first delta (n > 1: once per request)."""
+        state = seq.request.prompt_lp
+        if seq.index != 0 or state.sent or not state.done:
+            return None
+        state.sent = True
+        return state.output()
 
     def _fork_targets(self, sampling: list[ScheduledSeq]) -> list[tuple[int, Sequence]]:
         """The sequences that draw a token, with their logits row. A request whose prompt just

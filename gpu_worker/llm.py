@@ -20,7 +20,7 @@ import msgspec
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import Engine
-from gpu_worker.outputs import SequenceDelta, TokenLogprob
+from gpu_worker.outputs import PromptLogprob, SequenceDelta, TokenLogprob
 from services.protocol.sampling import SamplingParams
 from services.text.requests import TokenizeError, bad_words_token_ids
 from services.text.sample_text import stop_token_of
@@ -57,7 +57,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    prompt_logprobs: None = None
+    # vLLM's: with SamplingParams.prompt_logprobs, None for the first prompt token, then per token
+    # {its id and the top-k ids: Logprob}
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -177,6 +179,8 @@ class LLM:
                     self._absorb(delta, samples[delta.request_id][delta.index])
                     out = outputs[delta.request_id]
                     out.num_cached_tokens = delta.num_cached_tokens
+                    if delta.prompt_logprobs is not None:
+                        out.prompt_logprobs = self._prompt_logprobs(delta.prompt_logprobs)
                     if all(s.finish_reason for s in samples[delta.request_id]) and not out.finished:
                         out.finished = True
                         out.outputs = [_completion(s) for s in samples[delta.request_id]]
@@ -216,6 +220,20 @@ class LLM:
         for tok, value in lp.top:
             entry.setdefault(tok, Logprob(value, ranks[tok], decode(tok)))
         return entry
+
+
+    def _prompt_logprobs(self, entries: list[PromptLogprob]) -> list[dict[int, Logprob] | None]:
+        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (lambda t: None)
+        out: list[dict[int, Logprob] | None] = []
+        for e in entries:
+            if e.logprob is None:
+                out.append(None)
+                continue
+            entry = {e.token_id: Logprob(e.logprob, e.rank, decode(e.token_id))}
+            for rank, (tok, value) in enumerate(e.top, start=1):
+                entry.setdefault(tok, Logprob(value, rank, decode(tok)))
+            out.append(entry)
+        return out
 
 
 def _completion(s: _Sample) -> CompletionOutput:

@@ -138,6 +138,11 @@ def pin_decode_splits(attention: AttentionBackend, batch: ForwardBatch, n_kv: in
     attention.decode_num_splits = 1 << (splits.bit_length() - 1)
 
 
+class HiddenForward(NamedTuple):
+    logits: torch.Tensor      # (S, V), as forward() returns them
+    hidden: torch.Tensor      # (T, H) final hidden states of every row
+
+
 class TargetForward(NamedTuple):
     """forward_with_prenorm's result."""
     logits: torch.Tensor      # (S, V), as forward() returns them
@@ -411,6 +416,25 @@ class ModelRunner:
         lower-tier loads lands first (eager and piecewise steps land them layer by layer)."""
         if batch.layer_loads is not None:
             batch.layer_loads.finish()
+
+    @torch.inference_mode()
+    def forward_keeping_hidden(self, batch: ForwardBatch) -> HiddenForward:
+        """forward() run eagerly (no graph replays it), keeping every row's final hidden state:
+        a step that computes prompt logprobs (gpu_worker/prompt_logprobs.py) projects more rows."""
+        if not self.kv_caches:
+            raise RuntimeError("allocate_kv_cache must be called before forward")
+        batch = self.prepare_inputs(batch)
+        self._pin_decode_splits(batch)
+        try:                                  # eager: lower-tier loads land layer by layer
+            hidden = self.run_model(batch)                    # (T, H)
+        finally:
+            self._finish_loads(batch)
+        return HiddenForward(self._head(hidden, batch), hidden)
+
+    @torch.inference_mode()
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(r, H) final hidden states -> (r, V) float32: the head the sampling rows take."""
+        return self._logits(hidden).float()
 
     @torch.inference_mode()
     def forward_with_prenorm(self, batch: ForwardBatch) -> TargetForward:

@@ -32,6 +32,14 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) of the top-k alternatives, best first
 
 
+class PromptLogprob(NamedTuple):
+    """A prompt token's logprob given the tokens before it (gpu_worker/prompt_logprobs.py)."""
+    token_id: int
+    logprob: float | None                  # None for the prompt's first token
+    rank: int | None                       # 1: the most likely token at its position
+    top: tuple[tuple[int, float], ...]     # (token_id, logprob) of the top-k, best first
+
+
 @dataclass
 class SequenceDelta:
     request_id: str
@@ -41,6 +49,7 @@ class SequenceDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache (first delta onwards)
+    prompt_logprobs: list[PromptLogprob] | None = None   # sample 0's first delta of a request that asked
 
     @property
     def finished(self) -> bool:

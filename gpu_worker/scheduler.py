@@ -51,6 +51,14 @@ class ScheduledSeq(NamedTuple):
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+def _prompt_logprob_hits(seq: Sequence, hits: list[int], lower: int, block_size: int) -> tuple[list[int], int]:
+    """A request making prompt logprobs takes prefix hits (device, then lower tiers) only over the
+    prompt tokens whose entries it has (gpu_worker/prompt_logprobs.py): the rest need their rows."""
+    limit = seq.request.prompt_lp.cached_limit() // block_size if seq.index == 0 else len(hits) + lower
+    hits = hits[:limit]
+    return hits, max(0, min(lower, limit - len(hits)))
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -161,6 +169,8 @@ class Scheduler:
                 break
             hits = bm.lookup_prefix(seq)
             lower = self._lower_tier_blocks(seq, len(hits))
+            if seq.request.prompt_lp is not None:   # positions it needs logits of are computed
+                hits, lower = _prompt_logprob_hits(seq, hits, lower, bm.block_size)
             todo = seq.num_tokens - (len(hits) + lower) * bm.block_size
             if todo == 1 and seq.request.draw_waits:
                 i += 1                             # nothing to compute before its held draw

@@ -50,6 +50,8 @@ class Request:
     grammar: Any = None       # gpu_worker.structured.GrammarJob of a constrained request
     draw_waits: bool = False  # its grammar is still compiling: the scheduler computes its sequences'
                               # tokens but the last, so they draw nothing (structured/compiling.py)
+    prompt_lp: Any = None     # gpu_worker.prompt_logprobs.PromptLogprobState of a request that
+                              # asks for prompt logprobs and has not streamed yet
     handoff_hidden: Any = None  # export_kv with method mtp: the target's pre-norm state (H,) at the
                                 # last prompt position, which the hand-off carries (spec_decode/mtp.py)
 

@@ -69,7 +69,8 @@ from gpu_worker.service.peer_moves import PeerMoves, peer_fits
 from services import metrics
 from services.envelope import SCHEDULER, Envelope
 from services.protocol.messages import (
-    Abort, AwaitKV, Dispatch, MoveKV, RequestFailed, SeqTokens, StepOutput, StreamOpen, WorkerStatus)
+    Abort, AwaitKV, Dispatch, MoveKV, PromptTokenLogprob, RequestFailed, SeqTokens, StepOutput, StreamOpen,
+    WorkerStatus)
 from gpu_worker.service.request_state import Req as _Req
 
 log = logging.getLogger("kvmesh.worker")
@@ -690,5 +691,9 @@ def _seq_tokens(d: SequenceDelta, finish_reason: str | None) -> SeqTokens:
     if d.new_logprobs:
         logprobs = [lp.logprob for lp in d.new_logprobs]
         top = [[(int(t), float(v)) for t, v in lp.top] for lp in d.new_logprobs]
+    prompt = None
+    if d.prompt_logprobs is not None:
+        prompt = [PromptTokenLogprob(e.token_id, e.logprob, e.rank, [(int(t), float(v)) for t, v in e.top])
+                  for e in d.prompt_logprobs]
     return SeqTokens(d.request_id, d.index, list(d.new_token_ids), logprobs, top, finish_reason,
-                     d.num_prompt_tokens, d.num_cached_tokens)
+                     d.num_prompt_tokens, d.num_cached_tokens, prompt)

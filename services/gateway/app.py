@@ -32,11 +32,12 @@ from services.config import GatewayConfig
 from services.gateway.backend import Backend, Job
 from services.gateway.conversation import conversation_key
 from services.gateway.chat_output import PLAIN
-from services.gateway.render import Accumulator, ChunkWriter
+from services.gateway.render import Accumulator, ChunkWriter, PromptEcho
 from services.protocol.kv_events import cache_salt_for
 from services.gateway.schemas import (
     ApiError, ChatRequest, CompletionRequest, DetokenizeBody, TokenizeBody, chat_echo, chat_prompt,
-    check_request_constraint, client_request_id, completion_prompts, decode, thinking, tokenize_request)
+    check_request_constraint, client_request_id, completion_prompts, decode, echo_ids, echo_only, thinking,
+    tokenize_request)
 from services.gateway.tools import check_tools, served_formats, tool_plan, with_plan
 from services.protocol.messages import DetokenizeRequest
 
@@ -178,7 +179,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
             echo = client_request_id(request.headers.get("x-request-id"))
             tenant = tenant_of(request)
             body = await read_body(request)
-            parsing, echo_text, schema_parts = PLAIN, "", ()
+            parsing, echo_text, schema_parts, prompt_echo = PLAIN, "", (), PromptEcho()
             if kind == "chat":
                 req: Any = decode(ChatRequest, body)
                 prompt, params = chat_prompt(req, cfg.max_messages)
@@ -191,9 +192,11 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
                 if not req.include_reasoning:
                     parsing = dataclasses.replace(parsing, include_reasoning=False)
                 prompts, echo_text = [prompt], chat_echo(req)
+                prompt_echo = PromptEcho(prompt_logprobs=req.prompt_logprobs is not None)
             else:
                 req = decode(CompletionRequest, body)
                 prompts, params = completion_prompts(req, cfg.max_prompts)
+                prompt_echo = PromptEcho(await echo_texts(req), echo_only(req), req.prompt_logprobs is not None)
             model = check_model(req.model)
             backend.check_vocab(model, params)
             await check_request_constraint(req, params, schema_parts)
@@ -208,7 +211,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         metrics.GATEWAY_SUBMIT.observe(job.submitted - arrival)
         options = req.stream_options
         acc = Accumulator(kind, model, params.n, len(prompts), prompt_lens, params.logprobs is not None, parsing,
-                          echo_text)
+                          echo_text, prompt_echo)
         request_id = echo or acc.id
         if req.stream:
             writer = ChunkWriter(acc, bool(options and options.include_usage),
@@ -219,6 +222,15 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         response = await _complete(request, job, acc, arrival)
         response.headers["X-Request-Id"] = request_id
         return response
+
+    async def echo_texts(req: CompletionRequest) -> list[str] | None:
+        """An echoing completion's prompts as text: as sent, or the detokenizer's of token ids."""
+        if not req.echo:
+            return None
+        ids = echo_ids(req)
+        if ids is None:
+            return [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        return [(await backend.detokenize(DetokenizeRequest(token_ids=x))).text for x in ids]
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

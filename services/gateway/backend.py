@@ -35,8 +35,8 @@ from services.gateway.schemas import ApiError, param_of
 from services.gateway.text_path import LOCAL_TEXT_SENDERS, LocalText, RemoteText, TextPath, bounded
 from services.protocol.messages import (
     Admitted, DetokenizeReply, DetokenizeRequest, GatewayInbox, Moved, Rejected, RequestFailed, Resume, Submit,
-    TextBatch, TokenizeRequest)
-from services.protocol.sampling import SamplingParams, SamplingParamsError
+    TextBatch, TokenizeReply, TokenizeRequest)
+from services.protocol.sampling import MAX_PROMPT_LOGPROBS_TOKENS, SamplingParams, SamplingParamsError
 from services.redis_client import RedisAuth
 from services.registry import Registry
 from services.security.curve import Plane, with_role
@@ -49,6 +49,15 @@ log = logging.getLogger("kvmesh.gateway")
 SENDERS: dict[type, tuple[str, ...]] = {Admitted: ("scheduler",), Rejected: ("scheduler",), Moved: ("scheduler",),
                                         RequestFailed: ("scheduler", "worker", "tokenizer"),
                                         TextBatch: ("tokenizer",)}
+
+
+def check_prompt_logprobs_len(replies: list[TokenizeReply]) -> None:
+    """Prompt logprobs (and a completion's echo with logprobs) are made for bounded prompts only."""
+    longest = max(len(r.prompt_token_ids) for r in replies)
+    if longest > MAX_PROMPT_LOGPROBS_TOKENS:
+        raise ApiError(400, f"invalid prompt_logprobs: prompts of at most {MAX_PROMPT_LOGPROBS_TOKENS} tokens may "
+                            f"ask for prompt logprobs (or echo them with logprobs); this one has {longest}",
+                       param="prompt_logprobs")
 
 
 def new_request_id() -> str:
@@ -280,6 +289,8 @@ class Backend:
             params = msgspec.structs.replace(params, bad_words_token_ids=replies[0].bad_words_token_ids)
             self.check_vocab(model, params)
         metrics.GATEWAY_TOKENIZE.observe(time.monotonic() - t0)
+        if params.prompt_logprobs is not None:
+            check_prompt_logprobs_len(replies)
         if self.stopping:
             raise ApiError(503, "the gateway is shutting down; retry on another one", type_="server_error",
                            code="shutdown", retry_after=1)

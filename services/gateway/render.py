@@ -7,6 +7,13 @@ and `tool_calls` beside `content`, whole or streamed (`delta.reasoning_content`,
 the model wrote in its own syntax, in fragments as generated for a forced one), and ends with
 finish_reason "tool_calls" when it called a tool (a forced call cut by max_tokens keeps "length",
 one cut by a stop string or stop token id keeps "stop").
+
+prompt_logprobs (vLLM's, whole answers only): per prompt token `null` for the first, then
+{"<token id>": {"logprob", "rank", "decoded_token"}} for the token and its top alternatives; on each
+completion choice (its prompt's), at the top of a chat answer. A completion's echo (vLLM's, OpenAI's
+legacy) begins each choice's text with its prompt and, with logprobs, its logprobs with the
+prompt's tokens' (the first with a null logprob and top_logprobs); streamed, on each choice's
+first chunk. With echo_only (max_tokens 0) the drawn token is left out.
 """
 from __future__ import annotations
 
@@ -18,9 +25,10 @@ from typing import Any
 import msgspec
 
 from services.gateway.chat_output import PLAIN, AnswerDelta, AnswerStream, OutputParsing, parse_answer
-from services.protocol.messages import TextDelta, TokenLogprobText
+from services.protocol.messages import PromptLogprobText, TextDelta, TokenLogprobText
 
 _json = msgspec.json.Encoder()
+MIN_LOGPROB = -9999.0      # vLLM's stand-in for -inf (JSON has none) in the prompt's logprobs
 
 
 @dataclass
@@ -32,13 +40,25 @@ class _Choice:
     logprobs: list[TokenLogprobText] = field(default_factory=list)
     text_offset: int = 0
     answer: AnswerStream | None = None   # a streamed chat answer being parsed
+    echoed: bool = False                 # a streamed echo went out on the choice's first chunk
+
+
+@dataclass(frozen=True)
+class PromptEcho:
+    """What a completion answers of its prompts (schemas.completion_prompts)."""
+    texts: list[str] | None = None    # echo: each prompt's text, which its choices' text begins with
+    echo_only: bool = False           # echo with max_tokens 0: the drawn token is left out
+    prompt_logprobs: bool = False     # the request set prompt_logprobs: the choices carry them
 
 
 class Accumulator:
     def __init__(self, kind: str, model: str, n: int, num_prompts: int, prompt_lens: list[int],
-                 want_logprobs: bool, parsing: OutputParsing = PLAIN, echo: str = "") -> None:
+                 want_logprobs: bool, parsing: OutputParsing = PLAIN, echo: str = "",
+                 prompt: PromptEcho = PromptEcho()) -> None:
         self.kind, self.model, self.n = kind, model, n
         self.echo = echo      # a chat's echo (schemas.chat_echo): each answer's content begins with it
+        self.prompt = prompt
+        self.prompt_lp: list[list[PromptLogprobText] | None] = [None] * num_prompts   # as they came
         self.parsing = parsing
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -53,9 +73,13 @@ class Accumulator:
     def add(self, prompt_index: int, d: TextDelta) -> int:
         i = self.index_of(prompt_index, d)
         c = self.choices[i]
+        if d.prompt_logprobs is not None and self.prompt_lp[prompt_index] is None:   # a re-run's are the same
+            self.prompt_lp[prompt_index] = d.prompt_logprobs
+        c.tokens += d.num_new_tokens
+        if self.prompt.echo_only:
+            d = msgspec.structs.replace(d, text="", logprobs=[] if d.logprobs is not None else None)
         if d.text:
             c.parts.append(d.text)
-        c.tokens += d.num_new_tokens
         if d.logprobs:
             c.logprobs.extend(d.logprobs)
         if d.finish_reason is not None:
@@ -76,16 +100,51 @@ class Accumulator:
                              "top_logprobs": [{"token": a, "logprob": lp, "bytes": b} for a, lp, b in t.top]}
                             for t in items], "refusal": None}
 
-    def completion_logprobs(self, c: _Choice, items: list[TokenLogprobText]) -> dict[str, Any]:
+    def completion_logprobs(self, c: _Choice, items: list[TokenLogprobText],
+                            prompt: list[PromptLogprobText] = ()) -> dict[str, Any]:
+        """`prompt`: an echo's prompt tokens, before the generated ones."""
+        tokens: list[str] = []
+        logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
         offsets = []
+        for e in prompt:
+            offsets.append(c.text_offset)
+            c.text_offset += len(e.token)
+            tokens.append(e.token)
+            logprobs.append(None if e.logprob is None else max(e.logprob, MIN_LOGPROB))
+            tops.append(None if e.logprob is None else
+                        {e.token: max(e.logprob, MIN_LOGPROB), **{a: max(lp, MIN_LOGPROB) for _, a, lp in e.top}})
         for t in items:
             offsets.append(c.text_offset)
             c.text_offset += len(t.token)
         # the sampled token first, then the most likely ones: up to logprobs + 1 entries, as OpenAI's
         # legacy completions and vLLM give them (logprobs=0: the sampled token alone)
-        return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
-                "top_logprobs": [{t.token: t.logprob, **{a: lp for a, lp, _ in t.top}} for t in items],
+        return {"tokens": tokens + [t.token for t in items], "token_logprobs": logprobs + [t.logprob for t in items],
+                "top_logprobs": tops + [{t.token: t.logprob, **{a: lp for a, lp, _ in t.top}} for t in items],
                 "text_offset": offsets}
+
+    def prompt_logprobs(self, prompt_index: int) -> list[dict[str, Any] | None] | None:
+        """vLLM's prompt_logprobs of one prompt (None where the engine sent none)."""
+        entries = self.prompt_lp[prompt_index]
+        if entries is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for e in entries:
+            if e.logprob is None:
+                out.append(None)
+                continue
+            d = {str(e.token_id): {"logprob": max(e.logprob, MIN_LOGPROB), "rank": e.rank, "decoded_token": e.token}}
+            for rank, (tid, text, lp) in enumerate(e.top, 1):
+                d.setdefault(str(tid), {"logprob": max(lp, MIN_LOGPROB), "rank": rank, "decoded_token": text})
+            out.append(d)
+        return out
+
+    def _echo_of(self, i: int) -> tuple[str, list[PromptLogprobText]]:
+        """Choice i's echo: its prompt's text and, with logprobs, its prompt's logprobs."""
+        if self.prompt.texts is None:
+            return "", []
+        p = i // self.n
+        return self.prompt.texts[p], (self.prompt_lp[p] or []) if self.want_logprobs else []
 
     # ---- whole response ------------------------------------------------------------------
     def message(self, text: str, finish_reason: str | None,
@@ -117,12 +176,19 @@ class Accumulator:
                                 "stop_reason": c.stop_reason})
             else:
                 c.text_offset = 0
-                lp = self.completion_logprobs(c, c.logprobs) if self.want_logprobs else None
-                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
-        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                echo_text, echo_lp = self._echo_of(i)
+                lp = self.completion_logprobs(c, c.logprobs, echo_lp) if self.want_logprobs else None
+                choice = {"index": i, "text": echo_text + text, "logprobs": lp, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                if self.prompt.prompt_logprobs:
+                    choice["prompt_logprobs"] = self.prompt_logprobs(i // self.n)
+                choices.append(choice)
+        body = {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage(),
                 "system_fingerprint": None}
+        if self.kind == "chat" and self.prompt.prompt_logprobs:
+            body["prompt_logprobs"] = self.prompt_logprobs(0)
+        return body
 
 
 class ChunkWriter:
@@ -170,8 +236,16 @@ class ChunkWriter:
             delta = {"content": d.text} if d.text else {}
             return self._chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish,
                                  "stop_reason": stop_reason}])
-        lp = self.acc.completion_logprobs(choice, d.logprobs) if want_lp else None  # type: ignore[arg-type]
-        return self._chunk([{"index": i, "text": d.text, "logprobs": lp, "finish_reason": finish,
+        text, items = d.text, d.logprobs
+        if self.acc.prompt.echo_only:
+            text, items = "", [] if items is not None else None
+        echo_text, echo_lp = "", []
+        if not choice.echoed:
+            choice.echoed = True
+            echo_text, echo_lp = self.acc._echo_of(i)
+        want_lp = self.acc.want_logprobs and (items is not None or bool(echo_lp))
+        lp = self.acc.completion_logprobs(choice, items or [], echo_lp) if want_lp else None
+        return self._chunk([{"index": i, "text": echo_text + text, "logprobs": lp, "finish_reason": finish,
                              "stop_reason": stop_reason}])
 
     def _parsed(self, i: int, choice: _Choice, d: TextDelta, lp: Any, finish: str | None,

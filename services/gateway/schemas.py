@@ -101,8 +101,8 @@ class _Common(ConstraintFields, kw_only=True):
     # request where the conversation's last turn ran (conversation.py); never logged or a label
     user: str | None = None
     conversation_id: str | None = None
-    # vLLM extensions kvmesh does not implement: set, each is a 400 naming it (ignored, the answer
-    # would not be the one asked for); their off values (clients send defaults) pass
+    # vLLM's: each prompt token's logprob given its prefix and this many top alternatives, in the
+    # answer's `prompt_logprobs` (not streamed)
     prompt_logprobs: int | None = None
 
 
@@ -207,17 +207,12 @@ def client_request_id(value: str | None) -> str | None:
     return value
 
 
-_UNSUPPORTED = ("prompt_logprobs",)
 MAX_TRUNCATE_PROMPT_TOKENS = 2**31 - 1    # a context length bounds it in use (services/text/requests.py)
 
 
-def check_supported(req: _Common) -> None:
-    """A 400 naming the first vLLM extension the request sets that kvmesh does not implement."""
-    for name in _UNSUPPORTED:
-        value = getattr(req, name, None)
-        if not (value is None or value is False or value == []):
-            raise bad(f"{name} is not supported", name)
-    if req.best_of is not None and req.best_of != req.n:   # best_of > n would return the best n of more samples
+def check_best_of(req: _Common) -> None:
+    """vLLM's best_of must equal n: best_of > n would return the best n of more samples."""
+    if req.best_of is not None and req.best_of != req.n:
         raise bad("best_of must equal n", "best_of")
 
 
@@ -234,9 +229,12 @@ def truncation(req: _Common) -> int:
 
 
 def check_streaming(req: _Common) -> None:
-    """stream_options only means something for a streamed answer (OpenAI refuses it otherwise)."""
+    """stream_options only means something for a streamed answer (OpenAI refuses it otherwise);
+    prompt_logprobs are not streamed (vLLM refuses them with stream, as here)."""
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options is only allowed when stream is true", "stream_options")
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad("prompt_logprobs are not available when stream is true", "prompt_logprobs")
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
@@ -285,7 +283,7 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None,
             frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=_stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output,
+            include_stop_str_in_output=req.include_stop_str_in_output, prompt_logprobs=req.prompt_logprobs,
             allowed_token_ids=req.allowed_token_ids, bad_words=list(req.bad_words or []),
             logit_bias=_logit_bias(req.logit_bias), structured=constraint[0] if constraint else None,
             speculative=req.speculative)
@@ -347,7 +345,7 @@ def chat_prompt(req: ChatRequest, max_messages: int) -> tuple[TokenizeRequest, S
         raise bad("messages must not be empty", "messages")
     if len(req.messages) > max_messages:
         raise bad(f"at most {max_messages} messages per request", "messages")
-    check_supported(req)
+    check_best_of(req)
     check_streaming(req)
     messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
@@ -396,11 +394,13 @@ def _is_int(x: Any) -> bool:
 
 
 def completion_prompts(req: CompletionRequest, max_prompts: int) -> tuple[list[TokenizeRequest], SamplingParams]:
-    check_supported(req)
+    """The prompts and their sampling. echo (vLLM's, OpenAI's legacy): each answer begins with its
+    prompt, with logprobs its prompt's tokens' (the engine makes them: prompt_logprobs = logprobs,
+    unless the request set prompt_logprobs); max_tokens 0 with echo answers the prompt alone (one
+    token is drawn and dropped: echo_only)."""
     if req.suffix:
         raise bad("suffix is not supported", "suffix")
-    if req.echo:      # the prompt's text and, with logprobs, prompt_logprobs, which kvmesh does not make
-        raise bad("echo is not supported on completions", "echo")
+    check_best_of(req)
     check_streaming(req)
     p = req.prompt
     k = truncation(req)
@@ -419,4 +419,23 @@ def completion_prompts(req: CompletionRequest, max_prompts: int) -> tuple[list[T
     if len(prompts) * req.n > MAX_CHOICES:
         raise bad(f"prompts x n must be at most {MAX_CHOICES}", "n")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    return prompts, sampling_params(req, max_tokens, req.logprobs)
+    params = sampling_params(req, 1 if echo_only(req) else max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+        params = msgspec.structs.replace(params, prompt_logprobs=req.logprobs)
+    return prompts, params
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the answer is the prompt alone (vLLM's echo without generation)."""
+    return req.echo and req.max_tokens == 0
+
+
+def echo_ids(req: CompletionRequest) -> list[list[int]] | None:
+    """An echoing request's token-id prompts, as the engine gets them (truncate_prompt_tokens
+    applied): their text is the detokenizer's. None for text prompts (echoed as sent)."""
+    p = req.prompt
+    if isinstance(p, str) or not p or isinstance(p[0], str):
+        return None
+    lists = [list(p)] if _is_int(p[0]) else [list(x) for x in p]
+    k = req.truncate_prompt_tokens
+    return [ids[-k:] for ids in lists] if k is not None and k > 0 else lists

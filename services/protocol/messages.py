@@ -30,7 +30,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
-from services.protocol.sampling import SamplingParams
+from services.protocol.sampling import MAX_LOGPROBS, MAX_PROMPT_LOGPROBS_TOKENS, SamplingParams
 
 PROTOCOL_VERSION = 1
 MAX_CONVERSATION_KEY = 64            # Submit.conversation: a hex digest, never the client's text
@@ -210,6 +210,20 @@ class StreamOpen(Msg, tag="open", kw_only=True):
     worker_epoch: int = -1
 
 
+class PromptTokenLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One prompt token's logprob given the tokens before it (SamplingParams.prompt_logprobs);
+    the prompt's first token has none (logprob and rank None, no top)."""
+
+    token_id: int
+    logprob: float | None
+    rank: int | None                             # 1: the most likely token at its position
+    top: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=MAX_LOGPROBS)] = []  # (id, logprob) best first
+
+
+# a request's prompt logprobs: one entry per prompt token
+PromptLogprobs = Annotated[list[PromptTokenLogprob], msgspec.Meta(max_length=MAX_PROMPT_LOGPROBS_TOKENS)]
+
+
 class SeqTokens(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One sample's progress in one engine step."""
 
@@ -221,6 +235,9 @@ class SeqTokens(msgspec.Struct, frozen=True, array_like=True, gc=False):
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # on sample 0's first SeqTokens of a request that asked (params.prompt_logprobs). Last: older
+    # peers ignore it.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class StepOutput(Msg, tag="step", kw_only=True):
@@ -304,6 +321,19 @@ class TokenLogprobText(msgspec.Struct, frozen=True, array_like=True, gc=False):
     top: list[tuple[str, float, list[int]]] = []
 
 
+class PromptLogprobText(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A prompt token's logprob with the text of it and its alternatives (vLLM's Logprob entries)."""
+
+    token_id: int
+    token: str
+    logprob: float | None                      # None for the prompt's first token
+    rank: int | None
+    top: Annotated[list[tuple[int, str, float]], msgspec.Meta(max_length=MAX_LOGPROBS)] = []  # (id, text, logprob)
+
+
+PromptLogprobTexts = Annotated[list[PromptLogprobText], msgspec.Meta(max_length=MAX_PROMPT_LOGPROBS_TOKENS)]
+
+
 class TextDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     request_id: str
     index: int
@@ -316,6 +346,8 @@ class TextDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # what ended a "stop": the stop string that matched, or the stop_token_ids entry sampled;
     # None for EOS, length and abort (vLLM's stop_reason). Last, so older peers ignore it.
     stop_reason: str | int | None = None
+    # one entry per prompt token, on sample 0's first delta of a request that asked (params.prompt_logprobs)
+    prompt_logprobs: PromptLogprobTexts | None = None
 
 
 class TextBatch(Msg, tag="text", kw_only=True):

@@ -9,6 +9,9 @@ import msgspec
 # Hard caps: every request field is bounded (security and KV-capacity reasons).
 MAX_N = 16
 MAX_LOGPROBS = 20
+# prompt_logprobs (vLLM's): at most this many prompt tokens (each carries up to MAX_LOGPROBS + 1
+# entries back to the client), so one answer stays a few MB
+MAX_PROMPT_LOGPROBS_TOKENS = 8192
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -76,6 +79,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
+    prompt_logprobs: int | None = None   # vLLM's: per prompt token (the first: None) its logprob given
+                                 # its prefix, and this many top alternatives (0: only its own)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False   # the matched stop string (and stop token) stay in the text
     logit_bias: dict[int, float] = {}   # token id -> added to its logit before penalties and sampling
@@ -129,6 +134,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             raise bad("stop_token_ids", f"ids must be in [0, {vocab_size})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.structured is not None:
             self.structured.validate()
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -59,7 +59,8 @@ from typing import Any
 from services import metrics
 from services.envelope import SCHEDULER, Envelope
 from services.protocol.messages import (
-    Abort, Migrate, Resume, SeqTokens, StepOutput, StreamOpen, TextBatch, TextDelta, TokenLogprobText, failure_of)
+    Abort, Migrate, PromptLogprobText, Resume, SeqTokens, StepOutput, StreamOpen, TextBatch, TextDelta,
+    TokenLogprobText, failure_of)
 from services.protocol.sampling import SamplingParams
 from services.text.sample_text import SampleText, stop_token_of
 
@@ -260,8 +261,9 @@ class DetokCore:
         if finish is not None:
             sample.done = True
         logprobs = self._logprobs(seq) if p.logprobs is not None and seq.logprobs is not None else None
+        prompt = self._prompt_logprobs(seq) if seq.prompt_logprobs is not None else None
         return TextDelta(seq.request_id, seq.index, text, len(seq.token_ids), finish, logprobs,
-                         seq.num_prompt_tokens, seq.num_cached_tokens, stop_reason)
+                         seq.num_prompt_tokens, seq.num_cached_tokens, stop_reason, prompt)
 
     def _text_of(self, token_id: int) -> tuple[str, list[int]]:
         cached = self._token_text.get(token_id)
@@ -280,6 +282,11 @@ class DetokCore:
             alts = [(*self._text_of(t), v) for t, v in top]
             out.append(TokenLogprobText(text, lp, raw, [(a[0], a[2], a[1]) for a in alts]))
         return out
+
+    def _prompt_logprobs(self, seq: SeqTokens) -> list[PromptLogprobText]:
+        return [PromptLogprobText(e.token_id, self._text_of(e.token_id)[0], e.logprob, e.rank,
+                                  [(t, self._text_of(t)[0], v) for t, v in e.top])
+                for e in seq.prompt_logprobs or ()]
 
     def expire(self, max_age_s: float) -> int:
         """Forget streams older than max_age_s (their end was lost); returns how many."""

@@ -44,6 +44,18 @@ def test_single_prompt_params_list_and_logprobs(llm):
         llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
 
 
+def test_prompt_logprobs_as_vllm(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The sky is blue")
+    [out] = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3), use_tqdm=False)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for tid, entry in zip(ids[1:], out.prompt_logprobs[1:]):
+        assert tid in entry and 3 <= len(entry) <= 4 and entry[tid].decoded_token == tok.decode([tid])
+        assert sorted(lp.rank for t, lp in entry.items() if t != tid or lp.rank <= 3)[:3] == [1, 2, 3]
+    [plain] = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids
+
+
 def test_stop_string_excluded_and_n_samples(llm):
     full = llm.generate("Hello world", GREEDY, use_tqdm=False)[0].outputs[0].text
     stop = full[6:9]

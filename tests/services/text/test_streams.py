@@ -319,3 +319,40 @@ def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_token_in_
     assert texts(out) == [(0, " w", "stop")]
     aborts = [e for e in out if e.dest == SCHEDULER]
     assert len(aborts) == 1 and aborts[0].msg.reason == "stop"
+
+
+def test_prompt_logprobs_get_their_tokens_text_through_the_wire():
+    """The worker's entries (gpu_worker/service/core._seq_tokens) -> msgpack -> the detokenizer's."""
+    import msgspec
+
+    from gpu_worker.outputs import PromptLogprob, SequenceDelta
+    from gpu_worker.service.core import _seq_tokens
+    from services.protocol.messages import PromptLogprobText
+    core = DetokCore(ToyTok())
+    open_(core, prompt_logprobs=1)
+    d = SequenceDelta("r", 0, ids("!"), num_prompt_tokens=2,
+                      prompt_logprobs=[PromptLogprob(ids("h")[0], None, None, ()),
+                                       PromptLogprob(ids("i")[0], -0.5, 2, ((ids("a")[0], -0.25),))])
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(StepOutput(worker_id="w", epoch=1, step=0,
+                                                                    seqs=[_seq_tokens(d, "length")])), type=StepOutput)
+    [delta] = [d for e in core.step(wire) if isinstance(e.msg, TextBatch) for d in e.msg.deltas]
+    assert delta.prompt_logprobs == [PromptLogprobText(ids("h")[0], "h", None, None),
+                                     PromptLogprobText(ids("i")[0], "i", -0.5, 2, [(ids("a")[0], "a", -0.25)])]
+
+
+def test_prompt_logprobs_are_bounded_on_the_wire():
+    import msgspec
+    import pytest
+
+    from services.protocol.messages import PromptTokenLogprob
+    from services.protocol.sampling import MAX_LOGPROBS, MAX_PROMPT_LOGPROBS_TOKENS
+
+    def wire(entries):
+        msg = StepOutput(worker_id="w", epoch=1, step=0, seqs=[SeqTokens("r", 0, [1], prompt_logprobs=entries)])
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=StepOutput)
+
+    wire([PromptTokenLogprob(1, -1.0, 1, [(2, -0.5)] * MAX_LOGPROBS)])
+    with pytest.raises(msgspec.ValidationError):
+        wire([PromptTokenLogprob(1, -1.0, 1, [(2, -0.5)] * (MAX_LOGPROBS + 1))])
+    with pytest.raises(msgspec.ValidationError):
+        wire([PromptTokenLogprob(1, None, None)] * (MAX_PROMPT_LOGPROBS_TOKENS + 1))
