@@ -172,6 +172,34 @@ def test_generate_writes_a_loadable_directory_and_refuses_to_overwrite(tmp_path)
     bundle.load(target, "worker")
 
 
+def test_generate_force_leaves_no_secret_readable_by_others(tmp_path):
+    """--force over a directory whose files and directories were loosened (chmod 644, 777) writes
+    the new secrets 0600 under 0700 directories, not into the old modes."""
+    target = tmp_path / "trust"
+    assert kvmesh_keys("generate", str(target)).returncode == 0
+    for path in [target, *target.rglob("*")]:
+        path.chmod(0o777 if path.is_dir() else 0o644)
+
+    forced = kvmesh_keys("generate", str(target), "--force")
+    assert forced.returncode == 0, forced.stderr
+    loose = [str(p) for p in [target, *target.rglob("*")] if p.stat().st_mode & 0o077]
+    assert loose == []
+    bundle.load(target, "worker")
+
+
+def test_generate_does_not_write_through_a_planted_symlink(tmp_path):
+    target = tmp_path / "trust"
+    assert kvmesh_keys("generate", str(target)).returncode == 0
+    bait = tmp_path / "bait"
+    bait.write_text("")
+    (target / "redis.password").unlink()
+    (target / "redis.password").symlink_to(bait)
+
+    forced = kvmesh_keys("generate", str(target), "--force")
+    assert forced.returncode != 0
+    assert bait.read_text() == ""
+
+
 def test_generate_into_a_dir_that_cannot_be_made_is_one_line_exit_2(tmp_path, capsys):
     from services.security.keys_cli import main
     (tmp_path / "file").write_text("x")
