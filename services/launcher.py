@@ -334,9 +334,14 @@ def gateway_bind_error(host: str, port: int) -> str | None:
     return f"--port {port}: cannot listen on {host}:{port} ({problem.why}); stop what uses it or choose another --port"
 
 
-def print_banner(model: str, url: str, pages: list[tuple[str, str]], fleet_port: int) -> None:
-    width = max(len(name) for name, _ in pages)
-    lines = [f"kvmesh is serving {Path(model).name} at {url}/v1  (Ctrl-C to stop)"]
+def served_name(cfg: ServeConfig, model: str) -> str:
+    """The name clients send in `model`: the first --served-model-name, else the directory's name."""
+    return cfg.served_model_name[0] if cfg.served_model_name else Path(model).name
+
+
+def print_banner(name: str, url: str, pages: list[tuple[str, str]], fleet_port: int) -> None:
+    width = max(len(page_name) for page_name, _ in pages)
+    lines = [f"kvmesh is serving {name} at {url}/v1  (Ctrl-C to stop)"]
     if fleet_port > 0:
         lines.append(f"every service's metrics on one page: http://127.0.0.1:{fleet_port}/metrics  "
                      "(labelled service=, worker=)")
@@ -377,7 +382,7 @@ def main(argv: list[str]) -> int:
         if stack.wait_ready(url, cfg.ready_timeout_s, stop):
             # loopback only, whatever --host: the page shows every internal service's state
             fleet_port = serve_fleet_metrics("127.0.0.1", cfg.fleet_metrics_port, lambda: stack.metrics_sources(url))
-            print_banner(model, url, stack.metrics_pages(url), fleet_port)
+            print_banner(served_name(cfg, model), url, stack.metrics_pages(url), fleet_port)
             code = stack.supervise(stop)
         elif stop:
             code = 0

@@ -82,3 +82,12 @@ def test_the_prefix_cache_index_gets_the_workers_block_size():
         worker = parse_config(WorkerConfig, _engine_flags(serve), "worker", env={})
         index = parse_config(PrefixCacheConfig, _prefix_cache_flags(serve), "prefix-cache", env={})
         assert index.block_size == worker.block_size == serve.block_size
+
+
+def test_the_banner_names_the_model_as_clients_send_it():
+    """With --served-model-name, the banner's name is the one /v1/models lists (the directory's
+    name is a 404 to a client that copies it)."""
+    from services.launcher import served_name
+    named = parse_config(ServeConfig, ["--served-model-name", "prod-llm,alias"], "serve", env={})
+    assert served_name(named, "/models/llama-tiny") == "prod-llm"
+    assert served_name(ServeConfig(), "/models/llama-tiny") == "llama-tiny"
