@@ -170,6 +170,9 @@ def load(root: str | os.PathLike, role: str) -> Trust:
     if role not in ROLES:
         raise TrustError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
     paths = Paths(Path(root))
+    for directory in (paths.root, paths.root / "curve", paths.root / "tls"):
+        if _writable_by_others(directory) and not (paths.root / "..data").exists():
+            raise TrustError(f"{directory} is writable by other users, who could swap the keys in it: chmod 700 it")
     for secret_path in (paths.curve_secret(role), paths.tls_key(role), paths.redis_password):
         if secret_path.exists() and secret_path.stat().st_mode & 0o077 and not _mounted_secret(secret_path):
             raise TrustError(f"{secret_path} is readable by other users: chmod 600 it")
@@ -187,6 +190,13 @@ def shared_kv_key(trust: Trust) -> bytes:
         raise TrustError(f"the shared KV tier's key is the worker role's, not {trust.role!r}'s")
     return hashlib.blake2b(b"shared KV tier files", key=trust.curve_secret, digest_size=32,
                            person=b"kvmesh-shared-kv").digest()
+
+
+def _writable_by_others(directory: Path) -> bool:
+    try:
+        return bool(directory.stat().st_mode & 0o022)
+    except FileNotFoundError:
+        return False    # the missing file under it is named when it is read
 
 
 def _mounted_secret(path: Path) -> bool:

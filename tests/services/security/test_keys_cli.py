@@ -200,6 +200,19 @@ def test_generate_does_not_write_through_a_planted_symlink(tmp_path):
     assert bait.read_text() == ""
 
 
+@pytest.mark.parametrize("where", ["", "curve", "tls"])
+def test_load_refuses_a_trust_directory_others_may_write(tmp_path, where):
+    """Secrets 0600 are no protection in a directory others may write: they could swap the keys
+    (and the Redis password) for their own. A Kubernetes Secret volume (`..data`) is the kubelet's."""
+    target = tmp_path / "trust"
+    bundle.generate(target)
+    (target / where).chmod(0o777 if where else 0o757)
+    with pytest.raises(bundle.TrustError, match="writable by other users"):
+        bundle.load(target, "worker")
+    (target / "..data").mkdir()
+    bundle.load(target, "worker")
+
+
 def test_generate_into_a_dir_that_cannot_be_made_is_one_line_exit_2(tmp_path, capsys):
     from services.security.keys_cli import main
     (tmp_path / "file").write_text("x")
