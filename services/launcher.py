@@ -172,9 +172,14 @@ class Stack:
         self.sup = Supervisor()
         self.redis_url = ""
         # Fresh keys for this stack's internal planes, in a private folder removed at stop: a
-        # process of another user (or one started before this stack) holds none of them.
-        self.trust_dir = Path(tempfile.mkdtemp(prefix="kvmesh-trust-"))
-        self.trust = bundle.generate(self.trust_dir / "trust")
+        # process of another user (or one started before this stack) holds none of them. With
+        # --trust-dir, the operator's (kept: a shared KV tier's files stay readable next run).
+        self.trust_dir: Path | None = None      # ours to remove at stop
+        if cfg.trust_dir:
+            self.trust = bundle.Paths(Path(cfg.trust_dir).resolve())
+        else:
+            self.trust_dir = Path(tempfile.mkdtemp(prefix="kvmesh-trust-"))
+            self.trust = bundle.generate(self.trust_dir / "trust")
         self.redis_auth = RedisAuth.from_dir(self.trust.root)
         self._startup_exit: int | None = None     # the code of the child whose exit ended start-up
 
@@ -297,7 +302,8 @@ class Stack:
 
     def stop(self) -> None:
         self.sup.stop()
-        shutil.rmtree(self.trust_dir, ignore_errors=True)
+        if self.trust_dir is not None:
+            shutil.rmtree(self.trust_dir, ignore_errors=True)
 
 
 class BindProblem(NamedTuple):
@@ -334,6 +340,16 @@ def gateway_bind_error(host: str, port: int) -> str | None:
     return f"--port {port}: cannot listen on {host}:{port} ({problem.why}); stop what uses it or choose another --port"
 
 
+def trust_dir_problem(trust_dir: str) -> str | None:
+    """Why every role cannot load its keys from `trust_dir` (given), else None."""
+    for role in bundle.ROLES if trust_dir else ():
+        try:
+            bundle.load(trust_dir, role)
+        except (bundle.TrustError, OSError) as exc:
+            return str(exc)
+    return None
+
+
 def served_name(cfg: ServeConfig, model: str) -> str:
     """The name clients send in `model`: the first --served-model-name, else the directory's name."""
     return cfg.served_model_name[0] if cfg.served_model_name else Path(model).name
@@ -365,6 +381,9 @@ def main(argv: list[str]) -> int:
         return 2
     if (error := engine_settings_problem(cfg)) is not None:
         print(f"kvmesh serve: {error}", file=sys.stderr)
+        return 2
+    if (error := trust_dir_problem(cfg.trust_dir)) is not None:
+        print(f"kvmesh serve: --trust-dir: {error}", file=sys.stderr)
         return 2
     model = ensure_model(cfg.model) if not (cfg.null_model and not cfg.model) else ensure_model("")
     stop: list[bool] = []
