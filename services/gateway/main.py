@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 
 import uvicorn
@@ -64,6 +65,24 @@ async def _announce_once_listening(server: uvicorn.Server, cfg: GatewayConfig, i
     while not server.started:
         await asyncio.sleep(0.05)
     log.info("gateway on http://%s:%d (inbox %s)", cfg.host, cfg.port, inbox)
+    if (warning := open_to_the_network(cfg)) is not None:
+        log.warning("%s", warning)
+
+
+def open_to_the_network(cfg: GatewayConfig) -> str | None:
+    """A warning when the API is served beyond this machine without --api-key (anyone who reaches
+    the port may use it); None on loopback or with keys."""
+    if cfg.api_key or _is_loopback(cfg.host):
+        return None
+    return (f"--host {cfg.host} without --api-key: anyone who can reach port {cfg.port} may send requests; "
+            "give --api-key (or KVMESH_API_KEY), or bind 127.0.0.1 behind an authenticating proxy")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def main(argv: list[str]) -> int:

@@ -272,3 +272,15 @@ def test_client_request_id_bounds(value, ok):
         with pytest.raises(ApiError) as e:
             client_request_id(value)
         assert e.value.param == "X-Request-Id"
+
+
+def test_serving_beyond_loopback_without_an_api_key_is_warned_about():
+    from services.config import GatewayConfig, parse_config
+    from services.gateway.main import open_to_the_network
+
+    def warning(*argv):
+        return open_to_the_network(parse_config(GatewayConfig, list(argv), "gateway", env={}))
+    assert "--api-key" in warning("--host", "0.0.0.0", "--port", "8000")
+    assert "--host ::" in warning("--host", "::")
+    assert warning("--host", "127.0.0.1") is None and warning("--host", "::1") is None
+    assert warning("--host", "localhost") is None and warning("--host", "0.0.0.0", "--api-key", "k") is None
