@@ -52,6 +52,19 @@ def test_an_unusable_directory_is_a_clear_error(tmp_path):
         DiskTier(str(link), max_blocks=1, layout=LAYOUT, payload_len=PAYLOAD)
 
 
+def test_a_tier_directory_given_as_a_symlink_is_refused_naming_its_target(tmp_path):
+    """`--kv-offload-shared-dir /data/kv` where /data/kv is a link to a real directory: the error
+    names the link and the directory to give instead, not 'is not a directory'."""
+    import pytest
+
+    from gpu_worker.kv_tiers.disk_tier import owned_directory
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(ValueError, match=f"kv_offload_shared_dir: .* is a symbolic link; give the directory it "
+                                         f"points to \\('{tmp_path / 'real'}'\\)"):
+        owned_directory(str(tmp_path / "link"), "kv_offload_shared_dir")
+
+
 def test_a_shared_temporary_directory_is_refused_not_made_private(tmp_path):
     """`--kv-offload-dir /tmp` or `--kv-offload-shared-dir /dev/shm` (sticky, world-writable):
     tightening it to 0700 would lock every other user out of it (as root nothing stops the chmod).
