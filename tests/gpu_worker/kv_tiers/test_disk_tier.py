@@ -48,7 +48,7 @@ def test_an_unusable_directory_is_a_clear_error(tmp_path):
             DiskTier(str(bad), max_blocks=1, layout=LAYOUT, payload_len=PAYLOAD)
     link = tmp_path / "link"
     link.symlink_to(tmp_path)
-    with pytest.raises(ValueError, match="not a directory"):        # a symlink is not followed
+    with pytest.raises(ValueError, match="is a symbolic link"):        # a symlink is not followed
         DiskTier(str(link), max_blocks=1, layout=LAYOUT, payload_len=PAYLOAD)
 
 
