@@ -329,6 +329,10 @@ class ServeConfig(ServedEngineArgs):
     decode_workers: int = opt(0, "Decode-role worker processes (disaggregated serving; needs --prefill-workers).",
                               min=0)
     redis_url: str = opt("", "Use this Redis instead of starting an embedded one.", **REDIS_URL)
+    trust_dir: str = opt("", "Trust directory of the internal planes (`kvmesh keys generate DIR`) for every "
+                             "service; default: fresh keys each run, so the files a --kv-offload-shared-dir "
+                             "holds (each MAC'd under the worker key) are readable only by the run that wrote "
+                             "them.")
     host: str = opt("127.0.0.1", "Bind address of the gateway (internal services always use loopback).")
     port: int = opt(8000, "HTTP port of the gateway.", **PORT)
     api_key: list = opt([], "Comma-separated API keys required by the gateway; given empty: an error.", **API_KEYS)

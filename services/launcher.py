@@ -172,9 +172,14 @@ class Stack:
         self.sup = Supervisor()
         self.redis_url = ""
         # Fresh keys for this stack's internal planes, in a private folder removed at stop: a
-        # process of another user (or one started before this stack) holds none of them.
-        self.trust_dir = Path(tempfile.mkdtemp(prefix="kvmesh-trust-"))
-        self.trust = bundle.generate(self.trust_dir / "trust")
+        # process of another user (or one started before this stack) holds none of them. With
+        # --trust-dir, the operator's (kept: a shared KV tier's files stay readable next run).
+        self.trust_dir: Path | None = None      # ours to remove at stop
+        if cfg.trust_dir:
+            self.trust = bundle.Paths(Path(cfg.trust_dir).resolve())
+        else:
+            self.trust_dir = Path(tempfile.mkdtemp(prefix="kvmesh-trust-"))
+            self.trust = bundle.generate(self.trust_dir / "trust")
         self.redis_auth = RedisAuth.from_dir(self.trust.root)
         self._startup_exit: int | None = None     # the code of the child whose exit ended start-up
 
@@ -297,7 +302,8 @@ class Stack:
 
     def stop(self) -> None:
         self.sup.stop()
-        shutil.rmtree(self.trust_dir, ignore_errors=True)
+        if self.trust_dir is not None:
+            shutil.rmtree(self.trust_dir, ignore_errors=True)
 
 
 class BindProblem(NamedTuple):
@@ -334,9 +340,24 @@ def gateway_bind_error(host: str, port: int) -> str | None:
     return f"--port {port}: cannot listen on {host}:{port} ({problem.why}); stop what uses it or choose another --port"
 
 
-def print_banner(model: str, url: str, pages: list[tuple[str, str]], fleet_port: int) -> None:
-    width = max(len(name) for name, _ in pages)
-    lines = [f"kvmesh is serving {Path(model).name} at {url}/v1  (Ctrl-C to stop)"]
+def trust_dir_problem(trust_dir: str) -> str | None:
+    """Why every role cannot load its keys from `trust_dir` (given), else None."""
+    for role in bundle.ROLES if trust_dir else ():
+        try:
+            bundle.load(trust_dir, role)
+        except (bundle.TrustError, OSError) as exc:
+            return str(exc)
+    return None
+
+
+def served_name(cfg: ServeConfig, model: str) -> str:
+    """The name clients send in `model`: the first --served-model-name, else the directory's name."""
+    return cfg.served_model_name[0] if cfg.served_model_name else Path(model).name
+
+
+def print_banner(name: str, url: str, pages: list[tuple[str, str]], fleet_port: int) -> None:
+    width = max(len(page_name) for page_name, _ in pages)
+    lines = [f"kvmesh is serving {name} at {url}/v1  (Ctrl-C to stop)"]
     if fleet_port > 0:
         lines.append(f"every service's metrics on one page: http://127.0.0.1:{fleet_port}/metrics  "
                      "(labelled service=, worker=)")
@@ -361,6 +382,9 @@ def main(argv: list[str]) -> int:
     if (error := engine_settings_problem(cfg)) is not None:
         print(f"kvmesh serve: {error}", file=sys.stderr)
         return 2
+    if (error := trust_dir_problem(cfg.trust_dir)) is not None:
+        print(f"kvmesh serve: --trust-dir: {error}", file=sys.stderr)
+        return 2
     model = ensure_model(cfg.model) if not (cfg.null_model and not cfg.model) else ensure_model("")
     stop: list[bool] = []
 
@@ -377,7 +401,7 @@ def main(argv: list[str]) -> int:
         if stack.wait_ready(url, cfg.ready_timeout_s, stop):
             # loopback only, whatever --host: the page shows every internal service's state
             fleet_port = serve_fleet_metrics("127.0.0.1", cfg.fleet_metrics_port, lambda: stack.metrics_sources(url))
-            print_banner(model, url, stack.metrics_pages(url), fleet_port)
+            print_banner(served_name(cfg, model), url, stack.metrics_pages(url), fleet_port)
             code = stack.supervise(stop)
         elif stop:
             code = 0

@@ -321,6 +321,10 @@ def owned_directory(directory: str, flag: str) -> None:
         info = os.stat(directory, follow_symlinks=False)
     except OSError as e:
         raise ValueError(f"invalid engine argument {flag}: cannot use {directory!r} ({e.strerror})") from None
+    if stat.S_ISLNK(info.st_mode):
+        # refused, not followed: the link, not the directory, is what we could check is ours
+        raise ValueError(f"invalid engine argument {flag}: {directory!r} is a symbolic link; give the directory "
+                         f"it points to ({os.path.realpath(directory)!r})")
     if not stat.S_ISDIR(info.st_mode):
         raise ValueError(f"invalid engine argument {flag}: {directory!r} is not a directory")
     if info.st_uid != os.getuid():

@@ -334,8 +334,9 @@ class EngineKVConsumer(KVConsumer):
         dst = torch.tensor(frame.dst_block_ids, device=caches[0][0].device)
         kv = kv.to(caches[0][0].device)
         for i, (k, v) in enumerate(caches[frame.layer_start:frame.layer_end]):
-            k.index_copy_(0, dst, kv[i, 0])
-            v.index_copy_(0, dst, kv[i, 1])
+            # copied as bytes: the CPU has no index_copy_ for float8 (kv_cache_dtype fp8)
+            k.view(torch.uint8).index_copy_(0, dst, kv[i, 0].view(torch.uint8))
+            v.view(torch.uint8).index_copy_(0, dst, kv[i, 1].view(torch.uint8))
         b0 = frame.block_start - rx.first_block
         rx.covered[frame.layer_start:frame.layer_end, b0:b0 + len(frame.dst_block_ids)] = True
         rx.seen.add(frame.seq_no)

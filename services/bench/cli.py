@@ -20,10 +20,17 @@ from services.bench.metrics import (compute_metrics, parse_goodput, parse_percen
 from services.bench.report import (default_filename, failure_summary, format_table, format_turn_table, rate_label,
                                    result_dict, save_result)
 from services.bench.runner import RunConfig, run_benchmark
-from services.bench.server_tokenizer import ServerTokenizer, ServerTokenizerError
+from services.bench.server_tokenizer import PromptRefused, ServerTokenizer, ServerTokenizerError
 from services.bench.tokens import TokenCounter
 
 DATASETS = ("random", "sharegpt", "sharegpt-synthetic", "generated-shared-prefix", "multi-turn", "custom")
+# what sets each dataset's prompt lengths: named when the server refuses a prompt as too long
+PROMPT_LENGTH_FLAGS = {"random": "--random-input-len (with --random-prefix-len, --random-range-ratio)",
+                       "sharegpt": "--dataset-path (its prompts)",
+                       "sharegpt-synthetic": "--dataset-name sharegpt-synthetic (its lengths go up to 1024 tokens)",
+                       "generated-shared-prefix": "--gsp-system-prompt-len / --gsp-question-len",
+                       "multi-turn": "--multi-turn-history-tokens / --multi-turn-user-len",
+                       "custom": "--dataset-path (its prompts)"}
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 
@@ -240,7 +247,9 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _run_rates(args, parser, plan: Plan, model: str, counter: TokenCounter) -> int:
     try:
         items = load_dataset(_dataset_options(args), counter, args.seed)
-    except ServerTokenizerError as exc:  # /tokenize refused a prompt or stopped answering part way
+    except PromptRefused as exc:         # a length the flags asked for: a usage error naming them
+        parser.error(f"{PROMPT_LENGTH_FLAGS[args.dataset_name]}: {exc}")
+    except ServerTokenizerError as exc:  # /tokenize stopped answering part way
         raise SystemExit(f"kvmesh bench: {exc}") from None
     except (ValueError, OSError) as exc:
         parser.error(f"--dataset-name {args.dataset_name}: {exc}")

@@ -34,6 +34,7 @@ class MockConfig:
     fail: tuple[tuple[int, int], ...] = ()  # (HTTP status, every n-th request)
     api_key: str | None = None
     tokenize: bool = True  # serve POST /tokenize
+    max_model_len: int = 0  # /tokenize refuses longer prompts (400, as kvmesh's and vLLM's); 0: any
 
 
 class PrefixCache:
@@ -138,7 +139,10 @@ def build_app(cfg: MockConfig):
             if (body.get("prompt") is None) == (body.get("messages") is None):
                 return error(400, "give exactly one of prompt or messages")
             ids = [token_id(tok) for tok in prompt_tokens(body)]
-            return {"count": len(ids), "max_model_len": 0, "tokens": ids, "token_strs": None}
+            if cfg.max_model_len and len(ids) > cfg.max_model_len:
+                return error(400, f"the prompt has {len(ids)} tokens; this model's maximum context length "
+                                  f"is {cfg.max_model_len} tokens")
+            return {"count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids, "token_strs": None}
 
     @app.get("/mock/users")
     async def user_counts():
@@ -197,13 +201,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail", default="", help="scripted failures STATUS:EVERY_N[,...], e.g. 500:5,429:7")
     p.add_argument("--api-key", default=None, help="require this bearer token")
     p.add_argument("--no-tokenize", action="store_true", help="do not serve POST /tokenize")
+    p.add_argument("--max-model-len", type=int, default=0, help="/tokenize refuses longer prompts (0: any)")
 
 
 def config_from_args(args: argparse.Namespace) -> MockConfig:
     return MockConfig(model=args.model, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
                       default_max_tokens=args.default_max_tokens, tokens_per_chunk=args.tokens_per_chunk,
                       eos_after=args.eos_after, prefill_ms_per_token=args.prefill_ms_per_token,
-                      fail=parse_fail(args.fail), api_key=args.api_key, tokenize=not args.no_tokenize)
+                      fail=parse_fail(args.fail), api_key=args.api_key, tokenize=not args.no_tokenize,
+                      max_model_len=args.max_model_len)
 
 
 def serve(cfg: MockConfig, host: str, port: int) -> None:

@@ -19,6 +19,10 @@ class ServerTokenizerError(RuntimeError):
     """/tokenize could not count: the message says what failed (and names --tokenizer where it would help)."""
 
 
+class PromptRefused(ServerTokenizerError):
+    """/tokenize works but refused one prompt (a 400: longer than the model's context)."""
+
+
 class ServerTokenizer:
     """Counts tokens with POST /tokenize on the server under test; one keep-alive connection."""
 
@@ -51,7 +55,7 @@ class ServerTokenizer:
             raise ServerTokenizerError(f"could not reach {self.url} ({type(exc).__name__}: {exc}); "
                                        f"{TOKENIZER_HINT}") from None
         if resp.status_code == 400:  # the endpoint works but refused this prompt (too long, ...)
-            raise ServerTokenizerError(f"{self.url} refused to count a prompt of {len(text)} characters "
+            raise PromptRefused(f"{self.url} refused to count a prompt of {len(text)} characters "
                                        f"(HTTP 400: {_error_message(resp)})")
         if resp.status_code != 200:
             why = _error_message(resp)

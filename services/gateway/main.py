@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 
 import uvicorn
@@ -55,8 +56,22 @@ async def serve(cfg: GatewayConfig, plane: Plane) -> int:
         await server.serve()
     finally:
         announce.cancel()
-        await backend.stop()
+        await stop_backend(backend)
     return 0
+
+
+async def stop_backend(backend: Backend) -> None:
+    """backend.stop() run to its end though this task is cancelled meanwhile: on Ctrl-C the
+    terminal's SIGINT reaches the gateway, uvicorn shuts down and raises it again on its way out,
+    and asyncio's runner turns that one into a cancellation of the main task (which, left to
+    propagate, ended the gateway with a KeyboardInterrupt traceback and its lease unreleased)."""
+    stopping = asyncio.ensure_future(backend.stop())
+    while not stopping.done():
+        try:
+            await asyncio.shield(stopping)
+        except asyncio.CancelledError:
+            continue
+    stopping.result()
 
 
 async def _announce_once_listening(server: uvicorn.Server, cfg: GatewayConfig, inbox: str) -> None:
@@ -64,6 +79,24 @@ async def _announce_once_listening(server: uvicorn.Server, cfg: GatewayConfig, i
     while not server.started:
         await asyncio.sleep(0.05)
     log.info("gateway on http://%s:%d (inbox %s)", cfg.host, cfg.port, inbox)
+    if (warning := open_to_the_network(cfg)) is not None:
+        log.warning("%s", warning)
+
+
+def open_to_the_network(cfg: GatewayConfig) -> str | None:
+    """A warning when the API is served beyond this machine without --api-key (anyone who reaches
+    the port may use it); None on loopback or with keys."""
+    if cfg.api_key or _is_loopback(cfg.host):
+        return None
+    return (f"--host {cfg.host} without --api-key: anyone who can reach port {cfg.port} may send requests; "
+            "give --api-key (or KVMESH_API_KEY), or bind 127.0.0.1 behind an authenticating proxy")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def main(argv: list[str]) -> int:

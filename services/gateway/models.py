@@ -35,9 +35,15 @@ class ModelCatalog:
         for served, info in entries:
             for alias in _str_list(info.get("model_paths")):
                 canonical.setdefault(alias, served[0])
+        # workers of one model may differ in max_model_len (one started by hand, a rolling change):
+        # the smallest known bound is the one every worker can serve, as the scheduler admits by
+        max_lens: dict[str, int] = {}
+        for served, info in entries:
+            limit = int(info.get("max_model_len") or 0)
+            known = max_lens.get(served[0], 0)
+            max_lens[served[0]] = min(known, limit) if known and limit else known or limit
         return cls(names, canonical,
-                   {served[0]: int(info.get("vocab_size") or 0) for served, info in entries},
-                   {served[0]: int(info.get("max_model_len") or 0) for served, info in entries})
+                   {served[0]: int(info.get("vocab_size") or 0) for served, info in entries}, max_lens)
 
     def resolve(self, name: str) -> str | None:
         return self.canonical.get(name)

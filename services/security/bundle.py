@@ -62,19 +62,28 @@ class Paths(NamedTuple):
         return self.root / "tls" / f"{role}.key"
 
 
+def _private_dir(path: Path) -> None:
+    """Make `path` a directory only its owner may enter; an existing one (`keys generate --force`)
+    is tightened too, since others who may write it could swap the files under it."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)
+
+
 def _write_private(path: Path, data: bytes) -> None:
-    """Write `data` to a file only its owner may read (created 0600, never world-readable)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write `data` to a file only its owner may read: 0600 even when it replaces an existing file of
+    a looser mode (open's mode applies only to new files), never through a symlink planted there."""
+    _private_dir(path.parent)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
         f.write(data)
 
 
 def generate(root: str | os.PathLike, roles: tuple[str, ...] = ROLES) -> Paths:
-    """Make a complete trust directory at `root` (created 0700): a Redis password, a CURVE key pair
+    """Make a complete trust directory at `root` (0700): a Redis password, a CURVE key pair
     and a CA-signed TLS certificate for every role."""
     paths = Paths(Path(root))
-    paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _private_dir(paths.root)
     _write_private(paths.redis_password, secrets.token_urlsafe(32).encode())
     for role in roles:
         public, secret = zmq.curve_keypair()
@@ -161,6 +170,9 @@ def load(root: str | os.PathLike, role: str) -> Trust:
     if role not in ROLES:
         raise TrustError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
     paths = Paths(Path(root))
+    for directory in (paths.root, paths.root / "curve", paths.root / "tls"):
+        if _writable_by_others(directory) and not (paths.root / "..data").exists():
+            raise TrustError(f"{directory} is writable by other users, who could swap the keys in it: chmod 700 it")
     for secret_path in (paths.curve_secret(role), paths.tls_key(role), paths.redis_password):
         if secret_path.exists() and secret_path.stat().st_mode & 0o077 and not _mounted_secret(secret_path):
             raise TrustError(f"{secret_path} is readable by other users: chmod 600 it")
@@ -178,6 +190,13 @@ def shared_kv_key(trust: Trust) -> bytes:
         raise TrustError(f"the shared KV tier's key is the worker role's, not {trust.role!r}'s")
     return hashlib.blake2b(b"shared KV tier files", key=trust.curve_secret, digest_size=32,
                            person=b"kvmesh-shared-kv").digest()
+
+
+def _writable_by_others(directory: Path) -> bool:
+    try:
+        return bool(directory.stat().st_mode & 0o022)
+    except FileNotFoundError:
+        return False    # the missing file under it is named when it is read
 
 
 def _mounted_secret(path: Path) -> bool:

@@ -177,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
 def generate_dir(target: Path, force: bool) -> int:
     if target.exists() and not force:
         print(f"kvmesh keys generate: {target} exists; pass --force to replace its keys", file=sys.stderr)
-        return 1
+        return 2
     try:
         paths = bundle.generate(target)
     except OSError as exc:       # a parent that is a file, a read-only filesystem, no permission

@@ -82,3 +82,31 @@ def test_the_prefix_cache_index_gets_the_workers_block_size():
         worker = parse_config(WorkerConfig, _engine_flags(serve), "worker", env={})
         index = parse_config(PrefixCacheConfig, _prefix_cache_flags(serve), "prefix-cache", env={})
         assert index.block_size == worker.block_size == serve.block_size
+
+
+def test_the_banner_names_the_model_as_clients_send_it():
+    """With --served-model-name, the banner's name is the one /v1/models lists (the directory's
+    name is a 404 to a client that copies it)."""
+    from services.launcher import served_name
+    named = parse_config(ServeConfig, ["--served-model-name", "prod-llm,alias"], "serve", env={})
+    assert served_name(named, "/models/llama-tiny") == "prod-llm"
+    assert served_name(ServeConfig(), "/models/llama-tiny") == "llama-tiny"
+
+
+def test_serve_takes_a_trust_directory_checks_it_and_keeps_it(tmp_path):
+    """--trust-dir: every service gets the operator's keys (a shared KV tier's files, MAC'd under
+    the worker key, stay readable next run); a directory a role cannot load from is refused up front."""
+    from services.launcher import trust_dir_problem
+    from services.security import bundle
+    trust = tmp_path / "trust"
+    assert "is missing" in trust_dir_problem(str(trust))
+    bundle.generate(trust)
+    assert trust_dir_problem(str(trust)) is None and trust_dir_problem("") is None
+    (trust / "curve" / "worker.secret").chmod(0o644)
+    assert "readable by other users" in trust_dir_problem(str(trust))
+    (trust / "curve" / "worker.secret").chmod(0o600)
+
+    stack = Stack(parse_config(ServeConfig, ["--trust-dir", str(trust)], "serve", env={}))
+    assert stack.trust.root == trust
+    stack.stop()
+    assert bundle.load(trust, "worker")

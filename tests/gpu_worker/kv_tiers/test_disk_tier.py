@@ -48,8 +48,21 @@ def test_an_unusable_directory_is_a_clear_error(tmp_path):
             DiskTier(str(bad), max_blocks=1, layout=LAYOUT, payload_len=PAYLOAD)
     link = tmp_path / "link"
     link.symlink_to(tmp_path)
-    with pytest.raises(ValueError, match="not a directory"):        # a symlink is not followed
+    with pytest.raises(ValueError, match="is a symbolic link"):        # a symlink is not followed
         DiskTier(str(link), max_blocks=1, layout=LAYOUT, payload_len=PAYLOAD)
+
+
+def test_a_tier_directory_given_as_a_symlink_is_refused_naming_its_target(tmp_path):
+    """`--kv-offload-shared-dir /data/kv` where /data/kv is a link to a real directory: the error
+    names the link and the directory to give instead, not 'is not a directory'."""
+    import pytest
+
+    from gpu_worker.kv_tiers.disk_tier import owned_directory
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(ValueError, match=f"kv_offload_shared_dir: .* is a symbolic link; give the directory it "
+                                         f"points to \\('{tmp_path / 'real'}'\\)"):
+        owned_directory(str(tmp_path / "link"), "kv_offload_shared_dir")
 
 
 def test_a_shared_temporary_directory_is_refused_not_made_private(tmp_path):

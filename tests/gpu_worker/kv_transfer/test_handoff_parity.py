@@ -111,3 +111,13 @@ def test_async_p_never_preempts_a_prefill_whose_first_token_is_being_read(arch_m
     out = pd.run([], arrivals={0: [("low", low, greedy(STEPS), 1)], 1: [("high", high, greedy(STEPS), 0)]})
     for rid, ids in (("low", low), ("high", high)):
         assert out[(rid, 0)] == hf.greedy(ids, STEPS)[0], rid
+
+
+def test_fp8_kv_cache_hands_off_as_one_engine_serves_it(llama):
+    """kv_cache_dtype fp8 on both sides: D writes the frames' bytes into its fp8 blocks (the CPU
+    has no index_copy_ for float8, which killed the decode worker's engine thread)."""
+    requests = [("short", prompt(5, 21), greedy(STEPS)), ("long", prompt(40, 22), greedy(STEPS))]
+    out = PD(engine(llama, kv_cache_dtype="fp8"), engine(llama, kv_cache_dtype="fp8")).run(requests)
+    single = run_single(engine(llama, kv_cache_dtype="fp8"), requests)
+    for rid, _, _ in requests:
+        assert out[(rid, 0)] == single[(rid, 0)], rid

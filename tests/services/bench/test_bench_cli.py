@@ -161,3 +161,15 @@ def test_multi_turn_history_too_short_names_the_flag(mock_servers, capsys):
         kvmesh_main(["bench", "serve", "--base-url", url, "--dataset-name", "multi-turn", "--multi-turn-turns", "10",
                      "--multi-turn-history-tokens", "50", "--disable-tqdm"])
     assert exc.value.code == 2 and "--multi-turn-history-tokens 50" in capsys.readouterr().err
+
+
+def test_a_prompt_longer_than_the_servers_context_names_the_length_flag(mock_servers, capsys):
+    """The server refusing to count a prompt the flags asked for is a usage error (exit 2) naming
+    the flag that set its length, not a bare 'shorten the prompt' the user never wrote."""
+    url = mock_servers.get("--max-model-len", "50")
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--base-url", url, "--num-prompts", "2", "--random-input-len", "80",
+              "--disable-tqdm", "--no-plots"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--random-input-len" in err and "maximum context length is 50" in err

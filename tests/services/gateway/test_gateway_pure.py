@@ -262,3 +262,41 @@ def test_client_request_id_bounds(value, ok):
         with pytest.raises(ApiError) as e:
             client_request_id(value)
         assert e.value.param == "X-Request-Id"
+
+
+def test_serving_beyond_loopback_without_an_api_key_is_warned_about():
+    from services.config import GatewayConfig, parse_config
+    from services.gateway.main import open_to_the_network
+
+    def warning(*argv):
+        return open_to_the_network(parse_config(GatewayConfig, list(argv), "gateway", env={}))
+    assert "--api-key" in warning("--host", "0.0.0.0", "--port", "8000")
+    assert "--host ::" in warning("--host", "::")
+    assert warning("--host", "127.0.0.1") is None and warning("--host", "::1") is None
+    assert warning("--host", "localhost") is None and warning("--host", "0.0.0.0", "--api-key", "k") is None
+
+
+def test_the_gateways_stop_runs_to_its_end_through_a_cancellation():
+    """Ctrl-C: uvicorn re-raises the SIGINT it handled, asyncio's runner cancels the main task
+    while the backend stops; the stop must finish and the task end without CancelledError (which
+    the runner turns into a KeyboardInterrupt traceback)."""
+    import asyncio
+
+    from services.gateway.main import stop_backend
+
+    class SlowBackend:
+        stopped = False
+
+        async def stop(self):
+            await asyncio.sleep(0.05)
+            self.stopped = True
+
+    async def scenario():
+        backend = SlowBackend()
+        task = asyncio.ensure_future(stop_backend(backend))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await task
+        return backend.stopped
+
+    assert asyncio.run(scenario()) is True

@@ -32,6 +32,15 @@ def test_catalog_lists_served_names_first_first_and_resolves_paths():
     assert cat.vocab_sizes == {"b": 100} and cat.max_model_lens == {"b": 64}
 
 
+def test_catalog_bounds_a_model_by_its_workers_smallest_max_model_len_in_any_order():
+    """A worker joined with a smaller --max-model-len bounds the model as the scheduler does
+    (the smallest known), whichever order the registry lists the records in; unknown (0) is no bound."""
+    records = [info(["m"], max_len=2048), info(["m"], max_len=512), info(["m"], max_len=0)]
+    for order in (records, records[::-1], records[1:] + records[:1]):
+        assert ModelCatalog.of(order).max_model_lens == {"m": 512}
+    assert ModelCatalog.of([info(["m"], max_len=0)]).max_model_lens == {"m": 0}
+
+
 def test_catalog_served_names_win_over_path_aliases():
     cat = ModelCatalog.of([info(["m1"], ["m2"]), info(["m2"], ["/p"]), {"model": "old", "vocab_size": 5}, {}])
     assert cat.names == ["m1", "m2", "old"]

@@ -163,12 +163,53 @@ def test_generate_writes_a_loadable_directory_and_refuses_to_overwrite(tmp_path)
     before = (target / "curve" / "worker.secret").read_bytes()
 
     again = kvmesh_keys("generate", str(target))
-    assert again.returncode != 0 and "--force" in again.stderr
+    assert again.returncode == 2 and "--force" in again.stderr   # a usage error, as a bad flag
     assert (target / "curve" / "worker.secret").read_bytes() == before
 
     forced = kvmesh_keys("generate", str(target), "--force")
     assert forced.returncode == 0, forced.stderr
     assert (target / "curve" / "worker.secret").read_bytes() != before
+    bundle.load(target, "worker")
+
+
+def test_generate_force_leaves_no_secret_readable_by_others(tmp_path):
+    """--force over a directory whose files and directories were loosened (chmod 644, 777) writes
+    the new secrets 0600 under 0700 directories, not into the old modes."""
+    target = tmp_path / "trust"
+    assert kvmesh_keys("generate", str(target)).returncode == 0
+    for path in [target, *target.rglob("*")]:
+        path.chmod(0o777 if path.is_dir() else 0o644)
+
+    forced = kvmesh_keys("generate", str(target), "--force")
+    assert forced.returncode == 0, forced.stderr
+    loose = [str(p) for p in [target, *target.rglob("*")] if p.stat().st_mode & 0o077]
+    assert loose == []
+    bundle.load(target, "worker")
+
+
+def test_generate_does_not_write_through_a_planted_symlink(tmp_path):
+    target = tmp_path / "trust"
+    assert kvmesh_keys("generate", str(target)).returncode == 0
+    bait = tmp_path / "bait"
+    bait.write_text("")
+    (target / "redis.password").unlink()
+    (target / "redis.password").symlink_to(bait)
+
+    forced = kvmesh_keys("generate", str(target), "--force")
+    assert forced.returncode != 0
+    assert bait.read_text() == ""
+
+
+@pytest.mark.parametrize("where", ["", "curve", "tls"])
+def test_load_refuses_a_trust_directory_others_may_write(tmp_path, where):
+    """Secrets 0600 are no protection in a directory others may write: they could swap the keys
+    (and the Redis password) for their own. A Kubernetes Secret volume (`..data`) is the kubelet's."""
+    target = tmp_path / "trust"
+    bundle.generate(target)
+    (target / where).chmod(0o777 if where else 0o757)
+    with pytest.raises(bundle.TrustError, match="writable by other users"):
+        bundle.load(target, "worker")
+    (target / "..data").mkdir()
     bundle.load(target, "worker")
 
 
