@@ -50,7 +50,6 @@ import errno
 import importlib.util
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -63,7 +62,7 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from services.config import ServeConfig, flag_name, load_or_exit, reachable_host, to_argv
+from services.config import ServeConfig, engine_error_text, load_or_exit, reachable_host, to_argv
 from services.engine_args import ServedEngineArgs, engine_args_of
 from services.embedded_redis import EmbeddedRedis
 from services.fleet_metrics import Page, serve_fleet_metrics
@@ -113,8 +112,7 @@ def engine_settings_problem(cfg: ServeConfig) -> str | None:
     try:
         EngineConfig(**fields, kv_offload_shared_key=key)
     except ValueError as exc:
-        match = re.match(r"invalid engine argument (\w+): (.*)", str(exc), re.S)
-        return f"{flag_name(match[1])}: {match[2]}" if match else str(exc)
+        return engine_error_text(str(exc))
     return None
 
 

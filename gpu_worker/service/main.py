@@ -55,7 +55,7 @@ import zmq
 from gpu_worker.service.core import WorkerCore
 from gpu_worker.service.move_cost import MoveCosts
 from services import metrics
-from services.config import WorkerConfig, load_or_exit
+from services.config import WorkerConfig, engine_error_text, load_or_exit
 from services.engine_args import engine_args_of
 from services.envelope import SCHEDULER, Envelope
 from services.logging import setup as setup_logging
@@ -327,7 +327,7 @@ class WorkerService:
         try:
             engine = await asyncio.to_thread(build_engine, cfg, shared_tier_key(cfg, self.plane))
         except (ValueError, FileNotFoundError) as exc:   # settings the model or this machine refuses
-            log.error("cannot start the engine: %s", exc)
+            log.error("cannot start the engine: %s", engine_error_text(str(exc)))   # names the flag
             log.debug("engine start-up", exc_info=True)
             await server.stop(0)
             await health.stop()
