@@ -142,6 +142,8 @@ def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
             "vocab_size": int(engine.vocab_size), "null_model": cfg.null_model, "draining": False,
             "model_id": getattr(getattr(engine, "setup", None), "model_id", name),
             "kv_layout": kv_layout(engine), "kv_transport": kv_wire(cfg.kv_transport), "pid": os.getpid(),
+            # routes prompt_logprobs requests; the null engine refuses none (it answers without them)
+            "prompt_logprobs": bool(getattr(engine, "computes_prompt_logprobs", True)),
             **shared_tier_info(engine)}
 
 
