@@ -57,8 +57,8 @@ def directory_problem(directory: str) -> str | None:
     except OSError:
         return None
     if st.f_blocks == 0:
-        return (f"{directory!r} is on a pseudo-filesystem that stores no files (such as /proc or /sys); "
-                "give a directory on a disk")
+        return (f"{directory!r} is on a pseudo-filesystem with no storage (such as /proc or /sys: it reports "
+                "0 blocks); give a directory on a disk")
     if st.f_flag & os.ST_RDONLY:
         return f"{directory!r} is on a read-only filesystem; give a writable directory"
     if path != os.path.abspath(directory) and not os.access(path, os.W_OK | os.X_OK):
