@@ -210,11 +210,21 @@ class Engine:
         if len(prompt) > MAX_PROMPT_LOGPROBS_TOKENS:
             raise RequestError(f"invalid prompt_logprobs: prompts of at most {MAX_PROMPT_LOGPROBS_TOKENS} tokens "
                                f"may ask for them, this one has {len(prompt)}")
+        if (why := self._no_prompt_logprobs()) is not None:
+            raise RequestError(f"invalid prompt_logprobs: this worker ({why}) does not compute them")
+
+    @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Whether this engine makes prompt logprobs at all; the worker publishes it in its registry
+        record, and the scheduler sends the requests that ask for them only to workers that do."""
+        return self._no_prompt_logprobs() is None
+
+    def _no_prompt_logprobs(self) -> str | None:
+        """What keeps this engine from making prompt logprobs, or None."""
         if not hasattr(self.runner, "forward_keeping_hidden"):
-            raise RequestError("invalid prompt_logprobs: this worker (tensor parallel) does not compute them")
+            return "tensor parallel"
         spec = self.config.speculative
-        if spec is not None and spec.method == "mtp":
-            raise RequestError("invalid prompt_logprobs: this worker (mtp speculation) does not compute them")
+        return "mtp speculation" if spec is not None and spec.method == "mtp" else None
 
     def _resumed_samples(self, request: Request, outputs: list[list[int]], ended: list[int]) -> list[Sequence]:
         """Every sample of a resumed request, at its tokens so far: ended ones finished (they draw

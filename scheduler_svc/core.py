@@ -1,6 +1,7 @@
 """The global scheduler's pure core: messages and worker-set changes in, envelopes out. No sockets.
 
-    submit(Submit)          admission: 400 (too long) / 429 (tenant or queue full) / 503 (no worker),
+    submit(Submit)          admission: 400 (too long, or prompt logprobs no worker makes) / 429 (tenant
+                            or queue full) / 503 (no worker),
                             else queued (Admitted) and dispatched when a worker has room; with prefix
                             hints (cache_aware) and several workers to choose from, first a
                             PrefixQuery to the shell (prefix_hints.py) and the queue after its answer
@@ -80,8 +81,8 @@ import msgspec
 
 from scheduler_svc.conversations import ConversationTable
 from scheduler_svc.prefix_hints import PREFIX_INDEX, PrefixHints
-from scheduler_svc.routing import (Scorer, WorkerView, conversation_worker, layout_differences, least_loaded, pairable,
-                                   route, same_layout)
+from scheduler_svc.routing import (Scorer, WorkerView, able, conversation_worker, layout_differences, least_loaded,
+                                   pairable, route, same_layout)
 from services import metrics
 from services.envelope import Envelope
 from services.protocol.kv_events import MatchResponse
@@ -96,6 +97,12 @@ def live_outputs(msg: Resume) -> list[list[int]]:
     """The tokens of a moving stream's samples that have not ended."""
     ended = set(msg.ended)
     return [out for i, out in enumerate(msg.output_token_ids) if i not in ended]
+
+
+PROMPT_LOGPROBS_CODE = "prompt_logprobs_unavailable"
+NO_PROMPT_LOGPROBS = ("invalid prompt_logprobs: no worker of this deployment computes prompt logprobs (tensor-parallel "
+                      "and mtp-speculation workers do not); leave out prompt_logprobs (and, on completions, logprobs "
+                      "with echo)")
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,8 @@ class SchedulerCore:
         eligible = self._eligible()
         if not eligible:
             return [self._reject(msg, 503, "no_workers", "no worker is available to serve this model; retry later")]
+        if not (eligible := able(eligible, msg)):
+            return [self._reject(msg, 400, PROMPT_LOGPROBS_CODE, NO_PROMPT_LOGPROBS)]
         max_len = min(w.max_model_len for w in eligible if w.max_model_len) if any(
             w.max_model_len for w in eligible) else 0
         need = len(msg.prompt_token_ids) + (msg.params.max_tokens or 1)
@@ -283,24 +292,44 @@ class SchedulerCore:
     def dispatch(self) -> list[Envelope]:
         out: list[Envelope] = []
         factor = self.limits.worker_capacity_factor
+        later: list[tuple[int, int, str]] = []   # requests only busy workers can run: queued on
         while self._queue:
             room = [w for w in self._eligible() if w.holding < w.capacity(factor)]
             if not room:
                 break
-            _, _, rid = heapq.heappop(self._queue)
+            entry = heapq.heappop(self._queue)
+            rid = entry[2]
             req = self.requests.get(rid)
             if req is None or req.worker_id is not None:
                 continue  # aborted while queued (lazy deletion)
+            # a moved stream has its prompt logprobs already (the engine does not make them again)
+            fits = room if req.resume is not None else able(room, req.submit)
+            if not fits:
+                if able(self._eligible(), req.submit):
+                    later.append(entry)
+                else:                 # the workers that could run it have left since its admission
+                    out += self._refuse_queued(rid, req)
+                continue
             self._queued -= 1
-            prefill = [] if req.resume is not None else [  # a moved stream goes on where its tokens are computed
-                w for w in self._prefill_pool() if w.holding < w.capacity(factor)]
-            sticky = self._conversation_worker(req.submit, room)
-            chosen = route(room, prefill, req.submit, self.scorer, req.hint, self.limits.pd_min_prefill_tokens,
+            prefill = [] if req.resume is not None else able([  # a moved stream goes on where its tokens are computed
+                w for w in self._prefill_pool() if w.holding < w.capacity(factor)], req.submit)
+            sticky = self._conversation_worker(req.submit, fits)
+            chosen = route(fits, prefill, req.submit, self.scorer, req.hint, self.limits.pd_min_prefill_tokens,
                            sticky)
             if chosen.label != "mixed" or prefill:
                 metrics.PD_ROUTES.labels(chosen.label).inc()
             out += self._send_to(rid, req, chosen.worker, chosen.prefill)
+        for entry in later:
+            heapq.heappush(self._queue, entry)
         return out
+
+    def _refuse_queued(self, rid: str, req: _Req) -> list[Envelope]:
+        """A queued request no live worker can compute (it asks for prompt logprobs): a 400."""
+        self._queued -= 1
+        self._forget(rid)
+        self.rejections[PROMPT_LOGPROBS_CODE] = self.rejections.get(PROMPT_LOGPROBS_CODE, 0) + 1
+        return [Envelope(req.submit.reply_addr, RequestFailed(request_id=rid, status=400, code=PROMPT_LOGPROBS_CODE,
+                                                              message=NO_PROMPT_LOGPROBS)), *self._release_kv(req)]
 
     def _conversation_worker(self, s: Submit, room: list[WorkerView]) -> WorkerView | None:
         """The worker of the conversation's last turn, where it can take this one (routing.py)."""
@@ -498,6 +527,7 @@ class SchedulerCore:
                 cur.draining, cur.addr, cur.role = cur.draining or view.draining, view.addr, view.role
                 cur.kv_addr, cur.kv_layout, cur.kv_transport = view.kv_addr, view.kv_layout, view.kv_transport
                 cur.max_num_seqs, cur.max_model_len = view.max_num_seqs, view.max_model_len
+                cur.prompt_logprobs = view.prompt_logprobs
                 cur.prefix_query_tokens, cur.prefix_hit_tokens = view.prefix_query_tokens, view.prefix_hit_tokens
         out += self._place_unplaced() + self.dispatch()
         return out + self.expire_waits()      # after the dispatch: a worker that joined just now takes them

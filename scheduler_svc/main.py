@@ -61,6 +61,7 @@ def view_of(r: ServiceRecord) -> WorkerView:
                       block_size=int(info.get("block_size", 16)), kv_addr=str(r.addrs.get("kv", "")),
                       kv_layout=info.get("kv_layout") if isinstance(info.get("kv_layout"), dict) else None,
                       kv_transport=str(info.get("kv_transport", "zmq")),
+                      prompt_logprobs=bool(info.get("prompt_logprobs", True)),
                       prefix_query_tokens=int(load.get("prefix_query_tokens", 0)),
                       prefix_hit_tokens=int(load.get("prefix_hit_tokens", 0)))
 

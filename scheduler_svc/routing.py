@@ -27,6 +27,10 @@ D (a short prompt, or a conversation whose history D holds: moving the KV would 
 computing it there); otherwise the best prefill worker whose KV layout equals D's prefills it and
 hands the KV to D. Workers whose layouts or KV transports differ are never paired.
 
+Capabilities (`able`): a request that asks for prompt logprobs goes only to workers whose
+engines make them (their records' `prompt_logprobs`: not tensor-parallel or mtp-speculation ones);
+with none in the fleet it is refused (400, naming prompt_logprobs).
+
 Conversations (`conversation_worker`): a request whose Submit names a conversation goes to the worker
 that ran its last turn (the history's KV is there, in some tier), unless that worker is gone,
 draining, full or loaded past `max_load` x max_num_seqs; then the scorer picks as for any request.
@@ -71,6 +75,7 @@ class WorkerView:
     kv_layout: dict | None = None     # model id, block size, KV dtype, layers, KV heads, head dim, TP size, MTP
                                       # layers, weights digest
     kv_transport: str = "zmq"         # how its KV moves (--kv-transport): zmq frames or NIXL reads
+    prompt_logprobs: bool = True      # its engine makes prompt logprobs (not tensor parallel, not mtp)
     dispatched: int = 0               # requests this scheduler sent it
     inflight: set[str] = field(default_factory=set)  # requests we dispatched and that did not end
     # requests the worker holds that this scheduler never dispatched (an earlier scheduler's, before
@@ -184,6 +189,14 @@ def make_scorer(policy: str, weights: RoutingWeights = RoutingWeights()) -> Scor
     if policy == "round_robin":
         return round_robin
     raise ValueError(f"unknown routing policy {policy!r}; one of: {', '.join(ROUTING_POLICIES)}")
+
+
+def able(workers: list[WorkerView], request: Submit) -> list[WorkerView]:
+    """Those of `workers` that can compute what `request` asks: when it asks for prompt logprobs
+    (prompt_logprobs, or completions' echo with logprobs), the ones whose engines make them."""
+    if request.params.prompt_logprobs is None:
+        return workers
+    return [w for w in workers if w.prompt_logprobs]
 
 
 def pick(workers: list[WorkerView], request: Submit, scorer: Scorer, hint: Any = None) -> WorkerView:

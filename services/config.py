@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import re
 import sys
 import types
 import typing
@@ -509,6 +510,13 @@ def env_name(field_name: str) -> str:
 
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
+
+
+def engine_error_text(message: str) -> str:
+    """The engine's "invalid engine argument FIELD: why" as a command line says it,
+    "--field: why"; any other message unchanged."""
+    match = re.match(r"invalid engine argument (\w+): (.*)", message, re.S)
+    return f"{flag_name(match[1])}: {match[2]}" if match else message
 
 
 # ----------------------------------------------------------------------------- parsing

@@ -10,8 +10,8 @@ does the gateway's /ready wait for it; the prefix-cache index runs only where th
 Workers: --workers mixed ones (worker-0..), --prefill-workers (prefill-0..) and --decode-workers
 (decode-0..) of the disaggregated pools.
 
-Refuses a busy --port before starting anything. Waits until the gateway's /ready answers and every
-worker is registered, then prints the URL, each service's /metrics page, and the one page that
+Refuses a busy --port, and a --redis-url that does not answer a PING, before starting anything.
+Waits until the gateway's /ready answers and every worker is registered, then prints the URL, each service's /metrics page, and the one page that
 shows them all (--fleet-metrics-port, on loopback: services/fleet_metrics.py). A failure during
 start-up stops the stack (a bad model or flag would only fail again; serve exits 2 when the
 child refused its settings, 1 otherwise). From then on a service that
@@ -45,11 +45,11 @@ What a restart means for requests in flight:
 """
 from __future__ import annotations
 
+import asyncio
 import errno
 import importlib.util
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -60,12 +60,13 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import urlsplit
 
-from services.config import ServeConfig, flag_name, load_or_exit, reachable_host, to_argv
+from services.config import ServeConfig, engine_error_text, load_or_exit, reachable_host, to_argv
 from services.engine_args import ServedEngineArgs, engine_args_of
 from services.embedded_redis import EmbeddedRedis
 from services.fleet_metrics import Page, serve_fleet_metrics
-from services.redis_client import RedisAuth
+from services.redis_client import RedisAuth, connect as redis_connect
 from services.registry import ServiceRecord, list_records
 from services.restart_policy import describe_exit
 from services.supervisor import CONFIG_REFUSED, Supervisor
@@ -74,6 +75,7 @@ from services.logging import setup as setup_logging
 
 log = logging.getLogger("kvmesh.serve")
 DEFAULT_MODEL_SIZE = "tiny"
+REDIS_CHECK_TIMEOUT_S = 3.0      # one PING of a --redis-url before anything starts
 
 
 def default_model_dir() -> Path:
@@ -110,8 +112,39 @@ def engine_settings_problem(cfg: ServeConfig) -> str | None:
     try:
         EngineConfig(**fields, kv_offload_shared_key=key)
     except ValueError as exc:
-        match = re.match(r"invalid engine argument (\w+): (.*)", str(exc), re.S)
-        return f"{flag_name(match[1])}: {match[2]}" if match else str(exc)
+        return engine_error_text(str(exc))
+    return None
+
+
+def _redis_place(url: str) -> str:
+    """Where a Redis URL points, without its password: host:port, or the socket path."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return parts.path
+    return f"{parts.hostname or 'localhost'}:{parts.port or 6379}"
+
+
+def redis_url_problem(url: str, auth: RedisAuth) -> str | None:
+    """Why the services could not use the Redis at --redis-url (one line naming the flag), or
+    None: one PING within REDIS_CHECK_TIMEOUT_S, authenticated as the services will be. Without
+    it, each child logs that Redis is unreachable and serve waits out --ready-timeout-s."""
+    import redis.exceptions as rex
+
+    async def ping() -> None:
+        client = redis_connect(url, auth, REDIS_CHECK_TIMEOUT_S)
+        try:
+            await client.ping()
+        finally:
+            await client.aclose()
+    place = _redis_place(url)
+    try:
+        asyncio.run(ping())
+    except (rex.AuthenticationError, rex.AuthorizationError, rex.ResponseError) as exc:
+        return (f"--redis-url: the Redis at {place} refused this stack ({exc}); give its password in the URL "
+                "(redis://:PASSWORD@host:port/0) or through --trust-dir's redis.password")
+    except (rex.ConnectionError, rex.TimeoutError, OSError) as exc:
+        return (f"--redis-url: cannot reach Redis at {place} within {REDIS_CHECK_TIMEOUT_S:.0f} s ({exc}); "
+                "start it or fix the URL, or leave --redis-url out to run an embedded Redis")
     return None
 
 
@@ -397,6 +430,9 @@ def main(argv: list[str]) -> int:
     url = f"http://{reachable_host(cfg.host)}:{cfg.port}"
     code = 1
     try:
+        if cfg.redis_url and (error := redis_url_problem(cfg.redis_url, stack.redis_auth)) is not None:
+            print(f"kvmesh serve: {error}", file=sys.stderr)
+            return 2
         stack.start(model)
         if stack.wait_ready(url, cfg.ready_timeout_s, stop):
             # loopback only, whatever --host: the page shows every internal service's state

@@ -55,7 +55,7 @@ import zmq
 from gpu_worker.service.core import WorkerCore
 from gpu_worker.service.move_cost import MoveCosts
 from services import metrics
-from services.config import WorkerConfig, load_or_exit
+from services.config import WorkerConfig, engine_error_text, load_or_exit
 from services.engine_args import engine_args_of
 from services.envelope import SCHEDULER, Envelope
 from services.logging import setup as setup_logging
@@ -142,6 +142,8 @@ def engine_info(cfg: WorkerConfig, engine: Any) -> dict[str, Any]:
             "vocab_size": int(engine.vocab_size), "null_model": cfg.null_model, "draining": False,
             "model_id": getattr(getattr(engine, "setup", None), "model_id", name),
             "kv_layout": kv_layout(engine), "kv_transport": kv_wire(cfg.kv_transport), "pid": os.getpid(),
+            # routes prompt_logprobs requests; the null engine refuses none (it answers without them)
+            "prompt_logprobs": bool(getattr(engine, "computes_prompt_logprobs", True)),
             **shared_tier_info(engine)}
 
 
@@ -327,7 +329,7 @@ class WorkerService:
         try:
             engine = await asyncio.to_thread(build_engine, cfg, shared_tier_key(cfg, self.plane))
         except (ValueError, FileNotFoundError) as exc:   # settings the model or this machine refuses
-            log.error("cannot start the engine: %s", exc)
+            log.error("cannot start the engine: %s", engine_error_text(str(exc)))   # names the flag
             log.debug("engine start-up", exc_info=True)
             await server.stop(0)
             await health.stop()

@@ -14,6 +14,9 @@ completion choice (its prompt's), at the top of a chat answer. A completion's ec
 legacy) begins each choice's text with its prompt and, with logprobs, its logprobs with the
 prompt's tokens' (the first with a null logprob and top_logprobs); streamed, on each choice's
 first chunk. With echo_only (max_tokens 0) the drawn token is left out.
+
+Every logprob answered, generated or prompt, whole or streamed, is at least MIN_LOGPROB: -inf as
+-9999.0, as vLLM (JSON has no -inf; msgspec would write null).
 """
 from __future__ import annotations
 
@@ -28,7 +31,12 @@ from services.gateway.chat_output import PLAIN, AnswerDelta, AnswerStream, Outpu
 from services.protocol.messages import PromptLogprobText, TextDelta, TokenLogprobText
 
 _json = msgspec.json.Encoder()
-MIN_LOGPROB = -9999.0      # vLLM's stand-in for -inf (JSON has none) in the prompt's logprobs
+MIN_LOGPROB = -9999.0      # vLLM's stand-in for -inf (JSON has none), in every logprob answered
+
+
+def _lp(logprob: float) -> float:
+    """A logprob as vLLM answers it: -inf (a token the logits rule out, or an underflow) as MIN_LOGPROB."""
+    return max(logprob, MIN_LOGPROB)
 
 
 @dataclass
@@ -96,8 +104,8 @@ class Accumulator:
 
     # ---- logprobs shapes -----------------------------------------------------------------
     def chat_logprobs(self, items: list[TokenLogprobText]) -> dict[str, Any]:
-        return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": t.token_bytes,
-                             "top_logprobs": [{"token": a, "logprob": lp, "bytes": b} for a, lp, b in t.top]}
+        return {"content": [{"token": t.token, "logprob": _lp(t.logprob), "bytes": t.token_bytes,
+                             "top_logprobs": [{"token": a, "logprob": _lp(lp), "bytes": b} for a, lp, b in t.top]}
                             for t in items], "refusal": None}
 
     def completion_logprobs(self, c: _Choice, items: list[TokenLogprobText],
@@ -111,16 +119,16 @@ class Accumulator:
             offsets.append(c.text_offset)
             c.text_offset += len(e.token)
             tokens.append(e.token)
-            logprobs.append(None if e.logprob is None else max(e.logprob, MIN_LOGPROB))
-            tops.append(None if e.logprob is None else
-                        {e.token: max(e.logprob, MIN_LOGPROB), **{a: max(lp, MIN_LOGPROB) for _, a, lp in e.top}})
+            logprobs.append(None if e.logprob is None else _lp(e.logprob))
+            tops.append(None if e.logprob is None else {e.token: _lp(e.logprob), **{a: _lp(lp) for _, a, lp in e.top}})
         for t in items:
             offsets.append(c.text_offset)
             c.text_offset += len(t.token)
         # the sampled token first, then the most likely ones: up to logprobs + 1 entries, as OpenAI's
         # legacy completions and vLLM give them (logprobs=0: the sampled token alone)
-        return {"tokens": tokens + [t.token for t in items], "token_logprobs": logprobs + [t.logprob for t in items],
-                "top_logprobs": tops + [{t.token: t.logprob, **{a: lp for a, lp, _ in t.top}} for t in items],
+        return {"tokens": tokens + [t.token for t in items],
+                "token_logprobs": logprobs + [_lp(t.logprob) for t in items],
+                "top_logprobs": tops + [{t.token: _lp(t.logprob), **{a: _lp(lp) for a, lp, _ in t.top}} for t in items],
                 "text_offset": offsets}
 
     def prompt_logprobs(self, prompt_index: int) -> list[dict[str, Any] | None] | None:
@@ -133,9 +141,9 @@ class Accumulator:
             if e.logprob is None:
                 out.append(None)
                 continue
-            d = {str(e.token_id): {"logprob": max(e.logprob, MIN_LOGPROB), "rank": e.rank, "decoded_token": e.token}}
+            d = {str(e.token_id): {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": e.token}}
             for rank, (tid, text, lp) in enumerate(e.top, 1):
-                d.setdefault(str(tid), {"logprob": max(lp, MIN_LOGPROB), "rank": rank, "decoded_token": text})
+                d.setdefault(str(tid), {"logprob": _lp(lp), "rank": rank, "decoded_token": text})
             out.append(d)
         return out
 

@@ -77,3 +77,32 @@ def test_shared_tier_inside_the_disk_tiers_parent_is_not_refused(tmp_path, monke
     with pytest.raises(RuntimeError, match="checked"):
         main(["--kv-offload-dir", str(kv), "--kv-offload-disk-gb", "1", "--kv-offload-shared-dir", str(kv / "shared"),
               "--kv-offload-shared-gb", "1", "--port", str(_free_port())])
+
+
+def _refuse_start(monkeypatch):
+    def started(*_a):
+        raise AssertionError("the stack started")
+    monkeypatch.setattr(launcher, "ensure_model", lambda model: "model")
+    monkeypatch.setattr(launcher.Stack, "start", lambda self, model: started())
+
+
+def test_unreachable_redis_url_names_the_flag(capsys, monkeypatch):
+    """A --redis-url nothing answers on is refused before any child starts (each child would
+    only log that Redis is unreachable, and serve would wait out --ready-timeout-s)."""
+    _refuse_start(monkeypatch)
+    port = _free_port()                     # closed again: nothing listens there
+    assert main(["--null-model", "--redis-url", f"redis://:secret@127.0.0.1:{port}/0",
+                 "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvmesh serve: --redis-url: cannot reach Redis at 127.0.0.1:{port}") and "\n" not in err
+    assert "secret" not in err              # the URL's password is never echoed
+
+
+def test_redis_url_that_refuses_the_password_names_the_flag(capsys, monkeypatch):
+    from services.embedded_redis import EmbeddedRedis
+    _refuse_start(monkeypatch)
+    with EmbeddedRedis(password="the-real-one") as redis:
+        assert main(["--null-model", "--redis-url", redis.url.replace("redis://", "redis://:wrong@"),
+                     "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvmesh serve: --redis-url: the Redis at ") and "password" in err and "\n" not in err

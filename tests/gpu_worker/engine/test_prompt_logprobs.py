@@ -182,3 +182,18 @@ def test_a_prefill_worker_sends_them_with_the_first_token(llama):
     assert eng.release_export("pd")
     eng.block_manager.check_integrity()
     assert eng.block_manager.num_used_blocks == 0
+
+
+def test_the_worker_publishes_whether_its_engine_makes_them(llama, monkeypatch):
+    """The registry record's `prompt_logprobs` (the scheduler routes such requests by it) says what
+    add_request would refuse: a tensor-parallel runner (no forward_keeping_hidden) makes none."""
+    from gpu_worker.service.main import engine_info
+    from services.config import WorkerConfig
+    model_dir, _ = llama
+    eng = engine(model_dir)
+    cfg = WorkerConfig(model=model_dir, device="cpu")
+    assert engine_info(cfg, eng)["prompt_logprobs"] is True
+    monkeypatch.delattr(type(eng.runner), "forward_keeping_hidden")
+    assert engine_info(cfg, eng)["prompt_logprobs"] is False
+    with pytest.raises(RequestError, match=r"invalid prompt_logprobs: this worker \(tensor parallel\)"):
+        eng.add_request("tp", [5, 6], params())

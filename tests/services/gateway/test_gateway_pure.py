@@ -300,3 +300,27 @@ def test_the_gateways_stop_runs_to_its_end_through_a_cancellation():
         return backend.stopped
 
     assert asyncio.run(scenario()) is True
+
+
+NEG_INF = float("-inf")
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_minus_inf_logprobs_are_answered_as_vllm_does(kind):
+    """A token the model's logits rule out (or whose probability underflows) has logprob -inf,
+    which JSON cannot carry: vLLM answers -9999.0 for it and its alternatives, whole and
+    streamed; never null (msgspec's encoding of -inf) or -Infinity (not JSON)."""
+    lp = [TokenLogprobText("x", NEG_INF, [120], [("y", -0.5, [121]), ("x", NEG_INF, [120])])]
+    acc = Accumulator(kind, "m", 1, 1, [3], want_logprobs=True)
+    acc.add(0, delta(0, "x", "stop", lp=lp))
+    whole = msgspec.json.decode(msgspec.json.encode(acc.response()))["choices"][0]["logprobs"]
+    [chunk] = sse(ChunkWriter(Accumulator(kind, "m", 1, 1, [3], want_logprobs=True), include_usage=False)
+                  .delta(0, delta(0, "x", lp=lp)))
+    streamed = chunk["choices"][0]["logprobs"]
+    for got in (whole, streamed):
+        if kind == "chat":
+            [entry] = got["content"]
+            assert entry["logprob"] == -9999.0
+            assert [t["logprob"] for t in entry["top_logprobs"]] == [-0.5, -9999.0]
+        else:
+            assert got["token_logprobs"] == [-9999.0] and got["top_logprobs"] == [{"x": -9999.0, "y": -0.5}]
