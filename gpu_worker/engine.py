@@ -37,7 +37,7 @@ from gpu_worker.engine_setup import EngineSetup, measuring_memory, resolve_setup
 from gpu_worker.kv_tiers import TieredScheduler, build_kv_tiers
 from gpu_worker.kv_transfer import group
 from gpu_worker.config import EngineConfig
-from gpu_worker.outputs import EngineStats, FailedCompile, RequestBusy, RequestError, SequenceDelta
+from gpu_worker.outputs import EngineStats, FailedRequest, RequestBusy, RequestError, SequenceDelta
 from gpu_worker.prompt_logprobs import PromptLogprobState, fill, plan_rows
 from gpu_worker.sampler import (
     PendingSample, Sampler, SampleRequest, SampleResult, needs_output_for_bad_words, to_device)
@@ -142,7 +142,7 @@ class Engine:
         self.grammar_masks = GrammarMaskBuilder(self.vocab_size, self.device, max_threads=min(8, os.cpu_count() or 1))
         self._constrained: set[str] = set()       # running requests with a grammar
         self._compiling = CompilingRequests()     # ... of which those whose grammar is not ready
-        self._failed: list[FailedCompile] = []    # failed compiles, to take
+        self._failed: list[FailedRequest] = []    # failed compiles and blocked draws, to take
         self.requests: dict[str, Request] = {}
         self._prompt_lp: set[Request] = set()     # requests whose prompt logprobs are not all made
         self.exported: dict[str, Request] = {}    # prefilled here, blocks held for a decode engine
@@ -184,6 +184,7 @@ class Engine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
+        _check_allowed_left(params, stop_ids)
         if params.prompt_logprobs is not None and not resume_output:   # a resumed request streamed them
             self._check_prompt_logprobs(prompt)
         request = Request(request_id, prompt, params, int(priority), cache_salt, self._arrivals,
@@ -257,9 +258,10 @@ class Engine:
             self._constrained.add(request.request_id)
             self._compiling.add(request)
 
-    def take_failed(self) -> list[FailedCompile]:
+    def take_failed(self) -> list[FailedRequest]:
         """The requests ended since the last call because their grammar failed to compile (or
-        waited past its queue deadline: busy); they hold no blocks and produce no more deltas."""
+        waited past its queue deadline: busy), or a draw of theirs had no token left (_blocked);
+        they hold no blocks and produce no more deltas."""
         failed, self._failed = self._failed, []
         return failed
 
@@ -534,7 +536,7 @@ class Engine:
     def _accept(self, seq: Sequence, draft: list[int], drawn: list[SampleResult]) -> SequenceDelta | None:
         """Keep the drafts the model drew itself, then its next token; roll the rest back."""
         accepted = 0
-        while accepted < len(draft) and drawn[accepted].token_id == draft[accepted]:
+        while accepted < len(draft) and not drawn[accepted].blocked and drawn[accepted].token_id == draft[accepted]:
             accepted += 1
         self.speculator.verified(seq, len(draft), accepted)     # stats; a back-off where drafts keep failing
         base = seq.num_tokens - len(draft)
@@ -549,6 +551,11 @@ class Engine:
             return None
         tokens, logprobs, reason = [], [], None
         for result in drawn[:accepted + 1]:
+            if result.blocked:
+                reason = self._blocked(seq)
+                if reason is None:          # the request failed
+                    return None
+                break
             seq.token_ids.append(result.token_id)
             tokens.append(result.token_id)
             if result.logprob is not None:
@@ -706,6 +713,13 @@ class Engine:
                 self.scheduler.abort_sequence(seq)
                 self._forget_if_done(seq.request)
                 continue
+            if result.blocked:
+                del seq.token_ids[slot:]
+                if (reason := self._blocked(seq)) is not None:
+                    self.scheduler.finish(seq, reason)
+                    self._forget_if_done(seq.request)
+                    deltas.append(self._end_delta(seq, reason))
+                continue
             seq.token_ids[slot] = result.token_id
             if result.logprob is not None:
                 seq.cumulative_logprob += result.logprob.logprob
@@ -741,6 +755,15 @@ class Engine:
         if num_tokens - seq.num_prompt_tokens >= seq.request.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return HANDOFF if seq.request.export_kv else None
+
+    def _end_delta(self, seq: Sequence, reason: str) -> SequenceDelta:
+        """The delta of a sample that ended without a new token (_blocked)."""
+        request = seq.request
+        return SequenceDelta(request_id=request.request_id, index=seq.index, new_token_ids=[],
+                             new_logprobs=[] if request.params.logprobs is not None else None,
+                             finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
+                             num_cached_tokens=request.num_cached_tokens,
+                             prompt_logprobs=self._take_prompt_logprobs(seq) if request.prompt_lp is not None else None)
 
     def _delta(self, seq: Sequence, result: SampleResult, reason: str | None) -> SequenceDelta:
         request = seq.request
@@ -789,6 +812,12 @@ class Engine:
         if constrained and request.grammar.error is not None:
             self._fail_constrained(request)
             return None
+        if result.blocked:
+            if (reason := self._blocked(seq)) is None:
+                return None
+            self.scheduler.finish(seq, reason)
+            self._forget_if_done(request)
+            return self._end_delta(seq, reason)
         seq.token_ids.append(result.token_id)
         if result.logprob is not None:
             seq.cumulative_logprob += result.logprob.logprob
@@ -837,11 +866,31 @@ class Engine:
 
     def _fail_constrained(self, request: Request) -> None:
         """End a request whose grammar failed to compile: its blocks go back, take_failed reports it."""
+        self._fail(request, request.grammar.error, busy=request.grammar.busy)
+
+    def _fail(self, request: Request, message: str, *, busy: bool = False) -> None:
+        """End a request with an error: its blocks go back, take_failed reports it."""
         if self.requests.get(request.request_id) is request:
             self.scheduler.abort(request)
             del self.requests[request.request_id]
             self._forget_constrained(request.request_id)
-            self._failed.append(FailedCompile(request.request_id, request.grammar.error, request.grammar.busy))
+            self._failed.append(FailedRequest(request.request_id, message, busy))
+
+    def _blocked(self, seq: Sequence) -> str | None:
+        """seq drew with every token masked: nothing may be emitted. "stop" when its grammar may
+        end here (the masks banned only the stop token it needs: allowed_token_ids without EOS,
+        min_tokens); else the request fails with an error naming its masks, and None."""
+        if seq.matcher is not None and any(seq.matcher.accept_token(t) for t in self.eos_token_ids):
+            return "stop"
+        params = seq.request.params
+        used = [name for name, on in (("allowed_token_ids", params.allowed_token_ids is not None),
+                                      ("bad_words", bool(params.bad_words_token_ids)),
+                                      ("min_tokens", params.min_tokens > 0),
+                                      ("the structured output constraint", params.structured is not None)) if on]
+        self._fail(seq.request, f"no token can be generated at output position {seq.num_output_tokens}: "
+                                f"{' and '.join(used) or 'its masks'} together exclude every token; "
+                                "allow more tokens or drop a constraint")
+        return None
 
     def _forget_constrained(self, request_id: str) -> None:
         self._constrained.discard(request_id)
@@ -1250,3 +1299,19 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
+
+
+def _check_allowed_left(params: SamplingParams, stop_ids: tuple[int, ...]) -> None:
+    """A RequestError when the first draw's masks are known to leave no token: every id of
+    allowed_token_ids is a one-token bad word, or a stop token that min_tokens masks. (Later
+    draws, multi-token bad words and grammars are checked as they draw: Engine._blocked.)"""
+    if params.allowed_token_ids is None:
+        return
+    banned = {word[0] for word in params.bad_words_token_ids if len(word) == 1}
+    by = ["bad_words"] if banned else []
+    if params.min_tokens > 0 and stop_ids:
+        banned.update(stop_ids)
+        by.append("min_tokens (it masks EOS and stop_token_ids until min_tokens are generated)")
+    if banned.issuperset(params.allowed_token_ids):
+        raise RequestError(f"invalid allowed_token_ids: {' and '.join(by)} ban every one of them; "
+                           "allow more tokens")

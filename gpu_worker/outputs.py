@@ -18,8 +18,9 @@ class RequestBusy(RequestError):
     later can succeed. The message says which limit."""
 
 
-class FailedCompile(NamedTuple):
-    """A request the engine ended because its grammar did not compile (Engine.take_failed)."""
+class FailedRequest(NamedTuple):
+    """A request the engine ended with an error (Engine.take_failed): its grammar did not compile,
+    or its masks left no token to draw."""
     request_id: str
     message: str     # names the field; safe to show the client
     busy: bool       # it waited past its queue deadline for a compile thread: a retry later may succeed

@@ -58,10 +58,19 @@ class SampleRequest(NamedTuple):
 class SampleResult(NamedTuple):
     token_id: int
     logprob: TokenLogprob | None  # only when params.logprobs is not None
+    blocked: bool = False         # the masks (grammar, allowed_token_ids, bad_words, min_tokens)
+                                  # left no token: token_id is a placeholder, never to be emitted
 
 
 def _position(r: SampleRequest) -> int:
     return r.position if r.position >= 0 else len(r.output_token_ids)
+
+
+def blocked_rows(x: torch.Tensor) -> torch.Tensor:
+    """(R,) bool: the rows of masked logits x (R, V) where every token is -inf. Their draw is
+    meaningless (argmax of -inf, or of the NaN the filters make of them): the engine must not
+    emit it (Engine._blocked)."""
+    return x.amax(dim=-1) == float("-inf")
 
 
 def needs_token_mask(p: SamplingParams) -> bool:
@@ -147,10 +156,16 @@ class PendingSample:
     `tokens` (R,) int64 on the device can feed the next step's inputs before that.
 
     `raw` (R, V) holds the unprocessed logits only when some request wants logprobs (None
-    otherwise: a step's (256, 128k) fp32 logits need not outlive the draw)."""
+    otherwise: a step's (256, 128k) fp32 logits need not outlive the draw).
 
-    def __init__(self, tokens: torch.Tensor, raw: torch.Tensor | None, requests: list[SampleRequest]):
+    `blocked` (R,) bool marks the rows whose masks left no token (None when no row was masked).
+    What is read back is `tokens` with -1 on those rows (one copy, one sync); `tokens` itself
+    keeps a valid id there, as it may feed the next step's inputs on the device."""
+
+    def __init__(self, tokens: torch.Tensor, raw: torch.Tensor | None, requests: list[SampleRequest],
+                 blocked: torch.Tensor | None = None):
         self.tokens, self.raw, self.requests = tokens, raw, requests
+        self._readback = tokens if blocked is None else torch.where(blocked, -1, tokens)   # (R,)
         self._host: torch.Tensor | None = None
         self._ready = None
 
@@ -160,15 +175,16 @@ class PendingSample:
         behind everything launched since (async_scheduling launches step N+1 before reading
         step N), so it would wait for step N+1 too and nothing would overlap. The copy runs on a
         side stream: on the compute stream it would sit between step N's draw and step N+1."""
-        if self.tokens.is_cuda and self.tokens.numel():
-            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
-            stream = _readback_stream(self.tokens.device)
-            stream.wait_stream(torch.cuda.current_stream(self.tokens.device))   # behind the draw
+        readback = self._readback
+        if readback.is_cuda and readback.numel():
+            self._host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=True)
+            stream = _readback_stream(readback.device)
+            stream.wait_stream(torch.cuda.current_stream(readback.device))   # behind the draw
             with torch.cuda.stream(stream):
-                self._host.copy_(self.tokens, non_blocking=True)
+                self._host.copy_(readback, non_blocking=True)
                 self._ready = torch.cuda.Event()
                 self._ready.record(stream)
-            self.tokens.record_stream(stream)        # not reused before the copy has read it
+            readback.record_stream(stream)           # not reused before the copy has read it
         return self
 
     def results(self) -> list[SampleResult]:
@@ -176,11 +192,13 @@ class PendingSample:
             self._ready.synchronize()                                           # the host sync
             tokens: list[int] = self._host.tolist()
         else:
-            tokens = self.tokens.tolist()
+            tokens = self._readback.tolist()
+        blocked = [tok < 0 for tok in tokens]
+        tokens = [max(tok, 0) for tok in tokens]
         params = [r.params for r in self.requests]
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None and not blocked[i]]
         logprobs = _logprobs(self.raw, tokens, want, [params[i].logprobs for i in want]) if want else {}
-        return [SampleResult(tok, logprobs.get(i)) for i, tok in enumerate(tokens)]
+        return [SampleResult(tok, logprobs.get(i), blocked[i]) for i, tok in enumerate(tokens)]
 
 
 class Sampler:
@@ -209,7 +227,7 @@ class Sampler:
         if not requests:
             return PendingSample(torch.empty(0, dtype=torch.int64, device=dev), None, requests)
 
-        x = raw
+        x, blocked = raw, None
         masked = [i for i, r in enumerate(requests)
                   if r.params.min_tokens and r.stop_ids and _position(r) < r.params.min_tokens]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
@@ -223,6 +241,8 @@ class Sampler:
                 apply_token_masks(x, requests)
             if masked:
                 _mask_stop_ids(x, [requests[i] for i in masked], masked)
+            if masked or token_masked or grammar is not None:   # only masks make a row all -inf
+                blocked = blocked_rows(x)
             if biased:                      # before the penalties, as vLLM and OpenAI apply it
                 _add_logit_bias(x, [params[i] for i in biased], biased)
             if penalized:
@@ -245,7 +265,7 @@ class Sampler:
             raw = raw.to(torch.float32, copy=True)
         else:
             raw = raw.float()
-        return PendingSample(tokens_t, raw, requests)
+        return PendingSample(tokens_t, raw, requests, blocked)
 
     @staticmethod
     def _draw(x: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:

@@ -383,9 +383,9 @@ class WorkerCore(PeerMoves):
                                                  step=self.num_steps, seqs=seqs)))
 
     def _fail_constrained(self, out: list[Envelope]) -> None:
-        """Requests the engine ended because their grammar did not compile: a 400 naming the field
-        (no token was drawn for them), or a 429 when it waited past its queue deadline for a
-        compile thread (as add_request's RequestBusy), and their stream closed."""
+        """Requests the engine ended with an error (their grammar did not compile, or their masks
+        left no token to draw): a 400 naming the field, or a 429 when the compile waited past its
+        queue deadline for a thread (as add_request's RequestBusy), and their stream closed."""
         take = getattr(self.engine, "take_failed", None)
         for rid, message, busy in take() if take is not None else ():
             req = self.requests.pop(rid, None)

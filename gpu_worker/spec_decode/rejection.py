@@ -26,7 +26,7 @@ import torch
 from gpu_worker.outputs import TokenLogprob
 from gpu_worker.sampler import (_SAMPLING_EPS, SampleRequest, SampleResult, _add_logit_bias, _apply_filters,
                                 _apply_penalties, _logprobs, _mask_stop_ids, _needs_penalty, _position,
-                                _to_device, apply_token_masks, draw_keys, gumbel_draw, hash_uniform,
+                                _to_device, apply_token_masks, blocked_rows, draw_keys, gumbel_draw, hash_uniform,
                                 needs_token_mask, to_device)
 
 _MASK63 = (1 << 63) - 1
@@ -36,6 +36,7 @@ _DRAFT_SALT = 0x2545F4914F6CDD1D
 _ACCEPT_SALT = 0x5851F42D4C957F2D
 _RESIDUAL_SALT = 0x14057B7EF767814F
 REJECTED = -1      # a draw's token past the first rejection: never emitted, never equal to a draft
+BLOCKED = -2       # a draw whose masks left no token (its SampleResult is blocked)
 
 
 def draft_seed(seed: int) -> int:
@@ -48,7 +49,14 @@ def wants_rejection(params: Any) -> bool:
 
 
 def processed_probs(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
-    """(R, V) float32: the distribution each request's draw samples from (rows `r.row` of logits)."""
+    """(R, V) float32: the distribution each request's draw samples from (rows `r.row` of logits);
+    NaN on a row whose masks left no token (blocked_rows of masked_logits)."""
+    return _probs(masked_logits(logits, requests), requests)
+
+
+def masked_logits(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    """(R, V) float32 copies of rows `r.row` of logits with the sampler's masks, bias and
+    penalties applied (before temperature and the filters)."""
     dev = logits.device
     x = logits.index_select(0, to_device([r.row for r in requests], dev)).float()     # (R, V), a copy
     if any(needs_token_mask(r.params) for r in requests):
@@ -63,6 +71,12 @@ def processed_probs(logits: torch.Tensor, requests: list[SampleRequest]) -> torc
     penalized = [i for i, r in enumerate(requests) if _needs_penalty(r.params)]
     if penalized:
         _apply_penalties(x, [requests[i] for i in penalized], penalized)
+    return x
+
+
+def _probs(x: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    """softmax of masked logits x (R, V) at each request's temperature, after its filters."""
+    dev = x.device
     x = x / to_device([r.params.temperature for r in requests], dev, torch.float32)[:, None]
     x = _apply_filters(x, [r.params for r in requests])
     return torch.softmax(x, dim=-1)
@@ -86,7 +100,9 @@ def verify(logits: torch.Tensor, groups: list[tuple[list[int], list[SampleReques
     `logits`), q (k, V) of the drafts). One host sync for all of them."""
     dev = logits.device
     requests = [r for _, reqs, _ in groups for r in reqs]
-    p = processed_probs(logits, requests)                                              # (N, V)
+    x = masked_logits(logits, requests)                                                # (N, V)
+    blocked = blocked_rows(x)                                 # (N,) p is NaN there: never emitted
+    p = _probs(x, requests)                                                            # (N, V)
     q = torch.zeros_like(p)
     drafted, tokens = [], []
     at = 0
@@ -103,12 +119,15 @@ def verify(logits: torch.Tensor, groups: list[tuple[list[int], list[SampleReques
     empty = residual.sum(-1) <= 0                             # p == q where it rejected: rounding
     residual = torch.where(empty[:, None], p, residual)
     drawn = gumbel_draw(torch.log(residual), _keys(requests, _RESIDUAL_SALT, dev))     # (N,)
-    accept_l, drawn_l = accept.tolist(), drawn.tolist()                                # the host sync
+    accept_l, drawn_l, blocked_l = accept.tolist(), drawn.tolist(), blocked.tolist()   # the host sync
     out_tokens: list[list[int]] = []
     at = 0
     for draft, reqs, _ in groups:
         seq_tokens = [REJECTED] * len(reqs)
         for j in range(len(reqs)):
+            if blocked_l[at + j]:             # no token: the engine ends the sample here (Engine._blocked)
+                seq_tokens[j] = BLOCKED
+                break
             if j < len(draft) and accept_l[at + j]:
                 seq_tokens[j] = draft[j]
                 continue
@@ -119,7 +138,8 @@ def verify(logits: torch.Tensor, groups: list[tuple[list[int], list[SampleReques
     logprobs = _emitted_logprobs(logits, requests, [t for seq in out_tokens for t in seq])
     results, at = [], 0
     for seq_tokens in out_tokens:
-        results.append(Verified([SampleResult(t, logprobs.get(at + j)) for j, t in enumerate(seq_tokens)]))
+        results.append(Verified([SampleResult(0, None, blocked=True) if t == BLOCKED
+                                 else SampleResult(t, logprobs.get(at + j)) for j, t in enumerate(seq_tokens)]))
         at += len(seq_tokens)
     return results
 
@@ -127,7 +147,7 @@ def verify(logits: torch.Tensor, groups: list[tuple[list[int], list[SampleReques
 def _emitted_logprobs(logits: torch.Tensor, requests: list[SampleRequest], tokens: list[int]
                       ) -> dict[int, TokenLogprob]:
     """Raw-logit logprobs of the emitted tokens, for the requests that asked (as the sampler)."""
-    want = [i for i, (r, t) in enumerate(zip(requests, tokens)) if r.params.logprobs is not None and t != REJECTED]
+    want = [i for i, (r, t) in enumerate(zip(requests, tokens)) if r.params.logprobs is not None and t >= 0]
     if not want:
         return {}
     raw = logits.index_select(0, to_device([r.row for r in requests], logits.device)).float()

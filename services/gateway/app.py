@@ -203,7 +203,8 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
             conversation = conversation_key(tenant, req.user, req.conversation_id)
             job, prompt_lens = await backend.start(prompts, params, model=model, tenant=tenant,
                                                    priority=req.priority, cache_salt=salt(tenant, req.cache_salt),
-                                                   conversation=conversation)
+                                                   conversation=conversation,
+                                                   prompt_logprobs_copies=1 if kind == "chat" else params.n)
         except ApiError as err:
             metrics.REQUESTS.labels(route, str(err.status)).inc()
             return error_response(err, echo)

@@ -36,7 +36,8 @@ from services.gateway.text_path import LOCAL_TEXT_SENDERS, LocalText, RemoteText
 from services.protocol.messages import (
     Admitted, DetokenizeReply, DetokenizeRequest, GatewayInbox, Moved, Rejected, RequestFailed, Resume, Submit,
     TextBatch, TokenizeReply, TokenizeRequest)
-from services.protocol.sampling import MAX_PROMPT_LOGPROBS_TOKENS, SamplingParams, SamplingParamsError
+from services.protocol.sampling import (MAX_PROMPT_LOGPROBS_ENTRIES, MAX_PROMPT_LOGPROBS_TOKENS, SamplingParams,
+                                        SamplingParamsError)
 from services.redis_client import RedisAuth
 from services.registry import Registry
 from services.security.curve import Plane, with_role
@@ -51,12 +52,20 @@ SENDERS: dict[type, tuple[str, ...]] = {Admitted: ("scheduler",), Rejected: ("sc
                                         TextBatch: ("tokenizer",)}
 
 
-def check_prompt_logprobs_len(replies: list[TokenizeReply]) -> None:
-    """Prompt logprobs (and a completion's echo with logprobs) are made for bounded prompts only."""
+def check_prompt_logprobs_len(replies: list[TokenizeReply], top: int, copies: int) -> None:
+    """Prompt logprobs (and a completion's echo with logprobs) are made for bounded prompts only,
+    and one answer holds a bounded number of them: each prompt's tokens x (top + 1) entries,
+    `copies` times (a completion's n choices each carry their prompt's)."""
     longest = max(len(r.prompt_token_ids) for r in replies)
     if longest > MAX_PROMPT_LOGPROBS_TOKENS:
         raise ApiError(400, f"invalid prompt_logprobs: prompts of at most {MAX_PROMPT_LOGPROBS_TOKENS} tokens may "
                             f"ask for prompt logprobs (or echo them with logprobs); this one has {longest}",
+                       param="prompt_logprobs")
+    entries = sum(len(r.prompt_token_ids) for r in replies) * (top + 1) * copies
+    if entries > MAX_PROMPT_LOGPROBS_ENTRIES:
+        raise ApiError(400, f"invalid prompt_logprobs: the answer would carry {entries} prompt logprobs (prompt "
+                            f"tokens x (prompt_logprobs + 1) x choices), at most {MAX_PROMPT_LOGPROBS_ENTRIES} "
+                            "may be asked at once; send fewer or shorter prompts, a smaller n or prompt_logprobs",
                        param="prompt_logprobs")
 
 
@@ -272,8 +281,11 @@ class Backend:
         return job
 
     async def start(self, prompts: list[TokenizeRequest], params: SamplingParams, *, model: str, tenant: str,
-                    priority: int, cache_salt: str, conversation: str = "") -> tuple[Job, list[int]]:
-        """Tokenize, submit and wait for admission. Returns the job and each prompt's token count."""
+                    priority: int, cache_salt: str, conversation: str = "",
+                    prompt_logprobs_copies: int = 1) -> tuple[Job, list[int]]:
+        """Tokenize, submit and wait for admission. Returns the job and each prompt's token count.
+        prompt_logprobs_copies: how many times the answer carries each prompt's prompt logprobs
+        (a completion: on each of its n choices; a chat: once)."""
         t0 = time.monotonic()
         prompts = [self.bounded(p, model) for p in prompts]
         if params.bad_words:    # encoded with the first prompt, by the same tokenizer
@@ -290,7 +302,7 @@ class Backend:
             self.check_vocab(model, params)
         metrics.GATEWAY_TOKENIZE.observe(time.monotonic() - t0)
         if params.prompt_logprobs is not None:
-            check_prompt_logprobs_len(replies)
+            check_prompt_logprobs_len(replies, params.prompt_logprobs, prompt_logprobs_copies)
         if self.stopping:
             raise ApiError(503, "the gateway is shutting down; retry on another one", type_="server_error",
                            code="shutdown", retry_after=1)

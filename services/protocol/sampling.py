@@ -12,6 +12,10 @@ MAX_LOGPROBS = 20
 # prompt_logprobs (vLLM's): at most this many prompt tokens (each carries up to MAX_LOGPROBS + 1
 # entries back to the client), so one answer stays a few MB
 MAX_PROMPT_LOGPROBS_TOKENS = 8192
+# ... and one answer carries at most this many prompt-logprob entries (prompt tokens x (k + 1), once
+# per completion choice that repeats them): four longest prompts at k = 20, about 50 MB of JSON,
+# where 128 choices (prompts x n) of such prompts would be 1.5 GB of JSON built in the gateway
+MAX_PROMPT_LOGPROBS_ENTRIES = 4 * MAX_PROMPT_LOGPROBS_TOKENS * (MAX_LOGPROBS + 1)
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64

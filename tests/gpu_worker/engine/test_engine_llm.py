@@ -164,3 +164,22 @@ def test_allowed_token_ids_and_bad_words_offline(llm):
     with pytest.raises(RequestError, match="allowed_token_ids"):
         llm.generate("a", SamplingParams(allowed_token_ids=[]), use_tqdm=False)
     llm.llm_engine.block_manager.check_integrity()
+
+
+def test_allowed_token_ids_against_a_grammar(llm):
+    """allowed_token_ids disjoint from what guided_choice allows: a clear error, not a banned
+    token 0; allowing a choice's tokens but not EOS: the choice, then "stop" at the grammar's end."""
+    from services.protocol.sampling import StructuredOutput
+    tok = llm.get_tokenizer()
+    choice = StructuredOutput(choice=["yes", "no"])
+    yes = tok.encode("yes", add_special_tokens=False)
+    with pytest.raises(ValueError, match="no token can be generated at output position 0: allowed_token_ids and "
+                                         "the structured output constraint"):
+        llm.generate("Hello", SamplingParams(temperature=0.7, seed=1, n=2, max_tokens=5, structured=choice,
+                                             allowed_token_ids=[7, 8], logprobs=2), use_tqdm=False)
+    out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=5, structured=choice,
+                                               allowed_token_ids=yes), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.text, out.finish_reason) == (yes, "yes", "stop")
+    assert not llm.llm_engine.has_unfinished_requests()
+    llm.llm_engine.block_manager.check_integrity()
+    assert llm.llm_engine.block_manager.num_used_blocks == 0

@@ -187,3 +187,35 @@ def test_token_masks_are_bounded(fields, needle):
     from services.protocol.sampling import SamplingParamsError
     with pytest.raises(SamplingParamsError, match=re.escape(needle)):
         SamplingParams(**fields).validate(V)
+
+
+@pytest.mark.parametrize("extra", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, top_k=3, min_p=0.1)])
+def test_a_row_whose_masks_leave_no_token_is_blocked(extra):
+    """allowed_token_ids all banned by bad words (or min_tokens' stop ids): the row is blocked,
+    with no logprob (no NaN), and the other rows draw as alone."""
+    x = torch.tensor([BASE, BASE, BASE], dtype=torch.float32)
+    rs = [req(0, allowed_token_ids=[3, 4], bad_words_token_ids=[[3], [4]], logprobs=2, **extra),
+          req(1, temperature=0.0, logprobs=1),
+          req(2, allowed_token_ids=[5], min_tokens=2, stop_ids=[5], **extra)]
+    got = Sampler()(x, rs)
+    assert [r.blocked for r in got] == [True, False, True]
+    assert got[0].logprob is None and got[2].logprob is None
+    assert got[1] == Sampler()(x[1:2], [req(0, temperature=0.0, logprobs=1)])[0]
+
+
+def test_rejection_sampling_blocks_a_row_with_no_token_instead_of_drawing_from_nan():
+    """A draft model's verification (gpu_worker/spec_decode/rejection.py): p of a row whose masks
+    leave no token is NaN; that row's result is blocked (never token 0), the accepted draft
+    before it stands, and no NaN reaches a logprob."""
+    from gpu_worker.spec_decode.rejection import verify
+    logits = torch.tensor([BASE, BASE, BASE], dtype=torch.float32)
+    words = [[3, 3], [3, 5]]
+    rows = [req(j, out=[3] * j, temperature=1.0, seed=4, logprobs=1, allowed_token_ids=[3, 5],
+                bad_words_token_ids=words) for j in range(3)]
+    q = torch.zeros(2, V)
+    q[:, 3] = 1.0                                         # the draft drew 3 for sure: p(3) / q(3) decides
+    logits[0, 3] = 50.0                                   # p(3) = 1 at the first position: accepted
+    [got] = verify(logits, [([3, 3], rows, q)])
+    assert got.results[0].token_id == 3 and not got.results[0].blocked
+    assert got.results[1].blocked and got.results[1].logprob is None
+    assert all(not math.isnan(r.logprob.logprob) for r in got.results if r.logprob is not None)

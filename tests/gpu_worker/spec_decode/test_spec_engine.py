@@ -206,3 +206,43 @@ def test_allowed_token_ids_and_bad_words_as_without_speculation(async_scheduling
         outs.append((got["allowed", 0]["tokens"], got["bad", 0]["tokens"]))
     assert outs[0] == outs[1]
     assert accepted(eng) > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("spec", [None, "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draw_with_no_token_left_fails_its_request_only(async_scheduling, spec, temperature):
+    """allowed_token_ids [3, 6] with every two-token bad word of them: the second draw has no
+    token. That request fails with an error naming its masks (nothing past the first token is
+    emitted, no token 0); the request batched with it gives its own tokens; nothing leaks."""
+    ids = [3, 6, 3, 6, 3]
+    stuck = SamplingParams(temperature=temperature, seed=2, max_tokens=30, ignore_eos=True, n=2, logprobs=1,
+                           allowed_token_ids=[3, 6], bad_words_token_ids=[[3, 3], [3, 6], [6, 3], [6, 6]])
+    alone = drive(fake_engine(None), {0: [("ok", ids, greedy(30))]})
+    eng = fake_engine(ngram() if spec else None, async_scheduling=async_scheduling)
+    got: dict = {}
+    eng.add_request("ok", ids, greedy(30))
+    eng.add_request("stuck", ids, stuck)
+    failed = []
+    for _ in range(MAX_STEPS):
+        if not eng.has_unfinished_requests():
+            break
+        collect(eng.step(), got)
+        failed += eng.take_failed()
+    assert_clean(eng)
+    assert [(rid, busy) for rid, _, busy in failed] == [("stuck", False)]
+    assert "no token can be generated at output position 1: allowed_token_ids and bad_words" in failed[0][1]
+    for index in (0, 1):
+        rec = got.get(("stuck", index), {"tokens": [], "finish": None})
+        assert len(rec["tokens"]) <= 1 and set(rec["tokens"]) <= {3, 6} and rec["finish"] is None
+    assert got["ok", 0]["tokens"] == alone["ok", 0]
+
+
+@pytest.mark.parametrize("fields", [dict(allowed_token_ids=[3], bad_words_token_ids=[[3], [4, 3]]),
+                                    dict(allowed_token_ids=[3], min_tokens=1, stop_token_ids=[3])])
+def test_allowed_token_ids_that_the_first_draw_bans_whole_are_refused(fields):
+    from gpu_worker.outputs import RequestError
+    eng = fake_engine(None)
+    with pytest.raises(RequestError, match=r"invalid allowed_token_ids: .* ban every one of them"):
+        eng.add_request("r", [3, 6], SamplingParams(max_tokens=4, **fields))
+    assert_clean(eng)

@@ -50,6 +50,7 @@ class Backend_:
 
     async def start(self, prompts, params, **kwargs):
         self.started.append((prompts, params))
+        self.start_kwargs = kwargs
         return Answer(params.n, len(prompts), params.prompt_logprobs is not None), [3] * len(prompts)
 
     async def detokenize(self, req):
@@ -107,10 +108,29 @@ def test_bad_prompt_logprobs_are_400s_naming_it(route, fields):
 def test_long_prompts_may_not_ask():
     short, long = TokenizeReply(prompt_token_ids=[1] * MAX_PROMPT_LOGPROBS_TOKENS, detok_addr="", vocab_size=9), \
         TokenizeReply(prompt_token_ids=[1] * (MAX_PROMPT_LOGPROBS_TOKENS + 1), detok_addr="", vocab_size=9)
-    check_prompt_logprobs_len([short])
+    check_prompt_logprobs_len([short], 20, 1)
     with pytest.raises(ApiError) as e:
-        check_prompt_logprobs_len([short, long])
+        check_prompt_logprobs_len([short, long], 0, 1)
     assert e.value.status == 400 and e.value.param == "prompt_logprobs"
+
+
+def test_one_answer_carries_a_bounded_number_of_prompt_logprobs():
+    """128 choices of 8k-token prompts x 21 entries would be 1.5 GB of JSON in the gateway: the
+    answer's entries (tokens x (k + 1) x copies) are bounded, the copies counted."""
+    longest = TokenizeReply(prompt_token_ids=[1] * MAX_PROMPT_LOGPROBS_TOKENS, detok_addr="", vocab_size=9)
+    check_prompt_logprobs_len([longest] * 4, 20, 1)
+    check_prompt_logprobs_len([longest], 20, 4)
+    for replies, copies in (([longest] * 5, 1), ([longest], 5), ([longest] * 8, 16)):
+        with pytest.raises(ApiError, match="at most 688128 may be asked at once") as e:
+            check_prompt_logprobs_len(replies, 20, copies)
+        assert e.value.status == 400 and e.value.param == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("route, n, copies", [("chat", 3, 1), ("completions", 3, 3)])
+def test_prompt_logprobs_copies_are_the_choices_that_carry_them(route, n, copies):
+    r, backend = post(route, prompt_logprobs=1, n=n)
+    assert r.status_code == 200, r.text
+    assert backend.start_kwargs["prompt_logprobs_copies"] == copies
 
 
 ECHO_LOGPROBS = {"tokens": ["Hi", " the", "re", "!"], "token_logprobs": [None, -1.5, -9999.0, -0.25],
