@@ -193,9 +193,13 @@ class PendingSample:
             tokens: list[int] = self._host.tolist()
         else:
             tokens = self._readback.tolist()
+        params = [r.params for r in self.requests]
+        if self._readback is self.tokens:       # no row was masked: none is blocked (the common step)
+            want = [i for i, p in enumerate(params) if p.logprobs is not None]
+            logprobs = _logprobs(self.raw, tokens, want, [params[i].logprobs for i in want]) if want else {}
+            return [SampleResult(tok, logprobs.get(i)) for i, tok in enumerate(tokens)]
         blocked = [tok < 0 for tok in tokens]
         tokens = [max(tok, 0) for tok in tokens]
-        params = [r.params for r in self.requests]
         want = [i for i, p in enumerate(params) if p.logprobs is not None and not blocked[i]]
         logprobs = _logprobs(self.raw, tokens, want, [params[i].logprobs for i in want]) if want else {}
         return [SampleResult(tok, logprobs.get(i), blocked[i]) for i, tok in enumerate(tokens)]
