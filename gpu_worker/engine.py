@@ -198,7 +198,7 @@ class Engine:
         else:
             seqs = [Sequence(request, 0, list(prompt), len(prompt))]
         self._submit_grammar(request)     # once nothing can refuse it: a refused request queues no compile
-        if request.grammar is not None and not resume_output:   # new: fails busy if no thread starts it soon
+        if request.grammar is not None and not resume_output:   # a fresh request: fails busy if no thread starts it soon
             self.grammars.limit_queue_wait(request.grammar, split_salt(cache_salt)[0])
         request.seqs += seqs
         self.requests[request_id] = request

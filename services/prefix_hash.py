@@ -1,4 +1,4 @@
-"""Deterministic, chained content hash of a full KV block (DESIGN §4).
+"""Deterministic, chained content hash of a full KV block (docs/kv_events.md, "Block identity").
 
     H(parent, model_id, cache_salt, tokens) = blake2b(digest_size=16) over
 

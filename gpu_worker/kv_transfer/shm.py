@@ -21,7 +21,7 @@ the wire), checks every offset and size against the ring, and checks the payload
 checksum as for an inline frame. Rings do not outlive their use: D unlinks one as soon as it has
 mapped it, P unlinks its own when its sender thread ends (idle, or the worker stops). A P killed
 before D first mapped its ring leaves that one file; kvmesh-kv-* files of dead workers can be
-removed by hand. A frame that does not fit the ring now goes inline over ZMQ (back-pressure that
+removed by hand. A frame that does not fit the ring goes inline over ZMQ (back-pressure that
 never waits).
 
 The host identity (hostname + kernel boot id) is what P offers and D compares: equal only for two

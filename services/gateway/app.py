@@ -110,7 +110,7 @@ def create_app(cfg: GatewayConfig, backend: Backend) -> FastAPI:
         return name
 
     def salt(tenant: str, cache_salt: str | None) -> str:
-        # Tenants never share prefix-cache blocks unless they share a key (DESIGN §4); the
+        # Tenants never share prefix-cache blocks unless they share a key (docs/kv_events.md); the
         # packing is the one the prefix-cache index uses to verify matches.
         return cache_salt_for("" if tenant == "anonymous" else tenant, cache_salt or "")
 

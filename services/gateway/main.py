@@ -64,7 +64,7 @@ async def stop_backend(backend: Backend) -> None:
     """backend.stop() run to its end though this task is cancelled meanwhile: on Ctrl-C the
     terminal's SIGINT reaches the gateway, uvicorn shuts down and raises it again on its way out,
     and asyncio's runner turns that one into a cancellation of the main task (which, left to
-    propagate, ended the gateway with a KeyboardInterrupt traceback and its lease unreleased)."""
+    propagate, would end the gateway with a KeyboardInterrupt traceback and its lease unreleased)."""
     stopping = asyncio.ensure_future(backend.stop())
     while not stopping.done():
         try:

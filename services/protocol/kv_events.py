@@ -1,6 +1,6 @@
 """KV events and prefix-cache queries: workers -> prefix_cache_svc (ZMQ) and scheduler -> prefix_cache_svc (gRPC).
 
-One schema for both carriers (DESIGN §3): frozen msgspec Structs encoded as msgpack, each with a
+One schema for both carriers: frozen msgspec Structs encoded as msgpack, each with a
 tag and a `version`. The full protocol (ordering, gaps, epochs, snapshots, Redis keys) is in
 docs/kv_events.md; the rules in one paragraph:
 
@@ -13,7 +13,7 @@ docs/kv_events.md; the rules in one paragraph:
            epoch < known -> stale, drop;  gap -> SnapshotRequest, the Snapshot replaces W's blocks.
 
 Block identity is the engine's chained content hash `H(parent, model_id, cache_salt, tokens)`
-(DESIGN §4); this module never computes it.
+(services/prefix_hash.py); this module never computes it.
 """
 from __future__ import annotations
 

@@ -34,3 +34,20 @@ def test_vllm_names_map_to_real_families():
                  "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_success",
                  "vllm:spec_decode_num_accepted_tokens"):
         assert vllm in named, f"docs/metrics.md says nothing of {vllm}"
+
+
+# A metric name the prose docs write must be one the processes export (a family, or one of its
+# series); the only exception is the chart README's upgrade note naming what an old chart's HPA read.
+PROSE = ["README.md", "docs/architecture.md", "docs/services.md", "docs/kv_events.md", "docs/bad-input.md",
+         "helm/kvmesh/README.md", "BENCHMARKS.md"]
+NOT_EXPORTED_ON_PURPOSE = {"kvmesh_waiting_requests"}
+
+
+def test_every_metric_the_docs_name_is_exported():
+    import re
+    root = DOC.parents[1]
+    known = {d.family for d in catalog()} | {s for d in catalog() for s in d.series}
+    unknown = {f"{doc}: {name}" for doc in PROSE
+               for name in re.findall(r"\bkvmesh_[a-z0-9_]*[a-z0-9]\b", (root / doc).read_text(encoding="utf-8"))
+               if name not in known | NOT_EXPORTED_ON_PURPOSE}
+    assert not unknown, f"the docs name metrics no process exports: {sorted(unknown)}"
