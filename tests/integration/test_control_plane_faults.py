@@ -39,13 +39,14 @@ def body(cp, max_tokens: int, stream: bool = False) -> dict:
 def test_queue_full_is_429_with_retry_after(cp):
     results: list[int] = []
 
-    def long_request() -> None:
-        results.append(httpx.post(cp["base"] + "/v1/completions", json=body(cp, 60), timeout=60).status_code)
+    def long_request() -> None:   # 120 steps of 20 ms: the queue stays full for seconds
+        results.append(httpx.post(cp["base"] + "/v1/completions", json=body(cp, 120), timeout=60).status_code)
 
     threads = [threading.Thread(target=long_request) for _ in range(4)]   # 2 running + 2 queued
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    wait_for(lambda: any(s.load.get("queued") == 2 for s in records(cp["redis"].client_url, "scheduler")),
+             30, "two requests queued at the scheduler")
     r = httpx.post(cp["base"] + "/v1/completions", json=body(cp, 1), timeout=30)
     assert r.status_code == 429, r.text
     assert r.headers["retry-after"] == "2" and r.json()["error"]["type"] == "rate_limit_error"

@@ -41,6 +41,7 @@ class KubeEmulator:
         self.replicas = dict(replicas)          # workload name -> spec.replicas
         self.statefulsets = statefulsets        # the names of `replicas` that are StatefulSets, not Deployments
         self.patches: list[tuple[float, str, dict, str]] = []   # (time, workload, body, content type)
+        self.reads: list[tuple[float, str]] = []                 # (time, workload): GETs of a scale
         self.lock = threading.Lock()
         self.server = _serve(self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -113,6 +114,7 @@ class KubeEmulator:
                          "version": "v1", "kind": "Scale", "verbs": ["get", "patch", "update"]}]})
                 if (name := self.target()) is not None:
                     with emu.lock:
+                        emu.reads.append((time.monotonic(), name))
                         self.reply(200, emu.scale(name))
 
             def do_PATCH(self) -> None:
