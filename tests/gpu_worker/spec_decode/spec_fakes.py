@@ -62,3 +62,14 @@ def prompt(n: int, seed: int) -> list[int]:
 def repetitive(n: int, period: int, seed: int) -> list[int]:
     """n tokens repeating a random pattern of `period` ids."""
     return (prompt(period, seed) * n)[:n]
+
+
+def step_to_end(eng: Engine) -> dict[str, list[int]]:
+    """Step eng until it has nothing left (at most MAX_STEPS): each request's tokens, in order."""
+    tokens: dict[str, list[int]] = {}
+    for _ in range(MAX_STEPS):
+        if not eng.has_unfinished_requests():
+            break
+        for d in eng.step():
+            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+    return tokens

@@ -16,7 +16,7 @@ from services.protocol.sampling import SamplingParams
 from tests.gpu_worker.engine.conftest import _one_torch_thread, tiny_models  # noqa: F401  (fixtures)
 from tests.gpu_worker.engine.engine_fakes import assert_clean
 from tests.gpu_worker.spec_decode.draft_models import draft_spec, near_copy
-from tests.gpu_worker.spec_decode.spec_fakes import MAX_STEPS, prompt
+from tests.gpu_worker.spec_decode.spec_fakes import prompt, step_to_end
 from tests.gpu_worker.spec_decode.test_spec_sampling import chi_square_p
 
 ALPHA = 1e-3
@@ -34,12 +34,7 @@ def draws(model_dir: str, spec: str | None, seeds: range) -> tuple[dict[int, lis
     for s in seeds:
         eng.add_request(f"s{s}", ids, SamplingParams(seed=s, max_tokens=max(POSITIONS) + 1, ignore_eos=True,
                                                       **PARAMS))
-    tokens: dict[str, list[int]] = {}
-    for _ in range(MAX_STEPS):
-        if not eng.has_unfinished_requests():
-            break
-        for d in eng.step():
-            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+    tokens = step_to_end(eng)
     assert_clean(eng)
     assert len(tokens) == len(seeds) and all(len(t) == max(POSITIONS) + 1 for t in tokens.values())
     return {p: [t[p] for t in tokens.values()] for p in POSITIONS}, eng.stats().extra.get("spec_decode", {})
@@ -71,12 +66,7 @@ def test_a_draft_models_verified_draws_keep_to_allowed_token_ids_and_bad_words(t
         eng.add_request(f"a{s}", ids, SamplingParams(seed=s, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed))
         eng.add_request(f"b{s}", ids, SamplingParams(seed=s, max_tokens=8, ignore_eos=True,
                                                      bad_words_token_ids=[[t] for t in range(3, 40)]))
-    tokens: dict[str, list[int]] = {}
-    for _ in range(MAX_STEPS):
-        if not eng.has_unfinished_requests():
-            break
-        for d in eng.step():
-            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+    tokens = step_to_end(eng)
     assert_clean(eng)
     assert eng.stats().extra["spec_decode"]["accepted"] > 0
     for rid, toks in tokens.items():

@@ -15,7 +15,7 @@ from gpu_worker.engine import Engine
 from services.protocol.sampling import SamplingParams
 from tests.gpu_worker.engine.conftest import tiny_models  # noqa: F401  (fixture)
 from tests.gpu_worker.engine.engine_fakes import assert_clean
-from tests.gpu_worker.spec_decode.spec_fakes import MAX_STEPS, ngram
+from tests.gpu_worker.spec_decode.spec_fakes import MAX_STEPS, ngram, step_to_end
 
 ALPHA = 1e-3
 DRAWS = 400              # seeds per run
@@ -30,12 +30,7 @@ def last_tokens(model_dir: str, spec: str | None, seeds: range, params: dict) ->
     before = dict(eng.stats().extra.get("spec_decode", {}))     # the greedy prompt's own drafts
     for s in seeds:
         eng.add_request(f"s{s}", ids, SamplingParams(seed=s, max_tokens=POSITION + 1, ignore_eos=True, **params))
-    tokens: dict[str, list[int]] = {}
-    for _ in range(MAX_STEPS):
-        if not eng.has_unfinished_requests():
-            break
-        for d in eng.step():
-            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+    tokens = step_to_end(eng)
     assert_clean(eng)
     assert all(len(t) == POSITION + 1 for t in tokens.values())
     after = eng.stats().extra.get("spec_decode", {})
