@@ -718,7 +718,7 @@ class Engine:
                 if (reason := self._blocked(seq)) is not None:
                     self.scheduler.finish(seq, reason)
                     self._forget_if_done(seq.request)
-                    deltas.append(self._end_delta(seq, reason))
+                    deltas.append(self._delta(seq, None, reason))
                 continue
             seq.token_ids[slot] = result.token_id
             if result.logprob is not None:
@@ -756,20 +756,15 @@ class Engine:
             return "length"
         return HANDOFF if seq.request.export_kv else None
 
-    def _end_delta(self, seq: Sequence, reason: str) -> SequenceDelta:
-        """The delta of a sample that ended without a new token (_blocked)."""
+    def _delta(self, seq: Sequence, result: SampleResult | None, reason: str | None) -> SequenceDelta:
+        """seq's delta of this step: its drawn token, or none (result None: a draw _blocked ended it)."""
         request = seq.request
-        return SequenceDelta(request_id=request.request_id, index=seq.index, new_token_ids=[],
-                             new_logprobs=[] if request.params.logprobs is not None else None,
-                             finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
-                             num_cached_tokens=request.num_cached_tokens,
-                             prompt_logprobs=self._take_prompt_logprobs(seq) if request.prompt_lp is not None else None)
-
-    def _delta(self, seq: Sequence, result: SampleResult, reason: str | None) -> SequenceDelta:
-        request = seq.request
+        if result is None:
+            tokens, logprobs = [], [] if request.params.logprobs is not None else None
+        else:
+            tokens, logprobs = [result.token_id], None if result.logprob is None else [result.logprob]
         return SequenceDelta(
-            request_id=request.request_id, index=seq.index, new_token_ids=[result.token_id],
-            new_logprobs=None if result.logprob is None else [result.logprob],
+            request_id=request.request_id, index=seq.index, new_token_ids=tokens, new_logprobs=logprobs,
             finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=self._take_prompt_logprobs(seq) if request.prompt_lp is not None else None)
@@ -817,7 +812,7 @@ class Engine:
                 return None
             self.scheduler.finish(seq, reason)
             self._forget_if_done(request)
-            return self._end_delta(seq, reason)
+            return self._delta(seq, None, reason)
         seq.token_ids.append(result.token_id)
         if result.logprob is not None:
             seq.cumulative_logprob += result.logprob.logprob

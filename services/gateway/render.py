@@ -147,7 +147,7 @@ class Accumulator:
             out.append(d)
         return out
 
-    def _echo_of(self, i: int) -> tuple[str, list[PromptLogprobText]]:
+    def echo_of(self, i: int) -> tuple[str, list[PromptLogprobText]]:
         """Choice i's echo: its prompt's text and, with logprobs, its prompt's logprobs."""
         if self.prompt.texts is None:
             return "", []
@@ -184,7 +184,7 @@ class Accumulator:
                                 "stop_reason": c.stop_reason})
             else:
                 c.text_offset = 0
-                echo_text, echo_lp = self._echo_of(i)
+                echo_text, echo_lp = self.echo_of(i)
                 lp = self.completion_logprobs(c, c.logprobs, echo_lp) if self.want_logprobs else None
                 choice = {"index": i, "text": echo_text + text, "logprobs": lp, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason}
@@ -250,7 +250,7 @@ class ChunkWriter:
         echo_text, echo_lp = "", []
         if not choice.echoed:
             choice.echoed = True
-            echo_text, echo_lp = self.acc._echo_of(i)
+            echo_text, echo_lp = self.acc.echo_of(i)
         want_lp = self.acc.want_logprobs and (items is not None or bool(echo_lp))
         lp = self.acc.completion_logprobs(choice, items or [], echo_lp) if want_lp else None
         return self._chunk([{"index": i, "text": echo_text + text, "logprobs": lp, "finish_reason": finish,
